@@ -1,0 +1,18 @@
+"""Precision Lab: find where a model's numbers go wrong in low precision.
+
+Light to import: torch and the capture machinery load only when used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["capture", "capture_pair", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("capture", "capture_pair"):
+        from . import live as _live
+
+        return getattr(_live, name)
+    raise AttributeError(f"module 'precision_lab' has no attribute {name!r}")

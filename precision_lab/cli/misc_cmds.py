@@ -1,0 +1,31 @@
+"""Small commands: where the database is, which formats exist."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from . import app
+
+
+@app.command("formats")
+def formats_cmd() -> None:
+    """List the registered number formats and their limits."""
+    from ..formats import FORMATS
+
+    typer.echo(f"{'format':<14}{'bits':>5}{'max':>14}{'min normal':>14}{'min subnormal':>15}{'eps':>12}")
+    for f in FORMATS.values():
+        sub = f"{f.smallest_subnormal:.4g}" if f.smallest_subnormal is not None else "-"
+        typer.echo(f"{f.name:<14}{f.bits:>5}{f.max:>14.6g}{f.smallest_normal:>14.4g}{sub:>15}{f.eps:>12.4g}")
+
+
+@app.command("db")
+def db_cmd(db: Optional[str] = typer.Option(None, "--db", help="database file")) -> None:
+    """Print the database path in use and its sessions."""
+    from ..store import Store
+
+    store = Store(db)
+    typer.echo(store.path)
+    for _, row in store.sessions().iterrows():
+        typer.echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")

@@ -1,0 +1,577 @@
+"""The DuckDB store: schema derived from the records, transactional writes.
+
+One connection per database file per process (DuckDB is single-writer per
+file); each thread gets its own cursor.  Every session is written inside one
+transaction, so a failure (or a killed process) leaves no half session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import threading
+import time
+import typing
+import uuid
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+
+from .records import Diagnosis, RunInfo, TensorRecord
+
+__all__ = ["Store", "default_db_path", "open_store", "SessionNotFound", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
+
+SCHEMA_VERSION = 1
+ENV_DB = "PRECISION_LAB_DB"
+
+
+class SessionNotFound(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; we want a sentence
+        return str(self.args[0]) if self.args else "session not found"
+
+
+def default_db_path() -> Path:
+    """``$PRECISION_LAB_DB``, else ``$XDG_DATA_HOME/precision-lab/precision_lab.duckdb``."""
+    env = os.environ.get(ENV_DB)
+    if env:
+        return Path(env).expanduser()
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "precision-lab" / "precision_lab.duckdb"
+
+
+# ---- schema derived from the dataclasses ---------------------------------
+
+def _sql_type(annotation: str) -> str:
+    a = annotation.replace("typing.", "").replace(" ", "")
+    m = re.fullmatch(r"Optional\[(.+)\]", a) or re.fullmatch(r"(.+)\|None", a)
+    if m:
+        a = m.group(1)
+    if a in ("int", "bool"):
+        return {"int": "BIGINT", "bool": "BOOLEAN"}[a]
+    if a == "float":
+        return "DOUBLE"
+    if a == "str":
+        return "VARCHAR"
+    if a.startswith("tuple"):
+        return "VARCHAR"  # JSON text
+    if a.startswith("np.ndarray") or a == "Any":
+        return ""
+    return "VARCHAR"
+
+
+def _stats_fields() -> list[tuple[str, str]]:
+    from .stats import TensorStats
+
+    hints = {f.name: (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type)))
+             for f in dataclasses.fields(TensorStats)}
+    out = []
+    for name, ann in hints.items():
+        if name in ("hist",):
+            continue
+        t = _sql_type(str(ann))
+        if name == "shape":
+            t = "VARCHAR"
+        if t:
+            out.append((name, t))
+    return out
+
+
+def _record_fields() -> list[tuple[str, str]]:
+    out = []
+    for f in dataclasses.fields(TensorRecord):
+        if f.name in ("stats", "tensor"):
+            continue
+        out.append((f.name, _sql_type(f.type if isinstance(f.type, str) else f.type.__name__)))
+    return out
+
+
+def _dataclass_columns(cls, skip=()) -> list[tuple[str, str]]:
+    return [(f.name, _sql_type(f.type if isinstance(f.type, str) else f.type.__name__))
+            for f in dataclasses.fields(cls) if f.name not in skip]
+
+
+def tensor_columns() -> list[tuple[str, str]]:
+    """Columns of the ``tensors`` table: rid, record fields, stats fields, derived flags."""
+    cols = [("rid", "BIGINT")] + _record_fields() + _stats_fields()
+    cols += [("name", "VARCHAR"), ("nonfinite", "BOOLEAN"), ("has_hist", "BOOLEAN")]
+    return cols
+
+
+TENSOR_COLUMNS: list[str] = []  # filled on first Store() (stats module may import late)
+
+
+def _comparison_columns() -> list[tuple[str, str]]:
+    from .metrics import Comparison
+
+    return (
+        [("session_id", "VARCHAR"), ("kind", "VARCHAR"), ("ref_run_id", "VARCHAR"), ("ref_rid", "BIGINT"),
+         ("cand_run_id", "VARCHAR"), ("cand_rid", "BIGINT"), ("step", "BIGINT"), ("rank", "BIGINT"),
+         ("seq", "BIGINT"), ("op", "VARCHAR"), ("role", "VARCHAR"), ("index", "VARCHAR"),
+         ("match", "VARCHAR")]
+        + _dataclass_columns(Comparison)
+    )
+
+
+def _schema_sql() -> list[str]:
+    tcols = tensor_columns()
+    ccols = _comparison_columns()
+    rcols = _dataclass_columns(RunInfo)
+    dcols = _dataclass_columns(Diagnosis, skip=("fixes",)) + [("fixes", "VARCHAR")]
+
+    def cols(spec):
+        return ", ".join(f'"{n}" {t}' for n, t in spec)
+
+    return [
+        "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+        "CREATE TABLE IF NOT EXISTS sessions (session_id VARCHAR PRIMARY KEY, name VARCHAR UNIQUE, "
+        "created VARCHAR, source VARCHAR, recipe VARCHAR, notes VARCHAR, share_token VARCHAR)",
+        f"CREATE TABLE IF NOT EXISTS runs ({cols(rcols)})",
+        f"CREATE TABLE IF NOT EXISTS tensors ({cols(tcols)})",
+        "CREATE TABLE IF NOT EXISTS histograms (run_id VARCHAR, rid BIGINT, edges_id VARCHAR, "
+        "bins INTEGER[], counts BIGINT[])",
+        "CREATE TABLE IF NOT EXISTS tensor_data (run_id VARCHAR, rid BIGINT, npy BLOB)",
+        f"CREATE TABLE IF NOT EXISTS comparisons ({cols(ccols)})",
+        f"CREATE TABLE IF NOT EXISTS diagnoses ({cols(dcols)})",
+        "CREATE TABLE IF NOT EXISTS warnings (session_id VARCHAR, run_id VARCHAR, file VARCHAR, message VARCHAR)",
+    ]
+
+
+# Migrations from version N-1 to N, applied in order by _migrate().
+MIGRATIONS: dict[int, list[str]] = {}
+
+
+# ---- connections ------------------------------------------------------------
+
+_CONNS: dict[str, Any] = {}
+_LOCKS: dict[str, threading.RLock] = {}
+_GLOBAL = threading.Lock()
+
+
+def _connection(path: str):
+    import duckdb
+
+    with _GLOBAL:
+        con = _CONNS.get(path)
+        if con is None:
+            if path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                con = duckdb.connect(path)
+            except duckdb.IOException as e:
+                raise RuntimeError(
+                    f"cannot open database {path}: {e}. Another process may hold it; "
+                    "live captures in other processes should write Parquet shards instead."
+                ) from None
+            _CONNS[path] = con
+            _LOCKS[path] = threading.RLock()
+        return con, _LOCKS[path]
+
+
+def close_all() -> None:
+    """Close every cached connection (tests, shutdown)."""
+    with _GLOBAL:
+        for con in _CONNS.values():
+            try:
+                con.close()
+            except Exception:
+                pass
+        _CONNS.clear()
+        _LOCKS.clear()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _json_float(v):
+    if v is None:
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def _shape_json(shape) -> str:
+    return json.dumps([int(s) for s in shape]) if shape is not None else "null"
+
+
+class Store:
+    """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one."""
+
+    def __init__(self, path: Optional[os.PathLike | str] = None):
+        self.path = str(path) if path is not None else str(default_db_path())
+        if self.path != ":memory:":
+            self.path = str(Path(self.path).expanduser().resolve())
+        self._con, self._lock = _connection(self.path)
+        self._local = threading.local()
+        global TENSOR_COLUMNS
+        if not TENSOR_COLUMNS:
+            TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
+        self._init_schema()
+
+    # -- connection plumbing
+    def cursor(self):
+        cur = getattr(self._local, "cur", None)
+        if cur is None:
+            cur = self._con.cursor()
+            self._local.cur = cur
+        return cur
+
+    def sql(self, query: str, params: Optional[list] = None):
+        """Run a query; returns the cursor (use .df(), .fetchall())."""
+        return self.cursor().execute(query, params or [])
+
+    def df(self, query: str, params: Optional[list] = None):
+        return self.cursor().execute(query, params or []).df()
+
+    def _init_schema(self) -> None:
+        with self._lock:
+            cur = self.cursor()
+            for stmt in _schema_sql():
+                cur.execute(stmt)
+            row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                cur.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+            else:
+                self._migrate(int(row[0]))
+
+    def _migrate(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"database {self.path} has schema version {version}, newer than this Precision Lab "
+                f"({SCHEMA_VERSION}); upgrade precision-lab"
+            )
+        cur = self.cursor()
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS.get(v, []):
+                cur.execute(stmt)
+            cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
+
+    def schema_version(self) -> int:
+        return int(self.sql("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+
+    @contextmanager
+    def transaction(self):
+        """Serialise writers in this process and make the block atomic."""
+        with self._lock:
+            cur = self.cursor()
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            else:
+                cur.execute("COMMIT")
+
+    # -- writing
+    @contextmanager
+    def new_session(self, name: Optional[str] = None, *, source: str = "", recipe: Optional[str] = None,
+                    notes: Optional[dict] = None, exist_ok_rename: bool = True) -> Iterator["SessionWriter"]:
+        """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``."""
+        with self.transaction() as cur:
+            name = self._unique_name(cur, name or _default_session_name(source), rename=exist_ok_rename)
+            sid = uuid.uuid4().hex[:12]
+            cur.execute(
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                [sid, name, _now(), source, recipe, json.dumps(notes or {})],
+            )
+            w = SessionWriter(self, cur, sid, name)
+            yield w
+            w.flush()
+
+    @contextmanager
+    def extend_session(self, session: str) -> Iterator["SessionWriter"]:
+        """Add runs/records to an existing session atomically (re-runs)."""
+        info = self.session(session)
+        with self.transaction() as cur:
+            w = SessionWriter(self, cur, info["session_id"], info["name"])
+            yield w
+            w.flush()
+
+    def _unique_name(self, cur, name: str, rename: bool) -> str:
+        existing = {r[0] for r in cur.execute("SELECT name FROM sessions").fetchall()}
+        if name not in existing:
+            return name
+        if not rename:
+            raise ValueError(f"a session named {name!r} already exists")
+        i = 2
+        while f"{name}-{i}" in existing:
+            i += 1
+        return f"{name}-{i}"
+
+    # -- reading
+    def sessions(self):
+        """All sessions with run counts, newest first (DataFrame)."""
+        return self.df(
+            "SELECT s.session_id, s.name, s.created, s.source, s.recipe, "
+            "(SELECT count(*) FROM runs r WHERE r.session_id = s.session_id) AS runs "
+            "FROM sessions s ORDER BY s.created DESC, s.name"
+        )
+
+    def session(self, session: str) -> dict:
+        """A session by name or id; raises SessionNotFound with the known names."""
+        row = self.sql(
+            "SELECT session_id, name, created, source, recipe, notes, share_token FROM sessions "
+            "WHERE name = ? OR session_id = ?", [session, session]
+        ).fetchone()
+        if row is None:
+            names = [r[0] for r in self.sql("SELECT name FROM sessions ORDER BY name").fetchall()]
+            known = ", ".join(names[:20]) if names else "none yet"
+            raise SessionNotFound(f"no session named {session!r} (known sessions: {known})")
+        keys = ["session_id", "name", "created", "source", "recipe", "notes", "share_token"]
+        d = dict(zip(keys, row))
+        d["notes"] = json.loads(d["notes"] or "{}")
+        return d
+
+    def runs(self, session_id: str):
+        return self.df("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+
+    def run(self, run_id: str) -> dict:
+        df = self.df("SELECT * FROM runs WHERE run_id = ?", [run_id])
+        if df.empty:
+            raise KeyError(f"no run {run_id!r}")
+        return df.iloc[0].to_dict()
+
+    def rename_session(self, session: str, new_name: str) -> None:
+        new_name = new_name.strip()
+        if not new_name:
+            raise ValueError("a session name cannot be empty")
+        info = self.session(session)
+        with self.transaction() as cur:
+            if cur.execute("SELECT 1 FROM sessions WHERE name = ? AND session_id <> ?",
+                           [new_name, info["session_id"]]).fetchone():
+                raise ValueError(f"a session named {new_name!r} already exists")
+            cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info["session_id"]])
+
+    def delete_session(self, session: str) -> None:
+        info = self.session(session)
+        sid = info["session_id"]
+        with self.transaction() as cur:
+            run_ids = [r[0] for r in cur.execute("SELECT run_id FROM runs WHERE session_id = ?", [sid]).fetchall()]
+            for t in ("tensors", "histograms", "tensor_data"):
+                for rid in run_ids:
+                    cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [rid])
+            for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
+                cur.execute(f"DELETE FROM {t} WHERE session_id = ?", [sid])
+
+    def set_share_token(self, session: str, token: Optional[str]) -> None:
+        info = self.session(session)
+        with self.transaction() as cur:
+            cur.execute("UPDATE sessions SET share_token = ? WHERE session_id = ?", [token, info["session_id"]])
+
+    def session_by_token(self, token: str) -> Optional[dict]:
+        if not token:
+            return None
+        row = self.sql("SELECT name FROM sessions WHERE share_token = ?", [token]).fetchone()
+        return self.session(row[0]) if row else None
+
+    def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
+        """Dense histogram counts of one record, or None (stats-only record)."""
+        from .stats import HIST_EDGES_ID, N_BINS
+
+        row = self.sql("SELECT edges_id, bins, counts FROM histograms WHERE run_id = ? AND rid = ?",
+                       [run_id, int(rid)]).fetchone()
+        if row is None:
+            return None
+        edges_id, bins, counts = row
+        if edges_id != HIST_EDGES_ID:
+            raise ValueError(
+                f"histogram of run {run_id} record {rid} was stored with bin edges {edges_id}, "
+                f"this version uses {HIST_EDGES_ID}; re-ingest the dump"
+            )
+        h = np.zeros(N_BINS, dtype=np.int64)
+        h[np.asarray(bins, dtype=np.int64)] = np.asarray(counts, dtype=np.int64)
+        return h
+
+    def tensor(self, run_id: str, rid: int):
+        """A kept tensor as a numpy array, or None."""
+        row = self.sql("SELECT npy FROM tensor_data WHERE run_id = ? AND rid = ?", [run_id, int(rid)]).fetchone()
+        if row is None:
+            return None
+        return _npy_load(row[0])
+
+    def record_stats(self, run_id: str, rid: int):
+        """Rebuild the TensorStats (with histogram) of one stored record."""
+        from .stats import TensorStats
+
+        df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])
+        if df.empty:
+            raise KeyError(f"no record {rid} in run {run_id}")
+        return stats_from_row(df.iloc[0].to_dict(), self.histogram(run_id, rid))
+
+
+def stats_from_row(row: dict, hist: Optional[np.ndarray]):
+    from .stats import TensorStats
+
+    kw = {}
+    for f in dataclasses.fields(TensorStats):
+        if f.name == "hist":
+            kw["hist"] = hist
+        elif f.name == "shape":
+            kw["shape"] = tuple(json.loads(row["shape"]) or ())
+        else:
+            v = row.get(f.name)
+            if v is not None and isinstance(v, float) and math.isnan(v) and f.name.endswith("_count"):
+                v = None
+            if f.name.endswith("_count") or f.name == "numel":
+                v = None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+            elif isinstance(v, (np.floating,)):
+                v = float(v)
+            kw[f.name] = v
+    return TensorStats(**kw)
+
+
+def _npy_bytes(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _npy_load(b: bytes):
+    return np.load(io.BytesIO(b), allow_pickle=False)
+
+
+def _default_session_name(source: str) -> str:
+    base = Path(str(source)).name if source else "session"
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-") or "session"
+    return base[:60]
+
+
+def _nonfinite_from_stats(s) -> bool:
+    if (s.nan_count or 0) > 0 or (s.inf_count or 0) > 0:
+        return True
+    for v in (s.min, s.max):
+        if v is not None and isinstance(v, float) and not math.isfinite(v):
+            return True
+    return False
+
+
+class SessionWriter:
+    """Buffers rows and appends them in batches inside the session's transaction."""
+
+    BATCH = 20_000
+
+    def __init__(self, store: Store, cur, session_id: str, name: str):
+        self.store, self.cur, self.session_id, self.name = store, cur, session_id, name
+        self._rows: list[dict] = []
+        self._hists: list[tuple] = []
+        self._next_rid: dict[str, int] = {}
+        self._stat_cols = [n for n, _ in _stats_fields()]
+
+    def add_run(self, run: RunInfo | None = None, **kw) -> str:
+        if run is None:
+            run = RunInfo(run_id=kw.pop("run_id", None) or uuid.uuid4().hex[:12], session_id=self.session_id, **kw)
+        run = dataclasses.replace(run, session_id=self.session_id, created=run.created or _now())
+        cols = [f.name for f in dataclasses.fields(RunInfo)]
+        self.cur.execute(
+            f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            [getattr(run, c) for c in cols],
+        )
+        self._next_rid.setdefault(run.run_id, int(self.cur.execute(
+            "SELECT coalesce(max(rid) + 1, 0) FROM tensors WHERE run_id = ?", [run.run_id]).fetchone()[0]))
+        return run.run_id
+
+    def add_record(self, rec: TensorRecord, *, keep_tensor=None) -> int:
+        """Append one record; returns its rid (unique within the run)."""
+        if rec.run_id not in self._next_rid:
+            raise KeyError(f"run {rec.run_id!r} was not added to session {self.name!r}")
+        rid = self._next_rid[rec.run_id]
+        self._next_rid[rec.run_id] = rid + 1
+        s = rec.stats
+        row = {"rid": rid}
+        for f in dataclasses.fields(TensorRecord):
+            if f.name not in ("stats", "tensor"):
+                row[f.name] = getattr(rec, f.name)
+        for c in self._stat_cols:
+            v = getattr(s, c)
+            row[c] = _shape_json(v) if c == "shape" else v
+        row["name"] = rec.name
+        row["nonfinite"] = _nonfinite_from_stats(s)
+        row["has_hist"] = s.hist is not None
+        self._rows.append(row)
+        if s.hist is not None:
+            from .stats import HIST_EDGES_ID
+
+            h = np.asarray(s.hist)
+            nz = np.flatnonzero(h)
+            self._hists.append((rec.run_id, rid, HIST_EDGES_ID, nz.astype(np.int32).tolist(),
+                                h[nz].astype(np.int64).tolist()))
+        tensor = keep_tensor if keep_tensor is not None else rec.tensor
+        if tensor is not None:
+            self.cur.execute("INSERT INTO tensor_data VALUES (?, ?, ?)",
+                             [rec.run_id, rid, _npy_bytes(_to_numpy(tensor))])
+        if len(self._rows) >= self.BATCH:
+            self.flush()
+        return rid
+
+    def add_records(self, recs: Iterable[TensorRecord]) -> list[int]:
+        return [self.add_record(r) for r in recs]
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        if self._rows:
+            cols = [n for n, _ in tensor_columns()]
+            table = pa.table({c: [r.get(c) for r in self._rows] for c in cols})
+            self.cur.register("_pl_rows", table)
+            self.cur.execute(f"INSERT INTO tensors SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} FROM _pl_rows")
+            self.cur.unregister("_pl_rows")
+            self._rows.clear()
+        if self._hists:
+            table = pa.table({
+                "run_id": [h[0] for h in self._hists], "rid": [h[1] for h in self._hists],
+                "edges_id": [h[2] for h in self._hists],
+                "bins": pa.array([h[3] for h in self._hists], type=pa.list_(pa.int32())),
+                "counts": pa.array([h[4] for h in self._hists], type=pa.list_(pa.int64())),
+            })
+            self.cur.register("_pl_h", table)
+            self.cur.execute("INSERT INTO histograms SELECT * FROM _pl_h")
+            self.cur.unregister("_pl_h")
+            self._hists.clear()
+
+    def add_comparison(self, *, kind: str, ref_run_id: str, ref_rid: Optional[int], cand_run_id: str,
+                       cand_rid: Optional[int], step: int, rank: int, seq: int, op: str, role: str,
+                       index: str, match: str, comparison) -> None:
+        cols = [n for n, _ in _comparison_columns()]
+        vals = [self.session_id, kind, ref_run_id, ref_rid, cand_run_id, cand_rid, step, rank, seq, op, role,
+                index, match]
+        if comparison is None:
+            vals += [None] * (len(cols) - len(vals))
+        else:
+            vals += [getattr(comparison, f.name) for f in dataclasses.fields(comparison)]
+        self.cur.execute(f"INSERT INTO comparisons VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def add_diagnosis(self, d: Diagnosis) -> None:
+        d = dataclasses.replace(d, session_id=self.session_id)
+        cols = [f.name for f in dataclasses.fields(Diagnosis)]
+        vals = [d.fixes_json() if c == "fixes" else getattr(d, c) for c in cols]
+        self.cur.execute(f"INSERT INTO diagnoses ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def add_warning(self, file: str, message: str, run_id: Optional[str] = None) -> None:
+        self.cur.execute("INSERT INTO warnings VALUES (?, ?, ?, ?)", [self.session_id, run_id, str(file), message])
+
+    def set_notes(self, notes: dict) -> None:
+        self.cur.execute("UPDATE sessions SET notes = ? WHERE session_id = ?", [json.dumps(notes), self.session_id])
+
+
+def _to_numpy(t):
+    if isinstance(t, np.ndarray):
+        return t
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16,) or "float8" in str(t.dtype):
+        return t.to(torch.float32).numpy()
+    return t.numpy()
+
+
+def open_store(db: Optional[os.PathLike | str] = None) -> Store:
+    return Store(db)

@@ -1,0 +1,29 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FIXTURES = ROOT.parent / "shared" / "fixtures" / "msprobe"
+SAMPLES = ROOT / "sample_dumps"
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A fresh database file per test."""
+    from precision_lab.store import Store, close_all
+
+    s = Store(tmp_path / "test.duckdb")
+    yield s
+    close_all()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_default_db(tmp_path, monkeypatch):
+    # no test may touch the user's real database
+    monkeypatch.setenv("PRECISION_LAB_DB", str(tmp_path / "default.duckdb"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))

@@ -1,0 +1,114 @@
+"""Comparison metrics against independent float64 numpy computations."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from precision_lab.formats import FORMATS
+from precision_lab.metrics import compare
+
+
+def _ref_metrics(r, c, floor):
+    r = r.astype(np.float64).ravel()
+    c = c.astype(np.float64).ravel()
+    both = np.isfinite(r) & np.isfinite(c)
+    rr, cc = r[both], c[both]
+    d = cc - rr
+    return {
+        "max_abs_err": np.max(np.abs(d)),
+        "mean_abs_err": np.mean(np.abs(d)),
+        "rmse": np.sqrt(np.mean(d * d)),
+        "max_rel_err": np.max(np.abs(d) / np.maximum(np.abs(rr), floor)),
+        "cosine": float(np.dot(rr, cc) / (np.linalg.norm(rr) * np.linalg.norm(cc))),
+        "sqnr_db": 10 * np.log10(np.sum(rr * rr) / np.sum(d * d)) if np.any(d) else math.inf,
+        "nonfinite_introduced": int(np.sum(np.isfinite(r) & ~np.isfinite(c))),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compare_matches_float64_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1000, 37, generator=g) * 3
+    cand = ref.to(dtype)
+    cmp = compare(ref, cand)
+    fmt = FORMATS["fp16" if dtype == torch.float16 else "bf16"]
+    exp = _ref_metrics(ref.numpy(), cand.float().numpy(), fmt.smallest_normal)
+    for k, v in exp.items():
+        assert getattr(cmp, k) == pytest.approx(v, rel=1e-12, abs=0), k
+    assert cmp.cand_format == fmt.name
+    # a single correctly rounded cast is within half an ulp everywhere
+    assert cmp.max_ulp_err <= 0.5
+    assert cmp.verdict == "expected"
+
+
+def test_cosine_deficit_resolves_near_one():
+    x = np.linspace(1, 2, 100_000)
+    y = x * (1 + 1e-9 * np.sin(np.arange(x.size)))
+    cmp = compare(x, y, cand_format="fp32")
+    # independent: 1 - cos via the angle between the vectors in float64 with extended care
+    xn = x / np.linalg.norm(x)
+    yn = y / np.linalg.norm(y)
+    expected = np.sum((xn - yn) ** 2) / 2
+    assert cmp.cosine_deficit == pytest.approx(expected, rel=1e-6)
+    assert 0 < cmp.cosine_deficit < 1e-15  # float64 cosine alone would print as 1.0
+
+
+def test_nonfinite_introduced_and_excluded_from_moments():
+    ref = np.array([1.0, 2.0, 70000.0, np.nan, 5.0], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        cand = ref.astype(np.float16)  # 70000 -> inf in fp16
+    cmp = compare(ref, cand)
+    assert cmp.nonfinite_introduced == 1
+    assert cmp.nonfinite_in_ref == 1
+    assert cmp.compared == 3
+    assert cmp.verdict == "nonfinite"
+    exp = _ref_metrics(ref, cand.astype(np.float32), FORMATS["fp16"].smallest_normal)
+    assert cmp.max_abs_err == exp["max_abs_err"]
+
+
+def test_fp16_norm_does_not_overflow_in_metrics():
+    ref = np.full(10_000, 60000.0, dtype=np.float32)
+    cand = ref.astype(np.float16)
+    cmp = compare(ref, cand)
+    assert cmp.sqnr_db == math.inf or cmp.sqnr_db > 60
+    assert cmp.nonfinite_introduced == 0
+
+
+def test_shape_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 3\)"):
+        compare(np.zeros((2, 3)), np.zeros((3, 3)))
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(3, 2\)"):
+        compare(np.zeros((2, 3)), np.zeros((3, 2)))
+
+
+def test_real_bug_flagged_but_rounding_not():
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal(4096).astype(np.float32)
+    bf = ref.astype(ml_dtypes.bfloat16)
+    assert compare(ref, bf).verdict == "expected"
+    # a 5% systematic error is ~13 bf16 unit roundoffs: not explained by rounding
+    assert compare(ref, (ref * 1.05).astype(ml_dtypes.bfloat16)).verdict == "warn"
+    assert compare(ref, (ref * 1.5).astype(ml_dtypes.bfloat16)).verdict == "error"
+
+
+def test_chunking_gives_same_answer():
+    rng = np.random.default_rng(2)
+    ref = rng.standard_normal(10_001)
+    cand = ref + rng.standard_normal(10_001) * 1e-3
+    a = compare(ref, cand, cand_format="fp16")
+    b = compare(ref, cand, cand_format="fp16", chunk=997)
+    assert a.max_abs_err == b.max_abs_err
+    assert a.max_rel_err == b.max_rel_err
+    assert a.rmse == pytest.approx(b.rmse, rel=1e-12)
+    assert a.sqnr_db == pytest.approx(b.sqnr_db, rel=1e-12)
+
+
+def test_max_ulp_err_counts_format_spacing():
+    # candidate one fp16 ulp above the reference at 1.0 (ulp = 2^-10)
+    ref = np.ones(8, dtype=np.float32)
+    cand = np.full(8, 1 + 2**-10, dtype=np.float32)
+    assert compare(ref, cand, cand_format="fp16").max_ulp_err == 1.0
+    assert compare(ref, cand, cand_format="bf16").max_ulp_err == pytest.approx(2**-10 / 2**-7)
