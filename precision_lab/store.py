@@ -448,6 +448,8 @@ def _default_session_name(source: str) -> str:
 def _nonfinite_from_stats(s) -> bool:
     if (s.nan_count or 0) > 0 or (s.inf_count or 0) > 0:
         return True
+    if s.nan_count is not None and s.inf_count is not None:
+        return False  # counted: a NaN min/max then only means "no finite value" (an empty tensor)
     for v in (s.min, s.max):
         if v is not None and isinstance(v, float) and not math.isfinite(v):
             return True
@@ -463,6 +465,7 @@ class SessionWriter:
         self.store, self.cur, self.session_id, self.name = store, cur, session_id, name
         self._rows: list[dict] = []
         self._hists: list[tuple] = []
+        self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
         self._next_rid: dict[str, int] = {}
         self._stat_cols = [n for n, _ in _stats_fields()]
 
@@ -472,11 +475,12 @@ class SessionWriter:
         run = dataclasses.replace(run, session_id=self.session_id, created=run.created or _now())
         cols = [f.name for f in dataclasses.fields(RunInfo)]
         self.cur.execute(
-            f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            f"INSERT INTO runs ({', '.join(chr(34) + c + chr(34) for c in cols)}) VALUES ({', '.join('?' * len(cols))})",
             [getattr(run, c) for c in cols],
         )
         self._next_rid.setdefault(run.run_id, int(self.cur.execute(
-            "SELECT coalesce(max(rid) + 1, 0) FROM tensors WHERE run_id = ?", [run.run_id]).fetchone()[0]))
+            # fetchall: a half-read result would block the cursor's next register() in flush()
+            "SELECT coalesce(max(rid) + 1, 0) FROM tensors WHERE run_id = ?", [run.run_id]).fetchall()[0][0]))
         return run.run_id
 
     def add_record(self, rec: TensorRecord, *, keep_tensor=None) -> int:
@@ -536,6 +540,14 @@ class SessionWriter:
             self.cur.execute("INSERT INTO histograms SELECT * FROM _pl_h")
             self.cur.unregister("_pl_h")
             self._hists.clear()
+        if self._cmps:
+            cols = [n for n, _ in _comparison_columns()]
+            table = pa.table({c: [r[i] for r in self._cmps] for i, c in enumerate(cols)})
+            self.cur.register("_pl_c", table)
+            self.cur.execute(f"INSERT INTO comparisons SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} "
+                             "FROM _pl_c")
+            self.cur.unregister("_pl_c")
+            self._cmps.clear()
 
     def add_comparison(self, *, kind: str, ref_run_id: str, ref_rid: Optional[int], cand_run_id: str,
                        cand_rid: Optional[int], step: int, rank: int, seq: int, op: str, role: str,
@@ -547,7 +559,9 @@ class SessionWriter:
             vals += [None] * (len(cols) - len(vals))
         else:
             vals += [getattr(comparison, f.name) for f in dataclasses.fields(comparison)]
-        self.cur.execute(f"INSERT INTO comparisons VALUES ({', '.join('?' * len(cols))})", vals)
+        self._cmps.append(vals)
+        if len(self._cmps) >= self.BATCH:
+            self.flush()
 
     def add_diagnosis(self, d: Diagnosis) -> None:
         d = dataclasses.replace(d, session_id=self.session_id)
@@ -564,7 +578,8 @@ class SessionWriter:
 
 def _to_numpy(t):
     if isinstance(t, np.ndarray):
-        return t
+        # ml_dtypes arrays (bfloat16, fp8: kind "V") do not survive .npy; float32 holds their values exactly
+        return t.astype(np.float32) if t.dtype.kind == "V" else t
     import torch
 
     t = t.detach().cpu()

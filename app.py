@@ -1,0 +1,26 @@
+"""Precision Lab dashboard: ``streamlit run app.py``.
+
+Routes between the page scripts in ``pages/``; the pages call
+``precision_lab.ui`` and render.  Torch is imported only by the pages'
+library calls that need it, so the app starts fast.
+"""
+
+import streamlit as st
+
+from precision_lab.ui.page import PAGES, routed, show_error
+
+st.set_page_config(page_title="Precision Lab", page_icon=":material/troubleshoot:", layout="wide")
+
+pages = [
+    st.Page(PAGES["sessions"], title="Sessions", icon=":material/folder_open:", url_path="sessions", default=True),
+    st.Page(PAGES["overview"], title="Overview", icon=":material/monitoring:", url_path="overview"),
+    st.Page(PAGES["ops"], title="Ops", icon=":material/table_rows:", url_path="ops"),
+    st.Page(PAGES["detail"], title="Op detail", icon=":material/bar_chart:", url_path="op_detail"),
+    st.Page(PAGES["diff"], title="Diff", icon=":material/compare_arrows:", url_path="diff"),
+]
+current = st.navigation(pages)
+routed()
+try:
+    current.run()
+except Exception as e:  # no traceback ever reaches the visitor
+    show_error(e, "This page could not be shown")

@@ -1,0 +1,79 @@
+import pandas as pd
+import streamlit as st
+
+from precision_lab.ui import diff as dv
+from precision_lab.ui import page
+from precision_lab.ui.common import run_label, style_severity
+from precision_lab.ui.overview import session_runs
+
+store, acc = page.start("diff")
+info = page.choose_session(store, acc)
+st.title("Diff")
+if info is None:
+    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.stop()
+sid = info["session_id"]
+st.write(
+    "Reference statistics, candidate statistics and the metrics between them, op by op in execution order. "
+    "Records without a counterpart are listed as unmatched, never as passing. With several runs (for "
+    "example after fixes), compare them all at once against the base run."
+)
+runs = session_runs(store, sid)
+mode = st.radio("View", ["pair", "runs"], horizontal=True, key="diff_mode",
+                format_func=lambda m: {"pair": "Reference vs candidate", "runs": "All runs side by side"}[m])
+c = st.columns([3, 1])
+pattern = c[0].text_input("Name contains (or glob with * ?)", key="diff_pattern")
+show = c[1].selectbox("Show", list(dv.SHOW_OPTIONS), key="diff_show")
+page_size = 50
+current = int(st.session_state.get("diff_page", 1))
+
+if mode == "pair":
+    pairs = dv.pair_options(store, sid)
+    if not pairs:
+        st.info("This session has no reference/candidate comparison. Ingest a dump together with its fp32 "
+                "reference to get one.")
+        st.stop()
+    labels = [p["label"] for p in pairs]
+    label = st.selectbox("Pair", labels, key="diff_pair")
+    pair = pairs[labels.index(label)]
+    with page.guard("The diff could not be queried"):
+        result = dv.diff_page(store, sid, pair["ref_run_id"], pair["cand_run_id"], show=show, pattern=pattern,
+                              page=current - 1, page_size=page_size)
+    df = result.rows
+    shown = df.drop(columns=["ref_rid", "cand_rid", "ref_nonfinite", "cand_nonfinite"])
+    event = st.dataframe(style_severity(shown), key="diff_table", hide_index=True, width="stretch",
+                         on_select="rerun", selection_mode="single-row")
+    if event is not None and event.selection.rows:
+        row = df.iloc[event.selection.rows[0]]
+        names = {r["run_id"]: r["name"] for r in runs}
+        if not pd.isna(row["cand_rid"]):
+            page.navigate("detail", session=info["name"], run=names[pair["cand_run_id"]], op=int(row["cand_rid"]))
+        else:
+            page.navigate("detail", session=info["name"], run=names[pair["ref_run_id"]], op=int(row["ref_rid"]))
+    with st.expander("Match summary"):
+        st.dataframe(dv.unmatched_counts(store, sid), hide_index=True, key="match_summary")
+else:
+    if len(runs) < 2:
+        st.info("This session holds a single run; N-run mode needs at least two.")
+        st.stop()
+    base_default = dv.base_run(store, sid)
+    by_id = {r["run_id"]: r for r in runs}
+    ids = list(by_id)
+    base_id = st.selectbox("Base run", ids, index=ids.index(base_default["run_id"]), key="diff_base",
+                           format_func=lambda i: run_label(by_id[i]))
+    others = st.multiselect("Runs to compare", [i for i in ids if i != base_id],
+                            default=[i for i in ids if i != base_id], key="diff_runs",
+                            format_func=lambda i: run_label(by_id[i]))
+    if not others:
+        st.info("Choose at least one run to compare with the base run.")
+        st.stop()
+    with page.guard("The N-run diff could not be queried"):
+        result = dv.nrun_page(store, sid, others, base_run_id=base_id, show=show, pattern=pattern,
+                              page=current - 1, page_size=page_size)
+    st.dataframe(result.rows.drop(columns=["rid"]), key="nrun_table", hide_index=True, width="stretch")
+
+left, right = st.columns([3, 1])
+left.caption(f"{result.total} row(s); page {result.page + 1} of {result.pages}.")
+if st.session_state.get("diff_page", 1) > result.pages:
+    st.session_state["diff_page"] = result.pages
+right.number_input("Page", min_value=1, max_value=result.pages, step=1, key="diff_page")

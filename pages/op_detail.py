@@ -1,0 +1,112 @@
+import streamlit as st
+
+from precision_lab.ui import detail as dv
+from precision_lab.ui import page
+from precision_lab.ui.overview import first_nonfinite_by_run, norm_artefacts, session_runs
+
+store, acc = page.start("detail")
+info = page.choose_session(store, acc)
+st.title("Op detail")
+if info is None:
+    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.stop()
+runs = session_runs(store, info["session_id"])
+run = page.choose_run(runs)
+if run is None:
+    st.info("This session holds no runs.")
+    st.stop()
+
+# the op picker: a name filter, then the matching records (the current one always among them)
+find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
+current = page.peek("op", "pick_op")
+current_rid = int(current) if current is not None and str(current).isdigit() else None
+records = dv.find_records(store, run["run_id"], find, include_rid=current_rid)
+if not records:
+    st.info("No record of this run matches the name filter.")
+    st.stop()
+first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
+              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
+names = {r["rid"]: r["name"] for r in records}
+rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar,
+                      default=first["rid"] if first else None,
+                      format_func=lambda r: f"{names[r]}  (seq {next(x['seq'] for x in records if x['rid'] == r)})")
+
+with page.guard("This op could not be loaded"):
+    rec = dv.record(store, run["run_id"], rid)
+    stats = dv.load_stats(store, run["run_id"], rid)
+    others = dv.counterparts(store, run["run_id"], rid)
+
+st.subheader(rec["name"], anchor=False)
+flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
+st.markdown(f"run **{page.plain(run['name'])}** · {page.plain(rec['op_type'])} · {page.plain(rec['direction'])} · "
+            f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {page.plain(rec['dtype'])} "
+            f"{page.plain(rec['shape'])}{flag}")
+st.write(
+    "Magnitudes of the values on a log2 scale against the limits of the chosen number formats; the table "
+    "counts exactly how many values would overflow, become subnormal or round to zero in each."
+)
+
+series = [(f"{run['name']} (this)", stats)]
+for o in others[:3]:
+    with page.guard(f"The {o['side']} record could not be loaded"):
+        series.append((f"{o['run']} ({o['side']})", dv.load_stats(store, o["run_id"], o["rid"])))
+if others:
+    st.caption("Compared with: " + "; ".join(f"{page.plain(o['run'])} ({o['side']}, {o['match']} match): "
+                                              f"{page.plain(o['name'] or '-')}" for o in others))
+
+formats = page.choose_formats(dv.default_formats(rec["dtype"]))
+
+art = next((a for a in norm_artefacts(store, info["session_id"])
+            if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
+if art:
+    st.info(art["reason"])
+
+with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
+if with_hist:
+    log_y = st.toggle("Log count axis", value=True, key="hist_log")
+    st.plotly_chart(dv.histogram_figure(with_hist, formats, log_y=log_y), key="hist_plot", width="stretch")
+    hidden = [f"{page.plain(label)}: {dv.not_drawn(s)}" for label, s in with_hist if dv.not_drawn(s)]
+    if hidden:
+        st.caption("Not on the log axis (counted in the tables): " + "; ".join(hidden))
+    st.markdown("**Exact counts per format** (round-to-nearest-even, from the stored histogram)")
+    cols = st.columns(len(with_hist))
+    for i, (col, (label, s)) in enumerate(zip(cols, with_hist)):
+        with col:
+            st.caption(page.plain(label))
+            table = dv.representability_table(s, formats)
+            st.dataframe(table, hide_index=True, width="stretch", key=f"repr_{i}",
+                         column_config={c: st.column_config.NumberColumn(format="%.4f")
+                                        for c in table.columns if c.endswith("%")})
+
+summary_only = [(label, s) for label, s in series if s is not None and s.hist is None]
+if summary_only:
+    st.markdown("**Summary statistics against the format limits** (these records carry Max/Min/Mean/Norm only, "
+                "no histogram)")
+    st.plotly_chart(dv.summary_figure(series, formats), key="summary_plot", width="stretch")
+if formats:
+    st.markdown("**Headroom**: bits between the largest magnitude and each format's max (negative: it overflows)")
+    cols = st.columns(len(series))
+    for i, (col, (label, s)) in enumerate(zip(cols, series)):
+        with col:
+            st.caption(page.plain(label))
+            st.dataframe(dv.headroom_table(s, formats), hide_index=True, width="stretch", key=f"head_{i}")
+    if summary_only:
+        with st.expander("Where each summary statistic lands in each format"):
+            for i, (label, s) in enumerate(series):
+                st.caption(page.plain(label))
+                st.dataframe(dv.summary_values_table(s, formats), hide_index=True, width="stretch",
+                             key=f"vals_{i}")
+
+if stats.hist is not None:
+    with st.expander("What if this tensor were stored in each format?", expanded=rec["dtype"] == "float32"):
+        st.dataframe(dv.what_if_table(stats), hide_index=True, width="stretch", key="what_if")
+
+st.markdown("**Comparison metrics**")
+metrics = dv.metrics_table(store, run["run_id"], rid)
+if metrics.empty:
+    st.caption("This record was not compared with another run.")
+else:
+    st.dataframe(metrics, width="stretch", key="metrics")
+
+st.markdown("**Statistics** (float64)")
+st.dataframe(dv.stats_table(series), width="stretch", key="stats")

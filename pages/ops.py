@@ -1,0 +1,63 @@
+import streamlit as st
+
+from precision_lab.ui import ops as ov
+from precision_lab.ui import page
+from precision_lab.ui.common import style_severity
+from precision_lab.ui.overview import session_runs
+
+store, acc = page.start("ops")
+info = page.choose_session(store, acc)
+st.title("Ops")
+if info is None:
+    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.stop()
+run = page.choose_run(session_runs(store, info["session_id"]))
+if run is None:
+    st.info("This session holds no runs.")
+    st.stop()
+st.write(
+    f"Every record of run {page.plain(run['name'])}: its statistics and, where it was compared with the "
+    "reference, the error and verdict. Rows are coloured by severity; select one to open its detail."
+)
+
+opts = ov.filter_options(store, run["run_id"])
+with st.container(border=True):
+    c = st.columns([2, 2, 1, 1])
+    roles = c[0].multiselect("Role", opts["roles"], key="f_roles")
+    op_types = c[1].multiselect("Op type", opts["op_types"], key="f_types")
+    steps = c[2].multiselect("Step", opts["steps"], key="f_steps")
+    ranks = c[3].multiselect("Rank", opts["ranks"], key="f_ranks")
+    c = st.columns([3, 1, 2, 1])
+    pattern = c[0].text_input("Name contains (or glob with * ?)", key="f_pattern")
+    only_problems = c[1].toggle("Problems only", key="f_problems",
+                                help="Records with NaN/Inf, or whose comparison verdict is error or nonfinite.")
+    sort = c[2].selectbox("Sort by", list(ov.SORTABLE), key="f_sort")
+    descending = c[3].toggle("Descending", key="f_desc")
+
+page_size = 50
+current = st.session_state.get("f_page", 1)
+with page.guard("The op table could not be queried"):
+    result = ov.ops_page(store, ov.OpsFilter(
+        run_id=run["run_id"], steps=tuple(steps), ranks=tuple(ranks), roles=tuple(roles), op_types=tuple(op_types),
+        pattern=pattern, only_problems=only_problems, sort=sort, descending=descending,
+        page=max(0, int(current) - 1), page_size=page_size,
+    ))
+
+shown = ov.display_frame(result.rows)
+event = st.dataframe(
+    style_severity(shown.drop(columns=["rid"])), key="ops_table", on_select="rerun", selection_mode="single-row",
+    hide_index=True, width="stretch", height=min(38 + 35 * max(len(shown), 1), 740),
+    column_config={"max_rel_err": st.column_config.NumberColumn(format="%.3e"),
+                   "max_abs_err": st.column_config.NumberColumn(format="%.3e"),
+                   "local_max_rel_err": st.column_config.NumberColumn(format="%.3e"),
+                   "absmax": st.column_config.NumberColumn(format="%.6g"),
+                   "sqnr_db": st.column_config.NumberColumn(format="%.2f")},
+)
+left, right = st.columns([3, 1])
+left.caption(f"{result.total} record(s) match; page {result.filter.page + 1} of {result.pages}.")
+if st.session_state.get("f_page", 1) > result.pages:  # the filter shrank the table
+    st.session_state["f_page"] = result.pages
+right.number_input("Page", min_value=1, max_value=result.pages, step=1, key="f_page")
+if event is not None and event.selection.rows:
+    rid = int(shown.iloc[event.selection.rows[0]]["rid"])
+    page.navigate("detail", session=info["name"], run=run["name"], op=rid)

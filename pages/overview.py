@@ -1,0 +1,113 @@
+import streamlit as st
+
+from precision_lab.ui import overview as ov
+from precision_lab.ui import page
+
+store, acc = page.start("overview")
+info = page.choose_session(store, acc)
+if info is None:
+    st.title("Overview")
+    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.stop()
+sid = info["session_id"]
+
+st.title(f"Overview: {page.plain(info['name'])}")
+st.write(
+    "Where the low-precision run first produced NaN/Inf, which ops carry the largest error against the "
+    "reference (accumulated) or introduce it themselves (local), and what the diagnosis says."
+)
+
+st.subheader("Runs")
+st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]), hide_index=True, width="stretch",
+             key="runs_table")
+
+st.subheader("First non-finite producer")
+firsts = ov.first_nonfinite_by_run(store, sid)
+for item in firsts:
+    run, first = item["run"], item["first"]
+    if first is None:
+        st.success(f"{page.plain(run['name'])}: every recorded value is finite.")
+        continue
+    with st.container(border=True):
+        st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
+                    f"**{page.plain(first['op'])}** ({page.plain(first['role'])} {page.plain(first['index'])}, "
+                    f"seq {first['seq']}, step {first['step']}, rank {first['rank']})")
+        st.caption(page.plain(first["reason"]))
+        st.markdown("Path of ops leading to it (execution order):")
+        st.dataframe(
+            [{"seq": p["seq"], "op": p["op"], "type": p["op_type"],
+              "NaN/Inf in inputs": p["nonfinite_in"], "NaN/Inf in outputs": p["nonfinite_out"]}
+             for p in first["path"]],
+            hide_index=True, width="stretch", key=f"path_{run['run_id']}",
+        )
+        if st.button("Open this op", key=f"open_first_{run['run_id']}", icon=":material/bar_chart:"):
+            page.navigate("detail", session=info["name"], run=run["name"], op=first["rid"])
+
+artefacts = ov.norm_artefacts(store, sid)
+if artefacts:
+    with st.expander(f"{len(artefacts)} norm artefact(s): Norm/Mean non-finite while the values are finite"):
+        st.dataframe([{"run": a["run"], "op": a["op"], "tensor": f"{a['role']} {a['index']}",
+                       "Max": a["max"], "Min": a["min"], "Norm": a["l2norm"], "why": a["reason"]}
+                      for a in artefacts], hide_index=True, width="stretch", key="artefacts")
+
+
+def _offenders(kinds, key: str, empty: str) -> None:
+    df = ov.top_offenders(store, sid, kinds=kinds, n=10)
+    if df.empty:
+        st.caption(empty)
+        return
+    shown = df[["run", "seq", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db", "rounding_units",
+                "reason"]]
+    ev = st.dataframe(shown, hide_index=True, width="stretch", key=key, on_select="rerun",
+                      selection_mode="single-row")
+    if ev is not None and ev.selection.rows:
+        row = df.iloc[ev.selection.rows[0]]
+        page.navigate("detail", session=info["name"], run=row["run"], op=int(row["rid"]))
+
+
+st.subheader("Top offenders")
+st.caption("Largest finite errors, worst verdict first; select a row to open the op.")
+tab_acc, tab_loc = st.tabs(["Accumulated (vs reference)", "Local (op re-run in fp32)"])
+with tab_acc:
+    _offenders(ov.ACCUMULATED_KINDS, "top_accumulated", "No comparison with a reference in this session.")
+with tab_loc:
+    _offenders(ov.LOCAL_KINDS, "top_local",
+               "No local comparisons: they come from live captures, which re-run each op in fp32.")
+
+st.subheader("Diagnosis")
+cards = ov.diagnosis_cards(store, sid)
+if not cards:
+    st.caption("No diagnosis recorded for this session.")
+for i, card in enumerate(cards):
+    with st.container(border=True, key=f"card_{i}"):
+        icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
+        st.markdown(f"{icon} · {page.plain(card['run'] or '')} · **{page.plain(card['op'])}** "
+                    f"· rule {page.plain(card['rule'])}")
+        st.markdown(page.plain(card["message"]))
+        if card["fixes"]:
+            st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
+        # Actions on a diagnosis (such as re-running under one of its fixes) render here.
+
+st.subheader("Error along the run")
+c1, c2 = st.columns([2, 1])
+metric = c1.radio("Metric", list(ov.ERROR_METRICS), horizontal=True, key="err_metric",
+                  format_func=lambda m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB",
+                                         "rounding_units": "error / roundoff", "max_abs_err": "max abs error"}[m])
+outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
+series = ov.error_series(store, sid, metric, roles=("output",) if outputs_only else ())
+if series.empty:
+    st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
+else:
+    if series["value"].isna().all() and metric == "sqnr_db":
+        st.caption("SQNR needs element-wise data; this session holds summary statistics only. "
+                   "Choose max rel error.")
+    fig = ov.error_figure(series, metric, first_nonfinite=[f["first"] for f in firsts])
+    ev = st.plotly_chart(fig, key="err_plot", on_select="rerun", selection_mode="points", width="stretch")
+    pts = (ev or {}).get("selection", {}).get("points", []) if isinstance(ev, dict) else \
+        (ev.selection.points if ev is not None else [])
+    if pts and pts[0].get("customdata"):
+        cd = pts[0]["customdata"]
+        runs = {r["run_id"]: r["name"] for r in ov.session_runs(store, sid)}
+        page.navigate("detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
+    if series.attrs.get("bucket", 1) > 1:
+        st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")

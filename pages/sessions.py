@@ -1,0 +1,118 @@
+import streamlit as st
+
+from precision_lab.ui import page
+from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample, sessions_table
+from precision_lab.ui.upload import list_samples, upload_key
+
+store, acc = page.start("sessions")
+cfg = page.get_config()
+
+st.title("Precision Lab")
+st.write(
+    "Find where a model's numbers go wrong in fp16, bf16 or fp8, and why. Upload a dump folder "
+    "(msprobe, .npy/.pt/.safetensors folders, or Precision Lab captures) with an optional fp32 "
+    "reference of the same model, or open a sample, then follow the first non-finite op."
+)
+
+if acc.shared:
+    page.navigate("overview", session=acc.session)
+
+table = sessions_table(store) if acc.can_list else None
+if table is not None and table.empty:
+    st.info("No sessions yet. Upload a dump folder (or a .zip of one) below, optionally with its fp32 "
+            "reference, or open a sample in one click.")
+
+
+def _uploader(label: str, key: str):
+    kind = st.segmented_control(f"{label} as", ["folder", ".zip"], default="folder", key=f"{key}_kind",
+                                label_visibility="collapsed")
+    if kind == ".zip":
+        return st.file_uploader(f"{label} (.zip)", type=["zip"], key=f"{key}_zip",
+                                max_upload_size=cfg.max_upload_mb)
+    return st.file_uploader(f"{label} (folder)", accept_multiple_files="directory", key=f"{key}_dir",
+                            max_upload_size=cfg.max_upload_mb)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return list(x) if isinstance(x, list) else [x]
+
+
+if table is not None and not table.empty:
+    st.subheader("Sessions")
+    st.caption("Select a row to open its overview.")
+    event = st.dataframe(
+        table.drop(columns=["session_id"]), key="sessions_table", on_select="rerun", selection_mode="single-row",
+        hide_index=True, width="stretch",
+    )
+    picked = event.selection.rows if event is not None else []
+    if picked:
+        page.navigate("overview", session=table.iloc[picked[0]]["session"])
+
+    if acc.can_delete:
+        with st.expander("Rename or delete a session"):
+            target = st.selectbox("Session", list(table["session"]), key="manage_session")
+            new = st.text_input("New name", key="rename_to")
+            if st.button("Rename", key="rename", disabled=not new.strip()):
+                with page.guard("Rename failed"):
+                    store.rename_session(target, new)
+                st.rerun()
+            if st.button("Delete…", key="delete"):
+                st.session_state["_pl_confirm_delete"] = target
+            pending = st.session_state.get("_pl_confirm_delete")
+            if pending:
+                st.warning(f"Delete session {page.plain(pending)} with all its runs, records and comparisons? "
+                           "This cannot be undone.")
+                yes, no = st.columns(2)
+                if yes.button("Yes, delete", key="delete_yes", type="primary"):
+                    with page.guard("Delete failed"):
+                        store.delete_session(pending)
+                    st.session_state.pop("_pl_confirm_delete", None)
+                    st.rerun()
+                if no.button("Cancel", key="delete_no"):
+                    st.session_state.pop("_pl_confirm_delete", None)
+                    st.rerun()
+
+if acc.can_upload:
+    st.subheader("New session")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Dump to analyse** (fp16 / bf16 / fp8 run)")
+        cand = _as_list(_uploader("Dump", "up_cand"))
+    with right:
+        st.markdown("**fp32 reference** (optional, same model and inputs)")
+        ref = _as_list(_uploader("Reference", "up_ref"))
+    name = st.text_input("Session name (optional)", key="new_session_name",
+                         placeholder="default: <dump>-vs-<reference>")
+    if st.button("Ingest", type="primary", key="ingest", disabled=not cand):
+        key = (upload_key(cand), upload_key(ref), name)
+        done = st.session_state.setdefault("_pl_ingested", {})
+        if key in done:  # the uploader hands back the same files on every rerun
+            page.navigate("overview", session=done[key])
+        bar = st.progress(0.0, text="reading the dump")
+        try:
+            session = ingest_upload(store, cand, ref, session=name or None, progress=page.progress_callback(bar),
+                                    max_depth=cfg.max_path_depth, zip_limits=cfg.zip_limits())
+        except IngestFailed as e:
+            bar.empty()
+            page.show_error(e, "The upload could not be ingested")
+        else:
+            done[key] = session
+            page.navigate("overview", session=session)
+
+    samples = list_samples()
+    if samples:
+        st.subheader("Samples")
+        st.caption("Real dumps shipped with Precision Lab; opening one ingests it once, then reuses the session.")
+        cols = st.columns(min(3, len(samples)))
+        for i, sample in enumerate(samples):
+            with cols[i % len(cols)]:
+                if st.button(f"Open sample: {sample.label}", key=f"sample_{sample.name}"):
+                    bar = st.progress(0.0, text=f"ingesting {sample.name}")
+                    with page.guard(f"Sample {sample.name} could not be opened"):
+                        session = open_sample(store, sample, progress=page.progress_callback(bar))
+                    page.navigate("overview", session=session)
+elif acc.read_only:
+    st.info("This server is read-only: sessions open through their share links.")
+

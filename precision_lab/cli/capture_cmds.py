@@ -1,0 +1,114 @@
+"""``capture``: run a registered recipe under live capture, fp32 reference included.
+
+Exit status: 0 success (whatever the candidate's numbers); 2 the request
+cannot be carried out (unknown recipe or format, bad fix spec, database
+locked, recipe registry missing).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from . import app
+
+EXIT_UNUSABLE = 2
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(EXIT_UNUSABLE)
+
+
+def candidate_policy(recipe, dtype: Optional[str]):
+    """The candidate policy for ``--dtype``: a named preset, a compute format, or an fp8 format.
+
+    Without ``--dtype`` it is the recipe's own (failing) default policy.  An
+    fp8 format means fp16 compute with per-tensor fp8 fake-quantisation of the
+    linear layers, scales in fp32.
+    """
+    if dtype is None:
+        return recipe.default_policy
+    from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
+    from ..formats import FORMATS, get_format
+
+    if dtype in POLICIES:
+        return POLICIES[dtype]
+    try:
+        fmt = get_format(dtype)
+    except KeyError as e:
+        raise PolicyError(f"--dtype {dtype!r}: {e.args[0]}; presets: {', '.join(POLICIES)}") from None
+    if fmt.bits <= 8 and fmt.kind == "float":
+        return PrecisionPolicy(name=fmt.name, dtype="fp16", quant=QuantConfig(fmt.name, "tensor", "fp32"))
+    if fmt.name not in FORMATS or fmt.torch_dtype() is None:
+        raise PolicyError(f"--dtype {dtype!r}: torch cannot compute in {fmt.name}")
+    return PrecisionPolicy(name=fmt.name, dtype=fmt.name)
+
+
+@app.command("capture")
+def capture_cmd(
+    recipe: str = typer.Option(..., "--recipe", help="registered recipe to run (see `precision-lab recipes`)"),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="candidate format or policy preset: fp16, bf16, fp8_e4m3fn, fp8_e5m2, fp8-e4m3-row, "
+                              "... (default: the recipe's own failing policy)"),
+    fix: Optional[List[str]] = typer.Option(None, "--fix", help="fix spec applied to the candidate policy "
+                                                                "(repeatable; see `precision-lab fixes`)"),
+    session: Optional[str] = typer.Option(None, "--session", help="name of the new session (default: the recipe's; a suffix is added if taken)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file (default: $PRECISION_LAB_DB or the user "
+                                                        "data directory)"),
+    no_local: bool = typer.Option(False, "--no-local", help="skip the per-op fp32 re-runs (local error)"),
+) -> None:
+    """Capture a recipe's fp32 reference and low-precision candidate, compare them op by op, store the session."""
+    try:
+        from ..fixes.recipes import RecipeNotFound, get_recipe
+    except ImportError:
+        _fail("recipe registry not available: this installation has no precision_lab.fixes.recipes")
+    from ..store import Store
+
+    try:
+        rec = get_recipe(recipe)
+    except (RecipeNotFound, KeyError, ValueError) as e:
+        _fail(str(e) if not isinstance(e, KeyError) or isinstance(e, RecipeNotFound) else str(e.args[0]))
+    try:
+        policy = candidate_policy(rec, dtype)
+        if fix:
+            from ..fixes.catalogue import apply_fixes
+
+            policy = apply_fixes(policy, fix)
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        store = Store(db)
+    except RuntimeError as e:
+        _fail(str(e))
+    from ..live import capture_pair
+
+    try:
+        name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,
+                            loss_fn=rec.loss_fn, seed=rec.seed, reference_name="fp32 reference",
+                            candidate_name=f"candidate ({policy.name})", source=f"recipe:{rec.name}",
+                            recipe=rec.name, name=session or rec.name)
+    except ValueError as e:
+        _fail(str(e))
+    _summary(store, name)
+
+
+def _summary(store, name: str) -> None:
+    info = store.session(name)
+    runs = store.runs(info["session_id"])
+    typer.echo(f"session {name!r} in {store.path}")
+    for _, r in runs.iterrows():
+        n = store.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [r["run_id"]]).fetchone()[0]
+        typer.echo(f"  {r['kind']:<10} {r['name']}: {n} records, dtype {r['dtype']}")
+    try:
+        from ..services.report import first_nonfinite
+    except ImportError:
+        return
+    for _, r in runs.iterrows():
+        hit = first_nonfinite(store, r["run_id"])
+        if hit is None:
+            typer.echo(f"  {r['name']}: no NaN/Inf")
+        else:
+            typer.echo(f"  {r['name']}: first non-finite at {hit['op']} ({hit['direction']}, step {hit['step']}, "
+                       f"rank {hit['rank']}): {hit['reason']}")

@@ -1,0 +1,207 @@
+"""``recipes``, ``rerun``, ``bisect`` and ``replay``: prove a fix by running it.
+
+Exit status: 0 success; 1 the re-run (or bisect) still fails its check;
+2 the request cannot be carried out (unknown session or run, dump-only
+session, bad fix spec, a pattern that names no module).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from . import app
+
+EXIT_FAILED = 1
+EXIT_UNUSABLE = 2
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(EXIT_UNUSABLE)
+
+
+def _store(db: Optional[str]):
+    from ..store import Store
+
+    try:
+        return Store(db)
+    except RuntimeError as e:
+        _fail(str(e))
+
+
+def _progress():
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int, label: str) -> None:
+        sys.stderr.write(f"\r[{done}/{total}] {label[-70:]:<70}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _end(progress) -> None:
+    if progress is not None:
+        sys.stderr.write("\r" + " " * 80 + "\r")
+        sys.stderr.flush()
+
+
+_DB_HELP = "database file (default: $PRECISION_LAB_DB or the user data directory)"
+
+
+@app.command("recipes")
+def recipes_cmd() -> None:
+    """List the recipes: built-in ones and those registered through $PRECISION_LAB_RECIPES."""
+    from ..fixes.recipes import RecipeError, list_recipes
+
+    try:
+        recipes = list_recipes()
+    except RecipeError as e:
+        _fail(str(e))
+    for r in recipes:
+        typer.echo(r.name)
+        typer.echo(f"  {r.description}")
+        typer.echo(f"  fails under: {r.default_policy.name} ({r.default_policy.describe()})")
+        if r.fixes:
+            typer.echo(f"  fixed by:    {', '.join(r.fixes)}")
+
+
+@app.command("fixes")
+def fixes_cmd() -> None:
+    """List the fix catalogue with each fix's reason."""
+    from ..fixes.catalogue import FIXES, parse_fix
+
+    for name in sorted(FIXES):
+        d = FIXES[name]
+        typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")
+
+
+def _print_run_summary(store, session: str, run_id: str) -> bool:
+    """Print the run's first non-finite producer and diagnoses; True when the run is clean."""
+    from ..services.report import first_nonfinite
+
+    run = store.run(run_id)
+    fn = first_nonfinite(store, run_id)
+    typer.echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
+               f"fix {run.get('fix') or '-'}")
+    last = store.sql("""SELECT sqnr_db, verdict FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
+                        AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY step DESC, seq DESC LIMIT 1""",
+                     [run_id]).fetchone()
+    if fn is None:
+        typer.echo("  no NaN or inf anywhere in the run")
+    else:
+        typer.echo(f"  first non-finite: {fn['op']} ({fn['reason']})")
+    if last is not None:
+        typer.echo(f"  output SQNR against the fp32 reference: {last[0]:.1f} dB ({last[1]})")
+    cur = store.sql("SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? ORDER BY seq",
+                    [run_id])
+    for sev, rule, op, msg, fixes in cur.fetchall():
+        typer.echo(f"  [{sev}] {rule} at {op}: {msg}")
+        if fixes and fixes != "[]":
+            typer.echo(f"      fixes: {fixes}")
+    return fn is None
+
+
+@app.command("rerun")
+def rerun_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session made from a recipe"),
+    fix: List[str] = typer.Option(..., "--fix", "-f", help="fix spec, e.g. scale-fp32 or keep-fp32:<module>; "
+                                                           "repeat or join with + to apply several"),
+    parent: Optional[str] = typer.Option(None, "--from-run", help="run to edit (default: the session's candidate)"),
+    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+) -> None:
+    """Re-run a session's recipe under a fix: a new run whose parent is the old one, compared with fp32."""
+    from ..fixes.rerun import rerun_session
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    progress = _progress()
+    try:
+        run_id = rerun_session(store, session, list(fix), progress, parent=parent)
+    except (SessionNotFound, ValueError) as e:
+        _end(progress)
+        _fail(str(e))
+    _end(progress)
+    name = store.session(session)["name"]
+    if not _print_run_summary(store, name, run_id):
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("bisect")
+def bisect_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session made from a recipe"),
+    tolerance: Optional[str] = typer.Option(None, "--tolerance", "-t",
+                                            help="30 or sqnr>=30 (dB, and no NaN/Inf); nonfinite (only no "
+                                                 "NaN/Inf); default: the recipe's own bound"),
+    max_runs: int = typer.Option(16, "--max-runs", help="most runs to try"),
+    parent: Optional[str] = typer.Option(None, "--from-run", help="run to start from (default: the candidate)"),
+    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+) -> None:
+    """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
+    from ..fixes.rerun import bisect_fp32_islands
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    progress = _progress()
+    try:
+        res = bisect_fp32_islands(store, session, tolerance=tolerance, max_runs=max_runs, parent=parent,
+                                  progress=progress)
+    except (SessionNotFound, ValueError) as e:
+        _end(progress)
+        _fail(str(e))
+    _end(progress)
+    typer.echo(f"tolerance: {res.tolerance.describe()}")
+    for a in res.attempts:
+        sq = f"{a.sqnr_db:.1f} dB" if a.sqnr_db is not None else "-"
+        typer.echo(f"  {'pass' if a.passed else 'fail'}  {a.fix or '(no fp32 island)'}  non-finite records "
+                   f"{a.nonfinite}, output SQNR {sq}  [run {a.run_id}]")
+    typer.echo(res.message)
+    if res.passed:
+        typer.echo("fp32 island: " + (", ".join(res.modules) if res.modules else "(none needed)"))
+        typer.echo(f"fix: {res.fix}" if res.modules else "fix: none needed")
+    else:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("replay")
+def replay_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="dump session holding the op's tensors"),
+    op: Optional[str] = typer.Option(None, "--op", help="op name as stored (e.g. Functional.layer_norm.0.forward); "
+                                                        "omit to list the replayable ops"),
+    fix: Optional[List[str]] = typer.Option(None, "--fix", "-f", help="fix to replay under (repeatable)"),
+    run: Optional[str] = typer.Option(None, "--run", help="run holding the op (default: the candidate)"),
+    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+) -> None:
+    """Replay one dumped op from its dumped inputs in fp32 and in the candidate format (under a fix)."""
+    from ..fixes.diagnose import fmt_num
+    from ..fixes.replay import replay_op, replayable_ops
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    try:
+        if op is None:
+            for o in replayable_ops(store, session, run):
+                typer.echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
+            return
+        res = replay_op(store, session, op, fixes=list(fix or []), run=run)
+    except (SessionNotFound, ValueError) as e:
+        _fail(str(e))
+    typer.echo(f"{res.op}: {res.op_type} replayed as {res.replay_as}; candidate {res.cand_format} "
+               f"({res.policy})" + (f"; fix {res.fix}" if res.fix else ""))
+    for n in res.notes:
+        typer.echo(f"  note: {n}")
+    typer.echo(f"  {'output':<10}{'dtype':<10}{'NaN':>8}{'inf':>8}{'absmax':>14}{'SQNR vs fp32':>15}{'verdict':>11}")
+    for r in res.rows():
+        sq = "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB"
+        typer.echo(f"  {r['output']:<10}{r['dtype']:<10}{r['nan']:>8}{r['inf']:>8}{fmt_num(r['absmax']):>14}"
+                   f"{sq:>15}{r['verdict_vs_fp32'] or '-':>11}")
+    c = res.comparisons.get("candidate vs dumped")
+    if c is not None:
+        same = c.max_abs_err == 0 and c.nonfinite_introduced == 0
+        typer.echo("  replay reproduces the dumped output exactly" if same else
+                   f"  replay vs dumped output: max abs difference {fmt_num(c.max_abs_err)}")
+    if res.fix and not res.fixed_is_finite:
+        raise typer.Exit(EXIT_FAILED)

@@ -1,0 +1,225 @@
+"""``ingest``, ``report`` and ``compare``: dump folders in, findings out.
+
+Exit status: 0 success; 1 a ``compare --fail-on`` condition tripped; 2 the
+input cannot be used (missing or corrupt dump, unsafe zip, unknown session,
+a condition that cannot be evaluated on this data).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+import typer
+
+from . import app
+
+EXIT_TRIPPED = 1
+EXIT_UNUSABLE = 2
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(EXIT_UNUSABLE)
+
+
+def _progress():
+    """A one-line progress display on stderr, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int, label: str) -> None:
+        phase = "compare" if label.startswith("compare") else "read"
+        pct = 100.0 * done / total if total else 100.0
+        sys.stderr.write(f"\r{phase:>7} {pct:5.1f}%  {label[-60:]:<60}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _end_progress(progress) -> None:
+    if progress is not None:
+        sys.stderr.write("\r" + " " * 80 + "\r")
+        sys.stderr.flush()
+
+
+def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
+    from ..services.ingest import IngestError, ingest
+
+    progress = _progress()
+    try:
+        name = ingest(paths, reference=reference, session=session, store=store, progress=progress,
+                      keep_tensors=keep_tensors)
+    except IngestError as e:
+        _end_progress(progress)
+        _fail(str(e))
+    _end_progress(progress)
+    return name
+
+
+def _store(db: Optional[str]):
+    from ..store import Store
+
+    try:
+        return Store(db)
+    except RuntimeError as e:  # another process holds the file
+        _fail(str(e))
+
+
+@app.command("ingest")
+def ingest_cmd(
+    paths: List[str] = typer.Argument(..., help="dump folder(s) or .zip archive(s) to ingest"),
+    reference: Optional[List[str]] = typer.Option(None, "--reference", "-r",
+                                                  help="fp32 reference dump (folder or .zip) to compare against"),
+    session: Optional[str] = typer.Option(None, "--session", "-s", help="session name (default: from the paths)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file (default: $PRECISION_LAB_DB or the user "
+                                                          "data directory)"),
+    keep_tensors: bool = typer.Option(False, "--keep-tensors", help="also store the tensors themselves"),
+) -> None:
+    """Ingest dump folders (msprobe, precision-lab shards, .npy/.npz/.pt/.safetensors/.bin); print the session name."""
+    store = _store(db)
+    typer.echo(_ingest(paths, reference or None, session, store, keep_tensors))
+
+
+@app.command("report")
+def report_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session name"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file"),
+    as_json: bool = typer.Option(False, "--json", help="print the stable JSON document instead of a table"),
+    html_file: Optional[str] = typer.Option(None, "--html", help="also write a self-contained HTML page (opens "
+                                            "offline) to this file"),
+) -> None:
+    """Report a session: first non-finite producer per run, comparisons, diagnoses."""
+    from ..services.report import build_report, render_text, to_json
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    try:
+        rep = build_report(store, session)
+    except SessionNotFound as e:
+        _fail(str(e))
+    typer.echo(to_json(rep) if as_json else render_text(rep), nl=False)
+    if as_json:
+        typer.echo()
+    if html_file:
+        from ..html_report import write_html
+
+        typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One ``--fail-on`` condition: ``nonfinite``, ``sqnr<DB``, ``max_rel_err>X``."""
+
+    kind: str
+    threshold: Optional[float] = None
+
+    def __str__(self) -> str:
+        if self.kind == "nonfinite":
+            return "nonfinite"
+        op = "<" if self.kind == "sqnr" else ">"
+        return f"{self.kind}{op}{self.threshold:g}"
+
+
+_COND_RE = re.compile(r"^\s*(sqnr|max_rel_err)\s*([<>])\s*([-+0-9.eE]+|inf)\s*$")
+
+
+def parse_condition(text: str) -> Condition:
+    t = text.strip()
+    if t == "nonfinite":
+        return Condition("nonfinite")
+    m = _COND_RE.match(t)
+    if m:
+        kind, op, num = m.groups()
+        if (kind, op) in (("sqnr", "<"), ("max_rel_err", ">")):
+            try:
+                return Condition(kind, float(num))
+            except ValueError:
+                pass
+    raise typer.BadParameter(f"{text!r}: expected nonfinite, sqnr<DB (e.g. sqnr<30) or max_rel_err>X "
+                             "(e.g. max_rel_err>0.01)")
+
+
+def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[str], list[str]]:
+    """``(tripped, unusable)``: one line per tripped condition and per condition
+    that this data cannot answer (e.g. ``sqnr`` with statistics-only dumps).
+
+    - ``nonfinite``: a matched pair where the candidate is NaN/Inf where the
+      reference is finite, or a candidate record with no reference
+      counterpart that is non-finite.
+    - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
+    - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
+      whose max relative error exceeds X.
+    """
+    comps = [c for c in report["comparisons"] if c["verdict"] is not None]
+    tripped, unusable = [], []
+    for cond in conditions:
+        if cond.kind == "nonfinite":
+            bad = [c for c in comps if (c["nonfinite_introduced"] or 0) > 0]
+            cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
+            unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c["match"] == "unmatched_cand"}
+            extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
+                     and (t["run"], t["rid"]) in unmatched]
+            if not report["comparisons"]:
+                extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
+            if bad or extra:
+                first = bad[0] if bad else extra[0]
+                where = f"{first['op']} {first['role']} {first['index']}"
+                tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
+                               f"the reference, first {where}")
+        elif cond.kind == "sqnr":
+            vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
+            if not vals:
+                unusable.append(f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)")
+                continue
+            bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
+            if bad:
+                worst = min(bad, key=lambda c: c["sqnr_db"])
+                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
+                               f"at {worst['sqnr_db']:.4g} dB")
+        else:
+            vals = [c for c in comps if c["max_rel_err"] is not None]
+            if not vals:
+                unusable.append(f"{cond}: no comparisons with a relative error")
+                continue
+            bad = [c for c in vals if c["max_rel_err"] > cond.threshold]
+            if bad:
+                worst = max(bad, key=lambda c: c["max_rel_err"])
+                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} "
+                               f"{worst['index']} at {worst['max_rel_err']:.4g}")
+    return tripped, unusable
+
+
+@app.command("compare")
+def compare_cmd(
+    ref: str = typer.Argument(..., help="reference dump (folder or .zip), usually fp32"),
+    cand: str = typer.Argument(..., help="candidate dump (folder or .zip)"),
+    fail_on: Optional[List[str]] = typer.Option(
+        None, "--fail-on", help="exit 1 when this holds: nonfinite | sqnr<DB | max_rel_err>X (repeatable)"),
+    db: Optional[str] = typer.Option(None, "--db", help="keep the session in this database (default: none kept)"),
+    session: Optional[str] = typer.Option(None, "--session", "-s", help="session name"),
+    as_json: bool = typer.Option(False, "--json", help="print the JSON report"),
+) -> None:
+    """Ingest REF and CAND, compare them op by op; for CI (exit 1 when --fail-on trips, 2 for unusable input)."""
+    from ..services.report import build_report, render_text, to_json
+    from ..store import Store
+
+    conditions = [parse_condition(c) for c in (fail_on or [])]
+    store = _store(db) if db else Store(":memory:")
+    name = _ingest([cand], [ref], session, store)
+    rep = build_report(store, name)
+    typer.echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)
+    tripped, unusable = check_conditions(rep, conditions)
+    for line in tripped:
+        typer.echo(f"FAIL {line}", err=True)
+    for line in unusable:
+        typer.echo(f"error: {line}", err=True)
+    if unusable:
+        raise typer.Exit(EXIT_UNUSABLE)
+    if tripped:
+        raise typer.Exit(EXIT_TRIPPED)
+    if conditions:
+        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)

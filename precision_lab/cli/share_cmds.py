@@ -1,0 +1,114 @@
+"""Sharing: export/import a session as one file, share links, server settings."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from . import app
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def _store(db: Optional[str]):
+    from ..config import ConfigError, load_config
+    from ..store import Store
+
+    if db is None:
+        try:
+            db = load_config().db_path  # the TOML file may name the database
+        except ConfigError as e:
+            _fail(str(e))
+    try:
+        return Store(db)
+    except RuntimeError as e:  # database locked by another process
+        _fail(str(e))
+
+
+@app.command("export")
+def export_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session name or id"),
+    output: str = typer.Option(..., "--output", "-o", help="file to write (a .zip)"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file"),
+) -> None:
+    """Write a session (runs, records, histograms, comparisons, diagnoses, kept tensors) to one file."""
+    from ..share import ShareError, export_session
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    try:
+        res = export_session(store, session, output)
+    except (SessionNotFound, ShareError) as e:
+        _fail(str(e))
+    typer.echo(f"exported session {res.session!r} to {res.path} ({res.rows['runs']} runs, "
+               f"{res.rows['tensors']} tensor records, {res.bytes} bytes)")
+
+
+@app.command("import")
+def import_cmd(
+    file: str = typer.Argument(..., help="an exported session (.zip)"),
+    as_name: Optional[str] = typer.Option(None, "--as", help="name for the imported session"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file"),
+) -> None:
+    """Import an exported session; an existing session is never replaced (the new one gets a suffix)."""
+    from ..config import ConfigError, load_config
+    from ..share import ShareError, import_session
+
+    try:
+        config = load_config()
+    except ConfigError as e:
+        _fail(str(e))
+    if config.read_only:
+        _fail("this server is configured read-only (PRECISION_LAB_READ_ONLY); imports are disabled")
+    store = _store(db)
+    try:
+        res = import_session(store, file, name=as_name, config=config)
+    except ShareError as e:
+        _fail(str(e))
+    typer.echo(res.message)
+
+
+@app.command("share-link")
+def share_link_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session name or id"),
+    base_url: str = typer.Option("http://localhost:8501/", "--base-url", help="where the dashboard is served"),
+    revoke: bool = typer.Option(False, "--revoke", help="make the session's current link stop working"),
+    db: Optional[str] = typer.Option(None, "--db", help="database file"),
+) -> None:
+    """Give a session a read-only share link (a new token replaces the old one), or revoke it."""
+    from ..share import create_share_token, revoke_share_token, share_url
+    from ..store import SessionNotFound
+
+    store = _store(db)
+    try:
+        if revoke:
+            revoke_share_token(store, session)
+            typer.echo(f"share link of session {session!r} revoked")
+            return
+        token = create_share_token(store, session)
+    except SessionNotFound as e:
+        _fail(str(e))
+    typer.echo(share_url(base_url, token))
+
+
+@app.command("config")
+def config_cmd(
+    config_file: Optional[str] = typer.Option(None, "--config", help="TOML file (default $PRECISION_LAB_CONFIG)"),
+) -> None:
+    """Print the server settings in effect and where they came from."""
+    from ..config import SETTINGS, ConfigError, load_config
+
+    try:
+        cfg = load_config(config_file)
+    except ConfigError as e:
+        _fail(str(e))
+    typer.echo(f"settings from: {cfg.source}")
+    for s in SETTINGS:
+        v = getattr(cfg, s.name)
+        if s.name == "list_sessions":
+            v = cfg.can_list_sessions
+        typer.echo(f"  {s.name:<18} {str(v):<12} ({s.env})")

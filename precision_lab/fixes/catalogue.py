@@ -1,0 +1,301 @@
+"""The fix catalogue: named, parameterised edits of a ``PrecisionPolicy``.
+
+A fix spec is ``name`` or ``name:argument`` (``keep-fp32:layers.0.mlp.down_proj``,
+``amax-floor:1e-12``).  Several fixes applied together are written with ``+``
+(``scale-fp32+amax-floor:1e-12``) or passed as a list.  Every fix has a
+one-line reason in number-format terms, with the limits read from
+``FORMATS``.  User code registers more with ``register_fix`` — the built-ins
+use the same registry.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Optional, Union
+
+from ..formats import FORMATS
+from .policy import PolicyError, PrecisionPolicy
+
+__all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "split_specs",
+           "fix_label"]
+
+
+class FixError(PolicyError):
+    """A fix spec cannot be parsed or does not apply to the policy; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class FixDef:
+    """One catalogue entry.
+
+    ``param``: None (no argument), ``"pattern"`` (module name pattern),
+    ``"value"`` (a positive number), ``"format"`` (a format name) or
+    ``"choice:a|b"``.  ``reason(arg)`` returns the one-line reason;
+    ``edit(policy, value)`` returns the edited policy or raises FixError.
+    """
+
+    name: str
+    param: Optional[str]
+    reason: Callable[[Any], str]
+    edit: Callable[[PrecisionPolicy, Any], PrecisionPolicy]
+    example: str
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    arg: Optional[str]
+    value: Any
+    definition: FixDef
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.arg is None else f"{self.name}:{self.arg}"
+
+    @property
+    def reason(self) -> str:
+        return self.definition.reason(self.value)
+
+    def apply(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        try:
+            new = self.definition.edit(policy, self.value)
+        except FixError:
+            raise
+        except PolicyError as e:
+            raise FixError(f"fix {self.spec!r}: {e}") from None
+        return replace(new, fixes=policy.fixes + (self.spec,))
+
+
+FIXES: dict[str, FixDef] = {}
+
+
+def register_fix(fix: FixDef, *, replace_existing: bool = False) -> FixDef:
+    if fix.name in FIXES and not replace_existing:
+        raise ValueError(f"a fix named {fix.name!r} is already registered")
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", fix.name):
+        raise ValueError(f"fix name {fix.name!r} must be lower-case letters, digits and dashes")
+    FIXES[fix.name] = fix
+    return fix
+
+
+def _parse_value(name: str, param: str, arg: str):
+    if param == "value":
+        try:
+            v = float(arg)
+        except ValueError:
+            raise FixError(f"fix {name!r}: {arg!r} is not a number (e.g. {FIXES[name].example})") from None
+        if not math.isfinite(v) or v <= 0:
+            raise FixError(f"fix {name!r}: value {arg} must be a finite number > 0")
+        return v
+    if param == "format":
+        if arg not in FORMATS:
+            raise FixError(f"fix {name!r}: unknown format {arg!r}; known: {', '.join(FORMATS)}")
+        return arg
+    if param.startswith("choice:"):
+        choices = param.split(":", 1)[1].split("|")
+        if arg not in choices:
+            raise FixError(f"fix {name!r}: {arg!r} must be one of {', '.join(choices)}")
+        return arg
+    if param == "pattern":
+        if not arg or any(c.isspace() for c in arg):
+            raise FixError(f"fix {name!r}: module pattern {arg!r} must be non-empty with no spaces")
+        return arg
+    raise FixError(f"fix {name!r}: unknown parameter kind {param!r}")
+
+
+def parse_fix(spec: str) -> Fix:
+    """``'amax-floor:1e-12'`` -> ``Fix``; raises FixError naming the problem and the known fixes."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise FixError(f"a fix spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    name, sep, arg = spec.partition(":")
+    name = name.strip()
+    d = FIXES.get(name)
+    if d is None:
+        raise FixError(f"unknown fix {name!r}; known fixes: {', '.join(sorted(FIXES))}")
+    if d.param is None:
+        if sep:
+            raise FixError(f"fix {name!r} takes no argument (got {arg!r}); write just {name}")
+        return Fix(name, None, None, d)
+    if not sep or not arg.strip():
+        raise FixError(f"fix {name!r} needs an argument: e.g. {d.example}")
+    arg = arg.strip()
+    return Fix(name, arg, _parse_value(name, d.param, arg), d)
+
+
+_SPLIT = re.compile(r"\+(?=[a-z])")
+
+
+def split_specs(specs: Union[str, Iterable[str], None]) -> list[str]:
+    """A spec string (``a+b``) or a list of them -> a flat list of single specs."""
+    if specs is None:
+        return []
+    if isinstance(specs, str):
+        specs = [specs]
+    out = []
+    for s in specs:
+        if isinstance(s, Fix):
+            out.append(s.spec)
+            continue
+        out.extend(p.strip() for p in _SPLIT.split(str(s)) if p.strip())
+    return out
+
+
+def fix_label(specs) -> str:
+    """Canonical ``+``-joined form of some specs (what a run's ``fix`` column records)."""
+    return "+".join(parse_fix(s).spec for s in split_specs(specs))
+
+
+def apply_fixes(policy: PrecisionPolicy, specs) -> PrecisionPolicy:
+    """Apply fix specs in order; the result records them in ``policy.fixes``."""
+    for s in split_specs(specs):
+        policy = parse_fix(s).apply(policy)
+    return policy
+
+
+# ---- the built-in catalogue ------------------------------------------------------
+
+def _need_quant(policy: PrecisionPolicy, fix: str):
+    if policy.quant is None:
+        raise FixError(f"fix {fix!r} edits fp8 fake-quantisation settings, but policy "
+                       f"{policy.name!r} ({policy.describe()}) quantises nothing")
+    return policy.quant
+
+
+def _keep_fp32(p: PrecisionPolicy, pattern: str) -> PrecisionPolicy:
+    return replace(p, overrides=p.overrides + ((pattern, "fp32"),))
+
+
+def _use_bf16(p: PrecisionPolicy, _) -> PrecisionPolicy:
+    def sw(f):
+        return "bf16" if f == "fp16" else f
+
+    q = p.quant
+    new = replace(p, dtype=sw(p.dtype), overrides=tuple((pat, sw(f)) for pat, f in p.overrides),
+                  quant=replace(q, scale_format=sw(q.scale_format)) if q is not None else None)
+    if new == p:
+        raise FixError(f"fix 'use-bf16' replaces fp16 by bf16, but policy {p.name!r} ({p.describe()}) uses no fp16")
+    return new
+
+
+def _scale_fp32(p, _):
+    q = _need_quant(p, "scale-fp32")
+    if q.scale_format == "fp32":
+        raise FixError(f"fix 'scale-fp32': policy {p.name!r} already computes scales in fp32")
+    return replace(p, quant=replace(q, scale_format="fp32"))
+
+
+def _amax_floor(p, v):
+    return replace(p, quant=replace(_need_quant(p, "amax-floor"), amax_floor=v))
+
+
+def _eps(p, v):
+    return replace(p, eps=v)
+
+
+def _flag(field: str, fix: str):
+    def edit(p, _):
+        if getattr(p, field):
+            raise FixError(f"fix {fix!r}: policy {p.name!r} already has it")
+        return replace(p, **{field: True})
+
+    return edit
+
+
+def _sanitize(p, pattern):
+    return replace(p, sanitize=p.sanitize + (pattern,))
+
+
+def _finite_only(p, _):
+    q = _need_quant(p, "calibrate-finite-only")
+    if q.calibration != "histogram":
+        raise FixError("fix 'calibrate-finite-only' applies to histogram calibration; "
+                       f"policy {p.name!r} scales dynamically")
+    return replace(p, quant=replace(q, finite_only=True))
+
+
+def _keep_subnormals(p, _):
+    if not p.flush_to_zero:
+        raise FixError(f"fix 'keep-subnormals': policy {p.name!r} does not flush subnormals to zero")
+    return replace(p, flush_to_zero=False)
+
+
+def _fp8_format(p, fmt):
+    from .policy import QuantConfig
+
+    q = _need_quant(p, "fp8-format")
+    return replace(p, quant=QuantConfig(**{**q.__dict__, "format": fmt}))
+
+
+def _scaling(p, gran):
+    return replace(p, quant=replace(_need_quant(p, "scaling"), granularity=gran))
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+_F32, _F16, _B16 = FORMATS["fp32"], FORMATS["fp16"], FORMATS["bf16"]
+
+for _d in (
+    FixDef("keep-fp32", "pattern",
+           lambda pat: f"run modules matching {pat!r} in fp32 (max {_g(_F32.max)}, eps {_g(_F32.eps)}): "
+                       "an fp32 island where values leave the low-precision range or lose precision",
+           _keep_fp32, "keep-fp32:layers.0.mlp.down_proj"),
+    FixDef("use-bf16", None,
+           lambda _: f"compute in bf16 instead of fp16: bf16 keeps fp32's exponent range (max {_g(_B16.max)} vs "
+                     f"fp16 {_F16.max:,.0f}) at {_B16.eps / _F16.eps:g}x coarser rounding",
+           _use_bf16, "use-bf16"),
+    FixDef("scale-fp32", None,
+           lambda _: f"compute fp8 amax, scale and its reciprocal in fp32: a scale below fp16's smallest normal "
+                     f"({_g(_F16.smallest_normal)}) stays normal in fp32 and its reciprocal stays below "
+                     f"fp32 max ({_g(_F32.max)})",
+           _scale_fp32, "scale-fp32"),
+    FixDef("amax-floor", "value",
+           lambda v: f"clamp amax to at least {v:g} so an all-zero or tiny tensor or row gets a finite "
+                     "reciprocal scale instead of 1/0 = inf (the floor must be representable in the scale format)",
+           _amax_floor, "amax-floor:1e-12"),
+    FixDef("eps", "value",
+           lambda v: f"use epsilon {v:g} in normalisations; it keeps 1/sqrt(var + eps) finite when the "
+                     f"variance is 0 if the compute format holds it as a normal number "
+                     f"(fp16 smallest normal {_g(_F16.smallest_normal)})",
+           _eps, "eps:1e-3"),
+    FixDef("stable-softmax", None,
+           lambda _: f"subtract the row max before exp(): exp(x - max) <= 1 cannot overflow "
+                     f"(in fp16 exp(x) overflows for x > ln({_F16.max:,.0f}) = {math.log(_F16.max):.2f})",
+           _flag("stable_softmax", "stable-softmax"), "stable-softmax"),
+    FixDef("stats-fp32", None,
+           lambda _: f"compute normalisation statistics in fp32: x^2 cannot overflow (fp16 overflows for "
+                     f"|x| > {math.sqrt(_F16.max):.1f}) and E[x^2] - E[x]^2 does not cancel to a negative number",
+           _flag("stats_fp32", "stats-fp32"), "stats-fp32"),
+    FixDef("two-pass-variance", None,
+           lambda _: "compute the variance as mean((x - mean)^2): never negative, no cancellation between "
+                     "two large nearly equal numbers",
+           _flag("two_pass_variance", "two-pass-variance"), "two-pass-variance"),
+    FixDef("sanitize-nonfinite", "pattern",
+           lambda pat: f"replace NaN by 0 and +/-inf by +/-max in the output of {pat!r} so one bad row does "
+                       "not poison everything after it (hides the cause: fix the producer where possible)",
+           _sanitize, "sanitize-nonfinite:norm"),
+    FixDef("calibrate-finite-only", None,
+           lambda _: "build calibration histograms from finite values only: torch.histc refuses a NaN/Inf "
+                     "range, and a NaN amax makes every scale NaN",
+           _finite_only, "calibrate-finite-only"),
+    FixDef("keep-subnormals", None,
+           lambda _: f"turn flush-to-zero off: values between fp16's smallest subnormal "
+                     f"({_g(_F16.smallest_subnormal)}) and smallest normal ({_g(_F16.smallest_normal)}) "
+                     "keep their value instead of becoming 0",
+           _keep_subnormals, "keep-subnormals"),
+    FixDef("fp8-format", "format",
+           lambda f: f"fake-quantise to {f} (max {_g(FORMATS[f].max)}, smallest normal "
+                     f"{_g(FORMATS[f].smallest_normal)}, eps {_g(FORMATS[f].eps)})",
+           _fp8_format, "fp8-format:fp8_e5m2"),
+    FixDef("scaling", "choice:tensor|row",
+           lambda g: f"one fp8 scale per {g}" + (": an outlier row no longer coarsens every other row"
+                                                  if g == "row" else ""),
+           _scaling, "scaling:row"),
+):
+    register_fix(_d)
+
+del _d

@@ -1,0 +1,656 @@
+"""Diagnosis: explain what went wrong in number-format terms, and rank fixes.
+
+``diagnose_session(store, session)`` reads the stored statistics and
+comparisons of every candidate and re-run in a session and writes one
+``Diagnosis`` row per finding, replacing the session's earlier diagnoses in
+one transaction (running it twice gives the same rows).
+
+For a run with non-finite values the rules look at the first non-finite
+producer (``services.report.first_nonfinite``) and the op or module around
+it, and are tried in order; the first that recognises the failure writes the
+diagnosis:
+
+``nonfinite-in-reference``  the fp32 reference produces it too (not a
+                            precision problem; calibration downstream fails)
+``fp8-scale``               a fake-quant scale is 0 or subnormal in its format
+                            and its reciprocal is inf: 0 x inf = NaN
+``softmax-overflow``        exp() of logits above ln(max) overflows
+``norm-statistics``         x^2 overflow, cancelling one-pass variance, an
+                            epsilon lost to flush-to-zero
+``overflow``                an output larger than the format's max
+``nonfinite-producer``      anything else, with the numbers that are known
+``nonfinite-input``         the run's inputs are already non-finite
+
+Runs without non-finite values get ``precision-loss`` (an op whose local
+error is far above its format's rounding) and re-runs get ``fix-verified``
+when the fix removed every non-finite value.  Every threshold is read from
+``FORMATS``; every number in a message comes from the stored stats.
+
+Sessions made from recipes carry the recipe name and the run's policy, so
+the rules also know module classes, epsilons and flush-to-zero, and propose
+fixes by module name.  For dump-only sessions they use op types and names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..formats import FORMATS, Format, format_for_dtype
+from ..records import Diagnosis
+
+__all__ = ["diagnose_session", "diagnose", "RULES", "register_rule", "fmt_num", "representable_floor"]
+
+_IN_ROLES = ("input", "kwarg", "param", "grad_output")
+
+
+def fmt_num(v: Optional[float]) -> str:
+    """Numbers as a person reads them: ``78,450``, ``1.7e-06``, ``0.0975``."""
+    if v is None:
+        return "?"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if 1000 <= a < 1e7:
+        return f"{v:,.0f}"
+    if a < 1e-3 or a >= 1e7:
+        return f"{v:.2g}" if a < 1e-3 else f"{v:.3g}"
+    return f"{v:.4g}"
+
+
+def representable_floor(quant_fmt: Format, scale_fmt: Format) -> float:
+    """Smallest power of two amax floor that keeps ``1 / (amax / quant max)`` finite in ``scale_fmt``."""
+    need = quant_fmt.max / scale_fmt.max
+    return 2.0 ** math.ceil(math.log2(need))
+
+
+def _eps_normal(fmt: Format) -> float:
+    """A round epsilon that ``fmt`` holds as a normal number (survives flush-to-zero)."""
+    return 10.0 ** math.ceil(math.log10(fmt.smallest_normal))
+
+
+# ---- what a rule sees -------------------------------------------------------------
+
+@dataclass
+class Context:
+    store: object  # a Store
+    session: dict
+    runs: list[dict]
+    ref_run: Optional[dict]
+    modules: dict[str, dict] = field(default_factory=dict)  # module path -> facts (class, eps, leaf, ...)
+    policies: dict[str, object] = field(default_factory=dict)  # run_id -> PrecisionPolicy
+
+    def rows(self, sql: str, params: list) -> list[dict]:
+        cur = self.store.sql(sql, params)
+        cols = [d[0] for d in cur.description]
+        return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+    def module_call(self, run_id: str, module: str, step: int, rank: int, seq: int, *, after: bool = True):
+        """Records of one call of ``module`` (capture names it ``<module>.forward.<n>``).
+
+        With ``after`` the call that encloses ``seq`` (its record comes after
+        its children's, so the first call at or after ``seq``), else the
+        last call at or before ``seq``.
+        """
+        like = module.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + ".forward.%"
+        cmp, order = (">=", "ASC") if after else ("<=", "DESC")
+        hit = self.rows(f"""SELECT op, min(seq) AS s FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
+                            AND op LIKE ? ESCAPE '\\' GROUP BY op HAVING min(seq) {cmp} ?
+                            ORDER BY s {order} LIMIT 1""", [run_id, step, rank, like, seq])
+        if not hit:
+            return []
+        return self.rows("""SELECT * FROM tensors WHERE run_id = ? AND step = ? AND rank = ? AND op = ?
+                            ORDER BY seq, rid""", [run_id, step, rank, hit[0]["op"]])
+
+    def module_of(self, op: str) -> Optional[str]:
+        """The innermost known module an op name belongs to (recipe sessions), else None."""
+        best = None
+        for name in self.modules:
+            if name and (op == name or op.startswith(name + ".")) and (best is None or len(name) > len(best)):
+                best = name
+        return best
+
+
+@dataclass
+class Evidence:
+    run: dict
+    producer: dict  # first_nonfinite's dict
+    op: str
+    op_type: str
+    module: Optional[str]
+    module_facts: dict
+    records: list[dict]  # the producer op's records in this run
+    module_records: list[dict]  # the enclosing module's records (may equal records)
+    fmt: Format  # the format the producer computed in
+    policy: object  # PrecisionPolicy or None
+
+    def inputs(self, recs=None) -> list[dict]:
+        return [r for r in (recs if recs is not None else self.records) if r["role"] in _IN_ROLES]
+
+    def outputs(self, recs=None) -> list[dict]:
+        return [r for r in (recs if recs is not None else self.records) if r["role"] not in _IN_ROLES]
+
+    @property
+    def where(self) -> str:
+        return self.module or self.op
+
+
+Rule = Callable[[Context, Evidence], Optional[Diagnosis]]
+RULES: list[tuple[str, Rule]] = []
+
+
+def register_rule(name: str, *, before: Optional[str] = None):
+    """Add a producer rule (``fn(ctx, evidence) -> Diagnosis | None``); built-ins use this too."""
+
+    def deco(fn):
+        entry = (name, fn)
+        if before is not None:
+            idx = next((i for i, (n, _) in enumerate(RULES) if n == before), len(RULES))
+            RULES.insert(idx, entry)
+        else:
+            RULES.append(entry)
+        return fn
+
+    return deco
+
+
+def _diag(ev: Evidence, rule: str, message: str, fixes, severity: str = "error") -> Diagnosis:
+    seen, ranked = set(), []
+    for f in fixes:
+        if f and f not in seen:
+            seen.add(f)
+            ranked.append(f)
+    return Diagnosis(session_id="", run_id=ev.run["run_id"], op=ev.where, rule=rule, message=message,
+                     fixes=tuple(ranked), severity=severity, seq=int(ev.producer["seq"]))
+
+
+def _absmax(r: dict) -> Optional[float]:
+    v = r.get("absmax")
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        mx, mn = r.get("max"), r.get("min")
+        if mx is None or mn is None:
+            return None
+        return max(abs(mx), abs(mn))
+    return float(v)
+
+
+def _finite(v) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _count(r: dict, key: str) -> int:
+    v = r.get(key)
+    return 0 if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+
+
+def _ref_records(ctx: Context, ev: Evidence, recs: list[dict]) -> dict[int, dict]:
+    """Reference records paired with ``recs`` (by the stored comparisons, else by name)."""
+    if ctx.ref_run is None or not recs:
+        return {}
+    out = {}
+    rids = [int(r["rid"]) for r in recs]
+    q = ",".join("?" * len(rids))
+    for c in ctx.rows(f"""SELECT cand_rid, ref_rid FROM comparisons WHERE cand_run_id = ? AND cand_rid IN ({q})
+                          AND ref_rid IS NOT NULL""", [ev.run["run_id"]] + rids):
+        ref = ctx.rows("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [ctx.ref_run["run_id"], c["ref_rid"]])
+        if ref:
+            out[int(c["cand_rid"])] = ref[0]
+    for r in recs:
+        if int(r["rid"]) in out:
+            continue
+        ref = ctx.rows("""SELECT * FROM tensors WHERE run_id = ? AND op = ? AND role = ? AND "index" = ?
+                          AND step = ? AND rank = ? LIMIT 1""",
+                       [ctx.ref_run["run_id"], r["op"], r["role"], r["index"], r["step"], r["rank"]])
+        if ref:
+            out[int(r["rid"])] = ref[0]
+    return out
+
+
+def _keep_fp32(ev: Evidence) -> Optional[str]:
+    return f"keep-fp32:{ev.module}" if ev.module else None
+
+
+# ---- producer rules ------------------------------------------------------------------
+
+@register_rule("nonfinite-input")
+def _rule_input(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    if ev.producer.get("producer", True):
+        return None
+    msg = (f"`{ev.op}` already receives non-finite values in its {ev.producer['role']} {ev.producer['index']}: "
+           "no recorded op produced them (they come from the model's inputs or from before the first recorded op)")
+    return _diag(ev, "nonfinite-input", msg, [], "error")
+
+
+@register_rule("nonfinite-in-reference")
+def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    if ctx.ref_run is None or ev.run["run_id"] == ctx.ref_run["run_id"]:
+        return None
+    recs = ev.module_records or ev.records
+    refs = _ref_records(ctx, ev, ev.outputs(recs))
+    bad = [r for r in refs.values() if r.get("nonfinite")]
+    if not bad:
+        return None
+    out = bad[0]
+    ins = ev.inputs(recs)
+    zeros = sum(_count(r, "zero_count") for r in ins)
+    nan, inf = _count(out, "nan_count"), _count(out, "inf_count")
+    what = []
+    if nan:
+        what.append(f"{nan:,} NaN")
+    if inf:
+        what.append(f"{inf:,} inf")
+    msg = (f"`{ev.where}` produces {' and '.join(what) or 'non-finite values'} in the fp32 reference run too: "
+           "this is not a precision problem.")
+    if zeros and nan:
+        msg += f" Its input holds {zeros:,} zeros: 0/0 (e.g. normalising an all-zero row)."
+    fixes = []
+    if ev.module_facts.get("eps") is not None:
+        fixes.append("eps:1e-6")  # removes the 0/0 itself
+    fixes.append(f"sanitize-nonfinite:{ev.module}" if ev.module else None)
+    policy = ev.policy
+    q = getattr(policy, "quant", None)
+    if q is not None and q.calibration == "histogram":
+        calib = ctx.rows("""SELECT op FROM tensors WHERE run_id = ? AND op_type = 'Amax' AND role = 'output'
+                            AND nonfinite ORDER BY seq LIMIT 1""", [ev.run["run_id"]])
+        if calib:
+            warn = ctx.rows("""SELECT message FROM warnings WHERE run_id = ? AND message LIKE
+                               'histogram calibration failed:%' LIMIT 1""", [ev.run["run_id"]])
+            if warn:
+                err = warn[0]["message"].split(":", 1)[1].strip()
+            else:  # torch's own words for a histogram over a NaN range
+                import torch
+
+                from .modules import histogram_amax
+
+                err = histogram_amax(torch.tensor([float("nan")]))[1]
+            msg += (f" Histogram calibration at `{calib[0]['op']}` then receives NaN and fails ({err}), so its "
+                    "amax and every scale after it are NaN; the calibration is a victim, not the cause.")
+        fixes.append("calibrate-finite-only")
+    return _diag(ev, "nonfinite-in-reference", msg, fixes)
+
+
+def _quant_chain(ctx: Context, ev: Evidence):
+    """(scale, reciprocal, amax output records, fake-quant path) when the producer sits in a fake-quant chain."""
+    path = ev.module or ev.op
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = ".".join(parts[:cut])
+        facts = ctx.modules.get(base, {})
+        if facts.get("class") == "FakeQuant":
+            fq = base
+            break
+    else:
+        if ev.module_facts.get("class") in ("Reciprocal", "QuantScale", "Amax"):
+            fq = ".".join(parts[:-1])
+        elif ev.op_type in ("reciprocal",) or parts[-1] in ("inv_scale", "scale"):
+            fq = ".".join(parts[:-1])
+        else:
+            return None
+    step, rank, seq = ev.producer["step"], ev.producer["rank"], ev.producer["seq"]
+    run_id = ev.run["run_id"]
+    scale = _outputs(ctx.module_call(run_id, f"{fq}.scale", step, rank, seq, after=False))
+    inv = _outputs(ctx.module_call(run_id, f"{fq}.inv_scale", step, rank, seq, after=False))
+    amax = _outputs(ctx.module_call(run_id, f"{fq}.amax", step, rank, seq, after=False))
+    if not scale:
+        return None
+    return scale[0], (inv[0] if inv else None), (amax[0] if amax else None), fq
+
+
+def _outputs(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if r["role"] == "output"]
+
+
+@register_rule("fp8-scale")
+def _rule_fp8_scale(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    got = _quant_chain(ctx, ev)
+    if got is None:
+        return None
+    scale, inv, amax, fq = got
+    sfmt = format_for_dtype(scale["dtype"]) or FORMATS["fp32"]
+    q = getattr(ev.policy, "quant", None)
+    qfmt = FORMATS[q.format] if q is not None else None
+    inv_op = inv["op"] if inv else f"{fq}.inv_scale"
+    zeros = _count(scale, "zero_count")
+    amax_zeros = _count(amax, "zero_count") if amax else zeros
+    smallest = scale.get("min_abs_nonzero")
+    per_row = q is not None and q.granularity == "row"
+    qmax = f"{qfmt.name} max {fmt_num(qfmt.max)}" if qfmt else "the format's max"
+    parts = []
+
+    def rows(n):
+        return f"{n:,} row{'s' if n > 1 else ''}" if per_row else "the tensor"
+
+    if amax_zeros:
+        parts.append(f"amax is 0 for {rows(amax_zeros)} (all zeros), so scale = amax / {qmax} = 0 in {sfmt.name}; "
+                     f"its reciprocal is inf and 0 x inf = NaN at `{inv_op}`")
+    if zeros > amax_zeros:
+        parts.append(f"the scale of {rows(zeros - amax_zeros)} with a tiny nonzero amax underflows to 0 in "
+                     f"{sfmt.name} (amax / {qmax} < its smallest subnormal {fmt_num(sfmt.smallest_positive)}), "
+                     "so its reciprocal is inf as well")
+    if _finite(smallest) and smallest > 0 and smallest < sfmt.smallest_normal:
+        recip = 1.0 / smallest
+        s = (f"scale {fmt_num(smallest)} is subnormal in {sfmt.name} (smallest normal "
+             f"{fmt_num(sfmt.smallest_normal)})")
+        if recip > sfmt.max:
+            s += f"; its reciprocal {recip:.2g} exceeds {sfmt.name} max {fmt_num(sfmt.max)} -> inf"
+            s += f"; 0 x inf = NaN at `{inv_op}`" if not parts else ""
+        parts.append(s)
+    elif _finite(smallest) and smallest > 0 and 1.0 / smallest > sfmt.max:
+        parts.append(f"scale {fmt_num(smallest)}: its reciprocal {1.0 / smallest:.2g} exceeds {sfmt.name} max "
+                     f"{fmt_num(sfmt.max)} -> inf at `{inv_op}`")
+    if not parts:
+        if inv is None or not inv.get("nonfinite"):
+            return None
+        parts.append(f"the reciprocal scale at `{inv_op}` is not finite")
+    msg = "; ".join(parts)
+    fixes = []
+    if zeros:
+        if sfmt.name != "fp32":
+            fixes.append("scale-fp32+amax-floor:1e-12")
+            msg += (f". A floor like clamp(min=1e-12) does nothing in {sfmt.name} "
+                    f"(1e-12 < its smallest subnormal {fmt_num(sfmt.smallest_positive)} rounds to 0)")
+        else:
+            fixes.append("amax-floor:1e-12")
+    elif sfmt.name != "fp32":
+        fixes.append("scale-fp32")
+    if qfmt is not None and sfmt.name != "fp32":
+        fixes.append(f"amax-floor:{representable_floor(qfmt, sfmt):g}")
+    return _diag(ev, "fp8-scale", msg, fixes)
+
+
+def _is_softmax(ev: Evidence) -> bool:
+    return ev.module_facts.get("class") == "Softmax" or ev.op_type.lower() in ("softmax", "_softmax", "exp")
+
+
+@register_rule("softmax-overflow")
+def _rule_softmax(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    if not _is_softmax(ev):
+        return None
+    recs = ev.module_records or ev.records
+    ins = [r for r in ev.inputs(recs) if _finite(r.get("max"))]
+    if not ins:
+        return None
+    top = max(r["max"] for r in ins)
+    lim = math.log(ev.fmt.max)
+    if top <= lim:
+        return None
+    stable = ev.module_facts.get("stable")
+    msg = (f"logits reach {fmt_num(top)} > ln({fmt_num(ev.fmt.max)}) = {lim:.2f}: exp() overflows {ev.fmt.name} "
+           f"-> inf, and inf / inf = NaN in `{ev.where}`")
+    msg += " (softmax without max subtraction)" if stable is False else ""
+    return _diag(ev, "softmax-overflow", msg, ["stable-softmax", _keep_fp32(ev),
+                                                "use-bf16" if ev.fmt.name == "fp16" else None])
+
+
+def _is_norm(ev: Evidence) -> bool:
+    cls = ev.module_facts.get("class")
+    return cls in ("LayerNorm", "RMSNorm") or ev.op_type.lower() in ("layer_norm", "rms_norm", "layernorm",
+                                                                       "rmsnorm")
+
+
+@register_rule("norm-statistics")
+def _rule_norm(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    if not _is_norm(ev):
+        return None
+    f = ev.fmt
+    recs = ev.module_records or ev.records
+    ins = ev.inputs(recs)
+    x = max((_absmax(r) for r in ins if r["role"] == "input" and _finite(_absmax(r))), default=None)
+    facts = ev.module_facts
+    parts, fixes = [], []
+    one_pass = facts.get("class") == "LayerNorm" and not facts.get("two_pass")
+    stats_fp32 = facts.get("stats_fp32")
+    if x is not None and not stats_fp32 and x * x > f.max:
+        what = "E[x^2] (one-pass variance)" if one_pass else "mean(x^2)"
+        parts.append(f"input absmax {fmt_num(x)}: x^2 = {fmt_num(x * x)} > {f.name} max {fmt_num(f.max)}, so {what} "
+                     f"overflows to inf" + (" and inf - inf = NaN" if one_pass else ""))
+    eps = facts.get("eps")
+    if eps is not None and facts.get("flush_to_zero") and f.has_subnormals and eps < f.smallest_normal:
+        parts.append(f"epsilon {eps:g} is subnormal in {f.name} (smallest normal {fmt_num(f.smallest_normal)}) "
+                     "and becomes 0 under flush-to-zero: a zero-variance row gives 0 x rsqrt(0) = 0 x inf = NaN")
+        fixes.append(f"eps:{_eps_normal(f):g}")
+    if one_pass and not stats_fp32 and x is not None and x * x <= f.max:
+        sq = x * x
+        spacing = 2.0 ** (math.floor(math.log2(sq)) - f.man_bits) if sq > 0 else 0.0
+        parts.append(f"the one-pass variance E[x^2] - E[x]^2 subtracts numbers up to {fmt_num(sq)} whose "
+                     f"{f.name} spacing is {fmt_num(spacing)}: a small variance cancels and can go negative, "
+                     "and rsqrt(negative) = NaN")
+    if not parts:
+        parts.append(f"the normalisation statistics of `{ev.where}` are not finite in {f.name}")
+    # every proposal addresses every cause found: fp32 statistics cover all of them
+    needs_two_pass = one_pass and not stats_fp32 and x is not None
+    eps_fix = next((x for x in fixes if x.startswith("eps:")), None)
+    combo = "+".join(p for p in ("two-pass-variance" if needs_two_pass else None, eps_fix) if p)
+    fixes = ["stats-fp32", combo or None, _keep_fp32(ev)]
+    return _diag(ev, "norm-statistics", f"`{ev.where}` in {f.name}: " + "; ".join(parts), fixes)
+
+
+def _island(ctx: Context, fmt: Format) -> list[str]:
+    """Leaf modules whose reference inputs or outputs exceed ``fmt``'s max (need fp32), in execution order."""
+    if ctx.ref_run is None or not ctx.modules:
+        return []
+    leaves = {n for n, f in ctx.modules.items() if f.get("leaf") and n}
+    rows = ctx.rows("""SELECT op, min(seq) AS seq FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
+                       AND absmax > ? GROUP BY op ORDER BY seq""", [ctx.ref_run["run_id"], fmt.max])
+    out = []
+    for r in rows:
+        m = ctx.module_of(r["op"])
+        if m in leaves and m not in out:
+            out.append(m)
+    return out
+
+
+@register_rule("overflow")
+def _rule_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    recs = ev.module_records or ev.records
+    outs = ev.outputs(recs)
+    refs = _ref_records(ctx, ev, outs)
+    ref_max = max((_absmax(r) for r in refs.values() if _finite(_absmax(r))), default=None)
+    f = ev.fmt
+    if ref_max is None or ref_max <= f.max:
+        return None
+    msg = (f"`{ev.where}` output absmax {fmt_num(ref_max)} (fp32 reference) > {f.name} max {fmt_num(f.max)}: "
+           f"the value itself exceeds {f.name}'s range, so fp32 accumulation alone does not help")
+    fixes = ["use-bf16" if f.name == "fp16" else None]
+    island = _island(ctx, f)
+    if island:
+        fixes.append("+".join(f"keep-fp32:{m}" for m in island))
+        if len(island) > 1:
+            msg += (f"; values stay above {fmt_num(f.max)} until a normalisation, so the fp32 island is "
+                    + ", ".join(f"`{m}`" for m in island))
+    else:
+        fixes.append(_keep_fp32(ev))
+    return _diag(ev, "overflow", msg, fixes)
+
+
+@register_rule("nonfinite-producer")
+def _rule_fallback(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    recs = ev.records
+    ins = [r for r in ev.inputs(recs)]
+    outs = ev.outputs(recs)
+    x = max((_absmax(r) for r in ins if _finite(_absmax(r))), default=None)
+    nan = sum(_count(r, "nan_count") for r in outs)
+    inf = sum(_count(r, "inf_count") for r in outs)
+    what = " and ".join(s for s in (f"{nan:,} NaN" if nan else "", f"{inf:,} inf" if inf else "") if s)
+    msg = (f"`{ev.op}` ({ev.op_type}) turns finite inputs" + (f" (absmax {fmt_num(x)})" if x is not None else "")
+           + f" into {what or 'non-finite values'} in {ev.fmt.name} (max {fmt_num(ev.fmt.max)})")
+    return _diag(ev, "nonfinite-producer", msg,
+                 ["use-bf16" if ev.fmt.name == "fp16" else None, _keep_fp32(ev)])
+
+
+# ---- run-level findings ---------------------------------------------------------------
+
+def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
+    policy = ctx.policies.get(run["run_id"])
+    rows = ctx.rows("""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
+                       WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
+                       ORDER BY rounding_units DESC LIMIT 20""", [run["run_id"]])
+    out = []
+    for r in rows:
+        m = ctx.module_of(r["op"])
+        facts = ctx.modules.get(m or "", {})
+        # fp8 fake quantisation is expected to be far coarser than the compute format
+        if getattr(policy, "quant", None) is not None and any(
+                ctx.modules.get(p, {}).get("class") in ("QuantLinear", "FakeQuant") for p in _prefixes(m or r["op"])):
+            continue
+        fmt = FORMATS.get(r["cand_format"] or "") or FORMATS["fp32"]
+        where = m or r["op"]
+        msg = (f"`{where}` introduces error {r['rounding_units']:.3g}x {fmt.name}'s unit roundoff "
+               f"(SQNR {r['sqnr_db']:.1f} dB against fp32 recomputed from its own inputs)")
+        out.append(Diagnosis("", run["run_id"], where, "precision-loss", msg,
+                             tuple(x for x in (f"keep-fp32:{m}" if m and facts else None,
+                                               "use-bf16" if fmt.name == "fp16" else None) if x),
+                             "warn", int(r["seq"])))
+        if len(out) >= 3:
+            break
+    return out
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
+    if run["kind"] != "rerun" or not run.get("fix"):
+        return []
+    last = ctx.rows("""SELECT op, seq, sqnr_db FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
+                       AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY seq DESC LIMIT 1""", [run["run_id"]])
+    parent = next((r for r in ctx.runs if r["run_id"] == run.get("parent_run_id")), None)
+    msg = f"re-run with `{run['fix']}`" + (f" (from run {parent['name']})" if parent else "")
+    msg += ": no NaN or inf anywhere in the run"
+    if last and _finite(last[0]["sqnr_db"]):
+        msg += f"; final output SQNR {last[0]['sqnr_db']:.1f} dB against the fp32 reference"
+    return [Diagnosis("", run["run_id"], last[0]["op"] if last else "", "fix-verified", msg, (), "info",
+                      int(last[0]["seq"]) if last else -1)]
+
+
+# ---- entry points --------------------------------------------------------------------
+
+def _module_facts(recipe_name: Optional[str], policy) -> dict[str, dict]:
+    """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable} of a recipe's model."""
+    if not recipe_name:
+        return {}
+    from .recipes import RecipeNotFound, get_recipe
+
+    try:
+        recipe = get_recipe(recipe_name)
+    except RecipeNotFound:
+        return {}
+    model = recipe.build_model()
+    if policy is not None:
+        try:
+            policy.prepare(model)
+        except ValueError:
+            pass
+    facts = {}
+    for name, mod in model.named_modules():
+        d = {"class": type(mod).__name__, "leaf": not any(True for _ in mod.children())}
+        for attr in ("eps", "flush_to_zero", "two_pass", "stats_fp32", "stable"):
+            if hasattr(mod, attr):
+                d[attr] = getattr(mod, attr)
+        facts[name] = d
+    return facts
+
+
+def _policy_of(run: dict, session: dict):
+    from .policy import PrecisionPolicy
+
+    text = run.get("policy")
+    if not text:
+        return None
+    try:
+        return PrecisionPolicy.from_json(text)
+    except ValueError:
+        return None
+
+
+def diagnose(store, session: str) -> list[Diagnosis]:
+    """The diagnoses of a session, computed from the store (nothing written)."""
+    from ..services.report import first_nonfinite
+
+    info = store.session(session)
+    sid = info["session_id"]
+    cur = store.sql("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [sid])
+    cols = [d[0] for d in cur.description]
+    runs = [dict(zip(cols, r)) for r in cur.fetchall()]
+    ref = next((r for r in runs if r["kind"] == "reference"), None)
+    ctx = Context(store, info, runs, ref)
+    for r in runs:
+        ctx.policies[r["run_id"]] = _policy_of(r, info)
+    facts_cache: dict[str, dict] = {}
+    out: list[Diagnosis] = []
+    for run in runs:
+        if run["kind"] == "reference":
+            continue
+        policy = ctx.policies.get(run["run_id"])
+        key = policy.to_json() if policy is not None else ""
+        if key not in facts_cache:
+            facts_cache[key] = _module_facts(info.get("recipe"), policy)
+        ctx.modules = facts_cache[key]
+        fn = first_nonfinite(store, run["run_id"])
+        if fn is None:
+            out.extend(_fix_verified(ctx, run))
+            out.extend(_precision_loss(ctx, run))
+            continue
+        found = _producer_diagnosis(ctx, run, fn, policy)
+        if found and _output_finite(ctx, run):
+            d = found[0]
+            found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
+                               d.message + f" The non-finite values stop before the run's output, which is finite "
+                               f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)]
+        out.extend(found)
+    return out
+
+
+def _output_finite(ctx: Context, run: dict) -> bool:
+    """Whether the last forward output of the run (the model's output) is finite."""
+    last = ctx.rows("""SELECT nonfinite FROM tensors WHERE run_id = ? AND role = 'output' AND direction = 'forward'
+                       ORDER BY step DESC, seq DESC LIMIT 1""", [run["run_id"]])
+    return bool(last) and not last[0]["nonfinite"]
+
+
+def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagnosis]:
+    recs = ctx.rows("""SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
+                       ORDER BY seq, rid""", [run["run_id"], fn["op"], fn["step"], fn["rank"]])
+    module = ctx.module_of(fn["op"])
+    mrecs = recs
+    if module:
+        mrecs = ctx.module_call(run["run_id"], module, fn["step"], fn["rank"], fn["seq"]) or recs
+    out_rec = next((r for r in recs if int(r["rid"]) == fn["rid"]), recs[0] if recs else {})
+    fmt = format_for_dtype(out_rec.get("dtype")) or format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
+    if fmt.kind != "float" or fmt.bits <= 8:
+        fmt = format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
+    ev = Evidence(run, fn, fn["op"], fn.get("op_type") or "", module, ctx.modules.get(module or "", {}),
+                  recs, mrecs, fmt, policy)
+    for name, rule in RULES:
+        d = rule(ctx, ev)
+        if d is not None:
+            return [d]
+    return []
+
+
+def diagnose_session(store, session: str) -> list[Diagnosis]:
+    """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction)."""
+    found = diagnose(store, session)
+    with store.extend_session(session) as w:
+        w.cur.execute("DELETE FROM diagnoses WHERE session_id = ?", [w.session_id])
+        for d in found:
+            w.add_diagnosis(d)
+    sid = store.session(session)["session_id"]
+    return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
+
+
+def diagnoses_json(store, session: str) -> list[dict]:
+    """Stored diagnoses as ``{op, rule, message, fixes, severity, run_id}`` dicts."""
+    sid = store.session(session)["session_id"]
+    cur = store.sql("SELECT * FROM diagnoses WHERE session_id = ? ORDER BY seq, op", [sid])
+    cols = [d[0] for d in cur.description]
+    return [{**{k: r[k] for k in ("op", "rule", "message", "severity", "run_id")},
+             "fixes": json.loads(r["fixes"] or "[]")} for r in (dict(zip(cols, x)) for x in cur.fetchall())]

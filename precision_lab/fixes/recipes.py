@@ -1,0 +1,407 @@
+"""Recipes: server-side Python that builds a model and its inputs, reproducibly.
+
+Built-in recipes reproduce known low-precision failures (see ``RECIPES``);
+each fails under its ``default_policy`` and passes under the fixes listed in
+``fixes``.  Users add recipes the same way the built-ins are added, with
+``register_recipe``, or by naming Python objects on the server in the
+environment variable ``PRECISION_LAB_RECIPES="pkg.mod:fn,other.mod:RECIPE"``:
+each entry is a ``Recipe``, or a callable returning a ``Recipe``, a list of
+them, or None (when it called ``register_recipe`` itself).  Recipes are never
+read from uploaded files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..formats import FORMATS
+from .policy import PrecisionPolicy, QuantConfig
+
+__all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "register_recipe", "get_recipe", "list_recipes",
+           "load_user_recipes", "RECIPES_ENV"]
+
+RECIPES_ENV = "PRECISION_LAB_RECIPES"
+
+
+class RecipeError(ValueError):
+    """A recipe cannot be registered or loaded; the message names it."""
+
+
+class RecipeNotFound(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "recipe not found"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A reproducible model + inputs and the low-precision policy under which it fails.
+
+    ``build_fn()`` returns ``(model, inputs)``: a fresh fp32 model and a
+    tensor (or tuple of tensors) to call it with; ``build()`` runs it under a
+    fixed seed without disturbing the caller's random state.  ``fixes`` are
+    specs known to make the failure go away (most direct first);
+    ``tolerance_db`` is the output SQNR against the fp32 reference that a
+    fixed run reaches.  ``loss_fn(output) -> scalar`` enables a backward pass.
+    """
+
+    name: str
+    description: str
+    build_fn: Callable[[], tuple[Any, Any]]
+    default_policy: PrecisionPolicy
+    seed: int = 0
+    loss_fn: Optional[Callable] = None
+    fixes: tuple[str, ...] = ()
+    tolerance_db: float = 20.0
+    failure: str = "nonfinite"  # what the default policy shows: "nonfinite" or "accuracy"
+    nonfinite_in_reference: bool = False  # the fp32 reference itself produces NaN/Inf
+    tags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c.isspace() for c in self.name):
+            raise RecipeError(f"recipe name {self.name!r} must be non-empty with no spaces")
+        if not callable(self.build_fn):
+            raise RecipeError(f"recipe {self.name!r}: build_fn is not callable")
+        if not isinstance(self.default_policy, PrecisionPolicy):
+            raise RecipeError(f"recipe {self.name!r}: default_policy must be a PrecisionPolicy")
+
+    def build(self):
+        """``(model, inputs)`` built under this recipe's seed; the model is fp32 and in eval mode."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model, inputs = self.build_fn()
+        if not isinstance(model, torch.nn.Module):
+            raise RecipeError(f"recipe {self.name!r}: build_fn returned {type(model).__name__}, not a torch module")
+        model.eval()
+        return model, inputs
+
+    def build_model(self):
+        return self.build()[0]
+
+    def inputs(self):
+        return self.build()[1]
+
+
+RECIPES: dict[str, Recipe] = {}
+_USER_LOADED: set[str] = set()
+
+
+def register_recipe(recipe: Recipe, *, replace: bool = False) -> Recipe:
+    if not isinstance(recipe, Recipe):
+        raise RecipeError(f"register_recipe expects a Recipe, got {type(recipe).__name__}")
+    if recipe.name in RECIPES and not replace and RECIPES[recipe.name] is not recipe:
+        raise RecipeError(f"a recipe named {recipe.name!r} is already registered")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def load_user_recipes(spec: Optional[str] = None) -> list[str]:
+    """Register the recipes named in ``$PRECISION_LAB_RECIPES`` (or ``spec``); returns their names."""
+    spec = os.environ.get(RECIPES_ENV, "") if spec is None else spec
+    names = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        mod_name, sep, attr = entry.partition(":")
+        if not sep or not mod_name or not attr:
+            raise RecipeError(f"{RECIPES_ENV} entry {entry!r} must look like 'package.module:function'")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise RecipeError(f"{RECIPES_ENV} entry {entry!r}: cannot import {mod_name!r} ({e})") from None
+        obj = getattr(mod, attr, None)
+        if obj is None:
+            raise RecipeError(f"{RECIPES_ENV} entry {entry!r}: module {mod_name!r} has no attribute {attr!r}")
+        if not isinstance(obj, Recipe):
+            if not callable(obj):
+                raise RecipeError(f"{RECIPES_ENV} entry {entry!r} is neither a Recipe nor callable")
+            obj = obj()
+        found = [] if obj is None else ([obj] if isinstance(obj, Recipe) else list(obj))
+        for r in found:
+            if not isinstance(r, Recipe):
+                raise RecipeError(f"{RECIPES_ENV} entry {entry!r} returned {type(r).__name__}, not a Recipe")
+            if r.name in RECIPES and RECIPES[r.name] is not r and entry not in _USER_LOADED:
+                raise RecipeError(f"{RECIPES_ENV} entry {entry!r}: a recipe named {r.name!r} is already registered")
+            RECIPES[r.name] = r
+            names.append(r.name)
+        _USER_LOADED.add(entry)
+    return names
+
+
+def _ensure_user_recipes() -> None:
+    spec = os.environ.get(RECIPES_ENV, "")
+    pending = [e.strip() for e in spec.split(",") if e.strip() and e.strip() not in _USER_LOADED]
+    if pending:
+        load_user_recipes(",".join(pending))
+
+
+def get_recipe(name: str) -> Recipe:
+    """A registered recipe by name (user recipes from ``$PRECISION_LAB_RECIPES`` included)."""
+    _ensure_user_recipes()
+    r = RECIPES.get(name)
+    if r is None:
+        raise RecipeNotFound(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
+    return r
+
+
+def list_recipes() -> list[Recipe]:
+    _ensure_user_recipes()
+    return [RECIPES[k] for k in sorted(RECIPES)]
+
+
+# ---- built-in recipes -----------------------------------------------------------
+# Models are small (a few thousand parameters) so each runs in well under a
+# second on CPU; weights that make the failure happen are set explicitly and
+# the reason is written next to them.
+
+_F16 = FORMATS["fp16"]
+
+
+def _zero_rows(x, rows):
+    x = x.clone()
+    for b, t in rows:
+        x[b, t] = 0.0
+    return x
+
+
+def _build_fp8_zero_scale():
+    import torch
+    from torch import nn
+
+    from .modules import Linear, QuantLinear, ReLU
+
+    class Fp8ZeroScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = Linear(32, 64)
+            self.relu = ReLU()  # half the activations become exactly 0
+            self.proj = QuantLinear(64, 32)
+
+        def forward(self, x):
+            return self.proj(self.relu(self.fc1(x)))
+
+    # activations of magnitude ~0.1: amax / e5m2 max is below fp16's smallest
+    # normal, and its reciprocal above fp16's max
+    x = torch.randn(4, 16, 32) * 0.05
+    return Fp8ZeroScale(), x
+
+
+def _build_calibration_nan():
+    import torch
+    from torch import nn
+
+    from .modules import L2Normalize, Linear, QuantLinear
+
+    class CalibratedProjection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = Linear(16, 32, bias=False)
+            self.norm = L2Normalize(32)  # x / ||x||: 0/0 on an all-zero (padding) row
+            self.proj = QuantLinear(32, 32)
+            self.out = Linear(32, 8)
+
+        def forward(self, x):
+            return self.out(self.proj(self.norm(self.embed(x))))
+
+    x = torch.randn(2, 8, 16)
+    x = _zero_rows(x, [(0, 6), (0, 7), (1, 7)])  # right-padded sequences
+    return CalibratedProjection(), x
+
+
+def _build_fp8_rowwise_rmsnorm():
+    import torch
+    from torch import nn
+
+    from .modules import Linear, QuantLinear, RMSNorm, SiLU
+
+    class NormQuantBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = RMSNorm(64, eps=1e-6)
+            self.proj = QuantLinear(64, 64)
+            self.act = SiLU()
+            self.out = Linear(64, 16)
+
+        def forward(self, x):
+            return self.out(self.act(self.proj(self.norm(x))))
+
+    x = torch.randn(2, 16, 64)
+    x = _zero_rows(x, [(0, 15), (1, 14), (1, 15)])  # padding rows stay 0 through RMSNorm
+    x[0, 3] = x[0, 3] * 1e-6  # a tiny row: its squares underflow fp16
+    return NormQuantBlock(), x
+
+
+def _build_fp16_mlp_overflow():
+    import torch
+    from torch import nn
+
+    from .modules import Add, Linear, RMSNorm, SwiGLU
+
+    class DecoderLayer(nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.input_layernorm = RMSNorm(dim)
+            self.mlp = SwiGLU(dim, hidden)
+            self.residual = Add()
+
+        def forward(self, x):
+            return self.residual(x, self.mlp(self.input_layernorm(x)))
+
+    class TinyQwen2(nn.Module):
+        def __init__(self, dim=64, hidden=128, vocab=96):
+            super().__init__()
+            self.layers = nn.ModuleList([DecoderLayer(dim, hidden)])
+            self.norm = RMSNorm(dim)
+            self.lm_head = Linear(dim, vocab, bias=False)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+
+    dim, sink_ch, mlp_ch = 64, 3, 7
+    model = TinyQwen2(dim)
+    mlp = model.layers[0].mlp
+    with torch.no_grad():
+        # bf16-trained weights with an outlier channel (the "massive
+        # activation" of Qwen2/LLaMA): token 0 carries ~40 in channel 3, the
+        # gate and up projections read it with weight 6 and the down
+        # projection writes it back with weight 34, so that token's output
+        # reaches ~78,000 — fine in bf16, beyond fp16's max
+        mlp.gate_proj.weight[mlp_ch].zero_()
+        mlp.up_proj.weight[mlp_ch].zero_()
+        mlp.gate_proj.weight[mlp_ch, sink_ch] = 6.0
+        mlp.up_proj.weight[mlp_ch, sink_ch] = 6.0
+        mlp.down_proj.weight[:, mlp_ch] = 0.0
+        mlp.down_proj.weight[sink_ch, mlp_ch] = 34.0
+    x = torch.randn(2, 8, dim) * 0.5
+    x[:, 0, sink_ch] = 40.0
+    return model, x
+
+
+def _build_fp16_layernorm():
+    import torch
+    from torch import nn
+
+    from .modules import LayerNorm, Linear
+
+    class NormHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = LayerNorm(64, eps=1e-5)
+            self.head = Linear(64, 16)
+
+        def forward(self, x):
+            return self.head(self.ln(x))
+
+    x = torch.randn(1, 8, 64)
+    x[0, 5] = 300.0 + 8 * torch.randn(64)  # x^2 ~ 90,000 > fp16 max: E[x^2] and E[x]^2 are inf, inf - inf = NaN
+    x[0, 6] = 10.0  # zero variance: 1/sqrt(0 + eps) needs eps, which FTZ flushes
+    # mean 100 with offsets on fp16's grid there (1/16): E[x^2] - E[x]^2 cancels
+    # two numbers ~10,000 whose fp16 spacing (8) exceeds the true variance
+    x[0, 7] = 100.0 + torch.randint(-8, 9, (64,)).float() / 16
+    return NormHead(), x
+
+
+def _build_softmax_fp16_overflow():
+    import torch
+    from torch import nn
+
+    from .modules import Attention
+
+    class AttentionBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention(32, 2)
+
+        def forward(self, x):
+            return self.attn(x)
+
+    model = AttentionBlock()
+    with torch.no_grad():
+        # sharper attention than at init (trained models have logits of tens):
+        # the largest logits exceed ln(fp16 max) ~ 11.1 but stay far below
+        # ln(fp32 max) ~ 88.7, so only fp16's exp() overflows
+        model.attn.q_proj.weight.mul_(2.2)
+        model.attn.k_proj.weight.mul_(2.2)
+    x = torch.randn(2, 8, 32)
+    return model, x
+
+
+def _builtin() -> list[Recipe]:
+    ln_max = math.log(_F16.max)
+    return [
+        Recipe(
+            "fp8-zero-scale",
+            "fp16 -> fp8 e5m2 per-tensor quantisation of a ReLU output holding zeros, scale computed in fp16: "
+            "amax / e5m2 max is subnormal in fp16, its reciprocal overflows to inf, and 0 x inf = NaN.",
+            _build_fp8_zero_scale,
+            PrecisionPolicy("fp16-fp8-e5m2-fp16-scale", "fp16",
+                            quant=QuantConfig("fp8_e5m2", "tensor", "fp16", weights=False)),
+            seed=11, fixes=("scale-fp32", "amax-floor:1"), tolerance_db=12.0,
+            tags=("fp8", "scale"),
+        ),
+        Recipe(
+            "calibration-nan",
+            "An L2 normalisation divides an all-zero padding row by its norm (0/0 = NaN) in fp32 itself; "
+            "histogram calibration of the next fp8 layer then fails (torch.histc: range is not finite) and "
+            "every scale becomes NaN. The producer is the normalisation, not the calibration.",
+            _build_calibration_nan,
+            PrecisionPolicy("fp32-fp8-e4m3-histogram", "fp32",
+                            quant=QuantConfig("fp8_e4m3fn", "tensor", "fp32", calibration="histogram")),
+            seed=12, fixes=("eps:1e-6", "sanitize-nonfinite:norm"), tolerance_db=15.0,
+            nonfinite_in_reference=True, tags=("fp8", "calibration"),
+        ),
+        Recipe(
+            "fp8-rowwise-rmsnorm",
+            "RMSNorm, then a Linear with row-wise fp8 e4m3fn fake quantisation and fp16 scales: an all-zero "
+            "(padding) row has amax 0, scale 0, reciprocal inf and 0 x inf = NaN; a tiny row's scale "
+            "underflows fp16.",
+            _build_fp8_rowwise_rmsnorm,
+            PrecisionPolicy("fp16-fp8-e4m3-row-fp16-scale", "fp16",
+                            quant=QuantConfig("fp8_e4m3fn", "row", "fp16")),
+            seed=13, fixes=("scale-fp32+amax-floor:1e-12", "amax-floor:0.0078125"), tolerance_db=15.0,
+            tags=("fp8", "rowwise"),
+        ),
+        Recipe(
+            "fp16-mlp-overflow",
+            f"A Qwen2-like SwiGLU decoder layer with bf16-scale outlier channels: the down projection's output "
+            f"reaches ~78,000, beyond fp16's max {_F16.max:,.0f}, so fp16 gives inf and the final RMSNorm NaN. "
+            "bf16, or an fp32 island from down_proj to the next norm, fixes it.",
+            _build_fp16_mlp_overflow,
+            PrecisionPolicy("fp16", "fp16"),
+            seed=14,
+            fixes=("use-bf16",
+                   "keep-fp32:layers.0.mlp.down_proj+keep-fp32:layers.0.residual+keep-fp32:norm"),
+            tolerance_db=25.0, tags=("overflow", "mlp"),
+        ),
+        Recipe(
+            "fp16-layernorm",
+            "LayerNorm in fp16 with one-pass variance E[x^2] - E[x]^2, eps 1e-5 and flush-to-zero, on rows of "
+            "large magnitude (x^2 overflows), zero variance (eps flushed to 0: 0/0) and a large mean with small "
+            "spread (the variance cancels to a negative number).",
+            _build_fp16_layernorm,
+            PrecisionPolicy("fp16-ftz", "fp16", flush_to_zero=True),
+            seed=15, fixes=("stats-fp32", "two-pass-variance+eps:1e-3"), tolerance_db=30.0,
+            tags=("norm", "ftz"),
+        ),
+        Recipe(
+            "softmax-fp16-overflow",
+            f"Attention logits softmaxed in fp16 without max subtraction: exp(x) overflows for x > "
+            f"ln({_F16.max:,.0f}) = {ln_max:.2f}, and inf / inf = NaN.",
+            _build_softmax_fp16_overflow,
+            PrecisionPolicy("fp16", "fp16"),
+            seed=16, fixes=("stable-softmax", "keep-fp32:attn.softmax"), tolerance_db=30.0,
+            tags=("softmax", "overflow"),
+        ),
+    ]
+
+
+for _r in _builtin():
+    register_recipe(_r)
+del _r

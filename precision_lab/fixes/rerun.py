@@ -1,0 +1,469 @@
+"""Run recipes under policies, re-run a session under a fix, search fp32 islands.
+
+Every session made here is a small ledger: an fp32 ``reference`` run, the
+``candidate`` under the recipe's failing policy, and ``rerun`` runs whose
+``parent_run_id`` is the run they edit and whose ``fix`` is the fix spec
+that made them.  Each candidate or re-run is compared op by op with the
+reference (``accumulated``, element-wise) and each op with its own fp32
+recomputation (``local``); diagnoses are refreshed after every write.
+
+``rerun_session`` is what the dashboard's "Re-run with fix" button calls. It
+is safe to call from a background thread: it uses the calling thread's
+store cursor, writes in one transaction, and runs models one at a time
+(a recipe seeds torch's global random generator while it builds).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .catalogue import apply_fixes, fix_label, split_specs
+from .policy import PrecisionPolicy
+from .recipes import Recipe, RecipeNotFound, get_recipe
+
+__all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
+           "parse_tolerance", "session_recipe"]
+
+Progress = Optional[Callable[[int, int, str], None]]
+
+# building a recipe reseeds torch's global generator and captures push a
+# function mode: one model run at a time per process
+_RUN_LOCK = threading.Lock()
+
+
+class RerunError(ValueError):
+    """A session cannot be re-run; the message says why and what to do instead."""
+
+
+# ---- running a recipe under capture -----------------------------------------------------
+
+@dataclass
+class _Run:
+    cap: object  # live.Capture
+    output: object  # the model's output tensor
+    tensors: dict  # (step, rank, name) -> kept tensor
+
+
+def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str, kind: str,
+             local_error: bool) -> _Run:
+    import torch
+
+    from ..live.capture import Capture
+    from ..live.options import CaptureOptions
+
+    backward = recipe.loss_fn is not None
+    opts = CaptureOptions(local_error=local_error, keep_tensors=("*",), backward=backward)
+    with _RUN_LOCK:
+        model, inputs = recipe.build()
+        cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
+                      source=f"recipe:{recipe.name}")
+        with torch.set_grad_enabled(backward):
+            with cap:
+                x = cap.prepare_inputs(inputs)
+                out = cap.model(*x) if isinstance(x, tuple) else cap.model(x)
+                if backward:
+                    recipe.loss_fn(out).backward()
+    tensors = {}
+    for rec in cap.records:
+        if rec.tensor is not None:
+            tensors[(rec.step, rec.rank, rec.name)] = rec.tensor
+        rec.tensor = None  # activations are compared now, not stored
+    for name, mod in cap.model.named_modules():
+        err = getattr(mod, "calibration_error", None)
+        if err:
+            cap.warnings.append((name, f"histogram calibration failed: {err}"))
+    return _Run(cap, out.detach() if isinstance(out, torch.Tensor) else out, tensors)
+
+
+def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_rids: Optional[dict],
+           parent_run_id: Optional[str] = None, fix: Optional[str] = None, kind: Optional[str] = None,
+           progress: Progress = None) -> tuple[str, dict]:
+    """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons."""
+    from ..services.pairing import Item, compare_runs
+
+    cap = run.cap
+    rids = cap.write_run(w)
+    run_id = cap.run_id
+    if parent_run_id is not None or fix is not None or kind is not None:
+        w.cur.execute("UPDATE runs SET parent_run_id = ?, fix = ?, kind = coalesce(?, kind) WHERE run_id = ?",
+                      [parent_run_id, fix, kind, run_id])
+    by_name = {(r.step, r.rank, r.name): rid for r, rid in zip(cap.records, rids)}
+    if ref is not None and ref_rids is not None:
+        ref_items = []
+        for rec in ref.cap.records:
+            key = (rec.step, rec.rank, rec.name)
+            if key in ref_rids:
+                ref_items.append(Item(ref_rids[key], _with_tensor(rec, ref.tensors.get(key)), True))
+        cand_items = [Item(rid, _with_tensor(rec, run.tensors.get((rec.step, rec.rank, rec.name))), True)
+                      for rec, rid in zip(cap.records, rids)]
+        compare_runs(w, ref_items, cand_items, ref_run_id=ref_run_id, cand_run_id=run_id,
+                     run_dtype=cap.dominant_dtype(), progress=progress)
+    return run_id, by_name
+
+
+def _with_tensor(rec, tensor):
+    import dataclasses
+
+    return dataclasses.replace(rec, tensor=tensor)
+
+
+def _tick(progress: Progress, done: int, total: int, label: str) -> None:
+    if progress is not None:
+        progress(done, total, label)
+
+
+def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, fixes=(), session: Optional[str] = None,
+                   progress: Progress = None, local_error: bool = True) -> str:
+    """Capture a recipe's fp32 reference and its candidate in a new session; returns the session name.
+
+    The candidate runs under ``policy`` (default: the recipe's failing
+    ``default_policy``) edited by ``fixes``.  This is what ``precision-lab
+    capture --recipe`` does (through ``precision_lab.capture_pair``), and the
+    new session is diagnosed.
+    """
+    from ..live import capture_pair
+
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    base = policy or recipe.default_policy
+    specs = split_specs(fixes)
+    cand_policy = apply_fixes(base, specs) if specs else base
+    label = fix_label(specs) if specs else None
+    _tick(progress, 0, 2, f"capture {recipe.name}: fp32 reference and {cand_policy.describe()}")
+    with _RUN_LOCK:
+        name = capture_pair(recipe.build_model, recipe.inputs(), cand_policy, store=store, local_error=local_error,
+                            loss_fn=recipe.loss_fn, seed=recipe.seed, reference_name="fp32 reference",
+                            candidate_name=f"candidate ({cand_policy.name})" + (f" + {label}" if label else ""),
+                            source=f"recipe:{recipe.name}", recipe=recipe.name, name=session or recipe.name)
+    _tick(progress, 2, 2, "done")
+    return name
+
+
+def session_recipe(store, session: str) -> tuple[dict, Recipe]:
+    """A session and the recipe it was made from; RerunError for dump-only sessions."""
+    info = store.session(session)
+    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
+    if not name:
+        raise RerunError(
+            f"session {info['name']!r} holds dumps, not a recipe: re-running needs the model. Capture it with "
+            "`precision-lab capture --recipe NAME`, or replay single ops from a tensor-mode dump "
+            "(precision_lab.fixes.replay.replay_op)")
+    try:
+        return info, get_recipe(name)
+    except RecipeNotFound as e:
+        raise RerunError(f"session {info['name']!r} was made from recipe {name!r}, which this server does not "
+                         f"have ({e}); register it with PRECISION_LAB_RECIPES") from None
+
+
+def _runs(store, sid: str) -> list[dict]:
+    cur = store.sql("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [sid])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _resolve_parent(runs: list[dict], parent: Optional[str], session: str) -> dict:
+    if parent is not None:
+        hit = [r for r in runs if parent in (r["run_id"], r["name"])]
+        if not hit:
+            raise RerunError(f"session {session!r} has no run {parent!r} (runs: {', '.join(r['name'] for r in runs)})")
+        if hit[0]["kind"] == "reference":
+            raise RerunError(f"run {parent!r} is the fp32 reference; re-run a low-precision run")
+        return hit[0]
+    cands = [r for r in runs if r["kind"] == "candidate"] or [r for r in runs if r["kind"] != "reference"]
+    if not cands:
+        raise RerunError(f"session {session!r} has no low-precision run to re-run")
+    return cands[0]
+
+
+def _policy_of(run: dict, recipe: Recipe) -> PrecisionPolicy:
+    text = run.get("policy")
+    if text:
+        try:
+            return PrecisionPolicy.from_json(text)
+        except (ValueError, TypeError):
+            pass
+    return recipe.default_policy
+
+
+def _reference_rids(store, ref_run_id: str) -> dict:
+    cur = store.sql("SELECT step, rank, name, rid FROM tensors WHERE run_id = ?", [ref_run_id])
+    return {(int(s), int(r), n): int(rid) for s, r, n, rid in cur.fetchall()}
+
+
+def _unique_run_name(runs: list[dict], base: str) -> str:
+    names = {r["name"] for r in runs}
+    if base not in names:
+        return base
+    i = 2
+    while f"{base} ({i})" in names:
+        i += 1
+    return f"{base} ({i})"
+
+
+def rerun_session(store, session: str, fixes, progress: Progress = None, *, parent: Optional[str] = None,
+                  diagnose: bool = True) -> str:
+    """Re-run a recipe session under ``fixes``; returns the new run's id.
+
+    ``fixes``: a spec (``"scale-fp32"``, ``"scale-fp32+amax-floor:1e-12"``)
+    or a list of specs, applied to the policy of ``parent`` (a run name or
+    id; default the session's candidate).  The new run (kind ``rerun``)
+    records ``parent`` and the fix, is compared with the session's fp32
+    reference, and the session's diagnoses are refreshed.  ``progress(done,
+    total, label)`` is called as it goes.  Raises ``RerunError`` (dump-only
+    session, unknown run), ``FixError`` (bad or inapplicable fix) or
+    ``PolicyError`` (a pattern that names no module).
+    """
+    specs = split_specs(fixes)
+    if not specs:
+        raise RerunError("a re-run needs at least one fix (e.g. scale-fp32, keep-fp32:<module>)")
+    info, recipe = session_recipe(store, session)
+    runs = _runs(store, info["session_id"])
+    ref_run = next((r for r in runs if r["kind"] == "reference"), None)
+    if ref_run is None:
+        raise RerunError(f"session {info['name']!r} has no fp32 reference run to compare a re-run with")
+    par = _resolve_parent(runs, parent, info["name"])
+    label = fix_label(specs)
+    policy = apply_fixes(_policy_of(par, recipe), specs)
+    _check_policy(recipe, policy)
+    name = _unique_run_name(runs, f"fix: {label}")
+    _tick(progress, 0, 4, f"{name}: fp32 reference")
+    ref = _forward(recipe, None, run_name=ref_run["name"], kind="reference", local_error=False)
+    _tick(progress, 1, 4, f"{name}: {policy.describe()}")
+    cand = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
+    _tick(progress, 2, 4, f"{name}: compare")
+    ref_rids = _reference_rids(store, ref_run["run_id"])
+    with store.extend_session(info["name"]) as w:
+        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
+                           parent_run_id=par["run_id"], fix=label, kind="rerun")
+    _tick(progress, 3, 4, f"{name}: diagnose")
+    if diagnose:
+        from .diagnose import diagnose_session
+
+        diagnose_session(store, info["name"])
+    _tick(progress, 4, 4, f"{name}: done")
+    return run_id
+
+
+def _check_policy(recipe: Recipe, policy: PrecisionPolicy) -> None:
+    """Fail before any run when a fix names a module the recipe's model does not have."""
+    with _RUN_LOCK:
+        model, _ = recipe.build()
+    policy.prepare(model)
+
+
+# ---- fp32 island search --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A run passes when it has no NaN/Inf (unless allowed) and its output SQNR is at least ``min_sqnr_db``."""
+
+    min_sqnr_db: Optional[float] = None
+    allow_nonfinite: bool = False
+
+    def describe(self) -> str:
+        parts = [] if self.allow_nonfinite else ["no NaN/Inf"]
+        if self.min_sqnr_db is not None:
+            parts.append(f"output SQNR >= {self.min_sqnr_db:g} dB")
+        return " and ".join(parts) or "anything"
+
+
+def parse_tolerance(text: str) -> Tolerance:
+    """``"30"`` or ``"sqnr>=30"`` (dB, no NaN/Inf), ``"nonfinite"`` (only no NaN/Inf), ``"sqnr>=30,allow-nonfinite"``."""
+    tol = Tolerance()
+    for part in (p.strip().lower() for p in str(text).split(",") if p.strip()):
+        if part in ("nonfinite", "finite", "no-nonfinite"):
+            continue
+        if part == "allow-nonfinite":
+            tol = Tolerance(tol.min_sqnr_db, True)
+            continue
+        num = part
+        for prefix in ("sqnr>=", "sqnr=", "sqnr"):
+            if num.startswith(prefix):
+                num = num[len(prefix):]
+                break
+        num = num.removesuffix("db").strip()
+        try:
+            v = float(num)
+        except ValueError:
+            raise RerunError(f"tolerance {text!r}: cannot read {part!r}; write e.g. 30, sqnr>=30, nonfinite "
+                             "or sqnr>=30,allow-nonfinite") from None
+        if not math.isfinite(v):
+            raise RerunError(f"tolerance {text!r}: SQNR bound must be a finite number of dB")
+        tol = Tolerance(v, tol.allow_nonfinite)
+    return tol
+
+
+@dataclass
+class Attempt:
+    run_id: str
+    modules: tuple[str, ...]
+    fix: str
+    nonfinite: int
+    sqnr_db: Optional[float]
+    passed: bool
+
+
+@dataclass
+class BisectResult:
+    modules: list[str]
+    passed: bool
+    tolerance: Tolerance
+    attempts: list[Attempt] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def fix(self) -> str:
+        return "+".join(f"keep-fp32:{m}" for m in self.modules)
+
+    @property
+    def final_run_id(self) -> Optional[str]:
+        ok = [a for a in self.attempts if a.passed and list(a.modules) == self.modules]
+        return ok[-1].run_id if ok else None
+
+
+def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
+    import torch
+
+    from ..metrics import compare
+
+    if not (isinstance(ref_out, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return 0, None
+    nonfinite = int((~torch.isfinite(out)).sum())
+    c = compare(ref_out, out)
+    return nonfinite, c.sqnr_db
+
+
+def _run_nonfinite(store, run_id: str) -> int:
+    row = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite AND direction = 'forward'",
+                    [run_id]).fetchone()
+    return int(row[0])
+
+
+def _module_names(recipe: Recipe) -> list[str]:
+    with _RUN_LOCK:
+        model, _ = recipe.build()
+    return [n for n, _ in model.named_modules() if n]
+
+
+def _innermost(op: str, names: Sequence[str]) -> Optional[str]:
+    best = None
+    for n in names:
+        if (op == n or op.startswith(n + ".")) and (best is None or len(n) > len(best)):
+            best = n
+    return best
+
+
+def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
+    """Modules to try keeping in fp32, best first: the first non-finite producer's module, then local error."""
+    from ..services.report import first_nonfinite
+
+    ranked: list[str] = []
+    fn = first_nonfinite(store, run_id)
+    if fn is not None:
+        m = _innermost(fn["op"], names)
+        if m:
+            ranked.append(m)
+    cur = store.sql("""SELECT op, nonfinite_introduced, sqnr_db, rounding_units FROM comparisons
+                       WHERE cand_run_id = ? AND kind = 'local' AND role = 'output' AND verdict IS NOT NULL
+                       ORDER BY nonfinite_introduced DESC, rounding_units DESC NULLS LAST, seq""", [run_id])
+    for op, *_ in cur.fetchall():
+        m = _innermost(op, names)
+        if m and m not in ranked:
+            ranked.append(m)
+    return ranked
+
+
+def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | float | None = None,
+                        max_runs: int = 16, parent: Optional[str] = None, progress: Progress = None) -> BisectResult:
+    """Find a small set of modules to keep in fp32 so the run meets ``tolerance``.
+
+    Greedy growth, then pruning: run the parent's policy; while the run
+    fails, keep in fp32 the module of the first non-finite producer (or,
+    when everything is finite, the module with the worst local error) and
+    run again; once it passes, drop each island module whose removal still
+    passes.  Every tried run is stored in the session (kind ``rerun``,
+    parent = the session's candidate, fix = the island tried).  Default
+    tolerance: no NaN/Inf and the recipe's ``tolerance_db``.
+    """
+    info, recipe = session_recipe(store, session)
+    if tolerance is None:
+        tol = Tolerance(recipe.tolerance_db)
+    elif isinstance(tolerance, Tolerance):
+        tol = tolerance
+    elif isinstance(tolerance, (int, float)):
+        tol = Tolerance(float(tolerance))
+    else:
+        tol = parse_tolerance(tolerance)
+    if max_runs < 1:
+        raise RerunError("max_runs must be at least 1")
+    runs = _runs(store, info["session_id"])
+    ref_run = next((r for r in runs if r["kind"] == "reference"), None)
+    if ref_run is None:
+        raise RerunError(f"session {info['name']!r} has no fp32 reference run")
+    par = _resolve_parent(runs, parent, info["name"])
+    base = _policy_of(par, recipe)
+    names = _module_names(recipe)
+    ref = _forward(recipe, None, run_name=ref_run["name"], kind="reference", local_error=False)
+    ref_rids = _reference_rids(store, ref_run["run_id"])
+    result = BisectResult([], False, tol)
+    tried: dict[tuple, Attempt] = {}
+
+    def attempt(island: tuple[str, ...]) -> Attempt:
+        if island in tried:
+            return tried[island]
+        if len(tried) >= max_runs:
+            raise _Budget()
+        label = "+".join(f"keep-fp32:{m}" for m in island)
+        policy = apply_fixes(base, label) if island else base
+        name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label or 'no island'}")
+        _tick(progress, len(tried), max_runs, name)
+        run = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
+        with store.extend_session(info["name"]) as w:
+            run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
+                               parent_run_id=par["run_id"], fix=label or None, kind="rerun")
+        nf_out, sqnr = _output_quality(ref.output, run.output)
+        nf = _run_nonfinite(store, run_id)
+        ok = (tol.allow_nonfinite or (nf == 0 and nf_out == 0)) and (
+            tol.min_sqnr_db is None or (sqnr is not None and sqnr >= tol.min_sqnr_db))
+        a = Attempt(run_id, island, label, nf, sqnr, ok)
+        tried[island] = a
+        result.attempts.append(a)
+        return a
+
+    island: list[str] = []
+    try:
+        a = attempt(())
+        while not a.passed:
+            nxt = next((m for m in _ranked_modules(store, a.run_id, names) if m not in island
+                        and not any(m.startswith(i + ".") for i in island)), None)
+            if nxt is None:
+                result.message = (f"no further module to keep in fp32: {tol.describe()} is not reachable with "
+                                  "fp32 islands alone")
+                break
+            island.append(nxt)
+            a = attempt(tuple(island))
+        if a.passed:
+            for m in list(island):
+                trial = tuple(x for x in island if x != m)
+                if attempt(trial).passed:
+                    island = list(trial)
+            result.passed = True
+    except _Budget:
+        result.message = f"stopped after {max_runs} runs without meeting {tol.describe()}"
+    result.modules = island
+    if result.passed:
+        result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
+                          + (", ".join(island) if island else "(none needed)"))
+    from .diagnose import diagnose_session
+
+    diagnose_session(store, info["name"])
+    _tick(progress, max_runs, max_runs, "done")
+    return result
+
+
+class _Budget(Exception):
+    pass
+

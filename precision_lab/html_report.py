@@ -1,0 +1,288 @@
+"""A session as one self-contained HTML page, for attaching to an issue.
+
+The page holds the tables and key plots the dashboard's Overview shows —
+runs, first non-finite producer per run, error along execution order, the
+magnitude histogram of the op that went wrong against its format's range,
+the worst comparisons, norm artefacts, diagnoses and warnings — with
+plotly.js embedded, so it opens from disk with no server and no network.
+A Content-Security-Policy forbids every fetch.
+
+Every name (op, file, run, session, message) is HTML-escaped before it is
+written: in tables as text, and in plot labels as entities, because plotly
+renders a subset of HTML (links, bold) in hover text and annotations.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = ["render_html", "write_html", "plot_text"]
+
+TOP_COMPARISONS = 25
+MAX_WARNINGS = 200
+
+# No network at all; inline scripts and styles only (plotly.js is inlined).
+_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "img-src data:; font-src data:")
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
+       color: #1f2937; padding: 0 1em; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { font-size: 1.25em; margin-top: 2em;
+     border-bottom: 1px solid #e5e7eb; padding-bottom: 0.2em; }
+.meta { color: #6b7280; font-size: 0.9em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; width: 100%; }
+th, td { border: 1px solid #e5e7eb; padding: 3px 6px; text-align: left; vertical-align: top; }
+th { background: #f9fafb; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.name, code { font-family: ui-monospace, Menlo, Consolas, monospace; word-break: break-all; }
+tr.nonfinite td { background: rgba(220, 38, 38, 0.12); } tr.error td { background: rgba(234, 88, 12, 0.10); }
+tr.warn td { background: rgba(202, 138, 4, 0.08); }
+.none { color: #6b7280; font-style: italic; }
+"""
+
+
+def _e(v: Any) -> str:
+    return html.escape("" if v is None else str(v), quote=True)
+
+
+def plot_text(v: Any) -> str:
+    """A name made safe for plotly labels: shown as typed, never as a link or tag.
+
+    Plotly parses ``<a href>``, ``<b>``, ``<br>`` and friends in hover text,
+    annotations and legends, and decodes ``&lt; &gt; &amp;`` back to
+    characters (but not ``&quot;``), so escaping those three shows the text
+    as it was typed.
+    """
+    return html.escape("" if v is None else str(v), quote=False)
+
+
+def _num(v: Any) -> str:
+    from .ui.common import num_text
+
+    return num_text(v)
+
+
+def _table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], *, row_class: Optional[str] = None,
+           empty: str = "none") -> str:
+    """``columns``: (key, header, kind) with kind "num", "name" or "text"; every cell is escaped."""
+    if not rows:
+        return f'<p class="none">{_e(empty)}</p>'
+    out = ["<table><thead><tr>"]
+    out += [f"<th>{_e(h)}</th>" for _, h, _ in columns]
+    out.append("</tr></thead><tbody>")
+    for r in rows:
+        cls = r.get(row_class) if row_class else None
+        out.append(f'<tr class="{_e(cls)}">' if cls else "<tr>")
+        for key, _, kind in columns:
+            v = r.get(key)
+            if kind == "num":
+                out.append(f'<td class="num">{_e(_num(v))}</td>')
+            elif kind == "name":
+                out.append(f'<td class="name">{_e(v)}</td>')
+            else:
+                out.append(f"<td>{_e(v)}</td>")
+        out.append("</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _records(df) -> list[dict]:
+    """DataFrame rows as dicts with None for missing values (not pandas' NaN/NA)."""
+    import pandas as pd
+
+    out = []
+    for rec in df.to_dict("records"):
+        out.append({k: (None if (v is None or (not isinstance(v, (list, tuple, dict, str)) and pd.isna(v)))
+                        else v) for k, v in rec.items()})
+    return out
+
+
+def _figure_div(fig, div_id: str) -> str:
+    import plotly.io as pio
+
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _escape_names(df, cols: Iterable[str]):
+    df = df.copy()
+    for c in cols:
+        if c in df.columns:
+            df[c] = df[c].map(lambda v: plot_text(v) if isinstance(v, str) else v)
+    return df
+
+
+def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
+    from .ui.overview import error_figure, error_series
+
+    metric = "rounding_units"
+    df = error_series(store, sid, metric)
+    if df["value"].notna().sum() == 0:
+        metric = "max_rel_err"  # statistics-only sessions have no element-wise rounding error
+        df = error_series(store, sid, metric)
+    if df.empty:
+        return None
+    df = _escape_names(df, ("op", "series", "run"))
+    marks = [dict(f["first"], op=plot_text(f["first"]["op"]))
+             for f in firsts if f["first"] is not None and f["run"]["kind"] != "reference"]
+    fig = error_figure(df, metric, first_nonfinite=marks)
+    fig.update_layout(title={"text": "Error along execution order"})
+    return _figure_div(fig, "plot-error")
+
+
+def _focus_record(store, sid: str, firsts: list[dict]) -> Optional[tuple[str, int, str]]:
+    """The record to show against its format: the first non-finite producer's
+    output in a non-reference run, else the worst comparison."""
+    from .ui.overview import top_offenders
+
+    for f in firsts:
+        if f["first"] is not None and f["run"]["kind"] != "reference":
+            return f["run"]["run_id"], int(f["first"]["rid"]), "first non-finite producer"
+    worst = top_offenders(store, sid, n=1)
+    if len(worst) and worst.iloc[0]["rid"] is not None and not _isnan(worst.iloc[0]["rid"]):
+        return str(worst.iloc[0]["run_id"]), int(worst.iloc[0]["rid"]), "largest error"
+    return None
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str]:
+    from .ui.detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
+
+    focus = _focus_record(store, sid, firsts)
+    if focus is None:
+        return None, ""
+    run_id, rid, why = focus
+    rec = record(store, run_id, rid)
+    series = [(plot_text(f"{rec['run']}"), load_stats(store, run_id, rid))]
+    for c in counterparts(store, run_id, rid)[:1]:
+        if c.get("run_id") and c.get("rid") is not None:
+            series.insert(0, (plot_text(str(c.get("run") or "reference")), load_stats(store, c["run_id"], c["rid"])))
+    formats = default_formats(rec.get("dtype") or rec.get("run_dtype"))
+    if any(s is not None and s.hist is not None for _, s in series):
+        fig = histogram_figure(series, formats)
+    else:
+        fig = summary_figure(series, formats)
+    fig.update_layout(title={"text": plot_text(f"{rec['name']} ({why})")}, margin={"t": 80})
+    caption = f"{rec['name']} in run {rec['run']} — the {why}, against the limits of {', '.join(formats) or 'its format'}"
+    return _figure_div(fig, "plot-focus"), caption
+
+
+def render_html(store, session: str) -> str:
+    """The page as a string (see the module doc)."""
+    import plotly.offline
+
+    from . import __version__
+    from .services.report import norm_artefacts
+    from .ui.common import cosine_text, rows
+    from .ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
+
+    info = store.session(session)
+    sid = info["session_id"]
+    runs = _records(runs_table(store, sid))
+    firsts = first_nonfinite_by_run(store, sid)
+
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>Precision Lab report: {_e(info['name'])}</title>",
+        f"<style>{_STYLE}</style>",
+        f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>',
+        "</head><body>",
+        f'<h1>Session <code id="session-name">{_e(info["name"])}</code></h1>',
+        f'<p class="meta">source: <code>{_e(info["source"])}</code> · created {_e(info["created"])} · '
+        f'written {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))} by Precision Lab '
+        f"{_e(__version__)}</p>",
+        "<h2>Runs</h2>",
+        _table(runs, [("run", "run", "name"), ("kind", "kind", "text"), ("dtype", "dtype", "text"),
+                      ("parent", "parent", "name"), ("fix", "fix", "name"), ("order", "order", "text"),
+                      ("records", "records", "num"), ("nonfinite_records", "non-finite records", "num"),
+                      ("source", "source", "name")]),
+        "<h2>First non-finite producer</h2>",
+    ]
+    nf_rows = []
+    for f in firsts:
+        first = f["first"]
+        if first is None:
+            nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"})
+            continue
+        nf_rows.append({"run": f["run"]["name"], "op": first["op"], "op_type": first["op_type"],
+                        "where": f"step {first['step']}, rank {first['rank']}, seq {first['seq']}",
+                        "tensor": f"{first['role']} {first['index']}", "reason": first["reason"],
+                        "path": " → ".join(p["op"] for p in first["path"])})
+    parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
+                                  ("where", "where", "text"), ("tensor", "tensor", "text"),
+                                  ("reason", "why", "text"), ("path", "ops before it", "name")],
+                        empty="no runs"))
+
+    err = _error_plot(store, sid, firsts)
+    parts.append("<h2>Error along execution order</h2>")
+    parts.append(err if err else '<p class="none">no comparisons in this session</p>')
+
+    focus, caption = _focus_plot(store, sid, firsts)
+    if focus:
+        parts += ["<h2>Values against the format's range</h2>", f"<p>{_e(caption)}</p>", focus]
+
+    worst = _records(top_offenders(store, sid, n=TOP_COMPARISONS, include_nonfinite=True))
+    for w in worst:
+        w["tensor"] = f"{w['role']} {w['index']}"
+        w["cosine_text"] = cosine_text(w.get("cosine"), w.get("cosine_deficit"))
+    parts.append(f"<h2>Largest errors (top {TOP_COMPARISONS})</h2>")
+    parts.append(_table(worst, [("run", "run", "name"), ("seq", "seq", "num"), ("op", "op", "name"),
+                                ("tensor", "tensor", "text"), ("kind", "kind", "text"), ("basis", "basis", "text"),
+                                ("verdict", "verdict", "text"), ("max_abs_err", "max abs err", "num"),
+                                ("max_rel_err", "max rel err", "num"), ("cosine_text", "cosine", "text"),
+                                ("sqnr_db", "SQNR dB", "num"), ("rounding_units", "err / unit roundoff", "num"),
+                                ("reason", "reason", "text")], row_class="verdict", empty="no comparisons"))
+
+    arts = norm_artefacts(store, sid)
+    if arts:
+        parts.append(f"<h2>Norm artefacts ({len(arts)})</h2>")
+        parts.append(_table(arts, [("run", "run", "name"), ("op", "op", "name"), ("role", "role", "text"),
+                                   ("index", "index", "text"), ("reason", "why this is not a non-finite value",
+                                                                 "text")]))
+
+    cards = diagnosis_cards(store, sid)
+    for c in cards:
+        c["fixes_text"] = ", ".join(c["fixes"])
+    parts.append("<h2>Diagnoses</h2>")
+    parts.append(_table(cards, [("severity", "severity", "text"), ("run", "run", "name"), ("op", "op", "name"),
+                                ("rule", "rule", "text"), ("message", "message", "text"),
+                                ("fixes_text", "fixes", "name")], empty="no diagnoses"))
+
+    warns = rows(store, """SELECT r.name AS run, w.file, w.message FROM warnings w
+                           LEFT JOIN runs r ON r.run_id = w.run_id WHERE w.session_id = ?
+                           ORDER BY w.file, w.message LIMIT ?""", [sid, MAX_WARNINGS + 1])
+    parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
+    parts.append(_table(warns[:MAX_WARNINGS], [("run", "run", "name"), ("file", "file", "name"),
+                                               ("message", "message", "text")], empty="no warnings"))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_html(store, session: str, path: os.PathLike | str) -> Path:
+    """Write the page to ``path`` (complete or not at all); returns the path."""
+    import tempfile
+
+    path = Path(path)
+    text = render_html(store, session)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

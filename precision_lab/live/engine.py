@@ -1,0 +1,165 @@
+"""Statistics of captured tensors, on the tensor's own device.
+
+Definitions are those of :func:`precision_lab.stats.tensor_stats`; this
+module only decides *when* they are computed and how results reach the host:
+
+- CPU tensors: ``tensor_stats`` at once (the compiled one-pass kernel).
+- CUDA tensors: the stats module's device kernel runs at once on the
+  current stream and leaves its small per-tensor results on the device;
+  :meth:`StatsEngine.resolve` stacks every pending result of the step and
+  copies them to the host in one transfer.  No host synchronisation per op.
+
+A tensor object seen twice within a step with the same version counter
+(an op's output that is the next op's input) is measured once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from .. import stats as _stats
+
+__all__ = ["StatsEngine", "Handle", "skip_reason"]
+
+_RECENT = 16
+
+
+class Handle:
+    """Statistics of one tensor: ``stats`` is set at once (CPU) or on resolve (CUDA)."""
+
+    __slots__ = ("stats", "dtype", "shape", "numel", "parts", "__weakref__")
+
+    def __init__(self, dtype: str, shape: tuple, numel: int):
+        self.stats = None
+        self.dtype, self.shape, self.numel = dtype, shape, numel
+        self.parts = None
+
+
+def skip_reason(t: torch.Tensor) -> Optional[str]:
+    """Why a tensor cannot be summarised (None when it can)."""
+    if t.is_complex():
+        return f"complex tensor ({str(t.dtype).replace('torch.', '')}) skipped: statistics need real values"
+    if t.device.type == "meta":
+        return "meta tensor skipped: it has no values"
+    if getattr(t, "is_quantized", False) and t.is_quantized:
+        return "quantized tensor skipped: summarise its dequantized values instead"
+    if getattr(t, "is_nested", False) and t.is_nested:
+        return "nested tensor skipped"
+    return None
+
+
+class StatsEngine:
+    def __init__(self, options, warn: Callable[[str, str], None]):
+        self.histogram = bool(options.histogram and not options.moments_only)
+        self._warn = warn
+        self._lock = threading.Lock()
+        self._cache: dict = {}
+        self._pending: list = []
+        # Autograd hands a gradient to the next hook as a fresh Python object
+        # unless one is alive, so the object seen by the consumer's hook and
+        # the producer's hook only match while someone holds it: keep the last
+        # few gradients alive (bounded memory: _RECENT tensors).
+        self._recent: deque = deque(maxlen=_RECENT)
+
+    def new_step(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._recent.clear()
+
+    def measure(self, t, where: str, *, hold: bool = False) -> Optional[Handle]:
+        """A handle to the statistics of ``t``, or None (skipped, with a warning).
+
+        ``hold``: keep ``t`` alive for a few more measurements (gradients), so
+        the same gradient seen by the next hook is recognised.
+        """
+        if not isinstance(t, torch.Tensor):
+            return None
+        key = id(t)
+        try:
+            version = t._version
+        except Exception:  # inference tensors have no version counter
+            version = None
+        if version is not None:
+            hit = self._cache.get(key)
+            if hit is not None and hit[1] == version and hit[0]() is t:
+                if hold:
+                    self._recent.append(t)
+                return hit[2]
+        reason = skip_reason(t)
+        if reason is not None:
+            self._warn(where, reason)
+            return None
+        dtype = _stats.canonical_dtype(t.dtype)
+        shape = tuple(t.shape)
+        try:
+            with torch.no_grad():
+                d = t.detach()
+                if d.device.type == "cpu" or d.layout != torch.strided:
+                    h = Handle(dtype, shape, d.numel())
+                    h.stats = _stats.tensor_stats(d, histogram=self.histogram)
+                else:
+                    h = self._device_measure(d, dtype, shape)
+        except Exception as e:
+            self._warn(where, f"{dtype} tensor of shape {list(shape)} skipped: {e}")
+            return None
+        if version is not None:
+            try:
+                self._cache[key] = (weakref.ref(t), version, h)
+            except TypeError:
+                pass
+            if hold:
+                self._recent.append(t)
+        return h
+
+    # ---- device path -----------------------------------------------------------
+    def _device_measure(self, d: torch.Tensor, dtype: str, shape: tuple) -> Handle:
+        numel = d.numel()
+        packed_fp4 = dtype == "float4_e2m1fn_x2"
+        if packed_fp4:
+            numel *= 2
+        if not (d.dtype.is_floating_point or packed_fp4 or dtype.startswith(("int", "uint")) or dtype == "bool"):
+            raise ValueError(f"cannot compute numeric statistics of a {dtype} tensor")
+        h = Handle(dtype, shape, numel)
+        parts = []
+        chunk = 1 << 26
+        for c in _stats._iter_torch_chunks(d, chunk if not packed_fp4 else chunk // 2):
+            if packed_fp4:
+                c = _stats._fp4x2_to_f32(torch, c)
+            parts.append(_stats._torch_chunk_partial(torch, c, self.histogram))
+        h.parts = parts
+        with self._lock:
+            self._pending.append(h)
+        return h
+
+    def resolve(self) -> None:
+        """Bring every pending device result to the host in one transfer."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        by_device: dict = {}
+        for h in pending:
+            if h.parts:
+                by_device.setdefault(h.parts[0][0].device, []).append(h)
+            else:  # an empty tensor
+                h.stats = _stats._Acc(self.histogram).result(numel=h.numel, dtype=h.dtype, shape=h.shape)
+        for dev, hs in by_device.items():
+            vecs = [v for h in hs for v, _ in h.parts]
+            host_v = torch.stack(vecs).cpu()
+            host_h = None
+            if self.histogram:
+                host_h = torch.stack([hh for h in hs for _, hh in h.parts]).cpu()
+            i = 0
+            for h in hs:
+                acc = _stats._Acc(self.histogram)
+                n = len(h.parts)
+                cpu_parts = [(host_v[i + j], None if host_h is None else host_h[i + j]) for j in range(n)]
+                _stats._torch_finish(torch, acc, cpu_parts)
+                i += n
+                h.parts = None
+                h.stats = acc.result(numel=h.numel, dtype=h.dtype, shape=h.shape)

@@ -1,0 +1,127 @@
+"""What a live capture records: one frozen, validated options object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Optional, Union
+
+__all__ = ["CaptureOptions", "VIEW_OPS"]
+
+# Ops whose output values are a rearrangement or subset of their input's
+# (views, reshapes, indexing, splitting, detaching).  They cannot introduce
+# error or a non-finite value, so by default they are not recorded; the
+# data flows through them to the next op, which is.  Casts are NOT here:
+# a cast is where precision is lost.
+VIEW_OPS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "transpose_", "t", "permute", "contiguous",
+    "flatten", "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select",
+    "getitem", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "movedim", "moveaxis",
+    "swapaxes", "swapdims", "detach", "detach_", "as_strided", "unfold", "clone", "squeeze_", "unsqueeze_",
+    "requires_grad_", "retain_grad", "broadcast_to", "mT", "mH", "T", "H", "real", "imag", "view_as_real",
+    "view_as_complex", "diagonal", "stack", "cat", "concat", "concatenate", "hstack", "vstack", "repeat",
+    "repeat_interleave", "tile", "roll", "flip", "gather", "index_select", "masked_select", "take",
+})
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """Options of :func:`precision_lab.capture`.
+
+    Module and op filters are shell-style patterns (``fnmatch``):
+
+    - ``include`` / ``exclude``: module paths (``"blocks.*.attn"``; the root
+      module's path is ``""``).  A functional op is recorded when the
+      innermost module it runs in is; a module is recorded when its path
+      matches ``include`` and not ``exclude``.
+    - ``op_types`` / ``exclude_op_types``: op types -- a module's class name
+      (``"Linear"``) or a function's name (``"softmax"``, ``"matmul"``,
+      ``"to"``, ``"add"``).
+    - ``steps``: ``None`` records every step, an int ``N`` every N-th step
+      (0, N, 2N, ...), a sequence the listed step numbers.
+    - ``keep_tensors``: patterns over op names (``"blocks.2.fc1.*"``) whose
+      tensors are kept whole (for exact comparison and replay), not only
+      summarised.
+    - ``histogram``: the magnitude histogram against every format's range.
+    - ``moments_only``: min/max/absmax/mean/std/norm and non-finite counts
+      only (no zero count, no smallest nonzero magnitude, no histogram): the
+      cheapest setting.
+    - ``local_error``: re-run every recorded op in fp32 from upcast copies of
+      its own inputs and compare with its low-precision output.
+    - ``functional``: record functional and tensor ops (``F.softmax``,
+      ``x / y``, ``.float()``) as well as module calls.
+    - ``views``: also record view-like ops (``VIEW_OPS``), off by default.
+    - ``backward``: record gradients when the user runs backward.
+    - ``params``: record each module's parameters (once per step) and their
+      gradients.
+    - ``max_warnings``: stop recording distinct hook warnings after this many.
+    """
+
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    op_types: Optional[tuple[str, ...]] = None
+    exclude_op_types: tuple[str, ...] = ()
+    steps: Union[None, int, tuple[int, ...]] = None
+    keep_tensors: tuple[str, ...] = ()
+    histogram: bool = True
+    moments_only: bool = False
+    local_error: bool = False
+    functional: bool = True
+    views: bool = False
+    backward: bool = True
+    params: bool = True
+    max_warnings: int = 200
+    _view_ops: frozenset = field(default=VIEW_OPS, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude", "exclude_op_types", "keep_tensors"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                object.__setattr__(self, name, (v,))
+            elif not isinstance(v, tuple):
+                object.__setattr__(self, name, tuple(v))
+            for p in getattr(self, name):
+                if not isinstance(p, str):
+                    raise TypeError(f"CaptureOptions.{name}: patterns must be strings, got {p!r}")
+        if self.op_types is not None:
+            v = (self.op_types,) if isinstance(self.op_types, str) else tuple(self.op_types)
+            object.__setattr__(self, "op_types", v)
+        s = self.steps
+        if s is not None:
+            if isinstance(s, bool):
+                raise TypeError("CaptureOptions.steps: give None, an int N (every N-th step) or a list of steps")
+            if isinstance(s, int):
+                if s < 1:
+                    raise ValueError(f"CaptureOptions.steps: every-N must be >= 1, got {s}")
+            else:
+                steps = tuple(int(x) for x in s)
+                if any(x < 0 for x in steps):
+                    raise ValueError(f"CaptureOptions.steps: step numbers must be >= 0, got {steps}")
+                object.__setattr__(self, "steps", steps)
+        if self.max_warnings < 0:
+            raise ValueError("CaptureOptions.max_warnings must be >= 0")
+        if self.moments_only and self.histogram:
+            # moments-only is the cheapest mode: no histogram, whatever the default says
+            object.__setattr__(self, "histogram", False)
+
+    # ---- filters -----------------------------------------------------------
+    def step_selected(self, step: int) -> bool:
+        if self.steps is None:
+            return True
+        if isinstance(self.steps, int):
+            return step % self.steps == 0
+        return step in self.steps
+
+    def module_selected(self, path: str) -> bool:
+        return any(fnmatchcase(path, p) for p in self.include) and not any(
+            fnmatchcase(path, p) for p in self.exclude)
+
+    def op_type_selected(self, op_type: str) -> bool:
+        if not self.views and op_type in self._view_ops:
+            return False
+        if self.op_types is not None and not any(fnmatchcase(op_type, p) for p in self.op_types):
+            return False
+        return not any(fnmatchcase(op_type, p) for p in self.exclude_op_types)
+
+    def keep_selected(self, op: str) -> bool:
+        return any(fnmatchcase(op, p) for p in self.keep_tensors)

@@ -1,0 +1,292 @@
+"""An fp32 reference and a low-precision candidate of the same model, compared op by op.
+
+``capture_pair`` runs the reference first and keeps a copy of each tensor it
+records (in memory up to a budget, then in a temporary folder on disk), then
+runs the candidate and compares each of its tensors with the reference
+tensor of the same name *as it is produced*, so nothing of the candidate is
+kept and the comparison is element-wise for every recorded tensor.  The
+reference copies are deleted when the pair is written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import replace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..formats import format_for_dtype
+from ..metrics import compare, compare_stats
+from .capture import Capture, as_policy, policy_description
+from .options import CaptureOptions
+
+__all__ = ["capture_pair", "DEFAULT_KEEP_BYTES"]
+
+# reference copies held in memory before spilling to disk
+DEFAULT_KEEP_BYTES = 1 << 30
+
+
+def _key(rec) -> tuple:
+    return (rec.step, rec.rank, rec.direction, rec.name)
+
+
+class _ReferenceKeeper:
+    """Keeps the reference run's tensors by record name, bounded in memory."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.used = 0
+        self._mem: dict = {}  # storage key -> tensor (cpu) or path
+        self._by_key: dict = {}  # record key -> (pos, storage key)
+        self._ident: dict = {}  # (id, version) -> storage key, to store a shared tensor once
+        self._dir: Optional[str] = None
+        self._n = 0
+
+    def on_record(self, cap, pos, rec, t, handle) -> None:
+        k = _key(rec)
+        if k in self._by_key:
+            return
+        sk = None
+        try:
+            ident = (id(t), t._version)
+        except Exception:
+            ident = None
+        if ident is not None:
+            hit = self._ident.get(ident)
+            if hit is not None and hit[0]() is t:
+                sk = hit[1]
+        if sk is None:
+            sk = self._store(t)
+            if ident is not None:
+                self._ident[ident] = (weakref.ref(t), sk)
+        self._by_key[k] = (pos, sk)
+
+    def _store(self, t) -> int:
+        sk = self._n
+        self._n += 1
+        c = t.detach()
+        nbytes = c.numel() * c.element_size()
+        if self.used + nbytes <= self.budget:
+            self._mem[sk] = c.to("cpu", copy=True)
+            self.used += nbytes
+        else:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="precision-lab-ref-")
+            path = os.path.join(self._dir, f"{sk}.npy")
+            arr = c.cpu()
+            if arr.dtype not in (torch.float32, torch.float64) and arr.is_floating_point():
+                arr = arr.to(torch.float32)  # numpy has no bf16/fp8: float32 holds them exactly
+            np.save(path, arr.numpy(), allow_pickle=False)
+            self._mem[sk] = path
+        return sk
+
+    def drop_objects(self) -> None:
+        self._ident.clear()
+
+    def lookup(self, rec):
+        """(reference position, storage key, tensor) for a candidate record, or None."""
+        hit = self._by_key.get(_key(rec))
+        if hit is None:
+            return None
+        pos, sk = hit
+        v = self._mem[sk]
+        if isinstance(v, str):
+            v = torch.from_numpy(np.load(v, allow_pickle=False))
+        return pos, sk, v
+
+    def positions(self) -> dict:
+        return {k: pos for k, (pos, _) in self._by_key.items()}
+
+    def close(self) -> None:
+        self._mem.clear()
+        self._by_key.clear()
+        self._ident.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+class _Comparer:
+    """Compares each candidate tensor with its reference as it is recorded."""
+
+    def __init__(self, keeper: _ReferenceKeeper):
+        self.keeper = keeper
+        self.results: dict = {}  # candidate position -> (reference position | None, Comparison | None, match)
+        self._cache: dict = {}
+
+    def on_record(self, cap, pos, rec, t, handle) -> None:
+        hit = self.keeper.lookup(rec)
+        if hit is None:
+            self.results[pos] = (None, None, "unmatched_cand")
+            return
+        ref_pos, sk, ref = hit
+        try:
+            ident = (id(t), t._version, sk)
+        except Exception:
+            ident = None
+        hit = self._cache.get(ident) if ident is not None else None
+        if hit is not None and hit[0]() is t:
+            cmp = hit[1]
+        else:
+            cmp = self._compare(ref, t, cap, rec)
+            if ident is not None:
+                self._cache[ident] = (weakref.ref(t), cmp)
+        self.results[pos] = (ref_pos, cmp, "exact")
+
+    def _compare(self, ref, t, cap, rec):
+        t = t.detach()
+        if t.is_complex() or ref.is_complex():
+            return None
+        if tuple(ref.shape) != tuple(t.shape):
+            cap._warn(rec.op, f"{rec.name}: reference shape {tuple(ref.shape)} differs from candidate "
+                              f"{tuple(t.shape)}; compared by summary statistics")
+            return "stats"
+        fmt = format_for_dtype(t.dtype)
+        if t.device != ref.device:
+            ref = ref.to(t.device)
+        return compare(ref, t, cand_format=fmt.name if fmt else None)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
+    with cap:
+        x = cap.prepare_inputs(inputs)
+        torch.manual_seed(seed)
+        out = _call(cap.model, x)
+        if loss_fn is not None:
+            loss = loss_fn(out)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"loss_fn must return a one-element tensor, got "
+                                 f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+            loss.backward()
+
+
+def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
+                 session: Optional[str] = None, local_error: bool = True,
+                 options: Optional[CaptureOptions] = None, loss_fn: Optional[Callable] = None, seed: int = 0,
+                 reference_name: str = "fp32", candidate_name: Optional[str] = None,
+                 keep_bytes: int = DEFAULT_KEEP_BYTES, source: str = "capture",
+                 recipe: Optional[str] = None, name: Optional[str] = None) -> str:
+    """Capture an fp32 reference and a candidate run of one model; returns the session name.
+
+    ``build_model()`` must return a fresh fp32 model; it is called twice
+    (after ``torch.manual_seed(seed)`` each time) and the candidate is given
+    the reference's exact weights before ``candidate_policy.prepare`` runs.
+    ``inputs``: a tensor, a tuple/list of positional arguments, or a dict of
+    keyword arguments (fp32; the policy's ``prepare_inputs`` casts them for
+    the candidate).  ``loss_fn(output) -> scalar`` runs backward in both runs.
+
+    Writes ONE session (a new one named ``name``, with a suffix if the name
+    is taken, or a new pair of runs in the existing ``session``)
+    in one transaction: the reference run (kind "reference"), the candidate
+    run (kind "candidate"), one "accumulated" comparison per candidate
+    tensor against the reference tensor of the same name (element-wise;
+    "unmatched_cand"/"unmatched_ref" rows for names only one run has) and,
+    with ``local_error``, one "local" comparison per candidate op output
+    against the op re-run in fp32 from upcast copies of its own inputs.
+    """
+    if not callable(build_model):
+        raise TypeError("capture_pair: build_model must be a callable returning a fresh fp32 model")
+    if store is None:
+        raise ValueError("capture_pair: pass store= (a precision_lab.store.Store)")
+    policy = as_policy(candidate_policy)
+    if policy is None:
+        raise ValueError("capture_pair: candidate_policy is None; give a dtype (torch.float16) or a precision policy")
+    opts = options or CaptureOptions()
+    torch.manual_seed(seed)
+    ref_model = build_model()
+    if not isinstance(ref_model, torch.nn.Module):
+        raise TypeError(f"capture_pair: build_model() returned {type(ref_model).__name__}, not a torch.nn.Module")
+    state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
+    torch.manual_seed(seed)
+    cand_model = build_model()
+    try:
+        cand_model.load_state_dict(state)
+    except Exception as e:
+        raise ValueError(f"capture_pair: the second model from build_model() does not take the first one's "
+                         f"weights ({e}); build_model must build the same architecture each time") from None
+    del state
+
+    if candidate_name is None:
+        desc = getattr(policy, "name", None) or (str(policy.dtype).replace("torch.", "")
+                                                  if hasattr(policy, "dtype") else "candidate")
+        candidate_name = str(desc)
+    keeper = _ReferenceKeeper(keep_bytes)
+    comparer = _Comparer(keeper)
+    try:
+        ref_cap = Capture(ref_model, run=reference_name, options=replace(opts, local_error=False),
+                          kind="reference", source=source, observer=keeper, write=False)
+        _run(ref_cap, inputs, loss_fn, seed)
+        del ref_model
+        keeper.drop_objects()
+        cand_cap = Capture(cand_model, run=candidate_name, dtype_policy=policy,
+                           options=replace(opts, local_error=local_error), kind="candidate", source=source,
+                           observer=comparer, write=False)
+        _run(cand_cap, inputs, loss_fn, seed)
+        comparer.clear_cache()
+        name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=recipe, source=source,
+                           policy=policy, name=name)
+    finally:
+        keeper.close()
+    _diagnose(store, name)
+    return name
+
+
+def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, source, policy, name) -> str:
+    notes = {"capture_pair": {"reference": ref_cap.run, "candidate": cand_cap.run,
+                              "policy": policy_description(policy), "local_error": cand_cap.options.local_error}}
+    ctx = store.extend_session(session) if session else store.new_session(
+        name or recipe or f"{ref_cap.run}-vs-{cand_cap.run}", source=source, recipe=recipe, notes=notes)
+    with ctx as w:
+        ref_rids = ref_cap.write_run(w)
+        cand_rids = cand_cap.write_run(w)
+        matched_ref = set()
+        for pos, rec in enumerate(cand_cap.records):
+            ref_pos, cmp, match = comparer.results.get(pos, (None, None, "unmatched_cand"))
+            if cmp == "stats" and ref_pos is not None:
+                cmp = compare_stats(ref_cap.records[ref_pos].stats, rec.stats)
+            if ref_pos is not None:
+                matched_ref.add(ref_pos)
+            w.add_comparison(kind="accumulated", ref_run_id=ref_cap.run_id,
+                             ref_rid=ref_rids[ref_pos] if ref_pos is not None else None,
+                             cand_run_id=cand_cap.run_id, cand_rid=cand_rids[pos], step=rec.step, rank=rec.rank,
+                             seq=rec.seq, op=rec.op, role=rec.role, index=rec.index, match=match,
+                             comparison=cmp)
+        for pos, rec in enumerate(ref_cap.records):
+            if pos in matched_ref:
+                continue
+            w.add_comparison(kind="accumulated", ref_run_id=ref_cap.run_id, ref_rid=ref_rids[pos],
+                             cand_run_id=cand_cap.run_id, cand_rid=None, step=rec.step, rank=rec.rank,
+                             seq=rec.seq, op=rec.op, role=rec.role, index=rec.index, match="unmatched_ref",
+                             comparison=None)
+        name = w.name
+    ref_cap.session = cand_cap.session = name
+    return name
+
+
+def _diagnose(store, name: str) -> None:
+    """Run the diagnosis rules over the new session when the fixes package provides them."""
+    try:
+        from ..fixes.diagnose import diagnose_session
+    except ImportError:
+        return
+    try:
+        diagnose_session(store, name)
+    except Exception as e:  # the captured session stands; say why it has no diagnoses
+        with store.extend_session(name) as w:
+            w.add_warning("diagnose", f"diagnosis rules failed: {type(e).__name__}: {e}")

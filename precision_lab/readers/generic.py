@@ -1,0 +1,412 @@
+"""Generic tensor folders: ``.npy``, ``.npz``, ``.pt``/``.pth``, ``.safetensors``,
+and raw ``.bin`` files with a JSON sidecar.
+
+Names.  A tensor's name is its file's path relative to the folder without
+the extension, ``/`` written as ``.``, followed by ``.<key>`` for each entry
+of a container file (``.npz``, ``.safetensors``, a ``.pt`` holding a dict or
+list; nested keys are joined with ``.``).  A folder whose only data file is
+one container contributes just the keys.  Folders named ``step<N>`` and
+``rank<R>`` set the record's step and rank and are left out of the name.
+Names of the form ``<op>.<role>.<index>`` (role ``input``, ``output``,
+``kwarg``, ``param``, ``grad_input``, ``grad_output``, ``param_grad``) fill
+op, role and index; any other name becomes op ``<name>`` with role
+``tensor``.
+
+Order.  ``manifest.json`` (``{"order": [names...]}``), ``order.json`` (a
+list of names) or ``order.txt`` (one name per line) give execution order;
+names may be written with their file extension.  Without one, records are
+numbered in natural name order and the run says ``order="name"``.
+
+Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
+``{"dtype": "float16", "shape": [4, 8]}`` (optional ``"byteorder"``:
+``"little"``/``"big"``, ``"offset"``: bytes to skip).  The file size must
+match exactly.  dtype names are numpy's or ml_dtypes' (``bfloat16``,
+``float8_e4m3fn``, ...).
+
+Failures.  A data file that cannot be read (truncated, corrupt header,
+pickled Python objects, a ``.bin`` without sidecar or with a size that
+disagrees with it) fails the read with a message naming the file: a dump
+with a silently missing tensor would misplace the first non-finite op.
+Files of other types are skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from ..records import TensorRecord, split_tensor_name
+from . import ReadError, RunSource, Tick, natural_key
+from .msprobe import load_pt, parse_op
+
+__all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
+
+SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
+CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
+ORDER_FILES = ("manifest.json", "order.json", "order.txt")
+_STEP_RE = re.compile(r"^step(\d+)$")
+_RANK_RE = re.compile(r"^rank(\d+)$")
+_MSPROBE_PREFIXES = {"Functional", "Torch", "Tensor", "Module", "Aten", "NPU", "Distributed", "VF", "Jit",
+                     "Mint", "MintFunctional", "Primitive"}
+_GRAD_ROLES = {"grad_input", "grad_output", "param_grad"}
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+@dataclasses.dataclass
+class Scan:
+    data: list[Path]
+    sidecars: dict[Path, Path]  # .bin -> its JSON sidecar
+    order_file: Optional[Path]
+    other: list[Path]  # files we do not read
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".") or name == "__MACOSX"
+
+
+def scan(root: Path) -> Scan:
+    """Classify every file under ``root`` (hidden files and folders ignored)."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted((d for d in dirnames if not _hidden(d)), key=natural_key)
+        for fn in filenames:
+            if not _hidden(fn):
+                files.append(Path(dirpath) / fn)
+    files.sort(key=lambda p: natural_key(str(p.relative_to(root))))
+    data = [p for p in files if p.suffix.lower() in SUFFIXES]
+    sidecars = {}
+    names = set(files)
+    for p in data:
+        if p.suffix.lower() == ".bin":
+            for cand in (p.with_suffix(".json"), p.with_name(p.name + ".json")):
+                if cand in names:
+                    sidecars[p] = cand
+                    break
+    order_file = next((root / n for n in ORDER_FILES if (root / n) in names), None)
+    used = set(data) | set(sidecars.values()) | ({order_file} if order_file else set())
+    other = [p for p in files if p not in used]
+    return Scan(data, sidecars, order_file, other)
+
+
+def op_type_of(op: str) -> str:
+    parts = op.split(".")
+    if parts[0] in _MSPROBE_PREFIXES and len(parts) > 1:
+        return parse_op(op)[0]
+    for p in reversed(parts):
+        if p and not p.isdigit():
+            return p
+    return op
+
+
+def _record_fields(name: str) -> dict:
+    split = split_tensor_name(name)
+    if split:
+        op, role, index = split
+    else:
+        op, role, index = name, "tensor", "0"
+    parts = op.split(".")
+    backward = role in _GRAD_ROLES or "backward" in parts
+    if parts[0] in _MSPROBE_PREFIXES and len(parts) > 1:
+        backward = parse_op(op)[1] == "backward" or role in _GRAD_ROLES
+    return {"op": op, "role": role, "index": index, "op_type": op_type_of(op),
+            "direction": "backward" if backward else "forward"}
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# ---- file loaders: each yields (key, array_or_tensor), key "" for a lone tensor;
+# ``want`` restricts a container to one key (re-reading one tensor later)
+
+def _load_npy(path: Path, rel: str, want=None):
+    with open(path, "rb") as f:
+        magic = f.read(len(_NPY_MAGIC))
+    if magic != _NPY_MAGIC:
+        raise ReadError(f"{rel}: not a .npy file (bad magic bytes)")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        msg = str(e)
+        if "Python objects" in msg or "pickle" in msg:
+            raise ReadError(f"{rel}: refused: the array holds Python objects (pickled data)") from None
+        if "mmap length" in msg:
+            raise ReadError(f"{rel}: truncated: the header promises more data than the file holds") from None
+        raise ReadError(f"{rel}: corrupt .npy header ({_first_line(e)})") from None
+    except (OSError, EOFError, SyntaxError) as e:
+        raise ReadError(f"{rel}: corrupt .npy file ({_first_line(e)})") from None
+    # bytes past the data mean the header's shape is not the data's (mmap would silently ignore them)
+    extra = path.stat().st_size - getattr(arr, "offset", 0) - arr.nbytes
+    if isinstance(arr, np.memmap) and extra > 0:
+        raise ReadError(f"{rel}: the header says shape {list(arr.shape)} of {arr.dtype} ({arr.nbytes} bytes) but "
+                        f"the file holds {arr.nbytes + extra} bytes of data")
+    return [("", arr)]
+
+
+def _load_npz(path: Path, rel: str, want=None):
+    import zipfile
+    import zlib
+
+    from ..safezip import UnsafeZip, ZipLimits, check_zip
+
+    # an .npz is a zip: refuse bombs before numpy inflates a member into memory;
+    # no ratio limit, since arrays of zeros legitimately compress a thousandfold
+    try:
+        check_zip(path, ZipLimits(max_ratio=float("inf")))
+    except UnsafeZip as e:
+        detail = str(e).split(": ", 1)[-1]
+        raise ReadError(f"{rel}: not a readable .npz archive: {detail}") from None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for k in sorted(z.files, key=natural_key):
+                key = k[:-4] if k.endswith(".npy") else k
+                if want is None or key == want:
+                    yield key, z[k]
+    except ValueError as e:
+        msg = str(e)
+        if "pickle" in msg or "Python objects" in msg:
+            raise ReadError(f"{rel}: refused: an array holds Python objects (pickled data)") from None
+        raise ReadError(f"{rel}: corrupt .npz member ({_first_line(e)})") from None
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, KeyError) as e:
+        raise ReadError(f"{rel}: not a readable .npz archive ({_first_line(e)})") from None
+
+
+def _flatten_obj(obj, prefix: str = ""):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flatten_obj(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _flatten_obj(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _load_pt(path: Path, rel: str, want=None):
+    obj = load_pt(path, rel)
+    out = list(_flatten_obj(obj))
+    if not out:
+        raise ReadError(f"{rel}: holds a {type(obj).__name__} with no tensors in it")
+    if want is not None:
+        return [kv for kv in out if kv[0] == want]
+    return sorted(out, key=lambda kv: natural_key(kv[0]))
+
+
+def _load_safetensors(path: Path, rel: str, want=None):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for k in sorted(f.keys(), key=natural_key):
+                if want is None or k == want:
+                    yield k, f.get_tensor(k)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ReadError(f"{rel}: not a readable .safetensors file ({_first_line(e)})") from None
+
+
+def _np_dtype(name, where: str):
+    import ml_dtypes
+
+    s = str(name).replace("torch.", "")
+    try:
+        return np.dtype(getattr(ml_dtypes, s)) if hasattr(ml_dtypes, s) else np.dtype(s)
+    except TypeError:
+        raise ReadError(f"{where}: unknown dtype {name!r}") from None
+
+
+def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=None):
+    if sidecar is None:
+        raise ReadError(f"{rel}: raw .bin file without a JSON sidecar: add {path.stem}.json with "
+                        "{\"dtype\": ..., \"shape\": [...]} to say how to read it")
+    srel = str(sidecar.relative_to(root))
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReadError(f"{srel}: sidecar of {rel} is not valid JSON ({_first_line(e)})") from None
+    if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
+        raise ReadError(f"{srel}: sidecar of {rel} needs \"dtype\" and \"shape\"")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                              for s in shape):
+        raise ReadError(f"{srel}: shape {shape!r} is not a list of non-negative sizes")
+    dt = _np_dtype(meta["dtype"], srel)
+    order = meta.get("byteorder", "little")
+    if order not in ("little", "big"):
+        raise ReadError(f"{srel}: byteorder must be \"little\" or \"big\", not {order!r}")
+    if dt.itemsize > 1:
+        dt = dt.newbyteorder("<" if order == "little" else ">")
+    offset = meta.get("offset", 0)
+    if not isinstance(offset, int) or offset < 0:
+        raise ReadError(f"{srel}: offset must be a non-negative integer")
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    expected = offset + numel * dt.itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise ReadError(
+            f"{rel}: sidecar {srel} says shape {shape} of {dt.name} ({numel * dt.itemsize} bytes"
+            f"{f' after {offset}' if offset else ''}) but the file holds {actual} bytes"
+        )
+    if numel == 0:
+        return [("", np.zeros(shape, dtype=dt))]
+    arr = np.memmap(path, dtype=dt, mode="r", offset=offset, shape=tuple(shape))
+    return [("", arr)]
+
+
+def _native(x):
+    """Arrays in foreign byte order cannot be viewed by torch; swap them once."""
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
+
+
+class GenericReader:
+    name = "generic"
+    priority = 0
+
+    def detect(self, root: Path) -> bool:
+        if not root.is_dir():
+            return False
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not _hidden(d)]
+            if any(Path(f).suffix.lower() in SUFFIXES and not _hidden(f) for f in filenames):
+                return True
+        return False
+
+    def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
+        sc = scan(root)
+        order, note, warnings = self._order(root, sc)
+        src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
+                        records=iter(()), order="execution" if order is not None else "name", order_note=note,
+                        loader=lambda source: self._reload(root, sc, source))
+        src.warnings.extend(warnings)
+        for p in sc.other:
+            rel = str(p.relative_to(root))
+            if p.suffix.lower() == ".json":
+                why = "JSON file that is neither a .bin sidecar nor an order file"
+            else:
+                why = f"unsupported file type {p.suffix or '(no extension)'!r}"
+            src.warnings.append((rel, f"{why}; skipped (readable types: {', '.join(SUFFIXES)})"))
+        src.records = self._records(root, sc, order, src, tick)
+        yield src
+
+    # -- order
+    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, list]:
+        if sc.order_file is None:
+            return None, "by name: the folder has no manifest.json, order.json or order.txt", []
+        rel = str(sc.order_file.relative_to(root))
+        try:
+            text = sc.order_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
+        if sc.order_file.suffix == ".txt":
+            names = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        else:
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ReadError(f"{rel}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+            names = doc.get("order") if isinstance(doc, dict) else doc
+            if names is None:
+                return None, f"by name: {rel} has no \"order\" list", [
+                    (rel, "has no \"order\" list; records are ordered by name")]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ReadError(f"{rel}: \"order\" must be a list of tensor names")
+        order: dict[str, int] = {}
+        for i, n in enumerate(names):
+            n = n.replace("\\", "/")
+            for suf in SUFFIXES:
+                if n.lower().endswith(suf):
+                    n = n[: -len(suf)]
+                    break
+            order.setdefault(n.replace("/", "."), i)
+        return order, f"execution order from {rel}", []
+
+    # -- names
+    def _prefix(self, root: Path, p: Path) -> tuple[str, int, int]:
+        step = rank = 0
+        parts = []
+        for part in p.relative_to(root).parts[:-1]:
+            m, r = _STEP_RE.match(part), _RANK_RE.match(part)
+            if m:
+                step = int(m.group(1))
+            elif r:
+                rank = int(r.group(1))
+            else:
+                parts.append(part)
+        stem = p.name[: -len(p.suffix)] if p.suffix else p.name
+        parts.append(stem)
+        return ".".join(parts), step, rank
+
+    def _load(self, root: Path, sc: Scan, p: Path, want=None):
+        rel = str(p.relative_to(root))
+        suf = p.suffix.lower()
+        if suf == ".npy":
+            return _load_npy(p, rel, want)
+        if suf == ".npz":
+            return _load_npz(p, rel, want)
+        if suf in (".pt", ".pth"):
+            return _load_pt(p, rel, want)
+        if suf == ".safetensors":
+            return _load_safetensors(p, rel, want)
+        return _load_bin(p, rel, sc.sidecars.get(p), root, want)
+
+    def _reload(self, root: Path, sc: Scan, source: str):
+        rel, _, key = source.partition("#")
+        for _k, t in self._load(root, sc, root / rel, want=key):
+            return _native(t)
+        return None
+
+    def _records(self, root: Path, sc: Scan, order, src: RunSource, tick: Tick) -> Iterator[TensorRecord]:
+        from ..stats import tensor_stats
+
+        lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
+        unlisted: list[str] = []
+        seen: dict[tuple, str] = {}
+        n_order = len(order) if order is not None else 0
+        emitted = 0
+        for p in sc.data:
+            rel = str(p.relative_to(root))
+            prefix, step, rank = self._prefix(root, p)
+            for key, t in self._load(root, sc, p):
+                t = _native(t)
+                if key == "":
+                    name = prefix
+                else:
+                    name = key if lone_container else f"{prefix}.{key}"
+                dup = seen.get((step, rank, name))
+                if dup is not None:
+                    raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
+                seen[(step, rank, name)] = rel
+                if order is not None:
+                    seq = order.get(name)
+                    if seq is None:
+                        seq = n_order + len(unlisted)
+                        unlisted.append(name)
+                else:
+                    seq = emitted
+                emitted += 1
+                try:
+                    stats = tensor_stats(t)
+                except Exception as e:  # an unusual dtype: say which tensor
+                    raise ReadError(f"{rel}: cannot compute statistics of {name!r} "
+                                    f"(dtype {getattr(t, 'dtype', '?')}): {_first_line(e)}") from None
+                f = _record_fields(name)
+                yield TensorRecord(run_id="", seq=seq, op=f["op"], op_type=f["op_type"], role=f["role"],
+                                   index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
+                                   source=rel if key == "" else f"{rel}#{key}", tensor=t)
+            tick(p.stat().st_size, rel)
+        if unlisted:
+            shown = ", ".join(unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
+            src.warnings.append((str(sc.order_file.relative_to(root)),
+                                 f"{len(unlisted)} tensor(s) not listed in the order file were placed after the "
+                                 f"listed ones, by name: {shown}"))
+

@@ -1,0 +1,86 @@
+"""Our own format: Parquet shards written by live capture, plus ``manifest.json``.
+
+A folder is ours when its ``manifest.json`` says ``"format":
+"precision-lab-shards"``.  Reading is delegated to
+``precision_lab.shards.read_shards(root)``, which yields ``(run_meta,
+TensorRecord)`` pairs; each distinct ``run_meta["run_id"]`` becomes one run,
+keeping the kind (reference/candidate/rerun), parent, fix and policy the
+capture wrote.  Shard records carry execution order (``seq``) from capture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from . import ReadError, RunSource, Tick
+
+__all__ = ["NativeReader", "FORMAT_NAME"]
+
+FORMAT_NAME = "precision-lab-shards"
+
+
+def _manifest(root: Path):
+    p = root / "manifest.json"
+    if not p.is_file():
+        return None
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME else None
+
+
+class NativeReader:
+    name = "precision-lab"
+    priority = 100
+
+    def detect(self, root: Path) -> bool:
+        return root.is_dir() and _manifest(root) is not None
+
+    def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
+        try:
+            from ..shards import read_shards
+        except ImportError as e:
+            raise ReadError(f"{root / 'manifest.json'}: precision-lab shard folder, but the shard reader is not "
+                            f"available in this installation ({e})") from None
+        try:
+            stream = iter(read_shards(root))
+            pending = next(stream, None)
+        except ReadError:
+            raise
+        except (ValueError, OSError, KeyError) as e:
+            raise ReadError(f"{root}: cannot read the shards ({e})") from None
+        ticked = set()
+
+        while pending is not None:
+            meta = pending[0]
+            key = str(meta.get("run_id") or meta.get("name") or "run")
+
+            def records(key=key):
+                nonlocal pending
+                while pending is not None and str(pending[0].get("run_id") or pending[0].get("name") or "run") == key:
+                    rec = pending[1]
+                    src_file = rec.source or ""
+                    if src_file and src_file not in ticked:
+                        ticked.add(src_file)
+                        p = Path(src_file) if Path(src_file).is_absolute() else root / src_file
+                        tick(p.stat().st_size if p.is_file() else 0, src_file)
+                    yield rec
+                    try:
+                        pending = next(stream, None)
+                    except (ValueError, OSError, KeyError) as e:
+                        raise ReadError(f"{root}: cannot read the shards ({e})") from None
+
+            src = RunSource(
+                key=key, name=str(meta.get("name") or key), root=root, reader=self.name, records=records(),
+                order="execution", order_note="capture order (seq) recorded in the shards",
+                kind=meta.get("kind"), parent_key=meta.get("parent_run_id"), fix=meta.get("fix"),
+                policy=meta.get("policy") if meta.get("policy") is None or isinstance(meta.get("policy"), str)
+                else json.dumps(meta.get("policy")),
+                dtype=meta.get("dtype"),
+            )
+            yield src
+            for _ in src.records:  # the consumer may stop early; the stream must move on
+                pass

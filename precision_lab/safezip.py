@@ -1,0 +1,165 @@
+"""Extract an uploaded ``.zip`` only after every entry has been checked.
+
+An archive is refused as a whole, before a single byte is written, when any
+entry has an absolute path or a drive letter, climbs out of the target with
+``..``, is a symbolic link, is encrypted, or appears twice; or when the
+archive's declared uncompressed size, entry count, an entry's compression
+ratio or its folder depth exceeds ``ZipLimits`` (zip bombs).  During
+extraction the bytes actually inflated are counted too, so an entry whose
+header understates its size is stopped at the declared size.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+__all__ = ["ZipLimits", "UnsafeZip", "check_zip", "safe_extract"]
+
+_MB = 1 << 20
+_COPY_CHUNK = _MB
+
+
+@dataclass(frozen=True)
+class ZipLimits:
+    """What an archive may expand to (defaults match ``precision_lab.config``).
+
+    ``max_ratio`` applies to each entry larger than ``ratio_min_entry_bytes``:
+    a few kilobytes of zeros legitimately compress a thousandfold, a large
+    entry that does is a bomb.  ``max_depth`` bounds folder nesting.
+    """
+
+    max_total_bytes: int = 8192 * _MB
+    max_files: int = 20_000
+    max_ratio: float = 200.0
+    ratio_min_entry_bytes: int = _MB
+    max_depth: int = 32
+
+    def __post_init__(self) -> None:
+        if (self.max_total_bytes <= 0 or self.max_files <= 0 or not self.max_ratio > 1
+                or self.ratio_min_entry_bytes < 0 or self.max_depth <= 0):
+            raise ValueError(f"invalid zip limits: {self}")
+
+    @classmethod
+    def from_config(cls, config) -> "ZipLimits":
+        """Limits from a ``precision_lab.config.ServerConfig``."""
+        return cls(max_total_bytes=config.zip_max_total_bytes, max_files=config.zip_max_files,
+                   max_ratio=float(config.zip_max_ratio), max_depth=config.max_path_depth)
+
+
+class UnsafeZip(ValueError):
+    """The archive breaks a safety rule; nothing was extracted."""
+
+
+def _is_symlink(info: zipfile.ZipInfo) -> bool:
+    # Unix mode bits live in the high 16 bits of external_attr when the
+    # archive was made on a Unix-like system (create_system 3).
+    mode = info.external_attr >> 16
+    return bool(mode) and stat.S_ISLNK(mode)
+
+
+def _safe_parts(name: str) -> tuple[str, ...] | None:
+    """The entry's path components, or None if it is absolute or escapes."""
+    norm = name.replace("\\", "/")
+    if norm.startswith("/") or (len(norm) >= 2 and norm[1] == ":"):
+        return None
+    parts = []
+    for p in PurePosixPath(norm).parts:
+        if p in ("", "."):
+            continue
+        if p == ".." or ":" in p:
+            return None
+        parts.append(p)
+    return tuple(parts)
+
+
+def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> list[zipfile.ZipInfo]:
+    """Validate every entry of ``path``; returns the entries or raises UnsafeZip."""
+    path = Path(path)
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e:
+        raise UnsafeZip(f"{path}: not a readable zip archive ({e})") from None
+    except OSError as e:
+        raise UnsafeZip(f"{path}: cannot open ({e.strerror or e})") from None
+    with zf:
+        infos = zf.infolist()
+    if len(infos) > limits.max_files:
+        raise UnsafeZip(
+            f"{path}: {len(infos)} entries exceed the limit of {limits.max_files} files "
+            "(zip bomb protection; raise the limit if the archive is trusted)"
+        )
+    seen: set[tuple[str, ...]] = set()
+    total = 0
+    for info in infos:
+        parts = _safe_parts(info.filename)
+        if parts is None:
+            kind = "an absolute path" if info.filename.replace("\\", "/").startswith("/") or \
+                info.filename[1:2] == ":" else "a path that leaves the extraction folder"
+            raise UnsafeZip(f"{path}: entry {info.filename!r} has {kind}; refusing the archive")
+        if _is_symlink(info):
+            raise UnsafeZip(f"{path}: entry {info.filename!r} is a symbolic link; refusing the archive")
+        if info.flag_bits & 0x1:
+            raise UnsafeZip(f"{path}: entry {info.filename!r} is encrypted; cannot read it")
+        if parts and not info.is_dir():
+            if parts in seen:
+                raise UnsafeZip(f"{path}: entry {info.filename!r} appears more than once")
+            seen.add(parts)
+        depth = len(parts) - (0 if info.is_dir() else 1)
+        if depth > limits.max_depth:
+            raise UnsafeZip(f"{path}: entry {info.filename!r} is nested {depth} folders deep, more than "
+                            f"the limit of {limits.max_depth}")
+        if (info.file_size > limits.ratio_min_entry_bytes
+                and info.file_size > limits.max_ratio * max(info.compress_size, 1)):
+            raise UnsafeZip(
+                f"{path}: entry {info.filename!r} expands {info.file_size / max(info.compress_size, 1):.0f}x "
+                f"({info.compress_size} -> {info.file_size} bytes), more than the limit of "
+                f"{limits.max_ratio:g}x (zip bomb protection; raise the limit if the archive is trusted)"
+            )
+        total += info.file_size
+        if total > limits.max_total_bytes:
+            raise UnsafeZip(
+                f"{path}: uncompressed size exceeds the limit of {limits.max_total_bytes} bytes "
+                "(zip bomb protection; raise the limit if the archive is trusted)"
+            )
+    return infos
+
+
+def safe_extract(path: os.PathLike | str, dest: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> Path:
+    """Check the whole archive, then extract it under ``dest``; returns ``dest``.
+
+    On a failure part-way (a corrupt entry) files already written stay in
+    ``dest``: pass a temporary folder and discard it.
+    """
+    path, dest = Path(path), Path(dest)
+    infos = check_zip(path, limits)
+    dest.mkdir(parents=True, exist_ok=True)
+    root = dest.resolve()
+    with zipfile.ZipFile(path) as zf:
+        for info in infos:
+            parts = _safe_parts(info.filename)
+            if not parts:
+                continue
+            target = root.joinpath(*parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            written = 0
+            try:
+                with zf.open(info) as src, open(target, "wb") as out:
+                    while True:
+                        chunk = src.read(_COPY_CHUNK)
+                        if not chunk:
+                            break
+                        written += len(chunk)
+                        # the header's size is what the limits checked; more is a lie
+                        if written > info.file_size:
+                            raise UnsafeZip(f"{path}: entry {info.filename!r} inflates past its declared size")
+                        out.write(chunk)
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+                raise UnsafeZip(f"{path}: entry {info.filename!r} is corrupt ({e})") from None
+    return root

@@ -1,0 +1,81 @@
+"""Seeded generator of ``sample_dumps/<recipe>/``: one shard folder per built-in recipe.
+
+Each folder is in Precision Lab's own dump format (``precision_lab.shards``:
+Parquet shards + ``manifest.json``) and holds two runs of the recipe's
+model on its fixed inputs: ``reference`` (fp32) and ``candidate`` (the
+recipe's failing low-precision policy), with the candidate's local-error
+comparisons and its op tensors (inputs and outputs, not parameters) kept so
+single ops can be replayed.  Everything is seeded: running it again writes
+the same records.
+
+    python -m precision_lab.sample_data [--out sample_dumps] [RECIPE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+__all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES"]
+
+DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "sample_dumps"
+RUN_NAMES = ("reference", "candidate")
+
+
+def generate_recipe(recipe, out_dir) -> Path:
+    """Write one recipe's reference and candidate runs to ``out_dir`` (replacing what is there)."""
+    from .fixes.rerun import _forward
+    from .shards import write_manifest, write_shard
+
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    metas = []
+    for name, policy in (("reference", None), ("candidate", recipe.default_policy)):
+        run = _forward(recipe, policy, run_name=name, kind=name, local_error=policy is not None)
+        cap = run.cap
+        # fixed ids: regenerating the folder gives the same manifest
+        cap.run_id = f"{recipe.name}-{name}"
+        records = []
+        for rec in cap.records:
+            rec.run_id = cap.run_id
+            key = (rec.step, rec.rank, rec.name)
+            # op inputs and outputs are kept for replay; parameters are
+            # reproducible from the recipe and would dominate the size
+            rec.tensor = run.tensors.get(key) if (policy is not None and rec.role != "param") else None
+            records.append(rec)
+        local = {pos: cmp for pos, cmp in cap.local_comparisons}
+        meta = cap.run_meta()
+        meta["source"] = f"recipe:{recipe.name}"
+        meta["warnings"] = [{"where": a, "message": b} for a, b in cap.warnings]
+        write_shard(out, meta, records, rank=0, step=0, local_comparisons=local)
+        for rec in records:
+            rec.tensor = None
+        metas.append(meta)
+    write_manifest(out, metas)
+    return out
+
+
+def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list[Path]:
+    """Write ``<root>/<recipe>/`` for the named recipes (default: every built-in one)."""
+    from .fixes.recipes import _builtin, get_recipe
+
+    names = list(recipes) if recipes else [r.name for r in _builtin()]
+    return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Write sample_dumps/<recipe>/ for the built-in recipes.")
+    ap.add_argument("--out", default=str(DEFAULT_ROOT), help="folder to write into (default: %(default)s)")
+    ap.add_argument("recipes", nargs="*", help="recipe names (default: all built-in recipes)")
+    args = ap.parse_args(argv)
+    for p in generate(args.out, args.recipes or None):
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        print(f"{p}  {size / 1024:.0f} KiB")
+
+
+if __name__ == "__main__":
+    main()

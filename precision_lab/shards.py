@@ -1,0 +1,446 @@
+"""Parquet shards: how a capture in another process (or another rank) hands over its records.
+
+Layout under a root folder::
+
+    <root>/manifest.json
+    <root>/<run name>/rank<R>/step<S>.parquet
+
+One file per run, rank and step, written whole (to a temporary name, then
+renamed) so a reader never sees half a file.  ``manifest.json`` is::
+
+    {"format": "precision-lab-shards", "version": 1,
+     "runs": [{"run_id", "name", "dtype", "kind", "parent_run_id", "fix",
+               "policy", "source", "order", "ranks", "steps", "files",
+               "hist_edges_id", "warnings"}, ...]}
+
+Each rank merges its run entry into the manifest under a file lock, so ranks
+of one job can finish in any order.
+
+Columns of a shard are the ``tensors`` table's (record fields, stats fields,
+``name``, ``nonfinite``), plus the sparse magnitude histogram
+(``hist_edges_id``, ``hist_bins``, ``hist_counts``), an optional kept tensor
+(``tensor_npy``, ``.npy`` bytes) and an optional local-error comparison of an
+output with its own fp32 re-run (``local_json``).  DuckDB reads every shard
+at once: ``read_parquet('<root>/*/rank*/step*.parquet', filename=true)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from .records import TensorRecord
+
+__all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
+           "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
+
+SHARD_FORMAT = "precision-lab-shards"
+SHARD_VERSION = 1
+MANIFEST = "manifest.json"
+_RUN_KEYS = ("run_id", "name", "dtype", "kind", "parent_run_id", "fix", "policy", "source", "order")
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.+=@-][A-Za-z0-9 _.+=@-]*$")
+_SHARD_RE = re.compile(r"^rank(\d+)$"), re.compile(r"^step(\d+)\.parquet$")
+
+
+class ShardError(ValueError):
+    """A shard folder that cannot be read; the message names the file and the problem."""
+
+
+def _check_run_name(name: str) -> str:
+    if not isinstance(name, str) or not name or name in (".", "..") or not _NAME_OK.match(name):
+        raise ShardError(
+            f"run name {name!r} cannot be a shard folder name: use letters, digits, spaces and _ . + = @ -"
+        )
+    return name
+
+
+def shard_path(root, run_name: str, rank: int, step: int) -> Path:
+    return Path(root) / _check_run_name(run_name) / f"rank{int(rank)}" / f"step{int(step)}.parquet"
+
+
+def shard_glob(root) -> str:
+    """The glob DuckDB's ``read_parquet`` takes to read every shard under ``root``."""
+    return str(Path(root) / "*" / "rank*" / "step*.parquet")
+
+
+# ---- schema -------------------------------------------------------------------
+
+_ARROW = {"BIGINT": "int64", "DOUBLE": "float64", "VARCHAR": "string", "BOOLEAN": "bool"}
+
+
+def _columns() -> list[tuple[str, str]]:
+    """(name, SQL type) of the record+stats columns, the store's own definition."""
+    from .store import tensor_columns
+
+    return [(n, t) for n, t in tensor_columns() if n not in ("rid", "has_hist")]
+
+
+def _schema():
+    import pyarrow as pa
+
+    fields = []
+    for n, t in _columns():
+        fields.append(pa.field(n, getattr(pa, _ARROW[t])()))
+    fields += [
+        pa.field("hist_edges_id", pa.string()),
+        pa.field("hist_bins", pa.list_(pa.int32())),
+        pa.field("hist_counts", pa.list_(pa.int64())),
+        pa.field("tensor_npy", pa.binary()),
+        pa.field("local_json", pa.string()),
+    ]
+    return pa.schema(fields)
+
+
+def _npy(t) -> bytes:
+    from .store import _to_numpy
+
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(_to_numpy(t)), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _json_safe(d: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        out[k] = v
+    return out
+
+
+def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
+                local_comparisons: Optional[dict] = None) -> Path:
+    """Write one run's records of one rank and step to ``<root>/<run>/rank<R>/step<S>.parquet``.
+
+    ``local_comparisons`` maps a position in ``records`` to the
+    :class:`~precision_lab.metrics.Comparison` of that output with its own fp32
+    re-run.  Returns the file written.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .stats import HIST_EDGES_ID
+    from .store import _nonfinite_from_stats
+
+    name = run_meta.get("name")
+    path = shard_path(root, name, rank, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = _columns()
+    stat_names = {f.name for f in dataclasses.fields(_stats_cls())}
+    rec_names = {f.name for f in dataclasses.fields(TensorRecord)}
+    data: dict[str, list] = {n: [] for n, _ in cols}
+    extra = {"hist_edges_id": [], "hist_bins": [], "hist_counts": [], "tensor_npy": [], "local_json": []}
+    local_comparisons = local_comparisons or {}
+    for i, rec in enumerate(records):
+        s = rec.stats
+        if s is None:
+            raise ShardError(f"record {rec.name} of run {name!r} has no statistics; nothing to write")
+        for n, _ in cols:
+            if n in rec_names:
+                v = getattr(rec, n)
+                if n in ("rank", "step"):
+                    v = int(v)
+            elif n == "shape":
+                v = json.dumps([int(x) for x in s.shape])
+            elif n in stat_names:
+                v = getattr(s, n)
+            elif n == "name":
+                v = rec.name
+            elif n == "nonfinite":
+                v = _nonfinite_from_stats(s)
+            else:
+                v = None
+            data[n].append(v)
+        if s.hist is not None:
+            h = np.asarray(s.hist)
+            nz = np.flatnonzero(h)
+            extra["hist_edges_id"].append(HIST_EDGES_ID)
+            extra["hist_bins"].append(nz.astype(np.int32).tolist())
+            extra["hist_counts"].append(h[nz].astype(np.int64).tolist())
+        else:
+            extra["hist_edges_id"].append(None)
+            extra["hist_bins"].append(None)
+            extra["hist_counts"].append(None)
+        extra["tensor_npy"].append(_npy(rec.tensor) if rec.tensor is not None else None)
+        cmp = local_comparisons.get(i)
+        extra["local_json"].append(json.dumps(_json_safe(cmp.to_dict())) if cmp is not None else None)
+    table = pa.table({**data, **extra}, schema=_schema())
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    return path
+
+
+def _stats_cls():
+    from .stats import TensorStats
+
+    return TensorStats
+
+
+# ---- manifest ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """An exclusive lock on ``<root>/.manifest.lock`` (ranks merge the manifest one at a time)."""
+    lock = root / ".manifest.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - non-POSIX: best effort
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def _scan_run(root: Path, name: str) -> tuple[list[int], list[int], list[str]]:
+    ranks, steps, files = set(), set(), []
+    run_dir = root / name
+    if run_dir.is_dir():
+        for rdir in sorted(run_dir.iterdir()):
+            m = _SHARD_RE[0].match(rdir.name)
+            if not m or not rdir.is_dir():
+                continue
+            for f in sorted(rdir.iterdir()):
+                ms = _SHARD_RE[1].match(f.name)
+                if ms:
+                    ranks.add(int(m.group(1)))
+                    steps.add(int(ms.group(1)))
+                    files.append(f.relative_to(root).as_posix())
+    return sorted(ranks), sorted(steps), files
+
+
+def write_manifest(root, runs) -> Path:
+    """Merge ``runs`` (run-meta dicts) into ``<root>/manifest.json``; returns its path.
+
+    Runs are keyed by name: an entry already there (another rank's) keeps
+    its fields and gains this call's ranks, steps and files, which are read
+    from the folder itself.
+    """
+    from .stats import HIST_EDGES_ID
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / MANIFEST
+    with _locked(root):
+        if path.exists():
+            doc = read_manifest(root)
+        else:
+            doc = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "runs": []}
+        by_name = {r["name"]: r for r in doc["runs"]}
+        for meta in runs:
+            name = _check_run_name(meta.get("name"))
+            entry = by_name.get(name)
+            if entry is None:
+                entry = {k: meta.get(k) for k in _RUN_KEYS}
+                entry["warnings"] = []
+                doc["runs"].append(entry)
+                by_name[name] = entry
+            else:
+                for k in _RUN_KEYS:
+                    if entry.get(k) in (None, "") and meta.get(k) not in (None, ""):
+                        entry[k] = meta[k]
+            for w in meta.get("warnings") or []:
+                if w not in entry["warnings"]:
+                    entry["warnings"].append(w)
+            entry["ranks"], entry["steps"], entry["files"] = _scan_run(root, name)
+            entry["hist_edges_id"] = HIST_EDGES_ID
+        doc["created"] = doc.get("created") or datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        tmp = path.with_name(f"{MANIFEST}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+    return path
+
+
+def read_manifest(root) -> dict:
+    """The validated manifest of a shard folder."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ShardError(f"{path}: no manifest.json; not a Precision Lab shard folder")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(f"{path}: manifest is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT:
+        raise ShardError(f"{path}: \"format\" is {doc.get('format') if isinstance(doc, dict) else doc!r}, "
+                         f"expected {SHARD_FORMAT!r}")
+    v = doc.get("version")
+    if not isinstance(v, int) or v < 1:
+        raise ShardError(f"{path}: \"version\" must be a positive integer, got {v!r}")
+    if v > SHARD_VERSION:
+        raise ShardError(f"{path}: shard format version {v} is newer than this Precision Lab reads "
+                         f"({SHARD_VERSION}); upgrade precision-lab")
+    runs = doc.get("runs")
+    if not isinstance(runs, list):
+        raise ShardError(f"{path}: \"runs\" must be a list")
+    seen = set()
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict) or not isinstance(r.get("name"), str):
+            raise ShardError(f"{path}: runs[{i}] must be an object with a \"name\"")
+        try:
+            _check_run_name(r["name"])
+        except ShardError as e:
+            raise ShardError(f"{path}: runs[{i}]: {e}") from None
+        if r["name"] in seen:
+            raise ShardError(f"{path}: run {r['name']!r} is listed twice")
+        seen.add(r["name"])
+        for f in r.get("files") or []:
+            if not isinstance(f, str) or f.startswith(("/", "\\")) or ".." in Path(f).parts:
+                raise ShardError(f"{path}: runs[{i}] lists file {f!r} outside the shard folder")
+    return doc
+
+
+def _run_meta(entry: dict) -> dict:
+    meta = {k: entry.get(k) for k in _RUN_KEYS}
+    meta["run_id"] = meta["run_id"] or entry["name"]
+    meta["kind"] = meta["kind"] or "candidate"
+    meta["order"] = meta["order"] or "execution"
+    meta["source"] = meta["source"] or "capture"
+    meta["dtype"] = meta["dtype"] or ""
+    meta["warnings"] = list(entry.get("warnings") or [])
+    return meta
+
+
+def _run_files(root: Path, entry: dict) -> list[Path]:
+    listed = [root / f for f in entry.get("files") or []]
+    for p in listed:
+        if not p.is_file():
+            raise ShardError(f"{p}: listed in {root / MANIFEST} but missing")
+    found = [root / f for f in _scan_run(root, entry["name"])[2]]
+    files = {p.resolve(): p for p in listed + found}
+    return sorted(files.values(), key=_file_order)
+
+
+def _file_order(p: Path):
+    r = _SHARD_RE[0].match(p.parent.name)
+    s = _SHARD_RE[1].match(p.name)
+    return (int(r.group(1)) if r else 0, int(s.group(1)) if s else 0, str(p))
+
+
+def _read_table(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise ShardError(f"{path}: not a readable Parquet shard ({type(e).__name__}: {e})") from None
+    need = [n for n, _ in _columns()] + ["hist_bins", "hist_counts"]
+    missing = [n for n in need if n not in table.column_names]
+    if missing:
+        raise ShardError(f"{path}: shard lacks column(s) {', '.join(missing)}")
+    return table
+
+
+def _row_stats(path: Path, row: dict):
+    from .stats import HIST_EDGES_ID, N_BINS, TensorStats
+
+    kw = {}
+    for f in dataclasses.fields(TensorStats):
+        if f.name == "hist":
+            continue
+        v = row.get(f.name)
+        if f.name == "shape":
+            try:
+                v = tuple(json.loads(v)) if v is not None else ()
+            except (TypeError, json.JSONDecodeError):
+                raise ShardError(f"{path}: record {row.get('name')!r} has shape {v!r}, not a JSON list") from None
+        kw[f.name] = v
+    bins, counts = row.get("hist_bins"), row.get("hist_counts")
+    hist = None
+    if bins is not None:
+        eid = row.get("hist_edges_id")
+        if eid is not None and eid != HIST_EDGES_ID:
+            raise ShardError(f"{path}: histogram of {row.get('name')!r} uses bin edges {eid}, "
+                             f"this version uses {HIST_EDGES_ID}")
+        b = np.asarray(bins, dtype=np.int64)
+        c = np.asarray(counts if counts is not None else [], dtype=np.int64)
+        if b.shape != c.shape or (b.size and (b.min() < 0 or b.max() >= N_BINS)) or (c.size and c.min() < 0):
+            raise ShardError(f"{path}: histogram of {row.get('name')!r} has bins outside 0..{N_BINS - 1} "
+                             "or counts that do not match its bins")
+        hist = np.zeros(N_BINS, dtype=np.int64)
+        hist[b] = c
+    kw["hist"] = hist
+    try:
+        return TensorStats(**kw)
+    except (TypeError, ValueError) as e:
+        raise ShardError(f"{path}: record {row.get('name')!r}: {e}") from None
+
+
+def _iter_file(path: Path, meta: dict, with_local: bool = False):
+    from .store import _npy_load
+
+    table = _read_table(path)
+    rec_fields = [f.name for f in dataclasses.fields(TensorRecord) if f.name not in ("stats", "tensor")]
+    for row in table.to_pylist():
+        for n in ("op", "role", "index"):
+            if not isinstance(row.get(n), str):
+                raise ShardError(f"{path}: a record has no {n!r}")
+        stats = _row_stats(path, row)
+        tensor = None
+        if row.get("tensor_npy") is not None:
+            try:
+                tensor = _npy_load(row["tensor_npy"])
+            except Exception as e:
+                raise ShardError(f"{path}: kept tensor of {row.get('name')!r} is not a valid .npy ({e})") from None
+        kw = {n: row.get(n) for n in rec_fields}
+        kw["run_id"] = meta["run_id"]
+        kw["source"] = kw.get("source") or str(path)
+        rec = TensorRecord(stats=stats, tensor=tensor, **kw)
+        if with_local:
+            yield rec, row.get("local_json")
+        else:
+            yield rec
+
+
+def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:
+    """Every record of every run in a shard folder, as ``(run_meta, TensorRecord)``.
+
+    Runs in manifest order; within a run, files in (rank, step) order and
+    records in the order written (execution order).  ``run_meta`` has
+    run_id, name, dtype, kind, parent_run_id, fix, policy, source, order and
+    warnings.  Raises :class:`ShardError` naming the file on bad input.
+    """
+    root = Path(root)
+    doc = read_manifest(root)
+    for entry in doc["runs"]:
+        meta = _run_meta(entry)
+        for path in _run_files(root, entry):
+            for rec in _iter_file(path, meta):
+                yield meta, rec
+
+
+def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
+    """``(run_meta, output record, Comparison)`` for every stored local-error comparison."""
+    from .metrics import Comparison
+
+    root = Path(root)
+    doc = read_manifest(root)
+    names = {f.name for f in dataclasses.fields(Comparison)}
+    for entry in doc["runs"]:
+        meta = _run_meta(entry)
+        for path in _run_files(root, entry):
+            for rec, js in _iter_file(path, meta, with_local=True):
+                if js is None:
+                    continue
+                try:
+                    d = json.loads(js)
+                    d = {k: (float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v)
+                         for k, v in d.items() if k in names}
+                    cmp = Comparison(**d)
+                except (TypeError, ValueError) as e:
+                    raise ShardError(f"{path}: local comparison of {rec.name!r} is malformed ({e})") from None
+                yield meta, rec, cmp

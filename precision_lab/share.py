@@ -1,0 +1,606 @@
+"""Move a session between databases as one file, and give it a share link.
+
+An exported session is a zip holding one Parquet file per table (sessions,
+runs, tensors, histograms, tensor_data, comparisons, diagnoses, warnings),
+restricted to that session's rows, plus ``manifest.json``::
+
+    {"format": "precision-lab-session", "format_version": 1,
+     "schema_version": <store schema>, "hist_edges_id": ..., "session": {"session_id", "name"},
+     "tables": {"runs": {"file": "runs.parquet", "rows": 3, "sha256": "...", "bytes": 1234}, ...}}
+
+Import trusts nothing in the file: the zip passes ``safezip.check_zip``, every
+table's checksum and row count must match the manifest, columns must be ones
+the store knows, and every row must belong to the declared session and its
+runs.  The whole import is one transaction, so a refused or failed import
+leaves the database as it was.  An import never replaces an existing session:
+a clashing name gets a suffix and the result says so; clashing ids are
+replaced by fresh ones.
+
+Share tokens are not exported: a token is a capability on one server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import tempfile
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "TABLES",
+    "ShareError",
+    "ExportResult",
+    "ImportResult",
+    "export_session",
+    "export_bytes",
+    "import_session",
+    "read_manifest",
+    "create_share_token",
+    "revoke_share_token",
+    "share_url",
+]
+
+FORMAT_NAME = "precision-lab-session"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# Largest manifest accepted: a real one is a few kB; a huge one is an attack on the JSON parser.
+_MANIFEST_MAX_BYTES = 1 << 20
+# A fixed zip timestamp makes two exports of the same session byte-identical.
+_ZIP_DATE = (2020, 1, 1, 0, 0, 0)
+
+# Tables of one session, in insertion order (parents before children).
+TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings")
+
+# How each table's rows are selected for one session (parameter: session_id).
+_RUNS_OF = "SELECT run_id FROM runs WHERE session_id = ?"
+_SELECT = {
+    "sessions": "SELECT * REPLACE (NULL::VARCHAR AS share_token) FROM sessions WHERE session_id = ?",
+    "runs": "SELECT * FROM runs WHERE session_id = ?",
+    "tensors": f"SELECT * FROM tensors WHERE run_id IN ({_RUNS_OF})",
+    "histograms": f"SELECT * FROM histograms WHERE run_id IN ({_RUNS_OF})",
+    "tensor_data": f"SELECT * FROM tensor_data WHERE run_id IN ({_RUNS_OF})",
+    "comparisons": "SELECT * FROM comparisons WHERE session_id = ?",
+    "diagnoses": "SELECT * FROM diagnoses WHERE session_id = ?",
+    "warnings": "SELECT * FROM warnings WHERE session_id = ?",
+}
+
+# Columns that hold a run id, per table (remapped on import when they clash).
+_RUN_ID_COLUMNS = {
+    "runs": ("run_id", "parent_run_id"),
+    "tensors": ("run_id",),
+    "histograms": ("run_id",),
+    "tensor_data": ("run_id",),
+    "comparisons": ("ref_run_id", "cand_run_id"),
+    "diagnoses": ("run_id",),
+    "warnings": ("run_id",),
+}
+# Columns without which a table's rows cannot be placed in the session.
+_REQUIRED = {
+    "sessions": ("session_id", "name"),
+    "runs": ("run_id", "session_id"),
+    "tensors": ("run_id", "rid"),
+    "histograms": ("run_id", "rid", "edges_id", "bins", "counts"),
+    "tensor_data": ("run_id", "rid", "npy"),
+    "comparisons": ("session_id", "cand_run_id"),
+    "diagnoses": ("session_id", "run_id"),
+    "warnings": ("session_id",),
+}
+
+
+class ShareError(ValueError):
+    """An export or import was refused; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Optional[str]
+    session: str
+    rows: dict
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    session: str  # name in this database
+    session_id: str
+    original_name: str
+    rows: dict
+    renamed: bool = False
+    new_ids: bool = False  # session or run ids were replaced because they already existed here
+    notes: tuple = field(default=())
+
+    @property
+    def message(self) -> str:
+        n = self.rows.get("tensors", 0)
+        runs = self.rows.get("runs", 0)
+        msg = f"imported session {self.session!r} ({runs} runs, {n} tensor records)"
+        if self.renamed:
+            msg += f"; a session named {self.original_name!r} already exists, so it was imported as {self.session!r}"
+        for note in self.notes:
+            msg += f"; {note}"
+        return msg
+
+
+# ---- export -----------------------------------------------------------------
+
+def _sha256(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _table_bytes(cur, table: str, sid: str) -> tuple[bytes, int]:
+    import pyarrow.parquet as pq
+
+    q = _SELECT[table] + " ORDER BY rowid"  # rowid: insertion order survives the round trip
+    nparams = q.count("?")
+    t = cur.sql(q, params=[sid] * nparams).to_arrow_table()
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="zstd")
+    return buf.getvalue(), t.num_rows
+
+
+def export_bytes(store, session: str) -> bytes:
+    """The exported session as zip bytes (for a download button)."""
+    data, _ = _export(store, session)
+    return data
+
+
+def _export(store, session: str) -> tuple[bytes, dict]:
+    from . import __version__
+    from .stats import HIST_EDGES_ID
+    from .store import SCHEMA_VERSION
+
+    info = store.session(session)
+    sid = info["session_id"]
+    cur = store.cursor()
+    files: dict[str, bytes] = {}
+    tables: dict[str, dict] = {}
+    # one read transaction: a re-run committing meanwhile cannot make the tables disagree
+    cur.execute("BEGIN TRANSACTION")
+    try:
+        for table in TABLES:
+            b, rows = _table_bytes(cur, table, sid)
+            fname = f"{table}.parquet"
+            files[fname] = b
+            tables[table] = {"file": fname, "rows": rows, "sha256": _sha256(b), "bytes": len(b)}
+    finally:
+        cur.execute("ROLLBACK")
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "schema_version": SCHEMA_VERSION,
+        "precision_lab_version": __version__,
+        "hist_edges_id": HIST_EDGES_ID,
+        "session": {"session_id": sid, "name": info["name"]},
+        "tables": tables,
+    }
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zi = zipfile.ZipInfo(MANIFEST, date_time=_ZIP_DATE)
+        zi.compress_type = zipfile.ZIP_DEFLATED
+        zf.writestr(zi, json.dumps(manifest, indent=2, sort_keys=True))
+        for fname, b in files.items():
+            zi = zipfile.ZipInfo(fname, date_time=_ZIP_DATE)
+            zi.compress_type = zipfile.ZIP_STORED  # Parquet is already compressed
+            zf.writestr(zi, b)
+    return out.getvalue(), {t: v["rows"] for t, v in tables.items()}
+
+
+def export_session(store, session: str, path: os.PathLike | str) -> ExportResult:
+    """Write ``session`` to ``path`` (a zip); the file appears complete or not at all."""
+    path = Path(path)
+    data, rows = _export(store, session)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".export-", suffix=".zip", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return ExportResult(path=str(path), session=store.session(session)["name"], rows=rows, bytes=len(data))
+
+
+# ---- import -----------------------------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate_manifest(m, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise ShareError(f"{where}: {MANIFEST} must hold a JSON object, not {type(m).__name__}")
+    if m.get("format") != FORMAT_NAME:
+        raise ShareError(f"{where}: {MANIFEST} says format {m.get('format')!r}; this is not an exported "
+                         f"Precision Lab session (expected {FORMAT_NAME!r})")
+    v = m.get("format_version")
+    if not _is_int(v):
+        raise ShareError(f"{where}: {MANIFEST} has no integer format_version")
+    if v > FORMAT_VERSION:
+        raise ShareError(f"{where}: {MANIFEST} says format version {v}, newer than this Precision Lab reads "
+                         f"({FORMAT_VERSION}); upgrade precision-lab")
+    if v < 1:
+        raise ShareError(f"{where}: format_version {v} is not valid")
+    from .store import SCHEMA_VERSION
+
+    sv = m.get("schema_version")
+    if not _is_int(sv) or sv < 1:
+        raise ShareError(f"{where}: {MANIFEST} has no valid schema_version")
+    if sv > SCHEMA_VERSION:
+        raise ShareError(f"{where}: {MANIFEST} says database schema version {sv}, newer than this "
+                         f"Precision Lab ({SCHEMA_VERSION}); upgrade precision-lab")
+    s = m.get("session")
+    if not isinstance(s, dict) or not isinstance(s.get("session_id"), str) or not isinstance(s.get("name"), str) \
+            or not s["session_id"] or not s["name"].strip():
+        raise ShareError(f"{where}: {MANIFEST} must name the session (session.session_id and session.name)")
+    t = m.get("tables")
+    if not isinstance(t, dict):
+        raise ShareError(f"{where}: {MANIFEST} has no 'tables' object")
+    missing = [x for x in TABLES if x not in t]
+    unknown = sorted(x for x in t if x not in TABLES)
+    if missing:
+        raise ShareError(f"{where}: {MANIFEST} does not list table(s) {', '.join(missing)}")
+    if unknown:
+        raise ShareError(f"{where}: {MANIFEST} lists unknown table(s) {', '.join(map(repr, unknown))}")
+    for name in TABLES:
+        e = t[name]
+        if not isinstance(e, dict):
+            raise ShareError(f"{where}: {MANIFEST} entry for table {name} is not an object")
+        if e.get("file") != f"{name}.parquet":
+            raise ShareError(f"{where}: {MANIFEST} says table {name} is in {e.get('file')!r}; "
+                             f"expected '{name}.parquet'")
+        if not _is_int(e.get("rows")) or e["rows"] < 0:
+            raise ShareError(f"{where}: {MANIFEST} entry for table {name} has no valid row count")
+        if not isinstance(e.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", e["sha256"]):
+            raise ShareError(f"{where}: {MANIFEST} entry for table {name} has no valid sha256 checksum")
+    return m
+
+
+def read_manifest(path: os.PathLike | str) -> dict:
+    """The validated manifest of an exported session (no table is read)."""
+    path = Path(path)
+    with _open_zip(path, None) as zf:
+        return _load_manifest(zf, str(path))
+
+
+def _load_manifest(zf: zipfile.ZipFile, where: str) -> dict:
+    try:
+        info = zf.getinfo(MANIFEST)
+    except KeyError:
+        raise ShareError(f"{where}: no {MANIFEST} inside; this is not an exported Precision Lab session") from None
+    if info.file_size > _MANIFEST_MAX_BYTES:
+        raise ShareError(f"{where}: {MANIFEST} is {info.file_size} bytes, more than a manifest can be")
+    try:
+        raw = zf.read(info)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        raise ShareError(f"{where}: {MANIFEST} is corrupt ({e})") from None
+    try:
+        m = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise ShareError(f"{where}: {MANIFEST} is not UTF-8 text") from None
+    except ValueError as e:
+        raise ShareError(f"{where}: {MANIFEST} is not valid JSON ({e})") from None
+    return _validate_manifest(m, where)
+
+
+def _no_constant(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+class _open_zip:
+    """Check an archive with ``safezip`` under the config's limits, then open it."""
+
+    def __init__(self, path: Path, config):
+        from .config import load_config
+        from .safezip import UnsafeZip, check_zip
+
+        self.path = path
+        config = config or load_config()
+        if not path.is_file():
+            raise ShareError(f"{path}: no such file")
+        size = path.stat().st_size
+        if size > config.max_upload_bytes:
+            raise ShareError(f"{path}: {size} bytes is more than the upload limit of {config.max_upload_mb} MiB")
+        try:
+            check_zip(path, config.zip_limits())
+        except UnsafeZip as e:
+            raise ShareError(str(e)) from None
+        try:
+            self.zf = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ShareError(f"{path}: not a readable zip archive ({e})") from None
+
+    def __enter__(self) -> zipfile.ZipFile:
+        return self.zf
+
+    def __exit__(self, *exc) -> None:
+        self.zf.close()
+
+
+def _store_columns(store, table: str) -> dict[str, str]:
+    rows = store.sql(
+        "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? "
+        "ORDER BY ordinal_position", [table]).fetchall()
+    return {n: t for n, t in rows}
+
+
+def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_cols: dict):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fname = entry["file"]
+    try:
+        b = zf.read(fname)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        raise ShareError(f"{where}: {fname} is corrupt inside the zip ({e})") from None
+    if _sha256(b) != entry["sha256"]:
+        raise ShareError(f"{where}: {fname} does not match the checksum in {MANIFEST}; the file was changed "
+                         "after export or the manifest lies")
+    try:
+        t = pq.read_table(io.BytesIO(b))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({e})") from None
+    if t.num_rows != entry["rows"]:
+        raise ShareError(f"{where}: {MANIFEST} says {fname} holds {entry['rows']} rows, the file holds "
+                         f"{t.num_rows}; refusing a manifest that does not describe its files")
+    cols = list(t.column_names)
+    if len(set(cols)) != len(cols):
+        raise ShareError(f"{where}: {fname} repeats a column name")
+    unknown = [c for c in cols if c not in store_cols]
+    if unknown:
+        raise ShareError(f"{where}: {fname} has column(s) {', '.join(map(repr, unknown))} that table {table} "
+                         "does not have (exported by a newer or different program?)")
+    missing = [c for c in _REQUIRED[table] if c not in cols]
+    if missing:
+        raise ShareError(f"{where}: {fname} lacks required column(s) {', '.join(missing)}")
+    return t
+
+
+def _col(t, name):
+    return t.column(name).to_pylist() if name in t.column_names else []
+
+
+def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
+    """Every row must belong to the declared session and to runs that the file holds."""
+    from .stats import N_BINS
+
+    s = tables["sessions"]
+    if s.num_rows != 1:
+        raise ShareError(f"{where}: sessions.parquet must hold exactly one session, it holds {s.num_rows}")
+    if _col(s, "session_id")[0] != sid or _col(s, "name")[0] != name:
+        raise ShareError(f"{where}: sessions.parquet describes session {_col(s, 'name')[0]!r} "
+                         f"({_col(s, 'session_id')[0]}), but {MANIFEST} says {name!r} ({sid})")
+    runs = tables["runs"]
+    run_ids = _col(runs, "run_id")
+    if any(r is None or not isinstance(r, str) or not r for r in run_ids):
+        raise ShareError(f"{where}: runs.parquet has a run without a run_id")
+    if len(set(run_ids)) != len(run_ids):
+        raise ShareError(f"{where}: runs.parquet lists a run_id more than once")
+    known = set(run_ids)
+    for table in ("runs", "comparisons", "diagnoses", "warnings"):
+        bad = {v for v in _col(tables[table], "session_id") if v != sid}
+        if bad:
+            raise ShareError(f"{where}: {table}.parquet holds rows of another session ({sorted(map(str, bad))[0]}); "
+                             f"the file should hold only session {sid}")
+    for table, cols in _RUN_ID_COLUMNS.items():
+        for c in cols:
+            vals = set(_col(tables[table], c))
+            nullable = c == "parent_run_id" or table == "warnings" or c == "ref_run_id"
+            if nullable:
+                vals.discard(None)
+            stray = vals - known
+            if stray:
+                raise ShareError(f"{where}: {table}.parquet refers to run {sorted(map(str, stray))[0]!r} "
+                                 f"({c}) that runs.parquet does not hold")
+    keys = list(zip(_col(tables["tensors"], "run_id"), _col(tables["tensors"], "rid")))
+    if any(r is None for _, r in keys):
+        raise ShareError(f"{where}: tensors.parquet has a record without a rid")
+    keyset = set(keys)
+    if len(keyset) != len(keys):
+        raise ShareError(f"{where}: tensors.parquet lists a (run_id, rid) more than once")
+    for table in ("histograms", "tensor_data"):
+        k = list(zip(_col(tables[table], "run_id"), _col(tables[table], "rid")))
+        if len(set(k)) != len(k):
+            raise ShareError(f"{where}: {table}.parquet lists a record more than once")
+        stray = set(k) - keyset
+        if stray:
+            run, rid = sorted(stray, key=str)[0]
+            raise ShareError(f"{where}: {table}.parquet refers to record {rid} of run {run!r} that "
+                             "tensors.parquet does not hold")
+    h = tables["histograms"]
+    for bins, counts in zip(_col(h, "bins"), _col(h, "counts")):
+        if bins is None or counts is None or len(bins) != len(counts):
+            raise ShareError(f"{where}: histograms.parquet has a histogram whose bins and counts disagree")
+        if any(b is None or b < 0 or b >= N_BINS for b in bins) or any(c is None or c < 0 for c in counts):
+            raise ShareError(f"{where}: histograms.parquet has a bin index outside 0..{N_BINS - 1} or a "
+                             "negative count")
+    td = tables["tensor_data"]
+    for run, rid, blob in zip(_col(td, "run_id"), _col(td, "rid"), _col(td, "npy")):
+        _check_npy(where, run, rid, blob)
+
+
+def _check_npy(where: str, run, rid, blob) -> None:
+    """A kept tensor must be a plain .npy whose header matches its length (never a pickle)."""
+    import numpy as np
+
+    problem = None
+    if not isinstance(blob, (bytes, bytearray)):
+        problem = "is empty"
+    else:
+        f = io.BytesIO(blob)
+        try:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _fortran, dtype = read_header(f, max_header_size=10000)
+            if dtype.hasobject:
+                problem = "holds Python objects (a pickle), which are never loaded"
+            else:
+                n = 1
+                for d in shape:
+                    n *= int(d)
+                if len(blob) - f.tell() != n * dtype.itemsize:
+                    problem = f"header says shape {list(shape)} {dtype} but the data has a different length"
+        except (ValueError, OSError, EOFError, SyntaxError, TypeError) as e:
+            problem = f"is not a valid .npy array ({e})"
+    if problem:
+        raise ShareError(f"{where}: tensor_data.parquet: kept tensor of record {rid} in run {run!r} {problem}")
+
+
+def _remap(col, mapping: dict):
+    """Replace ids in an Arrow column by ``mapping`` (values not in it stay)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not mapping:
+        return col
+    keys = pa.array(list(mapping), type=pa.string())
+    vals = pa.array(list(mapping.values()), type=pa.string())
+    col = pc.cast(col, pa.string())
+    idx = pc.index_in(col, value_set=keys)
+    return pc.if_else(pc.is_null(idx), col, pc.take(vals, idx))
+
+
+def import_session(store, source: Union[os.PathLike, str, bytes], *, name: Optional[str] = None,
+                   config=None, filename: Optional[str] = None) -> ImportResult:
+    """Import an exported session into ``store`` in one transaction.
+
+    ``source``: a path, or the file's bytes (an upload; ``filename`` names it
+    in messages).  ``name``: the session's name here (default: its exported
+    name); a name already taken gets a ``-2``, ``-3``... suffix, reported in
+    ``ImportResult.message``.  Raises ShareError naming the file and the
+    problem; the database is unchanged then.
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        label = filename or "uploaded file"
+        with tempfile.TemporaryDirectory(prefix="pl-import-") as d:
+            p = Path(d) / "session.zip"
+            p.write_bytes(bytes(source))
+            try:
+                return _import_path(store, p, name=name, config=config, where=label)
+            except ShareError as e:
+                # messages name the upload, not the temporary copy
+                raise ShareError(str(e).replace(str(p), label)) from None
+    p = Path(source)
+    return _import_path(store, p, name=name, config=config, where=str(p))
+
+
+def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult:
+    if name is not None:
+        name = name.strip()
+        if not name:
+            raise ShareError(f"{where}: the name to import as cannot be empty")
+    with _open_zip(path, config) as zf:
+        m = _load_manifest(zf, where)
+        listed = {MANIFEST} | {m["tables"][t]["file"] for t in TABLES}
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            if info.filename not in listed:
+                raise ShareError(f"{where}: entry {info.filename!r} is not listed in {MANIFEST}; refusing a file "
+                                 "that carries more than it declares")
+        present = {i.filename for i in zf.infolist()}
+        for t in TABLES:
+            if m["tables"][t]["file"] not in present:
+                raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
+        tables = {t: _read_table(zf, where, t, m["tables"][t], _store_columns(store, t)) for t in TABLES}
+    sid, orig_name = m["session"]["session_id"], m["session"]["name"]
+    _check_consistency(where, sid, orig_name, tables)
+
+    notes = []
+    wanted = name or orig_name
+    registered: list[str] = []
+    try:
+        final_name, new_sid, run_map = _insert(store, tables, m, sid, wanted, where, notes, registered)
+    finally:
+        # after a failed INSERT the aborted transaction refuses unregister(); after the rollback it works
+        for view in registered:
+            store.cursor().unregister(view)
+    if new_sid != sid or run_map:
+        notes.append("its ids already existed in this database, so fresh ones were given")
+    rows = {t: tables[t].num_rows for t in TABLES}
+    return ImportResult(session=final_name, session_id=new_sid, original_name=wanted, rows=rows,
+                        renamed=final_name != wanted, new_ids=bool(new_sid != sid or run_map), notes=tuple(notes))
+
+
+def _insert(store, tables: dict, m: dict, sid: str, wanted: str, where: str, notes: list, registered: list):
+    """Insert the checked tables in one transaction; returns (name, session id, run id map)."""
+    import pyarrow as pa
+
+    from .stats import HIST_EDGES_ID
+
+    with store.transaction() as cur:
+        existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
+        new_sid = sid if sid not in existing_ids else uuid.uuid4().hex[:12]
+        run_ids = _col(tables["runs"], "run_id")
+        clash = {r[0] for r in cur.execute(
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
+        ).fetchall()} & set(run_ids)
+        run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
+        final_name = store._unique_name(cur, wanted, rename=True)
+        for table in TABLES:
+            t = tables[table]
+            if "session_id" in t.column_names:
+                t = t.set_column(t.column_names.index("session_id"), "session_id",
+                                 pa.array([new_sid] * t.num_rows, type=pa.string()))
+            for c in _RUN_ID_COLUMNS.get(table, ()):
+                if c in t.column_names:
+                    t = t.set_column(t.column_names.index(c), c, _remap(t.column(c), run_map))
+            if table == "sessions":
+                t = t.set_column(t.column_names.index("name"), "name", pa.array([final_name], type=pa.string()))
+                if "share_token" in t.column_names:
+                    t = t.set_column(t.column_names.index("share_token"), "share_token",
+                                     pa.array([None], type=pa.string()))
+            if t.num_rows == 0:
+                continue
+            cols = ", ".join('"' + c.replace('"', '""') + '"' for c in t.column_names)
+            view = f"_pl_import_{table}"
+            cur.register(view, t)
+            registered.append(view)
+            try:
+                cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {view}")
+            except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback keeps the DB unchanged
+                raise ShareError(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
+            cur.unregister(view)
+            registered.remove(view)
+        if m.get("hist_edges_id") not in (None, HIST_EDGES_ID):
+            note = (f"its histograms use bin edges {m.get('hist_edges_id')}, this version uses {HIST_EDGES_ID}; "
+                    "format overlays for it need a re-ingest")
+            cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
+            notes.append(note)
+    return final_name, new_sid, run_map
+
+
+# ---- share links ------------------------------------------------------------
+
+def create_share_token(store, session: str) -> str:
+    """Give ``session`` a fresh unguessable token (replacing any old one) and return it."""
+    token = secrets.token_urlsafe(16)  # 128 random bits
+    store.set_share_token(session, token)
+    return token
+
+
+def revoke_share_token(store, session: str) -> None:
+    """Make the session's share link stop working."""
+    store.set_share_token(session, None)
+
+
+def share_url(base_url: str, token: str) -> str:
+    """``base_url`` with ``?share=<token>`` added (other query parameters kept)."""
+    from .config import SHARE_PARAM
+
+    parts = urlsplit(base_url)
+    q = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in (SHARE_PARAM, "session")]
+    q.append((SHARE_PARAM, token))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path or "/", urlencode(q), parts.fragment))

@@ -1,0 +1,118 @@
+"""Small pieces every view-model shares: row fetching, severity, number text."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Optional
+
+__all__ = ["rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
+           "run_label", "resolve_run", "style_severity"]
+
+# Worst first.  "nonfinite": NaN/Inf in the record or introduced vs the
+# reference; the others are metrics.verdict_for's verdicts ("ok" = expected).
+SEVERITIES = ("nonfinite", "error", "warn", "ok")
+
+# Background colours with alpha, so the text stays readable on the light and
+# the dark theme alike.
+SEVERITY_COLORS = {
+    "nonfinite": "rgba(220, 38, 38, 0.35)",
+    "error": "rgba(234, 88, 12, 0.30)",
+    "warn": "rgba(202, 138, 4, 0.25)",
+    "ok": "rgba(22, 163, 74, 0.15)",
+}
+
+
+def severity_sql(nonfinite: str, *verdicts: str) -> str:
+    """SQL expression giving a record's severity from its non-finite flag and
+    the verdicts of its comparisons (NULL when it has neither problem nor
+    comparison)."""
+    def any_is(v: str) -> str:
+        return " OR ".join(f"{c} = '{v}'" for c in verdicts) or "false"
+
+    return (f"CASE WHEN coalesce({nonfinite}, false) OR {any_is('nonfinite')} THEN 'nonfinite' "
+            f"WHEN {any_is('error')} THEN 'error' WHEN {any_is('warn')} THEN 'warn' "
+            f"WHEN {any_is('expected')} THEN 'ok' ELSE NULL END")
+
+
+def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
+    """Query -> list of dicts; keeps NULL (None) apart from NaN, which a
+    DataFrame would merge."""
+    cur = store.sql(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def num_text(v: Any, digits: int = 6) -> str:
+    """A number as text for tables and cards: ``-`` for missing, nan/inf spelled out."""
+    if v is None:
+        return "-"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if math.isnan(f):
+        return "nan"
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    if float(f).is_integer() and abs(f) < 1e15:
+        return str(int(f))
+    return f"{f:.{digits}g}"
+
+
+def cosine_text(cosine: Any, deficit: Any) -> str:
+    """Cosine with enough digits to tell 0.99999 from 1, plus ``1-cos``.
+
+    ``deficit`` (metrics' ``cosine_deficit``) is computed without the
+    cancellation of ``1 - cosine``, so it is what the digits show.
+    """
+    if cosine is None or (isinstance(cosine, float) and math.isnan(cosine)):
+        return "-"
+    if deficit is None or (isinstance(deficit, float) and math.isnan(deficit)):
+        return f"{cosine:.12f}"
+    return f"{1.0 - deficit:.12f} (1-cos = {deficit:.3e})"
+
+
+# characters that start markup anywhere in a line (":" starts Streamlit's
+# :color[...] and :material/...: directives)
+_MD_SPECIAL = set("\\`*_{}[]()#!|<>~$:&")
+# characters that start markup only at the beginning of a line (lists, rules)
+_MD_LEADING = set("-+=")
+_MD_ORDERED = re.compile(r"^(\d+)([.)])")
+
+
+def escape_md(text: Any) -> str:
+    """Text for ``st.markdown`` shown literally: op and file names come from
+    uploaded dumps and must never render as links, HTML or formatting."""
+    s = str(text).replace("\r", " ").replace("\n", " ")
+    out = "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in s)
+    if out[:1] in _MD_LEADING:
+        out = "\\" + out
+    return _MD_ORDERED.sub(r"\1\\\2", out)
+
+
+def run_label(run: dict) -> str:
+    """``name (float16, candidate)``"""
+    bits = [b for b in (run.get("dtype"), run.get("kind")) if b]
+    if run.get("fix"):
+        bits.append(f"fix {run['fix']}")
+    return f"{run['name']} ({', '.join(bits)})" if bits else str(run["name"])
+
+
+def resolve_run(runs: list[dict], wanted: Optional[str]) -> Optional[dict]:
+    """A run of the session by id or name; None when ``wanted`` names none."""
+    if not wanted:
+        return None
+    for r in runs:
+        if wanted in (r["run_id"], r["name"]):
+            return r
+    return None
+
+
+def style_severity(df, column: str = "severity"):
+    """A pandas Styler colouring each row by its severity (nonfinite, error, warn, ok)."""
+    def paint(row):
+        color = SEVERITY_COLORS.get(row.get(column) or "", "")
+        return [f"background-color: {color}" if color else "" for _ in row]
+
+    return df.style.apply(paint, axis=1)

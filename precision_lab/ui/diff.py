@@ -1,0 +1,181 @@
+"""The Diff page: reference stats | candidate stats | metrics, aligned per op,
+and the N-run view with one column group per run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from .common import cosine_text, rows, severity_sql
+from .ops import name_pattern_sql
+from .overview import ACCUMULATED_KINDS, session_runs
+
+__all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS"]
+
+# which rows a diff shows
+SHOW_OPTIONS = ("all", "problems", "unmatched")
+
+_STAT_COLS = ("dtype", "shape", "min", "max", "absmax", "mean", "l2norm", "nan_count", "inf_count")
+
+
+@dataclass
+class DiffPage:
+    rows: pd.DataFrame
+    total: int
+    page: int
+    page_size: int
+
+    @property
+    def pages(self) -> int:
+        return max(1, -(-self.total // self.page_size))
+
+
+def pair_options(store, session_id: str) -> list[dict]:
+    """(reference, candidate) run pairs that have comparisons, with labels."""
+    names = {r["run_id"]: r["name"] for r in session_runs(store, session_id)}
+    pairs = rows(store, """SELECT ref_run_id, cand_run_id, count(*) AS n FROM comparisons
+                           WHERE session_id = ? AND kind IN ('accumulated', 'stats')
+                           GROUP BY ref_run_id, cand_run_id ORDER BY min(rowid)""", [session_id])
+    return [{"ref_run_id": p["ref_run_id"], "cand_run_id": p["cand_run_id"], "rows": p["n"],
+             "label": f"{names.get(p['cand_run_id'], p['cand_run_id'])} vs {names.get(p['ref_run_id'], p['ref_run_id'])}"}
+            for p in pairs]
+
+
+def _page_bounds(total: int, page: int, page_size: int) -> int:
+    if page_size <= 0:
+        raise ValueError(f"invalid page size {page_size}")
+    return max(0, min(page, -(-total // page_size) - 1))
+
+
+def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
+              pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
+    """Aligned rows of one reference/candidate pair in execution order.
+
+    Unmatched records appear with the other side empty and ``match``
+    ``unmatched_ref`` / ``unmatched_cand``; they carry no metrics.
+    """
+    if show not in SHOW_OPTIONS:
+        raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
+    where = ["c.session_id = ?", "c.ref_run_id = ?", "c.cand_run_id = ?",
+             f"c.kind IN ({', '.join(repr(k) for k in ACCUMULATED_KINDS)})"]
+    params: list = [session_id, ref_run_id, cand_run_id]
+    if show == "problems":
+        where.append("(c.verdict IN ('nonfinite', 'error') OR coalesce(r.nonfinite, false) "
+                     "OR coalesce(t.nonfinite, false))")
+    elif show == "unmatched":
+        where.append("c.\"match\" LIKE 'unmatched%'")
+    if pattern.strip():
+        where.append("(coalesce(t.name, r.name) ILIKE ? ESCAPE '\\')")
+        params.append(name_pattern_sql(pattern.strip()))
+    ref_cols = ", ".join(f'r."{c}" AS "ref {c}"' for c in _STAT_COLS)
+    cand_cols = ", ".join(f't."{c}" AS "cand {c}"' for c in _STAT_COLS)
+    base = f"""SELECT {severity_sql('t.nonfinite', 'c.verdict')} AS severity, c.seq, c.step, c.rank, c.op, c.role, c."index", c."match",
+                      {ref_cols}, {cand_cols},
+                      c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.verdict, c.basis,
+                      c.reason, c.ref_rid, c.cand_rid, r.nonfinite AS ref_nonfinite, t.nonfinite AS cand_nonfinite
+               FROM comparisons c
+               LEFT JOIN tensors r ON r.run_id = c.ref_run_id AND r.rid = c.ref_rid
+               LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+               WHERE {' AND '.join(where)}"""
+    total = int(rows(store, f"SELECT count(*) AS n FROM ({base})", params)[0]["n"])
+    page = _page_bounds(total, page, page_size)
+    df = store.df(f"{base} ORDER BY c.step, c.rank, c.seq, c.op, c.role, c.\"index\" LIMIT ? OFFSET ?",
+                  params + [page_size, page * page_size])
+    df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
+              [cosine_text(c, d) if pd.notna(c) else "" for c, d in zip(df["cosine"], df["cosine_deficit"])])
+    df = df.drop(columns=["cosine", "cosine_deficit"])
+    return DiffPage(df, total, page, page_size)
+
+
+def base_run(store, session_id: str) -> Optional[dict]:
+    """The run the N-run view aligns on: the (first) reference run, else the first run."""
+    runs = session_runs(store, session_id)
+    if not runs:
+        return None
+    return next((r for r in runs if r["kind"] == "reference"), runs[0])
+
+
+def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Optional[str] = None,
+              show: str = "all", pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
+    """One row per record of the base run, one column group per other run.
+
+    Each group holds that run's matching record (by the stored comparison
+    with the base run when there is one, else by identical step, rank and
+    name): its absmax, whether it is non-finite, and its metrics against the
+    base run.  A run with no counterpart for a row shows empty cells and
+    ``unmatched`` in its match column.
+    """
+    if show not in SHOW_OPTIONS:
+        raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
+    runs = {r["run_id"]: r for r in session_runs(store, session_id)}
+    base = runs.get(base_run_id) if base_run_id else base_run(store, session_id)
+    if base is None:
+        raise ValueError("the session has no runs")
+    others = [runs[r] for r in run_ids if r in runs and r != base["run_id"]]
+    if not others:
+        raise ValueError("choose at least one run besides the base run to compare")
+    ctes, selects, joins, params, jparams = [], [], [], [], []
+    for i, r in enumerate(others):
+        has_cmp = rows(store, """SELECT count(*) AS n FROM comparisons WHERE session_id = ? AND ref_run_id = ?
+                                 AND cand_run_id = ? AND kind IN ('accumulated', 'stats')""",
+                       [session_id, base["run_id"], r["run_id"]])[0]["n"] > 0
+        if has_cmp:
+            ctes.append(f"""m{i} AS (SELECT DISTINCT ON (ref_rid) ref_rid, cand_rid, "match", max_rel_err,
+                                   sqnr_db, verdict
+                            FROM comparisons WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
+                              AND kind IN ('accumulated', 'stats') AND ref_rid IS NOT NULL ORDER BY ref_rid)""")
+            params += [session_id, base["run_id"], r["run_id"]]
+        else:
+            ctes.append(f"""m{i} AS (SELECT DISTINCT ON (b.rid) b.rid AS ref_rid, o.rid AS cand_rid,
+                                   'name' AS "match", NULL::DOUBLE AS max_rel_err, NULL::DOUBLE AS sqnr_db,
+                                   NULL::VARCHAR AS verdict
+                            FROM tensors b JOIN tensors o ON o.run_id = ? AND o.step = b.step AND o.rank = b.rank
+                                 AND o.name = b.name
+                            WHERE b.run_id = ? ORDER BY b.rid, o.rid)""")
+            params += [r["run_id"], base["run_id"]]
+        joins.append(f"LEFT JOIN m{i} ON m{i}.ref_rid = b.rid "
+                     f"LEFT JOIN tensors t{i} ON t{i}.run_id = ? AND t{i}.rid = m{i}.cand_rid")
+        jparams.append(r["run_id"])
+        name = r["name"].replace('"', "'")
+        selects.append(
+            f"""t{i}.absmax AS "{name}: absmax", t{i}.nonfinite AS "{name}: nonfinite",
+                m{i}.max_rel_err AS "{name}: max_rel_err", m{i}.sqnr_db AS "{name}: sqnr_db",
+                m{i}.verdict AS "{name}: verdict",
+                CASE WHEN m{i}.cand_rid IS NULL THEN 'unmatched' ELSE coalesce(m{i}."match", '') END AS "{name}: match" """)
+    where, wparams = ["b.run_id = ?"], [base["run_id"]]
+    if pattern.strip():
+        where.append("b.name ILIKE ? ESCAPE '\\'")
+        wparams.append(name_pattern_sql(pattern.strip()))
+    if show == "problems":
+        where.append("(" + " OR ".join(
+            f"m{i}.verdict IN ('nonfinite', 'error') OR coalesce(t{i}.nonfinite, false)" for i in range(len(others)))
+            + " OR b.nonfinite)")
+    elif show == "unmatched":
+        where.append("(" + " OR ".join(f"m{i}.cand_rid IS NULL" for i in range(len(others))) + ")")
+    bname = base["name"].replace('"', "'")
+    sql = f"""WITH {', '.join(ctes)}
+              SELECT b.seq, b.step, b.rank, b.op, b.role, b."index", b.rid,
+                     b.dtype AS "{bname}: dtype", b.absmax AS "{bname}: absmax", b.nonfinite AS "{bname}: nonfinite",
+                     {', '.join(selects)}
+              FROM tensors b {' '.join(joins)}
+              WHERE {' AND '.join(where)}"""
+    params += jparams + wparams
+    total = int(rows(store, f"SELECT count(*) AS n FROM ({sql})", params)[0]["n"])
+    page = _page_bounds(total, page, page_size)
+    df = store.df(f"{sql} ORDER BY b.step, b.rank, b.seq, b.rid LIMIT ? OFFSET ?", params + [page_size, page * page_size])
+    df.attrs["base_run"] = base["name"]
+    df.attrs["runs"] = [r["name"] for r in others]
+    return DiffPage(df, total, page, page_size)
+
+
+def unmatched_counts(store, session_id: str) -> pd.DataFrame:
+    """Per compared pair: how many records matched exactly, by alignment, or not at all."""
+    return store.df(
+        """SELECT rc.name AS candidate, rr.name AS reference, c."match", count(*) AS records
+           FROM comparisons c JOIN runs rc ON rc.run_id = c.cand_run_id JOIN runs rr ON rr.run_id = c.ref_run_id
+           WHERE c.session_id = ? AND c.kind IN ('accumulated', 'stats')
+           GROUP BY rc.name, rr.name, c."match" ORDER BY rc.name, rr.name, c."match" """,
+        [session_id],
+    )

@@ -1,0 +1,164 @@
+"""The Ops table: every record of a run with its comparison, filtered, sorted
+and paginated inside DuckDB (LIMIT/OFFSET), so a session of a million
+records costs one page of rows in pandas, not the whole table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import pandas as pd
+
+from .common import rows, severity_sql
+
+__all__ = ["OpsFilter", "OpsPage", "ops_page", "filter_options", "SORTABLE", "PROBLEM_SEVERITIES",
+           "name_pattern_sql"]
+
+# column -> SQL expression; the only columns a visitor may sort by
+SORTABLE = {
+    "seq": "seq", "op": "op", "op_type": "op_type", "role": "role", "dtype": "dtype", "numel": "numel",
+    "nan": "nan_count", "inf": "inf_count", "zero": "zero_count", "absmax": "absmax",
+    "max_abs_err": "max_abs_err", "max_rel_err": "max_rel_err", "cosine": "cosine", "sqnr_db": "sqnr_db",
+    "severity": "severity_rank", "local_max_rel_err": "local_max_rel_err", "local_sqnr_db": "local_sqnr_db",
+    "step": "step", "rank": "rank",
+}
+
+# what "only problems" keeps
+PROBLEM_SEVERITIES = ("nonfinite", "error")
+
+_SEVERITY_RANK = ("CASE severity WHEN 'nonfinite' THEN 3 WHEN 'error' THEN 2 WHEN 'warn' THEN 1 "
+                  "WHEN 'ok' THEN 0 END")
+_VERDICT_RANK = ("CASE verdict WHEN 'nonfinite' THEN 3 WHEN 'error' THEN 2 WHEN 'warn' THEN 1 "
+                 "WHEN 'expected' THEN 0 END")
+
+
+@dataclass(frozen=True)
+class OpsFilter:
+    """What the Ops table shows.  Empty tuples / None mean "all"."""
+
+    run_id: str
+    steps: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+    roles: tuple[str, ...] = ()
+    op_types: tuple[str, ...] = ()
+    pattern: str = ""  # substring of the record name, or a glob with * and ?
+    only_problems: bool = False
+    sort: str = "seq"
+    descending: bool = False
+    page: int = 0  # zero-based
+    page_size: int = 50
+
+    def __post_init__(self) -> None:
+        if self.sort not in SORTABLE:
+            raise ValueError(f"cannot sort the op table by {self.sort!r}; choose one of {', '.join(SORTABLE)}")
+        if self.page < 0 or self.page_size <= 0:
+            raise ValueError(f"invalid page {self.page} of size {self.page_size}")
+
+
+@dataclass
+class OpsPage:
+    rows: pd.DataFrame
+    total: int  # rows matching the filter, over all pages
+    filter: OpsFilter
+    pages: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pages = max(1, -(-self.total // self.filter.page_size))
+
+
+def name_pattern_sql(pattern: str) -> str:
+    """A LIKE pattern (escape character ``\\``): ``*``/``?`` are wildcards,
+    anything else matches as a substring."""
+    esc = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    if "*" in pattern or "?" in pattern:
+        return esc.replace("*", "%").replace("?", "_")
+    return f"%{esc}%"
+
+
+def _where(f: OpsFilter) -> tuple[list[str], list]:
+    where, params = ["t.run_id = ?"], [f.run_id]
+    for col, vals in (("t.step", f.steps), ("t.rank", f.ranks), ("t.role", f.roles), ("t.op_type", f.op_types)):
+        if vals:
+            where.append(f"{col} IN ({', '.join('?' * len(vals))})")
+            params += list(vals)
+    if f.pattern.strip():
+        where.append("t.name ILIKE ? ESCAPE '\\'")
+        params.append(name_pattern_sql(f.pattern.strip()))
+    return where, params
+
+
+def _base_sql(f: OpsFilter) -> tuple[str, list]:
+    where, params = _where(f)
+    # one comparison per candidate record and kind; DISTINCT ON guards
+    # against a record compared twice (it keeps the worst verdict)
+    sql = f"""
+        WITH acc AS (
+            SELECT DISTINCT ON (cand_rid) cand_rid, kind, "match", basis, max_abs_err, max_rel_err, cosine,
+                   cosine_deficit, sqnr_db, rounding_units, nonfinite_introduced, verdict, reason,
+                   ref_run_id, ref_rid
+            FROM comparisons WHERE cand_run_id = ? AND kind IN ('accumulated', 'stats')
+            ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
+        ), loc AS (
+            SELECT DISTINCT ON (cand_rid) cand_rid, max_rel_err AS local_max_rel_err, sqnr_db AS local_sqnr_db,
+                   verdict AS local_verdict
+            FROM comparisons WHERE cand_run_id = ? AND kind = 'local'
+            ORDER BY cand_rid
+        ), j AS (
+            SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
+                   t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max, t.absmax,
+                   t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.cosine,
+                   acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict, acc.reason,
+                   loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
+                   {severity_sql('t.nonfinite', 'acc.verdict', 'loc.local_verdict')} AS severity
+            FROM tensors t LEFT JOIN acc ON acc.cand_rid = t.rid LEFT JOIN loc ON loc.cand_rid = t.rid
+            WHERE {' AND '.join(where)}
+        ), s AS (SELECT *, {_SEVERITY_RANK} AS severity_rank FROM j)
+        SELECT * FROM s"""
+    params = [f.run_id, f.run_id] + params
+    if f.only_problems:
+        sql += f" WHERE severity IN ({', '.join(repr(p) for p in PROBLEM_SEVERITIES)})"
+    return sql, params
+
+
+def ops_page(store, f: OpsFilter) -> OpsPage:
+    """One page of the op table for ``f``, with the total count of matching rows."""
+    sql, params = _base_sql(f)
+    total = int(rows(store, f"SELECT count(*) AS n FROM ({sql})", params)[0]["n"])
+    page = min(f.page, max(0, -(-total // f.page_size) - 1))
+    if page != f.page:
+        f = replace(f, page=page)
+    order = SORTABLE[f.sort]
+    direction = "DESC" if f.descending else "ASC"
+    df = store.df(
+        f"{sql} ORDER BY {order} {direction} NULLS LAST, seq, rid LIMIT ? OFFSET ?",
+        params + [f.page_size, f.page * f.page_size],
+    )
+    df = df.drop(columns=["severity_rank"])
+    return OpsPage(df, total, f)
+
+
+def filter_options(store, run_id: str) -> dict[str, list]:
+    """Distinct steps, ranks, roles and op types of a run, for the filter widgets."""
+    out = {}
+    for key, col in (("steps", "step"), ("ranks", "rank"), ("roles", "role"), ("op_types", "op_type")):
+        out[key] = [r["v"] for r in rows(store, f"SELECT DISTINCT {col} AS v FROM tensors WHERE run_id = ? "
+                                                f"AND {col} IS NOT NULL ORDER BY v", [run_id])]
+    return out
+
+
+def display_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The columns the Ops page shows, in reading order (rid stays for selection)."""
+    from .common import cosine_text
+
+    out = pd.DataFrame({
+        "severity": df["severity"].fillna(""),
+        "seq": df["seq"], "op": df["op"], "type": df["op_type"], "role": df["role"], "index": df["index"],
+        "dtype": df["dtype"], "shape": df["shape"], "nan": df["nan_count"], "inf": df["inf_count"],
+        "zero": df["zero_count"], "absmax": df["absmax"],
+        "max_abs_err": df["max_abs_err"], "max_rel_err": df["max_rel_err"],
+        "cosine": [cosine_text(c, d) if pd.notna(c) else "" for c, d in zip(df["cosine"], df["cosine_deficit"])],
+        "sqnr_db": df["sqnr_db"], "verdict": df["verdict"].fillna(""),
+        "local_max_rel_err": df["local_max_rel_err"], "match": df["match"].fillna(""),
+        "step": df["step"], "rank": df["rank"], "rid": df["rid"],
+    })
+    return out

@@ -1,0 +1,322 @@
+"""Streamlit plumbing the pages share: the store, who may do what, the
+session/run/op/format pickers whose values live in the URL, navigation
+between pages, and errors shown as sentences.
+
+The only module of ``precision_lab`` that imports streamlit; the view-models
+beside it return DataFrames and figures and are tested without a browser.
+
+URL state: ``?session=<name>&run=<run name>&op=<rid>&fmt=fp16&fmt=bf16``.
+Each picker starts from (in order) a value handed over by ``navigate``, its
+own widget state, the URL, the value last chosen on another page, then a
+default; whatever it ends up showing is written back to the URL, so a copied
+link opens the same view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import streamlit as st
+
+from ..formats import FORMAT_NAMES
+from .common import escape_md, run_label
+
+__all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
+           "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain"]
+
+# page scripts, relative to app.py
+PAGES = {
+    "sessions": "pages/sessions.py",
+    "overview": "pages/overview.py",
+    "ops": "pages/ops.py",
+    "detail": "pages/op_detail.py",  # url path: the file's stem, as Streamlit derives it
+    "diff": "pages/diff.py",
+}
+
+_PENDING = "_pl_pending"  # values handed to the next page by navigate()
+_REMEMBER = "_pl_last_"  # + param: last value chosen, carried across pages
+_SHARE = "_pl_share"
+_PAGE = "_pl_page"
+
+
+def plain(text: Any) -> str:
+    """Markdown-escaped text (names from dumps must not render as markup)."""
+    return escape_md(text)
+
+
+# ---- store, config, access ------------------------------------------------------
+
+@st.cache_resource(show_spinner=False)
+def _open_store(path: str):
+    from ..store import Store
+
+    return Store(path)
+
+
+def get_config():
+    """The server configuration; a bad setting stops the page with its message."""
+    from ..config import ConfigError, load_config
+
+    try:
+        return load_config()
+    except ConfigError as e:
+        st.error(f"The server configuration cannot be used: {e}")
+        st.stop()
+
+
+def get_store():
+    """The process-wide Store (one DuckDB connection; a cursor per thread)."""
+    from ..store import default_db_path
+
+    cfg = get_config()
+    path = cfg.db_path or str(default_db_path())
+    try:
+        return _open_store(str(path))
+    except Exception as e:  # a locked or unreadable database file
+        st.error(f"Cannot open the database {path}: {e}")
+        st.stop()
+
+
+def access(store):
+    """What this visitor may do (``precision_lab.config.resolve_access``).
+
+    A ``?share=`` token is remembered for the browser session, so moving
+    between pages keeps the visitor on the shared session.
+    """
+    from ..config import SHARE_PARAM, resolve_access
+
+    token = url_value(SHARE_PARAM) or st.session_state.get(_SHARE)
+    params = {k: st.query_params.get_all(k) for k in st.query_params.keys()}
+    if token:
+        st.session_state[_SHARE] = token
+        params[SHARE_PARAM] = [token]
+        st.query_params[SHARE_PARAM] = token
+    acc = resolve_access(params, store, get_config())
+    if acc.error:
+        st.error(acc.error)
+        st.stop()
+    return acc
+
+
+# ---- URL-backed pickers ------------------------------------------------------------
+
+def url_value(param: str) -> Optional[str]:
+    vals = st.query_params.get_all(param)
+    return vals[-1] if vals else None
+
+
+_ROUTED = threading.local()
+
+
+def routed() -> None:
+    """Called by app.py right before ``st.navigation(...).run()``."""
+    _ROUTED.flag = True
+
+
+def _ensure_routed() -> None:
+    """Make sure the page runs under app.py's ``st.navigation``.
+
+    Streamlit still supports the older multipage mode in which every script
+    in a ``pages/`` folder is a page of its own.  Until app.py has called
+    ``st.navigation`` once in this process, a first request for a deep link
+    (``/overview?session=...``) runs the page script directly in that mode,
+    without app.py's page list, layout or error handling, and the process
+    would stay in it.  Switching the flag Streamlit keeps for this and
+    rerunning sends the same request through app.py.  The rerun happens
+    only on a browser session's first run, where no click can be lost;
+    later runs render the page as it is (Streamlit's AppTest resets the
+    flag before every run).
+    """
+    if getattr(_ROUTED, "flag", False):
+        _ROUTED.flag = False
+        return
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        if _PAGE not in st.session_state:
+            st.rerun()
+
+
+def start(name: str):
+    """Begin a page: record which page runs (picker keys are per page), drop
+    values handed over by ``navigate`` to an earlier page, and return
+    ``(store, access)``."""
+    _ensure_routed()
+    st.session_state[_PAGE] = name
+    pending = st.session_state.get(_PENDING)
+    if pending is not None:
+        if pending.get("_page") != name or pending.get("_runs", 0) >= 1:
+            st.session_state.pop(_PENDING, None)
+        else:
+            pending["_runs"] = 1
+    store = get_store()
+    return store, access(store)
+
+
+def page_key(key: str) -> str:
+    """A widget key private to the current page.
+
+    Streamlit forgets a widget's state when another page runs; a key shared
+    by two pages would make the second page start from a stale value
+    instead of the URL.
+    """
+    return f"{key}@{st.session_state.get(_PAGE, '')}"
+
+
+def url_select(label: str, options: Sequence, *, param: str, key: str, default: Any = None,
+               format_func: Callable = str, container=None, help: Optional[str] = None,
+               to_url: Callable[[Any], str] = str) -> Any:
+    """A selectbox whose value is the URL parameter ``param`` (widget key ``page_key(key)``)."""
+    container = container or st
+    key = page_key(key)
+    options = list(options)
+    # URL values are strings; match options by their string form
+    by_text = {to_url(o): o for o in options}
+    _initial(param, key, options, default, by_text)
+    value = container.selectbox(label, options, key=key, format_func=format_func, help=help)
+    st.session_state[_REMEMBER + param] = to_url(value)
+    st.query_params[param] = to_url(value)
+    return value
+
+
+def _initial(param: str, key: str, options: list, default: Any, by_text: dict) -> None:
+    pending = st.session_state.get(_PENDING, {})
+    if param in pending:
+        want = pending.pop(param)
+        want = by_text.get(str(want), want)
+        if want in options:
+            st.session_state[key] = want
+            return
+    if key in st.session_state and st.session_state[key] in options:
+        return
+    for want in (url_value(param), st.session_state.get(_REMEMBER + param)):
+        if want is not None and str(want) in by_text:
+            st.session_state[key] = by_text[str(want)]
+            return
+    st.session_state[key] = default if default in options else options[0]
+
+
+def choose_session(store, acc, *, container=None) -> Optional[dict]:
+    """The session picker (``?session=``); None when there is no session.
+
+    A visitor who came through a share link sees only that session.
+    """
+    container = container or st.sidebar
+    if acc.shared:
+        info = store.session(acc.session)
+        st.query_params["session"] = info["name"]
+        container.caption(f"Shared session (read-only): {info['name']}")
+        return info
+    if not acc.can_list:
+        if acc.session:
+            return store.session(acc.session)
+        return None
+    names = list(store.sessions()["name"])
+    if not names:
+        return None
+    name = url_select("Session", names, param="session", key="pick_session", container=container,
+                      default=acc.session)
+    return store.session(name)
+
+
+def choose_run(runs: list[dict], *, container=None, default_kind: str = "candidate",
+               key: str = "pick_run", label: str = "Run") -> Optional[dict]:
+    """The run picker (``?run=<run name>``); candidates come first by default."""
+    if not runs:
+        return None
+    container = container or st.sidebar
+    names = [r["name"] for r in runs]
+    default = next((r["name"] for r in runs if r["kind"] == default_kind), names[0])
+    by_name = {r["name"]: r for r in runs}
+    name = url_select(label, names, param="run", key=key, default=default, container=container,
+                      format_func=lambda n: run_label(by_name[n]))
+    return by_name[name]
+
+
+def choose_formats(default: Sequence[str], *, key: str = "pick_formats", container=None,
+                   label: str = "Formats to overlay") -> list[str]:
+    """The format multiselect (``?fmt=fp16&fmt=bf16``)."""
+    container = container or st
+    key = page_key(key)
+    pending = st.session_state.get(_PENDING, {})
+    if "fmt" in pending:
+        st.session_state[key] = [f for f in pending.pop("fmt") if f in FORMAT_NAMES]
+    elif key not in st.session_state:
+        from_url = [f for f in st.query_params.get_all("fmt") if f in FORMAT_NAMES]
+        remembered = st.session_state.get(_REMEMBER + "fmt")
+        st.session_state[key] = from_url or remembered or [f for f in default if f in FORMAT_NAMES]
+    chosen = container.multiselect(label, list(FORMAT_NAMES), key=key,
+                                   help="Number formats drawn over the values: shaded overflow, subnormal and "
+                                        "underflow-to-zero regions, lines at max / smallest normal / smallest "
+                                        "subnormal.")
+    st.session_state[_REMEMBER + "fmt"] = list(chosen)
+    st.query_params["fmt"] = list(chosen)
+    return list(chosen)
+
+
+def remember(param: str, value: Any) -> None:
+    """Record a value chosen without a picker (e.g. ``op``) in the URL and for other pages."""
+    st.session_state[_REMEMBER + param] = str(value)
+    st.query_params[param] = str(value)
+
+
+def remembered(param: str) -> Optional[str]:
+    pending = st.session_state.get(_PENDING, {})
+    if param in pending:
+        return str(pending.pop(param))
+    return url_value(param) or st.session_state.get(_REMEMBER + param)
+
+
+def navigate(page: str, **params: Any) -> None:
+    """Switch to ``page`` (a key of ``PAGES``) showing ``params`` (session, run, op, fmt)."""
+    clean = {k: v for k, v in params.items() if v is not None}
+    st.session_state[_PENDING] = {**clean, "_page": page}
+    for k, v in clean.items():
+        st.session_state[_REMEMBER + k] = v if isinstance(v, list) else str(v)
+    token = st.session_state.get(_SHARE)
+    qp = {k: ([str(x) for x in v] if isinstance(v, list) else str(v)) for k, v in clean.items()}
+    if token:
+        qp["share"] = token
+    st.switch_page(PAGES[page], query_params=qp)
+
+
+# ---- errors and progress -------------------------------------------------------------
+
+def show_error(e: BaseException, what: str = "") -> None:
+    """An exception as one plain sentence (never a traceback)."""
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    msg = msg.strip() or type(e).__name__
+    st.error(f"{what}: {msg}" if what else msg)
+
+
+@contextlib.contextmanager
+def guard(what: str = ""):
+    """Show an error from the library as a sentence and stop the page."""
+    try:
+        yield
+    except Exception as e:  # st.stop / st.switch_page are BaseExceptions and pass through
+        show_error(e, what)
+        st.stop()
+
+
+def progress_callback(bar) -> Callable[[int, int, str], None]:
+    """``progress(done, total, label)`` for ``ingest`` drawing on an ``st.progress`` bar."""
+    def cb(done: int, total: int, label: str) -> None:
+        frac = 0.0 if not total else max(0.0, min(1.0, done / total))
+        bar.progress(frac, text=str(label)[:120])
+
+    return cb
+
+
+def peek(param: str, key: str) -> Optional[str]:
+    """The value a picker for ``param`` (widget ``key``) is about to start from, as text."""
+    key = page_key(key)
+    pending = st.session_state.get(_PENDING, {})
+    if param in pending:
+        return str(pending[param])
+    if key in st.session_state:
+        return str(st.session_state[key])
+    return url_value(param) or st.session_state.get(_REMEMBER + param)

@@ -1,0 +1,94 @@
+"""The Sessions page's data: the list of sessions with their headline, and
+turning an upload or a sample into a new session."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import pandas as pd
+
+from .common import rows, run_label
+from .overview import session_headline
+from .upload import Sample, UploadError, write_upload
+
+__all__ = ["sessions_table", "ingest_upload", "open_sample", "sample_session_name", "IngestFailed"]
+
+Progress = Callable[[int, int, str], None]
+
+
+class IngestFailed(ValueError):
+    """An upload or sample could not be ingested; the message is a sentence for the user."""
+
+
+def sessions_table(store, *, headlines: bool = True) -> pd.DataFrame:
+    """Sessions, newest first: name, created, runs, first non-finite op, worst op, source."""
+    sessions = rows(store, "SELECT session_id, name, created, source, recipe FROM sessions "
+                           "ORDER BY created DESC, name")
+    runs = rows(store, "SELECT session_id, name, dtype, kind, fix FROM runs ORDER BY created, run_id")
+    by_session: dict[str, list[dict]] = {}
+    for r in runs:
+        by_session.setdefault(r["session_id"], []).append(r)
+    out = []
+    for s in sessions:
+        head = session_headline(store, s["session_id"]) if headlines else {"first_nonfinite": "", "worst": ""}
+        out.append({
+            "session": s["name"], "created": s["created"],
+            "runs": ", ".join(run_label(r) for r in by_session.get(s["session_id"], [])),
+            "first non-finite": head["first_nonfinite"], "largest error": head["worst"],
+            "source": s["recipe"] or s["source"], "session_id": s["session_id"],
+        })
+    return pd.DataFrame(out, columns=["session", "created", "runs", "first non-finite", "largest error", "source",
+                                      "session_id"])
+
+
+def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], progress: Optional[Progress],
+            zip_limits=None) -> str:
+    from ..services.ingest import IngestError, ingest
+
+    kw: dict[str, Any] = {}
+    if zip_limits is not None:
+        kw["zip_limits"] = zip_limits
+    try:
+        return ingest([cand], reference=[ref] if ref else None, session=session or None, store=store,
+                      progress=progress, **kw)
+    except IngestError as e:
+        raise IngestFailed(str(e)) from None
+
+
+def ingest_upload(store, candidate: Iterable[Any], reference: Optional[Iterable[Any]] = None, *,
+                  session: Optional[str] = None, progress: Optional[Progress] = None, max_depth: int = 32,
+                  zip_limits=None) -> str:
+    """Write the uploaded candidate (and optional fp32 reference) files to a
+    temporary folder and ingest them into a new session; returns its name.
+
+    Raises ``IngestFailed`` with a sentence naming the file and the problem.
+    The temporary files are removed whatever happens.
+    """
+    candidate = list(candidate or [])
+    reference = list(reference or [])
+    if not candidate:
+        raise IngestFailed("choose the dump folder (or .zip) to analyse first")
+    with tempfile.TemporaryDirectory(prefix="precision-lab-upload-") as tmp:
+        try:
+            cand_path = write_upload(candidate, Path(tmp) / "candidate", max_depth=max_depth,
+                                     default_name="candidate")
+            ref_path = (write_upload(reference, Path(tmp) / "reference", max_depth=max_depth,
+                                     default_name="reference") if reference else None)
+        except UploadError as e:
+            raise IngestFailed(str(e)) from None
+        return _ingest(store, cand_path, ref_path, session=session, progress=progress, zip_limits=zip_limits)
+
+
+def sample_session_name(sample: Sample) -> str:
+    return f"{sample.name}-vs-{sample.reference.name}" if sample.reference else sample.name
+
+
+def open_sample(store, sample: Sample, *, progress: Optional[Progress] = None) -> str:
+    """The session of a sample dump (with its reference when it has one),
+    ingested on first use and reused after; returns the session name."""
+    name = sample_session_name(sample)
+    if rows(store, "SELECT 1 FROM sessions WHERE name = ?", [name]):
+        return name
+    return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress)

@@ -1,0 +1,132 @@
+"""The ``ingest``, ``report`` and ``compare`` commands, through typer's runner."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from precision_lab.cli import app
+from precision_lab.cli.ingest_cmds import Condition, parse_condition
+
+from conftest import FIXTURES
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_ingest_prints_the_session_name_and_report_reads_it(tmp_path):
+    db = tmp_path / "cli.duckdb"
+    r = _run("ingest", FIXTURES / "stat_mix_fp16_inner_ovf", "--reference", FIXTURES / "stat_mix_fp32_inner_ovf",
+             "--db", db, "--session", "ovf")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "ovf"
+    r = _run("report", "--session", "ovf", "--db", db)
+    assert r.exit_code == 0, r.output
+    assert "stat_mix_fp16_inner_ovf: Functional.linear.10.forward" in r.stdout
+    assert "fp16 norm-arithmetic artefact" in r.stdout
+    r = _run("report", "--session", "ovf", "--db", db, "--json")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert doc["session"] == "ovf"
+    assert doc["first_nonfinite"]["stat_mix_fp16_inner_ovf"]["op"] == "Functional.linear.10.forward"
+
+
+def test_ingest_default_db_and_name(tmp_path, monkeypatch):
+    r = _run("ingest", FIXTURES / "tensor_mix_fp32")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "tensor_mix_fp32"
+    r = _run("ingest", FIXTURES / "tensor_mix_fp32")
+    assert r.stdout.strip() == "tensor_mix_fp32-2"  # names stay unique
+
+
+def test_report_unknown_session_exits_2(tmp_path):
+    r = _run("report", "--session", "nope", "--db", tmp_path / "x.duckdb")
+    assert r.exit_code == 2
+    assert "no session named 'nope'" in r.output
+
+
+def test_ingest_bad_input_exits_2_naming_the_file(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "t.npy").write_bytes(b"\x93NUMPY garbage")
+    r = _run("ingest", d, "--db", tmp_path / "x.duckdb")
+    assert r.exit_code == 2
+    assert "t.npy" in r.output and "error:" in r.output
+
+
+def test_compare_fail_on_nonfinite():
+    r = _run("compare", FIXTURES / "stat_mix_fp32_inner_ovf", FIXTURES / "stat_mix_fp16_inner_ovf",
+             "--fail-on", "nonfinite")
+    assert r.exit_code == 1, r.output
+    assert "FAIL nonfinite" in r.output
+    r = _run("compare", FIXTURES / "tensor_mix_fp32", FIXTURES / "tensor_mix_fp16", "--fail-on", "nonfinite")
+    assert r.exit_code == 0, r.output
+    assert "did not trip" in r.output
+
+
+def _pair(tmp_path, nan: bool):
+    g = torch.Generator().manual_seed(3)
+    ref, cand = tmp_path / f"ref{nan}", tmp_path / f"cand{nan}"
+    ref.mkdir()
+    cand.mkdir()
+    x = torch.randn(32, 16, generator=g)
+    for k, v in {"lin.output.0": x, "act.output.0": torch.tanh(x)}.items():
+        np.save(ref / f"{k}.npy", v.numpy())
+        c = v.half().numpy()
+        if nan and k == "act.output.0":
+            c[0, 0] = np.nan
+        np.save(cand / f"{k}.npy", c)
+    return ref, cand
+
+
+def test_compare_generic_nan_and_clean(tmp_path):
+    ref, cand = _pair(tmp_path, nan=True)
+    r = _run("compare", ref, cand, "--fail-on", "nonfinite")
+    assert r.exit_code == 1 and "act output 0" in r.output
+    ref, cand = _pair(tmp_path, nan=False)
+    assert _run("compare", ref, cand, "--fail-on", "nonfinite").exit_code == 0
+
+
+def test_compare_sqnr_and_rel_err_thresholds(tmp_path):
+    ref, cand = _pair(tmp_path, nan=False)
+    x = np.load(ref / "lin.output.0.npy").astype(np.float64)
+    c = np.load(cand / "lin.output.0.npy").astype(np.float64)
+    sqnr = 10 * np.log10(np.sum(x * x) / np.sum((c - x) ** 2))
+    assert _run("compare", ref, cand, "--fail-on", f"sqnr<{sqnr - 5:.3f}").exit_code == 0
+    r = _run("compare", ref, cand, "--fail-on", f"sqnr<{sqnr + 5:.3f}")
+    assert r.exit_code == 1 and "FAIL sqnr<" in r.output
+    assert _run("compare", ref, cand, "--fail-on", "max_rel_err>1e-9").exit_code == 1
+    assert _run("compare", ref, cand, "--fail-on", "max_rel_err>10").exit_code == 0
+
+
+def test_compare_unusable_input_exits_2(tmp_path):
+    r = _run("compare", tmp_path / "missing", FIXTURES / "tensor_mix_fp16")
+    assert r.exit_code == 2 and "no such file or folder" in r.output
+    # statistics-only dumps cannot answer an SQNR condition
+    r = _run("compare", FIXTURES / "stat_mix_fp32_inner_ovf", FIXTURES / "stat_mix_fp32_inner_ovf",
+             "--fail-on", "sqnr<30")
+    assert r.exit_code == 2 and "no element-wise comparisons" in r.output
+    r = _run("compare", FIXTURES / "tensor_mix_fp32", FIXTURES / "tensor_mix_fp16", "--fail-on", "sqnr>3")
+    assert r.exit_code == 2 and "expected nonfinite" in r.output
+
+
+def test_compare_keeps_the_session_only_with_db(tmp_path):
+    db = tmp_path / "ci.duckdb"
+    r = _run("compare", FIXTURES / "tensor_mix_fp32", FIXTURES / "tensor_mix_fp16", "--db", db, "--session", "ci",
+             "--json")
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["session"] == "ci"
+    assert _run("report", "--session", "ci", "--db", db).exit_code == 0
+
+
+@pytest.mark.parametrize("text,cond", [("nonfinite", Condition("nonfinite")), ("sqnr<30", Condition("sqnr", 30.0)),
+                                       ("max_rel_err>0.01", Condition("max_rel_err", 0.01)),
+                                       (" sqnr < 12.5 ", Condition("sqnr", 12.5))])
+def test_parse_condition(text, cond):
+    assert parse_condition(text) == cond

@@ -1,0 +1,133 @@
+"""Precision policies: format per module, casting, options, JSON."""
+
+import pytest
+import torch
+from torch import nn
+
+from precision_lab.fixes.modules import Linear, RMSNorm, Softmax
+from precision_lab.fixes.policy import (POLICIES, PolicyError, PrecisionPolicy, QuantConfig, get_policy,
+                                        module_matches)
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Module(), nn.Module()])
+        for b in self.blocks:
+            b.fc = Linear(4, 4)
+            b.norm = RMSNorm(4)
+        self.softmax = Softmax()
+        self.head = nn.Linear(4, 2)  # a plain torch module: gets a cast hook
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b.norm(b.fc(x))
+        return self.head(self.softmax(x))
+
+
+def test_module_matches_full_name_and_dotted_suffix():
+    assert module_matches("layers.0.mlp.down_proj", "down_proj")
+    assert module_matches("layers.0.mlp.down_proj", "layers.*.mlp.down_proj")
+    assert module_matches("layers.0.mlp.down_proj", "mlp.down_proj")
+    assert not module_matches("layers.0.mlp.down_proj", "proj")
+    assert not module_matches("layers.0.mlp.down_proj_x", "down_proj")
+
+
+def test_dtype_for_overrides_inherit_and_last_wins():
+    p = PrecisionPolicy("p", "fp16", overrides=(("blocks.1", "fp32"), ("blocks.1.norm", "bf16")))
+    assert p.dtype_for("blocks.0.fc") == "fp16"
+    assert p.dtype_for("blocks.1") == "fp32"
+    assert p.dtype_for("blocks.1.fc") == "fp32"  # inherited from the parent
+    assert p.dtype_for("blocks.1.norm") == "bf16"  # later, more specific override wins
+    assert p.override_for("blocks.0.fc") is None
+
+
+def test_prepare_casts_each_module_and_hooks_plain_modules():
+    m = Tiny()
+    p = PrecisionPolicy("p", "fp16", overrides=(("blocks.1.fc", "fp32"), ("head", "bf16")))
+    p.prepare(m)
+    assert m.blocks[0].fc.weight.dtype == torch.float16
+    assert m.blocks[0].fc.compute_dtype == torch.float16
+    assert m.blocks[1].fc.weight.dtype == torch.float32
+    assert m.blocks[1].fc.compute_dtype == torch.float32
+    assert m.head.weight.dtype == torch.bfloat16
+    x = p.prepare_inputs(torch.randn(3, 4))
+    assert x.dtype == torch.float16
+    with torch.no_grad():
+        out = m(x)
+    # the plain nn.Linear received fp16 from the softmax and cast it to its bf16 weights
+    assert out.dtype == torch.bfloat16
+
+
+def test_prepare_configures_options():
+    m = Tiny()
+    PrecisionPolicy("p", "fp16", eps=1e-3, stable_softmax=True, stats_fp32=True, flush_to_zero=True).prepare(m)
+    assert m.blocks[0].norm.eps == 1e-3 and m.blocks[0].norm.stats_fp32
+    assert m.blocks[0].norm.flush_to_zero
+    assert m.softmax.stable
+    m2 = Tiny()
+    PrecisionPolicy("p", "fp16").prepare(m2)
+    assert m2.blocks[0].norm.eps == 1e-6  # the module's own default
+    assert not m2.softmax.stable
+
+
+def test_prepare_refuses_a_pattern_that_matches_nothing():
+    m = Tiny()
+    with pytest.raises(PolicyError, match=r"keep-fp32: pattern 'down_proj' matches no module of this model"):
+        PrecisionPolicy("p", "fp16", overrides=(("down_proj", "fp32"),)).prepare(m)
+    with pytest.raises(PolicyError, match=r"sanitize-nonfinite: pattern 'nope'"):
+        PrecisionPolicy("p", "fp16", sanitize=("nope",)).prepare(m)
+
+
+def test_sanitize_replaces_nonfinite_with_format_limits():
+    import numpy as np
+
+    m = nn.Sequential(Linear(2, 2, bias=False))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.tensor([[1e5, 0.0], [0.0, 1.0]]))
+    p = PrecisionPolicy("p", "fp16", sanitize=("0",))
+    p.prepare(m)
+    with torch.no_grad():
+        out = m(p.prepare_inputs(torch.tensor([[1.0, 0.0], [0.0, float("nan")]])))
+    # 1e5 overflows fp16 -> +inf -> replaced by fp16's max; the NaN by 0
+    assert out[0, 0].item() == float(np.finfo(np.float16).max)
+    assert out[1, 1].item() == 0.0 and torch.isfinite(out).all()
+
+
+def test_json_round_trip_and_describe():
+    p = PrecisionPolicy("x", "fp16", overrides=(("a", "fp32"),), quant=QuantConfig("fp8_e5m2", "row", "fp16", 0.5),
+                        flush_to_zero=True, eps=1e-4, sanitize=("n",), fixes=("eps:1e-4",))
+    q = PrecisionPolicy.from_json(p.to_json())
+    assert q == p and q.fixes == p.fixes
+    d = p.describe()
+    assert "fp8_e5m2 per-row (scale fp16, amax floor 0.5)" in d and "flush-to-zero" in d and "a=fp32" in d
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(dtype="fp8_e4m3fn"), "compute format 'fp8_e4m3fn' is not a compute format"),
+    (dict(overrides=(("a", "int8"),)), "override 'a': format 'int8'"),
+    (dict(eps=0.0), "epsilon 0.0 must be a number > 0"),
+])
+def test_policy_validation(kw, msg):
+    with pytest.raises(PolicyError, match=msg):
+        PrecisionPolicy("bad", **kw)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(format="fp16"), "fake-quant format 'fp16' is not a narrow float"),
+    (dict(granularity="block"), "granularity 'block'"),
+    (dict(scale_format="fp8_e4m3fn"), "scale format 'fp8_e4m3fn'"),
+    (dict(amax_floor=-1.0), "amax floor -1.0"),
+    (dict(calibration="minmax"), "calibration 'minmax'"),
+])
+def test_quant_config_validation(kw, msg):
+    with pytest.raises(PolicyError, match=msg):
+        QuantConfig(**kw)
+
+
+def test_presets():
+    assert get_policy("fp16").dtype == "fp16"
+    assert POLICIES["fp8-e4m3-row"].quant.granularity == "row"
+    with pytest.raises(PolicyError, match="unknown precision policy 'fp12'; presets: fp32, fp16"):
+        get_policy("fp12")
+    assert not POLICIES["fp32"].low_precision and POLICIES["fp16"].low_precision

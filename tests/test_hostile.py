@@ -1,0 +1,644 @@
+"""Hostile and broken input across session imports, browser uploads and dump
+readers.  Every refusal must name the file and the problem, and leave the
+database exactly as it was; every unusual-but-valid input must be read with
+statistics that match numpy.  (tests/test_malformed.py holds more reader
+cases; the ones here do not repeat them.)
+"""
+
+import hashlib
+import io
+import json
+import os
+import stat
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from precision_lab.config import ServerConfig
+from precision_lab.services.ingest import IngestError, ingest
+from precision_lab.share import ShareError, export_bytes, import_session
+from test_share import make_session
+
+from conftest import SAMPLES
+
+TABLES = ("meta", "sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings")
+
+
+def snapshot(store) -> str:
+    """A digest of every row of every table: equal digests mean an unchanged database."""
+    h = hashlib.sha256()
+    for t in TABLES:
+        for row in sorted(map(repr, store.sql(f"SELECT * FROM {t}").fetchall())):
+            h.update(row.encode())
+    return h.hexdigest()
+
+
+def refused(store, fn, exc, *words):
+    """``fn()`` raises ``exc`` whose message holds every word, and the database is unchanged."""
+    before = snapshot(store)
+    with pytest.raises(exc) as ei:
+        fn()
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert snapshot(store) == before
+    return msg
+
+
+# ---- exported sessions -------------------------------------------------------------
+
+@pytest.fixture
+def exported(store, tmp_path):
+    """(the store with one session, the zip bytes of a second session, an empty target store)."""
+    from precision_lab.store import Store
+
+    src = Store(tmp_path / "src.duckdb")
+    make_session(src, "shared", seed=5)
+    make_session(src, "other", seed=6)
+    make_session(store, "mine")  # the target already holds a session that must survive
+    return export_bytes(src, "shared"), export_bytes(src, "other")
+
+
+def rezip(data: bytes, *, replace=None, manifest=None, extra=(), drop=(), fix=True) -> bytes:
+    """Rebuild an exported zip: swap file contents, edit the manifest, add or drop entries.
+
+    ``fix``: recompute the manifest's checksums and row counts for swapped
+    files, as a careful forger would, so the later checks are what refuse it.
+    """
+    replace = dict(replace or {})
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        files = {n: zf.read(n) for n in zf.namelist()}
+    m = json.loads(files.pop("manifest.json"))
+    for name, b in replace.items():
+        files[name] = b
+        table = name.removesuffix(".parquet")
+        if fix and table in m["tables"]:
+            m["tables"][table]["sha256"] = hashlib.sha256(b).hexdigest()
+            try:
+                m["tables"][table]["rows"] = pq.read_table(io.BytesIO(b)).num_rows
+            except Exception:
+                pass
+    if manifest is not None:
+        m = manifest(m)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("manifest.json", m if isinstance(m, (bytes, str)) else json.dumps(m))
+        for n, b in files.items():
+            if n not in drop:
+                zf.writestr(n, b)
+        for item in extra:
+            if isinstance(item[0], zipfile.ZipInfo):
+                zf.writestr(item[0], item[1])
+            else:
+                zf.writestr(*item)
+    return out.getvalue()
+
+
+def table_of(data: bytes, name: str) -> pa.Table:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return pq.read_table(io.BytesIO(zf.read(f"{name}.parquet")))
+
+
+def parquet(t: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(t, buf)
+    return buf.getvalue()
+
+
+def set_col(t: pa.Table, name: str, values, type=None) -> pa.Table:
+    return t.set_column(t.column_names.index(name), name, pa.array(values, type=type or t.schema.field(name).type))
+
+
+def imp(store, data, name="upload.zip", **kw):
+    return lambda: import_session(store, data, filename=name, **kw)
+
+
+def test_import_not_a_zip(store, exported):
+    refused(store, imp(store, b"MZ\x90\x00 this is an executable, not a zip", "evil.zip"), ShareError,
+            "evil.zip", "not a readable zip archive")
+
+
+def test_import_empty_file(store, exported):
+    refused(store, imp(store, b"", "empty.zip"), ShareError, "empty.zip", "not a readable zip")
+
+
+def test_import_truncated_zip(store, exported):
+    data, _ = exported
+    refused(store, imp(store, data[: len(data) // 2], "half.zip"), ShareError, "half.zip", "not a readable zip")
+
+
+def test_import_zip_without_manifest(store, exported):
+    data, _ = exported
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z2:
+            for n in zf.namelist():
+                if n != "manifest.json":
+                    z2.writestr(n, zf.read(n))
+    refused(store, imp(store, out.getvalue(), "nomani.zip"), ShareError, "nomani.zip", "no manifest.json",
+            "not an exported Precision Lab session")
+
+
+def test_import_dump_zip_is_not_a_session(store, tmp_path):
+    """Someone uploads a dump zip to the import box."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("dump/a.output.0.npy", b"\x93NUMPY")
+    refused(store, imp(store, out.getvalue(), "dump.zip"), ShareError, "dump.zip", "no manifest.json")
+
+
+@pytest.mark.parametrize("manifest, words", [
+    (b"{not json", ["not valid JSON"]),
+    (b'{"format": NaN}', ["not valid JSON", "NaN"]),
+    (b"\xff\xfe{}", ["not UTF-8"]),
+    (b"[1, 2, 3]", ["must hold a JSON object"]),
+    (lambda m: dict(m, format="something-else"), ["format 'something-else'", "not an exported"]),
+    (lambda m: dict(m, format_version=99), ["format version 99", "upgrade"]),
+    (lambda m: dict(m, format_version="1"), ["no integer format_version"]),
+    (lambda m: dict(m, schema_version=999), ["schema version 999", "upgrade"]),
+    (lambda m: dict(m, session={"name": "x"}), ["must name the session"]),
+    (lambda m: dict(m, tables={k: v for k, v in m["tables"].items() if k != "diagnoses"}),
+     ["does not list table(s) diagnoses"]),
+    (lambda m: dict(m, tables=dict(m["tables"], secrets={"file": "secrets.parquet", "rows": 0, "sha256": "0" * 64})),
+     ["unknown table(s) 'secrets'"]),
+    (lambda m: {**m, "tables": {**m["tables"], "runs": {**m["tables"]["runs"], "file": "../runs.parquet"}}},
+     ["'../runs.parquet'", "expected 'runs.parquet'"]),
+    (lambda m: {**m, "tables": {**m["tables"], "runs": {**m["tables"]["runs"], "rows": -1}}},
+     ["table runs has no valid row count"]),
+    (lambda m: {**m, "tables": {**m["tables"], "runs": {**m["tables"]["runs"], "sha256": "abc"}}},
+     ["table runs has no valid sha256"]),
+], ids=["not-json", "nan-constant", "not-utf8", "array", "format", "future-format", "string-version",
+        "future-schema", "no-session-id", "missing-table", "unknown-table", "path-in-file", "negative-rows",
+        "bad-checksum-text"])
+def test_import_bad_manifest(store, exported, manifest, words):
+    data, _ = exported
+    bad = rezip(data, manifest=(lambda m: manifest) if isinstance(manifest, bytes) else manifest)
+    refused(store, imp(store, bad, "lying.zip"), ShareError, "lying.zip", "manifest.json", *words)
+
+
+def test_import_manifest_lies_about_row_count(store, exported):
+    data, _ = exported
+    bad = rezip(data, manifest=lambda m: {**m, "tables": {**m["tables"], "tensors": {
+        **m["tables"]["tensors"], "rows": m["tables"]["tensors"]["rows"] + 1}}})
+    refused(store, imp(store, bad, "lying.zip"), ShareError, "lying.zip", "says tensors.parquet holds 19 rows",
+            "holds 18")
+
+
+def test_import_file_changed_after_export(store, exported):
+    data, other = exported
+    swapped = rezip(data, replace={"tensors.parquet": parquet(table_of(other, "tensors"))}, fix=False)
+    refused(store, imp(store, swapped, "tampered.zip"), ShareError, "tampered.zip", "tensors.parquet",
+            "does not match the checksum")
+
+
+def test_import_rows_of_another_session(store, exported):
+    """A forger who recomputes checksums still cannot smuggle in another session's rows."""
+    data, other = exported
+    bad = rezip(data, replace={"runs.parquet": parquet(table_of(other, "runs"))})
+    refused(store, imp(store, bad, "mixed.zip"), ShareError, "mixed.zip", "runs.parquet",
+            "rows of another session")
+
+
+def test_import_record_of_unknown_run(store, exported):
+    data, _ = exported
+    t = table_of(data, "tensors")
+    bad = rezip(data, replace={"tensors.parquet": parquet(set_col(t, "run_id", ["ffffffffffff"] * t.num_rows))})
+    refused(store, imp(store, bad, "orphans.zip"), ShareError, "orphans.zip", "tensors.parquet",
+            "refers to run 'ffffffffffff'", "runs.parquet does not hold")
+
+
+def test_import_duplicate_records(store, exported):
+    data, _ = exported
+    t = table_of(data, "tensors")
+    bad = rezip(data, replace={"tensors.parquet": parquet(set_col(t, "rid", [0] * t.num_rows))})
+    refused(store, imp(store, bad, "dups.zip"), ShareError, "dups.zip", "tensors.parquet",
+            "lists a (run_id, rid) more than once")
+
+
+def test_import_session_name_disagrees_with_manifest(store, exported):
+    data, _ = exported
+    bad = rezip(data, manifest=lambda m: {**m, "session": {**m["session"], "name": "innocent"}})
+    refused(store, imp(store, bad, "renamed.zip"), ShareError, "renamed.zip", "describes session 'shared'",
+            "says 'innocent'")
+
+
+def test_import_histogram_bin_out_of_range(store, exported):
+    from precision_lab.stats import N_BINS
+
+    data, _ = exported
+    t = table_of(data, "histograms")
+    bins = t.column("bins").to_pylist()
+    bins[0] = [N_BINS + 5] + bins[0][1:]
+    bad = rezip(data, replace={"histograms.parquet": parquet(set_col(t, "bins", bins))})
+    refused(store, imp(store, bad, "bins.zip"), ShareError, "bins.zip", "histograms.parquet",
+            f"outside 0..{N_BINS - 1}")
+
+
+def test_import_kept_tensor_with_pickle_is_never_loaded(store, exported, tmp_path):
+    data, _ = exported
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([Boom()], dtype=object), allow_pickle=True)
+    t = table_of(data, "tensor_data")
+    blobs = t.column("npy").to_pylist()
+    blobs[0] = buf.getvalue()
+    bad = rezip(data, replace={"tensor_data.parquet": parquet(set_col(t, "npy", blobs))})
+    refused(store, imp(store, bad, "pickle.zip"), ShareError, "pickle.zip", "tensor_data.parquet",
+            "Python objects (a pickle), which are never loaded")
+    assert not marker.exists()
+
+
+def test_import_kept_tensor_shorter_than_its_header(store, exported):
+    data, _ = exported
+    t = table_of(data, "tensor_data")
+    blobs = t.column("npy").to_pylist()
+    blobs[3] = blobs[3][:-8]
+    bad = rezip(data, replace={"tensor_data.parquet": parquet(set_col(t, "npy", blobs))})
+    refused(store, imp(store, bad, "short.zip"), ShareError, "short.zip", "kept tensor of record",
+            "header says shape [4, 8] float32 but the data has a different length")
+
+
+def test_import_unknown_column(store, exported):
+    data, _ = exported
+    t = table_of(data, "runs")
+    t = t.append_column("owner_password", pa.array(["hunter2"] * t.num_rows))
+    bad = rezip(data, replace={"runs.parquet": parquet(t)})
+    refused(store, imp(store, bad, "newer.zip"), ShareError, "newer.zip", "runs.parquet",
+            "'owner_password'", "does not have")
+
+
+def test_import_table_that_is_not_parquet(store, exported):
+    data, _ = exported
+    bad = rezip(data, replace={"diagnoses.parquet": b"PAR1 but not really"})
+    refused(store, imp(store, bad, "notpq.zip"), ShareError, "notpq.zip", "diagnoses.parquet",
+            "not a readable Parquet file")
+
+
+def test_import_uncastable_value_rolls_back(store, exported):
+    """Rows of the first tables are inserted before the bad one fails: the transaction takes them back."""
+    data, _ = exported
+    t = table_of(data, "comparisons")
+    t = set_col(t, "seq", ["many"] * t.num_rows, type=pa.string())
+    bad = rezip(data, replace={"comparisons.parquet": parquet(t)})
+    refused(store, imp(store, bad, "types.zip"), ShareError, "types.zip", "comparisons.parquet",
+            "cannot be stored in table comparisons")
+    assert import_session(store, data).session == "shared"  # the good file still imports afterwards
+
+
+def test_import_listed_file_missing(store, exported):
+    data, _ = exported
+    refused(store, imp(store, rezip(data, drop=("warnings.parquet",)), "missing.zip"), ShareError,
+            "missing.zip", "lists warnings.parquet but the zip does not hold it")
+
+
+def test_import_extra_unlisted_file(store, exported):
+    data, _ = exported
+    bad = rezip(data, extra=[("run_me.py", b"import os; os.system('rm -rf ~')")])
+    refused(store, imp(store, bad, "extra.zip"), ShareError, "extra.zip", "'run_me.py' is not listed")
+
+
+def test_import_zip_slip(store, exported, tmp_path):
+    data, _ = exported
+    bad = rezip(data, extra=[("../../evil.parquet", b"x")])
+    refused(store, imp(store, bad, "slip.zip"), ShareError, "slip.zip", "'../../evil.parquet'",
+            "leaves the extraction folder")
+    bad = rezip(data, extra=[("/etc/cron.d/evil", b"x")])
+    refused(store, imp(store, bad, "abs.zip"), ShareError, "abs.zip", "absolute path")
+
+
+def test_import_zip_symlink(store, exported):
+    data, _ = exported
+    info = zipfile.ZipInfo("link")
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    refused(store, imp(store, rezip(data, extra=[(info, b"/etc/passwd")]), "link.zip"), ShareError,
+            "link.zip", "'link'", "symbolic link")
+
+
+def test_import_zip_bomb_size_and_count(store, exported):
+    data, _ = exported
+    zeros = zipfile.ZipInfo("zeros.bin")
+    zeros.compress_type = zipfile.ZIP_DEFLATED
+    bomb = rezip(data, extra=[(zeros, b"\0" * (3 << 20))])
+    assert len(bomb) < len(data) + 50_000  # 3 MiB of zeros compress to a few kB
+    refused(store, imp(store, bomb, "bomb.zip"), ShareError, "bomb.zip", "'zeros.bin' expands", "zip bomb")
+    big = rezip(data, extra=[("noise.bin", np.random.default_rng(0).bytes(3 << 20))])
+    refused(store, imp(store, big, "big.zip", config=ServerConfig(zip_max_total_mb=2)), ShareError,
+            "big.zip", "uncompressed size exceeds the limit")
+    many = rezip(data, extra=[(f"f{i}", b"") for i in range(10_000)])
+    refused(store, imp(store, many, "many.zip", config=ServerConfig(zip_max_files=5000)), ShareError,
+            "many.zip", "10009 entries exceed the limit of 5000 files")
+
+
+def test_import_upload_over_size_limit(store, exported, tmp_path):
+    data, _ = exported
+    big = rezip(data, extra=[("pad.bin", os.urandom((1 << 20) + 10))])
+    refused(store, imp(store, big, "big.zip", config=ServerConfig(max_upload_mb=1)), ShareError,
+            "big.zip", "more than the upload limit of 1 MiB")
+
+
+def test_import_huge_manifest(store, exported):
+    data, _ = exported
+    bad = rezip(data, manifest=lambda m: dict(m, padding="x" * (2 << 20)))
+    refused(store, imp(store, bad, "fat.zip"), ShareError, "fat.zip", "manifest.json is", "more than a manifest")
+
+
+# ---- browser uploads ------------------------------------------------------------------
+
+def upload(store, files, **kw):
+    from precision_lab.ui.sessions import IngestFailed, ingest_upload
+
+    return lambda: ingest_upload(store, files, **kw), IngestFailed
+
+
+def _npy(a) -> bytes:
+    b = io.BytesIO()
+    np.save(b, a)
+    return b.getvalue()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("dump/../../../etc/cron.d/x.npy", ["leaves the upload folder"]),
+    ("/etc/passwd.npy", ["absolute path"]),
+    ("C:\\Windows\\evil.npy", ["absolute path"]),
+    ("dump/a\x00b.npy", ["NUL character"]),
+], ids=["dotdot", "absolute", "drive-letter", "nul"])
+def test_upload_unsafe_names(store, tmp_path, name, words):
+    fn, exc = upload(store, [("dump/ok.output.0.npy", _npy(np.ones(3, np.float32))), (name, b"x")])
+    refused(store, fn, exc, repr(name)[1:-1][:20], *words)
+    assert not Path("/etc/cron.d/x.npy").exists()
+
+
+def test_upload_nested_too_deep(store):
+    name = "dump/" + "d/" * 40 + "a.output.0.npy"
+    fn, exc = upload(store, [(name, _npy(np.ones(2, np.float32)))], max_depth=32)
+    refused(store, fn, exc, "nested 41 folders deep", "limit of 32")
+
+
+def test_upload_pickle_payload_is_not_executed(store, tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2), "x": Boom()}, buf)
+    fn, exc = upload(store, [("dump/evil.pt", buf.getvalue()),
+                             ("dump/ok.output.0.npy", _npy(np.ones(3, np.float32)))])
+    refused(store, fn, exc, "evil.pt", "weights_only")
+    assert not marker.exists()
+
+
+def test_upload_zip_slip_inside_zip(store):
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        zf.writestr("ok.output.0.npy", _npy(np.ones(3, np.float32)))
+        zf.writestr("../../outside.npy", _npy(np.ones(3, np.float32)))
+    fn, exc = upload(store, [("dump.zip", out.getvalue())])
+    refused(store, fn, exc, "dump.zip", "'../../outside.npy'", "leaves the extraction folder")
+
+
+def test_upload_zip_of_ten_thousand_tiny_files(store):
+    from precision_lab.safezip import ZipLimits
+
+    out = io.BytesIO()
+    tiny = _npy(np.ones(1, np.float32))
+    with zipfile.ZipFile(out, "w") as zf:
+        for i in range(10_000):
+            zf.writestr(f"t{i:05d}.output.0.npy", tiny)
+    fn, exc = upload(store, [("tiny.zip", out.getvalue())], zip_limits=ZipLimits(max_files=5000))
+    refused(store, fn, exc, "tiny.zip", "10000 entries exceed the limit of 5000 files")
+
+
+def test_folder_of_ten_thousand_tiny_unreadable_files(store, tmp_path):
+    d = tmp_path / "junk"
+    d.mkdir()
+    for i in range(10_000):
+        (d / f"f{i}.log").write_bytes(b"x")
+    refused(store, lambda: ingest(d, store=store), IngestError, "junk", "no tensor files found", ".log (10000)")
+
+
+# ---- dump readers ----------------------------------------------------------------------
+
+def _good(d: Path):
+    d.mkdir(parents=True, exist_ok=True)
+    np.save(d / "a.output.0.npy", np.arange(6, dtype=np.float32))
+
+
+def test_non_utf8_file_name(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    with open(os.fsencode(d) + b"/\xff\xfe.output.0.npy", "wb") as f:
+        np.save(f, np.ones(2, np.float32))
+    refused(store, lambda: ingest(d, store=store), IngestError, "\ufffd\ufffd.output.0.npy", "not valid UTF-8")
+
+
+def test_npy_header_shape_disagrees_with_data(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    raw = _npy(np.ones(10, np.float32)).replace(b"(10,)", b"(2,) ")
+    (d / "z.output.0.npy").write_bytes(raw)
+    refused(store, lambda: ingest(d, store=store), IngestError, "z.output.0.npy", "header says shape [2]",
+            "holds 40 bytes")
+
+
+def test_npy_header_claims_a_huge_array(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000,), }"
+    hdr = hdr + " " * (118 - len(hdr)) + "\n"
+    (d / "h.output.0.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(hdr).to_bytes(2, "little") + hdr.encode() + b"\0" * 16)
+    refused(store, lambda: ingest(d, store=store), IngestError, "h.output.0.npy", "truncated")
+
+
+def test_empty_npy_file(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    (d / "e.output.0.npy").write_bytes(b"")
+    refused(store, lambda: ingest(d, store=store), IngestError, "e.output.0.npy", "not a .npy file")
+
+
+def test_safetensors_data_truncated_and_offsets_past_end(store, tmp_path):
+    from safetensors.numpy import save
+
+    d = tmp_path / "dump"
+    _good(d)
+    (d / "w.safetensors").write_bytes(save({"w": np.ones(100, np.float32)})[:-50])
+    refused(store, lambda: ingest(d, store=store), IngestError, "w.safetensors", "not a readable .safetensors")
+    hdr = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 400]}}).encode()
+    (d / "w.safetensors").write_bytes(len(hdr).to_bytes(8, "little") + hdr + b"\0" * 16)
+    refused(store, lambda: ingest(d, store=store), IngestError, "w.safetensors", "offset")
+
+
+def test_npz_holding_a_pickle(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    b = io.BytesIO()
+    np.savez(b, a=np.array([{"x": 1}], dtype=object))
+    (d / "z.npz").write_bytes(b.getvalue())
+    refused(store, lambda: ingest(d, store=store), IngestError, "z.npz", "Python objects")
+
+
+@pytest.mark.parametrize("arr, words", [
+    (np.array([1 + 2j, 3j]), ["complex"]),
+    (np.array(["ab", "c"]), ["cannot compute numeric statistics"]),
+    (np.zeros(3, dtype=[("a", "f4"), ("b", "i4")]), ["cannot compute numeric statistics"]),
+], ids=["complex", "strings", "structured"])
+def test_non_numeric_dtypes_are_refused(store, tmp_path, arr, words):
+    d = tmp_path / "dump"
+    _good(d)
+    np.save(d / "x.output.0.npy", arr)
+    refused(store, lambda: ingest(d, store=store), IngestError, "x.output.0.npy", *words)
+
+
+def _msprobe(tmp_path, mutate) -> Path:
+    import shutil
+
+    d = tmp_path / "ms"
+    shutil.copytree(SAMPLES / "stat_mix_fp16_inner_ovf", d)
+    p = next(d.rglob("dump.json"))
+    mutate(p)
+    return d
+
+
+def test_msprobe_json_not_utf8(store, tmp_path):
+    def mutate(p):
+        b = p.read_bytes()
+        i = b.index(b"Functional.linear.0")
+        p.write_bytes(b[:i] + b"\xff\xfe" + b[i:])
+
+    refused(store, lambda: ingest(_msprobe(tmp_path, mutate), store=store), IngestError, "dump.json",
+            "not UTF-8")
+
+
+def test_msprobe_entry_not_an_object_and_bad_shape(store, tmp_path):
+    def null_entry(p):
+        j = json.loads(p.read_text())
+        j["data"][next(iter(j["data"]))] = None
+        p.write_text(json.dumps(j))
+
+    refused(store, lambda: ingest(_msprobe(tmp_path, null_entry), store=store), IngestError, "dump.json",
+            "'Functional.layer_norm.0.forward' is not an object")
+
+    def bad_shape(p):
+        j = json.loads(p.read_text())
+        j["data"][next(iter(j["data"]))]["output"][0]["shape"] = [-3, "x"]
+        p.write_text(json.dumps(j))
+
+    refused(store, lambda: ingest(_msprobe(tmp_path / "b", bad_shape), store=store), IngestError, "dump.json",
+            "[-3, 'x'] is not a list of sizes")
+
+
+def test_symlink_to_a_file_outside_the_dump(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not a tensor")
+    os.symlink(outside, d / "p.output.0.npy")
+    refused(store, lambda: ingest(d, store=store), IngestError, "p.output.0.npy", "not a .npy file")
+
+
+def test_folder_symlink_loop_does_not_hang(store, tmp_path):
+    d = tmp_path / "dump"
+    _good(d)
+    os.symlink(d, d / "loop")
+    os.symlink("/", d / "root")
+    name = ingest(d, store=store)
+    assert list(store.df("SELECT name FROM tensors")["name"]) == ["a.output.0"]
+    assert name == "dump"
+
+
+# ---- unusual but valid: read, with numbers checked against numpy -----------------------------------
+
+def _stats_of(store, name):
+    return store.df("SELECT * FROM tensors WHERE name = ?", [name]).iloc[0]
+
+
+@pytest.mark.parametrize("arr", [
+    np.zeros((0, 4), np.float32),
+    np.array(3.5, np.float32),
+    np.array([-3, 7, 0, 2 ** 40], np.int64),
+    np.array([0, 255, 7], np.uint8),
+    np.array([True, False, True]),
+    np.full(7, np.nan, np.float16),
+    np.array([np.inf, -np.inf, 1.0, np.nan], np.float32),
+], ids=["empty", "0-d", "int64", "uint8", "bool", "all-nan", "mixed-nonfinite"])
+def test_unusual_arrays_are_read_exactly(store, tmp_path, arr):
+    d = tmp_path / "dump"
+    d.mkdir()
+    np.save(d / "x.output.0.npy", arr)
+    ingest(d, store=store)
+    row = _stats_of(store, "x.output.0")
+    x = arr.astype(np.float64).ravel()
+    fin = x[np.isfinite(x)]
+    assert row["numel"] == x.size
+    assert json.loads(row["shape"]) == list(arr.shape)
+    assert row["nan_count"] == np.isnan(x).sum() and row["inf_count"] == np.isinf(x).sum()
+    assert bool(row["nonfinite"]) == bool((~np.isfinite(x)).any())
+    if fin.size:
+        assert row["min"] == fin.min() and row["max"] == fin.max()
+        assert row["l2norm"] == pytest.approx(np.sqrt(np.sum(fin * fin)), rel=1e-12)
+    else:
+        assert row["min"] is None or np.isnan(row["min"])
+
+
+def test_all_nan_tensor_is_the_first_nonfinite_producer(store, tmp_path):
+    from precision_lab.services.report import build_report
+
+    d = tmp_path / "dump"
+    d.mkdir()
+    np.save(d / "a.output.0.npy", np.ones(3, np.float16))
+    np.save(d / "b.output.0.npy", np.full(3, np.nan, np.float16))
+    name = ingest(d, store=store)
+    first = next(iter(build_report(store, name)["first_nonfinite"].values()))
+    assert first["op"] == "b" and first["producer"]
+
+
+def test_bare_nan_and_infinity_in_msprobe_json(store, tmp_path):
+    def mutate(p):
+        t = p.read_text()
+        assert '"Max": 4.28515625' in t
+        p.write_text(t.replace('"Max": 4.28515625', '"Max": NaN', 1).replace('"Min": -4.43359375', '"Min": -Infinity', 1))
+
+    name = ingest(_msprobe(tmp_path, mutate), store=store)
+    rows = store.df("SELECT name, max, min, nonfinite FROM tensors WHERE isnan(max) OR isinf(min)")
+    assert len(rows) >= 1 and rows["nonfinite"].all()
+    assert name
+
+
+def test_very_long_and_hostile_op_names_are_stored_intact(store, tmp_path):
+    long_op = "Functional." + "x" * 100_000 + ".0.forward"
+    script_op = "Functional.<script>alert(1)</script>[a](http://e.x).0.forward"
+
+    def mutate(p):
+        j = json.loads(p.read_text())
+        first = next(iter(j["data"].values()))
+        j["data"][long_op] = first
+        j["data"][script_op] = first
+        p.write_text(json.dumps(j))
+
+    ingest(_msprobe(tmp_path, mutate), store=store)
+    names = set(store.df("SELECT op FROM tensors")["op"])
+    assert any(len(n) > 100_000 for n in names)
+    assert any("<script>alert(1)</script>[a](http://e.x)" in n for n in names)
+
+
+def test_very_long_file_name(store, tmp_path):
+    d = tmp_path / "dump"
+    d.mkdir()
+    name = "y" * 230 + ".output.0.npy"
+    np.save(d / name, np.arange(4, dtype=np.float32))
+    ingest(d, store=store)
+    assert _stats_of(store, "y" * 230 + ".output.0")["max"] == 3.0

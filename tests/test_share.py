@@ -1,0 +1,441 @@
+"""Export / import of a session, share tokens, server config and access rules.
+
+``make_session`` builds a small but complete session (reference, candidate and
+re-run runs; histograms; kept tensors; comparisons; diagnoses; warnings) that
+other test files reuse.
+"""
+
+import hashlib
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_lab.metrics import compare
+from precision_lab.records import Diagnosis, RunInfo, TensorRecord
+from precision_lab.share import (
+    FORMAT_NAME,
+    TABLES,
+    ShareError,
+    export_bytes,
+    export_session,
+    import_session,
+    read_manifest,
+    share_url,
+)
+from precision_lab.stats import tensor_stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# table -> ORDER BY that makes a dump of it comparable across databases
+_ORDER = {
+    "sessions": "name",
+    "runs": "run_id",
+    "tensors": "run_id, rid",
+    "histograms": "run_id, rid",
+    "tensor_data": "run_id, rid",
+    "comparisons": "cand_run_id, seq, op, role, \"index\"",
+    "diagnoses": "run_id, seq, rule",
+    "warnings": "file, message",
+}
+
+
+def make_session(store, name="demo", *, seed=0, n_ops=6, op_prefix="blocks", keep=True, tag=0.0):
+    """One session with three runs; returns {"ref", "cand", "rerun"} run ids and the arrays written.
+
+    ``tag`` shifts every value so sessions written by different threads can
+    be told apart by their statistics alone.
+    """
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    with store.new_session(name, source=f"/dumps/{name}", notes={"seed": seed}) as w:
+        ref = w.add_run(name="fp32", dtype="float32", kind="reference", source="ref")
+        cand = w.add_run(name="fp16", dtype="float16", kind="candidate", source="cand")
+        rerun = w.add_run(name="fp16+fix", dtype="float16", kind="rerun", parent_run_id=cand, fix="fp32_scale")
+        for i in range(n_ops):
+            op = f"{op_prefix}.{i}.fc"
+            x = rng.standard_normal((4, 8)) * (10.0 ** (i - 2)) + tag
+            if i == n_ops - 1:
+                x[0, 0] = 1e6  # overflows fp16: a non-finite candidate output
+            xr = x.astype(np.float32)
+            xc = x.astype(np.float16)
+            arrays[(op, "ref")], arrays[(op, "cand")] = xr, xc
+            for run, arr in ((ref, xr), (cand, xc), (rerun, xc)):
+                w.add_record(TensorRecord(run_id=run, seq=i, op=op, op_type="Linear", role="output", index="0",
+                                          stats=tensor_stats(arr), source=f"{op}.npy",
+                                          tensor=arr if keep else None))
+            rid = i  # records are added in order, one per op per run
+            w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=rid, cand_run_id=cand, cand_rid=rid,
+                             step=0, rank=0, seq=i, op=op, role="output", index="0", match="exact",
+                             comparison=compare(xr, xc, cand_format="fp16"))
+        w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=None, cand_run_id=cand, cand_rid=None,
+                         step=0, rank=0, seq=99, op="only.in.ref", role="output", index="0",
+                         match="unmatched_ref", comparison=None)
+        w.add_diagnosis(Diagnosis(session_id="", run_id=cand, op=f"{op_prefix}.{n_ops - 1}.fc", rule="overflow",
+                                  message="output exceeds fp16 max", fixes=("bf16", "fp32_island"), seq=n_ops - 1))
+        w.add_warning("extra.txt", "not a tensor file; skipped", run_id=cand)
+        w.add_warning("notes.md", "session-level warning")
+    return {"ref": ref, "cand": cand, "rerun": rerun, "arrays": arrays, "session": w.name}
+
+
+def dump_tables(store, session_id):
+    """Every row of the session, table by table, as plain Python values."""
+    out = {}
+    runs_of = "(SELECT run_id FROM runs WHERE session_id = ?)"
+    for t in TABLES:
+        where = "session_id = ?" if t in ("sessions", "runs", "comparisons", "diagnoses", "warnings") \
+            else f"run_id IN {runs_of}"
+        cur = store.sql(f"SELECT * FROM {t} WHERE {where} ORDER BY {_ORDER[t]}", [session_id])
+        cols = [d[0] for d in cur.description]
+        out[t] = [dict(zip(cols, r)) for r in cur.fetchall()]
+    return out
+
+
+def _same(a, b):
+    """Row lists equal, NaN equal to NaN."""
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            x, y = ra[k], rb[k]
+            if isinstance(x, float) and isinstance(y, float) and np.isnan(x) and np.isnan(y):
+                continue
+            assert x == y, (k, x, y)
+
+
+@pytest.fixture
+def other_store(tmp_path):
+    from precision_lab.store import Store
+
+    return Store(tmp_path / "other.duckdb")
+
+
+# ---- round trip ------------------------------------------------------------------
+
+def test_round_trip_into_empty_database_keeps_every_row(store, other_store, tmp_path):
+    made = make_session(store, "demo")
+    sid = store.session("demo")["session_id"]
+    res = export_session(store, "demo", tmp_path / "demo.zip")
+    assert res.rows["tensors"] == 18 and res.rows["runs"] == 3 and res.rows["comparisons"] == 7
+
+    imp = import_session(other_store, tmp_path / "demo.zip")
+    assert imp.session == "demo" and not imp.renamed and not imp.new_ids
+    assert imp.session_id == sid  # the ids were free, so they were kept
+    a, b = dump_tables(store, sid), dump_tables(other_store, sid)
+    for t in TABLES:
+        _same(a[t], b[t])
+    # histograms and kept tensors come back bit for bit, checked against the arrays written
+    for i in range(6):
+        op = f"blocks.{i}.fc"
+        for run, key in ((made["cand"], "cand"), (made["ref"], "ref")):
+            got = other_store.tensor(run, i)
+            want = made["arrays"][(op, key)]
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+            h = other_store.histogram(run, i)
+            assert np.array_equal(h, tensor_stats(want).hist)
+
+
+def test_round_trip_report_json_identical(store, other_store, tmp_path):
+    from precision_lab.services.report import build_report, to_json
+
+    make_session(store, "demo")
+    export_session(store, "demo", tmp_path / "demo.zip")
+    import_session(other_store, tmp_path / "demo.zip")
+    before = json.loads(to_json(build_report(store, "demo")))
+    after = json.loads(to_json(build_report(other_store, "demo")))
+    assert before == after
+    assert before["first_nonfinite"]["fp16"]["op"] == "blocks.5.fc"  # the report is not empty
+
+
+def test_round_trip_of_real_msprobe_ingest(store, other_store, tmp_path):
+    from conftest import SAMPLES
+    from precision_lab.services.report import build_report, to_json
+    from precision_lab.services.ingest import ingest
+
+    name = ingest(SAMPLES / "stat_mix_fp16_inner_ovf", reference=SAMPLES / "stat_mix_fp32_inner_ovf", store=store)
+    export_session(store, name, tmp_path / "s.zip")
+    imp = import_session(other_store, tmp_path / "s.zip")
+    a = json.loads(to_json(build_report(store, name)))
+    b = json.loads(to_json(build_report(other_store, imp.session)))
+    assert a == b and len(a["tensors"]) > 100
+
+
+def test_export_is_deterministic_and_manifest_is_true(store, tmp_path):
+    make_session(store, "demo")
+    b1, b2 = export_bytes(store, "demo"), export_bytes(store, "demo")
+    assert b1 == b2
+    import pyarrow.parquet as pq
+
+    with zipfile.ZipFile(io.BytesIO(b1)) as zf:
+        m = json.loads(zf.read("manifest.json"))
+        assert m["format"] == FORMAT_NAME and m["format_version"] == 1
+        assert sorted(zf.namelist()) == sorted(["manifest.json"] + [f"{t}.parquet" for t in TABLES])
+        sid = m["session"]["session_id"]
+        counts = {
+            "sessions": 1,
+            "runs": store.sql("SELECT count(*) FROM runs WHERE session_id=?", [sid]).fetchone()[0],
+            "tensors": 18, "histograms": 18, "tensor_data": 18, "comparisons": 7, "diagnoses": 1, "warnings": 2,
+        }
+        for t in TABLES:
+            raw = zf.read(f"{t}.parquet")
+            assert m["tables"][t]["sha256"] == hashlib.sha256(raw).hexdigest()
+            assert m["tables"][t]["rows"] == counts[t] == pq.read_table(io.BytesIO(raw)).num_rows
+    (tmp_path / "d.zip").write_bytes(b1)
+    assert read_manifest(tmp_path / "d.zip")["session"]["name"] == "demo"
+
+
+def test_stats_only_session_round_trips(store, other_store, tmp_path):
+    from precision_lab.stats import TensorStats
+
+    with store.new_session("stats") as w:
+        r = w.add_run(name="fp16", dtype="float16")
+        w.add_record(TensorRecord(run_id=r, seq=0, op="a", op_type="Linear", role="output", index="0",
+                                  stats=TensorStats.summary_only(dtype="float16", shape=(2, 3), min=-1.0, max=2.0,
+                                                                 mean=0.5, l2norm=float("inf"))))
+    export_session(store, "stats", tmp_path / "s.zip")
+    import_session(other_store, tmp_path / "s.zip")
+    run_id = other_store.runs(other_store.session("stats")["session_id"]).iloc[0]["run_id"]
+    s = other_store.record_stats(run_id, 0)
+    assert s.hist is None and s.nan_count is None and s.max == 2.0 and s.l2norm == float("inf")
+    assert other_store.histogram(run_id, 0) is None and other_store.tensor(run_id, 0) is None
+
+
+# ---- never overwrite ----------------------------------------------------------------
+
+def test_import_into_same_database_renames_and_gives_fresh_ids(store, tmp_path):
+    made = make_session(store, "demo")
+    before = dump_tables(store, store.session("demo")["session_id"])
+    export_session(store, "demo", tmp_path / "demo.zip")
+    res = import_session(store, tmp_path / "demo.zip")
+    assert res.session == "demo-2" and res.renamed and res.new_ids
+    assert "already exists" in res.message and "'demo-2'" in res.message
+    # the original is untouched
+    after = dump_tables(store, store.session("demo")["session_id"])
+    for t in TABLES:
+        _same(before[t], after[t])
+    # the copy has its own ids and the same data
+    new = dump_tables(store, res.session_id)
+    assert res.session_id != store.session("demo")["session_id"]
+    assert not {r["run_id"] for r in new["runs"]} & {made["ref"], made["cand"], made["rerun"]}
+    assert len(new["tensors"]) == 18 and len(new["comparisons"]) == 7
+    # the parent link and comparison run ids follow the new ids
+    runs = {r["name"]: r for r in new["runs"]}
+    assert runs["fp16+fix"]["parent_run_id"] == runs["fp16"]["run_id"]
+    assert {c["cand_run_id"] for c in new["comparisons"]} == {runs["fp16"]["run_id"]}
+    t = store.tensor(runs["fp16"]["run_id"], 2)
+    assert np.array_equal(t, made["arrays"][("blocks.2.fc", "cand")])
+    # a third import gets -3
+    assert import_session(store, tmp_path / "demo.zip").session == "demo-3"
+
+
+def test_import_as_name_and_name_clash(store, tmp_path):
+    make_session(store, "demo")
+    export_session(store, "demo", tmp_path / "demo.zip")
+    assert import_session(store, tmp_path / "demo.zip", name="review").session == "review"
+    res = import_session(store, tmp_path / "demo.zip", name="review")
+    assert res.session == "review-2" and "'review'" in res.message
+    with pytest.raises(ShareError, match="cannot be empty"):
+        import_session(store, tmp_path / "demo.zip", name="   ")
+
+
+def test_import_from_bytes_names_the_upload(store, other_store):
+    make_session(store, "demo")
+    data = export_bytes(store, "demo")
+    assert import_session(other_store, data, filename="demo.zip").session == "demo"
+    with pytest.raises(ShareError) as ei:
+        import_session(other_store, data[:200], filename="upload-42.zip")
+    assert "upload-42.zip" in str(ei.value) and "/tmp" not in str(ei.value)
+
+
+def test_share_token_is_not_exported(store, other_store, tmp_path):
+    from precision_lab.share import create_share_token
+
+    make_session(store, "demo")
+    token = create_share_token(store, "demo")
+    export_session(store, "demo", tmp_path / "demo.zip")
+    import_session(other_store, tmp_path / "demo.zip")
+    assert other_store.session("demo")["share_token"] is None
+    assert other_store.session_by_token(token) is None
+
+
+def test_export_unknown_session(store, tmp_path):
+    from precision_lab.store import SessionNotFound
+
+    make_session(store, "demo")
+    with pytest.raises(SessionNotFound, match="no session named 'nope'.*demo"):
+        export_session(store, "nope", tmp_path / "x.zip")
+    assert not (tmp_path / "x.zip").exists()
+
+
+# ---- share tokens and URLs ---------------------------------------------------------
+
+def test_share_tokens_are_random_and_revocable(store):
+    from precision_lab.share import create_share_token, revoke_share_token
+
+    make_session(store, "demo")
+    t1 = create_share_token(store, "demo")
+    t2 = create_share_token(store, "demo")
+    assert t1 != t2 and len(t1) >= 22  # 16 random bytes in url-safe base64
+    assert store.session_by_token(t1) is None  # replaced
+    assert store.session_by_token(t2)["name"] == "demo"
+    revoke_share_token(store, "demo")
+    assert store.session_by_token(t2) is None
+
+
+def test_share_url_keeps_other_parameters():
+    assert share_url("https://lab.example.org/ops?page=ops&session=x", "T0k") == \
+        "https://lab.example.org/ops?page=ops&share=T0k"
+    assert share_url("http://localhost:8501", "abc") == "http://localhost:8501/?share=abc"
+
+
+# ---- config ----------------------------------------------------------------------
+
+def test_config_defaults_env_and_toml_precedence(tmp_path):
+    from precision_lab.config import ServerConfig, load_config
+
+    cfg = load_config(env={})
+    assert cfg == ServerConfig() and not cfg.read_only and cfg.can_list_sessions
+    toml = tmp_path / "pl.toml"
+    toml.write_text('[server]\nread_only = true\nmax_upload_mb = 64\ndb_path = "~/x.duckdb"\n')
+    cfg = load_config(toml, env={})
+    assert cfg.read_only and cfg.max_upload_mb == 64 and cfg.max_upload_bytes == 64 * 1024 * 1024
+    assert cfg.db_path == str(Path("~/x.duckdb").expanduser())
+    assert not cfg.can_list_sessions  # read-only servers hide the list unless asked
+    # environment beats the file
+    cfg = load_config(env={"PRECISION_LAB_CONFIG": str(toml), "PRECISION_LAB_READ_ONLY": "no",
+                           "PRECISION_LAB_MAX_UPLOAD_MB": "5", "PRECISION_LAB_LIST_SESSIONS": "off"})
+    assert not cfg.read_only and cfg.max_upload_mb == 5 and not cfg.can_list_sessions
+    assert str(toml) in cfg.source and "PRECISION_LAB_MAX_UPLOAD_MB" in cfg.source
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"PRECISION_LAB_READ_ONLY": "maybe"}, ["PRECISION_LAB_READ_ONLY", "true or false", "'maybe'"]),
+    ({"PRECISION_LAB_MAX_UPLOAD_MB": "ten"}, ["PRECISION_LAB_MAX_UPLOAD_MB", "integer", "'ten'"]),
+    ({"PRECISION_LAB_MAX_UPLOAD_MB": "0"}, ["max_upload_mb", "positive"]),
+    ({"PRECISION_LAB_ZIP_MAX_RATIO": "1"}, ["zip_max_ratio", "above 1"]),
+    ({"PRECISION_LAB_CONFIG": "/nonexistent/pl.toml"}, ["/nonexistent/pl.toml", "does not exist"]),
+])
+def test_config_errors_name_the_source(env, words):
+    from precision_lab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as ei:
+        load_config(env=env)
+    for w in words:
+        assert w in str(ei.value)
+
+
+def test_config_file_errors(tmp_path):
+    from precision_lab.config import ConfigError, load_config
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("read_only = [\n")
+    with pytest.raises(ConfigError, match="bad.toml.*not valid TOML"):
+        load_config(bad, env={})
+    typo = tmp_path / "typo.toml"
+    typo.write_text("readonly = true\n")
+    with pytest.raises(ConfigError, match="typo.toml.*unknown setting.*readonly"):
+        load_config(typo, env={})
+
+
+def test_every_setting_is_documented():
+    from precision_lab.config import SETTINGS, ServerConfig
+
+    doc = (ROOT / "docs" / "sharing.md").read_text()
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"source"}
+    assert fields == {s.name for s in SETTINGS}
+    for s in SETTINGS:
+        assert f"| `{s.name}` | `{s.env}` |" in doc, s.name
+
+
+def test_zip_limits_follow_config():
+    from precision_lab.config import ServerConfig
+
+    lim = ServerConfig(zip_max_files=7, zip_max_total_mb=3, zip_max_ratio=50.0).zip_limits()
+    assert (lim.max_files, lim.max_total_bytes, lim.max_ratio) == (7, 3 * 1024 * 1024, 50.0)
+
+
+def test_import_respects_configured_limits(store, other_store, tmp_path):
+    from precision_lab.config import ServerConfig
+
+    make_session(store, "demo")
+    export_session(store, "demo", tmp_path / "demo.zip")
+    with pytest.raises(ShareError, match="demo.zip.*9 entries exceed the limit of 5"):
+        import_session(other_store, tmp_path / "demo.zip", config=ServerConfig(zip_max_files=5))
+    size = (tmp_path / "demo.zip").stat().st_size
+    assert size < 1024 * 1024
+    assert import_session(other_store, tmp_path / "demo.zip", config=ServerConfig(max_upload_mb=1)).session == "demo"
+
+
+# ---- access --------------------------------------------------------------------------
+
+def test_resolve_access(store):
+    from precision_lab.config import ServerConfig, resolve_access
+    from precision_lab.share import create_share_token
+
+    make_session(store, "demo")
+    make_session(store, "other", seed=1)
+    token = create_share_token(store, "demo")
+    open_cfg, ro_cfg = ServerConfig(), ServerConfig(read_only=True)
+
+    a = resolve_access({"share": token}, store, open_cfg)
+    assert (a.session, a.read_only, a.can_upload, a.can_delete, a.can_rerun, a.can_list, a.shared) == \
+        ("demo", True, False, False, False, False, True)
+    # the token wins over a session named in the URL
+    assert resolve_access({"share": token, "session": "other"}, store, open_cfg).session == "demo"
+    bad = resolve_access({"share": "not-a-token"}, store, open_cfg)
+    assert bad.session is None and bad.error and "not valid" in bad.error and not bad.can_list
+
+    a = resolve_access({"session": "other"}, store, open_cfg)
+    assert a.session == "other" and a.can_upload and a.can_delete and a.can_rerun and a.can_list
+    assert resolve_access({"session": "missing"}, store, open_cfg).session is None
+    a = resolve_access({}, store, ro_cfg)
+    assert a.read_only and not (a.can_upload or a.can_delete or a.can_rerun or a.can_list)
+    # a read-only server hides names: ?session= does not open a session without the token
+    assert resolve_access({"session": "other"}, store, ro_cfg).session is None
+    a = resolve_access({"session": "other"}, store, ServerConfig(read_only=True, list_sessions=True))
+    assert a.session == "other" and a.read_only and a.can_list
+    # a revoked token stops working at once
+    from precision_lab.share import revoke_share_token
+
+    revoke_share_token(store, "demo")
+    assert resolve_access({"share": token}, store, open_cfg).error
+
+
+# ---- CLI ------------------------------------------------------------------------------
+
+def test_cli_export_import_share_link(store, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+
+    make_session(store, "demo")
+    db, other = store.path, str(tmp_path / "cli-other.duckdb")
+    r = CliRunner()
+    out = r.invoke(app, ["export", "--session", "demo", "-o", str(tmp_path / "e.zip"), "--db", db])
+    assert out.exit_code == 0, out.output
+    assert "exported session 'demo'" in out.output and "18 tensor records" in out.output
+    out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other])
+    assert out.exit_code == 0 and "imported session 'demo'" in out.output
+    out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other, "--as", "demo"])
+    assert out.exit_code == 0 and "imported as 'demo-2'" in out.output
+    out = r.invoke(app, ["export", "--session", "nope", "-o", str(tmp_path / "n.zip"), "--db", db])
+    assert out.exit_code == 1 and "no session named 'nope'" in out.output
+    (tmp_path / "junk.zip").write_bytes(b"not a zip")
+    out = r.invoke(app, ["import", str(tmp_path / "junk.zip"), "--db", other])
+    assert out.exit_code == 1 and "junk.zip" in out.output and "not a readable zip" in out.output
+    out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--base-url", "https://lab.example.org/"])
+    assert out.exit_code == 0
+    token = out.output.strip().split("share=")[1]
+    assert store.session_by_token(token)["name"] == "demo"
+    out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--revoke"])
+    assert out.exit_code == 0 and store.session_by_token(token) is None
+    monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+    out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other])
+    assert out.exit_code == 1 and "read-only" in out.output
+    out = r.invoke(app, ["config"])
+    assert out.exit_code == 0 and "read_only" in out.output and "True" in out.output

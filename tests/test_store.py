@@ -1,0 +1,145 @@
+"""The DuckDB store: schema from the records, atomic sessions, round trips."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from precision_lab.metrics import Comparison, compare
+from precision_lab.records import Diagnosis, RunInfo, TensorRecord
+from precision_lab.stats import TensorStats, tensor_stats
+from precision_lab.store import SCHEMA_VERSION, SessionNotFound, Store, close_all, tensor_columns
+
+
+def _rec(run_id, seq, op, arr, role="output"):
+    return TensorRecord(run_id=run_id, seq=seq, op=op, op_type="linear", role=role, index="0",
+                        stats=tensor_stats(arr))
+
+
+def test_columns_derive_from_dataclasses():
+    cols = {n for n, _ in tensor_columns()}
+    for f in dataclasses.fields(TensorStats):
+        if f.name != "hist":
+            assert f.name in cols
+    for f in dataclasses.fields(TensorRecord):
+        if f.name not in ("stats", "tensor"):
+            assert f.name in cols
+
+
+def test_session_round_trip(store):
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(1000) * 100).astype(np.float32)
+    with store.new_session("s1", source="test") as w:
+        run = w.add_run(name="fp32", dtype="float32", kind="reference")
+        rid = w.add_record(_rec(run, 0, "fc1", a))
+        w.add_diagnosis(Diagnosis(session_id="", run_id=run, op="fc1", rule="r", message="m", fixes=("use-bf16",)))
+    info = store.session("s1")
+    runs = store.runs(info["session_id"])
+    assert list(runs["name"]) == ["fp32"]
+    st = store.record_stats(run, rid)
+    exp = a.astype(np.float64)
+    assert st.max == exp.max() and st.min == exp.min()
+    assert st.l2norm == pytest.approx(np.sqrt(np.sum(exp * exp)), rel=1e-12)
+    assert st.shape == (1000,)
+    # histogram survives the sparse storage exactly
+    assert np.array_equal(st.hist, tensor_stats(a).hist)
+    assert st.representability("fp16") == tensor_stats(a).representability("fp16")
+    d = store.df("SELECT fixes FROM diagnoses")
+    assert json.loads(d["fixes"][0]) == ["use-bf16"]
+
+
+def test_failed_write_leaves_nothing(store):
+    with pytest.raises(RuntimeError):
+        with store.new_session("broken") as w:
+            run = w.add_run(name="x")
+            for i in range(30):
+                w.add_record(_rec(run, i, f"op{i}", np.ones(4, np.float32)))
+            w.flush()
+            raise RuntimeError("reader failed halfway")
+    for t in ("sessions", "runs", "tensors", "histograms"):
+        assert store.df(f"SELECT count(*) AS n FROM {t}")["n"][0] == 0, t
+
+
+def test_names_are_unique_and_rename_delete(store):
+    for _ in range(2):
+        with store.new_session("dup") as w:
+            w.add_run(name="r")
+    names = sorted(store.sessions()["name"])
+    assert names == ["dup", "dup-2"]
+    with pytest.raises(ValueError, match="already exists"):
+        store.rename_session("dup-2", "dup")
+    store.rename_session("dup-2", "other")
+    store.delete_session("other")
+    assert list(store.sessions()["name"]) == ["dup"]
+    with pytest.raises(SessionNotFound, match="no session named 'nope'.*dup"):
+        store.session("nope")
+
+
+def test_comparison_columns_store_infinite_sqnr(store):
+    ref = np.arange(10, dtype=np.float32)
+    cmp = compare(ref, ref.copy())
+    assert cmp.sqnr_db == math.inf
+    with store.new_session("c") as w:
+        r = w.add_run(name="ref", kind="reference")
+        c = w.add_run(name="cand")
+        w.add_comparison(kind="accumulated", ref_run_id=r, ref_rid=0, cand_run_id=c, cand_rid=0, step=0, rank=0,
+                         seq=0, op="x", role="output", index="0", match="exact", comparison=cmp)
+        w.add_comparison(kind="accumulated", ref_run_id=r, ref_rid=1, cand_run_id=c, cand_rid=None, step=0,
+                         rank=0, seq=1, op="y", role="output", index="0", match="unmatched_ref", comparison=None)
+    df = store.df("SELECT * FROM comparisons ORDER BY seq")
+    assert df["sqnr_db"][0] == math.inf
+    assert df["verdict"][1] is None or (isinstance(df["verdict"][1], float) and math.isnan(df["verdict"][1]))
+
+
+def test_schema_version_and_reopen(tmp_path):
+    p = tmp_path / "x.duckdb"
+    s = Store(p)
+    assert s.schema_version() == SCHEMA_VERSION
+    with s.new_session("keep") as w:
+        w.add_run(name="r")
+    close_all()
+    s2 = Store(p)
+    assert list(s2.sessions()["name"]) == ["keep"]
+    s2.sql("UPDATE meta SET value = '999' WHERE key = 'schema_version'")
+    close_all()
+    with pytest.raises(RuntimeError, match="schema version 999"):
+        Store(p)
+    close_all()
+
+
+def test_default_path_honours_env(tmp_path, monkeypatch):
+    from precision_lab.store import default_db_path
+
+    monkeypatch.setenv("PRECISION_LAB_DB", str(tmp_path / "here.duckdb"))
+    assert default_db_path() == tmp_path / "here.duckdb"
+    monkeypatch.delenv("PRECISION_LAB_DB")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert default_db_path() == tmp_path / "data" / "precision-lab" / "precision_lab.duckdb"
+
+
+def test_threads_get_their_own_cursor(store):
+    import threading
+
+    errors = []
+
+    def work(i):
+        try:
+            with store.new_session(f"t{i}") as w:
+                run = w.add_run(name="r")
+                for j in range(20):
+                    w.add_record(_rec(run, j, f"op{j}", np.full(8, i, np.float32)))
+            store.df("SELECT count(*) FROM tensors")
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors
+    df = store.df("SELECT s.name, count(*) AS n, min(t.max) AS lo, max(t.max) AS hi FROM tensors t "
+                  "JOIN runs r USING (run_id) JOIN sessions s USING (session_id) GROUP BY s.name ORDER BY s.name")
+    assert len(df) == 8 and set(df["n"]) == {20}
+    # no record was written under another thread's session
+    assert all(df["lo"] == df["hi"])

@@ -1,0 +1,380 @@
+"""The dashboard's view-models, checked against numbers computed another way:
+real casts through ml_dtypes/numpy, float64 numpy, and the dump's own JSON."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from precision_lab.formats import FORMATS
+from precision_lab.stats import tensor_stats
+from precision_lab.ui import detail, diff, ops, overview
+from precision_lab.ui.common import escape_md
+from precision_lab.ui.sessions import sessions_table
+
+from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, TENSOR_SESSION, WIDE_OP,  # noqa: F401
+                         msprobe_nonfinite_count, msprobe_tensor_entries, ui_db, ui_template, wide_values)
+
+CAND_JSON = next(STAT_CAND.rglob("dump.json"))
+
+# formats whose ml_dtypes/numpy cast turns an overflow into inf or NaN, so
+# the cast itself tells which values overflow
+CAST_DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "fp8_e4m3fn": ml_dtypes.float8_e4m3fn,
+               "fp8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz, "fp8_e5m2": ml_dtypes.float8_e5m2,
+               "fp8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz}
+
+
+def cast_counts(x: np.ndarray, dtype) -> dict:
+    """overflow / underflow / subnormal counts from a real cast of the finite nonzero values."""
+    x = x[np.isfinite(x)].astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        c = x.astype(dtype).astype(np.float64)
+    tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
+    nz = x != 0
+    return {
+        "overflow": int((nz & ~np.isfinite(c)).sum()),
+        "underflow": int((nz & (c == 0)).sum()),
+        "subnormal": int((nz & np.isfinite(c) & (c != 0) & (np.abs(c) < tiny)).sum()),
+    }
+
+
+@pytest.fixture
+def db(ui_db):
+    from precision_lab.store import Store
+
+    return Store(ui_db)
+
+
+def _runs(store, session):
+    sid = store.session(session)["session_id"]
+    runs = {r["kind"]: r for r in overview.session_runs(store, sid)}
+    return sid, runs
+
+
+def _first_nonfinite_from_json(path) -> str:
+    """First entry (dump order) whose inputs are all finite and some output is not."""
+    import json
+
+    data = json.loads(path.read_text())["data"]
+
+    def tensors(x):
+        if isinstance(x, dict):
+            if x.get("type") == "torch.Tensor":
+                yield x
+                return
+            for v in x.values():
+                yield from tensors(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from tensors(v)
+
+    def bad(t):
+        return not (math.isfinite(t["Max"]) and math.isfinite(t["Min"]))
+
+    for key, entry in data.items():
+        ins = list(tensors(entry.get("input_args", []))) + list(tensors(entry.get("input_kwargs", {})))
+        outs = list(tensors(entry.get("output", [])))
+        if not any(bad(t) for t in ins) and any(bad(t) for t in outs):
+            return key
+    raise AssertionError("no non-finite producer in the dump")
+
+
+# ---- histogram and formats ---------------------------------------------------------
+
+def test_binade_counts_match_frexp_of_the_values():
+    x = wide_values().ravel()
+    got = detail.binade_counts(tensor_stats(x).hist)
+    a = np.abs(x[(x != 0) & np.isfinite(x)]).astype(np.float64)
+    _, e = np.frexp(a)  # a = m * 2^e with m in [0.5, 1): binade e - 1
+    want = np.unique(e - 1, return_counts=True)
+    assert got["exp"].tolist() == want[0].tolist()
+    assert got["count"].tolist() == want[1].tolist()
+
+
+@pytest.mark.parametrize("fmt", sorted(CAST_DTYPES))
+def test_representability_table_matches_a_real_cast(fmt):
+    x = wide_values().ravel()
+    table = detail.representability_table(tensor_stats(x), [fmt]).set_index("format")
+    want = cast_counts(x, CAST_DTYPES[fmt])
+    for k, v in want.items():
+        assert int(table.loc[fmt, k]) == v, k
+        assert table.loc[fmt, f"{k} %"] == pytest.approx(100.0 * v / x.size)
+    assert int(table.loc[fmt, "zero"]) == int((x == 0).sum())
+
+
+def test_what_if_lists_every_format_but_fp32_with_cast_exact_counts():
+    x = wide_values().ravel()
+    table = detail.what_if_table(tensor_stats(x)).set_index("format")
+    assert list(table.index) == [f for f in FORMATS if f != "fp32"]
+    for fmt, dtype in CAST_DTYPES.items():
+        assert int(table.loc[fmt, "overflow"]) == cast_counts(x, dtype)["overflow"]
+        assert table.loc[fmt, "max finite"] == float(ml_dtypes.finfo(dtype).max)
+
+
+def test_value_region_agrees_with_fp16_casts():
+    f16 = FORMATS["fp16"]
+    for v in (65519.0, 65520.0, 1e-5, 1e-8, 3e-8, 2.0 ** -14, -70000.0, 0.5):
+        with np.errstate(over="ignore"):
+            c = float(np.float16(v))
+        if not math.isfinite(c):
+            want = "overflow"
+        elif c == 0:
+            want = "rounds to 0"
+        elif abs(c) < float(np.finfo(np.float16).tiny):
+            want = "subnormal"
+        else:
+            want = "normal"
+        assert detail.value_region(v, f16) == want, v
+    assert detail.value_region(math.inf, f16) == "non-finite"
+    assert detail.value_region(0.0, f16) == "zero"
+
+
+def test_headroom_of_a_stats_only_record(db):
+    sid, runs = _runs(db, STAT_SESSION)
+    first = overview.first_nonfinite_by_run(db, sid)
+    cand_first = next(f["first"] for f in first if f["run"]["kind"] == "candidate")
+    ref = detail.counterparts(db, runs["candidate"]["run_id"], cand_first["rid"])[0]
+    st = detail.load_stats(db, ref["run_id"], ref["rid"])
+    assert st.hist is None
+    table = detail.headroom_table(st, ["fp16", "bf16"]).set_index("format")
+    # the fp32 reference's Max/Min from its dump.json, independently
+    import json
+
+    entry = json.loads(next(STAT_CAND.parent.joinpath("stat_mix_fp32_inner_ovf").rglob("dump.json"))
+                       .read_text())["data"][STAT_FIRST_NONFINITE]["output"][0]
+    absmax = max(abs(entry["Max"]), abs(entry["Min"]))
+    assert table.loc["fp16", "headroom (bits)"] == pytest.approx(math.log2(65504.0 / absmax))
+    assert table.loc["fp16", "overflows"] == "yes" and table.loc["bf16", "overflows"] == "no"
+    cand = detail.load_stats(db, runs["candidate"]["run_id"], cand_first["rid"])
+    assert detail.headroom_table(cand, ["fp16"]).loc[0, "overflows"] == "already inf"
+    vals = detail.summary_values_table(st, ["fp16"]).set_index("statistic")
+    assert vals.loc["absmax", "fp16"] == "overflow" and vals.loc["Mean", "fp16"] == "normal"
+
+
+def test_figures_carry_the_format_lines():
+    x = wide_values().ravel()
+    fig = detail.histogram_figure([("x", tensor_stats(x))], ["fp16", "fp8_e4m3fn"])
+    xs = {round(s["x0"], 6) for s in fig.layout.shapes if s["type"] == "line"}
+    for fmt in ("fp16", "fp8_e4m3fn"):
+        f = FORMATS[fmt]
+        assert round(math.log2(f.max), 6) in xs and round(math.log2(f.smallest_normal), 6) in xs
+    assert fig.layout.xaxis.title.text.startswith("log2 |x|")
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert sum(bars[0].y) == int(((x != 0) & np.isfinite(x)).sum())
+    summ = detail.summary_figure([("s", tensor_stats(x))], ["fp16"])
+    assert summ.layout.xaxis.title.text == "log2 |value|"
+
+
+# ---- overview ------------------------------------------------------------------------
+
+def test_first_nonfinite_matches_the_dump_json(db):
+    sid, _ = _runs(db, STAT_SESSION)
+    assert _first_nonfinite_from_json(CAND_JSON) == STAT_FIRST_NONFINITE
+    got = {f["run"]["kind"]: f["first"] for f in overview.first_nonfinite_by_run(db, sid)}
+    assert got["reference"] is None
+    assert got["candidate"]["op"] == STAT_FIRST_NONFINITE
+    assert got["candidate"]["path"][-1]["op"] == STAT_FIRST_NONFINITE
+
+
+def test_top_offenders_are_ordered_worst_first(db):
+    sid, _ = _runs(db, STAT_SESSION)
+    top = overview.top_offenders(db, sid, n=20)
+    assert len(top) == 20 and "nonfinite" not in set(top["verdict"])
+    rank = {"error": 0, "warn": 1, "expected": 2}
+    keys = [(rank[v], -e) for v, e in zip(top["verdict"], top["max_rel_err"])]
+    assert keys == sorted(keys)
+    with_nf = overview.top_offenders(db, sid, n=5, include_nonfinite=True)
+    assert set(with_nf["verdict"]) == {"nonfinite"}
+
+
+def test_error_series_buckets_keep_the_worst_value(db):
+    sid, runs = _runs(db, STAT_SESSION)
+    full = overview.error_series(db, sid, "max_rel_err", roles=())
+    raw = db.df("SELECT seq, max_rel_err FROM comparisons WHERE session_id = ? AND verdict IS NOT NULL", [sid])
+    assert full.attrs["bucket"] == 1
+    assert len(full) == raw["seq"].nunique()
+    small = overview.error_series(db, sid, "max_rel_err", roles=(), max_points=10)
+    b = small.attrs["bucket"]
+    assert b == math.ceil(len(raw) / 10) and len(small) <= math.ceil((raw["seq"].max() + 1) / b)
+    fin = raw[np.isfinite(raw["max_rel_err"].astype(float))]
+    want = fin.groupby(fin["seq"] // b)["max_rel_err"].max()
+    got = small.set_index(small["seq"] // b)["value"].dropna()
+    assert got.to_dict() == pytest.approx(want.loc[got.index].to_dict())
+    fig = overview.error_figure(full, "max_rel_err", first_nonfinite=[{"seq": 53, "op": STAT_FIRST_NONFINITE}])
+    assert fig.layout.yaxis.type == "log" and fig.layout.xaxis.title.text == "execution order (seq)"
+    with pytest.raises(ValueError, match="unknown error metric"):
+        overview.error_series(db, sid, "bogus")
+
+
+def test_diagnosis_cards_come_from_the_store(db):
+    from precision_lab.records import Diagnosis
+
+    sid, runs = _runs(db, STAT_SESSION)
+    with db.extend_session(STAT_SESSION) as w:
+        w.add_diagnosis(Diagnosis(sid, runs["candidate"]["run_id"], STAT_FIRST_NONFINITE, "overflow",
+                                  "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"),
+                                  "error", 53))
+    cards = overview.diagnosis_cards(db, sid)
+    assert cards == [{"run": runs["candidate"]["name"], "run_id": runs["candidate"]["run_id"],
+                      "op": STAT_FIRST_NONFINITE, "rule": "overflow",
+                      "message": "output absmax 81078 > fp16 max 65504",
+                      "fixes": ["keep-fp32:blocks.2.fc1", "use-bf16"], "severity": "error", "seq": 53}]
+
+
+def test_sessions_table_headlines(db):
+    t = sessions_table(db).set_index("session")
+    assert STAT_FIRST_NONFINITE in t.loc[STAT_SESSION, "first non-finite"]
+    assert f"{WIDE_OP}" in t.loc[TENSOR_SESSION, "first non-finite"]
+    assert "float16, candidate" in t.loc[STAT_SESSION, "runs"]
+
+
+# ---- ops table --------------------------------------------------------------------------
+
+def test_ops_page_counts_filters_and_pages(db):
+    _, runs = _runs(db, STAT_SESSION)
+    run_id = runs["candidate"]["run_id"]
+    entries = msprobe_tensor_entries(CAND_JSON)
+    page = ops.ops_page(db, ops.OpsFilter(run_id))
+    assert page.total == len(entries) and len(page.rows) == 50 and page.pages == math.ceil(len(entries) / 50)
+    assert page.rows["seq"].is_monotonic_increasing
+    last = ops.ops_page(db, ops.OpsFilter(run_id, page=99))
+    assert last.filter.page == page.pages - 1 and len(last.rows) == len(entries) - 50 * (page.pages - 1)
+    probs = ops.ops_page(db, ops.OpsFilter(run_id, only_problems=True, page_size=1000))
+    assert probs.total == msprobe_nonfinite_count(CAND_JSON)
+    assert set(probs.rows["severity"]) == {"nonfinite"}
+    import json
+
+    data = json.loads(CAND_JSON.read_text())["data"]
+    n_linear10 = sum(len(list(msprobe_tensor_entries_of(v))) for k, v in data.items() if "linear.10." in k)
+    pat = ops.ops_page(db, ops.OpsFilter(run_id, pattern="linear.10.", page_size=1000))
+    assert pat.total == n_linear10 and all("linear.10." in n for n in pat.rows["name"])
+    glob = ops.ops_page(db, ops.OpsFilter(run_id, pattern="Functional.linear.1?.forward.output.*", page_size=1000))
+    import re
+
+    want_ops = sorted(k for k in data if re.fullmatch(r"Functional\.linear\.1.\.forward", k))
+    assert len(want_ops) > 1 and sorted(set(glob.rows["op"])) == want_ops
+    assert set(glob.rows["role"]) == {"output"}
+    srt = ops.ops_page(db, ops.OpsFilter(run_id, sort="absmax", descending=True, page_size=600))
+    vals = srt.rows["absmax"].dropna().to_numpy()
+    assert all(a >= b for a, b in zip(vals, vals[1:])) and math.isinf(vals[0])
+    roles = ops.ops_page(db, ops.OpsFilter(run_id, roles=("param",), page_size=1000))
+    assert roles.total > 0 and set(roles.rows["role"]) == {"param"}
+    with pytest.raises(ValueError, match="cannot sort"):
+        ops.OpsFilter(run_id, sort="name; DROP TABLE tensors")
+
+
+def msprobe_tensor_entries_of(entry):
+    if isinstance(entry, dict):
+        if entry.get("type") == "torch.Tensor":
+            yield entry
+            return
+        for v in entry.values():
+            yield from msprobe_tensor_entries_of(v)
+    elif isinstance(entry, list):
+        for v in entry:
+            yield from msprobe_tensor_entries_of(v)
+
+
+def test_name_pattern_escapes_like_wildcards():
+    assert ops.name_pattern_sql("a_b%c") == "%a\\_b\\%c%"
+    assert ops.name_pattern_sql("blocks.*.fc?") == "blocks.%.fc_"
+
+
+def test_ops_metrics_match_float64_numpy(db):
+    _, runs = _runs(db, TENSOR_SESSION)
+    page = ops.ops_page(db, ops.OpsFilter(runs["candidate"]["run_id"], pattern="blocks.1.proj"))
+    row = page.rows.iloc[0]
+    r = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float64)
+    c = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float16).astype(np.float64)
+    assert row["max_abs_err"] == pytest.approx(np.abs(c - r).max(), rel=1e-12)
+    assert row["sqnr_db"] == pytest.approx(10 * np.log10((r * r).sum() / ((c - r) ** 2).sum()), rel=1e-9)
+    cos = (r * c).sum() / np.sqrt((r * r).sum() * (c * c).sum())
+    assert 1 - row["cosine_deficit"] == pytest.approx(cos, abs=1e-12)
+    text = ops.display_frame(page.rows).loc[0, "cosine"]
+    assert float(text.split()[0]) == pytest.approx(cos, abs=1e-11) and "1-cos" in text
+
+
+# ---- detail and diff ------------------------------------------------------------------
+
+def test_metrics_table_shows_both_sides(db):
+    _, runs = _runs(db, TENSOR_SESSION)
+    rid = db.df("SELECT rid FROM tensors WHERE run_id = ? AND name = ?",
+                [runs["candidate"]["run_id"], f"{WIDE_OP}.output.0"]).rid[0]
+    t = detail.metrics_table(db, runs["candidate"]["run_id"], rid)
+    col = f"accumulated vs reference {runs['reference']['name']}"
+    assert list(t.columns) == [col]
+    x = wide_values()
+    with np.errstate(over="ignore"):
+        introduced = int((np.isfinite(x) & ~np.isfinite(x.astype(np.float16))).sum())
+    assert t.loc["verdict", col] == "nonfinite" and t.loc["NaN/Inf introduced", col] == str(introduced)
+    back = detail.metrics_table(db, runs["reference"]["run_id"], rid)
+    assert list(back.columns) == [f"candidate {runs['candidate']['name']} vs this"]
+
+
+def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
+    from precision_lab.services.ingest import ingest
+
+    ref, cand = tmp_path / "r_fp32", tmp_path / "c_fp16"
+    ref.mkdir()
+    cand.mkdir()
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.save(ref / "m.a.output.0.npy", a)
+    np.save(cand / "m.a.output.0.npy", a.astype(np.float16))
+    np.save(cand / "m.extra.output.0.npy", a.astype(np.float16))
+    ingest([cand], reference=[ref], session="unmatched", store=db)
+    sid, runs = _runs(db, "unmatched")
+    pair = diff.pair_options(db, sid)[0]
+    page = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"])
+    assert page.total == 2
+    un = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"], show="unmatched")
+    assert un.total == 1
+    row = un.rows.iloc[0]
+    assert row["op"] == "m.extra" and row["match"] == "unmatched_cand"
+    assert row["ref absmax"] is None or math.isnan(row["ref absmax"])
+    assert row["cand absmax"] == 11.0 and (row["verdict"] is None or row["verdict"] != row["verdict"]
+                                           or row["verdict"] is np.nan)
+
+
+def test_diff_problems_start_at_the_first_nonfinite_op(db):
+    sid, runs = _runs(db, STAT_SESSION)
+    page = diff.diff_page(db, sid, runs["reference"]["run_id"], runs["candidate"]["run_id"], show="problems",
+                          page_size=5)
+    assert page.total == msprobe_nonfinite_count(CAND_JSON)
+    assert page.rows.iloc[0]["op"] == STAT_FIRST_NONFINITE
+    assert page.rows.iloc[0]["severity"] == "nonfinite"
+
+
+def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
+    from precision_lab.services.ingest import ingest
+
+    x = np.linspace(-3.0, 3.0, 30, dtype=np.float32)
+    folders = {}
+    for name, arr in (("base_fp32", x), ("try_fp16", x.astype(np.float16)),
+                      ("fix_fp16", (x * 0.5).astype(np.float16))):
+        d = tmp_path / name
+        d.mkdir()
+        np.save(d / "layer.output.0.npy", arr)
+        folders[name] = d
+    ingest([folders["try_fp16"], folders["fix_fp16"]], reference=[folders["base_fp32"]], session="three",
+           store=db)
+    sid, _ = _runs(db, "three")
+    runs = overview.session_runs(db, sid)
+    assert len(runs) == 3
+    page = diff.nrun_page(db, sid, [r["run_id"] for r in runs])
+    assert page.rows.attrs["base_run"] == "base_fp32"
+    row = page.rows.iloc[0]
+    assert row["try_fp16: absmax"] == pytest.approx(float(np.abs(x.astype(np.float16)).max()))
+    assert row["fix_fp16: absmax"] == pytest.approx(float(np.abs((x * 0.5).astype(np.float16)).max()))
+    assert row["fix_fp16: max_rel_err"] > row["try_fp16: max_rel_err"]
+    with pytest.raises(ValueError, match="at least one run"):
+        diff.nrun_page(db, sid, [runs[0]["run_id"]], base_run_id=runs[0]["run_id"])
+
+
+def test_escape_md_neutralises_markup():
+    assert escape_md("[x](http://evil)") == "\\[x\\]\\(http\\://evil\\)"
+    assert escape_md("<script>alert(1)</script>") == "\\<script\\>alert\\(1\\)\\</script\\>"
+    assert escape_md("1. item") == "1\\. item" and escape_md("- item") == "\\- item"
+    assert escape_md("a_b*c") == "a\\_b\\*c"

@@ -1,0 +1,135 @@
+"""Fixtures for the dashboard tests (AppTest and browser).
+
+``ui_template`` builds, once per test run, a database holding
+  * the msprobe statistics-mode sample pair from ``sample_dumps/``
+    (fp16 candidate with an overflow inside block 2, fp32 reference), and
+  * a small generic tensor dump (``.npy`` files, fp32 reference and fp16
+    candidate) whose values span fp16's and fp8's ranges, so that overflow,
+    subnormal and underflow counts are all nonzero;
+``ui_db`` copies it into the test's own folder and points the app at it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_dumps"
+STAT_CAND = SAMPLES / "stat_mix_fp16_inner_ovf"
+STAT_REF = SAMPLES / "stat_mix_fp32_inner_ovf"
+STAT_SESSION = "stats-sample"
+TENSOR_SESSION = "tensor-wide"
+# the op the fp16 sample first overflows in (see the fixture README: block 2 fc1)
+STAT_FIRST_NONFINITE = "Functional.linear.10.forward"
+WIDE_OP = "blocks.0.wide"
+
+
+def wide_values() -> np.ndarray:
+    """fp32 values spanning fp16's and fp8's ranges: subnormal and
+    underflowing in fp16, overflowing fp16 and e4m3fn, plus zeros."""
+    rng = np.random.default_rng(1234)
+    exps = rng.uniform(-30.0, 20.0, size=4000)
+    signs = rng.choice([-1.0, 1.0], size=exps.size)
+    x = (signs * np.exp2(exps)).astype(np.float32)
+    x[:7] = 0.0
+    return x.reshape(40, 100)
+
+
+def msprobe_tensor_entries(dump_json: Path) -> list[dict]:
+    """Every tensor stat dict in an msprobe dump.json, parsed independently of the reader."""
+    data = json.loads(dump_json.read_text())["data"]
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("type") == "torch.Tensor":
+                yield x
+                return
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from walk(v)
+
+    return [t for entry in data.values() for t in walk(entry)]
+
+
+def msprobe_nonfinite_count(dump_json: Path) -> int:
+    return sum(1 for t in msprobe_tensor_entries(dump_json)
+               if not (math.isfinite(t["Max"]) and math.isfinite(t["Min"])))
+
+
+def _write_wide_dumps(root: Path) -> tuple[Path, Path]:
+    x = wide_values()
+    ref, cand = root / "wide_fp32", root / "wide_fp16"
+    for d in (ref, cand):
+        d.mkdir(parents=True)
+    small = np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8)
+    for d, cast in ((ref, np.float32), (cand, np.float16)):
+        with np.errstate(over="ignore"):
+            np.save(d / f"{WIDE_OP}.input.0.npy", small.astype(cast))
+            np.save(d / f"{WIDE_OP}.output.0.npy", x.astype(cast))
+            np.save(d / "blocks.1.proj.output.0.npy", (small * 3).astype(cast))
+    return ref, cand
+
+
+@pytest.fixture(scope="session")
+def ui_template(tmp_path_factory) -> Path:
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    root = tmp_path_factory.mktemp("ui_template")
+    db = root / "template.duckdb"
+    store = Store(db)
+    ingest([STAT_CAND], reference=[STAT_REF], session=STAT_SESSION, store=store)
+    ref, cand = _write_wide_dumps(root / "dumps")
+    ingest([cand], reference=[ref], session=TENSOR_SESSION, store=store)
+    close_all()
+    return db
+
+
+@pytest.fixture
+def ui_db(ui_template, tmp_path, monkeypatch) -> Path:
+    """A private copy of the template database, used by the app under test."""
+    import streamlit as st
+
+    from precision_lab.store import close_all
+
+    db = tmp_path / "app.duckdb"
+    shutil.copy(ui_template, db)
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
+    monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    close_all()
+
+
+@pytest.fixture
+def empty_db(tmp_path, monkeypatch) -> Path:
+    import streamlit as st
+
+    from precision_lab.store import close_all
+
+    db = tmp_path / "empty.duckdb"
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    close_all()
+
+
+def app_test(**query):
+    """An AppTest of app.py with optional URL parameters."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=60)
+    for k, v in query.items():
+        at.query_params[k] = v
+    return at
