@@ -36,7 +36,7 @@ with page.guard("This op could not be loaded"):
     stats = dv.load_stats(store, run["run_id"], rid)
     others = dv.counterparts(store, run["run_id"], rid)
 
-st.subheader(rec["name"], anchor=False)
+st.subheader(page.plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
 flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
 st.markdown(f"run **{page.plain(run['name'])}** · {page.plain(rec['op_type'])} · {page.plain(rec['direction'])} · "
             f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {page.plain(rec['dtype'])} "
@@ -59,7 +59,7 @@ formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 art = next((a for a in norm_artefacts(store, info["session_id"])
             if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
 if art:
-    st.info(art["reason"])
+    st.info(page.plain(art["reason"]))
 
 with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
 if with_hist:

@@ -8,8 +8,9 @@ plotly.js embedded, so it opens from disk with no server and no network.
 A Content-Security-Policy forbids every fetch.
 
 Every name (op, file, run, session, message) is HTML-escaped before it is
-written: in tables as text, and in plot labels as entities, because plotly
-renders a subset of HTML (links, bold) in hover text and annotations.
+written: in tables as text, and in plot labels as entities
+(``ui.common.plot_text``), because plotly renders a subset of HTML (links,
+bold) in hover text and annotations.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-__all__ = ["render_html", "write_html", "plot_text"]
+__all__ = ["render_html", "write_html"]
 
 TOP_COMPARISONS = 25
 MAX_WARNINGS = 200
@@ -49,17 +50,6 @@ tr.warn td { background: rgba(202, 138, 4, 0.08); }
 
 def _e(v: Any) -> str:
     return html.escape("" if v is None else str(v), quote=True)
-
-
-def plot_text(v: Any) -> str:
-    """A name made safe for plotly labels: shown as typed, never as a link or tag.
-
-    Plotly parses ``<a href>``, ``<b>``, ``<br>`` and friends in hover text,
-    annotations and legends, and decodes ``&lt; &gt; &amp;`` back to
-    characters (but not ``&quot;``), so escaping those three shows the text
-    as it was typed.
-    """
-    return html.escape("" if v is None else str(v), quote=False)
 
 
 def _num(v: Any) -> str:
@@ -110,14 +100,6 @@ def _figure_div(fig, div_id: str) -> str:
                        config={"displaylogo": False, "responsive": True})
 
 
-def _escape_names(df, cols: Iterable[str]):
-    df = df.copy()
-    for c in cols:
-        if c in df.columns:
-            df[c] = df[c].map(lambda v: plot_text(v) if isinstance(v, str) else v)
-    return df
-
-
 def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
     from .ui.overview import error_figure, error_series
 
@@ -128,9 +110,8 @@ def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
         df = error_series(store, sid, metric)
     if df.empty:
         return None
-    df = _escape_names(df, ("op", "series", "run"))
-    marks = [dict(f["first"], op=plot_text(f["first"]["op"]))
-             for f in firsts if f["first"] is not None and f["run"]["kind"] != "reference"]
+    # error_figure escapes the names it draws
+    marks = [f["first"] for f in firsts if f["first"] is not None and f["run"]["kind"] != "reference"]
     fig = error_figure(df, metric, first_nonfinite=marks)
     fig.update_layout(title={"text": "Error along execution order"})
     return _figure_div(fig, "plot-error")
@@ -155,6 +136,7 @@ def _isnan(v) -> bool:
 
 
 def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str]:
+    from .ui.common import plot_text
     from .ui.detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
 
     focus = _focus_record(store, sid, firsts)
@@ -162,10 +144,10 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
         return None, ""
     run_id, rid, why = focus
     rec = record(store, run_id, rid)
-    series = [(plot_text(f"{rec['run']}"), load_stats(store, run_id, rid))]
+    series = [(str(rec["run"]), load_stats(store, run_id, rid))]
     for c in counterparts(store, run_id, rid)[:1]:
         if c.get("run_id") and c.get("rid") is not None:
-            series.insert(0, (plot_text(str(c.get("run") or "reference")), load_stats(store, c["run_id"], c["rid"])))
+            series.insert(0, (str(c.get("run") or "reference"), load_stats(store, c["run_id"], c["rid"])))
     formats = default_formats(rec.get("dtype") or rec.get("run_dtype"))
     if any(s is not None and s.hist is not None for _, s in series):
         fig = histogram_figure(series, formats)

@@ -4,8 +4,9 @@ Each folder is in Precision Lab's own dump format (``precision_lab.shards``:
 Parquet shards + ``manifest.json``) and holds two runs of the recipe's
 model on its fixed inputs: ``reference`` (fp32) and ``candidate`` (the
 recipe's failing low-precision policy), with the candidate's local-error
-comparisons and its op tensors (inputs and outputs, not parameters) kept so
-single ops can be replayed.  Everything is seeded: running it again writes
+comparisons and the op tensors of both runs (inputs and outputs, not
+parameters) kept, so ingest compares them element by element and single ops
+can be replayed.  Everything is seeded: running it again writes
 the same records.
 
     python -m precision_lab.sample_data [--out sample_dumps] [RECIPE ...]
@@ -45,7 +46,7 @@ def generate_recipe(recipe, out_dir) -> Path:
             key = (rec.step, rec.rank, rec.name)
             # op inputs and outputs are kept for replay; parameters are
             # reproducible from the recipe and would dominate the size
-            rec.tensor = run.tensors.get(key) if (policy is not None and rec.role != "param") else None
+            rec.tensor = run.tensors.get(key) if rec.role != "param" else None
             records.append(rec)
         local = {pos: cmp for pos, cmp in cap.local_comparisons}
         meta = cap.run_meta()
@@ -56,6 +57,9 @@ def generate_recipe(recipe, out_dir) -> Path:
             rec.tensor = None
         metas.append(meta)
     write_manifest(out, metas)
+    lock = out / ".manifest.lock"  # left by the manifest writer; nothing to share
+    if lock.exists():
+        lock.unlink()
     return out
 
 

@@ -75,7 +75,7 @@ def shard_glob(root) -> str:
 
 # ---- schema -------------------------------------------------------------------
 
-_ARROW = {"BIGINT": "int64", "DOUBLE": "float64", "VARCHAR": "string", "BOOLEAN": "bool"}
+_ARROW = {"BIGINT": "int64", "DOUBLE": "float64", "VARCHAR": "string", "BOOLEAN": "bool_"}
 
 
 def _columns() -> list[tuple[str, str]]:
@@ -398,7 +398,7 @@ def _iter_file(path: Path, meta: dict, with_local: bool = False):
                 raise ShardError(f"{path}: kept tensor of {row.get('name')!r} is not a valid .npy ({e})") from None
         kw = {n: row.get(n) for n in rec_fields}
         kw["run_id"] = meta["run_id"]
-        kw["source"] = kw.get("source") or str(path)
+        kw["source"] = str(path)  # the file it was read from
         rec = TensorRecord(stats=stats, tensor=tensor, **kw)
         if with_local:
             yield rec, row.get("local_json")

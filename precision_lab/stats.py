@@ -40,6 +40,7 @@ import hashlib
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Optional
 
@@ -651,12 +652,37 @@ class _Kernels:
 _prange = range
 
 
-def _nb_block_moments(xf, lo, hi, shift):
+# Per-block helpers loop over a block *slice* from 0: LLVM vectorises and
+# interleaves those loops, not the same loops over range(lo, hi).
+
+def _nb_block_extrema(sb):
+    """Max |bits|, min (|bits| - 1) over nonzero, min/max order keys, zero count."""
+    bam = np.int32(0)
+    bmin1 = np.int32(0x7FFFFFFF)
+    bkmin = np.int32(0x7FFFFFFF)
+    bkmax = np.int32(-0x80000000)
+    bz = np.int32(0)
+    for i in range(sb.size):
+        w = sb[i]
+        a = w & np.int32(0x7FFFFFFF)
+        bam = max(bam, a)
+        m1 = a - np.int32(1)
+        m1 = m1 if m1 >= 0 else np.int32(0x7FFFFFFF)
+        bmin1 = min(bmin1, m1)
+        # monotone int32 key of the float: order of keys == order of values
+        k = w ^ ((w >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        bkmin = min(bkmin, k)
+        bkmax = max(bkmax, k)
+        bz += np.int32(a == 0)
+    return bam, bmin1, bkmin, bkmax, bz
+
+
+def _nb_block_moments(xb, shift):
     s1 = 0.0
     s2 = 0.0
     q = 0.0
-    for i in range(lo, hi):
-        x = np.float64(xf[i])
+    for i in range(xb.size):
+        x = np.float64(xb[i])
         d = x - shift
         s1 += d
         s2 += d * d
@@ -676,10 +702,41 @@ def _nb_search_bin(a, cbits):
     return lo - 1
 
 
+def _nb_block_bins(ub, buf, lut, thr, cbits, nb2):
+    """Bin of each element: a table lookup; rarely a few compares or a search."""
+    for j in range(ub.size):
+        a = ub[j] & np.uint32(0x7FFFFFFF)
+        lv = lut[a >> np.uint32(16)]
+        lv = np.int32(nb2 - 3) if a == 0 else lv
+        lv = np.int32(nb2 - 2) if a == np.uint32(0x7F800000) else lv
+        if lv < 0:
+            slot = (lv >> 16) & 0x7FFF
+            if slot == 0x7FFF:
+                lv = np.int32(_nb_search_bin(np.int64(a), cbits))
+            else:
+                t4 = np.uint32(slot * 4)
+                lv = ((lv & np.int32(0xFFFF)) + np.int32(a >= thr[t4])
+                      + np.int32(a >= thr[t4 + np.uint32(1)]) + np.int32(a >= thr[t4 + np.uint32(2)])
+                      + np.int32(a >= thr[t4 + np.uint32(3)]))
+        buf[j] = np.uint32(lv)
+
+
+def _nb_block_count(buf, m, h, nb2):
+    # four interleaved copies break the store->load chain on repeated bins
+    nbu = np.uint32(nb2)
+    for j in range(0, m - 3, 4):
+        h[buf[j]] += 1
+        h[nbu + buf[j + 1]] += 1
+        h[np.uint32(2) * nbu + buf[j + 2]] += 1
+        h[np.uint32(3) * nbu + buf[j + 3]] += 1
+    for j in range(m - (m & 3), m):
+        h[buf[j]] += 1
+
+
 def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row):
     blk = 2048
+    u = s.view(np.uint32)
     buf = np.empty(blk, np.uint32)
-    nbu = np.uint32(nb2)
     amax = np.int32(0)
     aminm1 = np.int32(0x7FFFFFFF)
     kmin = np.int32(0x7FFFFFFF)
@@ -693,32 +750,16 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
     ssq = 0.0
     for b0 in range(lo, hi, blk):
         b1 = min(b0 + blk, hi)
-        # pass 1 (vectorised): extrema on bit patterns, zeros
-        bam = np.int32(0)
-        bmin1 = np.int32(0x7FFFFFFF)
-        bkmin = np.int32(0x7FFFFFFF)
-        bkmax = np.int32(-0x80000000)
-        bz = np.int32(0)
-        for i in range(b0, b1):
-            w = s[i]
-            a = w & np.int32(0x7FFFFFFF)
-            bam = a if a > bam else bam
-            m1 = a - np.int32(1)
-            m1 = m1 if m1 >= 0 else np.int32(0x7FFFFFFF)
-            bmin1 = m1 if m1 < bmin1 else bmin1
-            k = w ^ ((w >> np.int32(31)) & np.int32(0x7FFFFFFF))
-            bkmin = k if k < bkmin else bkmin
-            bkmax = k if k > bkmax else bkmax
-            bz += np.int32(1) if a == 0 else np.int32(0)
+        bam, bmin1, bkmin, bkmax, bz = _nb_block_extrema(s[b0:b1])
         nzero += bz
         if bam < np.int32(0x7F800000):
             # all finite: vectorised float64 moments, shifted by the block's first value
-            amax = bam if bam > amax else amax
-            aminm1 = bmin1 if bmin1 < aminm1 else aminm1
-            kmin = bkmin if bkmin < kmin else kmin
-            kmax = bkmax if bkmax > kmax else kmax
+            amax = max(amax, bam)
+            aminm1 = min(aminm1, bmin1)
+            kmin = min(kmin, bkmin)
+            kmax = max(kmax, bkmax)
             shift = np.float64(xf[b0])
-            s1, s2, q = _nb_block_moments(xf, b0, b1, shift)
+            s1, s2, q = _nb_block_moments(xf[b0:b1], shift)
             nb = b1 - b0
         else:
             s1 = 0.0
@@ -735,13 +776,13 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
                     else:
                         nnan += 1
                     continue
-                amax = a if a > amax else amax
+                amax = max(amax, a)
                 m1 = a - np.int32(1)
                 if m1 >= 0 and m1 < aminm1:
                     aminm1 = m1
                 k = w ^ ((w >> np.int32(31)) & np.int32(0x7FFFFFFF))
-                kmin = k if k < kmin else kmin
-                kmax = k if k > kmax else kmax
+                kmin = min(kmin, k)
+                kmax = max(kmax, k)
                 x = np.float64(xf[i])
                 if nb == 0:
                     shift = x
@@ -766,31 +807,8 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
             nf += nb
             ssq += q
         if do_hist:
-            # pass 2: bin of each element (a table lookup; rarely a few compares), then count
-            m = b1 - b0
-            for j in range(m):
-                a = np.uint32(s[b0 + j]) & np.uint32(0x7FFFFFFF)
-                lv = lut[a >> np.uint32(16)]
-                lv = np.int32(nb2 - 3) if a == 0 else lv
-                lv = np.int32(nb2 - 2) if a == np.uint32(0x7F800000) else lv
-                if lv < 0:
-                    slot = (lv >> 16) & 0x7FFF
-                    if slot == 0x7FFF:
-                        lv = np.int32(_nb_search_bin(np.int64(a), cbits))
-                    else:
-                        t4 = np.uint32(slot * 4)
-                        lv = ((lv & np.int32(0xFFFF)) + np.int32(a >= thr[t4])
-                              + np.int32(a >= thr[t4 + np.uint32(1)]) + np.int32(a >= thr[t4 + np.uint32(2)])
-                              + np.int32(a >= thr[t4 + np.uint32(3)]))
-                buf[j] = np.uint32(lv)
-            # four interleaved copies break the store->load chain on repeated bins
-            for j in range(0, m - 3, 4):
-                h[buf[j]] += 1
-                h[nbu + buf[j + 1]] += 1
-                h[np.uint32(2) * nbu + buf[j + 2]] += 1
-                h[np.uint32(3) * nbu + buf[j + 3]] += 1
-            for j in range(m - (m & 3), m):
-                h[buf[j]] += 1
+            _nb_block_bins(u[b0:b1], buf, lut, thr, cbits, nb2)
+            _nb_block_count(buf, b1 - b0, h, nb2)
     ri[row, 0] = amax
     ri[row, 1] = aminm1
     ri[row, 2] = kmin
@@ -844,15 +862,20 @@ def _build_kernels() -> _Kernels:
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     plain = dict(cache=True, nogil=True)
     g["_nb_block_moments"] = numba.njit(fastmath=fm, **plain)(_nb_block_moments)
-    for name in ("_nb_search_bin", "_nb_scan_range", "_nb_fold", "_nb_scan_serial"):
+    for name in ("_nb_block_extrema", "_nb_search_bin", "_nb_block_bins", "_nb_block_count", "_nb_scan_range",
+                 "_nb_fold", "_nb_scan_serial"):
         g[name] = numba.njit(**plain)(g[name])
     g["_nb_scan_parallel"] = numba.njit(parallel=True, **plain)(_nb_scan_parallel)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
+    # numba's workqueue threading layer must not run two parallel regions at once
+    # (e.g. two dashboard sessions); each call uses every core anyway
+    lock = threading.Lock()
 
     def scan(xf, lut, thr, cbits, do_hist, nparts, nb2):
         if nparts <= 1:
             return serial(xf, lut, thr, cbits, do_hist, nb2)
-        return parallel(xf, lut, thr, cbits, do_hist, nparts, nb2)
+        with lock:
+            return parallel(xf, lut, thr, cbits, do_hist, nparts, nb2)
 
     return _Kernels(scan, numba.get_num_threads)
 
@@ -918,7 +941,8 @@ def _torch_chunk_partial(torch, x, histogram: bool):
     isnan = torch.isnan(x64)
     fin = torch.isfinite(x64)
     nz = fin & (a > 0)
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=x64.device)
+    # torch.full is a device fill; torch.tensor(scalar, device=cuda) is a blocking host copy
+    inf = torch.full((), math.inf, dtype=torch.float64, device=x64.device)
     nfin = fin.sum()
     absmax = torch.where(fin, a, 0.0).amax()
     minabs = torch.where(nz, a, inf).amin()
@@ -944,7 +968,11 @@ def _torch_chunk_partial(torch, x, histogram: bool):
     if histogram:
         idx = torch.bucketize(a, _torch_edges(torch, x64.device), right=True) - 1
         idx = torch.where(nz, idx, N_BINS)
-        hist = torch.bincount(idx, minlength=N_BINS + 1)[:N_BINS]
+        if x64.is_cuda:  # bincount reads max(idx) back to the host; index_add_ does not
+            hist = torch.zeros(N_BINS + 1, dtype=torch.int64, device=x64.device).index_add_(
+                0, idx, torch.ones_like(idx))[:N_BINS]
+        else:
+            hist = torch.bincount(idx, minlength=N_BINS + 1)[:N_BINS]
     return vec, hist
 
 

@@ -1,7 +1,6 @@
 """The ``ingest``, ``report`` and ``compare`` commands, through typer's runner."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest

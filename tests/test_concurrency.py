@@ -1,7 +1,7 @@
 """Eight browser sessions at once: threads of one process sharing one database,
 as Streamlit runs them, each uploading a dump, capturing a model into it,
-re-running under a fix, and exporting/importing it, while another thread
-keeps reading.  Nothing may be lost or mixed: every thread's data is checked
+adding a re-run, exporting/importing it, and capturing a built-in recipe and
+re-running it under its fix, while another thread keeps reading.  Nothing may be lost or mixed: every thread's data is checked
 against values computed here from that thread's own inputs.
 """
 
@@ -51,6 +51,7 @@ def _inputs(i: int):
 
 def _worker(store_for, i, root, barrier, results):
     import precision_lab
+    from precision_lab.fixes.rerun import capture_recipe, rerun_session
     from precision_lab.services.ingest import ingest
     from precision_lab.share import export_bytes, import_session
 
@@ -77,7 +78,10 @@ def _worker(store_for, i, root, barrier, results):
                                  match="exact", comparison=compare(a, a))
         # 4. export and import back as a copy
         res = import_session(store, export_bytes(store, name), name=f"copy-{i}")
-        results[i] = {"name": name, "copy": res.session}
+        # 5. capture a built-in recipe (fp32 reference + failing fp8 candidate) and re-run it under its fix
+        recipe = capture_recipe(store, "fp8-zero-scale", session=f"recipe-{i}")
+        rerun_session(store, recipe, "scale-fp32")
+        results[i] = {"name": name, "copy": res.session, "recipe": recipe}
     except BaseException:
         results[i] = {"error": traceback.format_exc()}
 
@@ -119,7 +123,7 @@ def test_eight_sessions_write_at_once(store, tmp_path, stores):
     assert len(results) == N_THREADS
 
     names = set(store.sessions()["name"])
-    assert names == {f"upload-{i}" for i in range(N_THREADS)} | {f"copy-{i}" for i in range(N_THREADS)}
+    assert names == {f"{kind}-{i}" for kind in ("upload", "copy", "recipe") for i in range(N_THREADS)}
     import torch
 
     for i in range(N_THREADS):
@@ -160,6 +164,25 @@ def test_eight_sessions_write_at_once(store, tmp_path, stores):
                 assert strip(a[key]) == strip(b[key])
             else:  # comparisons are ordered by run id, and the copy's run ids are new
                 assert sorted(map(json.dumps, a[key])) == sorted(map(json.dumps, b[key])), key
+    # recipe sessions: each a ledger of reference, failing candidate and its fixed re-run, with the same
+    # records as every other thread's (the recipe is seeded), so nothing was lost or mixed in
+    ledgers = []
+    for i in range(N_THREADS):
+        sid = store.session(f"recipe-{i}")["session_id"]
+        runs = store.runs(sid).set_index("kind")
+        assert sorted(runs.index) == ["candidate", "reference", "rerun"]
+        assert runs.loc["rerun", "parent_run_id"] == runs.loc["candidate", "run_id"]
+        assert runs.loc["rerun", "fix"] == "scale-fp32"
+        counts = {}
+        for kind in ("reference", "candidate", "rerun"):
+            counts[kind] = store.df(
+                "SELECT name, seq, max, min, nan_count, inf_count FROM tensors WHERE run_id = ? ORDER BY seq, name",
+                [runs.loc[kind, "run_id"]]).to_json()
+        nonfinite = {k: store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite",
+                                  [runs.loc[k, "run_id"]]).fetchall()[0][0] for k in ("candidate", "rerun")}
+        assert nonfinite["candidate"] > 0 and nonfinite["rerun"] == 0  # the fix removed the NaN
+        ledgers.append(counts)
+    assert all(led == ledgers[0] for led in ledgers)
     # no stray rows: every record belongs to a run of some session
     assert store.sql("SELECT count(*) FROM tensors WHERE run_id NOT IN (SELECT run_id FROM runs)").fetchall()[0][0] == 0
     assert store.sql("SELECT count(*) FROM runs WHERE session_id NOT IN (SELECT session_id FROM sessions)"

@@ -172,11 +172,12 @@ def test_thresholds_come_from_formats():
     assert fmt_num(78450.0) == "78,450" and fmt_num(1.7e-6) == "1.7e-06" and fmt_num(float("inf")) == "inf"
 
 
-def test_dump_session_without_recipe(store):
+def test_dump_session_without_recipe(lab):
     """An msprobe statistics dump: the overflowing op is found from the reference's Max/Min."""
     from tests.conftest import SAMPLES
     from precision_lab.services.ingest import ingest
 
+    store = lab[0]
     name = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], reference=[SAMPLES / "stat_mix_fp32_inner_ovf"],
                   store=store)
     found = diagnose(store, name)

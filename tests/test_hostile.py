@@ -51,16 +51,21 @@ def refused(store, fn, exc, *words):
 
 # ---- exported sessions -------------------------------------------------------------
 
-@pytest.fixture
-def exported(store, tmp_path):
-    """(the store with one session, the zip bytes of a second session, an empty target store)."""
+@pytest.fixture(scope="module")
+def _exports(tmp_path_factory):
     from precision_lab.store import Store
 
-    src = Store(tmp_path / "src.duckdb")
+    src = Store(tmp_path_factory.mktemp("src") / "src.duckdb")
     make_session(src, "shared", seed=5)
     make_session(src, "other", seed=6)
-    make_session(store, "mine")  # the target already holds a session that must survive
     return export_bytes(src, "shared"), export_bytes(src, "other")
+
+
+@pytest.fixture
+def exported(store, _exports):
+    """The zip bytes of two sessions exported elsewhere; ``store`` already holds a session that must survive."""
+    make_session(store, "mine")
+    return _exports
 
 
 def rezip(data: bytes, *, replace=None, manifest=None, extra=(), drop=(), fix=True) -> bytes:

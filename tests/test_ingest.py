@@ -2,7 +2,6 @@
 
 import json
 import math
-import shutil
 import zipfile
 from pathlib import Path
 
@@ -208,7 +207,8 @@ def test_progress_reports_bytes_then_pairs(store, tmp_path):
     # every tensor file and dump.json was ticked once; stack/construct.json are not read
     unread = sum(p.stat().st_size for n in ("tensor_mix_fp16", "tensor_mix_fp32")
                  for p in (FIXTURES / n).rglob("*") if p.name in ("stack.json", "construct.json"))
-    assert reads[-1][0] == total - unread
+    assert reads[-2][0] == total - unread
+    assert reads[-1] == (total, total, "read")  # the read phase ends at 100%
 
 
 # ---- pairing --------------------------------------------------------------------------
@@ -346,7 +346,9 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
     runs = [({"run_id": "c1", "name": "fp16", "dtype": "float16", "kind": "candidate", "parent_run_id": None,
               "fix": None, "policy": None}, recs("c1", torch.float16, True)),
             ({"run_id": "r1", "name": "fp32", "dtype": "float32", "kind": "reference", "parent_run_id": None,
-              "fix": None, "policy": {"dtype": "float32"}}, recs("r1", torch.float32, False))]
+              "fix": None, "policy": {"dtype": "float32"}}, recs("r1", torch.float32, False)),
+            ({"run_id": "x1", "name": "fp16+fix", "dtype": "float16", "kind": "rerun", "parent_run_id": "c1",
+              "fix": "keep-fp32:blocks.0.act", "policy": None}, recs("x1", torch.float16, False))]
     real = sys.modules.get("precision_lab.shards")
     if real is None or not hasattr(real, "read_shards"):
         fake = types.ModuleType("precision_lab.shards")
@@ -356,10 +358,55 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
         monkeypatch.setattr(real, "read_shards", _FakeShards(runs).read_shards)
     name = ingest(d, store=store)
     rep = build_report(store, name)
-    kinds = {r["name"]: r["kind"] for r in rep["runs"]}
-    assert kinds == {"fp16": "candidate", "fp32": "reference"}
+    runs = {r["name"]: r for r in rep["runs"]}
+    assert {n: r["kind"] for n, r in runs.items()} == {"fp16": "candidate", "fp32": "reference", "fp16+fix": "rerun"}
     assert [r["name"] for r in rep["runs"]][0] == "fp32"
-    assert len(rep["comparisons"]) == 6 and all(c["basis"] == "stats" for c in rep["comparisons"])
+    assert runs["fp16+fix"]["parent"] == "fp16" and runs["fp16+fix"]["fix"] == "keep-fp32:blocks.0.act"
+    assert runs["fp16"]["parent"] is None
+    assert len(rep["comparisons"]) == 12 and all(c["basis"] == "stats" for c in rep["comparisons"])
     assert rep["first_nonfinite"]["fp16"]["op"] == "blocks.0.act"
-    assert rep["notes"]["ingest"]["pairs"] == [{"reference": "fp32", "candidate": "fp16"}]
+    assert rep["first_nonfinite"]["fp16+fix"] is None
+    assert rep["notes"]["ingest"]["pairs"] == [{"reference": "fp32", "candidate": "fp16"},
+                                               {"reference": "fp32", "candidate": "fp16+fix"}]
     assert rep["notes"]["ingest"]["runs"]["fp16"]["order"] == "execution"
+
+
+def test_native_shards_written_by_capture_code(store, tmp_path):
+    """Shards written with precision_lab.shards (two ranks), local comparisons included."""
+    shards = pytest.importorskip("precision_lab.shards")
+    from precision_lab.metrics import compare
+    from precision_lab.stats import tensor_stats
+
+    root = tmp_path / "shards"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 8, generator=g)
+    metas = {
+        "fp32": {"run_id": "a", "name": "fp32", "dtype": "float32", "kind": "reference", "parent_run_id": None,
+                 "fix": None, "policy": None, "order": "execution"},
+        "fp16": {"run_id": "b", "name": "fp16", "dtype": "float16", "kind": "candidate", "parent_run_id": None,
+                 "fix": None, "policy": None, "order": "execution"},
+    }
+    for rank in (0, 1):
+        for name, meta in metas.items():
+            dt = torch.float32 if name == "fp32" else torch.float16
+            h = (x * (1 + rank)).to(dt)
+            y = h * 1000 if rank == 1 else h  # rank 1 overflows fp16 in the scaling op
+            y = y.to(dt)
+            recs = [TensorRecord(run_id=meta["run_id"], seq=i, op=op, op_type=op, role=role, index="0",
+                                 stats=tensor_stats(t), rank=rank)
+                    for i, (op, role, t) in enumerate([("scale", "input", h), ("scale", "output", y * 100)])]
+            local = {1: compare((y * 100).double(), y * 100)} if name == "fp16" else None
+            shards.write_shard(root, meta, recs, rank=rank, step=0, local_comparisons=local)
+    shards.write_manifest(root, list(metas.values()))
+    name = ingest(root, store=store)
+    rep = build_report(store, name)
+    f = rep["first_nonfinite"]["fp16"]
+    assert (f["op"], f["rank"], f["role"]) == ("scale", 1, "output")
+    assert rep["first_nonfinite"]["fp32"] is None
+    acc = [c for c in rep["comparisons"] if c["kind"] != "local"]
+    assert len(acc) == 4 and all(c["match"] == "exact" for c in acc)
+    bad = [c for c in acc if c["verdict"] == "nonfinite"]
+    assert [(c["op"], c["role"], c["rank"]) for c in bad] == [("scale", "output", 1)]
+    local = [c for c in rep["comparisons"] if c["kind"] == "local"]
+    assert len(local) == 2 and {c["rank"] for c in local} == {0, 1}
+    assert all(c["ref_run"] == c["cand_run"] == "fp16" for c in local)

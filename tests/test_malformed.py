@@ -2,7 +2,6 @@
 problem, and a failed ingest leaves nothing in the database."""
 
 import json
-import os
 import shutil
 import stat
 import zipfile

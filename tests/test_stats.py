@@ -266,8 +266,9 @@ def _random_f32(fmt, n: int, seed: int) -> np.ndarray:
     # (2) concentrated on the format's own binades and a little around them
     lo = (fmt.emin - fmt.man_bits - 3) if fmt.kind != "int" else -3
     e = rng.integers(lo, fmt.emax + 3, n - half)
-    local = np.ldexp(1.0 + rng.random(n - half), e).astype(np.float32)
-    x = np.concatenate([whole, local, _near_edges_f32()])
+    with np.errstate(over="ignore"):  # e8m0's top binades pass float32's max: inf, dropped below
+        local = np.ldexp(1.0 + rng.random(n - half), e).astype(np.float32)
+    x = np.concatenate([whole, local[np.isfinite(local)], _near_edges_f32()])
     signs = rng.integers(0, 2, x.size).astype(bool)
     x[signs] = -x[signs]
     return x
@@ -284,7 +285,7 @@ def test_exactness_small_formats_10M_random(name):
 @pytest.mark.parametrize("name", SMALL)
 def test_exactness_small_formats_torch_backend(name):
     """The pure-torch path (used on CUDA and without numba) is exact too."""
-    x = _random_f32(FORMATS[name], 400_000, seed=1 + hash(name) % 2**32)
+    x = _random_f32(FORMATS[name], 150_000, seed=1 + hash(name) % 2**32)
     check_stratified(x, name, "torch")
 
 
@@ -308,8 +309,7 @@ def test_torch_casts_agree_with_ground_truth():
         assert np.array_equal(cls, true_classes(x, name)), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_float64_inputs_single_rounding(backend):
+def test_float64_inputs_single_rounding():
     """float64 values near every edge, classified by exact RNE (numpy's direct float64->float16 cast)."""
     vals = []
     for t in HIST_EDGES[1:-1]:
@@ -321,8 +321,7 @@ def test_float64_inputs_single_rounding(backend):
             f = np.nextafter(f, np.inf)
     x = np.array(vals)
     x = x[np.isfinite(x) & (x > 0)]
-    if backend == "numba":
-        pytest.skip("float64 always takes the float64 (torch) path")
+    backend = "auto"  # float64 always takes the float64 (torch) path
     with np.errstate(over="ignore"):
         y = x.astype(np.float16).astype(np.float64)
     cls = _classify(y, np.isinf(y), 2.0**-14)
@@ -477,7 +476,7 @@ def test_empty_and_zero_dim():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunked_equals_unchunked(backend):
-    x = _mixture(300_001, seed=9)
+    x = _mixture(300_001 if backend == "numba" else 100_001, seed=9)
     whole = tensor_stats(x, backend=backend)
     for chunk in (1, 1000, 4097, 65_536):
         if chunk == 1 and backend == "torch":
@@ -520,7 +519,7 @@ def test_numba_and_torch_backends_agree():
 
 def test_memmap_input_bounded_memory(tmp_path):
     path = tmp_path / "big.npy"
-    n = 6_000_000
+    n = 3_000_000
     mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(n,))
     rng = np.random.default_rng(5)
     for s in range(0, n, 1_000_000):
@@ -571,6 +570,7 @@ def test_rejections():
         tensor_stats(np.zeros(3), backend="gpu")
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensor_counts_implicit_zeros():
     dense = torch.zeros(50, 40)
     dense[3, 4] = 2.5
@@ -663,7 +663,7 @@ def test_merge_stats_matches_concatenation():
 # property test
 # ---------------------------------------------------------------------------
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=0, max_dims=3, max_side=40),
                   elements=st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)))
 def test_property_counts_and_histogram(x):

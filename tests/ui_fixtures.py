@@ -133,3 +133,41 @@ def app_test(**query):
     for k, v in query.items():
         at.query_params[k] = v
     return at
+
+
+def open_page(page: str, **query):
+    """Run app.py once, switch to ``page`` (a key of ``precision_lab.ui.page.PAGES``) with the URL
+    parameters ``query``, and run it."""
+    from precision_lab.ui.page import PAGES
+
+    at = app_test()
+    at.run()
+    at.switch_page(PAGES[page])
+    for k, v in query.items():
+        at.query_params[k] = v
+    at.run()
+    assert_clean(at)
+    return at
+
+
+def assert_clean(at) -> None:
+    """No exception element (a traceback) on the page."""
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def frames(at) -> list:
+    """Every st.dataframe on the page as a DataFrame (a Styler's data)."""
+    return [d.value for d in at.dataframe]
+
+
+def frame_with(at, column: str):
+    return next(f for f in frames(at) if column in f.columns)
+
+
+def texts(at) -> str:
+    """All text-like elements of the page, joined: what a reader sees."""
+    parts = []
+    for kind in ("title", "header", "subheader", "markdown", "caption", "info", "error", "warning", "success",
+                 "text"):
+        parts += [str(e.value) for e in getattr(at, kind)]
+    return "\n".join(parts)

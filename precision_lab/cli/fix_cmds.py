@@ -199,9 +199,10 @@ def replay_cmd(
         typer.echo(f"  {r['output']:<10}{r['dtype']:<10}{r['nan']:>8}{r['inf']:>8}{fmt_num(r['absmax']):>14}"
                    f"{sq:>15}{r['verdict_vs_fp32'] or '-':>11}")
     c = res.comparisons.get("candidate vs dumped")
-    if c is not None:
-        same = c.max_abs_err == 0 and c.nonfinite_introduced == 0
-        typer.echo("  replay reproduces the dumped output exactly" if same else
-                   f"  replay vs dumped output: max abs difference {fmt_num(c.max_abs_err)}")
+    if res.reproduces_dump:
+        typer.echo("  replay reproduces the dumped output exactly")
+    elif c is not None:
+        typer.echo(f"  replay differs from the dumped output: max abs difference {fmt_num(c.max_abs_err)}, "
+                   f"{c.nonfinite_introduced} non-finite where the dump is finite")
     if res.fix and not res.fixed_is_finite:
         raise typer.Exit(EXIT_FAILED)

@@ -221,6 +221,17 @@ class ReplayResult:
         return out
 
     @property
+    def reproduces_dump(self) -> Optional[bool]:
+        """Whether the candidate replay equals the dumped output bit for bit (NaN where NaN); None without a dump."""
+        a, b = self.outputs.get("candidate"), self.outputs.get("dumped")
+        if a is None or b is None:
+            return None
+        torch = _torch()
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            return False
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+    @property
     def fixed_is_finite(self) -> bool:
         t = self.outputs.get("fixed")
         return t is not None and bool(_torch().isfinite(t).all())
@@ -234,26 +245,41 @@ def _rows(store, sql, params):
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
+def _as_dtype(t, dtype_name: Optional[str]):
+    """A stored image back in the record's own dtype (the store keeps bf16/fp8 as float32)."""
+    fmt = format_for_dtype(dtype_name) if dtype_name else None
+    if fmt is not None and fmt.torch_dtype() is not None and t.dtype != fmt.torch_dtype():
+        return t.to(fmt.torch_dtype())
+    return t
+
+
 def _load_tensor(store, run: dict, rec: dict):
+    """The record's tensor: kept in the store, else read from the dump folder (``.pt`` or a shard)."""
     torch = _torch()
     arr = store.tensor(run["run_id"], rec["rid"])
     if arr is not None:
-        t = torch.from_numpy(arr)
-        want = rec.get("dtype")
-        fmt = format_for_dtype(want) if want else None
-        # the store keeps bf16/fp8 as float32 images; give the op back its own dtype
-        if fmt is not None and fmt.torch_dtype() is not None and t.dtype != fmt.torch_dtype():
-            t = t.to(fmt.torch_dtype())
-        return t
+        return _as_dtype(torch.from_numpy(arr), rec.get("dtype"))
     src = rec.get("source") or ""
     root = Path(run.get("source") or "")
-    if src.endswith(".pt") and root.is_dir():
-        path = root / src
-        if path.is_file():
-            t = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(t, torch.Tensor):
-                raise ReplayError(f"{path}: holds a {type(t).__name__}, expected one tensor")
-            return t
+    path = Path(src) if Path(src).is_absolute() else root / src
+    if not src or not path.is_file():
+        return None
+    if src.endswith(".pt"):
+        t = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(t, torch.Tensor):
+            raise ReplayError(f"{path}: holds a {type(t).__name__}, expected one tensor")
+        return t
+    if src.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        from ..store import _npy_load
+
+        table = pq.read_table(path, columns=["name", "step", "rank", "tensor_npy"],
+                              filters=[("name", "=", rec["name"])])
+        for row in table.to_pylist():
+            if row["tensor_npy"] is not None and int(row["step"]) == int(rec["step"]) \
+                    and int(row["rank"]) == int(rec["rank"]):
+                return _as_dtype(torch.from_numpy(_npy_load(row["tensor_npy"])), rec.get("dtype"))
     return None
 
 
@@ -275,15 +301,22 @@ def _scalar_args(run: dict, op: str, records: list[dict]) -> tuple[dict, dict, O
             entry = data.get(op)
             if not isinstance(entry, dict):
                 return {}, {}, f"{path} has no entry {op!r}; used the op's default arguments"
-            pos = {i: _json_value(a) for i, a in enumerate(entry.get("input_args", []))
-                   if isinstance(a, dict) and "value" in a}
-            kw = {k: _json_value(a) for k, a in (entry.get("input_kwargs") or {}).items()
-                  if isinstance(a, dict) and "value" in a}
+            pos = {i: _json_value(a) for i, a in enumerate(entry.get("input_args", [])) if _is_scalar(a)}
+            kw = {k: _json_value(a) for k, a in (entry.get("input_kwargs") or {}).items() if _is_scalar(a)}
             return pos, kw, None
     return {}, {}, None
 
 
-def _json_value(a: dict):
+def _is_scalar(a) -> bool:
+    """A non-tensor argument: ``{"type": "int", "value": 3}`` or a list of them (a shape)."""
+    if isinstance(a, dict):
+        return "value" in a
+    return isinstance(a, list) and bool(a) and all(isinstance(x, dict) and "value" in x for x in a)
+
+
+def _json_value(a):
+    if isinstance(a, list):
+        return tuple(x.get("value") for x in a)
     v = a.get("value")
     if a.get("type") in ("torch.Size", "tuple", "list") and isinstance(v, list):
         return tuple(v)

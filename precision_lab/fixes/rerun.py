@@ -336,6 +336,18 @@ def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
     return nonfinite, c.sqnr_db
 
 
+def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
+    """The model's output under ``policy``, without capture."""
+    import torch
+
+    with _RUN_LOCK:
+        model, inputs = recipe.build()
+    policy.prepare(model)
+    x = policy.prepare_inputs(inputs)
+    with torch.no_grad():
+        return model(*x) if isinstance(x, tuple) else model(x)
+
+
 def _run_nonfinite(store, run_id: str) -> int:
     row = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite AND direction = 'forward'",
                     [run_id]).fetchone()
@@ -380,13 +392,14 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
                         max_runs: int = 16, parent: Optional[str] = None, progress: Progress = None) -> BisectResult:
     """Find a small set of modules to keep in fp32 so the run meets ``tolerance``.
 
-    Greedy growth, then pruning: run the parent's policy; while the run
-    fails, keep in fp32 the module of the first non-finite producer (or,
-    when everything is finite, the module with the worst local error) and
-    run again; once it passes, drop each island module whose removal still
-    passes.  Every tried run is stored in the session (kind ``rerun``,
-    parent = the session's candidate, fix = the island tried).  Default
-    tolerance: no NaN/Inf and the recipe's ``tolerance_db``.
+    Greedy growth, then pruning: start from the parent run (default the
+    session's candidate); while the run fails, keep in fp32 the module of the
+    first non-finite producer (or, when everything is finite, the module with
+    the worst local error) and run again; once it passes, drop each island
+    module whose removal still passes.  Every tried run is stored in the
+    session (kind ``rerun``, parent = the starting run, fix = the island
+    tried).  Default tolerance: no NaN/Inf and the recipe's
+    ``tolerance_db``.  ``max_runs`` bounds the new runs.
     """
     info, recipe = session_recipe(store, session)
     if tolerance is None:
@@ -411,20 +424,8 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     result = BisectResult([], False, tol)
     tried: dict[tuple, Attempt] = {}
 
-    def attempt(island: tuple[str, ...]) -> Attempt:
-        if island in tried:
-            return tried[island]
-        if len(tried) >= max_runs:
-            raise _Budget()
-        label = "+".join(f"keep-fp32:{m}" for m in island)
-        policy = apply_fixes(base, label) if island else base
-        name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label or 'no island'}")
-        _tick(progress, len(tried), max_runs, name)
-        run = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
-        with store.extend_session(info["name"]) as w:
-            run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
-                               parent_run_id=par["run_id"], fix=label or None, kind="rerun")
-        nf_out, sqnr = _output_quality(ref.output, run.output)
+    def judge(run_id: str, island: tuple[str, ...], label: str, output) -> Attempt:
+        nf_out, sqnr = _output_quality(ref.output, output)
         nf = _run_nonfinite(store, run_id)
         ok = (tol.allow_nonfinite or (nf == 0 and nf_out == 0)) and (
             tol.min_sqnr_db is None or (sqnr is not None and sqnr >= tol.min_sqnr_db))
@@ -432,6 +433,24 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
         tried[island] = a
         result.attempts.append(a)
         return a
+
+    def attempt(island: tuple[str, ...]) -> Attempt:
+        if island in tried:
+            return tried[island]
+        if not island:
+            # the starting point is the parent run itself, already stored
+            return judge(par["run_id"], (), "", _plain_output(recipe, base))
+        if len(result.attempts) > max_runs:
+            raise _Budget()
+        label = "+".join(f"keep-fp32:{m}" for m in island)
+        policy = apply_fixes(base, label)
+        name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label}")
+        _tick(progress, len(tried), max_runs, name)
+        run = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
+        with store.extend_session(info["name"]) as w:
+            run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
+                               parent_run_id=par["run_id"], fix=label, kind="rerun")
+        return judge(run_id, island, label, run.output)
 
     island: list[str] = []
     try:

@@ -18,6 +18,10 @@ What is recorded, and how:
 Names are ``<module path>.<op>.<call counter>`` (``blocks.0.attn.softmax.0``,
 ``blocks.0.attn.forward.0`` for the module call itself), counted per step,
 so the same model run twice -- in fp32 and in fp16 -- gives the same names.
+An op's backward is its own op, ``blocks.0.attn.softmax.0.backward`` and
+``blocks.0.attn.backward.0`` (which also owns the module's parameter
+gradients), as in msprobe dumps: grouping records by op never mixes the
+two directions.
 
 ``seq`` is execution order: an op's inputs and outputs share the seq given
 when the op *finishes*, so an op nested in a module comes before the module.
@@ -211,6 +215,13 @@ class DtypePolicy:
             )
         self.dtype = dtype
 
+    @property
+    def name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    def to_json(self) -> str:
+        return json.dumps({"dtype": self.name})
+
     def prepare(self, model):
         return model.to(self.dtype)
 
@@ -248,6 +259,14 @@ def as_policy(dtype_policy):
             f"prepare_inputs(inputs); it has no {' or '.join(missing)}()"
         )
     return dtype_policy
+
+
+def _backward_name(module_op: str) -> str:
+    """``blocks.0.fc1.forward.3`` -> ``blocks.0.fc1.backward.3``."""
+    head, _, n = module_op.rpartition(".forward.")
+    if head or module_op.startswith("forward."):
+        return f"{head}.backward.{n}" if head else "backward." + module_op.split(".", 1)[1]
+    return module_op + ".backward"
 
 
 class _Frame:
@@ -435,7 +454,8 @@ class Capture:
                 for pname, p in mod.named_parameters(recurse=False):
                     if id(p) in self._param_owner or not p.requires_grad:
                         continue
-                    op = f"{path}.forward.0" if path else "forward.0"
+                    # a parameter's gradient is produced by its module's backward
+                    op = f"{path}.backward.0" if path else "backward.0"
                     self._param_owner[id(p)] = (op, type(mod).__name__, pname)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
         if opts.functional:
@@ -535,9 +555,13 @@ class Capture:
         return rec, pos
 
     def _keep(self, op: str, t: torch.Tensor):
-        if self.options.keep_selected(op):
-            return t.detach().clone()
-        return None
+        if not self.options.keep_selected(op):
+            return None
+        if t.layout != torch.strided or t.device.type == "meta" or t.is_complex():
+            self._warn(op, f"{t.layout} {str(t.dtype).replace('torch.', '')} tensor not kept: only dense real "
+                           "tensors are stored whole")
+            return None
+        return t.detach().clone()
 
     def _observe(self, pos, rec, t, handle):
         if self.observer is not None:
@@ -590,7 +614,8 @@ class Capture:
             out_recs.append((idx, t, pos))
         self._mark_outputs(outs, seq)
         if self.options.backward and torch.is_grad_enabled():
-            self._register_backward(op, op_type, [(r, i, t) for r, i, t, _ in ins], outs, start_seq)
+            self._register_backward(f"{op}.backward", op_type, [(r, i, t) for r, i, t, _ in ins], outs,
+                                    start_seq)
         if shadow is not None and out_recs:
             self._local_functional(op, info, func, shadow, rng, out_recs)
 
@@ -683,8 +708,9 @@ class Capture:
                 out_recs.append((idx, t, pos))
             self._mark_outputs(outs, seq)
             if self.options.backward and torch.is_grad_enabled():
-                self._register_backward(op, op_type, [(r, i, t) for r, i, t, _ in frame.inputs if r != "param"],
-                                        outs, frame.start_seq)
+                self._register_backward(_backward_name(op), op_type,
+                                        [(r, i, t) for r, i, t, _ in frame.inputs if r != "param"], outs,
+                                        frame.start_seq)
             if frame.shadow_in is not None and out_recs:
                 self._local_module(frame, out_recs)
         except Exception as e:
@@ -703,8 +729,6 @@ class Capture:
         if not nodes:
             return
         bop = _BackwardOp(op, op_type, self.step_no)
-        for node, outputs in nodes.items():
-            self._step_handles.append(node.register_prehook(self._make_grad_output_hook(bop, outputs)))
         # the edges through which this op hands gradient to its inputs
         nonleaf: dict = {}
         leaf: dict = {}
@@ -715,6 +739,14 @@ class Capture:
                 nonleaf.setdefault((id(t.grad_fn), t.output_nr), []).append((role, idx))
             else:
                 leaf.setdefault(id(t), []).append((role, idx))
+        # an output that is one of the inputs (x.float() on a float32 x, x.to(x.dtype))
+        # passes its gradient straight through: grad_input is its grad_output
+        for node, outputs in nodes.items():
+            through = {}
+            for oidx, nr in outputs:
+                for role, idx in nonleaf.pop((id(node), nr), ()):
+                    through.setdefault(oidx, []).append((role, idx))
+            self._step_handles.append(node.register_prehook(self._make_grad_output_hook(bop, outputs, through)))
         if not nonleaf and not leaf:
             return
         hits: dict = {}  # node -> [(k, role, idx)]
@@ -753,7 +785,7 @@ class Capture:
                 bop.seq = self._take_seq()
             return bop.seq
 
-    def _make_grad_output_hook(self, bop, outputs):
+    def _make_grad_output_hook(self, bop, outputs, through):
         def hook(grad_outputs):
             if not self._recording:
                 return None
@@ -764,8 +796,14 @@ class Capture:
                     if g is None:
                         continue
                     h = self._measure(bop.op, g, hold=True)
-                    if h is not None:
-                        rec, pos = self._add(seq, bop.op, bop.op_type, "grad_output", idx, h, "backward",
+                    if h is None:
+                        continue
+                    rec, pos = self._add(seq, bop.op, bop.op_type, "grad_output", idx, h, "backward",
+                                         tensor=self._keep(bop.op, g), step=bop.step)
+                    self._observe(pos, rec, g, h)
+                    for role, in_idx in through.get(idx, ()):
+                        gi = in_idx if role == "input" else f"{role}_{in_idx}"
+                        rec, pos = self._add(seq, bop.op, bop.op_type, "grad_input", gi, h, "backward",
                                              tensor=self._keep(bop.op, g), step=bop.step)
                         self._observe(pos, rec, g, h)
             except Exception as e:

@@ -223,9 +223,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     del state
 
     if candidate_name is None:
-        desc = getattr(policy, "name", None) or (str(policy.dtype).replace("torch.", "")
-                                                  if hasattr(policy, "dtype") else "candidate")
-        candidate_name = str(desc)
+        candidate_name = str(getattr(policy, "name", None) or "candidate")
     keeper = _ReferenceKeeper(keep_bytes)
     comparer = _Comparer(keeper)
     try:

@@ -24,6 +24,11 @@ Readers call ``tick(nbytes, label)`` after each file they finish.
 
 A reader raises ``ReadError`` with a message naming the file and the
 problem; warnings about files it skipped go to ``RunSource.warnings``.
+
+Optionally a reader has ``local_comparisons(root)`` yielding ``(run key,
+record, Comparison)`` for comparisons the dump itself carries (an op's
+output against its own fp32 re-run, from live capture); ingest stores them
+as ``kind="local"`` comparisons of the record with the same name.
 """
 
 from __future__ import annotations

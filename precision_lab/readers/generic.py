@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import re
+import tokenize
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -140,7 +141,7 @@ def _load_npy(path: Path, rel: str, want=None):
         if "mmap length" in msg:
             raise ReadError(f"{rel}: truncated: the header promises more data than the file holds") from None
         raise ReadError(f"{rel}: corrupt .npy header ({_first_line(e)})") from None
-    except (OSError, EOFError, SyntaxError) as e:
+    except (OSError, EOFError, SyntaxError, tokenize.TokenError) as e:  # TokenError: a mangled header dict
         raise ReadError(f"{rel}: corrupt .npy file ({_first_line(e)})") from None
     # bytes past the data mean the header's shape is not the data's (mmap would silently ignore them)
     extra = path.stat().st_size - getattr(arr, "offset", 0) - arr.nbytes

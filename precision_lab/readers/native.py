@@ -4,8 +4,10 @@ A folder is ours when its ``manifest.json`` says ``"format":
 "precision-lab-shards"``.  Reading is delegated to
 ``precision_lab.shards.read_shards(root)``, which yields ``(run_meta,
 TensorRecord)`` pairs; each distinct ``run_meta["run_id"]`` becomes one run,
-keeping the kind (reference/candidate/rerun), parent, fix and policy the
-capture wrote.  Shard records carry execution order (``seq``) from capture.
+keeping the kind (reference/candidate/rerun), parent, fix, policy and
+warnings the capture wrote.  Shard records carry execution order (``seq``)
+from capture.  The local (shadow fp32) comparisons the capture stored come
+through ``local_comparisons`` and are kept as ``kind="local"`` comparisons.
 """
 
 from __future__ import annotations
@@ -73,14 +75,31 @@ class NativeReader:
                     except (ValueError, OSError, KeyError) as e:
                         raise ReadError(f"{root}: cannot read the shards ({e})") from None
 
+            policy = meta.get("policy")
+            order = meta.get("order") or "execution"
             src = RunSource(
                 key=key, name=str(meta.get("name") or key), root=root, reader=self.name, records=records(),
-                order="execution", order_note="capture order (seq) recorded in the shards",
+                order=order, order_note="capture order (seq) recorded in the shards" if order == "execution"
+                else "by name, as the shards say",
                 kind=meta.get("kind"), parent_key=meta.get("parent_run_id"), fix=meta.get("fix"),
-                policy=meta.get("policy") if meta.get("policy") is None or isinstance(meta.get("policy"), str)
-                else json.dumps(meta.get("policy")),
-                dtype=meta.get("dtype"),
+                policy=policy if policy is None or isinstance(policy, str) else json.dumps(policy),
+                dtype=meta.get("dtype") or None,
             )
+            for w in meta.get("warnings") or []:
+                where, msg = (w[0], w[1]) if isinstance(w, (list, tuple)) and len(w) == 2 else ("manifest.json", w)
+                src.warnings.append((str(where), str(msg)))
             yield src
             for _ in src.records:  # the consumer may stop early; the stream must move on
                 pass
+
+    def local_comparisons(self, root: Path):
+        """``(run key, output record, Comparison)`` of each op's output against its own fp32 re-run."""
+        try:
+            from ..shards import read_local_comparisons
+        except ImportError:
+            return
+        try:
+            for meta, rec, cmp in read_local_comparisons(root):
+                yield str(meta.get("run_id") or meta.get("name") or "run"), rec, cmp
+        except (ValueError, OSError, KeyError) as e:
+            raise ReadError(f"{root}: cannot read the shards' local comparisons ({e})") from None

@@ -39,7 +39,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from ..readers import READERS, ReadError, RunSource, detect
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
@@ -190,9 +190,10 @@ def ingest(
         total = sum(_folder_bytes(s.root) for s in sources) or 1
         done = 0
 
-        def tick(nbytes: int, label: str) -> None:
+        def tick(nbytes: Optional[int], label: str) -> None:
+            """Advance by ``nbytes``; None: reading is over (files no reader needed count as read)."""
             nonlocal done
-            done = min(total, done + int(nbytes))
+            done = total if nbytes is None else min(total, done + int(nbytes))
             tick_cb(done, total, label)
 
         name = session or _session_name(sources)
@@ -269,13 +270,19 @@ class _Ingestion:
             try:
                 for src in s.reader.iter_runs(s.root, self.tick):
                     self._read(si, s, src)
+                if hasattr(s.reader, "local_comparisons"):
+                    self._local(si, s.reader.local_comparisons(s.root))
             except ReadError as e:
                 where = "archive" if s.path.is_file() else "dump"
                 raise IngestError(f"{e} (in {where} {s.path})") from None
-        for r in self.order:
+        self.tick(None, "read")
+        for (si, _key), r in self.runs.items():
             if not r.src.dtype:
                 r.src.dtype = _dominant_dtype(r.dtypes)
                 self.w.cur.execute("UPDATE runs SET dtype = ? WHERE run_id = ?", [r.src.dtype, r.run_id])
+            parent = self.runs.get((si, r.src.parent_key)) if r.src.parent_key else None
+            if parent is not None:  # a re-run captured under a fix names the run it was made from
+                self.w.cur.execute("UPDATE runs SET parent_run_id = ? WHERE run_id = ?", [parent.run_id, r.run_id])
         pairs = self._pairs()
         summaries = {}
         for ref, cand in pairs:
@@ -338,6 +345,24 @@ class _Ingestion:
         for file, msg in src.warnings:
             self.w.add_warning(file, msg, run_id=run.run_id)
         src.warnings.clear()
+
+    def _local(self, si: int, comparisons) -> None:
+        """Store the local (own fp32 re-run) comparisons a dump carries, on the records they belong to."""
+        index: dict[str, dict] = {}
+        for key, rec, cmp in comparisons:
+            run = self.runs.get((si, key))
+            if run is None:
+                continue
+            by_name = index.get(run.run_id)
+            if by_name is None:
+                by_name = index[run.run_id] = {exact_key(it.record): it for it in run.items}
+            item = by_name.get(exact_key(rec))
+            if item is None:
+                continue
+            r = item.record
+            self.w.add_comparison(kind="local", ref_run_id=run.run_id, ref_rid=None, cand_run_id=run.run_id,
+                                  cand_rid=item.rid, step=r.step, rank=r.rank, seq=r.seq, op=r.op, role=r.role,
+                                  index=r.index, match="exact", comparison=cmp)
 
     def _run_name(self, name: str) -> str:
         taken = {r.name for r in self.order}

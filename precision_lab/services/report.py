@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from ..formats import format_for_dtype
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import html
 import math
 import re
 from typing import Any, Optional
 
-__all__ = ["rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
+__all__ = ["plot_text", "rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
            "run_label", "resolve_run", "style_severity"]
 
 # Worst first.  "nonfinite": NaN/Inf in the record or introduced vs the
@@ -79,6 +80,13 @@ _MD_SPECIAL = set("\\`*_{}[]()#!|<>~$:&")
 # characters that start markup only at the beginning of a line (lists, rules)
 _MD_LEADING = set("-+=")
 _MD_ORDERED = re.compile(r"^(\d+)([.)])")
+
+
+def plot_text(text: Any) -> str:
+    """A name for a plotly label, shown as typed: plotly renders ``<a href>``,
+    ``<b>``, ``<br>`` in hover text, legends and annotations, and decodes
+    ``&lt; &gt; &amp;`` (not ``&quot;``) back to characters."""
+    return html.escape("" if text is None else str(text), quote=False)
 
 
 def escape_md(text: Any) -> str:

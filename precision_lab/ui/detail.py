@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
-from .common import cosine_text, num_text, rows
+from .common import cosine_text, num_text, plot_text, rows
 
 __all__ = ["record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
            "histogram_figure", "representability_table", "what_if_table", "headroom_table",
@@ -225,10 +225,10 @@ def histogram_figure(series: Sequence[tuple[str, object]], formats: Sequence[str
         all_exps += [float(e) for e in b["exp"]] + [float(e) + 1 for e in b["exp"]]
         ymax = max(ymax, int(b["count"].max()) if len(b) else 0)
         fig.add_trace(go.Bar(
-            x=b["exp"] + 0.5, y=b["count"], name=str(label), opacity=0.9,
+            x=b["exp"] + 0.5, y=b["count"], name=plot_text(label), opacity=0.9,
             marker={"color": SERIES_COLORS[k % len(SERIES_COLORS)], "line": {"width": 0}},
             customdata=np.stack([b["exp"], b["exp"] + 1], axis=1) if len(b) else None,
-            hovertemplate="2^%{customdata[0]} ≤ |x| < 2^%{customdata[1]}<br>%{y:,} values<extra>" + str(label) + "</extra>",
+            hovertemplate="2^%{customdata[0]} ≤ |x| < 2^%{customdata[1]}<br>%{y:,} values<extra>" + plot_text(label) + "</extra>",
         ))
     x_range = _x_range(all_exps, formats)
     _format_overlays(fig, formats, x_range)
@@ -366,18 +366,18 @@ def summary_figure(series: Sequence[tuple[str, object]], formats: Sequence[str])
         bad = [p for p in mine if not math.isfinite(p[3])]
         color = SERIES_COLORS[k % len(SERIES_COLORS)]
         fig.add_trace(go.Scatter(
-            x=[math.log2(abs(p[3])) for p in fin], y=[p[2] for p in fin], mode="markers", name=str(label),
+            x=[math.log2(abs(p[3])) for p in fin], y=[p[2] for p in fin], mode="markers", name=plot_text(label),
             text=[num_text(p[3]) for p in fin], offsetgroup=str(k),
             marker={"size": 13, "symbol": ("circle", "diamond", "square", "triangle-up")[k % 4], "color": color,
                     "line": {"width": 1}},
-            hovertemplate="%{y} = %{text}<br>log2 |value| = %{x:.3f}<extra>" + str(label) + "</extra>",
+            hovertemplate="%{y} = %{text}<br>log2 |value| = %{x:.3f}<extra>" + plot_text(label) + "</extra>",
         ))
         if bad:
             fig.add_trace(go.Scatter(
                 x=[x_range[1] - 0.5] * len(bad), y=[p[2] for p in bad], mode="markers+text",
-                name=f"{label}: NaN/Inf", text=[num_text(p[3]) for p in bad], textposition="middle left",
+                name=f"{plot_text(label)}: NaN/Inf", text=[num_text(p[3]) for p in bad], textposition="middle left",
                 offsetgroup=str(k), marker={"size": 13, "symbol": "x", "color": "#dc2626"},
-                hovertemplate="%{y} = %{text}<extra>" + str(label) + "</extra>",
+                hovertemplate="%{y} = %{text}<extra>" + plot_text(label) + "</extra>",
             ))
     _format_overlays(fig, formats, x_range)
     fig.update_layout(

@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .common import num_text, rows, run_label
+from .common import num_text, plot_text, rows, run_label
 
 __all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
@@ -181,6 +181,8 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
         flag_y = worst * 10 if log_y and larger_worse else (worst + 10 if larger_worse else worst - 10)
     else:
         flag_y = 1.0
+    # names from dumps are shown as typed, never as plotly label markup
+    df = df.assign(op=df["op"].map(plot_text), series=df["series"].map(plot_text))
     for series, g in df.groupby("series", sort=False):
         fig.add_trace(go.Scatter(
             x=g["seq"], y=g["value"], mode="lines+markers", name=str(series), marker={"size": 5},
@@ -198,7 +200,7 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
     for item in first_nonfinite or []:
         if item:
             fig.add_vline(x=item["seq"], line_dash="dash", line_color="#dc2626", opacity=0.8,
-                          annotation_text=f"first NaN/Inf: {item['op']}", annotation_position="top left")
+                          annotation_text=f"first NaN/Inf: {plot_text(item['op'])}", annotation_position="top left")
     fig.update_layout(
         xaxis_title="execution order (seq)", yaxis_title=title, legend_title_text="run",
         margin={"l": 10, "r": 10, "t": 30, "b": 10}, height=380, hovermode="closest",

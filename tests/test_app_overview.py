@@ -1,0 +1,73 @@
+"""AppTest: the Overview page."""
+
+from __future__ import annotations
+
+from precision_lab.ui.common import escape_md
+
+from ui_fixtures import (STAT_FIRST_NONFINITE, STAT_SESSION, TENSOR_SESSION, WIDE_OP, assert_clean,  # noqa: F401
+                         frame_with, open_page, texts, ui_db, ui_template)
+
+
+def _store(db):
+    from precision_lab.store import Store
+
+    return Store(db)
+
+
+def test_overview_names_the_first_nonfinite_producer_and_its_path(ui_db):
+    at = open_page("overview", session=STAT_SESSION)
+    body = texts(at)
+    assert escape_md(STAT_FIRST_NONFINITE) in body
+    assert "every recorded value is finite" in body  # the fp32 reference
+    path = frame_with(at, "NaN/Inf in outputs")
+    assert path["op"].iloc[-1] == STAT_FIRST_NONFINITE
+    assert list(path["NaN/Inf in outputs"]) == [False] * (len(path) - 1) + [True]
+    assert path["seq"].is_monotonic_increasing
+    runs = frame_with(at, "nonfinite_records")
+    assert sorted(runs["kind"]) == ["candidate", "reference"]
+    assert at.get("plotly_chart"), "error-vs-order plot missing"
+
+
+def test_top_offenders_table_and_open_buttons(ui_db):
+    at = open_page("overview", session=STAT_SESSION)
+    top = frame_with(at, "rounding_units")
+    assert 0 < len(top) <= 10 and "nonfinite" not in set(top["verdict"])
+    store = _store(ui_db)
+    cand = store.df("SELECT r.run_id, r.name FROM runs r JOIN sessions s USING (session_id) "
+                    "WHERE s.name = ? AND r.kind = 'candidate'", [STAT_SESSION]).iloc[0]
+    at.button(key=f"open_first_{cand['run_id']}").click().run()
+    assert_clean(at)
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
+    assert at.query_params["run"] == cand["name"]
+
+
+def test_diagnosis_cards_render_as_text(ui_db):
+    from precision_lab.records import Diagnosis
+
+    store = _store(ui_db)
+    sid = store.session(TENSOR_SESSION)["session_id"]
+    run_id = store.df("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).run_id[0]
+    with store.extend_session(TENSOR_SESSION) as w:
+        w.add_diagnosis(Diagnosis(sid, run_id, WIDE_OP, "fp16-overflow",
+                                  "[click](http://x) absmax 1042329 > fp16 max 65504", ("use-bf16",), "error", 1))
+    at = open_page("overview", session=TENSOR_SESSION)
+    body = texts(at)
+    assert escape_md("[click](http://x) absmax 1042329 > fp16 max 65504") in body  # shown literally
+    assert "use\\-bf16" in body or "use-bf16" in body
+    assert escape_md(WIDE_OP) in body
+
+
+def test_session_comes_from_the_url_and_metric_switch(ui_db):
+    at = open_page("overview", session=TENSOR_SESSION)
+    assert TENSOR_SESSION in at.title[0].value.replace("\\", "")
+    at.radio(key="err_metric").set_value("sqnr_db").run()
+    assert_clean(at)
+    fig = at.get("plotly_chart")[0]
+    assert "SQNR" in fig.proto.spec
+
+
+def test_unknown_session_in_url_falls_back_to_a_known_one(ui_db):
+    at = open_page("overview", session="no-such-session")
+    assert_clean(at)
+    assert at.query_params["session"] in (STAT_SESSION, TENSOR_SESSION)

@@ -1,0 +1,136 @@
+"""AppTest: the Sessions page -- empty start, uploads, samples, rename and delete."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+from precision_lab.ui.common import escape_md
+
+from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, TENSOR_SESSION,  # noqa: F401
+                         app_test, assert_clean, empty_db, frames, texts, ui_db, ui_template)
+
+
+def _dir_files(folder: Path) -> list[tuple[str, bytes, str]]:
+    return [(f"{folder.name}/{p.relative_to(folder).as_posix()}", p.read_bytes(), "application/octet-stream")
+            for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
+def _store(db):
+    from precision_lab.store import Store
+
+    return Store(db)
+
+
+def test_empty_database_invites_upload_and_samples(empty_db):
+    at = app_test()
+    at.run()
+    assert_clean(at)
+    assert "No sessions yet" in at.info[0].value
+    ups = {u.key: u for u in at.file_uploader}
+    assert ups["up_cand_dir"].accept_directory and ups["up_ref_dir"].accept_directory
+    assert at.button(key="ingest").disabled  # nothing chosen yet
+    assert any(b.label.startswith(f"Open sample: {STAT_CAND.name}") for b in at.button)
+
+
+def test_open_sample_in_one_click_lands_on_its_overview(empty_db):
+    at = app_test()
+    at.run()
+    at.button(key=f"sample_{STAT_CAND.name}").click().run()
+    assert_clean(at)
+    assert at.title[0].value.startswith("Overview")
+    assert escape_md(STAT_FIRST_NONFINITE) in texts(at)
+    sessions = _store(empty_db).sessions()
+    assert list(sessions["runs"]) == [2]
+
+
+def test_directory_upload_with_reference(empty_db):
+    at = app_test()
+    at.run()
+    at.file_uploader(key="up_cand_dir").set_value(_dir_files(STAT_CAND))
+    at.file_uploader(key="up_ref_dir").set_value(_dir_files(STAT_REF))
+    at.run()
+    at.button(key="ingest").click().run()
+    assert_clean(at)
+    name = f"{STAT_CAND.name}-vs-{STAT_REF.name}"
+    assert at.query_params["session"] == name
+    assert escape_md(STAT_FIRST_NONFINITE) in texts(at)
+    runs = _store(empty_db).runs(_store(empty_db).session(name)["session_id"])
+    assert sorted(runs["kind"]) == ["candidate", "reference"]
+
+
+def test_zip_upload(empty_db):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data, _ in _dir_files(STAT_CAND):
+            zf.writestr(name, data)
+    at = app_test()
+    at.run()
+    at.button_group(key="up_cand_kind").set_value(".zip").run()
+    at.file_uploader(key="up_cand_zip").set_value(("cand.zip", buf.getvalue(), "application/zip"))
+    at.text_input(key="new_session_name").input("zipped")
+    at.run()
+    at.button(key="ingest").click().run()
+    assert_clean(at)
+    assert at.query_params["session"] == "zipped"
+    assert escape_md(STAT_FIRST_NONFINITE) in texts(at)
+
+
+def test_bad_uploads_give_a_sentence_and_no_session(empty_db):
+    at = app_test()
+    at.run()
+    at.file_uploader(key="up_cand_dir").set_value([("../escape/dump.json", b"{}", "application/json")])
+    at.run()
+    at.button(key="ingest").click().run()
+    assert_clean(at)
+    assert "leaves the upload folder" in at.error[0].value and "../escape/dump.json" in at.error[0].value
+    at.file_uploader(key="up_cand_dir").set_value([("junk/readme.txt", b"hello", "text/plain")])
+    at.run()
+    at.button(key="ingest").click().run()
+    assert_clean(at)
+    assert "no tensor files" in at.error[0].value and "junk" in at.error[0].value
+    assert _store(empty_db).sessions().empty
+
+
+def test_list_select_rename_and_delete_with_confirmation(ui_db):
+    at = app_test()
+    at.run()
+    table = frames(at)[0]
+    assert set(table["session"]) == {STAT_SESSION, TENSOR_SESSION}
+    row = table.set_index("session").loc[STAT_SESSION]
+    assert STAT_FIRST_NONFINITE in row["first non-finite"]
+
+    at.selectbox(key="manage_session").set_value(TENSOR_SESSION)
+    at.text_input(key="rename_to").input("renamed")
+    at.run()
+    at.button(key="rename").click().run()
+    assert_clean(at)
+    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, "renamed"}
+
+    at.selectbox(key="manage_session").set_value("renamed")
+    at.button(key="delete").click().run()
+    assert "cannot be undone" in at.warning[0].value
+    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, "renamed"}  # not yet
+    at.button(key="delete_no").click().run()
+    assert not at.warning and len(_store(ui_db).sessions()) == 2
+    at.button(key="delete").click().run()
+    at.button(key="delete_yes").click().run()
+    assert_clean(at)
+    assert list(_store(ui_db).sessions()["name"]) == [STAT_SESSION]
+
+    # selecting a row opens the session's overview
+    at.session_state["sessions_table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    at.run()
+    assert at.title[0].value.startswith("Overview") and at.query_params["session"] == STAT_SESSION
+
+
+def test_rename_to_an_existing_name_is_refused(ui_db):
+    at = app_test()
+    at.run()
+    at.selectbox(key="manage_session").set_value(TENSOR_SESSION)
+    at.text_input(key="rename_to").input(STAT_SESSION)
+    at.run()
+    at.button(key="rename").click().run()
+    assert_clean(at)
+    assert "already exists" in at.error[0].value

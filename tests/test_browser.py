@@ -1,0 +1,187 @@
+"""End to end in a real browser: start ``streamlit run app.py`` on a free port
+with an empty database, upload the msprobe fp16 dump folder with its fp32
+reference through the file uploader, find the first non-finite op on the
+overview, open it, and check its values are drawn against fp16's range.
+A second upload (a .zip of .npy files) checks the magnitude histogram.
+Screenshots go to ``test-artifacts/``.
+
+Needs Debian's chromium (``/usr/bin/chromium``) and Python Playwright; it is
+skipped when chromium is missing, except in CI (``CI=true``) where it must run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ui_fixtures import ROOT, STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = ROOT / "test-artifacts"
+TIMEOUT_MS = 60_000
+
+if not Path(CHROMIUM).exists():
+    if os.environ.get("CI", "").lower() == "true":
+        raise RuntimeError(f"{CHROMIUM} is missing; CI must run the browser test (apt-get install -y chromium)")
+    pytest.skip(f"{CHROMIUM} is not installed", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, PRECISION_LAB_DB=str(tmp_path / "browser.duckdb"), CI="true")
+    env.pop("PRECISION_LAB_CONFIG", None)
+    env.pop("PRECISION_LAB_READ_ONLY", None)
+    log = open(tmp_path / "streamlit.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+         "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.read().decode().strip() == "ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.flush()
+                raise RuntimeError("streamlit did not start:\n" + (tmp_path / "streamlit.log").read_text()[-3000:])
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        pg = browser.new_page(viewport={"width": 1500, "height": 1400})
+        pg.set_default_timeout(TIMEOUT_MS)
+        yield pg
+        browser.close()
+
+
+def _wide_zip(tmp: Path) -> Path:
+    """A .zip of a small .npy dump whose fp16 output overflows (the histogram case)."""
+    rng = np.random.default_rng(7)
+    x = (rng.choice([-1.0, 1.0], 2000) * np.exp2(rng.uniform(-28, 19, 2000))).astype(np.float32)
+    path = tmp / "wide_fp16.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, arr in (("layer.input.0.npy", np.ones(8, np.float16)), ("layer.output.0.npy", x)):
+            buf = io.BytesIO()
+            with np.errstate(over="ignore"):
+                np.save(buf, arr.astype(np.float16))
+            zf.writestr(f"wide_fp16/{name}", buf.getvalue())
+    return path
+
+
+def _shot(pg, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    out = ARTIFACTS / name
+    pg.screenshot(path=str(out), full_page=True)
+    return out
+
+
+def test_upload_find_the_overflow_and_open_it(server, page, tmp_path):
+    try:
+        _flow(server, page, tmp_path)
+    except Exception:
+        _shot(page, "browser-failure.png")
+        raise
+
+
+def _flow(server, page, tmp_path):
+    pg = page
+    pg.goto(server)
+    pg.get_by_text("No sessions yet").wait_for()
+
+    # copies so the uploaded folders carry exactly the sample's name
+    cand, ref = tmp_path / STAT_CAND.name, tmp_path / STAT_REF.name
+    shutil.copytree(STAT_CAND, cand)
+    shutil.copytree(STAT_REF, ref)
+    inputs = pg.locator('[data-testid="stFileUploaderDropzoneInput"]')
+    inputs.nth(1).wait_for(state="attached")
+    assert inputs.count() == 2
+    inputs.nth(0).set_input_files(str(cand))
+    inputs.nth(1).set_input_files(str(ref))
+    pg.get_by_text("dump.json").first.wait_for()
+    ingest = pg.get_by_role("button", name="Ingest")
+    ingest.wait_for()
+    pg.wait_for_function("() => [...document.querySelectorAll('button')]"
+                         ".some(b => b.innerText.trim() === 'Ingest' && !b.disabled)")
+    ingest.click()
+
+    pg.get_by_text("first non-finite producer:").wait_for()
+    producer = pg.get_by_text(STAT_FIRST_NONFINITE, exact=True).first
+    producer.wait_for()
+    assert "/overview" in pg.url and "session=" in pg.url
+    _shot(pg, "browser-overview.png")
+
+    pg.get_by_role("button", name="Open this op").first.click()
+    pg.get_by_role("heading", name=f"{STAT_FIRST_NONFINITE}.output.0").wait_for()
+    pg.get_by_text("Summary statistics against the format limits").wait_for()
+    chart = pg.locator('[data-testid="stPlotlyChart"]').first
+    chart.wait_for()
+    pg.locator(".js-plotly-plot .xtitle").first.wait_for()
+    assert "log2 |value|" in pg.locator(".js-plotly-plot .xtitle").first.text_content()
+    assert "fp16: max" in chart.inner_text()  # fp16's limits are drawn for an fp16 record
+    assert "op=" in pg.url and "fmt=fp16" in pg.url
+    _shot(pg, "browser-op-detail.png")
+
+    # a shared link opens the same view in a fresh browser page
+    link = pg.url
+    pg.goto("about:blank")
+    pg.goto(link)
+    pg.get_by_role("heading", name=f"{STAT_FIRST_NONFINITE}.output.0").wait_for()
+
+    # a .zip of .npy files gets a real magnitude histogram
+    pg.goto(server)
+    pg.get_by_text("New session").wait_for()
+    pg.get_by_role("button", name=".zip").first.click()
+    zin = pg.locator('[data-testid="stFileUploaderDropzoneInput"]').first
+    zin.wait_for(state="attached")
+    zin.set_input_files(str(_wide_zip(tmp_path)))
+    pg.get_by_text("wide_fp16.zip").first.wait_for()
+    pg.wait_for_function("() => [...document.querySelectorAll('button')]"
+                         ".some(b => b.innerText.trim() === 'Ingest' && !b.disabled)")
+    pg.get_by_role("button", name="Ingest").click()
+    pg.get_by_text("first non-finite producer:").wait_for()
+    pg.get_by_role("button", name="Open this op").first.click()
+    pg.get_by_text("Exact counts per format").wait_for()
+    pg.locator(".js-plotly-plot .ytitle").first.wait_for()
+    assert "values per binade" in pg.locator(".js-plotly-plot .ytitle").first.text_content()
+    _shot(pg, "browser-histogram.png")

@@ -1,0 +1,168 @@
+"""capture_pair: an fp32 reference and an fp16 candidate, accumulated and local error for every op."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import precision_lab
+from precision_lab.live import CaptureOptions
+from precision_lab.services.report import first_nonfinite
+
+from test_capture import build_tiny, loss_fn, tiny_input
+
+
+def _runs(store, name):
+    runs = store.runs(store.session(name)["session_id"])
+    return {r["kind"]: r for _, r in runs.iterrows()}
+
+
+def _rows(store, sql, params):
+    cur = store.sql(sql, params)
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _np_compare(ref, cand):
+    r = ref.detach().double().numpy().ravel()
+    c = cand.detach().double().numpy().ravel()
+    d = c - r
+    return {"max_abs_err": np.abs(d).max(), "rmse": math.sqrt(np.mean(d * d)),
+            "cosine": float(r @ c / (np.linalg.norm(r) * np.linalg.norm(c)))}
+
+
+def test_pair_compares_every_op_accumulated_and_local(store):
+    name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn)
+    runs = _runs(store, name)
+    assert set(runs) == {"reference", "candidate"}
+    ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
+    assert runs["reference"]["dtype"] == "float32" and runs["candidate"]["dtype"] == "float16"
+    n_ref = store.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [ref_id]).fetchone()[0]
+    n_cand = store.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [cand_id]).fetchone()[0]
+    assert n_ref == n_cand > 200
+    acc = _rows(store, "SELECT * FROM comparisons WHERE kind = 'accumulated' AND cand_run_id = ?", [cand_id])
+    # one accumulated comparison per candidate tensor, all matched by name, all element-wise
+    assert len(acc) == n_cand
+    assert {r["match"] for r in acc} == {"exact"} and {r["basis"] for r in acc} == {"tensor"}
+    names = _rows(store, """SELECT t.name AS cn, r.name AS rn FROM comparisons c
+                           JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+                           JOIN tensors r ON r.run_id = c.ref_run_id AND r.rid = c.ref_rid
+                           WHERE c.kind = 'accumulated' AND c.cand_run_id = ?""", [cand_id])
+    assert all(x["cn"] == x["rn"] for x in names) and len(names) == n_cand
+    # one local comparison for every floating output of every forward op
+    outs = _rows(store, """SELECT rid, op FROM tensors WHERE run_id = ? AND role = 'output'
+                          AND direction = 'forward' AND dtype LIKE '%float%'""", [cand_id])
+    local = _rows(store, "SELECT * FROM comparisons WHERE kind = 'local' AND cand_run_id = ?", [cand_id])
+    assert sorted(r["cand_rid"] for r in local) == sorted(r["rid"] for r in outs)
+    assert {r["op"] for r in local} >= {"blocks.0.attn.softmax.0", "blocks.1.fc1.linear.0", "blocks.0.forward.0",
+                                        "forward.0", "blocks.0.attn.to.0"}
+    # nothing non-finite, rounding-level error everywhere
+    assert first_nonfinite(store, ref_id) is None and first_nonfinite(store, cand_id) is None
+    assert {r["verdict"] for r in local} <= {"expected", "warn"}
+
+
+def test_pair_numbers_equal_an_independent_computation(store):
+    name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store)
+    cand_id = _runs(store, name)["candidate"]["run_id"]
+    # the same two models run by hand
+    torch.manual_seed(0)
+    ref = build_tiny()
+    torch.manual_seed(0)
+    cand = build_tiny()
+    cand.load_state_dict(ref.state_dict())
+    cand = cand.half()
+    with torch.no_grad():
+        ref(tiny_input())
+        cand(tiny_input().half())
+    attn_r, attn_c = ref.blocks[1].attn, cand.blocks[1].attn
+    # accumulated: the candidate's softmax output against the reference's
+    row = _rows(store, """SELECT * FROM comparisons WHERE kind = 'accumulated' AND cand_run_id = ?
+                         AND op = 'blocks.1.attn.to.0' AND role = 'output'""", [cand_id])[0]
+    exp = _np_compare(attn_r.last_probs, attn_c.last_probs)
+    assert row["max_abs_err"] == pytest.approx(exp["max_abs_err"], rel=1e-12)
+    assert row["rmse"] == pytest.approx(exp["rmse"], rel=1e-9)
+    assert row["cosine"] == pytest.approx(exp["cosine"], rel=1e-12)
+    assert row["cand_format"] == "fp16"
+    # local: the fp16 div recomputed in fp32 from its own (upcast) fp16 input
+    row = _rows(store, """SELECT * FROM comparisons WHERE kind = 'local' AND cand_run_id = ?
+                         AND op = 'blocks.1.attn.softmax.0'""", [cand_id])[0]
+    s16 = attn_c.last_scores
+    shadow = F.softmax(s16.float(), dim=-1)
+    own = F.softmax(s16.float(), dim=-1)  # the op itself runs on the fp32 cast: no error of its own
+    exp = _np_compare(shadow, own)
+    assert row["max_abs_err"] == exp["max_abs_err"] == 0.0
+    row = _rows(store, """SELECT * FROM comparisons WHERE kind = 'local' AND cand_run_id = ?
+                         AND op = 'blocks.1.attn.to.0'""", [cand_id])[0]
+    exp = _np_compare(F.softmax(s16.float(), dim=-1), attn_c.last_probs)  # the cast back to fp16
+    assert row["max_abs_err"] == pytest.approx(exp["max_abs_err"], rel=1e-12) and exp["max_abs_err"] > 0
+    assert row["rmse"] == pytest.approx(exp["rmse"], rel=1e-9)
+
+
+def test_pair_with_injected_overflow_local_vs_accumulated(store):
+    name = precision_lab.capture_pair(lambda: build_tiny(overflow_scale=2e5), tiny_input(), torch.float16,
+                                      store=store, loss_fn=loss_fn)
+    runs = _runs(store, name)
+    ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
+    assert first_nonfinite(store, ref_id) is None
+    hit = first_nonfinite(store, cand_id)
+    assert hit["producer"] and hit["op"] == "blocks.1.fc1.linear.0" and hit["direction"] == "forward"
+
+    def verdict(kind, op):
+        return _rows(store, """SELECT verdict, nonfinite_introduced FROM comparisons WHERE kind = ?
+                              AND cand_run_id = ? AND op = ? AND role = 'output'""", [kind, cand_id, op])[0]
+
+    # fc1 introduces the overflow: both kinds say so
+    assert verdict("local", "blocks.1.fc1.linear.0")["verdict"] == "nonfinite"
+    assert verdict("accumulated", "blocks.1.fc1.linear.0")["verdict"] == "nonfinite"
+    # gelu only passes it on: accumulated error is non-finite, its own (local) error is not
+    assert verdict("accumulated", "blocks.1.gelu.0")["verdict"] == "nonfinite"
+    assert verdict("local", "blocks.1.gelu.0")["nonfinite_introduced"] == 0
+    # ops before the overflow are fine in both
+    assert verdict("accumulated", "blocks.1.ln2.layer_norm.0")["verdict"] in ("expected", "warn")
+
+
+def test_pair_spills_reference_to_disk_with_the_same_results(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    a = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, local_error=False)
+    b = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, local_error=False,
+                                   keep_bytes=0)
+    q = """SELECT c.op, c.role, c."index", c.max_abs_err, c.rmse, c.cosine FROM comparisons c
+           JOIN runs r ON r.run_id = c.cand_run_id JOIN sessions s ON s.session_id = r.session_id
+           WHERE s.name = ? ORDER BY c.op, c.role, c."index", c.seq"""
+    ra, rb = _rows(store, q, [a]), _rows(store, q, [b])
+    assert ra == rb and len(ra) > 100
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("precision-lab-ref-")]  # spill folder removed
+    assert not store.df("SELECT * FROM comparisons WHERE kind = 'local'").shape[0]
+
+
+def test_pair_with_a_precision_policy_and_into_an_existing_session(store):
+    from precision_lab.fixes.policy import POLICIES
+
+    first = precision_lab.capture_pair(build_tiny, tiny_input(), POLICIES["bf16"], store=store)
+    runs = _runs(store, first)
+    assert runs["candidate"]["dtype"] == "bfloat16"
+    assert '"dtype": "bf16"' in runs["candidate"]["policy"]
+    again = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, session=first,
+                                       options=CaptureOptions(backward=False), local_error=False)
+    assert again == first
+    assert len(store.runs(store.session(first)["session_id"])) == 4
+
+
+def test_pair_input_errors(store):
+    with pytest.raises(TypeError, match="not a torch.nn.Module"):
+        precision_lab.capture_pair(lambda: 3, tiny_input(), torch.float16, store=store)
+    with pytest.raises(ValueError, match="candidate_policy is None"):
+        precision_lab.capture_pair(build_tiny, tiny_input(), None, store=store)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=lambda y: y)
+    sizes = iter([16, 8])
+    with pytest.raises(ValueError, match="same architecture"):
+        precision_lab.capture_pair(lambda: torch.nn.Linear(next(sizes), 4), torch.ones(2, 16), torch.float16,
+                                   store=store)
+    assert store.sessions().empty  # nothing half-written

@@ -1,0 +1,180 @@
+"""Names that come from dumps (ops, runs, files, sessions) are shown as text:
+never as HTML, never as a markdown link, in the static HTML report and on
+every dashboard page.
+
+Markdown shown by Streamlit is rendered here with markdown-it in
+CommonMark mode with raw HTML off (Streamlit's default without
+``unsafe_allow_html``), so the test sees what a browser would: the name as
+literal text, no ``<a>`` to the planted URL, no ``<script>``.
+"""
+
+import html
+import json
+import re
+
+import pytest
+
+from test_share import make_session
+from ui_fixtures import assert_clean, open_page
+
+EVIL = "<script>alert(1)</script>[click](http://evil.example)*x*"
+OP_PREFIX = "blk<img src=x onerror=alert(2)>[a](http://evil.example)"
+SESSION = "sess<script>alert(3)</script>[s](http://evil.example)"
+RUN_FILE = "dump/<b>bold</b>[f](http://evil.example).npy"
+
+
+def _hostile_session(store):
+    """A session whose session name, op names, warning file and diagnosis message are hostile."""
+    from precision_lab.records import Diagnosis
+
+    made = make_session(store, SESSION, op_prefix=OP_PREFIX)
+    sid = store.session(SESSION)["session_id"]
+    with store.extend_session(SESSION) as w:
+        w.add_warning(RUN_FILE, f"skipped {EVIL}", run_id=made["cand"])
+        w.add_diagnosis(Diagnosis(sid, made["cand"], f"{OP_PREFIX}.5.fc", "overflow", f"message {EVIL}",
+                                  (EVIL,), "error", 5))
+    return made
+
+
+# ---- HTML report -------------------------------------------------------------------------
+
+def test_html_report_escapes_every_name(store):
+    from precision_lab.html_report import render_html
+
+    _hostile_session(store)
+    page = render_html(store, SESSION)
+    body = page[page.index("</head>"):]
+    # the only script tags are plotly's own (the bundle in <head>, one per plot in the body)
+    assert body.count("<script") == 2
+    for raw in ("<script>alert", "<img src=x", "<b>bold</b>"):
+        assert raw not in body
+    # every name is there, escaped: shown as the characters typed
+    for name in (SESSION, f"{OP_PREFIX}.5.fc", RUN_FILE, f"message {EVIL}"):
+        assert html.escape(name) in body, name
+    assert "href" not in re.sub(r"<script.*?</script>", "", body, flags=re.S)
+    # inside plot data, names are escaped for plotly's label markup (which would make <a> a link)
+    plot_json = "".join(re.findall(r"Plotly\.newPlot\((.*?)\)\s*};", body, flags=re.S))
+    assert "blk&lt;img src=x onerror=alert(2)&gt;" in plot_json.replace("\\u003c", "<").replace("\\u003e", ">")
+    assert "<img" not in plot_json.replace("\\u003c", "<")
+
+
+@pytest.mark.browser
+def test_html_report_shows_names_as_text_in_browser(store, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from precision_lab.html_report import write_html
+    from test_html_report import BROWSER_ARGS
+
+    _hostile_session(store)
+    path = write_html(store, SESSION, tmp_path / "evil.html")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        try:
+            page = browser.new_context(offline=True).new_page()
+            dialogs = []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.goto(path.as_uri())
+            page.wait_for_selector("#plot-error .main-svg", timeout=30_000)
+            assert page.inner_text("#session-name") == SESSION
+            assert f"{OP_PREFIX}.5.fc" in page.inner_text("body")
+            assert page.evaluate("document.querySelectorAll('img, b, a').length") == 0
+            # plotly draws the first-NaN annotation with the op name as typed, not as markup
+            ann = page.evaluate("Array.from(document.querySelectorAll('#plot-error .annotation-text'))"
+                                ".map(e => e.textContent)")
+            assert any(f"{OP_PREFIX}.5.fc" in a for a in ann)
+            assert page.evaluate("document.querySelectorAll('#plot-error a, #plot-focus a').length") == 0
+            assert dialogs == []
+        finally:
+            browser.close()
+
+
+# ---- dashboard pages (AppTest) ------------------------------------------------------------------
+
+@pytest.fixture
+def hostile_db(tmp_path, monkeypatch):
+    import streamlit as st
+
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "hostile.duckdb"
+    made = _hostile_session(Store(db))
+    close_all()
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
+    monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
+    st.cache_resource.clear()
+    yield made
+    st.cache_resource.clear()
+    close_all()
+
+
+_MD = None
+
+
+def _render(src: str) -> str:
+    """Markdown -> HTML as Streamlit shows it without unsafe_allow_html (raw HTML is not rendered)."""
+    global _MD
+    if _MD is None:
+        from markdown_it import MarkdownIt
+
+        _MD = MarkdownIt("commonmark", {"html": False})
+    return _MD.render(src)
+
+
+_MD_KINDS = ("title", "header", "subheader", "markdown", "caption", "info", "error", "warning", "success")
+
+
+def _check_page(at):
+    assert_clean(at)
+    assert not at.get("html"), "st.html renders raw HTML"
+    shown = []
+    for kind in _MD_KINDS:
+        for el in getattr(at, kind):
+            if getattr(el.proto, "allow_html", False):
+                raise AssertionError(f"{kind} uses unsafe_allow_html: {el.value[:80]!r}")
+            out = _render(str(el.value))
+            assert "evil.example" not in " ".join(re.findall(r'href="([^"]*)"', out)), (kind, el.value)
+            assert not re.search(r"<(script|img|b)[ >]", out.replace("&lt;", "«")), (kind, el.value)
+            shown.append(html.unescape(re.sub(r"<[^>]+>", "", out)))
+    for chart in at.get("plotly_chart"):
+        spec = json.loads(chart.proto.spec) if chart.proto.spec else {}
+        strings = json.dumps(spec)
+        assert "<script" not in strings and "<img" not in strings and "<b>bold" not in strings, \
+            "a plot draws a name as plotly markup"
+    return "\n".join(shown)
+
+
+def _frames_text(at) -> str:
+    return "\n".join(d.value.to_string() if hasattr(d.value, "to_string") else str(d.value) for d in at.dataframe)
+
+
+def test_sessions_page_shows_names_as_text(hostile_db):
+    at = open_page("sessions")
+    _check_page(at)
+    tables = [d.value for d in at.dataframe]
+    assert any(SESSION in set(t["session"]) for t in tables if "session" in t.columns)
+
+
+def test_overview_page_shows_names_as_text(hostile_db):
+    at = open_page("overview", session=SESSION)
+    text = _check_page(at)
+    assert SESSION in text  # the title shows the name as typed
+    assert f"message {EVIL}" in text and f"{OP_PREFIX}.5.fc" in text
+    assert f"{OP_PREFIX}.5.fc" in _frames_text(at) or f"{OP_PREFIX}.0.fc" in _frames_text(at)
+
+
+def test_ops_page_shows_names_as_text(hostile_db):
+    at = open_page("ops", session=SESSION, run="fp16")
+    _check_page(at)
+    assert f"{OP_PREFIX}.3.fc" in _frames_text(at)
+
+
+def test_detail_page_shows_names_as_text(hostile_db):
+    at = open_page("detail", session=SESSION, run="fp16", op="5")
+    text = _check_page(at)
+    assert f"{OP_PREFIX}.5.fc.output.0" in text
+
+
+def test_diff_page_shows_names_as_text(hostile_db):
+    at = open_page("diff", session=SESSION)
+    _check_page(at)

@@ -1,0 +1,210 @@
+"""Op replay from tensor-mode dumps: reproduces the dumped output, fp32 agrees with float64, fixes apply."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from precision_lab.fixes.replay import REPLAY_OPS, ReplayError, canonical_op, replay, replay_op, replayable_ops
+
+FIXTURES = __import__("tests.conftest", fromlist=["FIXTURES"]).FIXTURES
+F16 = np.finfo(np.float16)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    tmp = tmp_path_factory.mktemp("replay")
+    store = Store(tmp / "replay.duckdb")
+    kept = ingest([FIXTURES / "tensor_mix_fp16"], store=store, keep_tensors=True, session="kept")
+    dump = _overflow_dump(tmp / "ovf_dump")
+    files = ingest([dump], store=store, session="from-files")
+    yield store, kept, files, tmp / "replay.duckdb"
+    close_all()
+
+
+def _overflow_dump(root):
+    """A tiny msprobe tensor-mode dump whose fp16 linear overflows (4 x 200 x 100 = 80,000 > 65,504)."""
+    d = root / "step0" / "rank0"
+    (d / "dump_tensor_data").mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    x = (200 + torch.rand(2, 4, generator=g)).half()
+    w = (100 + torch.rand(3, 4, generator=g)).half()
+    b = torch.zeros(3).half()
+    y = torch.nn.functional.linear(x, w, b)
+    assert torch.isinf(y).any()
+    logits = (torch.rand(2, 6, generator=g) * 30).half()
+    sm = torch.softmax(logits, dim=-1)
+
+    def desc(t, name):
+        torch.save(t, d / "dump_tensor_data" / name)
+        tf = t.float()
+        return {"type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(t.shape), "Max": float(tf.max()),
+                "Min": float(tf.min()), "Mean": float(tf.mean()), "Norm": float(tf.norm()), "requires_grad": False,
+                "data_name": name}
+
+    k = "Functional.linear.0.forward"
+    s = "Functional.softmax.0.forward"
+    data = {
+        k: {"input_args": [desc(x, f"{k}.input.0.pt"), desc(w, f"{k}.input.1.pt"), desc(b, f"{k}.input.2.pt")],
+            "input_kwargs": {}, "output": [desc(y, f"{k}.output.0.pt")]},
+        s: {"input_args": [desc(logits, f"{s}.input.0.pt")], "input_kwargs": {"dim": {"type": "int", "value": -1}},
+            "output": [desc(sm, f"{s}.output.0.pt")]},
+    }
+    # msprobe writes bare Infinity tokens, as json.dumps does
+    text = json.dumps({"task": "tensor", "level": "L1", "framework": "pytorch", "dump_data_dir": str(d),
+                       "data": data})
+    (d / "dump.json").write_text(text)
+    return root
+
+
+def _np64(t):
+    return t.detach().double().numpy()
+
+
+def _np_reference(kind, args):
+    a = [(_np64(x) if isinstance(x, torch.Tensor) else x) for x in args]
+    if kind == "layer_norm":
+        x, shape, w, b, eps = a
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + eps) * w + b
+    if kind == "linear":
+        return a[0] @ a[1].T + (a[2] if len(a) > 2 and a[2] is not None else 0)
+    if kind == "matmul":
+        return a[0] @ a[1]
+    if kind == "div":
+        return a[0] / a[1]
+    if kind == "add":
+        return a[0] + a[1]
+    if kind == "softmax":
+        e = np.exp(a[0] - a[0].max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    if kind == "gelu":
+        x = a[0]
+        return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    raise AssertionError(kind)
+
+
+def _args_of(store, session, op):
+    """The op's inputs as stored (kept tensors), for the independent computation."""
+    from precision_lab.fixes.replay import _assemble, _load_tensor, _pick_run, _rows, _scalar_args
+
+    info = store.session(session)
+    run = _pick_run(store, info, None)
+    recs = _rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run["run_id"], op])
+    tensors = {(r["role"], str(r["index"])): _load_tensor(store, run, r) for r in recs}
+    pos, kw, _ = _scalar_args(run, op, recs)
+    return _assemble(canonical_op(recs[0]["op_type"]), tensors, pos, kw)
+
+
+@pytest.mark.parametrize("op, kind", [
+    ("Functional.layer_norm.0.forward", "layer_norm"),
+    ("Functional.linear.0.forward", "linear"),
+    ("Torch.matmul.0.forward", "matmul"),
+    ("Tensor.__truediv__.0.forward", "div"),
+    ("Functional.softmax.0.forward", "softmax"),
+    ("Functional.gelu.0.forward", "gelu"),
+    ("Tensor.__add__.0.forward", "add"),
+])
+def test_replay_reproduces_dump_and_fp32_matches_float64(lab, op, kind):
+    store, kept, _, _ = lab
+    res = replay_op(store, kept, op)
+    assert res.replay_as == kind and res.cand_format == "fp16"
+    same = res.comparisons["candidate vs dumped"]
+    assert same.max_abs_err == 0 and same.nonfinite_introduced == 0 and res.reproduces_dump  # bit-exact
+    args, kwargs = _args_of(store, kept, op)
+    if kind == "layer_norm":
+        assert tuple(args[1]) == (32,) and args[4] == pytest.approx(1e-5)  # read from dump.json
+    expect = _np_reference(kind, args)
+    np.testing.assert_allclose(res.outputs["fp32"].double().numpy(), expect, rtol=1e-5, atol=1e-5)
+    # the dumped fp16 output differs from fp32 by about fp16's rounding
+    assert res.comparisons["dumped vs fp32"].verdict == "expected"
+
+
+def test_module_entry_uses_its_parameters(lab):
+    store, kept, _, _ = lab
+    res = replay_op(store, kept, "Module.blocks.0.ln1.LayerNorm.forward.0")
+    assert res.replay_as == "layer_norm" and res.comparisons["candidate vs dumped"].max_abs_err == 0
+    assert any("eps 1e-5" in n for n in res.notes)
+    res = replay_op(store, kept, "Module.blocks.0.fc1.Linear.forward.0", fixes="keep-fp32:Module.blocks.0.fc1.*")
+    assert res.outputs["fixed"].dtype == torch.float32
+    assert res.comparisons["fixed vs fp32"].max_abs_err == 0
+
+
+def test_overflow_replayed_from_files_and_fixed(lab):
+    store, _, files, _ = lab
+    op = "Functional.linear.0.forward"
+    res = replay_op(store, files, op, fixes=f"keep-fp32:{op}")
+    assert torch.isinf(res.outputs["dumped"]).any() and torch.isinf(res.outputs["candidate"]).any()
+    assert res.reproduces_dump and torch.equal(res.outputs["candidate"], res.outputs["dumped"])
+    assert torch.isfinite(res.outputs["fixed"]).all() and res.fixed_is_finite
+    args, _ = _args_of(store, files, op)
+    expect = _np_reference("linear", args)
+    assert np.abs(expect).max() > float(F16.max)
+    np.testing.assert_allclose(res.outputs["fixed"].double().numpy(), expect, rtol=1e-6)
+    bf = replay_op(store, files, op, fixes="use-bf16")
+    assert bf.outputs["fixed"].dtype == torch.bfloat16 and bf.fixed_is_finite
+    rows = {r["output"]: r for r in res.rows()}
+    assert rows["candidate"]["inf"] > 0 and rows["fixed"]["inf"] == 0
+    assert rows["candidate"]["verdict_vs_fp32"] == "nonfinite"
+
+
+def test_replay_softmax_dim_from_kwargs(lab):
+    store, _, files, _ = lab
+    res = replay_op(store, files, "Functional.softmax.0.forward")
+    assert res.comparisons["candidate vs dumped"].max_abs_err == 0
+    s = res.outputs["fp32"].sum(-1)
+    np.testing.assert_allclose(s.numpy(), 1.0, rtol=1e-6)
+
+
+def test_replay_errors(lab, tmp_path):
+    from tests.conftest import SAMPLES
+    from precision_lab.services.ingest import ingest
+
+    store, kept, files, _ = lab
+    with pytest.raises(ReplayError, match=r"has no forward op 'Nope.0.forward'"):
+        replay_op(store, kept, "Nope.0.forward")
+    with pytest.raises(ReplayError, match=r"has type 'pow', which replay does not know"):
+        replay_op(store, kept, "Tensor.pow.0.forward")
+    stats_only = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], store=store, session="stats-only")
+    op = replayable_ops(store, stats_only)[0]["op"]
+    with pytest.raises(ReplayError, match=r"only its statistics were dumped or kept"):
+        replay_op(store, stats_only, op)
+    with pytest.raises(ReplayError, match=r"cannot be replayed; replayable: linear"):
+        replay("conv2d", [torch.zeros(1)])
+
+
+def test_replay_function_and_quantise():
+    from precision_lab.fixes.policy import PrecisionPolicy, QuantConfig
+
+    x = torch.tensor([0.0975, 0.0, -0.05], dtype=torch.float16)
+    pol = PrecisionPolicy("q", "fp16", quant=QuantConfig("fp8_e5m2", "tensor", "fp16"))
+    out = replay("FakeQuant", [x], cand_format="fp16", policy=pol, fixes="scale-fp32")
+    assert torch.isnan(out["candidate"]).any()  # 0 x inf with an fp16 scale
+    assert torch.isfinite(out["fixed"]).all()
+    assert torch.equal(out["fp32"], x.float())  # the unquantised value is the reference
+    assert set(REPLAY_OPS) >= {"linear", "matmul", "layer_norm", "rms_norm", "softmax", "gelu", "silu", "add",
+                               "mul", "div", "quantise"}
+    assert canonical_op("__truediv__") == "div" and canonical_op("LayerNorm") == "layer_norm"
+
+
+def test_cli_replay(lab):
+    from precision_lab.cli import app
+
+    store, _, files, path = lab
+    runner = CliRunner()
+    res = runner.invoke(app, ["replay", "--session", files, "--db", str(path)])
+    assert res.exit_code == 0 and "Functional.linear.0.forward  (linear -> linear)  non-finite" in res.output
+    res = runner.invoke(app, ["replay", "--session", files, "--op", "Functional.linear.0.forward", "--fix",
+                              "keep-fp32:Functional.linear.0.forward", "--db", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "replay reproduces the dumped output exactly" in res.output and "fixed" in res.output
+    res = runner.invoke(app, ["replay", "--session", files, "--op", "Functional.linear.0.forward", "--fix",
+                              "stable-softmax", "--db", str(path)])
+    assert res.exit_code == 1  # that fix does not remove the overflow
