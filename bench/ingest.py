@@ -12,7 +12,10 @@ the same run and interleaved, measures:
   load every tensor (``weights_only``), full statistics and histogram,
   pairing, element-wise comparison of every matched pair, one transaction;
 - ``ingest (no reference)``: the fp16 dump alone, to separate the
-  comparison's cost from the reading's.
+  comparison's cost from the reading's;
+- the parts alone: ``torch.load`` of every file, ``tensor_stats`` of every
+  tensor, ``metrics.compare`` of every pair, so the remainder is what the
+  readers, pairing and database add.
 
 Throughput is bytes of tensor files per second; the ratio ingest/read is the
 number to watch (target >= 0.3).  For scale: msprobe's compare needed 48 s
@@ -190,6 +193,29 @@ def timed_ingest(cand: Path, ref: Path | None, work: Path) -> float:
     return dt
 
 
+def components(ref: Path, cand: Path) -> dict[str, float]:
+    """Seconds for the three things ingest does per tensor, each alone over all files:
+    ``torch.load(weights_only=True)``, ``tensor_stats`` and ``metrics.compare`` of every pair."""
+    from precision_lab.metrics import compare
+    from precision_lab.stats import tensor_stats
+
+    out = {}
+    t = time.perf_counter()
+    loaded = {r: {p.name: torch.load(p, map_location="cpu", weights_only=True)
+                  for p in sorted(r.rglob("*.pt"))} for r in (ref, cand)}
+    out["load"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for d in loaded.values():
+        for x in d.values():
+            tensor_stats(x)
+    out["stats"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for name, x in loaded[ref].items():
+        compare(x, loaded[cand][name])
+    out["compare"] = time.perf_counter() - t
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -208,17 +234,24 @@ def main() -> None:
         print(f"dumps: {mb:.1f} MB of tensor files ({nfiles} files; fp32 {tensor_bytes(ref) / 1e6:.1f} MB, "
               f"fp16 {cand_mb:.1f} MB), written in {gen:.1f} s")
         cat_read(ref, cand)  # warm the page cache for both measurements
-        reads, ingests, singles = [], [], []
+        timed_ingest(cand, None, Path(tmp))  # compile numba kernels and import lazily-loaded modules once
+        reads, ingests, singles, parts = [], [], [], []
         for _ in range(args.reps):
             t = time.perf_counter()
             cat_read(ref, cand)
             reads.append(time.perf_counter() - t)
             ingests.append(timed_ingest(cand, ref, Path(tmp)))
             singles.append(timed_ingest(cand, None, Path(tmp)))
+            parts.append(components(ref, cand))
         r, i, s = statistics.median(reads), statistics.median(ingests), statistics.median(singles)
+        part = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
         print(f"read (cat-style):          {r:7.3f} s  {mb / r:8.1f} MB/s")
         print(f"ingest + compare:          {i:7.3f} s  {mb / i:8.1f} MB/s   ratio to read {r / i:.3f} (target >= 0.3)")
         print(f"ingest fp16 alone:         {s:7.3f} s  {cand_mb / s:8.1f} MB/s")
+        print("where ingest + compare spends its time (each part alone, same files):")
+        for k, v in part.items():
+            print(f"  {k:<8} {v:7.3f} s  {mb / v:8.1f} MB/s  ({100 * v / i:.0f}% of ingest + compare)")
+        print(f"  rest     {max(0.0, i - sum(part.values())):7.3f} s  (readers, pairing, database)")
         print(f"vs msprobe compare (~{MSPROBE_MB_PER_S:.0f} MB/s, not measured here): {mb / i / MSPROBE_MB_PER_S:.1f}x")
         print(f"medians of {args.reps} interleaved repetitions; torch threads {torch.get_num_threads()}")
 

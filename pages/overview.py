@@ -1,5 +1,6 @@
 import streamlit as st
 
+from precision_lab.fixes.jobs import rerun_actions, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 
@@ -86,7 +87,31 @@ for i, card in enumerate(cards):
         st.markdown(page.plain(card["message"]))
         if card["fixes"]:
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
-        # Actions on a diagnosis (such as re-running under one of its fixes) render here.
+        if acc.can_rerun:
+            for j, action in enumerate(rerun_actions(store, info["name"], card)):
+                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                             help=action["reason"]):
+                    st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
+                                                                parent=action["parent"])
+                    st.rerun()
+
+_job = st.session_state.get("_pl_rerun")
+if _job is not None and _job.session == info["name"] and _job.finished:
+    st.session_state.pop("_pl_rerun")
+    if _job.error:
+        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.plain(_job.error)}")
+    else:  # show every run of the session side by side, the new one included
+        st.session_state["diff_mode"] = "runs"
+        page.navigate("diff", session=info["name"])
+elif _job is not None and _job.session == info["name"]:
+    @st.fragment(run_every=1.0)
+    def _rerun_progress():
+        job = st.session_state.get("_pl_rerun")
+        if job is None or job.finished:
+            st.rerun()
+        st.progress(job.fraction, text=f"Re-running with {job.fix}: {job.label}"[:120])
+
+    _rerun_progress()
 
 st.subheader("Error along the run")
 c1, c2 = st.columns([2, 1])
@@ -111,3 +136,32 @@ else:
         page.navigate("detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
     if series.attrs.get("bucket", 1) > 1:
         st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")
+
+
+st.subheader("Share")
+st.caption("Export the whole session as one file another Precision Lab imports, download a static HTML page "
+           "that opens offline (for an issue tracker), or make a read-only link to this server.")
+_file = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in info["name"]).strip("-") or "session"
+c_zip, c_html = st.columns(2)
+with c_zip:
+    from precision_lab.share import export_bytes
+
+    # callables run only when clicked (in their own thread, with their own cursor)
+    st.download_button("Export session (.zip)", data=lambda: export_bytes(store, info["name"]),
+                       file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
+                       icon=":material/download:")
+with c_html:
+    from precision_lab.html_report import render_html
+
+    st.download_button("HTML report", data=lambda: render_html(store, info["name"]), file_name=f"{_file}.html",
+                       mime="text/html", key="export_html", on_click="ignore", icon=":material/description:")
+if not acc.read_only:
+    from precision_lab.share import create_share_token, share_url
+
+    if st.button("Create a read-only share link", key="share_link", icon=":material/link:",
+                 help="Anyone with the link sees this session, read-only; a new link replaces the old one."):
+        links = st.session_state.setdefault("_pl_share_urls", {})
+        links[info["name"]] = share_url(st.context.url or "/", create_share_token(store, info["name"]))
+    link = st.session_state.get("_pl_share_urls", {}).get(info["name"])
+    if link:
+        st.code(link, language=None)

@@ -17,6 +17,10 @@ st.write(
 if acc.shared:
     page.navigate("overview", session=acc.session)
 
+flash = st.session_state.pop("_pl_import_message", None)
+if flash:  # set by the import below, shown after the rerun that lists the new session
+    st.success(page.plain(flash))
+
 table = sessions_table(store) if acc.can_list else None
 if table is not None and table.empty:
     st.info("No sessions yet. Upload a dump folder (or a .zip of one) below, optionally with its fp32 "
@@ -100,6 +104,22 @@ if acc.can_upload:
         else:
             done[key] = session
             page.navigate("overview", session=session)
+
+    st.subheader("Import a shared session")
+    st.caption("A .zip made by Export (Overview page) or `precision-lab export` on another Precision Lab. An "
+               "existing session is never replaced: a name already taken gets a suffix.")
+    shared_zip = st.file_uploader("Exported session (.zip)", type=["zip"], key="import_zip",
+                                  max_upload_size=cfg.max_upload_mb)
+    if st.button("Import", key="import_session", disabled=shared_zip is None):
+        from precision_lab.share import ShareError, import_session
+
+        try:
+            imported = import_session(store, shared_zip.getvalue(), filename=shared_zip.name, config=cfg)
+        except ShareError as e:
+            page.show_error(e, "The file could not be imported")
+        else:
+            st.session_state["_pl_import_message"] = imported.message
+            st.rerun()
 
     samples = list_samples()
     if samples:

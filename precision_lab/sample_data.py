@@ -6,7 +6,8 @@ model on its fixed inputs: ``reference`` (fp32) and ``candidate`` (the
 recipe's failing low-precision policy), with the candidate's local-error
 comparisons and the op tensors of both runs (inputs and outputs, not
 parameters) kept, so ingest compares them element by element and single ops
-can be replayed.  Everything is seeded: running it again writes
+can be replayed.  ``manifest.json`` also names the recipe, so a session
+ingested from the folder can be re-run under a fix.  Everything is seeded: running it again writes
 the same records.
 
     python -m precision_lab.sample_data [--out sample_dumps] [RECIPE ...]
@@ -15,6 +16,7 @@ the same records.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -56,7 +58,11 @@ def generate_recipe(recipe, out_dir) -> Path:
         for rec in records:
             rec.tensor = None
         metas.append(meta)
-    write_manifest(out, metas)
+    path = write_manifest(out, metas)
+    # the recipe that made the folder, so a session ingested from it can be re-run
+    doc = json.loads(path.read_text())
+    doc["recipe"] = recipe.name
+    path.write_text(json.dumps(doc, indent=1))
     lock = out / ".manifest.lock"  # left by the manifest writer; nothing to share
     if lock.exists():
         lock.unlink()
@@ -65,9 +71,9 @@ def generate_recipe(recipe, out_dir) -> Path:
 
 def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list[Path]:
     """Write ``<root>/<recipe>/`` for the named recipes (default: every built-in one)."""
-    from .fixes.recipes import _builtin, get_recipe
+    from .fixes.recipes import BUILTIN_RECIPES, get_recipe
 
-    names = list(recipes) if recipes else [r.name for r in _builtin()]
+    names = list(recipes) if recipes else list(BUILTIN_RECIPES)
     return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]
 
 

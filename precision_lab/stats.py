@@ -702,22 +702,26 @@ def _nb_search_bin(a, cbits):
     return lo - 1
 
 
+def _nb_flagged_bin(a, lv, thr, cbits):
+    """Bin inside a flagged 2^16 range: up to four compares, or a search for float32 subnormals."""
+    slot = (lv >> 16) & 0x7FFF
+    if slot == 0x7FFF:
+        return np.int32(_nb_search_bin(np.int64(a), cbits))
+    t4 = np.uint32(slot * 4)
+    return ((lv & np.int32(0xFFFF)) + np.int32(a >= thr[t4])
+            + np.int32(a >= thr[t4 + np.uint32(1)]) + np.int32(a >= thr[t4 + np.uint32(2)])
+            + np.int32(a >= thr[t4 + np.uint32(3)]))
+
+
 def _nb_block_bins(ub, buf, lut, thr, cbits, nb2):
-    """Bin of each element: a table lookup; rarely a few compares or a search."""
+    """Bin of each element: a table lookup; rarely (kept out of line) a few compares or a search."""
     for j in range(ub.size):
         a = ub[j] & np.uint32(0x7FFFFFFF)
         lv = lut[a >> np.uint32(16)]
         lv = np.int32(nb2 - 3) if a == 0 else lv
         lv = np.int32(nb2 - 2) if a == np.uint32(0x7F800000) else lv
         if lv < 0:
-            slot = (lv >> 16) & 0x7FFF
-            if slot == 0x7FFF:
-                lv = np.int32(_nb_search_bin(np.int64(a), cbits))
-            else:
-                t4 = np.uint32(slot * 4)
-                lv = ((lv & np.int32(0xFFFF)) + np.int32(a >= thr[t4])
-                      + np.int32(a >= thr[t4 + np.uint32(1)]) + np.int32(a >= thr[t4 + np.uint32(2)])
-                      + np.int32(a >= thr[t4 + np.uint32(3)]))
+            lv = _nb_flagged_bin(a, lv, thr, cbits)
         buf[j] = np.uint32(lv)
 
 
@@ -862,6 +866,7 @@ def _build_kernels() -> _Kernels:
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     plain = dict(cache=True, nogil=True)
     g["_nb_block_moments"] = numba.njit(fastmath=fm, **plain)(_nb_block_moments)
+    g["_nb_flagged_bin"] = numba.njit(inline="never", **plain)(_nb_flagged_bin)
     for name in ("_nb_block_extrema", "_nb_search_bin", "_nb_block_bins", "_nb_block_count", "_nb_scan_range",
                  "_nb_fold", "_nb_scan_serial"):
         g[name] = numba.njit(**plain)(g[name])

@@ -109,6 +109,13 @@ def _wide_zip(tmp: Path) -> Path:
     return path
 
 
+def _file_input(pg, label: str):
+    """The hidden <input type=file> of the uploader labelled ``label``."""
+    loc = pg.locator('[data-testid="stFileUploader"]', has_text=label).locator('input[type="file"]')
+    loc.wait_for(state="attached")
+    return loc
+
+
 def _shot(pg, name: str) -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     out = ARTIFACTS / name
@@ -133,12 +140,13 @@ def _flow(server, page, tmp_path):
     cand, ref = tmp_path / STAT_CAND.name, tmp_path / STAT_REF.name
     shutil.copytree(STAT_CAND, cand)
     shutil.copytree(STAT_REF, ref)
-    inputs = pg.locator('[data-testid="stFileUploaderDropzoneInput"]')
-    inputs.nth(1).wait_for(state="attached")
-    assert inputs.count() == 2
-    inputs.nth(0).set_input_files(str(cand))
-    inputs.nth(1).set_input_files(str(ref))
-    pg.get_by_text("dump.json").first.wait_for()
+    cand_input = _file_input(pg, "Dump (folder)")
+    ref_input = _file_input(pg, "Reference (folder)")
+    assert cand_input.get_attribute("webkitdirectory") is not None  # a directory upload
+    cand_input.set_input_files(str(cand))
+    ref_input.set_input_files(str(ref))
+    # both folders fully uploaded: each uploader lists its dump.json
+    pg.wait_for_function("() => (document.body.innerText.match(/dump\\.json/g) || []).length >= 2")
     ingest = pg.get_by_role("button", name="Ingest")
     ingest.wait_for()
     pg.wait_for_function("() => [...document.querySelectorAll('button')]"
@@ -171,10 +179,8 @@ def _flow(server, page, tmp_path):
     # a .zip of .npy files gets a real magnitude histogram
     pg.goto(server)
     pg.get_by_text("New session").wait_for()
-    pg.get_by_role("button", name=".zip").first.click()
-    zin = pg.locator('[data-testid="stFileUploaderDropzoneInput"]').first
-    zin.wait_for(state="attached")
-    zin.set_input_files(str(_wide_zip(tmp_path)))
+    pg.get_by_text(".zip", exact=True).first.click()
+    _file_input(pg, "Dump (.zip)").set_input_files(str(_wide_zip(tmp_path)))
     pg.get_by_text("wide_fp16.zip").first.wait_for()
     pg.wait_for_function("() => [...document.querySelectorAll('button')]"
                          ".some(b => b.innerText.trim() === 'Ingest' && !b.disabled)")

@@ -641,10 +641,21 @@ def test_backward_gradients_equal_autograd():
     close("fc1.backward.0.grad_output.0", exp["h"])  # the sum of both contributions
     close("fc1.backward.0.param_grad.weight", exp["w1"])
     close("fc2.backward.0.param_grad.weight", exp["w2"])
-    close("fc2.linear.0.backward.grad_input.1", exp["w2"])  # F.linear's weight input
+    # a parameter's gradient is recorded once, as param_grad, not again as F.linear's grad_input 1
+    assert "fc2.linear.0.backward.grad_input.1" not in g and "fc2.linear.0.backward.grad_input.0" in g
     for rec in cap.records:
         assert_stats_match(rec.stats, rec.tensor)
     # a backward op's records share one seq, given when its gradient arrived
     bw = [r for r in cap.records if r.op == "fc2.backward.0"]
     assert len({r.seq for r in bw if r.role != "param_grad"}) == 1
     assert torch.equal(m.fc1.weight.grad, exp["w1"])
+    # without parameter records, F.linear's weight input gets its gradient as grad_input
+    m.zero_grad(set_to_none=True)
+    with capture(m, run="bw2", store=":memory:",
+                 options=CaptureOptions(keep_tensors=("*",), params=False)) as cap:
+        y = m(x)
+        (y * y).sum().backward()
+    g = by_name(cap.records, "backward")
+    close("fc2.linear.0.backward.grad_input.1", exp["w2"])
+    close("fc1.linear.0.backward.grad_input.2", m.fc1.bias.grad)
+    assert not any(r.role in ("param", "param_grad") for r in cap.records)

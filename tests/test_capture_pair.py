@@ -166,3 +166,39 @@ def test_pair_input_errors(store):
         precision_lab.capture_pair(lambda: torch.nn.Linear(next(sizes), 4), torch.ones(2, 16), torch.float16,
                                    store=store)
     assert store.sessions().empty  # nothing half-written
+
+
+def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op(store):
+    """The issue's acceptance check: fp32 and fp16 runs of a small transformer with an injected overflow."""
+    import json
+
+    from precision_lab.services.report import build_report, to_json
+
+    called = set()
+
+    def build():
+        m = build_tiny(overflow_scale=2e5)
+        for p, mod in m.named_modules():
+            mod.register_forward_hook(lambda mod, i, o, p=p: called.add(p))
+        return m
+
+    name = precision_lab.capture_pair(build, tiny_input(), torch.float16, store=store, loss_fn=loss_fn)
+    rep = json.loads(to_json(build_report(store, name)))
+    runs = {r["kind"]: r["name"] for r in rep["runs"]}
+    assert rep["first_nonfinite"][runs["reference"]] is None
+    first = rep["first_nonfinite"][runs["candidate"]]
+    assert first["op"] == "blocks.1.fc1.linear.0" and first["producer"]
+    cand = [t for t in rep["tensors"] if t["run"] == runs["candidate"] and t["direction"] == "forward"]
+    ops = {t["op"] for t in cand}
+    functional = {f"blocks.{b}.{op}" for b in (0, 1) for op in (
+        "ln1.layer_norm.0", "attn.qkv.linear.0", "attn.matmul.0", "attn.div.0", "attn.float.0", "attn.softmax.0",
+        "attn.to.0", "attn.matmul.1", "attn.proj.linear.0", "add.0", "ln2.layer_norm.0", "fc1.linear.0",
+        "gelu.0", "fc2.linear.0", "add.1")} | {"ln.layer_norm.0"}
+    modules = {f"{p}.forward.0" if p else "forward.0" for p in called}
+    assert len(modules) == 2 + 2 * 8  # root, ln, and per block: itself, ln1, attn, qkv, proj, ln2, fc1, fc2
+    assert functional | modules <= ops, (functional | modules) - ops
+    for op in functional | modules:
+        outs = [t for t in cand if t["op"] == op and t["role"] == "output"]
+        assert outs and all(t["numel"] > 0 and t["max"] is not None and t["std"] is not None for t in outs), op
+        kinds = {c["kind"] for c in rep["comparisons"] if c["op"] == op and c["role"] == "output"}
+        assert kinds == {"local", "accumulated"}, (op, kinds)

@@ -180,6 +180,8 @@ def test_dump_session_without_recipe(lab):
     store = lab[0]
     name = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], reference=[SAMPLES / "stat_mix_fp32_inner_ovf"],
                   store=store)
+    stored = store.df("SELECT rule FROM diagnoses WHERE session_id = ?", [store.session(name)["session_id"]])
+    assert list(stored.rule) == ["overflow"]  # ingest diagnosed the new session
     found = diagnose(store, name)
     errs = [d for d in found if d.severity == "error"]
     assert len(errs) == 1 and errs[0].rule == "overflow"
@@ -191,3 +193,35 @@ def test_dump_session_without_recipe(lab):
     assert ref_max > float(F16.max)
     assert f"output absmax {ref_max:,.0f} (fp32 reference) > fp16 max 65,504" in errs[0].message
     assert errs[0].fixes == ("use-bf16",)
+
+
+def test_precision_loss_without_nonfinite(lab):
+    """A finite run whose op introduces far more error than its format's rounding gets a warning."""
+    import torch
+
+    from precision_lab.metrics import compare
+    from precision_lab.records import TensorRecord
+    from precision_lab.stats import tensor_stats
+
+    store = lab[0]
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(64, 64, generator=g)
+    cand = (ref * 1.05).half()  # a 5% error: ~100x fp16's unit roundoff (2^-11)
+    with store.new_session("lossy", source="test") as w:
+        rid_ref = w.add_run(run_id="lossy-ref", name="reference", kind="reference", dtype="float32")
+        rid_c = w.add_run(run_id="lossy-cand", name="candidate", kind="candidate", dtype="float16")
+        r = w.add_record(TensorRecord(rid_ref, 0, "blk.proj.linear.0", "linear", "output", "0", tensor_stats(ref)))
+        c = w.add_record(TensorRecord(rid_c, 0, "blk.proj.linear.0", "linear", "output", "0", tensor_stats(cand)))
+        cmp = compare(ref, cand)
+        for kind, ref_run, ref_rid in (("local", rid_c, None), ("accumulated", rid_ref, r)):
+            w.add_comparison(kind=kind, ref_run_id=ref_run, ref_rid=ref_rid, cand_run_id=rid_c, cand_rid=c, step=0,
+                             rank=0, seq=0, op="blk.proj.linear.0", role="output", index="0", match="exact",
+                             comparison=cmp)
+    found = diagnose(store, "lossy")
+    assert [d.rule for d in found] == ["precision-loss"] and found[0].severity == "warn"
+    rn, cn = ref.double().numpy(), cand.double().numpy()
+    sqnr = 10 * np.log10((rn ** 2).sum() / ((cn - rn) ** 2).sum())
+    units = np.sqrt(((cn - rn) ** 2).mean()) / np.sqrt((rn ** 2).mean()) / (2.0 ** -11)
+    assert cmp.verdict == "error" and units > 64
+    assert f"introduces error {units:.3g}x fp16's unit roundoff (SQNR {sqnr:.1f} dB" in found[0].message
+    assert found[0].fixes == ("use-bf16",)

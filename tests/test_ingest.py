@@ -309,8 +309,8 @@ def test_generic_pair_flags_introduced_nan(store, tmp_path):
     assert rep["first_nonfinite"]["ref32"] is None
 
 
-class _FakeShards:
-    """Stands in for precision_lab.shards where it is not installed yet."""
+class _GivenShards:
+    """A shard reader yielding given records: the native reader's delegation without Parquet files."""
 
     def __init__(self, runs):
         self.runs = runs
@@ -322,9 +322,7 @@ class _FakeShards:
 
 
 def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkeypatch):
-    import sys
-    import types
-
+    import precision_lab.shards as shards
     from precision_lab.stats import tensor_stats
 
     d = tmp_path / "captured"
@@ -349,13 +347,7 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
               "fix": None, "policy": {"dtype": "float32"}}, recs("r1", torch.float32, False)),
             ({"run_id": "x1", "name": "fp16+fix", "dtype": "float16", "kind": "rerun", "parent_run_id": "c1",
               "fix": "keep-fp32:blocks.0.act", "policy": None}, recs("x1", torch.float16, False))]
-    real = sys.modules.get("precision_lab.shards")
-    if real is None or not hasattr(real, "read_shards"):
-        fake = types.ModuleType("precision_lab.shards")
-        fake.read_shards = _FakeShards(runs).read_shards
-        monkeypatch.setitem(sys.modules, "precision_lab.shards", fake)
-    else:
-        monkeypatch.setattr(real, "read_shards", _FakeShards(runs).read_shards)
+    monkeypatch.setattr(shards, "read_shards", _GivenShards(runs).read_shards)
     name = ingest(d, store=store)
     rep = build_report(store, name)
     runs = {r["name"]: r for r in rep["runs"]}
@@ -373,7 +365,7 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
 
 def test_native_shards_written_by_capture_code(store, tmp_path):
     """Shards written with precision_lab.shards (two ranks), local comparisons included."""
-    shards = pytest.importorskip("precision_lab.shards")
+    import precision_lab.shards as shards
     from precision_lab.metrics import compare
     from precision_lab.stats import tensor_stats
 

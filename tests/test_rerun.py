@@ -217,6 +217,8 @@ def test_cli_capture_with_fix_then_report_diagnoses(tmp_path):
     res = runner.invoke(app, ["capture", "--recipe", "fp16-layernorm", "--db", db])
     assert res.exit_code == 0, res.output
     assert "first non-finite at ln." in res.output
+    assert "diagnosis [error]" in res.output and ": ln: `ln` in fp16:" in res.output
+    assert "fixes (best first): stats-fp32" in res.output
     res = runner.invoke(app, ["report", "--session", "fp16-layernorm", "--json", "--db", db])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)

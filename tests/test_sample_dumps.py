@@ -92,3 +92,23 @@ def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
     res = replay_op(store, sess, "proj.act_quant.forward.0", fixes="scale-fp32")
     assert res.replay_as == "quantise" and res.reproduces_dump
     assert not res.outputs["candidate"].isfinite().all() and res.fixed_is_finite
+
+
+def test_ingested_sample_is_diagnosed_and_rerun(regenerated, tmp_path):
+    """The manifest names the recipe: the dump session gets module-level diagnoses and can be re-run."""
+    from precision_lab.fixes.diagnose import diagnose_session
+    from precision_lab.fixes.rerun import recipe_name, rerun_session
+    from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store
+
+    store = Store(tmp_path / "d.duckdb")
+    sess = ingest([regenerated / "fp16-layernorm"], store=store)
+    assert recipe_name(store, store.session(sess)) == "fp16-layernorm"
+    errs = [d for d in diagnose_session(store, sess) if d.severity == "error"]
+    assert len(errs) == 1 and errs[0].rule == "norm-statistics" and errs[0].op == "ln"
+    run_id = rerun_session(store, sess, errs[0].fixes[0])
+    assert first_nonfinite(store, run_id) is None
+    n_matched = store.sql("""SELECT count(*) FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
+                             AND match = 'exact'""", [run_id]).fetchone()[0]
+    assert n_matched > 0

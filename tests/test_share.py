@@ -348,8 +348,15 @@ def test_every_setting_is_documented():
 
     fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"source"}
     assert fields == {s.name for s in SETTINGS}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     for s in SETTINGS:
-        assert f"| `{s.name}` | `{s.env}` |" in doc, s.name
+        row = next((ln for ln in doc.splitlines() if ln.startswith(f"| `{s.name}` | `{s.env}` |")), None)
+        assert row is not None, s.name
+        d = defaults[s.name]
+        if isinstance(d, bool):
+            assert f"`{str(d).lower()}`" in row
+        elif isinstance(d, (int, float)):
+            assert f"`{d:g}`" in row, (s.name, row)
 
 
 def test_zip_limits_follow_config():
@@ -434,8 +441,110 @@ def test_cli_export_import_share_link(store, tmp_path, monkeypatch):
     assert store.session_by_token(token)["name"] == "demo"
     out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--revoke"])
     assert out.exit_code == 0 and store.session_by_token(token) is None
+    # a read-only server is read-only for browsers; its operator still adds sessions from the shell
     monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
-    out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other])
-    assert out.exit_code == 1 and "read-only" in out.output
+    out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other, "--as", "ops-added"])
+    assert out.exit_code == 0 and "imported session 'ops-added'" in out.output
     out = r.invoke(app, ["config"])
     assert out.exit_code == 0 and "read_only" in out.output and "True" in out.output
+
+
+# ---- the dashboard: import, export, share links, read-only server ---------------------------
+
+@pytest.fixture
+def app_db(tmp_path, monkeypatch):
+    """A database with two sessions, used by the app under test."""
+    import streamlit as st
+
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "app.duckdb"
+    s = Store(db)
+    make_session(s, "demo")
+    make_session(s, "private", seed=1)
+    close_all()
+    for var in ("PRECISION_LAB_CONFIG", "PRECISION_LAB_READ_ONLY", "PRECISION_LAB_LIST_SESSIONS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    st.cache_resource.clear()
+    yield db
+    st.cache_resource.clear()
+    close_all()
+
+
+def _app(**query):
+    from ui_fixtures import app_test
+
+    at = app_test(**query)
+    at.run()
+    return at
+
+
+def test_dashboard_import_says_when_it_renamed(app_db, tmp_path):
+    from precision_lab.store import Store
+    from ui_fixtures import assert_clean
+
+    data = export_bytes(Store(app_db), "demo")
+    at = _app()
+    at.file_uploader(key="import_zip").set_value(("demo.zip", data, "application/zip")).run()
+    at.button(key="import_session").click().run()
+    assert_clean(at)
+    from precision_lab.ui.common import escape_md
+
+    msg = at.success[0].value
+    assert escape_md("a session named 'demo' already exists, so it was imported as 'demo-2'") in msg
+    assert "demo-2" in set(Store(app_db).sessions()["name"])
+
+
+def test_dashboard_import_refuses_a_bad_file(app_db):
+    from precision_lab.store import Store
+    from test_hostile import snapshot
+    from ui_fixtures import assert_clean
+
+    before = snapshot(Store(app_db))
+    at = _app()
+    at.file_uploader(key="import_zip").set_value(("broken.zip", b"PK\x03\x04garbage", "application/zip")).run()
+    at.button(key="import_session").click().run()
+    assert_clean(at)
+    assert "broken.zip" in at.error[0].value and "not a readable zip archive" in at.error[0].value
+    assert snapshot(Store(app_db)) == before
+
+
+def test_dashboard_share_link_opens_one_session_read_only(app_db):
+    from precision_lab.store import Store
+    from ui_fixtures import assert_clean, open_page
+
+    at = open_page("overview", session="demo")
+    assert at.button(key="share_link")
+    at.button(key="share_link").click().run()
+    assert_clean(at)
+    link = next(c.value for c in at.code if "share=" in c.value)
+    token = link.split("share=")[1].split("&")[0]
+    assert Store(app_db).session_by_token(token)["name"] == "demo"
+
+    # a visitor with the link: the shared session only, nothing to write with, no list of the others
+    shared = _app(share=token)
+    assert_clean(shared)
+    assert shared.title[0].value.startswith("Overview")
+    assert "demo" in shared.title[0].value
+    assert not shared.get("file_uploader")
+    keys = {b.key for b in shared.button}
+    assert not keys & {"share_link", "rename", "delete", "ingest", "import_session"}
+    assert "private" not in " ".join(str(s.value) for s in shared.sidebar.selectbox)
+    # the export buttons are there: a reader may take the session away with them
+    assert {d.key for d in shared.get("download_button")} == {"export_zip", "export_html"}
+
+    bad = _app(share="not-a-real-token")
+    assert "not valid" in bad.error[0].value and not bad.dataframe
+
+
+def test_read_only_server(app_db, monkeypatch):
+    from ui_fixtures import assert_clean
+
+    monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+    at = _app()
+    assert_clean(at)
+    assert not at.get("file_uploader") and not at.dataframe  # no uploads, no list of sessions
+    assert "read-only" in at.info[0].value
+    at = _app(session="private")  # naming a session is not enough without its link
+    assert "private" not in " ".join(t.value for t in at.title)

@@ -112,3 +112,12 @@ def _summary(store, name: str) -> None:
         else:
             typer.echo(f"  {r['name']}: first non-finite at {hit['op']} ({hit['direction']}, step {hit['step']}, "
                        f"rank {hit['rank']}): {hit['reason']}")
+    import json
+
+    cur = store.sql("""SELECT r.name, d.severity, d.rule, d.op, d.message, d.fixes FROM diagnoses d
+                       JOIN runs r ON r.run_id = d.run_id WHERE d.session_id = ? ORDER BY d.seq""",
+                    [info["session_id"]])
+    for run, severity, rule, op, message, fixes in cur.fetchall():
+        typer.echo(f"  diagnosis [{severity}] {run}: {op}: {message}")
+        if fixes and fixes != "[]":
+            typer.echo(f"    fixes (best first): {', '.join(json.loads(fixes))}")

@@ -33,7 +33,6 @@ fixes by module name.  For dump-only sessions they use op types and names.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -271,7 +270,7 @@ def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
                 err = histogram_amax(torch.tensor([float("nan")]))[1]
             msg += (f" Histogram calibration at `{calib[0]['op']}` then receives NaN and fails ({err}), so its "
                     "amax and every scale after it are NaN; the calibration is a victim, not the cause.")
-        fixes.append("calibrate-finite-only")
+            fixes.append("calibrate-finite-only")
     return _diag(ev, "nonfinite-in-reference", msg, fixes)
 
 
@@ -592,7 +591,9 @@ def diagnose(store, session: str) -> list[Diagnosis]:
         policy = ctx.policies.get(run["run_id"])
         key = policy.to_json() if policy is not None else ""
         if key not in facts_cache:
-            facts_cache[key] = _module_facts(info.get("recipe"), policy)
+            from .rerun import recipe_name
+
+            facts_cache[key] = _module_facts(recipe_name(store, info), policy)
         ctx.modules = facts_cache[key]
         fn = first_nonfinite(store, run["run_id"])
         if fn is None:
@@ -646,11 +647,3 @@ def diagnose_session(store, session: str) -> list[Diagnosis]:
     sid = store.session(session)["session_id"]
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
 
-
-def diagnoses_json(store, session: str) -> list[dict]:
-    """Stored diagnoses as ``{op, rule, message, fixes, severity, run_id}`` dicts."""
-    sid = store.session(session)["session_id"]
-    cur = store.sql("SELECT * FROM diagnoses WHERE session_id = ? ORDER BY seq, op", [sid])
-    cols = [d[0] for d in cur.description]
-    return [{**{k: r[k] for k in ("op", "rule", "message", "severity", "run_id")},
-             "fixes": json.loads(r["fixes"] or "[]")} for r in (dict(zip(cols, x)) for x in cur.fetchall())]

@@ -33,7 +33,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Iterable, Optional
+from typing import Optional
 
 from ..formats import FORMATS
 
@@ -87,7 +87,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         fmt = FORMATS.get(self.format)
-        if fmt is None or fmt.kind != "float" or fmt.bits > 8 or fmt.torch_dtype() is None:
+        if fmt is None or fmt.kind != "float" or fmt.bits > 8 or fmt.torch_name is None:
             narrow = [f.name for f in FORMATS.values() if f.kind == "float" and f.bits <= 8 and f.torch_name]
             raise PolicyError(f"fake-quant format {self.format!r} is not a narrow float torch can cast to; "
                               f"use one of {', '.join(narrow)}")

@@ -15,16 +15,21 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..formats import FORMATS
 from .policy import PrecisionPolicy, QuantConfig
 
-__all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "register_recipe", "get_recipe", "list_recipes",
-           "load_user_recipes", "RECIPES_ENV"]
+__all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPES", "register_recipe", "get_recipe",
+           "list_recipes", "load_user_recipes", "RECIPES_ENV", "BUILD_LOCK"]
 
 RECIPES_ENV = "PRECISION_LAB_RECIPES"
+
+# a build reseeds torch's global generator: builds (and the captures around
+# them) run one at a time, or two threads would draw from each other's seed
+BUILD_LOCK = threading.RLock()
 
 
 class RecipeError(ValueError):
@@ -72,7 +77,7 @@ class Recipe:
         """``(model, inputs)`` built under this recipe's seed; the model is fp32 and in eval mode."""
         import torch
 
-        with torch.random.fork_rng(devices=[]):
+        with BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model, inputs = self.build_fn()
         if not isinstance(model, torch.nn.Module):
@@ -404,4 +409,5 @@ def _builtin() -> list[Recipe]:
 
 for _r in _builtin():
     register_recipe(_r)
+BUILTIN_RECIPES: tuple[str, ...] = tuple(RECIPES)
 del _r

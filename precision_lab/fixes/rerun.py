@@ -16,22 +16,21 @@ store cursor, writes in one transaction, and runs models one at a time
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .catalogue import apply_fixes, fix_label, split_specs
 from .policy import PrecisionPolicy
-from .recipes import Recipe, RecipeNotFound, get_recipe
+from .recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
-           "parse_tolerance", "session_recipe"]
+           "parse_tolerance", "session_recipe", "recipe_name"]
 
 Progress = Optional[Callable[[int, int, str], None]]
 
-# building a recipe reseeds torch's global generator and captures push a
-# function mode: one model run at a time per process
-_RUN_LOCK = threading.Lock()
+# building a recipe reseeds torch's global generator and a capture pushes a
+# function mode: one model run at a time per process (re-entrant: a run builds)
+_RUN_LOCK = BUILD_LOCK
 
 
 class RerunError(ValueError):
@@ -142,10 +141,39 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     return name
 
 
+def recipe_name(store, info: dict) -> Optional[str]:
+    """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
+
+    A sample dump written by ``precision_lab.sample_data`` names its recipe
+    in its ``manifest.json``, so a session ingested from it (while the
+    folder is there) can be re-run too.
+    """
+    import json
+    from pathlib import Path
+
+    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
+    if name:
+        return name
+    srcs = {r[0] for r in store.sql("SELECT DISTINCT source FROM runs WHERE session_id = ?",
+                                    [info["session_id"]]).fetchall() if r[0]}
+    names = {s.split(":", 1)[1] for s in srcs if s.startswith("recipe:")}
+    for s in srcs - {f"recipe:{n}" for n in names}:
+        manifest = Path(s) / "manifest.json"
+        try:
+            doc = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        except (OSError, ValueError):
+            doc = {}
+        if isinstance(doc, dict) and isinstance(doc.get("recipe"), str):
+            names.add(doc["recipe"])
+        else:
+            return None
+    return names.pop() if len(names) == 1 else None
+
+
 def session_recipe(store, session: str) -> tuple[dict, Recipe]:
     """A session and the recipe it was made from; RerunError for dump-only sessions."""
     info = store.session(session)
-    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
+    name = recipe_name(store, info)
     if not name:
         raise RerunError(
             f"session {info['name']!r} holds dumps, not a recipe: re-running needs the model. Capture it with "

@@ -79,6 +79,9 @@ for _n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
     if hasattr(torch, _n):
         _LOW_FLOAT.add(getattr(torch, _n))
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
 # Bounds of the autograd-graph walk that finds an op's own gradient edges.
 _MAX_WALK_NODES = 4096
 
@@ -155,6 +158,20 @@ def _upcast(obj, clone: bool):
     if isinstance(obj, dict):
         return {k: _upcast(v, clone) for k, v in obj.items()}
     return obj
+
+
+def _cuda_devices(obj) -> dict:
+    """{device index: None} for the CUDA tensors in a nested structure."""
+    out: dict = {}
+    for _, t in _flatten(obj):
+        if t.is_cuda:
+            out[t.device.index] = None
+    return out
+
+
+def _rng_state_of(cuda_devices: dict):
+    """(CPU generator state, {device: CUDA generator state}); neither reads device memory."""
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
 
 
 def _rank() -> int:
@@ -304,12 +321,13 @@ class _Mode(TorchFunctionMode):
             kwargs = {}
         cap = self.cap
         st = cap._tls
-        if st.busy or not cap._recording or not st.stack:
+        stack = getattr(st, "stack", None)
+        if not stack or not cap._recording or getattr(st, "busy", False):
             return func(*args, **kwargs)
         info = _func_info(func)
         if info.skip:
             return func(*args, **kwargs)
-        frame = st.stack[-1]
+        frame = stack[-1]
         if not frame.scope_ok or not cap.options.op_type_selected(info.name):
             return func(*args, **kwargs)
         ctx = None
@@ -397,9 +415,8 @@ class Capture:
         self._module_paths: dict = {}
         self._param_owner: dict = {}
         self._shadow_cache: dict = {}
-        self._shards_written: list = []
+        self.shard_files: list = []  # Parquet files written (shard mode)
         self._user_error: Optional[str] = None
-        self._dtype_counts: dict = {}
 
     # ---- public ---------------------------------------------------------------
     def prepare_inputs(self, inputs):
@@ -587,7 +604,7 @@ class Capture:
         if self.options.local_error:
             inplace = info.inplace or kwargs.get("out") is not None or kwargs.get("inplace") is True
             shadow = (_upcast(args, clone=inplace), _upcast(kwargs, clone=inplace))
-            rng = torch.get_rng_state()
+            rng = _rng_state_of(_cuda_devices((args, kwargs)))
         return (op, info, ins, self._seq, shadow, rng)
 
     def _op_after(self, ctx, func, args, kwargs, out):
@@ -636,6 +653,8 @@ class Capture:
         tls = self._tls
         if not self._recording or getattr(tls, "busy", False):
             return None
+        if getattr(tls, "stack", None) is None:
+            tls.stack = []  # a forward run in another thread than the one that entered the capture
         tls.busy = True
         try:
             path = self._module_paths.get(id(module))
@@ -667,7 +686,9 @@ class Capture:
             frame.inputs = ins
             if self.options.local_error:
                 frame.shadow_in = (_upcast(args, clone=True), _upcast(kwargs, clone=True))
-                frame.rng = torch.get_rng_state()
+                devs = _cuda_devices((args, kwargs))
+                devs.update(_cuda_devices(list(module.parameters())))
+                frame.rng = _rng_state_of(devs)
         except Exception as e:
             self._hook_error(self._module_paths.get(id(module), "?"), e)
         finally:
@@ -681,13 +702,13 @@ class Capture:
         stack = getattr(tls, "stack", None)
         if not stack:
             return None
-        # pop up to this module's frame (a child that raised leaves its frame behind)
-        frame = None
-        while stack:
-            f = stack.pop()
-            if f.module is module:
-                frame = f
-                break
+        # pop up to this module's frame (a child that raised leaves its frame behind);
+        # a module without a frame (added after the capture started) leaves the stack alone
+        at = next((i for i in range(len(stack) - 1, -1, -1) if stack[i].module is module), None)
+        if at is None:
+            return None
+        frame = stack[at]
+        del stack[at:]
         if frame is None or not frame.record or not self._recording or frame.inputs is None:
             return None
         tls.busy = True
@@ -737,7 +758,7 @@ class Capture:
                 continue
             if t.grad_fn is not None:
                 nonleaf.setdefault((id(t.grad_fn), t.output_nr), []).append((role, idx))
-            else:
+            elif id(t) not in self._param_owner:  # a recorded parameter's gradient is its param_grad
                 leaf.setdefault(id(t), []).append((role, idx))
         # an output that is one of the inputs (x.float() on a float32 x, x.to(x.dtype))
         # passes its gradient straight through: grad_input is its grad_output
@@ -894,6 +915,13 @@ class Capture:
             for t in list(shadow.parameters()) + list(shadow.buffers()):
                 if t.dtype in _LOW_FLOAT:
                     t.data = t.data.to(torch.float32)
+            # the copy runs the module's own forward in fp32: no hooks (the user's, a
+            # policy's input casts, ours) come with it
+            for m in shadow.modules():
+                for attr in _HOOK_DICTS:
+                    d = getattr(m, attr, None)
+                    if d:
+                        d.clear()
             self._shadow_cache[id(module)] = shadow
         sargs, skwargs = frame.shadow_in
         with torch.no_grad():
@@ -901,15 +929,24 @@ class Capture:
         self._store_local(frame.op, dict(_flatten(ref_out)), out_recs)
 
     def _with_rng(self, state, fn):
-        """Run ``fn`` with the RNG state the op itself saw, then restore the current one."""
+        """Run ``fn`` with the RNG state the op itself saw, then restore the current one.
+
+        A random op (dropout) re-run in fp32 then draws the numbers the op drew,
+        and the user's next random op draws what it would have without capture.
+        """
         if state is None:
             return fn()
-        cur = torch.get_rng_state()
-        torch.set_rng_state(state)
+        cpu, cuda = state
+        cur = _rng_state_of(cuda)
+        torch.set_rng_state(cpu)
+        for dev, st in cuda.items():
+            torch.cuda.set_rng_state(st, dev)
         try:
             return fn()
         finally:
-            torch.set_rng_state(cur)
+            torch.set_rng_state(cur[0])
+            for dev, st in cur[1].items():
+                torch.cuda.set_rng_state(st, dev)
 
     def _store_local(self, op, ref_outs: dict, out_recs) -> None:
         from ..formats import format_for_dtype
@@ -1003,7 +1040,7 @@ class Capture:
         meta = self.run_meta()
         path = write_shard(self.shard_dir, meta, step_records, rank=self.rank, step=self.step_no,
                            local_comparisons=local)
-        self._shards_written.append(path)
+        self.shard_files.append(path)
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Optional, Union
 
@@ -43,9 +43,8 @@ class CaptureOptions:
       tensors are kept whole (for exact comparison and replay), not only
       summarised.
     - ``histogram``: the magnitude histogram against every format's range.
-    - ``moments_only``: min/max/absmax/mean/std/norm and non-finite counts
-      only (no zero count, no smallest nonzero magnitude, no histogram): the
-      cheapest setting.
+    - ``moments_only``: every summary statistic (counts, extrema, mean, std,
+      norm) but no magnitude histogram: the cheapest setting.
     - ``local_error``: re-run every recorded op in fp32 from upcast copies of
       its own inputs and compare with its low-precision output.
     - ``functional``: record functional and tensor ops (``F.softmax``,
@@ -71,7 +70,6 @@ class CaptureOptions:
     backward: bool = True
     params: bool = True
     max_warnings: int = 200
-    _view_ops: frozenset = field(default=VIEW_OPS, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "exclude_op_types", "keep_tensors"):
@@ -117,7 +115,7 @@ class CaptureOptions:
             fnmatchcase(path, p) for p in self.exclude)
 
     def op_type_selected(self, op_type: str) -> bool:
-        if not self.views and op_type in self._view_ops:
+        if not self.views and op_type in VIEW_OPS:
             return False
         if self.op_types is not None and not any(fnmatchcase(op_type, p) for p in self.op_types):
             return False

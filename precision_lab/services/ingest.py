@@ -201,7 +201,15 @@ def ingest(
         with store.new_session(name, source=source_text) as w:
             notes = _Ingestion(w, sources, tick, keep_tensors, cache_bytes, progress).run()
             w.set_notes(notes)
-            return w.name
+            name = w.name
+        try:
+            from ..fixes.diagnose import diagnose_session
+
+            diagnose_session(store, name)
+        except Exception as e:  # the ingested session stands; say why it has no diagnoses
+            with store.extend_session(name) as w:
+                w.add_warning("diagnose", f"diagnosis rules failed: {type(e).__name__}: {e}")
+        return name
 
 
 def _open_source(p: Path, role: str, stack: contextlib.ExitStack, limits: ZipLimits) -> _Source:

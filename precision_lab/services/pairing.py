@@ -180,7 +180,7 @@ def compare_runs(
     matches = match_records(ref, cand)
     precomputed = precomputed or {}
     summary = RunComparison()
-    todo = sum(1 for m in matches if m.ref and m.cand and (m.ref.rid, m.cand.rid) not in precomputed)
+    to_compare = sum(1 for m in matches if m.ref and m.cand and (m.ref.rid, m.cand.rid) not in precomputed)
     done = 0
 
     def tensor_of(run_id: str, it: Item):
@@ -210,7 +210,7 @@ def compare_runs(
             got = compare_pair(m.ref, m.cand, rt, ct, run_dtype=run_dtype)
             done += 1
             if progress is not None:
-                progress(done, todo, f"compare {rec.op}")
+                progress(done, to_compare, f"compare {rec.op}")
         kind, cmp = got
         writer.add_comparison(
             kind=kind, ref_run_id=ref_run_id, ref_rid=m.ref.rid, cand_run_id=cand_run_id, cand_rid=m.cand.rid,

@@ -87,54 +87,106 @@ def _where(f: OpsFilter) -> tuple[list[str], list]:
     return where, params
 
 
-def _base_sql(f: OpsFilter) -> tuple[str, list]:
-    where, params = _where(f)
-    # one comparison per candidate record and kind; DISTINCT ON guards
-    # against a record compared twice (it keeps the worst verdict)
-    sql = f"""
+# sort columns that live in the tensors table; the others need the comparisons
+_TENSOR_SORTS = {"seq", "op", "op_type", "role", "dtype", "numel", "nan", "inf", "zero", "absmax", "step", "rank"}
+_CMP_SORT_SQL = {
+    "max_abs_err": "acc.max_abs_err", "max_rel_err": "acc.max_rel_err", "cosine": "acc.cosine",
+    "sqnr_db": "acc.sqnr_db", "local_max_rel_err": "loc.max_rel_err", "local_sqnr_db": "loc.sqnr_db",
+}
+_ACC = "kind IN ('accumulated', 'stats')"
+_LOC = "kind = 'local'"
+
+
+def _problem_sql(f: OpsFilter) -> tuple[str, list]:
+    """Records whose severity is in PROBLEM_SEVERITIES, as a semi-join on the
+    (few) problem comparisons rather than a join of every record."""
+    verdicts = ", ".join(repr(v) for v in PROBLEM_SEVERITIES)
+    return (f"(coalesce(t.nonfinite, false) OR t.rid IN (SELECT cand_rid FROM comparisons "
+            f"WHERE cand_run_id = ? AND verdict IN ({verdicts})))", [f.run_id])
+
+
+def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:
+    """(rid page query, params, count query, params): the filter, sort and
+    page work on as few columns as possible; a tensor-column sort never
+    touches the comparisons."""
+    where, wparams = _where(f)
+    if f.only_problems:
+        psql, pparams = _problem_sql(f)
+        where.append(psql)
+        wparams += pparams
+    where_sql = " AND ".join(where)
+    count = f"SELECT count(*) AS n FROM tensors t WHERE {where_sql}"
+    direction = "DESC" if f.descending else "ASC"
+    if f.sort in _TENSOR_SORTS:
+        keys = (f"SELECT t.rid FROM tensors t WHERE {where_sql} "
+                f"ORDER BY t.{SORTABLE[f.sort]} {direction} NULLS LAST, t.seq, t.rid LIMIT ? OFFSET ?")
+        return keys, wparams, count, wparams
+    if f.sort == "severity":
+        key = (f"CASE {severity_sql('t.nonfinite', 'acc.verdict', 'loc.verdict')} WHEN 'nonfinite' THEN 3 "
+               "WHEN 'error' THEN 2 WHEN 'warn' THEN 1 WHEN 'ok' THEN 0 END")
+    else:
+        key = _CMP_SORT_SQL[f.sort]
+    keys = (f"SELECT t.rid FROM tensors t "
+            f"LEFT JOIN (SELECT cand_rid, verdict, max_abs_err, max_rel_err, cosine, sqnr_db FROM comparisons "
+            f"           WHERE cand_run_id = ? AND {_ACC}) acc ON acc.cand_rid = t.rid "
+            f"LEFT JOIN (SELECT cand_rid, verdict, max_rel_err, sqnr_db FROM comparisons "
+            f"           WHERE cand_run_id = ? AND {_LOC}) loc ON loc.cand_rid = t.rid "
+            f"WHERE {where_sql} ORDER BY {key} {direction} NULLS LAST, t.seq, t.rid LIMIT ? OFFSET ?")
+    return keys, [f.run_id, f.run_id] + wparams, count, wparams
+
+
+def _rows_sql(n: int) -> str:
+    """Every column the table shows, for ``n`` given rids of one run."""
+    ids = ", ".join("?" * n)
+    # one comparison per record and kind: DISTINCT ON keeps the worst verdict
+    # should a record have been compared twice
+    return f"""
         WITH acc AS (
             SELECT DISTINCT ON (cand_rid) cand_rid, kind, "match", basis, max_abs_err, max_rel_err, cosine,
                    cosine_deficit, sqnr_db, rounding_units, nonfinite_introduced, verdict, reason,
                    ref_run_id, ref_rid
-            FROM comparisons WHERE cand_run_id = ? AND kind IN ('accumulated', 'stats')
+            FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid IN ({ids})
             ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
         ), loc AS (
             SELECT DISTINCT ON (cand_rid) cand_rid, max_rel_err AS local_max_rel_err, sqnr_db AS local_sqnr_db,
                    verdict AS local_verdict
-            FROM comparisons WHERE cand_run_id = ? AND kind = 'local'
-            ORDER BY cand_rid
-        ), j AS (
-            SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
-                   t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max, t.absmax,
-                   t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.cosine,
-                   acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict, acc.reason,
-                   loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
-                   {severity_sql('t.nonfinite', 'acc.verdict', 'loc.local_verdict')} AS severity
-            FROM tensors t LEFT JOIN acc ON acc.cand_rid = t.rid LEFT JOIN loc ON loc.cand_rid = t.rid
-            WHERE {' AND '.join(where)}
-        ), s AS (SELECT *, {_SEVERITY_RANK} AS severity_rank FROM j)
-        SELECT * FROM s"""
-    params = [f.run_id, f.run_id] + params
-    if f.only_problems:
-        sql += f" WHERE severity IN ({', '.join(repr(p) for p in PROBLEM_SEVERITIES)})"
-    return sql, params
+            FROM comparisons WHERE cand_run_id = ? AND {_LOC} AND cand_rid IN ({ids})
+            ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
+        )
+        SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
+               t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max, t.absmax,
+               t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.cosine,
+               acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict, acc.reason,
+               loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
+               {severity_sql('t.nonfinite', 'acc.verdict', 'loc.local_verdict')} AS severity
+        FROM tensors t LEFT JOIN acc ON acc.cand_rid = t.rid LEFT JOIN loc ON loc.cand_rid = t.rid
+        WHERE t.run_id = ? AND t.rid IN ({ids})"""
+
+
+_COLUMNS = ["rid", "seq", "step", "rank", "direction", "op", "op_type", "role", "index", "name", "dtype", "shape",
+            "numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "nonfinite", "match", "basis",
+            "max_abs_err", "max_rel_err", "cosine", "cosine_deficit", "sqnr_db", "rounding_units", "verdict",
+            "reason", "local_max_rel_err", "local_sqnr_db", "local_verdict", "severity"]
 
 
 def ops_page(store, f: OpsFilter) -> OpsPage:
-    """One page of the op table for ``f``, with the total count of matching rows."""
-    sql, params = _base_sql(f)
-    total = int(rows(store, f"SELECT count(*) AS n FROM ({sql})", params)[0]["n"])
+    """One page of the op table for ``f``, with the total count of matching rows.
+
+    Two steps: the filter/sort/LIMIT/OFFSET picks one page of record ids
+    (narrow columns, inside DuckDB), then the page's rows are fetched with
+    their comparisons.
+    """
+    keys_sql, kparams, count_sql, cparams = _keys_sql(f)
+    total = int(rows(store, count_sql, cparams)[0]["n"])
     page = min(f.page, max(0, -(-total // f.page_size) - 1))
     if page != f.page:
         f = replace(f, page=page)
-    order = SORTABLE[f.sort]
-    direction = "DESC" if f.descending else "ASC"
-    df = store.df(
-        f"{sql} ORDER BY {order} {direction} NULLS LAST, seq, rid LIMIT ? OFFSET ?",
-        params + [f.page_size, f.page * f.page_size],
-    )
-    df = df.drop(columns=["severity_rank"])
-    return OpsPage(df, total, f)
+    rids = list(dict.fromkeys(r["rid"] for r in rows(store, keys_sql, kparams + [f.page_size, f.page * f.page_size])))
+    if not rids:
+        return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f)
+    df = store.df(_rows_sql(len(rids)), [f.run_id, *rids, f.run_id, *rids, f.run_id, *rids])
+    df = df.set_index("rid").loc[rids].reset_index()
+    return OpsPage(df[_COLUMNS], total, f)
 
 
 def filter_options(store, run_id: str) -> dict[str, list]:

@@ -1,0 +1,111 @@
+"""Re-runs in the background, for the dashboard's "Re-run with fix" button.
+
+``start_rerun(store, session, fix)`` runs ``rerun_session`` in a daemon
+thread and returns a ``RerunJob`` the page polls (``fraction``, ``label``,
+``finished``, then ``run_id`` or ``error``).  A second request for the same
+session and fix while one is running returns the running job instead of
+starting another.  The thread uses its own cursor of the shared Store (the
+Store gives each thread one); nothing here touches Streamlit.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions"]
+
+_JOBS: dict[tuple, "RerunJob"] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass
+class RerunJob:
+    session: str
+    fix: str
+    parent: Optional[str] = None
+    done: int = 0
+    total: int = 1
+    label: str = "queued"
+    run_id: Optional[str] = None
+    error: Optional[str] = None
+    finished: bool = False
+    _thread: Optional[threading.Thread] = field(default=None, repr=False)
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self.finished else (max(0.0, min(1.0, self.done / self.total)) if self.total else 0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and self.error is None and self.run_id is not None
+
+    def progress(self, done: int, total: int, label: str) -> None:
+        self.done, self.total, self.label = done, total, label
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the job ends (tests, scripts); True when it has."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.finished
+
+
+def _key(store, session: str, fix: str, parent: Optional[str]) -> tuple:
+    return (getattr(store, "path", id(store)), session, fix, parent)
+
+
+def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) -> RerunJob:
+    """Start re-running ``session`` under ``fix`` (a spec, ``+`` joins several) in a background thread."""
+    from .rerun import rerun_session
+
+    key = _key(store, session, fix, parent)
+    with _LOCK:
+        job = _JOBS.get(key)
+        if job is not None and not job.finished:
+            return job
+        job = RerunJob(session, fix, parent)
+        _JOBS[key] = job
+
+    def work() -> None:
+        try:
+            job.run_id = rerun_session(store, session, fix, job.progress, parent=parent)
+        except Exception as e:  # reported to the page as a sentence
+            msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            job.error = msg.strip() or type(e).__name__
+        finally:
+            job.finished = True
+
+    job._thread = threading.Thread(target=work, name=f"precision-lab rerun {session}: {fix}", daemon=True)
+    job._thread.start()
+    return job
+
+
+def running_jobs(store, session: str) -> list[RerunJob]:
+    """Jobs of a session that have not finished yet."""
+    path = getattr(store, "path", id(store))
+    with _LOCK:
+        return [j for k, j in _JOBS.items() if k[0] == path and k[1] == session and not j.finished]
+
+
+def rerun_actions(store, session: str, card: dict) -> list[dict]:
+    """The re-runs a diagnosis card offers: ``{"label", "fix", "reason", "parent"}`` per proposed fix.
+
+    Only sessions made from a recipe can be re-run (a dump holds no model);
+    the parent is the run the diagnosis is about, and ``reason`` joins the
+    catalogue's one-line reasons of the fix's parts.
+    """
+    from .catalogue import FixError, parse_fix, split_specs
+    from .rerun import recipe_name
+
+    info = store.session(session)
+    if card.get("rule") == "fix-verified" or not recipe_name(store, info):
+        return []
+    out = []
+    for f in card.get("fixes") or []:
+        try:
+            reason = " / ".join(parse_fix(s).reason for s in split_specs(f))
+        except FixError:
+            continue
+        out.append({"label": f"Re-run with {f}", "fix": f, "reason": reason, "parent": card.get("run_id")})
+    return out

@@ -1,0 +1,57 @@
+"""The dashboard's "Re-run with fix" button on a diagnosis card (AppTest)."""
+
+import pytest
+
+from precision_lab.fixes.rerun import capture_recipe
+from precision_lab.services.report import first_nonfinite
+
+from ui_fixtures import assert_clean, open_page, texts
+
+
+@pytest.fixture
+def recipe_db(tmp_path, monkeypatch):
+    import streamlit as st
+
+    from precision_lab.store import Store
+
+    db = tmp_path / "app.duckdb"
+    store = Store(db)
+    name = capture_recipe(store, "softmax-fp16-overflow")
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
+    monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
+    st.cache_resource.clear()
+    yield store, name
+    st.cache_resource.clear()
+
+
+def test_rerun_button_runs_the_fix_and_opens_the_n_run_diff(recipe_db):
+    store, name = recipe_db
+    sid = store.session(name)["session_id"]
+    cand = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).fetchone()[0]
+    at = open_page("overview", session=name)
+    body = texts(at)
+    assert "exp\\(\\) overflows fp16" in body or "exp() overflows fp16" in body
+    button = at.button(key="rerun_0_0")
+    assert "stable" in button.label and "softmax" in button.label
+    button.click().run()
+    assert_clean(at)
+    job = at.session_state["_pl_rerun"]
+    assert job.wait(300) and job.error is None, job.error
+    at.run()
+    assert_clean(at)
+    assert at.title[0].value == "Diff"
+    assert at.radio(key="diff_mode").value == "runs"
+    runs = store.df("SELECT run_id, name, kind, parent_run_id, fix FROM runs WHERE session_id = ?", [sid])
+    new = runs[runs.kind == "rerun"].iloc[0]
+    assert new.run_id == job.run_id and new.parent_run_id == cand and new.fix == "stable-softmax"
+    assert first_nonfinite(store, job.run_id) is None
+    table = next(d.value for d in at.dataframe if any(str(new["name"]) in str(c) for c in d.value.columns))
+    assert len(table) > 0
+
+
+def test_read_only_server_offers_no_rerun(recipe_db, monkeypatch):
+    _, name = recipe_db
+    monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+    at = open_page("overview", session=name)
+    assert not [b for b in at.button if b.key and b.key.startswith("rerun_")]
