@@ -659,3 +659,20 @@ def test_backward_gradients_equal_autograd():
     close("fc2.linear.0.backward.grad_input.1", exp["w2"])
     close("fc1.linear.0.backward.grad_input.2", m.fc1.bias.grad)
     assert not any(r.role in ("param", "param_grad") for r in cap.records)
+
+
+def test_deferred_device_path_on_cpu_matches():
+    """The CUDA bookkeeping (device-side results, one transfer per step) run on CPU tensors."""
+    torch.manual_seed(0)
+    model = build_tiny().half()
+    x = tiny_input().half()
+    cap = Capture(model, run="deferred", store=":memory:", options=CaptureOptions(keep_tensors=("*",)))
+    cap._engine.deferred_cpu = True
+    with cap:
+        for _ in range(2):
+            run_step(model, x)
+            assert all(h.stats is None for _, h in cap._pending)  # nothing on the host until the step ends
+            cap.step()
+    assert len({r.step for r in cap.records}) == 2 and len(cap.records) > 200
+    for rec in cap.records:
+        assert_stats_match(rec.stats, rec.tensor)

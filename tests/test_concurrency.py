@@ -37,10 +37,15 @@ def _write_dumps(root, i):
 
 
 def _model(i: int):
+    """Thread i's model; weights from its own generator (torch's global one is shared by all threads)."""
     import torch
 
-    torch.manual_seed(i)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    rng = np.random.default_rng(500 + i)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32)))
+    return m
 
 
 def _inputs(i: int):

@@ -208,3 +208,31 @@ def test_cli_replay(lab):
     res = runner.invoke(app, ["replay", "--session", files, "--op", "Functional.linear.0.forward", "--fix",
                               "stable-softmax", "--db", str(path)])
     assert res.exit_code == 1  # that fix does not remove the overflow
+
+
+@pytest.mark.parametrize("op_type", ["rms_norm", "silu", "mul", "sub", "relu", "exp"])
+def test_replay_more_ops_against_float64(op_type):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g).half()
+    y = torch.randn(4, 16, generator=g).half()
+    w = torch.rand(16, generator=g).half()
+    xn, yn, wn = _np64(x), _np64(y), _np64(w)
+    if op_type == "rms_norm":
+        args = [x, (16,), w, 1e-6]
+        expect = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6) * wn
+    elif op_type == "silu":
+        args, expect = [x], xn / (1 + np.exp(-xn))
+    elif op_type == "mul":
+        args, expect = [x, y], xn * yn
+    elif op_type == "sub":
+        args, expect = [x, y], xn - yn
+    elif op_type == "relu":
+        args, expect = [x], np.maximum(xn, 0)
+    else:
+        args, expect = [x], np.exp(xn)
+    out = replay(op_type, args, cand_format="fp16", fixes="use-bf16")
+    np.testing.assert_allclose(out["fp32"].double().numpy(), expect, rtol=1e-5, atol=1e-6)
+    assert out["candidate"].dtype == torch.float16 and out["fixed"].dtype == torch.bfloat16
+    # fp16 and bf16 replays stay within a few of their own rounding units of float64
+    for key, eps in (("candidate", 2.0 ** -10), ("fixed", 2.0 ** -7)):
+        np.testing.assert_allclose(out[key].double().numpy(), expect, rtol=4 * eps, atol=4 * eps)

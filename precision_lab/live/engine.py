@@ -44,18 +44,31 @@ def skip_reason(t: torch.Tensor) -> Optional[str]:
     """Why a tensor cannot be summarised (None when it can)."""
     if t.is_complex():
         return f"complex tensor ({str(t.dtype).replace('torch.', '')}) skipped: statistics need real values"
-    if t.device.type == "meta":
+    if t.is_meta:
         return "meta tensor skipped: it has no values"
-    if getattr(t, "is_quantized", False) and t.is_quantized:
+    if t.is_quantized:
         return "quantized tensor skipped: summarise its dequantized values instead"
-    if getattr(t, "is_nested", False) and t.is_nested:
+    if t.is_nested:
         return "nested tensor skipped"
     return None
 
 
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = _stats.canonical_dtype(dtype)
+    return name
+
+
 class StatsEngine:
-    def __init__(self, options, warn: Callable[[str, str], None]):
+    def __init__(self, options, warn: Callable[[str, str], None], *, deferred_cpu: bool = False):
         self.histogram = bool(options.histogram and not options.moments_only)
+        # run the device path (deferred, one transfer per step) for CPU tensors too:
+        # how the CUDA bookkeeping is exercised on machines without a GPU
+        self.deferred_cpu = deferred_cpu
         self._warn = warn
         self._lock = threading.Lock()
         self._cache: dict = {}
@@ -94,16 +107,15 @@ class StatsEngine:
         if reason is not None:
             self._warn(where, reason)
             return None
-        dtype = _stats.canonical_dtype(t.dtype)
+        dtype = _dtype_name(t.dtype)
         shape = tuple(t.shape)
         try:
-            with torch.no_grad():
-                d = t.detach()
-                if d.device.type == "cpu" or d.layout != torch.strided:
-                    h = Handle(dtype, shape, d.numel())
-                    h.stats = _stats.tensor_stats(d, histogram=self.histogram)
-                else:
-                    h = self._device_measure(d, dtype, shape)
+            d = t.detach()  # statistics never join the autograd graph
+            if (not d.is_cuda and not self.deferred_cpu) or d.layout != torch.strided:
+                h = Handle(dtype, shape, d.numel())
+                h.stats = _stats.tensor_stats(d, histogram=self.histogram)
+            else:
+                h = self._device_measure(d, dtype, shape)
         except Exception as e:
             self._warn(where, f"{dtype} tensor of shape {list(shape)} skipped: {e}")
             return None

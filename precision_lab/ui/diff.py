@@ -58,31 +58,42 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     """
     if show not in SHOW_OPTIONS:
         raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
+    # step 1: the page's comparison rows (rowid), filtered and ordered on
+    # the comparisons table alone; step 2: their records, for those rows only
     where = ["c.session_id = ?", "c.ref_run_id = ?", "c.cand_run_id = ?",
              f"c.kind IN ({', '.join(repr(k) for k in ACCUMULATED_KINDS)})"]
     params: list = [session_id, ref_run_id, cand_run_id]
     if show == "problems":
-        where.append("(c.verdict IN ('nonfinite', 'error') OR coalesce(r.nonfinite, false) "
-                     "OR coalesce(t.nonfinite, false))")
+        where.append("(c.verdict IN ('nonfinite', 'error') "
+                     "OR c.ref_rid IN (SELECT rid FROM tensors WHERE run_id = ? AND nonfinite) "
+                     "OR c.cand_rid IN (SELECT rid FROM tensors WHERE run_id = ? AND nonfinite))")
+        params += [ref_run_id, cand_run_id]
     elif show == "unmatched":
         where.append("c.\"match\" LIKE 'unmatched%'")
     if pattern.strip():
-        where.append("(coalesce(t.name, r.name) ILIKE ? ESCAPE '\\')")
+        # the comparison row carries the candidate's op/role/index (the reference's when unmatched)
+        where.append("(c.op || '.' || c.role || '.' || c.\"index\") ILIKE ? ESCAPE '\\'")
         params.append(name_pattern_sql(pattern.strip()))
+    where_sql = " AND ".join(where)
+    total = int(rows(store, f"SELECT count(*) AS n FROM comparisons c WHERE {where_sql}", params)[0]["n"])
+    page = _page_bounds(total, page, page_size)
+    ids = [r["id"] for r in rows(
+        store, f"""SELECT c.rowid AS id FROM comparisons c WHERE {where_sql}
+                   ORDER BY c.step, c.rank, c.seq, c.rowid LIMIT ? OFFSET ?""",
+        params + [page_size, page * page_size])]
     ref_cols = ", ".join(f'r."{c}" AS "ref {c}"' for c in _STAT_COLS)
     cand_cols = ", ".join(f't."{c}" AS "cand {c}"' for c in _STAT_COLS)
-    base = f"""SELECT {severity_sql('t.nonfinite', 'c.verdict')} AS severity, c.seq, c.step, c.rank, c.op, c.role, c."index", c."match",
-                      {ref_cols}, {cand_cols},
-                      c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.verdict, c.basis,
-                      c.reason, c.ref_rid, c.cand_rid, r.nonfinite AS ref_nonfinite, t.nonfinite AS cand_nonfinite
-               FROM comparisons c
-               LEFT JOIN tensors r ON r.run_id = c.ref_run_id AND r.rid = c.ref_rid
-               LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
-               WHERE {' AND '.join(where)}"""
-    total = int(rows(store, f"SELECT count(*) AS n FROM ({base})", params)[0]["n"])
-    page = _page_bounds(total, page, page_size)
-    df = store.df(f"{base} ORDER BY c.step, c.rank, c.seq, c.op, c.role, c.\"index\" LIMIT ? OFFSET ?",
-                  params + [page_size, page * page_size])
+    df = store.df(
+        f"""SELECT {severity_sql('t.nonfinite', 'c.verdict')} AS severity, c.seq, c.step, c.rank, c.op, c.role,
+                   c."index", c."match", {ref_cols}, {cand_cols},
+                   c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.verdict, c.basis,
+                   c.reason, c.ref_rid, c.cand_rid, r.nonfinite AS ref_nonfinite, t.nonfinite AS cand_nonfinite
+            FROM (SELECT rowid AS id, * FROM comparisons WHERE rowid IN ({', '.join('?' * len(ids)) or 'NULL'})) c
+            LEFT JOIN tensors r ON r.run_id = c.ref_run_id AND r.rid = c.ref_rid
+            LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+            ORDER BY c.step, c.rank, c.seq, c.id""",
+        ids,
+    )
     df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
               [cosine_text(c, d) if pd.notna(c) else "" for c, d in zip(df["cosine"], df["cosine_deficit"])])
     df = df.drop(columns=["cosine", "cosine_deficit"])

@@ -124,20 +124,55 @@ def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:
     if f.sort == "severity":
         key = (f"CASE {severity_sql('t.nonfinite', 'acc.verdict', 'loc.verdict')} WHEN 'nonfinite' THEN 3 "
                "WHEN 'error' THEN 2 WHEN 'warn' THEN 1 WHEN 'ok' THEN 0 END")
+        joins = [("acc", _ACC, "verdict"), ("loc", _LOC, "verdict")]
     else:
         key = _CMP_SORT_SQL[f.sort]
-    keys = (f"SELECT t.rid FROM tensors t "
-            f"LEFT JOIN (SELECT cand_rid, verdict, max_abs_err, max_rel_err, cosine, sqnr_db FROM comparisons "
-            f"           WHERE cand_run_id = ? AND {_ACC}) acc ON acc.cand_rid = t.rid "
-            f"LEFT JOIN (SELECT cand_rid, verdict, max_rel_err, sqnr_db FROM comparisons "
-            f"           WHERE cand_run_id = ? AND {_LOC}) loc ON loc.cand_rid = t.rid "
+        alias, col = key.split(".")
+        joins = [(alias, _ACC if alias == "acc" else _LOC, col)]
+    join_sql = " ".join(
+        f"LEFT JOIN (SELECT cand_rid, {col} FROM comparisons WHERE cand_run_id = ? AND {kind}) {alias} "
+        f"ON {alias}.cand_rid = t.rid" for alias, kind, col in joins)
+    keys = (f"SELECT t.rid FROM tensors t {join_sql} "
             f"WHERE {where_sql} ORDER BY {key} {direction} NULLS LAST, t.seq, t.rid LIMIT ? OFFSET ?")
-    return keys, [f.run_id, f.run_id] + wparams, count, wparams
+    return keys, [f.run_id] * len(joins) + wparams, count, wparams
+
+
+def _only_run(f: OpsFilter) -> bool:
+    return not (f.steps or f.ranks or f.roles or f.op_types or f.pattern.strip() or f.only_problems)
+
+
+def _metric_page(store, f: OpsFilter) -> list[int]:
+    """A page sorted by a reference-comparison metric over a whole run,
+    ordered inside the comparisons table alone (no join of every record):
+    records with a value first, by the metric; then the rest (no value, or
+    not compared) in execution order -- the order the join would give."""
+    col = SORTABLE[f.sort]
+    direction = "DESC" if f.descending else "ASC"
+    valued = (f"FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid IS NOT NULL "
+              f"AND {col} IS NOT NULL")
+    n = int(rows(store, f"SELECT count(*) AS n {valued}", [f.run_id])[0]["n"])
+    start, stop = f.page * f.page_size, (f.page + 1) * f.page_size
+    rids: list[int] = []
+    if start < n:
+        rids += [r["rid"] for r in rows(
+            store, f"SELECT cand_rid AS rid {valued} ORDER BY {col} {direction}, seq, cand_rid LIMIT ? OFFSET ?",
+            [f.run_id, min(stop, n) - start, start])]
+    if stop > n:
+        rids += [r["rid"] for r in rows(
+            store, f"""SELECT t.rid FROM tensors t WHERE t.run_id = ?
+                       AND t.rid NOT IN (SELECT cand_rid {valued})
+                       ORDER BY t.seq, t.rid LIMIT ? OFFSET ?""",
+            [f.run_id, f.run_id, stop - max(start, n), max(0, start - n)])]
+    return rids
 
 
 def _rows_sql(n: int) -> str:
-    """Every column the table shows, for ``n`` given rids of one run."""
-    ids = ", ".join("?" * n)
+    """Every column the table shows, for ``n`` given rids of one run.
+
+    Parameters: (run_id, lo, hi, *rids) three times; the BETWEEN lets DuckDB
+    skip row groups by their min/max before testing the IN list.
+    """
+    ids = "BETWEEN ? AND ? AND {col} IN (" + ", ".join("?" * n) + ")"
     # one comparison per record and kind: DISTINCT ON keeps the worst verdict
     # should a record have been compared twice
     return f"""
@@ -145,12 +180,12 @@ def _rows_sql(n: int) -> str:
             SELECT DISTINCT ON (cand_rid) cand_rid, kind, "match", basis, max_abs_err, max_rel_err, cosine,
                    cosine_deficit, sqnr_db, rounding_units, nonfinite_introduced, verdict, reason,
                    ref_run_id, ref_rid
-            FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid IN ({ids})
+            FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid {ids.format(col="cand_rid")}
             ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
         ), loc AS (
             SELECT DISTINCT ON (cand_rid) cand_rid, max_rel_err AS local_max_rel_err, sqnr_db AS local_sqnr_db,
                    verdict AS local_verdict
-            FROM comparisons WHERE cand_run_id = ? AND {_LOC} AND cand_rid IN ({ids})
+            FROM comparisons WHERE cand_run_id = ? AND {_LOC} AND cand_rid {ids.format(col="cand_rid")}
             ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
         )
         SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
@@ -160,7 +195,7 @@ def _rows_sql(n: int) -> str:
                loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
                {severity_sql('t.nonfinite', 'acc.verdict', 'loc.local_verdict')} AS severity
         FROM tensors t LEFT JOIN acc ON acc.cand_rid = t.rid LEFT JOIN loc ON loc.cand_rid = t.rid
-        WHERE t.run_id = ? AND t.rid IN ({ids})"""
+        WHERE t.run_id = ? AND t.rid {ids.format(col="t.rid")}"""
 
 
 _COLUMNS = ["rid", "seq", "step", "rank", "direction", "op", "op_type", "role", "index", "name", "dtype", "shape",
@@ -181,10 +216,15 @@ def ops_page(store, f: OpsFilter) -> OpsPage:
     page = min(f.page, max(0, -(-total // f.page_size) - 1))
     if page != f.page:
         f = replace(f, page=page)
-    rids = list(dict.fromkeys(r["rid"] for r in rows(store, keys_sql, kparams + [f.page_size, f.page * f.page_size])))
+    if f.sort in _CMP_SORT_SQL and not f.sort.startswith("local") and _only_run(f):
+        found = _metric_page(store, f)
+    else:
+        found = [r["rid"] for r in rows(store, keys_sql, kparams + [f.page_size, f.page * f.page_size])]
+    rids = list(dict.fromkeys(found))  # a record compared twice would show up twice
     if not rids:
         return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f)
-    df = store.df(_rows_sql(len(rids)), [f.run_id, *rids, f.run_id, *rids, f.run_id, *rids])
+    one = [f.run_id, min(rids), max(rids), *rids]
+    df = store.df(_rows_sql(len(rids)), one * 3)
     df = df.set_index("rid").loc[rids].reset_index()
     return OpsPage(df[_COLUMNS], total, f)
 
