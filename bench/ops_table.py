@@ -93,10 +93,14 @@ def main() -> None:
             "ops page 500, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand, page=500)),
             "ops sorted by max_rel_err desc": lambda: ops.ops_page(
                 store, ops.OpsFilter(cand, sort="max_rel_err", descending=True)),
+            "ops sorted by severity": lambda: ops.ops_page(
+                store, ops.OpsFilter(cand, sort="severity", descending=True)),
             "ops only problems": lambda: ops.ops_page(store, ops.OpsFilter(cand, only_problems=True)),
             "ops name pattern + role": lambda: ops.ops_page(
                 store, ops.OpsFilter(cand, pattern="blocks.12*", roles=("output",))),
             "diff pair page 1": lambda: diff.diff_page(store, sid, ref, cand),
+            "diff pair, problems only": lambda: diff.diff_page(store, sid, ref, cand, show="problems"),
+            "N-run diff page 1": lambda: diff.nrun_page(store, sid, [ref, cand]),
             "error series (5k points)": lambda: overview.error_series(store, sid, "max_rel_err"),
             "top offenders": lambda: overview.top_offenders(store, sid),
         }

@@ -7,6 +7,7 @@ copy of the tensor.  Issue 2's target is >= 0.5.
 
     python bench/stats_throughput.py                 # 16M and 64M elements
     python bench/stats_throughput.py --sizes 16 --repeats 15 --backend torch
+    python bench/stats_throughput.py --threads 1      # one core each: less noise from other load
 
 Not part of CI's pass/fail: wall-clock numbers depend on the machine and on
 whatever else it is running (the load average is printed with the results).
@@ -51,7 +52,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--backend", default="auto", choices=["auto", "numba", "torch"])
     ap.add_argument("--no-histogram", action="store_true", help="also time histogram=False")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for both torch (clone) and numba (stats); default: all cores")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        if S.numba_available():
+            import numba
+
+            numba.set_num_threads(args.threads)
 
     threads = torch.get_num_threads()
     numba_threads = None

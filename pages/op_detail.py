@@ -2,6 +2,7 @@ import streamlit as st
 
 from precision_lab.ui import detail as dv
 from precision_lab.ui import page
+from precision_lab.ui.common import text_columns
 from precision_lab.ui.overview import first_nonfinite_by_run, norm_artefacts, session_runs
 
 store, acc = page.start("detail")
@@ -89,7 +90,10 @@ if formats:
     for i, (col, (label, s)) in enumerate(zip(cols, series)):
         with col:
             st.caption(page.plain(label))
-            st.dataframe(dv.headroom_table(s, formats), hide_index=True, width="stretch", key=f"head_{i}")
+            st.dataframe(text_columns(dv.headroom_table(s, formats), ("max finite", "absmax", "min |x| > 0")),
+                         hide_index=True, width="stretch", key=f"head_{i}",
+                         column_config={c: st.column_config.NumberColumn(format="%.3f")
+                                        for c in ("headroom (bits)", "footroom (bits)")})
     if summary_only:
         with st.expander("Where each summary statistic lands in each format"):
             for i, (label, s) in enumerate(series):
@@ -99,7 +103,10 @@ if formats:
 
 if stats.hist is not None:
     with st.expander("What if this tensor were stored in each format?", expanded=rec["dtype"] == "float32"):
-        st.dataframe(dv.what_if_table(stats), hide_index=True, width="stretch", key="what_if")
+        what_if = dv.what_if_table(stats)
+        st.dataframe(text_columns(what_if, ("max finite", "smallest normal")), hide_index=True, width="stretch",
+                     key="what_if", column_config={c: st.column_config.NumberColumn(format="%.4f")
+                                                   for c in what_if.columns if c.endswith("%")})
 
 st.markdown("**Comparison metrics**")
 metrics = dv.metrics_table(store, run["run_id"], rid)

@@ -60,7 +60,10 @@ def _offenders(kinds, key: str, empty: str) -> None:
     shown = df[["run", "seq", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db", "rounding_units",
                 "reason"]]
     ev = st.dataframe(shown, hide_index=True, width="stretch", key=key, on_select="rerun",
-                      selection_mode="single-row")
+                      selection_mode="single-row",
+                      column_config={"max_rel_err": st.column_config.NumberColumn(format="%.3e"),
+                                     "rounding_units": st.column_config.NumberColumn(format="%.3g"),
+                                     "sqnr_db": st.column_config.NumberColumn(format="%.2f")})
     if ev is not None and ev.selection.rows:
         row = df.iloc[ev.selection.rows[0]]
         page.navigate("detail", session=info["name"], run=row["run"], op=int(row["rid"]))

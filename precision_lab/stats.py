@@ -1008,6 +1008,7 @@ _NP_F32_EXACT = {"float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "flo
                  "float8_e4m3", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e8m0fnu", "float6_e2m3fn",
                  "float6_e3m2fn", "float4_e2m1fn", "int8", "uint8", "int16", "uint16", "bool", "int4", "uint4",
                  "int2", "uint2"}
+_F32_EXACT_INT = 1 << 24  # every integer of magnitude <= 2^24 is a float32
 _TORCH_F32_EXACT = {"float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
                     "float8_e8m0fnu", "int8", "uint8", "int16", "uint16", "bool"}
 
@@ -1139,6 +1140,17 @@ def _stats_numpy(arr: np.ndarray, histogram: bool, chunk: int, use_numba: bool, 
         for c in _iter_np_chunks(arr, chunk):
             xf = c if c.dtype == np.float32 else c.astype(np.float32)
             _numba_chunk(acc, np.ascontiguousarray(xf), histogram)
+    elif use_numba and arr.dtype.kind in "iu":
+        # wide integers: chunks whose values fit in +/-2^24 are exact in float32
+        import torch
+
+        parts = []
+        for c in _iter_np_chunks(arr, min(chunk, 1 << 22)):
+            if c.size and max(abs(int(c.min())), abs(int(c.max()))) <= _F32_EXACT_INT:
+                _numba_chunk(acc, np.ascontiguousarray(c.astype(np.float32)), histogram)
+            else:
+                parts.append(_torch_chunk_partial(torch, torch.from_numpy(c.astype(np.float64)), histogram))
+        _torch_finish(torch, acc, parts)
     else:
         import torch
 
@@ -1185,6 +1197,16 @@ def _stats_torch(torch, t, histogram: bool, chunk: int, use_numba: bool, backend
             elif c.dtype != torch.float32:
                 c = c.to(torch.float32)
             _numba_chunk(acc, c.contiguous().numpy(), histogram)
+    elif cpu and use_numba and dtype.startswith(("int", "uint")):
+        # int32/int64 (token ids, indices): chunks within +/-2^24 are exact in float32
+        parts = []
+        for c in _iter_torch_chunks(t, min(chunk, 1 << 22)):
+            lo, hi = torch.aminmax(c)
+            if max(abs(int(lo)), abs(int(hi))) <= _F32_EXACT_INT:
+                _numba_chunk(acc, c.to(torch.float32).numpy(), histogram)
+            else:
+                parts.append(_torch_chunk_partial(torch, c, histogram))
+        _torch_finish(torch, acc, parts)
     else:
         if backend == "numba":
             raise ValueError(f"backend='numba' handles only CPU tensors with dtypes exact in float32, not {dtype} "

@@ -134,3 +134,38 @@ def test_rename_to_an_existing_name_is_refused(ui_db):
     at.button(key="rename").click().run()
     assert_clean(at)
     assert "already exists" in at.error[0].value
+
+
+def test_bad_server_setting_is_a_sentence(empty_db, monkeypatch):
+    monkeypatch.setenv("PRECISION_LAB_MAX_UPLOAD_MB", "lots")
+    at = app_test()
+    at.run()
+    assert_clean(at)
+    assert "PRECISION_LAB_MAX_UPLOAD_MB" in at.error[0].value and "integer" in at.error[0].value
+
+
+def test_unexpected_library_error_is_a_sentence_not_a_traceback(empty_db, monkeypatch):
+    import precision_lab.ui.sessions as sessions_vm
+
+    def broken(store, **kw):
+        raise RuntimeError("database is locked by another process")
+
+    monkeypatch.setattr(sessions_vm, "sessions_table", broken)
+    at = app_test()
+    at.run()
+    assert_clean(at)
+    assert at.error[0].value == "This page could not be shown: database is locked by another process"
+
+
+def test_the_dashboard_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, runpy\n"
+            "import precision_lab.ui.page, precision_lab.ui.overview, precision_lab.ui.ops, precision_lab.ui.detail\n"
+            "import precision_lab.ui.diff, precision_lab.ui.sessions, precision_lab.services.report\n"
+            "from precision_lab.store import Store\n"
+            "Store(':memory:')\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

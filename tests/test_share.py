@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from precision_lab.metrics import compare
-from precision_lab.records import Diagnosis, RunInfo, TensorRecord
+from precision_lab.records import Diagnosis, TensorRecord
 from precision_lab.share import (
     FORMAT_NAME,
     TABLES,

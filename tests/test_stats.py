@@ -453,13 +453,16 @@ def test_int_and_bool(backend):
         else:
             info = torch.iinfo(dtype)
             t = torch.from_numpy(rng.integers(max(info.min, -10**6), min(info.max, 10**6), 1000)).to(dtype)
-        if backend == "numba" and dtype in (torch.int32, torch.int64):
-            continue  # not exact in float32: always the float64 path
         s = tensor_stats(t, backend=backend)
         assert s.dtype == str(dtype).replace("torch.", "")
         assert_matches(s, ref_stats(t.double().numpy()))
-    arr = np.array([-3, 0, 5, 2**40], np.int64)
-    assert_matches(tensor_stats(arr), ref_stats(arr))
+    # wide integers: small chunks go through float32, a chunk beyond 2^24 through float64
+    arr = np.array([-3, 0, 5, 2**40, 7, 2**24, -(2**24) - 1, 9], np.int64)
+    for chunk in (2, 3, 100):
+        assert_matches(tensor_stats(arr, chunk_elems=chunk, backend=backend), ref_stats(arr))
+        assert_matches(tensor_stats(torch.from_numpy(arr), chunk_elems=chunk, backend=backend), ref_stats(arr))
+    u = np.array([0, 2**63 + 5, 3], np.uint64)
+    assert_matches(tensor_stats(u, backend=backend), ref_stats(u))
 
 
 def test_empty_and_zero_dim():

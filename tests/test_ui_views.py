@@ -373,6 +373,29 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
     assert row["fix_fp16: max_rel_err"] > row["try_fp16: max_rel_err"]
     with pytest.raises(ValueError, match="at least one run"):
         diff.nrun_page(db, sid, [runs[0]["run_id"]], base_run_id=runs[0]["run_id"])
+    probs = diff.nrun_page(db, sid, [r["run_id"] for r in runs], show="problems")
+    assert probs.total == 1 and probs.rows.iloc[0]["fix_fp16: verdict"] == "error"  # halved values
+    by_name = {r["name"]: r["run_id"] for r in runs}
+    assert diff.nrun_page(db, sid, [by_name["base_fp32"], by_name["try_fp16"]], show="problems").total == 0
+    assert diff.nrun_page(db, sid, [r["run_id"] for r in runs], show="unmatched").total == 0
+
+    # a run stored without comparisons is matched by name; its NaN shows as a problem
+    from precision_lab.records import TensorRecord
+
+    with db.extend_session("three") as w:
+        extra = w.add_run(name="manual", dtype="float16", kind="rerun")
+        bad = x.astype(np.float16)
+        bad[3] = np.nan
+        w.add_record(TensorRecord(extra, 0, "layer", "layer", "output", "0", tensor_stats(bad)))
+        w.add_record(TensorRecord(extra, 1, "other", "other", "output", "0", tensor_stats(bad)))
+    ids = [r["run_id"] for r in overview.session_runs(db, sid)]
+    page = diff.nrun_page(db, sid, ids)
+    row = page.rows.iloc[0]
+    assert row["manual: match"] == "name" and bool(row["manual: nonfinite"])
+    assert diff.nrun_page(db, sid, [by_name["base_fp32"], extra], show="problems").total == 1
+    base_id = by_name["base_fp32"]
+    assert diff.nrun_page(db, sid, [base_id, extra], base_run_id=base_id, show="unmatched").total == 0
+    assert diff.nrun_page(db, sid, [base_id, extra], base_run_id=extra, show="unmatched").total == 1
 
 
 def test_escape_md_neutralises_markup():

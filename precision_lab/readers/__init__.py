@@ -40,7 +40,12 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 from ..records import TensorRecord
 
-__all__ = ["Reader", "RunSource", "ReadError", "READERS", "register", "unregister", "detect", "natural_key"]
+__all__ = ["Reader", "RunSource", "ReadError", "READERS", "register", "unregister", "detect", "natural_key",
+           "dominant_dtype", "first_line", "STEP_RE", "RANK_RE"]
+
+# folder names that carry a step / rank (msprobe and generic layouts)
+STEP_RE = re.compile(r"^step(\d+)$")
+RANK_RE = re.compile(r"^rank(\d+)$")
 
 
 class ReadError(ValueError):
@@ -129,6 +134,19 @@ def detect(path) -> Optional[Any]:
 def natural_key(s: str) -> tuple:
     """Sort key that orders ``layer10`` after ``layer9``."""
     return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t)
+
+
+def dominant_dtype(counts: dict[str, int]) -> str:
+    """The dtype most tensors have, floating dtypes first: a run's compute dtype."""
+    floats = {k: v for k, v in counts.items() if "float" in k}
+    pool = floats or {k: v for k, v in counts.items() if k}
+    return max(pool, key=pool.get) if pool else ""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (library messages can run on)."""
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
 
 
 def _register_builtins() -> None:

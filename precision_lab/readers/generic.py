@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import tokenize
 from pathlib import Path
 from typing import Iterator, Optional
@@ -43,7 +42,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..records import TensorRecord, split_tensor_name
-from . import ReadError, RunSource, Tick, natural_key
+from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
 
 __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
@@ -51,8 +50,6 @@ __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
 SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
 CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
-_STEP_RE = re.compile(r"^step(\d+)$")
-_RANK_RE = re.compile(r"^rank(\d+)$")
 _MSPROBE_PREFIXES = {"Functional", "Torch", "Tensor", "Module", "Aten", "NPU", "Distributed", "VF", "Jit",
                      "Mint", "MintFunctional", "Primitive"}
 _GRAD_ROLES = {"grad_input", "grad_output", "param_grad"}
@@ -119,11 +116,6 @@ def _record_fields(name: str) -> dict:
             "direction": "backward" if backward else "forward"}
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
-
-
 # ---- file loaders: each yields (key, array_or_tensor), key "" for a lone tensor;
 # ``want`` restricts a container to one key (re-reading one tensor later)
 
@@ -140,9 +132,9 @@ def _load_npy(path: Path, rel: str, want=None):
             raise ReadError(f"{rel}: refused: the array holds Python objects (pickled data)") from None
         if "mmap length" in msg:
             raise ReadError(f"{rel}: truncated: the header promises more data than the file holds") from None
-        raise ReadError(f"{rel}: corrupt .npy header ({_first_line(e)})") from None
+        raise ReadError(f"{rel}: corrupt .npy header ({first_line(e)})") from None
     except (OSError, EOFError, SyntaxError, tokenize.TokenError) as e:  # TokenError: a mangled header dict
-        raise ReadError(f"{rel}: corrupt .npy file ({_first_line(e)})") from None
+        raise ReadError(f"{rel}: corrupt .npy file ({first_line(e)})") from None
     # bytes past the data mean the header's shape is not the data's (mmap would silently ignore them)
     extra = path.stat().st_size - getattr(arr, "offset", 0) - arr.nbytes
     if isinstance(arr, np.memmap) and extra > 0:
@@ -174,9 +166,9 @@ def _load_npz(path: Path, rel: str, want=None):
         msg = str(e)
         if "pickle" in msg or "Python objects" in msg:
             raise ReadError(f"{rel}: refused: an array holds Python objects (pickled data)") from None
-        raise ReadError(f"{rel}: corrupt .npz member ({_first_line(e)})") from None
+        raise ReadError(f"{rel}: corrupt .npz member ({first_line(e)})") from None
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, KeyError) as e:
-        raise ReadError(f"{rel}: not a readable .npz archive ({_first_line(e)})") from None
+        raise ReadError(f"{rel}: not a readable .npz archive ({first_line(e)})") from None
 
 
 def _flatten_obj(obj, prefix: str = ""):
@@ -211,7 +203,7 @@ def _load_safetensors(path: Path, rel: str, want=None):
                 if want is None or k == want:
                     yield k, f.get_tensor(k)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ReadError(f"{rel}: not a readable .safetensors file ({_first_line(e)})") from None
+        raise ReadError(f"{rel}: not a readable .safetensors file ({first_line(e)})") from None
 
 
 def _np_dtype(name, where: str):
@@ -232,7 +224,7 @@ def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=No
     try:
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReadError(f"{srel}: sidecar of {rel} is not valid JSON ({_first_line(e)})") from None
+        raise ReadError(f"{srel}: sidecar of {rel} is not valid JSON ({first_line(e)})") from None
     if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
         raise ReadError(f"{srel}: sidecar of {rel} needs \"dtype\" and \"shape\"")
     shape = meta["shape"]
@@ -336,7 +328,7 @@ class GenericReader:
         step = rank = 0
         parts = []
         for part in p.relative_to(root).parts[:-1]:
-            m, r = _STEP_RE.match(part), _RANK_RE.match(part)
+            m, r = STEP_RE.match(part), RANK_RE.match(part)
             if m:
                 step = int(m.group(1))
             elif r:
@@ -399,7 +391,7 @@ class GenericReader:
                     stats = tensor_stats(t)
                 except Exception as e:  # an unusual dtype: say which tensor
                     raise ReadError(f"{rel}: cannot compute statistics of {name!r} "
-                                    f"(dtype {getattr(t, 'dtype', '?')}): {_first_line(e)}") from None
+                                    f"(dtype {getattr(t, 'dtype', '?')}): {first_line(e)}") from None
                 f = _record_fields(name)
                 yield TensorRecord(run_id="", seq=seq, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],

@@ -38,13 +38,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..records import TensorRecord
-from . import ReadError, RunSource, Tick, natural_key
+from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
 
 __all__ = ["MsprobeReader", "parse_op", "dump_files"]
 
 _DIRECTIONS = ("forward", "backward")
-_STEP_RE = re.compile(r"^step(\d+)$")
-_RANK_RE = re.compile(r"^rank(\d+)$")
 _PROC_RE = re.compile(r"^proc(\d+)$")
 
 
@@ -73,7 +71,7 @@ def dump_files(root: Path) -> list[tuple[int, str, Path]]:
             if p.is_file():
                 step = 0
                 for part in p.relative_to(root).parts[:-1]:
-                    m = _STEP_RE.match(part)
+                    m = STEP_RE.match(part)
                     if m:
                         step = int(m.group(1))
                 rank_dir = p.parent.name if p.parent != root else ""
@@ -96,7 +94,7 @@ def _ranks(files: list[tuple[int, str, Path]]) -> tuple[dict[Path, int], list[st
             warnings.append(f"step {step}: {len(procs)} proc<PID> folders carry no rank; numbered 0..{len(procs) - 1} "
                             "in PID order")
         for r, p in entries:
-            m = _RANK_RE.match(r)
+            m = RANK_RE.match(r)
             if m:
                 ranks[p] = int(m.group(1))
             ranks.setdefault(p, 0)
@@ -182,16 +180,15 @@ def _parse(root: Path, path: Path) -> dict:
     return doc
 
 
-def _dominant_dtype(doc: dict) -> str:
-    """The floating dtype most tensors of a dump have (its compute dtype)."""
+def _doc_dtype(doc: dict) -> str:
+    """The compute dtype of a dump: the dtype most of its tensors have."""
     counts: dict[str, int] = {}
     for key, entry in doc["data"].items():
         if isinstance(entry, dict):
             for _role, _idx, d in _slots(key, entry, parse_op(key)[1]):
                 dt = _dtype(d.get("dtype"))
-                if "float" in dt:
-                    counts[dt] = counts.get(dt, 0) + 1
-    return max(counts, key=counts.get) if counts else ""
+                counts[dt] = counts.get(dt, 0) + 1
+    return dominant_dtype(counts)
 
 
 def load_pt(path: Path, rel: str):
@@ -203,14 +200,12 @@ def load_pt(path: Path, rel: str):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ReadError(f"{rel}: refused: the file holds Python objects that safe loading "
-                        f"(weights_only=True) does not allow, possibly code ({first})") from None
+                        f"(weights_only=True) does not allow, possibly code ({first_line(e)})") from None
     except FileNotFoundError:
         raise ReadError(f"{rel}: file not found") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first})") from None
+        raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first_line(e)})") from None
     return obj
 
 
@@ -230,7 +225,7 @@ class MsprobeReader:
         src = RunSource(
             key=root.name or "msprobe", name=root.name or "msprobe", root=root, reader=self.name,
             records=iter(()), order="execution", order_note="dump.json entry order (msprobe writes in execution order)",
-            dtype=_dominant_dtype(first), loader=lambda source: self._load(root, source),
+            dtype=_doc_dtype(first), loader=lambda source: self._load(root, source),
         )
         src.warnings.extend((str(root), w) for w in rank_warnings)
         src.records = self._records(root, files, ranks, src, tick, first)

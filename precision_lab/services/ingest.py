@@ -41,7 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..readers import READERS, ReadError, RunSource, detect
+from ..readers import READERS, ReadError, RunSource, detect, dominant_dtype
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from .pairing import Item, compare_pair, compare_runs, exact_key
 
@@ -148,12 +148,6 @@ class _Source:
     root: Path  # folder to read
     reader: Any
     role: str  # reference | candidate
-
-
-def _dominant_dtype(counts: dict[str, int]) -> str:
-    floats = {k: v for k, v in counts.items() if "float" in k or k.startswith("bf")}
-    pool = floats or counts
-    return max(pool, key=pool.get) if pool else ""
 
 
 def ingest(
@@ -286,7 +280,7 @@ class _Ingestion:
         self.tick(None, "read")
         for (si, _key), r in self.runs.items():
             if not r.src.dtype:
-                r.src.dtype = _dominant_dtype(r.dtypes)
+                r.src.dtype = dominant_dtype(r.dtypes)
                 self.w.cur.execute("UPDATE runs SET dtype = ? WHERE run_id = ?", [r.src.dtype, r.run_id])
             parent = self.runs.get((si, r.src.parent_key)) if r.src.parent_key else None
             if parent is not None:  # a re-run captured under a fix names the run it was made from

@@ -221,12 +221,10 @@ def build_report(store, session: str) -> dict:
 
 
 def _jsonable(v):
+    from ..store import _json_float
+
     if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return v
+        return _json_float(v)
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

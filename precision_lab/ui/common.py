@@ -8,7 +8,7 @@ import re
 from typing import Any, Optional
 
 __all__ = ["plot_text", "rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
-           "run_label", "resolve_run", "style_severity"]
+           "run_label", "resolve_run", "style_severity", "text_columns"]
 
 # Worst first.  "nonfinite": NaN/Inf in the record or introduced vs the
 # reference; the others are metrics.verdict_for's verdicts ("ok" = expected).
@@ -124,3 +124,13 @@ def style_severity(df, column: str = "severity"):
         return [f"background-color: {color}" if color else "" for _ in row]
 
     return df.style.apply(paint, axis=1)
+
+
+def text_columns(df, columns, digits: int = 6):
+    """A copy of ``df`` with ``columns`` as short text (``num_text``): format
+    limits span 1e-45..3e38, which no single fixed-width number format shows."""
+    out = df.copy()
+    for c in columns:
+        if c in out.columns:
+            out[c] = [num_text(v, digits) for v in out[c]]
+    return out

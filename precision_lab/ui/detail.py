@@ -239,7 +239,7 @@ def histogram_figure(series: Sequence[tuple[str, object]], formats: Sequence[str
         xaxis={"title": {"text": "log2 |x|  (binade: 2^e ≤ |x| < 2^(e+1))"}, "range": list(x_range),
                "zeroline": False},
         yaxis={"title": {"text": "values per binade (count)"}, "type": "log" if log_y else "linear",
-               "range": y_range},
+               "range": y_range, **({"dtick": 1} if log_y else {})},
         yaxis2={"overlaying": "y", "visible": False, "range": [0, 1]},
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
     )

@@ -127,25 +127,67 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     others = [runs[r] for r in run_ids if r in runs and r != base["run_id"]]
     if not others:
         raise ValueError("choose at least one run besides the base run to compare")
+    compared = {}
+    for r in others:
+        compared[r["run_id"]] = rows(store, """SELECT count(*) AS n FROM comparisons WHERE session_id = ?
+                                            AND ref_run_id = ? AND cand_run_id = ? AND kind IN ('accumulated', 'stats')""",
+                                     [session_id, base["run_id"], r["run_id"]])[0]["n"] > 0
+
+    # step 1: the page's base records, filtered with semi-joins on the base run
+    where, wparams = ["b.run_id = ?"], [base["run_id"]]
+    if pattern.strip():
+        where.append("b.name ILIKE ? ESCAPE '\\'")
+        wparams.append(name_pattern_sql(pattern.strip()))
+    if show == "problems":
+        conds = ["b.nonfinite"]
+        for r in others:
+            if compared[r["run_id"]]:
+                conds.append("b.rid IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
+                             "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') "
+                             "AND verdict IN ('nonfinite', 'error'))")
+                wparams += [session_id, base["run_id"], r["run_id"]]
+            else:
+                conds.append("b.name IN (SELECT name FROM tensors WHERE run_id = ? AND nonfinite)")
+                wparams.append(r["run_id"])
+        where.append("(" + " OR ".join(conds) + ")")
+    elif show == "unmatched":
+        conds = []
+        for r in others:
+            if compared[r["run_id"]]:
+                conds.append("b.rid NOT IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
+                             "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') AND ref_rid IS NOT NULL "
+                             "AND cand_rid IS NOT NULL)")
+                wparams += [session_id, base["run_id"], r["run_id"]]
+            else:
+                conds.append("NOT EXISTS (SELECT 1 FROM tensors o WHERE o.run_id = ? AND o.name = b.name "
+                             "AND o.step = b.step AND o.rank = b.rank)")
+                wparams.append(r["run_id"])
+        where.append("(" + " OR ".join(conds) + ")")
+    where_sql = " AND ".join(where)
+    total = int(rows(store, f"SELECT count(*) AS n FROM tensors b WHERE {where_sql}", wparams)[0]["n"])
+    page = _page_bounds(total, page, page_size)
+    rids = [r["rid"] for r in rows(store, f"""SELECT b.rid FROM tensors b WHERE {where_sql}
+                                             ORDER BY b.step, b.rank, b.seq, b.rid LIMIT ? OFFSET ?""",
+                                   wparams + [page_size, page * page_size])]
+
+    # step 2: each run's counterpart of those records only
+    ids = ", ".join("?" * len(rids)) or "NULL"
     ctes, selects, joins, params, jparams = [], [], [], [], []
     for i, r in enumerate(others):
-        has_cmp = rows(store, """SELECT count(*) AS n FROM comparisons WHERE session_id = ? AND ref_run_id = ?
-                                 AND cand_run_id = ? AND kind IN ('accumulated', 'stats')""",
-                       [session_id, base["run_id"], r["run_id"]])[0]["n"] > 0
-        if has_cmp:
+        if compared[r["run_id"]]:
             ctes.append(f"""m{i} AS (SELECT DISTINCT ON (ref_rid) ref_rid, cand_rid, "match", max_rel_err,
                                    sqnr_db, verdict
                             FROM comparisons WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
-                              AND kind IN ('accumulated', 'stats') AND ref_rid IS NOT NULL ORDER BY ref_rid)""")
-            params += [session_id, base["run_id"], r["run_id"]]
+                              AND kind IN ('accumulated', 'stats') AND ref_rid IN ({ids}) ORDER BY ref_rid)""")
+            params += [session_id, base["run_id"], r["run_id"], *rids]
         else:
             ctes.append(f"""m{i} AS (SELECT DISTINCT ON (b.rid) b.rid AS ref_rid, o.rid AS cand_rid,
                                    'name' AS "match", NULL::DOUBLE AS max_rel_err, NULL::DOUBLE AS sqnr_db,
                                    NULL::VARCHAR AS verdict
                             FROM tensors b JOIN tensors o ON o.run_id = ? AND o.step = b.step AND o.rank = b.rank
                                  AND o.name = b.name
-                            WHERE b.run_id = ? ORDER BY b.rid, o.rid)""")
-            params += [r["run_id"], base["run_id"]]
+                            WHERE b.run_id = ? AND b.rid IN ({ids}) ORDER BY b.rid, o.rid)""")
+            params += [r["run_id"], base["run_id"], *rids]
         joins.append(f"LEFT JOIN m{i} ON m{i}.ref_rid = b.rid "
                      f"LEFT JOIN tensors t{i} ON t{i}.run_id = ? AND t{i}.rid = m{i}.cand_rid")
         jparams.append(r["run_id"])
@@ -155,27 +197,15 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
                 m{i}.max_rel_err AS "{name}: max_rel_err", m{i}.sqnr_db AS "{name}: sqnr_db",
                 m{i}.verdict AS "{name}: verdict",
                 CASE WHEN m{i}.cand_rid IS NULL THEN 'unmatched' ELSE coalesce(m{i}."match", '') END AS "{name}: match" """)
-    where, wparams = ["b.run_id = ?"], [base["run_id"]]
-    if pattern.strip():
-        where.append("b.name ILIKE ? ESCAPE '\\'")
-        wparams.append(name_pattern_sql(pattern.strip()))
-    if show == "problems":
-        where.append("(" + " OR ".join(
-            f"m{i}.verdict IN ('nonfinite', 'error') OR coalesce(t{i}.nonfinite, false)" for i in range(len(others)))
-            + " OR b.nonfinite)")
-    elif show == "unmatched":
-        where.append("(" + " OR ".join(f"m{i}.cand_rid IS NULL" for i in range(len(others))) + ")")
     bname = base["name"].replace('"', "'")
     sql = f"""WITH {', '.join(ctes)}
               SELECT b.seq, b.step, b.rank, b.op, b.role, b."index", b.rid,
                      b.dtype AS "{bname}: dtype", b.absmax AS "{bname}: absmax", b.nonfinite AS "{bname}: nonfinite",
                      {', '.join(selects)}
               FROM tensors b {' '.join(joins)}
-              WHERE {' AND '.join(where)}"""
-    params += jparams + wparams
-    total = int(rows(store, f"SELECT count(*) AS n FROM ({sql})", params)[0]["n"])
-    page = _page_bounds(total, page, page_size)
-    df = store.df(f"{sql} ORDER BY b.step, b.rank, b.seq, b.rid LIMIT ? OFFSET ?", params + [page_size, page * page_size])
+              WHERE b.run_id = ? AND b.rid IN ({ids})
+              ORDER BY b.step, b.rank, b.seq, b.rid"""
+    df = store.df(sql, params + jparams + [base["run_id"], *rids])
     df.attrs["base_run"] = base["name"]
     df.attrs["runs"] = [r["name"] for r in others]
     return DiffPage(df, total, page, page_size)

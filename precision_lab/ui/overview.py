@@ -206,7 +206,7 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
         margin={"l": 10, "r": 10, "t": 30, "b": 10}, height=380, hovermode="closest",
     )
     if log_y:
-        fig.update_yaxes(type="log")
+        fig.update_yaxes(type="log", dtick=1, exponentformat="power")
     return fig
 
 

@@ -208,7 +208,7 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     if acc.shared:
         info = store.session(acc.session)
         st.query_params["session"] = info["name"]
-        container.caption(f"Shared session (read-only): {info['name']}")
+        container.caption(f"Shared session (read-only): {plain(info['name'])}")
         return info
     if not acc.can_list:
         if acc.session:
