@@ -67,18 +67,23 @@ class Comparison:
         return asdict(self)
 
 
-def _as_torch_f64_chunks(x, chunk: int):
-    """Yield float64 torch chunks of a flattened tensor/array, on its own device."""
-    import torch
+# ---- accumulation ------------------------------------------------------------
+# One pass gathers these sums; _finish() turns them into the metrics.  Two
+# accumulators exist (compiled numba for CPU arrays, torch for other devices
+# or when numba is unavailable); tests check they agree.
+_SUMS = ("count", "nf_intro", "nf_ref", "s_rr", "s_cc", "s_rd", "s_dd", "s_ad", "max_ad", "max_rel", "max_ulp")
 
-    if isinstance(x, np.ndarray):
-        flat = x.reshape(-1)
-        for i in range(0, flat.size, chunk):
-            yield torch.from_numpy(np.asarray(flat[i : i + chunk]).astype(np.float64))
-    else:
-        flat = x.reshape(-1)
-        for i in range(0, flat.numel(), chunk):
-            yield flat[i : i + chunk].to(torch.float64)
+
+def _new_acc() -> dict:
+    return dict.fromkeys(_SUMS, 0.0)
+
+
+def _merge_acc(acc: dict, part) -> None:
+    for k, v in zip(_SUMS, part):
+        if k.startswith("max_"):
+            acc[k] = max(acc[k], float(v))
+        else:
+            acc[k] += float(v)
 
 
 def _numel(x) -> int:
@@ -93,15 +98,231 @@ def _dtype_name(x) -> str:
     return str(x.dtype).replace("torch.", "")
 
 
-def _ulp(absr, fmt: Format):
-    """Spacing of ``fmt`` at magnitude |r| (float64 torch tensor)."""
+def _ulp_params(fmt: Format) -> tuple[int, int]:
+    """(smallest normal exponent, mantissa bits) for the ulp of ``fmt``; int grid: spacing 1."""
+    if fmt.kind == "int":
+        return 0, 0
+    return fmt.emin, fmt.man_bits
+
+
+def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, out, p):
+    count = 0
+    nf_intro = 0
+    nf_ref = 0
+    s_rr = 0.0
+    s_cc = 0.0
+    s_rd = 0.0
+    s_dd = 0.0
+    s_ad = 0.0
+    max_ad = 0.0
+    max_rel = 0.0
+    max_ulp = 0.0
+    for i in range(lo, hi):
+        a = np.float64(r[i])
+        b = np.float64(c[i])
+        if not np.isfinite(a):
+            nf_ref += 1
+            continue
+        if not np.isfinite(b):
+            nf_intro += 1
+            continue
+        count += 1
+        d = b - a
+        ad = abs(d)
+        s_rr += a * a
+        s_cc += b * b
+        s_rd += a * d
+        s_dd += d * d
+        s_ad += ad
+        if ad > max_ad:
+            max_ad = ad
+        aa = abs(a)
+        q = ad / (aa if aa > rel_floor else rel_floor)
+        if q > max_rel:
+            max_rel = q
+        # the format's spacing at |a|, looked up by a's exponent field
+        u = ad / ulp_tbl[(rb[i] >> shift) & mask]
+        if u > max_ulp:
+            max_ulp = u
+    out[p, 0] = count
+    out[p, 1] = nf_intro
+    out[p, 2] = nf_ref
+    out[p, 3] = s_rr
+    out[p, 4] = s_cc
+    out[p, 5] = s_rd
+    out[p, 6] = s_dd
+    out[p, 7] = s_ad
+    out[p, 8] = max_ad
+    out[p, 9] = max_rel
+    out[p, 10] = max_ulp
+
+
+def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, nparts):
+    out = np.zeros((nparts, 11), np.float64)
+    n = r.size
+    for p in _prange(nparts):
+        _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, (n * p) // nparts, (n * (p + 1)) // nparts, rel_floor,
+                          out, p)
+    return out
+
+
+def _ulp_table(dtype, emin: int, man_bits: int):
+    """ulp of the format for each exponent field of ``dtype`` (float32 or float64) values."""
+    fi = np.finfo(dtype)
+    nfield = 2 ** (fi.bits - fi.nmant - 1)
+    bias = nfield // 2 - 1
+    e = np.maximum(np.arange(nfield) - bias, emin)  # field 0 (zero/subnormal) -> the format's emin
+    if man_bits == 0 and emin == 0:  # int grid: spacing 1 everywhere
+        return np.ones(nfield), fi.nmant, nfield - 1
+    return np.ldexp(1.0, e - man_bits), fi.nmant, nfield - 1
+
+
+_KERNEL = None
+_PAR_MIN = 1 << 16
+
+
+def _numba_kernel():
+    """Compile (or load from numba's cache) the one-pass comparison; None without numba."""
+    global _KERNEL
+    if _KERNEL is None:
+        import os
+        import threading
+
+        if os.environ.get("PRECISION_LAB_NO_NUMBA", "") not in ("", "0"):
+            _KERNEL = False
+            return None
+        try:
+            import numba
+        except ImportError:
+            _KERNEL = False
+            return None
+        g = globals()
+        g["_prange"] = numba.prange
+        g["_nb_compare_range"] = numba.njit(cache=True, nogil=True)(_nb_compare_range)
+        par = numba.njit(parallel=True, cache=True, nogil=True)(_nb_compare_parallel)
+        lock = threading.Lock()  # numba's workqueue layer runs one parallel region at a time
+
+        def run(r, c, rel_floor, emin, man_bits):
+            nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
+            tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
+            rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
+            with lock:
+                return par(r, c, rb, shift, mask, tbl, rel_floor, nparts)
+
+        _KERNEL = run
+    return _KERNEL or None
+
+
+def _np_flat(x) -> Optional[np.ndarray]:
+    """A flat float32/float64 numpy view of a CPU input, or None (use torch)."""
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        if x.device.type != "cpu" or x.is_sparse:
+            return None
+        import torch
+
+        t = x.detach()
+        if t.dtype not in (torch.float32, torch.float64):
+            t = t.to(torch.float32) if t.dtype != torch.complex64 else t
+        a = t.reshape(-1).numpy()
+    if a.dtype.kind == "c":
+        raise ValueError(f"cannot compare complex tensors (dtype {a.dtype})")
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float64 if a.dtype.itemsize > 4 else np.float32)
+    return np.ascontiguousarray(a.reshape(-1))
+
+
+def _torch_chunks(x, chunk: int):
     import torch
 
-    if fmt.kind == "int":
-        return torch.ones_like(absr)
-    floor = fmt.smallest_normal
-    e = torch.floor(torch.log2(torch.clamp(absr, min=floor)))
-    return torch.exp2(e - fmt.man_bits)
+    if isinstance(x, np.ndarray):
+        flat = x.reshape(-1)
+        for i in range(0, flat.size, chunk):
+            yield torch.from_numpy(np.asarray(flat[i : i + chunk]).astype(np.float64))
+    else:
+        flat = x.detach().reshape(-1)
+        for i in range(0, flat.numel(), chunk):
+            yield flat[i : i + chunk].to(torch.float64)
+
+
+def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) -> dict:
+    import torch
+
+    acc = _new_acc()
+    for r, c in zip(_torch_chunks(reference, chunk), _torch_chunks(candidate, chunk)):
+        fr, fc = torch.isfinite(r), torch.isfinite(c)
+        nf_ref = int((~fr).sum())
+        nf_intro = int((fr & ~fc).sum())
+        both = fr & fc
+        r, c = r[both], c[both]
+        if r.numel() == 0:
+            _merge_acc(acc, (0, nf_intro, nf_ref) + (0.0,) * 8)
+            continue
+        d = c - r
+        ad = d.abs()
+        absr = r.abs()
+        # exact floor(log2|r|) via frexp; frexp(0) says 0, so zeros take emin explicitly
+        e = torch.where(absr > 0, torch.clamp(torch.frexp(absr).exponent - 1, min=emin), emin)
+        ulp = torch.exp2((e - man_bits).to(torch.float64))
+        _merge_acc(acc, (
+            r.numel(), nf_intro, nf_ref, (r * r).sum(), (c * c).sum(), (r * d).sum(), (d * d).sum(), ad.sum(),
+            ad.max(), (ad / torch.clamp(absr, min=rel_floor)).max(), (ad / ulp).max(),
+        ))
+    return acc
+
+
+def _numba_accumulate(r: np.ndarray, c: np.ndarray, rel_floor, emin, man_bits, chunk) -> dict:
+    kern = _numba_kernel()
+    acc = _new_acc()
+    for i in range(0, r.size, chunk):
+        for part in kern(r[i : i + chunk], c[i : i + chunk], float(rel_floor), int(emin), int(man_bits)):
+            _merge_acc(acc, part)
+    return acc
+
+
+def _cosine_deficit(s_rr: float, s_cc: float, s_rd: float, s_dd: float) -> float:
+    """1 - cos(r, c) without cancellation, from one-pass sums with d = c - r.
+
+    1 - cos = (|r||c| - r.c) / (|r||c|), r.c = |r|^2 + r.d, and
+    |c| - |r| = (2 r.d + |d|^2) / (|c| + |r|), so the numerator is
+    (|r||d|^2 (|c|+|r|) - r.d (2 r.d + |d|^2)) / (|c|+|r|)^2: no difference of
+    nearly equal large numbers, so a deficit of 1e-15 is resolved.
+    """
+    nr, nc = math.sqrt(s_rr), math.sqrt(s_cc)
+    t = nc + nr
+    num = (nr * s_dd * t - s_rd * (2.0 * s_rd + s_dd)) / (t * t)
+    return max(0.0, num / (nr * nc))
+
+
+def _finish(acc: dict, n: int, rel_floor: float, fmt: Format) -> Comparison:
+    cnt = int(acc["count"])
+    nf_intro, nf_ref = int(acc["nf_intro"]), int(acc["nf_ref"])
+    if cnt == 0:
+        verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=None)
+        return Comparison("tensor", n, 0, None, None, None, None, rel_floor, None, None, None, None, None,
+                          nf_intro, nf_ref, fmt.name, verdict, reason)
+    s_rr, s_cc, s_rd, s_dd = acc["s_rr"], acc["s_cc"], acc["s_rd"], acc["s_dd"]
+    if s_rr > 0 and s_cc > 0:
+        deficit = _cosine_deficit(s_rr, s_cc, s_rd, s_dd)
+        cosine = 1.0 - deficit
+    elif s_rr == 0 and s_cc == 0:
+        cosine, deficit = 1.0, 0.0
+    else:
+        cosine, deficit = 0.0, 1.0
+    sqnr = math.inf if s_dd == 0 else (10.0 * math.log10(s_rr / s_dd) if s_rr > 0 else -math.inf)
+    rmse = math.sqrt(s_dd / cnt)
+    rms_ref = math.sqrt(s_rr / cnt)
+    unit_roundoff = fmt.eps / 2 if fmt.kind != "int" else 0.5
+    if rms_ref > 0:
+        rounding_units = (rmse / rms_ref) / unit_roundoff
+    else:
+        rounding_units = 0.0 if rmse == 0 else math.inf
+    verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=rounding_units)
+    return Comparison(
+        "tensor", n, cnt, acc["max_ad"], acc["s_ad"] / cnt, rmse, acc["max_rel"], rel_floor, cosine, deficit, sqnr,
+        rounding_units, acc["max_ulp"], nf_intro, nf_ref, fmt.name, verdict, reason,
+    )
 
 
 def verdict_for(*, nonfinite_introduced: int, rounding_units: Optional[float]) -> tuple[str, str]:
@@ -116,15 +337,15 @@ def verdict_for(*, nonfinite_introduced: int, rounding_units: Optional[float]) -
     return "error", f"error is {rounding_units:.3g}x the format's unit roundoff"
 
 
-def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK) -> Comparison:
+def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK,
+            backend: str = "auto") -> Comparison:
     """Compare two tensors/arrays of the same shape element by element.
 
     ``cand_format`` names the format whose rounding the candidate went
     through; by default it is inferred from the candidate's dtype (fp32 if it
-    is not a registered format).
+    is not a registered format).  ``backend``: "auto" (compiled kernel for
+    CPU inputs when numba is available, else torch), "numba" or "torch".
     """
-    import torch
-
     if _shape(reference) != _shape(candidate):
         if _numel(reference) != _numel(candidate):
             raise ValueError(
@@ -137,62 +358,17 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(_dtype_name(candidate)) or FORMATS["fp32"])
     n = _numel(reference)
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
-    cnt = 0
-    s_rr = s_cc = s_rc = s_dd = s_ad = 0.0
-    max_ad = max_rel = max_ulp = 0.0
-    nf_intro = nf_ref = 0
-    # unit vectors for the cosine deficit need the norms first: accumulate
-    # sum (r/|r| - c/|c|)^2 in a second pass only when needed.
-    for r, c in zip(_as_torch_f64_chunks(reference, chunk), _as_torch_f64_chunks(candidate, chunk)):
-        fr, fc = torch.isfinite(r), torch.isfinite(c)
-        nf_intro += int((fr & ~fc).sum())
-        nf_ref += int((~fr).sum())
-        both = fr & fc
-        r, c = r[both], c[both]
-        if r.numel() == 0:
-            continue
-        cnt += r.numel()
-        d = c - r
-        ad = d.abs()
-        s_rr += float((r * r).sum())
-        s_cc += float((c * c).sum())
-        s_rc += float((r * c).sum())
-        s_dd += float((d * d).sum())
-        s_ad += float(ad.sum())
-        max_ad = max(max_ad, float(ad.max()))
-        absr = r.abs()
-        max_rel = max(max_rel, float((ad / torch.clamp(absr, min=rel_floor)).max()))
-        max_ulp = max(max_ulp, float((ad / _ulp(absr, fmt)).max()))
-    if cnt == 0:
-        verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=None)
-        return Comparison("tensor", n, 0, None, None, None, None, rel_floor, None, None, None, None, None,
-                          nf_intro, nf_ref, fmt.name, verdict, reason)
-    nr, nc = math.sqrt(s_rr), math.sqrt(s_cc)
-    if nr > 0 and nc > 0:
-        cosine = s_rc / (nr * nc)
-        s_u = 0.0
-        for r, c in zip(_as_torch_f64_chunks(reference, chunk), _as_torch_f64_chunks(candidate, chunk)):
-            both = torch.isfinite(r) & torch.isfinite(c)
-            u = r[both] / nr - c[both] / nc
-            s_u += float((u * u).sum())
-        deficit = s_u / 2.0
-    elif nr == 0 and nc == 0:
-        cosine, deficit = 1.0, 0.0
-    else:
-        cosine, deficit = 0.0, 1.0
-    sqnr = math.inf if s_dd == 0 else (10.0 * math.log10(s_rr / s_dd) if s_rr > 0 else -math.inf)
-    rmse = math.sqrt(s_dd / cnt)
-    rms_ref = math.sqrt(s_rr / cnt)
-    unit_roundoff = fmt.eps / 2 if fmt.kind != "int" else 0.5
-    if rms_ref > 0:
-        rounding_units = (rmse / rms_ref) / unit_roundoff
-    else:
-        rounding_units = 0.0 if rmse == 0 else math.inf
-    verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=rounding_units)
-    return Comparison(
-        "tensor", n, cnt, max_ad, s_ad / cnt, rmse, max_rel, rel_floor, cosine, deficit, sqnr,
-        rounding_units, max_ulp, nf_intro, nf_ref, fmt.name, verdict, reason,
-    )
+    emin, man_bits = _ulp_params(fmt)
+    acc = None
+    if backend in ("auto", "numba") and _numba_kernel() is not None:
+        r, c = _np_flat(reference), _np_flat(candidate)
+        if r is not None and c is not None:
+            acc = _numba_accumulate(r, c, rel_floor, emin, man_bits, chunk)
+    if acc is None:
+        if backend == "numba":
+            raise RuntimeError("the numba comparison kernel is unavailable for these inputs")
+        acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk)
+    return _finish(acc, n, rel_floor, fmt)
 
 
 def _nonfinite_flag(stats) -> bool:

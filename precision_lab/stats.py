@@ -31,7 +31,9 @@ everything else, every CUDA tensor and every CPU run without numba uses a
 pure-torch path in float64 (``backend="torch"``) that gives the same counts,
 extrema and histogram and moments equal to rounding.  Inputs are processed in
 chunks of ``chunk_elems`` elements, so a memory-mapped file larger than RAM
-works in bounded memory.
+works in bounded memory.  numba is imported and the kernel compiled (or
+loaded from numba's cache) on first use; ``PRECISION_LAB_NO_NUMBA=1`` forces
+the torch path everywhere.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "histogram_counts",
     "merge_stats",
     "numba_available",
+    "canonical_dtype",
 ]
 
 
@@ -1134,6 +1137,12 @@ def _check_kind_np(arr: np.ndarray) -> None:
 
 def _stats_numpy(arr: np.ndarray, histogram: bool, chunk: int, use_numba: bool, backend: str) -> TensorStats:
     _check_kind_np(arr)
+    # casting a signalling NaN raises "invalid"; NaNs are counted, not an error
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _stats_numpy_inner(arr, histogram, chunk, use_numba, backend)
+
+
+def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: bool, backend: str) -> TensorStats:
     name = arr.dtype.name
     acc = _Acc(histogram)
     if use_numba and (name == "float32" or name in _NP_F32_EXACT):

@@ -676,3 +676,27 @@ def test_deferred_device_path_on_cpu_matches():
     assert len({r.step for r in cap.records}) == 2 and len(cap.records) > 200
     for rec in cap.records:
         assert_stats_match(rec.stats, rec.tensor)
+
+
+def test_statistics_kernel_threads_set_while_capturing_and_restored():
+    numba = pytest.importorskip("numba")
+    from precision_lab.stats import numba_available
+
+    if not numba_available():
+        pytest.skip("numba kernel disabled")
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(numba.get_num_threads())
+            return x * 2
+
+    before = numba.get_num_threads()
+    m = Probe()
+    with capture(m, run="t", store=":memory:"):
+        m(torch.ones(3))
+    with capture(m, run="t2", store=":memory:", options=CaptureOptions(stats_threads=None)):
+        m(torch.ones(3))
+    assert seen == [1, before] and numba.get_num_threads() == before
+    with pytest.raises(ValueError, match="stats_threads"):
+        CaptureOptions(stats_threads=0)

@@ -112,3 +112,48 @@ def test_max_ulp_err_counts_format_spacing():
     cand = np.full(8, 1 + 2**-10, dtype=np.float32)
     assert compare(ref, cand, cand_format="fp16").max_ulp_err == 1.0
     assert compare(ref, cand, cand_format="bf16").max_ulp_err == pytest.approx(2**-10 / 2**-7)
+
+
+def test_cosine_deficit_against_exact_rationals():
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+    r = rng.standard_normal(300)
+    c = r + rng.standard_normal(300) * 1e-7
+    cmp = compare(r, c, cand_format="fp32")
+    R = [Fraction(float(v)) for v in r]
+    C = [Fraction(float(v)) for v in c]
+    rr = sum(a * a for a in R)
+    cc = sum(b * b for b in C)
+    rc = sum(a * b for a, b in zip(R, C))
+    num = rr * cc - rc * rc  # exact: |r|^2|c|^2 - (r.c)^2
+    nrnc = math.sqrt(float(rr)) * math.sqrt(float(cc))
+    exact = float(num) / (nrnc * (nrnc + float(rc)))
+    assert cmp.cosine_deficit == pytest.approx(exact, rel=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn", "int8"])
+def test_numba_and_torch_accumulators_agree(fmt):
+    rng = np.random.default_rng(6)
+    r = (rng.standard_normal(200_003) * np.exp(rng.uniform(-12, 12, 200_003))).astype(np.float32)
+    c = (r * (1 + rng.standard_normal(r.size).astype(np.float32) * 1e-3)).astype(np.float32)
+    r[::1000] = np.nan
+    c[5::997] = np.inf
+    r[7::501] = 0.0
+    a = compare(r, c, cand_format=fmt, backend="numba")
+    b = compare(r, c, cand_format=fmt, backend="torch")
+    for f in ("compared", "nonfinite_introduced", "nonfinite_in_ref", "max_abs_err", "max_rel_err", "max_ulp_err"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("mean_abs_err", "rmse", "sqnr_db", "cosine_deficit", "rounding_units"):
+        assert getattr(a, f) == pytest.approx(getattr(b, f), rel=1e-9), f
+    # and the ulp error agrees with a per-element float64 numpy computation
+    both = np.isfinite(r) & np.isfinite(c)
+    rr, cc = r[both].astype(np.float64), c[both].astype(np.float64)
+    F = FORMATS[fmt]
+    if F.kind == "int":
+        ulp = np.ones_like(rr)
+    else:
+        _, e = np.frexp(np.abs(rr))
+        e = np.where(rr != 0, np.maximum(e - 1, F.emin), F.emin)  # frexp(0) gives 0
+        ulp = np.ldexp(1.0, e - F.man_bits)
+    assert a.max_ulp_err == np.max(np.abs(cc - rr) / ulp)

@@ -548,3 +548,38 @@ def test_read_only_server(app_db, monkeypatch):
     assert "read-only" in at.info[0].value
     at = _app(session="private")  # naming a session is not enough without its link
     assert "private" not in " ".join(t.value for t in at.title)
+
+
+def test_no_rerun_button_for_read_only_visitors(tmp_path, monkeypatch):
+    """A recipe session offers re-runs to a writer, never through a share link or on a read-only server."""
+    import streamlit as st
+
+    from precision_lab.fixes.rerun import capture_recipe
+    from precision_lab.share import create_share_token
+    from precision_lab.store import Store, close_all
+    from ui_fixtures import assert_clean, open_page
+
+    db = tmp_path / "recipe.duckdb"
+    s = Store(db)
+    name = capture_recipe(s, "fp8-zero-scale", session="recipe")
+    token = create_share_token(s, name)
+    close_all()
+    for var in ("PRECISION_LAB_CONFIG", "PRECISION_LAB_READ_ONLY", "PRECISION_LAB_LIST_SESSIONS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
+    st.cache_resource.clear()
+    try:
+        def rerun_buttons(at):
+            assert_clean(at)
+            return [b.key for b in at.button if b.key and b.key.startswith("rerun_")]
+
+        assert rerun_buttons(open_page("overview", session=name))  # a writer may re-run
+        assert rerun_buttons(_app(share=token)) == []
+        monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+        monkeypatch.setenv("PRECISION_LAB_LIST_SESSIONS", "1")
+        at = open_page("overview", session=name)
+        assert name in at.title[0].value and rerun_buttons(at) == []
+        assert not any(b.key == "share_link" for b in at.button)
+    finally:
+        st.cache_resource.clear()
+        close_all()

@@ -514,7 +514,8 @@ def test_numba_and_torch_backends_agree():
         b = tensor_stats(x, backend="torch")
         for k in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax"):
             assert getattr(a, k) == getattr(b, k)
-        assert (a.min_abs_nonzero == b.min_abs_nonzero) or (math.isnan(a.min_abs_nonzero) and math.isnan(b.min_abs_nonzero))
+        ma, mb = a.min_abs_nonzero, b.min_abs_nonzero
+        assert ma == mb or (math.isnan(ma) and math.isnan(mb))
         assert np.array_equal(a.hist, b.hist)
         for k in ("mean", "std", "l2norm"):
             assert getattr(a, k) == pytest.approx(getattr(b, k), rel=1e-12)

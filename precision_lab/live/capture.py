@@ -438,7 +438,13 @@ class Capture:
             prepared = self.policy.prepare(self.model)
             if prepared is not None:
                 self.model = prepared
-        self._install()
+        self._engine.enter(self.options.stats_threads)
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            self._engine.exit()
+            raise
         self._active = True
         self._begin_step()
         return self
@@ -449,6 +455,7 @@ class Capture:
         finally:
             self._active = False
             self._recording = False
+            self._engine.exit()
         if et is not None and not issubclass(et, Exception):
             return False  # KeyboardInterrupt and friends: leave at once
         if et is not None:

@@ -79,6 +79,31 @@ class StatsEngine:
         # few gradients alive (bounded memory: _RECENT tensors).
         self._recent: deque = deque(maxlen=_RECENT)
 
+    def enter(self, threads: Optional[int]) -> None:
+        """Limit the CPU kernel to ``threads`` in this thread while the capture runs."""
+        self._saved_threads = None
+        if threads is None or not _stats.numba_available():
+            return
+        import numba
+
+        try:
+            self._saved_threads = numba.get_num_threads()
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        except Exception as e:  # a threading layer that cannot start: keep numba's default
+            self._saved_threads = None
+            self._warn("statistics", f"could not set the statistics kernel's threads ({e})")
+
+    def exit(self) -> None:
+        if getattr(self, "_saved_threads", None) is None:
+            return
+        import numba
+
+        try:
+            numba.set_num_threads(self._saved_threads)
+        except Exception:
+            pass
+        self._saved_threads = None
+
     def new_step(self) -> None:
         with self._lock:
             self._cache.clear()

@@ -53,6 +53,10 @@ class CaptureOptions:
     - ``backward``: record gradients when the user runs backward.
     - ``params``: record each module's parameters (once per step) and their
       gradients.
+    - ``stats_threads``: threads the CPU statistics kernel may use while the
+      capture runs.  1 (the default) keeps it from competing with torch's own
+      intra-op thread pool, which is busy between the ops it is measuring;
+      None leaves numba's setting alone.
     - ``max_warnings``: stop recording distinct hook warnings after this many.
     """
 
@@ -69,6 +73,7 @@ class CaptureOptions:
     views: bool = False
     backward: bool = True
     params: bool = True
+    stats_threads: Optional[int] = 1
     max_warnings: int = 200
 
     def __post_init__(self) -> None:
@@ -96,6 +101,8 @@ class CaptureOptions:
                 if any(x < 0 for x in steps):
                     raise ValueError(f"CaptureOptions.steps: step numbers must be >= 0, got {steps}")
                 object.__setattr__(self, "steps", steps)
+        if self.stats_threads is not None and (isinstance(self.stats_threads, bool) or self.stats_threads < 1):
+            raise ValueError(f"CaptureOptions.stats_threads must be None or >= 1, got {self.stats_threads!r}")
         if self.max_warnings < 0:
             raise ValueError("CaptureOptions.max_warnings must be >= 0")
         if self.moments_only and self.histogram:

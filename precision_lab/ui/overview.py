@@ -184,8 +184,10 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
     # names from dumps are shown as typed, never as plotly label markup
     df = df.assign(op=df["op"].map(plot_text), series=df["series"].map(plot_text))
     for series, g in df.groupby("series", sort=False):
+        # a log axis has no place for an exact (zero) error: leave a gap
+        y = g["value"].where(g["value"] > 0) if log_y else g["value"]
         fig.add_trace(go.Scatter(
-            x=g["seq"], y=g["value"], mode="lines+markers", name=str(series), marker={"size": 5},
+            x=g["seq"], y=y, mode="lines+markers", name=str(series), marker={"size": 5},
             customdata=g[["op", "verdict", "run_id", "rid"]].to_numpy(), connectgaps=False,
             hovertemplate="seq %{x}<br>%{customdata[0]}<br>" + metric + " %{y:.4g}<br>%{customdata[1]}<extra></extra>",
         ))
