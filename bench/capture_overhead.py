@@ -20,7 +20,8 @@ of each per round, the order rotating every round), medians over rounds:
 
 Each capture is entered and left around its one timed step; writing its
 records to an in-memory DuckDB on exit is timed separately and not part of
-the ratio.
+the ratio.  Two ratios are printed: wall-clock time, and the process's CPU
+time (all threads), which moves less when other jobs share the machine.
 
     python bench/capture_overhead.py                  # 15 rounds
     python bench/capture_overhead.py --rounds 30 --threads 2
@@ -118,9 +119,19 @@ class Plain(Variant):
     name = "plain"
 
     def run(self, model, x):
-        t0 = time.perf_counter()
+        t = _Timer()
         _step(model, x)
-        return time.perf_counter() - t0
+        return t.stop()
+
+
+class _Timer:
+    """Wall-clock and process CPU time (all threads) of one step."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
 class Ours(Variant):
@@ -132,9 +143,9 @@ class Ours(Variant):
     def run(self, model, x):
         cap = precision_lab.capture(model, run=self.name, store=self.store, options=self.options)
         with cap:
-            t0 = time.perf_counter()
+            t = _Timer()
             _step(model, x)
-            dt = time.perf_counter() - t0
+            dt = t.stop()
             t1 = time.perf_counter()
         self.exit_times.append(time.perf_counter() - t1)
         self.records = len(cap.records)
@@ -159,9 +170,9 @@ class DiyHist(Variant):
         for m in model.modules():
             hs.append(m.register_forward_hook(hook))
         try:
-            t0 = time.perf_counter()
+            t = _Timer()
             _step(model, x)
-            return time.perf_counter() - t0
+            return t.stop()
         finally:
             for h in hs:
                 h.remove()
@@ -193,9 +204,9 @@ class TensorBoard(Variant):
         for m in model.modules():
             hs.append(m.register_forward_hook(hook))
         try:
-            t0 = time.perf_counter()
+            t = _Timer()
             _step(model, x)
-            return time.perf_counter() - t0
+            return t.stop()
         finally:
             for h in hs:
                 h.remove()
@@ -227,12 +238,12 @@ class Msprobe(Variant):
                                        "level": "mix", "statistics": {"scope": [], "list": [],
                                                                        "data_mode": ["all"]}}))
             self.debugger = self.cls(config_path=str(cfg))
-        t0 = time.perf_counter()
+        t = _Timer()
         self.debugger.start(model)
         _step(model, x)
         self.debugger.stop()
         self.debugger.step()
-        return time.perf_counter() - t0
+        return t.stop()
 
 
 def main(argv=None) -> int:
@@ -263,19 +274,21 @@ def main(argv=None) -> int:
         for v in order:
             times[v.name].append(v.run(model, x))
     load1 = os.getloadavg()
-    base = statistics.median(times["plain"])
-    print(f"\n{'variant':<16}{'median ms':>11}{'ratio':>8}   notes")
+    base = statistics.median(w for w, _ in times["plain"])
+    base_cpu = statistics.median(c for _, c in times["plain"])
+    print(f"\n{'variant':<16}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   notes")
     for v in variants:
         if v.name not in times:
-            print(f"{v.name:<16}{'-':>11}{'-':>8}   {v.note}")
+            print(f"{v.name:<16}{'-':>9}{'-':>8}{'-':>9}{'-':>8}   {v.note}")
             continue
-        m = statistics.median(times[v.name])
+        m = statistics.median(w for w, _ in times[v.name])
+        c = statistics.median(c for _, c in times[v.name])
         note = ""
         if isinstance(v, Ours):
             target = 1.5 if v.name == "full" else 1.2
             note = (f"{v.records} records/step; target <= {target}x; writing them to DuckDB on exit "
                     f"{statistics.median(v.exit_times) * 1e3:.0f} ms (not in the ratio)")
-        print(f"{v.name:<16}{m * 1e3:>11.1f}{m / base:>7.2f}x   {note}")
+        print(f"{v.name:<16}{m * 1e3:>9.1f}{m / base:>7.2f}x{c * 1e3:>9.1f}{c / base_cpu:>7.2f}x   {note}")
     print(f"\nrounds {args.rounds}, load average {load0[0]:.2f} at start, {load1[0]:.2f} at end")
     return 0
 

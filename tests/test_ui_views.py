@@ -262,6 +262,11 @@ def test_ops_page_counts_filters_and_pages(db):
     srt = ops.ops_page(db, ops.OpsFilter(run_id, sort="absmax", descending=True, page_size=600))
     vals = srt.rows["absmax"].dropna().to_numpy()
     assert all(a >= b for a, b in zip(vals, vals[1:])) and math.isinf(vals[0])
+    rank = {"nonfinite": 3, "error": 2, "warn": 1}
+    sev = ops.ops_page(db, ops.OpsFilter(run_id, sort="severity", descending=True, page_size=1000))
+    ranks = [rank.get(v, 0) for v in sev.rows["severity"]]
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] == 3 and sev.total == len(entries)
+    assert sev.rows["seq"].iloc[0] == min(probs.rows["seq"])  # ties in execution order
     roles = ops.ops_page(db, ops.OpsFilter(run_id, roles=("param",), page_size=1000))
     assert roles.total > 0 and set(roles.rows["role"]) == {"param"}
     with pytest.raises(ValueError, match="cannot sort"):

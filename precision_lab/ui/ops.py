@@ -122,13 +122,19 @@ def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:
                 f"ORDER BY t.{SORTABLE[f.sort]} {direction} NULLS LAST, t.seq, t.rid LIMIT ? OFFSET ?")
         return keys, wparams, count, wparams
     if f.sort == "severity":
-        key = (f"CASE {severity_sql('t.nonfinite', 'acc.verdict', 'loc.verdict')} WHEN 'nonfinite' THEN 3 "
-               "WHEN 'error' THEN 2 WHEN 'warn' THEN 1 WHEN 'ok' THEN 0 END")
-        joins = [("acc", _ACC, "verdict"), ("loc", _LOC, "verdict")]
-    else:
-        key = _CMP_SORT_SQL[f.sort]
-        alias, col = key.split(".")
-        joins = [(alias, _ACC if alias == "acc" else _LOC, col)]
+        # problems rank by semi-joins on the (few) non-passing comparisons;
+        # every other record ranks 0, in execution order
+        def verdict_in(v: str) -> str:
+            return f"t.rid IN (SELECT cand_rid FROM comparisons WHERE cand_run_id = ? AND verdict = '{v}')"
+
+        key = (f"CASE WHEN coalesce(t.nonfinite, false) OR {verdict_in('nonfinite')} THEN 3 "
+               f"WHEN {verdict_in('error')} THEN 2 WHEN {verdict_in('warn')} THEN 1 ELSE 0 END")
+        keys = (f"SELECT t.rid FROM tensors t WHERE {where_sql} "
+                f"ORDER BY {key} {direction}, t.seq, t.rid LIMIT ? OFFSET ?")
+        return keys, wparams + [f.run_id] * 3, count, wparams
+    key = _CMP_SORT_SQL[f.sort]
+    alias, col = key.split(".")
+    joins = [(alias, _ACC if alias == "acc" else _LOC, col)]
     join_sql = " ".join(
         f"LEFT JOIN (SELECT cand_rid, {col} FROM comparisons WHERE cand_run_id = ? AND {kind}) {alias} "
         f"ON {alias}.cand_rid = t.rid" for alias, kind, col in joins)
