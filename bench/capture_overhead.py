@@ -88,6 +88,16 @@ class Transformer(nn.Module):
         return self.ln(x)
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _step(model, x):
     model.zero_grad(set_to_none=True)
     model(x).pow(2).mean().backward()
@@ -251,18 +261,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--stats-threads", type=int, default=1,
+                    help="CaptureOptions.stats_threads (0: leave numba's own setting)")
     args = ap.parse_args(argv)
+    st = args.stats_threads or None
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Transformer()
     x = torch.randn(BATCH, SEQ, D)
-    variants = [Plain(), Ours("full", CaptureOptions()), Ours("moments-only", CaptureOptions(moments_only=True)),
+    variants = [Plain(), Ours("full", CaptureOptions(stats_threads=st)),
+                Ours("moments-only", CaptureOptions(moments_only=True, stats_threads=st)),
                 DiyHist(), TensorBoard(), Msprobe()]
     active = [v for v in variants if v.available()]
     load0 = os.getloadavg()
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
-          f"torch threads {torch.get_num_threads()}  cpu {platform.processor() or platform.machine()}")
+          f"torch threads {torch.get_num_threads()}  stats threads {st or 'numba default'}  "
+          f"cpu {_cpu_name()}")
     print(f"model: {BLOCKS}-block pre-LN transformer d={D} heads={HEADS} mlp={HIDDEN}, batch {BATCH} x seq {SEQ}, "
           "forward+backward")
     for _ in range(args.warmup):

@@ -700,3 +700,15 @@ def test_statistics_kernel_threads_set_while_capturing_and_restored():
     assert seen == [1, before] and numba.get_num_threads() == before
     with pytest.raises(ValueError, match="stats_threads"):
         CaptureOptions(stats_threads=0)
+
+
+def test_user_exception_wins_over_a_failed_write(store):
+    torch.manual_seed(0)
+    model = build_tiny()
+    with pytest.raises(KeyError) as e:
+        with capture(model, run="x", store=store, session="no-such-session"):
+            run_step(model, tiny_input())
+            raise KeyError("the user's own error")
+    assert "the user's own error" in str(e.value)
+    assert any("could not write run 'x'" in n for n in e.value.__notes__)
+    assert _no_hooks_left(model)

@@ -202,3 +202,14 @@ def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op
         assert outs and all(t["numel"] > 0 and t["max"] is not None and t["std"] is not None for t in outs), op
         kinds = {c["kind"] for c in rep["comparisons"] if c["op"] == op and c["role"] == "output"}
         assert kinds == {"local", "accumulated"}, (op, kinds)
+
+
+def test_pair_warns_when_no_name_lines_up(store):
+    from test_capture import ToyPolicy
+
+    name = precision_lab.capture_pair(build_tiny, tiny_input(), ToyPolicy(), store=store, local_error=False)
+    msgs = store.df("SELECT message FROM warnings")["message"].tolist()
+    assert any("changed the model's module paths" in m for m in msgs)
+    acc = store.df("SELECT match, count(*) AS n FROM comparisons GROUP BY match")
+    assert {"unmatched_cand", "unmatched_ref"} <= set(acc["match"])
+    assert name

@@ -463,7 +463,14 @@ class Capture:
             self._warn("capture", f"the captured code raised {self._user_error}; records up to that point are kept")
         self._end_step()
         if self._write:
-            self._finish_output()
+            if et is None:
+                self._finish_output()
+            else:
+                # the user's exception is the one to see; a failed write is noted on it
+                try:
+                    self._finish_output()
+                except Exception as e:
+                    ev.add_note(f"precision_lab.capture could not write run {self.run!r}: {type(e).__name__}: {e}")
         return False
 
     # ---- installing hooks --------------------------------------------------------

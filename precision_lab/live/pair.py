@@ -237,6 +237,11 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                            observer=comparer, write=False)
         _run(cand_cap, inputs, loss_fn, seed)
         comparer.clear_cache()
+        unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
+        if cand_cap.records and unmatched * 2 > len(cand_cap.records):
+            cand_cap._warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
+                                           "reference tensor of the same name: the candidate policy added ops or "
+                                           "changed the model's module paths")
         name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=recipe, source=source,
                            policy=policy, name=name)
     finally:
