@@ -283,7 +283,14 @@ class TensorStats:
             am = max(abs(self.min), abs(self.max))
         if am is not None and math.isnan(am):
             am = None
-        head = None if am is None else (math.inf if am == 0 else math.log2(fmt.max / am))
+        if am is None:
+            head = None
+        elif am == 0:
+            head = math.inf
+        elif math.isinf(am):
+            head = -math.inf  # the values are already infinite: no headroom at all
+        else:
+            head = math.log2(fmt.max / am)
         any_ovf = None if am is None else am >= fmt.overflow_threshold
         mn = self.min_abs_nonzero
         if mn is not None and math.isnan(mn):
