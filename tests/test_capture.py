@@ -466,6 +466,7 @@ def test_include_exclude_and_op_type_filters():
 
 
 def test_options_validate():
+    assert precision_lab.capture is capture  # the package's lazy export
     with pytest.raises(ValueError, match="every-N must be >= 1"):
         CaptureOptions(steps=0)
     with pytest.raises(ValueError, match="step numbers must be >= 0"):
@@ -693,9 +694,9 @@ def test_statistics_kernel_threads_set_while_capturing_and_restored():
 
     before = numba.get_num_threads()
     m = Probe()
-    with capture(m, run="t", store=":memory:"):
+    with capture(m, run="t", store=":memory:", options=CaptureOptions(stats_threads=1)):
         m(torch.ones(3))
-    with capture(m, run="t2", store=":memory:", options=CaptureOptions(stats_threads=None)):
+    with capture(m, run="t2", store=":memory:"):
         m(torch.ones(3))
     assert seen == [1, before] and numba.get_num_threads() == before
     with pytest.raises(ValueError, match="stats_threads"):
@@ -712,3 +713,22 @@ def test_user_exception_wins_over_a_failed_write(store):
     assert "the user's own error" in str(e.value)
     assert any("could not write run 'x'" in n for n in e.value.__notes__)
     assert _no_hooks_left(model)
+
+
+def test_lost_device_results_keep_records_and_warn(monkeypatch):
+    from precision_lab import stats as S
+
+    def broken(*a, **k):
+        raise RuntimeError("device results lost")
+
+    torch.manual_seed(0)
+    model = build_tiny()
+    cap = Capture(model, run="lost", store=":memory:", options=CaptureOptions(local_error=True))
+    cap._engine.deferred_cpu = True
+    monkeypatch.setattr(S, "_torch_finish", broken)
+    with cap:
+        run_step(model, tiny_input())
+    assert cap.records and all(r.stats.is_summary_only and r.stats.max is None for r in cap.records)
+    assert any("device results lost" in m for _, m in cap.warnings)
+    # local comparisons still point at the right records
+    assert all(cap.records[pos].role == "output" for pos, _ in cap.local_comparisons)

@@ -39,8 +39,7 @@ import json
 import os
 import threading
 import uuid
-import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -535,9 +534,11 @@ class Capture:
             self._hook_error("statistics", e)
         step_records = []
         for rec, handle in self._pending:
-            stats = handle.stats if handle is not None else None
-            if stats is None:
-                continue
+            stats = handle.stats
+            if stats is None:  # the device results never arrived: keep the record (positions stay), say so
+                from ..stats import TensorStats
+
+                stats = TensorStats.summary_only(dtype=handle.dtype, shape=handle.shape, numel=handle.numel)
             rec.stats = stats
             if rec.tensor is not None and isinstance(rec.tensor, torch.Tensor):
                 rec.tensor = rec.tensor.detach().cpu()

@@ -54,9 +54,10 @@ class CaptureOptions:
     - ``params``: record each module's parameters (once per step) and their
       gradients.
     - ``stats_threads``: threads the CPU statistics kernel may use while the
-      capture runs.  1 (the default) keeps it from competing with torch's own
-      intra-op thread pool, which is busy between the ops it is measuring;
-      None leaves numba's setting alone.
+      capture runs; None (the default) leaves numba's setting (every core).
+      The kernel runs between torch ops, when torch's own threads are idle;
+      on a machine already oversubscribed by other jobs, 1 avoids two thread
+      pools spinning against each other.
     - ``max_warnings``: stop recording distinct hook warnings after this many.
     """
 
@@ -73,7 +74,7 @@ class CaptureOptions:
     views: bool = False
     backward: bool = True
     params: bool = True
-    stats_threads: Optional[int] = 1
+    stats_threads: Optional[int] = None
     max_warnings: int = 200
 
     def __post_init__(self) -> None:
