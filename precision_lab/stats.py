@@ -6,7 +6,7 @@ What is computed (``tensor_stats``):
 * ``min``, ``max``, ``absmax``, ``min_abs_nonzero`` over the *finite* values;
 * ``mean``, population ``std`` (ddof=0) and ``l2norm`` over the finite values,
   accumulated in float64 whatever the input dtype (an fp16 tensor whose norm
-  exceeds 65504 reports its true norm);
+  exceeds fp16's largest finite value reports its true norm);
 * a histogram of ``|x|`` for the nonzero finite values over the fixed edges
   ``HIST_EDGES``.
 
