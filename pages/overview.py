@@ -87,7 +87,7 @@ for i, card in enumerate(cards):
         icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
         st.markdown(f"{icon} · {page.plain(card['run'] or '')} · **{page.plain(card['op'])}** "
                     f"· rule {page.plain(card['rule'])}")
-        st.markdown(page.plain(card["message"]))
+        st.markdown(page.message_md(card["message"]))
         if card["fixes"]:
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
         if acc.can_rerun:
@@ -112,7 +112,7 @@ elif _job is not None and _job.session == info["name"]:
         job = st.session_state.get("_pl_rerun")
         if job is None or job.finished:
             st.rerun()
-        st.progress(job.fraction, text=f"Re-running with {job.fix}: {job.label}"[:120])
+        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.label}"[:120]))
 
     _rerun_progress()
 

@@ -94,10 +94,6 @@ def _shape(x) -> tuple:
     return tuple(int(s) for s in x.shape)
 
 
-def _dtype_name(x) -> str:
-    return str(x.dtype).replace("torch.", "")
-
-
 def _ulp_params(fmt: Format) -> tuple[int, int]:
     """(smallest normal exponent, mantissa bits) for the ulp of ``fmt``; int grid: spacing 1."""
     if fmt.kind == "int":
@@ -355,7 +351,7 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
         raise ValueError(
             f"cannot compare tensors of shapes {_shape(reference)} (reference) and {_shape(candidate)} (candidate)"
         )
-    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(_dtype_name(candidate)) or FORMATS["fp32"])
+    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
     n = _numel(reference)
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
     emin, man_bits = _ulp_params(fmt)
@@ -371,16 +367,6 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     return _finish(acc, n, rel_floor, fmt)
 
 
-def _nonfinite_flag(stats) -> bool:
-    """Whether summary stats show non-finite values (counts, or Max/Min themselves)."""
-    if (stats.nan_count or 0) > 0 or (stats.inf_count or 0) > 0:
-        return True
-    for v in (stats.max, stats.min):
-        if v is not None and not math.isfinite(v):
-            return True
-    return False
-
-
 def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -> Comparison:
     """A stats-level comparison where only summary statistics exist on a side.
 
@@ -392,8 +378,8 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
     """
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(cand_stats.dtype) or FORMATS["fp32"])
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
-    nonfinite_cand = _nonfinite_flag(cand_stats)
-    nonfinite_ref = _nonfinite_flag(ref_stats)
+    nonfinite_cand = cand_stats.has_nonfinite
+    nonfinite_ref = ref_stats.has_nonfinite
     nf_intro = 1 if (nonfinite_cand and not nonfinite_ref) else 0
     diffs, rels = [], []
     # the mean is left out: it cancels, so its relative change says little

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "tensor_name", "ROLES", "split_tensor_name"]
+__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "tensor_name", "ROLES", "split_tensor_name", "free_name"]
 
 # input/output of a forward op; grad_input/grad_output of a backward op
 # (msprobe's backward "input" is the gradient flowing in = grad_output in torch
@@ -26,6 +26,19 @@ def split_tensor_name(name: str) -> Optional[tuple[str, str, str]]:
     """``'blocks.0.fc1.output.0'`` -> ``('blocks.0.fc1', 'output', '0')``; None if not of that form."""
     m = _NAME_RE.match(name)
     return (m["op"], m["role"], m["index"]) if m else None
+
+
+def free_name(base: str, taken, pattern: str = "{base}-{i}") -> str:
+    """``base`` if it is not in ``taken``, else ``pattern`` with the smallest ``i >= 2`` that is free.
+
+    Session and run names are chosen this way so a new one never replaces an old one.
+    """
+    if base not in taken:
+        return base
+    i = 2
+    while pattern.format(base=base, i=i) in taken:
+        i += 1
+    return pattern.format(base=base, i=i)
 
 
 @dataclass

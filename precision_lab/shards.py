@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import math
 import os
 import re
 from datetime import datetime, timezone
@@ -110,12 +109,9 @@ def _npy(t) -> bytes:
 
 
 def _json_safe(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            v = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        out[k] = v
-    return out
+    from .stats import json_float
+
+    return {k: json_float(v) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
@@ -130,7 +126,6 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
     import pyarrow.parquet as pq
 
     from .stats import HIST_EDGES_ID
-    from .store import _nonfinite_from_stats
 
     name = run_meta.get("name")
     path = shard_path(root, name, rank, step)
@@ -157,7 +152,7 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
             elif n == "name":
                 v = rec.name
             elif n == "nonfinite":
-                v = _nonfinite_from_stats(s)
+                v = s.has_nonfinite
             else:
                 v = None
             data[n].append(v)

@@ -62,6 +62,8 @@ __all__ = [
     "merge_stats",
     "numba_available",
     "canonical_dtype",
+    "json_float",
+    "from_json_float",
 ]
 
 
@@ -169,7 +171,8 @@ class SummaryHeadroom:
     any_underflow: Optional[bool]
 
 
-def _json_float(v: Optional[float]):
+def json_float(v: Optional[float]):
+    """A float for strict JSON: non-finite values become the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
     if v is None:
         return None
     v = float(v)
@@ -180,7 +183,8 @@ def _json_float(v: Optional[float]):
     return v
 
 
-def _from_json_float(v) -> Optional[float]:
+def from_json_float(v) -> Optional[float]:
+    """The inverse of ``json_float``."""
     if v is None:
         return None
     return float(v)  # float("nan") / float("inf") / float("-inf") parse the strings
@@ -249,6 +253,20 @@ class TensorStats:
 
     # ---- derived counts -----------------------------------------------------
     @property
+    def has_nonfinite(self) -> bool:
+        """Whether the tensor holds NaN or Inf: by the counts, else by a non-finite Min/Max.
+
+        A non-finite Norm or Mean alone does not count (it can overflow while
+        every value is finite).  When NaN/Inf were counted, a NaN Min/Max only
+        means "no finite value" (an empty tensor).
+        """
+        if (self.nan_count or 0) > 0 or (self.inf_count or 0) > 0:
+            return True
+        if self.nan_count is not None and self.inf_count is not None:
+            return False
+        return any(v is not None and not math.isfinite(v) for v in (self.min, self.max))
+
+    @property
     def finite_count(self) -> Optional[int]:
         if self.nan_count is None or self.inf_count is None:
             return None
@@ -316,7 +334,7 @@ class TensorStats:
             v = getattr(self, n)
             d[n] = None if v is None else int(v)
         for n in _FLOAT_FIELDS:
-            d[n] = _json_float(getattr(self, n))
+            d[n] = json_float(getattr(self, n))
         if self.hist is None:
             d["hist"] = None
         else:
@@ -353,7 +371,7 @@ class TensorStats:
         for n in _COUNT_FIELDS:
             kw[n] = None if d.get(n) is None else int(d[n])
         for n in _FLOAT_FIELDS:
-            kw[n] = _from_json_float(d.get(n))
+            kw[n] = from_json_float(d.get(n))
         return cls(**kw)
 
     @classmethod

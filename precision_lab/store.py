@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .records import Diagnosis, RunInfo, TensorRecord
+from .records import Diagnosis, RunInfo, TensorRecord, free_name
 
 __all__ = ["Store", "default_db_path", "open_store", "SessionNotFound", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
@@ -190,14 +190,6 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _json_float(v):
-    if v is None:
-        return None
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
-
-
 def _shape_json(shape) -> str:
     return json.dumps([int(s) for s in shape]) if shape is not None else "null"
 
@@ -302,10 +294,7 @@ class Store:
             return name
         if not rename:
             raise ValueError(f"a session named {name!r} already exists")
-        i = 2
-        while f"{name}-{i}" in existing:
-            i += 1
-        return f"{name}-{i}"
+        return free_name(name, existing)
 
     # -- reading
     def sessions(self):
@@ -445,17 +434,6 @@ def _default_session_name(source: str) -> str:
     return base[:60]
 
 
-def _nonfinite_from_stats(s) -> bool:
-    if (s.nan_count or 0) > 0 or (s.inf_count or 0) > 0:
-        return True
-    if s.nan_count is not None and s.inf_count is not None:
-        return False  # counted: a NaN min/max then only means "no finite value" (an empty tensor)
-    for v in (s.min, s.max):
-        if v is not None and isinstance(v, float) and not math.isfinite(v):
-            return True
-    return False
-
-
 class SessionWriter:
     """Buffers rows and appends them in batches inside the session's transaction."""
 
@@ -498,7 +476,7 @@ class SessionWriter:
             v = getattr(s, c)
             row[c] = _shape_json(v) if c == "shape" else v
         row["name"] = rec.name
-        row["nonfinite"] = _nonfinite_from_stats(s)
+        row["nonfinite"] = s.has_nonfinite
         row["has_hist"] = s.hist is not None
         self._rows.append(row)
         if s.hist is not None:

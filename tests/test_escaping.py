@@ -178,3 +178,31 @@ def test_detail_page_shows_names_as_text(hostile_db):
 def test_diff_page_shows_names_as_text(hostile_db):
     at = open_page("diff", session=SESSION)
     _check_page(at)
+
+
+# ---- diagnosis messages: quoted op names as code, never as markup ------------------------------
+
+@pytest.mark.parametrize("op", [OP_PREFIX, "a`b", "``x", "y`", "plain.op", EVIL])
+def test_message_md_shows_quoted_names_as_code(op):
+    from precision_lab.ui.common import code_md, message_md
+
+    # a name holding backticks is quoted with a longer fence, as CommonMark does
+    q = (lambda s: f"`{s}`") if "`" not in op else code_md
+    msg = f"{q(op)} overflows fp16 *here* [x](http://evil.example) at {q(op + '.1')}"
+    out = _render(message_md(msg))
+    assert "href" not in out and not re.search(r"<(script|img|b|em)[ >]", out)
+    codes = [html.unescape(c) for c in re.findall(r"<code>(.*?)</code>", out, flags=re.S)]
+    assert len(codes) == 2
+    # CommonMark strips one leading and trailing space of a padded code span
+    assert codes[0] == op and codes[1] == f"{op}.1"
+    text = html.unescape(re.sub(r"<[^>]+>", "", out)).strip()
+    assert text == f"{op} overflows fp16 *here* [x](http://evil.example) at {op}.1"
+
+
+def test_message_md_without_quotes_is_plain_escaping():
+    from precision_lab.ui.common import escape_md, message_md
+
+    assert message_md(f"message {EVIL}") == escape_md(f"message {EVIL}")
+    assert message_md("") == ""
+    # an unpaired backtick is text
+    assert html.unescape(re.sub(r"<[^>]+>", "", _render(message_md("1 ` 2 `` 3")))).strip() == "1 ` 2 `` 3"

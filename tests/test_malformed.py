@@ -212,6 +212,26 @@ def test_msprobe_missing_tensor_file_is_a_warning(store, tmp_path):
     assert store.session(name)["name"] == name
 
 
+
+def test_msprobe_non_numeric_statistic_is_a_warning(store, tmp_path):
+    d, proc = _msprobe_copy(tmp_path, "stat_mix_fp32_inner_ovf")
+    doc = json.loads((proc / "dump.json").read_text())
+    entry = doc["data"]["Functional.layer_norm.0.forward"]["input_args"][0]
+    entry["Max"] = "abc"
+    (proc / "dump.json").write_text(json.dumps(doc))
+    ingest(d, store=store)
+    w = store.df("SELECT file, message FROM warnings")
+    assert len(w) == 1
+    assert w.file[0] == str((proc / "dump.json").relative_to(d))
+    assert "Functional.layer_norm.0.forward input 0" in w.message[0]
+    assert "Max" in w.message[0] and "'abc'" in w.message[0] and "missing" in w.message[0]
+    # stored as missing; the entry's other statistics are kept as dump.json has them
+    row = store.df("SELECT max, min FROM tensors WHERE op = 'Functional.layer_norm.0.forward' "
+                   "AND role = 'input' AND \"index\" = '0'")
+    assert len(row) == 1 and (row["max"][0] is None or np.isnan(row["max"][0]))
+    assert row["min"][0] == entry["Min"]
+
+
 # ---- folders and paths --------------------------------------------------------------
 
 def test_empty_folder(store, tmp_path):

@@ -687,3 +687,18 @@ def test_property_counts_and_histogram(x):
         for name in ("fp16", "fp8_e4m3fn", "e8m0", "int8"):
             r = s.representability(name)
             assert r.overflow + r.underflow + r.subnormal + r.normal == fin - s.zero_count
+
+
+def test_has_nonfinite_from_counts_else_from_min_max():
+    from precision_lab.stats import TensorStats, tensor_stats
+
+    assert tensor_stats(np.array([1.0, np.inf], np.float32)).has_nonfinite
+    assert tensor_stats(np.array([np.nan], np.float32)).has_nonfinite
+    assert not tensor_stats(np.array([1.0, -2.0], np.float32)).has_nonfinite
+    # counted and empty: the NaN Min/Max only say "no finite value"
+    empty = tensor_stats(torch.zeros(0))
+    assert np.isnan(empty.max) and not empty.has_nonfinite
+    # summary only (no counts): a non-finite Max/Min counts, a non-finite Norm alone does not
+    assert TensorStats.summary_only(dtype="float16", shape=(4,), min=-1.0, max=float("inf")).has_nonfinite
+    assert not TensorStats.summary_only(dtype="float16", shape=(4,), min=-1.0, max=1.0,
+                                        l2norm=float("inf")).has_nonfinite

@@ -143,3 +143,11 @@ def test_threads_get_their_own_cursor(store):
     assert len(df) == 8 and set(df["n"]) == {20}
     # no record was written under another thread's session
     assert all(df["lo"] == df["hi"])
+
+
+def test_free_name_picks_the_first_unused_suffix():
+    from precision_lab.records import free_name
+
+    assert free_name("a", set()) == "a"
+    assert free_name("a", {"a", "a-2", "a-4"}) == "a-3"
+    assert free_name("fix: x", {"fix: x"}, "{base} ({i})") == "fix: x (2)"

@@ -12,13 +12,8 @@ from typing import List, Optional
 import typer
 
 from . import app
-
-EXIT_UNUSABLE = 2
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(EXIT_UNUSABLE)
+from ._common import DB_HELP, open_store
+from ._common import fail as _fail
 
 
 def candidate_policy(recipe, dtype: Optional[str]):
@@ -55,8 +50,7 @@ def capture_cmd(
     fix: Optional[List[str]] = typer.Option(None, "--fix", help="fix spec applied to the candidate policy "
                                                                 "(repeatable; see `precision-lab fixes`)"),
     session: Optional[str] = typer.Option(None, "--session", help="name of the new session (default: the recipe's; a suffix is added if taken)"),
-    db: Optional[str] = typer.Option(None, "--db", help="database file (default: $PRECISION_LAB_DB or the user "
-                                                        "data directory)"),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     no_local: bool = typer.Option(False, "--no-local", help="skip the per-op fp32 re-runs (local error)"),
 ) -> None:
     """Capture a recipe's fp32 reference and low-precision candidate, compare them op by op, store the session."""
@@ -64,8 +58,6 @@ def capture_cmd(
         from ..fixes.recipes import RecipeNotFound, get_recipe
     except ImportError:
         _fail("recipe registry not available: this installation has no precision_lab.fixes.recipes")
-    from ..store import Store
-
     try:
         rec = get_recipe(recipe)
     except (RecipeNotFound, KeyError, ValueError) as e:
@@ -78,10 +70,7 @@ def capture_cmd(
             policy = apply_fixes(policy, fix)
     except ValueError as e:
         _fail(str(e))
-    try:
-        store = Store(db)
-    except RuntimeError as e:
-        _fail(str(e))
+    store = open_store(db)
     from ..live import capture_pair
 
     try:

@@ -7,49 +7,15 @@ session, bad fix spec, a pattern that names no module).
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional
 
 import typer
 
 from . import app
+from ._common import DB_HELP, end_progress, open_store, tty_progress
+from ._common import fail as _fail
 
 EXIT_FAILED = 1
-EXIT_UNUSABLE = 2
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(EXIT_UNUSABLE)
-
-
-def _store(db: Optional[str]):
-    from ..store import Store
-
-    try:
-        return Store(db)
-    except RuntimeError as e:
-        _fail(str(e))
-
-
-def _progress():
-    if not sys.stderr.isatty():
-        return None
-
-    def show(done: int, total: int, label: str) -> None:
-        sys.stderr.write(f"\r[{done}/{total}] {label[-70:]:<70}")
-        sys.stderr.flush()
-
-    return show
-
-
-def _end(progress) -> None:
-    if progress is not None:
-        sys.stderr.write("\r" + " " * 80 + "\r")
-        sys.stderr.flush()
-
-
-_DB_HELP = "database file (default: $PRECISION_LAB_DB or the user data directory)"
 
 
 @app.command("recipes")
@@ -111,20 +77,20 @@ def rerun_cmd(
     fix: List[str] = typer.Option(..., "--fix", "-f", help="fix spec, e.g. scale-fp32 or keep-fp32:<module>; "
                                                            "repeat or join with + to apply several"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to edit (default: the session's candidate)"),
-    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Re-run a session's recipe under a fix: a new run whose parent is the old one, compared with fp32."""
     from ..fixes.rerun import rerun_session
     from ..store import SessionNotFound
 
-    store = _store(db)
-    progress = _progress()
+    store = open_store(db)
+    progress = tty_progress()
     try:
         run_id = rerun_session(store, session, list(fix), progress, parent=parent)
     except (SessionNotFound, ValueError) as e:
-        _end(progress)
+        end_progress(progress)
         _fail(str(e))
-    _end(progress)
+    end_progress(progress)
     name = store.session(session)["name"]
     if not _print_run_summary(store, name, run_id):
         raise typer.Exit(EXIT_FAILED)
@@ -138,21 +104,21 @@ def bisect_cmd(
                                                  "NaN/Inf); default: the recipe's own bound"),
     max_runs: int = typer.Option(16, "--max-runs", help="most runs to try"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to start from (default: the candidate)"),
-    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
     from ..fixes.rerun import bisect_fp32_islands
     from ..store import SessionNotFound
 
-    store = _store(db)
-    progress = _progress()
+    store = open_store(db)
+    progress = tty_progress()
     try:
         res = bisect_fp32_islands(store, session, tolerance=tolerance, max_runs=max_runs, parent=parent,
                                   progress=progress)
     except (SessionNotFound, ValueError) as e:
-        _end(progress)
+        end_progress(progress)
         _fail(str(e))
-    _end(progress)
+    end_progress(progress)
     typer.echo(f"tolerance: {res.tolerance.describe()}")
     for a in res.attempts:
         sq = f"{a.sqnr_db:.1f} dB" if a.sqnr_db is not None else "-"
@@ -173,14 +139,14 @@ def replay_cmd(
                                                         "omit to list the replayable ops"),
     fix: Optional[List[str]] = typer.Option(None, "--fix", "-f", help="fix to replay under (repeatable)"),
     run: Optional[str] = typer.Option(None, "--run", help="run holding the op (default: the candidate)"),
-    db: Optional[str] = typer.Option(None, "--db", help=_DB_HELP),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Replay one dumped op from its dumped inputs in fp32 and in the candidate format (under a fix)."""
     from ..fixes.diagnose import fmt_num
     from ..fixes.replay import replay_op, replayable_ops
     from ..store import SessionNotFound
 
-    store = _store(db)
+    store = open_store(db)
     try:
         if op is None:
             for o in replayable_ops(store, session, run):

@@ -9,64 +9,30 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 import typer
 
 from . import app
+from ._common import DB_HELP, EXIT_UNUSABLE, end_progress, open_store, tty_progress
+from ._common import fail as _fail
 
 EXIT_TRIPPED = 1
-EXIT_UNUSABLE = 2
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(EXIT_UNUSABLE)
-
-
-def _progress():
-    """A one-line progress display on stderr, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-
-    def show(done: int, total: int, label: str) -> None:
-        phase = "compare" if label.startswith("compare") else "read"
-        pct = 100.0 * done / total if total else 100.0
-        sys.stderr.write(f"\r{phase:>7} {pct:5.1f}%  {label[-60:]:<60}")
-        sys.stderr.flush()
-
-    return show
-
-
-def _end_progress(progress) -> None:
-    if progress is not None:
-        sys.stderr.write("\r" + " " * 80 + "\r")
-        sys.stderr.flush()
 
 
 def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
     from ..services.ingest import IngestError, ingest
 
-    progress = _progress()
+    progress = tty_progress()
     try:
         name = ingest(paths, reference=reference, session=session, store=store, progress=progress,
                       keep_tensors=keep_tensors)
     except IngestError as e:
-        _end_progress(progress)
+        end_progress(progress)
         _fail(str(e))
-    _end_progress(progress)
+    end_progress(progress)
     return name
-
-
-def _store(db: Optional[str]):
-    from ..store import Store
-
-    try:
-        return Store(db)
-    except RuntimeError as e:  # another process holds the file
-        _fail(str(e))
 
 
 @app.command("ingest")
@@ -75,12 +41,11 @@ def ingest_cmd(
     reference: Optional[List[str]] = typer.Option(None, "--reference", "-r",
                                                   help="fp32 reference dump (folder or .zip) to compare against"),
     session: Optional[str] = typer.Option(None, "--session", "-s", help="session name (default: from the paths)"),
-    db: Optional[str] = typer.Option(None, "--db", help="database file (default: $PRECISION_LAB_DB or the user "
-                                                          "data directory)"),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     keep_tensors: bool = typer.Option(False, "--keep-tensors", help="also store the tensors themselves"),
 ) -> None:
     """Ingest dump folders (msprobe, precision-lab shards, .npy/.npz/.pt/.safetensors/.bin); print the session name."""
-    store = _store(db)
+    store = open_store(db)
     typer.echo(_ingest(paths, reference or None, session, store, keep_tensors))
 
 
@@ -96,7 +61,7 @@ def report_cmd(
     from ..services.report import build_report, render_text, to_json
     from ..store import SessionNotFound
 
-    store = _store(db)
+    store = open_store(db)
     try:
         rep = build_report(store, session)
     except SessionNotFound as e:
@@ -208,7 +173,7 @@ def compare_cmd(
     from ..store import Store
 
     conditions = [parse_condition(c) for c in (fail_on or [])]
-    store = _store(db) if db else Store(":memory:")
+    store = open_store(db) if db else Store(":memory:")
     name = _ingest([cand], [ref], session, store)
     rep = build_report(store, name)
     typer.echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from . import app
+from ._common import DB_HELP, open_store
 
 
 @app.command("formats")
@@ -21,11 +22,9 @@ def formats_cmd() -> None:
 
 
 @app.command("db")
-def db_cmd(db: Optional[str] = typer.Option(None, "--db", help="database file")) -> None:
+def db_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
     """Print the database path in use and its sessions."""
-    from ..store import Store
-
-    store = Store(db)
+    store = open_store(db)
     typer.echo(store.path)
     for _, row in store.sessions().iterrows():
         typer.echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")

@@ -7,26 +7,18 @@ from typing import Optional
 import typer
 
 from . import app
+from ._common import fail, open_store
+
+EXIT_FAILED = 1  # every failure of these commands
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
+    fail(message, EXIT_FAILED)
 
 
 def _store(db: Optional[str]):
-    from ..config import ConfigError, load_config
-    from ..store import Store
-
-    if db is None:
-        try:
-            db = load_config().db_path  # the TOML file may name the database
-        except ConfigError as e:
-            _fail(str(e))
-    try:
-        return Store(db)
-    except RuntimeError as e:  # database locked by another process
-        _fail(str(e))
+    # the server's TOML file may name the database these commands act on
+    return open_store(db, use_config=True, code=EXIT_FAILED)
 
 
 @app.command("export")

@@ -469,7 +469,7 @@ def replay_op(store, session: str, op: str, *, fixes=(), run: Optional[str] = No
     for k, t in result.outputs.items():
         if k == "fp32" or not _is_tensor(t) or tuple(t.shape) != tuple(ref.shape):
             continue
-        tf = format_for_dtype(str(t.dtype).replace("torch.", ""))
+        tf = format_for_dtype(t.dtype)
         result.comparisons[f"{k} vs fp32"] = compare(ref, t, cand_format=tf.name if tf else None)
     if dumped is not None and tuple(dumped.shape) == tuple(outs["candidate"].shape):
         result.comparisons["candidate vs dumped"] = compare(dumped, outs["candidate"])

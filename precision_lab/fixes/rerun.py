@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from ..records import free_name
 from .catalogue import apply_fixes, fix_label, split_specs
 from .policy import PrecisionPolicy
 from .recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
@@ -222,13 +223,7 @@ def _reference_rids(store, ref_run_id: str) -> dict:
 
 
 def _unique_run_name(runs: list[dict], base: str) -> str:
-    names = {r["name"] for r in runs}
-    if base not in names:
-        return base
-    i = 2
-    while f"{base} ({i})" in names:
-        i += 1
-    return f"{base} ({i})"
+    return free_name(base, {r["name"] for r in runs}, "{base} ({i})")
 
 
 def rerun_session(store, session: str, fixes, progress: Progress = None, *, parent: Optional[str] = None,

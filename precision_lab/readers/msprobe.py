@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..records import TensorRecord
 from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
@@ -102,7 +102,9 @@ def _ranks(files: list[tuple[int, str, Path]]) -> tuple[dict[Path, int], list[st
 
 
 def _dtype(s) -> str:
-    return str(s or "").replace("torch.", "")
+    from ..stats import canonical_dtype
+
+    return canonical_dtype(s) if s else ""
 
 
 def _num(v) -> Optional[float]:
@@ -154,15 +156,27 @@ def _slots(key: str, entry: dict, direction: str) -> Iterator[tuple[str, str, di
             yield "param", (pname if idx == "0" else f"{pname}.{idx}"), d
 
 
-def _summary(d: dict, where: str):
+def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
+    """Summary-only stats of tensor ``entry`` of dump file ``rel``.
+
+    A statistic that is present but not a number is stored as missing and
+    ``warn(message)`` is told which one, so the gap is visible.
+    """
+    where = f"{rel}: {entry}"
     from ..stats import TensorStats
 
     shape = d.get("shape")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise ReadError(f"{where}: shape {shape!r} is not a list of sizes")
+    values = {}
+    for key in ("Min", "Max", "Mean", "Norm"):
+        raw = d.get(key)
+        values[key] = _num(raw)
+        if raw is not None and values[key] is None:
+            warn(f"{entry}: statistic {key} is {raw!r}, not a number; stored as missing")
     return TensorStats.summary_only(
-        dtype=_dtype(d.get("dtype")), shape=tuple(shape), min=_num(d.get("Min")), max=_num(d.get("Max")),
-        mean=_num(d.get("Mean")), l2norm=_num(d.get("Norm")),
+        dtype=_dtype(d.get("dtype")), shape=tuple(shape), min=values["Min"], max=values["Max"],
+        mean=values["Mean"], l2norm=values["Norm"],
     )
 
 
@@ -252,7 +266,6 @@ class MsprobeReader:
                     raise ReadError(f"{rel}: entry {key!r} is not an object")
                 op_type, direction = parse_op(key)
                 for role, index, d in _slots(key, entry, direction):
-                    where = f"{rel}: {key} {role} {index}"
                     tensor, stats, source = None, None, rel
                     data_name = d.get("data_name")
                     if data_name:
@@ -277,7 +290,8 @@ class MsprobeReader:
                             src.warnings.append((trel, f"file named by {key} is missing; used the statistics "
                                                        "recorded in dump.json instead"))
                     if stats is None:
-                        stats = _summary(d, where)
+                        stats = _summary(d, rel, f"{key} {role} {index}",
+                                         lambda msg, rel=rel: src.warnings.append((rel, msg)))
                     yield TensorRecord(run_id="", seq=seq, op=key, op_type=op_type, role=role, index=index,
                                        stats=stats, step=step, rank=rank, direction=direction, source=source,
                                        tensor=tensor)

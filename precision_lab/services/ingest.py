@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..readers import READERS, ReadError, RunSource, detect, dominant_dtype
+from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from .pairing import Item, compare_pair, compare_runs, exact_key
 
@@ -367,13 +368,7 @@ class _Ingestion:
                                   index=r.index, match="exact", comparison=cmp)
 
     def _run_name(self, name: str) -> str:
-        taken = {r.name for r in self.order}
-        if name not in taken:
-            return name
-        i = 2
-        while f"{name}-{i}" in taken:
-            i += 1
-        return f"{name}-{i}"
+        return free_name(name, {r.name for r in self.order})
 
     def _load(self, run_id: str, item: Item):
         t = self.cache.get((run_id, item.rid))

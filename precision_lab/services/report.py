@@ -221,10 +221,10 @@ def build_report(store, session: str) -> dict:
 
 
 def _jsonable(v):
-    from ..store import _json_float
+    from ..stats import json_float
 
     if isinstance(v, float):
-        return _json_float(v)
+        return json_float(v)
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

@@ -8,6 +8,7 @@ import re
 from typing import Any, Optional
 
 __all__ = ["plot_text", "rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
+           "code_md", "message_md",
            "run_label", "resolve_run", "style_severity", "text_columns"]
 
 # Worst first.  "nonfinite": NaN/Inf in the record or introduced vs the
@@ -97,6 +98,50 @@ def escape_md(text: Any) -> str:
     if out[:1] in _MD_LEADING:
         out = "\\" + out
     return _MD_ORDERED.sub(r"\1\\\2", out)
+
+
+def code_md(text: Any) -> str:
+    """``text`` as a markdown inline code span, shown literally whatever it holds.
+
+    The fence is one backtick longer than the longest run inside, so a name
+    holding backticks cannot close it early (CommonMark code spans).
+    """
+    s = str(text).replace("\r", " ").replace("\n", " ")
+    fence = "`" * (max((len(r) for r in re.findall(r"`+", s)), default=0) + 1)
+    pad = " " if s[:1] == "`" or s[-1:] == "`" else ""
+    return f"{fence}{pad}{s}{pad}{fence}"
+
+
+_TICKS = re.compile(r"`+")
+
+
+def message_md(text: Any) -> str:
+    """A diagnosis message for ``st.markdown``: its `quoted` names as code, every other character escaped.
+
+    Diagnosis messages quote op names in backticks; escaping the whole
+    message would show the backticks, and passing it through would let a
+    name render as markup.  Spans are found by CommonMark's rule (a run of N
+    backticks closes at the next run of exactly N) and re-emitted with
+    ``code_md``; a run with no partner is escaped like any other text.
+    """
+    s = str(text)
+    out, at, pos = [], 0, 0
+    while (m := _TICKS.search(s, pos)) is not None:
+        n = len(m.group())
+        close = next((c for c in _TICKS.finditer(s, m.end()) if len(c.group()) == n), None)
+        if close is None:
+            pos = m.end()
+            continue
+        if m.start() > at:
+            out.append(escape_md(s[at:m.start()]))
+        body = s[m.end():close.start()]
+        if len(body) >= 2 and body[0] == " " and body[-1] == " " and body.strip(" "):
+            body = body[1:-1]  # the padding a fence next to a backtick needs
+        out.append(code_md(body))
+        at = pos = close.end()
+    if at < len(s) or not out:
+        out.append(escape_md(s[at:]))
+    return "".join(out)
 
 
 def run_label(run: dict) -> str:

@@ -138,31 +138,30 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     if pattern.strip():
         where.append("b.name ILIKE ? ESCAPE '\\'")
         wparams.append(name_pattern_sql(pattern.strip()))
+    def per_run(conds: list, by_comparison: str, by_name: str) -> None:
+        # one condition per other run: through its stored comparisons with the
+        # base when there are any, else by tensor name
+        for r in others:
+            if compared[r["run_id"]]:
+                conds.append(by_comparison)
+                wparams.extend([session_id, base["run_id"], r["run_id"]])
+            else:
+                conds.append(by_name)
+                wparams.append(r["run_id"])
+        where.append("(" + " OR ".join(conds) + ")")
+
     if show == "problems":
-        conds = ["b.nonfinite"]
-        for r in others:
-            if compared[r["run_id"]]:
-                conds.append("b.rid IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
-                             "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') "
-                             "AND verdict IN ('nonfinite', 'error'))")
-                wparams += [session_id, base["run_id"], r["run_id"]]
-            else:
-                conds.append("b.name IN (SELECT name FROM tensors WHERE run_id = ? AND nonfinite)")
-                wparams.append(r["run_id"])
-        where.append("(" + " OR ".join(conds) + ")")
+        per_run(["b.nonfinite"],
+                "b.rid IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
+                "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') AND verdict IN ('nonfinite', 'error'))",
+                "b.name IN (SELECT name FROM tensors WHERE run_id = ? AND nonfinite)")
     elif show == "unmatched":
-        conds = []
-        for r in others:
-            if compared[r["run_id"]]:
-                conds.append("b.rid NOT IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
-                             "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') AND ref_rid IS NOT NULL "
-                             "AND cand_rid IS NOT NULL)")
-                wparams += [session_id, base["run_id"], r["run_id"]]
-            else:
-                conds.append("NOT EXISTS (SELECT 1 FROM tensors o WHERE o.run_id = ? AND o.name = b.name "
-                             "AND o.step = b.step AND o.rank = b.rank)")
-                wparams.append(r["run_id"])
-        where.append("(" + " OR ".join(conds) + ")")
+        per_run([],
+                "b.rid NOT IN (SELECT ref_rid FROM comparisons WHERE session_id = ? AND ref_run_id = ? "
+                "AND cand_run_id = ? AND kind IN ('accumulated', 'stats') AND ref_rid IS NOT NULL "
+                "AND cand_rid IS NOT NULL)",
+                "NOT EXISTS (SELECT 1 FROM tensors o WHERE o.run_id = ? AND o.name = b.name "
+                "AND o.step = b.step AND o.rank = b.rank)")
     where_sql = " AND ".join(where)
     total = int(rows(store, f"SELECT count(*) AS n FROM tensors b WHERE {where_sql}", wparams)[0]["n"])
     page = _page_bounds(total, page, page_size)

@@ -21,10 +21,11 @@ from typing import Any, Callable, Optional, Sequence
 import streamlit as st
 
 from ..formats import FORMAT_NAMES
-from .common import escape_md, run_label
+from .common import escape_md, message_md, run_label
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
-           "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain"]
+           "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
+           "message_md"]
 
 # page scripts, relative to app.py
 PAGES = {
@@ -306,7 +307,7 @@ def progress_callback(bar) -> Callable[[int, int, str], None]:
     """``progress(done, total, label)`` for ``ingest`` drawing on an ``st.progress`` bar."""
     def cb(done: int, total: int, label: str) -> None:
         frac = 0.0 if not total else max(0.0, min(1.0, done / total))
-        bar.progress(frac, text=str(label)[:120])
+        bar.progress(frac, text=escape_md(str(label)[:120]))  # file names are data, not markdown
 
     return cb
 
