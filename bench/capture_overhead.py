@@ -115,6 +115,18 @@ def _tf_bins() -> np.ndarray:
     return np.array(neg + [0] + buckets)
 
 
+def _step_with_forward_hooks(model, x, hook):
+    """Time one step with ``hook`` as a forward hook on every module."""
+    hs = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        t = _Timer()
+        _step(model, x)
+        return t.stop()
+    finally:
+        for h in hs:
+            h.remove()
+
+
 class Variant:
     name = ""
     note = ""
@@ -172,21 +184,11 @@ class DiyHist(Variant):
         self.bins = _tf_bins()
 
     def run(self, model, x):
-        hs = []
-
         def hook(m, i, o):
             if isinstance(o, torch.Tensor):
                 np.histogram(o.detach().cpu().numpy().astype(float), bins=self.bins)
 
-        for m in model.modules():
-            hs.append(m.register_forward_hook(hook))
-        try:
-            t = _Timer()
-            _step(model, x)
-            return t.stop()
-        finally:
-            for h in hs:
-                h.remove()
+        return _step_with_forward_hooks(model, x, hook)
 
 
 class TensorBoard(Variant):
@@ -205,22 +207,13 @@ class TensorBoard(Variant):
         return self.writer is not None
 
     def run(self, model, x):
-        hs = []
         names = {m: n or "root" for n, m in model.named_modules()}
 
         def hook(m, i, o):
             if isinstance(o, torch.Tensor):
                 self.writer.add_histogram(names[m], o.detach(), 0)
 
-        for m in model.modules():
-            hs.append(m.register_forward_hook(hook))
-        try:
-            t = _Timer()
-            _step(model, x)
-            return t.stop()
-        finally:
-            for h in hs:
-                h.remove()
+        return _step_with_forward_hooks(model, x, hook)
 
 
 class Msprobe(Variant):

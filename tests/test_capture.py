@@ -672,7 +672,7 @@ def test_deferred_device_path_on_cpu_matches():
     with cap:
         for _ in range(2):
             run_step(model, x)
-            assert all(h.stats is None for _, h in cap._pending)  # nothing on the host until the step ends
+            assert all(item[-1].stats is None for item in cap._pending)  # nothing on the host until the step ends
             cap.step()
     assert len({r.step for r in cap.records}) == 2 and len(cap.records) > 200
     for rec in cap.records:

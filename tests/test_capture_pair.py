@@ -213,3 +213,64 @@ def test_pair_warns_when_no_name_lines_up(store):
     acc = store.df("SELECT match, count(*) AS n FROM comparisons GROUP BY match")
     assert {"unmatched_cand", "unmatched_ref"} <= set(acc["match"])
     assert name
+
+
+class _CastToFloat(torch.nn.Module):
+    """An fp16 op whose output is cast to float32 inside the model (``.float()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)).float() * 3.0
+
+
+def test_pair_judges_an_fp32_tensor_in_an_fp16_run_like_run_pairing(store):
+    from precision_lab.records import TensorRecord
+    from precision_lab.services.pairing import Item, compare_runs
+
+    name = precision_lab.capture_pair(_CastToFloat, tiny_input(), torch.float16, store=store, local_error=False,
+                                      options=CaptureOptions(keep_tensors=("*",)), loss_fn=lambda y: y.mean())
+    runs = _runs(store, name)
+    ref_id, cand = runs["reference"]["run_id"], runs["candidate"]
+    assert cand["dtype"] == "float16"
+    got = {r["cand_rid"]: r for r in _rows(store, """SELECT * FROM comparisons
+                                                   WHERE kind = 'accumulated' AND cand_run_id = ?""",
+                                           [cand["run_id"]])}
+
+    # the same records and tensors paired by the path re-runs use
+    class Rows:
+        def __init__(self):
+            self.rows = []
+
+        def add_comparison(self, **kw):
+            self.rows.append(kw)
+
+    def items(run_id):
+        out = []
+        for _, r in store.df("SELECT * FROM tensors WHERE run_id = ? ORDER BY rid", [run_id]).iterrows():
+            rec = TensorRecord(run_id=run_id, seq=int(r["seq"]), op=r["op"], op_type=r["op_type"], role=r["role"],
+                               index=r["index"], stats=store.record_stats(run_id, int(r["rid"])),
+                               step=int(r["step"]), rank=int(r["rank"]), direction=r["direction"])
+            out.append(Item(int(r["rid"]), rec, True))
+        return out
+
+    w = Rows()
+    compare_runs(w, items(ref_id), items(cand["run_id"]), ref_run_id=ref_id, cand_run_id=cand["run_id"],
+                 load=lambda run_id, it: torch.from_numpy(store.tensor(run_id, it.rid)), run_dtype=cand["dtype"])
+    theirs = {r["cand_rid"]: r["comparison"] for r in w.rows if r["comparison"] is not None}
+    assert set(theirs) == set(got) and len(got) > 10
+
+    # the .float() output and the multiply after it are float32 tensors in the fp16 run
+    fp32 = store.df("""SELECT rid, op FROM tensors WHERE run_id = ? AND role = 'output' AND direction = 'forward'
+                       AND dtype = 'float32'""", [cand["run_id"]])
+    assert {"float.0", "mul.0"} <= set(fp32["op"])
+    for rid in fp32["rid"]:
+        mine, other = got[int(rid)], theirs[int(rid)]
+        # judged against fp16 (the run's format), not fp32: fp16 rounding in an fp32 tensor is expected
+        assert mine["cand_format"] == other.cand_format == "fp16"
+        assert mine["verdict"] == other.verdict == "expected"
+        assert mine["max_abs_err"] == pytest.approx(other.max_abs_err, rel=0, abs=0)
+    # every other tensor gets the same verdict by both paths too
+    assert all(got[rid]["verdict"] == theirs[rid].verdict for rid in got)

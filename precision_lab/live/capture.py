@@ -84,6 +84,8 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwar
 # Bounds of the autograd-graph walk that finds an op's own gradient edges.
 _MAX_WALK_NODES = 4096
 
+_UNSEEN = object()
+
 
 class _OpInfo:
     __slots__ = ("name", "skip", "inplace", "cast")
@@ -173,26 +175,26 @@ def _rng_state_of(cuda_devices: dict):
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
 
 
-def _rank() -> int:
+def _dist(getter: str) -> Optional[int]:
+    """``torch.distributed.<getter>()`` when a process group is up, else None."""
     try:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
+            return int(getattr(dist, getter)())
     except Exception:
         pass
-    return int(os.environ.get("RANK", "0") or 0)
+    return None
+
+
+def _rank() -> int:
+    r = _dist("get_rank")
+    return r if r is not None else int(os.environ.get("RANK", "0") or 0)
 
 
 def _world_size() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size())
-    except Exception:
-        pass
-    return 1
+    n = _dist("get_world_size")
+    return n if n is not None else 1
 
 
 def policy_description(policy) -> Optional[str]:
@@ -319,15 +321,19 @@ class _Mode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         cap = self.cap
+        # the per-function decision (skipped, view, filtered out) is made once per capture:
+        # most calls in a forward are views and metadata, and they return here
+        info = cap._fn_selected.get(func, _UNSEEN)
+        if info is _UNSEEN:
+            info = cap._select_func(func)
+        if info is None or not cap._recording:
+            return func(*args, **kwargs)
         st = cap._tls
         stack = getattr(st, "stack", None)
-        if not stack or not cap._recording or getattr(st, "busy", False):
-            return func(*args, **kwargs)
-        info = _func_info(func)
-        if info.skip:
+        if not stack or st.busy:
             return func(*args, **kwargs)
         frame = stack[-1]
-        if not frame.scope_ok or not cap.options.op_type_selected(info.name):
+        if not frame.scope_ok:
             return func(*args, **kwargs)
         ctx = None
         st.busy = True
@@ -414,6 +420,10 @@ class Capture:
         self._module_paths: dict = {}
         self._param_owner: dict = {}
         self._shadow_cache: dict = {}
+        # decisions that depend only on the options and the op or module, made once per capture
+        self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
+        self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
+        self._keep_ops: dict = {}  # op name -> whether its tensors are kept whole
         self.shard_files: list = []  # Parquet files written (shard mode)
         self._user_error: Optional[str] = None
 
@@ -533,13 +543,14 @@ class Capture:
         except Exception as e:
             self._hook_error("statistics", e)
         step_records = []
-        for rec, handle in self._pending:
+        for item in self._pending:
+            handle = item[-1]
             stats = handle.stats
             if stats is None:  # the device results never arrived: keep the record (positions stay), say so
                 from ..stats import TensorStats
 
                 stats = TensorStats.summary_only(dtype=handle.dtype, shape=handle.shape, numel=handle.numel)
-            rec.stats = stats
+            rec = self._make_record(item, stats)
             if rec.tensor is not None and isinstance(rec.tensor, torch.Tensor):
                 rec.tensor = rec.tensor.detach().cpu()
             step_records.append(rec)
@@ -568,6 +579,26 @@ class Capture:
     def _hook_error(self, where: str, e: BaseException) -> None:
         self._warn(where, f"capture hook error ({type(e).__name__}: {e}); the step ran unchanged")
 
+    def _select_func(self, func) -> Optional[_OpInfo]:
+        info = _func_info(func)
+        if info.skip or not self.options.op_type_selected(info.name):
+            info = None
+        self._fn_selected[func] = info
+        return info
+
+    def _module_of(self, module):
+        """(path, op_type, scope_ok, record) of a hooked module, or None for one added after install."""
+        got = self._module_info.get(id(module))
+        if got is None:
+            path = self._module_paths.get(id(module))
+            if path is None:
+                return None
+            op_type = type(module).__name__
+            scope_ok = self.options.module_selected(path)
+            got = (path, op_type, scope_ok, scope_ok and self.options.op_type_selected(op_type))
+            self._module_info[id(module)] = got
+        return got
+
     def _next_name(self, path: str, opname: str) -> str:
         key = (path, opname)
         n = self._counters.get(key, 0)
@@ -577,17 +608,26 @@ class Capture:
     def _measure(self, op: str, t: torch.Tensor, hold: bool = False):
         return self._engine.measure(t, op, hold=hold)
 
-    def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None):
-        rec = TensorRecord(run_id=self.run_id, seq=seq, op=op, op_type=op_type, role=role, index=str(index),
-                           stats=None, step=self.step_no if step is None else step, rank=self.rank,
-                           direction=direction, source="capture", tensor=tensor)
+    def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None) -> int:
+        """Note one record of the current step (its TensorRecord is made when the step ends); its position."""
+        item = (seq, op, op_type, role, index, direction, self.step_no if step is None else step, tensor, handle)
         with self._lock:
-            self._pending.append((rec, handle))
-            pos = len(self.records) + len(self._pending) - 1
-        return rec, pos
+            self._pending.append(item)
+            return len(self.records) + len(self._pending) - 1
+
+    def _make_record(self, item, stats) -> TensorRecord:
+        seq, op, op_type, role, index, direction, step, tensor, _ = item
+        return TensorRecord(run_id=self.run_id, seq=seq, op=op, op_type=op_type, role=role, index=str(index),
+                            stats=stats, step=step, rank=self.rank, direction=direction, source="capture",
+                            tensor=tensor)
 
     def _keep(self, op: str, t: torch.Tensor):
-        if not self.options.keep_selected(op):
+        if not self.options.keep_tensors:
+            return None
+        keep = self._keep_ops.get(op)
+        if keep is None:
+            keep = self._keep_ops[op] = self.options.keep_selected(op)
+        if not keep:
             return None
         if t.layout != torch.strided or t.device.type == "meta" or t.is_complex():
             self._warn(op, f"{t.layout} {str(t.dtype).replace('torch.', '')} tensor not kept: only dense real "
@@ -595,25 +635,21 @@ class Capture:
             return None
         return t.detach().clone()
 
-    def _observe(self, pos, rec, t, handle):
-        if self.observer is not None:
-            try:
-                self.observer.on_record(self, pos, rec, t, handle)
-            except Exception as e:
-                self._hook_error(rec.op, e)
+    def _observe(self, pos, t, handle):
+        if self.observer is None:
+            return
+        with self._lock:
+            item = self._pending[pos - len(self.records)]
+        rec = self._make_record(item, None)
+        try:
+            self.observer.on_record(self, pos, rec, t, handle)
+        except Exception as e:
+            self._hook_error(rec.op, e)
 
     # -- functional ops
     def _op_before(self, frame: _Frame, info: _OpInfo, args, kwargs):
         op = self._next_name(frame.path, info.name)
-        ins = []
-        for idx, t in _flatten(args):
-            h = self._measure(op, t)
-            if h is not None:
-                ins.append(("input", idx, t, h))
-        for idx, t in _flatten(kwargs):
-            h = self._measure(op, t)
-            if h is not None:
-                ins.append(("kwarg", idx, t, h))
+        ins = self._measure_inputs(op, args, kwargs)
         shadow = None
         rng = None
         if self.options.local_error:
@@ -631,25 +667,47 @@ class Capture:
             outs = list(_flatten(out))
         if not outs:
             return
+        out_recs = self._record_call(op, info.name, ins, outs, start_seq, f"{op}.backward")
+        if shadow is not None and out_recs:
+            self._local_functional(op, info, func, shadow, rng, out_recs)
+
+    def _measure_inputs(self, op, args, kwargs) -> list:
+        """(role, index, tensor, handle) of a call's tensor arguments."""
+        ins = []
+        for idx, t in _flatten(args):
+            h = self._measure(op, t)
+            if h is not None:
+                ins.append(("input", idx, t, h))
+        if kwargs:
+            for idx, t in _flatten(kwargs):
+                h = self._measure(op, t)
+                if h is not None:
+                    ins.append(("kwarg", idx, t, h))
+        return ins
+
+    def _record_call(self, op, op_type, ins, outs, start_seq, backward_op) -> list:
+        """Record a finished op or module call: its inputs, its outputs and the hooks on its backward.
+
+        Returns (index, tensor, position) of the recorded outputs, for the local error.
+        """
         seq = self._take_seq()
-        op_type = info.name
         for role, idx, t, h in ins:
-            rec, pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t))
-            self._observe(pos, rec, t, h)
+            pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t))
+            self._observe(pos, t, h)
         out_recs = []
         for idx, t in outs:
             h = self._measure(op, t)
             if h is None:
                 continue
-            rec, pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t))
-            self._observe(pos, rec, t, h)
+            pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t))
+            self._observe(pos, t, h)
             out_recs.append((idx, t, pos))
         self._mark_outputs(outs, seq)
         if self.options.backward and torch.is_grad_enabled():
-            self._register_backward(f"{op}.backward", op_type, [(r, i, t) for r, i, t, _ in ins], outs,
-                                    start_seq)
-        if shadow is not None and out_recs:
-            self._local_functional(op, info, func, shadow, rng, out_recs)
+            # a parameter's gradient is recorded as its param_grad, not through the graph walk
+            self._register_backward(backward_op, op_type, [(r, i, t) for r, i, t, _ in ins if r != "param"],
+                                    outs, start_seq)
+        return out_recs
 
     def _take_seq(self) -> int:
         with self._lock:
@@ -672,26 +730,16 @@ class Capture:
             tls.stack = []  # a forward run in another thread than the one that entered the capture
         tls.busy = True
         try:
-            path = self._module_paths.get(id(module))
-            if path is None:
+            got = self._module_of(module)
+            if got is None:
                 return None
-            op_type = type(module).__name__
-            scope_ok = self.options.module_selected(path)
-            record = scope_ok and self.options.op_type_selected(op_type)
+            path, op_type, scope_ok, record = got
             op = self._next_name(path, "forward") if record else path
             frame = _Frame(module, path, op, op_type, scope_ok, record, self._seq)
             tls.stack.append(frame)
             if not record:
                 return None
-            ins = []
-            for idx, t in _flatten(args):
-                h = self._measure(op, t)
-                if h is not None:
-                    ins.append(("input", idx, t, h))
-            for idx, t in _flatten(kwargs):
-                h = self._measure(op, t)
-                if h is not None:
-                    ins.append(("kwarg", idx, t, h))
+            ins = self._measure_inputs(op, args, kwargs)
             if self.options.params and id(module) not in self._params_done:
                 self._params_done.add(id(module))
                 for pname, p in module.named_parameters(recurse=False):
@@ -728,25 +776,9 @@ class Capture:
             return None
         tls.busy = True
         try:
-            op, op_type = frame.op, frame.op_type
-            outs = list(_flatten(output))
-            seq = self._take_seq()
-            for role, idx, t, h in frame.inputs:
-                rec, pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t))
-                self._observe(pos, rec, t, h)
-            out_recs = []
-            for idx, t in outs:
-                h = self._measure(op, t)
-                if h is None:
-                    continue
-                rec, pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t))
-                self._observe(pos, rec, t, h)
-                out_recs.append((idx, t, pos))
-            self._mark_outputs(outs, seq)
-            if self.options.backward and torch.is_grad_enabled():
-                self._register_backward(_backward_name(op), op_type,
-                                        [(r, i, t) for r, i, t, _ in frame.inputs if r != "param"], outs,
-                                        frame.start_seq)
+            op = frame.op
+            out_recs = self._record_call(op, frame.op_type, frame.inputs, list(_flatten(output)),
+                                         frame.start_seq, _backward_name(op))
             if frame.shadow_in is not None and out_recs:
                 self._local_module(frame, out_recs)
         except Exception as e:
@@ -821,6 +853,11 @@ class Capture:
                 bop.seq = self._take_seq()
             return bop.seq
 
+    def _add_grad(self, seq, bop: _BackwardOp, role, index, g, h) -> None:
+        pos = self._add(seq, bop.op, bop.op_type, role, index, h, "backward", tensor=self._keep(bop.op, g),
+                        step=bop.step)
+        self._observe(pos, g, h)
+
     def _make_grad_output_hook(self, bop, outputs, through):
         def hook(grad_outputs):
             if not self._recording:
@@ -834,14 +871,10 @@ class Capture:
                     h = self._measure(bop.op, g, hold=True)
                     if h is None:
                         continue
-                    rec, pos = self._add(seq, bop.op, bop.op_type, "grad_output", idx, h, "backward",
-                                         tensor=self._keep(bop.op, g), step=bop.step)
-                    self._observe(pos, rec, g, h)
+                    self._add_grad(seq, bop, "grad_output", idx, g, h)
                     for role, in_idx in through.get(idx, ()):
-                        gi = in_idx if role == "input" else f"{role}_{in_idx}"
-                        rec, pos = self._add(seq, bop.op, bop.op_type, "grad_input", gi, h, "backward",
-                                             tensor=self._keep(bop.op, g), step=bop.step)
-                        self._observe(pos, rec, g, h)
+                        self._add_grad(seq, bop, "grad_input", in_idx if role == "input" else f"{role}_{in_idx}",
+                                       g, h)
             except Exception as e:
                 self._hook_error(bop.op, e)
             return None
@@ -869,9 +902,7 @@ class Capture:
                     out_idx = idx if role == "input" else f"{role}_{idx}"
                     h = self._measure(bop.op, total, hold=True)
                     if h is not None:
-                        rec, pos = self._add(seq, bop.op, bop.op_type, "grad_input", out_idx, h, "backward",
-                                             tensor=self._keep(bop.op, total), step=bop.step)
-                        self._observe(pos, rec, total, h)
+                        self._add_grad(seq, bop, "grad_input", out_idx, total, h)
             except Exception as e:
                 self._hook_error(bop.op, e)
             return None
@@ -890,9 +921,8 @@ class Capture:
             h = self._measure(op, g, hold=True)
             if h is not None:
                 seq = self._take_seq()
-                rec, pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward",
-                                     tensor=self._keep(op, g))
-                self._observe(pos, rec, g, h)
+                pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward", tensor=self._keep(op, g))
+                self._observe(pos, g, h)
         except Exception as e:
             self._hook_error(op, e)
 

@@ -22,6 +22,8 @@ import torch
 
 from ..formats import format_for_dtype
 from ..metrics import compare, compare_stats
+from ..services.pairing import verdict_format
+from ..stats import canonical_dtype
 from .capture import Capture, as_policy, policy_description
 from .options import CaptureOptions
 
@@ -111,11 +113,33 @@ class _ReferenceKeeper:
             self._dir = None
 
 
-class _Comparer:
-    """Compares each candidate tensor with its reference as it is recorded."""
+def _declared_dtype(policy) -> Optional[str]:
+    """The compute dtype a policy says it runs in (a torch dtype or a format name), if it says one."""
+    from ..formats import get_format
 
-    def __init__(self, keeper: _ReferenceKeeper):
+    d = getattr(policy, "dtype", None)
+    if d is None:
+        return None
+    try:
+        fmt = get_format(d) if isinstance(d, str) else format_for_dtype(d)
+    except (KeyError, ValueError):
+        return None
+    return fmt.torch_name if fmt is not None and fmt.torch_name else None
+
+
+class _Comparer:
+    """Compares each candidate tensor with its reference as it is recorded.
+
+    The format a tensor is judged against is ``pairing.verdict_format`` of
+    its dtype and the run's compute dtype -- the rule every other comparison
+    of two runs uses.  The run's dtype (its dominant output dtype) is known
+    only when the run ends, so the comparisons are made with the dtype the
+    policy declares and :meth:`settle` checks them against the real one.
+    """
+
+    def __init__(self, keeper: _ReferenceKeeper, run_dtype: Optional[str]):
         self.keeper = keeper
+        self.run_dtype = run_dtype
         self.results: dict = {}  # candidate position -> (reference position | None, Comparison | None, match)
         self._cache: dict = {}
 
@@ -146,13 +170,31 @@ class _Comparer:
             cap._warn(rec.op, f"{rec.name}: reference shape {tuple(ref.shape)} differs from candidate "
                               f"{tuple(t.shape)}; compared by summary statistics")
             return "stats"
-        fmt = format_for_dtype(t.dtype)
+        fmt = verdict_format(canonical_dtype(t.dtype), self.run_dtype)
         if t.device != ref.device:
             ref = ref.to(t.device)
-        return compare(ref, t, cand_format=fmt.name if fmt else None)
+        return compare(ref, t, cand_format=fmt)
 
     def clear_cache(self) -> None:
         self._cache.clear()
+
+    def settle(self, cand_cap: Capture) -> None:
+        """Re-judge by summary statistics the comparisons made against a format the real run dtype rejects."""
+        actual = cand_cap.dominant_dtype() or None
+        if actual == self.run_dtype:
+            return
+        changed = 0
+        for pos, (ref_pos, cmp, match) in self.results.items():
+            if cmp is None or cmp == "stats":
+                continue
+            dtype = cand_cap.records[pos].stats.dtype
+            if verdict_format(dtype, actual) != verdict_format(dtype, self.run_dtype):
+                self.results[pos] = (ref_pos, "stats", match)
+                changed += 1
+        if changed:
+            cand_cap._warn("capture_pair", f"the candidate ran mostly in {actual}, not the {self.run_dtype} its "
+                                           f"policy declares; {changed} tensors were compared by summary "
+                                           "statistics against the format that rule gives")
 
 
 def _call(model, inputs):
@@ -225,7 +267,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     if candidate_name is None:
         candidate_name = str(getattr(policy, "name", None) or "candidate")
     keeper = _ReferenceKeeper(keep_bytes)
-    comparer = _Comparer(keeper)
+    comparer = _Comparer(keeper, _declared_dtype(policy))
     try:
         ref_cap = Capture(ref_model, run=reference_name, options=replace(opts, local_error=False),
                           kind="reference", source=source, observer=keeper, write=False)
@@ -237,6 +279,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                            observer=comparer, write=False)
         _run(cand_cap, inputs, loss_fn, seed)
         comparer.clear_cache()
+        comparer.settle(cand_cap)
         unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
         if cand_cap.records and unmatched * 2 > len(cand_cap.records):
             cand_cap._warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
@@ -259,10 +302,12 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
         ref_rids = ref_cap.write_run(w)
         cand_rids = cand_cap.write_run(w)
         matched_ref = set()
+        run_dtype = cand_cap.dominant_dtype() or None
         for pos, rec in enumerate(cand_cap.records):
             ref_pos, cmp, match = comparer.results.get(pos, (None, None, "unmatched_cand"))
             if cmp == "stats" and ref_pos is not None:
-                cmp = compare_stats(ref_cap.records[ref_pos].stats, rec.stats)
+                cmp = compare_stats(ref_cap.records[ref_pos].stats, rec.stats,
+                                    cand_format=verdict_format(rec.stats.dtype, run_dtype))
             if ref_pos is not None:
                 matched_ref.add(ref_pos)
             w.add_comparison(kind="accumulated", ref_run_id=ref_cap.run_id,
