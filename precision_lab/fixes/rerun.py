@@ -82,6 +82,7 @@ def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_
            parent_run_id: Optional[str] = None, fix: Optional[str] = None, kind: Optional[str] = None,
            progress: Progress = None) -> tuple[str, dict]:
     """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons."""
+    from ..live.pair import judged_run_dtype
     from ..services.pairing import Item, compare_runs
 
     cap = run.cap
@@ -100,7 +101,7 @@ def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_
         cand_items = [Item(rid, _with_tensor(rec, run.tensors.get((rec.step, rec.rank, rec.name))), True)
                       for rec, rid in zip(cap.records, rids)]
         compare_runs(w, ref_items, cand_items, ref_run_id=ref_run_id, cand_run_id=run_id,
-                     run_dtype=cap.dominant_dtype(), progress=progress)
+                     run_dtype=judged_run_dtype(cap.policy, cap.dominant_dtype()), progress=progress)
     return run_id, by_name
 
 

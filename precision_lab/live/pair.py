@@ -114,17 +114,43 @@ class _ReferenceKeeper:
 
 
 def _declared_dtype(policy) -> Optional[str]:
-    """The compute dtype a policy says it runs in (a torch dtype or a format name), if it says one."""
+    """The narrowest format a policy says its values pass through (a torch dtype name), if it says one.
+
+    That is its compute dtype, or its fake-quantisation format when that is
+    coarser (fp8 inside an fp16 run): quantisation noise is the rounding the
+    candidate is entitled to, not an error.
+    """
     from ..formats import get_format
 
-    d = getattr(policy, "dtype", None)
-    if d is None:
-        return None
-    try:
-        fmt = get_format(d) if isinstance(d, str) else format_for_dtype(d)
-    except (KeyError, ValueError):
-        return None
+    def fmt_of(d):
+        if d is None:
+            return None
+        try:
+            return get_format(d) if isinstance(d, str) else format_for_dtype(d)
+        except (KeyError, ValueError):
+            return None
+
+    fmt = fmt_of(getattr(policy, "dtype", None))
+    quant = getattr(policy, "quant", None)
+    qfmt = fmt_of(getattr(quant, "format", None)) if quant is not None else None
+    if qfmt is not None and qfmt.torch_name and (fmt is None or qfmt.eps > fmt.eps):
+        fmt = qfmt
     return fmt.torch_name if fmt is not None and fmt.torch_name else None
+
+
+def judged_run_dtype(policy, dominant: Optional[str]) -> Optional[str]:
+    """The run dtype comparisons of a candidate run are judged against (``pairing.verdict_format``).
+
+    The coarser of what the policy declares (see ``_declared_dtype``) and
+    the dtype the run's outputs mostly had.
+    """
+    declared = _declared_dtype(policy)
+    if declared is None or dominant is None:
+        return declared or dominant
+    a, b = format_for_dtype(declared), format_for_dtype(dominant)
+    if a is None or b is None:
+        return dominant
+    return declared if a.eps > b.eps else dominant
 
 
 class _Comparer:
@@ -180,7 +206,7 @@ class _Comparer:
 
     def settle(self, cand_cap: Capture) -> None:
         """Re-judge by summary statistics the comparisons made against a format the real run dtype rejects."""
-        actual = cand_cap.dominant_dtype() or None
+        actual = judged_run_dtype(cand_cap.policy, cand_cap.dominant_dtype() or None)
         if actual == self.run_dtype:
             return
         changed = 0
@@ -302,7 +328,7 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
         ref_rids = ref_cap.write_run(w)
         cand_rids = cand_cap.write_run(w)
         matched_ref = set()
-        run_dtype = cand_cap.dominant_dtype() or None
+        run_dtype = judged_run_dtype(cand_cap.policy, cand_cap.dominant_dtype() or None)
         for pos, rec in enumerate(cand_cap.records):
             ref_pos, cmp, match = comparer.results.get(pos, (None, None, "unmatched_cand"))
             if cmp == "stats" and ref_pos is not None:
