@@ -444,6 +444,8 @@ class SessionWriter:
         self._rows: list[dict] = []
         self._hists: list[tuple] = []
         self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
+        # warning rows, batched too: a dump can warn once per record (one INSERT per row costs ~0.6 ms)
+        self._warns: list[tuple] = []
         self._next_rid: dict[str, int] = {}
         self._stat_cols = [n for n, _ in _stats_fields()]
 
@@ -526,6 +528,14 @@ class SessionWriter:
                              "FROM _pl_c")
             self.cur.unregister("_pl_c")
             self._cmps.clear()
+        if self._warns:
+            table = pa.table({c: [r[i] for r in self._warns]
+                              for i, c in enumerate(("session_id", "run_id", "file", "message"))},
+                             schema=pa.schema([(c, pa.string()) for c in ("session_id", "run_id", "file", "message")]))
+            self.cur.register("_pl_w", table)
+            self.cur.execute("INSERT INTO warnings SELECT session_id, run_id, file, message FROM _pl_w")
+            self.cur.unregister("_pl_w")
+            self._warns.clear()
 
     def add_comparison(self, *, kind: str, ref_run_id: str, ref_rid: Optional[int], cand_run_id: str,
                        cand_rid: Optional[int], step: int, rank: int, seq: int, op: str, role: str,
@@ -548,7 +558,9 @@ class SessionWriter:
         self.cur.execute(f"INSERT INTO diagnoses ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
 
     def add_warning(self, file: str, message: str, run_id: Optional[str] = None) -> None:
-        self.cur.execute("INSERT INTO warnings VALUES (?, ?, ?, ?)", [self.session_id, run_id, str(file), message])
+        self._warns.append((self.session_id, run_id, str(file), str(message)))
+        if len(self._warns) >= self.BATCH:
+            self.flush()
 
     def set_notes(self, notes: dict) -> None:
         self.cur.execute("UPDATE sessions SET notes = ? WHERE session_id = ?", [json.dumps(notes), self.session_id])

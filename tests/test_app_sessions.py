@@ -141,7 +141,7 @@ def test_bad_server_setting_is_a_sentence(empty_db, monkeypatch):
     at = app_test()
     at.run()
     assert_clean(at)
-    assert "PRECISION_LAB_MAX_UPLOAD_MB" in at.error[0].value and "integer" in at.error[0].value
+    assert escape_md("PRECISION_LAB_MAX_UPLOAD_MB") in at.error[0].value and "integer" in at.error[0].value
 
 
 def test_unexpected_library_error_is_a_sentence_not_a_traceback(empty_db, monkeypatch):
@@ -154,7 +154,7 @@ def test_unexpected_library_error_is_a_sentence_not_a_traceback(empty_db, monkey
     at = app_test()
     at.run()
     assert_clean(at)
-    assert at.error[0].value == "This page could not be shown: database is locked by another process"
+    assert at.error[0].value == escape_md("This page could not be shown: database is locked by another process")
 
 
 def test_the_dashboard_does_not_import_torch():

@@ -206,3 +206,36 @@ def test_message_md_without_quotes_is_plain_escaping():
     assert message_md("") == ""
     # an unpaired backtick is text
     assert html.unescape(re.sub(r"<[^>]+>", "", _render(message_md("1 ` 2 `` 3")))).strip() == "1 ` 2 `` 3"
+
+
+# ---- error messages: a name in an exception's text is shown as typed ---------------------------
+
+def test_ingest_error_holding_markup_is_shown_as_text(monkeypatch, tmp_path):
+    import streamlit as st
+
+    import precision_lab.services.ingest as ingest_mod
+    from precision_lab.store import close_all
+    from ui_fixtures import app_test
+
+    bad_file = "dump/[click](http://evil.example)<script>alert(4)</script>_x_.json"
+
+    def refuse(*a, **kw):
+        raise ingest_mod.IngestError(f"{bad_file}: not a msprobe dump")
+
+    monkeypatch.setattr(ingest_mod, "ingest", refuse)
+    monkeypatch.setenv("PRECISION_LAB_DB", str(tmp_path / "err.duckdb"))
+    st.cache_resource.clear()
+    try:
+        at = app_test()
+        at.run()
+        at.file_uploader(key="up_cand_dir").set_value([("cand/dump.json", b"{}", "application/json")])
+        at.run()
+        at.button(key="ingest").click().run()
+        text = _check_page(at)
+    finally:
+        st.cache_resource.clear()
+        close_all()
+    assert len(at.error) == 1
+    assert f"The upload could not be ingested: {bad_file}: not a msprobe dump" in text
+    out = _render(at.error[0].value)
+    assert "<a" not in out and "<script" not in out and "<em>" not in out

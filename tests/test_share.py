@@ -431,16 +431,24 @@ def test_cli_export_import_share_link(store, tmp_path, monkeypatch):
     out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other, "--as", "demo"])
     assert out.exit_code == 0 and "imported as 'demo-2'" in out.output
     out = r.invoke(app, ["export", "--session", "nope", "-o", str(tmp_path / "n.zip"), "--db", db])
-    assert out.exit_code == 1 and "no session named 'nope'" in out.output
+    # 2 = unusable input, as for every other command (README, "Command line")
+    assert out.exit_code == 2 and "no session named 'nope'" in out.output
+    (tmp_path / "a-file").write_text("")
+    out = r.invoke(app, ["export", "--session", "demo", "-o", str(tmp_path / "a-file" / "e.zip"), "--db", db])
+    assert out.exit_code == 2 and "a-file" in out.output and "cannot write the export" in out.output
     (tmp_path / "junk.zip").write_bytes(b"not a zip")
     out = r.invoke(app, ["import", str(tmp_path / "junk.zip"), "--db", other])
-    assert out.exit_code == 1 and "junk.zip" in out.output and "not a readable zip" in out.output
+    assert out.exit_code == 2 and "junk.zip" in out.output and "not a readable zip" in out.output
     out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--base-url", "https://lab.example.org/"])
     assert out.exit_code == 0
     token = out.output.strip().split("share=")[1]
     assert store.session_by_token(token)["name"] == "demo"
     out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--revoke"])
     assert out.exit_code == 0 and store.session_by_token(token) is None
+    out = r.invoke(app, ["share-link", "--session", "nope", "--db", db])
+    assert out.exit_code == 2 and "no session named 'nope'" in out.output
+    out = r.invoke(app, ["config", "--config", str(tmp_path / "missing.toml")])
+    assert out.exit_code == 2 and "missing.toml" in out.output
     # a read-only server is read-only for browsers; its operator still adds sessions from the shell
     monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
     out = r.invoke(app, ["import", str(tmp_path / "e.zip"), "--db", other, "--as", "ops-added"])

@@ -151,3 +151,24 @@ def test_free_name_picks_the_first_unused_suffix():
     assert free_name("a", set()) == "a"
     assert free_name("a", {"a", "a-2", "a-4"}) == "a-3"
     assert free_name("fix: x", {"fix: x"}, "{base} ({i})") == "fix: x (2)"
+
+
+def test_warnings_are_written_in_batches_within_the_transaction(store, monkeypatch):
+    from precision_lab.store import SessionWriter
+
+    monkeypatch.setattr(SessionWriter, "BATCH", 3)  # several full batches plus a remainder
+    with store.new_session("warned") as w:
+        rid = w.add_run(name="fp16", dtype="float16", kind="candidate")
+        for i in range(7):
+            w.add_warning(f"dump/f{i}.json", f"statistic Max is 'N/A' ({i})", run_id=rid if i % 2 else None)
+        sid = w.session_id
+    got = store.df("SELECT run_id, file, message FROM warnings WHERE session_id = ? ORDER BY file", [sid])
+    assert list(got["file"]) == [f"dump/f{i}.json" for i in range(7)]
+    assert list(got["message"]) == [f"statistic Max is 'N/A' ({i})" for i in range(7)]
+    assert [r if isinstance(r, str) else None for r in got["run_id"]] == [rid if i % 2 else None for i in range(7)]
+
+    with pytest.raises(RuntimeError):
+        with store.new_session("failed") as w:
+            w.add_warning("dump/x.json", "never stored")
+            raise RuntimeError("boom")
+    assert store.df("SELECT count(*) AS n FROM warnings WHERE message = 'never stored'")["n"][0] == 0

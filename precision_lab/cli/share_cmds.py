@@ -1,4 +1,9 @@
-"""Sharing: export/import a session as one file, share links, server settings."""
+"""Sharing: export/import a session as one file, share links, server settings.
+
+Exit status: 0 success; 2 the request cannot be carried out (no such
+session, a refused or unreadable file, an output that cannot be written, a
+bad server setting), as for every other command.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,10 @@ import typer
 from . import app
 from ._common import fail, open_store
 
-EXIT_FAILED = 1  # every failure of these commands
-
-
-def _fail(message: str) -> None:
-    fail(message, EXIT_FAILED)
-
 
 def _store(db: Optional[str]):
     # the server's TOML file may name the database these commands act on
-    return open_store(db, use_config=True, code=EXIT_FAILED)
+    return open_store(db, use_config=True)
 
 
 @app.command("export")
@@ -35,7 +34,9 @@ def export_cmd(
     try:
         res = export_session(store, session, output)
     except (SessionNotFound, ShareError) as e:
-        _fail(str(e))
+        fail(str(e))
+    except OSError as e:  # the output folder cannot be created or written
+        fail(f"{output}: cannot write the export ({e.strerror or e})")
     typer.echo(f"exported session {res.session!r} to {res.path} ({res.rows['runs']} runs, "
                f"{res.rows['tensors']} tensor records, {res.bytes} bytes)")
 
@@ -57,12 +58,12 @@ def import_cmd(
     try:
         config = load_config()  # the zip and upload limits apply here too
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     store = _store(db)
     try:
         res = import_session(store, file, name=as_name, config=config)
     except ShareError as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(res.message)
 
 
@@ -85,7 +86,7 @@ def share_link_cmd(
             return
         token = create_share_token(store, session)
     except SessionNotFound as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(share_url(base_url, token))
 
 
@@ -99,7 +100,7 @@ def config_cmd(
     try:
         cfg = load_config(config_file)
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(f"settings from: {cfg.source}")
     for s in SETTINGS:
         v = getattr(cfg, s.name)

@@ -43,7 +43,7 @@ class Handle:
 def skip_reason(t: torch.Tensor) -> Optional[str]:
     """Why a tensor cannot be summarised (None when it can)."""
     if t.is_complex():
-        return f"complex tensor ({str(t.dtype).replace('torch.', '')}) skipped: statistics need real values"
+        return f"complex tensor ({_stats.canonical_dtype(t.dtype)}) skipped: statistics need real values"
     if t.is_meta:
         return "meta tensor skipped: it has no values"
     if t.is_quantized:
@@ -51,16 +51,6 @@ def skip_reason(t: torch.Tensor) -> Optional[str]:
     if t.is_nested:
         return "nested tensor skipped"
     return None
-
-
-_DTYPE_NAMES: dict = {}
-
-
-def _dtype_name(dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = _stats.canonical_dtype(dtype)
-    return name
 
 
 class StatsEngine:
@@ -132,7 +122,7 @@ class StatsEngine:
         if reason is not None:
             self._warn(where, reason)
             return None
-        dtype = _dtype_name(t.dtype)
+        dtype = _stats.canonical_dtype(t.dtype)
         shape = tuple(t.shape)
         try:
             d = t.detach()  # statistics never join the autograd graph

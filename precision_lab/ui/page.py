@@ -63,7 +63,7 @@ def get_config():
     try:
         return load_config()
     except ConfigError as e:
-        st.error(f"The server configuration cannot be used: {e}")
+        st.error(plain(f"The server configuration cannot be used: {e}"))
         st.stop()
 
 
@@ -76,7 +76,7 @@ def get_store():
     try:
         return _open_store(str(path))
     except Exception as e:  # a locked or unreadable database file
-        st.error(f"Cannot open the database {path}: {e}")
+        st.error(plain(f"Cannot open the database {path}: {e}"))
         st.stop()
 
 
@@ -96,7 +96,7 @@ def access(store):
         st.query_params[SHARE_PARAM] = token
     acc = resolve_access(params, store, get_config())
     if acc.error:
-        st.error(acc.error)
+        st.error(plain(acc.error))
         st.stop()
     return acc
 
@@ -287,10 +287,14 @@ def navigate(page: str, **params: Any) -> None:
 # ---- errors and progress -------------------------------------------------------------
 
 def show_error(e: BaseException, what: str = "") -> None:
-    """An exception as one plain sentence (never a traceback)."""
+    """An exception as one plain sentence (never a traceback).
+
+    ``st.error`` renders markdown and messages quote op and file names from
+    uploaded dumps, so the whole sentence is escaped to show as typed.
+    """
     msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     msg = msg.strip() or type(e).__name__
-    st.error(f"{what}: {msg}" if what else msg)
+    st.error(plain(f"{what}: {msg}" if what else msg))
 
 
 @contextlib.contextmanager
