@@ -42,7 +42,8 @@ if mode == "pair":
     df = result.rows
     shown = df.drop(columns=["ref_rid", "cand_rid", "ref_nonfinite", "cand_nonfinite"])
     event = st.dataframe(style_severity(shown), key="diff_table", hide_index=True, width="stretch",
-                         on_select="rerun", selection_mode="single-row")
+                         height=page.table_height(len(shown)), on_select="rerun",
+                         selection_mode="single-row")
     if event is not None and event.selection.rows:
         row = df.iloc[event.selection.rows[0]]
         names = {r["run_id"]: r["name"] for r in runs}
@@ -70,7 +71,8 @@ else:
     with page.guard("The N-run diff could not be queried"):
         result = dv.nrun_page(store, sid, others, base_run_id=base_id, show=show, pattern=pattern,
                               page=current - 1, page_size=page_size)
-    st.dataframe(result.rows.drop(columns=["rid"]), key="nrun_table", hide_index=True, width="stretch")
+    st.dataframe(result.rows.drop(columns=["rid"]), key="nrun_table", hide_index=True, width="stretch",
+                 height=page.table_height(len(result.rows)))
 
 left, right = st.columns([3, 1])
 left.caption(f"{result.total} row(s); page {result.page + 1} of {result.pages}.")

@@ -46,7 +46,7 @@ with page.guard("The op table could not be queried"):
 shown = ov.display_frame(result.rows)
 event = st.dataframe(
     style_severity(shown.drop(columns=["rid"])), key="ops_table", on_select="rerun", selection_mode="single-row",
-    hide_index=True, width="stretch", height=min(38 + 35 * max(len(shown), 1), 740),
+    hide_index=True, width="stretch", height=page.table_height(len(shown)),
     column_config={"max_rel_err": st.column_config.NumberColumn(format="%.3e"),
                    "max_abs_err": st.column_config.NumberColumn(format="%.3e"),
                    "local_max_rel_err": st.column_config.NumberColumn(format="%.3e"),

@@ -307,6 +307,11 @@ def guard(what: str = ""):
         st.stop()
 
 
+def table_height(rows: int) -> int:
+    """Pixel height that shows every row of a table page, up to about 20 rows."""
+    return min(38 + 35 * max(rows, 1), 740)
+
+
 def progress_callback(bar) -> Callable[[int, int, str], None]:
     """``progress(done, total, label)`` for ``ingest`` drawing on an ``st.progress`` bar."""
     def cb(done: int, total: int, label: str) -> None:
