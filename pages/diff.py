@@ -19,11 +19,20 @@ st.write(
     "example after fixes), compare them all at once against the base run."
 )
 runs = session_runs(store, sid)
-mode = st.radio("View", ["pair", "runs"], horizontal=True, key="diff_mode",
+# the view lives in the URL (?view=&pair=&show=&q=&page=), so a copied link opens the same rows
+MODES = ("pair", "runs")
+page.from_url("diff_mode", "view", page.parse_choice(MODES), "pair")
+page.from_url("diff_pattern", "q", str, "")
+page.from_url("diff_show", "show", page.parse_choice(dv.SHOW_OPTIONS), "all")
+page.from_url("diff_page", "page", page.parse_page, 1)
+mode = st.radio("View", list(MODES), horizontal=True, key="diff_mode",
                 format_func=lambda m: {"pair": "Reference vs candidate", "runs": "All runs side by side"}[m])
 c = st.columns([3, 1])
 pattern = c[0].text_input("Name contains (or glob with * ?)", key="diff_pattern")
 show = c[1].selectbox("Show", list(dv.SHOW_OPTIONS), key="diff_show")
+page.to_url("view", mode, "pair")
+page.to_url("q", pattern, "")
+page.to_url("show", show, "all")
 page_size = 50
 current = int(st.session_state.get("diff_page", 1))
 
@@ -34,7 +43,9 @@ if mode == "pair":
                 "reference to get one.")
         st.stop()
     labels = [p["label"] for p in pairs]
+    page.from_url("diff_pair", "pair", page.parse_choice(labels), labels[0])
     label = st.selectbox("Pair", labels, key="diff_pair")
+    page.to_url("pair", label, labels[0])
     pair = pairs[labels.index(label)]
     with page.guard("The diff could not be queried"):
         result = dv.diff_page(store, sid, pair["ref_run_id"], pair["cand_run_id"], show=show, pattern=pattern,
@@ -79,3 +90,4 @@ left.caption(f"{result.total} row(s); page {result.page + 1} of {result.pages}."
 if st.session_state.get("diff_page", 1) > result.pages:
     st.session_state["diff_page"] = result.pages
 right.number_input("Page", min_value=1, max_value=result.pages, step=1, key="diff_page")
+page.to_url("page", int(st.session_state["diff_page"]), 1)

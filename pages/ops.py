@@ -21,6 +21,17 @@ st.write(
 )
 
 opts = ov.filter_options(store, run["run_id"])
+# the filters live in the URL (?role=&type=&step=&rank=&q=&problems=&sort=&desc=&page=), so a copied link
+# opens the same table; values the run does not have are dropped
+page.from_url("f_roles", "role", page.parse_choice(opts["roles"]), [], multi=True)
+page.from_url("f_types", "type", page.parse_choice(opts["op_types"]), [], multi=True)
+page.from_url("f_steps", "step", page.parse_choice(opts["steps"]), [], multi=True)
+page.from_url("f_ranks", "rank", page.parse_choice(opts["ranks"]), [], multi=True)
+page.from_url("f_pattern", "q", str, "")
+page.from_url("f_problems", "problems", page.parse_flag, False)
+page.from_url("f_sort", "sort", page.parse_choice(ov.SORTABLE), "seq")
+page.from_url("f_desc", "desc", page.parse_flag, False)
+page.from_url("f_page", "page", page.parse_page, 1)
 with st.container(border=True):
     c = st.columns([2, 2, 1, 1])
     roles = c[0].multiselect("Role", opts["roles"], key="f_roles")
@@ -33,6 +44,10 @@ with st.container(border=True):
                                 help="Records with NaN/Inf, or whose comparison verdict is error or nonfinite.")
     sort = c[2].selectbox("Sort by", list(ov.SORTABLE), key="f_sort")
     descending = c[3].toggle("Descending", key="f_desc")
+for param, value, default in (("role", roles, []), ("type", op_types, []), ("step", steps, []),
+                              ("rank", ranks, []), ("q", pattern, ""), ("problems", only_problems, False),
+                              ("sort", sort, "seq"), ("desc", descending, False)):
+    page.to_url(param, value, default)
 
 page_size = 50
 current = st.session_state.get("f_page", 1)
@@ -58,6 +73,7 @@ left.caption(f"{result.total} record(s) match; page {result.filter.page + 1} of 
 if st.session_state.get("f_page", 1) > result.pages:  # the filter shrank the table
     st.session_state["f_page"] = result.pages
 right.number_input("Page", min_value=1, max_value=result.pages, step=1, key="f_page")
+page.to_url("page", int(st.session_state["f_page"]), 1)
 if event is not None and event.selection.rows:
     rid = int(shown.iloc[event.selection.rows[0]]["rid"])
     page.navigate("detail", session=info["name"], run=run["name"], op=rid)

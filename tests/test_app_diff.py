@@ -35,3 +35,64 @@ def test_nrun_mode_has_a_column_group_per_run(ui_db):
     table = frame_with(at, f"{STAT_CAND.name}: absmax")
     assert f"{STAT_REF.name}: absmax" in table.columns and f"{STAT_CAND.name}: verdict" in table.columns
     assert len(table) == 50
+
+
+def _settings(at) -> dict:
+    out = {"view": at.radio(key="diff_mode").value, "show": at.selectbox(key="diff_show").value,
+           "pattern": at.text_input(key="diff_pattern").value, "page": at.number_input(key="diff_page").value}
+    if out["view"] == "pair":
+        out["pair"] = at.selectbox(key="diff_pair").value
+    return out
+
+
+def _rows_caption(at) -> str:
+    return next(c.value for c in at.caption if "row(s)" in c.value)
+
+
+def test_settings_come_from_the_url(ui_db):
+    pair = f"{STAT_CAND.name} vs {STAT_REF.name}"
+    at = open_page("diff", session=STAT_SESSION, view="pair", pair=pair, show="problems")
+    assert _settings(at) == {"view": "pair", "show": "problems", "pattern": "", "page": 1, "pair": pair}
+    n_bad = msprobe_nonfinite_count(CAND_JSON)
+    assert _rows_caption(at) == f"{n_bad} row(s); page 1 of {-(-n_bad // 50)}."
+    table = frame_with(at, "ref absmax")
+    assert table["op"].iloc[0] == STAT_FIRST_NONFINITE
+    assert all(v == float("inf") or v != v or v > 6e4 for v in table["cand absmax"])  # overflowed fp16
+
+    # a name pattern and a later page, as a colleague's link would carry them
+    at = open_page("diff", session=STAT_SESSION, q="forward", page="2")
+    assert _settings(at)["pattern"] == "forward" and _settings(at)["page"] == 2
+    table = frame_with(at, "ref absmax")
+    assert len(table) > 0 and all("forward" in op for op in table["op"])
+    assert _rows_caption(at).split("; ")[1].startswith("page 2 of ")
+
+
+def test_runs_view_from_the_url_and_the_url_follows_the_widgets(ui_db):
+    at = open_page("diff", session=STAT_SESSION, view="runs")
+    assert_clean(at)
+    assert at.radio(key="diff_mode").value == "runs"
+    assert f"{STAT_CAND.name}: absmax" in frame_with(at, f"{STAT_REF.name}: absmax").columns
+
+    at = open_page("diff", session=STAT_SESSION)
+    assert not {"view", "show", "q", "page", "pair"} & set(at.query_params)  # defaults stay out of the link
+    at.selectbox(key="diff_show").set_value("problems")
+    at.text_input(key="diff_pattern").input("linear").run()
+    url = dict(at.query_params)
+    assert url["show"] == "problems" and url["q"] == "linear"
+    colleague = open_page("diff", **url)
+    assert _settings(colleague) == _settings(at)
+    assert frame_with(colleague, "ref absmax").equals(frame_with(at, "ref absmax"))
+
+
+def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
+    at = open_page("diff", session=STAT_SESSION, view="everything", pair="nope vs nothing", show="<b>x</b>",
+                   page="-3")
+    assert_clean(at)
+    pair = f"{STAT_CAND.name} vs {STAT_REF.name}"
+    assert _settings(at) == {"view": "pair", "show": "all", "pattern": "", "page": 1, "pair": pair}
+    n = len(msprobe_tensor_entries(CAND_JSON))
+    assert _rows_caption(at) == f"{n} row(s); page 1 of {-(-n // 50)}."
+    assert not {"view", "show", "page", "pair"} & set(at.query_params)
+    at = open_page("diff", session=STAT_SESSION, page="1e9")
+    assert_clean(at)
+    assert _settings(at)["page"] == 1

@@ -56,3 +56,93 @@ def test_selecting_a_row_opens_the_op(ui_db):
     assert_clean(at)
     assert at.title[0].value == "Op detail"
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
+
+
+def _filters(at) -> dict:
+    return {"roles": at.multiselect(key="f_roles").value, "problems": at.toggle(key="f_problems").value,
+            "pattern": at.text_input(key="f_pattern").value, "sort": at.selectbox(key="f_sort").value,
+            "desc": at.toggle(key="f_desc").value, "page": at.number_input(key="f_page").value}
+
+
+def test_filters_come_from_the_url(ui_db):
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, role=["output"], problems="1", q="fc1",
+                   sort="absmax", desc="1")
+    assert _filters(at) == {"roles": ["output"], "problems": True, "pattern": "fc1", "sort": "absmax",
+                            "desc": True, "page": 1}
+    table = frame_with(at, "severity")
+    assert len(table) > 0 and set(table["severity"]) == {"nonfinite"} and set(table["role"]) == {"output"}
+    assert all("fc1" in op for op in table["op"])
+    vals = list(table["absmax"].dropna())
+    assert vals == sorted(vals, reverse=True)
+    # the same filters set by hand give the same table
+    by_hand = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
+    by_hand.multiselect(key="f_roles").set_value(["output"])
+    by_hand.toggle(key="f_problems").set_value(True)
+    by_hand.text_input(key="f_pattern").input("fc1")
+    by_hand.selectbox(key="f_sort").set_value("absmax")
+    by_hand.toggle(key="f_desc").set_value(True).run()
+    assert frame_with(by_hand, "severity").equals(table)
+    assert _caption(by_hand) == _caption(at)
+
+
+def test_problems_only_from_the_url_shows_only_problem_rows(ui_db):
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, problems="true")
+    n_bad = msprobe_nonfinite_count(CAND_JSON)
+    assert 0 < n_bad < len(msprobe_tensor_entries(CAND_JSON))
+    assert _caption(at) == f"{n_bad} record(s) match; page 1 of {-(-n_bad // 50)}."
+    table = frame_with(at, "severity")
+    assert set(table["severity"]) == {"nonfinite"} and table["op"].iloc[0] == STAT_FIRST_NONFINITE
+
+
+def test_a_copied_url_opens_the_same_view(ui_db):
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
+    at.selectbox(key="f_sort").set_value("absmax")
+    at.multiselect(key="f_roles").set_value(["input", "output"])
+    at.number_input(key="f_page").set_value(3).run()
+    url = dict(at.query_params)
+    assert url["sort"] == "absmax" and url["page"] == "3" and url["role"] == ["input", "output"]
+    assert "desc" not in url and "problems" not in url  # defaults stay out of the link
+    colleague = open_page("ops", **url)
+    assert _filters(colleague) == _filters(at)
+    assert frame_with(colleague, "severity").equals(frame_with(at, "severity"))
+    assert _caption(colleague) == _caption(at) and _caption(at).startswith(f"{_count_roles()} record(s)")
+
+
+def _count_roles() -> int:
+    """Input and output tensors of the forward entries, counted from dump.json itself
+    (msprobe names them ``<api>.<n>.forward`` or ``Module.<path>.forward.<n>``)."""
+    import json
+
+    data = json.loads(CAND_JSON.read_text())["data"]
+    forward = [e for name, e in data.items() if "forward" in name.split(".")[-2:]]
+    return sum(len(_tensors(e.get(part))) for e in forward for part in ("input_args", "output"))
+
+
+def _tensors(x) -> list:
+    if isinstance(x, dict):
+        if x.get("type") == "torch.Tensor":
+            return [x]
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, list):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, sort="absmax; DROP TABLE tensors",
+                   desc="maybe", problems="yes please", page="abc", role=["nope"], step=["x"], rank=["-1"])
+    assert_clean(at)
+    assert _filters(at) == {"roles": [], "problems": False, "pattern": "", "sort": "seq", "desc": False,
+                            "page": 1}
+    assert at.multiselect(key="f_steps").value == [] and at.multiselect(key="f_ranks").value == []
+    n = len(msprobe_tensor_entries(CAND_JSON))
+    assert _caption(at) == f"{n} record(s) match; page 1 of {-(-n // 50)}."
+    assert not {"sort", "desc", "problems", "page", "role", "step", "rank"} & set(at.query_params)
+    for bad in ("0", "-4", "1.5", "9" * 5000):
+        at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, page=bad)
+        assert_clean(at)
+        assert at.number_input(key="f_page").value == 1
+    # a page past the end shows the last page
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, page="999")
+    assert_clean(at)
+    assert _caption(at).endswith(f"page {-(-n // 50)} of {-(-n // 50)}.")

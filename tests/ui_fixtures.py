@@ -135,9 +135,9 @@ def app_test(**query):
     return at
 
 
-def open_page(page: str, **query):
+def open_page(page: str, /, **query):
     """Run app.py once, switch to ``page`` (a key of ``precision_lab.ui.page.PAGES``) with the URL
-    parameters ``query``, and run it."""
+    parameters ``query``, and run it.  ``page`` is positional-only, so ``page=`` is a URL parameter."""
     from precision_lab.ui.page import PAGES
 
     at = app_test()

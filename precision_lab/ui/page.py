@@ -10,6 +10,12 @@ Each picker starts from (in order) a value handed over by ``navigate``, its
 own widget state, the URL, the value last chosen on another page, then a
 default; whatever it ends up showing is written back to the URL, so a copied
 link opens the same view.
+
+A page's own settings (the Ops filters, the Diff view) live in the URL too,
+through ``from_url`` before the widget and ``to_url`` after it: the widget's
+state wins, then the URL (read by a parser that rejects what the page cannot
+show, which silently gives the default), then the default; a value equal to
+its default is left out of the URL.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from .common import escape_md, message_md, run_label
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
-           "message_md"]
+           "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
 
 # page scripts, relative to app.py
 PAGES = {
@@ -256,6 +262,86 @@ def choose_formats(default: Sequence[str], *, key: str = "pick_formats", contain
     st.session_state[_REMEMBER + "fmt"] = list(chosen)
     st.query_params["fmt"] = list(chosen)
     return list(chosen)
+
+
+_BAD_URL_VALUE = (ValueError, TypeError, KeyError)
+
+
+def from_url(key: str, param: str, parse: Callable[[str], Any], default: Any, *, multi: bool = False) -> None:
+    """Start the widget ``key`` from the URL parameter ``param``; call before drawing it.
+
+    A widget that already has state keeps it (the visitor's last change wins
+    over the URL).  Otherwise the URL's text goes through ``parse``, which
+    raises ValueError/TypeError/KeyError for a value the page cannot show; a
+    link is untrusted input, and a stale or edited one still opens the page,
+    with ``default`` in place of what was rejected.  With ``multi`` every
+    value of a repeated parameter (``?role=input&role=output``) is parsed,
+    rejected ones are dropped, and the widget gets the list.
+    """
+    if key in st.session_state:
+        return
+    if multi:
+        chosen: list = []
+        for text in st.query_params.get_all(param):
+            try:
+                value = parse(text)
+            except _BAD_URL_VALUE:
+                continue
+            if value not in chosen:
+                chosen.append(value)
+        st.session_state[key] = chosen or list(default)
+        return
+    text = url_value(param)
+    value = default
+    if text is not None:
+        try:
+            value = parse(text)
+        except _BAD_URL_VALUE:
+            value = default
+    st.session_state[key] = value
+
+
+def to_url(param: str, value: Any, default: Any, *, to_text: Callable[[Any], str] = str) -> None:
+    """Write a widget's ``value`` to the URL parameter ``param`` (a list as a
+    repeated parameter, a bool as ``1``); a value equal to ``default`` is
+    removed, so links stay short and a default is never pinned."""
+    if value == default or (isinstance(value, (list, tuple)) and list(value) == list(default)):
+        if param in st.query_params:
+            del st.query_params[param]
+        return
+    if isinstance(value, (list, tuple)):
+        st.query_params[param] = [to_text(v) for v in value]
+    elif isinstance(value, bool):
+        st.query_params[param] = "1" if value else "0"
+    else:
+        st.query_params[param] = to_text(value)
+
+
+def parse_choice(options: Sequence, to_text: Callable[[Any], str] = str) -> Callable[[str], Any]:
+    """A ``from_url`` parser accepting only ``options`` (matched by their text; KeyError otherwise)."""
+    by_text = {to_text(o): o for o in options}
+    return lambda text: by_text[text]
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_flag(text: str) -> bool:
+    """A ``from_url`` parser for a toggle: 1/true/yes/on or 0/false/no/off."""
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"not a flag: {text!r}")
+
+
+def parse_page(text: str) -> int:
+    """A ``from_url`` parser for a 1-based page number (the page clamps it to its last page)."""
+    n = int(text)
+    if n < 1:
+        raise ValueError(f"not a page number: {text!r}")
+    return n
 
 
 def remember(param: str, value: Any) -> None:
