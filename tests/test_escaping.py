@@ -15,7 +15,7 @@ import re
 import pytest
 
 from test_share import make_session
-from ui_fixtures import assert_clean, open_page
+from ui_fixtures import assert_clean, open_page, serve_db
 
 EVIL = "<script>alert(1)</script>[click](http://evil.example)*x*"
 OP_PREFIX = "blk<img src=x onerror=alert(2)>[a](http://evil.example)"
@@ -92,20 +92,13 @@ def test_html_report_shows_names_as_text_in_browser(store, tmp_path):
 
 @pytest.fixture
 def hostile_db(tmp_path, monkeypatch):
-    import streamlit as st
-
     from precision_lab.store import Store, close_all
 
     db = tmp_path / "hostile.duckdb"
     made = _hostile_session(Store(db))
     close_all()
-    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
-    monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
-    monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
-    st.cache_resource.clear()
-    yield made
-    st.cache_resource.clear()
-    close_all()
+    with serve_db(db, monkeypatch):
+        yield made
 
 
 _MD = None

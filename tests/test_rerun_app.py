@@ -5,24 +5,18 @@ import pytest
 from precision_lab.fixes.rerun import capture_recipe
 from precision_lab.services.report import first_nonfinite
 
-from ui_fixtures import assert_clean, open_page, texts
+from ui_fixtures import assert_clean, open_page, serve_db, texts
 
 
 @pytest.fixture
 def recipe_db(tmp_path, monkeypatch):
-    import streamlit as st
-
     from precision_lab.store import Store
 
     db = tmp_path / "app.duckdb"
     store = Store(db)
     name = capture_recipe(store, "softmax-fp16-overflow")
-    monkeypatch.setenv("PRECISION_LAB_DB", str(db))
-    monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
-    monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
-    st.cache_resource.clear()
-    yield store, name
-    st.cache_resource.clear()
+    with serve_db(db, monkeypatch):
+        yield store, name
 
 
 def test_rerun_button_runs_the_fix_and_opens_the_n_run_diff(recipe_db):

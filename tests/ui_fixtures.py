@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import shutil
@@ -93,22 +95,31 @@ def ui_template(tmp_path_factory) -> Path:
     return db
 
 
-@pytest.fixture
-def ui_db(ui_template, tmp_path, monkeypatch) -> Path:
-    """A private copy of the template database, used by the app under test."""
+@contextlib.contextmanager
+def serve_db(db, monkeypatch):
+    """Point the app under test at ``db`` with default settings; clear cached stores around it."""
     import streamlit as st
 
     from precision_lab.store import close_all
 
-    db = tmp_path / "app.duckdb"
-    shutil.copy(ui_template, db)
     monkeypatch.setenv("PRECISION_LAB_DB", str(db))
     monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
     monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
     st.cache_resource.clear()
-    yield db
-    st.cache_resource.clear()
-    close_all()
+    try:
+        yield db
+    finally:
+        st.cache_resource.clear()
+        close_all()
+
+
+@pytest.fixture
+def ui_db(ui_template, tmp_path, monkeypatch) -> Path:
+    """A private copy of the template database, used by the app under test."""
+    db = tmp_path / "app.duckdb"
+    shutil.copy(ui_template, db)
+    with serve_db(db, monkeypatch):
+        yield db
 
 
 @pytest.fixture
