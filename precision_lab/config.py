@@ -68,10 +68,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("zip_max_total_mb", "PRECISION_LAB_ZIP_MAX_TOTAL_MB", int,
             "Most bytes, in MiB, a zip may expand to in total."),
     Setting("zip_max_ratio", "PRECISION_LAB_ZIP_MAX_RATIO", float,
-            "Largest compression ratio (uncompressed / compressed) of any zip entry larger than 1 MiB; "
-            "above it the zip is treated as a zip bomb."),
+            "Largest compression ratio (uncompressed / compressed) of any zip entry over 64 KiB, and of a "
+            "whole zip expanding to more than 16 MiB; above it the zip is treated as a zip bomb. Applies to "
+            "uploads and to the zip inside every .npz and .pt file."),
     Setting("max_path_depth", "PRECISION_LAB_MAX_PATH_DEPTH", int,
             "Deepest folder nesting accepted inside an uploaded folder or zip."),
+    Setting("max_tensor_mb", "PRECISION_LAB_MAX_TENSOR_MB", int,
+            "Largest tensor read from a dump, in MiB, as its header declares it (elements x item size), "
+            "checked before any data is read; also the most one member of a .npz or .pt may expand to."),
+    Setting("max_file_records", "PRECISION_LAB_MAX_FILE_RECORDS", int,
+            "Most tensors one dump file may describe: dump.json entries, Parquet shard rows, or tensors "
+            "in one .npz, .pt or .safetensors file."),
+    Setting("max_json_mb", "PRECISION_LAB_MAX_JSON_MB", int,
+            "Largest JSON file read from a dump (dump.json, manifests, order files, sidecars), in MiB."),
+    Setting("work_dir", "PRECISION_LAB_WORK_DIR", str,
+            "Folder for uploads and extracted zips while they are ingested (default: scratch/ beside the "
+            "per-user data directory); leftovers of killed ingests are swept from it."),
 )
 
 
@@ -87,10 +99,15 @@ class ServerConfig:
     zip_max_total_mb: int = 8192
     zip_max_ratio: float = 200.0
     max_path_depth: int = 32
+    max_tensor_mb: int = 1024
+    max_file_records: int = 100_000
+    max_json_mb: int = 512
+    work_dir: Optional[str] = None
     source: str = "defaults"  # where the settings came from, for messages
 
     def __post_init__(self) -> None:
-        for f in ("max_upload_mb", "zip_max_files", "zip_max_total_mb", "max_path_depth"):
+        for f in ("max_upload_mb", "zip_max_files", "zip_max_total_mb", "max_path_depth", "max_tensor_mb",
+                  "max_file_records", "max_json_mb"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{self.source}: {f} must be a positive integer, got {v!r}")
@@ -115,6 +132,12 @@ class ServerConfig:
         from .safezip import ZipLimits
 
         return ZipLimits.from_config(self)
+
+    def read_limits(self):
+        """The limits on reading dump files as ``precision_lab.readers.safeio.ReadLimits``."""
+        from .readers.safeio import ReadLimits
+
+        return ReadLimits.from_config(self)
 
     def store(self):
         """Open the configured database."""

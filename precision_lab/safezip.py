@@ -2,11 +2,17 @@
 
 An archive is refused as a whole, before a single byte is written, when any
 entry has an absolute path or a drive letter, climbs out of the target with
-``..``, is a symbolic link, is encrypted, or appears twice; or when the
-archive's declared uncompressed size, entry count, an entry's compression
-ratio or its folder depth exceeds ``ZipLimits`` (zip bombs).  During
-extraction the bytes actually inflated are counted too, so an entry whose
-header understates its size is stopped at the declared size.
+``..``, is a symbolic link or another special file, is encrypted, appears
+twice, or is both a file and a folder; or when the archive's declared
+uncompressed size, entry count, an entry's compression ratio, the whole
+archive's compression ratio or a folder depth exceeds ``ZipLimits`` (zip
+bombs).  During extraction the bytes actually inflated are counted too, so an
+entry whose header understates its size is stopped at the declared size, and
+zipfile verifies every entry's CRC-32.
+
+So what one archive may write to disk is bounded before extraction starts:
+at most ``max_total_bytes``, and at most ``max_ratio`` times the archive's
+own size once it expands past ``ratio_free_total_bytes``.
 """
 
 from __future__ import annotations
@@ -27,20 +33,23 @@ _COPY_CHUNK = _MB
 class ZipLimits:
     """What an archive may expand to (defaults match ``precision_lab.config``).
 
-    ``max_ratio`` applies to each entry larger than ``ratio_min_entry_bytes``:
-    a few kilobytes of zeros legitimately compress a thousandfold, a large
-    entry that does is a bomb.  ``max_depth`` bounds folder nesting.
+    ``max_ratio`` applies to each entry larger than ``ratio_min_entry_bytes``
+    (a few kilobytes of zeros legitimately compress a thousandfold) and to the
+    archive as a whole once it expands past ``ratio_free_total_bytes``, so
+    many small, well-compressed entries cannot add up to a bomb either.
+    ``max_depth`` bounds folder nesting.
     """
 
     max_total_bytes: int = 8192 * _MB
     max_files: int = 20_000
     max_ratio: float = 200.0
-    ratio_min_entry_bytes: int = _MB
+    ratio_min_entry_bytes: int = 64 << 10
     max_depth: int = 32
+    ratio_free_total_bytes: int = 16 * _MB
 
     def __post_init__(self) -> None:
         if (self.max_total_bytes <= 0 or self.max_files <= 0 or not self.max_ratio > 1
-                or self.ratio_min_entry_bytes < 0 or self.max_depth <= 0):
+                or self.ratio_min_entry_bytes < 0 or self.max_depth <= 0 or self.ratio_free_total_bytes < 0):
             raise ValueError(f"invalid zip limits: {self}")
 
     @classmethod
@@ -54,23 +63,26 @@ class UnsafeZip(ValueError):
     """The archive breaks a safety rule; nothing was extracted."""
 
 
-def _is_symlink(info: zipfile.ZipInfo) -> bool:
+def _special(info: zipfile.ZipInfo) -> str:
+    """'a symbolic link' / 'a special file' when the entry's Unix mode says so, else ''."""
     # Unix mode bits live in the high 16 bits of external_attr when the
     # archive was made on a Unix-like system (create_system 3).
     mode = info.external_attr >> 16
-    return bool(mode) and stat.S_ISLNK(mode)
+    if not mode or stat.S_ISREG(mode) or stat.S_ISDIR(mode) or not stat.S_IFMT(mode):
+        return ""
+    return "a symbolic link" if stat.S_ISLNK(mode) else "a special file (pipe, device or socket)"
 
 
 def _safe_parts(name: str) -> tuple[str, ...] | None:
     """The entry's path components, or None if it is absolute or escapes."""
     norm = name.replace("\\", "/")
-    if norm.startswith("/") or (len(norm) >= 2 and norm[1] == ":"):
-        return None
+    if norm.startswith("/") or (len(norm) >= 2 and norm[1] == ":" and norm[0].isalpha()):
+        return None  # absolute, or a Windows drive letter
     parts = []
     for p in PurePosixPath(norm).parts:
         if p in ("", "."):
             continue
-        if p == ".." or ":" in p:
+        if p == ".." or "\x00" in p:
             return None
         parts.append(p)
     return tuple(parts)
@@ -100,8 +112,9 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> list[
             kind = "an absolute path" if info.filename.replace("\\", "/").startswith("/") or \
                 info.filename[1:2] == ":" else "a path that leaves the extraction folder"
             raise UnsafeZip(f"{path}: entry {info.filename!r} has {kind}; refusing the archive")
-        if _is_symlink(info):
-            raise UnsafeZip(f"{path}: entry {info.filename!r} is a symbolic link; refusing the archive")
+        special = _special(info)
+        if special:
+            raise UnsafeZip(f"{path}: entry {info.filename!r} is {special}; refusing the archive")
         if info.flag_bits & 0x1:
             raise UnsafeZip(f"{path}: entry {info.filename!r} is encrypted; cannot read it")
         if parts and not info.is_dir():
@@ -125,6 +138,17 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> list[
                 f"{path}: uncompressed size exceeds the limit of {limits.max_total_bytes} bytes "
                 "(zip bomb protection; raise the limit if the archive is trusted)"
             )
+    size = path.stat().st_size
+    if total > limits.ratio_free_total_bytes and total > limits.max_ratio * max(size, 1):
+        raise UnsafeZip(
+            f"{path}: {len(infos)} entries expand {total / max(size, 1):.0f}x in all ({size} -> {total} bytes), "
+            f"more than the limit of {limits.max_ratio:g}x (zip bomb protection; raise the limit if the "
+            "archive is trusted)"
+        )
+    dirs = {parts[:i] for parts in seen for i in range(1, len(parts))}
+    clash = next((p for p in sorted(seen) if p in dirs), None)
+    if clash is not None:
+        raise UnsafeZip(f"{path}: entry {'/'.join(clash)!r} is both a file and a folder; refusing the archive")
     return infos
 
 

@@ -204,10 +204,10 @@ def _locked(root: Path):
 def _scan_run(root: Path, name: str) -> tuple[list[int], list[int], list[str]]:
     ranks, steps, files = set(), set(), []
     run_dir = root / name
-    if run_dir.is_dir():
+    if run_dir.is_dir() and not run_dir.is_symlink():  # linked folders are never followed
         for rdir in sorted(run_dir.iterdir()):
             m = _SHARD_RE[0].match(rdir.name)
-            if not m or not rdir.is_dir():
+            if not m or not rdir.is_dir() or rdir.is_symlink():
                 continue
             for f in sorted(rdir.iterdir()):
                 ms = _SHARD_RE[1].match(f.name)
@@ -261,15 +261,22 @@ def write_manifest(root, runs) -> Path:
 
 
 def read_manifest(root) -> dict:
-    """The validated manifest of a shard folder."""
+    """The validated manifest of a shard folder.
+
+    Messages name files relative to ``root``; every file the manifest lists
+    must stay inside ``root`` (see ``precision_lab.readers.safeio``).
+    """
+    from .readers import ReadError
+    from .readers.safeio import read_json
+
     root = Path(root)
-    path = root / MANIFEST
-    if not path.is_file():
-        raise ShardError(f"{path}: no manifest.json; not a Precision Lab shard folder")
+    path = Path(MANIFEST)  # as named in messages
+    if not os.path.lexists(root / MANIFEST):
+        raise ShardError(f"{root / MANIFEST}: no manifest.json; not a Precision Lab shard folder")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError(f"{path}: manifest is not valid JSON ({e})") from None
+        doc = read_json(root / MANIFEST, MANIFEST, root, what="manifest")
+    except ReadError as e:
+        raise ShardError(str(e)) from None
     if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT:
         raise ShardError(f"{path}: \"format\" is {doc.get('format') if isinstance(doc, dict) else doc!r}, "
                          f"expected {SHARD_FORMAT!r}")
@@ -293,7 +300,10 @@ def read_manifest(root) -> dict:
         if r["name"] in seen:
             raise ShardError(f"{path}: run {r['name']!r} is listed twice")
         seen.add(r["name"])
-        for f in r.get("files") or []:
+        files = r.get("files") or []
+        if not isinstance(files, list):
+            raise ShardError(f"{path}: runs[{i}] \"files\" must be a list")
+        for f in files:
             if not isinstance(f, str) or f.startswith(("/", "\\")) or ".." in Path(f).parts:
                 raise ShardError(f"{path}: runs[{i}] lists file {f!r} outside the shard folder")
     return doc
@@ -311,13 +321,30 @@ def _run_meta(entry: dict) -> dict:
 
 
 def _run_files(root: Path, entry: dict) -> list[Path]:
-    listed = [root / f for f in entry.get("files") or []]
+    from .readers import ReadError
+    from .readers.safeio import check_regular, contained
+
+    try:
+        listed = [contained(root, root, f, what="shard file", where=MANIFEST) for f in entry.get("files") or []]
+    except ReadError as e:
+        raise ShardError(str(e)) from None
     for p in listed:
-        if not p.is_file():
-            raise ShardError(f"{p}: listed in {root / MANIFEST} but missing")
+        if not os.path.lexists(p):
+            raise ShardError(f"{_rel(root, p)}: listed in {MANIFEST} but missing")
     found = [root / f for f in _scan_run(root, entry["name"])[2]]
-    files = {p.resolve(): p for p in listed + found}
+    files = {os.path.normpath(p): p for p in listed + found}
+    for p in files.values():
+        try:
+            check_regular(p, _rel(root, p))
+        except ReadError as e:
+            raise ShardError(str(e)) from None
     return sorted(files.values(), key=_file_order)
+
+
+def _rel(root: Path, p: Path) -> str:
+    from .readers.safeio import relname
+
+    return relname(root, p)
 
 
 def _file_order(p: Path):
@@ -326,21 +353,74 @@ def _file_order(p: Path):
     return (int(r.group(1)) if r else 0, int(s.group(1)) if s else 0, str(p))
 
 
-def _read_table(path: Path):
+_BATCH_ROWS = 1024
+
+
+def _open_shard(path: Path, shown: str):
+    """The shard's ParquetFile, its size and row count checked from metadata before any row is read."""
     import pyarrow.parquet as pq
 
+    from .readers import ReadError
+    from .readers.safeio import limits
+
+    lim = limits()
     try:
-        table = pq.read_table(path)
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        groups = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
+    except ReadError as e:
+        raise ShardError(str(e)) from None
     except Exception as e:
-        raise ShardError(f"{path}: not a readable Parquet shard ({type(e).__name__}: {e})") from None
+        raise ShardError(f"{shown}: not a readable Parquet shard ({type(e).__name__}: {e})") from None
+    if md.num_rows > lim.max_file_records:
+        raise ShardError(f"{shown}: {md.num_rows} rows, more than the limit of {lim.max_file_records} records per "
+                         "file (max_file_records)")
+    if groups and max(groups) > lim.max_tensor_bytes:
+        raise ShardError(f"{shown}: a row group expands to {max(groups)} bytes, more than the limit of "
+                         f"{lim.max_tensor_bytes} bytes (max_tensor_mb)")
     need = [n for n, _ in _columns()] + ["hist_bins", "hist_counts"]
-    missing = [n for n in need if n not in table.column_names]
+    missing = [n for n in need if n not in pf.schema_arrow.names]
     if missing:
-        raise ShardError(f"{path}: shard lacks column(s) {', '.join(missing)}")
-    return table
+        raise ShardError(f"{shown}: shard lacks column(s) {', '.join(missing)}")
+    return pf
 
 
-def _row_stats(path: Path, row: dict):
+def _rows(pf, shown: str) -> Iterator[dict]:
+    """Rows of a shard, one record batch at a time (memory bounded by a batch, not the file)."""
+    from .readers.safeio import limits
+
+    cap, n = limits().max_file_records, 0
+    try:
+        for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
+            n += batch.num_rows
+            if n > cap:  # metadata that understated the rows
+                raise ShardError(f"{shown}: more than the limit of {cap} records per file (max_file_records)")
+            yield from batch.to_pylist()
+    except ShardError:
+        raise
+    except Exception as e:
+        raise ShardError(f"{shown}: not a readable Parquet shard ({type(e).__name__}: {e})") from None
+
+
+def _kept_tensor(data: bytes, where: str):
+    """A kept tensor's ``.npy`` bytes, its header checked against the limits before the array is built."""
+    from .readers import ReadError
+    from .readers.safeio import npy_header
+
+    buf = io.BytesIO(data)
+    try:
+        shape, fortran, dtype, offset = npy_header(buf, where)
+    except ReadError as e:
+        raise ShardError(f"{where} is not a valid .npy: {str(e)[len(where) + 2:]}") from None
+    n = int(np.prod(shape, dtype=object)) if shape else 1
+    if len(data) - offset != n * dtype.itemsize:
+        raise ShardError(f"{where}: the header says shape {list(shape)} of {dtype} but {len(data) - offset} bytes "
+                         "follow it")
+    arr = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
+    return arr.reshape(shape, order="F" if fortran else "C")
+
+
+def _row_stats(path, row: dict):
     from .stats import HIST_EDGES_ID, N_BINS, TensorStats
 
     kw = {}
@@ -351,7 +431,7 @@ def _row_stats(path: Path, row: dict):
         if f.name == "shape":
             try:
                 v = tuple(json.loads(v)) if v is not None else ()
-            except (TypeError, json.JSONDecodeError):
+            except (TypeError, json.JSONDecodeError, RecursionError):
                 raise ShardError(f"{path}: record {row.get('name')!r} has shape {v!r}, not a JSON list") from None
         kw[f.name] = v
     bins, counts = row.get("hist_bins"), row.get("hist_counts")
@@ -375,25 +455,21 @@ def _row_stats(path: Path, row: dict):
         raise ShardError(f"{path}: record {row.get('name')!r}: {e}") from None
 
 
-def _iter_file(path: Path, meta: dict, with_local: bool = False):
-    from .store import _npy_load
-
-    table = _read_table(path)
+def _iter_file(root: Path, path: Path, meta: dict, with_local: bool = False):
+    shown = _rel(root, path)
+    pf = _open_shard(path, shown)
     rec_fields = [f.name for f in dataclasses.fields(TensorRecord) if f.name not in ("stats", "tensor")]
-    for row in table.to_pylist():
+    for row in _rows(pf, shown):
         for n in ("op", "role", "index"):
             if not isinstance(row.get(n), str):
-                raise ShardError(f"{path}: a record has no {n!r}")
-        stats = _row_stats(path, row)
+                raise ShardError(f"{shown}: a record has no {n!r}")
+        stats = _row_stats(shown, row)
         tensor = None
         if row.get("tensor_npy") is not None:
-            try:
-                tensor = _npy_load(row["tensor_npy"])
-            except Exception as e:
-                raise ShardError(f"{path}: kept tensor of {row.get('name')!r} is not a valid .npy ({e})") from None
+            tensor = _kept_tensor(row["tensor_npy"], f"{shown}: kept tensor of {row.get('name')!r}")
         kw = {n: row.get(n) for n in rec_fields}
         kw["run_id"] = meta["run_id"]
-        kw["source"] = str(path)  # the file it was read from
+        kw["source"] = shown  # the file it was read from, relative to the shard folder
         rec = TensorRecord(stats=stats, tensor=tensor, **kw)
         if with_local:
             yield rec, row.get("local_json")
@@ -414,7 +490,7 @@ def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:
     for entry in doc["runs"]:
         meta = _run_meta(entry)
         for path in _run_files(root, entry):
-            for rec in _iter_file(path, meta):
+            for rec in _iter_file(root, path, meta):
                 yield meta, rec
 
 
@@ -428,7 +504,7 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
     for entry in doc["runs"]:
         meta = _run_meta(entry)
         for path in _run_files(root, entry):
-            for rec, js in _iter_file(path, meta, with_local=True):
+            for rec, js in _iter_file(root, path, meta, with_local=True):
                 if js is None:
                     continue
                 try:
@@ -437,5 +513,6 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
                          for k, v in d.items() if k in names}
                     cmp = Comparison(**d)
                 except (TypeError, ValueError) as e:
-                    raise ShardError(f"{path}: local comparison of {rec.name!r} is malformed ({e})") from None
+                    raise ShardError(f"{_rel(root, path)}: local comparison of {rec.name!r} is malformed "
+                                     f"({e})") from None
                 yield meta, rec, cmp

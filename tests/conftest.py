@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "msprobe"
+FIXTURES = ROOT / "tests" / "data" / "msprobe"  # recorded msprobe dumps, copied into the repo
 SAMPLES = ROOT / "sample_dumps"
 
 

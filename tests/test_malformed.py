@@ -152,7 +152,7 @@ def test_sidecar_invalid_json_and_unknown_dtype(store, tmp_path):
     _good(d)
     np.ones(4, np.float32).tofile(d / "z.bin")
     (d / "z.json").write_text("{dtype: float32")
-    _fails(store, d, "z.json", "not valid JSON")
+    _fails(store, d, "z.json", "invalid JSON")
     (d / "z.json").write_text(json.dumps({"dtype": "float13", "shape": [4]}))
     _fails(store, d, "z.json", "unknown dtype 'float13'")
 

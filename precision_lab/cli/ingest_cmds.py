@@ -22,12 +22,17 @@ EXIT_TRIPPED = 1
 
 
 def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
+    from ..config import ConfigError, load_config
     from ..services.ingest import IngestError, ingest
 
+    try:  # the limits on what a dump may expand to come from the settings (`precision-lab config`)
+        cfg = load_config()
+    except ConfigError as e:
+        _fail(str(e))
     progress = tty_progress()
     try:
         name = ingest(paths, reference=reference, session=session, store=store, progress=progress,
-                      keep_tensors=keep_tensors)
+                      keep_tensors=keep_tensors, zip_limits=cfg.zip_limits(), read_limits=cfg.read_limits())
     except IngestError as e:
         end_progress(progress)
         _fail(str(e))

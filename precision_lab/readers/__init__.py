@@ -143,9 +143,12 @@ def dominant_dtype(counts: dict[str, int]) -> str:
     return max(pool, key=pool.get) if pool else ""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def first_line(e: BaseException) -> str:
-    """An exception's message, first line only (library messages can run on)."""
-    s = str(e).strip()
+    """An exception's message, first line only (library messages can run on), without terminal colours."""
+    s = _ANSI.sub("", str(e)).strip()
     return s.splitlines()[0] if s else type(e).__name__
 
 

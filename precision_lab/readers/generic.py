@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tokenize
+import stat
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -44,6 +44,8 @@ import numpy as np
 from ..records import TensorRecord, split_tensor_name
 from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
+from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
+                     open_regular, reading, read_json, relname)
 
 __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
 
@@ -62,6 +64,7 @@ class Scan:
     sidecars: dict[Path, Path]  # .bin -> its JSON sidecar
     order_file: Optional[Path]
     other: list[Path]  # files we do not read
+    special: list[Path] = dataclasses.field(default_factory=list)  # links, pipes, devices: refused
 
 
 def _hidden(name: str) -> bool:
@@ -69,14 +72,25 @@ def _hidden(name: str) -> bool:
 
 
 def scan(root: Path) -> Scan:
-    """Classify every file under ``root`` (hidden files and folders ignored)."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted((d for d in dirnames if not _hidden(d)), key=natural_key)
+    """Classify every entry under ``root`` (hidden files and folders ignored).
+
+    Only regular files are read; symbolic links (to files or folders) and
+    pipes, devices or sockets are collected in ``special`` and refused by
+    the reader, never followed or opened.
+    """
+    files, special = [], []
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk lists linked folders but does not enter them
+        kept = []
+        for d in dirnames:
+            if not _hidden(d):
+                (special if os.path.islink(os.path.join(dirpath, d)) else kept).append(Path(dirpath) / d)
+        dirnames[:] = sorted((p.name for p in kept), key=natural_key)
         for fn in filenames:
             if not _hidden(fn):
-                files.append(Path(dirpath) / fn)
+                p = Path(dirpath) / fn
+                (files if stat.S_ISREG(os.lstat(p).st_mode) else special).append(p)
     files.sort(key=lambda p: natural_key(str(p.relative_to(root))))
+    special.sort(key=lambda p: natural_key(str(p.relative_to(root))))
     data = [p for p in files if p.suffix.lower() in SUFFIXES]
     sidecars = {}
     names = set(files)
@@ -89,7 +103,7 @@ def scan(root: Path) -> Scan:
     order_file = next((root / n for n in ORDER_FILES if (root / n) in names), None)
     used = set(data) | set(sidecars.values()) | ({order_file} if order_file else set())
     other = [p for p in files if p not in used]
-    return Scan(data, sidecars, order_file, other)
+    return Scan(data, sidecars, order_file, other, special)
 
 
 def op_type_of(op: str) -> str:
@@ -120,55 +134,52 @@ def _record_fields(name: str) -> dict:
 # ``want`` restricts a container to one key (re-reading one tensor later)
 
 def _load_npy(path: Path, rel: str, want=None):
-    with open(path, "rb") as f:
-        magic = f.read(len(_NPY_MAGIC))
-    if magic != _NPY_MAGIC:
-        raise ReadError(f"{rel}: not a .npy file (bad magic bytes)")
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        msg = str(e)
-        if "Python objects" in msg or "pickle" in msg:
-            raise ReadError(f"{rel}: refused: the array holds Python objects (pickled data)") from None
-        if "mmap length" in msg:
-            raise ReadError(f"{rel}: truncated: the header promises more data than the file holds") from None
-        raise ReadError(f"{rel}: corrupt .npy header ({first_line(e)})") from None
-    except (OSError, EOFError, SyntaxError, tokenize.TokenError) as e:  # TokenError: a mangled header dict
-        raise ReadError(f"{rel}: corrupt .npy file ({first_line(e)})") from None
-    # bytes past the data mean the header's shape is not the data's (mmap would silently ignore them)
-    extra = path.stat().st_size - getattr(arr, "offset", 0) - arr.nbytes
-    if isinstance(arr, np.memmap) and extra > 0:
-        raise ReadError(f"{rel}: the header says shape {list(arr.shape)} of {arr.dtype} ({arr.nbytes} bytes) but "
-                        f"the file holds {arr.nbytes + extra} bytes of data")
+    with open_regular(path, rel) as f:
+        head = f.read(len(_NPY_MAGIC))
+        if head != _NPY_MAGIC:
+            raise ReadError(f"{rel}: not a .npy file (bad magic bytes)")
+        f.seek(0)
+        shape, fortran, dtype, offset = npy_header(f, rel)
+        size = os.fstat(f.fileno()).st_size
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
+    if size - offset < nbytes:
+        raise ReadError(f"{rel}: truncated: the header promises more data than the file holds")
+    if size - offset > nbytes:
+        # bytes past the data mean the header's shape is not the data's
+        raise ReadError(f"{rel}: the header says shape {list(shape)} of {dtype} ({nbytes} bytes) but "
+                        f"the file holds {size - offset} bytes of data")
+    if nbytes == 0:
+        return [("", np.zeros(shape, dtype=dtype))]
+    with reading(rel):
+        arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
     return [("", arr)]
 
 
 def _load_npz(path: Path, rel: str, want=None):
     import zipfile
-    import zlib
 
-    from ..safezip import UnsafeZip, ZipLimits, check_zip
-
-    # an .npz is a zip: refuse bombs before numpy inflates a member into memory;
-    # no ratio limit, since arrays of zeros legitimately compress a thousandfold
-    try:
-        check_zip(path, ZipLimits(max_ratio=float("inf")))
-    except UnsafeZip as e:
-        detail = str(e).split(": ", 1)[-1]
-        raise ReadError(f"{rel}: not a readable .npz archive: {detail}") from None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            for k in sorted(z.files, key=natural_key):
-                key = k[:-4] if k.endswith(".npy") else k
-                if want is None or key == want:
-                    yield key, z[k]
-    except ValueError as e:
-        msg = str(e)
-        if "pickle" in msg or "Python objects" in msg:
-            raise ReadError(f"{rel}: refused: an array holds Python objects (pickled data)") from None
-        raise ReadError(f"{rel}: corrupt .npz member ({first_line(e)})") from None
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, KeyError) as e:
-        raise ReadError(f"{rel}: not a readable .npz archive ({first_line(e)})") from None
+    # an .npz is a zip: sizes, ratios and CRCs are checked before numpy inflates a member
+    infos = check_member_zip(path, rel, kind=".npz")
+    members = sorted((i for i in infos if not i.is_dir()), key=lambda i: natural_key(i.filename))
+    with zipfile.ZipFile(path) as z:
+        for info in members:
+            k = info.filename
+            key = k[:-4] if k.endswith(".npy") else k
+            if want is not None and key != want:
+                continue
+            where = f"{rel}: member {k!r}"
+            with z.open(info) as fp:
+                if fp.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
+                    raise ReadError(f"{where} is not a .npy array")
+            with z.open(info) as fp:
+                shape, _fortran, dtype, offset = npy_header(fp, where)
+            numel = int(np.prod(shape, dtype=object)) if shape else 1
+            if info.file_size - offset != numel * dtype.itemsize:
+                raise ReadError(f"{where}: the header says shape {list(shape)} of {dtype} ({numel * dtype.itemsize} "
+                                f"bytes) but the member holds {info.file_size - offset} bytes of data")
+            with reading(where), z.open(info) as fp:
+                arr = np.lib.format.read_array(fp, allow_pickle=False, max_header_size=NPY_MAX_HEADER)
+            yield key, arr
 
 
 def _flatten_obj(obj, prefix: str = ""):
@@ -189,20 +200,79 @@ def _load_pt(path: Path, rel: str, want=None):
     out = list(_flatten_obj(obj))
     if not out:
         raise ReadError(f"{rel}: holds a {type(obj).__name__} with no tensors in it")
+    cap = limits().max_file_records
+    if len(out) > cap:
+        raise ReadError(f"{rel}: holds {len(out)} tensors, more than the limit of {cap} per file (max_file_records)")
     if want is not None:
         return [kv for kv in out if kv[0] == want]
     return sorted(out, key=lambda kv: natural_key(kv[0]))
 
 
+_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+              "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
+_ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own bound
+
+
+def safetensors_header(path: Path, rel: str) -> dict:
+    """The checked header of a ``.safetensors`` file: ``{name: {"dtype", "shape", "data_offsets"}}``.
+
+    Declared before any data: the header length and tensor count against the
+    limits, each tensor's size against ``max_tensor_mb`` and its byte range
+    against the file.
+    """
+    with open_regular(path, rel) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ReadError(f"{rel}: not a .safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(raw, "little")
+        if n > min(size - 8, _ST_MAX_HEADER, limits().max_json_bytes):
+            raise ReadError(f"{rel}: not a readable .safetensors file (header length {n} is larger than the file "
+                            "or the format allows)")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReadError(f"{rel}: not a readable .safetensors file (header is not JSON: {first_line(e)})") from None
+    except RecursionError:
+        raise ReadError(f"{rel}: not a readable .safetensors file (header nested too deeply)") from None
+    if not isinstance(header, dict):
+        raise ReadError(f"{rel}: not a readable .safetensors file (header is not an object)")
+    header.pop("__metadata__", None)
+    cap = limits().max_file_records
+    if len(header) > cap:
+        raise ReadError(f"{rel}: holds {len(header)} tensors, more than the limit of {cap} per file "
+                        "(max_file_records)")
+    data_len = size - 8 - n
+    for name, info in header.items():
+        where = f"{rel}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise ReadError(f"{where} has no dtype/shape/data_offsets")
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dt not in _ST_DTYPES:
+            raise ReadError(f"{where} has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise ReadError(f"{where}: shape {shape!r} is not a list of non-negative sizes")
+        numel = check_numel(shape, _ST_DTYPES[dt], where)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                                    for o in offs)
+                or not 0 <= offs[0] <= offs[1] <= data_len or offs[1] - offs[0] != numel * _ST_DTYPES[dt]):
+            raise ReadError(f"{rel}: not a readable .safetensors file (tensor {name!r}: data_offsets {offs!r} "
+                          "do not match its shape or lie outside the file)")
+    return header
+
+
 def _load_safetensors(path: Path, rel: str, want=None):
     from safetensors import SafetensorError, safe_open
 
+    header = safetensors_header(path, rel)
     try:
         with safe_open(str(path), framework="pt") as f:
-            for k in sorted(f.keys(), key=natural_key):
+            for k in sorted(header, key=natural_key):
                 if want is None or k == want:
                     yield k, f.get_tensor(k)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
         raise ReadError(f"{rel}: not a readable .safetensors file ({first_line(e)})") from None
 
 
@@ -220,11 +290,8 @@ def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=No
     if sidecar is None:
         raise ReadError(f"{rel}: raw .bin file without a JSON sidecar: add {path.stem}.json with "
                         "{\"dtype\": ..., \"shape\": [...]} to say how to read it")
-    srel = str(sidecar.relative_to(root))
-    try:
-        meta = json.loads(sidecar.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReadError(f"{srel}: sidecar of {rel} is not valid JSON ({first_line(e)})") from None
+    srel = relname(root, sidecar)
+    meta = read_json(sidecar, srel, root, what=f"sidecar of {rel}")
     if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
         raise ReadError(f"{srel}: sidecar of {rel} needs \"dtype\" and \"shape\"")
     shape = meta["shape"]
@@ -238,11 +305,11 @@ def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=No
     if dt.itemsize > 1:
         dt = dt.newbyteorder("<" if order == "little" else ">")
     offset = meta.get("offset", 0)
-    if not isinstance(offset, int) or offset < 0:
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise ReadError(f"{srel}: offset must be a non-negative integer")
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = check_numel(shape, dt.itemsize, srel)
     expected = offset + numel * dt.itemsize
-    actual = path.stat().st_size
+    actual = check_regular(path, rel).st_size
     if actual != expected:
         raise ReadError(
             f"{rel}: sidecar {srel} says shape {shape} of {dt.name} ({numel * dt.itemsize} bytes"
@@ -250,6 +317,8 @@ def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=No
         )
     if numel == 0:
         return [("", np.zeros(shape, dtype=dt))]
+    with open_regular(path, rel, root):
+        pass
     arr = np.memmap(path, dtype=dt, mode="r", offset=offset, shape=tuple(shape))
     return [("", arr)]
 
@@ -281,8 +350,12 @@ class GenericReader:
                         records=iter(()), order="execution" if order is not None else "name", order_note=note,
                         loader=lambda source: self._reload(root, sc, source))
         src.warnings.extend(warnings)
+        if sc.special:
+            rel = relname(root, sc.special[0])
+            kind = "a symbolic link" if os.path.islink(sc.special[0]) else "not a regular file (a pipe, device or socket)"
+            raise ReadError(f"{rel}: is {kind}; dumps are read without following links or opening special files")
         for p in sc.other:
-            rel = str(p.relative_to(root))
+            rel = relname(root, p)
             if p.suffix.lower() == ".json":
                 why = "JSON file that is neither a .bin sidecar nor an order file"
             else:
@@ -295,18 +368,19 @@ class GenericReader:
     def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, list]:
         if sc.order_file is None:
             return None, "by name: the folder has no manifest.json, order.json or order.txt", []
-        rel = str(sc.order_file.relative_to(root))
-        try:
-            text = sc.order_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
+        rel = relname(root, sc.order_file)
         if sc.order_file.suffix == ".txt":
+            with open_regular(sc.order_file, rel, root) as f:
+                raw = f.read(limits().max_json_bytes + 1)
+            if len(raw) > limits().max_json_bytes:
+                raise ReadError(f"{rel}: larger than the limit of {limits().max_json_bytes} bytes (max_json_mb)")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
             names = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
         else:
-            try:
-                doc = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ReadError(f"{rel}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
+            doc = read_json(sc.order_file, rel, root, what="order file")
             names = doc.get("order") if isinstance(doc, dict) else doc
             if names is None:
                 return None, f"by name: {rel} has no \"order\" list", [
@@ -340,7 +414,19 @@ class GenericReader:
         return ".".join(parts), step, rank
 
     def _load(self, root: Path, sc: Scan, p: Path, want=None):
-        rel = str(p.relative_to(root))
+        """``(key, tensor)`` pairs of data file ``p``; any failure is a ReadError naming the file."""
+        rel = relname(root, p)
+        it = iter(self._open(root, sc, p, rel, want))
+        while True:
+            with reading(rel):
+                try:
+                    kv = next(it)
+                except StopIteration:
+                    return
+            yield kv
+
+    def _open(self, root: Path, sc: Scan, p: Path, rel: str, want=None):
+        check_regular(p, rel)
         suf = p.suffix.lower()
         if suf == ".npy":
             return _load_npy(p, rel, want)
@@ -354,7 +440,7 @@ class GenericReader:
 
     def _reload(self, root: Path, sc: Scan, source: str):
         rel, _, key = source.partition("#")
-        for _k, t in self._load(root, sc, root / rel, want=key):
+        for _k, t in self._load(root, sc, contained(root, root, rel, what="tensor file", where=rel), want=key):
             return _native(t)
         return None
 
@@ -367,7 +453,7 @@ class GenericReader:
         n_order = len(order) if order is not None else 0
         emitted = 0
         for p in sc.data:
-            rel = str(p.relative_to(root))
+            rel = relname(root, p)
             prefix, step, rank = self._prefix(root, p)
             for key, t in self._load(root, sc, p):
                 t = _native(t)
@@ -396,10 +482,10 @@ class GenericReader:
                 yield TensorRecord(run_id="", seq=seq, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
                                    source=rel if key == "" else f"{rel}#{key}", tensor=t)
-            tick(p.stat().st_size, rel)
+            tick(os.lstat(p).st_size, rel)
         if unlisted:
             shown = ", ".join(unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
-            src.warnings.append((str(sc.order_file.relative_to(root)),
+            src.warnings.append((relname(root, sc.order_file),
                                  f"{len(unlisted)} tensor(s) not listed in the order file were placed after the "
                                  f"listed ones, by name: {shown}"))
 

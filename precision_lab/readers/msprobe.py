@@ -32,13 +32,14 @@ a warning; an unreadable one fails the read.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ..records import TensorRecord
 from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
+from .safeio import check_regular, check_tensor, contained, limits, plain_error, reading, read_json, relname
 
 __all__ = ["MsprobeReader", "parse_op", "dump_files"]
 
@@ -68,7 +69,7 @@ def dump_files(root: Path) -> list[tuple[int, str, Path]]:
     found = []
     for pattern in ("dump.json", "*/dump.json", "*/*/dump.json"):
         for p in root.glob(pattern):
-            if p.is_file():
+            if p.is_file() and not p.is_symlink() and not p.parent.is_symlink():
                 step = 0
                 for part in p.relative_to(root).parts[:-1]:
                     m = STEP_RE.match(part)
@@ -111,7 +112,10 @@ def _num(v) -> Optional[float]:
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, (int, float)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # an integer beyond any float: not a statistic we can hold
+            return None
     return None
 
 
@@ -156,6 +160,20 @@ def _slots(key: str, entry: dict, direction: str) -> Iterator[tuple[str, str, di
             yield "param", (pname if idx == "0" else f"{pname}.{idx}"), d
 
 
+def _shape(d: dict, where: str) -> tuple:
+    """The entry's shape, checked: non-negative sizes whose product a tensor can hold."""
+    shape = d.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise ReadError(f"{where}: shape {shape!r} is not a list of sizes")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel > (1 << 63) - 1:
+        raise ReadError(f"{where}: shape {list(shape)} has more elements than any tensor can hold")
+    return tuple(shape)
+
+
 def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
     """Summary-only stats of tensor ``entry`` of dump file ``rel``.
 
@@ -165,9 +183,7 @@ def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
     where = f"{rel}: {entry}"
     from ..stats import TensorStats
 
-    shape = d.get("shape")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise ReadError(f"{where}: shape {shape!r} is not a list of sizes")
+    shape = _shape(d, where)
     values = {}
     for key in ("Min", "Max", "Mean", "Norm"):
         raw = d.get(key)
@@ -181,16 +197,13 @@ def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
 
 
 def _parse(root: Path, path: Path) -> dict:
-    rel = str(path.relative_to(root))
-    try:
-        with open(path, "rb") as f:
-            doc = json.load(f)  # accepts msprobe's bare NaN / Infinity tokens
-    except json.JSONDecodeError as e:
-        raise ReadError(f"{rel}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
+    rel = relname(root, path)
+    doc = read_json(path, rel, root, what="dump.json")  # accepts msprobe's bare NaN / Infinity tokens
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
         raise ReadError(f"{rel}: not an msprobe dump (no \"data\" object at the top level)")
+    n, cap = len(doc["data"]), limits().max_file_records
+    if n > cap:
+        raise ReadError(f"{rel}: {n} entries, more than the limit of {cap} per file (max_file_records)")
     return doc
 
 
@@ -205,22 +218,53 @@ def _doc_dtype(doc: dict) -> str:
     return dominant_dtype(counts)
 
 
-def load_pt(path: Path, rel: str):
-    """A tensor from a ``.pt`` file, never unpickling anything but tensors."""
+def load_pt(path: Path, rel: str, root: Optional[Path] = None):
+    """What a ``.pt`` file holds, never unpickling anything but tensors and plain containers.
+
+    The file must be a regular file inside the dump whose zip passes
+    ``check_member_zip`` (declared sizes, ratios, CRCs); every tensor in it
+    must pass ``check_tensor``.  Legacy (non-zip) ``.pt`` files are refused:
+    they carry no sizes to check before unpickling.
+    """
     import pickle
 
     import torch
 
+    from .safeio import check_member_zip
+
+    check_regular(path, rel)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":
+        raise ReadError(f"{rel}: not a torch file saved by torch.save (zip format); refusing to read it")
+    check_member_zip(path, rel, kind=".pt", root=root, loaded_whole=True)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except pickle.UnpicklingError as e:
         raise ReadError(f"{rel}: refused: the file holds Python objects that safe loading "
                         f"(weights_only=True) does not allow, possibly code ({first_line(e)})") from None
-    except FileNotFoundError:
-        raise ReadError(f"{rel}: file not found") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+    except (RecursionError, MemoryError, OverflowError) as e:
+        raise ReadError(f"{rel}: {plain_error(e)}") from None
+    except Exception as e:  # torch raises many types for a damaged archive; all mean the same to a user
         raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first_line(e)})") from None
+    _check_loaded(obj, rel)
     return obj
+
+
+def _check_loaded(obj, rel: str, depth: int = 0) -> None:
+    """Every tensor in what ``torch.load`` returned is within the limits; containers are shallow."""
+    import torch
+
+    if depth > 64:
+        raise ReadError(f"{rel}: containers nested more than 64 deep; refusing to read them")
+    if isinstance(obj, torch.Tensor):
+        check_tensor(obj, rel)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _check_loaded(v, rel, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_loaded(v, rel, depth + 1)
 
 
 class MsprobeReader:
@@ -248,7 +292,7 @@ class MsprobeReader:
     def _load(self, root: Path, source: str):
         if not source.endswith(".pt"):
             return None
-        return load_pt(root / source, source)
+        return load_pt(contained(root, root, source, what="tensor file", where=source), source, root)
 
     def _records(self, root: Path, files, ranks, src: RunSource, tick: Tick, first: dict) -> Iterator[TensorRecord]:
         import torch
@@ -256,23 +300,25 @@ class MsprobeReader:
         from ..stats import tensor_stats
 
         for i, (step, _rdir, path) in enumerate(files):
-            rel = str(path.relative_to(root))
+            rel = relname(root, path)
             rank = ranks[path]
             doc = first if i == 0 else _parse(root, path)
             data_dir = path.parent / "dump_tensor_data"
-            tick(path.stat().st_size, rel)
+            tick(os.lstat(path).st_size, rel)
             for seq, (key, entry) in enumerate(doc["data"].items()):
                 if not isinstance(entry, dict):
                     raise ReadError(f"{rel}: entry {key!r} is not an object")
                 op_type, direction = parse_op(key)
-                for role, index, d in _slots(key, entry, direction):
+                with reading(f"{rel}: entry {key!r}"):
+                    slots = list(_slots(key, entry, direction))
+                for role, index, d in slots:
                     tensor, stats, source = None, None, rel
                     data_name = d.get("data_name")
                     if data_name:
-                        tpath = data_dir / str(data_name)
-                        trel = str(tpath.relative_to(root))
-                        if tpath.is_file():
-                            tensor = load_pt(tpath, trel)
+                        tpath = contained(root, data_dir, data_name, what=f"data_name of {key}", where=rel)
+                        trel = relname(root, tpath)
+                        if os.path.lexists(tpath):
+                            tensor = load_pt(tpath, trel, root)
                             if not isinstance(tensor, torch.Tensor):
                                 raise ReadError(f"{trel}: holds a {type(tensor).__name__}, expected one tensor")
                             shape = d.get("shape")
@@ -285,7 +331,7 @@ class MsprobeReader:
                                 raise ReadError(f"{trel}: cannot compute statistics of a {tensor.dtype} tensor "
                                                 f"({e})") from None
                             source = trel
-                            tick(tpath.stat().st_size, trel)
+                            tick(os.lstat(tpath).st_size, trel)
                         else:
                             src.warnings.append((trel, f"file named by {key} is missing; used the statistics "
                                                        "recorded in dump.json instead"))

@@ -13,10 +13,12 @@ through ``local_comparisons`` and are kept as ``kind="local"`` comparisons.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator
 
 from . import ReadError, RunSource, Tick
+from .safeio import open_regular
 
 __all__ = ["NativeReader", "FORMAT_NAME"]
 
@@ -25,13 +27,15 @@ FORMAT_NAME = "precision-lab-shards"
 
 def _manifest(root: Path):
     p = root / "manifest.json"
-    if not p.is_file():
+    if not p.is_file() or p.is_symlink():
         return None
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        with open_regular(p, "manifest.json", root) as f:
+            head = f.read(1 << 16)
+    except ReadError:
         return None
-    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME else None
+    # recognised by its format tag near the top; the whole file is parsed (within limits) by the reader
+    return {} if FORMAT_NAME.encode() in head else None
 
 
 class NativeReader:
@@ -42,18 +46,17 @@ class NativeReader:
         return root.is_dir() and _manifest(root) is not None
 
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
-        try:
-            from ..shards import read_shards
-        except ImportError as e:
-            raise ReadError(f"{root / 'manifest.json'}: precision-lab shard folder, but the shard reader is not "
-                            f"available in this installation ({e})") from None
+        from ..shards import ShardError, read_shards
+
         try:
             stream = iter(read_shards(root))
             pending = next(stream, None)
         except ReadError:
             raise
+        except ShardError as e:
+            raise ReadError(str(e)) from None
         except (ValueError, OSError, KeyError) as e:
-            raise ReadError(f"{root}: cannot read the shards ({e})") from None
+            raise ReadError(f"manifest.json: cannot read the shards ({e})") from None
         ticked = set()
 
         while pending is not None:
@@ -67,13 +70,15 @@ class NativeReader:
                     src_file = rec.source or ""
                     if src_file and src_file not in ticked:
                         ticked.add(src_file)
-                        p = Path(src_file) if Path(src_file).is_absolute() else root / src_file
-                        tick(p.stat().st_size if p.is_file() else 0, src_file)
+                        p = root / src_file
+                        tick(os.lstat(p).st_size if os.path.lexists(p) else 0, src_file)
                     yield rec
                     try:
                         pending = next(stream, None)
+                    except ShardError as e:
+                        raise ReadError(str(e)) from None
                     except (ValueError, OSError, KeyError) as e:
-                        raise ReadError(f"{root}: cannot read the shards ({e})") from None
+                        raise ReadError(f"manifest.json: cannot read the shards ({e})") from None
 
             policy = meta.get("policy")
             order = meta.get("order") or "execution"
@@ -94,12 +99,12 @@ class NativeReader:
 
     def local_comparisons(self, root: Path):
         """``(run key, output record, Comparison)`` of each op's output against its own fp32 re-run."""
-        try:
-            from ..shards import read_local_comparisons
-        except ImportError:
-            return
+        from ..shards import ShardError, read_local_comparisons
+
         try:
             for meta, rec, cmp in read_local_comparisons(root):
                 yield str(meta.get("run_id") or meta.get("name") or "run"), rec, cmp
+        except ShardError as e:
+            raise ReadError(str(e)) from None
         except (ValueError, OSError, KeyError) as e:
-            raise ReadError(f"{root}: cannot read the shards' local comparisons ({e})") from None
+            raise ReadError(f"manifest.json: cannot read the shards' local comparisons ({e})") from None

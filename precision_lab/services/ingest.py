@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..readers import READERS, ReadError, RunSource, detect, dominant_dtype
+from ..readers.safeio import ReadLimits, limits_in_force, plain_error
 from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from .pairing import Item, compare_pair, compare_runs, exact_key
@@ -149,6 +150,7 @@ class _Source:
     root: Path  # folder to read
     reader: Any
     role: str  # reference | candidate
+    label: str = ""  # how messages and the run's source name it
 
 
 def ingest(
@@ -161,6 +163,8 @@ def ingest(
     keep_tensors: bool = False,
     zip_limits: ZipLimits = ZipLimits(),
     cache_bytes: int = DEFAULT_CACHE_BYTES,
+    read_limits: Optional[ReadLimits] = None,
+    labels: Optional[dict] = None,
 ) -> str:
     """Read dump folders/zips into one new session; returns the session's name.
 
@@ -169,8 +173,19 @@ def ingest(
     holds both a reference and a candidate run is paired by itself).
     ``progress(done, total, label)`` is called as files are read (bytes) and
     then as the remaining pairs are compared (pairs); ``label`` says which.
-    Raises ``IngestError`` naming the file and the problem.
+    ``read_limits`` bound what any one dump file may make the reader hold
+    (``precision_lab.readers.safeio``; default: its defaults).  ``labels``
+    maps a given path to the name shown for it in messages and stored as the
+    run's source (an upload's own name instead of the server folder it was
+    written to).  Raises ``IngestError`` naming the file and the problem;
+    whatever goes wrong while a file is read, the database is unchanged.
     """
+    with limits_in_force(read_limits):
+        return _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits, cache_bytes,
+                       {str(Path(k)): str(v) for k, v in (labels or {}).items()})
+
+
+def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits, cache_bytes, labels) -> str:
     cand_paths = [Path(p) for p in _as_list(paths)]
     ref_paths = [Path(p) for p in _as_list(reference)]
     if not cand_paths:
@@ -181,7 +196,7 @@ def ingest(
         sources: list[_Source] = []
         for role, group in (("reference", ref_paths), ("candidate", cand_paths)):
             for p in group:
-                sources.append(_open_source(p, role, stack, zip_limits))
+                sources.append(_open_source(p, role, stack, zip_limits, labels.get(str(p), str(p))))
         total = sum(_folder_bytes(s.root) for s in sources) or 1
         done = 0
 
@@ -192,9 +207,17 @@ def ingest(
             tick_cb(done, total, label)
 
         name = session or _session_name(sources)
-        source_text = "; ".join(f"{s.role}: {s.path}" for s in sources)
+        source_text = "; ".join(f"{s.role}: {s.label}" for s in sources)
         with store.new_session(name, source=source_text) as w:
-            notes = _Ingestion(w, sources, tick, keep_tensors, cache_bytes, progress).run()
+            try:
+                notes = _Ingestion(w, sources, tick, keep_tensors, cache_bytes, progress).run()
+            except ReadError as e:  # re-reading a tensor to compare it
+                raise IngestError(str(e)) from None
+            except (IngestError, KeyboardInterrupt, SystemExit):
+                raise
+            except (RecursionError, MemoryError, OverflowError) as e:
+                shown = ", ".join(s.label for s in sources)
+                raise IngestError(f"{shown}: {plain_error(e)}") from None
             w.set_notes(notes)
             name = w.name
         try:
@@ -207,32 +230,37 @@ def ingest(
         return name
 
 
-def _open_source(p: Path, role: str, stack: contextlib.ExitStack, limits: ZipLimits) -> _Source:
+def _open_source(p: Path, role: str, stack: contextlib.ExitStack, limits: ZipLimits, label: str) -> _Source:
     if not p.exists():
-        raise IngestError(f"{p}: no such file or folder")
+        raise IngestError(f"{label}: no such file or folder")
     if p.is_file():
         if p.suffix.lower() != ".zip":
-            raise IngestError(f"{p}: a single file; give the folder that holds the dump, or a .zip of it")
+            raise IngestError(f"{label}: a single file; give the folder that holds the dump, or a .zip of it")
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="precision-lab-"))
         try:
             # the folder takes the archive's name: it names the run
             root = safe_extract(p, Path(tmp) / (p.stem or "dump"), limits)
         except UnsafeZip as e:
-            raise IngestError(str(e)) from None
+            raise IngestError(str(e).replace(str(p), label, 1)) from None
+        except OSError as e:
+            raise IngestError(f"{label}: cannot be extracted ({e.strerror or e})") from None
         root = _descend(root)
     elif p.is_dir():
         root = p
     else:
-        raise IngestError(f"{p}: neither a folder nor a .zip file")
-    reader = detect(root)
+        raise IngestError(f"{label}: neither a folder nor a .zip file")
+    try:
+        reader = detect(root)
+    except (ReadError, OSError, ValueError, RecursionError) as e:
+        raise IngestError(f"{label}: cannot be read ({plain_error(e)})") from None
     if reader is None:
-        raise IngestError(_unrecognised(root, str(p)))
-    return _Source(p, root, reader, role)
+        raise IngestError(_unrecognised(root, label))
+    return _Source(p, root, reader, role, label)
 
 
 def _session_name(sources: list[_Source]) -> str:
     def stem(s: _Source) -> str:
-        n = s.path.name
+        n = Path(s.label).name or s.path.name
         return n[:-4] if n.lower().endswith(".zip") else n
 
     cands = [stem(s) for s in sources if s.role == "candidate"]
@@ -277,7 +305,14 @@ class _Ingestion:
                     self._local(si, s.reader.local_comparisons(s.root))
             except ReadError as e:
                 where = "archive" if s.path.is_file() else "dump"
-                raise IngestError(f"{e} (in {where} {s.path})") from None
+                raise IngestError(f"{e} (in {where} {s.label})") from None
+            except IngestError:
+                raise
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - the boundary: a reader's bug or an exotic file
+                where = "archive" if s.path.is_file() else "dump"
+                raise IngestError(f"{s.label}: the {where} cannot be read: {plain_error(e)}") from None
         self.tick(None, "read")
         for (si, _key), r in self.runs.items():
             if not r.src.dtype:
@@ -299,7 +334,7 @@ class _Ingestion:
         return {
             "ingest": {
                 "runs": {r.name: {"run_id": r.run_id, "kind": r.kind, "reader": r.src.reader,
-                                      "source": str(r.source.path), "records": len(r.items),
+                                      "source": r.source.label, "records": len(r.items),
                                       "order": r.src.order, "order_from": r.src.order_note}
                          for r in self.order},
                 "pairs": [{"reference": a.name, "candidate": b.name} for a, b in pairs],
@@ -314,7 +349,7 @@ class _Ingestion:
             kind = "reference" if s.role == "reference" else (src.kind or "candidate")
             name = self._run_name(src.name)
             run_id = self.w.add_run(name=name, dtype=src.dtype or "", kind=kind, parent_run_id=None, fix=src.fix,
-                                    policy=src.policy, source=str(s.path), order=src.order)
+                                    policy=src.policy, source=s.label, order=src.order)
             run = _Run(run_id, name, src, s, kind)
             self.runs[key] = run
             self.order.append(run)
