@@ -2,16 +2,23 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from precision_lab.fixes.replay import REPLAY_OPS, ReplayError, canonical_op, replay, replay_op, replayable_ops
+from precision_lab.fixes.replay import (REPLAY_OPS, REPRODUCE_ULPS, ReplayError, canonical_op, replay, replay_op,
+                                        replayable_ops)
 
 FIXTURES = __import__("tests.conftest", fromlist=["FIXTURES"]).FIXTURES
 F16 = np.finfo(np.float16)
+
+
+def _fp16_ulp(x):
+    """fp16's spacing at each |x|, from numpy (subnormal spacing below the smallest normal)."""
+    return torch.from_numpy(np.spacing(np.abs(x.numpy()).astype(np.float16)).astype(np.float64))
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +124,10 @@ def test_replay_reproduces_dump_and_fp32_matches_float64(lab, op, kind):
     res = replay_op(store, kept, op)
     assert res.replay_as == kind and res.cand_format == "fp16"
     same = res.comparisons["candidate vs dumped"]
-    assert same.max_abs_err == 0 and same.nonfinite_introduced == 0 and res.reproduces_dump  # bit-exact
+    # the dump was recorded on another CPU: the same fp16 kernel may round a sum differently there
+    assert same.nonfinite_introduced == 0 and same.max_ulp_err <= REPRODUCE_ULPS and res.reproduces_dump
+    assert res.dump_match == ("bit-exact" if same.max_abs_err == 0 else f"within {math.ceil(same.max_ulp_err)} ulp"
+                              + ("s" if math.ceil(same.max_ulp_err) > 1 else ""))
     args, kwargs = _args_of(store, kept, op)
     if kind == "layer_norm":
         assert tuple(args[1]) == (32,) and args[4] == pytest.approx(1e-5)  # read from dump.json
@@ -142,7 +152,11 @@ def test_overflow_replayed_from_files_and_fixed(lab):
     op = "Functional.linear.0.forward"
     res = replay_op(store, files, op, fixes=f"keep-fp32:{op}")
     assert torch.isinf(res.outputs["dumped"]).any() and torch.isinf(res.outputs["candidate"]).any()
-    assert res.reproduces_dump and torch.equal(res.outputs["candidate"], res.outputs["dumped"])
+    cand, dumped = res.outputs["candidate"], res.outputs["dumped"]
+    assert res.reproduces_dump and torch.equal(torch.isinf(cand), torch.isinf(dumped))
+    fin = torch.isfinite(dumped)
+    ulp = _fp16_ulp(dumped[fin].double())  # independent: spacing of fp16 at each dumped value
+    assert ((cand[fin].double() - dumped[fin].double()).abs() <= REPRODUCE_ULPS * ulp).all()
     assert torch.isfinite(res.outputs["fixed"]).all() and res.fixed_is_finite
     args, _ = _args_of(store, files, op)
     expect = _np_reference("linear", args)
@@ -204,7 +218,8 @@ def test_cli_replay(lab):
     res = runner.invoke(app, ["replay", "--session", files, "--op", "Functional.linear.0.forward", "--fix",
                               "keep-fp32:Functional.linear.0.forward", "--db", str(path)])
     assert res.exit_code == 0, res.output
-    assert "replay reproduces the dumped output exactly" in res.output and "fixed" in res.output
+    assert re.search(r"replay reproduces the dumped output (bit-exact|within \d ulps?)\n", res.output), res.output
+    assert "fixed" in res.output
     res = runner.invoke(app, ["replay", "--session", files, "--op", "Functional.linear.0.forward", "--fix",
                               "stable-softmax", "--db", str(path)])
     assert res.exit_code == 1  # that fix does not remove the overflow

@@ -166,7 +166,7 @@ def replay_cmd(
                    f"{sq:>15}{r['verdict_vs_fp32'] or '-':>11}")
     c = res.comparisons.get("candidate vs dumped")
     if res.reproduces_dump:
-        typer.echo("  replay reproduces the dumped output exactly")
+        typer.echo(f"  replay reproduces the dumped output {res.dump_match}")
     elif c is not None:
         typer.echo(f"  replay differs from the dumped output: max abs difference {fmt_num(c.max_abs_err)}, "
                    f"{c.nonfinite_introduced} non-finite where the dump is finite")

@@ -28,6 +28,7 @@ run's policy, so scale fixes apply.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -35,6 +36,10 @@ from typing import Any, Callable, Optional
 from ..formats import FORMATS, format_for_dtype
 from .catalogue import apply_fixes, fix_label
 from .policy import PrecisionPolicy, module_matches
+
+# A replay "reproduces" a dumped output within this many units in the last place: the same fp16 kernel
+# on another CPU (other vector width, fused multiply-add) may round an accumulation differently.
+REPRODUCE_ULPS = 2.0
 
 __all__ = ["ReplayError", "ReplayResult", "replay_op", "replay", "REPLAY_OPS", "replayable_ops", "canonical_op"]
 
@@ -221,15 +226,39 @@ class ReplayResult:
         return out
 
     @property
-    def reproduces_dump(self) -> Optional[bool]:
-        """Whether the candidate replay equals the dumped output bit for bit (NaN where NaN); None without a dump."""
+    def dump_ulps(self) -> Optional[float]:
+        """How far the candidate replay is from the dumped output, in units in the last place of the
+        candidate format: 0 when bit for bit equal (NaN where NaN), inf when shapes, dtypes or the
+        places of NaN/inf differ; None without a dump."""
         a, b = self.outputs.get("candidate"), self.outputs.get("dumped")
         if a is None or b is None:
             return None
         torch = _torch()
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            return False
-        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+            return math.inf
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        if bool(same.all()):
+            return 0.0
+        if not bool(same[~(torch.isfinite(a) & torch.isfinite(b))].all()):
+            return math.inf
+        c = self.comparisons.get("candidate vs dumped")
+        u = c.max_ulp_err if c is not None else None
+        return math.inf if u is None or not math.isfinite(u) else float(u)
+
+    @property
+    def reproduces_dump(self) -> Optional[bool]:
+        """Whether the candidate replay reproduces the dumped output: bit for bit, or within
+        ``REPRODUCE_ULPS`` (the same kernel on another CPU may round a sum differently); None without a dump."""
+        u = self.dump_ulps
+        return None if u is None else u <= REPRODUCE_ULPS
+
+    @property
+    def dump_match(self) -> str:
+        """``"bit-exact"``, ``"within N ulps"``, or ``""`` when the replay does not reproduce the dump."""
+        u = self.dump_ulps
+        if u is None or u > REPRODUCE_ULPS:
+            return ""
+        return "bit-exact" if u == 0 else f"within {math.ceil(u)} ulp{'s' if math.ceil(u) > 1 else ''}"
 
     @property
     def fixed_is_finite(self) -> bool:
