@@ -350,6 +350,10 @@ def _store_columns(store, table: str) -> dict[str, str]:
     return {n: t for n, t in rows}
 
 
+_PARQUET_RATIO = 200  # what one exported table may expand to, relative to its stored size ...
+_PARQUET_FREE_BYTES = 64 << 20  # ... once past this many bytes
+
+
 def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_cols: dict):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -363,7 +367,17 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
         raise ShareError(f"{where}: {fname} does not match the checksum in {MANIFEST}; the file was changed "
                          "after export or the manifest lies")
     try:
-        t = pq.read_table(io.BytesIO(b))
+        pf = pq.ParquetFile(io.BytesIO(b))
+        inflated = sum(pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({e})") from None
+    # Parquet compresses inside the zip too: bound what it may expand to before reading it
+    budget = max(_PARQUET_RATIO * len(b), _PARQUET_FREE_BYTES)
+    if inflated > budget:
+        raise ShareError(f"{where}: {fname} declares {inflated} bytes of data in {len(b)} bytes, more than "
+                         f"{_PARQUET_RATIO}x; refusing it (compression bomb protection)")
+    try:
+        t = pf.read()
     except (pa.ArrowException, OSError, ValueError) as e:
         raise ShareError(f"{where}: {fname} is not a readable Parquet file ({e})") from None
     if t.num_rows != entry["rows"]:
