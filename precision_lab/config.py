@@ -99,9 +99,9 @@ class ServerConfig:
     zip_max_total_mb: int = 8192
     zip_max_ratio: float = 200.0
     max_path_depth: int = 32
-    max_tensor_mb: int = 1024
+    max_tensor_mb: int = 512
     max_file_records: int = 100_000
-    max_json_mb: int = 512
+    max_json_mb: int = 64
     work_dir: Optional[str] = None
     source: str = "defaults"  # where the settings came from, for messages
 

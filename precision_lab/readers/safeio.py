@@ -55,9 +55,9 @@ RATIO_FREE_BYTES = 64 << 10
 class ReadLimits:
     """Bounds on what one dump file may make a reader hold (defaults match ``precision_lab.config``)."""
 
-    max_tensor_bytes: int = 1024 * _MB
+    max_tensor_bytes: int = 512 * _MB
     max_file_records: int = 100_000
-    max_json_bytes: int = 512 * _MB
+    max_json_bytes: int = 64 * _MB
     max_ratio: float = 200.0
 
     @classmethod
