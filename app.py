@@ -7,9 +7,10 @@ library calls that need it, so the app starts fast.
 
 import streamlit as st
 
-from precision_lab.ui.page import PAGES, routed, show_error
+from precision_lab.ui.page import PAGES, routed, show_error, sweep_scratch
 
 st.set_page_config(page_title="Precision Lab", page_icon=":material/troubleshoot:", layout="wide")
+sweep_scratch()  # leftovers of ingests killed in an earlier server process; once per process
 
 pages = [
     st.Page(PAGES["sessions"], title="Sessions", icon=":material/folder_open:", url_path="sessions", default=True),

@@ -150,14 +150,15 @@ with c_zip:
     from precision_lab.share import export_bytes
 
     # callables run only when clicked (in their own thread, with their own cursor)
-    st.download_button("Export session (.zip)", data=lambda: export_bytes(store, info["name"]),
-                       file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
+    st.download_button("Export session (.zip)",
+                       data=page.while_allowed(lambda: export_bytes(store, info["name"])), file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
                        icon=":material/download:")
 with c_html:
     from precision_lab.html_report import render_html
 
-    st.download_button("HTML report", data=lambda: render_html(store, info["name"]), file_name=f"{_file}.html",
-                       mime="text/html", key="export_html", on_click="ignore", icon=":material/description:")
+    st.download_button("HTML report", data=page.while_allowed(lambda: render_html(store, info["name"], public=True)),
+                       file_name=f"{_file}.html", mime="text/html", key="export_html", on_click="ignore",
+                       icon=":material/description:")
 if not acc.read_only:
     from precision_lab.share import create_share_token, share_url
 

@@ -97,7 +97,7 @@ if acc.can_upload:
         bar = st.progress(0.0, text="reading the dump")
         try:
             session = ingest_upload(store, cand, ref, session=name or None, progress=page.progress_callback(bar),
-                                    max_depth=cfg.max_path_depth, zip_limits=cfg.zip_limits())
+                                    max_depth=cfg.max_path_depth, zip_limits=cfg.zip_limits(), config=cfg)
         except IngestFailed as e:
             bar.empty()
             page.show_error(e, "The upload could not be ingested")
@@ -117,6 +117,10 @@ if acc.can_upload:
             imported = import_session(store, shared_zip.getvalue(), filename=shared_zip.name, config=cfg)
         except ShareError as e:
             page.show_error(e, "The file could not be imported")
+        except Exception as e:  # one sentence naming the file, whatever failed
+            from precision_lab.readers import first_line
+
+            page.show_error(ValueError(f"{shared_zip.name}: {first_line(e)}"), "The file could not be imported")
         else:
             st.session_state["_pl_import_message"] = imported.message
             st.rerun()

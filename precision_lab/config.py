@@ -82,7 +82,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_json_mb", "PRECISION_LAB_MAX_JSON_MB", int,
             "Largest JSON file read from a dump (dump.json, manifests, order files, sidecars), in MiB."),
     Setting("work_dir", "PRECISION_LAB_WORK_DIR", str,
-            "Folder for uploads and extracted zips while they are ingested (default: scratch/ beside the "
+            "Folder for uploads and extracted zips while they are ingested (default: scratch/ in the "
             "per-user data directory); leftovers of killed ingests are swept from it."),
 )
 

@@ -158,18 +158,23 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
     return _figure_div(fig, "plot-focus"), caption
 
 
-def render_html(store, session: str) -> str:
-    """The page as a string (see the module doc)."""
+def render_html(store, session: str, *, public: bool = False) -> str:
+    """The page as a string (see the module doc).
+
+    ``public``: for a browser download; sources name files relative to the
+    upload, never a folder of the server (``ui.common.public_source``).
+    """
     import plotly.offline
 
     from . import __version__
     from .services.report import norm_artefacts
-    from .ui.common import cosine_text, rows
+    from .ui.common import cosine_text, public_source, rows
     from .ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
 
     info = store.session(session)
     sid = info["session_id"]
-    runs = _records(runs_table(store, sid))
+    source = public_source(info["source"]) if public else info["source"]
+    runs = _records(runs_table(store, sid, public=public))
     firsts = first_nonfinite_by_run(store, sid)
 
     parts = [
@@ -182,7 +187,7 @@ def render_html(store, session: str) -> str:
         f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>',
         "</head><body>",
         f'<h1>Session <code id="session-name">{_e(info["name"])}</code></h1>',
-        f'<p class="meta">source: <code>{_e(info["source"])}</code> · created {_e(info["created"])} · '
+        f'<p class="meta">source: <code>{_e(source)}</code> · created {_e(info["created"])} · '
         f'written {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))} by Precision Lab '
         f"{_e(__version__)}</p>",
         "<h2>Runs</h2>",

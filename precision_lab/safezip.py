@@ -20,12 +20,14 @@ from __future__ import annotations
 import os
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 __all__ = ["ZipLimits", "UnsafeZip", "check_zip", "safe_extract"]
 
 _MB = 1 << 20
+_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA)
 _COPY_CHUNK = _MB
 
 
@@ -117,6 +119,9 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> list[
             raise UnsafeZip(f"{path}: entry {info.filename!r} is {special}; refusing the archive")
         if info.flag_bits & 0x1:
             raise UnsafeZip(f"{path}: entry {info.filename!r} is encrypted; cannot read it")
+        if info.compress_type not in _METHODS:
+            raise UnsafeZip(f"{path}: entry {info.filename!r} uses compression method {info.compress_type}, "
+                            "which cannot be read (stored, deflate, bzip2 and lzma can)")
         if parts and not info.is_dir():
             if parts in seen:
                 raise UnsafeZip(f"{path}: entry {info.filename!r} appears more than once")
@@ -184,6 +189,11 @@ def safe_extract(path: os.PathLike | str, dest: os.PathLike | str, limits: ZipLi
                         if written > info.file_size:
                             raise UnsafeZip(f"{path}: entry {info.filename!r} inflates past its declared size")
                         out.write(chunk)
-            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+            except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as e:
                 raise UnsafeZip(f"{path}: entry {info.filename!r} is corrupt ({e})") from None
+            except NotImplementedError as e:
+                raise UnsafeZip(f"{path}: entry {info.filename!r} cannot be read ({e})") from None
+            except OSError as e:  # the message alone: its file name would be this server's path
+                raise UnsafeZip(f"{path}: entry {info.filename!r} cannot be extracted ({e.strerror or 'I/O error'})"
+                                ) from None
     return root

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 from datetime import datetime, timezone
@@ -204,10 +205,14 @@ def _locked(root: Path):
 def _scan_run(root: Path, name: str) -> tuple[list[int], list[int], list[str]]:
     ranks, steps, files = set(), set(), []
     run_dir = root / name
-    if run_dir.is_dir() and not run_dir.is_symlink():  # linked folders are never followed
+    for d in (run_dir, *(sorted(run_dir.iterdir()) if run_dir.is_dir() and not run_dir.is_symlink() else ())):
+        if d.is_symlink():  # linked folders are never followed
+            raise ShardError(f"{d.relative_to(root).as_posix()}: is a symbolic link; dumps are read without "
+                             "following links")
+    if run_dir.is_dir():
         for rdir in sorted(run_dir.iterdir()):
             m = _SHARD_RE[0].match(rdir.name)
-            if not m or not rdir.is_dir() or rdir.is_symlink():
+            if not m or not rdir.is_dir():
                 continue
             for f in sorted(rdir.iterdir()):
                 ms = _SHARD_RE[1].match(f.name)
@@ -356,18 +361,41 @@ def _file_order(p: Path):
 _BATCH_ROWS = 1024
 
 
+_TEXT_MAX = 64 << 10  # longest name, dtype or shape text a record may carry
+_LOCAL_JSON_MAX = 1 << 20  # longest local-comparison JSON
+_TEXT_COLUMNS_LARGE = {"tensor_npy": None, "local_json": _LOCAL_JSON_MAX}  # None: bounded by max_tensor_mb
+
+
 def _open_shard(path: Path, shown: str):
-    """The shard's ParquetFile, its size and row count checked from metadata before any row is read."""
+    """The shard's ParquetFile, checked from metadata before any row is read.
+
+    Rows and row-group bytes against the limits, and the leaf values of the
+    histogram lists against ``N_BINS`` per row (run-length encoding can pack
+    a billion values in a few bytes).  Text and binary columns are read
+    dictionary-encoded, so a repeated huge value is held once and measured
+    (``_rows``) before any row is turned into Python objects.
+    """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from .readers import ReadError
     from .readers.safeio import limits
+    from .stats import N_BINS
 
     lim = limits()
     try:
-        pf = pq.ParquetFile(path)
+        schema = pq.read_schema(path)
+        text = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_binary(f.type)
+                or pa.types.is_large_string(f.type) or pa.types.is_large_binary(f.type)]
+        pf = pq.ParquetFile(path, read_dictionary=text)
         md = pf.metadata
-        groups = [md.row_group(i).total_byte_size for i in range(md.num_row_groups)]
+        groups = [md.row_group(i) for i in range(md.num_row_groups)]
+        leaf = {}
+        for g in groups:
+            for j in range(g.num_columns):
+                c = g.column(j)
+                top = c.path_in_schema.split(".")[0]
+                leaf[top] = max(leaf.get(top, 0), c.num_values / max(g.num_rows, 1))
     except ReadError as e:
         raise ShardError(str(e)) from None
     except Exception as e:
@@ -375,26 +403,69 @@ def _open_shard(path: Path, shown: str):
     if md.num_rows > lim.max_file_records:
         raise ShardError(f"{shown}: {md.num_rows} rows, more than the limit of {lim.max_file_records} records per "
                          "file (max_file_records)")
-    if groups and max(groups) > lim.max_tensor_bytes:
-        raise ShardError(f"{shown}: a row group expands to {max(groups)} bytes, more than the limit of "
+    big = max((g.total_byte_size for g in groups), default=0)
+    if big > lim.max_tensor_bytes:
+        raise ShardError(f"{shown}: a row group expands to {big} bytes, more than the limit of "
                          f"{lim.max_tensor_bytes} bytes (max_tensor_mb)")
+    for col in ("hist_bins", "hist_counts"):
+        if leaf.get(col, 0) > N_BINS:
+            raise ShardError(f"{shown}: column {col} holds more values per record than the {N_BINS} histogram "
+                             "bins; refusing the shard")
     need = [n for n, _ in _columns()] + ["hist_bins", "hist_counts"]
-    missing = [n for n in need if n not in pf.schema_arrow.names]
+    missing = [n for n in need if n not in schema.names]
     if missing:
         raise ShardError(f"{shown}: shard lacks column(s) {', '.join(missing)}")
     return pf
 
 
+def _value_lengths(col):
+    """Bytes of each row's value of a text/binary column (dictionary-encoded or not), nulls as 0."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(col.type):
+        lengths = pc.binary_length(col.dictionary).take(col.indices)
+    else:
+        lengths = pc.binary_length(col)
+    return np.asarray(lengths.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
 def _rows(pf, shown: str) -> Iterator[dict]:
-    """Rows of a shard, one record batch at a time (memory bounded by a batch, not the file)."""
+    """Rows of a shard, a few at a time: memory bounded by one slice of rows, not the file.
+
+    Before rows become Python objects, every text value is measured: names
+    over 64 KiB, a local comparison over 1 MiB or a kept tensor over
+    ``max_tensor_mb`` refuse the shard, and so does a batch of rows whose
+    values add up to more than ``max_tensor_mb`` (the same bound the
+    metadata check puts on a row group, applied after dictionary decoding).
+    """
+    import pyarrow as pa
+
     from .readers.safeio import limits
 
-    cap, n = limits().max_file_records, 0
+    lim = limits()
+    cap, n = lim.max_file_records, 0
     try:
         for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
             n += batch.num_rows
             if n > cap:  # metadata that understated the rows
                 raise ShardError(f"{shown}: more than the limit of {cap} records per file (max_file_records)")
+            sizes = np.zeros(batch.num_rows, dtype=np.int64)
+            for name, col in zip(batch.schema.names, batch.columns):
+                t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+                if not (pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t)
+                        or pa.types.is_large_binary(t)):
+                    continue
+                lengths = _value_lengths(col)
+                bound = _TEXT_COLUMNS_LARGE.get(name, _TEXT_MAX)
+                bound = lim.max_tensor_bytes if bound is None else bound
+                if lengths.size and lengths.max() > bound:
+                    raise ShardError(f"{shown}: a record's {name} holds {int(lengths.max())} bytes, more than the "
+                                     f"limit of {bound} bytes")
+                sizes += lengths
+            if int(sizes.sum()) > lim.max_tensor_bytes:  # repeated dictionary values, decoded
+                raise ShardError(f"{shown}: {batch.num_rows} records expand to {int(sizes.sum())} bytes when read, "
+                                 f"more than the limit of {lim.max_tensor_bytes} bytes (max_tensor_mb)")
             yield from batch.to_pylist()
     except ShardError:
         raise
@@ -431,8 +502,12 @@ def _row_stats(path, row: dict):
         if f.name == "shape":
             try:
                 v = tuple(json.loads(v)) if v is not None else ()
-            except (TypeError, json.JSONDecodeError, RecursionError):
+            except (TypeError, ValueError, RecursionError):
                 raise ShardError(f"{path}: record {row.get('name')!r} has shape {v!r}, not a JSON list") from None
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 63) for d in v) \
+                    or math.prod(v) >= (1 << 63):
+                raise ShardError(f"{path}: record {row.get('name')!r} has shape {list(v)!r}, not sizes a tensor "
+                                 "can have")
         kw[f.name] = v
     bins, counts = row.get("hist_bins"), row.get("hist_counts")
     hist = None

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Optional, Union
 from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
+from .scratch import scratch_dir
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -48,6 +50,7 @@ __all__ = [
     "read_manifest",
     "create_share_token",
     "revoke_share_token",
+    "revoke_recorded_token",
     "share_url",
 ]
 
@@ -179,7 +182,7 @@ def _export(store, session: str, out) -> dict:
     sid = info["session_id"]
     cur = store.cursor()
     tables: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="pl-export-") as tmp:
+    with scratch_dir("export") as tmp:
         # one read transaction: a re-run committing meanwhile cannot make the tables disagree
         cur.execute("BEGIN TRANSACTION")
         try:
@@ -539,8 +542,8 @@ def import_session(store, source: Union[os.PathLike, str, bytes], *, name: Optio
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         label = filename or "uploaded file"
-        with tempfile.TemporaryDirectory(prefix="pl-import-") as d:
-            p = Path(d) / "session.zip"
+        with scratch_dir("import", config) as d:
+            p = d / "session.zip"
             p.write_bytes(bytes(source))
             try:
                 return _import_path(store, p, name=name, config=config, where=label)
@@ -647,8 +650,27 @@ def create_share_token(store, session: str) -> str:
 
 
 def revoke_share_token(store, session: str) -> None:
-    """Make the session's share link stop working."""
+    """Make the session's share link stop working (from the server's next request)."""
     store.set_share_token(session, None)
+
+
+def revoke_recorded_token(db_path, session: str) -> list[dict]:
+    """Revoke ``session``'s link in the token file beside the database at ``db_path``,
+    without opening the database (a running server holds it).
+
+    ``session``: the name or id recorded with the token.  Returns the
+    entries removed (``session_id``, ``name``, ``token``); empty when no link
+    of that session is recorded.  A server reading the same file refuses the
+    token from its next request; the database's own copy follows the next
+    time a process opens it.
+    """
+    from .store import resolve_db_path
+    from .tokens import token_file_for
+
+    tf = token_file_for(resolve_db_path(db_path))
+    if tf is None or not tf.exists():
+        return []
+    return tf.revoke(session)
 
 
 def share_url(base_url: str, token: str) -> str:

@@ -26,7 +26,8 @@ import numpy as np
 
 from .records import Diagnosis, RunInfo, TensorRecord, free_name
 
-__all__ = ["Store", "default_db_path", "open_store", "SessionNotFound", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
+__all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
+           "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
 SCHEMA_VERSION = 1
 ENV_DB = "PRECISION_LAB_DB"
@@ -37,13 +38,28 @@ class SessionNotFound(KeyError):
         return str(self.args[0]) if self.args else "session not found"
 
 
+class DatabaseLocked(RuntimeError):
+    """Another process holds the database file (DuckDB allows one per file)."""
+
+
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/precision-lab`` (``~/.local/share/precision-lab`` when unset)."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "precision-lab"
+
+
 def default_db_path() -> Path:
     """``$PRECISION_LAB_DB``, else ``$XDG_DATA_HOME/precision-lab/precision_lab.duckdb``."""
     env = os.environ.get(ENV_DB)
     if env:
         return Path(env).expanduser()
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "precision-lab" / "precision_lab.duckdb"
+    return default_data_dir() / "precision_lab.duckdb"
+
+
+def resolve_db_path(path: Optional[os.PathLike | str] = None) -> str:
+    """The absolute path ``Store(path)`` opens (``:memory:`` stays as is)."""
+    p = str(path) if path is not None else str(default_db_path())
+    return p if p == ":memory:" else str(Path(p).expanduser().resolve())
 
 
 # ---- schema derived from the dataclasses ---------------------------------
@@ -165,7 +181,8 @@ def _connection(path: str):
             try:
                 con = duckdb.connect(path)
             except duckdb.IOException as e:
-                raise RuntimeError(
+                kind = DatabaseLocked if "lock" in str(e).lower() else RuntimeError
+                raise kind(
                     f"cannot open database {path}: {e}. Another process may hold it; "
                     "live captures in other processes should write Parquet shards instead."
                 ) from None
@@ -198,15 +215,18 @@ class Store:
     """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None):
-        self.path = str(path) if path is not None else str(default_db_path())
-        if self.path != ":memory:":
-            self.path = str(Path(self.path).expanduser().resolve())
+        from .tokens import token_file_for
+
+        self.path = resolve_db_path(path)
         self._con, self._lock = _connection(self.path)
         self._local = threading.local()
         global TENSOR_COLUMNS
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
         self._init_schema()
+        self._tokens = token_file_for(self.path)
+        self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
+        self._sync_tokens()
 
     # -- connection plumbing
     def cursor(self):
@@ -339,6 +359,7 @@ class Store:
                            [new_name, info["session_id"]]).fetchone():
                 raise ValueError(f"a session named {new_name!r} already exists")
             cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info["session_id"]])
+            self._rename_token(info["session_id"], new_name)
 
     def delete_session(self, session: str) -> None:
         info = self.session(session)
@@ -350,17 +371,111 @@ class Store:
                     cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [rid])
             for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
                 cur.execute(f"DELETE FROM {t} WHERE session_id = ?", [sid])
+            self._drop_token(sid, info["name"])
 
+    def _drop_token(self, session_id: str, name: str) -> None:
+        """A deleted session's link dies with it.  A token file that cannot be written does not stop the
+        delete: a token of a session that no longer exists opens nothing."""
+        from .tokens import TokenFileError
+
+        if self._tokens is not None and self._tokens.exists():
+            try:
+                self._tokens.set(session_id, name, None)
+            except (TokenFileError, OSError):
+                pass
+
+    def _rename_token(self, session_id: str, new_name: str) -> None:
+        """Keep the name recorded beside a session's token current (revocation by name uses it)."""
+        from .tokens import TokenFileError
+
+        try:
+            if self._tokens is None or session_id not in (self._tokens.sessions() or {}):
+                return
+        except TokenFileError:
+            return
+
+        def rename(s: dict) -> None:
+            if session_id in s:
+                s[session_id]["name"] = new_name
+
+        self._tokens.update(rename)
+
+    # -- share tokens: the token file beside the database is the source of truth (precision_lab.tokens)
     def set_share_token(self, session: str, token: Optional[str]) -> None:
+        """Give ``session`` the share token ``token`` (None: revoke it), in the token file and the database."""
         info = self.session(session)
         with self.transaction() as cur:
             cur.execute("UPDATE sessions SET share_token = ? WHERE session_id = ?", [token, info["session_id"]])
+            if self._tokens is not None:  # inside the transaction: a failed file write rolls the column back
+                self._tokens.set(info["session_id"], info["name"], token)
+                self._tokens_used = True
 
     def session_by_token(self, token: str) -> Optional[dict]:
+        """The session ``token`` opens, or None; read per call, without the database's write lock.
+
+        The token file decides (a revocation written by another process
+        counts from the next call); a token file that cannot be read opens
+        nothing.  Without a token file, the database's column decides.
+        """
         if not token:
             return None
+        from .tokens import TokenFileError
+
+        if self._tokens is not None:
+            try:
+                recorded = self._tokens.sessions()
+                sid = self._tokens.lookup(token) if recorded is not None else None
+            except TokenFileError:
+                return None
+            if recorded is not None or self._tokens_used:
+                if sid is None:
+                    return None
+                try:
+                    return self.session(sid)
+                except SessionNotFound:
+                    return None
         row = self.sql("SELECT name FROM sessions WHERE share_token = ?", [token]).fetchone()
         return self.session(row[0]) if row else None
+
+    def _sync_tokens(self) -> None:
+        """On opening: write the token file from the database's tokens when there is none; otherwise
+        the file wins (a revocation made while another process held the database reaches the column),
+        and entries of sessions no longer here are dropped."""
+        from .tokens import TokenFileError
+
+        tf = self._tokens
+        if tf is None:
+            return
+        try:
+            recorded = tf.sessions()
+        except TokenFileError:
+            self._tokens_used = True  # fail closed; the file is left for its owner to look at
+            return
+        sessions = {sid: (name, tok) for sid, name, tok in
+                    self.sql("SELECT session_id, name, share_token FROM sessions").fetchall()}
+        try:
+            if recorded is None:
+                held = {sid: {"name": n, "token": t} for sid, (n, t) in sessions.items() if t}
+                if held:
+                    tf.update(lambda s: s.update(held))
+                    self._tokens_used = True
+                return
+            self._tokens_used = True
+            if any(sid not in sessions or sessions[sid][0] != e["name"] for sid, e in recorded.items()):
+                def refresh(s: dict) -> None:
+                    for sid in list(s):
+                        if sid not in sessions:
+                            del s[sid]
+                        else:
+                            s[sid]["name"] = sessions[sid][0]
+                recorded = tf.update(refresh)
+        except OSError:  # the folder is not writable: lookups still read what is there
+            return
+        stale = [(recorded.get(sid, {}).get("token"), sid) for sid, (_n, tok) in sessions.items()
+                 if tok != recorded.get(sid, {}).get("token")]
+        if stale:
+            with self.transaction() as cur:
+                cur.executemany("UPDATE sessions SET share_token = ? WHERE session_id = ?", stale)
 
     def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """Dense histogram counts of one record, or None (stats-only record)."""

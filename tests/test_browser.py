@@ -14,18 +14,14 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ui_fixtures import ROOT, STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF
+from ui_fixtures import ROOT, STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, free_port, serving
 
 pytestmark = pytest.mark.browser
 
@@ -41,46 +37,16 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"{CHROMIUM} is not installed", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PRECISION_LAB_DB=str(tmp_path / "browser.duckdb"), CI="true")
     env.pop("PRECISION_LAB_CONFIG", None)
     env.pop("PRECISION_LAB_READ_ONLY", None)
-    log = open(tmp_path / "streamlit.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
-         "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read().decode().strip() == "ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                log.flush()
-                raise RuntimeError("streamlit did not start:\n" + (tmp_path / "streamlit.log").read_text()[-3000:])
-            time.sleep(0.3)
+    with serving([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+                  "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"],
+                 port=port, env=env, log_path=tmp_path / "streamlit.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture

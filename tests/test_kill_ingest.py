@@ -192,3 +192,47 @@ def test_sigkill_during_back_to_back_commits(tmp_path):
         for t in ("histograms", "tensor_data"):
             assert store.sql(f"SELECT count(*) FROM {t} WHERE run_id = ?", [run_id]).fetchall()[0][0] == n_records
         assert store.sql("SELECT message FROM warnings WHERE session_id = ?", [sid]).fetchall() == [(f"session {k}",)]
+
+
+def test_sigkill_mid_extraction_leaves_a_folder_the_next_ingest_sweeps(tmp_path):
+    """A zip ingest killed while its archive is extracted leaves its scratch folder; the next zip ingest removes it."""
+    import zipfile
+
+    from precision_lab.scratch import scratch_root
+
+    env = {"XDG_DATA_HOME": str(tmp_path / "xdg"), "PRECISION_LAB_DB": str(tmp_path / "lab.duckdb")}
+    z = tmp_path / "dump.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for i in range(3):
+            buf = __import__("io").BytesIO()
+            np.save(buf, np.full(8, i, np.float32))
+            zf.writestr(f"dump/t{i}.output.0.npy", buf.getvalue())
+    child = _Child(f"""
+        import time
+        import precision_lab.services.ingest as ing
+        from precision_lab.store import Store
+
+        real = ing.safe_extract
+        def slow(*a, **kw):
+            root = real(*a, **kw)
+            print("EXTRACTED", root, flush=True)
+            time.sleep(600)
+        ing.safe_extract = slow
+        ing.ingest({str(z)!r}, store=Store())
+    """, env_extra=env)
+    line = child.wait_for("EXTRACTED")
+    left = Path(line.split(" ", 1)[1])
+    assert left.is_dir() and (left / "dump" / "t0.output.0.npy").is_file()
+    child.kill()
+    assert left.exists()  # SIGKILL runs no clean-up
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        root = scratch_root()
+        assert root in left.parents
+        store = Store(tmp_path / "lab.duckdb")
+        from precision_lab.services.ingest import ingest
+
+        ingest(z, store=store)
+        close_all()
+    assert not left.exists() and not any(root.iterdir())  # swept, and the second ingest cleaned up after itself

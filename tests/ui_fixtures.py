@@ -16,6 +16,10 @@ import contextlib
 import json
 import math
 import shutil
+import socket
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +186,42 @@ def texts(at) -> str:
                  "text"):
         parts += [str(e.value) for e in getattr(at, kind)]
     return "\n".join(parts)
+
+
+# ---- a real server -------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(argv: list, *, port: int, env: dict, log_path: Path, cwd: Path = ROOT, timeout_s: float = 60):
+    """Run ``argv`` (a command serving the dashboard on ``port``), wait until its health check answers,
+    yield its URL, and stop it afterwards; a server that does not come up fails with its log."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.read().decode().strip() == "ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.flush()
+                raise RuntimeError("streamlit did not start:\n" + Path(log_path).read_text()[-3000:])
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -17,7 +17,7 @@ app = typer.Typer(
 )
 
 # command modules, in help order; each does `from . import app` and decorates
-_COMMAND_MODULES = ("ingest_cmds", "capture_cmds", "fix_cmds", "share_cmds", "misc_cmds")
+_COMMAND_MODULES = ("ingest_cmds", "capture_cmds", "fix_cmds", "share_cmds", "serve_cmds", "misc_cmds")
 
 
 def _load_commands() -> None:

@@ -13,7 +13,12 @@ DB_HELP = "database file (default: $PRECISION_LAB_DB or the user data directory)
 
 
 def fail(msg: str, code: int = EXIT_UNUSABLE) -> NoReturn:
-    """Print ``error: msg`` on stderr and exit with ``code``."""
+    """Print ``error: msg`` on stderr, as one line, and exit with ``code``.
+
+    Control characters (a file name may hold a newline) are shown escaped,
+    so a name cannot forge a second line of output.
+    """
+    msg = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(msg))
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code)
 
@@ -26,6 +31,15 @@ def open_store(db: Optional[str], *, use_config: bool = False, code: int = EXIT_
     """
     from ..store import Store
 
+    db = db_setting(db, use_config=use_config, code=code)
+    try:
+        return Store(db)
+    except RuntimeError as e:  # another process holds the file
+        fail(str(e), code)
+
+
+def db_setting(db: Optional[str], *, use_config: bool = False, code: int = EXIT_UNUSABLE) -> Optional[str]:
+    """``db``, or with ``use_config`` and ``db`` unset the server config's ``db_path`` (None: the default)."""
     if db is None and use_config:
         from ..config import ConfigError, load_config
 
@@ -33,10 +47,7 @@ def open_store(db: Optional[str], *, use_config: bool = False, code: int = EXIT_
             db = load_config().db_path
         except ConfigError as e:
             fail(str(e), code)
-    try:
-        return Store(db)
-    except RuntimeError as e:  # another process holds the file
-        fail(str(e), code)
+    return db
 
 
 def tty_progress() -> Optional[Callable[[int, int, str], None]]:

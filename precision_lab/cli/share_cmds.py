@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from . import app
-from ._common import fail, open_store
+from ._common import db_setting, fail, open_store
 
 
 def _store(db: Optional[str]):
@@ -74,19 +74,45 @@ def share_link_cmd(
     revoke: bool = typer.Option(False, "--revoke", help="make the session's current link stop working"),
     db: Optional[str] = typer.Option(None, "--db", help="database file"),
 ) -> None:
-    """Give a session a read-only share link (a new token replaces the old one), or revoke it."""
-    from ..share import create_share_token, revoke_share_token, share_url
-    from ..store import SessionNotFound
+    """Give a session a read-only share link (a new token replaces the old one), or revoke it.
 
-    store = _store(db)
+    Revoking works while a server holds the database: the tokens live in
+    ``<database>.tokens.json``, which the server reads on every request.
+    """
+    from ..share import create_share_token, revoke_recorded_token, revoke_share_token, share_url
+    from ..store import DatabaseLocked, SessionNotFound, Store
+    from ..tokens import TokenFileError
+
+    path = db_setting(db, use_config=True)
+    try:
+        store = Store(path)
+    except DatabaseLocked as e:
+        if not revoke:
+            fail(f"{e}. Creating a link needs the database: use the Overview page's share button of the "
+                 "running server, or stop it first. Revoking works while it runs.")
+        try:
+            removed = revoke_recorded_token(path, session)
+        except (TokenFileError, OSError) as e:
+            fail(f"cannot revoke: {e}")
+        if not removed:
+            fail(f"no share link of a session named {session!r} is recorded; nothing was revoked (the database is "
+                 "held by another process, so only recorded links can be looked up)")
+        for r in removed:
+            typer.echo(f"share link of session {r['name']!r} revoked; the server refuses it from its next "
+                       "request")
+        return
+    except RuntimeError as e:
+        fail(str(e))
     try:
         if revoke:
             revoke_share_token(store, session)
-            typer.echo(f"share link of session {session!r} revoked")
+            typer.echo(f"share link of session {session!r} revoked; a server refuses it from its next request")
             return
         token = create_share_token(store, session)
     except SessionNotFound as e:
         fail(str(e))
+    except (TokenFileError, OSError) as e:
+        fail(f"cannot {'revoke' if revoke else 'create'} the link: {e}")
     typer.echo(share_url(base_url, token))
 
 

@@ -33,7 +33,6 @@ Files of other types are skipped with a warning.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import stat
 from pathlib import Path
@@ -45,7 +44,7 @@ from ..records import TensorRecord, split_tensor_name
 from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
-                     open_regular, reading, read_json, relname)
+                     open_regular, parse_json, reading, read_json, relname)
 
 __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
 
@@ -231,11 +230,9 @@ def safetensors_header(path: Path, rel: str) -> dict:
                             "or the format allows)")
         text = f.read(n)
     try:
-        header = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReadError(f"{rel}: not a readable .safetensors file (header is not JSON: {first_line(e)})") from None
-    except RecursionError:
-        raise ReadError(f"{rel}: not a readable .safetensors file (header nested too deeply)") from None
+        header = parse_json(text, rel, what="header")
+    except ReadError as e:
+        raise ReadError(f"{rel}: not a readable .safetensors file ({str(e)[len(rel) + 2:]})") from None
     if not isinstance(header, dict):
         raise ReadError(f"{rel}: not a readable .safetensors file (header is not an object)")
     header.pop("__metadata__", None)

@@ -65,11 +65,21 @@ def parse_op(key: str) -> tuple[str, str]:
 
 
 def dump_files(root: Path) -> list[tuple[int, str, Path]]:
-    """``(step, rank_folder_name, dump.json path)`` for every dump.json up to two levels down."""
+    """``(step, rank_folder_name, dump.json path)`` for every dump.json up to two levels down.
+
+    A dump.json that is a link, or sits in a linked folder, or is not a
+    regular file, is refused (ReadError): links are never followed.
+    """
     found = []
     for pattern in ("dump.json", "*/dump.json", "*/*/dump.json"):
         for p in root.glob(pattern):
-            if p.is_file() and not p.is_symlink() and not p.parent.is_symlink():
+            rel = relname(root, p)
+            linked = next((q for q in [p, *p.parents] if q != root and root in q.parents and q.is_symlink()), None)
+            if linked is not None:
+                raise ReadError(f"{relname(root, linked)}: is a symbolic link; dumps are read without following "
+                                "links")
+            check_regular(p, rel)
+            if True:
                 step = 0
                 for part in p.relative_to(root).parts[:-1]:
                     m = STEP_RE.match(part)
@@ -128,6 +138,8 @@ def _flatten(items, prefix: str = "") -> Iterator[tuple[str, dict]]:
     """(index, stat dict) of every tensor in a (possibly nested) list of items."""
     if isinstance(items, dict):
         items = [items]
+    elif items is not None and not isinstance(items, (list, tuple)):
+        raise ReadError(f"holds {type(items).__name__} {_short(items)} where a list of arguments belongs")
     for i, it in enumerate(items or ()):
         idx = f"{prefix}{i}"
         if isinstance(it, (list, tuple)):
@@ -136,8 +148,22 @@ def _flatten(items, prefix: str = "") -> Iterator[tuple[str, dict]]:
             yield idx, it
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _mapping(v, field: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ReadError(f"{field} is {type(v).__name__} {_short(v)}, not an object of named arguments")
+    return v
+
+
 def _slots(key: str, entry: dict, direction: str) -> Iterator[tuple[str, str, dict]]:
-    """(role, index, stat dict) of every tensor of one data entry."""
+    """(role, index, stat dict) of every tensor of one data entry; a field of the wrong type is a ReadError
+    (a tensor silently dropped could misplace the first non-finite op)."""
     if ".parameters_grad." in key or key.endswith(".parameters_grad"):
         for pname, v in entry.items():
             for idx, d in _flatten(v):
@@ -150,12 +176,12 @@ def _slots(key: str, entry: dict, direction: str) -> Iterator[tuple[str, str, di
         return
     for idx, d in _flatten(entry.get("input_args")):
         yield "input", idx, d
-    for k, v in (entry.get("input_kwargs") or {}).items():
+    for k, v in _mapping(entry.get("input_kwargs"), "input_kwargs").items():
         for idx, d in _flatten(v):
             yield "kwarg", (k if idx == "0" else f"{k}.{idx}"), d
     for idx, d in _flatten(entry.get("output")):
         yield "output", idx, d
-    for pname, v in (entry.get("parameters") or {}).items():
+    for pname, v in _mapping(entry.get("parameters"), "parameters").items():
         for idx, d in _flatten(v):
             yield "param", (pname if idx == "0" else f"{pname}.{idx}"), d
 
@@ -196,6 +222,19 @@ def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
     )
 
 
+def _entry_slots(rel: str, key: str, entry, direction: str) -> list:
+    """The entry's tensors, or a ReadError naming the file and the entry."""
+    where = f"{rel}: entry {key!r}"
+    if not isinstance(entry, dict):
+        raise ReadError(f"{where} is not an object")
+    try:
+        with reading(where):
+            return list(_slots(key, entry, direction))
+    except ReadError as e:
+        msg = str(e)
+        raise ReadError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
 def _parse(root: Path, path: Path) -> dict:
     rel = relname(root, path)
     doc = read_json(path, rel, root, what="dump.json")  # accepts msprobe's bare NaN / Infinity tokens
@@ -207,12 +246,12 @@ def _parse(root: Path, path: Path) -> dict:
     return doc
 
 
-def _doc_dtype(doc: dict) -> str:
+def _doc_dtype(doc: dict, rel: str) -> str:
     """The compute dtype of a dump: the dtype most of its tensors have."""
     counts: dict[str, int] = {}
     for key, entry in doc["data"].items():
         if isinstance(entry, dict):
-            for _role, _idx, d in _slots(key, entry, parse_op(key)[1]):
+            for _role, _idx, d in _entry_slots(rel, key, entry, parse_op(key)[1]):
                 dt = _dtype(d.get("dtype"))
                 counts[dt] = counts.get(dt, 0) + 1
     return dominant_dtype(counts)
@@ -283,7 +322,7 @@ class MsprobeReader:
         src = RunSource(
             key=root.name or "msprobe", name=root.name or "msprobe", root=root, reader=self.name,
             records=iter(()), order="execution", order_note="dump.json entry order (msprobe writes in execution order)",
-            dtype=_doc_dtype(first), loader=lambda source: self._load(root, source),
+            dtype=_doc_dtype(first, relname(root, files[0][2])), loader=lambda source: self._load(root, source),
         )
         src.warnings.extend((str(root), w) for w in rank_warnings)
         src.records = self._records(root, files, ranks, src, tick, first)
@@ -309,8 +348,7 @@ class MsprobeReader:
                 if not isinstance(entry, dict):
                     raise ReadError(f"{rel}: entry {key!r} is not an object")
                 op_type, direction = parse_op(key)
-                with reading(f"{rel}: entry {key!r}"):
-                    slots = list(_slots(key, entry, direction))
+                slots = _entry_slots(rel, key, entry, direction)
                 for role, index, d in slots:
                     tensor, stats, source = None, None, rel
                     data_name = d.get("data_name")

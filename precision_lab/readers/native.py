@@ -27,8 +27,11 @@ FORMAT_NAME = "precision-lab-shards"
 
 def _manifest(root: Path):
     p = root / "manifest.json"
-    if not p.is_file() or p.is_symlink():
+    if not os.path.lexists(p):
         return None
+    if p.is_symlink() or not p.is_file():
+        # claimed, so that reading it refuses the link or pipe by name instead of skipping the file
+        return {} if any(root.glob("*/rank*/step*.parquet")) else None
     try:
         with open_regular(p, "manifest.json", root) as f:
             head = f.read(1 << 16)

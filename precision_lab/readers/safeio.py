@@ -43,7 +43,7 @@ from . import first_line
 
 __all__ = ["ReadLimits", "limits", "limits_in_force", "contained", "open_regular", "check_regular",
            "read_json", "check_member_zip", "check_numel", "check_tensor", "reading", "plain_error",
-           "relname", "npy_header", "NPY_MAX_HEADER"]
+           "relname", "npy_header", "NPY_MAX_HEADER", "parse_json"]
 
 _MB = 1 << 20
 # Entries this small may compress arbitrarily well (a few KiB of zeros); the
@@ -107,8 +107,8 @@ def contained(root: Path, base: Path, name: Any, *, what: str, where: str) -> Pa
     ``what`` names the entry for the message (``'data_name of X'``),
     ``where`` the file that holds it.
     """
-    if not isinstance(name, str) or not name or "\x00" in name:
-        raise ReadError(f"{where}: {what} {name!r} is not a file name inside the dump")
+    if not isinstance(name, str) or not name or "\x00" in name or not _utf8(name):
+        raise ReadError(f"{where}: {what} {name!a} is not a file name inside the dump")
     norm = name.replace("\\", "/")
     if norm.startswith("/") or re.match(r"^[A-Za-z]:", norm):
         raise ReadError(f"{where}: {what} {name!r} is an absolute path; only files inside the dump are read")
@@ -117,6 +117,14 @@ def contained(root: Path, base: Path, name: Any, *, what: str, where: str) -> Pa
     if target != top and top not in target.parents:
         raise ReadError(f"{where}: {what} {name!r} points outside the dump; only files inside the dump are read")
     return target
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: valid JSON, not a storable name
+        return False
+    return True
 
 
 def check_regular(path: Path, rel: str) -> os.stat_result:
@@ -178,15 +186,18 @@ def open_regular(path: Path, rel: str, root: Optional[Path] = None):
         yield f
 
 
-def read_json(path: Path, rel: str, root: Optional[Path] = None, *, what: str = "JSON file") -> Any:
-    """Parse a JSON file from a dump within the size limit; bare NaN/Infinity are accepted."""
-    lim = limits()
-    with open_regular(path, rel, root) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > lim.max_json_bytes:
-            raise ReadError(f"{rel}: {what} of {size} bytes is larger than the limit of {lim.max_json_bytes} "
-                            "bytes (max_json_mb)")
-        raw = f.read(lim.max_json_bytes + 1)
+# Objects and arrays a JSON text may open, per tensor record it may describe: a parsed container costs
+# 60-200 bytes however little text it takes ("{}" is two bytes), so size alone does not bound memory.
+JSON_CONTAINERS_PER_RECORD = 32
+
+
+def parse_json(raw: bytes, rel: str, *, what: str = "JSON file") -> Any:
+    """Parse JSON bytes from a dump, its container count bounded first; bare NaN/Infinity are accepted."""
+    cap = JSON_CONTAINERS_PER_RECORD * limits().max_file_records
+    opened = raw.count(b"{") + raw.count(b"[")  # an over-count (brackets inside strings) only errs on the safe side
+    if opened > cap:
+        raise ReadError(f"{rel}: {what} opens {opened} objects and arrays, more than the limit of {cap} "
+                        f"({JSON_CONTAINERS_PER_RECORD} per record of max_file_records)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -197,6 +208,20 @@ def read_json(path: Path, rel: str, root: Optional[Path] = None, *, what: str = 
         raise ReadError(f"{rel}: invalid JSON at line {e.lineno} column {e.colno} ({e.msg})") from None
     except RecursionError:
         raise ReadError(f"{rel}: JSON nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ReadError(f"{rel}: holds a value that cannot be read ({first_line(e)})") from None
+
+
+def read_json(path: Path, rel: str, root: Optional[Path] = None, *, what: str = "JSON file") -> Any:
+    """Parse a JSON file from a dump within the size and container limits (see ``parse_json``)."""
+    lim = limits()
+    with open_regular(path, rel, root) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > lim.max_json_bytes:
+            raise ReadError(f"{rel}: {what} of {size} bytes is larger than the limit of {lim.max_json_bytes} "
+                            "bytes (max_json_mb)")
+        raw = f.read(lim.max_json_bytes + 1)
+    return parse_json(raw, rel, what=what)
 
 
 # ---- declared sizes -------------------------------------------------------------
@@ -303,6 +328,14 @@ def npy_header(fp, rel: str) -> tuple[tuple, bool, Any, int]:
     fmt = np.lib.format
     try:
         major, minor = fmt.read_magic(fp)
+        if (major, minor) in ((1, 0), (2, 0)):  # the header's declared length, before numpy reads that many bytes
+            width = 2 if major == 1 else 4
+            pos = fp.tell()
+            hlen = int.from_bytes(fp.read(width), "little")
+            fp.seek(pos)
+            if hlen > NPY_MAX_HEADER:
+                raise ReadError(f"{rel}: the .npy header declares {hlen} bytes, longer than the {NPY_MAX_HEADER} "
+                                "bytes numpy parses safely; refusing it")
         if (major, minor) == (1, 0):
             shape, fortran, dtype = fmt.read_array_header_1_0(fp, max_header_size=NPY_MAX_HEADER)
         elif (major, minor) == (2, 0):
@@ -321,6 +354,8 @@ def npy_header(fp, rel: str) -> tuple[tuple, bool, Any, int]:
         raise ReadError(f"{rel}: corrupt .npy header ({first_line(e)})") from None
     if dtype.hasobject:
         raise ReadError(f"{rel}: refused: the array holds Python objects (pickled data)")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ReadError(f"{rel}: the .npy header's shape {shape!r} is not a list of non-negative sizes")
     check_numel(shape, dtype.itemsize, rel)
     return tuple(shape), bool(fortran), dtype, fp.tell()
 
@@ -344,7 +379,7 @@ def plain_error(e: BaseException) -> str:
         return f"cannot be read ({e.strerror or first_line(e)})"
     if isinstance(e, UnicodeError):
         return "holds text that is not valid UTF-8"
-    return f"cannot be read: {first_line(e)}"
+    return first_line(e)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,6 @@ import collections
 import contextlib
 import dataclasses
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -45,6 +44,7 @@ from ..readers import READERS, ReadError, RunSource, detect, dominant_dtype
 from ..readers.safeio import ReadLimits, limits_in_force, plain_error
 from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
+from ..scratch import scratch_dir, sweep
 from .pairing import Item, compare_pair, compare_runs, exact_key
 
 __all__ = ["ingest", "IngestError", "DEFAULT_CACHE_BYTES"]
@@ -236,7 +236,9 @@ def _open_source(p: Path, role: str, stack: contextlib.ExitStack, limits: ZipLim
     if p.is_file():
         if p.suffix.lower() != ".zip":
             raise IngestError(f"{label}: a single file; give the folder that holds the dump, or a .zip of it")
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="precision-lab-"))
+        # extracted under the scratch folder, whose leftovers (of ingests killed mid-way) are swept first
+        sweep()
+        tmp = stack.enter_context(scratch_dir("extract"))
         try:
             # the folder takes the archive's name: it names the run
             root = safe_extract(p, Path(tmp) / (p.stem or "dump"), limits)
@@ -256,6 +258,18 @@ def _open_source(p: Path, role: str, stack: contextlib.ExitStack, limits: ZipLim
     if reader is None:
         raise IngestError(_unrecognised(root, label))
     return _Source(p, root, reader, role, label)
+
+
+def _check_text(rec) -> None:
+    """Names become database text: a lone surrogate (valid JSON, invalid UTF-8) is refused, naming the file."""
+    for field in ("op", "op_type", "role", "index", "source"):
+        v = getattr(rec, field)
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ReadError(f"{ascii(rec.source or '?')[1:-1]}: {field} {v!a} is not valid UTF-8 text "
+                                "(it holds a lone surrogate); refusing the dump") from None
 
 
 def _session_name(sources: list[_Source]) -> str:
@@ -312,7 +326,7 @@ class _Ingestion:
                 raise
             except BaseException as e:  # noqa: BLE001 - the boundary: a reader's bug or an exotic file
                 where = "archive" if s.path.is_file() else "dump"
-                raise IngestError(f"{s.label}: the {where} cannot be read: {plain_error(e)}") from None
+                raise IngestError(f"{s.label}: the {where} cannot be read ({plain_error(e)})") from None
         self.tick(None, "read")
         for (si, _key), r in self.runs.items():
             if not r.src.dtype:
@@ -356,6 +370,7 @@ class _Ingestion:
         partner = self._partner_for(run) if run.kind != "reference" else None
         pre = self.precomputed[(partner.run_id, run.run_id)] if partner is not None else None
         for rec in src.records:
+            _check_text(rec)
             tensor = rec.tensor
             rec.run_id = run.run_id
             if not self.keep_tensors:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .common import num_text, plot_text, rows, run_label
+from .common import num_text, plot_text, public_source, rows, run_label
 
 __all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
@@ -37,8 +37,12 @@ def session_runs(store, session_id: str) -> list[dict]:
     return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
 
 
-def runs_table(store, session_id: str) -> pd.DataFrame:
-    """One row per run: kind, dtype, parent and fix, record counts, source."""
+def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
+    """One row per run: kind, dtype, parent and fix, record counts, source.
+
+    ``public``: sources as a browser may see them (``common.public_source``:
+    names relative to the upload, never a server folder).
+    """
     df = store.df(
         """SELECT r.name AS run, r.kind, r.dtype, p.name AS parent, r.fix, r."order" AS "order",
                   (SELECT count(*) FROM tensors t WHERE t.run_id = r.run_id) AS records,
@@ -48,6 +52,8 @@ def runs_table(store, session_id: str) -> pd.DataFrame:
            WHERE r.session_id = ? ORDER BY r.created, r.run_id""",
         [session_id],
     )
+    if public:
+        df["source"] = [public_source(v) for v in df["source"]]
     return df
 
 

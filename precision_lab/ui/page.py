@@ -27,10 +27,11 @@ from typing import Any, Callable, Optional, Sequence
 import streamlit as st
 
 from ..formats import FORMAT_NAMES
-from .common import escape_md, message_md, run_label
+from .common import escape_md, message_md, public_text, run_label
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
+           "sweep_scratch", "server_folders", "while_allowed",
            "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
 
 # page scripts, relative to app.py
@@ -86,6 +87,41 @@ def get_store():
         st.stop()
 
 
+def _quiet_config():
+    from ..config import ConfigError, load_config
+
+    try:
+        return load_config()
+    except ConfigError:
+        return None  # the page says so through get_config()
+
+
+@st.cache_resource(show_spinner=False)
+def _swept(root: str) -> tuple:
+    from ..scratch import sweep
+
+    return tuple(str(p) for p in sweep(root))
+
+
+def sweep_scratch() -> None:
+    """Remove leftovers of killed ingests from the scratch folder, once per server process
+    (``precision_lab.scratch.sweep``; uploads sweep again as they start)."""
+    from ..scratch import scratch_root
+
+    _swept(str(scratch_root(_quiet_config())))
+
+
+def server_folders() -> tuple:
+    """Folders whose paths a message must not show a browser (see ``common.public_text``)."""
+    import tempfile
+    from pathlib import Path
+
+    from ..scratch import scratch_root
+
+    root, tmp = scratch_root(_quiet_config()), Path(tempfile.gettempdir())
+    return (str(root), str(root.resolve()), str(tmp), str(tmp.resolve()))
+
+
 def access(store):
     """What this visitor may do (``precision_lab.config.resolve_access``).
 
@@ -105,6 +141,22 @@ def access(store):
         st.error(plain(acc.error))
         st.stop()
     return acc
+
+
+def while_allowed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` for a download made when clicked: a visitor who came by a share link
+    gets nothing once the link is revoked, though the page is still open."""
+    token = st.session_state.get(_SHARE)
+    if not token:
+        return fn
+    store = get_store()
+
+    def run():
+        if store.session_by_token(token) is None:
+            raise PermissionError("this share link is not valid: the token is unknown or was revoked")
+        return fn()
+
+    return run
 
 
 # ---- URL-backed pickers ------------------------------------------------------------
@@ -373,13 +425,14 @@ def navigate(page: str, **params: Any) -> None:
 # ---- errors and progress -------------------------------------------------------------
 
 def show_error(e: BaseException, what: str = "") -> None:
-    """An exception as one plain sentence (never a traceback).
+    """An exception as one plain sentence (never a traceback), without the
+    server's upload and temporary folders in the paths it quotes.
 
     ``st.error`` renders markdown and messages quote op and file names from
     uploaded dumps, so the whole sentence is escaped to show as typed.
     """
     msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    msg = msg.strip() or type(e).__name__
+    msg = public_text(msg.strip(), server_folders()) or type(e).__name__
     st.error(plain(f"{what}: {msg}" if what else msg))
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import pandas as pd
 
-from .common import rows, run_label
+from .common import public_source, public_text, rows, run_label
 from .overview import session_headline
 from .upload import Sample, UploadError, write_upload
 
@@ -37,14 +37,14 @@ def sessions_table(store, *, headlines: bool = True) -> pd.DataFrame:
             "session": s["name"], "created": s["created"],
             "runs": ", ".join(run_label(r) for r in by_session.get(s["session_id"], [])),
             "first non-finite": head["first_nonfinite"], "largest error": head["worst"],
-            "source": s["recipe"] or s["source"], "session_id": s["session_id"],
+            "source": s["recipe"] or public_source(s["source"]), "session_id": s["session_id"],
         })
     return pd.DataFrame(out, columns=["session", "created", "runs", "first non-finite", "largest error", "source",
                                       "session_id"])
 
 
 def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], progress: Optional[Progress],
-            zip_limits=None) -> str:
+            zip_limits=None, labels: Optional[dict] = None) -> str:
     from ..services.ingest import IngestError, ingest
 
     kw: dict[str, Any] = {}
@@ -52,33 +52,67 @@ def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], p
         kw["zip_limits"] = zip_limits
     try:
         return ingest([cand], reference=[ref] if ref else None, session=session or None, store=store,
-                      progress=progress, **kw)
+                      progress=progress, labels=labels, **kw)
     except IngestError as e:
         raise IngestFailed(str(e)) from None
 
 
+def _upload_name(files: list, default: str) -> str:
+    """What the visitor chose: the .zip's name, or the folder the files share."""
+    names = [str(getattr(f, "name", f[0] if isinstance(f, tuple) else "")).replace("\\", "/") for f in files]
+    tops = {n.strip("/").split("/")[0] for n in names if n.strip("/")}
+    if len(names) == 1 and "/" not in names[0].strip("/"):
+        return names[0].strip("/") or default
+    return next(iter(tops)) if len(tops) == 1 else default
+
+
 def ingest_upload(store, candidate: Iterable[Any], reference: Optional[Iterable[Any]] = None, *,
                   session: Optional[str] = None, progress: Optional[Progress] = None, max_depth: int = 32,
-                  zip_limits=None) -> str:
+                  zip_limits=None, config=None) -> str:
     """Write the uploaded candidate (and optional fp32 reference) files to a
-    temporary folder and ingest them into a new session; returns its name.
+    scratch folder (``precision_lab.scratch``) and ingest them into a new
+    session; returns its name.
 
-    Raises ``IngestFailed`` with a sentence naming the file and the problem.
-    The temporary files are removed whatever happens.
+    Raises ``IngestFailed`` with one sentence naming the uploaded file and
+    the problem, whatever went wrong; messages and the stored sources name
+    files relative to the upload, never the server's folders.  The scratch
+    folder is removed whatever happens, and leftovers of killed ingests are
+    swept first.
     """
+    from ..readers import first_line
+    from ..readers.safeio import plain_error
+    from ..scratch import scratch_dir, scratch_root, sweep
+
     candidate = list(candidate or [])
     reference = list(reference or [])
     if not candidate:
         raise IngestFailed("choose the dump folder (or .zip) to analyse first")
-    with tempfile.TemporaryDirectory(prefix="precision-lab-upload-") as tmp:
-        try:
-            cand_path = write_upload(candidate, Path(tmp) / "candidate", max_depth=max_depth,
-                                     default_name="candidate")
-            ref_path = (write_upload(reference, Path(tmp) / "reference", max_depth=max_depth,
-                                     default_name="reference") if reference else None)
-        except UploadError as e:
-            raise IngestFailed(str(e)) from None
-        return _ingest(store, cand_path, ref_path, session=session, progress=progress, zip_limits=zip_limits)
+    shown = _upload_name(candidate, "candidate")
+    if reference:
+        shown += f" (reference {_upload_name(reference, 'reference')})"
+    root = scratch_root(config)
+    folders = (root, root.resolve(), tempfile.gettempdir(), Path(tempfile.gettempdir()).resolve())
+    try:
+        sweep(root)
+        with scratch_dir("upload", root=root) as tmp:
+            try:
+                cand_path = write_upload(candidate, tmp / "candidate", max_depth=max_depth, default_name="candidate")
+                ref_path = (write_upload(reference, tmp / "reference", max_depth=max_depth,
+                                         default_name="reference") if reference else None)
+            except UploadError as e:
+                raise IngestFailed(str(e)) from None
+            labels = {str(p): p.name for p in (cand_path, ref_path) if p is not None}
+            return _ingest(store, cand_path, ref_path, session=session, progress=progress, zip_limits=zip_limits,
+                           labels=labels)
+    except IngestFailed as e:
+        raise IngestFailed(public_text(e, folders)) from None
+    except OSError as e:  # the upload cannot be written on the server (disk full, permissions)
+        raise IngestFailed(f"{shown}: cannot be stored on the server for reading "
+                           f"({e.strerror or type(e).__name__})") from None
+    except (RecursionError, MemoryError, OverflowError) as e:
+        raise IngestFailed(f"{shown}: {plain_error(e)}") from None
+    except Exception as e:  # one sentence whatever failed: never a bare exception
+        raise IngestFailed(public_text(f"{shown}: could not be ingested ({first_line(e)})", folders)) from None
 
 
 def sample_session_name(sample: Sample) -> str:
@@ -91,4 +125,5 @@ def open_sample(store, sample: Sample, *, progress: Optional[Progress] = None) -
     name = sample_session_name(sample)
     if rows(store, "SELECT 1 FROM sessions WHERE name = ?", [name]):
         return name
-    return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress)
+    labels = {str(p): p.name for p in (sample.candidate, sample.reference) if p is not None}
+    return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress, labels=labels)

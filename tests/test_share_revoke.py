@@ -1,0 +1,198 @@
+"""Share links are revoked while a server holds the database, and stop working on its next request."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _session(store, name: str) -> None:
+    with store.new_session(name, source="capture"):
+        pass
+
+
+def _cli(*args: str, env_db: str) -> subprocess.CompletedProcess:
+    """The command line in another process, as an operator runs it beside a server."""
+    env = dict(os.environ, PRECISION_LAB_DB=env_db)
+    env.pop("PRECISION_LAB_CONFIG", None)
+    return subprocess.run([sys.executable, "-c", "from precision_lab.cli import main; main()", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_revoke_while_a_server_holds_the_database(store):
+    from precision_lab.config import ServerConfig, resolve_access
+    from precision_lab.share import create_share_token
+
+    _session(store, "demo")
+    _session(store, "other")
+    token = create_share_token(store, "demo")
+    keep = create_share_token(store, "other")
+    cfg = ServerConfig(read_only=True)
+    assert resolve_access({"share": token}, store, cfg).session == "demo"
+
+    # this process is the server: it holds the database file; the CLI cannot open it
+    out = _cli("share-link", "--session", "demo", "--revoke", env_db=store.path)
+    assert out.returncode == 0, out.stderr
+    assert "revoked" in out.stdout and "next request" in out.stdout
+
+    refused = resolve_access({"share": token}, store, cfg)  # the very next request
+    assert refused.session is None and refused.error and "not valid" in refused.error
+    assert resolve_access({"share": keep}, store, cfg).session == "other"  # the other link still works
+
+    # creating needs the database; a name with no recorded link is an error, not a silent success
+    out = _cli("share-link", "--session", "demo", env_db=store.path)
+    assert out.returncode == 2 and "Revoking works while it runs" in out.stderr
+    out = _cli("share-link", "--session", "nope", "--revoke", env_db=store.path)
+    assert out.returncode == 2 and "nothing was revoked" in out.stderr
+
+    # the next process to open the database brings its column in line with the file
+    from precision_lab.store import Store, close_all
+
+    path = store.path
+    close_all()
+    again = Store(path)
+    assert again.session("demo")["share_token"] is None
+    assert again.session("other")["share_token"] == keep
+    assert again.session_by_token(token) is None
+
+
+def test_revoke_through_the_cli_in_process_with_the_database_held_elsewhere(tmp_path):
+    """The same with typer's CliRunner: the database is held by another process (a child holding it open)."""
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+    from precision_lab.share import create_share_token
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "held.duckdb"
+    s = Store(db)
+    _session(s, "demo")
+    token = create_share_token(s, "demo")
+    close_all()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom precision_lab.config import ServerConfig, resolve_access\n"
+         "from precision_lab.store import Store\ns = Store(sys.argv[1])\nprint('ready', flush=True)\n"
+         "for line in sys.stdin:\n"
+         "    a = resolve_access({'share': line.strip()}, s, ServerConfig())\n"
+         "    print(a.session or 'refused', flush=True)\n",
+         str(db)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+
+        def ask(tok: str) -> str:
+            holder.stdin.write(tok + "\n")
+            holder.stdin.flush()
+            return holder.stdout.readline().strip()
+
+        assert ask(token) == "demo"
+        out = CliRunner().invoke(app, ["share-link", "--session", "demo", "--revoke", "--db", str(db)])
+        assert out.exit_code == 0, out.output
+        assert ask(token) == "refused"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+
+
+def test_token_file_is_private_and_follows_renames_and_deletes(store):
+    from precision_lab.share import create_share_token, revoke_recorded_token
+    from precision_lab.tokens import token_file_for
+
+    _session(store, "demo")
+    _session(store, "gone")
+    token = create_share_token(store, "demo")
+    create_share_token(store, "gone")
+    path = Path(store.path + ".tokens.json")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "precision-lab-share-tokens" and len(doc["sessions"]) == 2
+
+    store.rename_session("demo", "renamed")
+    assert {e["name"] for e in json.loads(path.read_text())["sessions"].values()} == {"renamed", "gone"}
+    store.delete_session("gone")
+    assert [e["name"] for e in json.loads(path.read_text())["sessions"].values()] == ["renamed"]
+
+    # revoking by the file alone (as the CLI does when a server holds the database), by the current name
+    assert revoke_recorded_token(store.path, "demo") == []
+    removed = revoke_recorded_token(store.path, "renamed")
+    assert [r["token"] for r in removed] == [token]
+    assert store.session_by_token(token) is None
+    assert token_file_for(store.path).sessions() == {}
+
+
+def test_a_damaged_token_file_opens_nothing(store):
+    from precision_lab.share import create_share_token
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+
+    _session(store, "demo")
+    token = create_share_token(store, "demo")
+    Path(store.path + ".tokens.json").write_text("{not json")
+    assert store.session_by_token(token) is None  # fail closed
+    out = CliRunner().invoke(app, ["share-link", "--session", "demo", "--db", store.path])
+    assert out.exit_code == 2 and "tokens.json" in out.output and "not valid JSON" in out.output
+    # a missing file, once there was one, is no file of links: nothing opens
+    Path(store.path + ".tokens.json").unlink()
+    assert store.session_by_token(token) is None
+    # a damaged file does not stop a delete (a deleted session's token opens nothing anyway)
+    Path(store.path + ".tokens.json").write_text("{not json")
+    store.delete_session("demo")
+    assert store.sessions().empty
+
+
+def test_tokens_of_an_older_database_move_into_the_file(tmp_path):
+    """A database whose tokens were only in its column gets a token file when it is opened."""
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "old.duckdb"
+    s = Store(db)
+    _session(s, "demo")
+    s.sql("UPDATE sessions SET share_token = 'legacy-token'")
+    Path(str(s.path) + ".tokens.json").unlink(missing_ok=True)
+    close_all()
+    s = Store(db)
+    entries = json.loads(Path(s.path + ".tokens.json").read_text())["sessions"]
+    assert [e["token"] for e in entries.values()] == ["legacy-token"]
+    assert s.session_by_token("legacy-token")["name"] == "demo"
+
+
+def test_memory_store_keeps_tokens_in_the_database():
+    from precision_lab.share import create_share_token, revoke_share_token
+    from precision_lab.store import Store
+
+    s = Store(":memory:")
+    _session(s, "m")
+    t = create_share_token(s, "m")
+    assert s.session_by_token(t)["name"] == "m"
+    revoke_share_token(s, "m")
+    assert s.session_by_token(t) is None
+
+
+def test_an_open_page_cannot_download_after_revocation(store, monkeypatch):
+    """Downloads are made when clicked, without a rerun: they check the link again."""
+    from types import SimpleNamespace
+
+    from precision_lab.share import create_share_token, revoke_share_token
+    from precision_lab.ui import page
+
+    _session(store, "demo")
+    token = create_share_token(store, "demo")
+    monkeypatch.setattr(page, "st", SimpleNamespace(session_state={page._SHARE: token}))
+    monkeypatch.setattr(page, "get_store", lambda: store)
+    download = page.while_allowed(lambda: b"zip bytes")
+    assert download() == b"zip bytes"
+    revoke_share_token(store, "demo")
+    with pytest.raises(PermissionError, match="revoked"):
+        download()
+    monkeypatch.setattr(page, "st", SimpleNamespace(session_state={}))
+    assert page.while_allowed(lambda: 1)() == 1  # no link: nothing to check
