@@ -39,6 +39,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from .readers import ReadError
+from .readers.safeio import check_regular, contained, limits, npy_header, read_json, relname
 from .records import TensorRecord
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
@@ -271,9 +273,6 @@ def read_manifest(root) -> dict:
     Messages name files relative to ``root``; every file the manifest lists
     must stay inside ``root`` (see ``precision_lab.readers.safeio``).
     """
-    from .readers import ReadError
-    from .readers.safeio import read_json
-
     root = Path(root)
     path = Path(MANIFEST)  # as named in messages
     if not os.path.lexists(root / MANIFEST):
@@ -326,8 +325,6 @@ def _run_meta(entry: dict) -> dict:
 
 
 def _run_files(root: Path, entry: dict) -> list[Path]:
-    from .readers import ReadError
-    from .readers.safeio import check_regular, contained
 
     try:
         listed = [contained(root, root, f, what="shard file", where=MANIFEST) for f in entry.get("files") or []]
@@ -335,21 +332,15 @@ def _run_files(root: Path, entry: dict) -> list[Path]:
         raise ShardError(str(e)) from None
     for p in listed:
         if not os.path.lexists(p):
-            raise ShardError(f"{_rel(root, p)}: listed in {MANIFEST} but missing")
+            raise ShardError(f"{relname(root, p)}: listed in {MANIFEST} but missing")
     found = [root / f for f in _scan_run(root, entry["name"])[2]]
     files = {os.path.normpath(p): p for p in listed + found}
     for p in files.values():
         try:
-            check_regular(p, _rel(root, p))
+            check_regular(p, relname(root, p))
         except ReadError as e:
             raise ShardError(str(e)) from None
     return sorted(files.values(), key=_file_order)
-
-
-def _rel(root: Path, p: Path) -> str:
-    from .readers.safeio import relname
-
-    return relname(root, p)
 
 
 def _file_order(p: Path):
@@ -378,8 +369,6 @@ def _open_shard(path: Path, shown: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .readers import ReadError
-    from .readers.safeio import limits
     from .stats import N_BINS
 
     lim = limits()
@@ -441,8 +430,6 @@ def _rows(pf, shown: str) -> Iterator[dict]:
     """
     import pyarrow as pa
 
-    from .readers.safeio import limits
-
     lim = limits()
     cap, n = lim.max_file_records, 0
     try:
@@ -475,8 +462,6 @@ def _rows(pf, shown: str) -> Iterator[dict]:
 
 def _kept_tensor(data: bytes, where: str):
     """A kept tensor's ``.npy`` bytes, its header checked against the limits before the array is built."""
-    from .readers import ReadError
-    from .readers.safeio import npy_header
 
     buf = io.BytesIO(data)
     try:
@@ -531,7 +516,7 @@ def _row_stats(path, row: dict):
 
 
 def _iter_file(root: Path, path: Path, meta: dict, with_local: bool = False):
-    shown = _rel(root, path)
+    shown = relname(root, path)
     pf = _open_shard(path, shown)
     rec_fields = [f.name for f in dataclasses.fields(TensorRecord) if f.name not in ("stats", "tensor")]
     for row in _rows(pf, shown):
@@ -588,6 +573,6 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
                          for k, v in d.items() if k in names}
                     cmp = Comparison(**d)
                 except (TypeError, ValueError) as e:
-                    raise ShardError(f"{_rel(root, path)}: local comparison of {rec.name!r} is malformed "
+                    raise ShardError(f"{relname(root, path)}: local comparison of {rec.name!r} is malformed "
                                      f"({e})") from None
                 yield meta, rec, cmp

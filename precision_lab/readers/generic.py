@@ -134,23 +134,22 @@ def _record_fields(name: str) -> dict:
 
 def _load_npy(path: Path, rel: str, want=None):
     with open_regular(path, rel) as f:
-        head = f.read(len(_NPY_MAGIC))
-        if head != _NPY_MAGIC:
+        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
             raise ReadError(f"{rel}: not a .npy file (bad magic bytes)")
         f.seek(0)
         shape, fortran, dtype, offset = npy_header(f, rel)
         size = os.fstat(f.fileno()).st_size
-    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
-    if size - offset < nbytes:
-        raise ReadError(f"{rel}: truncated: the header promises more data than the file holds")
-    if size - offset > nbytes:
-        # bytes past the data mean the header's shape is not the data's
-        raise ReadError(f"{rel}: the header says shape {list(shape)} of {dtype} ({nbytes} bytes) but "
-                        f"the file holds {size - offset} bytes of data")
-    if nbytes == 0:
-        return [("", np.zeros(shape, dtype=dtype))]
-    with reading(rel):
-        arr = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
+        if size - offset < nbytes:
+            raise ReadError(f"{rel}: truncated: the header promises more data than the file holds")
+        if size - offset > nbytes:
+            # bytes past the data mean the header's shape is not the data's
+            raise ReadError(f"{rel}: the header says shape {list(shape)} of {dtype} ({nbytes} bytes) but "
+                            f"the file holds {size - offset} bytes of data")
+        if nbytes == 0:
+            return [("", np.zeros(shape, dtype=dtype))]
+        with reading(rel):  # mapped through the descriptor that was checked; the map outlives the file object
+            arr = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
     return [("", arr)]
 
 
@@ -314,9 +313,8 @@ def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=No
         )
     if numel == 0:
         return [("", np.zeros(shape, dtype=dt))]
-    with open_regular(path, rel, root):
-        pass
-    arr = np.memmap(path, dtype=dt, mode="r", offset=offset, shape=tuple(shape))
+    with open_regular(path, rel, root) as f:
+        arr = np.memmap(f, dtype=dt, mode="r", offset=offset, shape=tuple(shape))
     return [("", arr)]
 
 

@@ -39,7 +39,8 @@ from typing import Callable, Iterator, Optional
 
 from ..records import TensorRecord
 from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
-from .safeio import check_regular, check_tensor, contained, limits, plain_error, reading, read_json, relname
+from .safeio import (check_member_zip, check_regular, check_tensor, contained, limits, plain_error, read_json,
+                     reading, relname)
 
 __all__ = ["MsprobeReader", "parse_op", "dump_files"]
 
@@ -79,14 +80,13 @@ def dump_files(root: Path) -> list[tuple[int, str, Path]]:
                 raise ReadError(f"{relname(root, linked)}: is a symbolic link; dumps are read without following "
                                 "links")
             check_regular(p, rel)
-            if True:
-                step = 0
-                for part in p.relative_to(root).parts[:-1]:
-                    m = STEP_RE.match(part)
-                    if m:
-                        step = int(m.group(1))
-                rank_dir = p.parent.name if p.parent != root else ""
-                found.append((step, rank_dir, p))
+            step = 0
+            for part in p.relative_to(root).parts[:-1]:
+                m = STEP_RE.match(part)
+                if m:
+                    step = int(m.group(1))
+            rank_dir = p.parent.name if p.parent != root else ""
+            found.append((step, rank_dir, p))
     found.sort(key=lambda t: (t[0], natural_key(t[1]), str(t[2])))
     return found
 
@@ -268,8 +268,6 @@ def load_pt(path: Path, rel: str, root: Optional[Path] = None):
     import pickle
 
     import torch
-
-    from .safeio import check_member_zip
 
     check_regular(path, rel)
     with open(path, "rb") as f:
