@@ -3,6 +3,7 @@ import streamlit as st
 from precision_lab.fixes.jobs import rerun_actions, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
+from precision_lab.ui.common import num_text, text_columns
 
 store, acc = page.start("overview")
 info = page.choose_session(store, acc)
@@ -19,8 +20,8 @@ st.write(
 )
 
 st.subheader("Runs")
-st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]), hide_index=True, width="stretch",
-             key="runs_table")
+st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]).fillna({"parent": "", "fix": "", "order": ""}),
+             hide_index=True, width="stretch", key="runs_table")
 
 st.subheader("First non-finite producer")
 firsts = ov.first_nonfinite_by_run(store, sid)
@@ -48,7 +49,8 @@ artefacts = ov.norm_artefacts(store, sid)
 if artefacts:
     with st.expander(f"{len(artefacts)} norm artefact(s): Norm/Mean non-finite while the values are finite"):
         st.dataframe([{"run": a["run"], "op": a["op"], "tensor": f"{a['role']} {a['index']}",
-                       "Max": a["max"], "Min": a["min"], "Norm": a["l2norm"], "why": a["reason"]}
+                       "Max": num_text(a["max"]), "Min": num_text(a["min"]), "Norm": num_text(a["l2norm"]),
+                       "why": a["reason"]}
                       for a in artefacts], hide_index=True, width="stretch", key="artefacts")
 
 
@@ -59,11 +61,8 @@ def _offenders(kinds, key: str, empty: str) -> None:
         return
     shown = df[["run", "seq", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db", "rounding_units",
                 "reason"]]
-    ev = st.dataframe(shown, hide_index=True, width="stretch", key=key, on_select="rerun",
-                      selection_mode="single-row",
-                      column_config={"max_rel_err": st.column_config.NumberColumn(format="%.3e"),
-                                     "rounding_units": st.column_config.NumberColumn(format="%.3g"),
-                                     "sqnr_db": st.column_config.NumberColumn(format="%.2f")})
+    ev = st.dataframe(text_columns(shown, ("max_rel_err", "sqnr_db", "rounding_units"), 4), hide_index=True,
+                      width="stretch", key=key, on_select="rerun", selection_mode="single-row")
     if ev is not None and ev.selection.rows:
         row = df.iloc[ev.selection.rows[0]]
         page.navigate("detail", session=info["name"], run=row["run"], op=int(row["rid"]))

@@ -167,7 +167,7 @@ def render_html(store, session: str, *, public: bool = False) -> str:
     import plotly.offline
 
     from . import __version__
-    from .services.report import norm_artefacts
+    from .services.report import norm_artefacts, order_text
     from .ui.common import cosine_text, public_source, rows
     from .ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
 
@@ -213,7 +213,11 @@ def render_html(store, session: str, *, public: bool = False) -> str:
                         empty="no runs"))
 
     err = _error_plot(store, sid, firsts)
+    unknown = [r["run"] for r in runs if r.get("order") == order_text("name")]
     parts.append("<h2>Error along execution order</h2>")
+    if unknown:
+        parts.append(f'<p class="none">{_e(order_text("name"))} for {_e(", ".join(unknown))}: seq follows '
+                     "the names, not the execution</p>")
     parts.append(err if err else '<p class="none">no comparisons in this session</p>')
 
     focus, caption = _focus_plot(store, sid, firsts)

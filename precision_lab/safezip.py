@@ -157,6 +157,18 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> list[
     return infos
 
 
+def _keep_time(target: Path, info: zipfile.ZipInfo) -> None:
+    """Give an extracted file the time its archive records (2-second resolution), not the extraction's:
+    a reader that orders files by modification time must not take extraction order for execution order."""
+    import time
+
+    try:
+        t = time.mktime(info.date_time + (0, 0, -1))
+        os.utime(target, (t, t))
+    except (OverflowError, ValueError, OSError):
+        pass
+
+
 def safe_extract(path: os.PathLike | str, dest: os.PathLike | str, limits: ZipLimits = ZipLimits()) -> Path:
     """Check the whole archive, then extract it under ``dest``; returns ``dest``.
 
@@ -189,6 +201,7 @@ def safe_extract(path: os.PathLike | str, dest: os.PathLike | str, limits: ZipLi
                         if written > info.file_size:
                             raise UnsafeZip(f"{path}: entry {info.filename!r} inflates past its declared size")
                         out.write(chunk)
+                _keep_time(target, info)
             except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error) as e:
                 raise UnsafeZip(f"{path}: entry {info.filename!r} is corrupt ({e})") from None
             except NotImplementedError as e:

@@ -1,6 +1,7 @@
 """Readers: generic tensor folders round-trip, msprobe layout and naming, the registry."""
 
 import json
+import os
 import shutil
 
 import ml_dtypes
@@ -178,11 +179,12 @@ def test_order_by_name_is_said(store, tmp_path):
     d.mkdir()
     for i in (10, 9, 1):
         np.save(d / f"layer{i}.npy", np.ones(1, np.float32))
+        os.utime(d / f"layer{i}.npy", ns=(1_700_000_000_000_000_000,) * 2)  # equal times say nothing
     name = ingest(d, store=store)
     seq = {r["op"]: r["seq"] for r in _rows(store, name).values()}
     assert seq == {"layer1": 0, "layer9": 1, "layer10": 2}  # natural order, not 1, 10, 9
     run = next(iter(store.session(name)["notes"]["ingest"]["runs"].values()))
-    assert run["order"] == "name" and "by name" in run["order_from"]
+    assert run["order"] == "name" and "order unknown: by name" in run["order_from"]
     assert store.run(run["run_id"])["order"] == "name"
 
 

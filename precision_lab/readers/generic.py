@@ -12,10 +12,15 @@ Names of the form ``<op>.<role>.<index>`` (role ``input``, ``output``,
 op, role and index; any other name becomes op ``<name>`` with role
 ``tensor``.
 
-Order.  ``manifest.json`` (``{"order": [names...]}``), ``order.json`` (a
-list of names) or ``order.txt`` (one name per line) give execution order;
-names may be written with their file extension.  Without one, records are
-numbered in natural name order and the run says ``order="name"``.
+Order, first found wins.  1. An explicit list of names: ``manifest.json``
+or ``order.json`` holding a list, or an object with the list under the first
+present key of ``order``, ``execution_order``, ``module_order`` or
+``call_order``; or ``order.txt`` (one name per line).  Names may be written
+with their file extension.  The run says ``order="execution"``.  2. File
+modification times, when every data file has its own (nanosecond) time:
+files are numbered oldest first, tensors inside one container file by name;
+the run says ``order="mtime"``.  3. Natural name order; the run says
+``order="name"`` (order unknown).  ``order_note`` says which was used.
 
 Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
 ``{"dtype": "float16", "shape": [4, 8]}`` (optional ``"byteorder"``:
@@ -46,11 +51,13 @@ from .msprobe import load_pt, parse_op
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
                      open_regular, parse_json, reading, read_json, relname)
 
-__all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "scan"]
+__all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "ORDER_KEYS", "scan"]
 
 SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
 CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
+ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
+_KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
 _MSPROBE_PREFIXES = {"Functional", "Torch", "Tensor", "Module", "Aten", "NPU", "Distributed", "VF", "Jit",
                      "Mint", "MintFunctional", "Primitive"}
 _GRAD_ROLES = {"grad_input", "grad_output", "param_grad"}
@@ -103,6 +110,16 @@ def scan(root: Path) -> Scan:
     used = set(data) | set(sidecars.values()) | ({order_file} if order_file else set())
     other = [p for p in files if p not in used]
     return Scan(data, sidecars, order_file, other, special)
+
+
+def _by_mtime(data: list[Path]) -> Optional[list[Path]]:
+    """``data`` oldest first when every file has its own nanosecond modification time, else None."""
+    if len(data) < 2:
+        return None
+    times = {p: os.lstat(p).st_mtime_ns for p in data}
+    if len(set(times.values())) < len(data):
+        return None
+    return sorted(data, key=times.__getitem__)
 
 
 def op_type_of(op: str) -> str:
@@ -340,9 +357,10 @@ class GenericReader:
 
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
         sc = scan(root)
-        order, note, warnings = self._order(root, sc)
+        order, kind, note, warnings, data = self._order(root, sc)
+        sc = dataclasses.replace(sc, data=data)
         src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
-                        records=iter(()), order="execution" if order is not None else "name", order_note=note,
+                        records=iter(()), order=kind, order_note=note,
                         loader=lambda source: self._reload(root, sc, source))
         src.warnings.extend(warnings)
         if sc.special:
@@ -360,9 +378,36 @@ class GenericReader:
         yield src
 
     # -- order
-    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, list]:
+    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, str, list, list[Path]]:
+        """``(order, kind, note, warnings, data files in reading order)``; ``order`` maps names to
+        their place in an explicit list (None without one), ``kind`` is RunSource.order."""
+        names, where, keyless = self._order_list(root, sc)
+        if names is None:
+            timed = _by_mtime(sc.data)
+            if timed is not None:
+                inner = "; tensors inside one container file by name" if any(
+                    p.suffix.lower() in CONTAINERS for p in sc.data) else ""
+                kind, note = "mtime", f"order from file modification times ({where}){inner}"
+            else:
+                kind, note = "name", f"order unknown: by name ({where}; file modification times not distinct)"
+            said = "order from file modification times" if timed else "order unknown: by name"
+            warnings = [(keyless, f"has no {_KEYS_TEXT} list; {said}")] if keyless else []
+            return None, kind, note, warnings, timed or sc.data
+        order: dict[str, int] = {}
+        for i, n in enumerate(names):
+            n = n.replace("\\", "/")
+            for suf in SUFFIXES:
+                if n.lower().endswith(suf):
+                    n = n[: -len(suf)]
+                    break
+            order.setdefault(n.replace("/", "."), i)
+        return order, "execution", f"execution order from {where}", [], sc.data
+
+    def _order_list(self, root: Path, sc: Scan) -> tuple[Optional[list[str]], str, Optional[str]]:
+        """``(names, where they came from, None)``, or ``(None, why there are none, the order file
+        when it is an object without an order key)``."""
         if sc.order_file is None:
-            return None, "by name: the folder has no manifest.json, order.json or order.txt", []
+            return None, f"no {', '.join(ORDER_FILES)}", None
         rel = relname(root, sc.order_file)
         if sc.order_file.suffix == ".txt":
             with open_regular(sc.order_file, rel, root) as f:
@@ -373,24 +418,18 @@ class GenericReader:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
-            names = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+            return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")], rel, None
+        doc = read_json(sc.order_file, rel, root, what="order file")
+        if isinstance(doc, dict):
+            key = next((k for k in ORDER_KEYS if doc.get(k) is not None), None)
+            if key is None:
+                return None, f"{rel} has no {_KEYS_TEXT} list", rel
+            names, where = doc[key], f'{rel} ("{key}")'
         else:
-            doc = read_json(sc.order_file, rel, root, what="order file")
-            names = doc.get("order") if isinstance(doc, dict) else doc
-            if names is None:
-                return None, f"by name: {rel} has no \"order\" list", [
-                    (rel, "has no \"order\" list; records are ordered by name")]
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise ReadError(f"{rel}: \"order\" must be a list of tensor names")
-        order: dict[str, int] = {}
-        for i, n in enumerate(names):
-            n = n.replace("\\", "/")
-            for suf in SUFFIXES:
-                if n.lower().endswith(suf):
-                    n = n[: -len(suf)]
-                    break
-            order.setdefault(n.replace("/", "."), i)
-        return order, f"execution order from {rel}", []
+            names, where = doc, rel
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ReadError(f"{where}: the order must be a list of tensor names")
+        return names, where, None
 
     # -- names
     def _prefix(self, root: Path, p: Path) -> tuple[str, int, int]:

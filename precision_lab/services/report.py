@@ -12,6 +12,14 @@ are all there is.  A non-finite Norm (or Mean) with finite Max/Min is *not*
 non-finite: the dump computed the norm in the tensor's own dtype and the
 sum of squares overflowed; such records are listed as norm artefacts.
 
+Containers pass values on.  An op whose name is a dotted prefix of another
+candidate's (``model.layers.0`` of ``model.layers.0.mlp.down_proj``) is a
+module holding it, not the producer: the innermost candidate is named.
+When the run's order is unknown (``runs.order = 'name'``: a dump numbered by
+name), the alphabet says nothing about which op ran first: the producer is
+an innermost candidate, the reason says "order unknown: by name" and lists
+the other innermost candidates (``others``).
+
 The JSON document (``build_report``) has the keys ``session``, ``runs``,
 ``first_nonfinite``, ``norm_artefacts``, ``tensors``, ``comparisons``,
 ``diagnoses``, ``warnings`` and ``notes``.  Non-finite numbers are written
@@ -28,11 +36,19 @@ from typing import Optional
 from ..formats import format_for_dtype
 
 __all__ = ["first_nonfinite", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
-           "PATH_LENGTH"]
+           "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 # roles that feed an op; every other role is something the op produced
 INPUT_ROLES = ("input", "kwarg", "param", "grad_output")
 PATH_LENGTH = 5  # ops shown before the producer
+# runs.order in words
+ORDER_TEXT = {"execution": "execution order", "mtime": "order from file modification times",
+              "name": "order unknown: by name"}
+
+
+def order_text(order: Optional[str]) -> str:
+    """A run's ``order`` in words, as the reports and the Overview show it."""
+    return ORDER_TEXT.get(order or "execution", order or "")
 
 _IN_SQL = "(" + ", ".join(f"'{r}'" for r in INPUT_ROLES) + ")"
 
@@ -56,7 +72,7 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
     before it in the same step and rank, then the op itself, each ``{op,
     op_type, seq, nonfinite_in, nonfinite_out}``.
     """
-    run = _rows(store, "SELECT name FROM runs WHERE run_id = ?", [run_id])
+    run = _rows(store, 'SELECT name, "order" FROM runs WHERE run_id = ?', [run_id])
     if not run:
         raise KeyError(f"no run {run_id!r}")
     groups = _rows(
@@ -73,7 +89,9 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
     )
     if not groups:
         return None
-    hit = next((g for g in groups if g["nf_out"] and not g["nf_in"]), None)
+    order = run[0]["order"] or "execution"
+    known = order != "name"
+    hit, others = _producer(groups, known)
     producer = hit is not None
     if hit is None:
         hit = groups[0]
@@ -95,18 +113,59 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
         [run_id, hit["step"], hit["rank"], hit["seq"], PATH_LENGTH + 1],
     )
     path = [p for p in path if not (p["seq"] == hit["seq"] and p["op"] != hit["op"])][::-1]
-    if producer:
+    if producer and known:
         reason = (f"{hit['op']} is the first op whose inputs are all finite and whose {rec['role']} "
                   f"{rec['index']} is not")
+    elif producer:
+        reason = (f"{hit['op']}: its inputs are all finite and its {rec['role']} {rec['index']} is not, and no op "
+                  f"inside it is like that ({ORDER_TEXT['name']}, so the innermost such op is named")
+        reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
+                   f"{', ...' if len(others) > 5 else ''})" if others else ")")
     else:
         reason = (f"{hit['op']} already receives a non-finite {rec['role']} {rec['index']}; no recorded op "
                   "produced it (it comes from before the first recorded op, e.g. the model's inputs)")
+        if not known:
+            reason += f" ({ORDER_TEXT['name']})"
     return {
         "run": run[0]["name"], "run_id": run_id, "op": hit["op"], "op_type": hit["op_type"],
         "direction": hit["direction"], "seq": int(hit["seq"]), "step": int(hit["step"]),
         "rank": int(hit["rank"]), "rid": int(rec["rid"]), "role": rec["role"], "index": rec["index"],
-        "producer": producer, "reason": reason, "path": path,
+        "producer": producer, "reason": reason, "path": path, "order": order, "order_known": known,
+        "others": others,
     }
+
+
+def _inside(op: str, container: str) -> bool:
+    return op.startswith(container + ".")
+
+
+def _producer(groups: list[dict], known: bool) -> tuple[Optional[dict], list[str]]:
+    """The producer among ``groups`` (in step, seq, rank, op order) and, when the order is
+    unknown, the names of the other innermost candidates of the same step and rank.
+
+    A candidate has finite inputs and a non-finite output.  A candidate with
+    another candidate inside it (its name a dotted prefix of the other's, same
+    step and rank) is a container that passes the value on: the innermost one
+    is named.  With the order known, that is the first candidate in order,
+    replaced by the first candidate inside it until none is; with the order
+    unknown, the innermost candidates of the first step and rank that has any,
+    the first by name named and the others listed.
+    """
+    cands = [g for g in groups if g["nf_out"] and not g["nf_in"]]
+    if not cands:
+        return None, []
+    first = cands[0]
+    local = [g for g in cands if (g["step"], g["rank"]) == (first["step"], first["rank"])]
+    if known:
+        hit = first
+        while True:
+            inner = next((g for g in local if _inside(g["op"], hit["op"])), None)
+            if inner is None:
+                return hit, []
+            hit = inner
+    innermost = sorted((g for g in local if not any(_inside(o["op"], g["op"]) for o in local)),
+                       key=lambda g: (g["seq"], g["op"]))
+    return innermost[0], [g["op"] for g in innermost[1:]]
 
 
 def _fmt_num(v) -> str:
@@ -209,7 +268,7 @@ def build_report(store, session: str) -> dict:
         "source": info["source"],
         "runs": [{"name": r["name"], "run_id": r["run_id"], "kind": r["kind"], "dtype": r["dtype"],
                   "parent": names.get(r["parent_run_id"]) if r["parent_run_id"] else None, "fix": r["fix"],
-                  "source": r["source"], "order": r["order"]} for r in runs],
+                  "source": r["source"], "order": r["order"], "order_text": order_text(r["order"])} for r in runs],
         "first_nonfinite": first,
         "norm_artefacts": norm_artefacts(store, sid),
         "tensors": tensors,
@@ -257,7 +316,7 @@ def render_text(report: dict, *, top: int = 15) -> str:
     """A human-readable summary of ``build_report``'s document."""
     out = [f"Session {report['session']}  ({report.get('source') or ''})", ""]
     out += _table([[r["name"], r["kind"], r["dtype"] or "-", r["parent"] or "-", r["fix"] or "-",
-                    r.get("order") or "-"] for r in report["runs"]],
+                    r.get("order_text") or order_text(r.get("order"))] for r in report["runs"]],
                   ["run", "kind", "dtype", "parent", "fix", "order"])
     out += ["", "First non-finite producer:"]
     for run, f in report["first_nonfinite"].items():
@@ -267,7 +326,7 @@ def render_text(report: dict, *, top: int = 15) -> str:
         out.append(f"  {run}: {f['op']}  (step {f['step']}, rank {f['rank']}, seq {f['seq']}, {f['role']} {f['index']})")
         out.append(f"    {f['reason']}")
         chain = " -> ".join(p["op"] for p in f["path"])
-        out.append(f"    path: {chain}")
+        out.append(f"    path ({order_text(f.get('order'))}): {chain}")
     arts = report.get("norm_artefacts") or []
     if arts:
         out += ["", f"Norm artefacts ({len(arts)}): not non-finite values"]

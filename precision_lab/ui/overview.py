@@ -9,7 +9,8 @@ from typing import Optional
 
 import pandas as pd
 
-from .common import num_text, plot_text, public_source, rows, run_label
+from ..services.report import order_text
+from .common import frame, num_text, plot_text, public_source, rows, run_label
 
 __all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
@@ -38,7 +39,8 @@ def session_runs(store, session_id: str) -> list[dict]:
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
-    """One row per run: kind, dtype, parent and fix, record counts, source.
+    """One row per run: kind, dtype, parent and fix, order in words ("order unknown: by name" for a
+    dump numbered by name), record counts, source.
 
     ``public``: sources as a browser may see them (``common.public_source``:
     names relative to the upload, never a server folder).
@@ -54,6 +56,7 @@ def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
     )
     if public:
         df["source"] = [public_source(v) for v in df["source"]]
+    df["order"] = [order_text(v) if isinstance(v, str) and v else v for v in df["order"]]
     return df
 
 
@@ -89,7 +92,7 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
         where.append("c.cand_run_id = ?")
         params.append(run_id)
     params.append(int(n))
-    return store.df(
+    return frame(store, 
         f"""SELECT r.name AS run, c.seq, c.op, c.role, c."index", c.kind, c.basis, c.verdict,
                    c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.rounding_units,
                    c.reason, c.cand_run_id AS run_id, c.cand_rid AS rid, c.ref_run_id, c.ref_rid

@@ -117,6 +117,9 @@ def write_upload(files: Iterable[Any], dest: os.PathLike | str, *, max_depth: in
         target = root.joinpath(*parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(it.data)
+        # one time for every file: a browser sends no modification times, and the order files arrive
+        # in is not the order a model ran in (readers may order a dump by modification time)
+        os.utime(target, (0, 0))
     return root / next(iter(tops)) if shared_top else root
 
 

@@ -1,0 +1,289 @@
+"""Order of generic dumps and the producer in them: explicit order lists under
+each manifest key, file modification times, and names (order unknown).
+
+The dumps are a small torch model's module inputs and outputs saved with
+forward hooks as ``<module path>.<input|output>.<idx>.npy``; an fp16
+overflow is injected in one inner Linear by scaling its weight, so the true
+origin is known and every variant must name it, never a container holding it.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from precision_lab.html_report import render_html
+from precision_lab.readers.generic import ORDER_KEYS
+from precision_lab.services.ingest import ingest
+from precision_lab.services.report import build_report, first_nonfinite, render_text
+from precision_lab.ui.overview import runs_table
+
+ORIGIN = "model.layers.0.mlp.down_proj"  # the Linear whose weight is scaled
+CONTAINERS = ("model", "model.layers.0", "model.layers.0.mlp")
+BASE_NS = 1_700_000_000_000_000_000
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.down_proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _record(origin: str, dirpath):
+    """Run the model in fp16 with ``origin``'s weight scaled past fp16's range; save every module's
+    input 0 and output 0.  Returns (files in save order, tensor names in call order)."""
+    torch.manual_seed(0)
+    model = Model()
+    with torch.no_grad():
+        model.get_submodule(origin.removeprefix("model.")).weight.mul_(1.5e5)  # still finite in fp16, its products are not
+    model = model.half()
+    saved, calls, arrays = [], [], {}
+
+    def pre(name):
+        def hook(_mod, _inp):
+            calls.extend([f"{name}.input.0", f"{name}.output.0"])
+        return hook
+
+    def post(name):
+        def hook(_mod, inp, out):
+            for role, t in (("input", inp[0]), ("output", out)):
+                fn = f"{name}.{role}.0.npy"
+                arrays[fn] = t.detach().numpy().copy()
+                saved.append(fn)
+        return hook
+
+    for sub, mod in model.named_modules():
+        name = f"model.{sub}" if sub else "model"
+        if isinstance(mod, nn.ModuleList):
+            continue
+        mod.register_forward_pre_hook(pre(name))
+        mod.register_forward_hook(post(name))
+    with torch.no_grad():
+        model(torch.randn(4, 8).half())
+    dirpath.mkdir(parents=True)
+    for fn in saved:
+        np.save(dirpath / fn, arrays[fn])
+    # the injection did what it should: the origin's input is finite and its output is not
+    assert np.isfinite(arrays[f"{origin}.input.0.npy"].astype(np.float32)).all()
+    assert not np.isfinite(arrays[f"{origin}.output.0.npy"].astype(np.float32)).all()
+    parts = origin.split(".")
+    for c in (".".join(parts[:i]) for i in range(1, len(parts)) if not parts[i - 1] == "layers"):
+        # each module holding the origin also has finite inputs and a non-finite output
+        assert np.isfinite(arrays[f"{c}.input.0.npy"].astype(np.float32)).all()
+        assert not np.isfinite(arrays[f"{c}.output.0.npy"].astype(np.float32)).all()
+    return saved, calls
+
+
+def _times(d, files, *, equal: bool, reverse: bool = False):
+    seq = list(reversed(files)) if reverse else files
+    for i, fn in enumerate(seq):
+        t = BASE_NS if equal else BASE_NS + i * 1_000  # microseconds apart: only nanosecond times tell
+        os.utime(d / fn, ns=(t, t))
+
+
+def _run(store, name):
+    sess = store.session(name)
+    (info,) = sess["notes"]["ingest"]["runs"].values()
+    return info, store.run(info["run_id"])
+
+
+@pytest.mark.parametrize("key", ORDER_KEYS)
+@pytest.mark.parametrize("which", ["save", "call"])
+def test_manifest_order_under_each_key(store, tmp_path, key, which):
+    d = tmp_path / "dump"
+    saved, calls = _record(ORIGIN, d)
+    # "call": containers listed before their children, as a call-order list has them
+    names = saved if which == "save" else calls
+    (d / "manifest.json").write_text(json.dumps({"model": "toy", key: names}))
+    _times(d, saved, equal=True)
+    name = ingest(d, store=store)
+    info, run = _run(store, name)
+    assert info["order"] == "execution" and run["order"] == "execution"
+    assert f'manifest.json ("{key}")' in info["order_from"]
+    f = first_nonfinite(store, info["run_id"])
+    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+    assert not store.df("SELECT * FROM warnings").shape[0]
+
+
+def test_first_present_key_wins(store, tmp_path):
+    d = tmp_path / "dump"
+    saved, _calls = _record(ORIGIN, d)
+    (d / "manifest.json").write_text(json.dumps({"call_order": list(reversed(saved)), "execution_order": saved}))
+    name = ingest(d, store=store)
+    info, _ = _run(store, name)
+    assert '("execution_order")' in info["order_from"]
+    seq = dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
+    assert [seq[fn[:-4]] for fn in saved] == list(range(len(saved)))
+    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+
+
+@pytest.mark.parametrize("fmt", ["order.json", "order.txt"])
+def test_order_files(store, tmp_path, fmt):
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    if fmt == "order.json":
+        (d / fmt).write_text(json.dumps(saved))
+    else:
+        (d / fmt).write_text("\n".join(fn[:-4] for fn in saved) + "\n")
+    info, _ = _run(store, ingest(d, store=store))
+    assert info["order"] == "execution" and fmt in info["order_from"]
+    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+
+
+def test_distinct_mtimes_give_the_order(store, tmp_path):
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    _times(d, saved, equal=False)
+    info, run = _run(store, ingest(d, store=store))
+    assert info["order"] == "mtime" and run["order"] == "mtime"
+    assert "order from file modification times" in info["order_from"]
+    seq = dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
+    assert [seq[fn[:-4]] for fn in saved] == list(range(len(saved)))  # the save order, not the names'
+    f = first_nonfinite(store, info["run_id"])
+    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+
+
+def test_mtimes_that_put_containers_first(store, tmp_path):
+    """Times in reverse save order: every container's records come before its children's."""
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    _times(d, saved, equal=False, reverse=True)
+    info, _ = _run(store, ingest(d, store=store))
+    assert info["order"] == "mtime"
+    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+
+
+def test_equal_mtimes_fall_back_to_names(store, tmp_path):
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    _times(d, saved, equal=True)
+    name = ingest(d, store=store)
+    info, run = _run(store, name)
+    assert info["order"] == "name" and run["order"] == "name"
+    assert "order unknown: by name" in info["order_from"]
+    f = first_nonfinite(store, info["run_id"])
+    assert f["op"] == ORIGIN and f["producer"] and not f["order_known"]
+    assert min(CONTAINERS) < ORIGIN  # by the alphabet a container would come first
+    assert "order unknown: by name" in f["reason"]
+
+    rep = build_report(store, name)
+    assert rep["runs"][0]["order"] == "name" and rep["runs"][0]["order_text"] == "order unknown: by name"
+    assert rep["first_nonfinite"][run["name"]]["op"] == ORIGIN
+    text = render_text(rep)
+    assert "order unknown: by name" in text and "execution order" not in text
+    sid = store.session(name)["session_id"]
+    assert list(runs_table(store, sid)["order"]) == ["order unknown: by name"]
+    page = render_html(store, name)
+    assert "order unknown: by name" in page
+
+
+def test_manifest_without_an_order_key(store, tmp_path):
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    (d / "manifest.json").write_text(json.dumps({"model": "toy", "modules": len(saved)}))
+    _times(d, saved, equal=True)
+    info, _ = _run(store, ingest(d, store=store))
+    assert info["order"] == "name" and "order unknown: by name" in info["order_from"]
+    w = store.df("SELECT file, message FROM warnings")
+    assert list(w.file) == ["manifest.json"] and "call_order" in w.message[0]
+    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+
+
+@pytest.mark.parametrize("origin", ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.head"])
+@pytest.mark.parametrize("times", ["equal", "distinct"])
+def test_other_origins(store, tmp_path, origin, times):
+    d = tmp_path / "dump"
+    saved, _ = _record(origin, d)
+    _times(d, saved, equal=times == "equal")
+    info, _ = _run(store, ingest(d, store=store))
+    assert info["order"] == ("name" if times == "equal" else "mtime")
+    assert first_nonfinite(store, info["run_id"])["op"] == origin
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def test_two_innermost_candidates_with_order_unknown(store, tmp_path):
+    """Two parallel branches both overflow: with the order unknown either may be first; one is named,
+    the reason says the order is unknown and lists the other."""
+    torch.manual_seed(0)
+    m = Branches()
+    with torch.no_grad():
+        m.a.weight.fill_(3e4)
+        m.b.weight.fill_(3e4)
+    m = m.half()
+    x = torch.ones(2, 4).half()
+    d = tmp_path / "dump"
+    d.mkdir()
+    with torch.no_grad():
+        for name, fn in (("model", m), ("model.a", m.a), ("model.b", m.b)):
+            np.save(d / f"{name}.input.0.npy", x.numpy())
+            np.save(d / f"{name}.output.0.npy", fn(x).numpy())
+    for p in d.iterdir():
+        os.utime(p, ns=(BASE_NS, BASE_NS))
+    info, _ = _run(store, ingest(d, store=store))
+    f = first_nonfinite(store, info["run_id"])
+    assert {f["op"], *f["others"]} == {"model.a", "model.b"}
+    assert "order unknown: by name" in f["reason"] and "may have run first" in f["reason"]
+
+
+def test_extraction_and_upload_order_is_never_taken_for_execution_order(store, tmp_path):
+    """Files written one after another by unzipping or uploading get distinct times; that order means nothing."""
+    import io
+    import zipfile
+
+    from precision_lab.services.ingest import ingest
+    from precision_lab.ui.upload import write_upload
+
+    blobs = {}
+    for name in ("b.output.0.npy", "a.output.0.npy", "c.output.0.npy"):
+        buf = io.BytesIO()
+        np.save(buf, np.ones(4, np.float32))
+        blobs[name] = buf.getvalue()
+    z = tmp_path / "dump.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        for name, data in blobs.items():
+            zf.writestr(zipfile.ZipInfo(f"dump/{name}", date_time=(2024, 1, 2, 3, 4, 6)), data)
+    up = write_upload([(f"dump/{n}", d) for n, d in blobs.items()], tmp_path / "up")
+    for path in (z, up):
+        name = ingest(path, store=store)
+        orders = store.sql("SELECT r.\"order\" FROM runs r JOIN sessions s ON s.session_id = r.session_id "
+                           "WHERE s.name = ?", [name]).fetchall()
+        assert orders == [("name",)], (path, orders)
