@@ -3,7 +3,7 @@ import streamlit as st
 
 from precision_lab.ui import diff as dv
 from precision_lab.ui import page
-from precision_lab.ui.common import run_label, style_severity
+from precision_lab.ui.common import run_label, style_severity, text_columns
 from precision_lab.ui.overview import session_runs
 
 store, acc = page.start("diff")
@@ -52,7 +52,7 @@ if mode == "pair":
                               page=current - 1, page_size=page_size)
     df = result.rows
     shown = df.drop(columns=["ref_rid", "cand_rid", "ref_nonfinite", "cand_nonfinite"])
-    event = st.dataframe(style_severity(shown), key="diff_table", hide_index=True, width="stretch",
+    event = st.dataframe(style_severity(text_columns(shown, digits=4)), key="diff_table", hide_index=True, width="stretch",
                          height=page.table_height(len(shown)), on_select="rerun",
                          selection_mode="single-row")
     if event is not None and event.selection.rows:
@@ -82,7 +82,7 @@ else:
     with page.guard("The N-run diff could not be queried"):
         result = dv.nrun_page(store, sid, others, base_run_id=base_id, show=show, pattern=pattern,
                               page=current - 1, page_size=page_size)
-    st.dataframe(result.rows.drop(columns=["rid"]), key="nrun_table", hide_index=True, width="stretch",
+    st.dataframe(text_columns(result.rows.drop(columns=["rid"]), digits=4), key="nrun_table", hide_index=True, width="stretch",
                  height=page.table_height(len(result.rows)))
 
 left, right = st.columns([3, 1])

@@ -21,6 +21,9 @@ if run is None:
 find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
+asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None
+if asked is not None and not dv.has_record(store, run["run_id"], asked):
+    page.not_found(f"Run {run['name']} has no op {asked}; open one from the Ops page.")
 records = dv.find_records(store, run["run_id"], find, include_rid=current_rid)
 if not records:
     st.info("No record of this run matches the name filter.")
@@ -90,10 +93,9 @@ if formats:
     for i, (col, (label, s)) in enumerate(zip(cols, series)):
         with col:
             st.caption(page.plain(label))
-            st.dataframe(text_columns(dv.headroom_table(s, formats), ("max finite", "absmax", "min |x| > 0")),
-                         hide_index=True, width="stretch", key=f"head_{i}",
-                         column_config={c: st.column_config.NumberColumn(format="%.3f")
-                                        for c in ("headroom (bits)", "footroom (bits)")})
+            st.dataframe(text_columns(dv.headroom_table(s, formats), ("max finite", "absmax", "headroom (bits)",
+                                                                      "min |x| > 0", "footroom (bits)"), 4),
+                         hide_index=True, width="stretch", key=f"head_{i}")
     if summary_only:
         with st.expander("Where each summary statistic lands in each format"):
             for i, (label, s) in enumerate(series):

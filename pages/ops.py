@@ -62,11 +62,6 @@ shown = ov.display_frame(result.rows)
 event = st.dataframe(
     style_severity(shown.drop(columns=["rid"])), key="ops_table", on_select="rerun", selection_mode="single-row",
     hide_index=True, width="stretch", height=page.table_height(len(shown)),
-    column_config={"max_rel_err": st.column_config.NumberColumn(format="%.3e"),
-                   "max_abs_err": st.column_config.NumberColumn(format="%.3e"),
-                   "local_max_rel_err": st.column_config.NumberColumn(format="%.3e"),
-                   "absmax": st.column_config.NumberColumn(format="%.6g"),
-                   "sqnr_db": st.column_config.NumberColumn(format="%.2f")},
 )
 left, right = st.columns([3, 1])
 left.caption(f"{result.total} record(s) match; page {result.filter.page + 1} of {result.pages}.")

@@ -67,7 +67,10 @@ def test_session_comes_from_the_url_and_metric_switch(ui_db):
     assert "SQNR" in fig.proto.spec
 
 
-def test_unknown_session_in_url_falls_back_to_a_known_one(ui_db):
+def test_unknown_session_in_url_says_so_and_opens_nothing(ui_db):
     at = open_page("overview", session="no-such-session")
     assert_clean(at)
-    assert at.query_params["session"] in (STAT_SESSION, TENSOR_SESSION)
+    shown = " ".join(w.value for w in at.warning).replace("\\", "")
+    assert "no session named no-such-session" in shown
+    assert at.query_params["session"] == ["no-such-session"] or at.query_params["session"] == "no-such-session"
+    assert not at.dataframe and not at.get("plotly_chart")  # no other session's data

@@ -149,7 +149,7 @@ def test_headroom_of_a_stats_only_record(db):
     assert table.loc["fp16", "headroom (bits)"] == pytest.approx(math.log2(65504.0 / absmax))
     assert table.loc["fp16", "overflows"] == "yes" and table.loc["bf16", "overflows"] == "no"
     cand = detail.load_stats(db, runs["candidate"]["run_id"], cand_first["rid"])
-    assert detail.headroom_table(cand, ["fp16"]).loc[0, "overflows"] == "already inf"
+    assert detail.headroom_table(cand, ["fp16"]).loc[0, "overflows"] == "yes: already inf"
     vals = detail.summary_values_table(st, ["fp16"]).set_index("statistic")
     assert vals.loc["absmax", "fp16"] == "overflow" and vals.loc["Mean", "fp16"] == "normal"
 

@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any, Optional
 
-__all__ = ["plot_text", "rows", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
+__all__ = ["plot_text", "rows", "frame", "MISSING", "absmax_sql", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
            "code_md", "message_md",
            "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
 
@@ -45,14 +45,53 @@ def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
+# what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
+MISSING = "—"
+
+
+def frame(store, sql: str, params: Optional[list] = None):
+    """Query -> DataFrame that keeps NULL (None) apart from NaN.
+
+    ``Store.df`` turns a NULL in a DOUBLE column into NaN, so a metric that
+    was never computed would read as a NaN result.  A column holding any
+    NULL stays an object column with None there; the others get their usual
+    dtypes.
+    """
+    import pandas as pd
+
+    cur = store.sql(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    data = cur.fetchall()
+    out = {}
+    for i, c in enumerate(cols):
+        col = pd.Series([r[i] for r in data], dtype=object)
+        out[c] = col if col.map(lambda v: v is None).any() else col.infer_objects()
+    return pd.DataFrame(out, columns=cols)
+
+
+def absmax_sql(table: str) -> str:
+    """SQL for the largest magnitude a stored record holds, Inf included.
+
+    The store keeps ``absmax`` over the finite values and counts Inf apart
+    (``TensorStats``); a record with ``inf_count > 0`` holds an infinite
+    magnitude whatever its finite values are, and is shown so.
+    """
+    return f"CASE WHEN coalesce({table}.inf_count, 0) > 0 THEN 'inf'::DOUBLE ELSE {table}.absmax END"
+
+
 def num_text(v: Any, digits: int = 6) -> str:
-    """A number as text for tables and cards: ``-`` for missing, nan/inf spelled out."""
+    """A number as text for every table and card of the dashboard.
+
+    One rule everywhere: missing (None, SQL NULL, pandas NA) is ``MISSING``,
+    NaN is ``nan``, infinities are ``inf`` / ``-inf``, integers print whole
+    and other numbers with ``digits`` significant digits.
+    """
     if v is None:
-        return "-"
+        return MISSING
     try:
         f = float(v)
     except (TypeError, ValueError):
-        return str(v)
+        return MISSING if type(v).__name__ == "NAType" else str(v)
     if math.isnan(f):
         return "nan"
     if math.isinf(f):
@@ -68,9 +107,9 @@ def cosine_text(cosine: Any, deficit: Any) -> str:
     ``deficit`` (metrics' ``cosine_deficit``) is computed without the
     cancellation of ``1 - cosine``, so it is what the digits show.
     """
-    if cosine is None or (isinstance(cosine, float) and math.isnan(cosine)):
-        return "-"
-    if deficit is None or (isinstance(deficit, float) and math.isnan(deficit)):
+    if cosine is None or not math.isfinite(float(cosine)):
+        return num_text(cosine)
+    if deficit is None or not math.isfinite(float(deficit)):
         return f"{cosine:.12f}"
     return f"{1.0 - deficit:.12f} (1-cos = {deficit:.3e})"
 
@@ -171,10 +210,20 @@ def style_severity(df, column: str = "severity"):
     return df.style.apply(paint, axis=1)
 
 
-def text_columns(df, columns, digits: int = 6):
+def _is_number(v: Any) -> bool:
+    import numbers
+
+    return isinstance(v, numbers.Number) and not isinstance(v, bool)
+
+
+def text_columns(df, columns=None, digits: int = 6):
     """A copy of ``df`` with ``columns`` as short text (``num_text``): format
-    limits span 1e-45..3e38, which no single fixed-width number format shows."""
+    limits span 1e-45..3e38, which no single fixed-width number format shows,
+    and a table widget would print NaN as "None" and inf as "Infinity".
+    ``columns=None``: every column holding only numbers (not flags) and missing values."""
     out = df.copy()
+    if columns is None:
+        columns = [c for c in out.columns if out[c].map(lambda v: v is None or _is_number(v)).all()]
     for c in columns:
         if c in out.columns:
             out[c] = [num_text(v, digits) for v in out[c]]

@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
-from .common import cosine_text, num_text, plot_text, rows
+from .common import MISSING, cosine_text, num_text, plot_text, rows
 
-__all__ = ["record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
-           "histogram_figure", "representability_table", "what_if_table", "headroom_table",
+__all__ = ["record", "has_record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
+           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
 
@@ -44,6 +44,14 @@ def record(store, run_id: str, rid: int) -> dict:
     if not got:
         raise KeyError(f"run {run_id} has no record {rid}")
     return got[0]
+
+
+def has_record(store, run_id: str, rid) -> bool:
+    """Whether ``rid`` (a record id, possibly as text from a URL) names a record of the run."""
+    text = str(rid).strip()
+    if not text.isdigit() or len(text) > 18:
+        return False
+    return bool(rows(store, "SELECT 1 AS x FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(text)]))
 
 
 def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None
@@ -282,7 +290,7 @@ SUMMARY_FIELDS = (("max", "Max"), ("min", "Min"), ("absmax", "absmax"), ("mean",
 def value_region(v: Optional[float], fmt: Format) -> str:
     """Where a single value lands in ``fmt`` (round-to-nearest-even)."""
     if v is None:
-        return "-"
+        return MISSING
     if math.isnan(v) or math.isinf(v):
         return "non-finite"
     a = abs(v)
@@ -297,27 +305,44 @@ def value_region(v: Optional[float], fmt: Format) -> str:
     return "normal"
 
 
-def headroom_table(stats, formats: Sequence[str]) -> pd.DataFrame:
-    """Per format: max finite, the record's absmax, headroom in bits
-    (log2(max / absmax); negative means it overflows) and footroom where the
-    smallest nonzero magnitude is known (``TensorStats.summary_headroom``)."""
-    out = []
+def shown_absmax(stats) -> Optional[float]:
+    """The largest magnitude the record holds, Inf included.
+
+    ``TensorStats`` keeps ``absmax`` over the finite values and counts Inf
+    apart (``inf_count``); a record holding any Inf has an infinite largest
+    magnitude, whatever its finite values are.  NaN (no finite value and no
+    Inf) and unknown give None.
+    """
+    if (stats.inf_count or 0) > 0:
+        return math.inf
     am = stats.absmax
     if am is None and stats.min is not None and stats.max is not None:
         am = max(abs(stats.min), abs(stats.max))
+    if am is None or math.isnan(am):
+        return None
+    return float(am)
+
+
+def headroom_table(stats, formats: Sequence[str]) -> pd.DataFrame:
+    """Per format: max finite, the record's absmax, headroom in bits
+    (log2(max / absmax); negative means it overflows) and footroom where the
+    smallest nonzero magnitude is known (``TensorStats.summary_headroom``).
+
+    A record holding Inf (``inf_count > 0``) has absmax inf, headroom -inf
+    and overflows every format: its finite-only ``absmax`` would hide them."""
+    out = []
+    am = shown_absmax(stats)
+    already_inf = am is not None and math.isinf(am)
     for name in formats:
         fmt = get_format(name)
-        if am is not None and math.isinf(am):
-            # the values themselves are already infinite: no headroom to speak of
-            out.append({"format": fmt.name, "max finite": fmt.max, "absmax": am, "headroom (bits)": -math.inf,
-                        "overflows": "already inf", "min |x| > 0": None, "footroom (bits)": None,
-                        "underflows": None})
-            continue
         h = stats.summary_headroom(name)
+        if already_inf:  # the values themselves are infinite: no headroom to speak of
+            overflows = "yes: already inf"
+        else:
+            overflows = None if h.any_overflow is None else ("yes" if h.any_overflow else "no")
         out.append({
-            "format": fmt.name, "max finite": fmt.max, "absmax": h.absmax,
-            "headroom (bits)": h.headroom_bits,
-            "overflows": None if h.any_overflow is None else ("yes" if h.any_overflow else "no"),
+            "format": fmt.name, "max finite": fmt.max, "absmax": am if already_inf else h.absmax,
+            "headroom (bits)": -math.inf if already_inf else h.headroom_bits, "overflows": overflows,
             "min |x| > 0": h.min_abs_nonzero, "footroom (bits)": h.footroom_bits,
             "underflows": None if h.any_underflow is None else ("yes" if h.any_underflow else "no"),
         })
@@ -432,13 +457,33 @@ def metrics_table(store, run_id: str, rid: int) -> pd.DataFrame:
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 vals.append(num_text(v, 8))
             else:
-                vals.append("-" if v is None else str(v))
+                vals.append(MISSING if v is None else str(v))
         data[col] = vals
     return pd.DataFrame(data, index=[label for _, label in _METRIC_ROWS])
 
 
 _STAT_ROWS = ("dtype", "shape", "numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax",
               "min_abs_nonzero", "mean", "std", "l2norm")
+
+
+def _extreme_text(stats, field: str) -> str:
+    """min, max or absmax as the Statistics table shows it.
+
+    The stored values cover the finite elements only; Inf is counted apart.
+    absmax with any Inf is ``inf``; min/max say when Inf lies beyond them
+    (its sign is not stored) and when there is no finite value at all,
+    instead of showing the stored ``nan``.
+    """
+    if field == "absmax" and (stats.inf_count or 0) > 0:
+        return num_text(math.inf)
+    v = getattr(stats, field)
+    n_inf = stats.inf_count or 0
+    if v is not None and math.isnan(v) and stats.finite_count == 0:
+        return f"no finite value ({n_inf} Inf)" if n_inf else "no finite value"
+    text = num_text(v, 8)
+    if n_inf and field in ("min", "max"):
+        text += f" (finite values; {n_inf} Inf not included)"
+    return text
 
 
 def stats_table(records: Sequence[tuple[str, object]]) -> pd.DataFrame:
@@ -454,6 +499,8 @@ def stats_table(records: Sequence[tuple[str, object]]) -> pd.DataFrame:
                 vals.append(str(list(v)))
             elif f == "dtype":
                 vals.append(str(v))
+            elif f in ("min", "max", "absmax"):
+                vals.append(_extreme_text(st, f))
             else:
                 vals.append(num_text(v, 8))
         data[str(label)] = vals

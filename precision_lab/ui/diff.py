@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from .common import cosine_text, rows, severity_sql
+from .common import absmax_sql, cosine_text, frame, rows, severity_sql
 from .ops import name_pattern_sql
 from .overview import ACCUMULATED_KINDS, session_runs
 
@@ -18,6 +18,11 @@ __all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SH
 SHOW_OPTIONS = ("all", "problems", "unmatched")
 
 _STAT_COLS = ("dtype", "shape", "min", "max", "absmax", "mean", "l2norm", "nan_count", "inf_count")
+
+
+def _stat_sql(table: str, column: str) -> str:
+    """A stored statistic as shown: absmax counts Inf (``absmax_sql``), the others as stored."""
+    return absmax_sql(table) if column == "absmax" else f'{table}."{column}"'
 
 
 @dataclass
@@ -81,9 +86,9 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
         store, f"""SELECT c.rowid AS id FROM comparisons c WHERE {where_sql}
                    ORDER BY c.step, c.rank, c.seq, c.rowid LIMIT ? OFFSET ?""",
         params + [page_size, page * page_size])]
-    ref_cols = ", ".join(f'r."{c}" AS "ref {c}"' for c in _STAT_COLS)
-    cand_cols = ", ".join(f't."{c}" AS "cand {c}"' for c in _STAT_COLS)
-    df = store.df(
+    ref_cols = ", ".join(f'{_stat_sql("r", c)} AS "ref {c}"' for c in _STAT_COLS)
+    cand_cols = ", ".join(f'{_stat_sql("t", c)} AS "cand {c}"' for c in _STAT_COLS)
+    df = frame(store, 
         f"""SELECT {severity_sql('t.nonfinite', 'c.verdict')} AS severity, c.seq, c.step, c.rank, c.op, c.role,
                    c."index", c."match", {ref_cols}, {cand_cols},
                    c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.verdict, c.basis,
@@ -95,7 +100,7 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
         ids,
     )
     df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
-              [cosine_text(c, d) if pd.notna(c) else "" for c, d in zip(df["cosine"], df["cosine_deficit"])])
+              [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])])
     df = df.drop(columns=["cosine", "cosine_deficit"])
     return DiffPage(df, total, page, page_size)
 
@@ -192,19 +197,19 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
         jparams.append(r["run_id"])
         name = r["name"].replace('"', "'")
         selects.append(
-            f"""t{i}.absmax AS "{name}: absmax", t{i}.nonfinite AS "{name}: nonfinite",
+            f"""{absmax_sql(f"t{i}")} AS "{name}: absmax", t{i}.nonfinite AS "{name}: nonfinite",
                 m{i}.max_rel_err AS "{name}: max_rel_err", m{i}.sqnr_db AS "{name}: sqnr_db",
                 m{i}.verdict AS "{name}: verdict",
                 CASE WHEN m{i}.cand_rid IS NULL THEN 'unmatched' ELSE coalesce(m{i}."match", '') END AS "{name}: match" """)
     bname = base["name"].replace('"', "'")
     sql = f"""WITH {', '.join(ctes)}
               SELECT b.seq, b.step, b.rank, b.op, b.role, b."index", b.rid,
-                     b.dtype AS "{bname}: dtype", b.absmax AS "{bname}: absmax", b.nonfinite AS "{bname}: nonfinite",
+                     b.dtype AS "{bname}: dtype", {absmax_sql("b")} AS "{bname}: absmax", b.nonfinite AS "{bname}: nonfinite",
                      {', '.join(selects)}
               FROM tensors b {' '.join(joins)}
               WHERE b.run_id = ? AND b.rid IN ({ids})
               ORDER BY b.step, b.rank, b.seq, b.rid"""
-    df = store.df(sql, params + jparams + [base["run_id"], *rids])
+    df = frame(store, sql, params + jparams + [base["run_id"], *rids])
     df.attrs["base_run"] = base["name"]
     df.attrs["runs"] = [r["name"] for r in others]
     return DiffPage(df, total, page, page_size)

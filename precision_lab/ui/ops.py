@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .common import rows, severity_sql
+from .common import absmax_sql, frame, rows, severity_sql
 
 __all__ = ["OpsFilter", "OpsPage", "ops_page", "filter_options", "SORTABLE", "PROBLEM_SEVERITIES",
            "name_pattern_sql"]
@@ -195,7 +195,8 @@ def _rows_sql(n: int) -> str:
             ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
         )
         SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
-               t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max, t.absmax,
+               t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max,
+               {absmax_sql('t')} AS absmax,
                t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.cosine,
                acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict, acc.reason,
                loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
@@ -230,7 +231,7 @@ def ops_page(store, f: OpsFilter) -> OpsPage:
     if not rids:
         return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f)
     one = [f.run_id, min(rids), max(rids), *rids]
-    df = store.df(_rows_sql(len(rids)), one * 3)
+    df = frame(store, _rows_sql(len(rids)), one * 3)
     df = df.set_index("rid").loc[rids].reset_index()
     return OpsPage(df[_COLUMNS], total, f)
 
@@ -245,8 +246,11 @@ def filter_options(store, run_id: str) -> dict[str, list]:
 
 
 def display_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """The columns the Ops page shows, in reading order (rid stays for selection)."""
-    from .common import cosine_text
+    """The columns the Ops page shows, in reading order (rid stays for selection).
+
+    Numbers are text by ``num_text``: NaN reads ``nan``, infinities ``inf``,
+    a value that was never computed (no comparison) ``MISSING``."""
+    from .common import cosine_text, text_columns
 
     out = pd.DataFrame({
         "severity": df["severity"].fillna(""),
@@ -254,9 +258,10 @@ def display_frame(df: pd.DataFrame) -> pd.DataFrame:
         "dtype": df["dtype"], "shape": df["shape"], "nan": df["nan_count"], "inf": df["inf_count"],
         "zero": df["zero_count"], "absmax": df["absmax"],
         "max_abs_err": df["max_abs_err"], "max_rel_err": df["max_rel_err"],
-        "cosine": [cosine_text(c, d) if pd.notna(c) else "" for c, d in zip(df["cosine"], df["cosine_deficit"])],
+        "cosine": [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])],
         "sqnr_db": df["sqnr_db"], "verdict": df["verdict"].fillna(""),
         "local_max_rel_err": df["local_max_rel_err"], "match": df["match"].fillna(""),
         "step": df["step"], "rank": df["rank"], "rid": df["rid"],
     })
-    return out
+    numbers = ["nan", "inf", "zero", "absmax", "max_abs_err", "max_rel_err", "sqnr_db", "local_max_rel_err"]
+    return text_columns(out, numbers, 4)

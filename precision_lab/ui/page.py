@@ -30,7 +30,7 @@ from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
-           "url_value", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
+           "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
            "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
 
@@ -276,6 +276,9 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     names = list(store.sessions()["name"])
     if not names:
         return None
+    wanted = linked("session")
+    if wanted is not None and wanted not in names:
+        not_found(f"There is no session named {wanted}; choose one on the Sessions page.")
     name = url_select("Session", names, param="session", key="pick_session", container=container,
                       default=acc.session)
     return store.session(name)
@@ -458,6 +461,20 @@ def progress_callback(bar) -> Callable[[int, int, str], None]:
         bar.progress(frac, text=escape_md(str(label)[:120]))  # file names are data, not markdown
 
     return cb
+
+
+def linked(param: str) -> Optional[str]:
+    """The value a link asks for (``navigate`` or the URL), or None when nothing asked for one."""
+    pending = st.session_state.get(_PENDING, {})
+    if param in pending:
+        return str(pending[param])
+    return url_value(param)
+
+
+def not_found(sentence: str) -> None:
+    """Say that what a link names does not exist, and stop: nothing else is opened in its place."""
+    st.warning(plain(sentence), icon=":material/search_off:")
+    st.stop()
 
 
 def peek(param: str, key: str) -> Optional[str]:
