@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from precision_lab.metrics import compare  # noqa: E402
 from precision_lab.records import TensorRecord  # noqa: E402
-from precision_lab.share import TABLES, export_session, import_session  # noqa: E402
+from precision_lab.services.share import TABLES, export_session, import_session  # noqa: E402
 from precision_lab.stats import tensor_stats  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
 

@@ -1,6 +1,6 @@
 import streamlit as st
 
-from precision_lab.fixes.jobs import rerun_actions, start_rerun
+from precision_lab.services.jobs import rerun_actions, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui.common import num_text, text_columns
@@ -146,20 +146,20 @@ st.caption("Export the whole session as one file another Precision Lab imports, 
 _file = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in info["name"]).strip("-") or "session"
 c_zip, c_html = st.columns(2)
 with c_zip:
-    from precision_lab.share import export_bytes
+    from precision_lab.services.share import export_bytes
 
     # callables run only when clicked (in their own thread, with their own cursor)
     st.download_button("Export session (.zip)",
                        data=page.while_allowed(lambda: export_bytes(store, info["name"])), file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
                        icon=":material/download:")
 with c_html:
-    from precision_lab.html_report import render_html
+    from precision_lab.services.html_report import render_html
 
     st.download_button("HTML report", data=page.while_allowed(lambda: render_html(store, info["name"], public=True)),
                        file_name=f"{_file}.html", mime="text/html", key="export_html", on_click="ignore",
                        icon=":material/description:")
 if not acc.read_only:
-    from precision_lab.share import create_share_token, share_url
+    from precision_lab.services.share import create_share_token, share_url
 
     if st.button("Create a read-only share link", key="share_link", icon=":material/link:",
                  help="Anyone with the link sees this session, read-only; a new link replaces the old one."):

@@ -111,7 +111,7 @@ if acc.can_upload:
     shared_zip = st.file_uploader("Exported session (.zip)", type=["zip"], key="import_zip",
                                   max_upload_size=cfg.max_upload_mb)
     if st.button("Import", key="import_session", disabled=shared_zip is None):
-        from precision_lab.share import ShareError, import_session
+        from precision_lab.services.share import ShareError, import_session
 
         try:
             imported = import_session(store, shared_zip.getvalue(), filename=shared_zip.name, config=cfg)

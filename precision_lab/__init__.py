@@ -11,8 +11,13 @@ __all__ = ["capture", "capture_pair", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("capture", "capture_pair"):
-        from . import live as _live
+    # Deferred so that `import precision_lab` does not import torch.
+    if name == "capture":
+        from .live import capture
 
-        return getattr(_live, name)
+        return capture
+    if name == "capture_pair":
+        from .services.capture import capture_pair
+
+        return capture_pair
     raise AttributeError(f"module 'precision_lab' has no attribute {name!r}")

@@ -56,9 +56,9 @@ def _inputs(i: int):
 
 def _worker(store_for, i, root, barrier, results):
     import precision_lab
-    from precision_lab.fixes.rerun import capture_recipe, rerun_session
+    from precision_lab.services.rerun import capture_recipe, rerun_session
     from precision_lab.services.ingest import ingest
-    from precision_lab.share import export_bytes, import_session
+    from precision_lab.services.share import export_bytes, import_session
 
     try:
         store = store_for(i)

@@ -9,7 +9,7 @@ import pytest
 
 from precision_lab.fixes.diagnose import diagnose, diagnose_session, fmt_num, representable_floor
 from precision_lab.fixes.recipes import get_recipe
-from precision_lab.fixes.rerun import capture_recipe
+from precision_lab.services.rerun import capture_recipe
 from precision_lab.formats import FORMATS
 
 F16 = np.finfo(np.float16)

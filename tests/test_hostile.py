@@ -20,7 +20,7 @@ import pytest
 
 from precision_lab.config import ServerConfig
 from precision_lab.services.ingest import IngestError, ingest
-from precision_lab.share import ShareError, export_bytes, import_session
+from precision_lab.services.share import ShareError, export_bytes, import_session
 from test_share import make_session
 
 from conftest import SAMPLES

@@ -165,7 +165,7 @@ def test_legacy_sources_are_shown_without_the_server_folder(empty_db):
 
 
 def test_import_failure_is_a_sentence_naming_the_file(empty_db, monkeypatch):
-    import precision_lab.share as share
+    import precision_lab.services.share as share
 
     def boom(store, source, **kw):
         raise RuntimeError("disk I/O error while writing /tmp/precision-lab-q1w2e3r4/session.zip")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from precision_lab.fixes.rerun import capture_recipe
+from precision_lab.services.rerun import capture_recipe
 from precision_lab.services.report import first_nonfinite
 
 from ui_fixtures import assert_clean, open_page, serve_db, texts

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.browser
 @pytest.fixture
 def recipe_session(tmp_path):
     """The database the server will open, holding a captured recipe session (closed before it starts)."""
-    from precision_lab.fixes.rerun import capture_recipe
+    from precision_lab.services.rerun import capture_recipe
     from precision_lab.store import Store, close_all
 
     store = Store(tmp_path / "browser.duckdb")  # the path the server fixture points the app at

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from precision_lab.fixes.recipes import get_recipe
-from precision_lab.sample_data import DEFAULT_ROOT, generate
+from precision_lab.services.samples import DEFAULT_ROOT, generate
 
 RECIPES = ["fp8-zero-scale", "calibration-nan", "fp8-rowwise-rmsnorm", "fp16-mlp-overflow", "fp16-layernorm",
            "softmax-fp16-overflow"]
@@ -65,7 +65,7 @@ def test_regenerated_sample_reproduces_the_failure(regenerated, name, tmp_path):
     assert kinds.get("accumulated", 0) > 0 and kinds.get("local", 0) > 0
     # the committed folder holds the same records as a fresh regeneration
     committed = DEFAULT_ROOT / name
-    assert (committed / "manifest.json").is_file(), "run `python -m precision_lab.sample_data`"
+    assert (committed / "manifest.json").is_file(), "run `python -m precision_lab.services.samples`"
     other = ingest([committed], store=store, session=f"{name}-committed")
     assert _signature(store, other) == _signature(store, sess)
 
@@ -97,7 +97,7 @@ def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
 def test_ingested_sample_is_diagnosed_and_rerun(regenerated, tmp_path):
     """The manifest names the recipe: the dump session gets module-level diagnoses and can be re-run."""
     from precision_lab.fixes.diagnose import diagnose_session
-    from precision_lab.fixes.rerun import recipe_name, rerun_session
+    from precision_lab.services.rerun import recipe_name, rerun_session
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import first_nonfinite
     from precision_lab.store import Store

@@ -16,16 +16,7 @@ import pytest
 
 from precision_lab.metrics import compare
 from precision_lab.records import Diagnosis, TensorRecord
-from precision_lab.share import (
-    FORMAT_NAME,
-    TABLES,
-    ShareError,
-    export_bytes,
-    export_session,
-    import_session,
-    read_manifest,
-    share_url,
-)
+from precision_lab.services.share import FORMAT_NAME, TABLES, ShareError, export_bytes, export_session, import_session, read_manifest, share_url
 from precision_lab.stats import tensor_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +242,7 @@ def test_import_from_bytes_names_the_upload(store, other_store):
 
 
 def test_share_token_is_not_exported(store, other_store, tmp_path):
-    from precision_lab.share import create_share_token
+    from precision_lab.services.share import create_share_token
 
     make_session(store, "demo")
     token = create_share_token(store, "demo")
@@ -273,7 +264,7 @@ def test_export_unknown_session(store, tmp_path):
 # ---- share tokens and URLs ---------------------------------------------------------
 
 def test_share_tokens_are_random_and_revocable(store):
-    from precision_lab.share import create_share_token, revoke_share_token
+    from precision_lab.services.share import create_share_token, revoke_share_token
 
     make_session(store, "demo")
     t1 = create_share_token(store, "demo")
@@ -382,7 +373,7 @@ def test_import_respects_configured_limits(store, other_store, tmp_path):
 
 def test_resolve_access(store):
     from precision_lab.config import ServerConfig, resolve_access
-    from precision_lab.share import create_share_token
+    from precision_lab.services.share import create_share_token
 
     make_session(store, "demo")
     make_session(store, "other", seed=1)
@@ -407,7 +398,7 @@ def test_resolve_access(store):
     a = resolve_access({"session": "other"}, store, ServerConfig(read_only=True, list_sessions=True))
     assert a.session == "other" and a.read_only and a.can_list
     # a revoked token stops working at once
-    from precision_lab.share import revoke_share_token
+    from precision_lab.services.share import revoke_share_token
 
     revoke_share_token(store, "demo")
     assert resolve_access({"share": token}, store, open_cfg).error
@@ -562,8 +553,8 @@ def test_no_rerun_button_for_read_only_visitors(tmp_path, monkeypatch):
     """A recipe session offers re-runs to a writer, never through a share link or on a read-only server."""
     import streamlit as st
 
-    from precision_lab.fixes.rerun import capture_recipe
-    from precision_lab.share import create_share_token
+    from precision_lab.services.rerun import capture_recipe
+    from precision_lab.services.share import create_share_token
     from precision_lab.store import Store, close_all
     from ui_fixtures import assert_clean, open_page
 

@@ -29,7 +29,7 @@ def _cli(*args: str, env_db: str) -> subprocess.CompletedProcess:
 
 def test_revoke_while_a_server_holds_the_database(store):
     from precision_lab.config import ServerConfig, resolve_access
-    from precision_lab.share import create_share_token
+    from precision_lab.services.share import create_share_token
 
     _session(store, "demo")
     _session(store, "other")
@@ -69,7 +69,7 @@ def test_revoke_through_the_cli_in_process_with_the_database_held_elsewhere(tmp_
     from typer.testing import CliRunner
 
     from precision_lab.cli import app
-    from precision_lab.share import create_share_token
+    from precision_lab.services.share import create_share_token
     from precision_lab.store import Store, close_all
 
     db = tmp_path / "held.duckdb"
@@ -104,7 +104,7 @@ def test_revoke_through_the_cli_in_process_with_the_database_held_elsewhere(tmp_
 
 
 def test_token_file_is_private_and_follows_renames_and_deletes(store):
-    from precision_lab.share import create_share_token, revoke_recorded_token
+    from precision_lab.services.share import create_share_token, revoke_recorded_token
     from precision_lab.tokens import token_file_for
 
     _session(store, "demo")
@@ -130,7 +130,7 @@ def test_token_file_is_private_and_follows_renames_and_deletes(store):
 
 
 def test_a_damaged_token_file_opens_nothing(store):
-    from precision_lab.share import create_share_token
+    from precision_lab.services.share import create_share_token
     from typer.testing import CliRunner
 
     from precision_lab.cli import app
@@ -167,7 +167,7 @@ def test_tokens_of_an_older_database_move_into_the_file(tmp_path):
 
 
 def test_memory_store_keeps_tokens_in_the_database():
-    from precision_lab.share import create_share_token, revoke_share_token
+    from precision_lab.services.share import create_share_token, revoke_share_token
     from precision_lab.store import Store
 
     s = Store(":memory:")
@@ -182,7 +182,7 @@ def test_an_open_page_cannot_download_after_revocation(store, monkeypatch):
     """Downloads are made when clicked, without a rerun: they check the link again."""
     from types import SimpleNamespace
 
-    from precision_lab.share import create_share_token, revoke_share_token
+    from precision_lab.services.share import create_share_token, revoke_share_token
     from precision_lab.ui import page
 
     _session(store, "demo")

@@ -6,7 +6,7 @@ import torch
 
 from precision_lab.fixes.policy import get_policy
 from precision_lab.formats import FORMATS
-from precision_lab.live.pair import judged_run_dtype
+from precision_lab.services.capture import judged_run_dtype
 from precision_lab.metrics import compare
 
 
@@ -31,7 +31,7 @@ def test_e5m2_quantisation_noise_is_expected_for_e5m2_but_not_for_fp16():
 
 def test_rerun_of_an_fp8_recipe_judges_its_output_against_fp8(store):
     from precision_lab.fixes.recipes import get_recipe
-    from precision_lab.fixes.rerun import capture_recipe, rerun_session
+    from precision_lab.services.rerun import capture_recipe, rerun_session
 
     session = capture_recipe(store, get_recipe("fp8-zero-scale"), local_error=False)
     run_id = rerun_session(store, session, ["scale-fp32"])

@@ -71,7 +71,7 @@ def capture_cmd(
     except ValueError as e:
         _fail(str(e))
     store = open_store(db)
-    from ..live import capture_pair
+    from ..services.capture import capture_pair
 
     try:
         name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,

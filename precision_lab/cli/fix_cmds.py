@@ -80,7 +80,7 @@ def rerun_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Re-run a session's recipe under a fix: a new run whose parent is the old one, compared with fp32."""
-    from ..fixes.rerun import rerun_session
+    from ..services.rerun import rerun_session
     from ..store import SessionNotFound
 
     store = open_store(db)
@@ -107,7 +107,7 @@ def bisect_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
-    from ..fixes.rerun import bisect_fp32_islands
+    from ..services.rerun import bisect_fp32_islands
     from ..store import SessionNotFound
 
     store = open_store(db)

@@ -75,7 +75,7 @@ def report_cmd(
     if as_json:
         typer.echo()
     if html_file:
-        from ..html_report import write_html
+        from ..services.html_report import write_html
 
         typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
 

@@ -27,7 +27,7 @@ def export_cmd(
     db: Optional[str] = typer.Option(None, "--db", help="database file"),
 ) -> None:
     """Write a session (runs, records, histograms, comparisons, diagnoses, kept tensors) to one file."""
-    from ..share import ShareError, export_session
+    from ..services.share import ShareError, export_session
     from ..store import SessionNotFound
 
     store = _store(db)
@@ -53,7 +53,7 @@ def import_cmd(
     how whoever runs the server adds sessions to it, so it imports anyway.
     """
     from ..config import ConfigError, load_config
-    from ..share import ShareError, import_session
+    from ..services.share import ShareError, import_session
 
     try:
         config = load_config()  # the zip and upload limits apply here too
@@ -79,7 +79,7 @@ def share_link_cmd(
     Revoking works while a server holds the database: the tokens live in
     ``<database>.tokens.json``, which the server reads on every request.
     """
-    from ..share import create_share_token, revoke_recorded_token, revoke_share_token, share_url
+    from ..services.share import create_share_token, revoke_recorded_token, revoke_share_token, share_url
     from ..store import DatabaseLocked, SessionNotFound, Store
     from ..tokens import TokenFileError
 

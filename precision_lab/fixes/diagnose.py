@@ -591,7 +591,7 @@ def diagnose(store, session: str) -> list[Diagnosis]:
         policy = ctx.policies.get(run["run_id"])
         key = policy.to_json() if policy is not None else ""
         if key not in facts_cache:
-            from .rerun import recipe_name
+            from ..services.rerun import recipe_name
 
             facts_cache[key] = _module_facts(recipe_name(store, info), policy)
         ctx.modules = facts_cache[key]

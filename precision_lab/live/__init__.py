@@ -14,7 +14,8 @@ Record one training step of a model in fp16, into the default database::
             cap.step()
 
 An fp32 reference and a candidate of the same model, compared op by op
-(accumulated error) and each op against its own fp32 re-run (local error)::
+(accumulated error) and each op against its own fp32 re-run (local error),
+is a use case over this package (``precision_lab.services.capture``)::
 
     session = precision_lab.capture_pair(build_model, inputs, torch.float16,
                                          store=Store(), loss_fn=loss_fn)
@@ -29,6 +30,5 @@ from __future__ import annotations
 
 from .capture import Capture, capture
 from .options import VIEW_OPS, CaptureOptions
-from .pair import capture_pair
 
-__all__ = ["capture", "capture_pair", "CaptureOptions", "Capture", "VIEW_OPS"]
+__all__ = ["capture", "CaptureOptions", "Capture", "VIEW_OPS"]

@@ -22,10 +22,10 @@ import torch
 
 from ..formats import format_for_dtype
 from ..metrics import compare, compare_stats
-from ..services.pairing import verdict_format
+from .pairing import verdict_format
 from ..stats import canonical_dtype
-from .capture import Capture, as_policy, policy_description
-from .options import CaptureOptions
+from ..live.capture import Capture, as_policy, policy_description
+from ..live.options import CaptureOptions
 
 __all__ = ["capture_pair", "DEFAULT_KEEP_BYTES"]
 

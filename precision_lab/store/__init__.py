@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .records import Diagnosis, RunInfo, TensorRecord, free_name
+from ..records import Diagnosis, RunInfo, TensorRecord, free_name
 
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
@@ -83,7 +83,7 @@ def _sql_type(annotation: str) -> str:
 
 
 def _stats_fields() -> list[tuple[str, str]]:
-    from .stats import TensorStats
+    from ..stats import TensorStats
 
     hints = {f.name: (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type)))
              for f in dataclasses.fields(TensorStats)}
@@ -124,7 +124,7 @@ TENSOR_COLUMNS: list[str] = []  # filled on first Store() (stats module may impo
 
 
 def _comparison_columns() -> list[tuple[str, str]]:
-    from .metrics import Comparison
+    from ..metrics import Comparison
 
     return (
         [("session_id", "VARCHAR"), ("kind", "VARCHAR"), ("ref_run_id", "VARCHAR"), ("ref_rid", "BIGINT"),
@@ -215,7 +215,7 @@ class Store:
     """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None):
-        from .tokens import token_file_for
+        from ..tokens import token_file_for
 
         self.path = resolve_db_path(path)
         self._con, self._lock = _connection(self.path)
@@ -376,7 +376,7 @@ class Store:
     def _drop_token(self, session_id: str, name: str) -> None:
         """A deleted session's link dies with it.  A token file that cannot be written does not stop the
         delete: a token of a session that no longer exists opens nothing."""
-        from .tokens import TokenFileError
+        from ..tokens import TokenFileError
 
         if self._tokens is not None and self._tokens.exists():
             try:
@@ -386,7 +386,7 @@ class Store:
 
     def _rename_token(self, session_id: str, new_name: str) -> None:
         """Keep the name recorded beside a session's token current (revocation by name uses it)."""
-        from .tokens import TokenFileError
+        from ..tokens import TokenFileError
 
         try:
             if self._tokens is None or session_id not in (self._tokens.sessions() or {}):
@@ -419,7 +419,7 @@ class Store:
         """
         if not token:
             return None
-        from .tokens import TokenFileError
+        from ..tokens import TokenFileError
 
         if self._tokens is not None:
             try:
@@ -441,7 +441,7 @@ class Store:
         """On opening: write the token file from the database's tokens when there is none; otherwise
         the file wins (a revocation made while another process held the database reaches the column),
         and entries of sessions no longer here are dropped."""
-        from .tokens import TokenFileError
+        from ..tokens import TokenFileError
 
         tf = self._tokens
         if tf is None:
@@ -479,7 +479,7 @@ class Store:
 
     def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """Dense histogram counts of one record, or None (stats-only record)."""
-        from .stats import HIST_EDGES_ID, N_BINS
+        from ..stats import HIST_EDGES_ID, N_BINS
 
         row = self.sql("SELECT edges_id, bins, counts FROM histograms WHERE run_id = ? AND rid = ?",
                        [run_id, int(rid)]).fetchone()
@@ -504,7 +504,7 @@ class Store:
 
     def record_stats(self, run_id: str, rid: int):
         """Rebuild the TensorStats (with histogram) of one stored record."""
-        from .stats import TensorStats
+        from ..stats import TensorStats
 
         df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])
         if df.empty:
@@ -513,7 +513,7 @@ class Store:
 
 
 def stats_from_row(row: dict, hist: Optional[np.ndarray]):
-    from .stats import TensorStats
+    from ..stats import TensorStats
 
     kw = {}
     for f in dataclasses.fields(TensorStats):
@@ -597,7 +597,7 @@ class SessionWriter:
         row["has_hist"] = s.hist is not None
         self._rows.append(row)
         if s.hist is not None:
-            from .stats import HIST_EDGES_ID
+            from ..stats import HIST_EDGES_ID
 
             h = np.asarray(s.hist)
             nz = np.flatnonzero(h)

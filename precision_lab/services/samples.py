@@ -10,7 +10,7 @@ can be replayed.  ``manifest.json`` also names the recipe, so a session
 ingested from the folder can be re-run under a fix.  Everything is seeded: running it again writes
 the same records.
 
-    python -m precision_lab.sample_data [--out sample_dumps] [RECIPE ...]
+    python -m precision_lab.services.samples [--out sample_dumps] [RECIPE ...]
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Iterable, Optional
 
 __all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES"]
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "sample_dumps"
+DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_dumps"
 RUN_NAMES = ("reference", "candidate")
 
 
 def generate_recipe(recipe, out_dir) -> Path:
     """Write one recipe's reference and candidate runs to ``out_dir`` (replacing what is there)."""
-    from .fixes.rerun import _forward
-    from .shards import write_manifest, write_shard
+    from .rerun import _forward
+    from ..shards import write_manifest, write_shard
 
     out = Path(out_dir)
     if out.exists():
@@ -71,7 +71,7 @@ def generate_recipe(recipe, out_dir) -> Path:
 
 def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list[Path]:
     """Write ``<root>/<recipe>/`` for the named recipes (default: every built-in one)."""
-    from .fixes.recipes import BUILTIN_RECIPES, get_recipe
+    from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
     names = list(recipes) if recipes else list(BUILTIN_RECIPES)
     return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]

@@ -53,7 +53,7 @@ def _e(v: Any) -> str:
 
 
 def _num(v: Any) -> str:
-    from .ui.common import num_text
+    from ..ui.common import num_text
 
     return num_text(v)
 
@@ -101,7 +101,7 @@ def _figure_div(fig, div_id: str) -> str:
 
 
 def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
-    from .ui.overview import error_figure, error_series
+    from ..ui.overview import error_figure, error_series
 
     metric = "rounding_units"
     df = error_series(store, sid, metric)
@@ -120,7 +120,7 @@ def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
 def _focus_record(store, sid: str, firsts: list[dict]) -> Optional[tuple[str, int, str]]:
     """The record to show against its format: the first non-finite producer's
     output in a non-reference run, else the worst comparison."""
-    from .ui.overview import top_offenders
+    from ..ui.overview import top_offenders
 
     for f in firsts:
         if f["first"] is not None and f["run"]["kind"] != "reference":
@@ -136,8 +136,8 @@ def _isnan(v) -> bool:
 
 
 def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str]:
-    from .ui.common import plot_text
-    from .ui.detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
+    from ..ui.common import plot_text
+    from ..ui.detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
 
     focus = _focus_record(store, sid, firsts)
     if focus is None:
@@ -166,10 +166,10 @@ def render_html(store, session: str, *, public: bool = False) -> str:
     """
     import plotly.offline
 
-    from . import __version__
-    from .services.report import norm_artefacts, order_text
-    from .ui.common import cosine_text, public_source, rows
-    from .ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
+    from .. import __version__
+    from .report import norm_artefacts, order_text
+    from ..ui.common import cosine_text, public_source, rows
+    from ..ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
 
     info = store.session(session)
     sid = info["session_id"]

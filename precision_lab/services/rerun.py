@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..records import free_name
-from .catalogue import apply_fixes, fix_label, split_specs
-from .policy import PrecisionPolicy
-from .recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
+from ..fixes.catalogue import apply_fixes, fix_label, split_specs
+from ..fixes.policy import PrecisionPolicy
+from ..fixes.recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
            "parse_tolerance", "session_recipe", "recipe_name"]
@@ -82,8 +82,8 @@ def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_
            parent_run_id: Optional[str] = None, fix: Optional[str] = None, kind: Optional[str] = None,
            progress: Progress = None) -> tuple[str, dict]:
     """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons."""
-    from ..live.pair import judged_run_dtype
-    from ..services.pairing import Item, compare_runs
+    from .capture import judged_run_dtype
+    from .pairing import Item, compare_runs
 
     cap = run.cap
     rids = cap.write_run(w)
@@ -125,7 +125,7 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     capture --recipe`` does (through ``precision_lab.capture_pair``), and the
     new session is diagnosed.
     """
-    from ..live import capture_pair
+    from .capture import capture_pair
 
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -146,7 +146,7 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
 def recipe_name(store, info: dict) -> Optional[str]:
     """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
 
-    A sample dump written by ``precision_lab.sample_data`` names its recipe
+    A sample dump written by ``precision_lab.services.samples`` names its recipe
     in its ``manifest.json``, so a session ingested from it (while the
     folder is there) can be re-run too.
     """
@@ -264,7 +264,7 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
                            parent_run_id=par["run_id"], fix=label, kind="rerun")
     _tick(progress, 3, 4, f"{name}: diagnose")
     if diagnose:
-        from .diagnose import diagnose_session
+        from ..fixes.diagnose import diagnose_session
 
         diagnose_session(store, info["name"])
     _tick(progress, 4, 4, f"{name}: done")
@@ -394,7 +394,7 @@ def _innermost(op: str, names: Sequence[str]) -> Optional[str]:
 
 def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
     """Modules to try keeping in fp32, best first: the first non-finite producer's module, then local error."""
-    from ..services.report import first_nonfinite
+    from .report import first_nonfinite
 
     ranked: list[str] = []
     fn = first_nonfinite(store, run_id)
@@ -500,7 +500,7 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     if result.passed:
         result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
                           + (", ".join(island) if island else "(none needed)"))
-    from .diagnose import diagnose_session
+    from ..fixes.diagnose import diagnose_session
 
     diagnose_session(store, info["name"])
     _tick(progress, max_runs, max_runs, "done")

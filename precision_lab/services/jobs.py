@@ -95,7 +95,7 @@ def rerun_actions(store, session: str, card: dict) -> list[dict]:
     the parent is the run the diagnosis is about, and ``reason`` joins the
     catalogue's one-line reasons of the fix's parts.
     """
-    from .catalogue import FixError, parse_fix, split_specs
+    from ..fixes.catalogue import FixError, parse_fix, split_specs
     from .rerun import recipe_name
 
     info = store.session(session)

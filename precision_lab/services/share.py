@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional, Union
 from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
-from .scratch import scratch_dir
+from ..scratch import scratch_dir
 
 __all__ = [
     "FORMAT_NAME",
@@ -174,9 +174,9 @@ def _export(store, session: str, out) -> dict:
     DuckDB's buffers whatever the size of the kept tensors; the manifest,
     which needs their checksums, is the zip's last entry.
     """
-    from . import __version__
-    from .stats import HIST_EDGES_ID
-    from .store import SCHEMA_VERSION
+    from .. import __version__
+    from ..stats import HIST_EDGES_ID
+    from ..store import SCHEMA_VERSION
 
     info = store.session(session)
     sid = info["session_id"]
@@ -250,7 +250,7 @@ def _validate_manifest(m, where: str) -> dict:
                          f"({FORMAT_VERSION}); upgrade precision-lab")
     if v < 1:
         raise ShareError(f"{where}: format_version {v} is not valid")
-    from .store import SCHEMA_VERSION
+    from ..store import SCHEMA_VERSION
 
     sv = m.get("schema_version")
     if not _is_int(sv) or sv < 1:
@@ -320,8 +320,8 @@ class _open_zip:
     """Check an archive with ``safezip`` under the config's limits, then open it."""
 
     def __init__(self, path: Path, config):
-        from .config import load_config
-        from .safezip import UnsafeZip, check_zip
+        from ..config import load_config
+        from ..safezip import UnsafeZip, check_zip
 
         self.path = path
         config = config or load_config()
@@ -426,7 +426,7 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from .stats import N_BINS
+    from ..stats import N_BINS
 
     s = tables["sessions"]
     if s.num_rows != 1:
@@ -596,7 +596,7 @@ def _insert(store, tables: dict, m: dict, sid: str, wanted: str, where: str, not
     """Insert the checked tables in one transaction; returns (name, session id, run id map)."""
     import pyarrow as pa
 
-    from .stats import HIST_EDGES_ID
+    from ..stats import HIST_EDGES_ID
 
     with store.transaction() as cur:
         existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
@@ -664,8 +664,8 @@ def revoke_recorded_token(db_path, session: str) -> list[dict]:
     token from its next request; the database's own copy follows the next
     time a process opens it.
     """
-    from .store import resolve_db_path
-    from .tokens import token_file_for
+    from ..store import resolve_db_path
+    from ..tokens import token_file_for
 
     tf = token_file_for(resolve_db_path(db_path))
     if tf is None or not tf.exists():
@@ -675,7 +675,7 @@ def revoke_recorded_token(db_path, session: str) -> list[dict]:
 
 def share_url(base_url: str, token: str) -> str:
     """``base_url`` with ``?share=<token>`` added (other query parameters kept)."""
-    from .config import SHARE_PARAM
+    from ..config import SHARE_PARAM
 
     parts = urlsplit(base_url)
     q = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in (SHARE_PARAM, "session")]
