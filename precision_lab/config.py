@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from .readers.safeio import ReadLimits
+from .safezip import ZipLimits
+
 __all__ = [
     "ServerConfig",
     "Setting",
@@ -127,23 +130,13 @@ class ServerConfig:
     def can_list_sessions(self) -> bool:
         return (not self.read_only) if self.list_sessions is None else bool(self.list_sessions)
 
-    def zip_limits(self):
+    def zip_limits(self) -> ZipLimits:
         """The zip limits as ``precision_lab.safezip.ZipLimits``."""
-        from .safezip import ZipLimits
-
         return ZipLimits.from_config(self)
 
-    def read_limits(self):
+    def read_limits(self) -> ReadLimits:
         """The limits on reading dump files as ``precision_lab.readers.safeio.ReadLimits``."""
-        from .readers.safeio import ReadLimits
-
         return ReadLimits.from_config(self)
-
-    def store(self):
-        """Open the configured database."""
-        from .store import Store
-
-        return Store(self.db_path)
 
 
 _TRUE = {"1", "true", "yes", "on"}

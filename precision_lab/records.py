@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "tensor_name", "ROLES", "split_tensor_name", "free_name"]
+import numpy as np
+
+from .stats import TensorStats
+
+__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
+           "npy_bytes", "npy_load", "record_columns",
+           "stats_columns", "dataclass_columns"]
 
 # input/output of a forward op; grad_input/grad_output of a backward op
 # (msprobe's backward "input" is the gradient flowing in = grad_output in torch
@@ -99,3 +107,67 @@ class Diagnosis:
 
     def fixes_json(self) -> str:
         return json.dumps(list(self.fixes))
+
+
+# ---- a kept tensor as bytes ----------------------------------------------------------
+
+def to_numpy(t) -> np.ndarray:
+    """A tensor or array as a numpy array that survives ``.npy`` (bf16/fp8 widened to float32, exactly)."""
+    if isinstance(t, np.ndarray):
+        # ml_dtypes arrays (bfloat16, fp8: kind "V") do not survive .npy; float32 holds their values exactly
+        return t.astype(np.float32) if t.dtype.kind == "V" else t
+    t = t.detach().cpu()
+    if "bfloat16" in str(t.dtype) or "float8" in str(t.dtype):
+        return t.float().numpy()
+    return t.numpy()
+
+
+def npy_bytes(t) -> bytes:
+    """``.npy`` bytes of a tensor (no pickles)."""
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(to_numpy(t)), allow_pickle=False)
+    return buf.getvalue()
+
+
+def npy_load(b: bytes) -> np.ndarray:
+    """The array of ``npy_bytes`` (pickled objects refused)."""
+    return np.load(io.BytesIO(b), allow_pickle=False)
+
+
+# ---- the columns a record becomes (the store and the shards derive their schemas from these) ----
+
+def _kind(annotation) -> Optional[str]:
+    """``int``/``float``/``str``/``bool`` for a field's annotation; None for fields that are not columns."""
+    a = (annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation)))
+    a = a.replace("typing.", "").replace(" ", "")
+    m = re.fullmatch(r"Optional\[(.+)\]", a) or re.fullmatch(r"(.+)\|None", a)
+    if m:
+        a = m.group(1)
+    if a in ("int", "bool", "float", "str"):
+        return a
+    if a.startswith("np.ndarray") or a == "Any":
+        return None
+    return "str"  # tuples and the rest are stored as JSON text
+
+
+def dataclass_columns(cls, skip=()) -> list[tuple[str, str]]:
+    """(name, kind) of a record dataclass's column fields."""
+    return [(f.name, k) for f in dataclasses.fields(cls) if f.name not in skip and (k := _kind(f.type))]
+
+
+def stats_columns() -> list[tuple[str, str]]:
+    """(name, kind) of ``TensorStats`` as columns (the histogram is stored apart; the shape as JSON text)."""
+    out = []
+    for f in dataclasses.fields(TensorStats):
+        if f.name == "hist":
+            continue
+        k = "str" if f.name == "shape" else _kind(f.type)
+        if k:
+            out.append((f.name, k))
+    return out
+
+
+def record_columns() -> list[tuple[str, str]]:
+    """(name, kind) of one stored tensor record: rid, record fields, stats fields, derived flags."""
+    return ([("rid", "int")] + dataclass_columns(TensorRecord, skip=("stats", "tensor")) + stats_columns()
+            + [("name", "str"), ("nonfinite", "bool"), ("has_hist", "bool")])

@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from .config import ConfigError, load_config
+from .paths import default_data_dir
+
 __all__ = ["scratch_root", "scratch_dir", "sweep", "owner_alive", "is_scratch_name", "MAX_AGE_S"]
 
 MAX_AGE_S = 24 * 3600
@@ -48,8 +51,6 @@ def scratch_root(config=None) -> Path:
     setting that cannot be read gives the default folder).
     """
     if config is None:
-        from .config import ConfigError, load_config
-
         try:
             config = load_config()
         except ConfigError:
@@ -57,8 +58,6 @@ def scratch_root(config=None) -> Path:
     work = getattr(config, "work_dir", None)
     if work:
         return Path(work).expanduser().absolute()
-    from .store import default_data_dir
-
     return (default_data_dir() / "scratch").absolute()
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from .readers import ReadError
 from .readers.safeio import check_regular, contained, limits, npy_header, read_json, relname
-from .records import TensorRecord
+from .records import TensorRecord, npy_bytes, record_columns
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
@@ -77,14 +77,12 @@ def shard_glob(root) -> str:
 
 # ---- schema -------------------------------------------------------------------
 
-_ARROW = {"BIGINT": "int64", "DOUBLE": "float64", "VARCHAR": "string", "BOOLEAN": "bool_"}
+_ARROW = {"int": "int64", "float": "float64", "str": "string", "bool": "bool_"}
 
 
 def _columns() -> list[tuple[str, str]]:
-    """(name, SQL type) of the record+stats columns, the store's own definition."""
-    from .store import tensor_columns
-
-    return [(n, t) for n, t in tensor_columns() if n not in ("rid", "has_hist")]
+    """(name, kind) of the record+stats columns, the store's own definition."""
+    return [(n, k) for n, k in record_columns() if n not in ("rid", "has_hist")]
 
 
 def _schema():
@@ -101,14 +99,6 @@ def _schema():
         pa.field("local_json", pa.string()),
     ]
     return pa.schema(fields)
-
-
-def _npy(t) -> bytes:
-    from .store import _to_numpy
-
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(_to_numpy(t)), allow_pickle=False)
-    return buf.getvalue()
 
 
 def _json_safe(d: dict) -> dict:
@@ -169,7 +159,7 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
             extra["hist_edges_id"].append(None)
             extra["hist_bins"].append(None)
             extra["hist_counts"].append(None)
-        extra["tensor_npy"].append(_npy(rec.tensor) if rec.tensor is not None else None)
+        extra["tensor_npy"].append(npy_bytes(rec.tensor) if rec.tensor is not None else None)
         cmp = local_comparisons.get(i)
         extra["local_json"].append(json.dumps(_json_safe(cmp.to_dict())) if cmp is not None else None)
     table = pa.table({**data, **extra}, schema=_schema())

@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from precision_lab.fixes.diagnose import diagnose, diagnose_session, fmt_num, representable_floor
+from precision_lab.fixes.rules import fmt_num, representable_floor
+from precision_lab.services.diagnose import diagnose, diagnose_session
 from precision_lab.fixes.recipes import get_recipe
 from precision_lab.services.rerun import capture_recipe
 from precision_lab.formats import FORMATS

@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from precision_lab.fixes.replay import (REPLAY_OPS, REPRODUCE_ULPS, ReplayError, canonical_op, replay, replay_op,
-                                        replayable_ops)
+from precision_lab.fixes.replay import REPLAY_OPS, ReplayError, canonical_op, replay
+from precision_lab.services.replay import REPRODUCE_ULPS, replay_op, replayable_ops
 
 FIXTURES = __import__("tests.conftest", fromlist=["FIXTURES"]).FIXTURES
 F16 = np.finfo(np.float16)
@@ -100,11 +100,12 @@ def _np_reference(kind, args):
 
 def _args_of(store, session, op):
     """The op's inputs as stored (kept tensors), for the independent computation."""
-    from precision_lab.fixes.replay import _assemble, _load_tensor, _pick_run, _rows, _scalar_args
+    from precision_lab.services.replay import _assemble, _load_tensor, _pick_run, _scalar_args
+    from precision_lab.store.queries import rows
 
     info = store.session(session)
     run = _pick_run(store, info, None)
-    recs = _rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run["run_id"], op])
+    recs = rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run["run_id"], op])
     tensors = {(r["role"], str(r["index"])): _load_tensor(store, run, r) for r in recs}
     pos, kw, _ = _scalar_args(run, op, recs)
     return _assemble(canonical_op(recs[0]["op_type"]), tensors, pos, kw)

@@ -82,7 +82,7 @@ def test_samples_are_small():
 
 def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
     """A sample is a dump-only session: its fake-quant op replays from the kept tensors under a fix."""
-    from precision_lab.fixes.replay import replay_op
+    from precision_lab.services.replay import replay_op
     from precision_lab.store import Store
 
     from precision_lab.services.ingest import ingest
@@ -96,8 +96,9 @@ def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
 
 def test_ingested_sample_is_diagnosed_and_rerun(regenerated, tmp_path):
     """The manifest names the recipe: the dump session gets module-level diagnoses and can be re-run."""
-    from precision_lab.fixes.diagnose import diagnose_session
-    from precision_lab.services.rerun import recipe_name, rerun_session
+    from precision_lab.services.diagnose import diagnose_session
+    from precision_lab.services.rerun import rerun_session
+    from precision_lab.services.sessions import recipe_name
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import first_nonfinite
     from precision_lab.store import Store

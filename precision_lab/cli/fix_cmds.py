@@ -142,8 +142,8 @@ def replay_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Replay one dumped op from its dumped inputs in fp32 and in the candidate format (under a fix)."""
-    from ..fixes.diagnose import fmt_num
-    from ..fixes.replay import replay_op, replayable_ops
+    from ..fixes.rules import fmt_num
+    from ..services.replay import replay_op, replayable_ops
     from ..store import SessionNotFound
 
     store = open_store(db)

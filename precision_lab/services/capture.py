@@ -356,7 +356,7 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
 def _diagnose(store, name: str) -> None:
     """Run the diagnosis rules over the new session when the fixes package provides them."""
     try:
-        from ..fixes.diagnose import diagnose_session
+        from .diagnose import diagnose_session
     except ImportError:
         return
     try:

@@ -221,7 +221,7 @@ def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits
             w.set_notes(notes)
             name = w.name
         try:
-            from ..fixes.diagnose import diagnose_session
+            from .diagnose import diagnose_session
 
             diagnose_session(store, name)
         except Exception as e:  # the ingested session stands; say why it has no diagnoses

@@ -96,7 +96,7 @@ def rerun_actions(store, session: str, card: dict) -> list[dict]:
     catalogue's one-line reasons of the fix's parts.
     """
     from ..fixes.catalogue import FixError, parse_fix, split_specs
-    from .rerun import recipe_name
+    from .sessions import recipe_name
 
     info = store.session(session)
     if card.get("rule") == "fix-verified" or not recipe_name(store, info):

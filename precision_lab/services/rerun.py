@@ -23,9 +23,10 @@ from ..records import free_name
 from ..fixes.catalogue import apply_fixes, fix_label, split_specs
 from ..fixes.policy import PrecisionPolicy
 from ..fixes.recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
+from .sessions import recipe_name
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
-           "parse_tolerance", "session_recipe", "recipe_name"]
+           "parse_tolerance", "session_recipe"]
 
 Progress = Optional[Callable[[int, int, str], None]]
 
@@ -143,35 +144,6 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     return name
 
 
-def recipe_name(store, info: dict) -> Optional[str]:
-    """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
-
-    A sample dump written by ``precision_lab.services.samples`` names its recipe
-    in its ``manifest.json``, so a session ingested from it (while the
-    folder is there) can be re-run too.
-    """
-    import json
-    from pathlib import Path
-
-    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
-    if name:
-        return name
-    srcs = {r[0] for r in store.sql("SELECT DISTINCT source FROM runs WHERE session_id = ?",
-                                    [info["session_id"]]).fetchall() if r[0]}
-    names = {s.split(":", 1)[1] for s in srcs if s.startswith("recipe:")}
-    for s in srcs - {f"recipe:{n}" for n in names}:
-        manifest = Path(s) / "manifest.json"
-        try:
-            doc = json.loads(manifest.read_text()) if manifest.is_file() else {}
-        except (OSError, ValueError):
-            doc = {}
-        if isinstance(doc, dict) and isinstance(doc.get("recipe"), str):
-            names.add(doc["recipe"])
-        else:
-            return None
-    return names.pop() if len(names) == 1 else None
-
-
 def session_recipe(store, session: str) -> tuple[dict, Recipe]:
     """A session and the recipe it was made from; RerunError for dump-only sessions."""
     info = store.session(session)
@@ -180,7 +152,7 @@ def session_recipe(store, session: str) -> tuple[dict, Recipe]:
         raise RerunError(
             f"session {info['name']!r} holds dumps, not a recipe: re-running needs the model. Capture it with "
             "`precision-lab capture --recipe NAME`, or replay single ops from a tensor-mode dump "
-            "(precision_lab.fixes.replay.replay_op)")
+            "(precision_lab.services.replay.replay_op)")
     try:
         return info, get_recipe(name)
     except RecipeNotFound as e:
@@ -264,7 +236,7 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
                            parent_run_id=par["run_id"], fix=label, kind="rerun")
     _tick(progress, 3, 4, f"{name}: diagnose")
     if diagnose:
-        from ..fixes.diagnose import diagnose_session
+        from .diagnose import diagnose_session
 
         diagnose_session(store, info["name"])
     _tick(progress, 4, 4, f"{name}: done")
@@ -500,7 +472,7 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     if result.passed:
         result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
                           + (", ".join(island) if island else "(none needed)"))
-    from ..fixes.diagnose import diagnose_session
+    from .diagnose import diagnose_session
 
     diagnose_session(store, info["name"])
     _tick(progress, max_runs, max_runs, "done")

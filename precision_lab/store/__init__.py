@@ -24,13 +24,14 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from ..records import Diagnosis, RunInfo, TensorRecord, free_name
+from ..paths import default_data_dir, default_db_path, resolve_db_path
+from ..records import (Diagnosis, RunInfo, TensorRecord, dataclass_columns, free_name, npy_bytes, npy_load,
+                       record_columns, stats_columns)
 
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
 SCHEMA_VERSION = 1
-ENV_DB = "PRECISION_LAB_DB"
 
 
 class SessionNotFound(KeyError):
@@ -42,82 +43,22 @@ class DatabaseLocked(RuntimeError):
     """Another process holds the database file (DuckDB allows one per file)."""
 
 
-def default_data_dir() -> Path:
-    """``$XDG_DATA_HOME/precision-lab`` (``~/.local/share/precision-lab`` when unset)."""
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "precision-lab"
-
-
-def default_db_path() -> Path:
-    """``$PRECISION_LAB_DB``, else ``$XDG_DATA_HOME/precision-lab/precision_lab.duckdb``."""
-    env = os.environ.get(ENV_DB)
-    if env:
-        return Path(env).expanduser()
-    return default_data_dir() / "precision_lab.duckdb"
-
-
-def resolve_db_path(path: Optional[os.PathLike | str] = None) -> str:
-    """The absolute path ``Store(path)`` opens (``:memory:`` stays as is)."""
-    p = str(path) if path is not None else str(default_db_path())
-    return p if p == ":memory:" else str(Path(p).expanduser().resolve())
-
-
 # ---- schema derived from the dataclasses ---------------------------------
 
-def _sql_type(annotation: str) -> str:
-    a = annotation.replace("typing.", "").replace(" ", "")
-    m = re.fullmatch(r"Optional\[(.+)\]", a) or re.fullmatch(r"(.+)\|None", a)
-    if m:
-        a = m.group(1)
-    if a in ("int", "bool"):
-        return {"int": "BIGINT", "bool": "BOOLEAN"}[a]
-    if a == "float":
-        return "DOUBLE"
-    if a == "str":
-        return "VARCHAR"
-    if a.startswith("tuple"):
-        return "VARCHAR"  # JSON text
-    if a.startswith("np.ndarray") or a == "Any":
-        return ""
-    return "VARCHAR"
-
-
-def _stats_fields() -> list[tuple[str, str]]:
-    from ..stats import TensorStats
-
-    hints = {f.name: (f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type)))
-             for f in dataclasses.fields(TensorStats)}
-    out = []
-    for name, ann in hints.items():
-        if name in ("hist",):
-            continue
-        t = _sql_type(str(ann))
-        if name == "shape":
-            t = "VARCHAR"
-        if t:
-            out.append((name, t))
-    return out
-
-
-def _record_fields() -> list[tuple[str, str]]:
-    out = []
-    for f in dataclasses.fields(TensorRecord):
-        if f.name in ("stats", "tensor"):
-            continue
-        out.append((f.name, _sql_type(f.type if isinstance(f.type, str) else f.type.__name__)))
-    return out
-
-
-def _dataclass_columns(cls, skip=()) -> list[tuple[str, str]]:
-    return [(f.name, _sql_type(f.type if isinstance(f.type, str) else f.type.__name__))
-            for f in dataclasses.fields(cls) if f.name not in skip]
+_SQL = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "bool": "BOOLEAN"}
 
 
 def tensor_columns() -> list[tuple[str, str]]:
-    """Columns of the ``tensors`` table: rid, record fields, stats fields, derived flags."""
-    cols = [("rid", "BIGINT")] + _record_fields() + _stats_fields()
-    cols += [("name", "VARCHAR"), ("nonfinite", "BOOLEAN"), ("has_hist", "BOOLEAN")]
-    return cols
+    """(name, SQL type) of the ``tensors`` table: rid, record fields, stats fields, derived flags."""
+    return [(n, _SQL[k]) for n, k in record_columns()]
+
+
+def _stats_fields() -> list[tuple[str, str]]:
+    return [(n, _SQL[k]) for n, k in stats_columns()]
+
+
+def _dataclass_columns(cls, skip=()) -> list[tuple[str, str]]:
+    return [(n, _SQL[k]) for n, k in dataclass_columns(cls, skip)]
 
 
 TENSOR_COLUMNS: list[str] = []  # filled on first Store() (stats module may import late)
@@ -500,7 +441,7 @@ class Store:
         row = self.sql("SELECT npy FROM tensor_data WHERE run_id = ? AND rid = ?", [run_id, int(rid)]).fetchone()
         if row is None:
             return None
-        return _npy_load(row[0])
+        return npy_load(row[0])
 
     def record_stats(self, run_id: str, rid: int):
         """Rebuild the TensorStats (with histogram) of one stored record."""
@@ -531,16 +472,6 @@ def stats_from_row(row: dict, hist: Optional[np.ndarray]):
                 v = float(v)
             kw[f.name] = v
     return TensorStats(**kw)
-
-
-def _npy_bytes(arr) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(arr), allow_pickle=False)
-    return buf.getvalue()
-
-
-def _npy_load(b: bytes):
-    return np.load(io.BytesIO(b), allow_pickle=False)
 
 
 def _default_session_name(source: str) -> str:
@@ -606,7 +537,7 @@ class SessionWriter:
         tensor = keep_tensor if keep_tensor is not None else rec.tensor
         if tensor is not None:
             self.cur.execute("INSERT INTO tensor_data VALUES (?, ?, ?)",
-                             [rec.run_id, rid, _npy_bytes(_to_numpy(tensor))])
+                             [rec.run_id, rid, npy_bytes(tensor)])
         if len(self._rows) >= self.BATCH:
             self.flush()
         return rid
@@ -666,6 +597,10 @@ class SessionWriter:
         if len(self._cmps) >= self.BATCH:
             self.flush()
 
+    def clear_diagnoses(self) -> None:
+        """Drop the session's diagnoses (they are recomputed as a whole)."""
+        self.cur.execute("DELETE FROM diagnoses WHERE session_id = ?", [self.session_id])
+
     def add_diagnosis(self, d: Diagnosis) -> None:
         d = dataclasses.replace(d, session_id=self.session_id)
         cols = [f.name for f in dataclasses.fields(Diagnosis)]
@@ -679,18 +614,6 @@ class SessionWriter:
 
     def set_notes(self, notes: dict) -> None:
         self.cur.execute("UPDATE sessions SET notes = ? WHERE session_id = ?", [json.dumps(notes), self.session_id])
-
-
-def _to_numpy(t):
-    if isinstance(t, np.ndarray):
-        # ml_dtypes arrays (bfloat16, fp8: kind "V") do not survive .npy; float32 holds their values exactly
-        return t.astype(np.float32) if t.dtype.kind == "V" else t
-    import torch
-
-    t = t.detach().cpu()
-    if t.dtype in (torch.bfloat16,) or "float8" in str(t.dtype):
-        return t.to(torch.float32).numpy()
-    return t.numpy()
 
 
 def open_store(db: Optional[os.PathLike | str] = None) -> Store:

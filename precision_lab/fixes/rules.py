@@ -1,13 +1,11 @@
-"""Diagnosis: explain what went wrong in number-format terms, and rank fixes.
+"""Diagnosis rules: explain what went wrong in number-format terms, and rank fixes.
 
-``diagnose_session(store, session)`` reads the stored statistics and
-comparisons of every candidate and re-run in a session and writes one
-``Diagnosis`` row per finding, replacing the session's earlier diagnoses in
-one transaction (running it twice gives the same rows).
+The rules read facts about recorded runs through a ``RunFacts`` they are
+given (the service ``services.diagnose`` answers it from the store) and
+return ``Diagnosis`` records; they never touch a database.
 
 For a run with non-finite values the rules look at the first non-finite
-producer (``services.report.first_nonfinite``) and the op or module around
-it, and are tried in order; the first that recognises the failure writes the
+producer and the op or module around it, and are tried in order; the first that recognises the failure writes the
 diagnosis:
 
 ``nonfinite-in-reference``  the fp32 reference produces it too (not a
@@ -35,12 +33,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
 from ..records import Diagnosis
 
-__all__ = ["diagnose_session", "diagnose", "RULES", "register_rule", "fmt_num", "representable_floor"]
+__all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
+           "representable_floor"]
 
 _IN_ROLES = ("input", "kwarg", "param", "grad_output")
 
@@ -76,36 +75,47 @@ def _eps_normal(fmt: Format) -> float:
 
 # ---- what a rule sees -------------------------------------------------------------
 
+class RunFacts(Protocol):
+    """What a rule may ask about the recorded runs; records are dicts of the tensors table's columns.
+
+    The service layer answers these from the store; tests may answer them from lists.
+    """
+
+    def op_records(self, run_id: str, op: str, step: int, rank: int) -> list[dict]: ...
+
+    def module_call(self, run_id: str, module: str, step: int, rank: int, seq: int, *,
+                    after: bool = True) -> list[dict]:
+        """Records of one call of ``module`` (capture names it ``<module>.forward.<n>``): with ``after`` the
+        call that encloses ``seq`` (first at or after it), else the last call at or before it."""
+
+    def reference_of(self, cand_run_id: str, recs: list[dict], ref_run_id: str) -> dict[int, dict]:
+        """Reference records paired with ``recs`` (by stored comparisons, else by name), by candidate rid."""
+
+    def first_nonfinite_output_of_type(self, run_id: str, op_type: str) -> Optional[str]: ...
+
+    def warning_starting(self, run_id: str, prefix: str) -> Optional[str]: ...
+
+    def ops_above(self, run_id: str, absmax: float) -> list[dict]:
+        """``{op, seq}`` of ops whose inputs or outputs exceed ``absmax``, in execution order."""
+
+    def worst_local_errors(self, run_id: str, limit: int) -> list[dict]: ...
+
+    def last_accumulated_output(self, run_id: str) -> Optional[dict]: ...
+
+    def last_forward_output_finite(self, run_id: str) -> bool: ...
+
+
 @dataclass
 class Context:
-    store: object  # a Store
+    facts: RunFacts
     session: dict
     runs: list[dict]
     ref_run: Optional[dict]
     modules: dict[str, dict] = field(default_factory=dict)  # module path -> facts (class, eps, leaf, ...)
     policies: dict[str, object] = field(default_factory=dict)  # run_id -> PrecisionPolicy
 
-    def rows(self, sql: str, params: list) -> list[dict]:
-        cur = self.store.sql(sql, params)
-        cols = [d[0] for d in cur.description]
-        return [dict(zip(cols, r)) for r in cur.fetchall()]
-
     def module_call(self, run_id: str, module: str, step: int, rank: int, seq: int, *, after: bool = True):
-        """Records of one call of ``module`` (capture names it ``<module>.forward.<n>``).
-
-        With ``after`` the call that encloses ``seq`` (its record comes after
-        its children's, so the first call at or after ``seq``), else the
-        last call at or before ``seq``.
-        """
-        like = module.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + ".forward.%"
-        cmp, order = (">=", "ASC") if after else ("<=", "DESC")
-        hit = self.rows(f"""SELECT op, min(seq) AS s FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
-                            AND op LIKE ? ESCAPE '\\' GROUP BY op HAVING min(seq) {cmp} ?
-                            ORDER BY s {order} LIMIT 1""", [run_id, step, rank, like, seq])
-        if not hit:
-            return []
-        return self.rows("""SELECT * FROM tensors WHERE run_id = ? AND step = ? AND rank = ? AND op = ?
-                            ORDER BY seq, rid""", [run_id, step, rank, hit[0]["op"]])
+        return self.facts.module_call(run_id, module, step, rank, seq, after=after)
 
     def module_of(self, op: str) -> Optional[str]:
         """The innermost known module an op name belongs to (recipe sessions), else None."""
@@ -192,23 +202,7 @@ def _ref_records(ctx: Context, ev: Evidence, recs: list[dict]) -> dict[int, dict
     """Reference records paired with ``recs`` (by the stored comparisons, else by name)."""
     if ctx.ref_run is None or not recs:
         return {}
-    out = {}
-    rids = [int(r["rid"]) for r in recs]
-    q = ",".join("?" * len(rids))
-    for c in ctx.rows(f"""SELECT cand_rid, ref_rid FROM comparisons WHERE cand_run_id = ? AND cand_rid IN ({q})
-                          AND ref_rid IS NOT NULL""", [ev.run["run_id"]] + rids):
-        ref = ctx.rows("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [ctx.ref_run["run_id"], c["ref_rid"]])
-        if ref:
-            out[int(c["cand_rid"])] = ref[0]
-    for r in recs:
-        if int(r["rid"]) in out:
-            continue
-        ref = ctx.rows("""SELECT * FROM tensors WHERE run_id = ? AND op = ? AND role = ? AND "index" = ?
-                          AND step = ? AND rank = ? LIMIT 1""",
-                       [ctx.ref_run["run_id"], r["op"], r["role"], r["index"], r["step"], r["rank"]])
-        if ref:
-            out[int(r["rid"])] = ref[0]
-    return out
+    return ctx.facts.reference_of(ev.run["run_id"], recs, ctx.ref_run["run_id"])
 
 
 def _keep_fp32(ev: Evidence) -> Optional[str]:
@@ -255,20 +249,18 @@ def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     policy = ev.policy
     q = getattr(policy, "quant", None)
     if q is not None and q.calibration == "histogram":
-        calib = ctx.rows("""SELECT op FROM tensors WHERE run_id = ? AND op_type = 'Amax' AND role = 'output'
-                            AND nonfinite ORDER BY seq LIMIT 1""", [ev.run["run_id"]])
+        calib = ctx.facts.first_nonfinite_output_of_type(ev.run["run_id"], "Amax")
         if calib:
-            warn = ctx.rows("""SELECT message FROM warnings WHERE run_id = ? AND message LIKE
-                               'histogram calibration failed:%' LIMIT 1""", [ev.run["run_id"]])
+            warn = ctx.facts.warning_starting(ev.run["run_id"], "histogram calibration failed:")
             if warn:
-                err = warn[0]["message"].split(":", 1)[1].strip()
+                err = warn.split(":", 1)[1].strip()
             else:  # torch's own words for a histogram over a NaN range
                 import torch
 
                 from .modules import histogram_amax
 
                 err = histogram_amax(torch.tensor([float("nan")]))[1]
-            msg += (f" Histogram calibration at `{calib[0]['op']}` then receives NaN and fails ({err}), so its "
+            msg += (f" Histogram calibration at `{calib}` then receives NaN and fails ({err}), so its "
                     "amax and every scale after it are NaN; the calibration is a victim, not the cause.")
             fixes.append("calibrate-finite-only")
     return _diag(ev, "nonfinite-in-reference", msg, fixes)
@@ -435,8 +427,7 @@ def _island(ctx: Context, fmt: Format) -> list[str]:
     if ctx.ref_run is None or not ctx.modules:
         return []
     leaves = {n for n, f in ctx.modules.items() if f.get("leaf") and n}
-    rows = ctx.rows("""SELECT op, min(seq) AS seq FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
-                       AND absmax > ? GROUP BY op ORDER BY seq""", [ctx.ref_run["run_id"], fmt.max])
+    rows = ctx.facts.ops_above(ctx.ref_run["run_id"], fmt.max)
     out = []
     for r in rows:
         m = ctx.module_of(r["op"])
@@ -487,9 +478,7 @@ def _rule_fallback(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
     policy = ctx.policies.get(run["run_id"])
-    rows = ctx.rows("""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
-                       WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
-                       ORDER BY rounding_units DESC LIMIT 20""", [run["run_id"]])
+    rows = ctx.facts.worst_local_errors(run["run_id"], 20)
     out = []
     for r in rows:
         m = ctx.module_of(r["op"])
@@ -519,107 +508,34 @@ def _prefixes(name: str) -> list[str]:
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
     if run["kind"] != "rerun" or not run.get("fix"):
         return []
-    last = ctx.rows("""SELECT op, seq, sqnr_db FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
-                       AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY seq DESC LIMIT 1""", [run["run_id"]])
+    last = ctx.facts.last_accumulated_output(run["run_id"])
     parent = next((r for r in ctx.runs if r["run_id"] == run.get("parent_run_id")), None)
     msg = f"re-run with `{run['fix']}`" + (f" (from run {parent['name']})" if parent else "")
     msg += ": no NaN or inf anywhere in the run"
-    if last and _finite(last[0]["sqnr_db"]):
-        msg += f"; final output SQNR {last[0]['sqnr_db']:.1f} dB against the fp32 reference"
-    return [Diagnosis("", run["run_id"], last[0]["op"] if last else "", "fix-verified", msg, (), "info",
-                      int(last[0]["seq"]) if last else -1)]
+    if last and _finite(last["sqnr_db"]):
+        msg += f"; final output SQNR {last['sqnr_db']:.1f} dB against the fp32 reference"
+    return [Diagnosis("", run["run_id"], last["op"] if last else "", "fix-verified", msg, (), "info",
+                      int(last["seq"]) if last else -1)]
 
 
-# ---- entry points --------------------------------------------------------------------
+# ---- one run ------------------------------------------------------------------------
 
-def _module_facts(recipe_name: Optional[str], policy) -> dict[str, dict]:
-    """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable} of a recipe's model."""
-    if not recipe_name:
-        return {}
-    from .recipes import RecipeNotFound, get_recipe
-
-    try:
-        recipe = get_recipe(recipe_name)
-    except RecipeNotFound:
-        return {}
-    model = recipe.build_model()
-    if policy is not None:
-        try:
-            policy.prepare(model)
-        except ValueError:
-            pass
-    facts = {}
-    for name, mod in model.named_modules():
-        d = {"class": type(mod).__name__, "leaf": not any(True for _ in mod.children())}
-        for attr in ("eps", "flush_to_zero", "two_pass", "stats_fp32", "stable"):
-            if hasattr(mod, attr):
-                d[attr] = getattr(mod, attr)
-        facts[name] = d
-    return facts
-
-
-def _policy_of(run: dict, session: dict):
-    from .policy import PrecisionPolicy
-
-    text = run.get("policy")
-    if not text:
-        return None
-    try:
-        return PrecisionPolicy.from_json(text)
-    except ValueError:
-        return None
-
-
-def diagnose(store, session: str) -> list[Diagnosis]:
-    """The diagnoses of a session, computed from the store (nothing written)."""
-    from ..services.report import first_nonfinite
-
-    info = store.session(session)
-    sid = info["session_id"]
-    cur = store.sql("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [sid])
-    cols = [d[0] for d in cur.description]
-    runs = [dict(zip(cols, r)) for r in cur.fetchall()]
-    ref = next((r for r in runs if r["kind"] == "reference"), None)
-    ctx = Context(store, info, runs, ref)
-    for r in runs:
-        ctx.policies[r["run_id"]] = _policy_of(r, info)
-    facts_cache: dict[str, dict] = {}
-    out: list[Diagnosis] = []
-    for run in runs:
-        if run["kind"] == "reference":
-            continue
-        policy = ctx.policies.get(run["run_id"])
-        key = policy.to_json() if policy is not None else ""
-        if key not in facts_cache:
-            from ..services.rerun import recipe_name
-
-            facts_cache[key] = _module_facts(recipe_name(store, info), policy)
-        ctx.modules = facts_cache[key]
-        fn = first_nonfinite(store, run["run_id"])
-        if fn is None:
-            out.extend(_fix_verified(ctx, run))
-            out.extend(_precision_loss(ctx, run))
-            continue
-        found = _producer_diagnosis(ctx, run, fn, policy)
-        if found and _output_finite(ctx, run):
-            d = found[0]
-            found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
-                               d.message + f" The non-finite values stop before the run's output, which is finite "
-                               f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)]
-        out.extend(found)
-    return out
-
-
-def _output_finite(ctx: Context, run: dict) -> bool:
-    """Whether the last forward output of the run (the model's output) is finite."""
-    last = ctx.rows("""SELECT nonfinite FROM tensors WHERE run_id = ? AND role = 'output' AND direction = 'forward'
-                       ORDER BY step DESC, seq DESC LIMIT 1""", [run["run_id"]])
-    return bool(last) and not last[0]["nonfinite"]
+def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> list[Diagnosis]:
+    """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
+    policy = ctx.policies.get(run["run_id"])
+    if first_nonfinite is None:
+        return _fix_verified(ctx, run) + _precision_loss(ctx, run)
+    found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
+    if found and ctx.facts.last_forward_output_finite(run["run_id"]):
+        d = found[0]
+        found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
+                           d.message + f" The non-finite values stop before the run's output, which is finite "
+                           f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)]
+    return found
 
 
 def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagnosis]:
-    recs = ctx.rows("""SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
-                       ORDER BY seq, rid""", [run["run_id"], fn["op"], fn["step"], fn["rank"]])
+    recs = ctx.facts.op_records(run["run_id"], fn["op"], fn["step"], fn["rank"])
     module = ctx.module_of(fn["op"])
     mrecs = recs
     if module:
@@ -637,13 +553,13 @@ def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagn
     return []
 
 
-def diagnose_session(store, session: str) -> list[Diagnosis]:
-    """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction)."""
-    found = diagnose(store, session)
-    with store.extend_session(session) as w:
-        w.cur.execute("DELETE FROM diagnoses WHERE session_id = ?", [w.session_id])
-        for d in found:
-            w.add_diagnosis(d)
-    sid = store.session(session)["session_id"]
-    return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
-
+def module_facts(model) -> dict[str, dict]:
+    """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable} of a built model."""
+    facts = {}
+    for name, mod in model.named_modules():
+        d = {"class": type(mod).__name__, "leaf": not any(True for _ in mod.children())}
+        for attr in ("eps", "flush_to_zero", "two_pass", "stats_fp32", "stable"):
+            if hasattr(mod, attr):
+                d[attr] = getattr(mod, attr)
+        facts[name] = d
+    return facts

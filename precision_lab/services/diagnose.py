@@ -1,0 +1,118 @@
+"""Diagnose a session: run the diagnosis rules over what the store recorded.
+
+``diagnose_session(store, session)`` reads the stored statistics and
+comparisons of every candidate and re-run in a session and writes one
+``Diagnosis`` row per finding, replacing the session's earlier diagnoses in
+one transaction (running it twice gives the same rows).  The rules
+themselves live in ``precision_lab.fixes.rules`` and see the store only
+through ``StoreFacts``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..fixes.policy import PrecisionPolicy
+from ..fixes.recipes import RecipeNotFound, get_recipe
+from ..fixes.rules import Context, diagnose_run, module_facts
+from ..records import Diagnosis
+from ..store import queries as q
+from .report import first_nonfinite
+from .sessions import recipe_name
+
+__all__ = ["diagnose", "diagnose_session", "StoreFacts"]
+
+
+class StoreFacts:
+    """``fixes.rules.RunFacts`` answered from a store."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def op_records(self, run_id, op, step, rank):
+        return q.op_records(self.store, run_id, op, step, rank)
+
+    def module_call(self, run_id, module, step, rank, seq, *, after=True):
+        return q.module_call(self.store, run_id, module, step, rank, seq, after=after)
+
+    def reference_of(self, cand_run_id, recs, ref_run_id):
+        return q.reference_of(self.store, cand_run_id, recs, ref_run_id)
+
+    def first_nonfinite_output_of_type(self, run_id, op_type):
+        return q.first_nonfinite_output_of_type(self.store, run_id, op_type)
+
+    def warning_starting(self, run_id, prefix):
+        return q.warning_starting(self.store, run_id, prefix)
+
+    def ops_above(self, run_id, absmax):
+        return q.ops_above(self.store, run_id, absmax)
+
+    def worst_local_errors(self, run_id, limit):
+        return q.worst_local_errors(self.store, run_id, limit)
+
+    def last_accumulated_output(self, run_id):
+        return q.last_accumulated_output(self.store, run_id)
+
+    def last_forward_output_finite(self, run_id):
+        return q.last_forward_output_finite(self.store, run_id)
+
+
+def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:
+    """Module facts of a recipe's model under ``policy`` ({} for dump sessions or unknown recipes)."""
+    if not name:
+        return {}
+    try:
+        recipe = get_recipe(name)
+    except RecipeNotFound:
+        return {}
+    model = recipe.build_model()
+    if policy is not None:
+        try:
+            policy.prepare(model)
+        except ValueError:
+            pass
+    return module_facts(model)
+
+
+def _policy_of(run: dict) -> Optional[PrecisionPolicy]:
+    text = run.get("policy")
+    if not text:
+        return None
+    try:
+        return PrecisionPolicy.from_json(text)
+    except ValueError:
+        return None
+
+
+def diagnose(store, session: str) -> list[Diagnosis]:
+    """The diagnoses of a session, computed from the store (nothing written)."""
+    info = store.session(session)
+    runs = q.session_runs(store, info["session_id"])
+    ref = next((r for r in runs if r["kind"] == "reference"), None)
+    ctx = Context(StoreFacts(store), info, runs, ref)
+    for r in runs:
+        ctx.policies[r["run_id"]] = _policy_of(r)
+    recipe = recipe_name(store, info)
+    modules_by_policy: dict[str, dict] = {}
+    out: list[Diagnosis] = []
+    for run in runs:
+        if run["kind"] == "reference":
+            continue
+        policy = ctx.policies.get(run["run_id"])
+        key = policy.to_json() if policy is not None else ""
+        if key not in modules_by_policy:
+            modules_by_policy[key] = _recipe_modules(recipe, policy)
+        ctx.modules = modules_by_policy[key]
+        out.extend(diagnose_run(ctx, run, first_nonfinite(store, run["run_id"])))
+    return out
+
+
+def diagnose_session(store, session: str) -> list[Diagnosis]:
+    """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction)."""
+    found = diagnose(store, session)
+    with store.extend_session(session) as w:
+        w.clear_diagnoses()
+        for d in found:
+            w.add_diagnosis(d)
+    sid = store.session(session)["session_id"]
+    return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]

@@ -1,0 +1,36 @@
+"""Lookups about a stored session that several use cases share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from ..store import queries as q
+
+__all__ = ["recipe_name"]
+
+
+def recipe_name(store, info: dict) -> Optional[str]:
+    """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
+
+    A sample dump written by ``precision_lab.services.samples`` names its recipe
+    in its ``manifest.json``, so a session ingested from it (while the
+    folder is there) can be re-run too.
+    """
+    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
+    if name:
+        return name
+    srcs = set(q.run_sources(store, info["session_id"]))
+    names = {s.split(":", 1)[1] for s in srcs if s.startswith("recipe:")}
+    for s in srcs - {f"recipe:{n}" for n in names}:
+        manifest = Path(s) / "manifest.json"
+        try:
+            doc = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        except (OSError, ValueError):
+            doc = {}
+        if isinstance(doc, dict) and isinstance(doc.get("recipe"), str):
+            names.add(doc["recipe"])
+        else:
+            return None
+    return names.pop() if len(names) == 1 else None

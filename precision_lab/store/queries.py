@@ -1,0 +1,145 @@
+"""Every read the project makes of the database, as named functions.
+
+Each function takes a ``Store`` first and returns plain Python (dicts,
+lists, scalars) or a DataFrame where a page wants one.  Nothing outside
+``precision_lab.store`` writes SQL; a use case that needs a new question
+adds a function here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "rows", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
+    "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output",
+    "last_forward_output_finite", "run_sources", "forward_ops",
+]
+
+
+def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
+    """Rows of ``sql`` as dicts keyed by column name."""
+    cur = store.sql(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _one(store, sql: str, params: list) -> Optional[dict]:
+    got = rows(store, sql, params)
+    return got[0] if got else None
+
+
+def _like_prefix(text: str) -> str:
+    """``text`` escaped for ``LIKE ... ESCAPE '\\'`` (so ``_`` and ``%`` in module names match literally)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+# ---- runs and tensors ---------------------------------------------------------------
+
+def session_runs(store, session_id: str) -> list[dict]:
+    """The runs of a session, oldest first."""
+    return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+
+
+def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[dict]:
+    """Every record of one op call, in execution order."""
+    return rows(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
+                          ORDER BY seq, rid""", [run_id, op, step, rank])
+
+
+def module_call(store, run_id: str, module: str, step: int, rank: int, seq: int, *,
+                after: bool = True) -> list[dict]:
+    """Records of one call of ``module`` (named ``<module>.forward.<n>``).
+
+    With ``after`` the call that encloses ``seq`` (its record comes after its
+    children's, so the first call at or after ``seq``), else the last call at
+    or before ``seq``.
+    """
+    like = _like_prefix(module) + ".forward.%"
+    cmp, order = (">=", "ASC") if after else ("<=", "DESC")
+    hit = _one(store, f"""SELECT op, min(seq) AS s FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
+                          AND op LIKE ? ESCAPE '\\' GROUP BY op HAVING min(seq) {cmp} ?
+                          ORDER BY s {order} LIMIT 1""", [run_id, step, rank, like, seq])
+    if hit is None:
+        return []
+    return op_records(store, run_id, hit["op"], step, rank)
+
+
+def reference_of(store, cand_run_id: str, recs: list[dict], ref_run_id: str) -> dict[int, dict]:
+    """Reference records paired with the candidate records ``recs``, keyed by candidate rid.
+
+    The stored comparisons decide first; records they do not cover are
+    matched by (op, role, index, step, rank).
+    """
+    out: dict[int, dict] = {}
+    if not recs:
+        return out
+    rids = [int(r["rid"]) for r in recs]
+    q = ",".join("?" * len(rids))
+    for c in rows(store, f"""SELECT cand_rid, ref_rid FROM comparisons WHERE cand_run_id = ? AND cand_rid IN ({q})
+                             AND ref_rid IS NOT NULL""", [cand_run_id] + rids):
+        ref = _one(store, "SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [ref_run_id, c["ref_rid"]])
+        if ref is not None:
+            out[int(c["cand_rid"])] = ref
+    for r in recs:
+        if int(r["rid"]) in out:
+            continue
+        ref = _one(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND role = ? AND "index" = ?
+                             AND step = ? AND rank = ? LIMIT 1""",
+                   [ref_run_id, r["op"], r["role"], r["index"], r["step"], r["rank"]])
+        if ref is not None:
+            out[int(r["rid"])] = ref
+    return out
+
+
+def first_nonfinite_output_of_type(store, run_id: str, op_type: str) -> Optional[str]:
+    """The first op of ``op_type`` whose output holds NaN or inf, else None."""
+    hit = _one(store, """SELECT op FROM tensors WHERE run_id = ? AND op_type = ? AND role = 'output'
+                         AND nonfinite ORDER BY seq LIMIT 1""", [run_id, op_type])
+    return hit["op"] if hit else None
+
+
+def warning_starting(store, run_id: str, prefix: str) -> Optional[str]:
+    """The first warning of a run whose message starts with ``prefix``."""
+    hit = _one(store, "SELECT message FROM warnings WHERE run_id = ? AND message LIKE ? ESCAPE '\\' LIMIT 1",
+               [run_id, _like_prefix(prefix) + "%"])
+    return hit["message"] if hit else None
+
+
+def ops_above(store, run_id: str, absmax: float) -> list[dict]:
+    """``{op, seq}`` of ops whose inputs or outputs exceed ``absmax``, in execution order."""
+    return rows(store, """SELECT op, min(seq) AS seq FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
+                          AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax])
+
+
+def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
+    """Outputs whose local (shadow) error is judged an error, worst first."""
+    return rows(store, """SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
+                          WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
+                          ORDER BY rounding_units DESC LIMIT ?""", [run_id, int(limit)])
+
+
+def last_accumulated_output(store, run_id: str) -> Optional[dict]:
+    """The last output compared with the reference that has an SQNR (``{op, seq, sqnr_db}``)."""
+    return _one(store, """SELECT op, seq, sqnr_db FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
+                          AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY seq DESC LIMIT 1""", [run_id])
+
+
+def last_forward_output_finite(store, run_id: str) -> bool:
+    """Whether the run's last forward output (the model's output) is finite."""
+    last = _one(store, """SELECT nonfinite FROM tensors WHERE run_id = ? AND role = 'output'
+                          AND direction = 'forward' ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
+    return last is not None and not last["nonfinite"]
+
+
+def run_sources(store, session_id: str) -> list[str]:
+    """The distinct non-empty ``source`` values of a session's runs."""
+    return [r["source"] for r in rows(store, "SELECT DISTINCT source FROM runs WHERE session_id = ?", [session_id])
+            if r["source"]]
+
+
+def forward_ops(store, run_id: str) -> list[dict]:
+    """One row per forward op call of a run, in execution order: ``{op, op_type, seq, nf}``."""
+    return rows(store, """SELECT op, any_value(op_type) AS op_type, min(seq) AS seq, bool_or(nonfinite) AS nf
+                          FROM tensors WHERE run_id = ? AND direction = 'forward'
+                          GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id])
