@@ -112,7 +112,7 @@ def _parquet_bomb(d: Path) -> Path:
     import pyarrow.parquet as pq
 
     from precision_lab.records import TensorRecord
-    from precision_lab.shards import write_manifest, write_shard
+    from precision_lab.readers.shards import write_manifest, write_shard
     from precision_lab.stats import tensor_stats
 
     meta = {"run_id": "r", "name": "r", "dtype": "float16", "kind": "candidate"}

@@ -451,7 +451,7 @@ def shard_folder(d: Path, rows: int = 1, kept: bool = False) -> Path:
     import numpy as np
 
     from precision_lab.records import TensorRecord
-    from precision_lab.shards import write_manifest, write_shard
+    from precision_lab.readers.shards import write_manifest, write_shard
     from precision_lab.stats import tensor_stats
 
     meta = {"run_id": "r", "name": "r", "dtype": "float16", "kind": "candidate"}

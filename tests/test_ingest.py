@@ -322,7 +322,7 @@ class _GivenShards:
 
 
 def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkeypatch):
-    import precision_lab.shards as shards
+    import precision_lab.readers.native as native
     from precision_lab.stats import tensor_stats
 
     d = tmp_path / "captured"
@@ -347,7 +347,7 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
               "fix": None, "policy": {"dtype": "float32"}}, recs("r1", torch.float32, False)),
             ({"run_id": "x1", "name": "fp16+fix", "dtype": "float16", "kind": "rerun", "parent_run_id": "c1",
               "fix": "keep-fp32:blocks.0.act", "policy": None}, recs("x1", torch.float16, False))]
-    monkeypatch.setattr(shards, "read_shards", _GivenShards(runs).read_shards)
+    monkeypatch.setattr(native, "read_shards", _GivenShards(runs).read_shards)
     name = ingest(d, store=store)
     rep = build_report(store, name)
     runs = {r["name"]: r for r in rep["runs"]}
@@ -364,8 +364,8 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
 
 
 def test_native_shards_written_by_capture_code(store, tmp_path):
-    """Shards written with precision_lab.shards (two ranks), local comparisons included."""
-    import precision_lab.shards as shards
+    """Shards written with precision_lab.readers.shards (two ranks), local comparisons included."""
+    import precision_lab.readers.shards as shards
     from precision_lab.metrics import compare
     from precision_lab.stats import tensor_stats
 

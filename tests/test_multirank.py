@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from precision_lab.shards import read_manifest, read_shards, shard_glob
+from precision_lab.readers.shards import read_manifest, read_shards, shard_glob
 
 
 class TwoLayer(nn.Module):

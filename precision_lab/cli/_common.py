@@ -6,6 +6,8 @@ import sys
 from typing import Callable, NoReturn, Optional
 
 import typer
+from ..store import Store
+from ..config import ConfigError, load_config
 
 EXIT_UNUSABLE = 2  # the request cannot be carried out
 
@@ -29,7 +31,6 @@ def open_store(db: Optional[str], *, use_config: bool = False, code: int = EXIT_
     A database locked by another process, or a config file that cannot be
     read, ends the command with ``code`` and the reason.
     """
-    from ..store import Store
 
     db = db_setting(db, use_config=use_config, code=code)
     try:
@@ -41,8 +42,6 @@ def open_store(db: Optional[str], *, use_config: bool = False, code: int = EXIT_
 def db_setting(db: Optional[str], *, use_config: bool = False, code: int = EXIT_UNUSABLE) -> Optional[str]:
     """``db``, or with ``use_config`` and ``db`` unset the server config's ``db_path`` (None: the default)."""
     if db is None and use_config:
-        from ..config import ConfigError, load_config
-
         try:
             db = load_config().db_path
         except ConfigError as e:

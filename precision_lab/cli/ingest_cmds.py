@@ -17,14 +17,16 @@ import typer
 from . import app
 from ._common import DB_HELP, EXIT_UNUSABLE, end_progress, open_store, tty_progress
 from ._common import fail as _fail
+from ..config import ConfigError, load_config
+from ..services.ingest import IngestError, ingest
+from ..services.report import build_report, render_text, to_json
+from ..store import SessionNotFound, Store
+from ..services.html_report import write_html
 
 EXIT_TRIPPED = 1
 
 
 def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
-    from ..config import ConfigError, load_config
-    from ..services.ingest import IngestError, ingest
-
     try:  # the limits on what a dump may expand to come from the settings (`precision-lab config`)
         cfg = load_config()
     except ConfigError as e:
@@ -63,9 +65,6 @@ def report_cmd(
                                             "offline) to this file"),
 ) -> None:
     """Report a session: first non-finite producer per run, comparisons, diagnoses."""
-    from ..services.report import build_report, render_text, to_json
-    from ..store import SessionNotFound
-
     store = open_store(db)
     try:
         rep = build_report(store, session)
@@ -75,8 +74,6 @@ def report_cmd(
     if as_json:
         typer.echo()
     if html_file:
-        from ..services.html_report import write_html
-
         typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
 
 
@@ -174,9 +171,6 @@ def compare_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the JSON report"),
 ) -> None:
     """Ingest REF and CAND, compare them op by op; for CI (exit 1 when --fail-on trips, 2 for unusable input)."""
-    from ..services.report import build_report, render_text, to_json
-    from ..store import Store
-
     conditions = [parse_condition(c) for c in (fail_on or [])]
     store = open_store(db) if db else Store(":memory:")
     name = _ingest([cand], [ref], session, store)

@@ -8,12 +8,12 @@ import typer
 
 from . import app
 from ._common import DB_HELP, open_store
+from ..formats import FORMATS
 
 
 @app.command("formats")
 def formats_cmd() -> None:
     """List the registered number formats and their limits."""
-    from ..formats import FORMATS
 
     typer.echo(f"{'format':<14}{'bits':>5}{'max':>14}{'min normal':>14}{'min subnormal':>15}{'eps':>12}")
     for f in FORMATS.values():

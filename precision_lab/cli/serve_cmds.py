@@ -26,6 +26,7 @@ import typer
 
 from . import app
 from ._common import fail
+from ..config import CONFIG_ENV, ConfigError, DEFAULT_CONFIG_FILE, load_config
 
 __all__ = ["ServeCommand", "serve_command", "APP", "READ_ONLY_UPLOAD_MB", "LOOPBACK"]
 
@@ -82,8 +83,6 @@ def serve_command(config, *, read_only: bool = False, address: str = "localhost"
         q = Path(p).expanduser()
         return str(q if q.is_absolute() else (here / q))
 
-    from ..config import CONFIG_ENV
-
     if config_file:
         env[CONFIG_ENV] = absolute(config_file)
     elif env.get(CONFIG_ENV):
@@ -104,7 +103,6 @@ def serve_command(config, *, read_only: bool = False, address: str = "localhost"
 
 def _config_file(explicit: Optional[str]) -> Optional[str]:
     """The TOML file ``load_config`` reads: ``--config``, ``$PRECISION_LAB_CONFIG`` or ./precision_lab.toml."""
-    from ..config import CONFIG_ENV, DEFAULT_CONFIG_FILE
 
     if explicit:
         return explicit
@@ -132,7 +130,6 @@ def serve_cmd(
 
     Arguments after the options go to ``streamlit run`` (``--server.headless true``).
     """
-    from ..config import ConfigError, load_config
 
     cfg_file = _config_file(config_file)
     try:

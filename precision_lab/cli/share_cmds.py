@@ -13,6 +13,10 @@ import typer
 
 from . import app
 from ._common import db_setting, fail, open_store
+from ..services.share import ShareError, create_share_token, export_session, import_session, revoke_recorded_token, revoke_share_token, share_url
+from ..store import DatabaseLocked, SessionNotFound, Store
+from ..config import ConfigError, SETTINGS, load_config
+from ..tokens import TokenFileError
 
 
 def _store(db: Optional[str]):
@@ -27,9 +31,6 @@ def export_cmd(
     db: Optional[str] = typer.Option(None, "--db", help="database file"),
 ) -> None:
     """Write a session (runs, records, histograms, comparisons, diagnoses, kept tensors) to one file."""
-    from ..services.share import ShareError, export_session
-    from ..store import SessionNotFound
-
     store = _store(db)
     try:
         res = export_session(store, session, output)
@@ -52,9 +53,6 @@ def import_cmd(
     A read-only server refuses imports from the browser; the command line is
     how whoever runs the server adds sessions to it, so it imports anyway.
     """
-    from ..config import ConfigError, load_config
-    from ..services.share import ShareError, import_session
-
     try:
         config = load_config()  # the zip and upload limits apply here too
     except ConfigError as e:
@@ -79,10 +77,6 @@ def share_link_cmd(
     Revoking works while a server holds the database: the tokens live in
     ``<database>.tokens.json``, which the server reads on every request.
     """
-    from ..services.share import create_share_token, revoke_recorded_token, revoke_share_token, share_url
-    from ..store import DatabaseLocked, SessionNotFound, Store
-    from ..tokens import TokenFileError
-
     path = db_setting(db, use_config=True)
     try:
         store = Store(path)
@@ -121,7 +115,6 @@ def config_cmd(
     config_file: Optional[str] = typer.Option(None, "--config", help="TOML file (default $PRECISION_LAB_CONFIG)"),
 ) -> None:
     """Print the server settings in effect and where they came from."""
-    from ..config import SETTINGS, ConfigError, load_config
 
     try:
         cfg = load_config(config_file)

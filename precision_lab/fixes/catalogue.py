@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ..formats import FORMATS
-from .policy import PolicyError, PrecisionPolicy
+from .policy import PolicyError, PrecisionPolicy, QuantConfig
 
 __all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "split_specs",
            "fix_label"]
@@ -223,8 +223,6 @@ def _keep_subnormals(p, _):
 
 
 def _fp8_format(p, fmt):
-    from .policy import QuantConfig
-
     q = _need_quant(p, "fp8-format")
     return replace(p, quant=QuantConfig(**{**q.__dict__, "format": fmt}))
 

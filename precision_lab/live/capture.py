@@ -1053,7 +1053,7 @@ class Capture:
 
     def _finish_output(self) -> None:
         if self.shard_dir is not None:
-            from ..shards import write_manifest
+            from ..readers.shards import write_manifest
 
             meta = self.run_meta()
             meta["warnings"] = [{"where": a, "message": b} for a, b in self.warnings]
@@ -1076,7 +1076,7 @@ class Capture:
                 self.session = w.name
 
     def _write_step_shard(self, step_records, base) -> None:
-        from ..shards import write_shard
+        from ..readers.shards import write_shard
 
         local = {}
         for pos, cmp in self.local_comparisons:

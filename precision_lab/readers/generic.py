@@ -46,10 +46,11 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..records import TensorRecord, split_tensor_name
-from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
+from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
                      open_regular, parse_json, reading, read_json, relname)
+from ..stats import tensor_stats
 
 __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "ORDER_KEYS", "scan"]
 
@@ -479,8 +480,6 @@ class GenericReader:
         return None
 
     def _records(self, root: Path, sc: Scan, order, src: RunSource, tick: Tick) -> Iterator[TensorRecord]:
-        from ..stats import tensor_stats
-
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
         unlisted: list[str] = []
         seen: dict[tuple, str] = {}

@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ..records import TensorRecord
-from . import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
+from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
 from .safeio import (check_member_zip, check_regular, check_tensor, contained, limits, plain_error, read_json,
                      reading, relname)
+from ..stats import TensorStats, canonical_dtype, tensor_stats
 
 __all__ = ["MsprobeReader", "parse_op", "dump_files"]
 
@@ -113,8 +114,6 @@ def _ranks(files: list[tuple[int, str, Path]]) -> tuple[dict[Path, int], list[st
 
 
 def _dtype(s) -> str:
-    from ..stats import canonical_dtype
-
     return canonical_dtype(s) if s else ""
 
 
@@ -207,7 +206,6 @@ def _summary(d: dict, rel: str, entry: str, warn: Callable[[str], None]):
     ``warn(message)`` is told which one, so the gap is visible.
     """
     where = f"{rel}: {entry}"
-    from ..stats import TensorStats
 
     shape = _shape(d, where)
     values = {}
@@ -333,8 +331,6 @@ class MsprobeReader:
 
     def _records(self, root: Path, files, ranks, src: RunSource, tick: Tick, first: dict) -> Iterator[TensorRecord]:
         import torch
-
-        from ..stats import tensor_stats
 
         for i, (step, _rdir, path) in enumerate(files):
             rel = relname(root, path)

@@ -2,7 +2,7 @@
 
 A folder is ours when its ``manifest.json`` says ``"format":
 "precision-lab-shards"``.  Reading is delegated to
-``precision_lab.shards.read_shards(root)``, which yields ``(run_meta,
+``precision_lab.readers.shards.read_shards(root)``, which yields ``(run_meta,
 TensorRecord)`` pairs; each distinct ``run_meta["run_id"]`` becomes one run,
 keeping the kind (reference/candidate/rerun), parent, fix, policy and
 warnings the capture wrote.  Shard records carry execution order (``seq``)
@@ -17,8 +17,9 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from . import ReadError, RunSource, Tick
+from .base import ReadError, RunSource, Tick
 from .safeio import open_regular
+from .shards import ShardError, read_local_comparisons, read_shards
 
 __all__ = ["NativeReader", "FORMAT_NAME"]
 
@@ -49,8 +50,6 @@ class NativeReader:
         return root.is_dir() and _manifest(root) is not None
 
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
-        from ..shards import ShardError, read_shards
-
         try:
             stream = iter(read_shards(root))
             pending = next(stream, None)
@@ -102,7 +101,6 @@ class NativeReader:
 
     def local_comparisons(self, root: Path):
         """``(run key, output record, Comparison)`` of each op's output against its own fp32 re-run."""
-        from ..shards import ShardError, read_local_comparisons
 
         try:
             for meta, rec, cmp in read_local_comparisons(root):

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from . import ReadError
-from . import first_line
+from .base import ReadError, first_line
 
 
 __all__ = ["ReadLimits", "limits", "limits_in_force", "contained", "open_regular", "check_regular",

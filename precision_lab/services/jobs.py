@@ -13,6 +13,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
+from .rerun import rerun_session
+from ..fixes.catalogue import FixError, parse_fix, split_specs
+from .sessions import recipe_name
 
 __all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions"]
 
@@ -57,7 +60,6 @@ def _key(store, session: str, fix: str, parent: Optional[str]) -> tuple:
 
 def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) -> RerunJob:
     """Start re-running ``session`` under ``fix`` (a spec, ``+`` joins several) in a background thread."""
-    from .rerun import rerun_session
 
     key = _key(store, session, fix, parent)
     with _LOCK:
@@ -95,9 +97,6 @@ def rerun_actions(store, session: str, card: dict) -> list[dict]:
     the parent is the run the diagnosis is about, and ``reason`` joins the
     catalogue's one-line reasons of the fix's parts.
     """
-    from ..fixes.catalogue import FixError, parse_fix, split_specs
-    from .sessions import recipe_name
-
     info = store.session(session)
     if card.get("rule") == "fix-verified" or not recipe_name(store, info):
         return []

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..records import TensorRecord
+from ..formats import format_for_dtype
+from ..metrics import compare, compare_stats
 
 __all__ = ["Item", "Match", "match_records", "exact_key", "compare_pair", "compare_runs", "RunComparison",
            "verdict_format"]
@@ -114,7 +116,6 @@ def verdict_format(tensor_dtype: Optional[str], run_dtype: Optional[str]) -> Opt
     it is judged against the run's format; otherwise its own dtype decides
     (None: let ``metrics`` infer it from the tensor).
     """
-    from ..formats import format_for_dtype
 
     run_fmt = format_for_dtype(run_dtype) if run_dtype else None
     if run_fmt is None:
@@ -131,7 +132,6 @@ def compare_pair(ref: Item, cand: Item, ref_tensor=None, cand_tensor=None, *,
 
     ``run_dtype``: the candidate run's compute dtype (see ``verdict_format``).
     """
-    from ..metrics import compare, compare_stats
 
     fmt = verdict_format(cand.record.stats.dtype, run_dtype)
     if ref_tensor is not None and cand_tensor is not None:

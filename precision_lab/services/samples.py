@@ -1,6 +1,6 @@
 """Seeded generator of ``sample_dumps/<recipe>/``: one shard folder per built-in recipe.
 
-Each folder is in Precision Lab's own dump format (``precision_lab.shards``:
+Each folder is in Precision Lab's own dump format (``precision_lab.readers.shards``:
 Parquet shards + ``manifest.json``) and holds two runs of the recipe's
 model on its fixed inputs: ``reference`` (fp32) and ``candidate`` (the
 recipe's failing low-precision policy), with the candidate's local-error
@@ -20,6 +20,9 @@ import json
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
+from .rerun import _forward
+from ..readers.shards import write_manifest, write_shard
+from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
 __all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES"]
 
@@ -29,9 +32,6 @@ RUN_NAMES = ("reference", "candidate")
 
 def generate_recipe(recipe, out_dir) -> Path:
     """Write one recipe's reference and candidate runs to ``out_dir`` (replacing what is there)."""
-    from .rerun import _forward
-    from ..shards import write_manifest, write_shard
-
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -71,7 +71,6 @@ def generate_recipe(recipe, out_dir) -> Path:
 
 def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list[Path]:
     """Write ``<root>/<recipe>/`` for the named recipes (default: every built-in one)."""
-    from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
     names = list(recipes) if recipes else list(BUILTIN_RECIPES)
     return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]

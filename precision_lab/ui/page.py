@@ -28,6 +28,9 @@ import streamlit as st
 
 from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
+from ..store import Store, default_db_path
+from ..config import ConfigError, SHARE_PARAM, load_config, resolve_access
+from ..scratch import scratch_root, sweep
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
@@ -58,14 +61,11 @@ def plain(text: Any) -> str:
 
 @st.cache_resource(show_spinner=False)
 def _open_store(path: str):
-    from ..store import Store
-
     return Store(path)
 
 
 def get_config():
     """The server configuration; a bad setting stops the page with its message."""
-    from ..config import ConfigError, load_config
 
     try:
         return load_config()
@@ -76,7 +76,6 @@ def get_config():
 
 def get_store():
     """The process-wide Store (one DuckDB connection; a cursor per thread)."""
-    from ..store import default_db_path
 
     cfg = get_config()
     path = cfg.db_path or str(default_db_path())
@@ -88,8 +87,6 @@ def get_store():
 
 
 def _quiet_config():
-    from ..config import ConfigError, load_config
-
     try:
         return load_config()
     except ConfigError:
@@ -98,15 +95,12 @@ def _quiet_config():
 
 @st.cache_resource(show_spinner=False)
 def _swept(root: str) -> tuple:
-    from ..scratch import sweep
-
     return tuple(str(p) for p in sweep(root))
 
 
 def sweep_scratch() -> None:
     """Remove leftovers of killed ingests from the scratch folder, once per server process
     (``precision_lab.scratch.sweep``; uploads sweep again as they start)."""
-    from ..scratch import scratch_root
 
     _swept(str(scratch_root(_quiet_config())))
 
@@ -115,8 +109,6 @@ def server_folders() -> tuple:
     """Folders whose paths a message must not show a browser (see ``common.public_text``)."""
     import tempfile
     from pathlib import Path
-
-    from ..scratch import scratch_root
 
     root, tmp = scratch_root(_quiet_config()), Path(tempfile.gettempdir())
     return (str(root), str(root.resolve()), str(tmp), str(tmp.resolve()))
@@ -128,7 +120,6 @@ def access(store):
     A ``?share=`` token is remembered for the browser session, so moving
     between pages keeps the visitor on the shared session.
     """
-    from ..config import SHARE_PARAM, resolve_access
 
     token = url_value(SHARE_PARAM) or st.session_state.get(_SHARE)
     params = {k: st.query_params.get_all(k) for k in st.query_params.keys()}

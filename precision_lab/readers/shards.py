@@ -39,9 +39,11 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .readers import ReadError
-from .readers.safeio import check_regular, contained, limits, npy_header, read_json, relname
-from .records import TensorRecord, npy_bytes, record_columns
+from .base import ReadError
+from .safeio import check_regular, contained, limits, npy_header, read_json, relname
+from ..records import TensorRecord, npy_bytes, record_columns
+from ..stats import HIST_EDGES_ID, N_BINS, TensorStats, json_float
+from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
@@ -102,8 +104,6 @@ def _schema():
 
 
 def _json_safe(d: dict) -> dict:
-    from .stats import json_float
-
     return {k: json_float(v) if isinstance(v, float) else v for k, v in d.items()}
 
 
@@ -117,8 +117,6 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from .stats import HIST_EDGES_ID
 
     name = run_meta.get("name")
     path = shard_path(root, name, rank, step)
@@ -170,8 +168,6 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
 
 
 def _stats_cls():
-    from .stats import TensorStats
-
     return TensorStats
 
 
@@ -222,7 +218,6 @@ def write_manifest(root, runs) -> Path:
     its fields and gains this call's ranks, steps and files, which are read
     from the folder itself.
     """
-    from .stats import HIST_EDGES_ID
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -359,8 +354,6 @@ def _open_shard(path: Path, shown: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .stats import N_BINS
-
     lim = limits()
     try:
         schema = pq.read_schema(path)
@@ -467,8 +460,6 @@ def _kept_tensor(data: bytes, where: str):
 
 
 def _row_stats(path, row: dict):
-    from .stats import HIST_EDGES_ID, N_BINS, TensorStats
-
     kw = {}
     for f in dataclasses.fields(TensorStats):
         if f.name == "hist":
@@ -546,7 +537,6 @@ def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:
 
 def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
     """``(run_meta, output record, Comparison)`` for every stored local-error comparison."""
-    from .metrics import Comparison
 
     root = Path(root)
     doc = read_manifest(root)
