@@ -153,7 +153,7 @@ with c_zip:
                        data=page.while_allowed(lambda: export_bytes(store, info["name"])), file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
                        icon=":material/download:")
 with c_html:
-    from precision_lab.services.html_report import render_html
+    from precision_lab.ui.html_report import render_html
 
     st.download_button("HTML report", data=page.while_allowed(lambda: render_html(store, info["name"], public=True)),
                        file_name=f"{_file}.html", mime="text/html", key="export_html", on_click="ignore",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_lab.services.html_report import render_html
+from precision_lab.ui.html_report import render_html
 from precision_lab.readers.generic import ORDER_KEYS
 from precision_lab.services.ingest import ingest
 from precision_lab.services.report import build_report, first_nonfinite, render_text

@@ -39,7 +39,7 @@ def _hostile_session(store):
 # ---- HTML report -------------------------------------------------------------------------
 
 def test_html_report_escapes_every_name(store):
-    from precision_lab.services.html_report import render_html
+    from precision_lab.ui.html_report import render_html
 
     _hostile_session(store)
     page = render_html(store, SESSION)
@@ -62,7 +62,7 @@ def test_html_report_escapes_every_name(store):
 def test_html_report_shows_names_as_text_in_browser(store, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    from precision_lab.services.html_report import write_html
+    from precision_lab.ui.html_report import write_html
     from test_html_report import BROWSER_ARGS
 
     _hostile_session(store)
@@ -215,7 +215,7 @@ def test_ingest_error_holding_markup_is_shown_as_text(monkeypatch, tmp_path):
     def refuse(*a, **kw):
         raise ingest_mod.IngestError(f"{bad_file}: not a msprobe dump")
 
-    monkeypatch.setattr(ingest_mod, "ingest", refuse)
+    monkeypatch.setattr("precision_lab.ui.sessions.ingest", refuse)
     monkeypatch.setenv("PRECISION_LAB_DB", str(tmp_path / "err.duckdb"))
     st.cache_resource.clear()
     try:

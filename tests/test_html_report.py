@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from precision_lab.services.html_report import render_html, write_html
+from precision_lab.ui.html_report import render_html, write_html
 from test_share import make_session
 
 from conftest import SAMPLES

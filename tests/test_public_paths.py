@@ -92,7 +92,7 @@ def test_upload_errors_are_one_sentence_naming_the_upload(store, monkeypatch):
     def boom(paths, **kw):
         raise RuntimeError(f"unexpected state of {paths[0]}")
 
-    monkeypatch.setattr(ingest_mod, "ingest", boom)
+    monkeypatch.setattr("precision_lab.ui.sessions.ingest", boom)
     with pytest.raises(IngestFailed) as e:
         ingest_upload(store, [("dump/x.npy", b"1")])
     msg = str(e.value)
@@ -102,7 +102,7 @@ def test_upload_errors_are_one_sentence_naming_the_upload(store, monkeypatch):
     def no_memory(paths, **kw):
         raise MemoryError()
 
-    monkeypatch.setattr(ingest_mod, "ingest", no_memory)
+    monkeypatch.setattr("precision_lab.ui.sessions.ingest", no_memory)
     with pytest.raises(IngestFailed, match=r"^my\.zip: needs more memory"):
         ingest_upload(store, [("my.zip", b"PK")])
     assert store.sessions().empty
@@ -137,7 +137,7 @@ def test_browser_sees_no_server_path(empty_db, monkeypatch):
     def boom(paths, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ingest_mod, "ingest", boom)
+    monkeypatch.setattr("precision_lab.ui.sessions.ingest", boom)
     at.button_group(key="up_cand_kind").set_value(".zip").run()
     at.file_uploader(key="up_cand_zip").set_value(("other.zip", b"PK\x05\x06" + b"\0" * 18, "application/zip"))
     at.run()

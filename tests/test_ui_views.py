@@ -286,8 +286,10 @@ def msprobe_tensor_entries_of(entry):
 
 
 def test_name_pattern_escapes_like_wildcards():
-    assert ops.name_pattern_sql("a_b%c") == "%a\\_b\\%c%"
-    assert ops.name_pattern_sql("blocks.*.fc?") == "blocks.%.fc_"
+    from precision_lab.store.dashboard import name_pattern_sql
+
+    assert name_pattern_sql("a_b%c") == "%a\\_b\\%c%"
+    assert name_pattern_sql("blocks.*.fc?") == "blocks.%.fc_"
 
 
 def test_ops_metrics_match_float64_numpy(db):

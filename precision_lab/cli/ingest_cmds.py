@@ -21,7 +21,7 @@ from ..config import ConfigError, load_config
 from ..services.ingest import IngestError, ingest
 from ..services.report import build_report, render_text, to_json
 from ..store import SessionNotFound, Store
-from ..services.html_report import write_html
+from ..ui.html_report import write_html
 
 EXIT_TRIPPED = 1
 

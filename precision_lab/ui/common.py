@@ -25,18 +25,6 @@ SEVERITY_COLORS = {
 }
 
 
-def severity_sql(nonfinite: str, *verdicts: str) -> str:
-    """SQL expression giving a record's severity from its non-finite flag and
-    the verdicts of its comparisons (NULL when it has neither problem nor
-    comparison)."""
-    def any_is(v: str) -> str:
-        return " OR ".join(f"{c} = '{v}'" for c in verdicts) or "false"
-
-    return (f"CASE WHEN coalesce({nonfinite}, false) OR {any_is('nonfinite')} THEN 'nonfinite' "
-            f"WHEN {any_is('error')} THEN 'error' WHEN {any_is('warn')} THEN 'warn' "
-            f"WHEN {any_is('expected')} THEN 'ok' ELSE NULL END")
-
-
 def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
     """Query -> list of dicts; keeps NULL (None) apart from NaN, which a
     DataFrame would merge."""
@@ -47,36 +35,6 @@ def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
 
 # what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
 MISSING = "—"
-
-
-def frame(store, sql: str, params: Optional[list] = None):
-    """Query -> DataFrame that keeps NULL (None) apart from NaN.
-
-    ``Store.df`` turns a NULL in a DOUBLE column into NaN, so a metric that
-    was never computed would read as a NaN result.  A column holding any
-    NULL stays an object column with None there; the others get their usual
-    dtypes.
-    """
-    import pandas as pd
-
-    cur = store.sql(sql, params or [])
-    cols = [d[0] for d in cur.description]
-    data = cur.fetchall()
-    out = {}
-    for i, c in enumerate(cols):
-        col = pd.Series([r[i] for r in data], dtype=object)
-        out[c] = col if col.map(lambda v: v is None).any() else col.infer_objects()
-    return pd.DataFrame(out, columns=cols)
-
-
-def absmax_sql(table: str) -> str:
-    """SQL for the largest magnitude a stored record holds, Inf included.
-
-    The store keeps ``absmax`` over the finite values and counts Inf apart
-    (``TensorStats``); a record with ``inf_count > 0`` holds an infinite
-    magnitude whatever its finite values are, and is shown so.
-    """
-    return f"CASE WHEN coalesce({table}.inf_count, 0) > 0 THEN 'inf'::DOUBLE ELSE {table}.absmax END"
 
 
 def num_text(v: Any, digits: int = 6) -> str:

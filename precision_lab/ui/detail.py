@@ -15,7 +15,10 @@ import numpy as np
 import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
-from .common import MISSING, cosine_text, num_text, plot_text, rows
+from ..services import browse
+from ..services.browse import counterparts, find_records, has_record, record
+from .common import MISSING, cosine_text, num_text, plot_text
+from ..stats import HIST_EDGES
 
 __all__ = ["record", "has_record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
            "histogram_figure", "representability_table", "what_if_table", "headroom_table", "shown_absmax",
@@ -34,67 +37,6 @@ REGION_COLORS = {"overflow": "rgba(220, 38, 38, {a})", "subnormal": "rgba(234, 1
                  "underflow": "rgba(100, 116, 139, {a})"}
 # Data series (this record, its reference/candidates): distinct from the format colours.
 SERIES_COLORS = ("#06b6d4", "#84cc16", "#f472b6", "#a3a3a3")
-
-
-def record(store, run_id: str, rid: int) -> dict:
-    """The stored record (all ``tensors`` columns) plus its run's name, kind and dtype."""
-    got = rows(store, """SELECT t.*, r.name AS run, r.kind AS run_kind, r.dtype AS run_dtype, r.session_id
-                         FROM tensors t JOIN runs r ON r.run_id = t.run_id
-                         WHERE t.run_id = ? AND t.rid = ?""", [run_id, int(rid)])
-    if not got:
-        raise KeyError(f"run {run_id} has no record {rid}")
-    return got[0]
-
-
-def has_record(store, run_id: str, rid) -> bool:
-    """Whether ``rid`` (a record id, possibly as text from a URL) names a record of the run."""
-    text = str(rid).strip()
-    if not text.isdigit() or len(text) > 18:
-        return False
-    return bool(rows(store, "SELECT 1 AS x FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(text)]))
-
-
-def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None
-                 ) -> list[dict]:
-    """Records of a run whose name contains ``text`` (execution order), for
-    the op picker; ``include_rid`` is always among them."""
-    from .ops import name_pattern_sql
-
-    where, params = ["run_id = ?"], [run_id]
-    if text.strip():
-        where.append("name ILIKE ? ESCAPE '\\'")
-        params.append(name_pattern_sql(text.strip()))
-    got = rows(store, f"""SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE {' AND '.join(where)}
-                          ORDER BY step, rank, seq, rid LIMIT ?""", params + [int(limit)])
-    if include_rid is not None and not any(r["rid"] == include_rid for r in got):
-        extra = rows(store, "SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE run_id = ? AND rid = ?",
-                     [run_id, int(include_rid)])
-        got = extra + got
-    return got
-
-
-def counterparts(store, run_id: str, rid: int) -> list[dict]:
-    """The records this one was compared with: its reference (if it is a
-    candidate) and its candidates (if it is a reference).  Keys: ``side``
-    (what the other record is), ``run_id``, ``run``, ``rid``, ``name``,
-    ``kind``, ``match``."""
-    out = []
-    for r in rows(store, """SELECT c.kind, c."match", c.ref_run_id AS run_id, c.ref_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.ref_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.ref_run_id AND t.rid = c.ref_rid
-                            WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]):
-        out.append({"side": "reference", **r})
-    for r in rows(store, """SELECT c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
-                            WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')
-                            ORDER BY r.created""", [run_id, int(rid)]):
-        out.append({"side": "candidate", **r})
-    return out
 
 
 def load_stats(store, run_id: str, rid: int):
@@ -119,7 +61,6 @@ def _bin_exponents() -> np.ndarray:
     Every power of two is a bin edge, so no bin straddles two binades.  The
     first bin [0, 2^-150) is drawn as binade -151, the last [2^128, inf) as 128.
     """
-    from ..stats import HIST_EDGES
 
     lo = HIST_EDGES[:-1]
     exps = np.empty(len(lo), dtype=np.int64)
@@ -429,20 +370,16 @@ _METRIC_ROWS = (
 )
 
 
+_STAT_ROWS = ("dtype", "shape", "numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax",
+              "min_abs_nonzero", "mean", "std", "l2norm")
+
+
 def metrics_table(store, run_id: str, rid: int) -> pd.DataFrame:
     """The record's comparisons, one column each ("accumulated vs <run>",
     "local"), one row per metric, as text with enough digits (cosine also as
     1 - cos)."""
-    got = rows(store, """SELECT c.*, r.name AS other, 'candidate' AS this_side FROM comparisons c
-                         JOIN runs r ON r.run_id = c.ref_run_id
-                         WHERE c.cand_run_id = ? AND c.cand_rid = ?
-                         UNION ALL BY NAME
-                         SELECT c.*, r.name AS other, 'reference' AS this_side FROM comparisons c
-                         JOIN runs r ON r.run_id = c.cand_run_id
-                         WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.kind <> 'local'""",
-               [run_id, int(rid), run_id, int(rid)])
     data = {}
-    for c in got:
+    for c in browse.record_comparisons(store, run_id, rid):
         if c["kind"] == "local":
             col = "local (op re-run in fp32 on this run's inputs)"
         elif c["this_side"] == "candidate":
@@ -460,10 +397,6 @@ def metrics_table(store, run_id: str, rid: int) -> pd.DataFrame:
                 vals.append(MISSING if v is None else str(v))
         data[col] = vals
     return pd.DataFrame(data, index=[label for _, label in _METRIC_ROWS])
-
-
-_STAT_ROWS = ("dtype", "shape", "numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax",
-              "min_abs_nonzero", "mean", "std", "l2norm")
 
 
 def _extreme_text(stats, field: str) -> str:

@@ -9,9 +9,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import pandas as pd
 
-from .common import public_source, public_text, rows, run_label
+from ..services import browse
+from .common import public_source, public_text, run_label
 from .overview import session_headline
 from .upload import Sample, UploadError, write_upload
+from ..services.ingest import IngestError, ingest
+from ..readers import first_line
+from ..readers.safeio import plain_error
+from ..scratch import scratch_dir, scratch_root, sweep
 
 __all__ = ["sessions_table", "ingest_upload", "open_sample", "sample_session_name", "IngestFailed"]
 
@@ -24,9 +29,8 @@ class IngestFailed(ValueError):
 
 def sessions_table(store, *, headlines: bool = True) -> pd.DataFrame:
     """Sessions, newest first: name, created, runs, first non-finite op, worst op, source."""
-    sessions = rows(store, "SELECT session_id, name, created, source, recipe FROM sessions "
-                           "ORDER BY created DESC, name")
-    runs = rows(store, "SELECT session_id, name, dtype, kind, fix FROM runs ORDER BY created, run_id")
+    sessions = browse.session_list(store)
+    runs = browse.all_runs(store)
     by_session: dict[str, list[dict]] = {}
     for r in runs:
         by_session.setdefault(r["session_id"], []).append(r)
@@ -45,8 +49,6 @@ def sessions_table(store, *, headlines: bool = True) -> pd.DataFrame:
 
 def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], progress: Optional[Progress],
             zip_limits=None, labels: Optional[dict] = None) -> str:
-    from ..services.ingest import IngestError, ingest
-
     kw: dict[str, Any] = {}
     if zip_limits is not None:
         kw["zip_limits"] = zip_limits
@@ -79,10 +81,6 @@ def ingest_upload(store, candidate: Iterable[Any], reference: Optional[Iterable[
     folder is removed whatever happens, and leftovers of killed ingests are
     swept first.
     """
-    from ..readers import first_line
-    from ..readers.safeio import plain_error
-    from ..scratch import scratch_dir, scratch_root, sweep
-
     candidate = list(candidate or [])
     reference = list(reference or [])
     if not candidate:
@@ -123,7 +121,7 @@ def open_sample(store, sample: Sample, *, progress: Optional[Progress] = None) -
     """The session of a sample dump (with its reference when it has one),
     ingested on first use and reused after; returns the session name."""
     name = sample_session_name(sample)
-    if rows(store, "SELECT 1 FROM sessions WHERE name = ?", [name]):
+    if browse.session_exists(store, name):
         return name
     labels = {str(p): p.name for p in (sample.candidate, sample.reference) if p is not None}
     return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress, labels=labels)

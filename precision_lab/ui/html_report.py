@@ -22,6 +22,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .. import __version__
+from ..services import browse
+from ..services.report import norm_artefacts, order_text
+from .common import cosine_text, num_text, plot_text, public_source
+from .detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
+from .overview import diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, runs_table, top_offenders
+
 __all__ = ["render_html", "write_html"]
 
 TOP_COMPARISONS = 25
@@ -53,8 +60,6 @@ def _e(v: Any) -> str:
 
 
 def _num(v: Any) -> str:
-    from ..ui.common import num_text
-
     return num_text(v)
 
 
@@ -101,8 +106,6 @@ def _figure_div(fig, div_id: str) -> str:
 
 
 def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
-    from ..ui.overview import error_figure, error_series
-
     metric = "rounding_units"
     df = error_series(store, sid, metric)
     if df["value"].notna().sum() == 0:
@@ -120,7 +123,6 @@ def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
 def _focus_record(store, sid: str, firsts: list[dict]) -> Optional[tuple[str, int, str]]:
     """The record to show against its format: the first non-finite producer's
     output in a non-reference run, else the worst comparison."""
-    from ..ui.overview import top_offenders
 
     for f in firsts:
         if f["first"] is not None and f["run"]["kind"] != "reference":
@@ -136,9 +138,6 @@ def _isnan(v) -> bool:
 
 
 def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str]:
-    from ..ui.common import plot_text
-    from ..ui.detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
-
     focus = _focus_record(store, sid, firsts)
     if focus is None:
         return None, ""
@@ -165,11 +164,6 @@ def render_html(store, session: str, *, public: bool = False) -> str:
     upload, never a folder of the server (``ui.common.public_source``).
     """
     import plotly.offline
-
-    from .. import __version__
-    from .report import norm_artefacts, order_text
-    from ..ui.common import cosine_text, public_source, rows
-    from ..ui.overview import diagnosis_cards, first_nonfinite_by_run, runs_table, top_offenders
 
     info = store.session(session)
     sid = info["session_id"]
@@ -251,9 +245,7 @@ def render_html(store, session: str, *, public: bool = False) -> str:
                                 ("rule", "rule", "text"), ("message", "message", "text"),
                                 ("fixes_text", "fixes", "name")], empty="no diagnoses"))
 
-    warns = rows(store, """SELECT r.name AS run, w.file, w.message FROM warnings w
-                           LEFT JOIN runs r ON r.run_id = w.run_id WHERE w.session_id = ?
-                           ORDER BY w.file, w.message LIMIT ?""", [sid, MAX_WARNINGS + 1])
+    warns = browse.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
     parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
     parts.append(_table(warns[:MAX_WARNINGS], [("run", "run", "name"), ("file", "file", "name"),
                                                ("message", "message", "text")], empty="no warnings"))

@@ -1,0 +1,171 @@
+"""The layering in docs/architecture.md, checked on the source.
+
+Imports point down only; SQL lives in ``precision_lab/store``; project
+imports sit at module top (a handful of deliberate exceptions, each with a
+reason in a comment).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "precision_lab"
+
+# lower number = lower floor; a module may import its own floor or below
+FLOORS = {
+    "vocabulary": 0,  # formats, records, stats, metrics and the other plain modules at the package top
+    "producers": 1,   # live, readers, fixes
+    "settings": 2,    # config, scratch (settings name the producers' limits)
+    "store": 3,
+    "services": 4,
+    "ui": 5,
+    "cli": 5,
+}
+PRODUCERS = ("live", "readers", "fixes")
+SETTINGS = ("config", "scratch")
+MAX_DEFERRED_PROJECT_IMPORTS = 10
+# SQL keywords as the project writes them (upper case), so prose such as "select a row from" is not SQL
+SQL = re.compile(r"\b(SELECT\b[\s\S]{0,4000}?\bFROM|INSERT\s+INTO|DELETE\s+FROM|CREATE\s+TABLE|UPDATE\s+\w+\s+SET)\b")
+
+
+def _floor_of(module: str) -> str:
+    parts = module.split(".")
+    head = parts[1] if len(parts) > 1 else ""
+    if head in PRODUCERS:
+        return "producers"
+    if head in SETTINGS:
+        return "settings"
+    if head in ("store", "services", "ui", "cli"):
+        return head
+    return "vocabulary"
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        yield path, ".".join(parts), is_pkg
+
+
+def _imports(path: Path, module: str, is_pkg: bool):
+    """(line, imported module, inside a function?) for every precision_lab import of a file."""
+    tree = ast.parse(path.read_text())
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    in_function = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("precision_lab"):
+                continue
+            targets = [target]
+            if node.module is None or target == "precision_lab":
+                targets = [f"{target}.{a.name}" for a in node.names]
+            for t in targets:
+                yield node.lineno, t, id(node) in in_function
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("precision_lab"):
+                    yield node.lineno, a.name, id(node) in in_function
+
+
+ALL = list(_modules())
+
+
+def test_the_checker_sees_the_package():
+    names = {m for _, m, _ in ALL}
+    assert {"precision_lab.store.queries", "precision_lab.services.ingest", "precision_lab.fixes.rules",
+            "precision_lab.live.capture", "precision_lab.readers.base"} <= names
+    assert _floor_of("precision_lab.live.capture") == "producers"
+    assert _floor_of("precision_lab.formats") == "vocabulary"
+    # the checker resolves relative imports and sees ones inside functions
+    got = _imports_of_text("from ..services.ingest import ingest\ndef f():\n    from . import engine\n",
+                           "precision_lab.live.x")
+    assert [(t, inside) for _, t, inside in got] == [("precision_lab.services.ingest", False),
+                                                     ("precision_lab.live.engine", True)]
+    assert SQL.search("SELECT a\n FROM t") and SQL.search("INSERT INTO x") and not SQL.search("select a row from")
+
+
+def _imports_of_text(text: str, module: str):
+    tmp = ROOT / "tests" / "data" / "_probe.py"
+    tmp.write_text(text)
+    try:
+        return list(_imports(tmp, module, False))
+    finally:
+        tmp.unlink()
+
+
+@pytest.mark.parametrize("path, module, is_pkg", ALL, ids=[m for _, m, _ in ALL])
+def test_imports_point_down(path, module, is_pkg):
+    mine = _floor_of(module)
+    up = []
+    for line, target, _ in _imports(path, module, is_pkg):
+        theirs = _floor_of(target)
+        if target == "precision_lab" or module == "precision_lab":
+            continue  # the package root is the public face: it names what sits on every floor
+        if FLOORS[theirs] > FLOORS[mine] or (mine in ("ui", "cli") and theirs in ("ui", "cli") and theirs != mine):
+            up.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({mine} -> {theirs})")
+    assert not up, "\n".join(up)
+
+
+def test_ui_and_cli_read_the_store_through_services():
+    reach = []
+    for path, module, is_pkg in ALL:
+        if _floor_of(module) not in ("ui", "cli"):
+            continue
+        for line, target, _ in _imports(path, module, is_pkg):
+            if target.startswith("precision_lab.store.") and target != "precision_lab.store.connection":
+                reach.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not reach, "\n".join(reach)
+
+
+def test_pages_only_render():
+    for page in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
+        text = page.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(torch|duckdb)\b", text, re.M), page.name
+        assert not SQL.search(text), page.name
+
+
+def test_sql_is_written_in_the_store_only():
+    found = []
+    for path, module, _ in ALL:
+        if module.startswith("precision_lab.store"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.search(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.JoinedStr):
+                text = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+                if SQL.search(text):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("sql", "execute", "executemany"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.func.attr}(...)")
+    assert not found, "SQL outside precision_lab/store:\n" + "\n".join(found)
+
+
+def test_project_imports_sit_at_module_top():
+    deferred = [f"{path.relative_to(ROOT)}:{line} {target}" for path, module, is_pkg in ALL
+                for line, target, inside in _imports(path, module, is_pkg) if inside]
+    assert len(deferred) <= MAX_DEFERRED_PROJECT_IMPORTS, "\n".join(deferred)
+    # each one says why
+    for entry in deferred:
+        file, line = entry.split(" ")[0].rsplit(":", 1)
+        lines = (ROOT / file).read_text().splitlines()
+        context = " ".join(lines[max(0, int(line) - 3): int(line)])
+        assert "#" in context, f"{entry}: a deferred project import needs a comment saying why"
