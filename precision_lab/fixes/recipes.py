@@ -160,182 +160,24 @@ def list_recipes() -> list[Recipe]:
 
 
 # ---- built-in recipes -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A builder named ``module:function``, imported when first called: the built-in models need torch,
+    listing recipes does not."""
+
+    target: str
+
+    def __call__(self):
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)()
+
+
 # Models are small (a few thousand parameters) so each runs in well under a
 # second on CPU; weights that make the failure happen are set explicitly and
 # the reason is written next to them.
 
 _F16 = FORMATS["fp16"]
-
-
-def _zero_rows(x, rows):
-    x = x.clone()
-    for b, t in rows:
-        x[b, t] = 0.0
-    return x
-
-
-def _build_fp8_zero_scale():
-    import torch
-    from torch import nn
-
-    from .modules import Linear, QuantLinear, ReLU
-
-    class Fp8ZeroScale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = Linear(32, 64)
-            self.relu = ReLU()  # half the activations become exactly 0
-            self.proj = QuantLinear(64, 32)
-
-        def forward(self, x):
-            return self.proj(self.relu(self.fc1(x)))
-
-    # activations of magnitude ~0.1: amax / e5m2 max is below fp16's smallest
-    # normal, and its reciprocal above fp16's max
-    x = torch.randn(4, 16, 32) * 0.05
-    return Fp8ZeroScale(), x
-
-
-def _build_calibration_nan():
-    import torch
-    from torch import nn
-
-    from .modules import L2Normalize, Linear, QuantLinear
-
-    class CalibratedProjection(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = Linear(16, 32, bias=False)
-            self.norm = L2Normalize(32)  # x / ||x||: 0/0 on an all-zero (padding) row
-            self.proj = QuantLinear(32, 32)
-            self.out = Linear(32, 8)
-
-        def forward(self, x):
-            return self.out(self.proj(self.norm(self.embed(x))))
-
-    x = torch.randn(2, 8, 16)
-    x = _zero_rows(x, [(0, 6), (0, 7), (1, 7)])  # right-padded sequences
-    return CalibratedProjection(), x
-
-
-def _build_fp8_rowwise_rmsnorm():
-    import torch
-    from torch import nn
-
-    from .modules import Linear, QuantLinear, RMSNorm, SiLU
-
-    class NormQuantBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = RMSNorm(64, eps=1e-6)
-            self.proj = QuantLinear(64, 64)
-            self.act = SiLU()
-            self.out = Linear(64, 16)
-
-        def forward(self, x):
-            return self.out(self.act(self.proj(self.norm(x))))
-
-    x = torch.randn(2, 16, 64)
-    x = _zero_rows(x, [(0, 15), (1, 14), (1, 15)])  # padding rows stay 0 through RMSNorm
-    x[0, 3] = x[0, 3] * 1e-6  # a tiny row: its squares underflow fp16
-    return NormQuantBlock(), x
-
-
-def _build_fp16_mlp_overflow():
-    import torch
-    from torch import nn
-
-    from .modules import Add, Linear, RMSNorm, SwiGLU
-
-    class DecoderLayer(nn.Module):
-        def __init__(self, dim, hidden):
-            super().__init__()
-            self.input_layernorm = RMSNorm(dim)
-            self.mlp = SwiGLU(dim, hidden)
-            self.residual = Add()
-
-        def forward(self, x):
-            return self.residual(x, self.mlp(self.input_layernorm(x)))
-
-    class TinyQwen2(nn.Module):
-        def __init__(self, dim=64, hidden=128, vocab=96):
-            super().__init__()
-            self.layers = nn.ModuleList([DecoderLayer(dim, hidden)])
-            self.norm = RMSNorm(dim)
-            self.lm_head = Linear(dim, vocab, bias=False)
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return self.lm_head(self.norm(x))
-
-    dim, sink_ch, mlp_ch = 64, 3, 7
-    model = TinyQwen2(dim)
-    mlp = model.layers[0].mlp
-    with torch.no_grad():
-        # bf16-trained weights with an outlier channel (the "massive
-        # activation" of Qwen2/LLaMA): token 0 carries ~40 in channel 3, the
-        # gate and up projections read it with weight 6 and the down
-        # projection writes it back with weight 34, so that token's output
-        # reaches ~78,000 — fine in bf16, beyond fp16's max
-        mlp.gate_proj.weight[mlp_ch].zero_()
-        mlp.up_proj.weight[mlp_ch].zero_()
-        mlp.gate_proj.weight[mlp_ch, sink_ch] = 6.0
-        mlp.up_proj.weight[mlp_ch, sink_ch] = 6.0
-        mlp.down_proj.weight[:, mlp_ch] = 0.0
-        mlp.down_proj.weight[sink_ch, mlp_ch] = 34.0
-    x = torch.randn(2, 8, dim) * 0.5
-    x[:, 0, sink_ch] = 40.0
-    return model, x
-
-
-def _build_fp16_layernorm():
-    import torch
-    from torch import nn
-
-    from .modules import LayerNorm, Linear
-
-    class NormHead(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln = LayerNorm(64, eps=1e-5)
-            self.head = Linear(64, 16)
-
-        def forward(self, x):
-            return self.head(self.ln(x))
-
-    x = torch.randn(1, 8, 64)
-    x[0, 5] = 300.0 + 8 * torch.randn(64)  # x^2 ~ 90,000 > fp16 max: E[x^2] and E[x]^2 are inf, inf - inf = NaN
-    x[0, 6] = 10.0  # zero variance: 1/sqrt(0 + eps) needs eps, which FTZ flushes
-    # mean 100 with offsets on fp16's grid there (1/16): E[x^2] - E[x]^2 cancels
-    # two numbers ~10,000 whose fp16 spacing (8) exceeds the true variance
-    x[0, 7] = 100.0 + torch.randint(-8, 9, (64,)).float() / 16
-    return NormHead(), x
-
-
-def _build_softmax_fp16_overflow():
-    import torch
-    from torch import nn
-
-    from .modules import Attention
-
-    class AttentionBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = Attention(32, 2)
-
-        def forward(self, x):
-            return self.attn(x)
-
-    model = AttentionBlock()
-    with torch.no_grad():
-        # sharper attention than at init (trained models have logits of tens):
-        # the largest logits exceed ln(fp16 max) ~ 11.1 but stay far below
-        # ln(fp32 max) ~ 88.7, so only fp16's exp() overflows
-        model.attn.q_proj.weight.mul_(2.2)
-        model.attn.k_proj.weight.mul_(2.2)
-    x = torch.randn(2, 8, 32)
-    return model, x
 
 
 def _builtin() -> list[Recipe]:
@@ -345,7 +187,7 @@ def _builtin() -> list[Recipe]:
             "fp8-zero-scale",
             "fp16 -> fp8 e5m2 per-tensor quantisation of a ReLU output holding zeros, scale computed in fp16: "
             "amax / e5m2 max is subnormal in fp16, its reciprocal overflows to inf, and 0 x inf = NaN.",
-            _build_fp8_zero_scale,
+            _Deferred("precision_lab.fixes.recipe_models:build_fp8_zero_scale"),
             PrecisionPolicy("fp16-fp8-e5m2-fp16-scale", "fp16",
                             quant=QuantConfig("fp8_e5m2", "tensor", "fp16", weights=False)),
             seed=11, fixes=("scale-fp32", "amax-floor:1"), tolerance_db=12.0,
@@ -356,7 +198,7 @@ def _builtin() -> list[Recipe]:
             "An L2 normalisation divides an all-zero padding row by its norm (0/0 = NaN) in fp32 itself; "
             "histogram calibration of the next fp8 layer then fails (torch.histc: range is not finite) and "
             "every scale becomes NaN. The producer is the normalisation, not the calibration.",
-            _build_calibration_nan,
+            _Deferred("precision_lab.fixes.recipe_models:build_calibration_nan"),
             PrecisionPolicy("fp32-fp8-e4m3-histogram", "fp32",
                             quant=QuantConfig("fp8_e4m3fn", "tensor", "fp32", calibration="histogram")),
             seed=12, fixes=("eps:1e-6", "sanitize-nonfinite:norm"), tolerance_db=15.0,
@@ -367,7 +209,7 @@ def _builtin() -> list[Recipe]:
             "RMSNorm, then a Linear with row-wise fp8 e4m3fn fake quantisation and fp16 scales: an all-zero "
             "(padding) row has amax 0, scale 0, reciprocal inf and 0 x inf = NaN; a tiny row's scale "
             "underflows fp16.",
-            _build_fp8_rowwise_rmsnorm,
+            _Deferred("precision_lab.fixes.recipe_models:build_fp8_rowwise_rmsnorm"),
             PrecisionPolicy("fp16-fp8-e4m3-row-fp16-scale", "fp16",
                             quant=QuantConfig("fp8_e4m3fn", "row", "fp16")),
             seed=13, fixes=("scale-fp32+amax-floor:1e-12", "amax-floor:0.0078125"), tolerance_db=15.0,
@@ -378,7 +220,7 @@ def _builtin() -> list[Recipe]:
             f"A Qwen2-like SwiGLU decoder layer with bf16-scale outlier channels: the down projection's output "
             f"reaches ~78,000, beyond fp16's max {_F16.max:,.0f}, so fp16 gives inf and the final RMSNorm NaN. "
             "bf16, or an fp32 island from down_proj to the next norm, fixes it.",
-            _build_fp16_mlp_overflow,
+            _Deferred("precision_lab.fixes.recipe_models:build_fp16_mlp_overflow"),
             PrecisionPolicy("fp16", "fp16"),
             seed=14,
             fixes=("use-bf16",
@@ -390,7 +232,7 @@ def _builtin() -> list[Recipe]:
             "LayerNorm in fp16 with one-pass variance E[x^2] - E[x]^2, eps 1e-5 and flush-to-zero, on rows of "
             "large magnitude (x^2 overflows), zero variance (eps flushed to 0: 0/0) and a large mean with small "
             "spread (the variance cancels to a negative number).",
-            _build_fp16_layernorm,
+            _Deferred("precision_lab.fixes.recipe_models:build_fp16_layernorm"),
             PrecisionPolicy("fp16-ftz", "fp16", flush_to_zero=True),
             seed=15, fixes=("stats-fp32", "two-pass-variance+eps:1e-3"), tolerance_db=30.0,
             tags=("norm", "ftz"),
@@ -399,7 +241,7 @@ def _builtin() -> list[Recipe]:
             "softmax-fp16-overflow",
             f"Attention logits softmaxed in fp16 without max subtraction: exp(x) overflows for x > "
             f"ln({_F16.max:,.0f}) = {ln_max:.2f}, and inf / inf = NaN.",
-            _build_softmax_fp16_overflow,
+            _Deferred("precision_lab.fixes.recipe_models:build_softmax_fp16_overflow"),
             PrecisionPolicy("fp16", "fp16"),
             seed=16, fixes=("stable-softmax", "keep-fp32:attn.softmax"), tolerance_db=30.0,
             tags=("softmax", "overflow"),

@@ -45,9 +45,15 @@ class ReplayError(ValueError):
 
 
 def _torch():
-    import torch
+    import torch  # deferred: the op table is listed (CLI help, dump sessions) without loading torch
 
     return torch
+
+
+def _numerics():
+    from . import modules  # deferred with torch: the torch modules the ops share with live capture
+
+    return modules
 
 
 # ---- op table ------------------------------------------------------------------------
@@ -81,8 +87,7 @@ def _layer_norm(args, kw, pol):
 
 
 def _rms_norm(args, kw, pol):
-    from .modules import rms_norm
-
+    rms_norm = _numerics().rms_norm
     x = args[0]
     w = _arg(args, kw, 2, "weight")
     eps = _arg(args, kw, 3, "eps")
@@ -123,8 +128,7 @@ def _binary(name):
 
 
 def _quantise(args, kw, pol):
-    from .modules import fake_quant
-
+    fake_quant = _numerics().fake_quant
     if pol.quant is None:
         raise ReplayError("a quantise op needs a policy with fp8 fake-quant settings; this run has none "
                           "(apply e.g. fp8-format:fp8_e4m3fn to a policy that quantises)")
@@ -200,8 +204,7 @@ def _cast_tree(args, dtype):
 
 def _compute(op: ReplayOp, args, kw, pol: PrecisionPolicy, fmt_name: str):
     torch = _torch()
-    from .modules import flush_subnormals
-
+    flush_subnormals = _numerics().flush_subnormals
     dtype = FORMATS[fmt_name].torch_dtype()
     a, k = _cast_tree(args, dtype), _cast_tree(kw, dtype)
     if pol.flush_to_zero:

@@ -255,9 +255,9 @@ def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
             if warn:
                 err = warn.split(":", 1)[1].strip()
             else:  # torch's own words for a histogram over a NaN range
-                import torch
+                import torch  # deferred: diagnosis runs without torch unless it must quote torch's own error
 
-                from .modules import histogram_amax
+                from .modules import histogram_amax  # deferred with torch (it defines torch modules)
 
                 err = histogram_amax(torch.tensor([float("nan")]))[1]
             msg += (f" Histogram calibration at `{calib}` then receives NaN and fails ({err}), so its "
