@@ -14,6 +14,12 @@ import typer
 from . import app
 from ._common import DB_HELP, open_store
 from ._common import fail as _fail
+from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
+from ..formats import FORMATS, get_format
+from ..fixes.recipes import RecipeNotFound, get_recipe
+from ..fixes.catalogue import apply_fixes
+from ..services import browse
+from ..services.report import first_nonfinite
 
 
 def candidate_policy(recipe, dtype: Optional[str]):
@@ -25,9 +31,6 @@ def candidate_policy(recipe, dtype: Optional[str]):
     """
     if dtype is None:
         return recipe.default_policy
-    from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
-    from ..formats import FORMATS, get_format
-
     if dtype in POLICIES:
         return POLICIES[dtype]
     try:
@@ -55,23 +58,17 @@ def capture_cmd(
 ) -> None:
     """Capture a recipe's fp32 reference and low-precision candidate, compare them op by op, store the session."""
     try:
-        from ..fixes.recipes import RecipeNotFound, get_recipe
-    except ImportError:
-        _fail("recipe registry not available: this installation has no precision_lab.fixes.recipes")
-    try:
         rec = get_recipe(recipe)
     except (RecipeNotFound, KeyError, ValueError) as e:
         _fail(str(e) if not isinstance(e, KeyError) or isinstance(e, RecipeNotFound) else str(e.args[0]))
     try:
         policy = candidate_policy(rec, dtype)
         if fix:
-            from ..fixes.catalogue import apply_fixes
-
             policy = apply_fixes(policy, fix)
     except ValueError as e:
         _fail(str(e))
     store = open_store(db)
-    from ..services.capture import capture_pair
+    from ..services.capture import capture_pair  # deferred: it loads torch; other commands start without it
 
     try:
         name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,
@@ -88,12 +85,8 @@ def _summary(store, name: str) -> None:
     runs = store.runs(info["session_id"])
     typer.echo(f"session {name!r} in {store.path}")
     for _, r in runs.iterrows():
-        n = store.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [r["run_id"]]).fetchone()[0]
+        n = browse.count_records(store, r["run_id"])
         typer.echo(f"  {r['kind']:<10} {r['name']}: {n} records, dtype {r['dtype']}")
-    try:
-        from ..services.report import first_nonfinite
-    except ImportError:
-        return
     for _, r in runs.iterrows():
         hit = first_nonfinite(store, r["run_id"])
         if hit is None:
@@ -101,12 +94,7 @@ def _summary(store, name: str) -> None:
         else:
             typer.echo(f"  {r['name']}: first non-finite at {hit['op']} ({hit['direction']}, step {hit['step']}, "
                        f"rank {hit['rank']}): {hit['reason']}")
-    import json
-
-    cur = store.sql("""SELECT r.name, d.severity, d.rule, d.op, d.message, d.fixes FROM diagnoses d
-                       JOIN runs r ON r.run_id = d.run_id WHERE d.session_id = ? ORDER BY d.seq""",
-                    [info["session_id"]])
-    for run, severity, rule, op, message, fixes in cur.fetchall():
-        typer.echo(f"  diagnosis [{severity}] {run}: {op}: {message}")
-        if fixes and fixes != "[]":
-            typer.echo(f"    fixes (best first): {', '.join(json.loads(fixes))}")
+    for d in browse.diagnosis_cards(store, info["session_id"]):
+        typer.echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
+        if d["fixes"]:
+            typer.echo(f"    fixes (best first): {', '.join(d['fixes'])}")

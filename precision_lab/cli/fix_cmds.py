@@ -14,6 +14,14 @@ import typer
 from . import app
 from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
+from ..fixes.recipes import RecipeError, list_recipes
+from ..fixes.catalogue import FIXES, parse_fix
+from ..services import browse
+from ..services.report import first_nonfinite
+from ..services.rerun import bisect_fp32_islands, rerun_session
+from ..store import SessionNotFound
+from ..fixes.rules import fmt_num
+from ..services.replay import replay_op, replayable_ops
 
 EXIT_FAILED = 1
 
@@ -21,7 +29,6 @@ EXIT_FAILED = 1
 @app.command("recipes")
 def recipes_cmd() -> None:
     """List the recipes: built-in ones and those registered through $PRECISION_LAB_RECIPES."""
-    from ..fixes.recipes import RecipeError, list_recipes
 
     try:
         recipes = list_recipes()
@@ -38,7 +45,6 @@ def recipes_cmd() -> None:
 @app.command("fixes")
 def fixes_cmd() -> None:
     """List the fix catalogue with each fix's reason."""
-    from ..fixes.catalogue import FIXES, parse_fix
 
     for name in sorted(FIXES):
         d = FIXES[name]
@@ -47,27 +53,22 @@ def fixes_cmd() -> None:
 
 def _print_run_summary(store, session: str, run_id: str) -> bool:
     """Print the run's first non-finite producer and diagnoses; True when the run is clean."""
-    from ..services.report import first_nonfinite
 
     run = store.run(run_id)
     fn = first_nonfinite(store, run_id)
     typer.echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
                f"fix {run.get('fix') or '-'}")
-    last = store.sql("""SELECT sqnr_db, verdict FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
-                        AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY step DESC, seq DESC LIMIT 1""",
-                     [run_id]).fetchone()
+    last = browse.last_accumulated_output(store, run_id)
     if fn is None:
         typer.echo("  no NaN or inf anywhere in the run")
     else:
         typer.echo(f"  first non-finite: {fn['op']} ({fn['reason']})")
     if last is not None:
-        typer.echo(f"  output SQNR against the fp32 reference: {last[0]:.1f} dB ({last[1]})")
-    cur = store.sql("SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? ORDER BY seq",
-                    [run_id])
-    for sev, rule, op, msg, fixes in cur.fetchall():
-        typer.echo(f"  [{sev}] {rule} at {op}: {msg}")
-        if fixes and fixes != "[]":
-            typer.echo(f"      fixes: {fixes}")
+        typer.echo(f"  output SQNR against the fp32 reference: {last['sqnr_db']:.1f} dB ({last['verdict']})")
+    for d in browse.run_diagnoses(store, run_id):
+        typer.echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
+        if d["fixes"] and d["fixes"] != "[]":
+            typer.echo(f"      fixes: {d['fixes']}")
     return fn is None
 
 
@@ -80,9 +81,6 @@ def rerun_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Re-run a session's recipe under a fix: a new run whose parent is the old one, compared with fp32."""
-    from ..services.rerun import rerun_session
-    from ..store import SessionNotFound
-
     store = open_store(db)
     progress = tty_progress()
     try:
@@ -107,9 +105,6 @@ def bisect_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
-    from ..services.rerun import bisect_fp32_islands
-    from ..store import SessionNotFound
-
     store = open_store(db)
     progress = tty_progress()
     try:
@@ -142,10 +137,6 @@ def replay_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Replay one dumped op from its dumped inputs in fp32 and in the candidate format (under a fix)."""
-    from ..fixes.rules import fmt_num
-    from ..services.replay import replay_op, replayable_ops
-    from ..store import SessionNotFound
-
     store = open_store(db)
     try:
         if op is None:

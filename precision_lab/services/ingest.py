@@ -331,10 +331,10 @@ class _Ingestion:
         for (si, _key), r in self.runs.items():
             if not r.src.dtype:
                 r.src.dtype = dominant_dtype(r.dtypes)
-                self.w.cur.execute("UPDATE runs SET dtype = ? WHERE run_id = ?", [r.src.dtype, r.run_id])
+                self.w.set_run_dtype(r.run_id, r.src.dtype)
             parent = self.runs.get((si, r.src.parent_key)) if r.src.parent_key else None
             if parent is not None:  # a re-run captured under a fix names the run it was made from
-                self.w.cur.execute("UPDATE runs SET parent_run_id = ? WHERE run_id = ?", [parent.run_id, r.run_id])
+                self.w.set_run_parent(r.run_id, parent.run_id)
         pairs = self._pairs()
         summaries = {}
         for ref, cand in pairs:

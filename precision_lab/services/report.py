@@ -34,6 +34,7 @@ import math
 from typing import Optional
 
 from ..formats import format_for_dtype
+from ..store import queries as q
 
 __all__ = ["first_nonfinite", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
@@ -50,14 +51,6 @@ def order_text(order: Optional[str]) -> str:
     """A run's ``order`` in words, as the reports and the Overview show it."""
     return ORDER_TEXT.get(order or "execution", order or "")
 
-_IN_SQL = "(" + ", ".join(f"'{r}'" for r in INPUT_ROLES) + ")"
-
-
-def _rows(store, sql: str, params: list) -> list[dict]:
-    # fetchall keeps NULL (None) apart from NaN, which a DataFrame would merge
-    cur = store.sql(sql, params)
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 def first_nonfinite(store, run_id: str) -> Optional[dict]:
@@ -72,46 +65,21 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
     before it in the same step and rank, then the op itself, each ``{op,
     op_type, seq, nonfinite_in, nonfinite_out}``.
     """
-    run = _rows(store, 'SELECT name, "order" FROM runs WHERE run_id = ?', [run_id])
-    if not run:
+    run = q.run_row(store, run_id)
+    if run is None:
         raise KeyError(f"no run {run_id!r}")
-    groups = _rows(
-        store,
-        f"""SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
-                   any_value(direction) AS direction,
-                   coalesce(bool_or(nonfinite AND role IN {_IN_SQL}), false) AS nf_in,
-                   coalesce(bool_or(nonfinite AND role NOT IN {_IN_SQL}), false) AS nf_out
-            FROM tensors WHERE run_id = ?
-            GROUP BY step, rank, op
-            HAVING bool_or(nonfinite)
-            ORDER BY step, seq, rank, op""",
-        [run_id],
-    )
+    groups = q.nonfinite_op_calls(store, run_id, INPUT_ROLES)
     if not groups:
         return None
-    order = run[0]["order"] or "execution"
+    order = run["order"] or "execution"
     known = order != "name"
     hit, others = _producer(groups, known)
     producer = hit is not None
     if hit is None:
         hit = groups[0]
-    rec = _rows(
-        store,
-        f"""SELECT rid, role, "index" FROM tensors
-            WHERE run_id = ? AND step = ? AND rank = ? AND op = ? AND nonfinite
-            ORDER BY (role IN {_IN_SQL}) = ?, seq, rid LIMIT 1""",
-        [run_id, hit["step"], hit["rank"], hit["op"], producer],
-    )[0]
-    path = _rows(
-        store,
-        f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
-                   coalesce(bool_or(nonfinite AND role IN {_IN_SQL}), false) AS nonfinite_in,
-                   coalesce(bool_or(nonfinite AND role NOT IN {_IN_SQL}), false) AS nonfinite_out
-            FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
-            GROUP BY op HAVING min(seq) <= ?
-            ORDER BY seq DESC, op DESC LIMIT ?""",
-        [run_id, hit["step"], hit["rank"], hit["seq"], PATH_LENGTH + 1],
-    )
+    rec = q.first_nonfinite_record(store, run_id, hit["step"], hit["rank"], hit["op"], INPUT_ROLES,
+                                   outputs_first=producer)
+    path = q.op_calls_up_to(store, run_id, hit["step"], hit["rank"], hit["seq"], INPUT_ROLES, PATH_LENGTH + 1)
     path = [p for p in path if not (p["seq"] == hit["seq"] and p["op"] != hit["op"])][::-1]
     if producer and known:
         reason = (f"{hit['op']} is the first op whose inputs are all finite and whose {rec['role']} "
@@ -127,7 +95,7 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
         if not known:
             reason += f" ({ORDER_TEXT['name']})"
     return {
-        "run": run[0]["name"], "run_id": run_id, "op": hit["op"], "op_type": hit["op_type"],
+        "run": run["name"], "run_id": run_id, "op": hit["op"], "op_type": hit["op_type"],
         "direction": hit["direction"], "seq": int(hit["seq"]), "step": int(hit["step"]),
         "rank": int(hit["rank"]), "rid": int(rec["rid"]), "role": rec["role"], "index": rec["index"],
         "producer": producer, "reason": reason, "path": path, "order": order, "order_known": known,
@@ -188,16 +156,7 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
     ``reason`` says so in the format's terms and gives the float64 bound
     ``sqrt(numel) * absmax`` on the true norm.
     """
-    rows = _rows(
-        store,
-        """SELECT r.name AS run, t.run_id, t.rid, t.step, t.rank, t.seq, t.op, t.role, t."index", t.dtype,
-                  t.numel, t.min, t.max, t.mean, t.l2norm
-           FROM tensors t JOIN runs r ON r.run_id = t.run_id
-           WHERE r.session_id = ? AND NOT t.nonfinite AND t.min IS NOT NULL AND t.max IS NOT NULL
-             AND (isnan(t.l2norm) OR isinf(t.l2norm) OR isnan(t.mean) OR isinf(t.mean))
-           ORDER BY r.name, t.step, t.seq, t.rank, t.rid""",
-        [session_id],
-    )
+    rows = q.nonfinite_norms_of_finite_values(store, session_id)
     out = []
     for r in rows:
         fmt = format_for_dtype(r["dtype"])
@@ -234,34 +193,29 @@ def build_report(store, session: str) -> dict:
     info = store.session(session)
     sid = info["session_id"]
     # reference runs first, then in the order they were added
-    runs = _rows(store, "SELECT * FROM runs WHERE session_id = ? "
-                        "ORDER BY kind <> 'reference', created, rowid", [sid])
+    runs = q.session_runs(store, sid, references_first=True)
     names = {r["run_id"]: r["name"] for r in runs}
     first = {}
     for r in runs:
         first[r["name"]] = first_nonfinite(store, r["run_id"])
-    cols = ", ".join(f'"{c}"' for c in _TENSOR_COLS)
     tensors = []
     for r in runs:
-        for t in _rows(store, f"SELECT {cols} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
-                       [r["run_id"]]):
+        for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
             d = {"run": r["name"]}
             for c in _TENSOR_COLS:
                 d[_RENAME.get(c, c)] = json.loads(t[c]) if c == "shape" and t[c] is not None else t[c]
             tensors.append(d)
-    ccols = ", ".join(f'"{c}"' for c in _CMP_COLS)
     comparisons = []
-    for c in _rows(store, f"""SELECT ref_run_id, cand_run_id, {ccols} FROM comparisons WHERE session_id = ?
-                              ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [sid]):
+    for c in q.session_comparisons(store, sid, ("ref_run_id", "cand_run_id") + _CMP_COLS):
         d = {"ref_run": names.get(c.pop("ref_run_id")), "cand_run": names.get(c.pop("cand_run_id"))}
         d.update(c)
         comparisons.append(d)
     diagnoses = []
-    for d in _rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op", [sid]):
+    for d in q.session_diagnoses(store, sid):
         diagnoses.append({"run": names.get(d["run_id"]), "op": d["op"], "rule": d["rule"], "message": d["message"],
                           "fixes": json.loads(d["fixes"] or "[]"), "severity": d["severity"], "seq": d["seq"]})
     warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
-                for w in _rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [sid])]
+                for w in q.session_warning_rows(store, sid)]
     return {
         "session": info["name"],
         "created": info["created"],

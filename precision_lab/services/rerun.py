@@ -15,14 +15,20 @@ store cursor, writes in one transaction, and runs models one at a time
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..records import free_name
 from ..fixes.catalogue import apply_fixes, fix_label, split_specs
 from ..fixes.policy import PrecisionPolicy
 from ..fixes.recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
+from ..metrics import compare
+from ..records import free_name
+from ..store import queries as q
+from .diagnose import diagnose_session
+from .pairing import Item, compare_runs
+from .report import first_nonfinite
 from .sessions import recipe_name
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
@@ -50,11 +56,10 @@ class _Run:
 
 def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str, kind: str,
              local_error: bool) -> _Run:
-    import torch
+    import torch  # deferred: importing the re-run use case (dashboard, CLI help) must not load torch
 
-    from ..live.capture import Capture
-    from ..live.options import CaptureOptions
-
+    pair = _pairing_capture()
+    Capture, CaptureOptions = pair.Capture, pair.CaptureOptions
     backward = recipe.loss_fn is not None
     opts = CaptureOptions(local_error=local_error, keep_tensors=("*",), backward=backward)
     with _RUN_LOCK:
@@ -83,15 +88,12 @@ def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_
            parent_run_id: Optional[str] = None, fix: Optional[str] = None, kind: Optional[str] = None,
            progress: Progress = None) -> tuple[str, dict]:
     """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons."""
-    from .capture import judged_run_dtype
-    from .pairing import Item, compare_runs
-
+    judged_run_dtype = _pairing_capture().judged_run_dtype
     cap = run.cap
     rids = cap.write_run(w)
     run_id = cap.run_id
     if parent_run_id is not None or fix is not None or kind is not None:
-        w.cur.execute("UPDATE runs SET parent_run_id = ?, fix = ?, kind = coalesce(?, kind) WHERE run_id = ?",
-                      [parent_run_id, fix, kind, run_id])
+        w.set_run_lineage(run_id, parent_run_id=parent_run_id, fix=fix, kind=kind)
     by_name = {(r.step, r.rank, r.name): rid for r, rid in zip(cap.records, rids)}
     if ref is not None and ref_rids is not None:
         ref_items = []
@@ -107,9 +109,14 @@ def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_
 
 
 def _with_tensor(rec, tensor):
-    import dataclasses
-
     return dataclasses.replace(rec, tensor=tensor)
+
+
+def _pairing_capture():
+    """``services.capture`` (capture_pair, Capture, CaptureOptions): it imports torch at its top."""
+    from . import capture  # deferred: listing sessions and queueing re-runs must not load torch
+
+    return capture
 
 
 def _tick(progress: Progress, done: int, total: int, label: str) -> None:
@@ -126,8 +133,7 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     capture --recipe`` does (through ``precision_lab.capture_pair``), and the
     new session is diagnosed.
     """
-    from .capture import capture_pair
-
+    capture_pair = _pairing_capture().capture_pair
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     base = policy or recipe.default_policy
@@ -161,9 +167,7 @@ def session_recipe(store, session: str) -> tuple[dict, Recipe]:
 
 
 def _runs(store, sid: str) -> list[dict]:
-    cur = store.sql("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [sid])
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
+    return q.session_runs(store, sid)
 
 
 def _resolve_parent(runs: list[dict], parent: Optional[str], session: str) -> dict:
@@ -191,8 +195,7 @@ def _policy_of(run: dict, recipe: Recipe) -> PrecisionPolicy:
 
 
 def _reference_rids(store, ref_run_id: str) -> dict:
-    cur = store.sql("SELECT step, rank, name, rid FROM tensors WHERE run_id = ?", [ref_run_id])
-    return {(int(s), int(r), n): int(rid) for s, r, n, rid in cur.fetchall()}
+    return q.record_ids_by_name(store, ref_run_id)
 
 
 def _unique_run_name(runs: list[dict], base: str) -> str:
@@ -236,8 +239,6 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
                            parent_run_id=par["run_id"], fix=label, kind="rerun")
     _tick(progress, 3, 4, f"{name}: diagnose")
     if diagnose:
-        from .diagnose import diagnose_session
-
         diagnose_session(store, info["name"])
     _tick(progress, 4, 4, f"{name}: done")
     return run_id
@@ -321,9 +322,7 @@ class BisectResult:
 
 
 def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
-    import torch
-
-    from ..metrics import compare
+    import torch  # deferred: see _forward
 
     if not (isinstance(ref_out, torch.Tensor) and isinstance(out, torch.Tensor)):
         return 0, None
@@ -334,7 +333,7 @@ def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
 
 def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
     """The model's output under ``policy``, without capture."""
-    import torch
+    import torch  # deferred: see _forward
 
     with _RUN_LOCK:
         model, inputs = recipe.build()
@@ -345,9 +344,7 @@ def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
 
 
 def _run_nonfinite(store, run_id: str) -> int:
-    row = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite AND direction = 'forward'",
-                    [run_id]).fetchone()
-    return int(row[0])
+    return q.count_records(store, run_id, nonfinite=True, direction="forward")
 
 
 def _module_names(recipe: Recipe) -> list[str]:
@@ -366,7 +363,6 @@ def _innermost(op: str, names: Sequence[str]) -> Optional[str]:
 
 def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
     """Modules to try keeping in fp32, best first: the first non-finite producer's module, then local error."""
-    from .report import first_nonfinite
 
     ranked: list[str] = []
     fn = first_nonfinite(store, run_id)
@@ -374,10 +370,7 @@ def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
         m = _innermost(fn["op"], names)
         if m:
             ranked.append(m)
-    cur = store.sql("""SELECT op, nonfinite_introduced, sqnr_db, rounding_units FROM comparisons
-                       WHERE cand_run_id = ? AND kind = 'local' AND role = 'output' AND verdict IS NOT NULL
-                       ORDER BY nonfinite_introduced DESC, rounding_units DESC NULLS LAST, seq""", [run_id])
-    for op, *_ in cur.fetchall():
+    for op in q.ops_by_local_error(store, run_id):
         m = _innermost(op, names)
         if m and m not in ranked:
             ranked.append(m)
@@ -472,7 +465,6 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     if result.passed:
         result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
                           + (", ".join(island) if island else "(none needed)"))
-    from .diagnose import diagnose_session
 
     diagnose_session(store, info["name"])
     _tick(progress, max_runs, max_runs, "done")

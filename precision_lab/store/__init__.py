@@ -597,6 +597,20 @@ class SessionWriter:
         if len(self._cmps) >= self.BATCH:
             self.flush()
 
+    def set_run_dtype(self, run_id: str, dtype: str) -> None:
+        """Record a run's compute dtype once its records have been read."""
+        self.cur.execute("UPDATE runs SET dtype = ? WHERE run_id = ?", [dtype, run_id])
+
+    def set_run_lineage(self, run_id: str, *, parent_run_id: Optional[str], fix: Optional[str],
+                        kind: Optional[str]) -> None:
+        """Record the run a re-run was made from, the fix that made it and (when given) its kind."""
+        self.cur.execute("UPDATE runs SET parent_run_id = ?, fix = ?, kind = coalesce(?, kind) WHERE run_id = ?",
+                         [parent_run_id, fix, kind, run_id])
+
+    def set_run_parent(self, run_id: str, parent_run_id: str) -> None:
+        """Record the run a re-run was made from."""
+        self.cur.execute("UPDATE runs SET parent_run_id = ? WHERE run_id = ?", [parent_run_id, run_id])
+
     def clear_diagnoses(self) -> None:
         """Drop the session's diagnoses (they are recomputed as a whole)."""
         self.cur.execute("DELETE FROM diagnoses WHERE session_id = ?", [self.session_id])

@@ -8,7 +8,7 @@ adds a function here.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = [
     "rows", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -36,9 +36,18 @@ def _like_prefix(text: str) -> str:
 
 # ---- runs and tensors ---------------------------------------------------------------
 
-def session_runs(store, session_id: str) -> list[dict]:
-    """The runs of a session, oldest first."""
+def session_runs(store, session_id: str, *, references_first: bool = False) -> list[dict]:
+    """The runs of a session, oldest first (with ``references_first``: reference runs, then the rest in the
+    order they were added)."""
+    if references_first:
+        return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY kind <> 'reference', created, rowid",
+                    [session_id])
     return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+
+
+def run_row(store, run_id: str) -> Optional[dict]:
+    """One run's row, or None."""
+    return _one(store, "SELECT * FROM runs WHERE run_id = ?", [run_id])
 
 
 def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[dict]:
@@ -120,9 +129,10 @@ def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
 
 
 def last_accumulated_output(store, run_id: str) -> Optional[dict]:
-    """The last output compared with the reference that has an SQNR (``{op, seq, sqnr_db}``)."""
-    return _one(store, """SELECT op, seq, sqnr_db FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
-                          AND role = 'output' AND sqnr_db IS NOT NULL ORDER BY seq DESC LIMIT 1""", [run_id])
+    """The last output compared with the reference that has an SQNR (``{op, seq, sqnr_db, verdict}``)."""
+    return _one(store, """SELECT op, seq, sqnr_db, verdict FROM comparisons WHERE cand_run_id = ?
+                          AND kind = 'accumulated' AND role = 'output' AND sqnr_db IS NOT NULL
+                          ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
 
 
 def last_forward_output_finite(store, run_id: str) -> bool:
@@ -143,3 +153,117 @@ def forward_ops(store, run_id: str) -> list[dict]:
     return rows(store, """SELECT op, any_value(op_type) AS op_type, min(seq) AS seq, bool_or(nonfinite) AS nf
                           FROM tensors WHERE run_id = ? AND direction = 'forward'
                           GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id])
+
+
+def _in(roles: Sequence[str]) -> str:
+    """A SQL list literal of role names (they come from the code, never from a user)."""
+    return "(" + ", ".join("'" + r.replace("'", "''") + "'" for r in roles) + ")"
+
+
+def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[dict]:
+    """Op calls holding any NaN/inf, in execution order: ``{step, rank, op, seq, op_type, direction, nf_in,
+    nf_out}`` (whether an input role, or any other role, is non-finite)."""
+    ins = _in(input_roles)
+    return rows(store, f"""SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
+                                  any_value(direction) AS direction,
+                                  coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nf_in,
+                                  coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nf_out
+                           FROM tensors WHERE run_id = ?
+                           GROUP BY step, rank, op
+                           HAVING bool_or(nonfinite)
+                           ORDER BY step, seq, rank, op""", [run_id])
+
+
+def first_nonfinite_record(store, run_id: str, step: int, rank: int, op: str, input_roles: Sequence[str], *,
+                           outputs_first: bool) -> dict:
+    """``{rid, role, index}`` of the first non-finite record of one op call (outputs before inputs when
+    ``outputs_first``)."""
+    return rows(store, f"""SELECT rid, role, "index" FROM tensors
+                           WHERE run_id = ? AND step = ? AND rank = ? AND op = ? AND nonfinite
+                           ORDER BY (role IN {_in(input_roles)}) = ?, seq, rid LIMIT 1""",
+                [run_id, step, rank, op, outputs_first])[0]
+
+
+def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_roles: Sequence[str],
+                   limit: int) -> list[dict]:
+    """The last ``limit`` op calls starting at or before ``seq``, latest first: ``{op, op_type, seq,
+    nonfinite_in, nonfinite_out}``."""
+    ins = _in(input_roles)
+    return rows(store, f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
+                                  coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nonfinite_in,
+                                  coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nonfinite_out
+                           FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
+                           GROUP BY op HAVING min(seq) <= ?
+                           ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)])
+
+
+def nonfinite_norms_of_finite_values(store, session_id: str) -> list[dict]:
+    """Records whose stored Norm or Mean is NaN/inf while their min and max are finite."""
+    return rows(store, """SELECT r.name AS run, t.run_id, t.rid, t.step, t.rank, t.seq, t.op, t.role, t."index",
+                                 t.dtype, t.numel, t.min, t.max, t.mean, t.l2norm
+                          FROM tensors t JOIN runs r ON r.run_id = t.run_id
+                          WHERE r.session_id = ? AND NOT t.nonfinite AND t.min IS NOT NULL AND t.max IS NOT NULL
+                            AND (isnan(t.l2norm) OR isinf(t.l2norm) OR isnan(t.mean) OR isinf(t.mean))
+                          ORDER BY r.name, t.step, t.seq, t.rank, t.rid""", [session_id])
+
+
+def _columns(names: Sequence[str]) -> str:
+    for n in names:
+        if not n.replace("_", "").isalnum():
+            raise ValueError(f"not a column name: {n!r}")
+    return ", ".join(f'"{n}"' for n in names)
+
+
+def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[dict]:
+    """``columns`` of every record of a run, in (step, rank, seq) order."""
+    return rows(store, f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
+                [run_id])
+
+
+def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[dict]:
+    """``columns`` of every comparison of a session, by candidate run and execution order."""
+    return rows(store, f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
+                           ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id])
+
+
+def session_diagnoses(store, session_id: str) -> list[dict]:
+    """Every diagnosis of a session, by run and execution order."""
+    return rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op", [session_id])
+
+
+def session_warning_rows(store, session_id: str) -> list[dict]:
+    """Every warning of a session, by file."""
+    return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
+
+
+def record_ids_by_name(store, run_id: str) -> dict[tuple[int, int, str], int]:
+    """``(step, rank, name) -> rid`` of every record of a run."""
+    return {(int(r["step"]), int(r["rank"]), r["name"]): int(r["rid"])
+            for r in rows(store, "SELECT step, rank, name, rid FROM tensors WHERE run_id = ?", [run_id])}
+
+
+def count_records(store, run_id: str, *, nonfinite: Optional[bool] = None, direction: Optional[str] = None) -> int:
+    """How many records a run holds (only non-finite ones, or one direction, when asked)."""
+    sql, params = "SELECT count(*) AS n FROM tensors WHERE run_id = ?", [run_id]
+    if nonfinite is not None:
+        sql += " AND nonfinite = ?"
+        params.append(bool(nonfinite))
+    if direction is not None:
+        sql += " AND direction = ?"
+        params.append(direction)
+    return int(rows(store, sql, params)[0]["n"])
+
+
+def ops_by_local_error(store, run_id: str) -> list[str]:
+    """Ops of a run's judged local comparisons, worst first (non-finite introduced, then rounding units)."""
+    return [r["op"] for r in rows(store, """SELECT op FROM comparisons
+                                            WHERE cand_run_id = ? AND kind = 'local' AND role = 'output'
+                                              AND verdict IS NOT NULL
+                                            ORDER BY nonfinite_introduced DESC, rounding_units DESC NULLS LAST, seq""",
+                                  [run_id])]
+
+
+def run_diagnoses(store, run_id: str) -> list[dict]:
+    """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (fixes as JSON text)."""
+    return rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? ORDER BY seq",
+                [run_id])
