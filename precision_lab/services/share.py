@@ -28,7 +28,6 @@ import os
 import re
 import secrets
 import tempfile
-import uuid
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,14 @@ from typing import Optional, Union
 from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
 from ..scratch import scratch_dir
+from ..store.transfer import (RUN_ID_COLUMNS, TABLES, ImportRefused, copy_session_tables, insert_session_tables,
+                              table_columns)
+from .. import __version__
+from ..stats import HIST_EDGES_ID, N_BINS
+from ..store import SCHEMA_VERSION, resolve_db_path
+from ..config import SHARE_PARAM, load_config
+from ..safezip import UnsafeZip, check_zip
+from ..tokens import token_file_for
 
 __all__ = [
     "FORMAT_NAME",
@@ -62,32 +69,7 @@ _MANIFEST_MAX_BYTES = 1 << 20
 # A fixed zip timestamp makes two exports of the same session byte-identical.
 _ZIP_DATE = (2020, 1, 1, 0, 0, 0)
 
-# Tables of one session, in insertion order (parents before children).
-TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings")
 
-# How each table's rows are selected for one session (parameter: session_id).
-_RUNS_OF = "SELECT run_id FROM runs WHERE session_id = ?"
-_SELECT = {
-    "sessions": "SELECT * REPLACE (NULL::VARCHAR AS share_token) FROM sessions WHERE session_id = ?",
-    "runs": "SELECT * FROM runs WHERE session_id = ?",
-    "tensors": f"SELECT * FROM tensors WHERE run_id IN ({_RUNS_OF})",
-    "histograms": f"SELECT * FROM histograms WHERE run_id IN ({_RUNS_OF})",
-    "tensor_data": f"SELECT * FROM tensor_data WHERE run_id IN ({_RUNS_OF})",
-    "comparisons": "SELECT * FROM comparisons WHERE session_id = ?",
-    "diagnoses": "SELECT * FROM diagnoses WHERE session_id = ?",
-    "warnings": "SELECT * FROM warnings WHERE session_id = ?",
-}
-
-# Columns that hold a run id, per table (remapped on import when they clash).
-_RUN_ID_COLUMNS = {
-    "runs": ("run_id", "parent_run_id"),
-    "tensors": ("run_id",),
-    "histograms": ("run_id",),
-    "tensor_data": ("run_id",),
-    "comparisons": ("ref_run_id", "cand_run_id"),
-    "diagnoses": ("run_id",),
-    "warnings": ("run_id",),
-}
 # Columns without which a table's rows cannot be placed in the session.
 _REQUIRED = {
     "sessions": ("session_id", "name"),
@@ -144,20 +126,13 @@ def _sha256(b: bytes) -> str:
 _COPY_CHUNK = 1 << 20
 
 
-def _copy_table(cur, table: str, sid: str, path: Path) -> tuple[int, str, int]:
-    """Write one table's rows of the session to ``path`` (Parquet) by DuckDB, streaming.
-
-    Returns (rows, sha256, bytes).  ``rowid`` order keeps insertion order
-    through the round trip (the report lists runs and warnings in it).
-    """
-    q = _SELECT[table].replace("?", "$sid") + " ORDER BY rowid"
-    target = str(path).replace("'", "''")
-    rows = cur.execute(f"COPY ({q}) TO '{target}' (FORMAT parquet, COMPRESSION zstd)", {"sid": sid}).fetchall()
+def _file_digest(path: Path) -> tuple[str, int]:
+    """(sha256, size) of a file, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_COPY_CHUNK):
             h.update(chunk)
-    return int(rows[0][0]), h.hexdigest(), path.stat().st_size
+    return h.hexdigest(), path.stat().st_size
 
 
 def export_bytes(store, session: str) -> bytes:
@@ -174,24 +149,13 @@ def _export(store, session: str, out) -> dict:
     DuckDB's buffers whatever the size of the kept tensors; the manifest,
     which needs their checksums, is the zip's last entry.
     """
-    from .. import __version__
-    from ..stats import HIST_EDGES_ID
-    from ..store import SCHEMA_VERSION
-
     info = store.session(session)
     sid = info["session_id"]
-    cur = store.cursor()
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
-        # one read transaction: a re-run committing meanwhile cannot make the tables disagree
-        cur.execute("BEGIN TRANSACTION")
-        try:
-            for table in TABLES:
-                fname = f"{table}.parquet"
-                rows, digest, size = _copy_table(cur, table, sid, Path(tmp) / fname)
-                tables[table] = {"file": fname, "rows": rows, "sha256": digest, "bytes": size}
-        finally:
-            cur.execute("ROLLBACK")
+        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp)).items():
+            digest, size = _file_digest(path)
+            tables[table] = {"file": path.name, "rows": rows, "sha256": digest, "bytes": size}
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -250,7 +214,6 @@ def _validate_manifest(m, where: str) -> dict:
                          f"({FORMAT_VERSION}); upgrade precision-lab")
     if v < 1:
         raise ShareError(f"{where}: format_version {v} is not valid")
-    from ..store import SCHEMA_VERSION
 
     sv = m.get("schema_version")
     if not _is_int(sv) or sv < 1:
@@ -320,9 +283,6 @@ class _open_zip:
     """Check an archive with ``safezip`` under the config's limits, then open it."""
 
     def __init__(self, path: Path, config):
-        from ..config import load_config
-        from ..safezip import UnsafeZip, check_zip
-
         self.path = path
         config = config or load_config()
         if not path.is_file():
@@ -344,13 +304,6 @@ class _open_zip:
 
     def __exit__(self, *exc) -> None:
         self.zf.close()
-
-
-def _store_columns(store, table: str) -> dict[str, str]:
-    rows = store.sql(
-        "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? "
-        "ORDER BY ordinal_position", [table]).fetchall()
-    return {n: t for n, t in rows}
 
 
 _PARQUET_RATIO = 200  # what one exported table may expand to, relative to its stored size ...
@@ -426,8 +379,6 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ..stats import N_BINS
-
     s = tables["sessions"]
     if s.num_rows != 1:
         raise ShareError(f"{where}: sessions.parquet must hold exactly one session, it holds {s.num_rows}")
@@ -446,7 +397,7 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
         if bad:
             raise ShareError(f"{where}: {table}.parquet holds rows of another session ({sorted(map(str, bad))[0]}); "
                              f"the file should hold only session {sid}")
-    for table, cols in _RUN_ID_COLUMNS.items():
+    for table, cols in RUN_ID_COLUMNS.items():
         for c in cols:
             if c not in tables[table].column_names:
                 continue
@@ -516,20 +467,6 @@ def _check_npy(where: str, run, rid, blob) -> None:
         raise ShareError(f"{where}: tensor_data.parquet: kept tensor of record {rid} in run {run!r} {problem}")
 
 
-def _remap(col, mapping: dict):
-    """Replace ids in an Arrow column by ``mapping`` (values not in it stay)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if not mapping:
-        return col
-    keys = pa.array(list(mapping), type=pa.string())
-    vals = pa.array(list(mapping.values()), type=pa.string())
-    col = pc.cast(col, pa.string())
-    idx = pc.index_in(col, value_set=keys)
-    return pc.if_else(pc.is_null(idx), col, pc.take(vals, idx))
-
-
 def import_session(store, source: Union[os.PathLike, str, bytes], *, name: Optional[str] = None,
                    config=None, filename: Optional[str] = None) -> ImportResult:
     """Import an exported session into ``store`` in one transaction.
@@ -572,72 +509,21 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
         for t in TABLES:
             if m["tables"][t]["file"] not in present:
                 raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
-        tables = {t: _read_table(zf, where, t, m["tables"][t], _store_columns(store, t)) for t in TABLES}
+        tables = {t: _read_table(zf, where, t, m["tables"][t], table_columns(store, t)) for t in TABLES}
     sid, orig_name = m["session"]["session_id"], m["session"]["name"]
     _check_consistency(where, sid, orig_name, tables)
 
-    notes = []
     wanted = name or orig_name
-    registered: list[str] = []
     try:
-        final_name, new_sid, run_map = _insert(store, tables, m, sid, wanted, where, notes, registered)
-    finally:
-        # after a failed INSERT the aborted transaction refuses unregister(); after the rollback it works
-        for view in registered:
-            store.cursor().unregister(view)
+        final_name, new_sid, run_map, notes = insert_session_tables(
+            store, tables, session_id=sid, name=wanted, where=where, hist_edges_id=m.get("hist_edges_id"))
+    except ImportRefused as e:
+        raise ShareError(str(e)) from None
     if new_sid != sid or run_map:
         notes.append("its ids already existed in this database, so fresh ones were given")
     rows = {t: tables[t].num_rows for t in TABLES}
     return ImportResult(session=final_name, session_id=new_sid, original_name=wanted, rows=rows,
                         renamed=final_name != wanted, new_ids=bool(new_sid != sid or run_map), notes=tuple(notes))
-
-
-def _insert(store, tables: dict, m: dict, sid: str, wanted: str, where: str, notes: list, registered: list):
-    """Insert the checked tables in one transaction; returns (name, session id, run id map)."""
-    import pyarrow as pa
-
-    from ..stats import HIST_EDGES_ID
-
-    with store.transaction() as cur:
-        existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
-        new_sid = sid if sid not in existing_ids else uuid.uuid4().hex[:12]
-        run_ids = _col(tables["runs"], "run_id")
-        clash = {r[0] for r in cur.execute(
-            "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
-        ).fetchall()} & set(run_ids)
-        run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
-        final_name = store._unique_name(cur, wanted, rename=True)
-        for table in TABLES:
-            t = tables[table]
-            if "session_id" in t.column_names:
-                t = t.set_column(t.column_names.index("session_id"), "session_id",
-                                 pa.array([new_sid] * t.num_rows, type=pa.string()))
-            for c in _RUN_ID_COLUMNS.get(table, ()):
-                if c in t.column_names:
-                    t = t.set_column(t.column_names.index(c), c, _remap(t.column(c), run_map))
-            if table == "sessions":
-                t = t.set_column(t.column_names.index("name"), "name", pa.array([final_name], type=pa.string()))
-                if "share_token" in t.column_names:
-                    t = t.set_column(t.column_names.index("share_token"), "share_token",
-                                     pa.array([None], type=pa.string()))
-            if t.num_rows == 0:
-                continue
-            cols = ", ".join('"' + c.replace('"', '""') + '"' for c in t.column_names)
-            view = f"_pl_import_{table}"
-            cur.register(view, t)
-            registered.append(view)
-            try:
-                cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {view}")
-            except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback keeps the DB unchanged
-                raise ShareError(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
-            cur.unregister(view)
-            registered.remove(view)
-        if m.get("hist_edges_id") not in (None, HIST_EDGES_ID):
-            note = (f"its histograms use bin edges {m.get('hist_edges_id')}, this version uses {HIST_EDGES_ID}; "
-                    "format overlays for it need a re-ingest")
-            cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
-            notes.append(note)
-    return final_name, new_sid, run_map
 
 
 # ---- share links ------------------------------------------------------------
@@ -664,9 +550,6 @@ def revoke_recorded_token(db_path, session: str) -> list[dict]:
     token from its next request; the database's own copy follows the next
     time a process opens it.
     """
-    from ..store import resolve_db_path
-    from ..tokens import token_file_for
-
     tf = token_file_for(resolve_db_path(db_path))
     if tf is None or not tf.exists():
         return []
@@ -675,7 +558,6 @@ def revoke_recorded_token(db_path, session: str) -> list[dict]:
 
 def share_url(base_url: str, token: str) -> str:
     """``base_url`` with ``?share=<token>`` added (other query parameters kept)."""
-    from ..config import SHARE_PARAM
 
     parts = urlsplit(base_url)
     q = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in (SHARE_PARAM, "session")]

@@ -1,0 +1,150 @@
+"""A whole session in and out of the database, table by table (for export, import and sharing).
+
+``copy_session_tables`` writes one Parquet file per table in one read
+transaction; ``insert_session_tables`` inserts checked Arrow tables in one
+write transaction, giving fresh ids where the database already holds them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from ..stats import HIST_EDGES_ID
+
+__all__ = ["TABLES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables", "table_columns",
+           "insert_session_tables"]
+
+# Tables of one session, in insertion order (parents before children).
+TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings")
+
+# How each table's rows are selected for one session (parameter: session_id).
+_RUNS_OF = "SELECT run_id FROM runs WHERE session_id = $sid"
+_SELECT = {
+    "sessions": "SELECT * REPLACE (NULL::VARCHAR AS share_token) FROM sessions WHERE session_id = $sid",
+    "runs": "SELECT * FROM runs WHERE session_id = $sid",
+    "tensors": f"SELECT * FROM tensors WHERE run_id IN ({_RUNS_OF})",
+    "histograms": f"SELECT * FROM histograms WHERE run_id IN ({_RUNS_OF})",
+    "tensor_data": f"SELECT * FROM tensor_data WHERE run_id IN ({_RUNS_OF})",
+    "comparisons": "SELECT * FROM comparisons WHERE session_id = $sid",
+    "diagnoses": "SELECT * FROM diagnoses WHERE session_id = $sid",
+    "warnings": "SELECT * FROM warnings WHERE session_id = $sid",
+}
+
+# Columns that hold a run id, per table (remapped on import when they clash).
+RUN_ID_COLUMNS = {
+    "runs": ("run_id", "parent_run_id"),
+    "tensors": ("run_id",),
+    "histograms": ("run_id",),
+    "tensor_data": ("run_id",),
+    "comparisons": ("ref_run_id", "cand_run_id"),
+    "diagnoses": ("run_id",),
+    "warnings": ("run_id",),
+}
+
+
+class ImportRefused(ValueError):
+    """The database cannot take a table as given; the message names the table."""
+
+
+def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple[int, Path]]:
+    """Each table's rows of the session as ``<folder>/<table>.parquet``, written by DuckDB (streaming) in one
+    read transaction, so a re-run committing meanwhile cannot make them disagree; ``{table: (rows, path)}``.
+
+    ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
+    """
+    cur = store.cursor()
+    out = {}
+    cur.execute("BEGIN TRANSACTION")
+    try:
+        for table in TABLES:
+            path = Path(folder) / f"{table}.parquet"
+            target = str(path).replace("'", "''")
+            got = cur.execute(f"COPY ({_SELECT[table]} ORDER BY rowid) TO '{target}' (FORMAT parquet, "
+                              "COMPRESSION zstd)", {"sid": session_id}).fetchall()
+            out[table] = (int(got[0][0]), path)
+    finally:
+        cur.execute("ROLLBACK")
+    return out
+
+
+def table_columns(store, table: str) -> dict[str, str]:
+    """``{column: DuckDB type}`` of one table, in column order."""
+    got = store.sql("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? "
+                    "ORDER BY ordinal_position", [table]).fetchall()
+    return {n: t for n, t in got}
+
+
+def _remap(col, mapping: dict):
+    """Replace ids in an Arrow column by ``mapping`` (values not in it stay)."""
+    import pyarrow as pa  # deferred: only imports need Arrow
+    import pyarrow.compute as pc
+
+    if not mapping:
+        return col
+    keys = pa.array(list(mapping), type=pa.string())
+    vals = pa.array(list(mapping.values()), type=pa.string())
+    col = pc.cast(col, pa.string())
+    idx = pc.index_in(col, value_set=keys)
+    return pc.if_else(pc.is_null(idx), col, pc.take(vals, idx))
+
+
+def insert_session_tables(store, tables: dict, *, session_id: str, name: str, where: str,
+                          hist_edges_id) -> tuple[str, str, dict, list[str]]:
+    """Insert one session's checked Arrow tables in one transaction.
+
+    Ids the database already holds are replaced by fresh ones, the name is
+    made unique, share tokens are dropped.  Returns (name, session id, run id
+    map, notes).  ``ImportRefused`` names a table DuckDB cannot store; the
+    rollback leaves the database as it was.
+    """
+    import pyarrow as pa  # deferred: only imports need Arrow
+
+    notes: list[str] = []
+    registered: list[str] = []
+    try:
+        with store.transaction() as cur:
+            existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
+            new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
+            runs = tables["runs"]
+            run_ids = runs.column("run_id").to_pylist() if "run_id" in runs.column_names else []
+            clash = {r[0] for r in cur.execute(
+                "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
+            ).fetchall()} & set(run_ids)
+            run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
+            final_name = store._unique_name(cur, name, rename=True)
+            for table in TABLES:
+                t = tables[table]
+                if "session_id" in t.column_names:
+                    t = t.set_column(t.column_names.index("session_id"), "session_id",
+                                     pa.array([new_sid] * t.num_rows, type=pa.string()))
+                for c in RUN_ID_COLUMNS.get(table, ()):
+                    if c in t.column_names:
+                        t = t.set_column(t.column_names.index(c), c, _remap(t.column(c), run_map))
+                if table == "sessions":
+                    t = t.set_column(t.column_names.index("name"), "name", pa.array([final_name], type=pa.string()))
+                    if "share_token" in t.column_names:
+                        t = t.set_column(t.column_names.index("share_token"), "share_token",
+                                         pa.array([None], type=pa.string()))
+                if t.num_rows == 0:
+                    continue
+                cols = ", ".join('"' + c.replace('"', '""') + '"' for c in t.column_names)
+                view = f"_pl_import_{table}"
+                cur.register(view, t)
+                registered.append(view)
+                try:
+                    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {view}")
+                except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
+                    raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
+                cur.unregister(view)
+                registered.remove(view)
+            if hist_edges_id not in (None, HIST_EDGES_ID):
+                note = (f"its histograms use bin edges {hist_edges_id}, this version uses {HIST_EDGES_ID}; "
+                        "format overlays for it need a re-ingest")
+                cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
+                notes.append(note)
+    finally:
+        # after a failed INSERT the aborted transaction refuses unregister(); after the rollback it works
+        for view in registered:
+            store.cursor().unregister(view)
+    return final_name, new_sid, run_map, notes
