@@ -12,12 +12,8 @@ __all__ = ["capture", "capture_pair", "__version__"]
 
 def __getattr__(name):
     # Deferred so that `import precision_lab` does not import torch.
-    if name == "capture":
-        from .live import capture
+    if name in ("capture", "capture_pair"):
+        from .services import capture as _capture  # deferred: it imports torch
 
-        return capture
-    if name == "capture_pair":
-        from .services.capture import capture_pair
-
-        return capture_pair
+        return getattr(_capture, name)
     raise AttributeError(f"module 'precision_lab' has no attribute {name!r}")

@@ -13,8 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import precision_lab
-from precision_lab.live import CaptureOptions, capture
+from precision_lab import capture
+from precision_lab.live import CaptureOptions
 from precision_lab.live.capture import Capture
+from precision_lab.store import Store
 from precision_lab.stats import HIST_EDGES, N_BINS
 
 
@@ -667,7 +669,7 @@ def test_deferred_device_path_on_cpu_matches():
     torch.manual_seed(0)
     model = build_tiny().half()
     x = tiny_input().half()
-    cap = Capture(model, run="deferred", store=":memory:", options=CaptureOptions(keep_tensors=("*",)))
+    cap = Capture(model, run="deferred", store=Store(":memory:"), options=CaptureOptions(keep_tensors=("*",)))
     cap._engine.deferred_cpu = True
     with cap:
         for _ in range(2):
@@ -723,7 +725,7 @@ def test_lost_device_results_keep_records_and_warn(monkeypatch):
 
     torch.manual_seed(0)
     model = build_tiny()
-    cap = Capture(model, run="lost", store=":memory:", options=CaptureOptions(local_error=True))
+    cap = Capture(model, run="lost", store=Store(":memory:"), options=CaptureOptions(local_error=True))
     cap._engine.deferred_cpu = True
     monkeypatch.setattr(S, "_torch_finish", broken)
     with cap:

@@ -35,7 +35,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
-    from precision_lab.live import capture
+    from precision_lab import capture
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

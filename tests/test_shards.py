@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from precision_lab.live import CaptureOptions, capture
+from precision_lab import capture
+from precision_lab.live import CaptureOptions
 from precision_lab.records import TensorRecord
 from precision_lab.readers.shards import ShardError, read_local_comparisons, read_manifest, read_shards, shard_glob, write_manifest, write_shard
 from precision_lab.stats import HIST_EDGES_ID, tensor_stats

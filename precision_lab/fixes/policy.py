@@ -169,7 +169,7 @@ class PrecisionPolicy:
         module, so a fix aimed at the wrong name fails loudly instead of
         changing nothing.
         """
-        from .modules import PolicyModule, install_cast_hook, install_sanitize_hook
+        from .modules import PolicyModule, install_cast_hook, install_sanitize_hook  # deferred: loads torch
 
         named = list(model.named_modules())
         names = [n for n, _ in named if n]

@@ -47,6 +47,10 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from ..records import RunInfo, TensorRecord
 from .engine import StatsEngine
 from .options import CaptureOptions
+from ..formats import format_for_dtype, get_format
+from ..stats import TensorStats
+from ..metrics import compare
+from ..readers.shards import write_manifest, write_shard
 
 __all__ = ["Capture", "capture", "CAST_OPS"]
 
@@ -264,8 +268,6 @@ def as_policy(dtype_policy):
     if isinstance(dtype_policy, torch.dtype):
         return DtypePolicy(dtype_policy)
     if isinstance(dtype_policy, str):
-        from ..formats import get_format
-
         td = get_format(dtype_policy).torch_dtype()
         if td is None:
             raise ValueError(f"dtype_policy={dtype_policy!r}: no torch dtype for this format")
@@ -368,6 +370,9 @@ class Capture:
             raise ValueError("capture(run=...) needs a non-empty run name")
         if shard_dir is not None and store is not None:
             raise ValueError("capture(): give either store= (a database) or shard_dir= (Parquet shards), not both")
+        if write and shard_dir is None and not (hasattr(store, "new_session") and hasattr(store, "extend_session")):
+            raise TypeError("capture(store=...) needs a Store (or an object with new_session and extend_session); "
+                            "precision_lab.capture(...) also takes a database path or None for the default database")
         if options is None:
             options = CaptureOptions()
         elif not isinstance(options, CaptureOptions):
@@ -547,7 +552,6 @@ class Capture:
             handle = item[-1]
             stats = handle.stats
             if stats is None:  # the device results never arrived: keep the record (positions stay), say so
-                from ..stats import TensorStats
 
                 stats = TensorStats.summary_only(dtype=handle.dtype, shape=handle.shape, numel=handle.numel)
             rec = self._make_record(item, stats)
@@ -994,9 +998,6 @@ class Capture:
                 torch.cuda.set_rng_state(st, dev)
 
     def _store_local(self, op, ref_outs: dict, out_recs) -> None:
-        from ..formats import format_for_dtype
-        from ..metrics import compare
-
         for idx, t, pos in out_recs:
             ref = ref_outs.get(idx)
             if ref is None or not isinstance(ref, torch.Tensor):
@@ -1053,18 +1054,12 @@ class Capture:
 
     def _finish_output(self) -> None:
         if self.shard_dir is not None:
-            from ..readers.shards import write_manifest
-
             meta = self.run_meta()
             meta["warnings"] = [{"where": a, "message": b} for a, b in self.warnings]
             write_manifest(self.shard_dir, [meta])
             self.session = None
             return
-        from ..store import Store
-
-        store = self._store_arg
-        if store is None or isinstance(store, (str, os.PathLike)):
-            store = Store(store)
+        store = self._store_arg  # a Store, or any sink with new_session/extend_session
         notes = {"capture": {"run": self.run, "steps": self.step_no + 1, "options": repr(self.options)}}
         if self.session_arg:
             with store.extend_session(self.session_arg) as w:
@@ -1076,8 +1071,6 @@ class Capture:
                 self.session = w.name
 
     def _write_step_shard(self, step_records, base) -> None:
-        from ..readers.shards import write_shard
-
         local = {}
         for pos, cmp in self.local_comparisons:
             if base <= pos < base + len(step_records):
@@ -1096,8 +1089,10 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
     then run forward (and backward) on ``cap.model`` with inputs from
     ``cap.prepare_inputs(...)``; call ``cap.step()`` between training steps.
 
-    On exit the records go to ``store`` (a :class:`~precision_lab.store.Store`
-    or a database path; None means the default database) in one transaction
+    On exit the records go to ``store`` (a :class:`~precision_lab.store.Store`,
+    or any object with its ``new_session``/``extend_session``; the package's
+    ``precision_lab.capture`` also takes a database path, None meaning the
+    default database) in one transaction
     -- a new session named after the run, or a new run in ``session`` -- or,
     with ``shard_dir``, to Parquet shards (one file per rank and step plus
     ``manifest.json``), for a process that cannot hold the database.

@@ -20,14 +20,17 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..formats import format_for_dtype
-from ..metrics import compare, compare_stats
-from .pairing import verdict_format
-from ..stats import canonical_dtype
+from ..formats import format_for_dtype, get_format
 from ..live.capture import Capture, as_policy, policy_description
+from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
+from ..metrics import compare, compare_stats
+from ..stats import canonical_dtype
+from ..store import Store
+from .diagnose import diagnose_session
+from .pairing import verdict_format
 
-__all__ = ["capture_pair", "DEFAULT_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
@@ -120,7 +123,6 @@ def _declared_dtype(policy) -> Optional[str]:
     coarser (fp8 inside an fp16 run): quantisation noise is the rounding the
     candidate is entitled to, not an error.
     """
-    from ..formats import get_format
 
     def fmt_of(d):
         if d is None:
@@ -244,6 +246,29 @@ def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
             loss.backward()
 
 
+class _StoreAt:
+    """A database path as a capture sink: the database is opened when the capture writes, not before."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def new_session(self, *args, **kwargs):
+        return Store(self.path).new_session(*args, **kwargs)
+
+    def extend_session(self, *args, **kwargs):
+        return Store(self.path).extend_session(*args, **kwargs)
+
+
+def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
+            options: Optional[CaptureOptions] = None, shard_dir=None) -> Capture:
+    """``precision_lab.capture``: ``live.capture`` with ``store`` also a database path (None: the default
+    database), opened when the capture writes."""
+    if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
+        store = _StoreAt(store)
+    return live_capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
+                        shard_dir=shard_dir)
+
+
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
                  session: Optional[str] = None, local_error: bool = True,
                  options: Optional[CaptureOptions] = None, loss_fn: Optional[Callable] = None, seed: int = 0,
@@ -354,11 +379,7 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
 
 
 def _diagnose(store, name: str) -> None:
-    """Run the diagnosis rules over the new session when the fixes package provides them."""
-    try:
-        from .diagnose import diagnose_session
-    except ImportError:
-        return
+    """Run the diagnosis rules over the new session; if they fail, the session says why it has none."""
     try:
         diagnose_session(store, name)
     except Exception as e:  # the captured session stands; say why it has no diagnoses

@@ -46,6 +46,8 @@ from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from ..scratch import scratch_dir, sweep
 from .pairing import Item, compare_pair, compare_runs, exact_key
+from ..readers.generic import SUFFIXES
+from .diagnose import diagnose_session
 
 __all__ = ["ingest", "IngestError", "DEFAULT_CACHE_BYTES"]
 
@@ -133,8 +135,6 @@ def _check_utf8_name(root: Path, dirpath: str, name: str) -> None:
 
 
 def _unrecognised(root: Path, shown: str) -> str:
-    from ..readers.generic import SUFFIXES
-
     files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
     if not files:
         return f"{shown}: empty folder, nothing to ingest"
@@ -221,8 +221,6 @@ def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits
             w.set_notes(notes)
             name = w.name
         try:
-            from .diagnose import diagnose_session
-
             diagnose_session(store, name)
         except Exception as e:  # the ingested session stands; say why it has no diagnoses
             with store.extend_session(name) as w:

@@ -35,6 +35,7 @@ from typing import Optional
 
 from ..formats import format_for_dtype
 from ..store import queries as q
+from ..stats import json_float
 
 __all__ = ["first_nonfinite", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
@@ -234,8 +235,6 @@ def build_report(store, session: str) -> dict:
 
 
 def _jsonable(v):
-    from ..stats import json_float
-
     if isinstance(v, float):
         return json_float(v)
     if isinstance(v, dict):

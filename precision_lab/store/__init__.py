@@ -27,6 +27,9 @@ import numpy as np
 from ..paths import default_data_dir, default_db_path, resolve_db_path
 from ..records import (Diagnosis, RunInfo, TensorRecord, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
+from ..metrics import Comparison
+from ..tokens import TokenFileError, token_file_for
+from ..stats import HIST_EDGES_ID, N_BINS, TensorStats
 
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
@@ -65,8 +68,6 @@ TENSOR_COLUMNS: list[str] = []  # filled on first Store() (stats module may impo
 
 
 def _comparison_columns() -> list[tuple[str, str]]:
-    from ..metrics import Comparison
-
     return (
         [("session_id", "VARCHAR"), ("kind", "VARCHAR"), ("ref_run_id", "VARCHAR"), ("ref_rid", "BIGINT"),
          ("cand_run_id", "VARCHAR"), ("cand_rid", "BIGINT"), ("step", "BIGINT"), ("rank", "BIGINT"),
@@ -156,8 +157,6 @@ class Store:
     """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None):
-        from ..tokens import token_file_for
-
         self.path = resolve_db_path(path)
         self._con, self._lock = _connection(self.path)
         self._local = threading.local()
@@ -317,7 +316,6 @@ class Store:
     def _drop_token(self, session_id: str, name: str) -> None:
         """A deleted session's link dies with it.  A token file that cannot be written does not stop the
         delete: a token of a session that no longer exists opens nothing."""
-        from ..tokens import TokenFileError
 
         if self._tokens is not None and self._tokens.exists():
             try:
@@ -327,7 +325,6 @@ class Store:
 
     def _rename_token(self, session_id: str, new_name: str) -> None:
         """Keep the name recorded beside a session's token current (revocation by name uses it)."""
-        from ..tokens import TokenFileError
 
         try:
             if self._tokens is None or session_id not in (self._tokens.sessions() or {}):
@@ -360,7 +357,6 @@ class Store:
         """
         if not token:
             return None
-        from ..tokens import TokenFileError
 
         if self._tokens is not None:
             try:
@@ -382,7 +378,6 @@ class Store:
         """On opening: write the token file from the database's tokens when there is none; otherwise
         the file wins (a revocation made while another process held the database reaches the column),
         and entries of sessions no longer here are dropped."""
-        from ..tokens import TokenFileError
 
         tf = self._tokens
         if tf is None:
@@ -420,7 +415,6 @@ class Store:
 
     def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """Dense histogram counts of one record, or None (stats-only record)."""
-        from ..stats import HIST_EDGES_ID, N_BINS
 
         row = self.sql("SELECT edges_id, bins, counts FROM histograms WHERE run_id = ? AND rid = ?",
                        [run_id, int(rid)]).fetchone()
@@ -445,7 +439,6 @@ class Store:
 
     def record_stats(self, run_id: str, rid: int):
         """Rebuild the TensorStats (with histogram) of one stored record."""
-        from ..stats import TensorStats
 
         df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])
         if df.empty:
@@ -454,8 +447,6 @@ class Store:
 
 
 def stats_from_row(row: dict, hist: Optional[np.ndarray]):
-    from ..stats import TensorStats
-
     kw = {}
     for f in dataclasses.fields(TensorStats):
         if f.name == "hist":
@@ -528,8 +519,6 @@ class SessionWriter:
         row["has_hist"] = s.hist is not None
         self._rows.append(row)
         if s.hist is not None:
-            from ..stats import HIST_EDGES_ID
-
             h = np.asarray(s.hist)
             nz = np.flatnonzero(h)
             self._hists.append((rec.run_id, rid, HIST_EDGES_ID, nz.astype(np.int32).tolist(),

@@ -25,14 +25,6 @@ SEVERITY_COLORS = {
 }
 
 
-def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
-    """Query -> list of dicts; keeps NULL (None) apart from NaN, which a
-    DataFrame would merge."""
-    cur = store.sql(sql, params or [])
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
-
-
 # what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
 MISSING = "—"
 
