@@ -140,7 +140,17 @@ class ServerConfig:
 
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off", ""}  # an empty value is an unset switch (``VAR=`` in a shell)
+
+
+def parse_bool(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case; empty is off), for settings and URL toggles alike."""
+    t = str(text).strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"not a switch: {text!r} (use true or false)")
 
 
 def _parse(setting: Setting, raw: Any, where: str) -> Any:
@@ -148,7 +158,7 @@ def _parse(setting: Setting, raw: Any, where: str) -> Any:
         if isinstance(raw, bool):
             return raw
         if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
-            return raw.strip().lower() in _TRUE
+            return parse_bool(raw)
         raise ConfigError(f"{where}: {setting.name} must be true or false, got {raw!r}")
     if setting.kind is int:
         if isinstance(raw, bool):

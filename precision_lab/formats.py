@@ -299,3 +299,20 @@ def get_format(name: str) -> Format:
     if fmt is None:
         raise KeyError(f"unknown number format {name!r}; known formats: {', '.join(FORMAT_NAMES)}")
     return fmt
+
+
+def numpy_dtype_named(name) -> np.dtype:
+    """The numpy (or ml_dtypes) dtype of any spelling a dump may use: numpy's (``float16``, ``bfloat16``,
+    ``float64``, ``int32``), torch's (``torch.float16``) or a format's name (``fp16``, ``bf16``,
+    ``fp8_e4m3fn``). ``ValueError`` names an unknown one."""
+    s = str(name).strip()
+    s = s[len("torch."):] if s.startswith("torch.") else s
+    fmt = FORMATS.get(s) or format_for_dtype(s)
+    if fmt is not None and fmt.numpy_dtype() is not None:
+        return fmt.numpy_dtype()
+    import ml_dtypes  # deferred: numpy's own names need no ml_dtypes
+
+    try:
+        return np.dtype(getattr(ml_dtypes, s)) if hasattr(ml_dtypes, s) else np.dtype(s)
+    except TypeError:
+        raise ValueError(f"unknown dtype {name!r}") from None

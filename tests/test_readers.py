@@ -157,6 +157,23 @@ def test_bin_sidecar_roundtrip(store, tmp_path):
     _roundtrip(store, d, {"x.output.0": a, "be": b, "bf": c})
 
 
+@pytest.mark.parametrize("spelling, dtype", [("bf16", ml_dtypes.bfloat16), ("fp16", np.float16),
+                                             ("fp8_e4m3fn", ml_dtypes.float8_e4m3fn), ("torch.bfloat16", ml_dtypes.bfloat16)])
+def test_bin_sidecar_takes_the_format_names_the_formats_command_shows(store, tmp_path, spelling, dtype):
+    d = tmp_path / "named"
+    d.mkdir()
+    # values through a real cast: 1e3 rounds in bf16 and fp8, 448 is e4m3fn's max
+    v = np.array([0.1, -3.0, 448.0, 1e-3], dtype=np.float32).astype(dtype)
+    v.tofile(d / "t.bin")
+    (d / "t.json").write_text(json.dumps({"dtype": spelling, "shape": [4]}))
+    _roundtrip(store, d, {"t": v})
+    with pytest.raises(Exception) as e:
+        (d / "t.json").write_text(json.dumps({"dtype": "e4m3x", "shape": [4]}))
+        ingest(d, store=store)
+    assert "t.json" in str(e.value) or "t.bin" in str(e.value)
+    assert "unknown dtype 'e4m3x'" in str(e.value)
+
+
 def test_order_from_manifest(store, tmp_path):
     d = tmp_path / "ordered"
     d.mkdir()

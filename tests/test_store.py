@@ -172,3 +172,19 @@ def test_warnings_are_written_in_batches_within_the_transaction(store, monkeypat
             w.add_warning("dump/x.json", "never stored")
             raise RuntimeError("boom")
     assert store.df("SELECT count(*) AS n FROM warnings WHERE message = 'never stored'")["n"][0] == 0
+
+
+def test_one_switch_rule_for_settings_and_url_toggles():
+    from precision_lab.config import ConfigError, load_config, parse_bool
+    from precision_lab.ui.page import parse_flag
+
+    for text, want in [("1", True), ("TRUE", True), (" yes ", True), ("on", True), ("0", False), ("False", False),
+                       ("no", False), ("off", False), ("", False)]:
+        assert parse_bool(text) is want and parse_flag(text) is want
+    for bad in ("2", "enabled", "y"):
+        with pytest.raises(ValueError):
+            parse_flag(bad)
+    assert load_config(env={"PRECISION_LAB_READ_ONLY": ""}).read_only is False
+    assert load_config(env={"PRECISION_LAB_READ_ONLY": "On"}).read_only is True
+    with pytest.raises(ConfigError):
+        load_config(env={"PRECISION_LAB_READ_ONLY": "maybe"})

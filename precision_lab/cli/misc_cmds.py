@@ -8,6 +8,7 @@ import typer
 
 from . import app
 from ._common import DB_HELP, open_store
+from ..display import num_text
 from ..formats import FORMATS
 
 
@@ -17,8 +18,8 @@ def formats_cmd() -> None:
 
     typer.echo(f"{'format':<14}{'bits':>5}{'max':>14}{'min normal':>14}{'min subnormal':>15}{'eps':>12}")
     for f in FORMATS.values():
-        sub = f"{f.smallest_subnormal:.4g}" if f.smallest_subnormal is not None else "-"
-        typer.echo(f"{f.name:<14}{f.bits:>5}{f.max:>14.6g}{f.smallest_normal:>14.4g}{sub:>15}{f.eps:>12.4g}")
+        typer.echo(f"{f.name:<14}{f.bits:>5}{num_text(f.max):>14}{num_text(f.smallest_normal, 4):>14}"
+                   f"{num_text(f.smallest_subnormal, 4):>15}{num_text(f.eps, 4):>12}")
 
 
 @app.command("db")

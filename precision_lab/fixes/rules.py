@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
+from ..display import num_text
 from ..records import Diagnosis
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
@@ -45,21 +46,10 @@ _IN_ROLES = ("input", "kwarg", "param", "grad_output")
 
 
 def fmt_num(v: Optional[float]) -> str:
-    """Numbers as a person reads them: ``78,450``, ``1.7e-06``, ``0.0975``."""
-    if v is None:
-        return "?"
-    if isinstance(v, float) and math.isnan(v):
-        return "NaN"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    a = abs(v)
-    if a == 0:
-        return "0"
-    if 1000 <= a < 1e7:
-        return f"{v:,.0f}"
-    if a < 1e-3 or a >= 1e7:
-        return f"{v:.2g}" if a < 1e-3 else f"{v:.3g}"
-    return f"{v:.4g}"
+    """A number in a diagnosis sentence: ``display.num_text`` with large values grouped (78,450), 4 digits,
+    2 for values below 1e-3 (a scale of 3.5e-06 is about its exponent, not its digits)."""
+    tiny = isinstance(v, (int, float)) and math.isfinite(v) and 0 < abs(v) < 1e-3
+    return num_text(v, 2 if tiny else 4, grouped=True)
 
 
 def representable_floor(quant_fmt: Format, scale_fmt: Format) -> float:

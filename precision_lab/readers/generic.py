@@ -45,6 +45,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from ..formats import numpy_dtype_named
 from ..records import TensorRecord, split_tensor_name
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
@@ -291,12 +292,9 @@ def _load_safetensors(path: Path, rel: str, want=None):
 
 
 def _np_dtype(name, where: str):
-    import ml_dtypes
-
-    s = str(name).replace("torch.", "")
     try:
-        return np.dtype(getattr(ml_dtypes, s)) if hasattr(ml_dtypes, s) else np.dtype(s)
-    except TypeError:
+        return numpy_dtype_named(name)
+    except ValueError:
         raise ReadError(f"{where}: unknown dtype {name!r}") from None
 
 

@@ -33,6 +33,7 @@ import json
 import math
 from typing import Optional
 
+from ..display import num_text
 from ..formats import format_for_dtype
 from ..store import queries as q
 from ..stats import json_float
@@ -137,18 +138,6 @@ def _producer(groups: list[dict], known: bool) -> tuple[Optional[dict], list[str
     return innermost[0], [g["op"] for g in innermost[1:]]
 
 
-def _fmt_num(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.6g}"
-    return str(v)
-
-
 def norm_artefacts(store, session_id: str) -> list[dict]:
     """Records whose Norm or Mean is NaN/Inf while their values are finite.
 
@@ -167,8 +156,8 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
         which = [n for n, v in (("Norm", r["l2norm"]), ("Mean", r["mean"]))
                  if v is not None and not math.isfinite(v)]
         what = "/".join(which)
-        reason = (f"{fname} norm-arithmetic artefact: {what} is {_fmt_num(r['l2norm'] if 'Norm' in which else r['mean'])}"
-                  f" while Max {_fmt_num(r['max'])} and Min {_fmt_num(r['min'])} are finite. The dump computed "
+        reason = (f"{fname} norm-arithmetic artefact: {what} is {num_text(r['l2norm'] if 'Norm' in which else r['mean'])}"
+                  f" while Max {num_text(r['max'])} and Min {num_text(r['min'])} are finite. The dump computed "
                   f"the {what.lower()} in {fname}")
         if fmt is not None and fmt.kind == "float":
             reason += (f", whose largest finite value is {fmt.max:g}; the float64 norm is at most "
@@ -300,10 +289,10 @@ def render_text(report: dict, *, top: int = 15) -> str:
             out.append(f"  {cand} vs {ref}: {summary}")
         worst = sorted((c for c in comps if c["verdict"]), key=_worst_key)[:top]
         rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",
-                 _fmt_num(c["max_abs_err"]), _fmt_num(c["max_rel_err"]),
-                 _fmt_num(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
-                 else f"1-{_fmt_num(c['cosine_deficit'])}",
-                 _fmt_num(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
+                 num_text(c["max_abs_err"]), num_text(c["max_rel_err"]),
+                 num_text(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
+                 else f"1-{num_text(c['cosine_deficit'])}",
+                 num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
         if rows:
             out += ["", f"Worst {len(rows)} comparisons:"]
             out += ["  " + ln for ln in _table(rows, ["run", "op", "tensor", "match", "basis", "max_abs", "max_rel",

@@ -7,6 +7,8 @@ import math
 import re
 from typing import Any, Optional
 
+from ..display import MISSING, num_text
+
 __all__ = ["plot_text", "rows", "frame", "MISSING", "absmax_sql", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
            "code_md", "message_md",
            "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
@@ -23,32 +25,6 @@ SEVERITY_COLORS = {
     "warn": "rgba(202, 138, 4, 0.25)",
     "ok": "rgba(22, 163, 74, 0.15)",
 }
-
-
-# what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
-MISSING = "—"
-
-
-def num_text(v: Any, digits: int = 6) -> str:
-    """A number as text for every table and card of the dashboard.
-
-    One rule everywhere: missing (None, SQL NULL, pandas NA) is ``MISSING``,
-    NaN is ``nan``, infinities are ``inf`` / ``-inf``, integers print whole
-    and other numbers with ``digits`` significant digits.
-    """
-    if v is None:
-        return MISSING
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return MISSING if type(v).__name__ == "NAType" else str(v)
-    if math.isnan(f):
-        return "nan"
-    if math.isinf(f):
-        return "inf" if f > 0 else "-inf"
-    if float(f).is_integer() and abs(f) < 1e15:
-        return str(int(f))
-    return f"{f:.{digits}g}"
 
 
 def cosine_text(cosine: Any, deficit: Any) -> str:

@@ -29,7 +29,7 @@ import streamlit as st
 from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
 from ..store import Store, default_db_path
-from ..config import ConfigError, SHARE_PARAM, load_config, resolve_access
+from ..config import SHARE_PARAM, ConfigError, load_config, parse_bool, resolve_access
 from ..scratch import scratch_root, sweep
 
 __all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
@@ -369,17 +369,9 @@ def parse_choice(options: Sequence, to_text: Callable[[Any], str] = str) -> Call
     return lambda text: by_text[text]
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def parse_flag(text: str) -> bool:
-    """A ``from_url`` parser for a toggle: 1/true/yes/on or 0/false/no/off."""
-    t = text.strip().lower()
-    if t in _TRUE:
-        return True
-    if t in _FALSE:
-        return False
-    raise ValueError(f"not a flag: {text!r}")
+    """A ``from_url`` parser for a toggle: ``config.parse_bool`` (1/true/yes/on, 0/false/no/off)."""
+    return parse_bool(text)
 
 
 def parse_page(text: str) -> int:
