@@ -34,6 +34,7 @@ import math
 from typing import Optional
 
 from ..display import num_text
+from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..store import queries as q
 from ..stats import json_float
@@ -247,7 +248,10 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 
 def _worst_key(c: dict) -> tuple:
-    rank = {"nonfinite": 0, "error": 1, "warn": 2, "expected": 3}.get(c.get("verdict"), 4)
+    try:
+        rank = -Verdict(c.get("verdict")).rank
+    except ValueError:  # no verdict: after every judged comparison
+        rank = 1
     ru = c.get("rounding_units")
     mr = c.get("max_rel_err")
     score = ru if isinstance(ru, float) and math.isfinite(ru) else (mr if isinstance(mr, float) else 0.0)

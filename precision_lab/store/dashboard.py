@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
+from ..enums import Severity, Verdict, worst_first
 from .queries import rows, session_runs
 
 # column -> SQL expression; the only columns a visitor may sort by
@@ -26,11 +27,18 @@ SORTABLE = {
 
 
 # what "only problems" keeps
-PROBLEM_SEVERITIES = ("nonfinite", "error")
+PROBLEM_SEVERITIES = tuple(v.label for v in worst_first(Verdict) if v.problem)
 
 
-_VERDICT_RANK = ("CASE verdict WHEN 'nonfinite' THEN 3 WHEN 'error' THEN 2 WHEN 'warn' THEN 1 "
-                 "WHEN 'expected' THEN 0 END")
+def _rank_case(column: str, kind, *, worst_first_order: bool = False) -> str:
+    """SQL ``CASE`` giving each member of ``kind`` (Verdict, Severity) its rank (worse is higher; with
+    ``worst_first_order`` worse is lower, and unknown values or NULL rank with the best)."""
+    n = len(kind)
+    whens = " ".join(f"WHEN '{m.value}' THEN {n - 1 - m.rank if worst_first_order else m.rank}" for m in kind)
+    return f"CASE {column} {whens} {'ELSE ' + str(n - 1) + ' ' if worst_first_order else ''}END"
+
+
+_VERDICT_RANK = _rank_case("verdict", Verdict)
 
 
 # sort columns that live in the tensors table; the others need the comparisons
@@ -80,7 +88,7 @@ ERROR_METRICS = {
 }
 
 
-_VERDICT_WORST_FIRST = "CASE verdict WHEN 'nonfinite' THEN 0 WHEN 'error' THEN 1 WHEN 'warn' THEN 2 ELSE 3 END"
+_VERDICT_WORST_FIRST = _rank_case("verdict", Verdict, worst_first_order=True)
 
 
 def severity_sql(nonfinite: str, *verdicts: str) -> str:
@@ -90,9 +98,10 @@ def severity_sql(nonfinite: str, *verdicts: str) -> str:
     def any_is(v: str) -> str:
         return " OR ".join(f"{c} = '{v}'" for c in verdicts) or "false"
 
-    return (f"CASE WHEN coalesce({nonfinite}, false) OR {any_is('nonfinite')} THEN 'nonfinite' "
-            f"WHEN {any_is('error')} THEN 'error' WHEN {any_is('warn')} THEN 'warn' "
-            f"WHEN {any_is('expected')} THEN 'ok' ELSE NULL END")
+    nf = Verdict.NONFINITE
+    whens = [f"WHEN coalesce({nonfinite}, false) OR {any_is(nf.value)} THEN '{nf.label}'"]
+    whens += [f"WHEN {any_is(v.value)} THEN '{v.label}'" for v in worst_first(Verdict) if v is not nf]
+    return f"CASE {' '.join(whens)} ELSE NULL END"
 
 
 def frame(store, sql: str, params: Optional[list] = None):
@@ -577,9 +586,9 @@ def diagnosis_cards(store, session_id: str) -> list[dict]:
     """Diagnoses as cards: ``run, run_id, op, rule, message, fixes (list), severity, seq``,
     errors first, then by execution order."""
     out = []
-    for d in rows(store, """SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+    for d in rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
                             WHERE d.session_id = ?
-                            ORDER BY CASE d.severity WHEN 'error' THEN 0 WHEN 'warn' THEN 1 ELSE 2 END,
+                            ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)},
                                      d.seq, d.op""", [session_id]):
         try:
             fixes = json.loads(d["fixes"] or "[]")

@@ -8,23 +8,15 @@ import re
 from typing import Any, Optional
 
 from ..display import MISSING, num_text
+from ..enums import Verdict, worst_first
 
-__all__ = ["plot_text", "rows", "frame", "MISSING", "absmax_sql", "SEVERITIES", "severity_sql", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md",
-           "code_md", "message_md",
-           "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
+__all__ = ["plot_text", "MISSING", "SEVERITIES", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md", "code_md",
+           "message_md", "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
 
-# Worst first.  "nonfinite": NaN/Inf in the record or introduced vs the
-# reference; the others are metrics.verdict_for's verdicts ("ok" = expected).
-SEVERITIES = ("nonfinite", "error", "warn", "ok")
-
-# Background colours with alpha, so the text stays readable on the light and
-# the dark theme alike.
-SEVERITY_COLORS = {
-    "nonfinite": "rgba(220, 38, 38, 0.35)",
-    "error": "rgba(234, 88, 12, 0.30)",
-    "warn": "rgba(202, 138, 4, 0.25)",
-    "ok": "rgba(22, 163, 74, 0.15)",
-}
+# A record's severity as the tables show it, worst first: "nonfinite" (NaN/inf in the record or
+# introduced against the reference), then the comparisons' verdicts ("ok" = expected).
+SEVERITIES = tuple(v.label for v in worst_first(Verdict))
+SEVERITY_COLORS = {v.label: v.colour for v in Verdict}
 
 
 def cosine_text(cosine: Any, deficit: Any) -> str:

@@ -15,10 +15,6 @@ from .common import cosine_text, text_columns
 __all__ = ["OpsFilter", "OpsPage", "ops_page", "filter_options", "SORTABLE", "PROBLEM_SEVERITIES", "display_frame"]
 
 
-_SEVERITY_RANK = ("CASE severity WHEN 'nonfinite' THEN 3 WHEN 'error' THEN 2 WHEN 'warn' THEN 1 "
-                  "WHEN 'ok' THEN 0 END")
-
-
 def display_frame(df: pd.DataFrame) -> pd.DataFrame:
     """The columns the Ops page shows, in reading order (rid stays for selection).
 
