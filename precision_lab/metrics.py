@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
+from .numba_loader import PARALLEL_LOCK, load_numba
 
 __all__ = ["Comparison", "compare", "compare_stats", "verdict_for", "VERDICT_THRESHOLDS"]
 
@@ -186,28 +187,20 @@ def _numba_kernel():
     """Compile (or load from numba's cache) the one-pass comparison; None without numba."""
     global _KERNEL
     if _KERNEL is None:
-        import os
-        import threading
-
-        if os.environ.get("PRECISION_LAB_NO_NUMBA", "") not in ("", "0"):
-            _KERNEL = False
-            return None
-        try:
-            import numba
-        except ImportError:
+        numba = load_numba()
+        if numba is None:
             _KERNEL = False
             return None
         g = globals()
         g["_prange"] = numba.prange
         g["_nb_compare_range"] = numba.njit(cache=True, nogil=True)(_nb_compare_range)
         par = numba.njit(parallel=True, cache=True, nogil=True)(_nb_compare_parallel)
-        lock = threading.Lock()  # numba's workqueue layer runs one parallel region at a time
 
         def run(r, c, rel_floor, emin, man_bits):
             nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
             tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
             rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
-            with lock:
+            with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
                 return par(r, c, rb, shift, mask, tbl, rel_floor, nparts)
 
         _KERNEL = run

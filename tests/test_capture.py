@@ -727,7 +727,7 @@ def test_lost_device_results_keep_records_and_warn(monkeypatch):
     model = build_tiny()
     cap = Capture(model, run="lost", store=Store(":memory:"), options=CaptureOptions(local_error=True))
     cap._engine.deferred_cpu = True
-    monkeypatch.setattr(S, "_torch_finish", broken)
+    monkeypatch.setattr(S, "finish_partials", broken)
     with cap:
         run_step(model, tiny_input())
     assert cap.records and all(r.stats.is_summary_only and r.stats.max is None for r in cap.records)

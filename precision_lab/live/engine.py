@@ -152,13 +152,7 @@ class StatsEngine:
         if not (d.dtype.is_floating_point or packed_fp4 or dtype.startswith(("int", "uint")) or dtype == "bool"):
             raise ValueError(f"cannot compute numeric statistics of a {dtype} tensor")
         h = Handle(dtype, shape, numel)
-        parts = []
-        chunk = 1 << 26
-        for c in _stats._iter_torch_chunks(d, chunk if not packed_fp4 else chunk // 2):
-            if packed_fp4:
-                c = _stats._fp4x2_to_f32(torch, c)
-            parts.append(_stats._torch_chunk_partial(torch, c, self.histogram))
-        h.parts = parts
+        h.parts = _stats.device_partials(d, histogram=self.histogram)
         with self._lock:
             self._pending.append(h)
         return h
@@ -174,7 +168,8 @@ class StatsEngine:
             if h.parts:
                 by_device.setdefault(h.parts[0][0].device, []).append(h)
             else:  # an empty tensor
-                h.stats = _stats._Acc(self.histogram).result(numel=h.numel, dtype=h.dtype, shape=h.shape)
+                h.stats = _stats.finish_partials([], histogram=self.histogram, numel=h.numel, dtype=h.dtype,
+                                                 shape=h.shape)
         for dev, hs in by_device.items():
             vecs = [v for h in hs for v, _ in h.parts]
             host_v = torch.stack(vecs).cpu()
@@ -183,10 +178,9 @@ class StatsEngine:
                 host_h = torch.stack([hh for h in hs for _, hh in h.parts]).cpu()
             i = 0
             for h in hs:
-                acc = _stats._Acc(self.histogram)
                 n = len(h.parts)
                 cpu_parts = [(host_v[i + j], None if host_h is None else host_h[i + j]) for j in range(n)]
-                _stats._torch_finish(torch, acc, cpu_parts)
                 i += n
                 h.parts = None
-                h.stats = acc.result(numel=h.numel, dtype=h.dtype, shape=h.shape)
+                h.stats = _stats.finish_partials(cpu_parts, histogram=self.histogram, numel=h.numel, dtype=h.dtype,
+                                                 shape=h.shape)

@@ -42,7 +42,8 @@ import numpy as np
 from .base import ReadError
 from .safeio import check_regular, contained, limits, npy_header, read_json, relname
 from ..records import TensorRecord, npy_bytes, record_columns
-from ..stats import HIST_EDGES_ID, N_BINS, TensorStats, json_float
+from ..jsoncodec import decode_nonfinite, dumps
+from ..stats import HIST_EDGES_ID, N_BINS, TensorStats
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
@@ -103,10 +104,6 @@ def _schema():
     return pa.schema(fields)
 
 
-def _json_safe(d: dict) -> dict:
-    return {k: json_float(v) if isinstance(v, float) else v for k, v in d.items()}
-
-
 def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
                 local_comparisons: Optional[dict] = None) -> Path:
     """Write one run's records of one rank and step to ``<root>/<run>/rank<R>/step<S>.parquet``.
@@ -159,7 +156,7 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
             extra["hist_counts"].append(None)
         extra["tensor_npy"].append(npy_bytes(rec.tensor) if rec.tensor is not None else None)
         cmp = local_comparisons.get(i)
-        extra["local_json"].append(json.dumps(_json_safe(cmp.to_dict())) if cmp is not None else None)
+        extra["local_json"].append(dumps(cmp.to_dict()) if cmp is not None else None)
     table = pa.table({**data, **extra}, schema=_schema())
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")
@@ -549,8 +546,7 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
                     continue
                 try:
                     d = json.loads(js)
-                    d = {k: (float(v) if isinstance(v, str) and v in ("nan", "inf", "-inf") else v)
-                         for k, v in d.items() if k in names}
+                    d = {k: decode_nonfinite(v) for k, v in d.items() if k in names}
                     cmp = Comparison(**d)
                 except (TypeError, ValueError) as e:
                     raise ShardError(f"{relname(root, path)}: local comparison of {rec.name!r} is malformed "

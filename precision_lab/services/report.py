@@ -37,7 +37,7 @@ from ..display import num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..store import queries as q
-from ..stats import json_float
+from ..jsoncodec import dumps
 
 __all__ = ["first_nonfinite", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
@@ -224,21 +224,9 @@ def build_report(store, session: str) -> dict:
     }
 
 
-def _jsonable(v):
-    if isinstance(v, float):
-        return json_float(v)
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
-        return _jsonable(v.item())
-    return v
-
-
 def to_json(report: dict, *, indent: Optional[int] = 2) -> str:
     """Strict JSON (``allow_nan=False``): non-finite numbers become strings."""
-    return json.dumps(_jsonable(report), indent=indent, allow_nan=False)
+    return dumps(report, indent=indent)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:

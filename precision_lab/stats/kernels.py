@@ -1,599 +1,20 @@
-"""Tensor -> TensorStats: exact counts, float64 moments and a magnitude histogram.
-
-What is computed (``tensor_stats``):
-
-* counts of NaN, +/-Inf and zeros (``-0.0`` counts as zero);
-* ``min``, ``max``, ``absmax``, ``min_abs_nonzero`` over the *finite* values;
-* ``mean``, population ``std`` (ddof=0) and ``l2norm`` over the finite values,
-  accumulated in float64 whatever the input dtype (an fp16 tensor whose norm
-  exceeds fp16's largest finite value reports its true norm);
-* a histogram of ``|x|`` for the nonzero finite values over the fixed edges
-  ``HIST_EDGES``.
-
-The edges contain every power of two from 2^-150 to 2^128 and every
-registered format's rounding thresholds (``Format.thresholds()``), so for
-*any* registered format the number of values that overflow, underflow to
-zero, become subnormal or stay normal is an exact sum over bins
-(``TensorStats.representability``), also for records read back from the
-store, without the tensor.
-
-Rounding model for ``representability``: round-to-nearest-even of the exact
-value (single rounding).  For float32 and narrower inputs this is exactly what
-``torch`` and ``ml_dtypes`` casts do (checked exhaustively in the tests).
-float64 inputs are classified by their exact value; note that torch and
-ml_dtypes convert float64 to fp8/fp16 *through float32*, so a float64 value
-within half a float32 ulp of a rounding tie can be cast differently by them.
-
-Performance: on CPU, float32 (and anything converted exactly to float32 per
-chunk: fp16, bf16, fp8, fp6, fp4, e8m0, 8/16-bit ints, bool) goes through a
-one-pass numba kernel (``parallel=True``) that reads each element once;
-everything else, every CUDA tensor and every CPU run without numba uses a
-pure-torch path in float64 (``backend="torch"``) that gives the same counts,
-extrema and histogram and moments equal to rounding.  Inputs are processed in
-chunks of ``chunk_elems`` elements, so a memory-mapped file larger than RAM
-works in bounded memory.  numba is imported and the kernel compiled (or
-loaded from numba's cache) on first use; ``PRECISION_LAB_NO_NUMBA=1`` forces
-the torch path everywhere.
-"""
+"""The two accumulators: a compiled numba scan of float32 bit patterns (CPU) and a torch kernel (any device),
+and the chunking that feeds them."""
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import sys
-import threading
-from dataclasses import dataclass, field, fields
-from typing import Any, Iterator, Optional
+from dataclasses import fields
+from typing import Iterator, Optional
 
 import numpy as np
 
-from precision_lab.formats import FORMATS, Format, get_format
-
-__all__ = [
-    "HIST_EDGES",
-    "HIST_EDGES_ID",
-    "N_BINS",
-    "Representability",
-    "SummaryHeadroom",
-    "TensorStats",
-    "tensor_stats",
-    "histogram_counts",
-    "merge_stats",
-    "numba_available",
-    "canonical_dtype",
-    "json_float",
-    "from_json_float",
-]
-
-
-# ---------------------------------------------------------------------------
-# histogram edges
-# ---------------------------------------------------------------------------
-
-def _build_edges() -> np.ndarray:
-    vals = {0.0, math.inf}
-    vals.update(math.ldexp(1.0, k) for k in range(-150, 129))
-    for fmt in FORMATS.values():
-        vals.update(fmt.thresholds())
-    return np.array(sorted(vals), dtype=np.float64)
-
-
-HIST_EDGES: np.ndarray = _build_edges()
-HIST_EDGES.setflags(write=False)
-HIST_EDGES_ID: str = hashlib.sha256(HIST_EDGES.tobytes()).hexdigest()[:12]
-N_BINS: int = len(HIST_EDGES) - 1
-
-
-def _edge_index(value: float) -> int:
-    """Index of ``value`` in HIST_EDGES; every format threshold is an edge."""
-    i = int(np.searchsorted(HIST_EDGES, value))
-    if i >= len(HIST_EDGES) or HIST_EDGES[i] != value:  # pragma: no cover - guarded by tests
-        raise AssertionError(f"{value!r} is not a histogram edge")
-    return i
-
-
-def histogram_counts(absvals) -> np.ndarray:
-    """Counts of the nonzero finite magnitudes of ``absvals`` over HIST_EDGES.
-
-    A plain float64 ``np.searchsorted`` (exact; slow but simple).  Signs are
-    ignored, zeros and non-finite values are not counted.
-    """
-    a = np.abs(np.asarray(absvals, dtype=np.float64).ravel())
-    a = a[np.isfinite(a) & (a > 0)]
-    idx = np.searchsorted(HIST_EDGES, a, side="right") - 1
-    return np.bincount(idx, minlength=N_BINS).astype(np.int64)
-
-
-# ---------------------------------------------------------------------------
-# records
-# ---------------------------------------------------------------------------
-
-_REPR_FIELDS = ("total", "finite", "zero", "nan", "inf", "overflow", "underflow", "subnormal", "normal")
-
-
-@dataclass(frozen=True)
-class Representability:
-    """How a tensor's values would land in ``fmt`` under round-to-nearest-even.
-
-    ``overflow``: finite values whose rounded magnitude exceeds the format's
-    max finite (the cast gives inf/NaN, or clamps to max for saturating
-    casts).  ``underflow``: nonzero finite values that round to zero.
-    ``subnormal``: values that round to a nonzero subnormal.  ``normal``: the
-    other nonzero finite values.  ``overflow + underflow + subnormal +
-    normal`` is the nonzero finite count; ``zero``, ``nan`` and ``inf`` are the
-    tensor's own counts.  Classification uses ``|x|``.
-
-    e8m0 (an unsigned power-of-two scale format) has no zero and no
-    subnormals: magnitudes below 2^-127 are clamped up to 2^-127 by
-    ml_dtypes and torch, so ``underflow`` and ``subnormal`` are always 0 and
-    ``overflow`` counts magnitudes >= 1.5 * 2^127 (the cast gives NaN; the tie
-    rounds up there).  int8 is the symmetric grid [-127, 127]: ``overflow``
-    counts |x| >= 127.5, ``underflow`` counts 0 < |x| <= 0.5.
-    """
-
-    fmt: str
-    total: int
-    finite: int
-    zero: int
-    nan: int
-    inf: int
-    overflow: int
-    underflow: int
-    subnormal: int
-    normal: int
-    exact: bool = True
-
-    def fraction(self, field: str) -> float:
-        """``getattr(self, field) / total``; 0.0 for an empty tensor."""
-        if field not in _REPR_FIELDS or field == "total":
-            raise ValueError(f"unknown count {field!r}; choose one of {', '.join(_REPR_FIELDS[1:])}")
-        return getattr(self, field) / self.total if self.total else 0.0
-
-
-@dataclass(frozen=True)
-class SummaryHeadroom:
-    """What summary statistics alone say about ``fmt`` (no histogram needed).
-
-    ``headroom_bits`` = log2(fmt.max / absmax) (negative: absmax is above the
-    format's max); ``footroom_bits`` = log2(min_abs_nonzero / smallest
-    positive value of the format).  ``any_overflow`` / ``any_underflow`` are
-    exact yes/no answers when ``absmax`` / ``min_abs_nonzero`` are known
-    (they are attained by an element), else None.  Counts need the histogram.
-    """
-
-    fmt: str
-    absmax: Optional[float]
-    headroom_bits: Optional[float]
-    any_overflow: Optional[bool]
-    min_abs_nonzero: Optional[float]
-    footroom_bits: Optional[float]
-    any_underflow: Optional[bool]
-
-
-def json_float(v: Optional[float]):
-    """A float for strict JSON: non-finite values become the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
-    if v is None:
-        return None
-    v = float(v)
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
-
-
-def from_json_float(v) -> Optional[float]:
-    """The inverse of ``json_float``."""
-    if v is None:
-        return None
-    return float(v)  # float("nan") / float("inf") / float("-inf") parse the strings
-
-
-_FLOAT_FIELDS = ("min", "max", "absmax", "min_abs_nonzero", "mean", "std", "l2norm")
-_COUNT_FIELDS = ("nan_count", "inf_count", "zero_count")
-
-
-@dataclass(frozen=True)
-class TensorStats:
-    """Statistics of one tensor.
-
-    ``min/max/absmax/min_abs_nonzero/mean/std/l2norm`` are over the finite
-    values (NaN/Inf are counted, not included) and are ``nan`` when there is
-    no such value (``min_abs_nonzero`` is ``nan`` when no finite value is
-    nonzero).  ``std`` is the population std (ddof=0).  Optional fields are
-    None only in summary-only records (``TensorStats.summary_only``), e.g.
-    msprobe statistics dumps carrying Max/Min/Mean/Norm; those carry the
-    source's own values as given.  ``hist``: int64 counts over HIST_EDGES
-    (length N_BINS) of the nonzero finite ``|x|``, or None.
-    """
-
-    numel: int
-    dtype: str
-    shape: tuple
-    nan_count: Optional[int]
-    inf_count: Optional[int]
-    zero_count: Optional[int]
-    min: Optional[float]
-    max: Optional[float]
-    absmax: Optional[float]
-    min_abs_nonzero: Optional[float]
-    mean: Optional[float]
-    std: Optional[float]
-    l2norm: Optional[float]
-    hist: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        if self.hist is not None:
-            h = np.asarray(self.hist, dtype=np.int64)
-            if h.shape != (N_BINS,):
-                raise ValueError(
-                    f"histogram has {h.size} bins but HIST_EDGES ({HIST_EDGES_ID}) has {N_BINS}; "
-                    "it was recorded with different edges"
-                )
-            h.setflags(write=False)
-            object.__setattr__(self, "hist", h)
-
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, TensorStats):
-            return NotImplemented
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "hist":
-                if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-                    return False
-            elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-                continue
-            elif a != b:
-                return False
-        return True
-
-    __hash__ = None  # mutable-looking numpy payload; not hashable
-
-    # ---- derived counts -----------------------------------------------------
-    @property
-    def has_nonfinite(self) -> bool:
-        """Whether the tensor holds NaN or Inf: by the counts, else by a non-finite Min/Max.
-
-        A non-finite Norm or Mean alone does not count (it can overflow while
-        every value is finite).  When NaN/Inf were counted, a NaN Min/Max only
-        means "no finite value" (an empty tensor).
-        """
-        if (self.nan_count or 0) > 0 or (self.inf_count or 0) > 0:
-            return True
-        if self.nan_count is not None and self.inf_count is not None:
-            return False
-        return any(v is not None and not math.isfinite(v) for v in (self.min, self.max))
-
-    @property
-    def finite_count(self) -> Optional[int]:
-        if self.nan_count is None or self.inf_count is None:
-            return None
-        return self.numel - self.nan_count - self.inf_count
-
-    @property
-    def nonzero_finite_count(self) -> Optional[int]:
-        fc = self.finite_count
-        return None if fc is None or self.zero_count is None else fc - self.zero_count
-
-    @property
-    def is_summary_only(self) -> bool:
-        return any(getattr(self, n) is None for n in _COUNT_FIELDS + _FLOAT_FIELDS)
-
-    # ---- format questions -------------------------------------------------------
-    def representability(self, fmt_name: str) -> Representability:
-        """Exact overflow/underflow/subnormal/normal counts for a format, from the histogram."""
-        fmt = get_format(fmt_name)
-        if self.hist is None:
-            raise ValueError(
-                f"cannot count representability in {fmt.name}: this {self.dtype} record has no "
-                "magnitude histogram (a summary-only record, e.g. from an msprobe statistics dump, or "
-                "stats computed with histogram=False); use summary_headroom() for what min/max allow"
-            )
-        return _representability(self.hist, fmt, self.numel, self.nan_count, self.inf_count, self.zero_count)
-
-    def summary_headroom(self, fmt_name: str) -> SummaryHeadroom:
-        """Headroom/footroom of this record against ``fmt`` from absmax/min_abs_nonzero alone."""
-        fmt = get_format(fmt_name)
-        am = self.absmax
-        if am is None and self.min is not None and self.max is not None:
-            am = max(abs(self.min), abs(self.max))
-        if am is not None and math.isnan(am):
-            am = None
-        if am is None:
-            head = None
-        elif am == 0:
-            head = math.inf
-        elif math.isinf(am):
-            head = -math.inf  # the values are already infinite: no headroom at all
-        else:
-            head = math.log2(fmt.max / am)
-        any_ovf = None if am is None else am >= fmt.overflow_threshold
-        mn = self.min_abs_nonzero
-        if mn is not None and math.isnan(mn):
-            mn = None
-        foot = None if mn is None else math.log2(mn / fmt.smallest_positive)
-        any_unf = None if mn is None else (0 < mn < fmt.underflow_threshold)
-        return SummaryHeadroom(fmt.name, am, head, any_ovf, mn, foot, any_unf)
-
-    # ---- serialisation ------------------------------------------------------------
-    def to_dict(self, *, sparse_hist: bool = True) -> dict:
-        """A strict-JSON-safe dict (non-finite floats as "nan"/"inf"/"-inf").
-
-        The histogram is stored sparse (``{"bins": [...], "counts": [...]}``)
-        or dense (a list), with ``hist_edges_id`` so a change of edges is
-        detected on load.
-        """
-        d: dict[str, Any] = {
-            "numel": int(self.numel),
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-        }
-        for n in _COUNT_FIELDS:
-            v = getattr(self, n)
-            d[n] = None if v is None else int(v)
-        for n in _FLOAT_FIELDS:
-            d[n] = json_float(getattr(self, n))
-        if self.hist is None:
-            d["hist"] = None
-        else:
-            if sparse_hist:
-                nz = np.flatnonzero(self.hist)
-                d["hist"] = {"bins": nz.tolist(), "counts": self.hist[nz].tolist()}
-            else:
-                d["hist"] = self.hist.tolist()
-            d["hist_edges_id"] = HIST_EDGES_ID
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TensorStats":
-        h = d.get("hist")
-        hist = None
-        if h is not None:
-            eid = d.get("hist_edges_id")
-            if eid is not None and eid != HIST_EDGES_ID:
-                raise ValueError(
-                    f"histogram was recorded with edges {eid}, this version uses {HIST_EDGES_ID}; "
-                    "its bins cannot be interpreted"
-                )
-            if isinstance(h, dict):
-                hist = np.zeros(N_BINS, dtype=np.int64)
-                hist[np.asarray(h["bins"], dtype=np.int64)] = np.asarray(h["counts"], dtype=np.int64)
-            else:
-                hist = np.asarray(h, dtype=np.int64)
-        kw: dict[str, Any] = {
-            "numel": int(d["numel"]),
-            "dtype": str(d["dtype"]),
-            "shape": tuple(d["shape"]),
-            "hist": hist,
-        }
-        for n in _COUNT_FIELDS:
-            kw[n] = None if d.get(n) is None else int(d[n])
-        for n in _FLOAT_FIELDS:
-            kw[n] = from_json_float(d.get(n))
-        return cls(**kw)
-
-    @classmethod
-    def summary_only(
-        cls,
-        *,
-        dtype,
-        shape,
-        min: Optional[float] = None,
-        max: Optional[float] = None,
-        mean: Optional[float] = None,
-        l2norm: Optional[float] = None,
-        std: Optional[float] = None,
-        absmax: Optional[float] = None,
-        min_abs_nonzero: Optional[float] = None,
-        nan_count: Optional[int] = None,
-        inf_count: Optional[int] = None,
-        zero_count: Optional[int] = None,
-        numel: Optional[int] = None,
-    ) -> "TensorStats":
-        """A record from summary numbers only (no histogram), e.g. msprobe Max/Min/Mean/Norm.
-
-        ``absmax`` defaults to max(|min|, |max|) when both are given.
-        """
-        shape = tuple(int(s) for s in shape)
-        if numel is None:
-            numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        f = lambda v: None if v is None else float(v)  # noqa: E731
-        if absmax is None and min is not None and max is not None:
-            absmax = builtins_max(abs(float(min)), abs(float(max)))
-        return cls(
-            numel=int(numel), dtype=canonical_dtype(dtype), shape=shape,
-            nan_count=nan_count, inf_count=inf_count, zero_count=zero_count,
-            min=f(min), max=f(max), absmax=f(absmax), min_abs_nonzero=f(min_abs_nonzero),
-            mean=f(mean), std=f(std), l2norm=f(l2norm), hist=None,
-        )
-
-
-builtins_max = max  # TensorStats.summary_only shadows max with a parameter
-
-
-def _representability(hist: np.ndarray, fmt: Format, total: int, nan, inf, zero) -> Representability:
-    nonzero = int(hist.sum())
-    i_ovf = _edge_index(fmt.overflow_threshold)
-    overflow = int(hist[i_ovf:].sum())
-    if fmt.underflow_threshold > 0:
-        i_unf = _edge_index(fmt.underflow_threshold)
-        underflow = int(hist[:i_unf].sum())
-    else:
-        i_unf = 0
-        underflow = 0
-    if fmt.normal_threshold > fmt.underflow_threshold:
-        i_nrm = _edge_index(fmt.normal_threshold)
-        subnormal = int(hist[i_unf:i_nrm].sum())
-    else:
-        subnormal = 0
-    normal = nonzero - overflow - underflow - subnormal
-    nan = 0 if nan is None else int(nan)
-    inf = 0 if inf is None else int(inf)
-    zero = 0 if zero is None else int(zero)
-    return Representability(
-        fmt=fmt.name, total=int(total), finite=int(total) - nan - inf, zero=zero, nan=nan, inf=inf,
-        overflow=overflow, underflow=underflow, subnormal=subnormal, normal=normal, exact=True,
-    )
-
-
-def canonical_dtype(dtype) -> str:
-    """'torch.float16' / np.dtype('float16') / torch.float16 -> 'float16'."""
-    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        return np.dtype(dtype).name
-    s = str(dtype)
-    return s[len("torch."):] if s.startswith("torch.") else s
-
-
-# ---------------------------------------------------------------------------
-# accumulation (shared by both backends and by merge_stats)
-# ---------------------------------------------------------------------------
-
-class _Acc:
-    """Running totals.  M2 and the sum of squares are kept as ``m2s * 4**k`` and
-    ``ssqs * 4**k`` so float64 inputs near 1e308 do not overflow."""
-
-    __slots__ = ("nan", "inf", "zero", "nfin", "vmin", "vmax", "absmax", "minabs",
-                 "mean", "m2s", "ssqs", "k", "hist")
-
-    def __init__(self, histogram: bool) -> None:
-        self.nan = self.inf = self.zero = self.nfin = 0
-        self.vmin, self.vmax = math.inf, -math.inf
-        self.absmax, self.minabs = -math.inf, math.inf
-        self.mean = self.m2s = self.ssqs = 0.0
-        self.k = 0
-        self.hist = np.zeros(N_BINS, dtype=np.int64) if histogram else None
-
-    def add_extrema(self, vmin, vmax, absmax, minabs) -> None:
-        self.vmin = min(self.vmin, vmin)
-        self.vmax = max(self.vmax, vmax)
-        self.absmax = max(self.absmax, absmax)
-        self.minabs = min(self.minabs, minabs)
-
-    def add_moments(self, n: int, mean: float, m2s: float, ssqs: float, k: int) -> None:
-        """Chan et al.'s parallel merge of (count, mean, M2), scaled by 2**k."""
-        if n == 0:
-            return
-        if self.nfin == 0:
-            self.nfin, self.mean, self.m2s, self.ssqs, self.k = n, mean, m2s, ssqs, k
-            return
-        kk = max(self.k, k)
-        a_m2 = math.ldexp(self.m2s, 2 * (self.k - kk))
-        a_ss = math.ldexp(self.ssqs, 2 * (self.k - kk))
-        b_m2 = math.ldexp(m2s, 2 * (k - kk))
-        b_ss = math.ldexp(ssqs, 2 * (k - kk))
-        na, nb = self.nfin, n
-        tot = na + nb
-        d = math.ldexp(mean, -kk) - math.ldexp(self.mean, -kk)  # scaled delta, cannot overflow
-        self.mean = self.mean + math.ldexp(d * (nb / tot), kk)
-        self.m2s = a_m2 + b_m2 + d * d * (na * (nb / tot))
-        self.ssqs = a_ss + b_ss
-        self.k = kk
-        self.nfin = tot
-
-    def result(self, *, numel: int, dtype: str, shape: tuple) -> TensorStats:
-        nan = float("nan")
-        fin = self.nfin > 0
-        return TensorStats(
-            numel=int(numel), dtype=dtype, shape=tuple(shape),
-            nan_count=int(self.nan), inf_count=int(self.inf), zero_count=int(self.zero),
-            min=float(self.vmin) if fin else nan,
-            max=float(self.vmax) if fin else nan,
-            absmax=float(self.absmax) if fin else nan,
-            min_abs_nonzero=float(self.minabs) if fin and self.minabs < math.inf else nan,
-            mean=float(self.mean) if fin else nan,
-            std=_ldexp(math.sqrt(max(self.m2s, 0.0) / self.nfin), self.k) if fin else nan,
-            l2norm=_ldexp(math.sqrt(self.ssqs), self.k) if fin else nan,
-            hist=self.hist,
-        )
-
-
-def _ldexp(m: float, k: int) -> float:
-    """math.ldexp that returns inf (a norm of float64 values can exceed float64's range)."""
-    try:
-        return math.ldexp(m, k)
-    except OverflowError:
-        return math.inf
-
-
-def merge_stats(a: TensorStats, b: TensorStats) -> TensorStats:
-    """Statistics of the concatenation of the tensors behind ``a`` and ``b``.
-
-    Counts and histograms add exactly; extrema combine exactly; mean, std and
-    l2norm combine with Chan's parallel formula (equal to the one-shot values
-    up to float64 rounding).  Fields unknown in either input are None
-    (histogram None unless both have one).  The shape is ``(a0 + b0, *rest)``
-    when the trailing dimensions agree, else flat.
-    """
-    numel = a.numel + b.numel
-    if a.shape[1:] == b.shape[1:] and len(a.shape) >= 1 and len(b.shape) >= 1:
-        shape = (a.shape[0] + b.shape[0],) + tuple(a.shape[1:])
-    else:
-        shape = (numel,)
-    dtype = a.dtype if a.dtype == b.dtype else _promote_dtype_name(a.dtype, b.dtype)
-
-    def add(x, y):
-        return None if x is None or y is None else x + y
-
-    nan_c, inf_c, zero_c = add(a.nan_count, b.nan_count), add(a.inf_count, b.inf_count), add(a.zero_count, b.zero_count)
-    na, nb = a.finite_count, b.finite_count
-
-    def ext(fn, x, y, nx, ny):
-        # a side with no finite values carries nan: ignore it
-        if x is None or y is None:
-            if nx == 0 and y is not None:
-                return y
-            if ny == 0 and x is not None:
-                return x
-            return None
-        xs = [v for v, n in ((x, nx), (y, ny)) if not (isinstance(v, float) and math.isnan(v)) and n != 0]
-        if not xs:
-            return float("nan")
-        return float(fn(xs))
-
-    vmin = ext(min, a.min, b.min, na, nb)
-    vmax = ext(max, a.max, b.max, na, nb)
-    amax = ext(max, a.absmax, b.absmax, na, nb)
-    minabs = ext(min, a.min_abs_nonzero, b.min_abs_nonzero, na, nb)
-
-    mean = std = l2 = None
-    if None not in (na, nb, a.mean, b.mean, a.std, b.std, a.l2norm, b.l2norm):
-        acc = _Acc(False)
-        for s, n in ((a, na), (b, nb)):
-            if n:
-                scale = max(abs(s.mean), s.std, s.l2norm)
-                k = math.frexp(scale)[1] if scale > 0 and math.isfinite(scale) else 0
-                acc.add_moments(n, s.mean, math.ldexp(s.std, -k) ** 2 * n, math.ldexp(s.l2norm, -k) ** 2, k)
-        if acc.nfin:
-            mean = acc.mean
-            std = _ldexp(math.sqrt(max(acc.m2s, 0.0) / acc.nfin), acc.k)
-            l2 = _ldexp(math.sqrt(acc.ssqs), acc.k)
-        else:
-            mean = std = l2 = float("nan")
-    elif na is not None and nb is not None and na + nb == 0:
-        mean = std = l2 = float("nan")
-
-    hist = None if a.hist is None or b.hist is None else a.hist + b.hist
-    return TensorStats(
-        numel=numel, dtype=dtype, shape=shape, nan_count=nan_c, inf_count=inf_c, zero_count=zero_c,
-        min=vmin, max=vmax, absmax=amax, min_abs_nonzero=minabs, mean=mean, std=std, l2norm=l2, hist=hist,
-    )
-
-
-def _promote_dtype_name(a: str, b: str) -> str:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        ta, tb = getattr(torch, a, None), getattr(torch, b, None)
-        if isinstance(ta, torch.dtype) and isinstance(tb, torch.dtype):
-            try:
-                return canonical_dtype(torch.promote_types(ta, tb))
-            except Exception:  # pragma: no cover - exotic pairs
-                pass
-    try:
-        return np.promote_types(a, b).name
-    except Exception:
-        return "mixed"
+from ..formats import FORMATS
+from ..numba_loader import PARALLEL_LOCK, load_numba
+from .accumulate import _Acc, merge_stats
+from .records import TensorStats, canonical_dtype
+from .edges import HIST_EDGES, N_BINS
 
 
 # ---------------------------------------------------------------------------
@@ -648,7 +69,6 @@ def _build_lut():
 _LUT, _LUT_THR, _CBITS = _build_lut()
 
 _numba_kernels = None
-_NUMBA_DISABLED = os.environ.get("PRECISION_LAB_NO_NUMBA", "") not in ("", "0")
 
 
 def numba_available() -> bool:
@@ -658,13 +78,9 @@ def numba_available() -> bool:
 
 def _get_kernels():
     global _numba_kernels
-    if _NUMBA_DISABLED:
-        return None
     if _numba_kernels is None:
-        try:
-            _numba_kernels = _build_kernels()
-        except ImportError:
-            _numba_kernels = False
+        numba = load_numba()
+        _numba_kernels = _build_kernels(numba) if numba is not None else False
     return _numba_kernels or None
 
 
@@ -884,10 +300,8 @@ def _nb_scan_serial(xf, lut, thr, cbits, do_hist, nb2):
     return _nb_fold(hs, nb2), ri, rf
 
 
-def _build_kernels() -> _Kernels:
-    """Compile (or load from numba's cache) the float32 scan; numba is imported here."""
-    import numba
-
+def _build_kernels(numba) -> _Kernels:
+    """Compile (or load from numba's cache) the float32 scan."""
     g = globals()
     g["_prange"] = numba.prange
     # reassociation lets LLVM vectorise the float64 sums; only finite values reach them
@@ -900,14 +314,11 @@ def _build_kernels() -> _Kernels:
         g[name] = numba.njit(**plain)(g[name])
     g["_nb_scan_parallel"] = numba.njit(parallel=True, **plain)(_nb_scan_parallel)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
-    # numba's workqueue threading layer must not run two parallel regions at once
-    # (e.g. two dashboard sessions); each call uses every core anyway
-    lock = threading.Lock()
 
     def scan(xf, lut, thr, cbits, do_hist, nparts, nb2):
         if nparts <= 1:
             return serial(xf, lut, thr, cbits, do_hist, nb2)
-        with lock:
+        with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
             return parallel(xf, lut, thr, cbits, do_hist, nparts, nb2)
 
     return _Kernels(scan, numba.get_num_threads)
@@ -1028,6 +439,36 @@ def _torch_finish(torch, acc: _Acc, parts) -> None:
 
 
 # ---------------------------------------------------------------------------
+# partial results on a device, finished on the host (the capture engine batches the transfer)
+# ---------------------------------------------------------------------------
+
+DevicePartial = tuple  # (12 float64 totals, histogram counts or None), still on the tensor's device
+
+
+def device_partials(t, *, histogram: bool, chunk_elems: int = 1 << 26) -> list:
+    """The per-chunk totals of a floating, integer or bool torch tensor (packed fp4 included), computed on its
+    own device with nothing copied to the host; ``finish_partials`` turns them into a ``TensorStats``."""
+    import torch  # deferred: numpy inputs never need it
+
+    packed_fp4 = canonical_dtype(t.dtype) == "float4_e2m1fn_x2"
+    parts = []
+    for c in _iter_torch_chunks(t, chunk_elems if not packed_fp4 else chunk_elems // 2):
+        if packed_fp4:
+            c = _fp4x2_to_f32(torch, c)
+        parts.append(_torch_chunk_partial(torch, c, histogram))
+    return parts
+
+
+def finish_partials(parts, *, histogram: bool, numel: int, dtype: str, shape) -> TensorStats:
+    """The ``TensorStats`` of one tensor from its ``device_partials`` (on the host or on a device)."""
+    import torch  # deferred: see device_partials
+
+    acc = _Acc(histogram)
+    _torch_finish(torch, acc, parts)
+    return acc.result(numel=numel, dtype=dtype, shape=shape)
+
+
+# ---------------------------------------------------------------------------
 # input normalisation and chunking
 # ---------------------------------------------------------------------------
 
@@ -1117,6 +558,10 @@ def _fp4x2_to_f32(torch, chunk):
     b = chunk.view(torch.uint8).long()
     return torch.stack([table[b & 0xF], table[b >> 4]], dim=-1).reshape(-1)
 
+
+# ---------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------
 
 def tensor_stats(x, *, histogram: bool = True, chunk_elems: int = 1 << 24, backend: str = "auto") -> TensorStats:
     """Statistics (and magnitude histogram) of a torch tensor or numpy array.

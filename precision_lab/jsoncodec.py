@@ -1,0 +1,54 @@
+"""JSON with non-finite floats: strict JSON has no NaN or Infinity, so they travel as the strings
+``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+__all__ = ["NONFINITE_WORDS", "json_float", "from_json_float", "jsonable", "decode_nonfinite", "dumps"]
+
+NONFINITE_WORDS = frozenset({"nan", "inf", "-inf"})
+
+
+def json_float(v: Optional[float]):
+    """A float for strict JSON: non-finite values become the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if v is None:
+        return None
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def from_json_float(v) -> Optional[float]:
+    """The inverse of ``json_float``."""
+    if v is None:
+        return None
+    return float(v)  # float("nan") / float("inf") / float("-inf") parse the words
+
+
+def decode_nonfinite(v: Any) -> Any:
+    """``v`` with a non-finite word turned back into its float; every other value as it is."""
+    return float(v) if isinstance(v, str) and v in NONFINITE_WORDS else v
+
+
+def jsonable(v: Any) -> Any:
+    """A tree of dicts, lists, tuples and numbers (numpy scalars included) with every float ready for strict JSON."""
+    if isinstance(v, float):
+        return json_float(v)
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars
+        return jsonable(v.item())
+    return v
+
+
+def dumps(v: Any, **kwargs) -> str:
+    """Strict JSON text of ``jsonable(v)``."""
+    return json.dumps(jsonable(v), allow_nan=False, **kwargs)
