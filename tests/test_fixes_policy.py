@@ -131,3 +131,23 @@ def test_presets():
     with pytest.raises(PolicyError, match="unknown precision policy 'fp12'; presets: fp32, fp16"):
         get_policy("fp12")
     assert not POLICIES["fp32"].low_precision and POLICIES["fp16"].low_precision
+
+
+def test_every_policy_casts_the_same_input_trees():
+    """One tree walk (torch's pytree) for every policy: namedtuples, dicts, lists keep their type."""
+    from collections import namedtuple
+
+    import torch
+
+    from precision_lab.fixes.policy import PrecisionPolicy
+    from precision_lab.live.capture import as_policy
+
+    Batch = namedtuple("Batch", "x mask ids")
+    tree = {"b": Batch(torch.randn(3), torch.tensor([True, False]), torch.arange(3)), "l": [torch.ones(2), 7]}
+    for pol, want in ((PrecisionPolicy("fp16", "fp16"), torch.float16), (as_policy(torch.bfloat16), torch.bfloat16)):
+        out = pol.prepare_inputs(tree)
+        assert isinstance(out["b"], Batch) and isinstance(out["l"], list) and out["l"][1] == 7
+        assert out["b"].x.dtype == want and out["l"][0].dtype == want
+        assert out["b"].mask.dtype == torch.bool and out["b"].ids.dtype == torch.int64
+        # values are a real cast of the originals
+        assert torch.equal(out["b"].x, tree["b"].x.to(want))

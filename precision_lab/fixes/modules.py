@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import FORMATS, format_for_dtype
+from .policy import cast_floating
 
 __all__ = [
     "PolicyModule", "Linear", "QuantLinear", "FakeQuant", "Amax", "QuantScale", "Reciprocal",
@@ -532,8 +533,7 @@ def install_cast_hook(mod: nn.Module, dtype) -> None:
         old.remove()
 
     def cast(m, args, kwargs):
-        conv = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-        return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     mod._precision_lab_cast_hook = mod.register_forward_pre_hook(cast, with_kwargs=True)
 

@@ -194,7 +194,7 @@ class PrecisionPolicy:
     def prepare_inputs(self, inputs):
         """Floating tensors (in tuples, lists, dicts) cast to the default compute format."""
         tdtype = FORMATS[self.dtype].torch_dtype()
-        return _cast_tree(inputs, tdtype)
+        return cast_floating(inputs, tdtype)
 
     # ---- text ---------------------------------------------------------------
     def describe(self) -> str:
@@ -274,18 +274,13 @@ def _cast_own(mod, tdtype) -> None:
             mod._buffers[key] = b.to(tdtype)
 
 
-def _cast_tree(obj, tdtype):
-    import torch
+def cast_floating(tree, tdtype):
+    """Every floating tensor in a pytree (tuples, namedtuples, lists, dicts, registered containers) cast to
+    ``tdtype``; everything else as it is."""
+    import torch  # deferred: policies are built and described without torch
+    from torch.utils._pytree import tree_map_only
 
-    if isinstance(obj, torch.Tensor):
-        return obj.to(tdtype) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        return tuple(_cast_tree(o, tdtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_tree(o, tdtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_tree(v, tdtype) for k, v in obj.items()}
-    return obj
+    return tree_map_only(torch.Tensor, lambda t: t.to(tdtype) if t.is_floating_point() else t, tree)
 
 
 # ---- named presets ----------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from ..formats import FORMATS, format_for_dtype
 from .catalogue import apply_fixes, fix_label
-from .policy import PrecisionPolicy, module_matches
+from .policy import PrecisionPolicy, cast_floating, module_matches
 
 __all__ = ["ReplayError", "replay", "REPLAY_OPS", "canonical_op"]
 
@@ -194,19 +194,11 @@ def _arg(args, kw, pos, name):
 
 # ---- replay --------------------------------------------------------------------------------
 
-def _cast_tree(args, dtype):
-    torch = _torch()
-    conv = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-    if isinstance(args, dict):
-        return {k: conv(v) for k, v in args.items()}
-    return [conv(a) for a in args]
-
-
 def _compute(op: ReplayOp, args, kw, pol: PrecisionPolicy, fmt_name: str):
     torch = _torch()
     flush_subnormals = _numerics().flush_subnormals
     dtype = FORMATS[fmt_name].torch_dtype()
-    a, k = _cast_tree(args, dtype), _cast_tree(kw, dtype)
+    a, k = cast_floating(list(args), dtype), cast_floating(dict(kw), dtype)
     if pol.flush_to_zero:
         a = [flush_subnormals(t) if _is_tensor(t) else t for t in a]
     with torch.no_grad():
@@ -234,7 +226,7 @@ def replay(op_type: str, args: list, kwargs: Optional[dict] = None, *, cand_form
                             else PrecisionPolicy("fp32"), "fp32")}
     if op.quantises:
         # the fp32 reference of a quantise op is the unquantised value
-        out["fp32"] = _cast_tree([args[0]], FORMATS["fp32"].torch_dtype())[0]
+        out["fp32"] = cast_floating(args[0], FORMATS["fp32"].torch_dtype())
     out["candidate"] = _compute(op, args, kwargs, pol, _fmt_for(pol, op_name, cand_format))
     if fixes:
         fixed = apply_fixes(pol, fixes)

@@ -43,14 +43,16 @@ from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_map
 
-from ..records import RunInfo, TensorRecord
-from .engine import StatsEngine
-from .options import CaptureOptions
+from ..fixes.policy import cast_floating
 from ..formats import format_for_dtype, get_format
-from ..stats import TensorStats
 from ..metrics import compare
 from ..readers.shards import write_manifest, write_shard
+from ..records import RunInfo, TensorRecord
+from ..stats import TensorStats
+from .engine import StatsEngine
+from .options import CaptureOptions
 
 __all__ = ["Capture", "capture", "CAST_OPS"]
 
@@ -149,20 +151,18 @@ def _flatten(obj, prefix: str = "", depth: int = 0):
 
 
 def _upcast(obj, clone: bool):
-    """Upcast every low-precision floating tensor to float32 (copies when ``clone``)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dtype in _LOW_FLOAT:
-            return obj.detach().to(torch.float32)
-        return obj.detach().clone() if clone else obj.detach()
-    if isinstance(obj, torch.dtype):
-        return torch.float32 if obj in _LOW_FLOAT else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_upcast(v, clone) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_upcast(v, clone) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _upcast(v, clone) for k, v in obj.items()}
-    return obj
+    """Every low-precision floating tensor (and dtype argument) of a pytree upcast to float32; other tensors
+    detached (copied when ``clone``)."""
+    def up(x):
+        if isinstance(x, torch.Tensor):
+            if x.dtype in _LOW_FLOAT:
+                return x.detach().to(torch.float32)
+            return x.detach().clone() if clone else x.detach()
+        if isinstance(x, torch.dtype):
+            return torch.float32 if x in _LOW_FLOAT else x
+        return x
+
+    return tree_map(up, obj)
 
 
 def _cuda_devices(obj) -> dict:
@@ -248,18 +248,7 @@ class DtypePolicy:
         return model.to(self.dtype)
 
     def prepare_inputs(self, inputs):
-        def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                return x.to(self.dtype)
-            if isinstance(x, tuple) and hasattr(x, "_fields"):
-                return type(x)(*(cast(v) for v in x))
-            if isinstance(x, (tuple, list)):
-                return type(x)(cast(v) for v in x)
-            if isinstance(x, dict):
-                return {k: cast(v) for k, v in x.items()}
-            return x
-
-        return cast(inputs)
+        return cast_floating(inputs, self.dtype)
 
 
 def as_policy(dtype_policy):
