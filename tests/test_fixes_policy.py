@@ -140,7 +140,7 @@ def test_every_policy_casts_the_same_input_trees():
     import torch
 
     from precision_lab.fixes.policy import PrecisionPolicy
-    from precision_lab.live.capture import as_policy
+    from precision_lab.live.policies import as_policy
 
     Batch = namedtuple("Batch", "x mask ids")
     tree = {"b": Batch(torch.randn(3), torch.tensor([True, False]), torch.arange(3)), "l": [torch.ones(2), 7]}

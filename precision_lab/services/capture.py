@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..formats import format_for_dtype, get_format
-from ..live.capture import Capture, as_policy, policy_description
+from ..live.capture import Capture
+from ..live.policies import as_policy, policy_description
 from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
 from ..metrics import compare, compare_stats

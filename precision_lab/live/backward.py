@@ -1,0 +1,162 @@
+"""The backward pass: each op's gradients, found by walking the autograd graph from its outputs."""
+
+from __future__ import annotations
+
+
+
+# Bounds of the autograd-graph walk that finds an op's own gradient edges.
+_MAX_WALK_NODES = 4096
+
+
+class _BackwardOp:
+    """One op's backward: gets its seq when its first gradient arrives."""
+
+    __slots__ = ("op", "op_type", "seq", "step", "pending")
+
+    def __init__(self, op, op_type, step):
+        self.op, self.op_type, self.step = op, op_type, step
+        self.seq = None
+        self.pending = {}  # (role, index) -> [expected, arrived, sum]
+
+
+class BackwardHooks:
+    """Part of ``Capture``: see ``live.capture``."""
+
+    # -- backward
+    def _register_backward(self, op, op_type, ins, outs, start_seq) -> None:
+        nodes: dict = {}
+        for idx, t in outs:
+            gf = t.grad_fn
+            if gf is not None and t.requires_grad:
+                nodes.setdefault(gf, []).append((idx, t.output_nr))
+        if not nodes:
+            return
+        bop = _BackwardOp(op, op_type, self.step_no)
+        # the edges through which this op hands gradient to its inputs
+        nonleaf: dict = {}
+        leaf: dict = {}
+        for role, idx, t in ins:
+            if not t.requires_grad:
+                continue
+            if t.grad_fn is not None:
+                nonleaf.setdefault((id(t.grad_fn), t.output_nr), []).append((role, idx))
+            elif id(t) not in self._param_owner:  # a recorded parameter's gradient is its param_grad
+                leaf.setdefault(id(t), []).append((role, idx))
+        # an output that is one of the inputs (x.float() on a float32 x, x.to(x.dtype))
+        # passes its gradient straight through: grad_input is its grad_output
+        for node, outputs in nodes.items():
+            through = {}
+            for oidx, nr in outputs:
+                for role, idx in nonleaf.pop((id(node), nr), ()):
+                    through.setdefault(oidx, []).append((role, idx))
+            self._step_handles.append(node.register_prehook(self._make_grad_output_hook(bop, outputs, through)))
+        if not nonleaf and not leaf:
+            return
+        hits: dict = {}  # node -> [(k, role, idx)]
+        seen = set()
+        frontier = list(nodes)
+        birth = self._node_birth
+        while frontier and len(seen) < _MAX_WALK_NODES:
+            n = frontier.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            for k, (nx, nr) in enumerate(n.next_functions):
+                if nx is None:
+                    continue
+                targets = nonleaf.get((id(nx), nr))
+                if targets is None and not nx.next_functions and hasattr(nx, "variable"):
+                    targets = leaf.get(id(nx.variable))
+                if targets is not None:
+                    for role, idx in targets:
+                        hits.setdefault(n, []).append((k, role, idx))
+                    continue
+                b = birth.get(id(nx))
+                if b is not None and b < start_seq:
+                    continue  # made by an earlier op: outside this one
+                if nx.next_functions:
+                    frontier.append(nx)
+        for n, lst in hits.items():
+            for _, role, idx in lst:
+                entry = bop.pending.setdefault((role, idx), [0, 0, None])
+                entry[0] += 1
+            self._step_handles.append(n.register_hook(self._make_grad_input_hook(bop, lst)))
+
+    def _bw_seq(self, bop: _BackwardOp) -> int:
+        with self._lock:
+            if bop.seq is None:
+                bop.seq = self._take_seq()
+            return bop.seq
+
+    def _add_grad(self, seq, bop: _BackwardOp, role, index, g, h) -> None:
+        pos = self._add(seq, bop.op, bop.op_type, role, index, h, "backward", tensor=self._keep(bop.op, g),
+                        step=bop.step)
+        self._observe(pos, g, h)
+
+    def _make_grad_output_hook(self, bop, outputs, through):
+        def hook(grad_outputs):
+            if not self._recording:
+                return None
+            try:
+                seq = self._bw_seq(bop)
+                for idx, nr in outputs:
+                    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                    if g is None:
+                        continue
+                    h = self._measure(bop.op, g, hold=True)
+                    if h is None:
+                        continue
+                    self._add_grad(seq, bop, "grad_output", idx, g, h)
+                    for role, in_idx in through.get(idx, ()):
+                        self._add_grad(seq, bop, "grad_input", in_idx if role == "input" else f"{role}_{in_idx}",
+                                       g, h)
+            except Exception as e:
+                self._hook_error(bop.op, e)
+            return None
+
+        return hook
+
+    def _make_grad_input_hook(self, bop, lst):
+        def hook(grad_inputs, grad_outputs):
+            if not self._recording:
+                return None
+            try:
+                seq = self._bw_seq(bop)
+                for k, role, idx in lst:
+                    g = grad_inputs[k] if k < len(grad_inputs) else None
+                    entry = bop.pending.get((role, idx))
+                    if entry is None:
+                        continue
+                    entry[1] += 1
+                    if g is not None:
+                        entry[2] = g if entry[2] is None else entry[2] + g
+                    if entry[1] < entry[0] or entry[2] is None:
+                        continue
+                    total = entry[2]
+                    entry[2] = None
+                    out_idx = idx if role == "input" else f"{role}_{idx}"
+                    h = self._measure(bop.op, total, hold=True)
+                    if h is not None:
+                        self._add_grad(seq, bop, "grad_input", out_idx, total, h)
+            except Exception as e:
+                self._hook_error(bop.op, e)
+            return None
+
+        return hook
+
+    def _param_grad_hook(self, p) -> None:
+        if not self._recording:
+            return
+        owner = self._param_owner.get(id(p))
+        if owner is None or p.grad is None:
+            return
+        op, op_type, pname = owner
+        try:
+            g = p.grad
+            h = self._measure(op, g, hold=True)
+            if h is not None:
+                seq = self._take_seq()
+                pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward", tensor=self._keep(op, g))
+                self._observe(pos, g, h)
+        except Exception as e:
+            self._hook_error(op, e)

@@ -1,0 +1,113 @@
+"""How a torch function or tensor method becomes an op name, and which calls are not ops at all."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import resolve_name
+
+
+# Tensor methods that change dtype: recorded like any op (their local error
+# is the rounding of the cast itself), and their fp32 shadow is the input.
+CAST_OPS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+
+
+# Calls that compute nothing from tensor values (metadata, conversions to
+# Python, autograd plumbing); skipped before any statistics are taken.
+_NON_COMPUTE = frozenset({
+    "size", "dim", "numel", "item", "tolist", "is_floating_point", "is_complex", "data_ptr", "element_size",
+    "stride", "storage_offset", "is_contiguous", "__len__", "__bool__", "__index__", "__int__", "__float__",
+    "__format__", "__repr__", "__str__", "__iter__", "__contains__", "__hash__", "__reduce_ex__",
+    "__deepcopy__", "__array__", "numpy", "cpu_numpy", "backward", "register_hook", "retain_grad",
+    "register_post_accumulate_grad_hook", "untyped_storage", "storage", "get_device", "nelement",
+    "has_names", "is_set_to", "is_same_size", "__dir__", "__getstate__", "__setstate__", "_is_view",
+    "is_nonzero", "equal", "allclose", "__array_wrap__", "dim_order", "pin_memory", "share_memory_",
+    "record_stream", "is_pinned", "is_shared", "nbytes", "itemsize", "new_empty", "new_zeros", "new_ones",
+    "new_full", "new_tensor", "empty_like", "zeros_like", "ones_like", "full_like", "empty",
+})
+
+
+_INPLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
+})
+
+
+class _OpInfo:
+    __slots__ = ("name", "skip", "inplace", "cast")
+
+    def __init__(self, name: str, skip: bool, inplace: bool, cast: bool):
+        self.name, self.skip, self.inplace, self.cast = name, skip, inplace, cast
+
+
+_FUNC_INFO: dict = {}
+
+
+def _func_info(func) -> _OpInfo:
+    info = _FUNC_INFO.get(func)
+    if info is not None:
+        return info
+    try:
+        full = resolve_name(func) or getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    except Exception:
+        full = getattr(func, "__name__", repr(func))
+    parts = full.split(".")
+    last = parts[-1]
+    skip = last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE
+    inplace = last in _INPLACE_DUNDERS or (last.endswith("_") and not last.endswith("__"))
+    name = last
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith("i") and f"__{name}__" in _INPLACE_DUNDERS and name != "index":
+            name = name[1:] + "_"  # __iadd__ -> add_
+        elif name.startswith("r") and name not in ("rshift",):
+            name = name[1:]  # __radd__ -> add
+    name = name.lstrip("_") or name
+    info = _OpInfo(name, skip, inplace, name in CAST_OPS)
+    _FUNC_INFO[func] = info
+    return info
+
+
+def _flatten(obj, prefix: str = "", depth: int = 0):
+    """(index, tensor) pairs of the tensors in a nested output/argument structure."""
+    if isinstance(obj, torch.Tensor):
+        yield (prefix or "0"), obj
+        return
+    if depth > 4:
+        return
+    if isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            if isinstance(v, torch.Tensor):
+                yield (f"{prefix}_{i}" if prefix else str(i)), v
+            elif isinstance(v, (tuple, list, dict)):
+                yield from _flatten(v, f"{prefix}_{i}" if prefix else str(i), depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            key = str(k).replace(".", "_")
+            if isinstance(v, torch.Tensor):
+                yield (f"{prefix}_{key}" if prefix else key), v
+            elif isinstance(v, (tuple, list, dict)):
+                yield from _flatten(v, f"{prefix}_{key}" if prefix else key, depth + 1)
+
+
+def _backward_name(module_op: str) -> str:
+    """``blocks.0.fc1.forward.3`` -> ``blocks.0.fc1.backward.3``."""
+    head, _, n = module_op.rpartition(".forward.")
+    if head or module_op.startswith("forward."):
+        return f"{head}.backward.{n}" if head else "backward." + module_op.split(".", 1)[1]
+    return module_op + ".backward"
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+class _Frame:
+    __slots__ = ("module", "path", "op", "op_type", "scope_ok", "record", "inputs", "shadow_in", "start_seq",
+                 "rng")
+
+    def __init__(self, module, path, op, op_type, scope_ok, record, start_seq):
+        self.module, self.path, self.op, self.op_type = module, path, op, op_type
+        self.scope_ok, self.record, self.start_seq = scope_ok, record, start_seq
+        self.inputs = None
+        self.shadow_in = None
+        self.rng = None
