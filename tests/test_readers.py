@@ -373,7 +373,10 @@ def test_registry_plugin_is_used_like_a_builtin(store, tmp_path):
     plugin = readers.register(_CsvReader())
     try:
         assert readers.detect(d) is plugin
-        assert [r.name for r in readers.READERS][:2] == ["precision-lab", "msprobe"]
+        assert [r.name for r in readers.ordered()][:2] == ["precision-lab", "msprobe"]
+        with pytest.raises(ValueError, match="already registered"):
+            readers.register(_CsvReader())  # one name, one reader: replacing says so
+        assert readers.register(_CsvReader(), replace=True).name == "csv-test"
         name = ingest(d, store=store)
         df = store.df("SELECT op, max, min FROM tensors ORDER BY seq")
         assert list(df.op) == ["a", "b"] and list(df["max"]) == [3.0, 4.0] and list(df["min"]) == [1.0, -5.0]

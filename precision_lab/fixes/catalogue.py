@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ..formats import FORMATS
+from ..registry import Registry
 from .policy import PolicyError, PrecisionPolicy, QuantConfig
 
 __all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "split_specs",
@@ -68,16 +69,14 @@ class Fix:
         return replace(new, fixes=policy.fixes + (self.spec,))
 
 
-FIXES: dict[str, FixDef] = {}
+FIXES = Registry("fix", group="precision_lab.fixes", name_of=lambda f: f.name)
 
 
-def register_fix(fix: FixDef, *, replace_existing: bool = False) -> FixDef:
-    if fix.name in FIXES and not replace_existing:
-        raise ValueError(f"a fix named {fix.name!r} is already registered")
+def register_fix(fix: FixDef, *, replace: bool = False) -> FixDef:
+    """Add a fix to the catalogue (``precision-lab fixes``, the dashboard, diagnosis suggestions)."""
     if not re.fullmatch(r"[a-z][a-z0-9-]*", fix.name):
         raise ValueError(f"fix name {fix.name!r} must be lower-case letters, digits and dashes")
-    FIXES[fix.name] = fix
-    return fix
+    return FIXES.register(fix.name, fix, replace=replace)
 
 
 def _parse_value(name: str, param: str, arg: str):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..formats import FORMATS
+from ..registry import DuplicateName, Registry
 from .policy import PrecisionPolicy, QuantConfig
 
 __all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPES", "register_recipe", "get_recipe",
@@ -92,17 +93,17 @@ class Recipe:
         return self.build()[1]
 
 
-RECIPES: dict[str, Recipe] = {}
+RECIPES = Registry("recipe", group="precision_lab.recipes", name_of=lambda r: r.name)
 _USER_LOADED: set[str] = set()
 
 
 def register_recipe(recipe: Recipe, *, replace: bool = False) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"register_recipe expects a Recipe, got {type(recipe).__name__}")
-    if recipe.name in RECIPES and not replace and RECIPES[recipe.name] is not recipe:
-        raise RecipeError(f"a recipe named {recipe.name!r} is already registered")
-    RECIPES[recipe.name] = recipe
-    return recipe
+    try:
+        return RECIPES.register(recipe.name, recipe, replace=replace)
+    except DuplicateName as e:
+        raise RecipeError(str(e)) from None
 
 
 def load_user_recipes(spec: Optional[str] = None) -> list[str]:
@@ -132,7 +133,7 @@ def load_user_recipes(spec: Optional[str] = None) -> list[str]:
                 raise RecipeError(f"{RECIPES_ENV} entry {entry!r} returned {type(r).__name__}, not a Recipe")
             if r.name in RECIPES and RECIPES[r.name] is not r and entry not in _USER_LOADED:
                 raise RecipeError(f"{RECIPES_ENV} entry {entry!r}: a recipe named {r.name!r} is already registered")
-            RECIPES[r.name] = r
+            RECIPES.register(r.name, r, replace=True)
             names.append(r.name)
         _USER_LOADED.add(entry)
     return names

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..formats import FORMATS, format_for_dtype
+from ..registry import Registry
 from .catalogue import apply_fixes, fix_label
 from .policy import PrecisionPolicy, cast_floating, module_matches
 
-__all__ = ["ReplayError", "replay", "REPLAY_OPS", "canonical_op"]
+__all__ = ["ReplayError", "replay", "REPLAY_OPS", "ReplayOp", "register_op", "canonical_op"]
 
 
 class ReplayError(ValueError):
@@ -143,14 +144,12 @@ class ReplayOp:
     quantises: bool = False
 
 
-REPLAY_OPS: dict[str, ReplayOp] = {}
-_ALIASES: dict[str, str] = {}
+REPLAY_OPS = Registry("replayable op", group="precision_lab.replay_ops", name_of=lambda op: op.name)
 
 
-def _register(op: ReplayOp) -> None:
-    REPLAY_OPS[op.name] = op
-    for a in (op.name,) + op.aliases:
-        _ALIASES[a.lower()] = op.name
+def register_op(op: ReplayOp, *, replace: bool = False) -> ReplayOp:
+    """Make an op type replayable (its aliases map to it through ``canonical_op``)."""
+    return REPLAY_OPS.register(op.name, op, replace=replace)
 
 
 for _op in (
@@ -171,7 +170,7 @@ for _op in (
     ReplayOp("div", _binary("div"), ("__truediv__", "truediv", "divide", "true_divide")),
     ReplayOp("quantise", _quantise, ("FakeQuant", "quantize", "quantise", "fake_quant"), quantises=True),
 ):
-    _register(_op)
+    register_op(_op)
 del _op
 
 
@@ -179,7 +178,8 @@ def canonical_op(op_type: str) -> Optional[str]:
     """The replay op for an op type (``__truediv__`` -> ``div``, ``LayerNorm`` -> ``layer_norm``), or None."""
     if not op_type:
         return None
-    return _ALIASES.get(op_type.lower()) or _ALIASES.get(op_type.strip("_").lower())
+    aliases = {a.lower(): op.name for op in REPLAY_OPS.values() for a in (op.name,) + op.aliases}
+    return aliases.get(op_type.lower()) or aliases.get(op_type.strip("_").lower())
 
 
 def _is_tensor(x) -> bool:

@@ -38,6 +38,7 @@ from typing import Callable, Optional, Protocol
 from ..formats import FORMATS, Format, format_for_dtype
 from ..display import num_text
 from ..records import Diagnosis
+from ..registry import Registry
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
            "representable_floor"]
@@ -141,19 +142,15 @@ class Evidence:
 
 
 Rule = Callable[[Context, Evidence], Optional[Diagnosis]]
-RULES: list[tuple[str, Rule]] = []
+RULES = Registry("diagnosis rule", group="precision_lab.rules")
 
 
-def register_rule(name: str, *, before: Optional[str] = None):
-    """Add a producer rule (``fn(ctx, evidence) -> Diagnosis | None``); built-ins use this too."""
+def register_rule(name: str, *, before: Optional[str] = None, replace: bool = False):
+    """Add a producer rule (``fn(ctx, evidence) -> Diagnosis | None``), tried in order (``before=`` puts it ahead
+    of another); built-ins use this too."""
 
     def deco(fn):
-        entry = (name, fn)
-        if before is not None:
-            idx = next((i for i, (n, _) in enumerate(RULES) if n == before), len(RULES))
-            RULES.insert(idx, entry)
-        else:
-            RULES.append(entry)
+        RULES.register(name, fn, before=before, replace=replace)
         return fn
 
     return deco
@@ -536,7 +533,7 @@ def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagn
         fmt = format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
     ev = Evidence(run, fn, fn["op"], fn.get("op_type") or "", module, ctx.modules.get(module or "", {}),
                   recs, mrecs, fmt, policy)
-    for name, rule in RULES:
+    for name, rule in RULES.items():
         d = rule(ctx, ev)
         if d is not None:
             return [d]

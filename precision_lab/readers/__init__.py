@@ -40,39 +40,48 @@ from .base import RANK_RE, STEP_RE, ReadError, Reader, RunSource, Tick, dominant
 from .generic import GenericReader
 from .msprobe import MsprobeReader
 from .native import NativeReader
+from ..registry import Registry
 
-__all__ = ["Reader", "RunSource", "ReadError", "READERS", "register", "unregister", "detect", "natural_key",
+__all__ = ["Reader", "RunSource", "ReadError", "READERS", "register", "unregister", "ordered", "detect", "natural_key",
            "dominant_dtype", "first_line", "STEP_RE", "RANK_RE", "Tick"]
 
-READERS: list = []
+READERS = Registry("dump reader", group="precision_lab.readers", name_of=lambda r: r.name)
 
 
-def register(reader, *, priority: Optional[int] = None):
-    """Add a reader; readers with a higher ``priority`` (default 50) are tried first.
-
-    Returns the reader, so it can decorate a class instance assignment.
-    """
+def _checked(reader):
     for attr in ("name", "detect", "iter_runs"):
         if not hasattr(reader, attr):
             raise TypeError(f"a reader needs a {attr!r} attribute; {reader!r} has none")
-    if priority is not None:
-        reader.priority = priority
-    elif not hasattr(reader, "priority"):
+    if not hasattr(reader, "priority"):
         reader.priority = 50
-    unregister(reader.name)
-    READERS.append(reader)
-    READERS.sort(key=lambda r: -r.priority)  # stable: equal priorities keep registration order
     return reader
 
 
+def register(reader, *, priority: Optional[int] = None, replace: bool = False):
+    """Add a reader; readers with a higher ``priority`` (default 50) are tried first.
+
+    A name is registered once (``replace=True`` replaces it).  Returns the reader.
+    """
+    _checked(reader)
+    if priority is not None:
+        reader.priority = priority
+    return READERS.register(reader.name, reader, replace=replace)
+
+
 def unregister(name: str) -> None:
-    READERS[:] = [r for r in READERS if r.name != name]
+    READERS.unregister(name)
+
+
+def ordered() -> list:
+    """The registered readers (entry-point plug-ins included), highest priority first."""
+    # sorted() is stable: equal priorities keep registration order
+    return sorted((_checked(r) for r in READERS.values()), key=lambda r: -r.priority)
 
 
 def detect(path) -> Optional[Any]:
     """The first registered reader that recognises ``path`` (a folder), or None."""
     root = Path(path)
-    for reader in READERS:
+    for reader in ordered():
         if reader.detect(root):
             return reader
     return None

@@ -40,7 +40,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..readers import READERS, ReadError, RunSource, detect, dominant_dtype
+from ..readers import ReadError, RunSource, detect, dominant_dtype, ordered
 from ..readers.safeio import ReadLimits, limits_in_force, plain_error
 from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
@@ -105,7 +105,7 @@ def _descend(root: Path) -> Path:
         entries = [e for e in root.iterdir() if not e.name.startswith(".") and e.name != "__MACOSX"]
         # a layout reader (msprobe: step*/rank*) may need this very level
         wrapped = len(entries) == 1 and entries[0].is_dir()
-        if wrapped and not any(r.detect(root) for r in READERS if r.name != "generic"):
+        if wrapped and not any(r.detect(root) for r in ordered() if r.name != "generic"):
             root = entries[0]
         else:
             return root
