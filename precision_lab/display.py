@@ -2,7 +2,7 @@
 
 - no value (None, a missing cell): ``MISSING``, never "None" or "nan";
 - NaN: ``nan``; infinities: ``inf`` and ``-inf``;
-- an integer value below 10^15 exactly (``65504``, or ``65,504`` with ``grouped``);
+- an integer value below 10^15 exactly (``1024``, or ``1,024`` with ``grouped``);
 - anything else to ``digits`` significant digits (``0.0975``, ``1.7e-06``).
 """
 
