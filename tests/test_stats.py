@@ -702,3 +702,23 @@ def test_has_nonfinite_from_counts_else_from_min_max():
     assert TensorStats.summary_only(dtype="float16", shape=(4,), min=-1.0, max=float("inf")).has_nonfinite
     assert not TensorStats.summary_only(dtype="float16", shape=(4,), min=-1.0, max=1.0,
                                         l2norm=float("inf")).has_nonfinite
+
+
+def test_histogram_codec_round_trips_and_refuses_what_no_histogram_is():
+    from precision_lab.stats import HIST_EDGES, HistogramError, decode_hist, encode_hist
+
+    x = np.concatenate([np.zeros(3), np.logspace(-40, 38, 1001), -np.logspace(-10, 4, 77)]).astype(np.float64)
+    h = S.tensor_stats(x).hist
+    # independent: counts of |x| over the edges by numpy's own searchsorted
+    a = np.abs(x[x != 0])
+    want = np.bincount(np.searchsorted(HIST_EDGES, a, side="right") - 1, minlength=N_BINS)[:N_BINS]
+    assert np.array_equal(h, want)
+    bins, counts = encode_hist(h)
+    assert np.array_equal(decode_hist(bins, counts), h) and sum(counts) == a.size
+    for bad_bins, bad_counts, why in (([N_BINS], [1], "outside"), ([-1], [1], "outside"), ([1, 2], [1], "counts"),
+                                      ([3], [-2], "negative"), ([5, 5], [1, 1], "order"), ([7, 2], [1, 1], "order"),
+                                      (["x"], [1], "integers")):
+        with pytest.raises(HistogramError, match=why):
+            decode_hist(bad_bins, bad_counts)
+    with pytest.raises(HistogramError, match="bin edges"):
+        decode_hist(bins, counts, edges_id="other-edges")

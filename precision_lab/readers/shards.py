@@ -43,7 +43,7 @@ from .base import ReadError
 from .safeio import check_regular, contained, limits, npy_header, read_json, relname
 from ..records import TensorRecord, npy_bytes, record_columns
 from ..jsoncodec import decode_nonfinite, dumps
-from ..stats import HIST_EDGES_ID, N_BINS, TensorStats
+from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_hist, encode_hist
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
@@ -145,11 +145,10 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
                 v = None
             data[n].append(v)
         if s.hist is not None:
-            h = np.asarray(s.hist)
-            nz = np.flatnonzero(h)
+            bins, counts = encode_hist(s.hist)
             extra["hist_edges_id"].append(HIST_EDGES_ID)
-            extra["hist_bins"].append(nz.astype(np.int32).tolist())
-            extra["hist_counts"].append(h[nz].astype(np.int64).tolist())
+            extra["hist_bins"].append(bins)
+            extra["hist_counts"].append(counts)
         else:
             extra["hist_edges_id"].append(None)
             extra["hist_bins"].append(None)
@@ -475,17 +474,10 @@ def _row_stats(path, row: dict):
     bins, counts = row.get("hist_bins"), row.get("hist_counts")
     hist = None
     if bins is not None:
-        eid = row.get("hist_edges_id")
-        if eid is not None and eid != HIST_EDGES_ID:
-            raise ShardError(f"{path}: histogram of {row.get('name')!r} uses bin edges {eid}, "
-                             f"this version uses {HIST_EDGES_ID}")
-        b = np.asarray(bins, dtype=np.int64)
-        c = np.asarray(counts if counts is not None else [], dtype=np.int64)
-        if b.shape != c.shape or (b.size and (b.min() < 0 or b.max() >= N_BINS)) or (c.size and c.min() < 0):
-            raise ShardError(f"{path}: histogram of {row.get('name')!r} has bins outside 0..{N_BINS - 1} "
-                             "or counts that do not match its bins")
-        hist = np.zeros(N_BINS, dtype=np.int64)
-        hist[b] = c
+        try:
+            hist = decode_hist(bins, counts, edges_id=row.get("hist_edges_id"))
+        except HistogramError as e:
+            raise ShardError(f"{path}: histogram of {row.get('name')!r}: {e}") from None
     kw["hist"] = hist
     try:
         return TensorStats(**kw)

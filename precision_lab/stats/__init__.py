@@ -39,6 +39,7 @@ the torch path everywhere.
 from __future__ import annotations
 
 from .accumulate import merge_stats
+from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES, HIST_EDGES_ID, N_BINS, histogram_counts
 from .kernels import DevicePartial, device_partials, finish_partials, numba_available, tensor_stats
 from .records import Representability, SummaryHeadroom, TensorStats, canonical_dtype, from_json_float, json_float
@@ -60,4 +61,7 @@ __all__ = [
     "DevicePartial",
     "device_partials",
     "finish_partials",
+    "HistogramError",
+    "encode_hist",
+    "decode_hist",
 ]

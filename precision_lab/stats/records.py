@@ -10,6 +10,7 @@ import numpy as np
 
 from ..formats import Format, get_format
 from ..jsoncodec import from_json_float, json_float
+from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES_ID, N_BINS, _edge_index
 
 
@@ -228,8 +229,8 @@ class TensorStats:
             d["hist"] = None
         else:
             if sparse_hist:
-                nz = np.flatnonzero(self.hist)
-                d["hist"] = {"bins": nz.tolist(), "counts": self.hist[nz].tolist()}
+                bins, counts = encode_hist(self.hist)
+                d["hist"] = {"bins": bins, "counts": counts}
             else:
                 d["hist"] = self.hist.tolist()
             d["hist_edges_id"] = HIST_EDGES_ID
@@ -241,16 +242,16 @@ class TensorStats:
         hist = None
         if h is not None:
             eid = d.get("hist_edges_id")
-            if eid is not None and eid != HIST_EDGES_ID:
-                raise ValueError(
-                    f"histogram was recorded with edges {eid}, this version uses {HIST_EDGES_ID}; "
-                    "its bins cannot be interpreted"
-                )
-            if isinstance(h, dict):
-                hist = np.zeros(N_BINS, dtype=np.int64)
-                hist[np.asarray(h["bins"], dtype=np.int64)] = np.asarray(h["counts"], dtype=np.int64)
-            else:
-                hist = np.asarray(h, dtype=np.int64)
+            try:
+                if isinstance(h, dict):
+                    hist = decode_hist(h.get("bins"), h.get("counts"), edges_id=eid)
+                else:
+                    dense = np.asarray(h, dtype=np.int64)
+                    if dense.shape != (N_BINS,):
+                        raise HistogramError(f"it has {dense.size} bins, not {N_BINS}")
+                    hist = decode_hist(*encode_hist(dense), edges_id=eid)
+            except HistogramError as e:
+                raise ValueError(f"histogram: {e}; its bins cannot be interpreted") from None
         kw: dict[str, Any] = {
             "numel": int(d["numel"]),
             "dtype": str(d["dtype"]),

@@ -29,7 +29,7 @@ from ..records import (Diagnosis, RunInfo, TensorRecord, dataclass_columns, free
                        record_columns, stats_columns)
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
-from ..stats import HIST_EDGES_ID, N_BINS, TensorStats
+from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_hist, encode_hist
 
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
@@ -421,14 +421,10 @@ class Store:
         if row is None:
             return None
         edges_id, bins, counts = row
-        if edges_id != HIST_EDGES_ID:
-            raise ValueError(
-                f"histogram of run {run_id} record {rid} was stored with bin edges {edges_id}, "
-                f"this version uses {HIST_EDGES_ID}; re-ingest the dump"
-            )
-        h = np.zeros(N_BINS, dtype=np.int64)
-        h[np.asarray(bins, dtype=np.int64)] = np.asarray(counts, dtype=np.int64)
-        return h
+        try:
+            return decode_hist(bins, counts, edges_id=edges_id)
+        except HistogramError as e:
+            raise ValueError(f"histogram of run {run_id} record {rid}: {e}; re-ingest the dump") from None
 
     def tensor(self, run_id: str, rid: int):
         """A kept tensor as a numpy array, or None."""
@@ -519,10 +515,7 @@ class SessionWriter:
         row["has_hist"] = s.hist is not None
         self._rows.append(row)
         if s.hist is not None:
-            h = np.asarray(s.hist)
-            nz = np.flatnonzero(h)
-            self._hists.append((rec.run_id, rid, HIST_EDGES_ID, nz.astype(np.int32).tolist(),
-                                h[nz].astype(np.int64).tolist()))
+            self._hists.append((rec.run_id, rid, HIST_EDGES_ID, *encode_hist(s.hist)))
         tensor = keep_tensor if keep_tensor is not None else rec.tensor
         if tensor is not None:
             self.cur.execute("INSERT INTO tensor_data VALUES (?, ?, ?)",
