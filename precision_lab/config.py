@@ -98,13 +98,14 @@ class ServerConfig:
     read_only: bool = False
     list_sessions: Optional[bool] = None  # None: on unless read_only
     max_upload_mb: int = 1024
-    zip_max_files: int = 20_000
-    zip_max_total_mb: int = 8192
-    zip_max_ratio: float = 200.0
-    max_path_depth: int = 32
-    max_tensor_mb: int = 512
-    max_file_records: int = 100_000
-    max_json_mb: int = 64
+    # the zip defaults are ZipLimits' own (one definition)
+    zip_max_files: int = ZipLimits.max_files
+    zip_max_total_mb: int = ZipLimits.max_total_bytes >> 20
+    zip_max_ratio: float = ZipLimits.max_ratio
+    max_path_depth: int = ZipLimits.max_depth
+    max_tensor_mb: int = ReadLimits.max_tensor_bytes >> 20  # the read defaults are ReadLimits' own
+    max_file_records: int = ReadLimits.max_file_records
+    max_json_mb: int = ReadLimits.max_json_bytes >> 20
     work_dir: Optional[str] = None
     source: str = "defaults"  # where the settings came from, for messages
 

@@ -188,3 +188,15 @@ def test_one_switch_rule_for_settings_and_url_toggles():
     assert load_config(env={"PRECISION_LAB_READ_ONLY": "On"}).read_only is True
     with pytest.raises(ConfigError):
         load_config(env={"PRECISION_LAB_READ_ONLY": "maybe"})
+
+
+def test_server_defaults_are_the_limits_own_defaults():
+    from precision_lab.config import ServerConfig
+    from precision_lab.readers.safeio import ReadLimits
+    from precision_lab.safezip import ZipLimits
+
+    cfg = ServerConfig()
+    assert ZipLimits.from_config(cfg) == ZipLimits()
+    assert ReadLimits.from_config(cfg) == ReadLimits()
+    assert (cfg.zip_max_total_mb << 20, cfg.max_tensor_mb << 20) == (ZipLimits().max_total_bytes,
+                                                                      ReadLimits().max_tensor_bytes)

@@ -456,21 +456,6 @@ def _kept_tensor(data: bytes, where: str):
 
 
 def _row_stats(path, row: dict):
-    kw = {}
-    for f in dataclasses.fields(TensorStats):
-        if f.name == "hist":
-            continue
-        v = row.get(f.name)
-        if f.name == "shape":
-            try:
-                v = tuple(json.loads(v)) if v is not None else ()
-            except (TypeError, ValueError, RecursionError):
-                raise ShardError(f"{path}: record {row.get('name')!r} has shape {v!r}, not a JSON list") from None
-            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 63) for d in v) \
-                    or math.prod(v) >= (1 << 63):
-                raise ShardError(f"{path}: record {row.get('name')!r} has shape {list(v)!r}, not sizes a tensor "
-                                 "can have")
-        kw[f.name] = v
     bins, counts = row.get("hist_bins"), row.get("hist_counts")
     hist = None
     if bins is not None:
@@ -478,11 +463,11 @@ def _row_stats(path, row: dict):
             hist = decode_hist(bins, counts, edges_id=row.get("hist_edges_id"))
         except HistogramError as e:
             raise ShardError(f"{path}: histogram of {row.get('name')!r}: {e}") from None
-    kw["hist"] = hist
     try:
-        return TensorStats(**kw)
+        return TensorStats.from_row(row, hist)
     except (TypeError, ValueError) as e:
-        raise ShardError(f"{path}: record {row.get('name')!r}: {e}") from None
+        raise ShardError(f"{path}: record {row.get('name')!r} has {e}" if str(e).startswith("shape")
+                         else f"{path}: record {row.get('name')!r}: {e}") from None
 
 
 def _iter_file(root: Path, path: Path, meta: dict, with_local: bool = False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -235,6 +236,31 @@ class TensorStats:
                 d["hist"] = self.hist.tolist()
             d["hist_edges_id"] = HIST_EDGES_ID
         return d
+
+    @classmethod
+    def from_row(cls, row: dict, hist: Optional[np.ndarray] = None) -> "TensorStats":
+        """The statistics of one stored record (a row of the tensors table or of a shard): the shape as JSON
+        text, NULL or NaN counts as unknown, numpy scalars as Python numbers.  ``ValueError`` says what is
+        wrong with a row no tensor could have."""
+        kw: dict[str, Any] = {"hist": hist}
+        for f in fields(cls):
+            if f.name == "hist":
+                continue
+            v = row.get(f.name)
+            if f.name == "shape":
+                try:
+                    v = tuple(json.loads(v)) if isinstance(v, str) else tuple(v or ())
+                except (TypeError, ValueError, RecursionError):
+                    raise ValueError(f"shape {v!r}, not a JSON list") from None
+                if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 63) for d in v) \
+                        or math.prod(v) >= (1 << 63):
+                    raise ValueError(f"shape {list(v)!r}, not sizes a tensor can have")
+            elif f.name.endswith("_count") or f.name == "numel":
+                v = None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+            elif isinstance(v, np.generic):
+                v = v.item()
+            kw[f.name] = v
+        return cls(**kw)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorStats":

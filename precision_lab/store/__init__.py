@@ -439,26 +439,7 @@ class Store:
         df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])
         if df.empty:
             raise KeyError(f"no record {rid} in run {run_id}")
-        return stats_from_row(df.iloc[0].to_dict(), self.histogram(run_id, rid))
-
-
-def stats_from_row(row: dict, hist: Optional[np.ndarray]):
-    kw = {}
-    for f in dataclasses.fields(TensorStats):
-        if f.name == "hist":
-            kw["hist"] = hist
-        elif f.name == "shape":
-            kw["shape"] = tuple(json.loads(row["shape"]) or ())
-        else:
-            v = row.get(f.name)
-            if v is not None and isinstance(v, float) and math.isnan(v) and f.name.endswith("_count"):
-                v = None
-            if f.name.endswith("_count") or f.name == "numel":
-                v = None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
-            elif isinstance(v, (np.floating,)):
-                v = float(v)
-            kw[f.name] = v
-    return TensorStats(**kw)
+        return TensorStats.from_row(df.iloc[0].to_dict(), self.histogram(run_id, rid))
 
 
 def _default_session_name(source: str) -> str:
