@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..formats import FORMATS, format_for_dtype
+from ..ops import aliases_of, canonical
 from ..registry import Registry
 from .catalogue import apply_fixes, fix_label
 from .policy import PrecisionPolicy, cast_floating, module_matches
@@ -153,22 +154,22 @@ def register_op(op: ReplayOp, *, replace: bool = False) -> ReplayOp:
 
 
 for _op in (
-    ReplayOp("linear", _linear, ("Linear",)),
-    ReplayOp("matmul", _matmul, ("mm", "bmm", "MatMul")),
-    ReplayOp("layer_norm", _layer_norm, ("LayerNorm", "layernorm")),
-    ReplayOp("rms_norm", _rms_norm, ("RMSNorm", "rmsnorm")),
-    ReplayOp("softmax", _softmax, ("Softmax", "_softmax")),
-    ReplayOp("gelu", _unary("gelu"), ("GELU",)),
-    ReplayOp("silu", _unary("silu"), ("SiLU",)),
-    ReplayOp("relu", _unary("relu"), ("ReLU",)),
-    ReplayOp("exp", _unary("exp")),
-    ReplayOp("rsqrt", _unary("rsqrt")),
-    ReplayOp("reciprocal", _unary("reciprocal"), ("Reciprocal",)),
-    ReplayOp("add", _binary("add"), ("__add__", "__radd__", "Add", "iadd")),
-    ReplayOp("sub", _binary("sub"), ("__sub__", "subtract")),
-    ReplayOp("mul", _binary("mul"), ("__mul__", "__rmul__", "Mul", "multiply")),
-    ReplayOp("div", _binary("div"), ("__truediv__", "truediv", "divide", "true_divide")),
-    ReplayOp("quantise", _quantise, ("FakeQuant", "quantize", "quantise", "fake_quant"), quantises=True),
+    ReplayOp("linear", _linear, aliases_of("linear")),
+    ReplayOp("matmul", _matmul, aliases_of("matmul")),
+    ReplayOp("layer_norm", _layer_norm, aliases_of("layer_norm")),
+    ReplayOp("rms_norm", _rms_norm, aliases_of("rms_norm")),
+    ReplayOp("softmax", _softmax, aliases_of("softmax")),
+    ReplayOp("gelu", _unary("gelu"), aliases_of("gelu")),
+    ReplayOp("silu", _unary("silu"), aliases_of("silu")),
+    ReplayOp("relu", _unary("relu"), aliases_of("relu")),
+    ReplayOp("exp", _unary("exp"), aliases_of("exp")),
+    ReplayOp("rsqrt", _unary("rsqrt"), aliases_of("rsqrt")),
+    ReplayOp("reciprocal", _unary("reciprocal"), aliases_of("reciprocal")),
+    ReplayOp("add", _binary("add"), aliases_of("add")),
+    ReplayOp("sub", _binary("sub"), aliases_of("sub")),
+    ReplayOp("mul", _binary("mul"), aliases_of("mul")),
+    ReplayOp("div", _binary("div"), aliases_of("div")),
+    ReplayOp("quantise", _quantise, aliases_of("quantise"), quantises=True),
 ):
     register_op(_op)
 del _op
@@ -178,6 +179,10 @@ def canonical_op(op_type: str) -> Optional[str]:
     """The replay op for an op type (``__truediv__`` -> ``div``, ``LayerNorm`` -> ``layer_norm``), or None."""
     if not op_type:
         return None
+    name = canonical(op_type)
+    if name in REPLAY_OPS:
+        return name
+    # a plug-in op's own aliases
     aliases = {a.lower(): op.name for op in REPLAY_OPS.values() for a in (op.name,) + op.aliases}
     return aliases.get(op_type.lower()) or aliases.get(op_type.strip("_").lower())
 

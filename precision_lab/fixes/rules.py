@@ -37,6 +37,7 @@ from typing import Callable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
 from ..display import num_text
+from ..ops import canonical, innermost_module, module_prefixes
 from ..records import Diagnosis
 from ..registry import Registry
 
@@ -110,11 +111,7 @@ class Context:
 
     def module_of(self, op: str) -> Optional[str]:
         """The innermost known module an op name belongs to (recipe sessions), else None."""
-        best = None
-        for name in self.modules:
-            if name and (op == name or op.startswith(name + ".")) and (best is None or len(name) > len(best)):
-                best = name
-        return best
+        return innermost_module(op, self.modules)
 
 
 @dataclass
@@ -343,7 +340,8 @@ def _rule_fp8_scale(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 
 def _is_softmax(ev: Evidence) -> bool:
-    return ev.module_facts.get("class") == "Softmax" or ev.op_type.lower() in ("softmax", "_softmax", "exp")
+    # exp() of the logits overflows first when softmax is written out by hand
+    return canonical(ev.module_facts.get("class")) == "softmax" or canonical(ev.op_type) in ("softmax", "exp")
 
 
 @register_rule("softmax-overflow")
@@ -367,9 +365,7 @@ def _rule_softmax(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 
 def _is_norm(ev: Evidence) -> bool:
-    cls = ev.module_facts.get("class")
-    return cls in ("LayerNorm", "RMSNorm") or ev.op_type.lower() in ("layer_norm", "rms_norm", "layernorm",
-                                                                       "rmsnorm")
+    return bool({canonical(ev.module_facts.get("class")), canonical(ev.op_type)} & {"layer_norm", "rms_norm"})
 
 
 @register_rule("norm-statistics")
@@ -472,7 +468,7 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
         facts = ctx.modules.get(m or "", {})
         # fp8 fake quantisation is expected to be far coarser than the compute format
         if getattr(policy, "quant", None) is not None and any(
-                ctx.modules.get(p, {}).get("class") in ("QuantLinear", "FakeQuant") for p in _prefixes(m or r["op"])):
+                ctx.modules.get(p, {}).get("class") in ("QuantLinear", "FakeQuant") for p in module_prefixes(m or r["op"])):
             continue
         fmt = FORMATS.get(r["cand_format"] or "") or FORMATS["fp32"]
         where = m or r["op"]
@@ -485,11 +481,6 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
         if len(out) >= 3:
             break
     return out
-
-
-def _prefixes(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:

@@ -24,6 +24,7 @@ from ..fixes.catalogue import apply_fixes, fix_label, split_specs
 from ..fixes.policy import PrecisionPolicy
 from ..fixes.recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
 from ..metrics import compare
+from ..ops import innermost_module
 from ..records import free_name
 from ..store import queries as q
 from .diagnose import diagnose_session
@@ -353,25 +354,17 @@ def _module_names(recipe: Recipe) -> list[str]:
     return [n for n, _ in model.named_modules() if n]
 
 
-def _innermost(op: str, names: Sequence[str]) -> Optional[str]:
-    best = None
-    for n in names:
-        if (op == n or op.startswith(n + ".")) and (best is None or len(n) > len(best)):
-            best = n
-    return best
-
-
 def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
     """Modules to try keeping in fp32, best first: the first non-finite producer's module, then local error."""
 
     ranked: list[str] = []
     fn = first_nonfinite(store, run_id)
     if fn is not None:
-        m = _innermost(fn["op"], names)
+        m = innermost_module(fn["op"], names)
         if m:
             ranked.append(m)
     for op in q.ops_by_local_error(store, run_id):
-        m = _innermost(op, names)
+        m = innermost_module(op, names)
         if m and m not in ranked:
             ranked.append(m)
     return ranked

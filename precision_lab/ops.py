@@ -1,0 +1,72 @@
+"""The op vocabulary: canonical op types and the names they go by, and how op names nest in module paths.
+
+Dumps and captures name one op many ways: msprobe keys (``Functional.layer_norm.0.forward``,
+``Tensor.__truediv__.0.forward``), torch functions and methods (``softmax``, ``__truediv__``), aten
+overloads (``aten._softmax.default``, ``aten::native_layer_norm``) and module classes (``LayerNorm``).
+``canonical(name)`` maps any of them to one op type; replay, diagnosis and the readers all ask it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+__all__ = ["OPS", "canonical", "aliases_of", "module_prefixes", "innermost_module"]
+
+# canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
+# an alias is listed only where it computes the same function with the same arguments
+OPS: dict[str, tuple[str, ...]] = {
+    "linear": ("Linear",),  # not addmm: its arguments come in another order
+    "matmul": ("mm", "bmm", "MatMul", "aten::mm", "aten::bmm"),
+    "layer_norm": ("LayerNorm", "layernorm"),
+    "rms_norm": ("RMSNorm", "rmsnorm", "Qwen2RMSNorm", "LlamaRMSNorm", "T5LayerNorm"),
+    "softmax": ("Softmax", "_softmax", "safe_softmax"),
+    "gelu": ("GELU", "GELUActivation"),  # not NewGELUActivation: the tanh approximation
+    "silu": ("SiLU", "SiLUActivation"),
+    "relu": ("ReLU",),
+    "exp": (),
+    "rsqrt": (),
+    "reciprocal": ("Reciprocal",),
+    "add": ("__add__", "__radd__", "Add", "iadd"),
+    "sub": ("__sub__", "subtract"),
+    "mul": ("__mul__", "__rmul__", "Mul", "multiply"),
+    "div": ("__truediv__", "truediv", "divide", "true_divide"),
+    "quantise": ("FakeQuant", "quantize", "fake_quant"),
+}
+
+_BY_NAME = {a.lower().strip("_"): op for op, aliases in OPS.items() for a in (op,) + aliases}
+
+
+def _key(name: str) -> str:
+    s = name.strip()
+    s = re.sub(r"^aten(::|\.)", "", s)  # aten::mm, aten.mm.default
+    s = re.sub(r"\.(default|Tensor|Scalar|int|out|self)$", "", s)
+    return s.lower().strip("_")
+
+
+def canonical(name: Optional[str]) -> Optional[str]:
+    """The canonical op type of a name (``__truediv__`` -> ``div``, ``aten._softmax.default`` -> ``softmax``,
+    ``LayerNorm`` -> ``layer_norm``), or None for a name the table does not know."""
+    if not name:
+        return None
+    return _BY_NAME.get(name.lower().strip("_")) or _BY_NAME.get(_key(name))
+
+
+def aliases_of(op: str) -> tuple[str, ...]:
+    """The names a canonical op type goes by."""
+    return OPS[op]
+
+
+def module_prefixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a", "a.b", "a.b.c"]``: every module path an op name lies in, outermost first."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def innermost_module(op: str, modules: Iterable[str]) -> Optional[str]:
+    """The longest of ``modules`` that is ``op`` or a path ``op`` lies in, else None."""
+    best = None
+    for m in modules:
+        if m and (op == m or op.startswith(m + ".")) and (best is None or len(m) > len(best)):
+            best = m
+    return best

@@ -1,0 +1,41 @@
+"""The op table: one canonical name per op, whatever a dump or a capture calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from precision_lab.fixes.replay import canonical_op, replay
+from precision_lab.ops import OPS, canonical, innermost_module, module_prefixes
+
+
+@pytest.mark.parametrize("name, want", [
+    ("__truediv__", "div"), ("Tensor.__truediv__"[7:], "div"), ("LayerNorm", "layer_norm"), ("layer_norm", "layer_norm"),
+    ("aten._softmax.default", "softmax"), ("aten::mm", "matmul"), ("bmm", "matmul"), ("Qwen2RMSNorm", "rms_norm"),
+    ("FakeQuant", "quantise"), ("__radd__", "add"), ("SiLU", "silu"), ("addmm", None), ("rsub", None),
+    ("NewGELUActivation", None), ("Functional", None), ("", None),
+])
+def test_canonical_names(name, want):
+    assert canonical(name) == want
+    assert canonical_op(name) == want
+
+
+def test_each_alias_names_one_op_and_replays_as_it():
+    seen = {}
+    for op, aliases in OPS.items():
+        for a in (op,) + aliases:
+            assert seen.setdefault(a.lower().strip("_"), op) == op, f"{a} names two ops"
+    # an alias replays as the function it names: softmax's aliases give torch's softmax in fp32
+    x = torch.randn(4, 7) * 5
+    for a in ("Softmax", "_softmax", "aten._softmax.default"):
+        got = replay(a, [x], {"dim": -1}, cand_format="fp16")["fp32"]
+        assert torch.allclose(got, F.softmax(x.double(), dim=-1).float(), rtol=1e-6, atol=1e-7)
+
+
+def test_module_paths():
+    assert module_prefixes("a.b.c") == ["a", "a.b", "a.b.c"]
+    mods = ["layers", "layers.0", "layers.0.mlp", "layers.0.mlp_gate"]
+    assert innermost_module("layers.0.mlp.down_proj.linear.0", mods) == "layers.0.mlp"
+    assert innermost_module("layers.0.mlp_gate", mods) == "layers.0.mlp_gate"
+    assert innermost_module("embed.forward.0", mods) is None
