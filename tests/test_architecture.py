@@ -87,27 +87,19 @@ def _imports(path: Path, module: str, is_pkg: bool):
 ALL = list(_modules())
 
 
-def test_the_checker_sees_the_package():
+def test_the_checker_sees_the_package(tmp_path):
     names = {m for _, m, _ in ALL}
     assert {"precision_lab.store.queries", "precision_lab.services.ingest", "precision_lab.fixes.rules",
             "precision_lab.live.capture", "precision_lab.readers.base"} <= names
     assert _floor_of("precision_lab.live.capture") == "producers"
     assert _floor_of("precision_lab.formats") == "vocabulary"
     # the checker resolves relative imports and sees ones inside functions
-    got = _imports_of_text("from ..services.ingest import ingest\ndef f():\n    from . import engine\n",
-                           "precision_lab.live.x")
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..services.ingest import ingest\ndef f():\n    from . import engine\n")
+    got = list(_imports(probe, "precision_lab.live.x", False))
     assert [(t, inside) for _, t, inside in got] == [("precision_lab.services.ingest", False),
                                                      ("precision_lab.live.engine", True)]
     assert SQL.search("SELECT a\n FROM t") and SQL.search("INSERT INTO x") and not SQL.search("select a row from")
-
-
-def _imports_of_text(text: str, module: str):
-    tmp = ROOT / "tests" / "data" / "_probe.py"
-    tmp.write_text(text)
-    try:
-        return list(_imports(tmp, module, False))
-    finally:
-        tmp.unlink()
 
 
 @pytest.mark.parametrize("path, module, is_pkg", ALL, ids=[m for _, m, _ in ALL])
