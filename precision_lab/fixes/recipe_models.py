@@ -6,7 +6,6 @@ user's own recipe is named, so torch loads only when a recipe is built.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn

@@ -27,16 +27,13 @@ run's policy, so scale fixes apply.
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..formats import FORMATS, format_for_dtype
+from ..formats import FORMATS
 from ..ops import aliases_of, canonical
 from ..registry import Registry
-from .catalogue import apply_fixes, fix_label
+from .catalogue import apply_fixes
 from .policy import PrecisionPolicy, cast_floating, module_matches
 
 __all__ = ["ReplayError", "replay", "REPLAY_OPS", "ReplayOp", "register_op", "canonical_op"]

@@ -33,7 +33,6 @@ is caught and kept as a warning on the run.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import uuid

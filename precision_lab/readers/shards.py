@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import math
 import os
 import re
 from datetime import datetime, timezone

@@ -8,14 +8,10 @@ transaction, so a failure (or a killed process) leaves no half session.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import math
 import os
 import re
 import threading
-import time
-import typing
 import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -29,7 +25,7 @@ from ..records import (Diagnosis, RunInfo, TensorRecord, dataclass_columns, free
                        record_columns, stats_columns)
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
-from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_hist, encode_hist
+from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]

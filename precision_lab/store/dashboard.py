@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 
@@ -112,8 +112,6 @@ def frame(store, sql: str, params: Optional[list] = None):
     NULL stays an object column with None there; the others get their usual
     dtypes.
     """
-    import pandas as pd
-
     cur = store.sql(sql, params or [])
     cols = [d[0] for d in cur.description]
     data = cur.fetchall()

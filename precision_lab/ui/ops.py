@@ -4,8 +4,6 @@ records costs one page of rows in pandas, not the whole table."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import pandas as pd
 

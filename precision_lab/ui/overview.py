@@ -3,8 +3,6 @@ diagnosis cards, and error against execution order."""
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Optional
 
 import pandas as pd
