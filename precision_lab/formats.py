@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["Format", "FORMATS", "format_for_dtype", "get_format", "FORMAT_NAMES"]
+__all__ = ["Format", "FORMATS", "format_for_dtype", "get_format", "FORMAT_NAMES", "canonical_dtype", "numpy_dtype_named"]
 
 
 @dataclass(frozen=True)
@@ -280,14 +280,21 @@ _DTYPE_ALIASES = {
 }
 
 
+def canonical_dtype(dtype) -> str:
+    """'torch.float16' / np.dtype('float16') / torch.float16 -> 'float16'."""
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        return np.dtype(dtype).name
+    s = str(dtype)
+    return s[len("torch."):] if s.startswith("torch.") else s
+
+
 def format_for_dtype(dtype) -> Optional[Format]:
     """The format a torch/numpy dtype (or its string) stores values in, if registered.
 
     float64 and integer types other than int8 have no entry (None): they are
     wider than every format we analyse.
     """
-    s = str(dtype).replace("torch.", "").lower()
-    name = _DTYPE_ALIASES.get(s)
+    name = _DTYPE_ALIASES.get(canonical_dtype(dtype).lower())
     return FORMATS.get(name) if name else None
 
 

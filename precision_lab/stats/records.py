@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..formats import Format, get_format
+from ..formats import Format, canonical_dtype, get_format
 from ..jsoncodec import from_json_float, json_float
 from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES_ID, N_BINS, _edge_index
@@ -352,11 +352,3 @@ def _representability(hist: np.ndarray, fmt: Format, total: int, nan, inf, zero)
         fmt=fmt.name, total=int(total), finite=int(total) - nan - inf, zero=zero, nan=nan, inf=inf,
         overflow=overflow, underflow=underflow, subnormal=subnormal, normal=normal, exact=True,
     )
-
-
-def canonical_dtype(dtype) -> str:
-    """'torch.float16' / np.dtype('float16') / torch.float16 -> 'float16'."""
-    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
-        return np.dtype(dtype).name
-    s = str(dtype)
-    return s[len("torch."):] if s.startswith("torch.") else s
