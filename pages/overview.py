@@ -26,16 +26,31 @@ st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]).fillna({"parent"
 st.subheader("First non-finite producer")
 firsts = ov.first_nonfinite_by_run(store, sid)
 for item in firsts:
-    run, first = item["run"], item["first"]
+    run, first, masks = item["run"], item["first"], item["intended"]
+    quiet = (f"{len(masks)} masking op(s) wrote -inf on purpose (not blamed): "
+             + ", ".join(page.plain(m["op"]) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
-        st.success(f"{page.plain(run['name'])}: every recorded value is finite.")
+        st.success(f"{page.plain(run['name'])}: every recorded value is finite"
+                   + (" apart from intended -inf masks." if masks else "."))
+        if quiet:
+            st.caption(quiet)
         continue
     with st.container(border=True):
-        st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
-                    f"**{page.plain(first['op'])}** ({page.plain(first['role'])} {page.plain(first['index'])}, "
-                    f"seq {first['seq']}, step {first['step']}, rank {first['rank']})")
+        if first["origin"] == "parameter":
+            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite value: parameter "
+                        f"**{page.plain(first['parameter']['name'])}**, read by {page.plain(first['op'])} "
+                        f"(seq {first['seq']}, step {first['step']}, rank {first['rank']})")
+        else:
+            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
+                        f"**{page.plain(first['op'])}** ({page.plain(first['role'])} {page.plain(first['index'])}, "
+                        f"seq {first['seq']}, step {first['step']}, rank {first['rank']})")
         st.caption(page.plain(first["reason"]))
-        st.markdown("Path of ops leading to it (execution order):")
+        if first.get("first_nan"):
+            st.caption(f"The first NaN is made later, at {page.plain(first['first_nan']['op'])} "
+                       f"(seq {first['first_nan']['seq']}), from that inf.")
+        if quiet:
+            st.caption(quiet)
+        st.markdown(f"Path of ops leading to it ({ov.order_text(first.get('order'))}):")
         st.dataframe(
             [{"seq": p["seq"], "op": p["op"], "type": p["op_type"],
               "NaN/Inf in inputs": p["nonfinite_in"], "NaN/Inf in outputs": p["nonfinite_out"]}

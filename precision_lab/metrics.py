@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
-from .numba_loader import PARALLEL_LOCK, load_numba
+from .numba_loader import PARALLEL_LOCK, CompiledOnce, njit
 
 __all__ = ["Comparison", "compare", "compare_stats", "verdict_for", "VERDICT_THRESHOLDS"]
 
@@ -179,32 +179,33 @@ def _ulp_table(dtype, emin: int, man_bits: int):
     return np.ldexp(1.0, e - man_bits), fi.nmant, nfield - 1
 
 
-_KERNEL = None
 _PAR_MIN = 1 << 16
+_prange = range  # numba.prange once _build_kernel has run
+
+
+def _build_kernel(numba):
+    """Compile (or load from numba's cache) the one-pass comparison."""
+    g = globals()
+    g["_prange"] = numba.prange
+    g["_nb_compare_range"] = njit(numba, _nb_compare_range)
+    par = njit(numba, _nb_compare_parallel, parallel=True)
+
+    def run(r, c, rel_floor, emin, man_bits):
+        nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
+        tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
+        rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
+        with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
+            return par(r, c, rb, shift, mask, tbl, rel_floor, nparts)
+
+    return run
+
+
+_KERNEL = CompiledOnce(_build_kernel)
 
 
 def _numba_kernel():
-    """Compile (or load from numba's cache) the one-pass comparison; None without numba."""
-    global _KERNEL
-    if _KERNEL is None:
-        numba = load_numba()
-        if numba is None:
-            _KERNEL = False
-            return None
-        g = globals()
-        g["_prange"] = numba.prange
-        g["_nb_compare_range"] = numba.njit(cache=True, nogil=True)(_nb_compare_range)
-        par = numba.njit(parallel=True, cache=True, nogil=True)(_nb_compare_parallel)
-
-        def run(r, c, rel_floor, emin, man_bits):
-            nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
-            tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
-            rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
-            with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
-                return par(r, c, rb, shift, mask, tbl, rel_floor, nparts)
-
-        _KERNEL = run
-    return _KERNEL or None
+    """The compiled one-pass comparison; None without numba."""
+    return _KERNEL.get()
 
 
 def _np_flat(x) -> Optional[np.ndarray]:
@@ -398,6 +399,28 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     return _finish(acc, n, rel_floor, fmt)
 
 
+def _introduced_by_counts(r, c) -> int:
+    """Non-finite values the candidate has beyond the reference's, from statistics alone: NaN, +inf and -inf
+    counted apart where both sides counted them (a mask's -inf in both is not introduced), else 1 when the
+    candidate is non-finite and the reference is not, or its Min/Max went non-finite where the reference's
+    did not."""
+    if None not in (r.nan_count, r.inf_count, c.nan_count, c.inf_count):
+        n = max(0, c.nan_count - r.nan_count)
+        if r.neg_inf_count is not None and c.neg_inf_count is not None:
+            n += max(0, c.neg_inf_count - r.neg_inf_count)
+            n += max(0, (c.inf_count - c.neg_inf_count) - (r.inf_count - r.neg_inf_count))
+        else:
+            n += max(0, c.inf_count - r.inf_count)
+        return n
+    if not c.has_nonfinite:
+        return 0
+    if not r.has_nonfinite:
+        return 1
+    worse = [f for f in ("min", "max") if getattr(c, f) is not None and not math.isfinite(getattr(c, f))
+             and getattr(r, f) is not None and math.isfinite(getattr(r, f))]
+    return 1 if worse else 0
+
+
 def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -> Comparison:
     """A stats-level comparison where only summary statistics exist on a side.
 
@@ -409,9 +432,8 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
     """
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(cand_stats.dtype) or FORMATS["fp32"])
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
-    nonfinite_cand = cand_stats.has_nonfinite
     nonfinite_ref = ref_stats.has_nonfinite
-    nf_intro = 1 if (nonfinite_cand and not nonfinite_ref) else 0
+    nf_intro = _introduced_by_counts(ref_stats, cand_stats)
     diffs, rels = [], []
     # the mean is left out: it cancels, so its relative change says little
     for f in ("max", "min", "l2norm"):
@@ -423,7 +445,9 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
     max_abs = max(diffs) if diffs else None
     max_rel = max(rels) if rels else None
     if nf_intro:
-        verdict, reason = "nonfinite", "candidate summary shows NaN/Inf where the reference is finite"
+        verdict, reason = "nonfinite", ("candidate summary shows NaN/Inf where the reference is finite"
+                                        if not nonfinite_ref else
+                                        f"candidate holds {nf_intro} more NaN/Inf than the reference")
     elif max_rel is None:
         verdict, reason = "warn", "no comparable summary statistics"
     else:

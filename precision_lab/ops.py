@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "canonical", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "canonical", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -32,7 +32,17 @@ OPS: dict[str, tuple[str, ...]] = {
     "mul": ("__mul__", "__rmul__", "Mul", "multiply"),
     "div": ("__truediv__", "truediv", "divide", "true_divide"),
     "quantise": ("FakeQuant", "quantize", "fake_quant"),
+    # ops that write a mask's -inf (or finfo.min) on purpose
+    "masked_fill": ("MaskedFill", "masked_fill_"),
+    "where": (),
+    "full": ("full_like", "new_full"),
+    "fill": ("fill_", "fill_diagonal"),
+    "triu": (),
+    "tril": (),
 }
+
+# canonical op types whose -inf output is a mask, not an overflow
+MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril"})
 
 _BY_NAME = {a.lower().strip("_"): op for op, aliases in OPS.items() for a in (op,) + aliases}
 

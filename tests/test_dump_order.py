@@ -59,9 +59,12 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _record(origin: str, dirpath):
+def _record(origin: str, dirpath, *, linked: bool = True):
     """Run the model in fp16 with ``origin``'s weight scaled past fp16's range; save every module's
-    input 0 and output 0.  Returns (files in save order, tensor names in call order)."""
+    input 0 and output 0.  Returns (files in save order, tensor names in call order).
+
+    ``linked=False`` saves the inputs as float32 copies, so no saved output is bit-identical to a saved
+    input and the data says nothing about the order (the file times or the names must)."""
     torch.manual_seed(0)
     model = Model()
     with torch.no_grad():
@@ -79,6 +82,8 @@ def _record(origin: str, dirpath):
             for role, t in (("input", inp[0]), ("output", out)):
                 fn = f"{name}.{role}.0.npy"
                 arrays[fn] = t.detach().numpy().copy()
+                if role == "input" and not linked:
+                    arrays[fn] = arrays[fn].astype(np.float32)
                 saved.append(fn)
         return hook
 
@@ -162,7 +167,7 @@ def test_order_files(store, tmp_path, fmt):
 
 def test_distinct_mtimes_give_the_order(store, tmp_path):
     d = tmp_path / "dump"
-    saved, _ = _record(ORIGIN, d)
+    saved, _ = _record(ORIGIN, d, linked=False)
     _times(d, saved, equal=False)
     info, run = _run(store, ingest(d, store=store))
     assert info["order"] == "mtime" and run["order"] == "mtime"
@@ -176,7 +181,7 @@ def test_distinct_mtimes_give_the_order(store, tmp_path):
 def test_mtimes_that_put_containers_first(store, tmp_path):
     """Times in reverse save order: every container's records come before its children's."""
     d = tmp_path / "dump"
-    saved, _ = _record(ORIGIN, d)
+    saved, _ = _record(ORIGIN, d, linked=False)
     _times(d, saved, equal=False, reverse=True)
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == "mtime"
@@ -185,7 +190,7 @@ def test_mtimes_that_put_containers_first(store, tmp_path):
 
 def test_equal_mtimes_fall_back_to_names(store, tmp_path):
     d = tmp_path / "dump"
-    saved, _ = _record(ORIGIN, d)
+    saved, _ = _record(ORIGIN, d, linked=False)
     _times(d, saved, equal=True)
     name = ingest(d, store=store)
     info, run = _run(store, name)
@@ -209,7 +214,7 @@ def test_equal_mtimes_fall_back_to_names(store, tmp_path):
 
 def test_manifest_without_an_order_key(store, tmp_path):
     d = tmp_path / "dump"
-    saved, _ = _record(ORIGIN, d)
+    saved, _ = _record(ORIGIN, d, linked=False)
     (d / "manifest.json").write_text(json.dumps({"model": "toy", "modules": len(saved)}))
     _times(d, saved, equal=True)
     info, _ = _run(store, ingest(d, store=store))
@@ -223,7 +228,7 @@ def test_manifest_without_an_order_key(store, tmp_path):
 @pytest.mark.parametrize("times", ["equal", "distinct"])
 def test_other_origins(store, tmp_path, origin, times):
     d = tmp_path / "dump"
-    saved, _ = _record(origin, d)
+    saved, _ = _record(origin, d, linked=False)
     _times(d, saved, equal=times == "equal")
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == ("name" if times == "equal" else "mtime")
@@ -287,3 +292,39 @@ def test_extraction_and_upload_order_is_never_taken_for_execution_order(store, t
         orders = store.sql("SELECT r.\"order\" FROM runs r JOIN sessions s ON s.session_id = r.session_id "
                            "WHERE s.name = ?", [name]).fetchall()
         assert orders == [("name",)], (path, orders)
+
+
+def _seqs(store):
+    return dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
+
+
+@pytest.mark.parametrize("times", ["equal", "reverse"])
+def test_order_recovered_from_the_data(store, tmp_path, times):
+    """No order list: outputs bit-identical to later inputs give the order, ahead of file times and names."""
+    d = tmp_path / "dump"
+    saved, calls = _record(ORIGIN, d)
+    _times(d, saved, equal=times == "equal", reverse=times == "reverse")
+    name = ingest(d, store=store)
+    info, run = _run(store, name)
+    assert info["order"] == "data" and run["order"] == "data"
+    assert "order recovered from the data" in info["order_from"]
+    seq = _seqs(store)
+    # every module that feeds another (its output is the next one's input in the real call order) comes first
+    ops_in_call_order = [c.rsplit(".", 2)[0] for c in calls[::2]]
+    leaves = [o for o in ops_in_call_order if not any(p.startswith(o + ".") for p in ops_in_call_order)]
+    assert [seq[f"{o}.output.0"] for o in leaves] == sorted(seq[f"{o}.output.0"] for o in leaves)
+    f = first_nonfinite(store, info["run_id"])
+    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+    rep = build_report(store, name)
+    assert rep["runs"][0]["order_text"].startswith("order recovered from the data")
+    assert "order unknown" not in render_text(rep)
+
+
+@pytest.mark.parametrize("origin", ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.head"])
+def test_other_origins_with_order_from_the_data(store, tmp_path, origin):
+    d = tmp_path / "dump"
+    saved, _ = _record(origin, d)
+    _times(d, saved, equal=True)
+    info, _ = _run(store, ingest(d, store=store))
+    assert info["order"] == "data"
+    assert first_nonfinite(store, info["run_id"])["op"] == origin

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from precision_lab.formats import FORMATS
-from precision_lab.metrics import compare
+from precision_lab.metrics import compare, compare_stats
+from precision_lab.stats import tensor_stats
 
 
 def _ref_metrics(r, c, floor):
@@ -157,3 +158,22 @@ def test_numba_and_torch_accumulators_agree(fmt):
         e = np.where(rr != 0, np.maximum(e - 1, F.emin), F.emin)  # frexp(0) gives 0
         ulp = np.ldexp(1.0, e - F.man_bits)
     assert a.max_ulp_err == np.max(np.abs(cc - rr) / ulp)
+
+
+def test_stats_comparison_counts_only_what_the_candidate_adds():
+    """A -inf mask in both runs is not introduced; extra NaN and +inf are, counted apart."""
+    mask = np.triu(np.ones((16, 16), bool), 1)
+    scores = np.random.default_rng(0).standard_normal((16, 16))
+    ref = np.where(mask, -np.inf, scores).astype(np.float32)
+    same = compare_stats(tensor_stats(ref), tensor_stats(ref.astype(np.float16)))
+    assert same.nonfinite_introduced == 0 and same.verdict != "nonfinite"
+    cand = ref.astype(np.float16)
+    cand[0, 0], cand[1, 0], cand[2, 0] = np.inf, np.nan, np.nan
+    got = compare_stats(tensor_stats(ref), tensor_stats(cand))
+    # independent count: positions finite in the reference and not in the candidate
+    assert got.nonfinite_introduced == int((np.isfinite(ref) & ~np.isfinite(cand)).sum()) == 3
+    assert got.verdict == "nonfinite"
+    # a candidate -inf where the reference had +inf is not hidden by equal totals
+    flip_ref = np.array([np.inf, 1.0], np.float32)
+    flip_cand = np.array([-np.inf, 1.0], np.float16)
+    assert compare_stats(tensor_stats(flip_ref), tensor_stats(flip_cand)).nonfinite_introduced == 1

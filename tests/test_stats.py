@@ -722,3 +722,55 @@ def test_histogram_codec_round_trips_and_refuses_what_no_histogram_is():
             decode_hist(bad_bins, bad_counts)
     with pytest.raises(HistogramError, match="bin edges"):
         decode_hist(bins, counts, edges_id="other-edges")
+
+
+# ---------------------------------------------------------------------------
+# signed infinities: a -inf mask is told apart from an overflow
+# ---------------------------------------------------------------------------
+
+# the compiled kernel reads float32-exact inputs; float64 always runs the torch kernel
+@pytest.mark.parametrize("backend,dtype", [(b, d) for b in BACKENDS for d in (np.float32, np.float16)]
+                         + [("torch", np.float64)])
+def test_negative_inf_count_matches_numpy(backend, dtype):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(300_001).astype(dtype)
+    x[::997] = -np.inf
+    x[3::4001] = np.inf
+    x[5::7919] = np.nan
+    s = tensor_stats(x, backend=backend)
+    assert s.inf_count == int(np.isinf(x).sum())
+    assert s.neg_inf_count == int(np.count_nonzero(x == -np.inf))
+    assert s.negative_inf_only is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_inf_only_for_a_mask(backend):
+    scores = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    masked = np.where(np.triu(np.ones((64, 64), bool), 1), -np.inf, scores).astype(np.float32)
+    s = tensor_stats(masked, backend=backend)
+    assert s.neg_inf_count == s.inf_count == int(np.triu(np.ones((64, 64)), 1).sum())
+    assert s.negative_inf_only is True
+    assert tensor_stats(-masked, backend=backend).negative_inf_only is False  # +inf: an overflow, not a mask
+    assert tensor_stats(scores, backend=backend).negative_inf_only is False  # nothing non-finite
+
+
+def test_negative_inf_count_through_torch_low_precision_and_merge():
+    t = torch.zeros(1000, dtype=torch.bfloat16)
+    t[:30] = float("-inf")
+    t[30:35] = float("inf")
+    s = tensor_stats(t)
+    assert (s.inf_count, s.neg_inf_count) == (35, 30)
+    a = tensor_stats(np.array([-np.inf, 1.0, np.inf], np.float32))
+    b = tensor_stats(np.array([-np.inf, -np.inf, 2.0], np.float32))
+    m = merge_stats(a, b)
+    assert (m.inf_count, m.neg_inf_count) == (4, 3)
+    assert TensorStats.from_dict(json.loads(json.dumps(m.to_dict()))).neg_inf_count == 3
+
+
+def test_summary_records_infer_the_sign_from_min_and_max():
+    mask = TensorStats.summary_only(dtype="float16", shape=(4, 4), min=float("-inf"), max=3.0)
+    assert mask.negative_inf_only is True
+    ovf = TensorStats.summary_only(dtype="float16", shape=(4, 4), min=-1.0, max=float("inf"))
+    assert ovf.negative_inf_only is False
+    both = TensorStats.summary_only(dtype="float16", shape=(4, 4), min=float("-inf"), max=float("inf"))
+    assert both.negative_inf_only is False

@@ -200,3 +200,24 @@ def test_server_defaults_are_the_limits_own_defaults():
     assert ReadLimits.from_config(cfg) == ReadLimits()
     assert (cfg.zip_max_total_mb << 20, cfg.max_tensor_mb << 20) == (ZipLimits().max_total_bytes,
                                                                       ReadLimits().max_tensor_bytes)
+
+
+def test_a_version_1_database_gains_signed_inf_counts(tmp_path):
+    p = tmp_path / "old.duckdb"
+    s = Store(p)
+    with s.new_session("old") as w:
+        rid = w.add_run(name="r")
+        w.add_record(_rec(rid, 0, "a", np.array([1.0, -np.inf], np.float32)))
+    s.sql('ALTER TABLE tensors DROP COLUMN "neg_inf_count"')
+    s.sql("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    close_all()
+    s2 = Store(p)
+    assert s2.schema_version() == SCHEMA_VERSION
+    with s2.new_session("new") as w:
+        rid2 = w.add_run(name="r")
+        w.add_record(_rec(rid2, 0, "a", np.array([-np.inf, -np.inf, np.inf], np.float32)))
+    got = s2.sql("SELECT s.name, t.inf_count, t.neg_inf_count FROM tensors t JOIN runs r USING (run_id) "
+                 "JOIN sessions s USING (session_id) ORDER BY s.name").fetchall()
+    assert got[0][0] == "new" and (got[0][1], got[0][2]) == (3, 2)
+    assert got[1][0] == "old" and got[1][1] == 1 and (got[1][2] is None or math.isnan(got[1][2]))
+    close_all()

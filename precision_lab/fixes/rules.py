@@ -8,6 +8,8 @@ For a run with non-finite values the rules look at the first non-finite
 producer and the op or module around it, and are tried in order; the first that recognises the failure writes the
 diagnosis:
 
+``parameter-nonfinite``     a parameter is NaN/inf before any op reads it
+                            (its fp32 value is beyond the format's max)
 ``nonfinite-in-reference``  the fp32 reference produces it too (not a
                             precision problem; calibration downstream fails)
 ``fp8-scale``               a fake-quant scale is 0 or subnormal in its format
@@ -194,6 +196,26 @@ def _keep_fp32(ev: Evidence) -> Optional[str]:
 
 
 # ---- producer rules ------------------------------------------------------------------
+
+@register_rule("parameter-nonfinite")
+def _rule_parameter(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    """A parameter that is NaN/inf before any op uses it: it overflowed in the model's cast, or was stored so."""
+    param = ev.producer.get("parameter")
+    if ev.producer.get("origin") != "parameter" or not param:
+        return None
+    module = param["name"].rsplit(".", 1)[0] if "." in param["name"] else ""
+    ref = param.get("ref_absmax")
+    fixes = []
+    if ref is not None and math.isfinite(ref):
+        if ref < FORMATS["bf16"].max and ev.fmt.name == "fp16":
+            fixes.append("use-bf16")
+        fixes.append(f"keep-fp32:{module}" if module else None)
+        msg = (f"{param['reason']}. Every op that reads it inherits the inf; keep `{module or 'the model'}` in fp32, "
+               f"rescale the weight below {fmt_num(ev.fmt.max)}, or use a format with a wider range")
+    else:
+        msg = f"{param['reason']}. Reload or re-initialise the weights; no precision change helps"
+    return _diag(ev, "parameter-nonfinite", msg, fixes, "error")
+
 
 @register_rule("nonfinite-input")
 def _rule_input(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
@@ -504,6 +526,13 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> li
     if first_nonfinite is None:
         return _fix_verified(ctx, run) + _precision_loss(ctx, run)
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
+    nan = first_nonfinite.get("first_nan")
+    if found and nan:
+        d = found[0]
+        found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
+                           d.message + f". That value is inf; the first NaN appears later, at `{nan['op']}` "
+                           f"({nan['op_type']}), which combines it (inf - inf, 0 x inf or inf / inf)",
+                           d.fixes, d.severity, d.seq)]
     if found and ctx.facts.last_forward_output_finite(run["run_id"]):
         d = found[0]
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,

@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import stats as _stats
+from .. import stats as _stats  # module attributes, so tests can patch them
+from ..numba_loader import limit_threads, restore_threads
 
 __all__ = ["StatsEngine", "Handle", "skip_reason"]
 
@@ -74,11 +75,8 @@ class StatsEngine:
         self._saved_threads = None
         if threads is None or not _stats.numba_available():
             return
-        import numba
-
         try:
-            self._saved_threads = numba.get_num_threads()
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            self._saved_threads = limit_threads(threads)
         except Exception as e:  # a threading layer that cannot start: keep numba's default
             self._saved_threads = None
             self._warn("statistics", f"could not set the statistics kernel's threads ({e})")
@@ -86,10 +84,8 @@ class StatsEngine:
     def exit(self) -> None:
         if getattr(self, "_saved_threads", None) is None:
             return
-        import numba
-
         try:
-            numba.set_num_threads(self._saved_threads)
+            restore_threads(self._saved_threads)
         except Exception:
             pass
         self._saved_threads = None
@@ -166,20 +162,20 @@ class StatsEngine:
         by_device: dict = {}
         for h in pending:
             if h.parts:
-                by_device.setdefault(h.parts[0][0].device, []).append(h)
+                by_device.setdefault(h.parts[0].totals.device, []).append(h)
             else:  # an empty tensor
                 h.stats = _stats.finish_partials([], histogram=self.histogram, numel=h.numel, dtype=h.dtype,
                                                  shape=h.shape)
         for dev, hs in by_device.items():
-            vecs = [v for h in hs for v, _ in h.parts]
-            host_v = torch.stack(vecs).cpu()
+            host_v = torch.stack([p.totals for h in hs for p in h.parts]).cpu()
             host_h = None
             if self.histogram:
-                host_h = torch.stack([hh for h in hs for _, hh in h.parts]).cpu()
+                host_h = torch.stack([p.hist for h in hs for p in h.parts]).cpu()
             i = 0
             for h in hs:
                 n = len(h.parts)
-                cpu_parts = [(host_v[i + j], None if host_h is None else host_h[i + j]) for j in range(n)]
+                cpu_parts = [_stats.DevicePartial(host_v[i + j], None if host_h is None else host_h[i + j])
+                             for j in range(n)]
                 i += n
                 h.parts = None
                 h.stats = _stats.finish_partials(cpu_parts, histogram=self.histogram, numel=h.numel, dtype=h.dtype,

@@ -30,8 +30,10 @@ class RunSource:
 
     ``key`` identifies the run within one reader's output (a run that shows
     up again later in the stream has the same key).  ``order`` is
-    ``"execution"`` when ``seq`` follows execution order, ``"name"`` when the
-    dump carries no order and records were numbered by name; ``order_note``
+    ``"execution"`` when ``seq`` follows execution order, ``"mtime"`` when it
+    follows file modification times, ``"data"`` when it was recovered from the
+    data (``digests``), ``"name"`` when the dump carries no order and records
+    were numbered by name; ``order_note``
     says where the order came from, in words.  ``kind``, ``parent_key``,
     ``fix`` and ``policy`` are set when the dump itself says (our own shard
     format); ingest decides otherwise.
@@ -51,6 +53,9 @@ class RunSource:
     dtype: Optional[str] = None
     loader: Optional[Callable[[str], Any]] = field(default=None, repr=False)
     warnings: list[tuple[str, str]] = field(default_factory=list)
+    # (step, rank, op, role, index) -> readers.dataorder.digest of the tensor, filled while the records stream by
+    # when the dump gives no order list, so ingest can recover the order from the data
+    digests: dict[tuple, Optional[bytes]] = field(default_factory=dict, repr=False)
 
     def load(self, source: str):
         """Re-read the tensor a record came from, or None if the dump has no data for it."""

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..formats import numpy_dtype_named
 from ..records import TensorRecord, split_tensor_name
+from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt, parse_op
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
@@ -510,6 +511,8 @@ class GenericReader:
                     raise ReadError(f"{rel}: cannot compute statistics of {name!r} "
                                     f"(dtype {getattr(t, 'dtype', '?')}): {first_line(e)}") from None
                 f = _record_fields(name)
+                if order is None:
+                    src.digests[(step, rank, f["op"], f["role"], f["index"])] = digest(t)
                 yield TensorRecord(run_id="", seq=seq, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
                                    source=rel if key == "" else f"{rel}#{key}", tensor=t)

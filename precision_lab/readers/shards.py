@@ -79,6 +79,8 @@ def shard_glob(root) -> str:
 
 # ---- schema -------------------------------------------------------------------
 
+# columns a shard written by an earlier version may lack (read as unknown)
+_OPTIONAL = frozenset({"neg_inf_count"})
 _ARROW = {"int": "int64", "float": "float64", "str": "string", "bool": "bool_"}
 
 
@@ -378,7 +380,7 @@ def _open_shard(path: Path, shown: str):
         if leaf.get(col, 0) > N_BINS:
             raise ShardError(f"{shown}: column {col} holds more values per record than the {N_BINS} histogram "
                              "bins; refusing the shard")
-    need = [n for n, _ in _columns()] + ["hist_bins", "hist_counts"]
+    need = [n for n, _ in _columns() if n not in _OPTIONAL] + ["hist_bins", "hist_counts"]
     missing = [n for n in need if n not in schema.names]
     if missing:
         raise ShardError(f"{shown}: shard lacks column(s) {', '.join(missing)}")

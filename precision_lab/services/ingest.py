@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..readers import ReadError, RunSource, detect, dominant_dtype, ordered
+from ..readers.dataorder import order_from_data
 from ..readers.safeio import ReadLimits, limits_in_force, plain_error
 from ..records import free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
@@ -327,6 +328,7 @@ class _Ingestion:
                 raise IngestError(f"{s.label}: the {where} cannot be read ({plain_error(e)})") from None
         self.tick(None, "read")
         for (si, _key), r in self.runs.items():
+            self._order_from_data(r)
             if not r.src.dtype:
                 r.src.dtype = dominant_dtype(r.dtypes)
                 self.w.set_run_dtype(r.run_id, r.src.dtype)
@@ -396,6 +398,38 @@ class _Ingestion:
         for file, msg in src.warnings:
             self.w.add_warning(file, msg, run_id=run.run_id)
         src.warnings.clear()
+
+    def _order_from_data(self, r: "_Run") -> None:
+        """A dump without an order list: where one op's output is bit-identical to another's input, the first
+        ran first (``readers.dataorder``); renumber the run's records so, and say the order came from the data."""
+        if not r.src.digests or r.src.order == "execution":
+            return
+        digests = r.src.digests
+        keys = collections.defaultdict(list)  # (step, rank) -> items in their current order
+        for it in sorted(r.items, key=lambda it: it.record.seq):
+            keys[(it.record.step, it.record.rank)].append(it)
+        found, edges = {}, 0
+        for group, items in keys.items():
+            got = order_from_data((it.record.op, it.record.role,
+                                   digests.get(group + (it.record.op, it.record.role, it.record.index)))
+                                  for it in items)
+            if got is not None:
+                found[group], edges = got.rank, edges + got.edges
+        r.src.digests = {}
+        if not found:
+            return
+        seqs: dict[int, int] = {}
+        ranked = sorted(r.items, key=lambda it: (it.record.step, it.record.rank,
+                                                 found.get((it.record.step, it.record.rank), {}).get(it.record.op, 0),
+                                                 it.record.seq))
+        for i, it in enumerate(ranked):
+            if it.record.seq != i:
+                seqs[it.rid] = i
+            it.record.seq = i
+        r.src.order = "data"
+        r.src.order_note = (f"order recovered from the data: {edges} output(s) bit-identical to a later op's input "
+                            f"({r.src.order_note})")
+        self.w.set_run_order(r.run_id, "data", seqs)
 
     def _local(self, si: int, comparisons) -> None:
         """Store the local (own fp32 re-run) comparisons a dump carries, on the records they belong to."""

@@ -19,11 +19,11 @@ class _Acc:
     """Running totals.  M2 and the sum of squares are kept as ``m2s * 4**k`` and
     ``ssqs * 4**k`` so float64 inputs near 1e308 do not overflow."""
 
-    __slots__ = ("nan", "inf", "zero", "nfin", "vmin", "vmax", "absmax", "minabs",
+    __slots__ = ("nan", "inf", "neginf", "zero", "nfin", "vmin", "vmax", "absmax", "minabs",
                  "mean", "m2s", "ssqs", "k", "hist")
 
     def __init__(self, histogram: bool) -> None:
-        self.nan = self.inf = self.zero = self.nfin = 0
+        self.nan = self.inf = self.neginf = self.zero = self.nfin = 0
         self.vmin, self.vmax = math.inf, -math.inf
         self.absmax, self.minabs = -math.inf, math.inf
         self.mean = self.m2s = self.ssqs = 0.0
@@ -70,7 +70,7 @@ class _Acc:
             mean=float(self.mean) if fin else nan,
             std=_ldexp(math.sqrt(max(self.m2s, 0.0) / self.nfin), self.k) if fin else nan,
             l2norm=_ldexp(math.sqrt(self.ssqs), self.k) if fin else nan,
-            hist=self.hist,
+            hist=self.hist, neg_inf_count=int(self.neginf),
         )
 
 
@@ -143,6 +143,7 @@ def merge_stats(a: TensorStats, b: TensorStats) -> TensorStats:
     return TensorStats(
         numel=numel, dtype=dtype, shape=shape, nan_count=nan_c, inf_count=inf_c, zero_count=zero_c,
         min=vmin, max=vmax, absmax=amax, min_abs_nonzero=minabs, mean=mean, std=std, l2norm=l2, hist=hist,
+        neg_inf_count=add(a.neg_inf_count, b.neg_inf_count),
     )
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import fields
-from typing import Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from ..formats import FORMATS
-from ..numba_loader import PARALLEL_LOCK, load_numba
+from ..numba_loader import PARALLEL_LOCK, CompiledOnce, njit
 from .accumulate import _Acc, merge_stats
-from .records import TensorStats, canonical_dtype
 from .edges import HIST_EDGES, N_BINS
+from .records import TensorStats, canonical_dtype
 
 
 # ---------------------------------------------------------------------------
@@ -68,20 +68,10 @@ def _build_lut():
 
 _LUT, _LUT_THR, _CBITS = _build_lut()
 
-_numba_kernels = None
-
 
 def numba_available() -> bool:
     """Whether the compiled CPU kernel can be used (numba importable and not disabled)."""
-    return _get_kernels() is not None
-
-
-def _get_kernels():
-    global _numba_kernels
-    if _numba_kernels is None:
-        numba = load_numba()
-        _numba_kernels = _build_kernels(numba) if numba is not None else False
-    return _numba_kernels or None
+    return _KERNELS.get() is not None
 
 
 class _Kernels:
@@ -192,6 +182,7 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
     nzero = 0
     nnan = 0
     ninf = 0
+    nneg = 0
     nf = 0
     mean = 0.0
     m2 = 0.0
@@ -221,6 +212,7 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
                 if a >= np.int32(0x7F800000):
                     if a == np.int32(0x7F800000):
                         ninf += 1
+                        nneg += np.int32(w < 0)
                     else:
                         nnan += 1
                     continue
@@ -265,6 +257,7 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
     ri[row, 5] = nzero
     ri[row, 6] = nnan
     ri[row, 7] = ninf
+    ri[row, 8] = nneg
     rf[row, 0] = mean
     rf[row, 1] = m2
     rf[row, 2] = ssq
@@ -283,7 +276,7 @@ def _nb_scan_parallel(xf, lut, thr, cbits, do_hist, nparts, nb2):
     s = xf.view(np.int32)
     n = s.size
     hs = np.zeros((nparts, 4 * nb2), np.int64)
-    ri = np.zeros((nparts, 8), np.int64)
+    ri = np.zeros((nparts, 9), np.int64)
     rf = np.zeros((nparts, 3), np.float64)
     for p in _prange(nparts):
         _nb_scan_range(xf, s, (n * p) // nparts, (n * (p + 1)) // nparts, lut, thr, cbits, do_hist,
@@ -294,7 +287,7 @@ def _nb_scan_parallel(xf, lut, thr, cbits, do_hist, nparts, nb2):
 def _nb_scan_serial(xf, lut, thr, cbits, do_hist, nb2):
     s = xf.view(np.int32)
     hs = np.zeros((1, 4 * nb2), np.int64)
-    ri = np.zeros((1, 8), np.int64)
+    ri = np.zeros((1, 9), np.int64)
     rf = np.zeros((1, 3), np.float64)
     _nb_scan_range(xf, s, 0, s.size, lut, thr, cbits, do_hist, hs[0], nb2, ri, rf, 0)
     return _nb_fold(hs, nb2), ri, rf
@@ -306,13 +299,12 @@ def _build_kernels(numba) -> _Kernels:
     g["_prange"] = numba.prange
     # reassociation lets LLVM vectorise the float64 sums; only finite values reach them
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
-    plain = dict(cache=True, nogil=True)
-    g["_nb_block_moments"] = numba.njit(fastmath=fm, **plain)(_nb_block_moments)
-    g["_nb_flagged_bin"] = numba.njit(inline="never", **plain)(_nb_flagged_bin)
+    g["_nb_block_moments"] = njit(numba, _nb_block_moments, fastmath=fm)
+    g["_nb_flagged_bin"] = njit(numba, _nb_flagged_bin, inline="never")
     for name in ("_nb_block_extrema", "_nb_search_bin", "_nb_block_bins", "_nb_block_count", "_nb_scan_range",
                  "_nb_fold", "_nb_scan_serial"):
-        g[name] = numba.njit(**plain)(g[name])
-    g["_nb_scan_parallel"] = numba.njit(parallel=True, **plain)(_nb_scan_parallel)
+        g[name] = njit(numba, g[name])
+    g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
 
     def scan(xf, lut, thr, cbits, do_hist, nparts, nb2):
@@ -324,23 +316,26 @@ def _build_kernels(numba) -> _Kernels:
     return _Kernels(scan, numba.get_num_threads)
 
 
+_KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels)
+
 _PAR_MIN = 1 << 18  # below this a parallel launch costs more than it saves
 
 
 def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool) -> None:
     """Accumulate one contiguous float32 chunk with the compiled kernel."""
-    kern = _get_kernels()
+    kern = _KERNELS.get()
     n = xf.size
     if n == 0:
         return
     nthreads = kern.num_threads() if n >= _PAR_MIN else 1
     nparts = max(1, min(nthreads, n // (_PAR_MIN // 4) or 1))
     hist, ri, rf = kern.scan(xf, _LUT, _LUT_THR, _CBITS, histogram, nparts, _NB2)
-    # ri: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf
+    # ri: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf, n_-inf
     nfin = int(ri[:, 4].sum())
     acc.zero += int(ri[:, 5].sum())
     acc.nan += int(ri[:, 6].sum())
     acc.inf += int(ri[:, 7].sum())
+    acc.neginf += int(ri[:, 8].sum())
     if nfin:
         amax_bits = int(ri[:, 0].max())
         minabs_m1 = int(ri[:, 1].min())
@@ -378,7 +373,7 @@ def _torch_edges(torch, device):
     return e
 
 
-def _torch_chunk_partial(torch, x, histogram: bool):
+def _torch_chunk_partial(torch, x, histogram: bool) -> DevicePartial:
     """Device tensors for one chunk; nothing is copied to the host here."""
     x64 = x.to(torch.float64)
     a = x64.abs()
@@ -407,6 +402,7 @@ def _torch_chunk_partial(torch, x, histogram: bool):
         nfin.to(torch.float64),
         vmin, vmax, absmax, minabs,
         mean_y, (d * d).sum(), (y * y).sum(), k,
+        (x64 == -inf).sum().to(torch.float64),
     ])
     hist = None
     if histogram:
@@ -417,7 +413,7 @@ def _torch_chunk_partial(torch, x, histogram: bool):
                 0, idx, torch.ones_like(idx))[:N_BINS]
         else:
             hist = torch.bincount(idx, minlength=N_BINS + 1)[:N_BINS]
-    return vec, hist
+    return DevicePartial(vec, hist)
 
 
 def _torch_finish(torch, acc: _Acc, parts) -> None:
@@ -430,6 +426,7 @@ def _torch_finish(torch, acc: _Acc, parts) -> None:
         nan_c, inf_c, zero_c, nfin = (int(v) for v in row[:4])
         acc.nan += nan_c
         acc.inf += inf_c
+        acc.neginf += int(row[12])
         acc.zero += zero_c
         if nfin:
             acc.add_extrema(float(row[4]), float(row[5]), float(row[6]), float(row[7]))
@@ -442,13 +439,19 @@ def _torch_finish(torch, acc: _Acc, parts) -> None:
 # partial results on a device, finished on the host (the capture engine batches the transfer)
 # ---------------------------------------------------------------------------
 
-DevicePartial = tuple  # (12 float64 totals, histogram counts or None), still on the tensor's device
+class DevicePartial(NamedTuple):
+    """One chunk's totals as torch tensors on one device (the tensor's own, or the host once copied):
+    ``totals``, 13 float64 values; ``hist``, N_BINS int64 counts or None.  Partials of many tensors can be
+    stacked and copied together, then rebuilt with ``DevicePartial(totals_row, hist_row)``."""
+
+    totals: Any
+    hist: Any
 
 
-def device_partials(t, *, histogram: bool, chunk_elems: int = 1 << 26) -> list:
+def device_partials(t, *, histogram: bool, chunk_elems: int = 1 << 26) -> list[DevicePartial]:
     """The per-chunk totals of a floating, integer or bool torch tensor (packed fp4 included), computed on its
     own device with nothing copied to the host; ``finish_partials`` turns them into a ``TensorStats``."""
-    import torch  # deferred: numpy inputs never need it
+    import torch  # deferred: importing stats must not pay for torch
 
     packed_fp4 = canonical_dtype(t.dtype) == "float4_e2m1fn_x2"
     parts = []
@@ -459,9 +462,9 @@ def device_partials(t, *, histogram: bool, chunk_elems: int = 1 << 26) -> list:
     return parts
 
 
-def finish_partials(parts, *, histogram: bool, numel: int, dtype: str, shape) -> TensorStats:
+def finish_partials(parts: list[DevicePartial], *, histogram: bool, numel: int, dtype: str, shape) -> TensorStats:
     """The ``TensorStats`` of one tensor from its ``device_partials`` (on the host or on a device)."""
-    import torch  # deferred: see device_partials
+    import torch  # deferred: importing stats must not pay for torch
 
     acc = _Acc(histogram)
     _torch_finish(torch, acc, parts)
@@ -582,7 +585,7 @@ def tensor_stats(x, *, histogram: bool = True, chunk_elems: int = 1 << 24, backe
         raise ValueError(f"backend must be 'auto', 'numba' or 'torch', not {backend!r}")
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
-    use_numba = backend != "torch" and _get_kernels() is not None
+    use_numba = backend != "torch" and _KERNELS.get() is not None
     if backend == "numba" and not use_numba:
         raise ValueError("backend='numba' requested but numba is not available (or PRECISION_LAB_NO_NUMBA is set)")
 
@@ -621,7 +624,7 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
             _numba_chunk(acc, np.ascontiguousarray(xf), histogram)
     elif use_numba and arr.dtype.kind in "iu":
         # wide integers: chunks whose values fit in +/-2^24 are exact in float32
-        import torch
+        import torch  # deferred: float32-exact numpy inputs never need it
 
         parts = []
         for c in _iter_np_chunks(arr, min(chunk, 1 << 22)):
@@ -631,7 +634,7 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
                 parts.append(_torch_chunk_partial(torch, torch.from_numpy(c.astype(np.float64)), histogram))
         _torch_finish(torch, acc, parts)
     else:
-        import torch
+        import torch  # deferred: see above
 
         if backend == "numba":
             raise ValueError(f"backend='numba' handles only dtypes exact in float32, not {name}")
@@ -718,7 +721,7 @@ def _stats_torch_sparse(torch, t, histogram, chunk, use_numba, backend, dtype, s
         z = TensorStats(
             numel=n_implicit, dtype=dtype, shape=(n_implicit,), nan_count=0, inf_count=0, zero_count=n_implicit,
             min=0.0, max=0.0, absmax=0.0, min_abs_nonzero=float("nan"), mean=0.0, std=0.0, l2norm=0.0,
-            hist=np.zeros(N_BINS, np.int64) if histogram else None,
+            hist=np.zeros(N_BINS, np.int64) if histogram else None, neg_inf_count=0,
         )
         s = merge_stats(s, z)
     return TensorStats(**{**{f.name: getattr(s, f.name) for f in fields(s)}, "numel": numel,

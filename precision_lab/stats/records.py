@@ -113,6 +113,7 @@ class TensorStats:
     std: Optional[float]
     l2norm: Optional[float]
     hist: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+    neg_inf_count: Optional[int] = None  # how many of inf_count are -inf; None where the source did not say
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -156,6 +157,18 @@ class TensorStats:
         if self.nan_count is not None and self.inf_count is not None:
             return False
         return any(v is not None and not math.isfinite(v) for v in (self.min, self.max))
+
+    @property
+    def negative_inf_only(self) -> Optional[bool]:
+        """Whether every non-finite value is ``-inf`` (a masked score, not an overflow or a NaN): from the
+        signed counts, else from a summary's Min (``-inf``) and Max (finite); None when nothing says."""
+        if not self.has_nonfinite or (self.nan_count or 0) > 0:
+            return False
+        if self.neg_inf_count is not None and self.inf_count is not None:
+            return self.neg_inf_count == self.inf_count
+        if self.nan_count is None and self.min is not None and self.max is not None:
+            return self.min == -math.inf and math.isfinite(self.max)
+        return None
 
     @property
     def finite_count(self) -> Optional[int]:
@@ -226,6 +239,8 @@ class TensorStats:
             d[n] = None if v is None else int(v)
         for n in _FLOAT_FIELDS:
             d[n] = json_float(getattr(self, n))
+        if self.neg_inf_count is not None:
+            d["neg_inf_count"] = int(self.neg_inf_count)
         if self.hist is None:
             d["hist"] = None
         else:
@@ -284,7 +299,7 @@ class TensorStats:
             "shape": tuple(d["shape"]),
             "hist": hist,
         }
-        for n in _COUNT_FIELDS:
+        for n in _COUNT_FIELDS + ("neg_inf_count",):
             kw[n] = None if d.get(n) is None else int(d[n])
         for n in _FLOAT_FIELDS:
             kw[n] = from_json_float(d.get(n))

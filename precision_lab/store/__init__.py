@@ -30,7 +30,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class SessionNotFound(KeyError):
@@ -98,7 +98,9 @@ def _schema_sql() -> list[str]:
 
 
 # Migrations from version N-1 to N, applied in order by _migrate().
-MIGRATIONS: dict[int, list[str]] = {}
+MIGRATIONS: dict[int, list[str]] = {
+    2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
+}
 
 
 # ---- connections ------------------------------------------------------------
@@ -511,7 +513,8 @@ class SessionWriter:
             cols = [n for n, _ in tensor_columns()]
             table = pa.table({c: [r.get(c) for r in self._rows] for c in cols})
             self.cur.register("_pl_rows", table)
-            self.cur.execute(f"INSERT INTO tensors SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} FROM _pl_rows")
+            names = ', '.join(chr(34) + c + chr(34) for c in cols)
+            self.cur.execute(f"INSERT INTO tensors ({names}) SELECT {names} FROM _pl_rows")
             self.cur.unregister("_pl_rows")
             self._rows.clear()
         if self._hists:
@@ -529,8 +532,8 @@ class SessionWriter:
             cols = [n for n, _ in _comparison_columns()]
             table = pa.table({c: [r[i] for r in self._cmps] for i, c in enumerate(cols)})
             self.cur.register("_pl_c", table)
-            self.cur.execute(f"INSERT INTO comparisons SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} "
-                             "FROM _pl_c")
+            names = ', '.join(chr(34) + c + chr(34) for c in cols)
+            self.cur.execute(f"INSERT INTO comparisons ({names}) SELECT {names} FROM _pl_c")
             self.cur.unregister("_pl_c")
             self._cmps.clear()
         if self._warns:
@@ -565,6 +568,19 @@ class SessionWriter:
         """Record the run a re-run was made from, the fix that made it and (when given) its kind."""
         self.cur.execute("UPDATE runs SET parent_run_id = ?, fix = ?, kind = coalesce(?, kind) WHERE run_id = ?",
                          [parent_run_id, fix, kind, run_id])
+
+    def set_run_order(self, run_id: str, order: str, seqs: dict[int, int]) -> None:
+        """Renumber a run's records (``seqs``: rid -> new seq) and say where its order came from."""
+        import pyarrow as pa
+
+        self.flush()
+        if seqs:
+            table = pa.table({"rid": list(seqs), "seq": list(seqs.values())})
+            self.cur.register("_pl_seq", table)
+            self.cur.execute("UPDATE tensors SET seq = s.seq FROM _pl_seq s WHERE tensors.run_id = ? "
+                             "AND tensors.rid = s.rid", [run_id])
+            self.cur.unregister("_pl_seq")
+        self.cur.execute("UPDATE runs SET \"order\" = ? WHERE run_id = ?", [order, run_id])
 
     def set_run_parent(self, run_id: str, parent_run_id: str) -> None:
         """Record the run a re-run was made from."""

@@ -174,6 +174,20 @@ def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[d
                            ORDER BY step, seq, rank, op""", [run_id])
 
 
+def nonfinite_records(store, run_id: str) -> list[dict]:
+    """Every non-finite record of a run with its stored comparison against a reference, in execution order:
+    the tensors columns plus ``introduced`` (the comparison's ``nonfinite_introduced``; None without one),
+    ``ref_absmax``/``ref_nonfinite`` (the paired reference record's) and ``match``."""
+    return rows(store, """SELECT t.*, c.nonfinite_introduced AS introduced, c.match AS match,
+                                 rt.absmax AS ref_absmax, rt.nonfinite AS ref_nonfinite
+                          FROM tensors t
+                          LEFT JOIN comparisons c ON c.cand_run_id = t.run_id AND c.cand_rid = t.rid
+                               AND c.kind = 'accumulated' AND c.ref_rid IS NOT NULL
+                          LEFT JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
+                          WHERE t.run_id = ? AND t.nonfinite
+                          ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
+
+
 def first_nonfinite_record(store, run_id: str, step: int, rank: int, op: str, input_roles: Sequence[str], *,
                            outputs_first: bool) -> dict:
     """``{rid, role, index}`` of the first non-finite record of one op call (outputs before inputs when
@@ -203,6 +217,7 @@ def nonfinite_norms_of_finite_values(store, session_id: str) -> list[dict]:
                                  t.dtype, t.numel, t.min, t.max, t.mean, t.l2norm
                           FROM tensors t JOIN runs r ON r.run_id = t.run_id
                           WHERE r.session_id = ? AND NOT t.nonfinite AND t.min IS NOT NULL AND t.max IS NOT NULL
+                            AND coalesce(t.numel, 1) > 0 AND NOT isnan(t.min) AND NOT isnan(t.max)
                             AND (isnan(t.l2norm) OR isinf(t.l2norm) OR isnan(t.mean) OR isinf(t.mean))
                           ORDER BY r.name, t.step, t.seq, t.rank, t.rid""", [session_id])
 

@@ -194,10 +194,13 @@ def render_html(store, session: str, *, public: bool = False) -> str:
     nf_rows = []
     for f in firsts:
         first = f["first"]
+        masks = f.get("intended") or []
         if first is None:
-            nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"})
+            nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"
+                            + (f" apart from -inf written on purpose by {len(masks)} masking op(s)" if masks else "")})
             continue
-        nf_rows.append({"run": f["run"]["name"], "op": first["op"], "op_type": first["op_type"],
+        op = first["op"] if first["origin"] != "parameter" else f"parameter {first['parameter']['name']}"
+        nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first["op_type"],
                         "where": f"step {first['step']}, rank {first['rank']}, seq {first['seq']}",
                         "tensor": f"{first['role']} {first['index']}", "reason": first["reason"],
                         "path": " → ".join(p["op"] for p in first["path"])})

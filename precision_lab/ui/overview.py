@@ -7,7 +7,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, norm_artefacts as _na, order_text
+from ..services.report import first_nonfinite, intended_nonfinite, norm_artefacts as _na, order_text
 from ..services import browse
 from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
                                session_runs, top_offenders)
@@ -15,7 +15,7 @@ from .common import num_text, plot_text, public_source, run_label
 
 __all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
-           "error_series", "error_figure", "session_headline"]
+           "error_series", "error_figure", "session_headline", "order_text"]
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
@@ -33,9 +33,11 @@ def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
 
 
 def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
-    """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None}``."""
+    """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None,
+    "intended": services.report.intended_nonfinite(...)}`` (the masks' -inf, shown quietly)."""
 
-    return [{"run": r, "first": first_nonfinite(store, r["run_id"])} for r in session_runs(store, session_id)]
+    return [{"run": r, "first": first_nonfinite(store, r["run_id"]), "intended": intended_nonfinite(store, r["run_id"])}
+            for r in session_runs(store, session_id)]
 
 
 def norm_artefacts(store, session_id: str) -> list[dict]:

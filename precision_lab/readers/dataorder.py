@@ -1,0 +1,141 @@
+"""Execution order recovered from the data of a dump that carries none.
+
+An op's output that is bit-identical to another op's input was (almost
+certainly) passed from one to the other, so the first ran before the second.
+Each tensor is hashed once while it is read (``digest``); ``order_from_data``
+turns the edges into an order: a topological sort, ties and cycles broken by
+the order the dump gave (by file time or by name).  Tensors that say nothing about where they came from
+are left out of the edges: those with fewer than two elements and finite
+constant ones (all zeros, all ones), which many unrelated ops share.  An
+all-NaN or all-inf tensor is kept: after an overflow it is often all there
+is to link the ops that pass the value on.
+
+A module and the ops inside it share tensors too (its input is its first
+op's input, its output its last op's output): equal inputs or equal outputs
+give no edge, and a module stays before the ops inside it when nothing else
+decides and its name sorts first; an op that reads a module's output runs
+after every op inside that module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+
+__all__ = ["digest", "order_from_data", "DataOrder", "INPUT_ROLES", "OUTPUT_ROLES"]
+
+INPUT_ROLES = frozenset({"input", "kwarg"})
+OUTPUT_ROLES = frozenset({"output"})
+
+
+def digest(t) -> Optional[bytes]:
+    """A 16-byte hash of a tensor's dtype, shape and bytes; None for tensors that cannot tell ops apart
+    (fewer than two elements, or every element the same finite value) or whose bytes cannot be read."""
+    try:
+        a = t.detach().cpu() if hasattr(t, "detach") else t
+        if hasattr(a, "numpy"):
+            import torch  # deferred: only a torch tensor reaches this line, so torch is already imported
+
+            if a.dtype in (torch.bfloat16,) or str(a.dtype).startswith("torch.float8"):
+                a = a.view(torch.uint8 if a.element_size() == 1 else torch.int16)
+            a = a.contiguous().numpy()
+        a = np.ascontiguousarray(a)
+        if a.size < 2:
+            return None
+        flat = a.reshape(-1)
+        rows = flat.view(np.uint8).reshape(a.size, a.dtype.itemsize)
+        if (rows == rows[0]).all() and (a.dtype.kind not in "fc" or np.isfinite(flat[:1]).all()):
+            return None  # a finite constant (zeros, ones, a filled mask); an all-NaN/inf tensor is kept
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(memoryview(flat.view(np.uint8)))
+        return h.digest()
+    except Exception:  # an exotic dtype or layout: no evidence, never a failure
+        return None
+
+
+@dataclass
+class DataOrder:
+    """``rank``: op name -> place in execution order; ``edges``: how many output -> input links decided it."""
+
+    rank: dict[str, int]
+    edges: int
+
+
+def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Optional[DataOrder]:
+    """The order of the ops named in ``entries`` (``(op, role, digest)``, in the order the dump gave them:
+    that order breaks ties), or None when no output of one op is the input of another (nothing to go on)."""
+    ops: list[str] = []
+    seen: set[str] = set()
+    produced: dict[bytes, set[str]] = {}
+    consumed: dict[bytes, set[str]] = {}
+    for op, role, d in entries:
+        if op not in seen:
+            seen.add(op)
+            ops.append(op)
+        if d is None:
+            continue
+        if role in OUTPUT_ROLES:
+            produced.setdefault(d, set()).add(op)
+        elif role in INPUT_ROLES:
+            consumed.setdefault(d, set()).add(op)
+    succ: dict[str, set[str]] = {o: set() for o in ops}
+    indeg = {o: 0 for o in ops}
+    n_edges = 0
+    for d, makers in produced.items():
+        for a in makers:
+            for b in consumed.get(d, ()):
+                # a module and an op inside it share their first input / last output: not a link
+                if a == b or _nested(a, b) or b in succ[a]:
+                    continue
+                # an op that also produced it is a module around the maker (its last op's output): no edge to it
+                if b in makers:
+                    continue
+                succ[a].add(b)
+                indeg[b] += 1
+                n_edges += 1
+    if n_edges == 0:
+        return None
+    # whatever reads a module's output runs after every op inside that module
+    for a in [a for a in ops if succ[a]]:
+        inner = [o for o in ops if o.startswith(a + ".")]
+        for b in list(succ[a]):
+            for o in inner:
+                if b not in succ[o] and not _nested(o, b):
+                    succ[o].add(b)
+                    indeg[b] += 1
+    return DataOrder(_toposort(ops, succ, indeg), n_edges)
+
+
+def _nested(a: str, b: str) -> bool:
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _toposort(ops: Sequence[str], succ: dict[str, set[str]], indeg: dict[str, int]) -> dict[str, int]:
+    """Kahn's algorithm, the ready op that came first in ``ops`` first; a cycle is broken at its first op."""
+    key = {o: i for i, o in enumerate(ops)}
+    ready = [(key[o], o) for o in ops if indeg[o] == 0]
+    heapq.heapify(ready)
+    rank: dict[str, int] = {}
+    indeg = dict(indeg)
+    while len(rank) < len(ops):
+        if not ready:  # a cycle: take the first remaining op by name
+            o = min((o for o in ops if o not in rank), key=lambda o: key[o])
+            indeg[o] = 0
+            heapq.heappush(ready, (key[o], o))
+        _, o = heapq.heappop(ready)
+        if o in rank:
+            continue
+        rank[o] = len(rank)
+        for b in succ[o]:
+            if b in rank:
+                continue
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                heapq.heappush(ready, (key[b], b))
+    return rank

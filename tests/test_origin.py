@@ -1,0 +1,230 @@
+"""Which op introduced a run's first unexpected NaN/inf: intended -inf masks, inherited values, parameters that
+overflow on the model's cast, and values the reference shares, on captured models (our own, torch's
+nn.TransformerEncoderLayer, Hugging Face Qwen2 built from config) and on an msprobe statistics dump.
+
+Every expectation that a value overflows is checked against an independent fp32 forward pass with plain
+torch hooks, and against fp16's max from torch.finfo."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from precision_lab import capture_pair
+from precision_lab.services import report
+from precision_lab.services.diagnose import diagnose
+from precision_lab.services.ingest import ingest
+from precision_lab.store import Store, close_all
+from precision_lab.store import queries as q
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+SAMPLES = Path(__file__).parent / "data" / "msprobe"
+
+
+@pytest.fixture
+def store():
+    s = Store(":memory:")
+    yield s
+    close_all()
+
+
+def _runs(store, name):
+    return {r["kind"]: r for r in q.session_runs(store, store.session(name)["session_id"])}
+
+
+def _fp32_absmax(model, inputs, names):
+    """absmax of the named modules' outputs in a plain fp32 forward (torch hooks, no Precision Lab)."""
+    got = {}
+    hooks = [mod.register_forward_hook(lambda m, i, o, n=n: got.__setitem__(n, float(o.detach().abs().max())))
+             for n, mod in model.named_modules() if n in names]
+    with torch.no_grad():
+        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+class MaskedAttention(nn.Module):
+    """Causal attention that masks its scores with masked_fill(-inf) before softmax."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        t = x.shape[1]
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
+        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        return self.out(torch.softmax(s, -1) @ self.v(x))
+
+
+class TwoAttentions(nn.Module):
+    def __init__(self, out_scale=1.0):
+        super().__init__()
+        self.a1, self.a2 = MaskedAttention(), MaskedAttention()
+        with torch.no_grad():
+            self.a2.out.weight.mul_(out_scale)
+
+    def forward(self, x):
+        return self.a2(x + self.a1(x))
+
+
+X = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def test_a_healthy_masked_attention_is_clean_and_its_masks_are_listed_quietly(store):
+    name = capture_pair(lambda: TwoAttentions(), X, torch.float16, store=store)
+    rep = report.build_report(store, name)
+    assert rep["first_nonfinite"] == {"fp32": None, "float16": None}
+    masks = {m["op"] for m in rep["intended_nonfinite"]["fp32"]}
+    assert masks == {"a1.masked_fill.0", "a2.masked_fill.0"}
+    # the count is the strict upper triangle of 16x16 per batch element: independent arithmetic
+    assert {m["count"] for m in rep["intended_nonfinite"]["fp32"]} == {2 * (16 * 15 // 2)}
+    assert not [d for d in rep["diagnoses"] if d["severity"] == "error"]
+    assert "masking op(s)" in report.render_text(rep)
+
+
+def test_the_real_overflow_after_a_mask_is_named_not_the_mask(store):
+    torch.manual_seed(0)
+    probe = TwoAttentions(out_scale=30000.0)
+    ref = _fp32_absmax(probe, X, {"a2.out"})["a2.out"]
+    assert ref > FP16_MAX  # the injected failure is real
+    torch.manual_seed(0)
+    name = capture_pair(lambda: TwoAttentions(out_scale=30000.0), X, torch.float16, store=store)
+    runs = _runs(store, name)
+    assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
+    f = report.first_nonfinite(store, runs["candidate"]["run_id"])
+    assert f["op"] == "a2.out.linear.0" and f["origin"] == "op"
+    assert set(f["intended"]) >= {"a1.masked_fill.0", "a2.masked_fill.0"}
+    d = [x for x in diagnose(store, name) if x.severity in ("error", "warn")]
+    assert d[0].op == "a2.out.linear.0" and d[0].rule == "overflow"
+    # the message quotes the reference's absmax of that op, which the hook above measured independently
+    shown = float(d[0].message.split("absmax ")[1].split(" ")[0].replace(",", ""))
+    assert shown == pytest.approx(ref, rel=1e-3)
+
+
+def test_torch_transformer_layer_with_a_float_causal_mask_is_not_blamed(store):
+    def build():
+        return nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+
+    mask = nn.Transformer.generate_square_subsequent_mask(16)
+    assert torch.isneginf(mask).any()
+    name = capture_pair(build, {"src": X, "src_mask": mask, "is_causal": True}, torch.float16, store=store)
+    for run in _runs(store, name).values():
+        assert report.first_nonfinite(store, run["run_id"]) is None
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        with torch.no_grad():
+            self.blocks[1].fc.weight[0, 0] = 1e5
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
+    assert torch.isinf(torch.tensor(1e5).half())  # independent: 1e5 is beyond fp16
+    name = capture_pair(Blocks, torch.randn(4, 8), torch.float16, store=store)
+    f = report.first_nonfinite(store, _runs(store, name)["candidate"]["run_id"])
+    assert f["origin"] == "parameter" and not f["producer"]
+    assert f["parameter"]["name"] == "blocks.1.fc.weight"
+    assert f["parameter"]["ref_absmax"] == pytest.approx(1e5)
+    assert "1.0e+05 > fp16 max 65,504" in f["reason"]
+    d = diagnose(store, name)[0]
+    assert d.rule == "parameter-nonfinite" and "blocks.1.fc.weight" in d.message
+    assert "keep-fp32:blocks.1.fc" in d.fixes and "use-bf16" in d.fixes
+
+
+def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+
+    def build():
+        m = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            m.model.layers[1].mlp.down_proj.weight.mul_(1000.0)
+            m.model.layers[1].post_attention_layernorm.weight.mul_(80.0)
+        return m
+
+    ids = {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))}
+    torch.manual_seed(0)
+    absmax = _fp32_absmax(build(), ids, {"model.layers.1.mlp.down_proj", "model.layers.0.mlp.down_proj"})
+    assert absmax["model.layers.1.mlp.down_proj"] > FP16_MAX > absmax["model.layers.0.mlp.down_proj"]
+    name = capture_pair(build, ids, torch.float16, store=store)
+    runs = _runs(store, name)
+    assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
+    f = report.first_nonfinite(store, runs["candidate"]["run_id"])
+    assert f["op"].startswith("model.layers.1.mlp.down_proj.") and f["origin"] == "op"
+    # the overflow makes inf; the NaN is made later, where the inf is combined (the final RMSNorm)
+    assert f["first_nan"] is not None and f["first_nan"]["seq"] > f["seq"]
+    assert f["first_nan"]["op"] != f["op"]
+
+
+def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store, tmp_path):
+    def ingest_copy(name, mutate=None):
+        d = tmp_path / name
+        shutil.copytree(SAMPLES / "stat_mix_fp16_inner_ovf", d)
+        if mutate:
+            p = next(d.rglob("dump.json"))
+            j = json.loads(p.read_text())
+            j["data"] = mutate(j["data"])
+            p.write_text(json.dumps(j))
+        sess = ingest(d, store=store, session=name)
+        rid = q.session_runs(store, store.session(sess)["session_id"])[0]["run_id"]
+        return rid
+
+    def add_mask(data):
+        out = {}
+        for k, v in data.items():
+            out[k] = v
+            if k == "Tensor.__truediv__.0.forward":
+                o = dict(v["output"][0], Min=float("-inf"))
+                out["Tensor.masked_fill.0.forward"] = {"input_args": [v["output"][0]], "input_kwargs": {},
+                                                       "output": [o]}
+            if k == "Functional.softmax.0.forward":
+                v["input_args"][0] = dict(v["input_args"][0], Min=float("-inf"))
+        return out
+
+    plain = report.first_nonfinite(store, ingest_copy("plain"))
+    masked_run = ingest_copy("masked", add_mask)
+    masked = report.first_nonfinite(store, masked_run)
+    assert plain is not None and masked["op"] == plain["op"]
+    assert [m["op"] for m in report.intended_nonfinite(store, masked_run)] == ["Tensor.masked_fill.0.forward"]
+
+
+def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
+    import numpy as np
+
+    d = tmp_path / "dump"
+    d.mkdir()
+    np.save(d / "model.empty.output.0.npy", np.zeros((0, 4), np.float16))
+    big = np.full(70000, 300.0, np.float16)  # finite values whose fp16 sum of squares would overflow
+    np.save(d / "model.big.output.0.npy", big)
+    name = ingest(d, store=store)
+    arts = report.norm_artefacts(store, store.session(name)["session_id"])
+    assert [a["op"] for a in arts] == []  # our own statistics are float64: neither is an artefact
+    rec = store.sql("SELECT numel, l2norm FROM tensors WHERE op = 'model.empty'").fetchone()
+    assert rec[0] == 0 and (rec[1] is None or math.isnan(rec[1]))
+    assert report.first_nonfinite(store, q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]) is None
