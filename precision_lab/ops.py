@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "MASKING_OPS", "canonical", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "canonical", "module_path", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -80,3 +80,18 @@ def innermost_module(op: str, modules: Iterable[str]) -> Optional[str]:
         if m and (op == m or op.startswith(m + ".")) and (best is None or len(m) > len(best)):
             best = m
     return best
+
+
+_MSPROBE_MODULE = re.compile(r"^Module\.(.+)\.[A-Za-z_]\w*\.(?:forward|backward)\.\d+$")
+_CALL = re.compile(r"^(?:(.*)\.)?(?:forward|backward)\.\d+$")
+
+
+def module_path(op: str) -> str:
+    """The module path an op call stands for: msprobe's ``Module.blocks.0.fc.Linear.forward.0`` ->
+    ``blocks.0.fc``; a capture's ``blocks.0.fc.forward.0`` -> ``blocks.0.fc`` and the root's ``forward.0`` ->
+    ``""``; any other name (a dump's module path, a functional op) is its own path."""
+    m = _MSPROBE_MODULE.match(op)
+    if m:
+        return m.group(1)
+    m = _CALL.match(op)
+    return (m.group(1) or "") if m else op

@@ -72,6 +72,7 @@ class TensorRecord:
     rank: int = 0
     direction: str = "forward"  # forward | backward
     source: str = ""  # file it was read from, or "capture"
+    parent: Optional[str] = None  # the op (module call) this one ran inside, where the dump says (msprobe)
     tensor: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -228,3 +228,61 @@ def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
     rec = store.sql("SELECT numel, l2norm FROM tensors WHERE op = 'model.empty'").fetchone()
     assert rec[0] == 0 and (rec[1] is None or math.isnan(rec[1]))
     assert report.first_nonfinite(store, q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]) is None
+
+
+def test_an_overflow_to_minus_inf_is_not_taken_for_a_mask(store, tmp_path):
+    """Only masking ops write -inf on purpose: a Linear whose output overflows to -inf alone is the producer."""
+    import numpy as np
+
+    d = tmp_path / "dump"
+    d.mkdir()
+    x = np.linspace(-1, 1, 8, dtype=np.float16).reshape(2, 4)
+    y = np.where(np.arange(8).reshape(2, 4) == 3, -np.inf, x).astype(np.float16)
+    assert (np.isneginf(y).sum(), np.isposinf(y).sum()) == (1, 0)
+    np.save(d / "model.fc.input.0.npy", x)
+    np.save(d / "model.fc.output.0.npy", y)
+    np.save(d / "model.act.input.0.npy", y)
+    np.save(d / "model.act.output.0.npy", np.where(np.isneginf(y), np.nan, y).astype(np.float16))
+    name = ingest(d, store=store)
+    run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
+    f = report.first_nonfinite(store, run_id)
+    assert f["op"] == "model.fc" and f["producer"] and f["order_known"]  # the order came from the data
+    assert report.intended_nonfinite(store, run_id) == []
+
+
+def _stat(dtype="torch.float16", shape=(2, 4), mx=1.0, mn=-1.0):
+    return {"type": "torch.Tensor", "dtype": dtype, "shape": list(shape), "Max": mx, "Min": mn, "Mean": 0.0,
+            "Norm": 1.0, "requires_grad": False}
+
+
+def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store, tmp_path):
+    """msprobe names functional ops by counter (Functional.linear.0.forward), not by module: its construct.json
+    says which module each ran in, so the parameter the module records is found and named."""
+    inf = float("inf")
+    data = {
+        "Functional.linear.0.forward": {"input_args": [_stat(), _stat(shape=(4, 4), mx=inf), _stat(shape=(4,))],
+                                        "input_kwargs": {}, "output": [_stat(mx=inf)]},
+        "Module.block.fc.Linear.forward.0": {"input_args": [_stat()], "input_kwargs": {}, "output": [_stat(mx=inf)],
+                                             "parameters": {"weight": _stat(shape=(4, 4), mx=inf),
+                                                            "bias": _stat(shape=(4,))}},
+        "Functional.gelu.0.forward": {"input_args": [_stat(mx=inf)], "input_kwargs": {},
+                                      "output": [_stat(mx=float("nan"), mn=float("nan"))]},
+    }
+    d = tmp_path / "ms" / "step0" / "rank0"
+    d.mkdir(parents=True)
+    (d / "dump.json").write_text(json.dumps({"task": "statistics", "level": "mix", "framework": "pytorch",
+                                             "dump_data_dir": None, "data": data}))
+    (d / "construct.json").write_text(json.dumps({"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0",
+                                                  "Module.block.fc.Linear.forward.0": None,
+                                                  "Functional.gelu.0.forward": None}))
+    name = ingest(tmp_path / "ms", store=store)
+    run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
+    assert q.op_parents(store, run_id) == {"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0"}
+    f = report.first_nonfinite(store, run_id)
+    assert f["origin"] == "parameter" and f["parameter"]["name"] == "block.fc.weight"
+    assert f["op"] == "Module.block.fc.Linear.forward.0"
+    # without construct.json the module is not known to hold the functional op: the value arrives from outside
+    (d / "construct.json").unlink()
+    name2 = ingest(tmp_path / "ms", store=store)
+    run2 = q.session_runs(store, store.session(name2)["session_id"])[0]["run_id"]
+    assert report.first_nonfinite(store, run2)["origin"] == "input"

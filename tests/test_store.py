@@ -202,13 +202,14 @@ def test_server_defaults_are_the_limits_own_defaults():
                                                                       ReadLimits().max_tensor_bytes)
 
 
-def test_a_version_1_database_gains_signed_inf_counts(tmp_path):
+def test_a_version_1_database_gains_signed_inf_counts_and_parents(tmp_path):
     p = tmp_path / "old.duckdb"
     s = Store(p)
     with s.new_session("old") as w:
         rid = w.add_run(name="r")
         w.add_record(_rec(rid, 0, "a", np.array([1.0, -np.inf], np.float32)))
     s.sql('ALTER TABLE tensors DROP COLUMN "neg_inf_count"')
+    s.sql('ALTER TABLE tensors DROP COLUMN "parent"')
     s.sql("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     close_all()
     s2 = Store(p)
@@ -220,4 +221,5 @@ def test_a_version_1_database_gains_signed_inf_counts(tmp_path):
                  "JOIN sessions s USING (session_id) ORDER BY s.name").fetchall()
     assert got[0][0] == "new" and (got[0][1], got[0][2]) == (3, 2)
     assert got[1][0] == "old" and got[1][1] == 1 and (got[1][2] is None or math.isnan(got[1][2]))
+    assert s2.sql("SELECT count(*) FROM tensors WHERE parent IS NULL").fetchone()[0] == 2
     close_all()

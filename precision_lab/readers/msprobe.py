@@ -28,6 +28,12 @@ finite) and have no histogram.  Tensor-mode entries get full statistics from
 the tensor, loaded with ``torch.load(..., weights_only=True)``.  A tensor file
 named by ``data_name`` but missing falls back to the entry's statistics with
 a warning; an unreadable one fails the read.
+
+``construct.json`` beside a ``dump.json`` maps each entry to the module call
+it ran in (``Functional.linear.3.forward`` ->
+``Module.blocks.0.fc1.Linear.forward.0``); it becomes the records'
+``parent``, so a functional op is known to run inside its module (and the
+module's parameters are its inputs).  Without it, nesting comes from names.
 """
 
 from __future__ import annotations
@@ -302,6 +308,23 @@ def _check_loaded(obj, rel: str, depth: int = 0) -> None:
             _check_loaded(v, rel, depth + 1)
 
 
+def _parents(root: Path, path: Path, src: RunSource) -> dict[str, str]:
+    """msprobe's ``construct.json`` beside a dump.json: each entry's enclosing module call (``{}`` without one;
+    a file that cannot be used is a warning, not a failure: the records stand without it)."""
+    if not os.path.lexists(path):
+        return {}
+    rel = relname(root, path)
+    try:
+        doc = read_json(path, rel, root, what="construct.json")
+    except ReadError as e:
+        src.warnings.append((rel, f"{e}; op nesting taken from names only"))
+        return {}
+    if not isinstance(doc, dict):
+        src.warnings.append((rel, "not an object of entry -> parent module; op nesting taken from names only"))
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str) and len(v) <= 4096}
+
+
 class MsprobeReader:
     name = "msprobe"
     priority = 80
@@ -336,6 +359,7 @@ class MsprobeReader:
             rel = relname(root, path)
             rank = ranks[path]
             doc = first if i == 0 else _parse(root, path)
+            parents = _parents(root, path.parent / "construct.json", src)
             data_dir = path.parent / "dump_tensor_data"
             tick(os.lstat(path).st_size, rel)
             for seq, (key, entry) in enumerate(doc["data"].items()):
@@ -372,5 +396,5 @@ class MsprobeReader:
                                          lambda msg, rel=rel: src.warnings.append((rel, msg)))
                     yield TensorRecord(run_id="", seq=seq, op=key, op_type=op_type, role=role, index=index,
                                        stats=stats, step=step, rank=rank, direction=direction, source=source,
-                                       tensor=tensor)
+                                       parent=parents.get(key), tensor=tensor)
 

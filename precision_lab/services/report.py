@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Optional
 
 from ..display import num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
-from ..ops import MASKING_OPS, canonical
+from ..ops import MASKING_OPS, canonical, module_path
 from ..stats import TensorStats
 from ..store import queries as q
 from ..jsoncodec import dumps
@@ -99,14 +98,15 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
     if not groups:
         return None
     recs = q.nonfinite_records(store, run_id)
+    parents = q.op_parents(store, run_id)
     compared = any(r["introduced"] is not None for r in recs)
-    calls = _classify(groups, recs, use_reference=compared)
+    calls = _classify(groups, recs, use_reference=compared, parents=parents)
     in_reference = False
     first_event = next((c for c in calls if c["nf_in"] or c["nf_out"]), None)
     if compared and (first_event is None or first_event["shared_in"]):
         # nothing was introduced by the lower precision before the reference's own non-finite values arrived:
         # the reference has them too, and the op that made them there is the answer
-        calls = _classify(groups, recs, use_reference=False)
+        calls = _classify(groups, recs, use_reference=False, parents=parents)
         in_reference = True
     intended = [c["op"] for c in calls if c["intended_out"] and not c["nf_out"]]
     events = [c for c in calls if c["nf_in"] or c["nf_out"]]
@@ -114,7 +114,7 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
         return None
     order = run["order"] or "execution"
     known = order != "name"
-    hit, others, origin = _origin(events, known)
+    hit, others, origin = _origin(events, known, parents)
     param = _parameter(hit) if origin == "parameter" else None
     producer = origin == "op"
     rec = hit["first_rec"] if origin == "op" else (param["record"] if param else hit["first_in"])
@@ -164,7 +164,8 @@ def intended_nonfinite(store, run_id: str) -> list[dict]:
     groups = q.nonfinite_op_calls(store, run_id, INPUT_ROLES)
     if not groups:
         return []
-    calls = _classify(groups, q.nonfinite_records(store, run_id), use_reference=False)
+    calls = _classify(groups, q.nonfinite_records(store, run_id), use_reference=False,
+                      parents=q.op_parents(store, run_id))
     return [{"op": c["op"], "op_type": c["op_type"], "step": int(c["step"]), "rank": int(c["rank"]),
              "seq": int(c["seq"]), "count": c["intended_count"]}
             for c in calls if c["intended_out"] and not c["nf_out"]]
@@ -172,21 +173,27 @@ def intended_nonfinite(store, run_id: str) -> list[dict]:
 
 # ---- which non-finite values are unexpected -------------------------------------------------------
 
-_CALL = re.compile(r"^(?:(.*)\.)?(?:forward|backward)\.\d+$")
-
-
 def _scope(op: str) -> str:
-    """The module path an op call encloses: ``blocks.1.forward.0`` -> ``blocks.1``, the root's ``forward.0``
-    -> ``""`` (everything); a dump's module path is its own scope; a functional op encloses nothing."""
-    m = _CALL.match(op)
-    return (m.group(1) or "") if m else op
+    """The module path an op call encloses (``ops.module_path``): ``blocks.1.forward.0`` -> ``blocks.1``, the
+    root's ``forward.0`` -> ``""`` (everything); a dump's module path is its own scope."""
+    return module_path(op)
 
 
-def _inside(op: str, container: str) -> bool:
+def _inside(op: str, container: str, parents: Optional[dict] = None) -> bool:
+    """Whether ``op`` ran inside ``container``: by the dump's own nesting (``parents``: op -> enclosing module
+    call, msprobe's construct.json) or by name (``container``'s module path is a prefix of ``op``)."""
     if op == container:
         return False
     scope = _scope(container)
-    return scope == "" or op.startswith(scope + ".")
+    if scope == "" or op.startswith(scope + "."):
+        return True
+    seen = 0
+    p = (parents or {}).get(op)
+    while p is not None and seen < 256:  # a parent chain that loops ends here
+        if p == container:
+            return True
+        p, seen = parents.get(p), seen + 1
+    return False
 
 
 def _stats(r: dict) -> TensorStats:
@@ -195,7 +202,8 @@ def _stats(r: dict) -> TensorStats:
                                                       "mean", "std", "l2norm", "neg_inf_count")})
 
 
-def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool) -> list[dict]:
+def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool,
+              parents: Optional[dict] = None) -> list[dict]:
     """Each op call of ``groups`` with what its non-finite records mean.
 
     A record compared with a reference is unexpected when it holds non-finite
@@ -225,14 +233,17 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool) -> l
         outs = [r for r in rs if r["role"] not in INPUT_ROLES]
         masking = canonical(g["op_type"]) in MASKING_OPS
 
+        def by_reference(r: dict) -> bool:
+            """Whether the reference decides: a compared record, or (no reference tensor to compare) a received
+            value, one passed on from non-finite inputs, or one made after the run already carried the
+            reference's own non-finite values (through Python, e.g. torch.tensor(x.item())): those are blamed on
+            the op that made the first of them."""
+            return use_reference and (r.get("introduced") is not None or r["role"] in INPUT_ROLES or bool(ins)
+                                      or bool(carried.get((g["step"], g["rank"]))))
+
         def unexpected(r: dict) -> bool:
-            if use_reference and r.get("introduced") is not None:
-                return int(r["introduced"]) > 0
-            if use_reference and (r["role"] in INPUT_ROLES or ins or carried.get((g["step"], g["rank"]))):
-                # no reference tensor to compare: a received value, one passed on from non-finite inputs, or
-                # one made after the run already carried the reference's own non-finite values (through
-                # Python, e.g. torch.tensor(x.item())), is blamed on the op that made the first of them
-                return False
+            if by_reference(r):
+                return r.get("introduced") is not None and int(r["introduced"]) > 0
             return _stats(r).negative_inf_only is not True
 
         bad_in = [r for r in ins if unexpected(r)]
@@ -241,11 +252,10 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool) -> l
         shared_in = use_reference and any(r not in bad_in and _stats(r).negative_inf_only is not True for r in ins)
         bad_out, good_out = [], []
         for r in outs:
-            if not unexpected(r):
-                good_out.append(r)
-            elif (not use_reference or r.get("introduced") is None) and _stats(r).negative_inf_only \
-                    and (masking or mask_in or any(k[:2] == (g["step"], g["rank"]) and _inside(k[2], g["op"])
-                                                   for k in intended_scopes)):
+            if by_reference(r):
+                (bad_out if unexpected(r) else good_out).append(r)
+            elif _stats(r).negative_inf_only and (masking or mask_in or any(
+                    k[:2] == (g["step"], g["rank"]) and _inside(k[2], g["op"], parents) for k in intended_scopes)):
                 good_out.append(r)
             else:
                 bad_out.append(r)
@@ -265,7 +275,7 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool) -> l
     return out
 
 
-def _origin(events: list[dict], known: bool) -> tuple[dict, list[str], str]:
+def _origin(events: list[dict], known: bool, parents: Optional[dict] = None) -> tuple[dict, list[str], str]:
     """(the call named, other candidates when the order is unknown, ``"op" | "parameter" | "input"``).
 
     A candidate has no unexpected non-finite input and an unexpected non-finite
@@ -287,11 +297,11 @@ def _origin(events: list[dict], known: bool) -> tuple[dict, list[str], str]:
             hit = first
             lc = [g for g in cands if (g["step"], g["rank"]) == (first["step"], first["rank"])]
             while True:
-                inner = next((g for g in lc if _inside(g["op"], hit["op"])), None)
+                inner = next((g for g in lc if _inside(g["op"], hit["op"], parents)), None)
                 if inner is None:
                     return hit, [], "op"
                 hit = inner
-        holder = next((g for g in with_params if g is first or _inside(first["op"], g["op"])), None)
+        holder = next((g for g in with_params if g is first or _inside(first["op"], g["op"], parents)), None)
         if holder is None and first["params"]:
             holder = first
         if holder is not None:
@@ -303,7 +313,7 @@ def _origin(events: list[dict], known: bool) -> tuple[dict, list[str], str]:
         return first, [], "input"
     c0 = cands[0]
     lc = [g for g in cands if (g["step"], g["rank"]) == (c0["step"], c0["rank"])]
-    innermost = sorted((g for g in lc if not any(_inside(o["op"], g["op"]) for o in lc)),
+    innermost = sorted((g for g in lc if not any(_inside(o["op"], g["op"], parents) for o in lc)),
                        key=lambda g: (g["seq"], g["op"]))
     return innermost[0], [g["op"] for g in innermost[1:]], "op"
 

@@ -30,7 +30,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 __all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class SessionNotFound(KeyError):
@@ -100,6 +100,7 @@ def _schema_sql() -> list[str]:
 # Migrations from version N-1 to N, applied in order by _migrate().
 MIGRATIONS: dict[int, list[str]] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
+    3: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "parent" VARCHAR'],  # the module call an op ran inside
 }
 
 

@@ -188,6 +188,13 @@ def nonfinite_records(store, run_id: str) -> list[dict]:
                           ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
 
 
+def op_parents(store, run_id: str) -> dict[str, str]:
+    """op -> the module call it ran inside, for the ops whose dump says so (msprobe's construct.json)."""
+    return {r["op"]: r["parent"] for r in rows(store, """SELECT op, any_value(parent) AS parent FROM tensors
+                                                          WHERE run_id = ? AND parent IS NOT NULL GROUP BY op""",
+                                                 [run_id])}
+
+
 def first_nonfinite_record(store, run_id: str, step: int, rank: int, op: str, input_roles: Sequence[str], *,
                            outputs_first: bool) -> dict:
     """``{rid, role, index}`` of the first non-finite record of one op call (outputs before inputs when
