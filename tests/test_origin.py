@@ -7,6 +7,7 @@ torch hooks, and against fp16's max from torch.finfo."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -25,6 +26,18 @@ from precision_lab.store import queries as q
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 SAMPLES = Path(__file__).parent / "data" / "msprobe"
+
+
+def _bench():
+    """bench/localization.py, the published corpus: its models and its judge of a right answer."""
+    spec = importlib.util.spec_from_file_location("localization", Path(__file__).parents[1] / "bench" / "localization.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+LOC = _bench()
+MaskedAttention = LOC.MaskedAttention
 
 
 @pytest.fixture
@@ -48,20 +61,6 @@ def _fp32_absmax(model, inputs, names):
     for h in hooks:
         h.remove()
     return got
-
-
-class MaskedAttention(nn.Module):
-    """Causal attention that masks its scores with masked_fill(-inf) before softmax."""
-
-    def __init__(self, d=32):
-        super().__init__()
-        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        t = x.shape[1]
-        s = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
-        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
-        return self.out(torch.softmax(s, -1) @ self.v(x))
 
 
 class TwoAttentions(nn.Module):
@@ -156,7 +155,8 @@ def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
 
 
 def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (requirements-test.txt)
+
     cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    attn_implementation="eager")
@@ -286,3 +286,24 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
     name2 = ingest(tmp_path / "ms", store=store)
     run2 = q.session_runs(store, store.session(name2)["session_id"])[0]["run_id"]
     assert report.first_nonfinite(store, run2)["origin"] == "input"
+
+
+
+# a fast subset of the published localization corpus (bench/localization.py), judged by the bench's own rule
+@pytest.mark.parametrize("model,kind,how", [
+    ("seed-softmax", "softmax", "live"), ("seed-tiny-eps", "tiny-eps", "dump-unordered"),
+    ("seed-fp8-zero-scale", "fp8-zero-scale", "live"), ("seed-zero-norm", "zero-norm", "dump-ordered"),
+    ("seed-attention", "activation", "live"), ("seed-blocks", "weight", "dump-unordered"),
+    ("gpt2", "weight", "live"), ("bert", "activation", "dump-unordered"),
+])
+def test_localization_corpus_subset(store, tmp_path, model, kind, how):
+    base, template, inputs = LOC._model(model)
+    path = template.format(i=1)
+    build = LOC._injector(base, inputs, path, kind) if kind in LOC.KINDS else base
+    if how == "live":
+        f, _ = LOC._live(store, build, inputs)
+    else:
+        folder = tmp_path / "dump"
+        LOC._dump(build, inputs, folder, ordered=how == "dump-ordered")
+        f, _ = LOC._from_dump(store, folder)
+    assert LOC._right(f, path, kind, how, None), (path, f and f["op"], f and f["reason"])
