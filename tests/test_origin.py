@@ -13,6 +13,7 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -215,8 +216,6 @@ def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store
 
 
 def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
-    import numpy as np
-
     d = tmp_path / "dump"
     d.mkdir()
     np.save(d / "model.empty.output.0.npy", np.zeros((0, 4), np.float16))
@@ -232,8 +231,6 @@ def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
 
 def test_an_overflow_to_minus_inf_is_not_taken_for_a_mask(store, tmp_path):
     """Only masking ops write -inf on purpose: a Linear whose output overflows to -inf alone is the producer."""
-    import numpy as np
-
     d = tmp_path / "dump"
     d.mkdir()
     x = np.linspace(-1, 1, 8, dtype=np.float16).reshape(2, 4)
@@ -307,3 +304,49 @@ def test_localization_corpus_subset(store, tmp_path, model, kind, how):
         LOC._dump(build, inputs, folder, ordered=how == "dump-ordered")
         f, _ = LOC._from_dump(store, folder)
     assert LOC._right(f, path, kind, how, None), (path, f and f["op"], f and f["reason"])
+
+
+def _msprobe_dump(tmp_path, data) -> Path:
+    d = tmp_path / "ms" / "step0" / "rank0"
+    d.mkdir(parents=True)
+    (d / "dump.json").write_text(json.dumps({"task": "statistics", "level": "mix", "framework": "pytorch",
+                                             "dump_data_dir": None, "data": data}))
+    return tmp_path / "ms"
+
+
+def test_a_dump_gets_the_format_story_of_a_square_that_overflows(store, tmp_path):
+    x = _stat(mx=304.0, mn=296.0)
+    data = {"Tensor.__add__.0.forward": {"input_args": [_stat()], "input_kwargs": {}, "output": [x]},
+            "Tensor.__mul__.0.forward": {"input_args": [x, x], "input_kwargs": {},
+                                         "output": [_stat(mx=float("inf"), mn=float("inf"))]}}
+    name = ingest(_msprobe_dump(tmp_path, data), store=store)
+    d = diagnose(store, name)[0]
+    assert d.rule == "product-overflow" and d.op == "Tensor.__mul__.0.forward"
+    assert f"x^2 = {304 * 304:,}" in d.message and f"{FP16_MAX:,.0f}" in d.message
+    assert f"{math.sqrt(FP16_MAX):.4g}" in d.message
+
+
+@pytest.mark.parametrize("op,args,words", [
+    ("Tensor.reciprocal.0.forward", [_stat(mn=0.0, mx=0.009)], ["1/0 = inf"]),
+    ("Tensor.__truediv__.0.forward", [_stat(), _stat(shape=(2, 1), mn=0.0, mx=3.0)], ["0/0 = NaN"]),
+    ("Torch.rsqrt.0.forward", [_stat(shape=(2, 1), mn=0.0, mx=0.5)], ["rsqrt(0) = inf", "1e-8"]),
+    ("Tensor.reciprocal.0.forward", [_stat(mn=1e-6, mx=3e-6)], ["1e-06 < 1/65,504"]),
+])
+def test_a_dump_gets_the_format_story_of_a_division(store, tmp_path, op, args, words):
+    out_nan = "truediv" in op
+    out = _stat(mx=float("nan") if out_nan else float("inf"), mn=float("nan") if out_nan else 0.0)
+    name = ingest(_msprobe_dump(tmp_path, {op: {"input_args": args, "input_kwargs": {}, "output": [out]}}),
+                  store=store)
+    d = diagnose(store, name)[0]
+    assert d.rule == "division" and d.op == op
+    for w in words:
+        assert w in d.message, d.message
+    # independent facts the message rests on
+    assert np.float16(1e-8) == 0 and np.isinf(np.float16(1) / np.float16(0))
+
+
+def test_a_captured_rsqrt_of_a_padding_row_is_explained(store):
+    base, _t, x = LOC._model("seed-tiny-eps")
+    name = capture_pair(base, x, torch.float16, store=store)
+    d = [x for x in diagnose(store, name) if x.severity == "error"][0]
+    assert d.rule == "division" and d.op == "fail.rsqrt.0" and "rsqrt(0) = inf" in d.message

@@ -17,7 +17,10 @@ diagnosis:
 ``softmax-overflow``        exp() of logits above ln(max) overflows
 ``norm-statistics``         x^2 overflow, cancelling one-pass variance, an
                             epsilon lost to flush-to-zero
+``division``                x / 0, 1 / (a value below 1/max), rsqrt(0),
+                            sqrt/log of a negative, from the divisor's record
 ``overflow``                an output larger than the format's max
+``product-overflow``        x * y or x^2 past the max, from the inputs' records
 ``nonfinite-producer``      anything else, with the numbers that are known
 ``nonfinite-input``         the run's inputs are already non-finite
 
@@ -441,6 +444,75 @@ def _island(ctx: Context, fmt: Format) -> list[str]:
     return out
 
 
+def _zeros(r: dict) -> Optional[int]:
+    """How many zeros a record holds: its count, else 1 when a summary's Min or Max is exactly 0, else None."""
+    if r.get("zero_count") is not None and not (isinstance(r["zero_count"], float) and math.isnan(r["zero_count"])):
+        return int(r["zero_count"])
+    return 1 if 0.0 in (r.get("min"), r.get("max")) else None
+
+
+def _smallest_magnitude(r: dict) -> Optional[float]:
+    v = r.get("min_abs_nonzero")
+    if _finite(v) and v > 0:
+        return float(v)
+    mn, mx = r.get("min"), r.get("max")
+    if _finite(mn) and _finite(mx) and (mn > 0 or mx < 0):  # one sign: the extreme nearest 0 bounds it
+        return min(abs(mn), abs(mx))
+    return None
+
+
+# the input that divides (or is taken the root or log of), by op type
+_DIVISOR = {"reciprocal": "0", "div": "1", "rsqrt": "0", "sqrt": "0", "log": "0"}
+
+
+@register_rule("division")
+def _rule_division(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    """x / 0, 1 / (a value below 1/max), rsqrt(0), sqrt or log of a negative: from the recorded divisor."""
+    op = canonical(ev.op_type)
+    idx = _DIVISOR.get(op or "")
+    if idx is None:
+        return None
+    ins = [r for r in ev.inputs() if r["role"] == "input"]
+    den = next((r for r in ins if str(r["index"]) == idx), None)
+    if den is None:
+        return None
+    f = ev.fmt
+    zeros = _zeros(den)
+    small = _smallest_magnitude(den)
+    negative = _finite(den.get("min")) and den["min"] < 0 and op in ("rsqrt", "sqrt", "log")
+    parts = []
+    name = {"reciprocal": "1 / x", "div": "x / y", "rsqrt": "rsqrt(x)", "sqrt": "sqrt(x)", "log": "log(x)"}[op]
+    if zeros:
+        num = next((r for r in ins if str(r["index"]) == "0"), None) if op == "div" else None
+        # 0/0: the numerator's own zeros, or (statistics only) a NaN where a quotient by zero alone gives inf
+        both = num is not None and (_zeros(num) or any(
+            _count(r, "nan_count") or (isinstance(r.get("max"), float) and math.isnan(r["max"])) for r in ev.outputs()))
+        what = {"reciprocal": "1/0 = inf", "div": "0/0 = NaN" if both else "x/0 = inf", "rsqrt": "rsqrt(0) = inf",
+                "sqrt": "sqrt(0) = 0", "log": "log(0) = -inf"}[op]
+        parts.append(f"`{ev.where}` computes {name} where the {'divisor' if op in ('div', 'reciprocal') else 'input'} "
+                     f"holds {'zeros' if zeros != 1 else 'a zero'} in {f.name}: {what}")
+    if negative:
+        parts.append(f"its input goes down to {fmt_num(den['min'])}: {name} of a negative number is NaN (a "
+                     "variance computed as E[x^2] - E[x]^2 that cancelled below zero)")
+    if small is not None and op in ("reciprocal", "div") and 1.0 / small > f.max:
+        parts.append(f"the divisor reaches {fmt_num(small)} < 1/{fmt_num(f.max)} = {1.0 / f.max:.2g}, so the quotient "
+                     f"overflows {f.name}")
+    if not parts:
+        return None
+    msg = "; ".join(parts)
+    if op in ("rsqrt", "sqrt", "log") and zeros:
+        msg += (f". An epsilon added before it must survive {f.name}: values below its smallest subnormal "
+                f"{fmt_num(f.smallest_positive)} round to 0 (1e-8 does), and below its smallest normal "
+                f"{fmt_num(f.smallest_normal)} flush-to-zero removes them; use eps >= {_eps_normal(f):g}")
+    elif op in ("reciprocal", "div"):
+        msg += (f". Floor the divisor at a value {f.name} holds (clamp(min=...) >= {_eps_normal(f):g}; for a "
+                "quantisation scale, floor amax), or compute it in fp32")
+    fixes = [f"eps:{_eps_normal(f):g}" if ev.module_facts.get("eps") is not None else None,
+             "scale-fp32" if f.name != "fp32" and getattr(ev.policy, "quant", None) is not None else None,
+             _keep_fp32(ev)]
+    return _diag(ev, "division", msg, fixes)
+
+
 @register_rule("overflow")
 def _rule_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     recs = ev.module_records or ev.records
@@ -462,6 +534,36 @@ def _rule_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     else:
         fixes.append(_keep_fp32(ev))
     return _diag(ev, "overflow", msg, fixes)
+
+
+@register_rule("product-overflow")
+def _rule_product(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    """x * y (or x ** 2) whose inputs' magnitudes multiply past the format's max: from the recorded inputs."""
+    op = canonical(ev.op_type)
+    if op not in ("mul", "pow"):
+        return None
+    ins = [r for r in ev.inputs() if r["role"] == "input"]
+    mags = [_absmax(r) for r in ins[:2]]
+    if op == "pow" or (len(mags) == 2 and mags[0] == mags[1] and ins[0].get("min") == ins[1].get("min")):
+        mags = [mags[0], mags[0]] if mags and mags[0] is not None else []
+        square = True
+    else:
+        square = False
+    if len(mags) != 2 or not all(_finite(m) for m in mags) or mags[0] * mags[1] <= ev.fmt.max:
+        return None
+    f = ev.fmt
+    prod = mags[0] * mags[1]
+    if square:
+        msg = (f"`{ev.where}` squares values up to {fmt_num(mags[0])}: x^2 = {fmt_num(prod)} > {f.name} max "
+               f"{fmt_num(f.max)} (|x| above sqrt(max) = {math.sqrt(f.max):.4g} overflows), as in a sum of squares "
+               "or a one-pass variance. Compute the statistics in fp32, or scale x down first")
+        fixes = ["stats-fp32" if ev.module_facts else None, _keep_fp32(ev),
+                 "use-bf16" if f.name == "fp16" else None]
+    else:
+        msg = (f"`{ev.where}` multiplies values up to {fmt_num(mags[0])} and {fmt_num(mags[1])}: the product reaches "
+               f"{fmt_num(prod)} > {f.name} max {fmt_num(f.max)}")
+        fixes = ["use-bf16" if f.name == "fp16" else None, _keep_fp32(ev)]
+    return _diag(ev, "product-overflow", msg, fixes)
 
 
 @register_rule("nonfinite-producer")
@@ -530,7 +632,7 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> li
     if found and nan:
         d = found[0]
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
-                           d.message + f". That value is inf; the first NaN appears later, at `{nan['op']}` "
+                           d.message.rstrip(".") + f". That value is inf; the first NaN appears later, at `{nan['op']}` "
                            f"({nan['op_type']}), which combines it (inf - inf, 0 x inf or inf / inf)",
                            d.fixes, d.severity, d.seq)]
     if found and ctx.facts.last_forward_output_finite(run["run_id"]):
