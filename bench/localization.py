@@ -1,7 +1,7 @@
 """How often Precision Lab names the op where a failure really started, and how long it takes to say so.
 
 The corpus injects failures with a known origin into models built from config with random weights (no
-downloads): Hugging Face ``transformers`` Qwen2, Llama, GPT-2 and BERT, and two small seed models (a causal
+downloads): Hugging Face ``transformers`` Qwen2, Llama, GPT-2, BERT and T5, and two small seed models (a causal
 attention that masks its scores with ``masked_fill(-inf)``, and a stack of Linear+GELU blocks).  Kinds:
 
 - ``activation``: one Linear-like module's weight and bias are scaled so its fp32 output reaches twice fp16's
@@ -9,7 +9,8 @@ attention that masks its scores with ``masked_fill(-inf)``, and a stack of Linea
 - ``weight``: one weight element is set to 1e5, which becomes inf when the model is cast to fp16.
 
 Each case is answered three ways: ``live`` (``capture_pair`` of the fp32 model against fp16), ``dump-ordered``
-(every module's fp16 input and output saved with forward hooks as ``<path>.<input|output>.0.npy``, with a
+(every module's fp16 tensor inputs and first output saved with forward hooks as
+``<path>.<input.i|kwarg.name|output.0>.npy``, with a
 ``manifest.json`` call-order list) and ``dump-unordered`` (the same folder with no list and equal file times,
 so the order must come from the data), and ``msprobe`` (Ascend msprobe's statistics dump, level "mix", of
 the fp16 forward, when ``mindstudio-probe`` is installed: its functional ops show the masks' -inf, and its
@@ -80,6 +81,10 @@ def _hf(name: str):
         cfg = tf.BertConfig(intermediate_size=128, max_position_embeddings=64, attn_implementation="eager",
                             **small)
         return (lambda: tf.BertModel(cfg)), "encoder.layer.{i}.intermediate.dense"
+    if name == "t5":
+        cfg = tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                          decoder_start_token_id=0, attn_implementation="eager")
+        return (lambda: tf.T5ForConditionalGeneration(cfg)), "encoder.block.{i}.layer.1.DenseReluDense.wi"
     raise KeyError(name)
 
 
@@ -188,7 +193,10 @@ def _model(name: str):
     if name == "seed-blocks":
         return SeedBlocks, "layers.{i}.0", torch.randn(4, 16, generator=g)
     build, target = _hf(name)
-    return build, target, {"input_ids": torch.randint(0, 128, (2, 16), generator=g)}
+    inputs = {"input_ids": torch.randint(0, 128, (2, 16), generator=g)}
+    if name == "t5":
+        inputs["decoder_input_ids"] = torch.randint(0, 128, (2, 8), generator=g)
+    return build, target, inputs
 
 
 # ---- injection -----------------------------------------------------------------------------------
@@ -257,9 +265,12 @@ def _dump(build, inputs, folder: Path, ordered: bool) -> None:
     def pre(name):
         def hook(_m, args, kwargs):
             calls.append(name)
-            x = first_tensor(args, kwargs)
-            if x is not None:
-                saved[f"{name}.input.0"] = x.detach().numpy().copy()
+            for i, x in enumerate(args):
+                if torch.is_tensor(x):
+                    saved[f"{name}.input.{i}"] = x.detach().numpy().copy()
+            for k, x in kwargs.items():
+                if torch.is_tensor(x):
+                    saved[f"{name}.kwarg.{k}"] = x.detach().numpy().copy()
         return hook
 
     def post(name):
@@ -280,7 +291,7 @@ def _dump(build, inputs, folder: Path, ordered: bool) -> None:
         np.save(folder / f"{n}.npy", a)
         os.utime(folder / f"{n}.npy", ns=(1_700_000_000_000_000_000,) * 2)
     if ordered:
-        order = [f"{c}.{r}.0" for c in calls for r in ("input", "output") if f"{c}.{r}.0" in saved]
+        order = [n for c in calls for n in saved if n.rsplit(".", 2)[0] == c]
         (folder / "manifest.json").write_text(json.dumps({"call_order": order}))
 
 
@@ -352,7 +363,7 @@ def _right(f, path: str, kind: str, how: str, folder: Optional[Path] = None) -> 
 
 # ---- the corpus ---------------------------------------------------------------------------------
 
-MODELS = ("qwen2", "llama", "gpt2", "bert", "seed-attention", "seed-blocks")
+MODELS = ("qwen2", "llama", "gpt2", "bert", "t5", "seed-attention", "seed-blocks")
 KINDS = ("activation", "weight")  # injected into MODELS; SEED_FAILURES fail by themselves
 
 

@@ -27,7 +27,7 @@ st.subheader("First non-finite producer")
 firsts = ov.first_nonfinite_by_run(store, sid)
 for item in firsts:
     run, first, masks = item["run"], item["first"], item["intended"]
-    quiet = (f"{len(masks)} masking op(s) wrote -inf on purpose (not blamed): "
+    quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, or log(0)); not blamed: "
              + ", ".join(page.plain(m["op"]) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
         st.success(f"{page.plain(run['name'])}: every recorded value is finite"

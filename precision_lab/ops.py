@@ -44,8 +44,9 @@ OPS: dict[str, tuple[str, ...]] = {
     "tril": (),
 }
 
-# canonical op types whose -inf output is a mask, not an overflow
-MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril"})
+# canonical op types whose -inf output is not an error by itself: a mask written on purpose, or log's exact
+# log(0) = -inf (log gives -inf for 0 and nothing else; T5's position buckets take log(0) and discard it)
+MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril", "log"})
 
 _BY_NAME = {a.lower().strip("_"): op for op, aliases in OPS.items() for a in (op,) + aliases}
 

@@ -60,3 +60,20 @@ def test_no_links_means_no_order_and_a_cycle_still_gives_one():
     assert order_from_data(_entries({"p": (a, a + 1), "q": (b, b + 1)})) is None
     got = order_from_data(_entries({"p": (a, b), "q": (b, a)}))  # each feeds the other: broken at the first given
     assert got.rank == {"p": 0, "q": 1}
+
+
+def test_all_nan_links_wait_behind_real_ones_and_modules_come_before_their_ops():
+    """After an overflow every tensor may be all-NaN: such links are weak, so an op of a later branch that only
+    an all-NaN tensor ties to the failing one is not placed first because its name sorts first."""
+    rng = np.random.default_rng(3)
+    x, h, y = (rng.standard_normal((2, 4)).astype(np.float16) for _ in range(3))
+    nan = np.full((2, 4), np.nan, np.float16)
+    assert digest(nan).weak and not digest(x).weak
+    calls = {
+        "a_decoder.cross": (nan, y),  # reads the encoder's (all-NaN) output; sorts first by name
+        "a_decoder.cross.k": (nan, h),
+        "z_encoder.fc": (x, nan),  # the overflow
+    }
+    got = order_from_data(_entries(calls))
+    r = got.rank
+    assert r["z_encoder.fc"] < r["a_decoder.cross"] < r["a_decoder.cross.k"]

@@ -7,20 +7,20 @@ turns the edges into an order: a topological sort, ties and cycles broken by
 the order the dump gave (by file time or by name).  Tensors that say nothing about where they came from
 are left out of the edges: those with fewer than two elements and finite
 constant ones (all zeros, all ones), which many unrelated ops share.  An
-all-NaN or all-inf tensor is kept: after an overflow it is often all there
-is to link the ops that pass the value on.
+all-NaN or all-inf tensor gives a weak link: after an overflow it is often
+all there is to link the ops that pass the value on, but unrelated ops share
+it too, so among the ops ready to place, one no weak link waits on goes first.
 
 A module and the ops inside it share tensors too (its input is its first
 op's input, its output its last op's output): equal inputs or equal outputs
-give no edge, and a module stays before the ops inside it when nothing else
-decides and its name sorts first; an op that reads a module's output runs
-after every op inside that module.
+give no edge; a module is called before the ops inside it, and an op that
+reads a module's output runs after every op inside that module.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import heapq
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -31,6 +31,13 @@ __all__ = ["digest", "order_from_data", "DataOrder", "INPUT_ROLES", "OUTPUT_ROLE
 
 INPUT_ROLES = frozenset({"input", "kwarg"})
 OUTPUT_ROLES = frozenset({"output"})
+
+
+class Digest(bytes):
+    """A tensor's hash; ``weak`` for an all-NaN or all-inf tensor, which unrelated ops after an overflow share
+    (such a link orders ops only where nothing else does)."""
+
+    weak = False
 
 
 def digest(t) -> Optional[bytes]:
@@ -49,12 +56,15 @@ def digest(t) -> Optional[bytes]:
             return None
         flat = a.reshape(-1)
         rows = flat.view(np.uint8).reshape(a.size, a.dtype.itemsize)
-        if (rows == rows[0]).all() and (a.dtype.kind not in "fc" or np.isfinite(flat[:1]).all()):
-            return None  # a finite constant (zeros, ones, a filled mask); an all-NaN/inf tensor is kept
+        constant = bool((rows == rows[0]).all())
+        if constant and (a.dtype.kind not in "fc" or np.isfinite(flat[:1]).all()):
+            return None  # a finite constant (zeros, ones, a filled mask); an all-NaN/inf tensor is kept, weak
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{a.dtype.str}{a.shape}".encode())
         h.update(memoryview(flat.view(np.uint8)))
-        return h.digest()
+        d = Digest(h.digest())
+        d.weak = constant
+        return d
     except Exception:  # an exotic dtype or layout: no evidence, never a failure
         return None
 
@@ -85,7 +95,7 @@ def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Opti
         elif role in INPUT_ROLES:
             consumed.setdefault(d, set()).add(op)
     succ: dict[str, set[str]] = {o: set() for o in ops}
-    indeg = {o: 0 for o in ops}
+    weak: dict[str, set[str]] = {o: set() for o in ops}
     n_edges = 0
     for d, makers in produced.items():
         for a in makers:
@@ -96,46 +106,62 @@ def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Opti
                 # an op that also produced it is a module around the maker (its last op's output): no edge to it
                 if b in makers:
                     continue
-                succ[a].add(b)
-                indeg[b] += 1
+                if getattr(d, "weak", False):
+                    weak[a].add(b)
+                else:
+                    succ[a].add(b)
                 n_edges += 1
     if n_edges == 0:
         return None
+    names = sorted(ops)
+
+    def inside(a: str) -> list[str]:
+        lo = bisect.bisect_left(names, a + ".")
+        hi = bisect.bisect_left(names, a + "/")  # "/" sorts right after "."
+        return names[lo:hi]
+
     # whatever reads a module's output runs after every op inside that module
-    for a in [a for a in ops if succ[a]]:
-        inner = [o for o in ops if o.startswith(a + ".")]
-        for b in list(succ[a]):
-            for o in inner:
-                if b not in succ[o] and not _nested(o, b):
-                    succ[o].add(b)
-                    indeg[b] += 1
-    return DataOrder(_toposort(ops, succ, indeg), n_edges)
+    for links in (succ, weak):
+        for a in [a for a in ops if links[a]]:
+            inner = inside(a)
+            for b in list(links[a]):
+                for o in inner:
+                    if not _nested(o, b):
+                        links[o].add(b)
+    # a module is called before the ops inside it
+    for a in ops:
+        succ[a].update(inside(a))
+    return DataOrder(_toposort(ops, succ, weak), n_edges)
 
 
 def _nested(a: str, b: str) -> bool:
     return a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def _toposort(ops: Sequence[str], succ: dict[str, set[str]], indeg: dict[str, int]) -> dict[str, int]:
-    """Kahn's algorithm, the ready op that came first in ``ops`` first; a cycle is broken at its first op."""
+def _toposort(ops: Sequence[str], succ: dict[str, set[str]], weak: dict[str, set[str]]) -> dict[str, int]:
+    """Kahn's algorithm over the strong links; among the ready ops, one no weak link still waits on first, then
+    the one that came first in ``ops``; a cycle is broken at its first op."""
     key = {o: i for i, o in enumerate(ops)}
-    ready = [(key[o], o) for o in ops if indeg[o] == 0]
-    heapq.heapify(ready)
+    indeg = {o: 0 for o in ops}
+    waits = {o: 0 for o in ops}
+    for a in ops:
+        for b in succ[a]:
+            indeg[b] += 1
+        for b in weak[a] - succ[a]:
+            waits[b] += 1
     rank: dict[str, int] = {}
-    indeg = dict(indeg)
+    ready = {o for o in ops if indeg[o] == 0}
     while len(rank) < len(ops):
-        if not ready:  # a cycle: take the first remaining op by name
-            o = min((o for o in ops if o not in rank), key=lambda o: key[o])
-            indeg[o] = 0
-            heapq.heappush(ready, (key[o], o))
-        _, o = heapq.heappop(ready)
-        if o in rank:
-            continue
+        if not ready:  # a cycle: take the first remaining op
+            ready.add(min((o for o in ops if o not in rank), key=key.__getitem__))
+        o = min(ready, key=lambda o: (waits[o] > 0, key[o]))
+        ready.discard(o)
         rank[o] = len(rank)
         for b in succ[o]:
-            if b in rank:
-                continue
-            indeg[b] -= 1
-            if indeg[b] == 0:
-                heapq.heappush(ready, (key[b], b))
+            if b not in rank:
+                indeg[b] -= 1
+                if indeg[b] <= 0:
+                    ready.add(b)
+        for b in weak[o] - succ[o]:
+            waits[b] -= 1
     return rank

@@ -18,7 +18,7 @@ is unexpected only where it holds NaN/inf the reference does not (the
 comparison's ``nonfinite_introduced``: element-wise with tensors, beyond the
 reference's signed counts with statistics).  Without one, ``-inf`` written
 by a masking op (``masked_fill``, ``where``, ``full``, ``fill``, ``triu``,
-``tril``) over finite inputs is intended, and so is ``-inf`` passed on by an
+``tril``) or by ``log`` (exactly log(0)) over finite inputs is intended, and so is ``-inf`` passed on by an
 op that received it; a softmax over masked rows is healthy.  Intended values
 are listed apart (``intended``, ``intended_nonfinite``), never blamed.  A
 parameter that is already non-finite (an fp32 weight beyond the format's
@@ -138,7 +138,8 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
     if in_reference:
         reason += "; the reference run holds the same non-finite values"
     if intended:
-        reason += (f" ({len(intended)} masking op(s) wrote -inf on purpose and are not blamed: "
+        reason += (f" ({len(intended)} op(s) wrote -inf that is no error by itself (a mask, or log(0)) and are "
+                   "not blamed: "
                    f"{', '.join(intended[:3])}{', ...' if len(intended) > 3 else ''})")
     first_nan = None
     if origin == "op" and known and not hit["nan_out"]:
@@ -463,7 +464,7 @@ def render_text(report: dict, *, top: int = 15) -> str:
         if f is None:
             out.append(f"  {run}: none (every recorded value is finite)" if not masks else
                        f"  {run}: none (the only non-finite values are -inf written on purpose by "
-                       f"{len(masks)} masking op(s), e.g. {masks[0]['op']})")
+                       f"{len(masks)} op(s) (a mask, or log(0)), e.g. {masks[0]['op']})")
             continue
         out.append(f"  {run}: {f['op']}  (step {f['step']}, rank {f['rank']}, seq {f['seq']}, {f['role']} {f['index']})")
         out.append(f"    {f['reason']}")

@@ -197,7 +197,8 @@ def render_html(store, session: str, *, public: bool = False) -> str:
         masks = f.get("intended") or []
         if first is None:
             nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"
-                            + (f" apart from -inf written on purpose by {len(masks)} masking op(s)" if masks else "")})
+                            + (f" apart from -inf that is no error by itself (a mask, or log(0)), written by "
+                               f"{len(masks)} op(s)" if masks else "")})
             continue
         op = first["op"] if first["origin"] != "parameter" else f"parameter {first['parameter']['name']}"
         nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first["op_type"],
