@@ -1,6 +1,6 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, start_rerun
+from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui.common import num_text, text_columns
@@ -96,6 +96,7 @@ st.subheader("Diagnosis")
 cards = ov.diagnosis_cards(store, sid)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
+blocked = rerun_blocker(store, info["name"]) if acc.can_rerun and any(c["fixes"] for c in cards) else None
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
         icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
@@ -104,6 +105,8 @@ for i, card in enumerate(cards):
         st.markdown(page.message_md(card["message"]))
         if card["fixes"]:
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
+            if blocked and card["rule"] != "fix-verified":
+                st.caption("No re-run button: " + page.plain(blocked))
         if acc.can_rerun:
             for j, action in enumerate(rerun_actions(store, info["name"], card)):
                 if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",

@@ -74,3 +74,11 @@ def test_unknown_session_in_url_says_so_and_opens_nothing(ui_db):
     assert "no session named no-such-session" in shown
     assert at.query_params["session"] == ["no-such-session"] or at.query_params["session"] == "no-such-session"
     assert not at.dataframe and not at.get("plotly_chart")  # no other session's data
+
+
+def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
+    at = open_page("overview", session=STAT_SESSION)
+    body = texts(at)
+    assert "Proposed fixes" in body
+    assert "No re-run button" in body and "holds dumps, not a model" in body and "capture --model" in body
+    assert not [b for b in at.button if b.label.startswith("Re-run with")]

@@ -734,3 +734,42 @@ def test_lost_device_results_keep_records_and_warn(monkeypatch):
     assert any("device results lost" in m for _, m in cap.warnings)
     # local comparisons still point at the right records
     assert all(cap.records[pos].role == "output" for pos, _ in cap.local_comparisons)
+
+
+def _other_process_reads(db) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    code = ("from precision_lab.store import Store\n"
+            f"s = Store({str(db)!r})\n"
+            "print(len(s.sessions()))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_capture_to_a_path_releases_the_database_for_other_processes(tmp_path):
+    from precision_lab.store import is_open
+
+    db = tmp_path / "nb.duckdb"
+    m = nn.Linear(4, 4)
+    with capture(m, store=str(db)):
+        m(torch.randn(2, 4))
+    assert not is_open(db)
+    got = _other_process_reads(db)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "1"
+
+
+def test_store_close_and_context_manager(tmp_path):
+    from precision_lab.store import is_open
+
+    db = tmp_path / "s.duckdb"
+    with Store(db) as s:
+        with s.new_session("kept") as w:
+            w.add_run(name="r")
+        assert is_open(db)
+        held = _other_process_reads(db)
+        assert held.returncode != 0 and "lock" in held.stderr.lower()  # DuckDB: one process per file
+    assert not is_open(db)
+    got = _other_process_reads(db)
+    assert got.returncode == 0 and got.stdout.strip() == "1", got.stderr
+    assert list(Store(db).sessions()["name"]) == ["kept"]  # reopened in this process

@@ -104,7 +104,7 @@ def test_rerun_of_a_dump_session_says_to_replay(lab):
 
     store = lab[0]
     name = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], store=store)
-    with pytest.raises(RerunError, match=r"holds dumps, not a recipe: re-running needs the model"):
+    with pytest.raises(RerunError, match=r"holds dumps, not a model: re-running needs the model.*capture --model"):
         rerun_session(store, name, "use-bf16")
 
 

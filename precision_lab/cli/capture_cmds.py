@@ -1,4 +1,5 @@
-"""``capture``: run a registered recipe under live capture, fp32 reference included.
+"""``capture``: run a registered recipe, or your own model named by entry points, under live capture, fp32
+reference included.
 
 Exit status: 0 success (whatever the candidate's numbers); 2 the request
 cannot be carried out (unknown recipe or format, bad fix spec, database
@@ -16,7 +17,7 @@ from ._common import DB_HELP, open_store
 from ._common import fail as _fail
 from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
 from ..formats import FORMATS, get_format
-from ..fixes.recipes import RecipeNotFound, get_recipe
+from ..fixes.recipes import RecipeNotFound, entry_point_recipe, get_recipe, register_recipe
 from ..fixes.catalogue import apply_fixes
 from ..services import browse
 from ..services.report import first_nonfinite
@@ -44,9 +45,33 @@ def candidate_policy(recipe, dtype: Optional[str]):
     return PrecisionPolicy(name=fmt.name, dtype=fmt.name)
 
 
+MODEL_HELP = ("your model: FILE.py:FUNCTION or package.module:FUNCTION returning a fresh fp32 torch.nn.Module "
+              "(instead of --recipe)")
+INPUTS_HELP = "with --model: FILE.py:FUNCTION returning the inputs (a tensor, a tuple of arguments or a dict)"
+LOSS_HELP = "with --model: FILE.py:FUNCTION mapping the output to a scalar loss, for a backward pass too"
+
+
+def resolve_recipe(recipe: Optional[str], model: Optional[str], inputs: Optional[str], loss: Optional[str]):
+    """The recipe a command runs: a registered one by name, or the user's model from ``--model``/``--inputs``
+    (registered in this process under the name its session records)."""
+    if (recipe is None) == (model is None):
+        raise ValueError("give --recipe NAME or --model FILE.py:FUNCTION (with --inputs), not both or neither")
+    if model is not None:
+        if not inputs:
+            raise ValueError("--model needs --inputs FILE.py:FUNCTION returning the model's inputs")
+        return register_recipe(entry_point_recipe(model, inputs, loss), replace=True)
+    if inputs or loss:
+        raise ValueError("--inputs and --loss go with --model")
+    return get_recipe(recipe)
+
+
 @app.command("capture")
 def capture_cmd(
-    recipe: str = typer.Option(..., "--recipe", help="registered recipe to run (see `precision-lab recipes`)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="registered recipe to run (see `precision-lab "
+                                                                 "recipes`)"),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+    inputs: Optional[str] = typer.Option(None, "--inputs", help=INPUTS_HELP),
+    loss: Optional[str] = typer.Option(None, "--loss", help=LOSS_HELP),
     dtype: Optional[str] = typer.Option(
         None, "--dtype", help="candidate format or policy preset: fp16, bf16, fp8_e4m3fn, fp8_e5m2, fp8-e4m3-row, "
                               "... (default: the recipe's own failing policy)"),
@@ -56,11 +81,15 @@ def capture_cmd(
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     no_local: bool = typer.Option(False, "--no-local", help="skip the per-op fp32 re-runs (local error)"),
 ) -> None:
-    """Capture a recipe's fp32 reference and low-precision candidate, compare them op by op, store the session."""
+    """Capture a recipe's (or your model's) fp32 reference and low-precision candidate, compare them op by op,
+    store the session."""
     try:
-        rec = get_recipe(recipe)
+        rec = resolve_recipe(recipe, model, inputs, loss)
     except (RecipeNotFound, KeyError, ValueError) as e:
         _fail(str(e) if not isinstance(e, KeyError) or isinstance(e, RecipeNotFound) else str(e.args[0]))
+    default_name = rec.name
+    if model is not None:
+        default_name = model.rpartition(":")[2]
     try:
         policy = candidate_policy(rec, dtype)
         if fix:
@@ -74,7 +103,7 @@ def capture_cmd(
         name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,
                             loss_fn=rec.loss_fn, seed=rec.seed, reference_name="fp32 reference",
                             candidate_name=f"candidate ({policy.name})", source=f"recipe:{rec.name}",
-                            recipe=rec.name, name=session or rec.name)
+                            recipe=rec.name, name=session or default_name)
     except ValueError as e:
         _fail(str(e))
     _summary(store, name)

@@ -14,7 +14,9 @@ import typer
 from . import app
 from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
-from ..fixes.recipes import RecipeError, list_recipes
+from ..fixes.recipes import MODEL_PREFIX, RecipeError, list_recipes, parse_entry_point_recipe
+from .capture_cmds import resolve_recipe
+from ..services.sessions import recipe_name as session_recipe_name
 from ..fixes.catalogue import FIXES, parse_fix
 from ..services import browse
 from ..services.report import first_nonfinite
@@ -72,16 +74,43 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     return fn is None
 
 
+def _model_entry_points(store, session: str, model: Optional[str], inputs: Optional[str],
+                        loss: Optional[str]) -> None:
+    """Make the model a session was captured from runnable in this process, from the entry points given on the
+    command line (a session's own record of them is never run); they must be the ones it was captured with."""
+    if model is None:
+        if inputs or loss:
+            _fail("--inputs and --loss go with --model")
+        return
+    try:
+        info = store.session(session)
+        rec = resolve_recipe(None, model, inputs, loss)
+    except (SessionNotFound, ValueError) as e:
+        _fail(str(e))
+    recorded = session_recipe_name(store, info)
+    if recorded != rec.name:
+        what = (f"the model entry points {parse_entry_point_recipe(recorded)}" if recorded and
+                recorded.startswith(MODEL_PREFIX) else f"recipe {recorded!r}" if recorded else "dumps, not a model")
+        _fail(f"session {info['name']!r} was captured from {what}; --model/--inputs/--loss name "
+              f"{parse_entry_point_recipe(rec.name)}")
+
+
 @app.command("rerun")
 def rerun_cmd(
     session: str = typer.Option(..., "--session", "-s", help="session made from a recipe"),
     fix: List[str] = typer.Option(..., "--fix", "-f", help="fix spec, e.g. scale-fp32 or keep-fp32:<module>; "
                                                            "repeat or join with + to apply several"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to edit (default: the session's candidate)"),
+    model: Optional[str] = typer.Option(None, "--model", help="a session captured with --model: the same entry "
+                                                               "point, to run it again"),
+    inputs: Optional[str] = typer.Option(None, "--inputs", help="with --model: the same inputs entry point"),
+    loss: Optional[str] = typer.Option(None, "--loss", help="with --model: the same loss entry point"),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
-    """Re-run a session's recipe under a fix: a new run whose parent is the old one, compared with fp32."""
+    """Re-run a session's recipe (or model) under a fix: a new run whose parent is the old one, compared with
+    fp32."""
     store = open_store(db)
+    _model_entry_points(store, session, model, inputs, loss)
     progress = tty_progress()
     try:
         run_id = rerun_session(store, session, list(fix), progress, parent=parent)
@@ -102,10 +131,15 @@ def bisect_cmd(
                                                  "NaN/Inf); default: the recipe's own bound"),
     max_runs: int = typer.Option(16, "--max-runs", help="most runs to try"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to start from (default: the candidate)"),
+    model: Optional[str] = typer.Option(None, "--model", help="a session captured with --model: the same entry "
+                                                               "point, to run it again"),
+    inputs: Optional[str] = typer.Option(None, "--inputs", help="with --model: the same inputs entry point"),
+    loss: Optional[str] = typer.Option(None, "--loss", help="with --model: the same loss entry point"),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
 ) -> None:
     """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
     store = open_store(db)
+    _model_entry_points(store, session, model, inputs, loss)
     progress = tty_progress()
     try:
         res = bisect_fp32_islands(store, session, tolerance=tolerance, max_runs=max_runs, parent=parent,

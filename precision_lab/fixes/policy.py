@@ -45,6 +45,9 @@ __all__ = [
     "POLICIES",
     "get_policy",
     "module_matches",
+    "cast_floating",
+    "call_model",
+    "first_tensor",
 ]
 
 # formats a module can compute in: the ones torch runs arithmetic in on CPU
@@ -281,6 +284,29 @@ def cast_floating(tree, tdtype):
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: t.to(tdtype) if t.is_floating_point() else t, tree)
+
+
+def call_model(model, inputs):
+    """``model`` called on ``inputs`` as recipes and captures give them: a dict is keyword arguments, a tuple or
+    list positional ones, anything else the one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def first_tensor(output):
+    """The first tensor of a model's output (the output itself, a tuple's first, a Hugging Face ModelOutput's
+    logits or last hidden state), or None."""
+    import torch  # deferred: see cast_floating
+    from torch.utils._pytree import tree_leaves
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "to_tuple"):  # transformers' ModelOutput: its fields in order, Nones left out
+        output = output.to_tuple()
+    return next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
 
 
 # ---- named presets ----------------------------------------------------------

@@ -8,6 +8,13 @@ environment variable ``PRECISION_LAB_RECIPES="pkg.mod:fn,other.mod:RECIPE"``:
 each entry is a ``Recipe``, or a callable returning a ``Recipe``, a list of
 them, or None (when it called ``register_recipe`` itself).  Recipes are never
 read from uploaded files.
+
+A user's own model becomes a recipe through entry points
+(``entry_point_recipe``: ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``
+for the model, its inputs and optionally a loss), as ``precision-lab capture
+--model ... --inputs ...`` does.  The session records them in the recipe's
+name; they are run again only when given again on the command line or listed
+in ``PRECISION_LAB_MODELS`` by whoever configures the server.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from ..registry import DuplicateName, Registry
 from .policy import PrecisionPolicy, QuantConfig
 
 __all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPES", "register_recipe", "get_recipe",
-           "list_recipes", "load_user_recipes", "RECIPES_ENV", "BUILD_LOCK"]
+           "list_recipes", "load_user_recipes", "RECIPES_ENV", "BUILD_LOCK", "MODELS_ENV", "MODEL_PREFIX",
+           "entry_point_recipe", "load_entry_point", "parse_entry_point_recipe"]
 
 RECIPES_ENV = "PRECISION_LAB_RECIPES"
 
@@ -147,12 +155,102 @@ def _ensure_user_recipes() -> None:
 
 
 def get_recipe(name: str) -> Recipe:
-    """A registered recipe by name (user recipes from ``$PRECISION_LAB_RECIPES`` included)."""
+    """A registered recipe by name (user recipes from ``$PRECISION_LAB_RECIPES`` included; a model entry point's
+    recipe when ``$PRECISION_LAB_MODELS`` allows its model)."""
     _ensure_user_recipes()
     r = RECIPES.get(name)
+    if r is None and name.startswith(MODEL_PREFIX):
+        eps = parse_entry_point_recipe(name)
+        allowed = {_normalise(e) for e in os.environ.get(MODELS_ENV, "").split(",") if e.strip()}
+        if eps["model"] not in allowed:
+            raise RecipeNotFound(
+                f"this session was captured from the model entry point {eps['model']!r}; entry points named by a "
+                f"session are never run on their own: pass --model {eps['model']} --inputs {eps['inputs']}"
+                + (f" --loss {eps['loss']}" if eps.get("loss") else "")
+                + f" on the command line, or list the model in {MODELS_ENV} on the server")
+        r = register_recipe(entry_point_recipe(**eps), replace=True)
     if r is None:
         raise RecipeNotFound(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
     return r
+
+
+# ---- a user's model, named by entry points ------------------------------------------------
+
+MODEL_PREFIX = "model:"
+MODELS_ENV = "PRECISION_LAB_MODELS"  # model entry points this server may run for re-runs from the dashboard
+
+
+def _normalise(spec: str) -> str:
+    """``FILE.py:FUNCTION`` with the file made absolute; ``package.module:FUNCTION`` as given."""
+    spec = spec.strip()
+    target, sep, fn = spec.rpartition(":")
+    if not sep or not target or not fn or not fn.isidentifier():
+        raise RecipeError(f"entry point {spec!r} must look like FILE.py:FUNCTION or package.module:FUNCTION")
+    if target.endswith(".py"):
+        target = os.path.abspath(target)
+    return f"{target}:{fn}"
+
+
+def load_entry_point(spec: str) -> Callable:
+    """The function an entry point names: ``FILE.py:FUNCTION`` (the file is imported as a module) or
+    ``package.module:FUNCTION``.  Only ever called with entry points given by whoever runs the command or
+    configures the server, never with one read from a session or an upload."""
+    spec = _normalise(spec)
+    target, _, fn = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            import importlib.util
+
+            if not os.path.isfile(target):
+                raise RecipeError(f"entry point {spec!r}: no file {target}")
+            mod_name = "precision_lab_user_" + "".join(c if c.isalnum() else "_" for c in target)
+            loader = importlib.util.spec_from_file_location(mod_name, target)
+            mod = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(target)
+    except RecipeError:
+        raise
+    except Exception as e:  # the user's own module failed to import: say where
+        raise RecipeError(f"entry point {spec!r}: importing {target} failed ({type(e).__name__}: {e})") from None
+    obj = getattr(mod, fn, None)
+    if not callable(obj):
+        raise RecipeError(f"entry point {spec!r}: {target} has no function {fn!r}")
+    return obj
+
+
+def entry_point_recipe(model: str, inputs: str, loss: Optional[str] = None, *, dtype: str = "fp16",
+                       seed: int = 0) -> Recipe:
+    """A recipe for a user's model: ``model`` returns a fresh fp32 ``nn.Module``, ``inputs`` what to call it with
+    (a tensor, a tuple of positional arguments or a dict of keyword arguments), ``loss`` (optional) maps the
+    output to a scalar for a backward pass.  Its name records the entry points, so the session it makes can be
+    re-run when the same entry points are given again."""
+    eps = {"model": _normalise(model), "inputs": _normalise(inputs)}
+    if loss:
+        eps["loss"] = _normalise(loss)
+    name = MODEL_PREFIX + "|".join(f"{k}={v}" for k, v in eps.items())
+    if any(c.isspace() for c in name):
+        raise RecipeError(f"entry points {', '.join(eps.values())}: paths with spaces cannot name a session's model")
+    model_fn, inputs_fn = load_entry_point(eps["model"]), load_entry_point(eps["inputs"])
+    loss_fn = load_entry_point(eps["loss"]) if loss else None
+    return Recipe(name, f"the model built by {eps['model']}, called on {eps['inputs']}",
+                  lambda: (model_fn(), inputs_fn()), PrecisionPolicy(dtype, dtype), seed=seed, loss_fn=loss_fn,
+                  tags=("model",))
+
+
+def parse_entry_point_recipe(name: str) -> dict:
+    """``{"model", "inputs", "loss"?}`` of an entry-point recipe's name (nothing is imported)."""
+    if not name.startswith(MODEL_PREFIX):
+        raise RecipeError(f"{name!r} is not a model entry point recipe")
+    out = {}
+    for part in name[len(MODEL_PREFIX):].split("|"):
+        k, sep, v = part.partition("=")
+        if not sep or k not in ("model", "inputs", "loss") or not v:
+            raise RecipeError(f"{name!r} is not a model entry point recipe")
+        out[k] = v
+    if "model" not in out or "inputs" not in out:
+        raise RecipeError(f"{name!r} is not a model entry point recipe")
+    return out
 
 
 def list_recipes() -> list[Recipe]:

@@ -10,6 +10,7 @@ reference copies are deleted when the pair is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..fixes.policy import call_model
 from ..formats import format_for_dtype, get_format
 from ..live.capture import Capture
 from ..live.policies import as_policy, policy_description
@@ -27,7 +29,7 @@ from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
 from ..metrics import compare, compare_stats
 from ..stats import canonical_dtype
-from ..store import Store
+from ..store import Store, is_open
 from .diagnose import diagnose_session
 from .pairing import verdict_format
 
@@ -226,19 +228,11 @@ class _Comparer:
                                            "statistics against the format that rule gives")
 
 
-def _call(model, inputs):
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
     with cap:
         x = cap.prepare_inputs(inputs)
         torch.manual_seed(seed)
-        out = _call(cap.model, x)
+        out = call_model(cap.model, x)
         if loss_fn is not None:
             loss = loss_fn(out)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -248,16 +242,29 @@ def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
 
 
 class _StoreAt:
-    """A database path as a capture sink: the database is opened when the capture writes, not before."""
+    """A database path as a capture sink: the database is opened when the capture writes, not before, and
+    closed again once written unless this process already had it open (a notebook that captured does not keep
+    the file locked against ``precision-lab report`` in a terminal)."""
 
     def __init__(self, path):
         self.path = path
 
+    @contextlib.contextmanager
+    def _writing(self, method: str, *args, **kwargs):
+        opened_here = not is_open(self.path)
+        store = Store(self.path)
+        try:
+            with getattr(store, method)(*args, **kwargs) as w:
+                yield w
+        finally:
+            if opened_here:
+                store.close()
+
     def new_session(self, *args, **kwargs):
-        return Store(self.path).new_session(*args, **kwargs)
+        return self._writing("new_session", *args, **kwargs)
 
     def extend_session(self, *args, **kwargs):
-        return Store(self.path).extend_session(*args, **kwargs)
+        return self._writing("extend_session", *args, **kwargs)
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,

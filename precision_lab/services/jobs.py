@@ -13,11 +13,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
-from .rerun import rerun_session
+from .rerun import RerunError, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, parse_fix, split_specs
-from .sessions import recipe_name
 
-__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions"]
+__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions", "rerun_blocker"]
 
 _JOBS: dict[tuple, "RerunJob"] = {}
 _LOCK = threading.Lock()
@@ -90,6 +89,16 @@ def running_jobs(store, session: str) -> list[RerunJob]:
         return [j for k, j in _JOBS.items() if k[0] == path and k[1] == session and not j.finished]
 
 
+def rerun_blocker(store, session: str) -> Optional[str]:
+    """Why this server cannot re-run a session (a sentence), or None when it can: a dump holds no model, and a
+    user's model is run again only when this server allows its entry point."""
+    try:
+        session_recipe(store, session)
+    except RerunError as e:
+        return str(e)
+    return None
+
+
 def rerun_actions(store, session: str, card: dict) -> list[dict]:
     """The re-runs a diagnosis card offers: ``{"label", "fix", "reason", "parent"}`` per proposed fix.
 
@@ -97,8 +106,7 @@ def rerun_actions(store, session: str, card: dict) -> list[dict]:
     the parent is the run the diagnosis is about, and ``reason`` joins the
     catalogue's one-line reasons of the fix's parts.
     """
-    info = store.session(session)
-    if card.get("rule") == "fix-verified" or not recipe_name(store, info):
+    if card.get("rule") == "fix-verified" or rerun_blocker(store, session) is not None:
         return []
     out = []
     for f in card.get("fixes") or []:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..fixes.catalogue import apply_fixes, fix_label, split_specs
-from ..fixes.policy import PrecisionPolicy
-from ..fixes.recipes import BUILD_LOCK, Recipe, RecipeNotFound, get_recipe
+from ..fixes.policy import PrecisionPolicy, call_model, first_tensor
+from ..fixes.recipes import BUILD_LOCK, MODEL_PREFIX, Recipe, RecipeError, RecipeNotFound, get_recipe
 from ..metrics import compare
 from ..ops import innermost_module
 from ..records import free_name
@@ -70,7 +70,7 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
         with torch.set_grad_enabled(backward):
             with cap:
                 x = cap.prepare_inputs(inputs)
-                out = cap.model(*x) if isinstance(x, tuple) else cap.model(x)
+                out = call_model(cap.model, x)
                 if backward:
                     recipe.loss_fn(out).backward()
     tensors = {}
@@ -82,7 +82,8 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
         err = getattr(mod, "calibration_error", None)
         if err:
             cap.warnings.append((name, f"histogram calibration failed: {err}"))
-    return _Run(cap, out.detach() if isinstance(out, torch.Tensor) else out, tensors)
+    out = first_tensor(out)
+    return _Run(cap, out.detach() if out is not None else None, tensors)
 
 
 def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_rids: Optional[dict],
@@ -157,14 +158,18 @@ def session_recipe(store, session: str) -> tuple[dict, Recipe]:
     name = recipe_name(store, info)
     if not name:
         raise RerunError(
-            f"session {info['name']!r} holds dumps, not a recipe: re-running needs the model. Capture it with "
-            "`precision-lab capture --recipe NAME`, or replay single ops from a tensor-mode dump "
-            "(precision_lab.services.replay.replay_op)")
+            f"session {info['name']!r} holds dumps, not a model: re-running needs the model. Capture it with "
+            "`precision-lab capture --model FILE.py:FUNCTION --inputs FILE.py:FUNCTION` (or --recipe NAME), or "
+            "replay single ops from a tensor-mode dump (precision_lab.services.replay.replay_op)")
     try:
         return info, get_recipe(name)
     except RecipeNotFound as e:
+        if name.startswith(MODEL_PREFIX):
+            raise RerunError(f"session {info['name']!r}: {e}") from None
         raise RerunError(f"session {info['name']!r} was made from recipe {name!r}, which this server does not "
                          f"have ({e}); register it with PRECISION_LAB_RECIPES") from None
+    except RecipeError as e:  # an allowed entry point that no longer imports
+        raise RerunError(f"session {info['name']!r}: {e}") from None
 
 
 def _runs(store, sid: str) -> list[dict]:
@@ -341,7 +346,7 @@ def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
     policy.prepare(model)
     x = policy.prepare_inputs(inputs)
     with torch.no_grad():
-        return model(*x) if isinstance(x, tuple) else model(x)
+        return first_tensor(call_model(model, x))
 
 
 def _run_nonfinite(store, run_id: str) -> int:

@@ -27,7 +27,7 @@ from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
-__all__ = ["Store", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
+__all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
 SCHEMA_VERSION = 3
@@ -132,6 +132,12 @@ def _connection(path: str):
         return con, _LOCKS[path]
 
 
+def is_open(path: Optional[os.PathLike | str]) -> bool:
+    """Whether this process holds the database at ``path`` open."""
+    with _GLOBAL:
+        return resolve_db_path(path) in _CONNS
+
+
 def close_all() -> None:
     """Close every cached connection (tests, shutdown)."""
     with _GLOBAL:
@@ -166,6 +172,24 @@ class Store:
         self._tokens = token_file_for(self.path)
         self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
         self._sync_tokens()
+
+    def close(self) -> None:
+        """Close this database: its connection is shared by every ``Store`` of the same file in this process,
+        and the file's lock is released for other processes (a later ``Store`` opens it again)."""
+        with _GLOBAL:
+            con = _CONNS.pop(self.path, None)
+            _LOCKS.pop(self.path, None)
+        if con is not None:
+            try:
+                con.close()
+            except Exception:
+                pass
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- connection plumbing
     def cursor(self):

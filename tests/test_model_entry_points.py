@@ -1,0 +1,79 @@
+"""``precision-lab capture --model FILE.py:FUNCTION --inputs ...``: a user's own model, captured, diagnosed and
+re-run under a fix from the command line; entry points recorded by a session are never run on their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from precision_lab.cli import app
+from precision_lab.fixes.recipes import MODELS_ENV, RECIPES
+from precision_lab.services.report import first_nonfinite
+from precision_lab.store import Store, close_all
+from precision_lab.store import queries as q
+
+MODEL = str(Path(__file__).parent / "models" / "qwen2_overflow.py")
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def captured(tmp_path):
+    db = tmp_path / "m.duckdb"
+    res = _cli("capture", "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs", "--dtype", "fp16",
+               "--db", db, "--no-local")
+    assert res.exit_code == 0, res.output
+    # another process knows nothing of the entry points: forget them here too
+    for name in [n for n in RECIPES if n.startswith("model:")]:
+        RECIPES.unregister(name)
+    yield db
+    close_all()
+
+
+def test_capture_names_the_overflow_in_the_users_model(captured):
+    store = Store(captured)
+    info = store.session("build")
+    runs = {r["kind"]: r for r in q.session_runs(store, info["session_id"])}
+    assert first_nonfinite(store, runs["reference"]["run_id"]) is None
+    f = first_nonfinite(store, runs["candidate"]["run_id"])
+    assert f["op"].startswith("model.layers.1.mlp.down_proj.")
+    assert info["recipe"].startswith("model:model=") and "qwen2_overflow.py:build" in info["recipe"]
+
+
+def test_rerun_needs_the_entry_points_again_and_then_fixes_it(captured, monkeypatch):
+    monkeypatch.delenv(MODELS_ENV, raising=False)
+    res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured)
+    assert res.exit_code == 2
+    assert "never run on their own" in res.output and f"--model {MODEL}:build" in res.output
+    other = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured,
+                 "--model", f"{MODEL}:inputs", "--inputs", f"{MODEL}:inputs")
+    assert other.exit_code == 2 and "was captured from the model entry points" in other.output
+    res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured,
+               "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs")
+    assert res.exit_code == 0, res.output
+    assert "no NaN or inf anywhere in the run" in res.output
+    store = Store(captured)
+    runs = q.session_runs(store, store.session("build")["session_id"])
+    rerun = next(r for r in runs if r["kind"] == "rerun")
+    assert rerun["fix"] == "use-bf16" and first_nonfinite(store, rerun["run_id"]) is None
+
+
+def test_a_server_may_allow_a_model_for_re_runs(captured, monkeypatch):
+    monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build")
+    res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured)
+    assert res.exit_code == 0, res.output
+
+
+def test_bad_entry_points_are_one_sentence(tmp_path):
+    db = tmp_path / "m.duckdb"
+    for args, words in (((("--model", f"{MODEL}:nope", "--inputs", f"{MODEL}:inputs")), "has no function 'nope'"),
+                        ((("--model", str(tmp_path / "missing.py") + ":f", "--inputs", f"{MODEL}:inputs")), "no file"),
+                        ((("--model", f"{MODEL}:build")), "--model needs --inputs"),
+                        ((("--recipe", "fp16-layernorm", "--model", f"{MODEL}:build")), "not both")):
+        res = _cli("capture", *args, "--db", db)
+        assert res.exit_code == 2 and words in res.output, res.output
+        assert "Traceback" not in res.output
