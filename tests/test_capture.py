@@ -773,3 +773,51 @@ def test_store_close_and_context_manager(tmp_path):
     got = _other_process_reads(db)
     assert got.returncode == 0 and got.stdout.strip() == "1", got.stderr
     assert list(Store(db).sessions()["name"]) == ["kept"]  # reopened in this process
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+
+
+def test_local_error_leaves_the_model_as_a_plain_training_step_does():
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    plain = _bn_model().train()
+    plain(x).sum().backward()
+    m = _bn_model().train()
+    with capture(m, store=Store(":memory:"), options=CaptureOptions(local_error=True)):
+        m(x).sum().backward()
+    want, got = plain.state_dict(), m.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k  # bit-identical, running statistics included
+    for (n, p), (_, q) in zip(plain.named_parameters(), m.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
+def test_local_error_under_autocast_is_measured_in_true_fp32():
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    m = _bn_model().eval()
+    store = Store(":memory:")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with capture(m, store=store, options=CaptureOptions(local_error=True)) as cap:
+            m(x)
+    got = store.sql("SELECT max_abs_err FROM comparisons WHERE kind = 'local' AND cand_run_id = ? AND op = ?",
+                    [cap.run_id, "0.conv2d.0"]).fetchone()[0]
+    # independent: the same conv in fp32 against autocast's bf16 conv
+    conv = m[0]
+    with torch.no_grad():
+        ref = conv(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = conv(x)
+    assert low.dtype == torch.bfloat16
+    assert got > 0 and got == pytest.approx(float((ref - low.float()).abs().max()), rel=1e-6)
+
+
+def test_module_re_runs_hold_no_copy_of_the_parameters():
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with capture(m, store=Store(":memory:"), options=CaptureOptions(local_error=True)) as cap:
+        m(torch.randn(2, 64))
+        skeletons = [s for s in cap._shadow_cache.values() if s is not False]
+        assert skeletons
+        assert all(t.device.type == "meta" for s in skeletons for t in list(s.parameters()) + list(s.buffers()))

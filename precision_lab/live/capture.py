@@ -169,7 +169,8 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         self._params_done: set = set()
         self._module_paths: dict = {}
         self._param_owner: dict = {}
-        self._shadow_cache: dict = {}
+        self._shadow_cache: dict = {}  # id(module) -> its re-run skeleton (no memory), for the whole capture
+        self._buffer_ids: frozenset = frozenset()
         # decisions that depend only on the options and the op or module, made once per capture
         self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
         self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
@@ -278,7 +279,8 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         self._counters.clear()
         self._node_birth.clear()
         self._params_done.clear()
-        self._shadow_cache.clear()
+        # the model's buffers, copied (not shared) into a functional op's fp32 re-run
+        self._buffer_ids = frozenset(id(b) for b in self.model.buffers()) if self.options.local_error else frozenset()
         self._engine.new_step()
         tls = self._tls
         tls.stack = []
@@ -403,7 +405,8 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         rng = None
         if self.options.local_error:
             inplace = info.inplace or kwargs.get("out") is not None or kwargs.get("inplace") is True
-            shadow = (_upcast(args, clone=inplace), _upcast(kwargs, clone=inplace))
+            shadow = (_upcast(args, clone=inplace, copy_ids=self._buffer_ids),
+                      _upcast(kwargs, clone=inplace, copy_ids=self._buffer_ids))
             rng = _rng_state_of(_cuda_devices((args, kwargs)))
         return (op, info, ins, self._seq, shadow, rng)
 

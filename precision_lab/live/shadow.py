@@ -1,10 +1,20 @@
-"""Local error: each op re-run in fp32 on its own (upcast) inputs, under the same random state."""
+"""Local error: each op re-run in fp32 on its own (upcast) inputs, under the same random state.
+
+The re-runs leave the model as a plain step would: a functional op gets copies of the model's buffers (a
+training-mode batch_norm updates its running statistics in place), and a module is re-run with
+``torch.func.functional_call`` on a copy of its structure whose parameters and buffers live on the meta device
+(no memory), given the module's own parameters (upcast copies only where they are low precision) and copies of
+its buffers.  Only the parameters of the module being re-run are copied, and only while it runs.  Re-runs
+happen with autocast switched off: an "fp32" re-run under autocast would compute in the autocast format.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from ..formats import format_for_dtype
@@ -17,14 +27,14 @@ for _n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
         _LOW_FLOAT.add(getattr(torch, _n))
 
 
-def _upcast(obj, clone: bool):
+def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
     """Every low-precision floating tensor (and dtype argument) of a pytree upcast to float32; other tensors
-    detached (copied when ``clone``)."""
+    detached (copied when ``clone``, or when their ``id`` is in ``copy_ids``: the model's buffers)."""
     def up(x):
         if isinstance(x, torch.Tensor):
             if x.dtype in _LOW_FLOAT:
                 return x.detach().to(torch.float32)
-            return x.detach().clone() if clone else x.detach()
+            return x.detach().clone() if clone or id(x) in copy_ids else x.detach()
         if isinstance(x, torch.dtype):
             return torch.float32 if x in _LOW_FLOAT else x
         return x
@@ -46,6 +56,20 @@ def _rng_state_of(cuda_devices: dict):
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in cuda_devices}
 
 
+@contextlib.contextmanager
+def _exact_fp32():
+    """Autocast off on every device type that has it on, so an fp32 re-run computes in fp32."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32) if t.dtype in _LOW_FLOAT else t.detach()
+
+
 class ShadowRuns:
     """Part of ``Capture``: see ``live.capture``."""
 
@@ -62,39 +86,54 @@ class ShadowRuns:
             else:
                 if not any(t.is_floating_point() for _, t in _flatten((sargs, skwargs))):
                     return
-                ref_out = self._with_rng(rng, lambda: func(*sargs, **skwargs))
+                with _exact_fp32():
+                    ref_out = self._with_rng(rng, lambda: func(*sargs, **skwargs))
                 ref_outs = dict(_flatten(ref_out))
         self._store_local(op, ref_outs, out_recs)
 
     def _local_module(self, frame: _Frame, out_recs) -> None:
         module = frame.module
-        shadow = self._shadow_cache.get(id(module))
-        if shadow is False:
+        skeleton = self._shadow_cache.get(id(module))
+        if skeleton is False:
             return
-        if shadow is None:
-            # the module's hooks refer to this capture: share it, do not copy it
-            try:
-                shadow = copy.deepcopy(module, {id(self): self})
-            except Exception as e:
-                self._warn(frame.op, f"local error unavailable: the module cannot be copied for its fp32 re-run "
-                                     f"({type(e).__name__}: {e})")
-                self._shadow_cache[id(module)] = False
+        if skeleton is None:
+            skeleton = self._skeleton(frame)
+            self._shadow_cache[id(module)] = skeleton
+            if skeleton is False:
                 return
-            for t in list(shadow.parameters()) + list(shadow.buffers()):
-                if t.dtype in _LOW_FLOAT:
-                    t.data = t.data.to(torch.float32)
-            # the copy runs the module's own forward in fp32: no hooks (the user's, a
-            # policy's input casts, ours) come with it
-            for m in shadow.modules():
-                for attr in _HOOK_DICTS:
-                    d = getattr(m, attr, None)
-                    if d:
-                        d.clear()
-            self._shadow_cache[id(module)] = shadow
         sargs, skwargs = frame.shadow_in
         with torch.no_grad():
-            ref_out = self._with_rng(frame.rng, lambda: shadow(*sargs, **skwargs))
+            # the module's own parameters (fp32 copies of low-precision ones, for this call only) and copies of
+            # its buffers, so running statistics are not updated twice
+            state = {n: _fp32_copy(p) for n, p in module.named_parameters()}
+            state.update((n, b.detach().to(torch.float32) if b.dtype in _LOW_FLOAT else b.detach().clone())
+                         for n, b in module.named_buffers())
+            with _exact_fp32():
+                ref_out = self._with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
         self._store_local(frame.op, dict(_flatten(ref_out)), out_recs)
+
+    def _skeleton(self, frame: _Frame):
+        """A copy of the module's structure for its fp32 re-run: parameters and buffers on the meta device (the
+        real ones are passed at each call), and no hooks (the user's, a policy's input casts, ours); False when
+        the module cannot be copied."""
+        module = frame.module
+        memo = {id(self): self}  # the module's hooks refer to this capture: share it, do not copy it
+        for p in module.parameters():
+            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in module.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        try:
+            skeleton = copy.deepcopy(module, memo)
+        except Exception as e:
+            self._warn(frame.op, f"local error unavailable: the module cannot be copied for its fp32 re-run "
+                                 f"({type(e).__name__}: {e})")
+            return False
+        for m in skeleton.modules():
+            for attr in _HOOK_DICTS:
+                d = getattr(m, attr, None)
+                if d:
+                    d.clear()
+        return skeleton
 
     def _with_rng(self, state, fn):
         """Run ``fn`` with the RNG state the op itself saw, then restore the current one.
