@@ -174,18 +174,12 @@ def intended_nonfinite(store, run_id: str) -> list[dict]:
 
 # ---- which non-finite values are unexpected -------------------------------------------------------
 
-def _scope(op: str) -> str:
-    """The module path an op call encloses (``ops.module_path``): ``blocks.1.forward.0`` -> ``blocks.1``, the
-    root's ``forward.0`` -> ``""`` (everything); a dump's module path is its own scope."""
-    return module_path(op)
-
-
 def _inside(op: str, container: str, parents: Optional[dict] = None) -> bool:
     """Whether ``op`` ran inside ``container``: by the dump's own nesting (``parents``: op -> enclosing module
     call, msprobe's construct.json) or by name (``container``'s module path is a prefix of ``op``)."""
     if op == container:
         return False
-    scope = _scope(container)
+    scope = module_path(container)
     if scope == "" or op.startswith(scope + "."):
         return True
     seen = 0
@@ -195,12 +189,6 @@ def _inside(op: str, container: str, parents: Optional[dict] = None) -> bool:
             return True
         p, seen = parents.get(p), seen + 1
     return False
-
-
-def _stats(r: dict) -> TensorStats:
-    return TensorStats.from_row({k: r.get(k) for k in ("numel", "dtype", "shape", "nan_count", "inf_count",
-                                                      "zero_count", "min", "max", "absmax", "min_abs_nonzero",
-                                                      "mean", "std", "l2norm", "neg_inf_count")})
 
 
 def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool,
@@ -223,8 +211,10 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool,
     input record) and ``params`` (unexpected parameter records).
     """
     by_call: dict[tuple, list[dict]] = {}
+    neg_only: dict[int, Optional[bool]] = {}  # rid -> TensorStats.negative_inf_only
     for r in recs:
         by_call.setdefault((r["step"], r["rank"], r["op"]), []).append(r)
+        neg_only[r["rid"]] = TensorStats.from_row(r).negative_inf_only
     out: list[dict] = []
     intended_scopes: list[tuple] = []
     carried: dict[tuple, bool] = {}  # (step, rank) -> a non-finite value the reference shares was seen
@@ -245,17 +235,17 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool,
         def unexpected(r: dict) -> bool:
             if by_reference(r):
                 return r.get("introduced") is not None and int(r["introduced"]) > 0
-            return _stats(r).negative_inf_only is not True
+            return neg_only[r["rid"]] is not True
 
         bad_in = [r for r in ins if unexpected(r)]
         mask_in = any(r not in bad_in for r in ins)
         # the reference's own NaN/inf arriving here (not a mask): what this op adds to them is not its doing
-        shared_in = use_reference and any(r not in bad_in and _stats(r).negative_inf_only is not True for r in ins)
+        shared_in = use_reference and any(r not in bad_in and neg_only[r["rid"]] is not True for r in ins)
         bad_out, good_out = [], []
         for r in outs:
             if by_reference(r):
                 (bad_out if unexpected(r) else good_out).append(r)
-            elif _stats(r).negative_inf_only and (masking or mask_in or any(
+            elif neg_only[r["rid"]] and (masking or mask_in or any(
                     k[:2] == (g["step"], g["rank"]) and _inside(k[2], g["op"], parents) for k in intended_scopes)):
                 good_out.append(r)
             else:
@@ -263,7 +253,7 @@ def _classify(groups: list[dict], recs: list[dict], *, use_reference: bool,
         if use_reference and any(r.get("introduced") == 0 for r in rs):
             carried[(g["step"], g["rank"])] = True
         intended_out = (bool(good_out) and not bad_in and not mask_in
-                        and all(_stats(r).negative_inf_only for r in good_out))
+                        and all(neg_only[r["rid"]] for r in good_out))
         if intended_out:
             intended_scopes.append((g["step"], g["rank"], g["op"]))
         out.append({**g, "nf_in": bool(bad_in) or shared_in, "nf_out": bool(bad_out), "shared_in": shared_in,
@@ -322,11 +312,11 @@ def _origin(events: list[dict], known: bool, parents: Optional[dict] = None) -> 
 def _parameter(call: dict) -> dict:
     """The first non-finite parameter of ``call``, named by its module path, with its value against the format."""
     r = call["params"][0]
-    scope = _scope(call["op"])
+    scope = module_path(call["op"])
     name = f"{scope}.{r['index']}" if scope else str(r["index"])
     fmt = format_for_dtype(r["dtype"])
     fname = fmt.name if fmt else (r["dtype"] or "its dtype")
-    st = _stats(r)
+    st = TensorStats.from_row(r)
     what = " and ".join(s for s in (f"{st.nan_count:,} NaN" if st.nan_count else "",
                                     f"{st.inf_count:,} inf" if st.inf_count else "") if s) or "non-finite values"
     ref = r.get("ref_absmax")

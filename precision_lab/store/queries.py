@@ -195,16 +195,6 @@ def op_parents(store, run_id: str) -> dict[str, str]:
                                                  [run_id])}
 
 
-def first_nonfinite_record(store, run_id: str, step: int, rank: int, op: str, input_roles: Sequence[str], *,
-                           outputs_first: bool) -> dict:
-    """``{rid, role, index}`` of the first non-finite record of one op call (outputs before inputs when
-    ``outputs_first``)."""
-    return rows(store, f"""SELECT rid, role, "index" FROM tensors
-                           WHERE run_id = ? AND step = ? AND rank = ? AND op = ? AND nonfinite
-                           ORDER BY (role IN {_in(input_roles)}) = ?, seq, rid LIMIT 1""",
-                [run_id, step, rank, op, outputs_first])[0]
-
-
 def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_roles: Sequence[str],
                    limit: int) -> list[dict]:
     """The last ``limit`` op calls starting at or before ``seq``, latest first: ``{op, op_type, seq,
