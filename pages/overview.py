@@ -23,6 +23,15 @@ st.subheader("Runs")
 st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]).fillna({"parent": "", "fix": "", "order": ""}),
              hide_index=True, width="stretch", key="runs_table")
 
+caveat = ov.order_caveat(store, sid)
+if caveat:
+    st.warning(page.plain(caveat), icon=":material/sort_by_alpha:")
+warns = ov.warnings_table(store, sid)
+if len(warns):
+    more = "+" if len(warns) >= ov.MAX_WARNINGS else ""
+    with st.expander(f"{len(warns)}{more} warning(s) from reading or capturing this session"):
+        st.dataframe(warns, hide_index=True, width="stretch", key="warnings_table")
+
 st.subheader("First non-finite producer")
 firsts = ov.first_nonfinite_by_run(store, sid)
 for item in firsts:
@@ -109,8 +118,13 @@ for i, card in enumerate(cards):
                 st.caption("No re-run button: " + page.plain(blocked))
         if acc.can_rerun:
             for j, action in enumerate(rerun_actions(store, info["name"], card)):
-                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
-                             help=action["reason"]):
+                if action["existing"]:  # already made from this run: open it, do not make a copy
+                    if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/compare_arrows:",
+                                 help=f"this fix was already run from this run: {action['reason']}"):
+                        st.session_state["diff_mode"] = "runs"
+                        page.navigate("diff", session=info["name"])
+                elif st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                               help=action["reason"]):
                     st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
                                                                 parent=action["parent"])
                     st.rerun()

@@ -82,3 +82,30 @@ def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
     assert "Proposed fixes" in body
     assert "No re-run button" in body and "holds dumps, not a model" in body and "capture --model" in body
     assert not [b for b in at.button if b.label.startswith("Re-run with")]
+
+
+def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch):
+    import os
+
+    import numpy as np
+
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store
+    from ui_fixtures import serve_db
+
+    d = tmp_path / "dump"
+    d.mkdir()
+    np.save(d / "b.output.0.npy", np.array([1.0, np.inf], np.float16))  # no links between ops: order by name
+    np.save(d / "a.output.0.npy", np.array([1.0, 2.0], np.float16))
+    (d / "notes.txt").write_text("not a tensor")
+    for f in d.iterdir():  # equal file times: they say nothing about the order
+        os.utime(f, ns=(1_700_000_000_000_000_000,) * 2)
+    db = tmp_path / "w.duckdb"
+    name = ingest(d, store=Store(db), session="unordered")
+    with serve_db(db, monkeypatch):
+        at = open_page("overview", session=name)
+        body = texts(at)
+        assert escape_md("order unknown: by name for dump") in body
+        warns = frame_with(at, "message")
+        assert list(warns["file"]) == ["notes.txt"] and "unsupported file type" in warns["message"][0]
+        assert str(tmp_path) not in " ".join(warns["file"])  # no server path

@@ -654,3 +654,13 @@ def test_very_long_file_name(store, tmp_path):
     np.save(d / name, np.arange(4, dtype=np.float32))
     ingest(d, store=store)
     assert _stats_of(store, "y" * 230 + ".output.0")["max"] == 3.0
+
+
+def test_a_zero_size_npy_numpy_cannot_allocate_is_named(store, tmp_path):
+    """Found by the fuzzer: shape (0, 2**62) has no elements, yet numpy refuses to make it."""
+    d = tmp_path / "dump"
+    d.mkdir()
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (0, 4611686018427387904, ), }"
+    header += b" " * (63 - (len(header) + 10) % 64) + b"\n"
+    (d / "x.output.0.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header)
+    refused(store, lambda: ingest(d, store=store), IngestError, "x.output.0.npy")

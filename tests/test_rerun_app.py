@@ -49,3 +49,20 @@ def test_read_only_server_offers_no_rerun(recipe_db, monkeypatch):
     monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
     at = open_page("overview", session=name)
     assert not [b for b in at.button if b.key and b.key.startswith("rerun_")]
+
+
+def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
+    from precision_lab.services.rerun import rerun_session
+
+    store, name = recipe_db
+    sid = store.session(name)["session_id"]
+    rerun_session(store, name, "stable-softmax")
+    at = open_page("overview", session=name)
+    assert_clean(at)
+    button = at.button(key="rerun_0_0")
+    assert button.label.replace("\\", "") == "Open fix: stable-softmax"
+    button.click().run()
+    assert_clean(at)
+    assert at.title[0].value == "Diff"
+    n = store.sql("SELECT count(*) FROM runs WHERE session_id = ? AND kind = 'rerun'", [sid]).fetchone()[0]
+    assert n == 1  # no "fix: stable-softmax (2)"

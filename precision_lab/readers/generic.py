@@ -450,7 +450,8 @@ class GenericReader:
     def _load(self, root: Path, sc: Scan, p: Path, want=None):
         """``(key, tensor)`` pairs of data file ``p``; any failure is a ReadError naming the file."""
         rel = relname(root, p)
-        it = iter(self._open(root, sc, p, rel, want))
+        with reading(rel):  # opening may fail too (a zero-size .npy whose shape numpy cannot allocate)
+            it = iter(self._open(root, sc, p, rel, want))
         while True:
             with reading(rel):
                 try:

@@ -14,7 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 from .rerun import RerunError, rerun_session, session_recipe
-from ..fixes.catalogue import FixError, parse_fix, split_specs
+from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
+from ..store import queries as q
 
 __all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions", "rerun_blocker"]
 
@@ -100,7 +101,9 @@ def rerun_blocker(store, session: str) -> Optional[str]:
 
 
 def rerun_actions(store, session: str, card: dict) -> list[dict]:
-    """The re-runs a diagnosis card offers: ``{"label", "fix", "reason", "parent"}`` per proposed fix.
+    """The re-runs a diagnosis card offers: ``{"label", "fix", "reason", "parent", "existing"}`` per proposed
+    fix; ``existing`` names the run this fix already made from the same parent (a re-run is deterministic: the
+    page opens that run instead of making a copy), else None.
 
     Only sessions made from a recipe can be re-run (a dump holds no model);
     the parent is the run the diagnosis is about, and ``reason`` joins the
@@ -108,11 +111,16 @@ def rerun_actions(store, session: str, card: dict) -> list[dict]:
     """
     if card.get("rule") == "fix-verified" or rerun_blocker(store, session) is not None:
         return []
+    made = {(r["parent_run_id"], r["fix"]): r["name"]
+            for r in q.session_runs(store, store.session(session)["session_id"]) if r["kind"] == "rerun"}
     out = []
     for f in card.get("fixes") or []:
         try:
-            reason = " / ".join(parse_fix(s).reason for s in split_specs(f))
+            specs = split_specs(f)
+            reason = " / ".join(parse_fix(s).reason for s in specs)
         except FixError:
             continue
-        out.append({"label": f"Re-run with {f}", "fix": f, "reason": reason, "parent": card.get("run_id")})
+        existing = made.get((card.get("run_id"), fix_label(specs)))
+        out.append({"label": f"Open {existing}" if existing else f"Re-run with {f}", "fix": f, "reason": reason,
+                    "parent": card.get("run_id"), "existing": existing})
     return out

@@ -403,14 +403,24 @@ def _extreme_text(stats, field: str) -> str:
     """min, max or absmax as the Statistics table shows it.
 
     The stored values cover the finite elements only; Inf is counted apart.
-    absmax with any Inf is ``inf``; min/max say when Inf lies beyond them
-    (its sign is not stored) and when there is no finite value at all,
+    absmax with any Inf is ``inf``; with the signs counted, min is ``-inf``
+    when a -inf is there and max ``inf`` when a +inf is; without them, min/max
+    say when Inf lies beyond them and when there is no finite value at all,
     instead of showing the stored ``nan``.
     """
     if field == "absmax" and (stats.inf_count or 0) > 0:
         return num_text(math.inf)
-    v = getattr(stats, field)
     n_inf = stats.inf_count or 0
+    neg = stats.neg_inf_count
+    if n_inf and neg is not None and field in ("min", "max"):
+        # with the signs counted the extremes over every non-NaN value are known exactly (numpy's nanmin/nanmax)
+        pos = n_inf - neg
+        if field == "min" and (neg or not stats.finite_count):
+            return num_text(-math.inf if neg else math.inf)
+        if field == "max" and (pos or not stats.finite_count):
+            return num_text(math.inf if pos else -math.inf)
+        n_inf = 0  # the Inf lie on the other side: the finite extreme is the true one
+    v = getattr(stats, field)
     if v is not None and math.isnan(v) and stats.finite_count == 0:
         return f"no finite value ({n_inf} Inf)" if n_inf else "no finite value"
     text = num_text(v, 8)

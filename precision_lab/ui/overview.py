@@ -15,7 +15,8 @@ from .common import num_text, plot_text, public_source, run_label
 
 __all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
-           "error_series", "error_figure", "session_headline", "order_text"]
+           "error_series", "error_figure", "session_headline", "order_text", "warnings_table", "order_caveat",
+           "MAX_WARNINGS"]
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
@@ -30,6 +31,26 @@ def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
         df["source"] = [public_source(v) for v in df["source"]]
     df["order"] = [order_text(v) if isinstance(v, str) and v else v for v in df["order"]]
     return df
+
+
+MAX_WARNINGS = 200  # shown on the Overview; the HTML report and `report --json` carry them too
+
+
+def warnings_table(store, session_id: str) -> pd.DataFrame:
+    """The session's warnings (from reading its dumps or capturing it): run, file as a browser may see it,
+    message; at most ``MAX_WARNINGS`` rows."""
+    rows = browse.session_warnings(store, session_id, limit=MAX_WARNINGS)
+    return pd.DataFrame([{"run": r["run"] or "", "file": public_source(r["file"]), "message": r["message"]}
+                         for r in rows], columns=["run", "file", "message"])
+
+
+def order_caveat(store, session_id: str) -> Optional[str]:
+    """A sentence when some run's order is unknown (numbered by name), else None."""
+    unknown = [r["name"] for r in session_runs(store, session_id) if (r.get("order") or "") == "name"]
+    if not unknown:
+        return None
+    return (f"{order_text('name')} for {', '.join(unknown)}: seq follows the names, not the execution, so 'first' "
+            "means first by name; the producer is chosen as the innermost op whose inputs are finite")
 
 
 def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
