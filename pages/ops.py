@@ -38,7 +38,7 @@ with st.container(border=True):
     op_types = c[1].multiselect("Op type", opts["op_types"], key="f_types")
     steps = c[2].multiselect("Step", opts["steps"], key="f_steps")
     ranks = c[3].multiselect("Rank", opts["ranks"], key="f_ranks")
-    c = st.columns([3, 1, 2, 1])
+    c = st.columns([3, 2, 2, 2])
     pattern = c[0].text_input("Name contains (or glob with * ?)", key="f_pattern")
     only_problems = c[1].toggle("Problems only", key="f_problems",
                                 help="Records with NaN/Inf, or whose comparison verdict is error or nonfinite.")

@@ -132,7 +132,8 @@ if acc.can_upload:
         cols = st.columns(min(3, len(samples)))
         for i, sample in enumerate(samples):
             with cols[i % len(cols)]:
-                if st.button(f"Open sample: {sample.label}", key=f"sample_{sample.name}"):
+                if st.button(f"Open sample: {sample.name}", key=f"sample_{sample.name}", help=sample.label,
+                             width="stretch"):
                     bar = st.progress(0.0, text=f"ingesting {sample.name}")
                     with page.guard(f"Sample {sample.name} could not be opened"):
                         session = open_sample(store, sample, progress=page.progress_callback(bar))
