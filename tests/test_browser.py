@@ -75,6 +75,12 @@ def _wide_zip(tmp: Path) -> Path:
     return path
 
 
+def _idle(pg) -> None:
+    """Wait until the app's script run has ended (Streamlit's running indicator is gone): a click made while
+    the page is still being rebuilt can land on an element that is then replaced."""
+    pg.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
+
+
 def _file_input(pg, label: str):
     """The hidden <input type=file> of the uploader labelled ``label``."""
     loc = pg.locator('[data-testid="stFileUploader"]', has_text=label).locator('input[type="file"]')
@@ -101,6 +107,7 @@ def _flow(server, page, tmp_path):
     pg = page
     pg.goto(server)
     pg.get_by_text("No sessions yet").wait_for()
+    _idle(pg)
 
     # copies so the uploaded folders carry exactly the sample's name
     cand, ref = tmp_path / STAT_CAND.name, tmp_path / STAT_REF.name
@@ -145,6 +152,7 @@ def _flow(server, page, tmp_path):
     # a .zip of .npy files gets a real magnitude histogram
     pg.goto(server)
     pg.get_by_text("New session").wait_for()
+    _idle(pg)
     pg.get_by_text(".zip", exact=True).first.click()
     _file_input(pg, "Dump (.zip)").set_input_files(str(_wide_zip(tmp_path)))
     pg.get_by_text("wide_fp16.zip").first.wait_for()

@@ -77,3 +77,21 @@ def test_bad_entry_points_are_one_sentence(tmp_path):
         res = _cli("capture", *args, "--db", db)
         assert res.exit_code == 2 and words in res.output, res.output
         assert "Traceback" not in res.output
+
+
+def test_an_fp32_island_keeps_every_other_name_aligned(tmp_path):
+    """keep-fp32 islands cast at their boundary: those casts are recorded under the island's (or its consumer's)
+    own name, so every other record of the re-run pairs exactly with the reference."""
+    from precision_lab.fixes.recipes import entry_point_recipe, register_recipe
+    from precision_lab.services.rerun import capture_recipe, rerun_session
+
+    recipe = register_recipe(entry_point_recipe(f"{MODEL}:build", f"{MODEL}:inputs"), replace=True)
+    store = Store(tmp_path / "i.duckdb")
+    name = capture_recipe(store, recipe, local_error=False)
+    run_id = rerun_session(store, name, "keep-fp32:model.layers.1.mlp.down_proj+keep-fp32:model.norm")
+    rows = store.sql("SELECT op, match FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'",
+                     [run_id]).fetchall()
+    off = {op for op, match in rows if match != "exact"}
+    assert off == {"model.layers.1.mlp.down_proj.to.0", "lm_head.to.0"}  # into the island; out of model.norm
+    assert sum(1 for _, m in rows if m == "exact") == len(rows) - 4 > 300
+    assert first_nonfinite(store, run_id) is None  # the island fixes the overflow

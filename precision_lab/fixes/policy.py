@@ -283,7 +283,9 @@ def cast_floating(tree, tdtype):
     import torch  # deferred: policies are built and described without torch
     from torch.utils._pytree import tree_map_only
 
-    return tree_map_only(torch.Tensor, lambda t: t.to(tdtype) if t.is_floating_point() else t, tree)
+    # a tensor already in ``tdtype`` is passed as it is: no cast op for a capture to record
+    return tree_map_only(torch.Tensor, lambda t: t.to(tdtype) if t.is_floating_point() and t.dtype != tdtype else t,
+                         tree)
 
 
 def call_model(model, inputs):

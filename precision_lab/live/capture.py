@@ -238,7 +238,9 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         opts = self.options
         for path, mod in self.model.named_modules():
             self._module_paths[id(mod)] = path
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            # ahead of a policy's input cast, so an island's boundary cast is recorded under the island's own name
+            # (its parent's op counters stay as in a run without the island)
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
             self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
             if opts.backward and opts.params and opts.module_selected(path) and opts.op_type_selected(
                     type(mod).__name__):

@@ -117,10 +117,10 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
 def session_headline(store, session_id: str) -> dict:
     """One line per session for the Sessions list: first non-finite op and worst op."""
     firsts = []
-    for item in first_nonfinite_by_run(store, session_id):
-        f = item["first"]
+    for run in session_runs(store, session_id):
+        f = first_nonfinite(store, run["run_id"])
         if f is not None:
-            firsts.append(f"{item['run']['name']}: {f['op']}")
+            firsts.append(f"{run['name']}: {f['op']}")
     worst = top_offenders(store, session_id, n=1)
     worst_text = ""
     if len(worst):
