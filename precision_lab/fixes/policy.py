@@ -65,7 +65,8 @@ def _check_compute(fmt: str, what: str) -> None:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """fp8 (or other narrow float) fake-quantisation of ``QuantLinear`` operands.
+    """fp8 (or other narrow float) fake-quantisation of ``QuantLinear`` operands (a user's ``torch.nn.Linear``
+    layers become ``QuantLinear``s over the same parameters when the policy prepares the model).
 
     ``granularity``: ``"tensor"`` (one scale per tensor) or ``"row"`` (one per
     row of the activation / output channel of the weight).
@@ -174,6 +175,8 @@ class PrecisionPolicy:
         """
         from .modules import PolicyModule, install_cast_hook, install_sanitize_hook  # deferred: loads torch
 
+        if self.quant is not None:
+            _quantise_linears(model, self.quant)
         named = list(model.named_modules())
         names = [n for n, _ in named if n]
         for pattern, _ in self.overrides:
@@ -265,6 +268,30 @@ class PrecisionPolicy:
 def _no_match(pattern: str, names: list[str], fix: str) -> str:
     shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
     return f"{fix}: pattern {pattern!r} matches no module of this model (modules: {shown})"
+
+
+def _quantise_linears(model, quant: "QuantConfig") -> None:
+    """Every ``torch.nn.Linear`` of ``model`` becomes a ``QuantLinear`` over the same parameters (same module
+    path, same parameter objects), so fp8 fake quantisation reaches a user's model the way torchao's float8
+    recipes swap linears; PolicyError when the model has none (a run is never labelled with a format it did not
+    use)."""
+    import torch  # deferred: see cast_floating
+
+    from .modules import QuantLinear  # deferred with torch
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                q = QuantLinear(1, 1, bias=child.bias is not None)
+                q.weight = child.weight
+                q.bias = child.bias
+                q.in_features, q.out_features = child.in_features, child.out_features
+                setattr(parent, child_name, q)
+                swapped += 1
+    if not swapped and not any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise PolicyError(f"the {quant.format} preset quantises torch.nn.Linear layers, and this model has none "
+                          f"(e.g. GPT-2's Conv1D is not one); use a compute format (fp16, bf16) instead")
 
 
 def _cast_own(mod, tdtype) -> None:
