@@ -102,6 +102,23 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+def _refuse_compiled(model) -> None:
+    """A model compiled with torch.compile, whole or per block, is refused in one sentence: the capture's hooks
+    would break its graphs and the numbers recorded would be eager ones, not the compiled model's."""
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        where = "the model"
+    else:
+        where = next((f"module {n!r}" for n, m in model.named_modules()
+                      if getattr(m, "_compiled_call_impl", None) is not None
+                      or type(m).__name__ == "OptimizedModule"), None)
+        if where is None:
+            return
+    raise ValueError(f"capture(): {where} is compiled with torch.compile; hooks would break its graphs and the "
+                     "numbers recorded would be eager ones, not the compiled model's. Capture the uncompiled module "
+                     "(model._orig_mod, or a copy built without .compile()) to see its eager numbers, and compare "
+                     "eager with compiled outputs to see what compilation changes")
+
+
 class Capture(BackwardHooks, ShadowRuns, RunOutput):
     """A live capture; use :func:`capture` to make one."""
 
@@ -111,6 +128,7 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
                  run_id: Optional[str] = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
+        _refuse_compiled(model)
         if not isinstance(run, str) or not run.strip():
             raise ValueError("capture(run=...) needs a non-empty run name")
         if shard_dir is not None and store is not None:
