@@ -63,9 +63,26 @@ def test_rerun_needs_the_entry_points_again_and_then_fixes_it(captured, monkeypa
 
 
 def test_a_server_may_allow_a_model_for_re_runs(captured, monkeypatch):
+    # the model alone is not enough: a session also names the inputs function, which would run too
     monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build")
     res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured)
+    assert res.exit_code == 2 and "never run on their own" in res.output
+    monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build,{MODEL}:inputs")
+    res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured)
     assert res.exit_code == 0, res.output
+
+
+def test_a_session_naming_other_inputs_is_not_run_on_an_allowed_model(captured, monkeypatch, tmp_path):
+    """A shared session could name an allowed model with inputs of its own choosing: nothing of it runs."""
+    from precision_lab.fixes.recipes import get_recipe, RecipeNotFound
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"def inputs():\n    open({str(marker)!r}, 'w').write('x')\n")
+    monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build")
+    with pytest.raises(RecipeNotFound, match="never run on their own"):
+        get_recipe(f"model:model={MODEL}:build|inputs={evil}:inputs")
+    assert not marker.exists()
 
 
 def test_bad_entry_points_are_one_sentence(tmp_path):

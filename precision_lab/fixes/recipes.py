@@ -162,12 +162,13 @@ def get_recipe(name: str) -> Recipe:
     if r is None and name.startswith(MODEL_PREFIX):
         eps = parse_entry_point_recipe(name)
         allowed = {_normalise(e) for e in os.environ.get(MODELS_ENV, "").split(",") if e.strip()}
-        if eps["model"] not in allowed:
+        # every function the recipe would run must be listed: a session names its inputs and loss too
+        if not set(eps.values()) <= allowed:
             raise RecipeNotFound(
                 f"this session was captured from the model entry point {eps['model']!r}; entry points named by a "
                 f"session are never run on their own: pass --model {eps['model']} --inputs {eps['inputs']}"
                 + (f" --loss {eps['loss']}" if eps.get("loss") else "")
-                + f" on the command line, or list the model in {MODELS_ENV} on the server")
+                + f" on the command line, or list every one of them in {MODELS_ENV} on the server")
         r = register_recipe(entry_point_recipe(**eps), replace=True)
     if r is None:
         raise RecipeNotFound(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
