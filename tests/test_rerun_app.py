@@ -66,3 +66,25 @@ def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
     assert at.title[0].value == "Diff"
     n = store.sql("SELECT count(*) FROM runs WHERE session_id = ? AND kind = 'rerun'", [sid]).fetchone()[0]
     assert n == 1  # no "fix: stable-softmax (2)"
+
+
+def test_diff_shows_the_re_run_before_and_after(recipe_db):
+    from precision_lab.services.rerun import rerun_session
+
+    store, name = recipe_db
+    sid = store.session(name)["session_id"]
+    rerun_session(store, name, "stable-softmax")
+
+    def nonfinite(kind):
+        return store.sql("SELECT count(*) FROM tensors t JOIN runs r USING (run_id) WHERE r.session_id = ? AND "
+                         "r.kind = ? AND t.nonfinite AND t.direction = 'forward'", [sid, kind]).fetchone()[0]
+
+    before, after = nonfinite("candidate"), nonfinite("rerun")
+    assert before > 0 and after == 0
+    at = open_page("diff", session=name)
+    assert_clean(at)
+    metrics = {m.label: m for m in at.metric}
+    m = metrics["records with NaN/Inf"]
+    assert int(m.value) == after and int(float(str(m.delta))) == after - before
+    assert metrics["first non-finite op"].value == "none"
+    assert "stable-softmax" in texts(at)

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from ..services import browse
 from ..services.browse import SHOW_OPTIONS, DiffPage, base_run, nrun_page, pair_options, unmatched_counts
+from ..services.report import first_nonfinite
 from .common import cosine_text
 
-__all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts"]
+__all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
+           "rerun_cards"]
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
@@ -23,3 +25,26 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
                   [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])])
         df = df.drop(columns=["cosine", "cosine_deficit"])
     return replace(got, rows=df)
+
+
+def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
+    """Before and after of the latest re-runs, newest first: ``{run, fix, parent, nonfinite_before,
+    nonfinite_after, sqnr_before, sqnr_after, first_before, first_after}`` (forward records holding NaN/Inf;
+    the output SQNR against the fp32 reference, None without one; the op named first non-finite)."""
+    runs = browse.session_runs(store, session_id)
+    by_id = {r["run_id"]: r for r in runs}
+    out = []
+    for r in [r for r in runs if r["kind"] == "rerun" and r.get("parent_run_id") in by_id][::-1][:limit]:
+        parent = by_id[r["parent_run_id"]]
+
+        def facts(run_id):
+            last = browse.last_accumulated_output(store, run_id)
+            first = first_nonfinite(store, run_id)
+            return (browse.count_records(store, run_id, nonfinite=True, direction="forward"),
+                    last["sqnr_db"] if last else None, first["op"] if first else None)
+
+        (nb, sb, fb), (na, sa, fa) = facts(parent["run_id"]), facts(r["run_id"])
+        out.append({"run": r["name"], "fix": r.get("fix") or "", "parent": parent["name"], "nonfinite_before": nb,
+                    "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "first_before": fb,
+                    "first_after": fa})
+    return out
