@@ -96,3 +96,11 @@ def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
     at = open_page("diff", session=STAT_SESSION, page="1e9")
     assert_clean(at)
     assert _settings(at)["page"] == 1
+
+
+def test_pair_diff_puts_the_decision_before_the_statistics(ui_db):
+    at = open_page("diff", session=STAT_SESSION)
+    cols = list(frame_with(at, "ref absmax").columns)
+    first_stat = min(i for i, c in enumerate(cols) if c.startswith(("ref ", "cand ")))
+    for decisive in ("op", "verdict", "max_rel_err", "sqnr_db", "reason"):
+        assert cols.index(decisive) < first_stat, (decisive, cols)

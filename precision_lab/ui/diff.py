@@ -16,7 +16,8 @@ __all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SH
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
               pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
     """One page of the reference | candidate | metrics table (``services.browse.diff_page``), cosine shown
-    as text with 1 - cos."""
+    as text with 1 - cos; the decisive columns (verdict, max_rel_err, SQNR, reason) come right after the op,
+    so they are on screen at 1400 px, before the two sides' statistics."""
     got = browse.diff_page(store, session_id, ref_run_id, cand_run_id, show=show, pattern=pattern, page=page,
                            page_size=page_size)
     df = got.rows
@@ -24,7 +25,14 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
         df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
                   [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])])
         df = df.drop(columns=["cosine", "cosine_deficit"])
+    lead = [c for c in DECISIVE_FIRST if c in df.columns]
+    df = df[lead + [c for c in df.columns if c not in lead]]
     return replace(got, rows=df)
+
+
+# the Diff table's first columns: which record, then what was decided about it and why
+DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db",
+                  "reason")
 
 
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
