@@ -1,6 +1,6 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_rerun
+from precision_lab.services.jobs import rerun_actions, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui.common import num_text, text_columns
@@ -105,7 +105,7 @@ st.subheader("Diagnosis")
 cards = ov.diagnosis_cards(store, sid)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
-blocked = rerun_blocker(store, info["name"]) if acc.can_rerun and any(c["fixes"] for c in cards) else None
+blocked, offers = rerun_actions(store, info["name"], cards) if acc.can_rerun else (None, [[] for _ in cards])
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
         icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
@@ -116,18 +116,17 @@ for i, card in enumerate(cards):
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
             if blocked and card["rule"] != "fix-verified":
                 st.caption("No re-run button: " + page.plain(blocked))
-        if acc.can_rerun:
-            for j, action in enumerate(rerun_actions(store, info["name"], card)):
-                if action["existing"]:  # already made from this run: open it, do not make a copy
-                    if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/compare_arrows:",
-                                 help=f"this fix was already run from this run: {action['reason']}"):
-                        st.session_state["diff_mode"] = "runs"
-                        page.navigate("diff", session=info["name"])
-                elif st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
-                               help=action["reason"]):
-                    st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
-                                                                parent=action["parent"])
-                    st.rerun()
+        for j, action in enumerate(offers[i]):
+            if action["existing"]:  # already made from this run: open it, do not make a copy
+                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/compare_arrows:",
+                             help=f"this fix was already run from this run: {action['reason']}"):
+                    st.session_state["diff_mode"] = "runs"
+                    page.navigate("diff", session=info["name"])
+            elif st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                           help=action["reason"]):
+                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
+                                                            parent=action["parent"])
+                st.rerun()
 
 _job = st.session_state.get("_pl_rerun")
 if _job is not None and _job.session == info["name"] and _job.finished:

@@ -12,7 +12,6 @@ from precision_lab import capture_pair
 from precision_lab.fixes.catalogue import apply_fixes
 from precision_lab.fixes.policy import POLICIES, PolicyError
 from precision_lab.services.report import first_nonfinite
-from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 
 CFG = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -34,13 +33,6 @@ def _llama(zero_row: bool):
 IDS = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 PADDED = IDS.clone()
 PADDED[0, 3] = 0
-
-
-@pytest.fixture
-def store():
-    s = Store(":memory:")
-    yield s
-    close_all()
 
 
 def _candidate(store, name):

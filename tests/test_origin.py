@@ -22,7 +22,6 @@ from precision_lab import capture_pair
 from precision_lab.services import report
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.ingest import ingest
-from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -39,13 +38,6 @@ def _bench():
 
 LOC = _bench()
 MaskedAttention = LOC.MaskedAttention
-
-
-@pytest.fixture
-def store():
-    s = Store(":memory:")
-    yield s
-    close_all()
 
 
 def _runs(store, name):

@@ -100,27 +100,34 @@ def rerun_blocker(store, session: str) -> Optional[str]:
     return None
 
 
-def rerun_actions(store, session: str, card: dict) -> list[dict]:
-    """The re-runs a diagnosis card offers: ``{"label", "fix", "reason", "parent", "existing"}`` per proposed
-    fix; ``existing`` names the run this fix already made from the same parent (a re-run is deterministic: the
-    page opens that run instead of making a copy), else None.
+def rerun_actions(store, session: str, cards: list[dict]) -> tuple[Optional[str], list[list[dict]]]:
+    """What the diagnosis cards offer: ``(blocker, actions per card)``.
 
-    Only sessions made from a recipe can be re-run (a dump holds no model);
-    the parent is the run the diagnosis is about, and ``reason`` joins the
-    catalogue's one-line reasons of the fix's parts.
+    ``blocker`` is ``rerun_blocker``'s sentence (then no card offers
+    anything), else None.  Each action is ``{"label", "fix", "reason",
+    "parent", "existing"}`` per proposed fix: the parent is the run the
+    diagnosis is about, ``reason`` joins the catalogue's one-line reasons of
+    the fix's parts, and ``existing`` names the run this fix already made from
+    the same parent (a re-run is deterministic: the page opens that run
+    instead of making a copy), else None.  The session is looked up once for
+    all cards.
     """
-    if card.get("rule") == "fix-verified" or rerun_blocker(store, session) is not None:
-        return []
+    blocker = rerun_blocker(store, session) if any(c.get("fixes") for c in cards) else None
+    if blocker is not None or not cards:
+        return blocker, [[] for _ in cards]
     made = {(r["parent_run_id"], r["fix"]): r["name"]
             for r in q.session_runs(store, store.session(session)["session_id"]) if r["kind"] == "rerun"}
     out = []
-    for f in card.get("fixes") or []:
-        try:
-            specs = split_specs(f)
-            reason = " / ".join(parse_fix(s).reason for s in specs)
-        except FixError:
-            continue
-        existing = made.get((card.get("run_id"), fix_label(specs)))
-        out.append({"label": f"Open {existing}" if existing else f"Re-run with {f}", "fix": f, "reason": reason,
-                    "parent": card.get("run_id"), "existing": existing})
-    return out
+    for card in cards:
+        actions = []
+        for f in (card.get("fixes") or []) if card.get("rule") != "fix-verified" else []:
+            try:
+                specs = split_specs(f)
+                reason = " / ".join(parse_fix(s).reason for s in specs)
+            except FixError:
+                continue
+            existing = made.get((card.get("run_id"), fix_label(specs)))
+            actions.append({"label": f"Open {existing}" if existing else f"Re-run with {f}", "fix": f,
+                            "reason": reason, "parent": card.get("run_id"), "existing": existing})
+        out.append(actions)
+    return blocker, out

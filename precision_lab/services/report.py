@@ -54,7 +54,7 @@ from ..stats import TensorStats
 from ..store import queries as q
 from ..jsoncodec import dumps
 
-__all__ = ["first_nonfinite", "intended_nonfinite", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
+__all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 # roles that feed an op; every other role is something the op produced
@@ -72,11 +72,24 @@ def order_text(order: Optional[str]) -> str:
 
 
 def first_nonfinite(store, run_id: str) -> Optional[dict]:
-    """The op (or parameter) that introduced ``run_id``'s first unexpected non-finite value.
+    """The op (or parameter) that introduced ``run_id``'s first unexpected non-finite value (see
+    ``nonfinite_origin``, which also gives the intended ones from the same pass)."""
+    return nonfinite_origin(store, run_id)[0]
 
-    Returns None when the run holds no unexpected non-finite record (a run
-    whose only NaN/inf are an attention mask's ``-inf`` is clean; see
-    ``intended_nonfinite``).  Keys: ``run`` (name), ``run_id``, ``op``,
+
+def intended_nonfinite(store, run_id: str) -> list[dict]:
+    """The op calls of a run that wrote ``-inf`` that is no error by itself (a masking op over finite inputs,
+    ``log(0)``, or a module holding one): ``{op, op_type, step, rank, seq, count}``, in execution order."""
+    return nonfinite_origin(store, run_id)[1]
+
+
+def nonfinite_origin(store, run_id: str) -> tuple[Optional[dict], list[dict]]:
+    """``(first, intended)`` of a run from one pass over its non-finite records.
+
+    ``intended``: what ``intended_nonfinite`` returns.  ``first``: the op (or
+    parameter) that introduced the first unexpected non-finite value; None
+    when the run holds none (a run whose only NaN/inf are an attention mask's
+    ``-inf`` is clean).  Its keys: ``run`` (name), ``run_id``, ``op``,
     ``op_type``, ``direction``, ``seq``, ``step``, ``rank``, ``rid``,
     ``role`` and ``index`` (the first non-finite record named),
     ``origin`` (``"op"``: the op introduced it; ``"parameter"``: a parameter
@@ -96,7 +109,7 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
         raise KeyError(f"no run {run_id!r}")
     groups = q.nonfinite_op_calls(store, run_id, INPUT_ROLES)
     if not groups:
-        return None
+        return None, []
     recs = q.nonfinite_records(store, run_id)
     parents = q.op_parents(store, run_id)
     compared = any(r["introduced"] is not None for r in recs)
@@ -108,10 +121,13 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
         # the reference has them too, and the op that made them there is the answer
         calls = _classify(groups, recs, use_reference=False, parents=parents)
         in_reference = True
-    intended = [c["op"] for c in calls if c["intended_out"] and not c["nf_out"]]
+    masks = [{"op": c["op"], "op_type": c["op_type"], "step": int(c["step"]), "rank": int(c["rank"]),
+              "seq": int(c["seq"]), "count": c["intended_count"]}
+             for c in calls if c["intended_out"] and not c["nf_out"]]
+    intended = [m["op"] for m in masks]
     events = [c for c in calls if c["nf_in"] or c["nf_out"]]
     if not events:
-        return None
+        return None, masks
     order = run["order"] or "execution"
     known = order != "name"
     hit, others, origin = _origin(events, known, parents)
@@ -156,20 +172,7 @@ def first_nonfinite(store, run_id: str) -> Optional[dict]:
                                                                         if k != "record"},
         "reason": reason, "path": path, "order": order, "order_known": known, "others": others,
         "in_reference": in_reference, "first_nan": first_nan, "intended": intended,
-    }
-
-
-def intended_nonfinite(store, run_id: str) -> list[dict]:
-    """The op calls of a run that wrote a mask's ``-inf`` on purpose (a masking op over finite inputs, or a
-    module holding one): ``{op, op_type, step, rank, seq, count}``, in execution order."""
-    groups = q.nonfinite_op_calls(store, run_id, INPUT_ROLES)
-    if not groups:
-        return []
-    calls = _classify(groups, q.nonfinite_records(store, run_id), use_reference=False,
-                      parents=q.op_parents(store, run_id))
-    return [{"op": c["op"], "op_type": c["op_type"], "step": int(c["step"]), "rank": int(c["rank"]),
-             "seq": int(c["seq"]), "count": c["intended_count"]}
-            for c in calls if c["intended_out"] and not c["nf_out"]]
+    }, masks
 
 
 # ---- which non-finite values are unexpected -------------------------------------------------------
@@ -380,9 +383,9 @@ def build_report(store, session: str) -> dict:
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
     names = {r["run_id"]: r["name"] for r in runs}
-    first = {}
+    first, intended = {}, {}
     for r in runs:
-        first[r["name"]] = first_nonfinite(store, r["run_id"])
+        first[r["name"]], intended[r["name"]] = nonfinite_origin(store, r["run_id"])
     tensors = []
     for r in runs:
         for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
@@ -409,7 +412,7 @@ def build_report(store, session: str) -> dict:
                   "parent": names.get(r["parent_run_id"]) if r["parent_run_id"] else None, "fix": r["fix"],
                   "source": r["source"], "order": r["order"], "order_text": order_text(r["order"])} for r in runs],
         "first_nonfinite": first,
-        "intended_nonfinite": {r["name"]: intended_nonfinite(store, r["run_id"]) for r in runs},
+        "intended_nonfinite": intended,
         "norm_artefacts": norm_artefacts(store, sid),
         "tensors": tensors,
         "comparisons": comparisons,

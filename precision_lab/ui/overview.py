@@ -7,7 +7,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, intended_nonfinite, norm_artefacts as _na, order_text
+from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_text
 from ..services import browse
 from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
                                session_runs, top_offenders)
@@ -57,8 +57,11 @@ def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
     """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None,
     "intended": services.report.intended_nonfinite(...)}`` (the masks' -inf, shown quietly)."""
 
-    return [{"run": r, "first": first_nonfinite(store, r["run_id"]), "intended": intended_nonfinite(store, r["run_id"])}
-            for r in session_runs(store, session_id)]
+    out = []
+    for r in session_runs(store, session_id):
+        first, intended = nonfinite_origin(store, r["run_id"])  # one pass gives both
+        out.append({"run": r, "first": first, "intended": intended})
+    return out
 
 
 def norm_artefacts(store, session_id: str) -> list[dict]:
