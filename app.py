@@ -18,6 +18,7 @@ pages = [
     st.Page(PAGES["ops"], title="Ops", icon=":material/table_rows:", url_path="ops"),
     st.Page(PAGES["detail"], title="Op detail", icon=":material/bar_chart:", url_path="op_detail"),
     st.Page(PAGES["diff"], title="Diff", icon=":material/compare_arrows:", url_path="diff"),
+    st.Page(PAGES["timeline"], title="Timeline", icon=":material/timeline:", url_path="timeline"),
 ]
 current = st.navigation(pages)
 routed()

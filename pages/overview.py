@@ -32,6 +32,19 @@ if len(warns):
     with st.expander(f"{len(warns)}{more} warning(s) from reading or capturing this session"):
         st.dataframe(warns, hide_index=True, width="stretch", key="warnings_table")
 
+for lr in ov.long_runs(store, sid):
+    with st.container(border=True):
+        first = lr["first_nonfinite_step"]
+        alerts = lr["alerts"]
+        st.markdown(f"**{page.plain(lr['run'])}**: a long run of {lr['steps']} steps; "
+                    + ("every step finite" if first is None else f":red[first non-finite value at step {first}]")
+                    + f"; {len(alerts)} alert(s)"
+                    + (f", the first at step {int(alerts['step'].min())}" if len(alerts) else ""))
+        if len(alerts):
+            st.dataframe(alerts.head(5), hide_index=True, width="stretch", key=f"alerts_{lr['run']}")
+        if st.button("Open the Timeline", key=f"timeline_{lr['run']}", icon=":material/timeline:"):
+            page.navigate("timeline", session=info["name"], run=lr["run"])
+
 st.subheader("First non-finite producer")
 firsts = ov.first_nonfinite_by_run(store, sid)
 for item in firsts:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -73,6 +73,7 @@ class TensorRecord:
     direction: str = "forward"  # forward | backward
     source: str = ""  # file it was read from, or "capture"
     parent: Optional[str] = None  # the op (module call) this one ran inside, where the dump says (msprobe)
+    location: Optional[str] = None  # the user code that called the op ("file.py:123 in forward"), when known
     tensor: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -108,6 +109,60 @@ class Diagnosis:
 
     def fixes_json(self) -> str:
         return json.dumps(list(self.fixes))
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    """One op's summary at one step of a long run: what the timeline, its alerts and its heatmaps read.
+
+    ``tid`` is unique within the run.  Values are those of the op's
+    ``TensorStats`` (finite values only; counts of NaN and +/-inf apart).
+    """
+
+    run_id: str
+    tid: int
+    step: int
+    rank: int
+    seq: int
+    op: str
+    op_type: str
+    role: str
+    index: str
+    direction: str
+    dtype: str
+    numel: int
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    neg_inf_count: Optional[int]
+    zero_count: Optional[int]
+    absmax: Optional[float]
+    min_abs_nonzero: Optional[float]
+    l2norm: Optional[float]
+    location: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TimelineShare:
+    """How one timeline row's values would land in one watched format (``Representability`` counts)."""
+
+    run_id: str
+    tid: int
+    fmt: str
+    finite: int
+    overflow: int
+    underflow: int
+    subnormal: int
+
+
+@dataclass(frozen=True)
+class StepScalar:
+    """A number of a whole step: ``loss``, ``loss_scale`` (a GradScaler's scale)."""
+
+    run_id: str
+    step: int
+    rank: int
+    name: str
+    value: Optional[float]
 
 
 # ---- a kept tensor as bytes ----------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, TENSOR_SESSION,  # noqa: F401
+                         TIMELINE_SESSION,
                          app_test, assert_clean, empty_db, frames, texts, ui_db, ui_template)
 
 
@@ -97,7 +98,7 @@ def test_list_select_rename_and_delete_with_confirmation(ui_db):
     at = app_test()
     at.run()
     table = frames(at)[0]
-    assert set(table["session"]) == {STAT_SESSION, TENSOR_SESSION}
+    assert set(table["session"]) == {STAT_SESSION, TENSOR_SESSION, TIMELINE_SESSION}
     row = table.set_index("session").loc[STAT_SESSION]
     assert STAT_FIRST_NONFINITE in row["first non-finite"]
 
@@ -106,21 +107,22 @@ def test_list_select_rename_and_delete_with_confirmation(ui_db):
     at.run()
     at.button(key="rename").click().run()
     assert_clean(at)
-    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, "renamed"}
+    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, TIMELINE_SESSION, "renamed"}
 
     at.selectbox(key="manage_session").set_value("renamed")
     at.button(key="delete").click().run()
     assert "cannot be undone" in at.warning[0].value
-    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, "renamed"}  # not yet
+    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, TIMELINE_SESSION, "renamed"}  # not yet
     at.button(key="delete_no").click().run()
-    assert not at.warning and len(_store(ui_db).sessions()) == 2
+    assert not at.warning and len(_store(ui_db).sessions()) == 3
     at.button(key="delete").click().run()
     at.button(key="delete_yes").click().run()
     assert_clean(at)
-    assert list(_store(ui_db).sessions()["name"]) == [STAT_SESSION]
+    assert set(_store(ui_db).sessions()["name"]) == {STAT_SESSION, TIMELINE_SESSION}
 
     # selecting a row opens the session's overview
-    at.session_state["sessions_table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    row = list(frames(at)[0]["session"]).index(STAT_SESSION)
+    at.session_state["sessions_table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
     at.run()
     assert at.title[0].value.startswith("Overview") and at.query_params["session"] == STAT_SESSION
 

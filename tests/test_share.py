@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from precision_lab.metrics import compare
-from precision_lab.records import Diagnosis, TensorRecord
+from precision_lab.records import StepScalar, TimelineRow, TimelineShare, Diagnosis, TensorRecord
 from precision_lab.services.share import FORMAT_NAME, TABLES, ShareError, export_bytes, export_session, import_session, read_manifest, share_url
 from precision_lab.stats import tensor_stats
 
@@ -31,6 +31,9 @@ _ORDER = {
     "comparisons": "cand_run_id, seq, op, role, \"index\"",
     "diagnoses": "run_id, seq, rule",
     "warnings": "file, message",
+    "timeline": "run_id, tid",
+    "timeline_formats": "run_id, tid, fmt",
+    "step_scalars": "run_id, step, name",
 }
 
 
@@ -69,6 +72,15 @@ def make_session(store, name="demo", *, seed=0, n_ops=6, op_prefix="blocks", kee
                                   message="output exceeds fp16 max", fixes=("bf16", "fp32_island"), seq=n_ops - 1))
         w.add_warning("extra.txt", "not a tensor file; skipped", run_id=cand)
         w.add_warning("notes.md", "session-level warning")
+        # a long run's timeline: two steps of one op, its shares in one format, and the loss
+        w.add_timeline(
+            [TimelineRow(run_id=cand, tid=t, step=t, rank=0, seq=0, op="blocks.0.fc.forward.0", op_type="Linear",
+                         role="output", index="0", direction="forward", dtype="float16", numel=32, nan_count=0,
+                         inf_count=t, neg_inf_count=0, zero_count=0, absmax=1e3 * (t + 1), min_abs_nonzero=1e-3,
+                         l2norm=5.0, location="model.py:3 in forward") for t in range(2)],
+            [TimelineShare(run_id=cand, tid=t, fmt="float8_e4m3fn", finite=32 - t, overflow=t + 1, underflow=0,
+                           subnormal=2) for t in range(2)],
+            [StepScalar(run_id=cand, step=t, rank=0, name="loss", value=1.5 - t) for t in range(2)])
     return {"ref": ref, "cand": cand, "rerun": rerun, "arrays": arrays, "session": w.name}
 
 
@@ -169,6 +181,7 @@ def test_export_is_deterministic_and_manifest_is_true(store, tmp_path):
             "sessions": 1,
             "runs": store.sql("SELECT count(*) FROM runs WHERE session_id=?", [sid]).fetchone()[0],
             "tensors": 18, "histograms": 18, "tensor_data": 18, "comparisons": 7, "diagnoses": 1, "warnings": 2,
+                "timeline": 2, "timeline_formats": 2, "step_scalars": 2,
         }
         for t in TABLES:
             raw = zf.read(f"{t}.parquet")
@@ -362,7 +375,7 @@ def test_import_respects_configured_limits(store, other_store, tmp_path):
 
     make_session(store, "demo")
     export_session(store, "demo", tmp_path / "demo.zip")
-    with pytest.raises(ShareError, match="demo.zip.*9 entries exceed the limit of 5"):
+    with pytest.raises(ShareError, match=f"demo.zip.*{len(TABLES) + 1} entries exceed the limit of 5"):
         import_session(other_store, tmp_path / "demo.zip", config=ServerConfig(zip_max_files=5))
     size = (tmp_path / "demo.zip").stat().st_size
     assert size < 1024 * 1024

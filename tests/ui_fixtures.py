@@ -34,6 +34,7 @@ TENSOR_SESSION = "tensor-wide"
 # the op the fp16 sample first overflows in (see the fixture README: block 2 fc1)
 STAT_FIRST_NONFINITE = "Functional.linear.10.forward"
 WIDE_OP = "blocks.0.wide"
+TIMELINE_SESSION = "fp16-growth"  # a 40-step fp16 training run whose activations grow until they overflow
 
 
 def wide_values() -> np.ndarray:
@@ -95,6 +96,9 @@ def ui_template(tmp_path_factory) -> Path:
     ingest([STAT_CAND], reference=[STAT_REF], session=STAT_SESSION, store=store)
     ref, cand = _write_wide_dumps(root / "dumps")
     ingest([cand], reference=[ref], session=TENSOR_SESSION, store=store)
+    from training import train
+
+    train(store, lr=0.2, steps=40, grow=True, run=TIMELINE_SESSION)  # a long run: the Timeline page
     close_all()
     return db
 

@@ -17,11 +17,15 @@ import typer
 from . import app
 from ._common import DB_HELP, EXIT_UNUSABLE, end_progress, open_store, tty_progress
 from ._common import fail as _fail
+from ..alerts import RULES_BY_NAME
 from ..config import ConfigError, load_config
 from ..services.ingest import IngestError, ingest
 from ..services.report import build_report, render_text, to_json
 from ..store import SessionNotFound, Store
 from ..ui.html_report import write_html
+
+# what --fail-on takes (report and compare)
+_CONDITIONS = "nonfinite | sqnr<DB | max_rel_err>X | alert | alert:RULE"
 
 EXIT_TRIPPED = 1
 
@@ -63,8 +67,12 @@ def report_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the stable JSON document instead of a table"),
     html_file: Optional[str] = typer.Option(None, "--html", help="also write a self-contained HTML page (opens "
                                             "offline) to this file"),
+    fail_on: Optional[List[str]] = typer.Option(
+        None, "--fail-on", help=f"exit 1 when this holds: {_CONDITIONS} (repeatable)"),
 ) -> None:
-    """Report a session: first non-finite producer per run, comparisons, diagnoses."""
+    """Report a session: first non-finite producer per run, comparisons, diagnoses, alerts (exit 1 when
+    --fail-on trips)."""
+    conditions = [parse_condition(c) for c in (fail_on or [])]
     store = open_store(db)
     try:
         rep = build_report(store, session)
@@ -75,18 +83,37 @@ def report_cmd(
         typer.echo()
     if html_file:
         typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
+    _exit_on(rep, conditions)
+
+
+def _exit_on(rep: dict, conditions: list) -> None:
+    """Say which ``--fail-on`` conditions tripped and exit 1 (2 when the data cannot answer one)."""
+    tripped, unusable = check_conditions(rep, conditions)
+    for line in tripped:
+        typer.echo(f"FAIL {line}", err=True)
+    for line in unusable:
+        typer.echo(f"error: {line}", err=True)
+    if unusable:
+        raise typer.Exit(EXIT_UNUSABLE)
+    if tripped:
+        raise typer.Exit(EXIT_TRIPPED)
+    if conditions:
+        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
 
 
 @dataclass(frozen=True)
 class Condition:
-    """One ``--fail-on`` condition: ``nonfinite``, ``sqnr<DB``, ``max_rel_err>X``."""
+    """One ``--fail-on`` condition: ``nonfinite``, ``sqnr<DB``, ``max_rel_err>X``, ``alert``, ``alert:RULE``."""
 
     kind: str
     threshold: Optional[float] = None
+    rule: Optional[str] = None
 
     def __str__(self) -> str:
         if self.kind == "nonfinite":
             return "nonfinite"
+        if self.kind == "alert":
+            return f"alert:{self.rule}" if self.rule else "alert"
         op = "<" if self.kind == "sqnr" else ">"
         return f"{self.kind}{op}{self.threshold:g}"
 
@@ -98,6 +125,13 @@ def parse_condition(text: str) -> Condition:
     t = text.strip()
     if t == "nonfinite":
         return Condition("nonfinite")
+    if t == "alert":
+        return Condition("alert")
+    if t.startswith("alert:"):
+        rule = t[len("alert:"):].strip()
+        if rule in RULES_BY_NAME:
+            return Condition("alert", rule=rule)
+        raise typer.BadParameter(f"{text!r}: no alert rule {rule!r}; the rules are {', '.join(RULES_BY_NAME)}")
     m = _COND_RE.match(t)
     if m:
         kind, op, num = m.groups()
@@ -106,8 +140,8 @@ def parse_condition(text: str) -> Condition:
                 return Condition(kind, float(num))
             except ValueError:
                 pass
-    raise typer.BadParameter(f"{text!r}: expected nonfinite, sqnr<DB (e.g. sqnr<30) or max_rel_err>X "
-                             "(e.g. max_rel_err>0.01)")
+    raise typer.BadParameter(f"{text!r}: expected nonfinite, sqnr<DB (e.g. sqnr<30), max_rel_err>X "
+                             "(e.g. max_rel_err>0.01), alert or alert:RULE (e.g. alert:growth)")
 
 
 def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[str], list[str]]:
@@ -120,6 +154,8 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
     - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
     - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
       whose max relative error exceeds X.
+    - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
+      without a timeline cannot answer it.
     """
     comps = [c for c in report["comparisons"] if c["verdict"] is not None]
     tripped, unusable = [], []
@@ -137,6 +173,14 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 where = f"{first['op']} {first['role']} {first['index']}"
                 tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
                                f"the reference, first {where}")
+        elif cond.kind == "alert":
+            if not report.get("timeline"):
+                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N)")
+                continue
+            hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
+            if hits:
+                first = min(hits, key=lambda a: a["step"])
+                tripped.append(f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}")
         elif cond.kind == "sqnr":
             vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
             if not vals:
@@ -165,7 +209,7 @@ def compare_cmd(
     ref: str = typer.Argument(..., help="reference dump (folder or .zip), usually fp32"),
     cand: str = typer.Argument(..., help="candidate dump (folder or .zip)"),
     fail_on: Optional[List[str]] = typer.Option(
-        None, "--fail-on", help="exit 1 when this holds: nonfinite | sqnr<DB | max_rel_err>X (repeatable)"),
+        None, "--fail-on", help=f"exit 1 when this holds: {_CONDITIONS} (repeatable)"),
     db: Optional[str] = typer.Option(None, "--db", help="keep the session in this database (default: none kept)"),
     session: Optional[str] = typer.Option(None, "--session", "-s", help="session name"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON report"),
@@ -176,14 +220,4 @@ def compare_cmd(
     name = _ingest([cand], [ref], session, store)
     rep = build_report(store, name)
     typer.echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)
-    tripped, unusable = check_conditions(rep, conditions)
-    for line in tripped:
-        typer.echo(f"FAIL {line}", err=True)
-    for line in unusable:
-        typer.echo(f"error: {line}", err=True)
-    if unusable:
-        raise typer.Exit(EXIT_UNUSABLE)
-    if tripped:
-        raise typer.Exit(EXIT_TRIPPED)
-    if conditions:
-        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
+    _exit_on(rep, conditions)

@@ -145,7 +145,7 @@ class BackwardHooks:
         return hook
 
     def _param_grad_hook(self, p) -> None:
-        if not self._recording:
+        if not (self._recording or self._summary):
             return
         owner = self._param_owner.get(id(p))
         if owner is None or p.grad is None:
@@ -153,10 +153,15 @@ class BackwardHooks:
         op, op_type, pname = owner
         try:
             g = p.grad
-            h = self._measure(op, g, hold=True)
-            if h is not None:
-                seq = self._take_seq()
-                pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward", tensor=self._keep(op, g))
-                self._observe(pos, g, h)
+            seq = None
+            if self._recording:
+                h = self._measure(op, g, hold=True)
+                if h is not None:
+                    seq = self._take_seq()
+                    pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward", tensor=self._keep(op, g))
+                    self._observe(pos, g, h)
+            if self.options.timeline:
+                self._summarise(self._take_seq() if seq is None else seq, op, op_type, "param_grad", pname,
+                                "backward", g, None)
         except Exception as e:
             self._hook_error(op, e)

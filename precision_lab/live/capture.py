@@ -50,6 +50,8 @@ from .output import RunOutput, _rank, _world_size
 from .policies import as_policy
 from .shadow import ShadowRuns, _cuda_devices, _rng_state_of, _upcast
 from .options import CaptureOptions
+from .timeline import TimelineSteps
+from .where import user_location
 
 __all__ = ["Capture", "capture", "CAST_OPS"]
 
@@ -119,7 +121,7 @@ def _refuse_compiled(model) -> None:
                      "eager with compiled outputs to see what compilation changes")
 
 
-class Capture(BackwardHooks, ShadowRuns, RunOutput):
+class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
     """A live capture; use :func:`capture` to make one."""
 
     def __init__(self, model, *, run: str = "capture", store=None, session: Optional[str] = None,
@@ -195,15 +197,22 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         self._keep_ops: dict = {}  # op name -> whether its tensors are kept whole
         self.shard_files: list = []  # Parquet files written (shard mode)
         self._user_error: Optional[str] = None
+        self._timeline_init()
 
     # ---- public ---------------------------------------------------------------
     def prepare_inputs(self, inputs):
         """Apply the dtype policy to model inputs (identity without a policy)."""
         return self.policy.prepare_inputs(inputs) if self.policy is not None else inputs
 
-    def step(self) -> None:
-        """End the current step: finish its statistics (one host transfer) and start the next."""
+    def step(self, *, loss=None, grad_scaler=None) -> None:
+        """End the current step: finish its statistics (one host transfer) and start the next.
+
+        ``loss`` (a tensor or number) and ``grad_scaler`` (a ``torch.amp.GradScaler``, for its loss scale)
+        go to the run's timeline as the step's scalars; reading them costs one host sync each.
+        """
         with self._lock:
+            if loss is not None or grad_scaler is not None:
+                self._add_scalars(loss, grad_scaler)
             self._end_step()
             self.step_no += 1
             self._begin_step()
@@ -295,6 +304,7 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
     # ---- steps -------------------------------------------------------------------------
     def _begin_step(self) -> None:
         self._recording = self._active and self.options.step_selected(self.step_no)
+        self._summary = self._active and self.options.timeline and not self._recording
         self._seq = 0
         self._counters.clear()
         self._node_birth.clear()
@@ -302,16 +312,19 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
         # the model's buffers, copied (not shared) into a functional op's fp32 re-run
         self._buffer_ids = frozenset(id(b) for b in self.model.buffers()) if self.options.local_error else frozenset()
         self._engine.new_step()
+        if self._summary_engine is not None:
+            self._summary_engine.new_step()
         tls = self._tls
         tls.stack = []
         tls.busy = False
 
     def _end_step(self) -> None:
-        if not self._pending:
+        if not self._pending and not self._timeline_pending() and not self.step_scalars_pending():
             self._engine.new_step()
             return
         try:
             self._engine.resolve()
+            self._resolve_summaries()
         except Exception as e:
             self._hook_error("statistics", e)
         step_records = []
@@ -334,9 +347,21 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
                 pass
         self._step_handles.clear()
         base = len(self.records)
-        self.records.extend(step_records)
-        if self.shard_dir is not None and self._write and step_records:
-            self._write_step_shard(step_records, base)
+        if not self.options.timeline:
+            groups = [(self.step_no, step_records, None)] if step_records else []
+        else:
+            groups = self._timeline_end_step(step_records, base)
+        for step, recs, local in groups:
+            at = len(self.records)
+            self.records.extend(recs)
+            if local is not None:
+                self.local_comparisons.extend((at + p, c) for p, c in local)
+            if self.shard_dir is not None and self._write:
+                self._write_step_shard(recs, at, step)
+
+    def step_scalars_pending(self) -> bool:
+        """Whether the current step has scalars (a loss, a loss scale) waiting for its end."""
+        return bool(self.step_scalars) and self.step_scalars[-1].step == self.step_no
 
     # ---- recording -----------------------------------------------------------------------
     def _warn(self, where: str, message: str) -> None:
@@ -379,18 +404,20 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
     def _measure(self, op: str, t: torch.Tensor, hold: bool = False):
         return self._engine.measure(t, op, hold=hold)
 
-    def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None) -> int:
+    def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None,
+             location=None) -> int:
         """Note one record of the current step (its TensorRecord is made when the step ends); its position."""
-        item = (seq, op, op_type, role, index, direction, self.step_no if step is None else step, tensor, handle)
+        item = (seq, op, op_type, role, index, direction, self.step_no if step is None else step, tensor, location,
+                handle)
         with self._lock:
             self._pending.append(item)
             return len(self.records) + len(self._pending) - 1
 
     def _make_record(self, item, stats) -> TensorRecord:
-        seq, op, op_type, role, index, direction, step, tensor, _ = item
+        seq, op, op_type, role, index, direction, step, tensor, location, _ = item
         return TensorRecord(run_id=self.run_id, seq=seq, op=op, op_type=op_type, role=role, index=str(index),
                             stats=stats, step=step, rank=self.rank, direction=direction, source="capture",
-                            tensor=tensor)
+                            tensor=tensor, location=location)
 
     def _keep(self, op: str, t: torch.Tensor):
         if not self.options.keep_tensors:
@@ -420,6 +447,7 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
     # -- functional ops
     def _op_before(self, frame: _Frame, info: _OpInfo, args, kwargs):
         op = self._next_name(frame.path, info.name)
+        where = user_location(2) if self.options.locations else None
         ins = self._measure_inputs(op, args, kwargs)
         shadow = None
         rng = None
@@ -428,10 +456,10 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
             shadow = (_upcast(args, clone=inplace, copy_ids=self._buffer_ids),
                       _upcast(kwargs, clone=inplace, copy_ids=self._buffer_ids))
             rng = _rng_state_of(_cuda_devices((args, kwargs)))
-        return (op, info, ins, self._seq, shadow, rng)
+        return (op, info, ins, self._seq, shadow, rng, where)
 
     def _op_after(self, ctx, func, args, kwargs, out):
-        op, info, ins, start_seq, shadow, rng = ctx
+        op, info, ins, start_seq, shadow, rng, where = ctx
         if info.name == "setitem":
             # x[i] = v returns nothing; its result is the mutated x
             outs = list(_flatten(args[0] if args else None))
@@ -439,7 +467,7 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
             outs = list(_flatten(out))
         if not outs:
             return
-        out_recs = self._record_call(op, info.name, ins, outs, start_seq, f"{op}.backward")
+        out_recs = self._record_call(op, info.name, ins, outs, start_seq, f"{op}.backward", where)
         if shadow is not None and out_recs:
             self._local_functional(op, info, func, shadow, rng, out_recs)
 
@@ -457,21 +485,21 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
                     ins.append(("kwarg", idx, t, h))
         return ins
 
-    def _record_call(self, op, op_type, ins, outs, start_seq, backward_op) -> list:
+    def _record_call(self, op, op_type, ins, outs, start_seq, backward_op, location=None) -> list:
         """Record a finished op or module call: its inputs, its outputs and the hooks on its backward.
 
         Returns (index, tensor, position) of the recorded outputs, for the local error.
         """
         seq = self._take_seq()
         for role, idx, t, h in ins:
-            pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t))
+            pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t), location=location)
             self._observe(pos, t, h)
         out_recs = []
         for idx, t in outs:
             h = self._measure(op, t)
             if h is None:
                 continue
-            pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t))
+            pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t), location=location)
             self._observe(pos, t, h)
             out_recs.append((idx, t, pos))
         self._mark_outputs(outs, seq)
@@ -496,7 +524,7 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
     # -- modules
     def _pre_hook(self, module, args, kwargs):
         tls = self._tls
-        if not self._recording or getattr(tls, "busy", False):
+        if not (self._recording or self._summary) or getattr(tls, "busy", False):
             return None
         if getattr(tls, "stack", None) is None:
             tls.stack = []  # a forward run in another thread than the one that entered the capture
@@ -510,6 +538,11 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
             frame = _Frame(module, path, op, op_type, scope_ok, record, self._seq)
             tls.stack.append(frame)
             if not record:
+                return None
+            if self.options.locations:
+                frame.location = user_location(1)
+            if not self._recording:  # a summary step: the module's output only
+                frame.inputs = []
                 return None
             ins = self._measure_inputs(op, args, kwargs)
             if self.options.params and id(module) not in self._params_done:
@@ -544,15 +577,23 @@ class Capture(BackwardHooks, ShadowRuns, RunOutput):
             return None
         frame = stack[at]
         del stack[at:]
-        if frame is None or not frame.record or not self._recording or frame.inputs is None:
+        if frame is None or not frame.record or frame.inputs is None or not (self._recording or self._summary):
             return None
         tls.busy = True
         try:
             op = frame.op
-            out_recs = self._record_call(op, frame.op_type, frame.inputs, list(_flatten(output)),
-                                         frame.start_seq, _backward_name(op))
-            if frame.shadow_in is not None and out_recs:
-                self._local_module(frame, out_recs)
+            outs = list(_flatten(output))
+            if self._recording:
+                out_recs = self._record_call(op, frame.op_type, frame.inputs, outs, frame.start_seq,
+                                             _backward_name(op), frame.location)
+                if frame.shadow_in is not None and out_recs:
+                    self._local_module(frame, out_recs)
+                seq = self._seq - 1
+            else:
+                seq = self._take_seq()
+            if self.options.timeline:
+                for idx, t in outs:
+                    self._summarise(seq, op, frame.op_type, "output", idx, "forward", t, frame.location)
         except Exception as e:
             self._hook_error(frame.op, e)
         finally:

@@ -55,8 +55,14 @@ def skip_reason(t: torch.Tensor) -> Optional[str]:
 
 
 class StatsEngine:
-    def __init__(self, options, warn: Callable[[str, str], None], *, deferred_cpu: bool = False):
-        self.histogram = bool(options.histogram and not options.moments_only)
+    def __init__(self, options, warn: Callable[[str, str], None], *, deferred_cpu: bool = False,
+                 histogram: Optional[bool] = None, device_histogram: Optional[bool] = None,
+                 refine: Optional[Callable] = None):
+        """``histogram``/``device_histogram`` override the options for CPU/device tensors; ``refine(stats)``
+        says when CPU statistics taken without a histogram are worth a second pass with one."""
+        self.histogram = bool(options.histogram and not options.moments_only) if histogram is None else histogram
+        self.device_histogram = self.histogram if device_histogram is None else device_histogram
+        self.refine = refine
         # run the device path (deferred, one transfer per step) for CPU tensors too:
         # how the CUDA bookkeeping is exercised on machines without a GPU
         self.deferred_cpu = deferred_cpu
@@ -125,6 +131,8 @@ class StatsEngine:
             if (not d.is_cuda and not self.deferred_cpu) or d.layout != torch.strided:
                 h = Handle(dtype, shape, d.numel())
                 h.stats = _stats.tensor_stats(d, histogram=self.histogram)
+                if not self.histogram and self.refine is not None and self.refine(h.stats):
+                    h.stats = _stats.tensor_stats(d, histogram=True)
             else:
                 h = self._device_measure(d, dtype, shape)
         except Exception as e:
@@ -148,7 +156,7 @@ class StatsEngine:
         if not (d.dtype.is_floating_point or packed_fp4 or dtype.startswith(("int", "uint")) or dtype == "bool"):
             raise ValueError(f"cannot compute numeric statistics of a {dtype} tensor")
         h = Handle(dtype, shape, numel)
-        h.parts = _stats.device_partials(d, histogram=self.histogram)
+        h.parts = _stats.device_partials(d, histogram=self.device_histogram)
         with self._lock:
             self._pending.append(h)
         return h
@@ -164,12 +172,12 @@ class StatsEngine:
             if h.parts:
                 by_device.setdefault(h.parts[0].totals.device, []).append(h)
             else:  # an empty tensor
-                h.stats = _stats.finish_partials([], histogram=self.histogram, numel=h.numel, dtype=h.dtype,
+                h.stats = _stats.finish_partials([], histogram=self.device_histogram, numel=h.numel, dtype=h.dtype,
                                                  shape=h.shape)
         for dev, hs in by_device.items():
             host_v = torch.stack([p.totals for h in hs for p in h.parts]).cpu()
             host_h = None
-            if self.histogram:
+            if self.device_histogram:
                 host_h = torch.stack([p.hist for h in hs for p in h.parts]).cpu()
             i = 0
             for h in hs:
@@ -178,5 +186,5 @@ class StatsEngine:
                              for j in range(n)]
                 i += n
                 h.parts = None
-                h.stats = _stats.finish_partials(cpu_parts, histogram=self.histogram, numel=h.numel, dtype=h.dtype,
-                                                 shape=h.shape)
+                h.stats = _stats.finish_partials(cpu_parts, histogram=self.device_histogram, numel=h.numel,
+                                                 dtype=h.dtype, shape=h.shape)

@@ -103,7 +103,7 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwar
 
 class _Frame:
     __slots__ = ("module", "path", "op", "op_type", "scope_ok", "record", "inputs", "shadow_in", "start_seq",
-                 "rng")
+                 "rng", "location")
 
     def __init__(self, module, path, op, op_type, scope_ok, record, start_seq):
         self.module, self.path, self.op, self.op_type = module, path, op, op_type
@@ -111,3 +111,4 @@ class _Frame:
         self.inputs = None
         self.shadow_in = None
         self.rng = None
+        self.location = None

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Optional, Union
 
+from ..formats import get_format
+
 __all__ = ["CaptureOptions", "VIEW_OPS"]
 
 # Ops whose output values are a rearrangement or subset of their input's
@@ -59,6 +61,22 @@ class CaptureOptions:
       on a machine already oversubscribed by other jobs, 1 avoids two thread
       pools spinning against each other.
     - ``max_warnings``: stop recording distinct hook warnings after this many.
+    - ``locations``: record the user code that called each op (the first
+      frame outside torch, Python and Precision Lab), cached per call site.
+
+    A long run (a training loop of many steps) is recorded with ``every``:
+
+    - ``every=N``: on every step, a cheap summary of each module's output and
+      each parameter's gradient (absmax, smallest nonzero magnitude, NaN/inf
+      counts, norm, and the overflow/underflow/subnormal counts in each
+      ``watch`` format) goes to the run's timeline; full records are taken
+      every N-th step (0, N, 2N, ...).  ``steps`` must then be None.
+    - ``keep_last=K``: also take full records on the steps in between, keep
+      the last K steps of them in memory, and keep them for good when a step
+      holds an unexpected non-finite value (NaN, +inf, or -inf outside a
+      masking op) or a non-finite loss: the frames that led to it.  Memory:
+      K steps of records (about 1.5 KB per record with its histogram).
+    - ``watch``: the formats whose overflow and underflow the timeline counts.
     """
 
     include: tuple[str, ...] = ("*",)
@@ -76,6 +94,10 @@ class CaptureOptions:
     params: bool = True
     stats_threads: Optional[int] = None
     max_warnings: int = 200
+    locations: bool = True
+    every: Optional[int] = None
+    keep_last: int = 0
+    watch: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "exclude_op_types", "keep_tensors"):
@@ -106,12 +128,38 @@ class CaptureOptions:
             raise ValueError(f"CaptureOptions.stats_threads must be None or >= 1, got {self.stats_threads!r}")
         if self.max_warnings < 0:
             raise ValueError("CaptureOptions.max_warnings must be >= 0")
+        if self.every is not None:
+            if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+                raise ValueError(f"CaptureOptions.every must be None or an int >= 1, got {self.every!r}")
+            if self.steps is not None:
+                raise ValueError("CaptureOptions: give either steps= or every= (every records a summary of every "
+                                 "step and full records every N-th), not both")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"CaptureOptions.keep_last must be an int >= 0, got {self.keep_last!r}")
+        if self.keep_last and self.every is None:
+            raise ValueError("CaptureOptions.keep_last needs every= (the frames are kept from a long run's steps)")
+        watch = (self.watch,) if isinstance(self.watch, str) else tuple(self.watch)
+        try:
+            object.__setattr__(self, "watch", tuple(dict.fromkeys(get_format(w).name for w in watch)))
+        except KeyError as e:
+            raise ValueError(f"CaptureOptions.watch: {e.args[0]}") from None
         if self.moments_only and self.histogram:
             # moments-only is the cheapest mode: no histogram, whatever the default says
             object.__setattr__(self, "histogram", False)
 
     # ---- filters -----------------------------------------------------------
+    @property
+    def timeline(self) -> bool:
+        """Whether every step's summary goes to the run's timeline."""
+        return self.every is not None
+
+    def full_step(self, step: int) -> bool:
+        """Whether ``step``'s full records are kept (every N-th step of a long run)."""
+        return self.every is None or step % self.every == 0
+
     def step_selected(self, step: int) -> bool:
+        if self.every is not None:  # full records are taken: every N-th step, or every step with keep_last
+            return self.keep_last > 0 or step % self.every == 0
         if self.steps is None:
             return True
         if isinstance(self.steps, int):

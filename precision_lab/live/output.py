@@ -71,6 +71,7 @@ class RunOutput:
                              role=rec.role, index=rec.index, match="exact", comparison=cmp)
         for where, msg in self.warnings:
             w.add_warning(where, msg, run_id=self.run_id)
+        self.write_timeline(w)
         return rids
 
     def _finish_output(self) -> None:
@@ -82,6 +83,8 @@ class RunOutput:
             return
         store = self._store_arg  # a Store, or any sink with new_session/extend_session
         notes = {"capture": {"run": self.run, "steps": self.step_no + 1, "options": repr(self.options)}}
+        if self.options.timeline:
+            notes["capture"].update(frames=self.frames, first_nonfinite_step=self.first_nonfinite_step)
         if self.session_arg:
             with store.extend_session(self.session_arg) as w:
                 self.write_run(w)
@@ -91,12 +94,13 @@ class RunOutput:
                 self.write_run(w)
                 self.session = w.name
 
-    def _write_step_shard(self, step_records, base) -> None:
+    def _write_step_shard(self, step_records, base, step=None) -> None:
         local = {}
         for pos, cmp in self.local_comparisons:
             if base <= pos < base + len(step_records):
                 local[pos - base] = cmp
         meta = self.run_meta()
-        path = write_shard(self.shard_dir, meta, step_records, rank=self.rank, step=self.step_no,
+        path = write_shard(self.shard_dir, meta, step_records, rank=self.rank,
+                           step=self.step_no if step is None else step,
                            local_comparisons=local)
         self.shard_files.append(path)

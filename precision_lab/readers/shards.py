@@ -80,7 +80,7 @@ def shard_glob(root) -> str:
 # ---- schema -------------------------------------------------------------------
 
 # columns a shard written by an earlier version may lack (read as unknown)
-_OPTIONAL = frozenset({"neg_inf_count", "parent"})
+_OPTIONAL = frozenset({"neg_inf_count", "parent", "location"})
 _ARROW = {"int": "int64", "float": "float64", "str": "string", "bool": "bool_"}
 
 

@@ -35,13 +35,17 @@ the other innermost candidates (``others``).
 The JSON document (``build_report``) has the keys ``session``, ``runs``,
 ``first_nonfinite``, ``intended_nonfinite`` (per run, the ops that wrote a mask's
 ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
-``diagnoses``, ``warnings`` and ``notes``.  Non-finite numbers are written
+``diagnoses``, ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
+threshold, steps_firing; see ``precision_lab.alerts``), ``timeline`` (per run with a timeline: the first
+non-finite step, the steps with full records, and one row per step: loss, loss_scale, nonfinite_values,
+grad_norm) and ``notes``.  Non-finite numbers are written
 as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` so the document is
 strict JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Optional
@@ -53,6 +57,7 @@ from ..ops import MASKING_OPS, canonical, module_path
 from ..stats import TensorStats
 from ..store import queries as q
 from ..jsoncodec import dumps
+from . import timeline as _timeline
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "norm_artefacts", "build_report", "render_text", "to_json", "INPUT_ROLES",
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
@@ -404,6 +409,7 @@ def build_report(store, session: str) -> dict:
                           "fixes": json.loads(d["fixes"] or "[]"), "severity": d["severity"], "seq": d["seq"]})
     warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
                 for w in q.session_warning_rows(store, sid)]
+    alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     return {
         "session": info["name"],
         "created": info["created"],
@@ -418,6 +424,8 @@ def build_report(store, session: str) -> dict:
         "comparisons": comparisons,
         "diagnoses": diagnoses,
         "warnings": warnings,
+        "alerts": alerts,
+        "timeline": _timeline.timeline_report(store, sid),
         "notes": info["notes"],
     }
 
@@ -496,6 +504,17 @@ def render_text(report: dict, *, top: int = 15) -> str:
         for d in report["diagnoses"]:
             fixes = f"  fixes: {', '.join(d['fixes'])}" if d["fixes"] else ""
             out.append(f"  [{d['severity']}] {d['run']}: {d['op']}: {d['message']}{fixes}")
+    alerts = report.get("alerts") or []
+    if alerts:
+        out += ["", f"Alerts ({len(alerts)}):"]
+        for a in alerts[:top]:
+            out.append(f"  [{a['rule']}] {a['run']} step {a['step']}: {a['message']}")
+        if len(alerts) > top:
+            out.append(f"  ... and {len(alerts) - top} more")
+    for run, t in (report.get("timeline") or {}).items():
+        first = t.get("first_nonfinite_step")
+        out += ["", f"Timeline of {run}: {len(t['steps'])} steps, full records at {len(t['full_steps'])}; "
+                    + (f"first non-finite value at step {first}" if first is not None else "every step finite")]
     if report["warnings"]:
         out += ["", f"Warnings ({len(report['warnings'])}):"]
         for w in report["warnings"][:top]:

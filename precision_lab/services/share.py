@@ -35,7 +35,7 @@ from typing import Optional, Union
 from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
 from ..scratch import scratch_dir
-from ..store.transfer import (RUN_ID_COLUMNS, TABLES, ImportRefused, copy_session_tables, insert_session_tables,
+from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ImportRefused, copy_session_tables, insert_session_tables,
                               table_columns)
 from .. import __version__
 from ..stats import HIST_EDGES_ID, N_BINS
@@ -80,6 +80,9 @@ _REQUIRED = {
     "comparisons": ("session_id", "cand_run_id"),
     "diagnoses": ("session_id", "run_id"),
     "warnings": ("session_id",),
+    "timeline": ("run_id", "tid", "step", "op"),
+    "timeline_formats": ("run_id", "tid", "fmt"),
+    "step_scalars": ("run_id", "step", "name"),
 }
 
 
@@ -228,13 +231,14 @@ def _validate_manifest(m, where: str) -> dict:
     t = m.get("tables")
     if not isinstance(t, dict):
         raise ShareError(f"{where}: {MANIFEST} has no 'tables' object")
-    missing = [x for x in TABLES if x not in t]
+    # a table newer than the archive's schema is absent from it (read as empty)
+    missing = [x for x in TABLES if x not in t and TABLE_SINCE.get(x, 1) <= sv]
     unknown = sorted(x for x in t if x not in TABLES)
     if missing:
         raise ShareError(f"{where}: {MANIFEST} does not list table(s) {', '.join(missing)}")
     if unknown:
         raise ShareError(f"{where}: {MANIFEST} lists unknown table(s) {', '.join(map(repr, unknown))}")
-    for name in TABLES:
+    for name in (x for x in TABLES if x in t):
         e = t[name]
         if not isinstance(e, dict):
             raise ShareError(f"{where}: {MANIFEST} entry for table {name} is not an object")
@@ -398,6 +402,8 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
             raise ShareError(f"{where}: {table}.parquet holds rows of another session ({sorted(map(str, bad))[0]}); "
                              f"the file should hold only session {sid}")
     for table, cols in RUN_ID_COLUMNS.items():
+        if table not in tables:
+            continue
         for c in cols:
             if c not in tables[table].column_names:
                 continue
@@ -498,7 +504,8 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
             raise ShareError(f"{where}: the name to import as cannot be empty")
     with _open_zip(path, config) as zf:
         m = _load_manifest(zf, where)
-        listed = {MANIFEST} | {m["tables"][t]["file"] for t in TABLES}
+        held = [t for t in TABLES if t in m["tables"]]
+        listed = {MANIFEST} | {m["tables"][t]["file"] for t in held}
         for info in zf.infolist():
             if info.is_dir():
                 continue
@@ -506,10 +513,10 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
                 raise ShareError(f"{where}: entry {info.filename!r} is not listed in {MANIFEST}; refusing a file "
                                  "that carries more than it declares")
         present = {i.filename for i in zf.infolist()}
-        for t in TABLES:
+        for t in held:
             if m["tables"][t]["file"] not in present:
                 raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
-        tables = {t: _read_table(zf, where, t, m["tables"][t], table_columns(store, t)) for t in TABLES}
+        tables = {t: _read_table(zf, where, t, m["tables"][t], table_columns(store, t)) for t in held}
     sid, orig_name = m["session"]["session_id"], m["session"]["name"]
     _check_consistency(where, sid, orig_name, tables)
 
@@ -521,7 +528,7 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
         raise ShareError(str(e)) from None
     if new_sid != sid or run_map:
         notes.append("its ids already existed in this database, so fresh ones were given")
-    rows = {t: tables[t].num_rows for t in TABLES}
+    rows = {t: tables[t].num_rows if t in tables else 0 for t in TABLES}
     return ImportResult(session=final_name, session_id=new_sid, original_name=wanted, rows=rows,
                         renamed=final_name != wanted, new_ids=bool(new_sid != sid or run_map), notes=tuple(notes))
 

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 
 from ..paths import default_data_dir, default_db_path, resolve_db_path
-from ..records import (Diagnosis, RunInfo, TensorRecord, dataclass_columns, free_name, npy_bytes, npy_load,
+from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
@@ -30,7 +30,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 __all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class SessionNotFound(KeyError):
@@ -94,6 +94,9 @@ def _schema_sql() -> list[str]:
         f"CREATE TABLE IF NOT EXISTS comparisons ({cols(ccols)})",
         f"CREATE TABLE IF NOT EXISTS diagnoses ({cols(dcols)})",
         "CREATE TABLE IF NOT EXISTS warnings (session_id VARCHAR, run_id VARCHAR, file VARCHAR, message VARCHAR)",
+        f"CREATE TABLE IF NOT EXISTS timeline ({cols(_dataclass_columns(TimelineRow))})",
+        f"CREATE TABLE IF NOT EXISTS timeline_formats ({cols(_dataclass_columns(TimelineShare))})",
+        f"CREATE TABLE IF NOT EXISTS step_scalars ({cols(_dataclass_columns(StepScalar))})",
     ]
 
 
@@ -101,6 +104,8 @@ def _schema_sql() -> list[str]:
 MIGRATIONS: dict[int, list[str]] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
     3: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "parent" VARCHAR'],  # the module call an op ran inside
+    # the user code that called an op; the timeline tables are created by _schema_sql()
+    4: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "location" VARCHAR'],
 }
 
 
@@ -329,7 +334,7 @@ class Store:
         sid = info["session_id"]
         with self.transaction() as cur:
             run_ids = [r[0] for r in cur.execute("SELECT run_id FROM runs WHERE session_id = ?", [sid]).fetchall()]
-            for t in ("tensors", "histograms", "tensor_data"):
+            for t in ("tensors", "histograms", "tensor_data", "timeline", "timeline_formats", "step_scalars"):
                 for rid in run_ids:
                     cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [rid])
             for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
@@ -483,6 +488,7 @@ class SessionWriter:
         self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
         # warning rows, batched too: a dump can warn once per record (one INSERT per row costs ~0.6 ms)
         self._warns: list[tuple] = []
+        self._timeline: dict[str, list] = {"timeline": [], "timeline_formats": [], "step_scalars": []}
         self._next_rid: dict[str, int] = {}
         self._stat_cols = [n for n, _ in _stats_fields()]
 
@@ -569,6 +575,32 @@ class SessionWriter:
             self.cur.execute("INSERT INTO warnings SELECT session_id, run_id, file, message FROM _pl_w")
             self.cur.unregister("_pl_w")
             self._warns.clear()
+        self._flush_timeline()
+
+    def add_timeline(self, rows: Iterable[TimelineRow] = (), shares: Iterable[TimelineShare] = (),
+                     scalars: Iterable[StepScalar] = ()) -> None:
+        """Append a long run's per-step summaries (see ``TimelineRow``)."""
+        for table, items in (("timeline", rows), ("timeline_formats", shares), ("step_scalars", scalars)):
+            self._timeline[table].extend(items)
+        if sum(len(v) for v in self._timeline.values()) >= self.BATCH:
+            self.flush()
+
+    def _flush_timeline(self) -> None:
+        import pyarrow as pa
+
+        kinds = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}
+        for table, cls in (("timeline", TimelineRow), ("timeline_formats", TimelineShare),
+                           ("step_scalars", StepScalar)):
+            items = self._timeline[table]
+            if not items:
+                continue
+            cols = dataclass_columns(cls)
+            t = pa.table({n: pa.array([getattr(x, n) for x in items], type=kinds[k]) for n, k in cols})
+            self.cur.register("_pl_tl", t)
+            names = ", ".join(chr(34) + n + chr(34) for n, _ in cols)
+            self.cur.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM _pl_tl")
+            self.cur.unregister("_pl_tl")
+            items.clear()
 
     def add_comparison(self, *, kind: str, ref_run_id: str, ref_rid: Optional[int], cand_run_id: str,
                        cand_rid: Optional[int], step: int, rank: int, seq: int, op: str, role: str,

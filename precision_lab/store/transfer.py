@@ -12,11 +12,15 @@ from pathlib import Path
 
 from ..stats import HIST_EDGES_ID
 
-__all__ = ["TABLES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables", "table_columns",
+__all__ = ["TABLES", "TABLE_SINCE", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables", "table_columns",
            "insert_session_tables"]
 
 # Tables of one session, in insertion order (parents before children).
-TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings")
+TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings",
+          "timeline", "timeline_formats", "step_scalars")
+
+# The schema version that added a table: an archive written before it has none (read as empty).
+TABLE_SINCE = {"timeline": 4, "timeline_formats": 4, "step_scalars": 4}
 
 # How each table's rows are selected for one session (parameter: session_id).
 _RUNS_OF = "SELECT run_id FROM runs WHERE session_id = $sid"
@@ -29,6 +33,9 @@ _SELECT = {
     "comparisons": "SELECT * FROM comparisons WHERE session_id = $sid",
     "diagnoses": "SELECT * FROM diagnoses WHERE session_id = $sid",
     "warnings": "SELECT * FROM warnings WHERE session_id = $sid",
+    "timeline": f"SELECT * FROM timeline WHERE run_id IN ({_RUNS_OF})",
+    "timeline_formats": f"SELECT * FROM timeline_formats WHERE run_id IN ({_RUNS_OF})",
+    "step_scalars": f"SELECT * FROM step_scalars WHERE run_id IN ({_RUNS_OF})",
 }
 
 # Columns that hold a run id, per table (remapped on import when they clash).
@@ -40,6 +47,9 @@ RUN_ID_COLUMNS = {
     "comparisons": ("ref_run_id", "cand_run_id"),
     "diagnoses": ("run_id",),
     "warnings": ("run_id",),
+    "timeline": ("run_id",),
+    "timeline_formats": ("run_id",),
+    "step_scalars": ("run_id",),
 }
 
 
@@ -114,7 +124,9 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
             run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
             final_name = store._unique_name(cur, name, rename=True)
             for table in TABLES:
-                t = tables[table]
+                t = tables.get(table)
+                if t is None:  # an archive older than the table
+                    continue
                 if "session_id" in t.column_names:
                     t = t.set_column(t.column_names.index("session_id"), "session_id",
                                      pa.array([new_sid] * t.num_rows, type=pa.string()))

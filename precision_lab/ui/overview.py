@@ -9,11 +9,12 @@ import pandas as pd
 
 from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_text
 from ..services import browse
+from ..services import timeline as _timeline
 from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
                                session_runs, top_offenders)
 from .common import num_text, plot_text, public_source, run_label
 
-__all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
+__all__ = ["long_runs", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
            "error_series", "error_figure", "session_headline", "order_text", "warnings_table", "order_caveat",
            "MAX_WARNINGS"]
@@ -135,3 +136,15 @@ def session_headline(store, session_id: str) -> dict:
 def run_options(store, session_id: str) -> list[dict]:
     """Runs with a display label, for pickers."""
     return [{**r, "label": run_label(r)} for r in session_runs(store, session_id)]
+
+
+def long_runs(store, session_id: str) -> list[dict]:
+    """The session's runs with a timeline: ``{run, steps, first_nonfinite_step, alerts}`` (alerts as a table)."""
+    out = []
+    for r in _timeline.timeline_runs(store, session_id):
+        alerts = _timeline.run_alerts(store, r["run_id"])
+        table = pd.DataFrame([{"step": a.step, "rule": a.rule, "message": a.message} for a in alerts],
+                             columns=["step", "rule", "message"])
+        out.append({"run": r["name"], "steps": r["steps"],
+                    "first_nonfinite_step": _timeline.first_nonfinite_step(store, r["run_id"]), "alerts": table})
+    return out

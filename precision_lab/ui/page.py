@@ -44,6 +44,7 @@ PAGES = {
     "ops": "pages/ops.py",
     "detail": "pages/op_detail.py",  # url path: the file's stem, as Streamlit derives it
     "diff": "pages/diff.py",
+    "timeline": "pages/timeline.py",
 }
 
 _PENDING = "_pl_pending"  # values handed to the next page by navigate()

@@ -1,0 +1,91 @@
+import streamlit as st
+
+from precision_lab.formats import FORMAT_NAMES
+from precision_lab.services import timeline as svc
+from precision_lab.ui import page
+from precision_lab.ui import timeline as tv
+
+store, acc = page.start("timeline")
+info = page.choose_session(store, acc)
+st.title("Timeline")
+if info is None:
+    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.stop()
+runs = svc.timeline_runs(store, info["session_id"])
+if not runs:
+    st.info("This session has no timeline. Record a training run over many steps with "
+            "`precision_lab.capture(model, options=CaptureOptions(every=50, keep_last=4))` and call "
+            "`cap.step(loss=loss)` after each step: every step is summarised, every 50th recorded in full, and "
+            "the last 4 steps before a NaN/Inf are kept.")
+    st.stop()
+by_name = {r["name"]: r for r in runs}
+name = page.url_select("Run", list(by_name), param="run", key="tl_run", container=st.sidebar,
+                       format_func=lambda n: f"{n} ({by_name[n]['steps']} steps, {by_name[n]['ops']} ops)")
+run = by_name[name]
+fmt = page.url_select("Format", FORMAT_NAMES, param="tfmt", key="tl_fmt", container=st.sidebar,
+                      default=svc.run_format(run).name,
+                      help="The format headroom and underflow are measured against.")
+
+with page.guard("This run's timeline could not be loaded"):
+    first = svc.first_nonfinite_step(store, run["run_id"])
+    alerts = svc.run_alerts(store, run["run_id"])
+    steps = svc.step_table(store, run["run_id"])
+
+c1, c2, c3 = st.columns(3)
+c1.metric("Steps", run["steps"])
+c2.metric("First non-finite step", "none" if first is None else first)
+early = [a for a in alerts if first is None or a.step < first]
+c3.metric("Alerts", len(alerts), help="Alerts before the first non-finite step: "
+          f"{len(early)}" + (f", the first at step {min(a.step for a in early)}" if early else ""))
+
+st.subheader("Alerts", anchor=False)
+if alerts:
+    st.dataframe(tv.alerts_frame(alerts), hide_index=True, width="stretch", key="tl_alerts",
+                 height=page.table_height(len(alerts)))
+else:
+    st.caption("No alert fired on this run.")
+with st.expander("Alert rules"):
+    st.dataframe(tv.rules_frame(), hide_index=True, width="stretch")
+
+st.subheader("Ops over steps", anchor=False)
+metric = st.radio("Colour", list(tv.METRICS), format_func=tv.METRICS.get, horizontal=True, key="tl_metric")
+with page.guard("The heatmap could not be drawn"):
+    hm = svc.heatmap(store, run["run_id"], metric=metric, fmt=fmt)
+    if not hm["cells"]:
+        st.caption("No summarised op in this run.")
+    else:
+        ev = st.plotly_chart(tv.heatmap_figure(hm, metric=metric, fmt=fmt, first_nonfinite=first, alerts=alerts),
+                             key="tl_heatmap", on_select="rerun", selection_mode="points", width="stretch")
+        st.caption("Click a cell to open that op at that step on Op detail (the nearest step with full records).")
+        pts = ev.selection.points if ev is not None else []
+        target = tv.cell_target(pts[0]) if pts else None
+        if target is not None:
+            rec = svc.record_at(store, run["run_id"], *target)
+            if rec is None:
+                st.warning(f"{target[0]} has no full records in this run.")
+            else:
+                page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
+
+    labels = [tv.series_label(o["op"], o["role"], o["index"]) for o in hm["ops"]]
+    chosen = st.multiselect("Ops to plot", labels, default=tv.default_ops(hm, alerts), key="tl_ops")
+    if chosen:
+        series = tv.op_series_by_label(store, run["run_id"], chosen, hm["ops"], fmt)
+        st.plotly_chart(tv.series_figure(series, fmt=fmt, first_nonfinite=first, alerts=alerts),
+                        key="tl_series", width="stretch")
+
+st.subheader("The model as a tree", anchor=False)
+st.caption("Each module coloured by its worst headroom below the format's max over the run; the path from the "
+           "model to the first op that went non-finite is outlined in red. Click a module to open it.")
+with page.guard("The tree could not be drawn"):
+    nodes = svc.module_tree(store, run["run_id"], fmt=fmt)
+    ev = st.plotly_chart(tv.tree_figure(nodes), key="tl_tree", on_select="rerun", selection_mode="points",
+                         width="stretch")
+    pts = ev.selection.points if ev is not None else []
+    op = pts[0].get("customdata") if pts else None
+    if op:
+        rec = svc.record_at(store, run["run_id"], op, first if first is not None else run["last_step"])
+        if rec is not None:
+            page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
+
+with st.expander("Steps"):
+    st.dataframe(tv.steps_frame(steps), hide_index=True, width="stretch", key="tl_steps")

@@ -1,0 +1,158 @@
+"""A long run's timeline, part of ``Capture``: a cheap summary of every step, full records every N-th step,
+and the last K steps' full records kept when a step goes non-finite (the frames that led to it).
+
+The summary covers each module's output and each parameter's gradient:
+statistics without a histogram (one pass), and a second pass with the
+magnitude histogram only where the extremes reach past a watched format's
+overflow or normal threshold (otherwise its overflow, underflow and subnormal
+counts are exactly 0).  CUDA tensors take the histogram on the device, where
+it is cheap, and reach the host with the step's one transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Optional
+
+from ..formats import get_format
+from ..ops import MASKING_OPS, canonical
+from ..records import StepScalar, TimelineRow, TimelineShare
+from .engine import StatsEngine
+
+__all__ = ["TimelineSteps", "unexpected_nonfinite", "NONFINITE_SCALAR"]
+
+# the step scalar that counts a step's unexpected non-finite values (the timeline's failure marker)
+NONFINITE_SCALAR = "nonfinite_values"
+
+
+def unexpected_nonfinite(op_type: str, nan: Optional[int], inf: Optional[int], neg_inf: Optional[int]) -> int:
+    """How many of a summary's non-finite values are a failure: NaN, +inf, and -inf unless a masking op
+    (``ops.MASKING_OPS``) wrote it."""
+    nan, inf = int(nan or 0), int(inf or 0)
+    if neg_inf is None:
+        return nan + inf
+    neg = int(neg_inf)
+    masked = canonical(op_type) in MASKING_OPS
+    return nan + (inf - neg) + (0 if masked else neg)
+
+
+def _crosses(stats, fmt) -> bool:
+    """Whether ``stats``' extremes reach a value ``fmt`` overflows or cannot hold as a normal number."""
+    a, m = stats.absmax, stats.min_abs_nonzero
+    return (a is not None and a >= fmt.overflow_threshold) or (m is not None and m < fmt.normal_threshold)
+
+
+class TimelineSteps:
+    """Part of ``Capture``: see ``live.capture``."""
+
+    def _timeline_init(self) -> None:
+        opts = self.options
+        self.timeline_rows: list[TimelineRow] = []
+        self.timeline_shares: list[TimelineShare] = []
+        self.step_scalars: list[StepScalar] = []
+        self.frames: list[int] = []  # steps kept only because a later step went non-finite
+        self.first_nonfinite_step: Optional[int] = None
+        self._summary = False
+        self._tl_items: list = []
+        self._tl_tid = 0
+        self._ring: Optional[deque] = deque(maxlen=opts.keep_last) if opts.keep_last else None
+        self._watch = [get_format(w) for w in opts.watch]
+        self._summary_engine = None
+        if opts.timeline:
+            fmts = self._watch
+            self._summary_engine = StatsEngine(opts, warn=self._warn, histogram=False, device_histogram=True,
+                                               refine=lambda s: any(_crosses(s, f) for f in fmts))
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _summarise(self, seq, op, op_type, role, index, direction, t, location) -> None:
+        """Note one tensor of the step's timeline (a module output or a parameter gradient)."""
+        eng = self._engine if self._recording else self._summary_engine
+        h = eng.measure(t, op, hold=direction == "backward")
+        if h is not None:
+            with self._lock:
+                self._tl_items.append((seq, op, op_type, role, str(index), direction, location, h))
+
+    def _add_scalars(self, loss, grad_scaler) -> None:
+        step = self.step_no
+        if loss is not None:
+            try:
+                v = float(loss.detach().float().item()) if hasattr(loss, "detach") else float(loss)
+            except Exception as e:
+                self._warn("timeline", f"loss of step {step} is not a number ({e})")
+            else:
+                self.step_scalars.append(StepScalar(self.run_id, step, self.rank, "loss", v))
+        if grad_scaler is not None:
+            try:
+                if grad_scaler.is_enabled():
+                    self.step_scalars.append(StepScalar(self.run_id, step, self.rank, "loss_scale",
+                                                        float(grad_scaler.get_scale())))
+            except Exception as e:
+                self._warn("timeline", f"could not read the GradScaler's scale ({e})")
+
+    # ---- the end of a step --------------------------------------------------------------------
+    def _timeline_pending(self) -> bool:
+        return bool(self._tl_items)
+
+    def _resolve_summaries(self) -> None:
+        if self._summary_engine is not None:
+            self._summary_engine.resolve()
+
+    def _timeline_end_step(self, step_records: list, base: int) -> list:
+        """Make the step's timeline rows and decide which full records stay: ``[(step, records, local)]`` to
+        keep now, ``local`` being the group's local comparisons by position in it (None: already placed)."""
+        step = self.step_no
+        bad = 0
+        items, self._tl_items = self._tl_items, []
+        for seq, op, op_type, role, index, direction, location, h in items:
+            s = h.stats
+            if s is None:
+                continue
+            tid = self._tl_tid
+            self._tl_tid += 1
+            self.timeline_rows.append(TimelineRow(
+                run_id=self.run_id, tid=tid, step=step, rank=self.rank, seq=seq, op=op, op_type=op_type, role=role,
+                index=index, direction=direction, dtype=s.dtype, numel=s.numel, nan_count=s.nan_count,
+                inf_count=s.inf_count, neg_inf_count=s.neg_inf_count, zero_count=s.zero_count, absmax=s.absmax,
+                min_abs_nonzero=s.min_abs_nonzero, l2norm=s.l2norm, location=location))
+            for fmt in self._watch:
+                if s.hist is not None:
+                    r = s.representability(fmt.name)
+                    share = (r.finite, r.overflow, r.underflow, r.subnormal)
+                elif not _crosses(s, fmt):
+                    share = (s.numel - int(s.nan_count or 0) - int(s.inf_count or 0), 0, 0, 0)
+                else:
+                    continue  # unknown without the histogram
+                self.timeline_shares.append(TimelineShare(self.run_id, tid, fmt.name, *share))
+            bad += unexpected_nonfinite(op_type, s.nan_count, s.inf_count, s.neg_inf_count)
+        loss = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss"), None)
+        if items or loss is not None:
+            if loss is not None and not math.isfinite(loss):
+                bad += 1
+            self.step_scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
+        keep = self.options.full_step(step)
+        groups = []  # (step, records, local comparisons relative to the group or None where already placed)
+        if self._ring is not None and step_records and not keep:
+            local = [(p - base, c) for p, c in self.local_comparisons if p >= base]
+            self.local_comparisons = [(p, c) for p, c in self.local_comparisons if p < base]
+            self._ring.append((step, step_records, local))
+        else:
+            if step_records:
+                groups.append((step, step_records, None))
+            if self._ring is not None:  # kept already: it still counts as one of the last K steps
+                self._ring.append((step, None, None))
+        if bad and self.first_nonfinite_step is None:
+            self.first_nonfinite_step = step
+            if self._ring:
+                for s_no, recs, local in self._ring:
+                    if recs is None:
+                        continue
+                    groups.append((s_no, recs, local))
+                    if s_no != step:
+                        self.frames.append(s_no)
+                self._ring.clear()
+        return groups
+
+    def write_timeline(self, w) -> None:
+        if self.timeline_rows or self.step_scalars:
+            w.add_timeline(self.timeline_rows, self.timeline_shares, self.step_scalars)

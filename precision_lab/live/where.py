@@ -1,0 +1,72 @@
+"""Where in the user's code an op was called: the first frame outside torch, Python and Precision Lab.
+
+The answer is cached per code object and line, so a call site costs one
+walk up a few frames and dictionary look-ups, never string work per call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from typing import Optional
+
+import torch
+
+__all__ = ["user_location"]
+
+
+def _internal_roots() -> tuple[str, ...]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the precision_lab package
+    roots = {os.path.dirname(os.path.abspath(torch.__file__)), here}
+    for key in ("stdlib", "platstdlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            roots.add(os.path.abspath(p))
+    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
+
+
+_ROOTS = _internal_roots()
+_INTERNAL: dict = {}  # code object -> whether it is torch's, Python's or ours
+_SHOWN: dict = {}  # (code object, line) -> "file.py:line in function"
+
+
+def _is_internal(code) -> bool:
+    got = _INTERNAL.get(code)
+    if got is None:
+        fn = code.co_filename
+        got = fn.startswith("<") or os.path.abspath(fn).startswith(_ROOTS)
+        _INTERNAL[code] = got
+    return got
+
+
+def _shown(filename: str) -> str:
+    """A path short enough to read: relative to the working folder when under it, else its last three parts."""
+    try:
+        rel = os.path.relpath(filename)
+        if not rel.startswith(".."):
+            return rel
+    except ValueError:  # another drive
+        pass
+    parts = os.path.normpath(filename).split(os.sep)
+    return os.sep.join(parts[-3:])
+
+
+def user_location(skip: int = 1, depth: int = 64) -> Optional[str]:
+    """``"path.py:LINE in FUNCTION"`` of the nearest caller outside torch, Python and Precision Lab, or None."""
+    try:
+        f = sys._getframe(skip + 1)
+    except ValueError:
+        return None
+    n = 0
+    while f is not None and n < depth:
+        code = f.f_code
+        if not _is_internal(code):
+            key = (code, f.f_lineno)
+            got = _SHOWN.get(key)
+            if got is None:
+                got = _SHOWN[key] = f"{_shown(code.co_filename)}:{f.f_lineno} in {code.co_name}"
+            return got
+        f = f.f_back
+        n += 1
+    return None

@@ -1,0 +1,175 @@
+"""A long run over many steps: its alerts, its per-step data, the cells of its heatmaps, the model as a tree.
+
+Alerts are computed from the stored timeline by the rules of
+``precision_lab.alerts`` whenever they are asked for, so a changed
+threshold applies to every stored run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from ..alerts import Alert, grad_spike_alerts, loss_scale_alerts, op_alerts, op_format
+from ..formats import Format, get_format
+from ..ops import module_path
+from ..records import tensor_name
+from ..store import queries as q
+from ..store import timeline as tl
+
+__all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts", "timeline_report", "heatmap",
+           "op_series", "module_tree", "record_at", "first_failing_op"]
+
+# op alerts judge forward outputs; gradients of parameters are judged for underflow only
+# (a GradScaler overflows them on purpose, and skips those steps)
+_OUTPUT = ("output",)
+
+
+def timeline_runs(store, session_id: str) -> list[dict]:
+    """Runs of a session that have a timeline (``steps``, ``ops``, first and last step)."""
+    return tl.timeline_runs(store, session_id)
+
+
+def first_nonfinite_step(store, run_id: str) -> Optional[int]:
+    """The first step of a run whose summaries hold an unexpected NaN/Inf (or whose loss is non-finite)."""
+    return tl.first_nonfinite_step(store, run_id)
+
+
+def step_table(store, run_id: str) -> list[dict]:
+    """One row per step: loss, loss_scale, grad_norm, nonfinite_values, tensors summarised."""
+    return tl.step_rows(store, run_id)
+
+
+def run_format(run: dict, target: Optional[str] = None) -> Format:
+    """The format a run's heatmaps are drawn against: its own low-precision dtype, else ``target``, else fp16."""
+    return op_format(run.get("dtype"), target) or get_format(target or "fp16")
+
+
+def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: Optional[dict] = None) -> list[Alert]:
+    """Every alert of one run, by step then op."""
+    run = q.run_row(store, run_id)
+    if run is None:
+        raise KeyError(f"no run {run_id!r}")
+    name = run["name"]
+    out: list[Alert] = []
+    fmts = {d: op_format(d, target) for d in tl.timeline_dtypes(store, run_id)}
+    series: dict = {}
+    for r in tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
+                            roles=("output", "param_grad")):
+        series.setdefault((r["op"], r["role"], r["index"]), []).append(r)
+    for (op, role, index), pts in series.items():
+        fmt = fmts.get(pts[0]["dtype"])
+        if fmt is None:
+            continue
+        steps = [p["step"] for p in pts]
+        absmax = [math.nan if p["absmax"] is None else p["absmax"] for p in pts]
+        share = [p["low"] / p["finite"] if p["low"] is not None and p["finite"] else math.nan for p in pts]
+        shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
+        got = op_alerts(name, shown, steps, absmax, fmt, share, overrides)
+        if role == "param_grad":
+            got = [a for a in got if a.rule == "underflow"]
+        out.extend(a if a.op == op else _renamed(a, op) for a in got)
+    steps = tl.step_rows(store, run_id)
+    scaled = [(s["step"], s["loss_scale"]) for s in steps if s["loss_scale"] is not None]
+    if scaled:
+        out.extend(loss_scale_alerts(name, [s for s, _ in scaled], [v for _, v in scaled], overrides))
+    normed = [(s["step"], s["grad_norm"]) for s in steps if s["grad_norm"] is not None]
+    if normed:
+        out.extend(grad_spike_alerts(name, [s for s, _ in normed], [v for _, v in normed], overrides))
+    out.sort(key=lambda a: (a.step, a.op or "", a.rule))
+    return out
+
+
+def _renamed(a: Alert, op: str) -> Alert:
+    return dataclasses.replace(a, op=op)
+
+
+def session_alerts(store, session: str, *, target: Optional[str] = None,
+                   overrides: Optional[dict] = None) -> list[Alert]:
+    info = store.session(session)
+    out: list[Alert] = []
+    for r in timeline_runs(store, info["session_id"]):
+        out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
+    return out
+
+
+def first_failing_op(store, run_id: str) -> Optional[dict]:
+    """The first timeline op (output) holding a non-finite value at the run's first non-finite step."""
+    step = tl.first_nonfinite_step(store, run_id)
+    if step is None:
+        return None
+    got = [r for r in tl.op_steps_at(store, run_id, step) if (r["nan_count"] or 0) + (r["inf_count"] or 0) > 0]
+    return {"step": step, **got[0]} if got else {"step": step, "op": None}
+
+
+def timeline_report(store, session_id: str) -> dict:
+    """Per timeline run: the first non-finite step, the steps with full records, and one row per step."""
+    out = {}
+    for r in timeline_runs(store, session_id):
+        out[r["name"]] = {
+            "first_nonfinite_step": first_nonfinite_step(store, r["run_id"]),
+            "full_steps": tl.full_steps(store, r["run_id"]),
+            "steps": step_table(store, r["run_id"]),
+        }
+    return out
+
+
+def heatmap(store, run_id: str, *, metric: str, fmt: str, roles=_OUTPUT, max_steps: int = 400) -> dict:
+    """Cells of the ops x steps heatmap (see ``store.timeline.heatmap_cells``) and the ops in execution order."""
+    f = get_format(fmt)
+    got = tl.heatmap_cells(store, run_id, metric=metric, fmt=f.name, fmt_max=f.max, roles=roles,
+                           max_steps=max_steps)
+    got["ops"] = tl.timeline_ops(store, run_id, roles)
+    return got
+
+
+def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0", *, fmt: str) -> list[dict]:
+    """One op's values step by step, with its headroom below ``fmt``'s max and its low-end share."""
+    f = get_format(fmt)
+    out = []
+    for r in tl.op_steps(store, run_id, op, role, index, f.name):
+        a = r["absmax"]
+        r["headroom_bits"] = math.log2(f.max / a) if a and a > 0 and math.isfinite(a) else None
+        r["low_share"] = r["low"] / r["finite"] if r["low"] is not None and r["finite"] else None
+        out.append(r)
+    return out
+
+
+def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
+    """The module hierarchy as nodes (id, parent, label, headroom, nonfinite, on_path, op): each module's worst
+    headroom below ``fmt``'s max over the whole run (a parent shows its worst child's); ``on_path`` marks the
+    modules from the root to the first op that went non-finite.  Dumps without a hierarchy group by name."""
+    f = get_format(fmt)
+    worst = tl.op_worst(store, run_id, f.max)
+    first = first_failing_op(store, run_id)
+    failing = module_path(first["op"]) if first and first.get("op") else None
+    nodes: dict = {"": {"id": "(model)", "parent": "", "label": "(model)", "headroom": None, "nonfinite": False,
+                        "on_path": failing is not None, "op": None}}
+    for w in worst:
+        path = module_path(w["op"])
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            key = ".".join(parts[:i])
+            if key not in nodes:
+                parent = ".".join(parts[:i - 1]) if i > 0 else None
+                nodes[key] = {"id": key, "parent": "(model)" if parent == "" else parent, "label": parts[i - 1],
+                              "headroom": None, "nonfinite": False, "op": None,
+                              "on_path": failing is not None and (failing == key or failing.startswith(key + "."))}
+            n = nodes[key]
+            h = w["headroom"]
+            if h is not None and math.isfinite(h) and (n["headroom"] is None or h < n["headroom"]):
+                n["headroom"] = h
+            n["nonfinite"] = n["nonfinite"] or bool(w["nonfinite"])
+        nodes[path]["op"] = w["op"]
+    return list(nodes.values())
+
+
+def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
+    """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
+    steps = tl.step_of_op(store, run_id, op)
+    if not steps:
+        return None
+    before = [s for s in steps if s <= step]
+    at = before[-1] if before else steps[0]
+    return tl.output_record(store, run_id, op, at)

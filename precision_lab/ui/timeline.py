@@ -1,0 +1,185 @@
+"""View-models of the Timeline page: a long run's heatmap of ops x steps, the series of chosen ops, the alerts,
+and the model as a tree.  Figures are plotly; the numbers come from ``services.timeline``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from ..alerts import ALERT_RULES
+from ..formats import get_format
+from ..records import tensor_name
+from ..services import timeline as svc
+from .common import plot_text
+
+__all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
+           "steps_frame", "rules_frame", "cell_target", "default_ops", "op_series_by_label"]
+
+METRICS = {"headroom": "headroom (bits below the format's max)",
+           "low": "low end (share rounding to zero or a subnormal)"}
+
+
+def series_label(op: str, role: str, index: str) -> str:
+    """An op's output is named by the op; any other series by its tensor name."""
+    return op if (role, str(index)) == ("output", "0") else tensor_name(op, role, index)
+
+
+def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional[int] = None,
+                   alerts: Sequence = ()):
+    """Ops (rows, execution order) x step buckets (columns); red is little headroom / much underflow.
+
+    Each cell carries ``customdata`` = (op, role, index, bucket start) for the click that opens Op detail.
+    """
+    import plotly.graph_objects as go
+
+    ops = hm["ops"]
+    labels = [series_label(o["op"], o["role"], o["index"]) for o in ops]
+    row_of = {(o["op"], o["role"], str(o["index"])): i for i, o in enumerate(ops)}
+    buckets = sorted({c["bucket"] for c in hm["cells"]})
+    col_of = {b: j for j, b in enumerate(buckets)}
+    z = [[None] * len(buckets) for _ in ops]
+    cd = [[None] * len(buckets) for _ in ops]
+    for c in hm["cells"]:
+        i = row_of.get((c["op"], c["role"], str(c["index"])))
+        if i is None:
+            continue
+        j = col_of[c["bucket"]]
+        v = c["value"]
+        z[i][j] = v if v is not None and math.isfinite(v) else None
+        cd[i][j] = [c["op"], c["role"], str(c["index"]), int(c["bucket"])]
+    if metric == "headroom":
+        scale, zmin, zmax, title = "RdYlGn", 0, max(8, max((v for r in z for v in r if v is not None), default=8)), \
+            f"bits below {fmt}'s max"
+    else:
+        scale, zmin, zmax, title = "RdYlGn_r", 0, 1, f"share low in {fmt}"
+    width = hm.get("width", 1)
+    step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
+    fig = go.Figure(go.Heatmap(
+        z=z, x=buckets, y=[plot_text(x) for x in labels], customdata=cd, colorscale=scale, zmin=zmin, zmax=zmax,
+        colorbar={"title": {"text": title}}, hoverongaps=False,
+        hovertemplate=f"%{{y}}<br>{step_text}<br>{title}: %{{z:.3g}}<extra></extra>"))
+    if first_nonfinite is not None:
+        fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"},
+                      annotation_text=f"first non-finite (step {first_nonfinite})", annotation_position="top")
+    pts = [(a.step, series_label(*_alert_key(a))) for a in alerts if a.op is not None]
+    pts = [(s, lab) for s, lab in pts if lab in labels]
+    if pts:
+        fig.add_trace(go.Scatter(x=[width * (s // width) if width > 1 else s for s, _ in pts],
+                                 y=[plot_text(lab) for _, lab in pts], mode="markers", name="alert",
+                                 marker={"symbol": "x", "size": 10, "color": "black"},
+                                 hovertemplate="alert at step %{x}: %{y}<extra></extra>"))
+    fig.update_layout(height=max(260, 22 * len(labels) + 120), margin={"l": 10, "r": 10, "t": 40, "b": 40},
+                      xaxis_title="step", yaxis={"autorange": "reversed"}, showlegend=False)
+    return fig
+
+
+def _alert_key(a) -> tuple:
+    # the heatmap's rows are forward outputs; an alert on a gradient names its op's backward, never a row
+    return a.op, "output", "0"
+
+
+def cell_target(point: dict) -> Optional[tuple[str, int]]:
+    """(op, step) a clicked heatmap cell stands for, or None (a marker or an empty cell)."""
+    cd = point.get("customdata")
+    if not cd or len(cd) != 4:
+        return None
+    return str(cd[0]), int(cd[3])
+
+
+def default_ops(hm: dict, alerts: Sequence, limit: int = 3) -> list[str]:
+    """Series labels to plot first: the ops with alerts, else the ones with the least headroom."""
+    labels = [series_label(o["op"], o["role"], o["index"]) for o in hm["ops"]]
+    chosen = []
+    for a in alerts:
+        if a.op is not None:
+            lab = series_label(*_alert_key(a))
+            if lab in labels and lab not in chosen:
+                chosen.append(lab)
+    if not chosen:
+        worst: dict = {}
+        for c in hm["cells"]:
+            lab = series_label(c["op"], c["role"], c["index"])
+            v = c["value"]
+            if v is not None and math.isfinite(v):
+                worst[lab] = min(worst.get(lab, math.inf), v)
+        chosen = sorted(worst, key=worst.get)
+    return chosen[:limit]
+
+
+def series_figure(series: dict, *, fmt: str, first_nonfinite: Optional[int] = None, alerts: Sequence = ()):
+    """log2 |x| max of each chosen op against the step, with the format's max and the alerts' steps."""
+    import plotly.graph_objects as go
+
+    f = get_format(fmt)
+    fig = go.Figure()
+    for label, pts in series.items():
+        xs = [p["step"] for p in pts]
+        ys = [math.log2(p["absmax"]) if p["absmax"] and p["absmax"] > 0 and math.isfinite(p["absmax"]) else None
+              for p in pts]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=plot_text(label),
+                                 hovertemplate="step %{x}: log2 |x| max %{y:.2f}<extra></extra>"))
+        bad = [p["step"] for p in pts if (p["nan_count"] or 0) + (p["inf_count"] or 0) > 0]
+        if bad:
+            fig.add_trace(go.Scatter(x=bad, y=[math.log2(f.max)] * len(bad), mode="markers", showlegend=False,
+                                     marker={"symbol": "x", "color": "crimson", "size": 9},
+                                     hovertemplate="step %{x}: NaN/Inf<extra></extra>"))
+    fig.add_hline(y=math.log2(f.max), line={"color": "crimson", "dash": "dot"},
+                  annotation_text=f"{f.name} max", annotation_position="bottom right")
+    fig.add_hline(y=math.log2(f.smallest_normal), line={"color": "grey", "dash": "dot"},
+                  annotation_text=f"{f.name} smallest normal", annotation_position="top right")
+    if first_nonfinite is not None:
+        fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"})
+    for a in alerts:
+        if a.op is not None and series_label(*_alert_key(a)) in series:
+            fig.add_vline(x=a.step, line={"color": "orange", "width": 1})
+    fig.update_layout(height=360, margin={"l": 10, "r": 10, "t": 30, "b": 40}, xaxis_title="step",
+                      yaxis_title="log2 |x| max", legend={"orientation": "h"})
+    return fig
+
+
+def tree_figure(nodes: list[dict]):
+    """The module hierarchy as an icicle, coloured by worst headroom; the path to the first failure outlined."""
+    import plotly.graph_objects as go
+
+    heads = [n["headroom"] for n in nodes]
+    finite = [h for h in heads if h is not None]
+    top = max(8.0, max(finite, default=8.0))
+    colors = [h if h is not None else top for h in heads]
+    line_w = [3 if n["on_path"] else 0.5 for n in nodes]
+    line_c = ["crimson" if n["on_path"] else "white" for n in nodes]
+    text = [("NaN/Inf · " if n["nonfinite"] else "") + (f"{n['headroom']:.1f} bits" if n["headroom"] is not None
+                                                        else "-") for n in nodes]
+    fig = go.Figure(go.Icicle(
+        ids=[plot_text(n["id"]) for n in nodes], labels=[plot_text(n["label"]) for n in nodes],
+        parents=[plot_text(n["parent"]) for n in nodes], text=text, customdata=[n["op"] or "" for n in nodes],
+        marker={"colors": colors, "colorscale": "RdYlGn", "cmin": 0, "cmax": top,
+                "line": {"width": line_w, "color": line_c}, "colorbar": {"title": {"text": "worst headroom (bits)"}}},
+        texttemplate="%{label}<br>%{text}", hovertemplate="%{id}<br>%{text}<extra></extra>", branchvalues="remainder",
+        tiling={"orientation": "v"}))
+    fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 10, "b": 10})
+    return fig
+
+
+def alerts_frame(alerts: Sequence) -> pd.DataFrame:
+    return pd.DataFrame([{"step": a.step, "rule": a.rule, "op": a.op or "(whole step)", "message": a.message,
+                          "steps firing": a.steps_firing} for a in alerts],
+                        columns=["step", "rule", "op", "message", "steps firing"])
+
+
+def steps_frame(steps: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(steps, columns=["step", "loss", "loss_scale", "grad_norm", "nonfinite_values", "tensors"])
+
+
+def rules_frame() -> pd.DataFrame:
+    """The alert rules and their thresholds, as the page lists them."""
+    return pd.DataFrame([{"rule": r.name, "fires when": r.what.format(**r.params),
+                          "applies to": "each op" if r.scope == "op" else "each step"} for r in ALERT_RULES])
+
+
+def op_series_by_label(store, run_id: str, labels: Sequence[str], ops: list[dict], fmt: str) -> dict:
+    """``{label: op_series rows}`` of the chosen labels."""
+    by_label = {series_label(o["op"], o["role"], o["index"]): o for o in ops}
+    return {lab: svc.op_series(store, run_id, by_label[lab]["op"], by_label[lab]["role"], str(by_label[lab]["index"]),
+                               fmt=fmt) for lab in labels if lab in by_label}

@@ -1,0 +1,312 @@
+"""A long run: the per-step timeline, the frames kept before a failure, alerts, and --fail-on alert."""
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from precision_lab.alerts import (grad_spike_alerts, headroom_bits, loss_scale_alerts, op_alerts,
+                                  op_format, _rolling_fit)
+from precision_lab.cli import app
+from precision_lab.formats import get_format
+from precision_lab.live.capture import capture
+from precision_lab.live.engine import StatsEngine
+from precision_lab.live.options import CaptureOptions
+from precision_lab.services import timeline as svc
+from precision_lab.services.report import build_report
+from precision_lab.store import Store
+from training import mlp as _mlp
+from training import train as _train
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    db = tmp_path_factory.mktemp("tl") / "lab.duckdb"
+    store = Store(db)
+    cap = _train(store, lr=0.2, steps=40, grow=True, run="fp16")
+    healthy = _train(store, lr=0.01, steps=30, grow=False, run="fp16-healthy")
+    return db, store, cap, healthy
+
+
+# ---- the capture ------------------------------------------------------------------------------
+
+def test_growing_fp16_training_alerts_before_the_first_nonfinite_step(grown):
+    db, store, cap, _ = grown
+    first = cap.first_nonfinite_step
+    assert first is not None and first >= 12  # dozens of steps of healthy-looking training first
+    sid = store.session(cap.session)["session_id"]
+    assert svc.timeline_report(store, sid)["fp16"]["first_nonfinite_step"] == first
+    alerts = svc.run_alerts(store, cap.run_id)
+    assert alerts, "no alert on a run whose activations grow until fp16 overflows"
+    assert min(a.step for a in alerts) < first
+    growth = [a for a in alerts if a.rule == "growth"]
+    assert growth and min(a.step for a in growth) < first
+    # the growth alert's prediction is causal: it used no step after the one it names
+    g = min(growth, key=lambda a: a.step)
+    assert f"fp16's max {65504:,}".replace(",", "") in g.message.replace(",", "")
+
+
+def test_frames_before_the_failure_are_stored(grown):
+    db, store, cap, _ = grown
+    first = cap.first_nonfinite_step
+    # keep_last=4: the last four steps up to the failure (every 10th step is kept anyway)
+    want = [s for s in range(first - 3, first + 1) if s % 10]
+    kept = sorted({r.step for r in cap.records})
+    assert set(want) <= set(kept)
+    assert cap.frames == [s for s in want if s != first]
+    stored = [r[0] for r in store.sql("SELECT DISTINCT step FROM tensors WHERE run_id = ? ORDER BY step",
+                                      [cap.run_id]).fetchall()]
+    assert stored == kept
+    # nothing else in between: steps that are neither every-10th nor frames have no full records
+    assert all(s % 10 == 0 or s in want for s in stored)
+    notes = store.session(cap.session)["notes"]["capture"]
+    assert notes["first_nonfinite_step"] == first and notes["frames"] == cap.frames
+
+
+def test_summary_rows_match_numpy_and_real_casts():
+    """The summary of one module output at a summary step against float64 numpy and ml_dtypes casts."""
+    seen = {}
+    store = Store(":memory:")
+    opts = CaptureOptions(every=4)  # step 2 is a summary step
+
+    def hook(cap):
+        def grab(mod, args, out):
+            if cap.step_no == 2:
+                seen["out"] = out.detach().float().numpy().astype(np.float64)
+        cap.model[0].register_forward_hook(grab)
+
+    cap = _train(store, lr=0.01, steps=3, grow=False, options=opts, hook=hook)
+    x = seen["out"]
+    row = next(r for r in cap.timeline_rows if r.step == 2 and r.op == "0.forward.0" and r.role == "output")
+    a = np.abs(x)
+    assert row.absmax == a.max() and row.min_abs_nonzero == a[a > 0].min()
+    assert row.l2norm == pytest.approx(math.sqrt((x * x).sum()), rel=1e-12)
+    assert row.nan_count == 0 and row.inf_count == 0 and row.numel == x.size and row.dtype == "float16"
+    assert not any(r.step == 2 for r in cap.records)  # no full records on a summary step
+    shares = {s.fmt: s for s in cap.timeline_shares if s.tid == row.tid}
+    assert set(shares) == {"fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"}
+    for name, dt in (("fp8_e4m3fn", ml_dtypes.float8_e4m3fn), ("fp8_e5m2", ml_dtypes.float8_e5m2),
+                     ("bf16", ml_dtypes.bfloat16)):
+        f = get_format(name)
+        y = x.astype(np.float32).astype(dt).astype(np.float64)
+        nz = x != 0
+        over = int((~np.isfinite(y) & nz).sum())
+        under = int(((y == 0) & nz).sum())
+        sub = int(((np.abs(y) < f.smallest_normal) & (y != 0) & np.isfinite(y)).sum())
+        s = shares[name]
+        assert (s.finite, s.overflow, s.underflow, s.subnormal) == (x.size, over, under, sub), name
+
+
+def test_summary_step_without_histogram_is_exact_when_extremes_stay_inside():
+    """A second pass with the histogram runs only where the extremes cross a watched threshold; elsewhere
+    the counts are exactly zero, as the cast says."""
+    eng = StatsEngine(CaptureOptions(every=2, watch=("bf16",)), warn=lambda *a: None, histogram=False,
+                      refine=lambda s: s.min_abs_nonzero < get_format("bf16").normal_threshold)
+    inside = torch.linspace(0.5, 3.0, 1000)
+    h = eng.measure(inside, "x")
+    assert h.stats.hist is None  # no second pass: bf16 holds every value as a normal number
+    y = inside.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.all(np.abs(y) >= get_format("bf16").smallest_normal)
+    crossing = torch.tensor([1e-40, 1.0, 2.0])
+    assert eng.measure(crossing, "y").stats.hist is not None  # 1e-40 is subnormal in bf16: counted exactly
+
+
+def test_summary_device_path_takes_the_histogram_and_one_transfer():
+    """The deferred (device) path of the summary engine: histogram on the device, resolved at step end."""
+    eng = StatsEngine(CaptureOptions(every=2), warn=lambda *a: None, deferred_cpu=True, histogram=False,
+                      device_histogram=True)
+    t = torch.tensor([1e-6, 3.0, -70000.0, float("nan")], dtype=torch.float32)
+    h = eng.measure(t, "x")
+    assert h.stats is None
+    eng.resolve()
+    r = h.stats.representability("fp16")
+    assert h.stats.hist is not None and r.overflow == 1 and r.subnormal == 1 and h.stats.nan_count == 1
+
+
+def test_loss_and_grad_scaler_scalars():
+    class Scaler:  # the two GradScaler methods the capture reads
+        def __init__(self):
+            self.scale = 2.0 ** 16
+
+        def is_enabled(self):
+            return True
+
+        def get_scale(self):
+            return self.scale
+
+    model = _mlp()
+    scaler = Scaler()
+    with capture(model, run="s", store=Store(":memory:"), options=CaptureOptions(every=5)) as cap:
+        for i in range(12):
+            loss = cap.model(torch.randn(4, 16)).pow(2).mean()
+            loss.backward()
+            cap.step(loss=loss, grad_scaler=scaler)
+            scaler.scale /= 2 if i >= 4 else 1  # repeated overflow skips halve it
+    scales = [(s.step, s.value) for s in cap.step_scalars if s.name == "loss_scale"]
+    assert scales[0] == (0, 65536.0) and scales[-1] == (11, 65536.0 / 2 ** 7)
+    got = loss_scale_alerts("s", [s for s, _ in scales], [v for _, v in scales])
+    assert [a.step for a in got] == [10]  # 2^16 / 2^10 = 64x below the peak first at step 10
+
+
+def test_locations_name_the_calling_line():
+    import inspect
+
+    model = _mlp()
+    with capture(model, run="loc", store=Store(":memory:"), options=CaptureOptions(backward=False)) as cap:
+        line = inspect.currentframe().f_lineno + 1
+        cap.model(torch.randn(2, 16))
+    rec = next(r for r in cap.records if r.op == "forward.0" and r.role == "output")
+    assert rec.location.endswith(f"test_timeline.py:{line} in test_locations_name_the_calling_line")
+    inner = next(r for r in cap.records if r.op == "0.forward.0")
+    assert inner.location is not None and "torch" not in inner.location.split(":")[0]
+
+
+# ---- the rules ---------------------------------------------------------------------------------
+
+def test_rolling_fit_matches_polyfit():
+    rng = np.random.default_rng(0)
+    x = np.arange(30, dtype=float)
+    y = 0.7 * x + rng.normal(0, 0.5, 30)
+    slope, r2 = _rolling_fit(x, y, 6)
+    for i in range(5, 30):
+        xs, ys = x[i - 5:i + 1], y[i - 5:i + 1]
+        b = np.polyfit(xs, ys, 1)[0]
+        r = np.corrcoef(xs, ys)[0, 1] ** 2
+        assert slope[i] == pytest.approx(b, rel=1e-9) and r2[i] == pytest.approx(r, rel=1e-9)
+    assert np.isnan(slope[:5]).all()
+
+
+def test_headroom_and_growth_rules_on_a_doubling_series():
+    fmt = get_format("fp16")
+    steps = np.arange(20)
+    absmax = 2.0 ** (steps - 2.0)  # doubles every step: 2^15 at step 17, overflow after
+    got = {a.rule: a for a in op_alerts("r", "op", steps, absmax, fmt)}
+    # headroom: log2(65504 / 2^(s-2)) < 2 first at s = 16 (65504 / 2^14 = 3.998 -> 1.9993 bits)
+    assert got["headroom"].step == 16
+    assert got["headroom"].value == pytest.approx(math.log2(65504 / 2.0 ** 14))
+    # growth: a perfect fit of 1 bit/step once 6 points exist (step 5); 50-step horizon: fires at once
+    assert got["growth"].step == 5 and "1.00 bits/step" in got["growth"].message
+    assert got["growth"].value == pytest.approx(math.log2(65504) - 3.0)
+    assert headroom_bits(np.array([65504.0]), fmt)[0] == 0.0
+
+
+def test_growth_rule_is_causal_and_quiet_on_noise():
+    fmt = get_format("fp16")
+    rng = np.random.default_rng(3)
+    flat = np.exp(rng.normal(0, 0.2, 200))  # no trend
+    assert not [a for a in op_alerts("r", "op", np.arange(200), flat, fmt) if a.rule == "growth"]
+    # the series' future does not change when an alert fires
+    series = np.concatenate([np.ones(30), 2.0 ** np.arange(1, 20)])
+    a = [x for x in op_alerts("r", "op", np.arange(len(series)), series, fmt) if x.rule == "growth"][0]
+    b = [x for x in op_alerts("r", "op", np.arange(a.step + 1), series[:a.step + 1], fmt)
+         if x.rule == "growth"][0]
+    assert a.step == b.step and a.value == b.value
+
+
+def test_underflow_rule_and_overrides():
+    fmt = get_format("fp8_e4m3fn")
+    share = np.array([0.0, 0.01, 0.049, 0.06, 0.2])
+    got = [a for a in op_alerts("r", "op", np.arange(5), np.ones(5), fmt, share) if a.rule == "underflow"]
+    assert got[0].step == 3 and got[0].steps_firing == 2
+    got = [a for a in op_alerts("r", "op", np.arange(5), np.ones(5), fmt, share, {"underflow": {"share": 0.1}})
+           if a.rule == "underflow"]
+    assert got[0].step == 4
+
+
+def test_grad_spike_against_running_median():
+    norms = [1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 9.0, 12.0, float("inf")]
+    got = grad_spike_alerts("r", list(range(len(norms))), norms)
+    assert got[0].step == 7 and got[0].value == pytest.approx(12.0 / np.median(norms[:7]))
+
+
+def test_op_format_judges_low_precision_dtypes_only():
+    assert op_format("float16").name == "fp16" and op_format("bfloat16").name == "bf16"
+    assert op_format("float32") is None and op_format("float32", "fp8_e4m3fn").name == "fp8_e4m3fn"
+
+
+# ---- the report and the command line ------------------------------------------------------------
+
+def test_report_json_carries_alerts_and_steps(grown):
+    db, store, cap, healthy = grown
+    rep = build_report(store, cap.session)
+    assert rep["alerts"] and {"run", "op", "step", "rule", "message", "value", "threshold",
+                              "steps_firing"} <= set(rep["alerts"][0])
+    steps = rep["timeline"]["fp16"]["steps"]
+    assert [s["step"] for s in steps] == list(range(40))
+    # the global gradient norm of a step, from the parameter gradients' norms
+    losses = [s.value for s in cap.step_scalars if s.name == "loss"]
+    assert [s["loss"] for s in steps[:5]] == losses[:5]
+    norms = {}
+    for r in cap.timeline_rows:
+        if r.role == "param_grad":
+            norms[r.step] = norms.get(r.step, 0.0) + r.l2norm ** 2
+    assert steps[3]["grad_norm"] == pytest.approx(math.sqrt(norms[3]), rel=1e-12)
+
+
+def test_fail_on_alert_exit_codes(grown):
+    db, store, cap, healthy = grown
+    got = runner.invoke(app, ["report", "--db", str(db), "-s", cap.session, "--fail-on", "alert"])
+    assert got.exit_code == 1, got.output
+    assert "FAIL alert" in got.stderr and "step" in got.stderr
+    got = runner.invoke(app, ["report", "--db", str(db), "-s", cap.session, "--json", "--fail-on", "alert:growth"])
+    assert got.exit_code == 1
+    assert json.loads(got.stdout)["alerts"]
+    got = runner.invoke(app, ["report", "--db", str(db), "-s", healthy.session, "--fail-on", "alert"])
+    assert got.exit_code == 0, got.output
+    assert svc.run_alerts(store, healthy.run_id) == []
+    got = runner.invoke(app, ["report", "--db", str(db), "-s", cap.session, "--fail-on", "alert:nope"])
+    assert got.exit_code == 2 and "no alert rule 'nope'" in got.output
+
+
+def test_fail_on_alert_without_a_timeline_is_unusable(tmp_path):
+    db = tmp_path / "x.duckdb"
+    store = Store(db)
+    with capture(_mlp(), run="one", store=store) as cap:
+        cap.model(torch.randn(2, 16))
+    got = runner.invoke(app, ["report", "--db", str(db), "-s", cap.session, "--fail-on", "alert"])
+    assert got.exit_code == 2 and "no timeline" in got.stderr
+
+
+# ---- heatmap, series, tree ----------------------------------------------------------------------
+
+def test_heatmap_buckets_aggregate_like_numpy(grown):
+    db, store, cap, _ = grown
+    got = svc.heatmap(store, cap.run_id, metric="headroom", fmt="fp16", max_steps=7)
+    width = got["width"]
+    assert width == math.ceil(40 / 7)
+    rows = [r for r in cap.timeline_rows if r.op == "2.forward.0" and r.role == "output"]
+    for cell in (c for c in got["cells"] if c["op"] == "2.forward.0"):
+        vals = [math.log2(65504 / r.absmax) for r in rows
+                if cell["bucket"] <= r.step < cell["bucket"] + width and r.absmax and math.isfinite(r.absmax)]
+        if vals:
+            assert cell["value"] == pytest.approx(min(vals), rel=1e-12)
+    assert [o["op"] for o in got["ops"]][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"]
+    low = svc.heatmap(store, cap.run_id, metric="low", fmt="fp8_e4m3fn", max_steps=400)
+    assert low["width"] == 1
+    shares = {s.tid: s for s in cap.timeline_shares if s.fmt == "fp8_e4m3fn"}
+    row = next(r for r in rows if r.step == 5)
+    cell = next(c for c in low["cells"] if c["op"] == "2.forward.0" and c["bucket"] == 5)
+    s = shares[row.tid]
+    assert cell["value"] == pytest.approx((s.underflow + s.subnormal) / s.finite)
+
+
+def test_module_tree_and_record_at(grown):
+    db, store, cap, _ = grown
+    nodes = {n["id"]: n for n in svc.module_tree(store, cap.run_id, fmt="fp16")}
+    assert {"(model)", "0", "1", "2"} <= set(nodes)
+    assert nodes["0"]["parent"] == "(model)"
+    worst = min(math.log2(65504 / r.absmax) for r in cap.timeline_rows
+                if r.op == "2.forward.0" and r.role == "output" and r.absmax and math.isfinite(r.absmax))
+    assert nodes["2"]["headroom"] == pytest.approx(worst)
+    assert any(n["on_path"] for k, n in nodes.items() if k != "(model)") and nodes["(model)"]["on_path"]
+    first = cap.first_nonfinite_step
+    rec = svc.record_at(store, cap.run_id, "2.forward.0", first - 1)
+    assert rec["step"] == first - 1 and rec["name"] == "2.forward.0.output.0"
+    rec = svc.record_at(store, cap.run_id, "2.forward.0", 3)  # a summary step: the full step before it
+    assert rec["step"] == 0
