@@ -45,6 +45,8 @@ flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
 st.markdown(f"run **{page.plain(run['name'])}** · {page.plain(rec['op_type'])} · {page.plain(rec['direction'])} · "
             f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {page.plain(rec['dtype'])} "
             f"{page.plain(rec['shape'])}{flag}")
+if rec.get("location"):
+    st.caption(f"Called from {page.plain(rec['location'])}")
 st.write(
     "Magnitudes of the values on a log2 scale against the limits of the chosen number formats; the table "
     "counts exactly how many values would overflow, become subnormal or round to zero in each."

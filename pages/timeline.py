@@ -75,17 +75,20 @@ with page.guard("The heatmap could not be drawn"):
 
 st.subheader("The model as a tree", anchor=False)
 st.caption("Each module coloured by its worst headroom below the format's max over the run; the path from the "
-           "model to the first op that went non-finite is outlined in red. Click a module to open it.")
+           "model to the first op that went non-finite is outlined in red. Click a module to zoom into it.")
 with page.guard("The tree could not be drawn"):
     nodes = svc.module_tree(store, run["run_id"], fmt=fmt)
-    ev = st.plotly_chart(tv.tree_figure(nodes), key="tl_tree", on_select="rerun", selection_mode="points",
-                         width="stretch")
-    pts = ev.selection.points if ev is not None else []
-    op = pts[0].get("customdata") if pts else None
-    if op:
-        rec = svc.record_at(store, run["run_id"], op, first if first is not None else run["last_step"])
-        if rec is not None:
-            page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
+    st.plotly_chart(tv.tree_figure(nodes), key="tl_tree", width="stretch")
+    mods = tv.tree_modules(nodes)
+    if mods:
+        c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
+        pick = c1.selectbox("Module", list(mods), format_func=mods.get, key="tl_module")
+        if c2.button("Open on Op detail", key="tl_open_module", icon=":material/bar_chart:"):
+            rec = svc.record_at(store, run["run_id"], pick, first if first is not None else run["last_step"])
+            if rec is None:
+                st.warning(f"{pick} has no full records in this run.")
+            else:
+                page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
 
 with st.expander("Steps"):
     st.dataframe(tv.steps_frame(steps), hide_index=True, width="stretch", key="tl_steps")

@@ -13,7 +13,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -47,6 +47,13 @@ def free_name(base: str, taken, pattern: str = "{base}-{i}") -> str:
     while pattern.format(base=base, i=i) in taken:
         i += 1
     return pattern.format(base=base, i=i)
+
+
+def code_location(filename: str, line: int, function: str) -> str:
+    """A line of code as records show it: ``"model/model.py:16 in forward"`` (at most the path's last three
+    parts)."""
+    parts = [p for p in re.split(r"[\\/]", filename) if p]
+    return f"{'/'.join(parts[-3:])}:{int(line)} in {function}"
 
 
 @dataclass

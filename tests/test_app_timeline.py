@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from precision_lab.ui.common import escape_md
 from ui_fixtures import (STAT_SESSION, TIMELINE_SESSION, assert_clean, frame_with, open_page, texts,  # noqa: F401
                          ui_db, ui_template)
 
@@ -83,3 +84,57 @@ def test_overview_lists_the_alerts_and_opens_the_timeline(ui_db):
     at.button(key=f"timeline_{TIMELINE_SESSION}").click().run()
     assert_clean(at)
     assert at.title[0].value == "Timeline"
+
+
+def test_tree_module_opens_op_detail_at_the_first_nonfinite_step(ui_db):
+    store, run_id, first, _ = _facts(ui_db)
+    at = open_page("timeline", session=TIMELINE_SESSION)
+    options = at.selectbox(key="tl_module").options
+    # the path to the first failure comes first: the innermost module on it
+    assert options[0].startswith("2 ") and "NaN/Inf" in options[0]
+    at.selectbox(key="tl_module").set_value("2.forward.0").run()
+    at.button(key="tl_open_module").click().run()
+    assert_clean(at)
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md("2.forward.0.output.0"))
+    rid = int(at.query_params["op"])
+    assert store.sql("SELECT step FROM tensors WHERE run_id = ? AND rid = ?", [run_id, rid]).fetchone()[0] == first
+
+
+def test_heatmap_cells_carry_what_a_click_opens(ui_db):
+    """Every drawn cell has a clickable point whose customdata names its op and step (the browser test clicks
+    one); a cell at a summary step opens the full step before it."""
+    from precision_lab.services import timeline as svc
+    from precision_lab.ui import timeline as tv
+
+    store, run_id, first, _ = _facts(ui_db)
+    at = open_page("timeline", session=TIMELINE_SESSION)
+    fig = next(f for f in _figures(at) if any(d["type"] == "heatmap" for d in f["data"]))
+    heat = next(d for d in fig["data"] if d["type"] == "heatmap")
+    cells = next(d for d in fig["data"] if d.get("name") == "cell")
+    drawn = sum(v is not None for r in heat["z"] for v in r)
+    assert len(cells["customdata"]) >= drawn
+    point = {"customdata": next(c for c in cells["customdata"] if c[0] == "1.forward.0" and c[3] == 13)}
+    op, step = tv.cell_target(point)
+    assert (op, step) == ("1.forward.0", 13)
+    rec = svc.record_at(store, run_id, op, step)
+    assert rec["step"] == 10 and rec["name"] == "1.forward.0.output.0"
+    assert tv.cell_target({"customdata": None}) is None
+
+
+def test_op_detail_shows_where_the_op_was_called(ui_db):
+    """A captured op and an msprobe op (from the dump's stack.json) both name their line of user code."""
+    from ui_fixtures import STAT_FIRST_NONFINITE
+
+    store, run_id, first, _ = _facts(ui_db)
+    rid = store.sql("SELECT rid FROM tensors WHERE run_id = ? AND op = '2.forward.0' AND role = 'output' "
+                    "AND step = 0", [run_id]).fetchone()[0]
+    at = open_page("detail", session=TIMELINE_SESSION, run=TIMELINE_SESSION, op=str(rid))
+    body = texts(at)
+    line = next(ln for ln in body.splitlines() if ln.startswith("Called from"))
+    assert line.replace("\\", "").startswith("Called from tests/training.py:") and line.endswith(" in train")
+    at = open_page("detail", session=STAT_SESSION, run="stat_mix_fp16_inner_ovf")
+    # the sample's first non-finite op, located by the dump's stack.json
+    assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
+    line = next(ln for ln in texts(at).splitlines() if ln.startswith("Called from"))
+    assert line.replace("\\", "").startswith("Called from user/model/model.py:")

@@ -165,3 +165,52 @@ def _flow(server, page, tmp_path):
     pg.locator(".js-plotly-plot .ytitle").first.wait_for()
     assert "values per binade" in pg.locator(".js-plotly-plot .ytitle").first.text_content()
     _shot(pg, "browser-histogram.png")
+
+
+@pytest.fixture
+def timeline_server(tmp_path):
+    """A server over a database holding a 40-step fp16 training run that overflows at step 20."""
+    from precision_lab.store import Store, close_all
+    from training import GROWTH_RUN, train
+
+    db = tmp_path / "timeline.duckdb"
+    train(Store(db), lr=0.2, steps=40, grow=True)
+    close_all()
+    port = free_port()
+    env = dict(os.environ, PRECISION_LAB_DB=str(db), CI="true")
+    env.pop("PRECISION_LAB_CONFIG", None)
+    env.pop("PRECISION_LAB_READ_ONLY", None)
+    with serving([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+                  "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"],
+                 port=port, env=env, log_path=tmp_path / "streamlit.log") as url:
+        yield url, GROWTH_RUN
+
+
+def test_timeline_heatmap_and_tree_then_click_a_cell_to_open_the_op(timeline_server, page):
+    url, session = timeline_server
+    pg = page
+    try:
+        pg.goto(f"{url}/timeline?session={session}")
+        pg.get_by_text("Ops over steps").wait_for()
+        pg.get_by_text("The model as a tree").wait_for()
+        _idle(pg)
+        plots = pg.locator(".js-plotly-plot")
+        pg.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+        # the tree: an icicle holding the model's root and its three modules
+        tree = plots.nth(2)
+        tree.scroll_into_view_if_needed()
+        pg.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')]"
+                             ".some(p => p.textContent.includes('(model)') && p.textContent.includes('bits'))")
+        _shot(pg, "browser-timeline.png")
+        # a click on a heatmap cell (the top row: the first op, the middle step) opens Op detail at that op
+        heat = plots.first.locator(".nsewdrag").first
+        heat.scroll_into_view_if_needed()
+        box = heat.bounding_box()
+        pg.mouse.click(box["x"] + box["width"] * 0.25, box["y"] + 8)
+        pg.get_by_role("heading", name="Op detail").wait_for()
+        pg.get_by_role("heading", name="0.forward.0.output.0").wait_for()
+        assert "/op_detail" in pg.url and f"run={session}" in pg.url
+        _shot(pg, "browser-timeline-click.png")
+    except Exception:
+        _shot(pg, "browser-timeline-failure.png")
+        raise

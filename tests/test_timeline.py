@@ -310,3 +310,39 @@ def test_module_tree_and_record_at(grown):
     assert rec["step"] == first - 1 and rec["name"] == "2.forward.0.output.0"
     rec = svc.record_at(store, cap.run_id, "2.forward.0", 3)  # a summary step: the full step before it
     assert rec["step"] == 0
+
+
+# ---- where in the code: msprobe's stack.json ----------------------------------------------------
+
+def test_msprobe_stack_json_gives_each_op_its_line_of_user_code(tmp_path):
+    import re
+    import shutil
+    from pathlib import Path
+
+    from precision_lab.services.ingest import ingest
+
+    src = Path(__file__).resolve().parents[1] / "sample_dumps" / "stat_mix_fp16_inner_ovf"
+    dump = tmp_path / src.name
+    shutil.copytree(src, dump)
+    stack_path = next(dump.rglob("stack.json"))
+    stack = json.loads(stack_path.read_text())
+    want = {}
+    for keys, frames in stack.values():  # independent reading: the first frame outside torch
+        m = next(re.match(r"File (.*?), line (\d+), in ([^,]+),", f) for f in frames if "/torch/" not in f)
+        path = "/".join(m.group(1).split("/")[-3:])
+        want.update((k, f"{path}:{m.group(2)} in {m.group(3)}") for k in keys)
+    store = Store(tmp_path / "lab.duckdb")
+    ingest([dump], store=store, session="s")
+    got = dict(store.sql("SELECT DISTINCT op, location FROM tensors WHERE location IS NOT NULL").fetchall())
+    assert got and all(want[op] == loc for op, loc in got.items())
+    assert set(got) == {op for op in want if store.sql("SELECT 1 FROM tensors WHERE op = ?", [op]).fetchone()}
+    # a stack.json that is not what msprobe writes is a warning; the records stand
+    stack_path.write_text("[1, 2, 3]")
+    ingest([dump], store=store, session="t")
+    assert store.sql("SELECT count(*) FROM tensors t JOIN runs r USING (run_id) JOIN sessions s USING "
+                     "(session_id) WHERE s.name = 't' AND t.location IS NOT NULL").fetchone()[0] == 0
+    stack_path.write_text("{not json")
+    ingest([dump], store=store, session="u")
+    msgs = [m for (m,) in store.sql("SELECT w.message FROM warnings w JOIN sessions s USING (session_id) "
+                                    "WHERE s.name = 'u'").fetchall()]
+    assert any("op locations not shown" in m for m in msgs)

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ..records import code_location
+
 __all__ = ["user_location"]
 
 
@@ -40,16 +42,16 @@ def _is_internal(code) -> bool:
     return got
 
 
-def _shown(filename: str) -> str:
-    """A path short enough to read: relative to the working folder when under it, else its last three parts."""
+def _shown(code, line: int) -> str:
+    """Relative to the working folder when the file is under it, else by its last three parts."""
+    filename = code.co_filename
     try:
         rel = os.path.relpath(filename)
         if not rel.startswith(".."):
-            return rel
+            return f"{rel}:{line} in {code.co_name}"
     except ValueError:  # another drive
         pass
-    parts = os.path.normpath(filename).split(os.sep)
-    return os.sep.join(parts[-3:])
+    return code_location(filename, line, code.co_name)
 
 
 def user_location(skip: int = 1, depth: int = 64) -> Optional[str]:
@@ -65,7 +67,7 @@ def user_location(skip: int = 1, depth: int = 64) -> Optional[str]:
             key = (code, f.f_lineno)
             got = _SHOWN.get(key)
             if got is None:
-                got = _SHOWN[key] = f"{_shown(code.co_filename)}:{f.f_lineno} in {code.co_name}"
+                got = _SHOWN[key] = _shown(code, f.f_lineno)
             return got
         f = f.f_back
         n += 1

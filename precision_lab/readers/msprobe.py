@@ -43,7 +43,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from ..records import TensorRecord
+from ..records import TensorRecord, code_location
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
 from .safeio import (check_member_zip, check_regular, check_tensor, contained, limits, plain_error, read_json,
                      reading, relname)
@@ -325,6 +325,38 @@ def _parents(root: Path, path: Path, src: RunSource) -> dict[str, str]:
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str) and len(v) <= 4096}
 
 
+_FRAME = re.compile(r"^File (.+?), line (\d+), in ([^,\n]+)")
+# frames of these packages are the tools', not the user's code
+_TOOL_DIRS = ("/torch/", "/msprobe/", "/torch_npu/", "\\torch\\", "\\msprobe\\")
+
+
+def _locations(root: Path, path: Path, src: RunSource) -> dict[str, str]:
+    """msprobe's ``stack.json`` beside a dump.json: each entry's calling line of user code (the first frame
+    outside torch and msprobe).  A file that cannot be used is a warning; the records stand without it."""
+    if not os.path.lexists(path):
+        return {}
+    rel = relname(root, path)
+    try:
+        doc = read_json(path, rel, root, what="stack.json")
+    except ReadError as e:
+        src.warnings.append((rel, f"{e}; op locations not shown"))
+        return {}
+    out: dict[str, str] = {}
+    for entry in doc.values() if isinstance(doc, dict) else ():
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, list) for x in entry)):
+            continue
+        keys, frames = entry
+        where = None
+        for fr in frames:
+            m = _FRAME.match(fr) if isinstance(fr, str) else None
+            if m and not any(d in m.group(1) for d in _TOOL_DIRS):
+                where = code_location(m.group(1), int(m.group(2)), m.group(3).strip())
+                break
+        if where is not None:
+            out.update((k, where) for k in keys if isinstance(k, str))
+    return out
+
+
 class MsprobeReader:
     name = "msprobe"
     priority = 80
@@ -360,6 +392,7 @@ class MsprobeReader:
             rank = ranks[path]
             doc = first if i == 0 else _parse(root, path)
             parents = _parents(root, path.parent / "construct.json", src)
+            locations = _locations(root, path.parent / "stack.json", src)
             data_dir = path.parent / "dump_tensor_data"
             tick(os.lstat(path).st_size, rel)
             for seq, (key, entry) in enumerate(doc["data"].items()):
@@ -396,5 +429,5 @@ class MsprobeReader:
                                          lambda msg, rel=rel: src.warnings.append((rel, msg)))
                     yield TensorRecord(run_id="", seq=seq, op=key, op_type=op_type, role=role, index=index,
                                        stats=stats, step=step, rank=rank, direction=direction, source=source,
-                                       parent=parents.get(key), tensor=tensor)
+                                       parent=parents.get(key), location=locations.get(key), tensor=tensor)
 

@@ -173,7 +173,7 @@ def nonfinite_origin(store, run_id: str) -> tuple[Optional[dict], list[dict]]:
         "run": run["name"], "run_id": run_id, "op": hit["op"], "op_type": hit["op_type"],
         "direction": hit["direction"], "seq": int(hit["seq"]), "step": int(hit["step"]),
         "rank": int(hit["rank"]), "rid": int(rec["rid"]), "role": rec["role"], "index": rec["index"],
-        "origin": origin, "producer": producer, "parameter": param and {k: v for k, v in param.items()
+        "location": rec.get("location"), "origin": origin, "producer": producer, "parameter": param and {k: v for k, v in param.items()
                                                                         if k != "record"},
         "reason": reason, "path": path, "order": order, "order_known": known, "others": others,
         "in_reference": in_reference, "first_nan": first_nan, "intended": intended,
@@ -374,7 +374,7 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
 
 _TENSOR_COLS = ("seq", "op", "op_type", "role", "index", "step", "rank", "direction", "dtype", "shape", "numel",
                 "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "mean", "std", "l2norm",
-                "nonfinite", "rid")
+                "nonfinite", "rid", "location")
 _RENAME = {"nan_count": "nan", "inf_count": "inf", "zero_count": "zero"}
 _CMP_COLS = ("kind", "match", "basis", "step", "rank", "seq", "op", "role", "index", "max_abs_err",
              "mean_abs_err", "max_rel_err", "cosine", "cosine_deficit", "sqnr_db", "rounding_units",
@@ -469,6 +469,8 @@ def render_text(report: dict, *, top: int = 15) -> str:
             continue
         out.append(f"  {run}: {f['op']}  (step {f['step']}, rank {f['rank']}, seq {f['seq']}, {f['role']} {f['index']})")
         out.append(f"    {f['reason']}")
+        if f.get("location"):
+            out.append(f"    called from {f['location']}")
         chain = " -> ".join(p["op"] for p in f["path"])
         out.append(f"    path ({order_text(f.get('order'))}): {chain}")
     arts = report.get("norm_artefacts") or []

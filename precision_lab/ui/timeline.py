@@ -15,7 +15,7 @@ from ..services import timeline as svc
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
-           "steps_frame", "rules_frame", "cell_target", "default_ops", "op_series_by_label"]
+           "steps_frame", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
 
 METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
@@ -56,23 +56,37 @@ def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional
         scale, zmin, zmax, title = "RdYlGn_r", 0, 1, f"share low in {fmt}"
     width = hm.get("width", 1)
     step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
-    fig = go.Figure(go.Heatmap(
-        z=z, x=buckets, y=[plot_text(x) for x in labels], customdata=cd, colorscale=scale, zmin=zmin, zmax=zmax,
-        colorbar={"title": {"text": title}}, hoverongaps=False,
-        hovertemplate=f"%{{y}}<br>{step_text}<br>{title}: %{{z:.3g}}<extra></extra>"))
+    shown = [plot_text(x) for x in labels]
+    fig = go.Figure(go.Heatmap(z=z, x=buckets, y=shown, colorscale=scale, zmin=zmin, zmax=zmax,
+                               colorbar={"title": {"text": title}}, hoverongaps=False, hoverinfo="skip"))
+    # Streamlit reports clicks on scatter points only (not on heatmap cells): one invisible point per cell
+    # carries the hover text and the (op, role, index, step) a click opens
+    cells = [(i, j) for i in range(len(ops)) for j in range(len(buckets)) if cd[i][j] is not None]
+    fig.add_trace(go.Scatter(
+        x=[buckets[j] for _, j in cells], y=[shown[i] for i, _ in cells], mode="markers", name="cell",
+        customdata=[cd[i][j] for i, j in cells], text=[_value_text(z[i][j]) for i, j in cells],
+        marker={"symbol": "square", "size": 14, "opacity": 0},
+        hovertemplate=f"%{{y}}<br>{step_text}<br>{title}: %{{text}}<extra></extra>"))
     if first_nonfinite is not None:
         fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"},
                       annotation_text=f"first non-finite (step {first_nonfinite})", annotation_position="top")
-    pts = [(a.step, series_label(*_alert_key(a))) for a in alerts if a.op is not None]
-    pts = [(s, lab) for s, lab in pts if lab in labels]
+    lo = buckets[0] if buckets else 0
+    pts = [(a.step, a.rule, row_of.get(_alert_key(a))) for a in alerts if a.op is not None]
+    pts = [(s, rule, i) for s, rule, i in pts if i is not None]
     if pts:
-        fig.add_trace(go.Scatter(x=[width * (s // width) if width > 1 else s for s, _ in pts],
-                                 y=[plot_text(lab) for _, lab in pts], mode="markers", name="alert",
-                                 marker={"symbol": "x", "size": 10, "color": "black"},
-                                 hovertemplate="alert at step %{x}: %{y}<extra></extra>"))
+        at = [lo + width * ((s - lo) // width) for s, _, _ in pts]
+        fig.add_trace(go.Scatter(
+            x=at, y=[shown[i] for _, _, i in pts], mode="markers", name="alert", text=[r for _, r, _ in pts],
+            customdata=[[ops[i]["op"], ops[i]["role"], str(ops[i]["index"]), int(b)] for (_, _, i), b in zip(pts, at)],
+            marker={"symbol": "x", "size": 10, "color": "black"},
+            hovertemplate="%{text} alert at step %{x}: %{y}<extra></extra>"))
     fig.update_layout(height=max(260, 22 * len(labels) + 120), margin={"l": 10, "r": 10, "t": 40, "b": 40},
                       xaxis_title="step", yaxis={"autorange": "reversed"}, showlegend=False)
     return fig
+
+
+def _value_text(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _alert_key(a) -> tuple:
@@ -160,6 +174,16 @@ def tree_figure(nodes: list[dict]):
         tiling={"orientation": "v"}))
     fig.update_layout(height=420, margin={"l": 10, "r": 10, "t": 10, "b": 10})
     return fig
+
+
+def tree_modules(nodes: list[dict]) -> dict:
+    """``{op: label}`` of the tree's modules, the path to the first failure first, then by worst headroom."""
+    with_op = [n for n in nodes if n["op"]]
+    depth = lambda n: 0 if n["parent"] == "" else n["id"].count(".") + 1  # noqa: E731  (the root has no parent)
+    with_op.sort(key=lambda n: (not n["on_path"], -depth(n) if n["on_path"] else 0,
+                                n["headroom"] if n["headroom"] is not None else math.inf))
+    return {n["op"]: f"{n['id'] or '(model)'}  ({'NaN/Inf, ' if n['nonfinite'] else ''}"
+                     f"{'-' if n['headroom'] is None else format(n['headroom'], '.1f')} bits)" for n in with_op}
 
 
 def alerts_frame(alerts: Sequence) -> pd.DataFrame:
