@@ -101,11 +101,13 @@ class StatsEngine:
             self._cache.clear()
             self._recent.clear()
 
-    def measure(self, t, where: str, *, hold: bool = False) -> Optional[Handle]:
+    def measure(self, t, where: str, *, hold: bool = False, histogram: Optional[bool] = None) -> Optional[Handle]:
         """A handle to the statistics of ``t``, or None (skipped, with a warning).
 
         ``hold``: keep ``t`` alive for a few more measurements (gradients), so
-        the same gradient seen by the next hook is recognised.
+        the same gradient seen by the next hook is recognised.  ``histogram``:
+        for a CPU tensor, take the histogram (True) or not (False) whatever the
+        engine's setting, skipping ``refine``'s check.
         """
         if not isinstance(t, torch.Tensor):
             return None
@@ -130,8 +132,9 @@ class StatsEngine:
             d = t.detach()  # statistics never join the autograd graph
             if (not d.is_cuda and not self.deferred_cpu) or d.layout != torch.strided:
                 h = Handle(dtype, shape, d.numel())
-                h.stats = _stats.tensor_stats(d, histogram=self.histogram)
-                if not self.histogram and self.refine is not None and self.refine(h.stats):
+                want = self.histogram if histogram is None else histogram
+                h.stats = _stats.tensor_stats(d, histogram=want)
+                if not want and histogram is None and self.refine is not None and self.refine(h.stats):
                     h.stats = _stats.tensor_stats(d, histogram=True)
             else:
                 h = self._device_measure(d, dtype, shape)

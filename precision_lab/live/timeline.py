@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+
+import numpy as np
 from typing import Optional
 
 from ..formats import get_format
 from ..ops import MASKING_OPS, canonical
 from ..records import StepScalar, TimelineRow, TimelineShare
+from ..stats import format_counts
 from .engine import StatsEngine
 
 __all__ = ["TimelineSteps", "unexpected_nonfinite", "NONFINITE_SCALAR"]
@@ -56,6 +59,7 @@ class TimelineSteps:
         self._summary = False
         self._tl_items: list = []
         self._tl_tid = 0
+        self._tl_hist: dict = {}  # (op, role, index) -> whether its last summary took the histogram
         self._ring: Optional[deque] = deque(maxlen=opts.keep_last) if opts.keep_last else None
         self._watch = [get_format(w) for w in opts.watch]
         self._summary_engine = None
@@ -67,8 +71,16 @@ class TimelineSteps:
     # ---- hooks ---------------------------------------------------------------------------
     def _summarise(self, seq, op, op_type, role, index, direction, t, location) -> None:
         """Note one tensor of the step's timeline (a module output or a parameter gradient)."""
-        eng = self._engine if self._recording else self._summary_engine
-        h = eng.measure(t, op, hold=direction == "backward")
+        hold = direction == "backward"
+        if self._recording:
+            h = self._engine.measure(t, op, hold=hold)
+        else:
+            # an op's values stay alike from step to step: where its last summary needed the histogram, take
+            # it in the first pass instead of a second one
+            key = (op, role, index)
+            h = self._summary_engine.measure(t, op, hold=hold, histogram=True if self._tl_hist.get(key) else None)
+            if h is not None and h.stats is not None:
+                self._tl_hist[key] = h.stats.hist is not None
         if h is not None:
             with self._lock:
                 self._tl_items.append((seq, op, op_type, role, str(index), direction, location, h))
@@ -104,6 +116,7 @@ class TimelineSteps:
         step = self.step_no
         bad = 0
         items, self._tl_items = self._tl_items, []
+        with_hist = []  # (tid, stats) whose watched-format counts come from the histogram, all at once below
         for seq, op, op_type, role, index, direction, location, h in items:
             s = h.stats
             if s is None:
@@ -115,16 +128,20 @@ class TimelineSteps:
                 index=index, direction=direction, dtype=s.dtype, numel=s.numel, nan_count=s.nan_count,
                 inf_count=s.inf_count, neg_inf_count=s.neg_inf_count, zero_count=s.zero_count, absmax=s.absmax,
                 min_abs_nonzero=s.min_abs_nonzero, l2norm=s.l2norm, location=location))
-            for fmt in self._watch:
-                if s.hist is not None:
-                    r = s.representability(fmt.name)
-                    share = (r.finite, r.overflow, r.underflow, r.subnormal)
-                elif not _crosses(s, fmt):
-                    share = (s.numel - int(s.nan_count or 0) - int(s.inf_count or 0), 0, 0, 0)
-                else:
-                    continue  # unknown without the histogram
-                self.timeline_shares.append(TimelineShare(self.run_id, tid, fmt.name, *share))
+            finite = s.numel - int(s.nan_count or 0) - int(s.inf_count or 0)
+            if s.hist is not None:
+                with_hist.append((tid, finite, s.hist))
+            else:
+                for fmt in self._watch:
+                    if not _crosses(s, fmt):  # exactly none past either end; otherwise unknown, no row
+                        self.timeline_shares.append(TimelineShare(self.run_id, tid, fmt.name, finite, 0, 0, 0))
             bad += unexpected_nonfinite(op_type, s.nan_count, s.inf_count, s.neg_inf_count)
+        if with_hist:
+            hists = np.stack([x[2] for x in with_hist])
+            for fmt in self._watch:
+                counts = zip(*(c.tolist() for c in format_counts(hists, fmt)))
+                self.timeline_shares.extend(TimelineShare(self.run_id, tid, fmt.name, finite, *c)
+                                            for (tid, finite, _), c in zip(with_hist, counts))
         loss = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss"), None)
         if items or loss is not None:
             if loss is not None and not math.isfinite(loss):

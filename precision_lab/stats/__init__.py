@@ -42,13 +42,15 @@ from .accumulate import merge_stats
 from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES, HIST_EDGES_ID, N_BINS, histogram_counts
 from .kernels import DevicePartial, device_partials, finish_partials, numba_available, tensor_stats
-from .records import Representability, SummaryHeadroom, TensorStats, canonical_dtype, from_json_float, json_float
+from .records import (Representability, SummaryHeadroom, TensorStats, canonical_dtype, format_counts, from_json_float,
+                      json_float)
 
 __all__ = [
     "HIST_EDGES",
     "HIST_EDGES_ID",
     "N_BINS",
     "Representability",
+    "format_counts",
     "SummaryHeadroom",
     "TensorStats",
     "tensor_stats",

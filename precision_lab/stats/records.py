@@ -344,21 +344,25 @@ class TensorStats:
 builtins_max = max  # TensorStats.summary_only shadows max with a parameter
 
 
+def format_counts(hists: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(overflow, underflow, subnormal)`` in ``fmt`` of each row of ``hists`` (histograms over HIST_EDGES,
+    one per row): nonzero finite magnitudes that round past the max, to zero, and to a subnormal."""
+    c = np.zeros((hists.shape[0], hists.shape[1] + 1), dtype=np.int64)
+    np.cumsum(hists, axis=1, out=c[:, 1:])
+    overflow = c[:, -1] - c[:, _edge_index(fmt.overflow_threshold)]
+    i_unf = _edge_index(fmt.underflow_threshold) if fmt.underflow_threshold > 0 else 0
+    underflow = c[:, i_unf]
+    if fmt.normal_threshold > fmt.underflow_threshold:
+        subnormal = c[:, _edge_index(fmt.normal_threshold)] - underflow
+    else:
+        subnormal = np.zeros_like(underflow)
+    return overflow, underflow, subnormal
+
+
 def _representability(hist: np.ndarray, fmt: Format, total: int, nan, inf, zero) -> Representability:
     nonzero = int(hist.sum())
-    i_ovf = _edge_index(fmt.overflow_threshold)
-    overflow = int(hist[i_ovf:].sum())
-    if fmt.underflow_threshold > 0:
-        i_unf = _edge_index(fmt.underflow_threshold)
-        underflow = int(hist[:i_unf].sum())
-    else:
-        i_unf = 0
-        underflow = 0
-    if fmt.normal_threshold > fmt.underflow_threshold:
-        i_nrm = _edge_index(fmt.normal_threshold)
-        subnormal = int(hist[i_unf:i_nrm].sum())
-    else:
-        subnormal = 0
+    ovf, unf, sub = format_counts(np.asarray(hist)[None, :], fmt)
+    overflow, underflow, subnormal = int(ovf[0]), int(unf[0]), int(sub[0])
     normal = nonzero - overflow - underflow - subnormal
     nan = 0 if nan is None else int(nan)
     inf = 0 if inf is None else int(inf)
