@@ -346,3 +346,51 @@ def test_msprobe_stack_json_gives_each_op_its_line_of_user_code(tmp_path):
     msgs = [m for (m,) in store.sql("SELECT w.message FROM warnings w JOIN sessions s USING (session_id) "
                                     "WHERE s.name = 'u'").fetchall()]
     assert any("op locations not shown" in m for m in msgs)
+
+
+# ---- several ranks: each writes its own timeline beside its shards --------------------------------
+
+def test_timeline_of_two_ranks_through_shards(tmp_path, monkeypatch):
+    from precision_lab.services.ingest import IngestError, ingest
+
+    root = tmp_path / "shards"
+    caps = {}
+    for rank, scale in ((0, 1.0), (1, 8.0)):
+        monkeypatch.setenv("RANK", str(rank))
+        model = _mlp()
+        with capture(model, run="fp16", shard_dir=root, options=CaptureOptions(every=4)) as cap:
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(6):
+                loss = cap.model(torch.randn(8, 16, generator=g) * scale).pow(2).mean()
+                loss.backward()
+                cap.step(loss=loss)
+        caps[rank] = cap
+    assert (root / "fp16" / "rank1" / "timeline.parquet").exists()
+    store = Store(tmp_path / "lab.duckdb")
+    name = ingest([root], store=store, session="ranks")
+    run_id = store.sql("SELECT run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                       [name]).fetchone()[0]
+    n = store.sql("SELECT count(*), count(DISTINCT tid), count(DISTINCT rank) FROM timeline WHERE run_id = ?",
+                  [run_id]).fetchone()
+    assert n == (len(caps[0].timeline_rows) + len(caps[1].timeline_rows),) * 2 + (2,)
+    # ranks merged per op and step: the larger |x| max, the summed counts; every share row finds its summary
+    series = svc.op_series(store, run_id, "0.forward.0", fmt="fp16")
+    for step in range(6):
+        want = max(r.absmax for c in caps.values() for r in c.timeline_rows
+                   if r.step == step and r.op == "0.forward.0" and r.role == "output")
+        assert series[step]["absmax"] == want
+    orphans = store.sql("SELECT count(*) FROM timeline_formats f LEFT JOIN timeline t ON t.run_id = f.run_id "
+                        "AND t.tid = f.tid WHERE f.run_id = ? AND t.tid IS NULL", [run_id]).fetchone()[0]
+    assert orphans == 0
+    losses = store.sql("SELECT count(*) FROM step_scalars WHERE run_id = ? AND name = 'loss'", [run_id]).fetchone()
+    assert losses == (12,)
+    # a timeline file that lies about its types is refused in one sentence naming it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(root / "fp16" / "rank1" / "step_scalars.parquet")
+    t = t.set_column(t.column_names.index("value"), "value", pa.array(["x"] * t.num_rows))
+    pq.write_table(t, root / "fp16" / "rank1" / "step_scalars.parquet")
+    with pytest.raises(IngestError, match=r"fp16/rank1/step_scalars\.parquet: column value holds str"):
+        ingest([root], store=store, session="bad")
+    assert "bad" not in set(store.sessions()["name"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..readers.shards import write_manifest, write_shard
+from ..readers.shards import write_manifest, write_shard, write_timeline
 from ..records import RunInfo
 from .policies import policy_description
 
@@ -78,6 +78,9 @@ class RunOutput:
         if self.shard_dir is not None:
             meta = self.run_meta()
             meta["warnings"] = [{"where": a, "message": b} for a, b in self.warnings]
+            if self.timeline_rows or self.step_scalars:
+                write_timeline(self.shard_dir, meta, rank=self.rank, rows=self.timeline_rows,
+                               shares=self.timeline_shares, scalars=self.step_scalars)
             write_manifest(self.shard_dir, [meta])
             self.session = None
             return

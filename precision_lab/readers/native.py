@@ -19,7 +19,7 @@ from typing import Iterator
 
 from .base import ReadError, RunSource, Tick
 from .safeio import open_regular
-from .shards import ShardError, read_local_comparisons, read_shards
+from .shards import ShardError, read_local_comparisons, read_shards, read_timeline
 
 __all__ = ["NativeReader", "FORMAT_NAME"]
 
@@ -109,3 +109,13 @@ class NativeReader:
             raise ReadError(str(e)) from None
         except (ValueError, OSError, KeyError) as e:
             raise ReadError(f"manifest.json: cannot read the shards' local comparisons ({e})") from None
+
+    def timeline(self, root: Path):
+        """``(run key, rank, rows, shares, scalars)``: a long run's per-step summaries, per rank."""
+        try:
+            for meta, rank, rows, shares, scalars in read_timeline(root):
+                yield str(meta.get("run_id") or meta.get("name") or "run"), rank, rows, shares, scalars
+        except ShardError as e:
+            raise ReadError(str(e)) from None
+        except (ValueError, OSError, KeyError) as e:
+            raise ReadError(f"manifest.json: cannot read the shards' timeline ({e})") from None

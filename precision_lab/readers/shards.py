@@ -38,14 +38,15 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from .base import ReadError
+from .base import ReadError, natural_key
 from .safeio import check_regular, contained, limits, npy_header, read_json, relname
-from ..records import TensorRecord, npy_bytes, record_columns
+from ..records import StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, npy_bytes, record_columns
 from ..jsoncodec import decode_nonfinite, dumps
 from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_hist, encode_hist
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
+           "write_timeline", "read_timeline",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
 
 SHARD_FORMAT = "precision-lab-shards"
@@ -530,3 +531,88 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
                     raise ShardError(f"{relname(root, path)}: local comparison of {rec.name!r} is malformed "
                                      f"({e})") from None
                 yield meta, rec, cmp
+
+
+# ---- a long run's timeline: one file per table, rank and run -------------------------------------------
+
+_TIMELINE = {"timeline": TimelineRow, "timeline_formats": TimelineShare, "step_scalars": StepScalar}
+_KINDS = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,)}
+
+
+def _timeline_schema(cls):
+    import pyarrow as pa
+
+    arrow = {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}
+    return pa.schema([(n, arrow[k]) for n, k in dataclass_columns(cls)])
+
+
+def write_timeline(root, run_meta: dict, *, rank: int, rows, shares, scalars) -> list[Path]:
+    """Write one rank's timeline of a run to ``<root>/<run>/rank<R>/{timeline,timeline_formats,step_scalars}.parquet``
+    (``tid`` numbers are the rank's own; ingest makes them unique per run)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = []
+    for table, items in (("timeline", rows), ("timeline_formats", shares), ("step_scalars", scalars)):
+        cls = _TIMELINE[table]
+        path = Path(root) / _check_run_name(run_meta.get("name")) / f"rank{int(rank)}" / f"{table}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        schema = _timeline_schema(cls)
+        t = pa.table({f.name: [getattr(x, f.name) for x in items] for f in schema}, schema=schema)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        pq.write_table(t, tmp, compression="zstd")
+        os.replace(tmp, path)
+        out.append(path)
+    return out
+
+
+def _timeline_items(root: Path, path: Path, cls) -> list:
+    import pyarrow.parquet as pq
+
+    shown = relname(root, path)
+    try:
+        check_regular(path, shown)
+    except ReadError as e:
+        raise ShardError(str(e)) from None
+    cols = dataclass_columns(cls)
+    try:
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        names = pf.schema_arrow.names
+    except Exception as e:
+        raise ShardError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    if md.num_rows > limits().max_file_records:
+        raise ShardError(f"{shown}: {md.num_rows} rows, more than the limit of {limits().max_file_records} "
+                         "records per file (max_file_records)")
+    missing = [n for n, _ in cols if n not in names]
+    if missing:
+        raise ShardError(f"{shown}: lacks column(s) {', '.join(missing)}")
+    out = []
+    for row in _rows(pf, shown):
+        kw = {}
+        for n, k in cols:
+            v = row.get(n)
+            if v is not None and (not isinstance(v, _KINDS[k]) or (k != "bool" and isinstance(v, bool))):
+                raise ShardError(f"{shown}: column {n} holds {type(v).__name__} {v!r}, expected {k}")
+            kw[n] = float(v) if k == "float" and v is not None else v
+        out.append(cls(**kw))
+    return out
+
+
+def read_timeline(root) -> Iterator[tuple[dict, int, list, list, list]]:
+    """``(run_meta, rank, rows, shares, scalars)`` of every rank folder holding a timeline."""
+    root = Path(root)
+    doc = read_manifest(root)
+    for entry in doc["runs"]:
+        meta = _run_meta(entry)
+        run_dir = root / entry["name"]
+        if not run_dir.is_dir() or run_dir.is_symlink():
+            continue
+        for rdir in sorted(run_dir.iterdir(), key=lambda p: natural_key(p.name)):
+            m = _SHARD_RE[0].match(rdir.name)
+            if not m or rdir.is_symlink() or not rdir.is_dir():
+                continue
+            got = {t: (_timeline_items(root, rdir / f"{t}.parquet", cls) if os.path.lexists(rdir / f"{t}.parquet")
+                       else []) for t, cls in _TIMELINE.items()}
+            if any(got.values()):
+                yield meta, int(m.group(1)), got["timeline"], got["timeline_formats"], got["step_scalars"]

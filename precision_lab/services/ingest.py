@@ -316,6 +316,8 @@ class _Ingestion:
                     self._read(si, s, src)
                 if hasattr(s.reader, "local_comparisons"):
                     self._local(si, s.reader.local_comparisons(s.root))
+                if hasattr(s.reader, "timeline"):
+                    self._timeline(si, s.reader.timeline(s.root))
             except ReadError as e:
                 where = "archive" if s.path.is_file() else "dump"
                 raise IngestError(f"{e} (in {where} {s.label})") from None
@@ -448,6 +450,20 @@ class _Ingestion:
             self.w.add_comparison(kind="local", ref_run_id=run.run_id, ref_rid=None, cand_run_id=run.run_id,
                                   cand_rid=item.rid, step=r.step, rank=r.rank, seq=r.seq, op=r.op, role=r.role,
                                   index=r.index, match="exact", comparison=cmp)
+
+    def _timeline(self, si: int, parts) -> None:
+        """Store a long run's per-step summaries, each rank's ``tid`` numbers moved past the run's others."""
+        next_tid: dict[str, int] = {}
+        for key, _rank, rows, shares, scalars in parts:
+            run = self.runs.get((si, key))
+            if run is None:
+                continue
+            base = next_tid.get(run.run_id, 0)
+            rid = run.run_id
+            self.w.add_timeline([dataclasses.replace(r, run_id=rid, tid=r.tid + base) for r in rows],
+                                [dataclasses.replace(x, run_id=rid, tid=x.tid + base) for x in shares],
+                                [dataclasses.replace(x, run_id=rid) for x in scalars])
+            next_tid[rid] = base + max((r.tid for r in rows), default=-1) + 1
 
     def _run_name(self, name: str) -> str:
         return free_name(name, {r.name for r in self.order})
