@@ -3,6 +3,7 @@ import streamlit as st
 from precision_lab.services.jobs import rerun_actions, start_rerun
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
+from precision_lab.ui import timeline as tv
 from precision_lab.ui.common import num_text, text_columns
 
 store, acc = page.start("overview")
@@ -81,6 +82,21 @@ for item in firsts:
         )
         if st.button("Open this op", key=f"open_first_{run['run_id']}", icon=":material/bar_chart:"):
             page.navigate("detail", session=info["name"], run=run["name"], op=first["rid"])
+
+tree = ov.model_tree(store, firsts)
+if tree is not None and len(tree[1]) > 1:
+    run, nodes = tree
+    with st.expander(f"The model as a tree: {page.plain(run['name'])}", expanded=False):
+        st.caption("Each module coloured by its worst headroom in bits below the run's format's max, the path "
+                   "to the first non-finite producer outlined in red; click a module to zoom into it.")
+        st.plotly_chart(tv.tree_figure(nodes), key="ov_tree", width="stretch")
+        mods = tv.tree_modules(nodes)
+        c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
+        pick = c1.selectbox("Module", list(mods), format_func=mods.get, key="ov_module")
+        if c2.button("Open on Op detail", key="ov_open_module", icon=":material/bar_chart:"):
+            rid = ov.output_rid(store, run["run_id"], pick)
+            if rid is not None:
+                page.navigate("detail", session=info["name"], run=run["name"], op=rid)
 
 artefacts = ov.norm_artefacts(store, sid)
 if artefacts:

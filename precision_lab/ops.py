@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "MASKING_OPS", "canonical", "module_path", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "canonical", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -98,4 +98,24 @@ def module_path(op: str) -> str:
     if m:
         return m.group(1)
     m = _CALL.match(op)
+    return (m.group(1) or "") if m else op
+
+
+_FUNC_CALL = re.compile(r"^(?:(.*)\.)?[A-Za-z_]\w*\.\d+$")  # a capture's "<module path>.<function>.<n>"
+_MSPROBE_API = re.compile(r"^(?:Functional|Tensor|Torch|Aten|NPU|Distributed|VF)\.")
+
+
+def enclosing_module(op: str, parent: Optional[str] = None) -> str:
+    """The module an op call belongs to: a module call's own path; a functional op's module by the dump's
+    nesting (``parent``), else by a capture's name (``blocks.0.attn.softmax.0`` -> ``blocks.0.attn``); an
+    msprobe API call without nesting belongs to the root (``""``); any other name (a dump's module path)
+    is its own."""
+    path = module_path(op)
+    if path != op:
+        return path
+    if parent:
+        return module_path(parent)
+    if _MSPROBE_API.match(op):
+        return ""
+    m = _FUNC_CALL.match(op)
     return (m.group(1) or "") if m else op

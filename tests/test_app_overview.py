@@ -63,7 +63,7 @@ def test_session_comes_from_the_url_and_metric_switch(ui_db):
     assert TENSOR_SESSION in at.title[0].value.replace("\\", "")
     at.radio(key="err_metric").set_value("sqnr_db").run()
     assert_clean(at)
-    fig = at.get("plotly_chart")[0]
+    fig = next(c for c in at.get("plotly_chart") if c.proto.id.endswith("err_plot"))
     assert "SQNR" in fig.proto.spec
 
 
@@ -109,3 +109,38 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
         warns = frame_with(at, "message")
         assert list(warns["file"]) == ["notes.txt"] and "unsupported file type" in warns["message"][0]
         assert str(tmp_path) not in " ".join(warns["file"])  # no server path
+
+
+def test_overview_tree_outlines_the_path_to_the_first_producer(ui_db):
+    """The msprobe sample: the failing functional op sits in block 2's fc1 by the dump's construct.json; the
+    tree outlines (model) -> blocks -> 2 -> fc1, and its module opens on Op detail."""
+    import json
+    import math
+
+    store = _store(ui_db)
+    at = open_page("overview", session=STAT_SESSION)
+    tree = next(json.loads(c.proto.spec) for c in at.get("plotly_chart") if '"icicle"' in c.proto.spec)
+    ice = tree["data"][0]
+    ids, widths = ice["ids"], ice["marker"]["line"]["width"]
+    outlined = [i for i, w in zip(ids, widths) if w > 1]
+    parent = store.sql("SELECT parent FROM tensors WHERE op = ? AND parent IS NOT NULL LIMIT 1",
+                       [STAT_FIRST_NONFINITE]).fetchone()[0]
+    assert parent.startswith("Module.blocks.2.")
+    module = parent.split(".", 1)[1].rsplit(".", 3)[0]  # Module.<path>.<Class>.forward.0 -> <path>
+    want = ["(model)"] + [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)]
+    assert outlined == want
+    # a node's colour is its worst headroom below fp16's max, recomputed from the stored absmax
+    cand = store.sql("SELECT r.run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ? "
+                     "AND r.kind = 'candidate'", [STAT_SESSION]).fetchone()[0]
+    absmax = store.sql("SELECT max(absmax) FROM tensors WHERE run_id = ? AND direction = 'forward' AND "
+                       "role = 'output' AND (op LIKE 'Module.blocks.0.%' OR parent LIKE 'Module.blocks.0.%')",
+                       [cand]).fetchone()[0]
+    colour = ice["marker"]["colors"][ids.index("blocks.0")]
+    assert abs(colour - math.log2(65504 / absmax)) < 1e-9
+    # the innermost module on the path is offered first and opens at its own call
+    first_module = at.selectbox(key="ov_module").value
+    assert first_module.startswith(f"Module.{module}.") and first_module.endswith(".forward.0")
+    at.button(key="ov_open_module").click().run()
+    assert_clean(at)
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md(first_module))

@@ -88,6 +88,24 @@ def _file_input(pg, label: str):
     return loc
 
 
+def _choose(pg, option: str, uploader: str):
+    """Click the radio ``option`` until the uploader labelled ``uploader`` shows (a click that lands while the
+    page is still being rebuilt is lost on a loaded machine); its file input."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for _ in range(3):
+        _idle(pg)
+        pg.get_by_text(option, exact=True).first.click()
+        _idle(pg)
+        loc = pg.locator('[data-testid="stFileUploader"]', has_text=uploader).locator('input[type="file"]')
+        try:
+            loc.wait_for(state="attached", timeout=15_000)
+            return loc
+        except PlaywrightTimeout:
+            continue
+    return _file_input(pg, uploader)
+
+
 def _shot(pg, name: str) -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     out = ARTIFACTS / name
@@ -153,8 +171,7 @@ def _flow(server, page, tmp_path):
     pg.goto(server)
     pg.get_by_text("New session").wait_for()
     _idle(pg)
-    pg.get_by_text(".zip", exact=True).first.click()
-    _file_input(pg, "Dump (.zip)").set_input_files(str(_wide_zip(tmp_path)))
+    _choose(pg, ".zip", "Dump (.zip)").set_input_files(str(_wide_zip(tmp_path)))
     pg.get_by_text("wide_fp16.zip").first.wait_for()
     pg.wait_for_function("() => [...document.querySelectorAll('button')]"
                          ".some(b => b.innerText.trim() === 'Ingest' && !b.disabled)")

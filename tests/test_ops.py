@@ -39,3 +39,17 @@ def test_module_paths():
     assert innermost_module("layers.0.mlp.down_proj.linear.0", mods) == "layers.0.mlp"
     assert innermost_module("layers.0.mlp_gate", mods) == "layers.0.mlp_gate"
     assert innermost_module("embed.forward.0", mods) is None
+
+
+def test_enclosing_module_of_module_calls_functional_ops_and_dump_names():
+    from precision_lab.ops import enclosing_module
+
+    assert enclosing_module("blocks.0.fc.forward.0") == "blocks.0.fc"
+    assert enclosing_module("forward.0") == ""
+    assert enclosing_module("blocks.0.attn.softmax.0") == "blocks.0.attn"  # a capture's functional op
+    assert enclosing_module("softmax.0") == ""
+    assert enclosing_module("Module.blocks.0.fc.Linear.forward.0") == "blocks.0.fc"
+    # msprobe API calls: by the dump's nesting, else the root
+    assert enclosing_module("Functional.linear.10.forward", "Module.blocks.2.fc1.Linear.forward.0") == "blocks.2.fc1"
+    assert enclosing_module("Functional.linear.10.forward") == ""
+    assert enclosing_module("blocks.0.fc1") == "blocks.0.fc1"  # a dump named by module path

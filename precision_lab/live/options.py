@@ -75,7 +75,7 @@ class CaptureOptions:
       the last K steps of them in memory, and keep them for good when a step
       holds an unexpected non-finite value (NaN, +inf, or -inf outside a
       masking op) or a non-finite loss: the frames that led to it.  Memory:
-      K steps of records (about 1.5 KB per record with its histogram).
+      K steps of records (about 2 KB per record with its histogram).
     - ``watch``: the formats whose overflow and underflow the timeline counts.
     """
 

@@ -173,7 +173,7 @@ def nonfinite_origin(store, run_id: str) -> tuple[Optional[dict], list[dict]]:
         "run": run["name"], "run_id": run_id, "op": hit["op"], "op_type": hit["op_type"],
         "direction": hit["direction"], "seq": int(hit["seq"]), "step": int(hit["step"]),
         "rank": int(hit["rank"]), "rid": int(rec["rid"]), "role": rec["role"], "index": rec["index"],
-        "location": rec.get("location"), "origin": origin, "producer": producer, "parameter": param and {k: v for k, v in param.items()
+        "location": rec.get("location"), "parent": rec.get("parent"), "origin": origin, "producer": producer, "parameter": param and {k: v for k, v in param.items()
                                                                         if k != "record"},
         "reason": reason, "path": path, "order": order, "order_known": known, "others": others,
         "in_reference": in_reference, "first_nan": first_nan, "intended": intended,

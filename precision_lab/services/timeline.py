@@ -11,12 +11,15 @@ import dataclasses
 import math
 from typing import Optional
 
+import numpy as np
+
 from ..alerts import Alert, grad_spike_alerts, loss_scale_alerts, op_alerts, op_format
 from ..formats import Format, get_format
 from ..ops import module_path
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
+from .tree import build_tree
 
 __all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts", "timeline_report", "heatmap",
            "op_series", "module_tree", "record_at", "first_failing_op"]
@@ -54,22 +57,28 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
     name = run["name"]
     out: list[Alert] = []
     fmts = {d: op_format(d, target) for d in tl.timeline_dtypes(store, run_id)}
-    series: dict = {}
-    for r in tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
-                            roles=("output", "param_grad")):
-        series.setdefault((r["op"], r["role"], r["index"]), []).append(r)
-    for (op, role, index), pts in series.items():
-        fmt = fmts.get(pts[0]["dtype"])
-        if fmt is None:
-            continue
-        steps = [p["step"] for p in pts]
-        absmax = [math.nan if p["absmax"] is None else p["absmax"] for p in pts]
-        share = [p["low"] / p["finite"] if p["low"] is not None and p["finite"] else math.nan for p in pts]
-        shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
-        got = op_alerts(name, shown, steps, absmax, fmt, share, overrides)
-        if role == "param_grad":
-            got = [a for a in got if a.rule == "underflow"]
-        out.extend(a if a.op == op else _renamed(a, op) for a in got)
+    cols = tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
+                          roles=("output", "param_grad"))
+    n = len(cols["step"])
+    if n:
+        new = np.zeros(n, dtype=bool)
+        new[0] = True
+        for c in ("op", "role", "index"):  # rows come sorted by series: a series starts where a key changes
+            new[1:] |= cols[c][1:] != cols[c][:-1]
+        starts = np.flatnonzero(new)
+        ends = np.r_[starts[1:], n]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(cols["finite"] > 0, cols["low"] / cols["finite"], np.nan)
+        for a, b in zip(starts, ends):
+            op, role, index = str(cols["op"][a]), str(cols["role"][a]), str(cols["index"][a])
+            fmt = fmts.get(cols["dtype"][a])
+            if fmt is None:
+                continue
+            shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
+            got = op_alerts(name, shown, cols["step"][a:b], cols["absmax"][a:b], fmt, share[a:b], overrides)
+            if role == "param_grad":
+                got = [x for x in got if x.rule == "underflow"]
+            out.extend(dataclasses.replace(x, op=op) for x in got)
     steps = tl.step_rows(store, run_id)
     scaled = [(s["step"], s["loss_scale"]) for s in steps if s["loss_scale"] is not None]
     if scaled:
@@ -79,10 +88,6 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
         out.extend(grad_spike_alerts(name, [s for s, _ in normed], [v for _, v in normed], overrides))
     out.sort(key=lambda a: (a.step, a.op or "", a.rule))
     return out
-
-
-def _renamed(a: Alert, op: str) -> Alert:
-    return dataclasses.replace(a, op=op)
 
 
 def session_alerts(store, session: str, *, target: Optional[str] = None,
@@ -137,32 +142,12 @@ def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0
 
 
 def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
-    """The module hierarchy as nodes (id, parent, label, headroom, nonfinite, on_path, op): each module's worst
-    headroom below ``fmt``'s max over the whole run (a parent shows its worst child's); ``on_path`` marks the
-    modules from the root to the first op that went non-finite.  Dumps without a hierarchy group by name."""
-    f = get_format(fmt)
-    worst = tl.op_worst(store, run_id, f.max)
+    """The module hierarchy of a long run (see ``services.tree``): each module's worst headroom below
+    ``fmt``'s max over every step; the path to the first op that went non-finite marked."""
     first = first_failing_op(store, run_id)
     failing = module_path(first["op"]) if first and first.get("op") else None
-    nodes: dict = {"": {"id": "(model)", "parent": "", "label": "(model)", "headroom": None, "nonfinite": False,
-                        "on_path": failing is not None, "op": None}}
-    for w in worst:
-        path = module_path(w["op"])
-        parts = path.split(".") if path else []
-        for i in range(len(parts) + 1):
-            key = ".".join(parts[:i])
-            if key not in nodes:
-                parent = ".".join(parts[:i - 1]) if i > 0 else None
-                nodes[key] = {"id": key, "parent": "(model)" if parent == "" else parent, "label": parts[i - 1],
-                              "headroom": None, "nonfinite": False, "op": None,
-                              "on_path": failing is not None and (failing == key or failing.startswith(key + "."))}
-            n = nodes[key]
-            h = w["headroom"]
-            if h is not None and math.isfinite(h) and (n["headroom"] is None or h < n["headroom"]):
-                n["headroom"] = h
-            n["nonfinite"] = n["nonfinite"] or bool(w["nonfinite"])
-        nodes[path]["op"] = w["op"]
-    return list(nodes.values())
+    worst = tl.op_worst(store, run_id, get_format(fmt).max)
+    return build_tree(worst, failing)
 
 
 def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:

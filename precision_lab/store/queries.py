@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 __all__ = [
     "rows", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output",
-    "last_forward_output_finite", "run_sources", "forward_ops",
+    "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid",
 ]
 
 
@@ -279,3 +279,21 @@ def run_diagnoses(store, run_id: str) -> list[dict]:
     """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (fixes as JSON text)."""
     return rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? ORDER BY seq",
                 [run_id])
+
+
+def op_extremes(store, run_id: str, fmt_max: float) -> list[dict]:
+    """Per op of a run (forward outputs): the smallest headroom below ``fmt_max`` (log2(fmt_max / absmax)
+    over finite values), whether it held a non-finite value, its enclosing call (``parent``), first seq and
+    op type."""
+    return rows(store, """
+        SELECT op, min(log2(? / nullif(absmax, 0))) AS headroom, bool_or(nonfinite) AS nonfinite,
+               any_value(parent) AS parent, min(seq) AS seq, any_value(op_type) AS op_type
+        FROM tensors WHERE run_id = ? AND direction = 'forward' AND role = 'output' GROUP BY op""",
+                [fmt_max, run_id])
+
+
+def op_output_rid(store, run_id: str, op: str) -> Optional[int]:
+    """The rid of ``op``'s output to open first: its first non-finite forward output, else its first one."""
+    got = store.sql("""SELECT rid FROM tensors WHERE run_id = ? AND op = ? AND role = 'output'
+                       ORDER BY nonfinite DESC, step, rank, seq, "index" LIMIT 1""", [run_id, op]).fetchone()
+    return None if got is None else int(got[0])

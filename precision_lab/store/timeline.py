@@ -32,20 +32,21 @@ def timeline_dtypes(store, run_id: str) -> list[str]:
                                     [run_id]).fetchall()]
 
 
-def series_rows(store, run_id: str, fmt_of_dtype: dict, roles: Sequence[str] = ("output",)) -> list[dict]:
-    """Every (op, role, index, step) of a run, ranks merged, in series order: op, op_type, role, index,
-    dtype, step, absmax, finite and ``low`` (finite values that round to zero or a subnormal in the format
-    ``fmt_of_dtype`` names for the row's dtype; None where unknown)."""
+def series_rows(store, run_id: str, fmt_of_dtype: dict, roles: Sequence[str] = ("output",)) -> dict:
+    """Every (op, role, index, step) of a run, ranks merged, in series order, as numpy columns: op, op_type,
+    role, index, dtype, step, absmax, finite and ``low`` (finite values that round to zero or a subnormal in
+    the format ``fmt_of_dtype`` names for the row's dtype; NaN where unknown)."""
     marks = ", ".join("?" * len(roles))
-    return rows(store, f"""
+    return store.sql(f"""
         WITH m AS (SELECT unnest(?::VARCHAR[]) AS dtype, unnest(?::VARCHAR[]) AS fmt)
         SELECT t.op, any_value(t.op_type) AS op_type, t.role, t."index", any_value(t.dtype) AS dtype, t.step,
-               max(t.absmax) AS absmax, sum(f.finite) AS finite, sum({_LOW}) AS low, min(t.seq) AS seq
+               coalesce(max(t.absmax), 'nan'::DOUBLE) AS absmax, coalesce(sum(f.finite), 0)::DOUBLE AS finite,
+               coalesce(sum({_LOW}), 'nan'::DOUBLE)::DOUBLE AS low
         FROM timeline t LEFT JOIN m ON m.dtype = t.dtype
         LEFT JOIN timeline_formats f ON f.run_id = t.run_id AND f.tid = t.tid AND f.fmt = m.fmt
         WHERE t.run_id = ? AND t.role IN ({marks})
         GROUP BY t.op, t.role, t."index", t.step ORDER BY t.op, t.role, t."index", t.step""",
-                [list(fmt_of_dtype), list(fmt_of_dtype.values()), run_id, *roles])
+                     [list(fmt_of_dtype), list(fmt_of_dtype.values()), run_id, *roles]).fetchnumpy()
 
 
 def full_steps(store, run_id: str) -> list[int]:

@@ -10,11 +10,12 @@ import pandas as pd
 from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_text
 from ..services import browse
 from ..services import timeline as _timeline
+from ..services.tree import output_rid, run_tree
 from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
                                session_runs, top_offenders)
 from .common import num_text, plot_text, public_source, run_label
 
-__all__ = ["long_runs", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
+__all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
            "error_series", "error_figure", "session_headline", "order_text", "warnings_table", "order_caveat",
            "MAX_WARNINGS"]
@@ -148,3 +149,15 @@ def long_runs(store, session_id: str) -> list[dict]:
         out.append({"run": r["name"], "steps": r["steps"],
                     "first_nonfinite_step": _timeline.first_nonfinite_step(store, r["run_id"]), "alerts": table})
     return out
+
+
+def model_tree(store, firsts: list[dict]) -> Optional[tuple[dict, list[dict]]]:
+    """``(run, tree nodes)`` of the run to draw as a tree: the first run with a non-finite producer, else the
+    first candidate; None for a session with no run."""
+    pick = next((f for f in firsts if f["first"] is not None), None) or next(
+        (f for f in firsts if f["run"]["kind"] != "reference"), None) or (firsts[0] if firsts else None)
+    if pick is None:
+        return None
+    first = pick["first"] or {}
+    return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.get("op"),
+                                 failing_parent=first.get("parent"))

@@ -12,6 +12,7 @@ from ..alerts import ALERT_RULES
 from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
+from ..services.tree import ROOT, tree_modules_of
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
@@ -167,7 +168,7 @@ def tree_figure(nodes: list[dict]):
                                                         else "-") for n in nodes]
     fig = go.Figure(go.Icicle(
         ids=[plot_text(n["id"]) for n in nodes], labels=[plot_text(n["label"]) for n in nodes],
-        parents=[plot_text(n["parent"]) for n in nodes], text=text, customdata=[n["op"] or "" for n in nodes],
+        parents=[plot_text(n["parent"]) for n in nodes], text=text,
         marker={"colors": colors, "colorscale": "RdYlGn", "cmin": 0, "cmax": top,
                 "line": {"width": line_w, "color": line_c}, "colorbar": {"title": {"text": "worst headroom (bits)"}}},
         texttemplate="%{label}<br>%{text}", hovertemplate="%{id}<br>%{text}<extra></extra>", branchvalues="remainder",
@@ -178,12 +179,9 @@ def tree_figure(nodes: list[dict]):
 
 def tree_modules(nodes: list[dict]) -> dict:
     """``{op: label}`` of the tree's modules, the path to the first failure first, then by worst headroom."""
-    with_op = [n for n in nodes if n["op"]]
-    depth = lambda n: 0 if n["parent"] == "" else n["id"].count(".") + 1  # noqa: E731  (the root has no parent)
-    with_op.sort(key=lambda n: (not n["on_path"], -depth(n) if n["on_path"] else 0,
-                                n["headroom"] if n["headroom"] is not None else math.inf))
-    return {n["op"]: f"{n['id'] or '(model)'}  ({'NaN/Inf, ' if n['nonfinite'] else ''}"
-                     f"{'-' if n['headroom'] is None else format(n['headroom'], '.1f')} bits)" for n in with_op}
+    return {n["op"]: f"{n['id'] if n['parent'] else ROOT}  ({'NaN/Inf, ' if n['nonfinite'] else ''}"
+                     f"{'-' if n['headroom'] is None else format(n['headroom'], '.1f')} bits)"
+            for n in tree_modules_of(nodes)}
 
 
 def alerts_frame(alerts: Sequence) -> pd.DataFrame:
