@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from precision_lab.cli import app
-from precision_lab.cli.ingest_cmds import Condition, parse_condition
+from precision_lab.cli._conditions import Condition, parse_condition
 
 from conftest import FIXTURES
 

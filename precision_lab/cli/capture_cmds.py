@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from . import app
+from ._app import app
 from ._common import DB_HELP, open_store
 from ._common import fail as _fail
 from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig

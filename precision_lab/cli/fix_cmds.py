@@ -11,13 +11,12 @@ from typing import List, Optional
 
 import typer
 
-from . import app
+from ._app import app
 from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
-from ..fixes.recipes import MODEL_PREFIX, RecipeError, list_recipes, parse_entry_point_recipe
+from ..fixes.recipes import MODEL_PREFIX, parse_entry_point_recipe
 from .capture_cmds import resolve_recipe
 from ..services.sessions import recipe_name as session_recipe_name
-from ..fixes.catalogue import FIXES, parse_fix
 from ..services import browse
 from ..services.report import first_nonfinite
 from ..services.rerun import bisect_fp32_islands, rerun_session
@@ -26,31 +25,6 @@ from ..fixes.rules import fmt_num
 from ..services.replay import replay_op, replayable_ops
 
 EXIT_FAILED = 1
-
-
-@app.command("recipes")
-def recipes_cmd() -> None:
-    """List the recipes: built-in ones and those registered through $PRECISION_LAB_RECIPES."""
-
-    try:
-        recipes = list_recipes()
-    except RecipeError as e:
-        _fail(str(e))
-    for r in recipes:
-        typer.echo(r.name)
-        typer.echo(f"  {r.description}")
-        typer.echo(f"  fails under: {r.default_policy.name} ({r.default_policy.describe()})")
-        if r.fixes:
-            typer.echo(f"  fixed by:    {', '.join(r.fixes)}")
-
-
-@app.command("fixes")
-def fixes_cmd() -> None:
-    """List the fix catalogue with each fix's reason."""
-
-    for name in sorted(FIXES):
-        d = FIXES[name]
-        typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")
 
 
 def _print_run_summary(store, session: str, run_id: str) -> bool:

@@ -1,4 +1,4 @@
-"""``ingest``, ``report`` and ``compare``: dump folders in, findings out.
+"""``ingest`` and ``compare``: dump folders in, findings out (``report`` is in ``report_cmds``).
 
 Exit status: 0 success; 1 a ``compare --fail-on`` condition tripped; 2 the
 input cannot be used (missing or corrupt dump, unsafe zip, unknown session,
@@ -7,27 +7,18 @@ a condition that cannot be evaluated on this data).
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import dataclass
 from typing import List, Optional
 
 import typer
 
-from . import app
-from ._common import DB_HELP, EXIT_UNUSABLE, end_progress, open_store, tty_progress
+from ._app import app
+from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
-from ..alerts import RULES_BY_NAME
 from ..config import ConfigError, load_config
 from ..services.ingest import IngestError, ingest
 from ..services.report import build_report, render_text, to_json
-from ..store import SessionNotFound, Store
-from ..ui.html_report import write_html
-
-# what --fail-on takes (report and compare)
-_CONDITIONS = "nonfinite | sqnr<DB | max_rel_err>X | alert | alert:RULE"
-
-EXIT_TRIPPED = 1
+from ..store import Store
+from ._conditions import CONDITIONS, exit_on, parse_condition
 
 
 def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
@@ -60,156 +51,12 @@ def ingest_cmd(
     typer.echo(_ingest(paths, reference or None, session, store, keep_tensors))
 
 
-@app.command("report")
-def report_cmd(
-    session: str = typer.Option(..., "--session", "-s", help="session name"),
-    db: Optional[str] = typer.Option(None, "--db", help="database file"),
-    as_json: bool = typer.Option(False, "--json", help="print the stable JSON document instead of a table"),
-    html_file: Optional[str] = typer.Option(None, "--html", help="also write a self-contained HTML page (opens "
-                                            "offline) to this file"),
-    fail_on: Optional[List[str]] = typer.Option(
-        None, "--fail-on", help=f"exit 1 when this holds: {_CONDITIONS} (repeatable)"),
-) -> None:
-    """Report a session: first non-finite producer per run, comparisons, diagnoses, alerts (exit 1 when
-    --fail-on trips)."""
-    conditions = [parse_condition(c) for c in (fail_on or [])]
-    store = open_store(db)
-    try:
-        rep = build_report(store, session)
-    except SessionNotFound as e:
-        _fail(str(e))
-    typer.echo(to_json(rep) if as_json else render_text(rep), nl=False)
-    if as_json:
-        typer.echo()
-    if html_file:
-        typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
-    _exit_on(rep, conditions)
-
-
-def _exit_on(rep: dict, conditions: list) -> None:
-    """Say which ``--fail-on`` conditions tripped and exit 1 (2 when the data cannot answer one)."""
-    tripped, unusable = check_conditions(rep, conditions)
-    for line in tripped:
-        typer.echo(f"FAIL {line}", err=True)
-    for line in unusable:
-        typer.echo(f"error: {line}", err=True)
-    if unusable:
-        raise typer.Exit(EXIT_UNUSABLE)
-    if tripped:
-        raise typer.Exit(EXIT_TRIPPED)
-    if conditions:
-        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
-
-
-@dataclass(frozen=True)
-class Condition:
-    """One ``--fail-on`` condition: ``nonfinite``, ``sqnr<DB``, ``max_rel_err>X``, ``alert``, ``alert:RULE``."""
-
-    kind: str
-    threshold: Optional[float] = None
-    rule: Optional[str] = None
-
-    def __str__(self) -> str:
-        if self.kind == "nonfinite":
-            return "nonfinite"
-        if self.kind == "alert":
-            return f"alert:{self.rule}" if self.rule else "alert"
-        op = "<" if self.kind == "sqnr" else ">"
-        return f"{self.kind}{op}{self.threshold:g}"
-
-
-_COND_RE = re.compile(r"^\s*(sqnr|max_rel_err)\s*([<>])\s*([-+0-9.eE]+|inf)\s*$")
-
-
-def parse_condition(text: str) -> Condition:
-    t = text.strip()
-    if t == "nonfinite":
-        return Condition("nonfinite")
-    if t == "alert":
-        return Condition("alert")
-    if t.startswith("alert:"):
-        rule = t[len("alert:"):].strip()
-        if rule in RULES_BY_NAME:
-            return Condition("alert", rule=rule)
-        raise typer.BadParameter(f"{text!r}: no alert rule {rule!r}; the rules are {', '.join(RULES_BY_NAME)}")
-    m = _COND_RE.match(t)
-    if m:
-        kind, op, num = m.groups()
-        if (kind, op) in (("sqnr", "<"), ("max_rel_err", ">")):
-            try:
-                return Condition(kind, float(num))
-            except ValueError:
-                pass
-    raise typer.BadParameter(f"{text!r}: expected nonfinite, sqnr<DB (e.g. sqnr<30), max_rel_err>X "
-                             "(e.g. max_rel_err>0.01), alert or alert:RULE (e.g. alert:growth)")
-
-
-def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[str], list[str]]:
-    """``(tripped, unusable)``: one line per tripped condition and per condition
-    that this data cannot answer (e.g. ``sqnr`` with statistics-only dumps).
-
-    - ``nonfinite``: a matched pair where the candidate is NaN/Inf where the
-      reference is finite, or a candidate record with no reference
-      counterpart that is non-finite.
-    - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
-    - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
-      whose max relative error exceeds X.
-    - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
-      without a timeline cannot answer it.
-    """
-    comps = [c for c in report["comparisons"] if c["verdict"] is not None]
-    tripped, unusable = [], []
-    for cond in conditions:
-        if cond.kind == "nonfinite":
-            bad = [c for c in comps if (c["nonfinite_introduced"] or 0) > 0]
-            cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
-            unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c["match"] == "unmatched_cand"}
-            extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
-                     and (t["run"], t["rid"]) in unmatched]
-            if not report["comparisons"]:
-                extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
-            if bad or extra:
-                first = bad[0] if bad else extra[0]
-                where = f"{first['op']} {first['role']} {first['index']}"
-                tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
-                               f"the reference, first {where}")
-        elif cond.kind == "alert":
-            if not report.get("timeline"):
-                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N)")
-                continue
-            hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
-            if hits:
-                first = min(hits, key=lambda a: a["step"])
-                tripped.append(f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}")
-        elif cond.kind == "sqnr":
-            vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
-            if not vals:
-                unusable.append(f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)")
-                continue
-            bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
-            if bad:
-                worst = min(bad, key=lambda c: c["sqnr_db"])
-                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
-                               f"at {worst['sqnr_db']:.4g} dB")
-        else:
-            vals = [c for c in comps if c["max_rel_err"] is not None]
-            if not vals:
-                unusable.append(f"{cond}: no comparisons with a relative error")
-                continue
-            bad = [c for c in vals if c["max_rel_err"] > cond.threshold]
-            if bad:
-                worst = max(bad, key=lambda c: c["max_rel_err"])
-                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} "
-                               f"{worst['index']} at {worst['max_rel_err']:.4g}")
-    return tripped, unusable
-
-
 @app.command("compare")
 def compare_cmd(
     ref: str = typer.Argument(..., help="reference dump (folder or .zip), usually fp32"),
     cand: str = typer.Argument(..., help="candidate dump (folder or .zip)"),
     fail_on: Optional[List[str]] = typer.Option(
-        None, "--fail-on", help=f"exit 1 when this holds: {_CONDITIONS} (repeatable)"),
+        None, "--fail-on", help=f"exit 1 when this holds: {CONDITIONS} (repeatable)"),
     db: Optional[str] = typer.Option(None, "--db", help="keep the session in this database (default: none kept)"),
     session: Optional[str] = typer.Option(None, "--session", "-s", help="session name"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON report"),
@@ -220,4 +67,4 @@ def compare_cmd(
     name = _ingest([cand], [ref], session, store)
     rep = build_report(store, name)
     typer.echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)
-    _exit_on(rep, conditions)
+    exit_on(rep, conditions)

@@ -1,4 +1,4 @@
-"""Small commands: where the database is, which formats exist."""
+"""Small commands: where the database is, which formats, recipes and fixes exist."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ from typing import Optional
 
 import typer
 
-from . import app
+from ._app import app
 from ._common import DB_HELP, open_store
+from ._common import fail as _fail
 from ..display import num_text
+from ..fixes.catalogue import FIXES, parse_fix
+from ..fixes.recipes import RecipeError, list_recipes
 from ..formats import FORMATS
+from ..store import queries as q
 
 
 @app.command("formats")
@@ -27,5 +31,30 @@ def db_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None
     """Print the database path in use and its sessions."""
     store = open_store(db)
     typer.echo(store.path)
-    for _, row in store.sessions().iterrows():
+    for row in q.session_list(store):
         typer.echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")
+
+
+@app.command("recipes")
+def recipes_cmd() -> None:
+    """List the recipes: built-in ones and those registered through $PRECISION_LAB_RECIPES."""
+
+    try:
+        recipes = list_recipes()
+    except RecipeError as e:
+        _fail(str(e))
+    for r in recipes:
+        typer.echo(r.name)
+        typer.echo(f"  {r.description}")
+        typer.echo(f"  fails under: {r.default_policy.name} ({r.default_policy.describe()})")
+        if r.fixes:
+            typer.echo(f"  fixed by:    {', '.join(r.fixes)}")
+
+
+@app.command("fixes")
+def fixes_cmd() -> None:
+    """List the fix catalogue with each fix's reason."""
+
+    for name in sorted(FIXES):
+        d = FIXES[name]
+        typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")

@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Sequence
 
 import typer
 
-from . import app
+from ._app import app
 from ._common import fail
 from ..config import CONFIG_ENV, ConfigError, DEFAULT_CONFIG_FILE, load_config
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from . import app
+from ._app import app
 from ._common import db_setting, fail, open_store
 from ..services.share import ShareError, create_share_token, export_session, import_session, revoke_recorded_token, revoke_share_token, share_url
 from ..store import DatabaseLocked, SessionNotFound, Store

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 __all__ = [
-    "rows", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
+    "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid",
 ]
@@ -35,6 +35,12 @@ def _like_prefix(text: str) -> str:
 
 
 # ---- runs and tensors ---------------------------------------------------------------
+
+def session_list(store) -> list[dict]:
+    """Every session with its run count, newest first (``Store.sessions()`` as plain rows)."""
+    return rows(store, "SELECT s.name, s.created, (SELECT count(*) FROM runs r WHERE r.session_id = s.session_id) "
+                       "AS runs FROM sessions s ORDER BY s.created DESC, s.name")
+
 
 def session_runs(store, session_id: str, *, references_first: bool = False) -> list[dict]:
     """The runs of a session, oldest first (with ``references_first``: reference runs, then the rest in the

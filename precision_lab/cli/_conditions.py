@@ -1,0 +1,138 @@
+"""``--fail-on`` conditions of ``report`` and ``compare``: parsed, checked against a report, turned into an exit."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import typer
+
+from ._common import EXIT_UNUSABLE
+from ..alerts import RULES_BY_NAME
+
+__all__ = ["CONDITIONS", "EXIT_TRIPPED", "Condition", "parse_condition", "check_conditions", "exit_on"]
+
+# what --fail-on takes
+CONDITIONS = "nonfinite | sqnr<DB | max_rel_err>X | alert | alert:RULE"
+
+EXIT_TRIPPED = 1
+
+
+def exit_on(rep: dict, conditions: list) -> None:
+    """Say which ``--fail-on`` conditions tripped and exit 1 (2 when the data cannot answer one)."""
+    tripped, unusable = check_conditions(rep, conditions)
+    for line in tripped:
+        typer.echo(f"FAIL {line}", err=True)
+    for line in unusable:
+        typer.echo(f"error: {line}", err=True)
+    if unusable:
+        raise typer.Exit(EXIT_UNUSABLE)
+    if tripped:
+        raise typer.Exit(EXIT_TRIPPED)
+    if conditions:
+        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One ``--fail-on`` condition: ``nonfinite``, ``sqnr<DB``, ``max_rel_err>X``, ``alert``, ``alert:RULE``."""
+
+    kind: str
+    threshold: Optional[float] = None
+    rule: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.kind == "nonfinite":
+            return "nonfinite"
+        if self.kind == "alert":
+            return f"alert:{self.rule}" if self.rule else "alert"
+        op = "<" if self.kind == "sqnr" else ">"
+        return f"{self.kind}{op}{self.threshold:g}"
+
+
+_COND_RE = re.compile(r"^\s*(sqnr|max_rel_err)\s*([<>])\s*([-+0-9.eE]+|inf)\s*$")
+
+
+def parse_condition(text: str) -> Condition:
+    t = text.strip()
+    if t == "nonfinite":
+        return Condition("nonfinite")
+    if t == "alert":
+        return Condition("alert")
+    if t.startswith("alert:"):
+        rule = t[len("alert:"):].strip()
+        if rule in RULES_BY_NAME:
+            return Condition("alert", rule=rule)
+        raise typer.BadParameter(f"{text!r}: no alert rule {rule!r}; the rules are {', '.join(RULES_BY_NAME)}")
+    m = _COND_RE.match(t)
+    if m:
+        kind, op, num = m.groups()
+        if (kind, op) in (("sqnr", "<"), ("max_rel_err", ">")):
+            try:
+                return Condition(kind, float(num))
+            except ValueError:
+                pass
+    raise typer.BadParameter(f"{text!r}: expected nonfinite, sqnr<DB (e.g. sqnr<30), max_rel_err>X "
+                             "(e.g. max_rel_err>0.01), alert or alert:RULE (e.g. alert:growth)")
+
+
+def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[str], list[str]]:
+    """``(tripped, unusable)``: one line per tripped condition and per condition
+    that this data cannot answer (e.g. ``sqnr`` with statistics-only dumps).
+
+    - ``nonfinite``: a matched pair where the candidate is NaN/Inf where the
+      reference is finite, or a candidate record with no reference
+      counterpart that is non-finite.
+    - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
+    - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
+      whose max relative error exceeds X.
+    - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
+      without a timeline cannot answer it.
+    """
+    comps = [c for c in report["comparisons"] if c["verdict"] is not None]
+    tripped, unusable = [], []
+    for cond in conditions:
+        if cond.kind == "nonfinite":
+            bad = [c for c in comps if (c["nonfinite_introduced"] or 0) > 0]
+            cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
+            unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c["match"] == "unmatched_cand"}
+            extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
+                     and (t["run"], t["rid"]) in unmatched]
+            if not report["comparisons"]:
+                extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
+            if bad or extra:
+                first = bad[0] if bad else extra[0]
+                where = f"{first['op']} {first['role']} {first['index']}"
+                tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
+                               f"the reference, first {where}")
+        elif cond.kind == "alert":
+            if not report.get("timeline"):
+                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N)")
+                continue
+            hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
+            if hits:
+                first = min(hits, key=lambda a: a["step"])
+                tripped.append(f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}")
+        elif cond.kind == "sqnr":
+            vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
+            if not vals:
+                unusable.append(f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)")
+                continue
+            bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
+            if bad:
+                worst = min(bad, key=lambda c: c["sqnr_db"])
+                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
+                               f"at {worst['sqnr_db']:.4g} dB")
+        else:
+            vals = [c for c in comps if c["max_rel_err"] is not None]
+            if not vals:
+                unusable.append(f"{cond}: no comparisons with a relative error")
+                continue
+            bad = [c for c in vals if c["max_rel_err"] > cond.threshold]
+            if bad:
+                worst = max(bad, key=lambda c: c["max_rel_err"])
+                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} "
+                               f"{worst['index']} at {worst['max_rel_err']:.4g}")
+    return tripped, unusable

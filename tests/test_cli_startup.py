@@ -1,0 +1,63 @@
+"""Commands that need no tensors start without torch, numba or pandas (each in a fresh process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precision_lab.services.ingest import ingest
+from precision_lab.store import Store, close_all
+
+_PROBE = """
+import sys
+sys.argv = ["precision-lab", *sys.argv[1:]]
+from precision_lab.cli import main
+code = 0
+try:
+    main()
+except SystemExit as e:
+    code = e.code or 0
+print("HEAVY=" + ",".join(m for m in ("torch", "numba", "pandas") if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    root = Path(__file__).resolve().parents[1] / "sample_dumps"
+    path = tmp_path_factory.mktemp("cli") / "lab.duckdb"
+    ingest([root / "stat_mix_fp16_inner_ovf"], reference=[root / "stat_mix_fp32_inner_ovf"], session="ovf",
+           store=Store(path))
+    close_all()
+    return path
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-c", _PROBE, *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args", [
+    ("report", "-s", "ovf"), ("report", "-s", "ovf", "--json", "--fail-on", "nonfinite"), ("db",), ("formats",),
+    ("fixes",), ("recipes",), ("config",), ("export", "-s", "ovf", "-o", "{tmp}/s.zip"),
+    ("share-link", "-s", "ovf"),
+])
+def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, tmp_path, args):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if args[0] in ("report", "db", "export", "share-link"):
+        args += ["--db", str(db)]
+    got = _run(*args)
+    heavy = next(ln for ln in got.stderr.splitlines() if ln.startswith("HEAVY="))
+    assert heavy == "HEAVY=", (args, heavy)
+    assert got.returncode in (0, 1), got.stderr  # 1: the sample's fp16 run trips --fail-on nonfinite
+    assert got.stdout.strip() or args[0] in ("export", "share-link")
+
+
+def test_one_loaded_command_still_runs_as_a_subcommand(db):
+    got = _run("report", "-s", "ovf", "--db", db, "--json")
+    assert got.returncode == 0 and got.stdout.lstrip().startswith("{")
+    got = _run("--help")
+    assert all(c in got.stdout for c in ("ingest", "report", "capture", "formats", "serve"))
