@@ -171,3 +171,35 @@ def test_the_dashboard_does_not_import_torch():
             "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_session_headlines_are_cached_until_a_run_is_added(ui_db):
+    """The Sessions list caches each session's headline on its runs: a second render reuses it, and a run added
+    to the session (a re-run) shows at once."""
+    import numpy as np
+
+    from precision_lab.records import TensorRecord
+    from precision_lab.stats import tensor_stats
+    from precision_lab.ui import sessions as sv
+
+    store = _store(ui_db)
+    calls = []
+
+    def counting(sid, version):
+        calls.append(sid)
+        return {"first_nonfinite": f"v{version[0]}", "worst": "-"}
+
+    first = sv.sessions_table(store, headline=counting)
+    assert len(calls) == len(first)
+    at = app_test()
+    at.run()
+    before = frames(at)[0].set_index("session").loc[TENSOR_SESSION, "first non-finite"]
+    with store.extend_session(TENSOR_SESSION) as w:
+        run = w.add_run(name="fp16-again", dtype="float16", kind="candidate")
+        w.add_record(TensorRecord(run_id=run, seq=0, op="blocks.9.late", op_type="Linear", role="output",
+                                  index="0", stats=tensor_stats(np.array([np.inf, 1.0], np.float32))))
+    at.run()
+    after = frames(at)[0].set_index("session").loc[TENSOR_SESSION, "first non-finite"]
+    assert "fp16-again: blocks.9.late" in after and "fp16-again" not in before
+    versions = [sv.session_version(rs) for rs in ([], [{"run_id": "a", "created": "1"}])]
+    assert versions[0] != versions[1]

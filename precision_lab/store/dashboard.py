@@ -725,8 +725,8 @@ def session_list(store) -> list[dict]:
 
 
 def all_runs(store) -> list[dict]:
-    """Every run of every session, oldest first: ``{session_id, name, dtype, kind, fix}``."""
-    return rows(store, "SELECT session_id, name, dtype, kind, fix FROM runs ORDER BY created, run_id")
+    """Every run of every session, oldest first: ``{session_id, run_id, name, dtype, kind, fix, created}``."""
+    return rows(store, "SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY created, run_id")
 
 
 def session_exists(store, name: str) -> bool:

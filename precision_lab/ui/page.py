@@ -28,11 +28,12 @@ import streamlit as st
 
 from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
+from .overview import session_headline
 from ..store import Store, default_db_path
 from ..config import SHARE_PARAM, ConfigError, load_config, parse_bool, resolve_access
 from ..scratch import scratch_root, sweep
 
-__all__ = ["PAGES", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
+__all__ = ["PAGES", "cached_headline", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
            "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
@@ -61,6 +62,17 @@ def plain(text: Any) -> str:
 # ---- store, config, access ------------------------------------------------------
 
 @st.cache_resource(show_spinner=False)
+@st.cache_data(max_entries=20_000, show_spinner=False)
+def _headline(db_path: str, session_id: str, version: tuple, _store) -> dict:
+    return session_headline(_store, session_id)
+
+
+def cached_headline(store) -> Callable[[str, tuple], dict]:
+    """A session's headline for the Sessions list, cached per (database, session, version of its runs): the
+    list of 200 sessions is not recomputed on every keystroke."""
+    return lambda session_id, version: _headline(store.path, session_id, version, store)
+
+
 def _open_store(path: str):
     return Store(path)
 

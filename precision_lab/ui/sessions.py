@@ -18,7 +18,7 @@ from ..readers import first_line
 from ..readers.safeio import plain_error
 from ..scratch import scratch_dir, scratch_root, sweep
 
-__all__ = ["sessions_table", "ingest_upload", "open_sample", "sample_session_name", "IngestFailed"]
+__all__ = ["sessions_table", "session_version", "ingest_upload", "open_sample", "sample_session_name", "IngestFailed"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -27,16 +27,30 @@ class IngestFailed(ValueError):
     """An upload or sample could not be ingested; the message is a sentence for the user."""
 
 
-def sessions_table(store, *, headlines: bool = True) -> pd.DataFrame:
-    """Sessions, newest first: name, created, runs, first non-finite op, worst op, source."""
+def session_version(runs: list[dict]) -> tuple:
+    """What a session's headline depends on, from its runs: a re-run adds one (records never change)."""
+    return (len(runs), max((str(r.get("created") or "") for r in runs), default=""),
+            tuple(sorted(r["run_id"] for r in runs)))
+
+
+def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable[[str, tuple], dict]] = None
+                   ) -> pd.DataFrame:
+    """Sessions, newest first: name, created, runs, first non-finite op, worst op, source.
+
+    ``headline(session_id, version)``: the session's headline (default ``session_headline``); the page passes
+    a cached one, keyed on ``session_version`` so a re-run shows at once.
+    """
     sessions = browse.session_list(store)
     runs = browse.all_runs(store)
     by_session: dict[str, list[dict]] = {}
     for r in runs:
         by_session.setdefault(r["session_id"], []).append(r)
+    if headline is None:
+        headline = lambda sid, _version: session_headline(store, sid)  # noqa: E731
     out = []
     for s in sessions:
-        head = session_headline(store, s["session_id"]) if headlines else {"first_nonfinite": "", "worst": ""}
+        version = session_version(by_session.get(s["session_id"], []))
+        head = headline(s["session_id"], version) if headlines else {"first_nonfinite": "", "worst": ""}
         out.append({
             "session": s["name"], "created": s["created"],
             "runs": ", ".join(run_label(r) for r in by_session.get(s["session_id"], [])),
