@@ -18,9 +18,8 @@ the same run and interleaved, measures:
   readers, pairing and database add.
 
 Throughput is bytes of tensor files per second; the ratio ingest/read is the
-number to watch (target >= 0.3).  For scale: msprobe's compare needed 48 s
-for a 650 MB vs 330 MB pair on our machine (about 20 MB/s); that figure was
-not measured in this run.
+number to watch (target >= 0.3).  Against msprobe's own compare, on dumps
+msprobe writes, see ``compare_vs_msprobe.py`` (measured there, in one run).
 
     python bench/ingest.py [--reps 3] [--keep DIR]
 """
@@ -42,7 +41,6 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MSPROBE_MB_PER_S = (650 + 330) / 48.0  # FIELD_NOTES: msprobe compare, same machine class
 
 
 class Attention(nn.Module):
@@ -252,7 +250,6 @@ def main() -> None:
         for k, v in part.items():
             print(f"  {k:<8} {v:7.3f} s  {mb / v:8.1f} MB/s  ({100 * v / i:.0f}% of ingest + compare)")
         print(f"  rest     {max(0.0, i - sum(part.values())):7.3f} s  (readers, pairing, database)")
-        print(f"vs msprobe compare (~{MSPROBE_MB_PER_S:.0f} MB/s, not measured here): {mb / i / MSPROBE_MB_PER_S:.1f}x")
         print(f"medians of {args.reps} interleaved repetitions; torch threads {torch.get_num_threads()}")
 
 
