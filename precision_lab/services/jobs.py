@@ -1,26 +1,38 @@
 """Re-runs in the background, for the dashboard's "Re-run with fix" button.
 
-``start_rerun(store, session, fix)`` runs ``rerun_session`` in a daemon
-thread and returns a ``RerunJob`` the page polls (``fraction``, ``label``,
-``finished``, then ``run_id`` or ``error``).  A second request for the same
-session and fix while one is running returns the running job instead of
-starting another.  The thread uses its own cursor of the shared Store (the
-Store gives each thread one); nothing here touches Streamlit.
+``start_rerun(store, session, fix)`` queues ``rerun_session`` for a small
+pool of daemon worker threads (``MAX_WORKERS``) and returns a ``RerunJob``
+the page polls (``fraction``, ``label``, ``finished``, then ``run_id`` or
+``error``).  A second request for the same session and fix while one is
+queued or running returns that job instead of starting another; more than
+``MAX_QUEUED`` waiting jobs are refused with a sentence; finished jobs are
+forgotten beyond the newest ``MAX_FINISHED``.  A worker uses its own cursor
+of the shared Store (the Store gives each thread one); nothing here touches
+Streamlit.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
+
 from .rerun import RerunError, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
 from ..store import queries as q
 
-__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions", "rerun_blocker"]
+__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
+           "MAX_FINISHED"]
 
-_JOBS: dict[tuple, "RerunJob"] = {}
+MAX_WORKERS = 2  # re-runs at once: each holds a model and its activations in memory
+MAX_QUEUED = 16  # waiting re-runs before new ones are refused
+MAX_FINISHED = 64  # finished jobs remembered (their result is in the database anyway)
+
+_JOBS: dict[tuple, "RerunJob"] = {}  # insertion order: oldest first
 _LOCK = threading.Lock()
+_QUEUE: "queue.Queue[tuple[RerunJob, Callable[[], None]]]" = queue.Queue()
+_WORKERS: list[threading.Thread] = []
 
 
 @dataclass
@@ -34,7 +46,7 @@ class RerunJob:
     run_id: Optional[str] = None
     error: Optional[str] = None
     finished: bool = False
-    _thread: Optional[threading.Thread] = field(default=None, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def fraction(self) -> float:
@@ -49,37 +61,68 @@ class RerunJob:
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the job ends (tests, scripts); True when it has."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._done.wait(timeout)
         return self.finished
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._done.set()
 
 
 def _key(store, session: str, fix: str, parent: Optional[str]) -> tuple:
     return (getattr(store, "path", id(store)), session, fix, parent)
 
 
+def _worker() -> None:
+    while True:
+        job, work = _QUEUE.get()
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - a worker never dies with a job
+            job.error = job.error or f"{type(e).__name__}: {e}"
+        finally:
+            job._finish()
+
+
+def _forget_finished() -> None:
+    """Drop the oldest finished jobs beyond ``MAX_FINISHED`` (caller holds ``_LOCK``)."""
+    done = [k for k, j in _JOBS.items() if j.finished]
+    for k in done[:max(0, len(done) - MAX_FINISHED)]:
+        del _JOBS[k]
+
+
 def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) -> RerunJob:
-    """Start re-running ``session`` under ``fix`` (a spec, ``+`` joins several) in a background thread."""
+    """Queue re-running ``session`` under ``fix`` (a spec, ``+`` joins several) for the worker pool."""
 
     key = _key(store, session, fix, parent)
     with _LOCK:
         job = _JOBS.get(key)
         if job is not None and not job.finished:
             return job
+        _forget_finished()
         job = RerunJob(session, fix, parent)
+        waiting = _QUEUE.qsize()  # jobs no worker has taken yet
+        if waiting >= MAX_QUEUED:
+            job.error = (f"the server is busy: {waiting} re-runs are waiting; try again when one of them has "
+                         "finished")
+            job._finish()
+            return job
+        _JOBS.pop(key, None)
         _JOBS[key] = job
+        while len(_WORKERS) < MAX_WORKERS:
+            t = threading.Thread(target=_worker, name=f"precision-lab rerun worker {len(_WORKERS)}", daemon=True)
+            t.start()
+            _WORKERS.append(t)
 
     def work() -> None:
+        job.label = "starting"
         try:
             job.run_id = rerun_session(store, session, fix, job.progress, parent=parent)
         except Exception as e:  # reported to the page as a sentence
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             job.error = msg.strip() or type(e).__name__
-        finally:
-            job.finished = True
 
-    job._thread = threading.Thread(target=work, name=f"precision-lab rerun {session}: {fix}", daemon=True)
-    job._thread.start()
+    _QUEUE.put((job, work))
     return job
 
 
