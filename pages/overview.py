@@ -1,6 +1,7 @@
 import streamlit as st
 
 from precision_lab.services.jobs import rerun_actions, start_rerun
+from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
@@ -162,9 +163,11 @@ if _job is not None and _job.session == info["name"] and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
         st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.plain(_job.error)}")
-    else:  # show every run of the session side by side, the new one included
+    else:  # every run of the session side by side, the new one included, at the op the fix was for
         st.session_state["diff_mode"] = "runs"
-        page.navigate("diff", session=info["name"])
+        landing = dv.landing_op(store, _job.run_id)
+        st.session_state["diff_pattern"] = landing or ""
+        page.navigate("diff", session=info["name"], q=landing)
 elif _job is not None and _job.session == info["name"]:
     @st.fragment(run_every=1.0)
     def _rerun_progress():

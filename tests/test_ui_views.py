@@ -410,3 +410,22 @@ def test_escape_md_neutralises_markup():
     assert escape_md("<script>alert(1)</script>") == "\\<script\\>alert\\(1\\)\\</script\\>"
     assert escape_md("1. item") == "1\\. item" and escape_md("- item") == "\\- item"
     assert escape_md("a_b*c") == "a\\_b\\*c"
+
+
+def test_histogram_axis_stays_near_the_data_and_names_limits_off_it():
+    """fp16 data overlaid with bf16 and fp32: their 2^128 max and 2^-126..2^-149 limits would squash the
+    histogram into a line; they are named at the axis edges instead, with their binade."""
+    import numpy as np
+
+    from precision_lab.stats import tensor_stats
+    from precision_lab.ui.detail import histogram_figure
+
+    x = np.random.default_rng(0).standard_normal(4000).astype(np.float16)
+    fig = histogram_figure([("x", tensor_stats(x))], ["fp16", "bf16", "fp32"])
+    lo, hi = fig.layout.xaxis.range
+    assert hi < 40 and lo > -60  # not stretched to 2^128 / 2^-149
+    assert lo <= -24 and hi >= 16  # fp16's own max (2^15.99) and smallest subnormal (2^-24) stay on the axis
+    names = [a.text for a in fig.layout.annotations]
+    assert "bf16 max 2^128 \u2192" in names and "fp32 max 2^128 \u2192" in names
+    assert "\u2190 fp32 smallest subnormal 2^-149" in names
+    assert not any(n.startswith("fp16") or "fp16 " in n for n in names)

@@ -98,6 +98,7 @@ def _format_overlays(fig, formats: Sequence[str], x_range: tuple[float, float], 
 
     alpha = 0.16 if len(formats) <= 1 else 0.10
     lo_x, hi_x = x_range
+    off = {"left": 0, "right": 0}  # limits named at an edge so far, to stack their labels
     for k, name in enumerate(formats):
         fmt = get_format(name)
         color = FORMAT_COLORS[k % len(FORMAT_COLORS)]
@@ -116,6 +117,14 @@ def _format_overlays(fig, formats: Sequence[str], x_range: tuple[float, float], 
             lines.append(("smallest subnormal", fmt.smallest_subnormal, "dot"))
         for label, v, dash in lines:
             x = _log2(v)
+            if not lo_x <= x <= hi_x:  # off the axis: named at its edge, with its value
+                side = "right" if x > hi_x else "left"
+                fig.add_annotation(x=hi_x if side == "right" else lo_x, xanchor=side, y=0.98 - 0.06 * off[side],
+                                   yref="paper", showarrow=False, font={"color": color, "size": 11},
+                                   text=(f"{fmt.name} {label} 2^{x:.0f} \u2192" if side == "right"
+                                         else f"\u2190 {fmt.name} {label} 2^{x:.0f}"))
+                off[side] += 1
+                continue
             fig.add_vline(x=x, line_color=color, line_dash=dash, line_width=1.5)
             fig.add_trace(go.Scatter(
                 x=[x], y=[0], mode="markers", marker={"opacity": 0, "color": color}, showlegend=False,
@@ -133,20 +142,23 @@ def _format_overlays(fig, formats: Sequence[str], x_range: tuple[float, float], 
                                              "color": REGION_COLORS[region].format(a=0.45)}))
 
 
-# how far below the data a format's small-value limits still widen the axis
+# how far below / above the data a format's limits still widen the axis
 _LOW_REACH = 24.0
+_HIGH_REACH = 24.0
 
 
 def _x_range(exps: Iterable[float], formats: Sequence[str]) -> tuple[float, float]:
-    """The data's binades, each format's max (overflow is the usual
-    question), and its smallest normal/subnormal when they lie within
-    ``_LOW_REACH`` binades below the data (bf16's 2^-133 would squeeze the
-    plot into a line; zooming out still shows it)."""
+    """The data's binades, each format's max when it lies within ``_HIGH_REACH``
+    binades above the data (overflow is the usual question), and its smallest
+    normal/subnormal when they lie within ``_LOW_REACH`` binades below it
+    (bf16's 2^128 or 2^-133 would squeeze the plot into a line; a limit off
+    the axis is named at its edge, and zooming out still shows it)."""
     data = [float(e) for e in exps]
     pts = list(data)
     for name in formats:
         fmt = get_format(name)
-        pts.append(_log2(fmt.max))
+        if not data or _log2(fmt.max) <= max(data) + _HIGH_REACH:
+            pts.append(_log2(fmt.max))
         for v in (fmt.smallest_normal, fmt.smallest_positive):
             if not data or _log2(v) >= min(data) - _LOW_REACH:
                 pts.append(_log2(v))

@@ -4,12 +4,13 @@ and the N-run view with one column group per run."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 from ..services import browse
 from ..services.browse import SHOW_OPTIONS, DiffPage, base_run, nrun_page, pair_options, unmatched_counts
 from ..services.report import first_nonfinite
 from .common import cosine_text
 
-__all__ = ["DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
+__all__ = ["landing_op", "DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
            "rerun_cards"]
 
 
@@ -56,3 +57,12 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
                     "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "first_before": fb,
                     "first_after": fa})
     return out
+
+
+def landing_op(store, run_id: str) -> Optional[str]:
+    """The op a finished re-run opens on: where its parent first went non-finite (the op the fix was for), or
+    None when the parent had no non-finite value."""
+    run = browse.run_row(store, run_id)
+    parent = run.get("parent_run_id") if run else None
+    first = first_nonfinite(store, parent) if parent else None
+    return first["op"] if first else None
