@@ -1,6 +1,7 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, start_rerun
+from precision_lab.services.jobs import rerun_actions, start_rerun, start_verify
+from precision_lab.services.verify import untried
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
@@ -136,6 +137,30 @@ cards = ov.diagnosis_cards(store, sid)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
 blocked, offers = rerun_actions(store, info["name"], cards) if acc.can_rerun else (None, [[] for _ in cards])
+to_verify = untried(store, info["name"]) if acc.can_rerun and not blocked and cards else []
+if to_verify:
+    if st.button(f"Verify the suggestions ({len(to_verify)} re-runs)", key="verify_fixes",
+                 icon=":material/fact_check:",
+                 help="Re-run the first suggested fixes not tried yet; each card then says which of them leave "
+                      "the run finite, and its output SQNR against fp32."):
+        st.session_state["_pl_verify"] = start_verify(store, info["name"])
+        st.rerun()
+_verifying = [j for j in st.session_state.get("_pl_verify", []) if j.session == info["name"]]
+if _verifying and all(j.finished for j in _verifying):
+    st.session_state.pop("_pl_verify")
+    for j in _verifying:
+        if j.error:
+            st.error(f"Verifying {page.plain(j.fix)} failed: {page.plain(j.error)}")
+elif _verifying:
+    @st.fragment(run_every=1.0)
+    def _verify_progress():
+        jobs = st.session_state.get("_pl_verify", [])
+        if not jobs or all(j.finished for j in jobs):
+            st.rerun()
+        done = sum(j.finished for j in jobs)
+        st.progress(done / len(jobs), text=f"Verifying {len(jobs)} suggested fixes: {done} done")
+
+    _verify_progress()
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
         icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
@@ -148,7 +173,8 @@ for i, card in enumerate(cards):
                 st.caption("No re-run button: " + page.plain(blocked))
         for j, action in enumerate(offers[i]):
             if action["existing"]:  # already made from this run: open it, do not make a copy
-                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/compare_arrows:",
+                icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
+                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
                              help=f"this fix was already run from this run: {action['reason']}"):
                     st.session_state["diff_mode"] = "runs"
                     page.navigate("diff", session=info["name"])

@@ -226,3 +226,31 @@ def test_cli_capture_with_fix_then_report_diagnoses(tmp_path):
     res = runner.invoke(app, ["capture", "--recipe", "fp16-layernorm", "--fix", diag[0]["fixes"][0], "--db", db])
     assert res.exit_code == 0, res.output
     assert "first non-finite" not in res.output and res.output.count("no NaN/Inf") == 2
+
+
+def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
+    """calibration-nan: eps works; sanitising the norm or calibrating on finite values leaves NaN (both are
+    proposed, neither is a cure); the verdicts come from the re-runs, checked independently."""
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+    from precision_lab.services.rerun import capture_recipe
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.services.verify import verification
+    from precision_lab.store import Store
+
+    db = tmp_path / "v.duckdb"
+    store = Store(db)
+    name = capture_recipe(store, "calibration-nan")
+    got = CliRunner().invoke(app, ["verify", "-s", name, "--db", str(db), "--top", "3"])
+    assert got.exit_code == 0, got.output
+    lines = [ln.split() for ln in got.output.splitlines() if ln.strip()]
+    verdicts = {ln[1]: ln[0] for ln in lines if ln[0] in ("works", "fails")}
+    assert verdicts == {"eps:1e-6": "works", "sanitize-nonfinite:norm": "fails", "calibrate-finite-only": "fails"}
+    for (parent, fix), v in verification(store, name).items():
+        assert v["works"] == (first_nonfinite(store, v["run_id"]) is None)
+        assert (verdicts[fix] == "works") == v["works"]
+    # a second verify re-runs nothing: the verdicts are already in the re-runs
+    n = store.sql("SELECT count(*) FROM runs").fetchone()[0]
+    assert CliRunner().invoke(app, ["verify", "-s", name, "--db", str(db)]).exit_code == 0
+    assert store.sql("SELECT count(*) FROM runs").fetchone()[0] == n

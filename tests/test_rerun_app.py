@@ -63,7 +63,7 @@ def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
     at = open_page("overview", session=name)
     assert_clean(at)
     button = at.button(key="rerun_0_0")
-    assert button.label.replace("\\", "") == "Open fix: stable-softmax"
+    assert button.label.replace("\\", "").startswith("Open fix: stable-softmax: works, output SQNR ")
     button.click().run()
     assert_clean(at)
     assert at.title[0].value == "Diff"
@@ -91,3 +91,26 @@ def test_diff_shows_the_re_run_before_and_after(recipe_db):
     assert int(m.value) == after and int(float(str(m.delta))) == after - before
     assert metrics["first non-finite op"].value == "none"
     assert "stable-softmax" in texts(at)
+
+
+def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe_db):
+    from precision_lab.services.verify import suggestions, verification
+
+    store, name = recipe_db
+    want = suggestions(store, name, top=3)
+    at = open_page("overview", session=name)
+    at.button(key="verify_fixes").click().run()
+    assert_clean(at)
+    jobs = at.session_state["_pl_verify"]
+    assert [j.fix for j in jobs] == [s["fix"] for s in want]
+    assert all(j.wait(300) and j.error is None for j in jobs)
+    at.run()
+    assert_clean(at)
+    got = verification(store, name)
+    labels = [b.label.replace("\\", "") for b in at.button if b.key and b.key.startswith("rerun_0_")]
+    for s in want:
+        v = got[(s["parent"], s["label"])]
+        assert v["works"] and first_nonfinite(store, v["run_id"]) is None
+        assert any(lab.startswith(f"Open fix: {s['label']}: works, output SQNR {v['sqnr_db']:.1f} dB")
+                   for lab in labels), labels
+    assert not [b for b in at.button if b.key == "verify_fixes"]  # nothing left to verify

@@ -22,9 +22,17 @@ from ..services.report import first_nonfinite
 from ..services.rerun import bisect_fp32_islands, rerun_session
 from ..store import SessionNotFound
 from ..fixes.rules import fmt_num
+from ..services.jobs import rerun_blocker
 from ..services.replay import replay_op, replayable_ops
+from ..services.verify import verify_session
 
 EXIT_FAILED = 1
+
+# the options every command that runs a session's model again takes
+_MODEL = typer.Option(None, "--model", help="a session captured with --model: the same entry point, to run it again")
+_INPUTS = typer.Option(None, "--inputs", help="with --model: the same inputs entry point")
+_LOSS = typer.Option(None, "--loss", help="with --model: the same loss entry point")
+_DB = typer.Option(None, "--db", help=DB_HELP)
 
 
 def _print_run_summary(store, session: str, run_id: str) -> bool:
@@ -75,11 +83,10 @@ def rerun_cmd(
     fix: List[str] = typer.Option(..., "--fix", "-f", help="fix spec, e.g. scale-fp32 or keep-fp32:<module>; "
                                                            "repeat or join with + to apply several"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to edit (default: the session's candidate)"),
-    model: Optional[str] = typer.Option(None, "--model", help="a session captured with --model: the same entry "
-                                                               "point, to run it again"),
-    inputs: Optional[str] = typer.Option(None, "--inputs", help="with --model: the same inputs entry point"),
-    loss: Optional[str] = typer.Option(None, "--loss", help="with --model: the same loss entry point"),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    model: Optional[str] = _MODEL,
+    inputs: Optional[str] = _INPUTS,
+    loss: Optional[str] = _LOSS,
+    db: Optional[str] = _DB,
 ) -> None:
     """Re-run a session's recipe (or model) under a fix: a new run whose parent is the old one, compared with
     fp32."""
@@ -97,6 +104,46 @@ def rerun_cmd(
         raise typer.Exit(EXIT_FAILED)
 
 
+@app.command("verify")
+def verify_cmd(
+    session: str = typer.Option(..., "--session", "-s", help="session made from a recipe or a model"),
+    top: int = typer.Option(3, "--top", help="how many of the suggested fixes to try, in the order proposed"),
+    model: Optional[str] = _MODEL,
+    inputs: Optional[str] = _INPUTS,
+    loss: Optional[str] = _LOSS,
+    db: Optional[str] = _DB,
+) -> None:
+    """Re-run the session's suggested fixes not tried yet and say which leave the run finite (exit 1 if none)."""
+    store = open_store(db)
+    _model_entry_points(store, session, model, inputs, loss)
+    try:
+        blocker = rerun_blocker(store, session)
+    except SessionNotFound as e:
+        _fail(str(e))
+    if blocker:
+        _fail(blocker)
+    progress = tty_progress()
+    try:
+        rows = verify_session(store, session, top=top, progress=progress)
+    except (SessionNotFound, ValueError) as e:
+        end_progress(progress)
+        _fail(str(e))
+    end_progress(progress)
+    if not rows:
+        typer.echo("no fix is suggested for this session")
+        return
+    for r in rows:
+        if r["error"]:
+            typer.echo(f"  cannot  {r['label']}: {r['error']}")
+            continue
+        sq = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "-"
+        state = "works " if r["works"] else "fails "
+        where = "" if r["works"] else f", still NaN/Inf at {r['first_nonfinite']}"
+        typer.echo(f"  {state}  {r['label']}  output SQNR {sq}{where}  [run {r['run']}]")
+    if not any(r["works"] for r in rows):
+        raise typer.Exit(EXIT_FAILED)
+
+
 @app.command("bisect")
 def bisect_cmd(
     session: str = typer.Option(..., "--session", "-s", help="session made from a recipe"),
@@ -105,11 +152,10 @@ def bisect_cmd(
                                                  "NaN/Inf); default: the recipe's own bound"),
     max_runs: int = typer.Option(16, "--max-runs", help="most runs to try"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to start from (default: the candidate)"),
-    model: Optional[str] = typer.Option(None, "--model", help="a session captured with --model: the same entry "
-                                                               "point, to run it again"),
-    inputs: Optional[str] = typer.Option(None, "--inputs", help="with --model: the same inputs entry point"),
-    loss: Optional[str] = typer.Option(None, "--loss", help="with --model: the same loss entry point"),
-    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    model: Optional[str] = _MODEL,
+    inputs: Optional[str] = _INPUTS,
+    loss: Optional[str] = _LOSS,
+    db: Optional[str] = _DB,
 ) -> None:
     """Find a small set of modules to keep in fp32 so the run meets a tolerance; every try is stored."""
     store = open_store(db)

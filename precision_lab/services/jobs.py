@@ -20,9 +20,9 @@ from typing import Callable, Optional
 
 from .rerun import RerunError, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
-from ..store import queries as q
+from .verify import untried, verification
 
-__all__ = ["RerunJob", "start_rerun", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
+__all__ = ["RerunJob", "start_rerun", "start_verify", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
            "MAX_FINISHED"]
 
 MAX_WORKERS = 2  # re-runs at once: each holds a model and its activations in memory
@@ -152,14 +152,16 @@ def rerun_actions(store, session: str, cards: list[dict]) -> tuple[Optional[str]
     diagnosis is about, ``reason`` joins the catalogue's one-line reasons of
     the fix's parts, and ``existing`` names the run this fix already made from
     the same parent (a re-run is deterministic: the page opens that run
-    instead of making a copy), else None.  The session is looked up once for
+    instead of making a copy), else None; with it come ``works`` (the re-run
+    holds no unexpected NaN/Inf), ``sqnr_db`` (its output against fp32) and
+    ``first_nonfinite``, and the label says which (a fix known to leave the run
+    non-finite is never offered as a cure).  The session is looked up once for
     all cards.
     """
     blocker = rerun_blocker(store, session) if any(c.get("fixes") for c in cards) else None
     if blocker is not None or not cards:
         return blocker, [[] for _ in cards]
-    made = {(r["parent_run_id"], r["fix"]): r["name"]
-            for r in q.session_runs(store, store.session(session)["session_id"]) if r["kind"] == "rerun"}
+    made = verification(store, session)
     out = []
     for card in cards:
         actions = []
@@ -169,8 +171,21 @@ def rerun_actions(store, session: str, cards: list[dict]) -> tuple[Optional[str]
                 reason = " / ".join(parse_fix(s).reason for s in specs)
             except FixError:
                 continue
-            existing = made.get((card.get("run_id"), fix_label(specs)))
-            actions.append({"label": f"Open {existing}" if existing else f"Re-run with {f}", "fix": f,
-                            "reason": reason, "parent": card.get("run_id"), "existing": existing})
+            tried = made.get((card.get("run_id"), fix_label(specs)))
+            action = {"label": f"Re-run with {f}", "fix": f, "reason": reason, "parent": card.get("run_id"),
+                      "existing": None, "works": None, "sqnr_db": None, "first_nonfinite": None}
+            if tried is not None:
+                action.update(existing=tried["run"], works=tried["works"], sqnr_db=tried["sqnr_db"],
+                              first_nonfinite=tried["first_nonfinite"])
+                action["label"] = f"Open {tried['run']}: " + (
+                    ("works" + (f", output SQNR {tried['sqnr_db']:.1f} dB" if tried["sqnr_db"] is not None else ""))
+                    if tried["works"] else f"still NaN/Inf ({tried['first_nonfinite']})")
+            actions.append(action)
         out.append(actions)
     return blocker, out
+
+
+def start_verify(store, session: str, *, top: int = 3) -> list[RerunJob]:
+    """Queue a re-run of each of the session's first ``top`` suggested fixes not tried yet (the verdicts are
+    then read from the re-runs: ``verify.verification``)."""
+    return [start_rerun(store, session, s["fix"], parent=s["parent"]) for s in untried(store, session, top=top)]

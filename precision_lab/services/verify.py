@@ -1,0 +1,98 @@
+"""Suggestions that were verified: re-run a session's proposed fixes and say which of them work.
+
+A fix is *verified* by the re-run it made from the run its diagnosis is about
+(re-runs are deterministic, so one is enough): it *works* when that re-run
+holds no unexpected non-finite value; its output SQNR against the fp32
+reference says how close it comes.  Nothing new is stored: the verdict is read
+from the re-runs themselves, so a fix tried from the dashboard, the command
+line or a script counts the same.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+from ..fixes.catalogue import FixError, fix_label, split_specs
+from ..store import queries as q
+from .report import first_nonfinite
+from .rerun import rerun_session
+
+__all__ = ["suggestions", "verification", "untried", "verify_session"]
+
+Progress = Optional[Callable[[int, int, str], None]]
+
+
+def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]:
+    """The distinct fixes the session's diagnoses of its captured runs propose (a re-run's own diagnoses are
+    about that attempt, not the session), in the order proposed: ``{fix, label, parent}`` -- ``parent`` the
+    run the diagnosis is about."""
+    info = store.session(session)
+    captured = {r["run_id"] for r in q.session_runs(store, info["session_id"]) if r["kind"] == "candidate"}
+    seen, out = set(), []
+    for d in q.session_diagnoses(store, info["session_id"]):
+        if d["rule"] == "fix-verified" or d["run_id"] not in captured:
+            continue
+        try:
+            fixes = json.loads(d["fixes"] or "[]")
+        except ValueError:
+            continue
+        for f in fixes:
+            try:
+                label = fix_label(split_specs(f))
+            except FixError:
+                continue
+            key = (d["run_id"], label)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append({"fix": f, "label": label, "parent": d["run_id"]})
+    return out[:top] if top is not None else out
+
+
+def verification(store, session: str) -> dict[tuple[str, str], dict]:
+    """``(parent run id, fix label) -> {run, run_id, works, sqnr_db, first_nonfinite}`` for every re-run of the
+    session: what trying that fix from that run gave."""
+    info = store.session(session)
+    out = {}
+    for r in q.session_runs(store, info["session_id"]):
+        if r["kind"] != "rerun" or not r["parent_run_id"] or not r["fix"]:
+            continue
+        first = first_nonfinite(store, r["run_id"])
+        last = q.last_accumulated_output(store, r["run_id"])
+        out[(r["parent_run_id"], r["fix"])] = {
+            "run": r["name"], "run_id": r["run_id"], "works": first is None,
+            "sqnr_db": None if last is None else last["sqnr_db"],
+            "first_nonfinite": None if first is None else first["op"]}
+    return out
+
+
+def untried(store, session: str, *, top: int = 3) -> list[dict]:
+    """The first ``top`` suggestions (``suggestions``) that no re-run has tried yet."""
+    tried = verification(store, session)
+    return [s for s in suggestions(store, session, top=top) if (s["parent"], s["label"]) not in tried]
+
+
+def verify_session(store, session: str, *, top: int = 3, progress: Progress = None) -> list[dict]:
+    """Re-run the first ``top`` suggestions not tried yet; every suggestion's verdict, in order:
+    ``{fix, label, parent, run, works, sqnr_db, first_nonfinite, error}``."""
+    todo = suggestions(store, session, top=top)
+    done = verification(store, session)
+    out = []
+    for i, s in enumerate(todo):
+        key = (s["parent"], s["label"])
+        row = dict(s, error=None)
+        if key not in done:
+            if progress is not None:
+                progress(i, len(todo), f"verifying {s['label']}")
+            try:
+                rerun_session(store, session, s["fix"], parent=s["parent"])
+            except Exception as e:  # a fix that cannot apply to this model is a verdict too
+                row["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            done = verification(store, session)
+        row.update(done.get(key, {"run": None, "run_id": None, "works": False, "sqnr_db": None,
+                                  "first_nonfinite": None}))
+        out.append(row)
+    if progress is not None:
+        progress(len(todo), len(todo), "verified")
+    return out
