@@ -231,3 +231,41 @@ def test_timeline_heatmap_and_tree_then_click_a_cell_to_open_the_op(timeline_ser
     except Exception:
         _shot(pg, "browser-timeline-failure.png")
         raise
+
+
+def _boxes(pg, plot: str, selector: str) -> list[dict]:
+    return pg.evaluate(
+        "([plot, sel]) => [...document.querySelectorAll(`#${plot} ${sel}`)].map(e => {"
+        " const r = e.getBoundingClientRect(); return {x: r.left, y: r.top, r: r.right, b: r.bottom}; })"
+        ".filter(r => r.r > r.x && r.b > r.y)", [plot, selector])
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["x"] < b["r"] and b["x"] < a["r"] and a["y"] < b["b"] and b["y"] < a["b"]
+
+
+def test_html_report_plots_do_not_overlap_their_own_text(page, tmp_path):
+    """The static report's plots, drawn by a real browser: no title over the legend, no axis title over its
+    tick labels, no tick label cut off at the plot's left edge."""
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+    from precision_lab.ui.html_report import write_html
+
+    store = Store(tmp_path / "r.duckdb")
+    ingest([STAT_CAND], reference=[STAT_REF], session="ovf", store=store)
+    out = write_html(store, "ovf", tmp_path / "report.html")
+    close_all()
+    pg = page
+    pg.goto(f"file://{out}")
+    pg.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .main-svg').length >= 4")
+    _shot(pg, "html-report.png")
+    for plot in ("plot-error", "plot-focus"):
+        svg = _boxes(pg, plot, ".main-svg")[0]
+        titles, legends = _boxes(pg, plot, ".gtitle"), _boxes(pg, plot, ".legend")
+        assert titles and legends, plot
+        assert not any(_overlap(t, g) for t in titles for g in legends), f"{plot}: title over the legend"
+        for axis in ("x", "y"):
+            ticks, title = _boxes(pg, plot, f".{axis}tick text"), _boxes(pg, plot, f".{axis}title")
+            assert ticks and title, (plot, axis)
+            assert not any(_overlap(t, title[0]) for t in ticks), f"{plot}: {axis} axis title over its ticks"
+        assert min(t["x"] for t in _boxes(pg, plot, ".ytick text")) >= svg["x"] - 0.5, f"{plot}: y labels clipped"

@@ -152,7 +152,11 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
         fig = histogram_figure(series, formats)
     else:
         fig = summary_figure(series, formats)
-    fig.update_layout(title={"text": plot_text(f"{rec['name']} ({why})")}, margin={"t": 80})
+    # a static page has no room to spare above the plot: the title on top, the legend under the axis title
+    height = (fig.layout.height or 420) + 110
+    fig.update_layout(title={"text": plot_text(f"{rec['name']} ({why})"), "y": 0.98, "yanchor": "top"},
+                      margin={"t": 50, "b": 150, "l": 70}, height=height,
+                      legend={"orientation": "h", "yanchor": "top", "y": -110 / height - 0.12, "x": 0})
     caption = f"{rec['name']} in run {rec['run']} — the {why}, against the limits of {', '.join(formats) or 'its format'}"
     return _figure_div(fig, "plot-focus"), caption
 
