@@ -61,3 +61,20 @@ def test_one_loaded_command_still_runs_as_a_subcommand(db):
     assert got.returncode == 0 and got.stdout.lstrip().startswith("{")
     got = _run("--help")
     assert all(c in got.stdout for c in ("ingest", "report", "capture", "formats", "serve"))
+
+
+def test_progress_on_a_terminal_is_a_rich_bar():
+    import io
+
+    from rich.console import Console
+
+    from precision_lab.cli._common import RichProgress, end_progress, tty_progress
+
+    out = io.StringIO()
+    bar = RichProgress(Console(file=out, force_terminal=True, width=100))
+    bar(5, 10, "reading blocks.0.fc1.pt")
+    bar(10, 10, "reading blocks.1.fc2.pt")
+    end_progress(bar)
+    text = out.getvalue()
+    assert "reading blocks." in text and "10/10" in text
+    assert tty_progress() is None  # pytest captures stderr: not a terminal, so no bar at all

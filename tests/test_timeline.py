@@ -394,3 +394,19 @@ def test_timeline_of_two_ranks_through_shards(tmp_path, monkeypatch):
     with pytest.raises(IngestError, match=r"fp16/rank1/step_scalars\.parquet: column value holds str"):
         ingest([root], store=store, session="bad")
     assert "bad" not in set(store.sessions()["name"])
+
+
+def test_live_alerts_fire_at_the_step_the_stored_run_names(tmp_path):
+    """on_alert is called during training, at the end of the step that trips each op rule, before the first
+    non-finite step; the stored run's alerts name the same first steps."""
+    fired = []
+    store = Store(tmp_path / "live.duckdb")
+    opts = CaptureOptions(every=10, on_alert=lambda a: fired.append((a.step, a.rule, a.op)))
+    cap = _train(store, lr=0.2, steps=30, grow=True, run="live", options=opts)
+    assert fired and fired == [(a.step, a.rule, a.op) for a in cap.alerts]
+    first = cap.first_nonfinite_step
+    assert min(s for s, _, _ in fired) < first and any(r == "growth" and s < first for s, r, _ in fired)
+    stored = {(a.rule, a.op): a.step for a in svc.run_alerts(store, cap.run_id) if a.op is not None}
+    assert {(r, op): s for s, r, op in fired} == stored
+    with pytest.raises(ValueError, match="on_alert needs every="):
+        CaptureOptions(on_alert=print)

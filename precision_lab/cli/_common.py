@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import typer
 from ..store import Store
@@ -49,21 +49,37 @@ def db_setting(db: Optional[str], *, use_config: bool = False, code: int = EXIT_
     return db
 
 
-def tty_progress() -> Optional[Callable[[int, int, str], None]]:
-    """A one-line progress display on stderr, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
+class RichProgress:
+    """A progress bar on stderr (``rich``), started at the first report and gone when stopped."""
 
-    def show(done: int, total: int, label: str) -> None:
-        pct = 100.0 * done / total if total else 100.0
-        sys.stderr.write(f"\r{pct:5.1f}% [{done}/{total}] {label[-60:]:<60}")
-        sys.stderr.flush()
+    def __init__(self, console=None):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn
 
-    return show
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                  MofNCompleteColumn(), console=console or Console(stderr=True), transient=True)
+        self._task = None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self._task is None:
+            self._progress.start()
+            self._task = self._progress.add_task(label[-60:], total=max(total, 1))
+        self._progress.update(self._task, completed=done, total=max(total, 1), description=label[-60:])
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._progress.stop()
+            self._task = None
+
+
+def tty_progress() -> Optional[RichProgress]:
+    """A progress bar on stderr, only when stderr is a terminal."""
+    return RichProgress() if sys.stderr.isatty() else None
 
 
 def end_progress(show) -> None:
-    """Clear the progress line, if one was shown."""
+    """Take the progress bar away, if one was shown."""
     if show is not None:
-        sys.stderr.write("\r" + " " * 80 + "\r")
-        sys.stderr.flush()
+        show.stop()
+
+

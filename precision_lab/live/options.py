@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from ..formats import get_format
 
@@ -77,6 +77,10 @@ class CaptureOptions:
       masking op) or a non-finite loss: the frames that led to it.  Memory:
       K steps of records (about 2 KB per record with its histogram).
     - ``watch``: the formats whose overflow and underflow the timeline counts.
+    - ``on_alert``: called with each ``precision_lab.alerts.Alert`` of a
+      module output's rules (headroom, underflow, growth) the moment it first
+      fires, at the end of the step that trips it -- the same step the stored
+      run's alerts name; ``cap.alerts`` lists them too.
     """
 
     include: tuple[str, ...] = ("*",)
@@ -98,6 +102,7 @@ class CaptureOptions:
     every: Optional[int] = None
     keep_last: int = 0
     watch: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")
+    on_alert: Optional[Callable] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "exclude_op_types", "keep_tensors"):
@@ -136,6 +141,8 @@ class CaptureOptions:
                                  "step and full records every N-th), not both")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"CaptureOptions.keep_last must be an int >= 0, got {self.keep_last!r}")
+        if self.on_alert is not None and (self.every is None or not callable(self.on_alert)):
+            raise ValueError("CaptureOptions.on_alert needs every= and a callable (it is called with each alert)")
         if self.keep_last and self.every is None:
             raise ValueError("CaptureOptions.keep_last needs every= (the frames are kept from a long run's steps)")
         watch = (self.watch,) if isinstance(self.watch, str) else tuple(self.watch)

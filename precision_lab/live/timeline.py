@@ -11,15 +11,17 @@ it is cheap, and reach the host with the step's one transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
 import numpy as np
 from typing import Optional
 
+from ..alerts import RULES_BY_NAME, op_alerts, op_format
 from ..formats import get_format
 from ..ops import MASKING_OPS, canonical
-from ..records import StepScalar, TimelineRow, TimelineShare
+from ..records import StepScalar, TimelineRow, TimelineShare, tensor_name
 from ..stats import format_counts
 from .engine import StatsEngine
 
@@ -62,6 +64,9 @@ class TimelineSteps:
         self._tl_hist: dict = {}  # (op, role, index) -> whether its last summary took the histogram
         self._ring: Optional[deque] = deque(maxlen=opts.keep_last) if opts.keep_last else None
         self._watch = [get_format(w) for w in opts.watch]
+        self.alerts: list = []  # alerts fired live (``on_alert``)
+        self._live: dict = {}  # (op, role, index) -> the last points of its series, for the live rules
+        self._fired: set = set()
         self._summary_engine = None
         if opts.timeline:
             fmts = self._watch
@@ -115,6 +120,7 @@ class TimelineSteps:
         keep now, ``local`` being the group's local comparisons by position in it (None: already placed)."""
         step = self.step_no
         bad = 0
+        first_row, first_share = len(self.timeline_rows), len(self.timeline_shares)
         items, self._tl_items = self._tl_items, []
         with_hist = []  # (tid, stats) whose watched-format counts come from the histogram, all at once below
         for seq, op, op_type, role, index, direction, location, h in items:
@@ -142,6 +148,8 @@ class TimelineSteps:
                 counts = zip(*(c.tolist() for c in format_counts(hists, fmt)))
                 self.timeline_shares.extend(TimelineShare(self.run_id, tid, fmt.name, finite, *c)
                                             for (tid, finite, _), c in zip(with_hist, counts))
+        if self.options.on_alert is not None:
+            self._live_alerts(step, self.timeline_rows[first_row:], self.timeline_shares[first_share:])
         loss = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss"), None)
         if items or loss is not None:
             if loss is not None and not math.isfinite(loss):
@@ -169,6 +177,35 @@ class TimelineSteps:
                         self.frames.append(s_no)
                 self._ring.clear()
         return groups
+
+    def _live_alerts(self, step: int, rows: list, shares: list) -> None:
+        """Run the op rules on this step's rows over the last points of each series (the growth fit's window is
+        the longest look back any of them takes); call ``on_alert`` for each (op, rule) that fires first now."""
+        window = int(RULES_BY_NAME["growth"].params["window"])
+        by_tid = {(x.tid, x.fmt): x for x in shares}
+        for r in rows:
+            fmt = op_format(r.dtype) if r.role in ("output", "param_grad") else None
+            a = r.absmax
+            if fmt is None or a is None or not math.isfinite(a) or a <= 0:
+                continue  # the stored rules skip such a point too
+            key = (r.op, r.role, r.index)
+            pts = self._live.setdefault(key, deque(maxlen=window))
+            sh = by_tid.get((r.tid, fmt.name))
+            pts.append((step, a, (sh.underflow + sh.subnormal) / sh.finite if sh is not None and sh.finite
+                        else math.nan))
+            shown = r.op if (r.role, r.index) == ("output", "0") else tensor_name(r.op, r.role, r.index)
+            for al in op_alerts(self.run, shown, [p[0] for p in pts], [p[1] for p in pts], fmt,
+                                [p[2] for p in pts]):
+                if al.step != step or (r.role == "param_grad" and al.rule != "underflow") \
+                        or (key, al.rule) in self._fired:
+                    continue
+                self._fired.add((key, al.rule))
+                al = dataclasses.replace(al, op=r.op, steps_firing=1)
+                self.alerts.append(al)
+                try:
+                    self.options.on_alert(al)
+                except Exception as e:  # the user's callback never breaks the step
+                    self._hook_error("on_alert", e)
 
     def write_timeline(self, w) -> None:
         if self.timeline_rows or self.step_scalars:
