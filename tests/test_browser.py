@@ -246,7 +246,10 @@ def _overlap(a: dict, b: dict) -> bool:
 
 def test_html_report_plots_do_not_overlap_their_own_text(page, tmp_path):
     """The static report's plots, drawn by a real browser: no title over the legend, no axis title over its
-    tick labels, no tick label cut off at the plot's left edge."""
+    tick labels, no tick label cut off at the plot's left edge.  Written in a process that has imported
+    streamlit, as the dashboard's download button does (streamlit makes its own plotly template the default)."""
+    import streamlit  # noqa: F401
+
     from precision_lab.services.ingest import ingest
     from precision_lab.store import Store, close_all
     from precision_lab.ui.html_report import write_html

@@ -101,6 +101,10 @@ def _records(df) -> list[dict]:
 def _figure_div(fig, div_id: str) -> str:
     import plotly.io as pio
 
+    # the page has no Streamlit theme: plotly's own template, whatever default the process holds (importing
+    # streamlit, as the dashboard's download button does, makes its own template the default, and that one
+    # leaves no room for axis titles and tick labels outside Streamlit)
+    fig.update_layout(template="plotly")
     return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
                        config={"displaylogo": False, "responsive": True})
 
