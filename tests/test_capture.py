@@ -17,7 +17,7 @@ from precision_lab import capture
 from precision_lab.live import CaptureOptions
 from precision_lab.live.capture import Capture
 from precision_lab.store import Store
-from precision_lab.stats import HIST_EDGES, N_BINS
+from precision_lab.stats import HIST_EDGES, N_BINS, tensor_stats
 
 
 # ---- a small pre-LN transformer (also used by the other capture tests) -------------------------
@@ -598,10 +598,43 @@ def test_cuda_capture_has_no_host_sync_per_op_and_matches_cpu():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         cap.step()
+    # a sync inside a hook raises there and would be swallowed into a warning: there must be none
+    assert not cap.warnings, cap.warnings
     recs = [r for r in cap.records if r.step == 1]
     assert len(recs) > 100
     for r in recs:
         assert_stats_match(r.stats, r.tensor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_long_run_summary_steps_have_no_host_sync_per_op():
+    """A summary step of a long run on the GPU: statistics and the histogram stay on the device until the step
+    ends (one transfer); the counts match the CPU kernel on the same values."""
+    torch.manual_seed(0)
+    model = build_tiny().cuda()
+    x = tiny_input().cuda()
+    seen = {}
+    with capture(model, run="cuda-long", store=":memory:", options=CaptureOptions(every=10)) as cap:
+        run_step(model, x)  # step 0: full records, warm-up
+        cap.step()
+        h = model.blocks[0].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.detach().cpu()))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run_step(model, x)  # step 1: a summary step
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            h.remove()
+        cap.step()
+    assert not cap.warnings, cap.warnings
+    row = next(r for r in cap.timeline_rows if r.step == 1 and r.op == "blocks.0.forward.0" and r.role == "output")
+    want = tensor_stats(seen["out"])
+    assert row.absmax == want.absmax and row.nan_count == want.nan_count and row.numel == want.numel
+    shares = {s.fmt: s for s in cap.timeline_shares if s.tid == row.tid}
+    for fmt in ("fp16", "fp8_e4m3fn"):
+        r = want.representability(fmt)
+        assert (shares[fmt].overflow, shares[fmt].underflow, shares[fmt].subnormal) == \
+            (r.overflow, r.underflow, r.subnormal)
 
 
 # ---- backward values --------------------------------------------------------------------------------
