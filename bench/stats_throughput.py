@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--backend", default="auto", choices=["auto", "numba", "torch"])
     ap.add_argument("--no-histogram", action="store_true", help="also time histogram=False")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="element type of the tensor (the clone baseline copies the same tensor)")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for both torch (clone) and numba (stats); default: all cores")
     args = ap.parse_args(argv)
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
           f"{'ratio':>6} {'cpu ratio':>9}")
     for m in args.sizes:
         n = m << 20
-        x = torch.randn(n, generator=torch.Generator().manual_seed(m))
+        x = torch.randn(n, generator=torch.Generator().manual_seed(m)).to(getattr(torch, args.dtype))
         gb = n * x.element_size() / 1e9
 
         def run_stats():

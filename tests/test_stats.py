@@ -774,3 +774,18 @@ def test_summary_records_infer_the_sign_from_min_and_max():
     assert ovf.negative_inf_only is False
     both = TensorStats.summary_only(dtype="float16", shape=(4, 4), min=float("-inf"), max=float("inf"))
     assert both.negative_inf_only is False
+
+
+def test_narrow_floats_widened_piece_by_piece_match_float64():
+    """fp16/bf16 tensors are widened a 1M-element piece at a time into one reused buffer: values at the
+    piece boundaries, specials in several pieces and a ragged last piece are all counted exactly."""
+    from precision_lab.stats import kernels as K
+
+    n = 3 * K._WIDEN_ELEMS + 5
+    x = torch.from_numpy(_mixture(n, seed=5))
+    for i in (0, K._WIDEN_ELEMS - 1, K._WIDEN_ELEMS, 2 * K._WIDEN_ELEMS + 1, n - 1):
+        x[i] = (float("nan"), float("inf"), -float("inf"), 0.0, 7e4)[i % 5]
+    for dtype in (torch.float16, torch.bfloat16):
+        xc = x.to(dtype)
+        for chunk in (1 << 24, K._WIDEN_ELEMS + 3):  # one torch chunk, or chunks that straddle the pieces
+            assert_matches(tensor_stats(xc, chunk_elems=chunk), ref_stats(xc.double().numpy()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from dataclasses import fields
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -548,6 +549,18 @@ def _torch_dense_flat(t):
     return None
 
 
+_WIDEN = threading.local()
+_WIDEN_ELEMS = 1 << 20  # 4 MiB of float32: stays in cache between the widening copy and the scan
+
+
+def _widen_buffer(torch):
+    """This thread's float32 buffer for widening narrow floats before the scan."""
+    buf = getattr(_WIDEN, "buf", None)
+    if buf is None:
+        buf = _WIDEN.buf = torch.empty(_WIDEN_ELEMS, dtype=torch.float32)
+    return buf
+
+
 def _fp4x2_to_f32(torch, chunk):
     """Unpack torch.float4_e2m1fn_x2 bytes (two e2m1 values each) to float32."""
     fmt = FORMATS["fp4_e2m1"]
@@ -677,7 +690,15 @@ def _stats_torch(torch, t, histogram: bool, chunk: int, use_numba: bool, backend
             if packed_fp4:
                 c = _fp4x2_to_f32(torch, c)
             elif c.dtype != torch.float32:
-                c = c.to(torch.float32)
+                # narrower floats (fp16, bf16, fp8) are widened a cache-sized piece at a time into one reused
+                # buffer: no float32 copy of the whole chunk is allocated and faulted in
+                buf = _widen_buffer(torch)
+                for s0 in range(0, c.numel(), buf.numel()):
+                    piece = c[s0:s0 + buf.numel()]
+                    out = buf[:piece.numel()]
+                    out.copy_(piece)
+                    _numba_chunk(acc, out.numpy(), histogram)
+                continue
             _numba_chunk(acc, c.contiguous().numpy(), histogram)
     elif cpu and use_numba and dtype.startswith(("int", "uint")):
         # int32/int64 (token ids, indices): chunks within +/-2^24 are exact in float32
