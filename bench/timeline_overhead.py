@@ -48,7 +48,7 @@ EVERY = 1_000_000  # "every N-th step in full": only the untimed first step of a
 
 def _step(model, x) -> None:
     model.zero_grad(set_to_none=True)
-    model(x).pow(2).mean().backward()
+    model(x).float().pow(2).mean().backward()
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -88,12 +88,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--block", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's and input's dtype (an fp16 or bf16 training step)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Transformer()
-    x = torch.randn(BATCH, SEQ, D)
+    dtype = getattr(torch, args.dtype)
+    model = Transformer().to(dtype)
+    x = torch.randn(BATCH, SEQ, D).to(dtype)
     variants = [Plain(), Recorded("summary", CaptureOptions(every=EVERY)),
                 Recorded("summary+frames", CaptureOptions(every=EVERY, keep_last=4)),
                 Recorded("full", CaptureOptions(every=1))]
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
           f"torch threads {torch.get_num_threads()}  cpu {_cpu_name()}")
     print(f"model: {BLOCKS}-block pre-LN transformer d={D} heads={HEADS} mlp={HIDDEN}, batch {BATCH} x seq {SEQ}, "
-          "forward+backward")
+          f"forward+backward, {args.dtype}")
     for v in variants:  # warm-up: compile the kernels, fill the caches
         v.block(model, x, 1)
     times = {v.name: [] for v in variants}
