@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from precision_lab.records import StepScalar, TimelineRow, TimelineShare  # noqa: E402
 from precision_lab.services import timeline as svc  # noqa: E402
 from precision_lab.store import Store  # noqa: E402
+from precision_lab.ui import timeline as tv  # noqa: E402
 
 
 def build(store, steps: int, ops: int) -> str:
@@ -71,17 +72,22 @@ def main(argv=None) -> int:
         print(f"{args.steps} steps x {args.ops} ops = {n} summaries; plain scan of the run's rows into numpy: "
               f"{base * 1e3:.0f} ms")
         print(f"\n{'read':<34}{'ms':>8}{'x scan':>9}")
+        fig_json = tv.heatmap_figure(svc.heatmap(store, run, metric="headroom", fmt="fp16"), metric="headroom",
+                                     fmt="fp16").to_json()
         reads = [
             ("alerts (every rule, every op)", lambda: svc.run_alerts(store, run)),
             ("heatmap, headroom (400 columns)", lambda: svc.heatmap(store, run, metric="headroom", fmt="fp16")),
             ("heatmap, low end (400 columns)", lambda: svc.heatmap(store, run, metric="low", fmt="fp16")),
             ("one op's series", lambda: svc.op_series(store, run, "blocks.0.m1.forward.0", fmt="fp16")),
             ("module tree", lambda: svc.module_tree(store, run, fmt="fp16")),
+            ("heatmap figure, built and JSON", lambda: tv.heatmap_figure(
+                svc.heatmap(store, run, metric="headroom", fmt="fp16"), metric="headroom", fmt="fp16").to_json()),
             ("step table", lambda: svc.step_table(store, run)),
         ]
         for name, fn in reads:
             t = timed(fn, args.repeat)
             print(f"{name:<34}{t * 1e3:>8.0f}{t / base:>8.2f}x")
+        print(f"\nheatmap figure sent to the browser: {len(fig_json) / 1e6:.1f} MB")
         store.close()
     return 0
 

@@ -58,7 +58,7 @@ with page.guard("The heatmap could not be drawn"):
                              key="tl_heatmap", on_select="rerun", selection_mode="points", width="stretch")
         st.caption("Click a cell to open that op at that step on Op detail (the nearest step with full records).")
         pts = ev.selection.points if ev is not None else []
-        target = tv.cell_target(pts[0]) if pts else None
+        target = tv.cell_target(pts[0], hm["ops"]) if pts else None
         if target is not None:
             rec = svc.record_at(store, run["run_id"], *target)
             if rec is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from precision_lab.ui.common import escape_md
 from ui_fixtures import (STAT_SESSION, TIMELINE_SESSION, assert_clean, frame_with, open_page, texts,  # noqa: F401
                          ui_db, ui_template)
@@ -30,6 +32,19 @@ def _facts(db) -> tuple:
     return store, run_id, svc.first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id)
 
 
+def _arr(v):
+    """A plotly JSON array as numpy: numpy arrays travel base64-encoded (``{"dtype", "bdata", "shape"}``)."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(v, dict) and "bdata" in v:
+        a = np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"])
+        shape = v.get("shape")
+        return a.reshape([int(x) for x in str(shape).split(",")]) if shape else a
+    return np.asarray(v, dtype=float)
+
+
 def _figures(at) -> list[dict]:
     return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
 
@@ -45,14 +60,17 @@ def test_timeline_shows_the_first_nonfinite_step_alerts_heatmap_and_tree(ui_db):
     figs = _figures(at)
     kinds = [d["type"] for f in figs for d in f["data"]]
     assert "heatmap" in kinds and "icicle" in kinds and "scatter" in kinds
-    heat = next(d for f in figs for d in f["data"] if d["type"] == "heatmap")
+    fig = next(f for f in figs if any(d["type"] == "heatmap" for d in f["data"]))
+    heat = next(d for d in fig["data"] if d["type"] == "heatmap")
     # one row per summarised module output, in execution order; the column of the first non-finite step exists
-    assert heat["y"][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"] and first in heat["x"]
+    labels = fig["layout"]["yaxis"]["ticktext"]
+    xs = list(_arr(heat["x"]).astype(int))
+    assert labels[:3] == ["0.forward.0", "1.forward.0", "2.forward.0"] and first in xs
     # the cell of op 2 at step 5 holds its headroom in bits below fp16's max, from the stored summary
-    row, col = heat["y"].index("2.forward.0"), heat["x"].index(5)
+    row, col = labels.index("2.forward.0"), xs.index(5)
     absmax = store.sql("SELECT absmax FROM timeline WHERE run_id = ? AND op = '2.forward.0' AND step = 5 "
                        "AND role = 'output'", [run_id]).fetchone()[0]
-    assert abs(heat["z"][row][col] - math.log2(65504 / absmax)) < 1e-9
+    assert abs(_arr(heat["z"])[row][col] - math.log2(65504 / absmax)) < 1e-5  # float32 on the wire
     icicle = next(d for f in figs for d in f["data"] if d["type"] == "icicle")
     assert "(model)" in icicle["ids"] and set(icicle["parents"]) >= {"", "(model)"}
 
@@ -63,7 +81,8 @@ def test_timeline_underflow_view_and_format_in_the_url(ui_db):
     at.radio(key="tl_metric").set_value("low").run()
     assert_clean(at)
     heat = next(d for f in _figures(at) for d in f["data"] if d["type"] == "heatmap")
-    vals = [v for r in heat["z"] for v in r if v is not None]
+    z = _arr(heat["z"])
+    vals = list(z[~np.isnan(z)])
     assert vals and all(0.0 <= v <= 1.0 for v in vals) and max(vals) > 0  # fp8 loses the small values
     assert "share low in fp8_e4m3fn" in json.dumps(heat["colorbar"])
 
@@ -112,14 +131,17 @@ def test_heatmap_cells_carry_what_a_click_opens(ui_db):
     fig = next(f for f in _figures(at) if any(d["type"] == "heatmap" for d in f["data"]))
     heat = next(d for d in fig["data"] if d["type"] == "heatmap")
     cells = next(d for d in fig["data"] if d.get("name") == "cell")
-    drawn = sum(v is not None for r in heat["z"] for v in r)
-    assert len(cells["customdata"]) >= drawn
-    point = {"customdata": next(c for c in cells["customdata"] if c[0] == "1.forward.0" and c[3] == 13)}
-    op, step = tv.cell_target(point)
+    z, cd = _arr(heat["z"]), _arr(cells["customdata"])
+    assert len(cd) == int((~np.isnan(z)).sum())  # one point per drawn cell
+    row = fig["layout"]["yaxis"]["ticktext"].index("1.forward.0")
+    point = {"customdata": list(next(c for c in cd if c[0] == row and c[1] == 13))}
+    ops = svc.heatmap(store, run_id, metric="headroom", fmt="fp16")["ops"]
+    op, step = tv.cell_target(point, ops)
     assert (op, step) == ("1.forward.0", 13)
     rec = svc.record_at(store, run_id, op, step)
     assert rec["step"] == 10 and rec["name"] == "1.forward.0.output.0"
-    assert tv.cell_target({"customdata": None}) is None
+    assert tv.cell_target({"customdata": {"0": row, "1": 13, "2": 1.5}}, ops) == ("1.forward.0", 13)  # browser
+    assert tv.cell_target({"customdata": None}, ops) is None and tv.cell_target({"customdata": [99, 1]}, ops) is None
 
 
 def test_op_detail_shows_where_the_op_was_called(ui_db):

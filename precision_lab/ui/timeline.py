@@ -31,8 +31,10 @@ def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional
                    alerts: Sequence = ()):
     """Ops (rows, execution order) x step buckets (columns); red is little headroom / much underflow.
 
-    Each cell carries ``customdata`` = (op, role, index, bucket start) for the click that opens Op detail.
+    Rows are numbered (labelled with the op), so every array is numeric and travels compactly; a click on a
+    cell reports ``customdata`` = (row, bucket start, value), which ``cell_target`` turns into (op, step).
     """
+    import numpy as np
     import plotly.graph_objects as go
 
     ops = hm["ops"]
@@ -40,54 +42,54 @@ def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional
     row_of = {(o["op"], o["role"], str(o["index"])): i for i, o in enumerate(ops)}
     buckets = sorted({c["bucket"] for c in hm["cells"]})
     col_of = {b: j for j, b in enumerate(buckets)}
-    z = [[None] * len(buckets) for _ in ops]
-    cd = [[None] * len(buckets) for _ in ops]
+    z = np.full((len(ops), len(buckets)), np.nan)
     for c in hm["cells"]:
         i = row_of.get((c["op"], c["role"], str(c["index"])))
-        if i is None:
-            continue
-        j = col_of[c["bucket"]]
         v = c["value"]
-        z[i][j] = v if v is not None and math.isfinite(v) else None
-        cd[i][j] = [c["op"], c["role"], str(c["index"]), int(c["bucket"])]
+        if i is not None and v is not None and math.isfinite(v):
+            z[i, col_of[c["bucket"]]] = v
     if metric == "headroom":
-        scale, zmin, zmax, title = "RdYlGn", 0, max(8, max((v for r in z for v in r if v is not None), default=8)), \
+        finite = z[np.isfinite(z)]
+        scale, zmax, title = "RdYlGn", max(8.0, float(finite.max()) if finite.size else 8.0), \
             f"bits below {fmt}'s max"
     else:
-        scale, zmin, zmax, title = "RdYlGn_r", 0, 1, f"share low in {fmt}"
-    width = hm.get("width", 1)
-    step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
-    shown = [plot_text(x) for x in labels]
-    fig = go.Figure(go.Heatmap(z=z, x=buckets, y=shown, colorscale=scale, zmin=zmin, zmax=zmax,
+        scale, zmax, title = "RdYlGn_r", 1.0, f"share low in {fmt}"
+    rows = np.arange(len(ops))
+    xs = np.asarray(buckets, dtype=np.int64)
+    fig = go.Figure(go.Heatmap(z=z.astype(np.float32), x=xs, y=rows, colorscale=scale, zmin=0, zmax=zmax,
                                colorbar={"title": {"text": title}}, hoverongaps=False, hoverinfo="skip"))
     # Streamlit reports clicks on scatter points only (not on heatmap cells): one invisible point per cell
-    # carries the hover text and the (op, role, index, step) a click opens
-    cells = [(i, j) for i in range(len(ops)) for j in range(len(buckets)) if cd[i][j] is not None]
-    fig.add_trace(go.Scatter(
-        x=[buckets[j] for _, j in cells], y=[shown[i] for i, _ in cells], mode="markers", name="cell",
-        customdata=[cd[i][j] for i, j in cells], text=[_value_text(z[i][j]) for i, j in cells],
+    # carries the hover text and what a click opens; WebGL draws them when there are many
+    ii, jj = np.nonzero(np.isfinite(z))
+    width = hm.get("width", 1)
+    step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
+    names = np.asarray([plot_text(x) for x in labels], dtype=object)
+    many = len(ii) > 5000  # then WebGL, and no per-point names (the row's label is beside it)
+    fig.add_trace((go.Scattergl if many else go.Scatter)(
+        x=xs[jj].astype(np.int32), y=ii.astype(np.int32), mode="markers", name="cell",
+        text=None if many or not len(ii) else names[ii],
+        customdata=np.stack([ii, xs[jj], z[ii, jj]], axis=1).astype(np.float32) if len(ii) else None,
         marker={"symbol": "square", "size": 14, "opacity": 0},
-        hovertemplate=f"%{{y}}<br>{step_text}<br>{title}: %{{text}}<extra></extra>"))
+        hovertemplate=("" if many else "%{text}<br>") + f"{step_text}<br>{title}: %{{customdata[2]:.3g}}"
+                      "<extra></extra>"))
     if first_nonfinite is not None:
         fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"},
                       annotation_text=f"first non-finite (step {first_nonfinite})", annotation_position="top")
     lo = buckets[0] if buckets else 0
     pts = [(a.step, a.rule, row_of.get(_alert_key(a))) for a in alerts if a.op is not None]
-    pts = [(s, rule, i) for s, rule, i in pts if i is not None]
+    pts = [(st, rule, i) for st, rule, i in pts if i is not None]
     if pts:
-        at = [lo + width * ((s - lo) // width) for s, _, _ in pts]
+        at = [lo + width * ((st - lo) // width) for st, _, _ in pts]
         fig.add_trace(go.Scatter(
-            x=at, y=[shown[i] for _, _, i in pts], mode="markers", name="alert", text=[r for _, r, _ in pts],
-            customdata=[[ops[i]["op"], ops[i]["role"], str(ops[i]["index"]), int(b)] for (_, _, i), b in zip(pts, at)],
+            x=at, y=[i for _, _, i in pts], mode="markers", name="alert", text=[r for _, r, _ in pts],
+            customdata=[[i, b, float("nan")] for (_, _, i), b in zip(pts, at)],
             marker={"symbol": "x", "size": 10, "color": "black"},
-            hovertemplate="%{text} alert at step %{x}: %{y}<extra></extra>"))
+            hovertemplate="%{text} alert at step %{x}<extra></extra>"))
     fig.update_layout(height=max(260, 22 * len(labels) + 120), margin={"l": 10, "r": 10, "t": 40, "b": 40},
-                      xaxis_title="step", yaxis={"autorange": "reversed"}, showlegend=False)
+                      xaxis_title="step", showlegend=False,
+                      yaxis={"autorange": "reversed", "tickvals": list(rows), "ticktext": list(names),
+                             "showgrid": False, "zeroline": False})
     return fig
-
-
-def _value_text(v) -> str:
-    return "-" if v is None else f"{v:.3g}"
 
 
 def _alert_key(a) -> tuple:
@@ -95,12 +97,16 @@ def _alert_key(a) -> tuple:
     return a.op, "output", "0"
 
 
-def cell_target(point: dict) -> Optional[tuple[str, int]]:
-    """(op, step) a clicked heatmap cell stands for, or None (a marker or an empty cell)."""
+def cell_target(point: dict, ops: list[dict]) -> Optional[tuple[str, int]]:
+    """(op, step) a clicked heatmap cell or alert stands for (``ops``: the heatmap's rows), or None."""
     cd = point.get("customdata")
-    if not cd or len(cd) != 4:
+    if isinstance(cd, dict):  # a typed array's row arrives from the browser as {"0": ..., "1": ...}
+        cd = [cd.get(str(k), cd.get(k)) for k in range(len(cd))]
+    try:
+        row, step = int(cd[0]), int(cd[1])
+    except (TypeError, ValueError, IndexError):
         return None
-    return str(cd[0]), int(cd[3])
+    return (ops[row]["op"], step) if 0 <= row < len(ops) else None
 
 
 def default_ops(hm: dict, alerts: Sequence, limit: int = 3) -> list[str]:
