@@ -112,3 +112,33 @@ def test_an_fp32_island_keeps_every_other_name_aligned(tmp_path):
     assert off == {"model.layers.1.mlp.down_proj.to.0", "lm_head.to.0"}  # into the island; out of model.norm
     assert sum(1 for _, m in rows if m == "exact") == len(rows) - 4 > 300
     assert first_nonfinite(store, run_id) is None  # the island fixes the overflow
+
+
+def test_dashboard_verifies_the_suggestions_on_the_users_model(captured, monkeypatch):
+    """A Qwen2 model from config, captured by entry point and allowed by the server: Overview's "Verify the
+    suggestions" re-runs the proposed fixes; at least one leaves the run finite, and its button says so with the
+    output SQNR read from the re-run."""
+    from precision_lab.services.verify import suggestions, verification
+    from ui_fixtures import assert_clean, open_page, serve_db
+
+    monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build,{MODEL}:inputs")
+    with serve_db(captured, monkeypatch):
+        store = Store(captured)
+        want = suggestions(store, "build", top=3)
+        assert want
+        at = open_page("overview", session="build")
+        at.button(key="verify_fixes").click().run()
+        assert_clean(at)
+        jobs = at.session_state["_pl_verify"]
+        assert [j.fix for j in jobs] == [s["fix"] for s in want]
+        assert all(j.wait(600) and j.error is None for j in jobs), [j.error for j in jobs]
+        at.run()
+        assert_clean(at)
+        got = verification(store, "build")
+        works = [s for s in want if got[(s["parent"], s["label"])]["works"]]
+        assert works, got
+        for s in works:
+            run_id = got[(s["parent"], s["label"])]["run_id"]
+            assert first_nonfinite(store, run_id) is None
+        labels = [b.label.replace("\\", "") for b in at.button if b.key and b.key.startswith("rerun_")]
+        assert any(lab.startswith(f"Open fix: {works[0]['label']}: works") for lab in labels), labels
