@@ -118,7 +118,7 @@ class Diagnosis:
         return json.dumps(list(self.fixes))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TimelineRow:
     """One op's summary at one step of a long run: what the timeline, its alerts and its heatmaps read.
 
@@ -148,7 +148,7 @@ class TimelineRow:
     location: Optional[str] = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TimelineShare:
     """How one timeline row's values would land in one watched format (``Representability`` counts)."""
 
@@ -161,7 +161,7 @@ class TimelineShare:
     subnormal: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepScalar:
     """A number of a whole step: ``loss``, ``loss_scale`` (a GradScaler's scale)."""
 

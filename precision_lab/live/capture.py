@@ -184,6 +184,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         self._recording = False
         self._seq = 0
         self._counters: dict = {}
+        self._names: dict = {}  # (path, op, n) -> its name, made once
         self._pending: list = []  # (TensorRecord, handle) of the current step
         self._node_birth: dict = {}
         self._params_done: set = set()
@@ -399,7 +400,11 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         key = (path, opname)
         n = self._counters.get(key, 0)
         self._counters[key] = n + 1
-        return f"{path}.{opname}.{n}" if path else f"{opname}.{n}"
+        # the same names come back every step: one string each for the whole capture (a long run keeps them)
+        name = self._names.get((path, opname, n))
+        if name is None:
+            name = self._names[(path, opname, n)] = f"{path}.{opname}.{n}" if path else f"{opname}.{n}"
+        return name
 
     def _measure(self, op: str, t: torch.Tensor, hold: bool = False):
         return self._engine.measure(t, op, hold=hold)

@@ -70,7 +70,9 @@ class CaptureOptions:
       each parameter's gradient (absmax, smallest nonzero magnitude, NaN/inf
       counts, norm, and the overflow/underflow/subnormal counts in each
       ``watch`` format) goes to the run's timeline; full records are taken
-      every N-th step (0, N, 2N, ...).  ``steps`` must then be None.
+      every N-th step (0, N, 2N, ...).  ``steps`` must then be None.  The
+      timeline is held until the capture ends: about 1.1 KB per summarised
+      tensor per step with four watched formats (90 KB a step for 80 tensors).
     - ``keep_last=K``: also take full records on the steps in between, keep
       the last K steps of them in memory, and keep them for good when a step
       holds an unexpected non-finite value (NaN, +inf, or -inf outside a
