@@ -142,7 +142,9 @@ def test_loss_and_grad_scaler_scalars():
 
     model = _mlp()
     scaler = Scaler()
-    with capture(model, run="s", store=Store(":memory:"), options=CaptureOptions(every=5)) as cap:
+    live = []
+    opts = CaptureOptions(every=5, on_alert=lambda a: live.append((a.step, a.rule)) if a.op is None else None)
+    with capture(model, run="s", store=Store(":memory:"), options=opts) as cap:
         for i in range(12):
             loss = cap.model(torch.randn(4, 16)).pow(2).mean()
             loss.backward()
@@ -152,6 +154,7 @@ def test_loss_and_grad_scaler_scalars():
     assert scales[0] == (0, 65536.0) and scales[-1] == (11, 65536.0 / 2 ** 7)
     got = loss_scale_alerts("s", [s for s, _ in scales], [v for _, v in scales])
     assert [a.step for a in got] == [10]  # 2^16 / 2^10 = 64x below the peak first at step 10
+    assert (10, "loss_scale") in live  # raised live at the same step
 
 
 def test_locations_name_the_calling_line():
@@ -406,8 +409,9 @@ def test_live_alerts_fire_at_the_step_the_stored_run_names(tmp_path):
     assert fired and fired == [(a.step, a.rule, a.op) for a in cap.alerts]
     first = cap.first_nonfinite_step
     assert min(s for s, _, _ in fired) < first and any(r == "growth" and s < first for s, r, _ in fired)
-    stored = {(a.rule, a.op): a.step for a in svc.run_alerts(store, cap.run_id) if a.op is not None}
+    stored = {(a.rule, a.op): a.step for a in svc.run_alerts(store, cap.run_id)}
     assert {(r, op): s for s, r, op in fired} == stored
+    assert ("grad_spike", None) in stored  # a whole-step rule, raised live too
     with pytest.raises(ValueError, match="on_alert needs every="):
         CaptureOptions(on_alert=print)
 

@@ -79,10 +79,9 @@ class CaptureOptions:
       masking op) or a non-finite loss: the frames that led to it.  Memory:
       K steps of records (about 2 KB per record with its histogram).
     - ``watch``: the formats whose overflow and underflow the timeline counts.
-    - ``on_alert``: called with each ``precision_lab.alerts.Alert`` of a
-      module output's rules (headroom, underflow, growth) the moment it first
-      fires, at the end of the step that trips it -- the same step the stored
-      run's alerts name; ``cap.alerts`` lists them too.
+    - ``on_alert``: called with each ``precision_lab.alerts.Alert`` the
+      moment it first fires, at the end of the step that trips it -- the same
+      step the stored run's alerts name; ``cap.alerts`` lists them too.
     """
 
     include: tuple[str, ...] = ("*",)

@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 from typing import Optional
 
-from ..alerts import RULES_BY_NAME, op_alerts, op_format
+from ..alerts import RULES_BY_NAME, grad_spike_alerts, loss_scale_alerts, op_alerts, op_format
 from ..formats import get_format
 from ..ops import MASKING_OPS, canonical
 from ..records import StepScalar, TimelineRow, TimelineShare, tensor_name
@@ -67,6 +67,8 @@ class TimelineSteps:
         self.alerts: list = []  # alerts fired live (``on_alert``)
         self._live: dict = {}  # (op, role, index) -> the last points of its series, for the live rules
         self._fired: set = set()
+        self._norms: deque = deque()  # (step, global gradient norm) of the last steps, for the spike rule
+        self._peak: Optional[tuple] = None  # (step, scale): the loss scale's largest so far
         self._summary_engine = None
         if opts.timeline:
             fmts = self._watch
@@ -178,9 +180,40 @@ class TimelineSteps:
                 self._ring.clear()
         return groups
 
+    def _fire(self, key, al) -> None:
+        self._fired.add(key)
+        self.alerts.append(al)
+        try:
+            self.options.on_alert(al)
+        except Exception as e:  # the user's callback never breaks the step
+            self._hook_error("on_alert", e)
+
+    def _live_step_alerts(self, step: int, rows: list) -> None:
+        """The whole-step rules: a gradient-norm spike against the previous steps, a collapsing loss scale."""
+        sq = [r.l2norm * r.l2norm for r in rows if r.role == "param_grad" and r.l2norm is not None]
+        if sq:
+            w = int(RULES_BY_NAME["grad_spike"].params["window"])
+            self._norms.append((step, math.sqrt(sum(sq))))
+            while len(self._norms) > w + 1:
+                self._norms.popleft()
+            if (None, "grad_spike") not in self._fired:
+                got = grad_spike_alerts(self.run, [p[0] for p in self._norms], [p[1] for p in self._norms])
+                if got and got[0].step == step:
+                    self._fire((None, "grad_spike"), dataclasses.replace(got[0], steps_firing=1))
+        scale = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss_scale"), None)
+        if scale is not None:
+            if self._peak is None or scale > self._peak[1]:
+                self._peak = (step, scale)
+            if (None, "loss_scale") not in self._fired:
+                got = loss_scale_alerts(self.run, [self._peak[0], step], [self._peak[1], scale])
+                if got and got[0].step == step:
+                    self._fire((None, "loss_scale"), dataclasses.replace(got[0], steps_firing=1))
+
     def _live_alerts(self, step: int, rows: list, shares: list) -> None:
         """Run the op rules on this step's rows over the last points of each series (the growth fit's window is
-        the longest look back any of them takes); call ``on_alert`` for each (op, rule) that fires first now."""
+        the longest look back any of them takes), and the whole-step rules; call ``on_alert`` for each alert
+        that fires first now."""
+        self._live_step_alerts(step, rows)
         window = int(RULES_BY_NAME["growth"].params["window"])
         by_tid = {(x.tid, x.fmt): x for x in shares}
         for r in rows:
@@ -199,13 +232,7 @@ class TimelineSteps:
                 if al.step != step or (r.role == "param_grad" and al.rule != "underflow") \
                         or (key, al.rule) in self._fired:
                     continue
-                self._fired.add((key, al.rule))
-                al = dataclasses.replace(al, op=r.op, steps_firing=1)
-                self.alerts.append(al)
-                try:
-                    self.options.on_alert(al)
-                except Exception as e:  # the user's callback never breaks the step
-                    self._hook_error("on_alert", e)
+                self._fire((key, al.rule), dataclasses.replace(al, op=r.op, steps_firing=1))
 
     def write_timeline(self, w) -> None:
         if self.timeline_rows or self.step_scalars:
