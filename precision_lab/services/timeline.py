@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..alerts import Alert, grad_spike_alerts, loss_scale_alerts, op_alerts, op_format
+from ..alerts import Alert, grad_spike_alerts, headroom_bits, loss_scale_alerts, op_alerts, op_format
 from ..formats import Format, get_format
 from ..ops import module_path
 from ..records import tensor_name
@@ -21,8 +21,8 @@ from ..store import queries as q
 from ..store import timeline as tl
 from .tree import build_tree
 
-__all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts", "timeline_report", "heatmap",
-           "op_series", "module_tree", "record_at", "first_failing_op"]
+__all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts",
+           "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op"]
 
 # op alerts judge forward outputs; gradients of parameters are judged for underflow only
 # (a GradScaler overflows them on purpose, and skips those steps)
@@ -100,7 +100,8 @@ def session_alerts(store, session: str, *, target: Optional[str] = None,
 
 
 def first_failing_op(store, run_id: str) -> Optional[dict]:
-    """The first timeline op (output) holding a non-finite value at the run's first non-finite step."""
+    """The first timeline op holding a non-finite value at the run's first non-finite step (forward outputs
+    first, in execution order, then gradients)."""
     step = tl.first_nonfinite_step(store, run_id)
     if step is None:
         return None
@@ -135,7 +136,7 @@ def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0
     out = []
     for r in tl.op_steps(store, run_id, op, role, index, f.name):
         a = r["absmax"]
-        r["headroom_bits"] = math.log2(f.max / a) if a and a > 0 and math.isfinite(a) else None
+        r["headroom_bits"] = float(headroom_bits(a, f)) if a and a > 0 and math.isfinite(a) else None
         r["low_share"] = r["low"] / r["finite"] if r["low"] is not None and r["finite"] else None
         out.append(r)
     return out
