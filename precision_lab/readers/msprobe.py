@@ -308,20 +308,27 @@ def _check_loaded(obj, rel: str, depth: int = 0) -> None:
             _check_loaded(v, rel, depth + 1)
 
 
-def _parents(root: Path, path: Path, src: RunSource) -> dict[str, str]:
-    """msprobe's ``construct.json`` beside a dump.json: each entry's enclosing module call (``{}`` without one;
-    a file that cannot be used is a warning, not a failure: the records stand without it)."""
+def _sidecar(root: Path, path: Path, src: RunSource, *, what: str, without: str):
+    """A JSON object msprobe writes beside a dump.json (construct.json, stack.json), or None: missing is
+    quiet; a file that cannot be used is a warning ending in ``without`` (what the records then go without),
+    never a failure -- the records stand without it."""
     if not os.path.lexists(path):
-        return {}
+        return None
     rel = relname(root, path)
     try:
-        doc = read_json(path, rel, root, what="construct.json")
+        doc = read_json(path, rel, root, what=what)
     except ReadError as e:
-        src.warnings.append((rel, f"{e}; op nesting taken from names only"))
-        return {}
+        src.warnings.append((rel, f"{e}; {without}"))
+        return None
     if not isinstance(doc, dict):
-        src.warnings.append((rel, "not an object of entry -> parent module; op nesting taken from names only"))
-        return {}
+        src.warnings.append((rel, f"not a JSON object of entries; {without}"))
+        return None
+    return doc
+
+
+def _parents(root: Path, path: Path, src: RunSource) -> dict[str, str]:
+    """msprobe's ``construct.json``: each entry's enclosing module call (``{}`` without one)."""
+    doc = _sidecar(root, path, src, what="construct.json", without="op nesting taken from names only") or {}
     return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str) and len(v) <= 4096}
 
 
@@ -331,18 +338,11 @@ _TOOL_DIRS = ("/torch/", "/msprobe/", "/torch_npu/", "\\torch\\", "\\msprobe\\")
 
 
 def _locations(root: Path, path: Path, src: RunSource) -> dict[str, str]:
-    """msprobe's ``stack.json`` beside a dump.json: each entry's calling line of user code (the first frame
-    outside torch and msprobe).  A file that cannot be used is a warning; the records stand without it."""
-    if not os.path.lexists(path):
-        return {}
-    rel = relname(root, path)
-    try:
-        doc = read_json(path, rel, root, what="stack.json")
-    except ReadError as e:
-        src.warnings.append((rel, f"{e}; op locations not shown"))
-        return {}
+    """msprobe's ``stack.json``: each entry's calling line of user code (the first frame outside torch and
+    msprobe)."""
+    doc = _sidecar(root, path, src, what="stack.json", without="op locations not shown") or {}
     out: dict[str, str] = {}
-    for entry in doc.values() if isinstance(doc, dict) else ():
+    for entry in doc.values():
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, list) for x in entry)):
             continue
         keys, frames = entry

@@ -452,6 +452,14 @@ def _worst_key(c: dict) -> tuple:
     return (rank, -(score or 0.0), c.get("seq") or 0)
 
 
+def _listing(title: str, top: int, lines: list[str]) -> list[str]:
+    """A titled, indented list of at most ``top`` lines and how many more there are; nothing when empty."""
+    if not lines:
+        return []
+    out = ["", title] + [f"  {ln}" for ln in lines[:top]]
+    return out + ([f"  ... and {len(lines) - top} more"] if len(lines) > top else [])
+
+
 def render_text(report: dict, *, top: int = 15) -> str:
     """A human-readable summary of ``build_report``'s document."""
     out = [f"Session {report['session']}  ({report.get('source') or ''})", ""]
@@ -474,12 +482,8 @@ def render_text(report: dict, *, top: int = 15) -> str:
         chain = " -> ".join(p["op"] for p in f["path"])
         out.append(f"    path ({order_text(f.get('order'))}): {chain}")
     arts = report.get("norm_artefacts") or []
-    if arts:
-        out += ["", f"Norm artefacts ({len(arts)}): not non-finite values"]
-        for a in arts[:top]:
-            out.append(f"  {a['run']}: {a['op']} {a['role']} {a['index']}: {a['reason']}")
-        if len(arts) > top:
-            out.append(f"  ... and {len(arts) - top} more")
+    out += _listing(f"Norm artefacts ({len(arts)}): not non-finite values", top,
+                    [f"{a['run']}: {a['op']} {a['role']} {a['index']}: {a['reason']}" for a in arts])
     comps = report["comparisons"]
     if comps:
         counts: dict[tuple, dict[str, int]] = {}
@@ -507,20 +511,12 @@ def render_text(report: dict, *, top: int = 15) -> str:
             fixes = f"  fixes: {', '.join(d['fixes'])}" if d["fixes"] else ""
             out.append(f"  [{d['severity']}] {d['run']}: {d['op']}: {d['message']}{fixes}")
     alerts = report.get("alerts") or []
-    if alerts:
-        out += ["", f"Alerts ({len(alerts)}):"]
-        for a in alerts[:top]:
-            out.append(f"  [{a['rule']}] {a['run']} step {a['step']}: {a['message']}")
-        if len(alerts) > top:
-            out.append(f"  ... and {len(alerts) - top} more")
+    out += _listing(f"Alerts ({len(alerts)}):", top,
+                    [f"[{a['rule']}] {a['run']} step {a['step']}: {a['message']}" for a in alerts])
     for run, t in (report.get("timeline") or {}).items():
         first = t.get("first_nonfinite_step")
         out += ["", f"Timeline of {run}: {len(t['steps'])} steps, full records at {len(t['full_steps'])}; "
                     + (f"first non-finite value at step {first}" if first is not None else "every step finite")]
-    if report["warnings"]:
-        out += ["", f"Warnings ({len(report['warnings'])}):"]
-        for w in report["warnings"][:top]:
-            out.append(f"  {w['file']}: {w['message']}")
-        if len(report["warnings"]) > top:
-            out.append(f"  ... and {len(report['warnings']) - top} more")
+    out += _listing(f"Warnings ({len(report['warnings'])}):", top,
+                    [f"{w['file']}: {w['message']}" for w in report["warnings"]])
     return "\n".join(out) + "\n"

@@ -153,7 +153,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
 
 def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
-    steps = tl.step_of_op(store, run_id, op)
+    steps = tl.full_steps(store, run_id, op)
     if not steps:
         return None
     before = [s for s in steps if s <= step]

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from .queries import rows
 
 __all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "full_steps", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
-           "op_worst", "timeline_ops", "step_of_op"]
+           "op_worst", "timeline_ops"]
 
 _KEY = "op, role, \"index\""
 # the low end of a format: values that round to zero or to a subnormal
@@ -49,10 +49,11 @@ def series_rows(store, run_id: str, fmt_of_dtype: dict, roles: Sequence[str] = (
                      [list(fmt_of_dtype), list(fmt_of_dtype.values()), run_id, *roles]).fetchnumpy()
 
 
-def full_steps(store, run_id: str) -> list[int]:
-    """The steps a run has full records of."""
-    return [r[0] for r in store.sql("SELECT DISTINCT step FROM tensors WHERE run_id = ? ORDER BY step",
-                                    [run_id]).fetchall()]
+def full_steps(store, run_id: str, op: Optional[str] = None) -> list[int]:
+    """The steps a run (or one ``op`` of it) has full records of, ascending."""
+    where, args = ("AND op = ?", [run_id, op]) if op is not None else ("", [run_id])
+    return [r[0] for r in store.sql(f"SELECT DISTINCT step FROM tensors WHERE run_id = ? {where} ORDER BY step",
+                                    args).fetchall()]
 
 
 def op_steps_at(store, run_id: str, step: int) -> list[dict]:
@@ -158,9 +159,3 @@ def op_worst(store, run_id: str, fmt_max: float, roles: Sequence[str] = ("output
                any_value(op_type) AS op_type, min(seq) AS seq
         FROM timeline WHERE run_id = ? AND role IN ({marks}) GROUP BY op ORDER BY op""",
                 [fmt_max, run_id, *roles])
-
-
-def step_of_op(store, run_id: str, op: str) -> list[int]:
-    """The steps at which ``op`` has full records (its tensors table), ascending."""
-    return [r[0] for r in store.sql("SELECT DISTINCT step FROM tensors WHERE run_id = ? AND op = ? ORDER BY step",
-                                    [run_id, op]).fetchall()]
