@@ -16,7 +16,7 @@ def test_at_most_max_workers_run_at_once_and_the_rest_wait(monkeypatch):
     lock = threading.Lock()
     running, peak, started = [0], [0], []
 
-    def fake(store, session, fix, progress, parent=None):
+    def fake(store, session, fix, progress, parent=None, isolated=False):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])

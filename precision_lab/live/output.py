@@ -74,6 +74,15 @@ class RunOutput:
         self.write_timeline(w)
         return rids
 
+    def write_timeline(self, w) -> None:
+        if self.timeline_rows or self.step_scalars:
+            w.add_timeline(self.timeline_rows, self.timeline_shares, self.step_scalars)
+
+    def detached(self) -> "CapturedRun":
+        """What this finished capture recorded, without its model, hooks or store: picklable, so a worker
+        process can send it back to be written."""
+        return CapturedRun({k: getattr(self, k) for k in CapturedRun.FIELDS})
+
     def _finish_output(self) -> None:
         if self.shard_dir is not None:
             meta = self.run_meta()
@@ -107,3 +116,15 @@ class RunOutput:
                            step=self.step_no if step is None else step,
                            local_comparisons=local)
         self.shard_files.append(path)
+
+
+class CapturedRun(RunOutput):
+    """A finished capture's records, comparisons, warnings and timeline (``Capture.detached()``), written
+    with the same ``write_run`` as the capture itself."""
+
+    FIELDS = ("run_id", "run", "kind", "source", "policy", "records", "local_comparisons", "warnings",
+              "timeline_rows", "timeline_shares", "step_scalars")
+
+    def __init__(self, fields: dict):
+        for k in self.FIELDS:
+            setattr(self, k, fields[k])

@@ -233,7 +233,3 @@ class TimelineSteps:
                         or (key, al.rule) in self._fired:
                     continue
                 self._fire((key, al.rule), dataclasses.replace(al, op=r.op, steps_firing=1))
-
-    def write_timeline(self, w) -> None:
-        if self.timeline_rows or self.step_scalars:
-            w.add_timeline(self.timeline_rows, self.timeline_shares, self.step_scalars)

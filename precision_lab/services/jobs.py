@@ -6,9 +6,11 @@ the page polls (``fraction``, ``label``, ``finished``, then ``run_id`` or
 ``error``).  A second request for the same session and fix while one is
 queued or running returns that job instead of starting another; more than
 ``MAX_QUEUED`` waiting jobs are refused with a sentence; finished jobs are
-forgotten beyond the newest ``MAX_FINISHED``.  A worker uses its own cursor
-of the shared Store (the Store gives each thread one); nothing here touches
-Streamlit.
+forgotten beyond the newest ``MAX_FINISHED``.  The model itself runs in a
+worker process (``services.worker``): a crash in a user's model ends that
+job with a sentence, not the server.  A worker thread writes through its
+own cursor of the shared Store (the Store gives each thread one); nothing
+here touches Streamlit.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) 
     def work() -> None:
         job.label = "starting"
         try:
-            job.run_id = rerun_session(store, session, fix, job.progress, parent=parent)
+            job.run_id = rerun_session(store, session, fix, job.progress, parent=parent, isolated=True)
         except Exception as e:  # reported to the page as a sentence
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             job.error = msg.strip() or type(e).__name__

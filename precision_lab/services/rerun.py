@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..fixes.catalogue import apply_fixes, fix_label, split_specs
 from ..fixes.policy import PrecisionPolicy, call_model, first_tensor
-from ..fixes.recipes import BUILD_LOCK, MODEL_PREFIX, Recipe, RecipeError, RecipeNotFound, get_recipe
+from ..fixes.recipes import (BUILD_LOCK, MODEL_PREFIX, MODELS_ENV, RECIPES_ENV, Recipe, RecipeError, RecipeNotFound,
+                             get_recipe)
 from ..metrics import compare
 from ..ops import innermost_module
 from ..records import free_name
@@ -31,6 +33,7 @@ from .diagnose import diagnose_session
 from .pairing import Item, compare_runs
 from .report import first_nonfinite
 from .sessions import recipe_name
+from .worker import WorkerCrashed, run_in_worker
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
            "parse_tolerance", "session_recipe"]
@@ -83,7 +86,25 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
         if err:
             cap.warnings.append((name, f"histogram calibration failed: {err}"))
     out = first_tensor(out)
-    return _Run(cap, out.detach() if out is not None else None, tensors)
+    return _Run(cap.detached(), out.detach() if out is not None else None, tensors)
+
+
+def _forward_named(recipe_name: str, policy: Optional[PrecisionPolicy], **kwargs) -> _Run:
+    """``_forward`` of a recipe found by name: what a worker process runs."""
+    return _forward(get_recipe(recipe_name), policy, **kwargs)
+
+
+def _run_model(recipe: Recipe, policy: Optional[PrecisionPolicy], *, isolated: bool, **kwargs) -> _Run:
+    """``_forward`` here, or in a worker process when ``isolated`` (the recipe is found there by name, under
+    this process's recipe and model settings)."""
+    if not isolated:
+        return _forward(recipe, policy, **kwargs)
+    env = {k: os.environ.get(k) for k in (RECIPES_ENV, MODELS_ENV)}
+    try:
+        return run_in_worker(_forward_named, recipe.name, policy, env=env, what=f"the model of {recipe.name!r}",
+                             **kwargs)
+    except WorkerCrashed as e:
+        raise RerunError(str(e)) from None
 
 
 def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_rids: Optional[dict],
@@ -209,7 +230,7 @@ def _unique_run_name(runs: list[dict], base: str) -> str:
 
 
 def rerun_session(store, session: str, fixes, progress: Progress = None, *, parent: Optional[str] = None,
-                  diagnose: bool = True) -> str:
+                  diagnose: bool = True, isolated: bool = False) -> str:
     """Re-run a recipe session under ``fixes``; returns the new run's id.
 
     ``fixes``: a spec (``"scale-fp32"``, ``"scale-fp32+amax-floor:1e-12"``)
@@ -217,8 +238,11 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     id; default the session's candidate).  The new run (kind ``rerun``)
     records ``parent`` and the fix, is compared with the session's fp32
     reference, and the session's diagnoses are refreshed.  ``progress(done,
-    total, label)`` is called as it goes.  Raises ``RerunError`` (dump-only
-    session, unknown run), ``FixError`` (bad or inapplicable fix) or
+    total, label)`` is called as it goes.  With ``isolated`` the model runs
+    in a worker process (``services.worker``) and this process only writes:
+    the dashboard's re-runs, where a crash in the user's model must not take
+    the server with it.  Raises ``RerunError`` (dump-only session, unknown
+    run, a worker that died), ``FixError`` (bad or inapplicable fix) or
     ``PolicyError`` (a pattern that names no module).
     """
     specs = split_specs(fixes)
@@ -235,9 +259,9 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     _check_policy(recipe, policy)
     name = _unique_run_name(runs, f"fix: {label}")
     _tick(progress, 0, 4, f"{name}: fp32 reference")
-    ref = _forward(recipe, None, run_name=ref_run["name"], kind="reference", local_error=False)
+    ref = _run_model(recipe, None, isolated=isolated, run_name=ref_run["name"], kind="reference", local_error=False)
     _tick(progress, 1, 4, f"{name}: {policy.describe()}")
-    cand = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
+    cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
     _tick(progress, 2, 4, f"{name}: compare")
     ref_rids = _reference_rids(store, ref_run["run_id"])
     with store.extend_session(info["name"]) as w:
