@@ -856,12 +856,3 @@ def test_module_re_runs_hold_no_copy_of_the_parameters():
         assert all(t.device.type == "meta" for s in skeletons for t in list(s.parameters()) + list(s.buffers()))
 
 
-def test_a_compiled_model_is_refused_in_one_sentence():
-    whole = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
-    with pytest.raises(ValueError, match=r"the model is compiled with torch.compile.*eager ones"):
-        capture(whole, store=Store(":memory:"))
-    blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    blocks[1].compile()  # per block, the torchtitan way
-    with pytest.raises(ValueError, match=r"module '1' is compiled with torch.compile"):
-        capture(blocks, store=Store(":memory:"))
-    capture(whole._orig_mod, store=Store(":memory:"))  # the uncompiled module is captured as usual

@@ -80,6 +80,11 @@ def capture_cmd(
     session: Optional[str] = typer.Option(None, "--session", help="name of the new session (default: the recipe's; a suffix is added if taken)"),
     db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
     no_local: bool = typer.Option(False, "--no-local", help="skip the per-op fp32 re-runs (local error)"),
+    compile: Optional[str] = typer.Option(
+        None, "--compile", help="run the candidate under torch.compile: 'model' (whole) or a module pattern "
+                                "compiled per block (e.g. 'layers.*'); recorded numbers are the compiled ones"),
+    reference: str = typer.Option("fp32", "--reference", help="fp32 (the model as built) or eager (the "
+                                                               "candidate's format without --compile)"),
 ) -> None:
     """Capture a recipe's (or your model's) fp32 reference and low-precision candidate, compare them op by op,
     store the session."""
@@ -92,8 +97,15 @@ def capture_cmd(
         default_name = model.rpartition(":")[2]
     try:
         policy = candidate_policy(rec, dtype)
+        if compile is not None:
+            policy = policy.replace(compile=compile)
         if fix:
             policy = apply_fixes(policy, fix)
+        if reference not in ("fp32", "eager"):
+            raise ValueError(f"--reference {reference!r}: give fp32 or eager")
+        if reference == "eager" and policy.compile is None:
+            raise ValueError("--reference eager compares with the compiled candidate: give --compile too")
+        ref_policy = policy.replace(compile=None, emulate_precision_casts=False) if reference == "eager" else None
     except ValueError as e:
         _fail(str(e))
     store = open_store(db)
@@ -101,9 +113,11 @@ def capture_cmd(
 
     try:
         name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,
-                            loss_fn=rec.loss_fn, seed=rec.seed, reference_name="fp32 reference",
-                            candidate_name=f"candidate ({policy.name})", source=f"recipe:{rec.name}",
-                            recipe=rec.name, name=session or default_name)
+                            loss_fn=rec.loss_fn, seed=rec.seed,
+                            reference_name="fp32 reference" if ref_policy is None else "eager reference",
+                            candidate_name=f"candidate ({policy.name}{', compiled' if policy.compile else ''})",
+                            source=f"recipe:{rec.name}",
+                            recipe=rec.name, name=session or default_name, reference_policy=ref_policy)
     except ValueError as e:
         _fail(str(e))
     _summary(store, name)

@@ -230,6 +230,20 @@ def _scaling(p, gran):
     return replace(p, quant=replace(_need_quant(p, "scaling"), granularity=gran))
 
 
+def _emulate_casts(p, _):
+    if p.compile is None:
+        raise FixError(f"fix 'emulate-precision-casts' applies to compiled runs; policy {p.name!r} runs eagerly")
+    if p.emulate_precision_casts:
+        raise FixError(f"fix 'emulate-precision-casts': policy {p.name!r} already has it")
+    return replace(p, emulate_precision_casts=True)
+
+
+def _eager(p, _):
+    if p.compile is None:
+        raise FixError(f"fix 'eager': policy {p.name!r} compiles nothing")
+    return replace(p, compile=None, emulate_precision_casts=False)
+
+
 def _g(x: float) -> str:
     return f"{x:.3g}"
 
@@ -292,6 +306,15 @@ for _d in (
            lambda g: f"one fp8 scale per {g}" + (": an outlier row no longer coarsens every other row"
                                                   if g == "row" else ""),
            _scaling, "scaling:row"),
+    FixDef("emulate-precision-casts", None,
+           lambda _: "compile with inductor's emulate_precision_casts (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1): "
+                     "fused kernels round each intermediate to the low-precision format where eager code does, "
+                     "so compiled numbers match eager ones instead of keeping fp32 intermediates",
+           _emulate_casts, "emulate-precision-casts"),
+    FixDef("eager", None,
+           lambda _: "run without torch.compile: tells apart what compilation changes (fused kernels, fp32 "
+                     "intermediates, reordered reductions) from what the format does",
+           _eager, "eager"),
 ):
     register_fix(_d)
 

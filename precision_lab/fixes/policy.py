@@ -133,6 +133,8 @@ class PrecisionPolicy:
     two_pass_variance: bool = False
     stats_fp32: bool = False
     sanitize: tuple[str, ...] = ()
+    compile: Optional[str] = None  # torch.compile: "model" (the whole model) or a module pattern (each match)
+    emulate_precision_casts: bool = False  # compiled code rounds where eager would (inductor's option)
     fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +145,10 @@ class PrecisionPolicy:
             _check_compute(ov[1], f"override {ov[0]!r}: format")
         if self.eps is not None and not (self.eps > 0.0):
             raise PolicyError(f"epsilon {self.eps!r} must be a number > 0")
+        if self.compile is not None and (not isinstance(self.compile, str) or not self.compile.strip()):
+            raise PolicyError(f"compile {self.compile!r} must be 'model' or a module pattern")
+        if self.emulate_precision_casts and self.compile is None:
+            raise PolicyError("emulate_precision_casts applies to compiled code; the policy compiles nothing")
 
     # ---- which format where ------------------------------------------------
     def override_for(self, module_name: str) -> Optional[str]:
@@ -195,6 +201,15 @@ class PrecisionPolicy:
                 install_cast_hook(mod, tdtype)
             if name and self.sanitizes(name) and not isinstance(mod, PolicyModule):
                 install_sanitize_hook(mod)
+        if self.compile is not None:
+            targets = [model] if self.compile == "model" else [
+                m for n, m in named if n and module_matches(n, self.compile)]
+            if not targets:
+                raise PolicyError(_no_match(self.compile, names, "compile"))
+            # in place (Module.compile): module paths, and so op names, stay those of the eager model
+            options = {"emulate_precision_casts": True} if self.emulate_precision_casts else None
+            for m in targets:
+                m.compile(options=options)
         return model
 
     def prepare_inputs(self, inputs):
@@ -227,6 +242,9 @@ class PrecisionPolicy:
                 parts.append(text)
         for p in self.sanitize:
             parts.append(f"sanitize {p}")
+        if self.compile is not None:
+            parts.append("torch.compile" + ("" if self.compile == "model" else f" {self.compile}")
+                         + (" emulating precision casts" if self.emulate_precision_casts else ""))
         return ", ".join(parts)
 
     def to_dict(self) -> dict:

@@ -33,6 +33,7 @@ is caught and kept as a warning on the run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -104,21 +105,32 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-def _refuse_compiled(model) -> None:
-    """A model compiled with torch.compile, whole or per block, is refused in one sentence: the capture's hooks
-    would break its graphs and the numbers recorded would be eager ones, not the compiled model's."""
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        where = "the model"
-    else:
-        where = next((f"module {n!r}" for n, m in model.named_modules()
-                      if getattr(m, "_compiled_call_impl", None) is not None
-                      or type(m).__name__ == "OptimizedModule"), None)
-        if where is None:
-            return
-    raise ValueError(f"capture(): {where} is compiled with torch.compile; hooks would break its graphs and the "
-                     "numbers recorded would be eager ones, not the compiled model's. Capture the uncompiled module "
-                     "(model._orig_mod, or a copy built without .compile()) to see its eager numbers, and compare "
-                     "eager with compiled outputs to see what compilation changes")
+_ORIG = "_orig_mod"  # where torch.compile(module) keeps the module it compiled
+
+
+def _compiled_regions(model) -> dict:
+    """id(module) -> (module, attribute) for every region compiled with torch.compile in ``model``: a module
+    wrapped by ``torch.compile(module)`` (its ``forward`` is the compiled call) or compiled in place by
+    ``module.compile()`` (its ``_compiled_call_impl``).  A ``forward`` replaced by a compiled function cannot be
+    captured and is refused in one sentence."""
+    regions = {}
+    for path, m in model.named_modules():
+        if isinstance(getattr(m, _ORIG, None), torch.nn.Module) and callable(m.__dict__.get("forward")):
+            regions[id(m)] = (m, "forward")
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            regions[id(m)] = (m, "_compiled_call_impl")
+        elif hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+            where = f"module {path!r}" if path else "the model"
+            raise ValueError(f"capture(): the forward of {where} was replaced by a function compiled with "
+                             "torch.compile, whose graphs the capture cannot enter or wrap; compile the module "
+                             "instead (module.compile() or torch.compile(module)) and its outputs are recorded "
+                             "as compiled, with op-level detail from an eager re-run")
+    return regions
+
+
+def _name_path(path: str) -> str:
+    """A module's path with torch.compile's wrapper left out, so compiled and eager runs name ops alike."""
+    return ".".join(p for p in path.split(".") if p != _ORIG) if _ORIG in path else path
 
 
 class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
@@ -130,7 +142,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                  run_id: Optional[str] = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
-        _refuse_compiled(model)
+        _compiled_regions(model)  # refuses what cannot be captured, before anything is set up
         if not isinstance(run, str) or not run.strip():
             raise ValueError("capture(run=...) needs a non-empty run name")
         if shard_dir is not None and store is not None:
@@ -192,6 +204,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         self._param_owner: dict = {}
         self._shadow_cache: dict = {}  # id(module) -> its re-run skeleton (no memory), for the whole capture
         self._buffer_ids: frozenset = frozenset()
+        self._regions: dict = {}  # id(module) -> (module, attribute, the compiled callable it held)
+        self._compile_watch = None  # torch._dynamo's compile-start callback, while installed
         # decisions that depend only on the options and the op or module, made once per capture
         self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
         self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
@@ -264,27 +278,120 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
     # ---- installing hooks --------------------------------------------------------
     def _install(self) -> None:
         opts = self.options
+        regions = _compiled_regions(self.model)
+        # a compiled region's own call is recorded by the wrapper around its compiled call (_region_call); hooks on
+        # it, or on the module torch.compile(module) wraps, would run inside the compiled code
+        unhooked = set(regions) | {id(m._orig_mod) for m, attr in regions.values() if attr == "forward"}
         for path, mod in self.model.named_modules():
-            self._module_paths[id(mod)] = path
-            # ahead of a policy's input cast, so an island's boundary cast is recorded under the island's own name
-            # (its parent's op counters stay as in a run without the island)
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
-            self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+            self._module_paths[id(mod)] = _name_path(path)
+            wrapped = getattr(mod, _ORIG, None) if id(mod) in regions else None
+            if wrapped is not None:  # torch.compile(module): the wrapper stands for the module it wraps
+                self._module_paths[id(wrapped)] = _name_path(path)
+                self._module_info[id(mod)] = self._module_of(wrapped)
+            if id(mod) not in unhooked:
+                # ahead of a policy's input cast, so an island's boundary cast is recorded under the island's own
+                # name (its parent's op counters stay as in a run without the island)
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
+                self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
             if opts.backward and opts.params and opts.module_selected(path) and opts.op_type_selected(
                     type(mod).__name__):
                 for pname, p in mod.named_parameters(recurse=False):
                     if id(p) in self._param_owner or not p.requires_grad:
                         continue
                     # a parameter's gradient is produced by its module's backward
-                    op = f"{path}.backward.0" if path else "backward.0"
+                    op = f"{_name_path(path)}.backward.0" if path else "backward.0"
                     self._param_owner[id(p)] = (op, type(mod).__name__, pname)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
+        for key, (mod, attr) in regions.items():
+            compiled = getattr(mod, attr)
+            self._regions[key] = (mod, attr, compiled)
+            setattr(mod, attr, self._region_call(mod, compiled))
+        if regions:
+            shown = ", ".join(self._module_paths[k] or "the model" for k in regions)
+            self._warn("torch.compile", f"compiled with torch.compile: {shown}. Inputs and outputs recorded there "
+                                        "are the compiled numbers; the ops inside come from an eager re-run on the "
+                                        "same inputs")
+        # code compiled anywhere else (a function given to torch.compile) would be traced with the capture's
+        # function mode on the stack: say so on the run rather than record it silently as something it is not
+        self._compile_watch = torch._dynamo.callback.callback_handler.register_start_callback(self._on_compile)
         if opts.functional:
             self._mode = _Mode(self)
             self._mode.__enter__()
 
+    def _on_compile(self, *_) -> None:
+        if self._active and not getattr(self._tls, "in_region", False):
+            self._warn("torch.compile", "a function compiled with torch.compile, not a compiled module, ran inside "
+                                        "the capture: its ops are not recorded as compiled numbers. Compile the "
+                                        "module that calls it (module.compile() or torch.compile(module)) so its "
+                                        "inputs and outputs are recorded as compiled")
+
+    def _region_call(self, module, compiled):
+        """The compiled call of ``module``, wrapped: its inputs and outputs recorded as the module's own call (the
+        compiled numbers), the capture's function mode off while the compiled code runs (it would be traced into
+        its graphs), and an eager re-run of the module on the same inputs for the ops inside."""
+
+        def call(*args, **kwargs):
+            if not (self._recording or self._summary) or getattr(self._tls, "busy", False):
+                with self._compiled_code():
+                    return compiled(*args, **kwargs)
+            self._pre_hook(module, args, kwargs)
+            frame = self._tls.stack[-1] if getattr(self._tls, "stack", None) else None
+            if frame is not None and frame.module is module:
+                frame.shadow_in = None  # the eager re-run below stands in for a local error at the boundary
+            rng = _rng_state_of(_cuda_devices((args, kwargs)))
+            out = None
+            try:
+                with self._compiled_code():
+                    out = compiled(*args, **kwargs)
+                if self._recording:
+                    self._eager_detail(module, args, kwargs, rng)
+            finally:
+                self._post_hook(module, args, kwargs, out)
+            return out
+
+        return call
+
+    def _eager_detail(self, module, args, kwargs, rng) -> None:
+        """Run a compiled region's module eagerly on the inputs the compiled call had, with the random state it
+        had, under no_grad and with its buffers put back after: the ops inside are recorded from this run."""
+        eager = getattr(module, _ORIG, None)
+        run = eager.__call__ if eager is not None else module._call_impl
+        buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        try:
+            with torch.no_grad():
+                self._with_rng(rng, lambda: run(*args, **kwargs))
+        except Exception as e:
+            self._warn(self._module_paths.get(id(module), "?"),
+                       f"the eager re-run for the ops inside this compiled region failed ({type(e).__name__}: {e})")
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+    @contextlib.contextmanager
+    def _compiled_code(self):
+        """While a compiled region's code runs (and compiles): the capture's function mode popped (when it is
+        the innermost mode), and the thread marked as inside a region for ``_on_compile``."""
+        mode = self._mode
+        pop = mode is not None and torch.overrides._get_current_function_mode() is mode
+        if pop:
+            mode.__exit__(None, None, None)
+        self._tls.in_region = True
+        try:
+            yield
+        finally:
+            self._tls.in_region = False
+            if pop:
+                mode.__enter__()
+
     def _uninstall(self) -> None:
         err = None
+        for mod, attr, compiled in self._regions.values():
+            setattr(mod, attr, compiled)
+        self._regions.clear()
+        if self._compile_watch is not None:
+            torch._dynamo.callback.callback_handler.remove_start_callback(self._compile_watch)
+            self._compile_watch = None
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
@@ -528,6 +635,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
 
     # -- modules
     def _pre_hook(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # a module inside a compiled region, being traced: nothing to do
+            return None
         tls = self._tls
         if not (self._recording or self._summary) or getattr(tls, "busy", False):
             return None
@@ -569,6 +678,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         return None
 
     def _post_hook(self, module, args, kwargs, output):
+        if torch.compiler.is_compiling():
+            return None
         tls = self._tls
         if getattr(tls, "busy", False):
             return None

@@ -282,7 +282,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                  options: Optional[CaptureOptions] = None, loss_fn: Optional[Callable] = None, seed: int = 0,
                  reference_name: str = "fp32", candidate_name: Optional[str] = None,
                  keep_bytes: int = DEFAULT_KEEP_BYTES, source: str = "capture",
-                 recipe: Optional[str] = None, name: Optional[str] = None) -> str:
+                 recipe: Optional[str] = None, name: Optional[str] = None, reference_policy=None) -> str:
     """Capture an fp32 reference and a candidate run of one model; returns the session name.
 
     ``build_model()`` must return a fresh fp32 model; it is called twice
@@ -300,6 +300,11 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     "unmatched_cand"/"unmatched_ref" rows for names only one run has) and,
     with ``local_error``, one "local" comparison per candidate op output
     against the op re-run in fp32 from upcast copies of its own inputs.
+
+    ``reference_policy`` (default None: fp32 as built) runs the reference
+    under a policy too: the candidate's policy without ``compile`` makes the
+    session eager-vs-compiled in the same format, so what compilation alone
+    changes is compared op by op like fp32-vs-fp16.
     """
     if not callable(build_model):
         raise TypeError("capture_pair: build_model must be a callable returning a fresh fp32 model")
@@ -328,8 +333,9 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     keeper = _ReferenceKeeper(keep_bytes)
     comparer = _Comparer(keeper, _declared_dtype(policy))
     try:
-        ref_cap = Capture(ref_model, run=reference_name, options=replace(opts, local_error=False),
-                          kind="reference", source=source, observer=keeper, write=False)
+        ref_cap = Capture(ref_model, run=reference_name, dtype_policy=reference_policy,
+                          options=replace(opts, local_error=False), kind="reference", source=source,
+                          observer=keeper, write=False)
         _run(ref_cap, inputs, loss_fn, seed)
         del ref_model
         keeper.drop_objects()

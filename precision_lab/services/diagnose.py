@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..fixes.policy import PrecisionPolicy
 from ..fixes.recipes import RecipeNotFound, get_recipe
 from ..fixes.rules import Context, diagnose_run, module_facts
 from ..records import Diagnosis
 from ..store import queries as q
 from .report import first_nonfinite
-from .sessions import recipe_name
+from .sessions import recipe_name, run_policy
 
 __all__ = ["diagnose", "diagnose_session", "StoreFacts"]
 
@@ -74,16 +73,6 @@ def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:
     return module_facts(model)
 
 
-def _policy_of(run: dict) -> Optional[PrecisionPolicy]:
-    text = run.get("policy")
-    if not text:
-        return None
-    try:
-        return PrecisionPolicy.from_json(text)
-    except ValueError:
-        return None
-
-
 def diagnose(store, session: str) -> list[Diagnosis]:
     """The diagnoses of a session, computed from the store (nothing written)."""
     info = store.session(session)
@@ -91,7 +80,7 @@ def diagnose(store, session: str) -> list[Diagnosis]:
     ref = next((r for r in runs if r["kind"] == "reference"), None)
     ctx = Context(StoreFacts(store), info, runs, ref)
     for r in runs:
-        ctx.policies[r["run_id"]] = _policy_of(r)
+        ctx.policies[r["run_id"]] = run_policy(r)
     recipe = recipe_name(store, info)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []

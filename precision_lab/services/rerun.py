@@ -32,7 +32,7 @@ from ..store import queries as q
 from .diagnose import diagnose_session
 from .pairing import Item, compare_runs
 from .report import first_nonfinite
-from .sessions import recipe_name
+from .sessions import recipe_name, run_policy
 from .worker import WorkerCrashed, run_in_worker
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
@@ -211,16 +211,6 @@ def _resolve_parent(runs: list[dict], parent: Optional[str], session: str) -> di
     return cands[0]
 
 
-def _policy_of(run: dict, recipe: Recipe) -> PrecisionPolicy:
-    text = run.get("policy")
-    if text:
-        try:
-            return PrecisionPolicy.from_json(text)
-        except (ValueError, TypeError):
-            pass
-    return recipe.default_policy
-
-
 def _reference_rids(store, ref_run_id: str) -> dict:
     return q.record_ids_by_name(store, ref_run_id)
 
@@ -255,11 +245,12 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
         raise RerunError(f"session {info['name']!r} has no fp32 reference run to compare a re-run with")
     par = _resolve_parent(runs, parent, info["name"])
     label = fix_label(specs)
-    policy = apply_fixes(_policy_of(par, recipe), specs)
+    policy = apply_fixes(run_policy(par) or recipe.default_policy, specs)
     _check_policy(recipe, policy)
     name = _unique_run_name(runs, f"fix: {label}")
     _tick(progress, 0, 4, f"{name}: fp32 reference")
-    ref = _run_model(recipe, None, isolated=isolated, run_name=ref_run["name"], kind="reference", local_error=False)
+    ref = _run_model(recipe, run_policy(ref_run), isolated=isolated, run_name=ref_run["name"],
+                     kind="reference", local_error=False)
     _tick(progress, 1, 4, f"{name}: {policy.describe()}")
     cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
     _tick(progress, 2, 4, f"{name}: compare")
@@ -428,9 +419,9 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     if ref_run is None:
         raise RerunError(f"session {info['name']!r} has no fp32 reference run")
     par = _resolve_parent(runs, parent, info["name"])
-    base = _policy_of(par, recipe)
+    base = run_policy(par) or recipe.default_policy
     names = _module_names(recipe)
-    ref = _forward(recipe, None, run_name=ref_run["name"], kind="reference", local_error=False)
+    ref = _forward(recipe, run_policy(ref_run), run_name=ref_run["name"], kind="reference", local_error=False)
     ref_rids = _reference_rids(store, ref_run["run_id"])
     result = BisectResult([], False, tol)
     tried: dict[tuple, Attempt] = {}

@@ -6,9 +6,22 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from ..fixes.policy import PrecisionPolicy
 from ..store import queries as q
 
-__all__ = ["recipe_name"]
+__all__ = ["recipe_name", "run_policy"]
+
+
+def run_policy(run: dict) -> Optional[PrecisionPolicy]:
+    """The precision policy a run recorded (its ``policy`` column); None for a run as built (an fp32
+    reference, a dump) or one whose policy was not a PrecisionPolicy."""
+    text = run.get("policy")
+    if not text:
+        return None
+    try:
+        return PrecisionPolicy.from_json(text)
+    except (ValueError, TypeError):
+        return None
 
 
 def recipe_name(store, info: dict) -> Optional[str]:
