@@ -44,3 +44,45 @@ def test_rerun_with_fix_in_one_click(recipe_session, server, page):  # noqa: F81
     except Exception:
         _shot(pg, "browser-rerun-failure.png")
         raise
+
+
+@pytest.fixture
+def user_model_session(tmp_path, monkeypatch):
+    """A session captured from a user's model by entry point, in the database the server will open; the server
+    (started after this fixture) is allowed to run that model."""
+    from pathlib import Path
+
+    from precision_lab.fixes.recipes import MODELS_ENV, RECIPES, entry_point_recipe, register_recipe
+    from precision_lab.services.rerun import capture_recipe
+    from precision_lab.store import Store, close_all
+
+    model = str(Path(__file__).parent / "models" / "worker_probe.py")
+    monkeypatch.setenv(MODELS_ENV, f"{model}:build,{model}:inputs")
+    recipe = register_recipe(entry_point_recipe(f"{model}:build", f"{model}:inputs"), replace=True)
+    store = Store(tmp_path / "browser.duckdb")
+    name = capture_recipe(store, recipe, local_error=False, session="probe")
+    close_all()
+    RECIPES.unregister(recipe.name)
+    return name
+
+
+def test_rerun_of_a_users_model_in_one_click_leaves_it_finite(user_model_session, server, page):  # noqa: F811
+    pg = page
+    try:
+        pg.goto(f"{server}/overview?session={user_model_session}")
+        button = pg.get_by_role("button", name="Re-run with use-bf16")
+        button.first.wait_for()
+        button.first.scroll_into_view_if_needed()
+        button.first.click()
+        # the model runs in the server's worker process; the page moves to the diff with a before/after card
+        pg.get_by_role("heading", name="Diff").wait_for(timeout=180_000)
+        pg.get_by_text("fix: use-bf16").first.wait_for()
+        first = pg.locator("[data-testid='stMetric']", has_text="first non-finite op")
+        first.first.wait_for()
+        assert first.first.locator("[data-testid='stMetricValue']").inner_text().strip() == "none"
+        nonfinite = pg.locator("[data-testid='stMetric']", has_text="records with NaN/Inf")
+        assert nonfinite.first.locator("[data-testid='stMetricValue']").inner_text().strip() == "0"
+        _shot(pg, "browser-rerun-user-model.png")
+    except Exception:
+        _shot(pg, "browser-rerun-user-model-failure.png")
+        raise
