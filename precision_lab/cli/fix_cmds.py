@@ -48,7 +48,8 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     else:
         typer.echo(f"  first non-finite: {fn['op']} ({fn['reason']})")
     if last is not None:
-        typer.echo(f"  output SQNR against the fp32 reference: {last['sqnr_db']:.1f} dB ({last['verdict']})")
+        sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
+        typer.echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
     for d in browse.run_diagnoses(store, run_id):
         typer.echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
         if d["fixes"] and d["fixes"] != "[]":

@@ -135,9 +135,10 @@ def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
 
 
 def last_accumulated_output(store, run_id: str) -> Optional[dict]:
-    """The last output compared with the reference that has an SQNR (``{op, seq, sqnr_db, verdict}``)."""
+    """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict}``):
+    its ``sqnr_db`` is None when that output holds NaN/Inf, never an earlier op's SQNR standing in for it."""
     return _one(store, """SELECT op, seq, sqnr_db, verdict FROM comparisons WHERE cand_run_id = ?
-                          AND kind = 'accumulated' AND role = 'output' AND sqnr_db IS NOT NULL
+                          AND kind = 'accumulated' AND role = 'output' AND ref_rid IS NOT NULL AND cand_rid IS NOT NULL
                           ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
 
 
