@@ -299,7 +299,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                     if id(p) in self._param_owner or not p.requires_grad:
                         continue
                     # a parameter's gradient is produced by its module's backward
-                    op = f"{_name_path(path)}.backward.0" if path else "backward.0"
+                    named = _name_path(path)  # "" for the model, and for the model torch.compile(model) wraps
+                    op = f"{named}.backward.0" if named else "backward.0"
                     self._param_owner[id(p)] = (op, type(mod).__name__, pname)
                     self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
         for key, (mod, attr) in regions.items():
