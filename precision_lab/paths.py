@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["ENV_DB", "default_data_dir", "default_db_path", "resolve_db_path"]
+__all__ = ["ENV_DB", "default_data_dir", "default_db_path", "resolve_db_path", "samples_dir"]
 
 ENV_DB = "PRECISION_LAB_DB"
+
+
+def samples_dir() -> Path:
+    """The sample dumps: ``precision_lab/sample_dumps`` in an installed package (the wheel carries the
+    checkout's ``sample_dumps/`` there), else ``sample_dumps/`` beside the package in a source checkout."""
+    packaged = files(__package__) / "sample_dumps"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[1] / "sample_dumps"
 
 
 def default_data_dir() -> Path:

@@ -161,3 +161,17 @@ def test_project_imports_sit_at_module_top():
         lines = (ROOT / file).read_text().splitlines()
         context = " ".join(lines[max(0, int(line) - 3): int(line)])
         assert "#" in context, f"{entry}: a deferred project import needs a comment saying why"
+
+
+def test_the_routing_shim_still_matches_streamlit(tmp_path, monkeypatch):
+    """``ui.page._ensure_routed`` relies on Streamlit keeping the old pages/-folder mode in the class flag
+    ``PagesManager.uses_pages_directory``, set by the first PagesManager from whether a ``pages/`` folder sits
+    beside the main script.  When a Streamlit upgrade changes that, this fails: revisit the shim."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    assert "uses_pages_directory" in vars(PagesManager), "Streamlit dropped PagesManager.uses_pages_directory"
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "app.py").write_text("")
+    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
+    PagesManager(str(tmp_path / "app.py"))
+    assert PagesManager.uses_pages_directory is True, "Streamlit no longer detects a pages/ folder this way"

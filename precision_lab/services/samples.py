@@ -21,12 +21,13 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 from .rerun import _forward
+from ..paths import samples_dir
 from ..readers.shards import write_manifest, write_shard
 from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
 __all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES"]
 
-DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_dumps"
+DEFAULT_ROOT = samples_dir()
 RUN_NAMES = ("reference", "candidate")
 
 

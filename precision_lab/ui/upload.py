@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ..paths import samples_dir
 from ..safezip import _safe_parts
 
 __all__ = ["UploadError", "UploadedItem", "write_upload", "upload_key", "Sample", "list_samples",
            "SAMPLES_DIR"]
 
-# sample_dumps/ next to the package in a source checkout
-SAMPLES_DIR = Path(__file__).resolve().parents[2] / "sample_dumps"
+SAMPLES_DIR = samples_dir()
 
 
 class UploadError(ValueError):
