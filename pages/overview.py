@@ -15,6 +15,7 @@ if info is None:
     st.info("No session yet: upload a dump or open a sample on the Sessions page.")
     st.stop()
 sid = info["session_id"]
+view = page.session_views(store, sid)  # the session's view-models, cached until it changes
 
 st.title(f"Overview: {page.plain(info['name'])}")
 st.write(
@@ -23,19 +24,19 @@ st.write(
 )
 
 st.subheader("Runs")
-st.dataframe(ov.runs_table(store, sid).drop(columns=["run_id"]).fillna({"parent": "", "fix": "", "order": ""}),
+st.dataframe(view(ov.runs_table).drop(columns=["run_id"]).fillna({"parent": "", "fix": "", "order": ""}),
              hide_index=True, width="stretch", key="runs_table")
 
-caveat = ov.order_caveat(store, sid)
+caveat = view(ov.order_caveat)
 if caveat:
     st.warning(page.plain(caveat), icon=":material/sort_by_alpha:")
-warns = ov.warnings_table(store, sid)
+warns = view(ov.warnings_table)
 if len(warns):
     more = "+" if len(warns) >= ov.MAX_WARNINGS else ""
     with st.expander(f"{len(warns)}{more} warning(s) from reading or capturing this session"):
         st.dataframe(warns, hide_index=True, width="stretch", key="warnings_table")
 
-for lr in ov.long_runs(store, sid):
+for lr in view(ov.long_runs):
     with st.container(border=True):
         first = lr["first_nonfinite_step"]
         alerts = lr["alerts"]
@@ -49,7 +50,7 @@ for lr in ov.long_runs(store, sid):
             page.navigate("timeline", session=info["name"], run=lr["run"])
 
 st.subheader("First non-finite producer")
-firsts = ov.first_nonfinite_by_run(store, sid)
+firsts = view(ov.first_nonfinite_by_run)
 for item in firsts:
     run, first, masks = item["run"], item["first"], item["intended"]
     quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, or log(0)); not blamed: "
@@ -100,7 +101,7 @@ if tree is not None and len(tree[1]) > 1:
             if rid is not None:
                 page.navigate("detail", session=info["name"], run=run["name"], op=rid)
 
-artefacts = ov.norm_artefacts(store, sid)
+artefacts = view(ov.norm_artefacts)
 if artefacts:
     with st.expander(f"{len(artefacts)} norm artefact(s): Norm/Mean non-finite while the values are finite"):
         st.dataframe([{"run": a["run"], "op": a["op"], "tensor": f"{a['role']} {a['index']}",
@@ -110,7 +111,7 @@ if artefacts:
 
 
 def _offenders(kinds, key: str, empty: str) -> None:
-    df = ov.top_offenders(store, sid, kinds=kinds, n=10)
+    df = view(ov.top_offenders, kinds=kinds, n=10)
     if df.empty:
         st.caption(empty)
         return
@@ -133,7 +134,7 @@ with tab_loc:
                "No local comparisons: they come from live captures, which re-run each op in fp32.")
 
 st.subheader("Diagnosis")
-cards = ov.diagnosis_cards(store, sid)
+cards = view(ov.diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
 blocked, offers = rerun_actions(store, info["name"], cards) if acc.can_rerun else (None, [[] for _ in cards])
@@ -210,7 +211,7 @@ metric = c1.radio("Metric", list(ov.ERROR_METRICS), horizontal=True, key="err_me
                   format_func=lambda m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB",
                                          "rounding_units": "error / roundoff", "max_abs_err": "max abs error"}[m])
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
-series = ov.error_series(store, sid, metric, roles=("output",) if outputs_only else ())
+series = view(ov.error_series, metric, roles=("output",) if outputs_only else ())
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:

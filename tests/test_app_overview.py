@@ -144,3 +144,40 @@ def test_overview_tree_outlines_the_path_to_the_first_producer(ui_db):
     assert_clean(at)
     assert at.title[0].value == "Op detail"
     assert at.subheader[0].value.startswith(escape_md(first_module))
+
+
+def test_overview_view_models_are_cached_until_the_session_changes(ui_db, monkeypatch):
+    """A second run of the page (any click) reuses the session's view-models; a new run or a changed
+    diagnosis computes them again."""
+    from precision_lab.records import Diagnosis
+    from precision_lab.ui import overview as ov
+
+    calls = []
+    real = ov.top_offenders
+
+    def counting(store, sid, **kw):
+        calls.append(kw["kinds"])
+        return real(store, sid, **kw)
+
+    monkeypatch.setattr(ov, "top_offenders", counting)
+    at = open_page("overview", session=STAT_SESSION)
+    first = len(calls)
+    assert first == 2  # accumulated and local tabs
+    top = frame_with(at, "rounding_units")
+    at.run()
+    assert_clean(at)
+    assert len(calls) == first and frame_with(at, "rounding_units").equals(top)  # cached, same table
+
+    store = _store(ui_db)
+    with store.extend_session(STAT_SESSION) as w:  # a diagnosis rewritten (as after a re-run's diagnose)
+        w.add_diagnosis(Diagnosis("", "", "x.op", "manual", "a new finding", (), "info", 0))
+    at.run()
+    assert_clean(at)
+    assert len(calls) == 2 * first
+    assert "a new finding" in " ".join(e.value for e in at.markdown)
+    with store.extend_session(STAT_SESSION) as w:  # a run added
+        w.add_run(name="fp16-again", dtype="float16", kind="candidate")
+    at.run()
+    assert_clean(at)
+    assert len(calls) == 3 * first
+    assert "fp16-again" in set(frame_with(at, "nonfinite_records")["run"])

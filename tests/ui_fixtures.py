@@ -114,6 +114,7 @@ def serve_db(db, monkeypatch):
     monkeypatch.delenv("PRECISION_LAB_CONFIG", raising=False)
     monkeypatch.delenv("PRECISION_LAB_READ_ONLY", raising=False)
     st.cache_resource.clear()
+    st.cache_data.clear()
     try:
         yield db
     finally:

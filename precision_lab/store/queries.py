@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
-    "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output",
+    "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "session_data_version",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid",
 ]
 
@@ -243,6 +243,17 @@ def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[
     """``columns`` of every comparison of a session, by candidate run and execution order."""
     return rows(store, f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
                            ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id])
+
+
+def session_data_version(store, session_id: str) -> tuple:
+    """What every view of one session depends on, in one query: its runs (a re-run adds one; stored records
+    never change) and its diagnoses (rewritten after each write, so a digest of their content)."""
+    row = _one(store, """SELECT (SELECT string_agg(run_id, ',' ORDER BY run_id) FROM runs WHERE session_id = ?) AS runs,
+                                (SELECT count(*) FROM diagnoses WHERE session_id = ?) AS n,
+                                (SELECT md5(string_agg(concat_ws('|', run_id, rule, op, message, fixes, severity, seq),
+                                                       '\n' ORDER BY run_id, seq, op, rule, message))
+                                 FROM diagnoses WHERE session_id = ?) AS diagnoses""", [session_id] * 3)
+    return tuple(row.values()) if row else ()
 
 
 def session_diagnoses(store, session_id: str) -> list[dict]:

@@ -29,11 +29,12 @@ import streamlit as st
 from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
 from .overview import session_headline
+from ..services.browse import session_data_version
 from ..store import Store, default_db_path
 from ..config import SHARE_PARAM, ConfigError, load_config, parse_bool, resolve_access
 from ..scratch import scratch_root, sweep
 
-__all__ = ["PAGES", "cached_headline", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
+__all__ = ["PAGES", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
            "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
@@ -65,6 +66,25 @@ def plain(text: Any) -> str:
 @st.cache_data(max_entries=20_000, show_spinner=False)
 def _headline(db_path: str, session_id: str, version: tuple, _store) -> dict:
     return session_headline(_store, session_id)
+
+
+@st.cache_data(max_entries=2_000, show_spinner=False)
+def _view(name: str, db_path: str, session_id: str, version: tuple, args: tuple, kwargs: tuple, _fn, _store):
+    return _fn(_store, session_id, *args, **dict(kwargs))
+
+
+def session_views(store, session_id: str) -> Callable[..., Any]:
+    """``view(fn, *args, **kwargs)``: ``fn(store, session_id, *args, **kwargs)``, a view-model of one session,
+    cached per (function, database, session, data version, arguments).  The version is read once here (one
+    query), so a page run costs one query for everything it shows that did not change since the last run;
+    a re-run or a refreshed diagnosis changes the version and every view is computed again."""
+    version = session_data_version(store, session_id)
+
+    def view(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return _view(f"{fn.__module__}.{fn.__qualname__}", store.path, session_id, version, args,
+                     tuple(sorted(kwargs.items())), fn, store)
+
+    return view
 
 
 def cached_headline(store) -> Callable[[str, tuple], dict]:
