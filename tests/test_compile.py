@@ -197,12 +197,28 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
         boundary = [e for op, role, e, _ in rows if op == "blocks.1.forward.0" and role == "output"]
         assert boundary and boundary[0] > 0  # compilation alone changes the block's output
 
+        diags = q.session_diagnoses(store, store.session("build")["session_id"])
+        comp = [d for d in diags if d["rule"] == "compiled"]
+        assert [d["run_id"] for d in comp] == [runs["candidate"]["run_id"]]
+        assert "emulate-precision-casts" in comp[0]["fixes"] and "eager" in comp[0]["fixes"]
+
+        listed = _cli("fixes", "--session", "build", "--db", db, "--model", f"{MODEL}:build", "--inputs",
+                      f"{MODEL}:inputs")
+        assert listed.exit_code == 0, listed.output
+        verdicts = {ln.split()[1]: ln.split()[0] for ln in listed.output.splitlines()}
+        assert verdicts["emulate-precision-casts"] == "applies" and verdicts["eager"] == "applies"
+        assert verdicts["eps:1e-3"] == "applies"  # the blocks' LayerNorms
+        assert verdicts["stable-softmax"] == "no"
+
         res = _cli("rerun", "--session", "build", "--fix", "emulate-precision-casts", "--db", db,
                    "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs")
         assert res.exit_code == 0, res.output
         runs = q.session_runs(store, store.session("build")["session_id"])
         fixed = next(r for r in runs if r["kind"] == "rerun")
         assert "emulating precision casts" in fixed["policy"] or "emulate_precision_casts" in fixed["policy"]
+        diags = q.session_diagnoses(store, store.session("build")["session_id"])
+        # rounding as eager code does, the re-run no longer carries the compiler's note
+        assert fixed["run_id"] not in {d["run_id"] for d in diags if d["rule"] == "compiled"}
         rows = _accumulated(store, fixed["run_id"])
         outs = [e for op, role, e, _ in rows if op.endswith(".forward.0") and role == "output"]
         assert outs and max(outs) == 0.0  # every module output now equals the eager one, bit for bit

@@ -151,3 +151,34 @@ def test_every_policy_casts_the_same_input_trees():
         assert out["b"].mask.dtype == torch.bool and out["b"].ids.dtype == torch.int64
         # values are a real cast of the originals
         assert torch.equal(out["b"].x, tree["b"].x.to(want))
+
+
+def test_eps_raises_every_normalisations_epsilon_on_any_model():
+    """``eps:V`` reaches torch's and transformers' own normalisations, as a floor: a larger epsilon stays, a
+    missing one (torch's RMSNorm, which then uses its format's machine epsilon) becomes at least that."""
+    import torch
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from precision_lab.fixes.catalogue import apply_fixes
+    from precision_lab.fixes.policy import PrecisionPolicy
+
+    model = torch.nn.ModuleDict({
+        "ln": torch.nn.LayerNorm(8, eps=1e-5), "big": torch.nn.LayerNorm(8, eps=0.5),
+        "rms": torch.nn.RMSNorm(8), "gn": torch.nn.GroupNorm(2, 8, eps=1e-5), "bn": torch.nn.BatchNorm1d(8),
+        "qwen": Qwen2RMSNorm(8, eps=1e-6), "lin": torch.nn.Linear(8, 8)})
+    policy = apply_fixes(PrecisionPolicy("fp16", "fp16"), "eps:1e-3")
+    policy.prepare(model)
+    assert model["ln"].eps == 1e-3 and model["gn"].eps == 1e-3 and model["bn"].eps == 1e-3
+    assert model["qwen"].variance_epsilon == 1e-3
+    assert model["big"].eps == 0.5  # a floor: never lowered
+    assert model["rms"].eps == max(1e-3, float(torch.finfo(torch.float16).eps))
+    assert not hasattr(model["lin"], "eps")
+    # the raised epsilon is the one the forward uses: the module equals F.layer_norm with eps 1e-3
+    x = torch.zeros(2, 8, dtype=torch.float16)
+    x[:, 0] = 1e-2  # a row whose variance (about 1e-5) is below the new epsilon
+    want = torch.nn.functional.layer_norm(x.float(), (8,), model["ln"].weight.float(), model["ln"].bias.float(),
+                                          eps=1e-3)
+    got = model["ln"](x).float()
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    loose = torch.nn.functional.layer_norm(x.float(), (8,), eps=1e-5)
+    assert (got - loose).abs().max() > 0.5  # the old epsilon gives a different answer

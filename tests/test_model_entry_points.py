@@ -142,3 +142,36 @@ def test_dashboard_verifies_the_suggestions_on_the_users_model(captured, monkeyp
             assert first_nonfinite(store, run_id) is None
         labels = [b.label.replace("\\", "") for b in at.button if b.key and b.key.startswith("rerun_")]
         assert any(lab.startswith(f"Open fix: {works[0]['label']}: works") for lab in labels), labels
+
+
+def test_fixes_lists_what_applies_to_the_users_model(captured):
+    res = _cli("fixes", "--session", "build", "--db", captured, "--model", f"{MODEL}:build", "--inputs",
+               f"{MODEL}:inputs")
+    assert res.exit_code == 0, res.output
+    got = {}
+    for line in res.output.splitlines():
+        verdict, spec = line.split()[:2]
+        got[spec.split(":")[0]] = (verdict, spec, line)
+    applies = {k for k, (v, _, _) in got.items() if v == "applies"}
+    # cast, island and sanitise fixes reach any module; the epsilon reaches Qwen2's own RMSNorm
+    assert {"use-bf16", "keep-fp32", "sanitize-nonfinite", "eps"} <= applies
+    assert got["keep-fp32"][1] == "keep-fp32:model.layers.1.mlp.down_proj"  # the first non-finite producer
+    # fp8 scale fixes need an fp8 policy, compile fixes a compiled run; options no module of Qwen2 reads
+    for name in ("scale-fp32", "amax-floor", "scaling", "emulate-precision-casts", "eager", "keep-subnormals"):
+        assert got[name][0] == "no", got[name]
+    for name in ("stable-softmax", "stats-fp32", "two-pass-variance"):
+        assert got[name][0] == "no" and "changes nothing in this model" in got[name][2], got[name]
+    assert set(got) == set(_catalogue())
+
+
+def _catalogue():
+    from precision_lab.fixes.catalogue import FIXES
+
+    return list(FIXES)
+
+
+def test_fixes_on_a_session_without_a_model_is_one_sentence(captured):
+    res = _cli("fixes", "--session", "build", "--db", captured)  # entry points not given again
+    assert res.exit_code == 2 and "never run on their own" in res.output and "Traceback" not in res.output
+    res = _cli("fixes", "--session", "nope", "--db", captured)
+    assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output

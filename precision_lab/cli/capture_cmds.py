@@ -15,9 +15,10 @@ import typer
 from ._app import app
 from ._common import DB_HELP, open_store
 from ._common import fail as _fail
+from ._models import INPUTS_HELP, LOSS_HELP, MODEL_HELP, resolve_recipe
 from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
 from ..formats import FORMATS, get_format
-from ..fixes.recipes import RecipeNotFound, entry_point_recipe, get_recipe, register_recipe
+from ..fixes.recipes import RecipeNotFound
 from ..fixes.catalogue import apply_fixes
 from ..services import browse
 from ..services.report import first_nonfinite
@@ -43,26 +44,6 @@ def candidate_policy(recipe, dtype: Optional[str]):
     if fmt.name not in FORMATS or fmt.torch_dtype() is None:
         raise PolicyError(f"--dtype {dtype!r}: torch cannot compute in {fmt.name}")
     return PrecisionPolicy(name=fmt.name, dtype=fmt.name)
-
-
-MODEL_HELP = ("your model: FILE.py:FUNCTION or package.module:FUNCTION returning a fresh fp32 torch.nn.Module "
-              "(instead of --recipe)")
-INPUTS_HELP = "with --model: FILE.py:FUNCTION returning the inputs (a tensor, a tuple of arguments or a dict)"
-LOSS_HELP = "with --model: FILE.py:FUNCTION mapping the output to a scalar loss, for a backward pass too"
-
-
-def resolve_recipe(recipe: Optional[str], model: Optional[str], inputs: Optional[str], loss: Optional[str]):
-    """The recipe a command runs: a registered one by name, or the user's model from ``--model``/``--inputs``
-    (registered in this process under the name its session records)."""
-    if (recipe is None) == (model is None):
-        raise ValueError("give --recipe NAME or --model FILE.py:FUNCTION (with --inputs), not both or neither")
-    if model is not None:
-        if not inputs:
-            raise ValueError("--model needs --inputs FILE.py:FUNCTION returning the model's inputs")
-        return register_recipe(entry_point_recipe(model, inputs, loss), replace=True)
-    if inputs or loss:
-        raise ValueError("--inputs and --loss go with --model")
-    return get_recipe(recipe)
 
 
 @app.command("capture")

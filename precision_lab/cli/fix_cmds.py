@@ -14,9 +14,8 @@ import typer
 from ._app import app
 from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
-from ..fixes.recipes import MODEL_PREFIX, parse_entry_point_recipe
-from .capture_cmds import resolve_recipe
-from ..services.sessions import recipe_name as session_recipe_name
+from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTION as _MODEL
+from ._models import model_entry_points as _model_entry_points
 from ..services import browse
 from ..services.report import first_nonfinite
 from ..services.rerun import bisect_fp32_islands, rerun_session
@@ -28,10 +27,6 @@ from ..services.verify import verify_session
 
 EXIT_FAILED = 1
 
-# the options every command that runs a session's model again takes
-_MODEL = typer.Option(None, "--model", help="a session captured with --model: the same entry point, to run it again")
-_INPUTS = typer.Option(None, "--inputs", help="with --model: the same inputs entry point")
-_LOSS = typer.Option(None, "--loss", help="with --model: the same loss entry point")
 _DB = typer.Option(None, "--db", help=DB_HELP)
 
 
@@ -55,27 +50,6 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
         if d["fixes"] and d["fixes"] != "[]":
             typer.echo(f"      fixes: {d['fixes']}")
     return fn is None
-
-
-def _model_entry_points(store, session: str, model: Optional[str], inputs: Optional[str],
-                        loss: Optional[str]) -> None:
-    """Make the model a session was captured from runnable in this process, from the entry points given on the
-    command line (a session's own record of them is never run); they must be the ones it was captured with."""
-    if model is None:
-        if inputs or loss:
-            _fail("--inputs and --loss go with --model")
-        return
-    try:
-        info = store.session(session)
-        rec = resolve_recipe(None, model, inputs, loss)
-    except (SessionNotFound, ValueError) as e:
-        _fail(str(e))
-    recorded = session_recipe_name(store, info)
-    if recorded != rec.name:
-        what = (f"the model entry points {parse_entry_point_recipe(recorded)}" if recorded and
-                recorded.startswith(MODEL_PREFIX) else f"recipe {recorded!r}" if recorded else "dumps, not a model")
-        _fail(f"session {info['name']!r} was captured from {what}; --model/--inputs/--loss name "
-              f"{parse_entry_point_recipe(rec.name)}")
 
 
 @app.command("rerun")

@@ -10,7 +10,11 @@ from ._app import app
 from ._common import DB_HELP, open_store
 from ._common import fail as _fail
 from ..display import num_text
+from ._models import INPUTS_OPTION, LOSS_OPTION, MODEL_OPTION, model_entry_points
 from ..fixes.catalogue import FIXES, parse_fix
+from ..services.applicable import applicable_fixes
+from ..services.rerun import RerunError
+from ..store import SessionNotFound
 from ..fixes.recipes import RecipeError, list_recipes
 from ..formats import FORMATS
 from ..store import queries as q
@@ -52,9 +56,28 @@ def recipes_cmd() -> None:
 
 
 @app.command("fixes")
-def fixes_cmd() -> None:
-    """List the fix catalogue with each fix's reason."""
+def fixes_cmd(
+    session: Optional[str] = typer.Option(None, "--session", "-s", help="list the fixes that apply to this "
+                                                                        "session's model, and why the others do not"),
+    db: Optional[str] = typer.Option(None, "--db", help=DB_HELP),
+    model: Optional[str] = MODEL_OPTION,
+    inputs: Optional[str] = INPUTS_OPTION,
+    loss: Optional[str] = LOSS_OPTION,
+) -> None:
+    """List the fix catalogue with each fix's reason (with --session: which apply to that session's model)."""
 
-    for name in sorted(FIXES):
-        d = FIXES[name]
-        typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")
+    if session is None:
+        if model or inputs or loss or db:
+            _fail("--model, --inputs, --loss and --db go with --session")
+        for name in sorted(FIXES):
+            d = FIXES[name]
+            typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")
+        return
+    store = open_store(db)
+    model_entry_points(store, session, model, inputs, loss)
+    try:
+        rows = applicable_fixes(store, session)
+    except (SessionNotFound, RerunError) as e:
+        _fail(str(e))
+    for r in rows:
+        typer.echo(f"{'applies' if r['applies'] else 'no':<8} {r['fix']:<36} {r['reason']}")

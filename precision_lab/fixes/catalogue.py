@@ -269,7 +269,8 @@ for _d in (
                      "reciprocal scale instead of 1/0 = inf (the floor must be representable in the scale format)",
            _amax_floor, "amax-floor:1e-12"),
     FixDef("eps", "value",
-           lambda v: f"use epsilon {v:g} in normalisations; it keeps 1/sqrt(var + eps) finite when the "
+           lambda v: f"raise every normalisation's epsilon to at least {v:g} (LayerNorm, RMSNorm, GroupNorm, "
+                     "BatchNorm, transformers' RMSNorm); it keeps 1/sqrt(var + eps) finite when the "
                      f"variance is 0 if the compute format holds it as a normal number "
                      f"(fp16 smallest normal {_g(_F16.smallest_normal)})",
            _eps, "eps:1e-3"),

@@ -373,7 +373,7 @@ class _NormBase(PolicyModule):
 
     def configure(self, policy, name: str) -> None:
         super().configure(policy, name)
-        self.eps = policy.eps if policy.eps is not None else self.default_eps
+        self.eps = policy.eps_for(self.default_eps)
         self.stats_fp32 = policy.stats_fp32
 
     @property

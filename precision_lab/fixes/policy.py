@@ -164,6 +164,13 @@ class PrecisionPolicy:
         """The compute format of a module: its override, else the default."""
         return self.override_for(module_name) or self.dtype
 
+    def eps_for(self, current: Optional[float]) -> Optional[float]:
+        """The epsilon a normalisation uses under this policy: its own (``current``), raised to at least the
+        policy's ``eps`` when it has one."""
+        if self.eps is None:
+            return current
+        return self.eps if current is None else max(float(current), self.eps)
+
     def sanitizes(self, module_name: str) -> bool:
         return any(module_matches(module_name, p) for p in self.sanitize)
 
@@ -197,8 +204,11 @@ class PrecisionPolicy:
             _cast_own(mod, tdtype)
             if isinstance(mod, PolicyModule):
                 mod.configure(self, name)
-            elif any(p.is_floating_point() for p in mod.parameters(recurse=False)):
-                install_cast_hook(mod, tdtype)
+            else:
+                if self.eps is not None:
+                    _floor_eps(mod, self, fmt)
+                if any(p.is_floating_point() for p in mod.parameters(recurse=False)):
+                    install_cast_hook(mod, tdtype)
             if name and self.sanitizes(name) and not isinstance(mod, PolicyModule):
                 install_sanitize_hook(mod)
         if self.compile is not None:
@@ -281,6 +291,28 @@ class PrecisionPolicy:
 
     def replace(self, **kw) -> "PrecisionPolicy":
         return dataclasses.replace(self, **kw)
+
+
+# where normalisations keep their epsilon: torch's LayerNorm, GroupNorm, BatchNorm, RMSNorm (``eps``) and
+# transformers' RMSNorms (``variance_epsilon``, or ``eps``)
+EPS_ATTRS = ("eps", "variance_epsilon")
+
+
+def eps_attrs(mod) -> list[str]:
+    """The epsilon attributes of a module a policy's ``eps`` raises: numbers, or None (torch's RMSNorm then
+    uses its format's machine epsilon)."""
+    out = []
+    for a in EPS_ATTRS:
+        v = getattr(mod, a, "absent")
+        if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            out.append(a)
+    return out
+
+
+def _floor_eps(mod, policy: "PrecisionPolicy", fmt: str) -> None:
+    for attr in eps_attrs(mod):
+        cur = getattr(mod, attr)
+        setattr(mod, attr, policy.eps_for(FORMATS[fmt].eps if cur is None else cur))
 
 
 def _no_match(pattern: str, names: list[str], fix: str) -> str:

@@ -620,13 +620,30 @@ def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
                       int(last["seq"]) if last else -1)]
 
 
+def _compiled(ctx: Context, run: dict) -> list[Diagnosis]:
+    """A run compiled with torch.compile without emulated precision casts: its fused kernels keep intermediates
+    in fp32 where eager code rounds, so part of its difference from any eager run is the compiler's."""
+    policy = ctx.policies.get(run["run_id"])
+    if getattr(policy, "compile", None) is None or policy.emulate_precision_casts:
+        return []
+    last = ctx.facts.last_accumulated_output(run["run_id"])
+    fmt = format_for_dtype(run.get("dtype"))
+    msg = (f"run compiled with torch.compile ({'the whole model' if policy.compile == 'model' else policy.compile}): "
+           f"fused kernels keep intermediates in fp32 where eager code rounds each op's result to "
+           f"{fmt.name if fmt else 'its format'}, so its numbers differ from an eager run in the same format; to "
+           "tell what compilation changes from what the format does, re-run it rounding as eager code does "
+           "(emulate-precision-casts) or without compiling (eager)")
+    return [Diagnosis("", run["run_id"], last["op"] if last else "", "compiled", msg,
+                      ("emulate-precision-casts", "eager"), "info", int(last["seq"]) if last else -1)]
+
+
 # ---- one run ------------------------------------------------------------------------
 
 def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> list[Diagnosis]:
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
     policy = ctx.policies.get(run["run_id"])
     if first_nonfinite is None:
-        return _fix_verified(ctx, run) + _precision_loss(ctx, run)
+        return _fix_verified(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run)
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
     nan = first_nonfinite.get("first_nan")
     if found and nan:
@@ -640,7 +657,7 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> li
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
                            d.message + f" The non-finite values stop before the run's output, which is finite "
                            f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)]
-    return found
+    return found + _compiled(ctx, run)
 
 
 def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagnosis]:

@@ -1,0 +1,83 @@
+"""Which fixes of the catalogue apply to a session's model, and why the others do not.
+
+A fix applies when it edits the session's low-precision policy (``apply_fixes`` raises ``FixError`` for one that
+cannot: a scale fix on a policy without fp8, emulate-precision-casts on an eager run), the edited policy
+prepares the model (``PolicyError`` for a pattern naming no module), and the prepared model differs from the one
+the session's own policy prepares: a fix that changes nothing on this model (``stable-softmax`` where no module
+computes a softmax the policy can reach) is listed as such, never offered.  Pattern fixes are tried on the
+module of the first non-finite producer, or of the op with the worst error, when the session names one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import is_dataclass
+from typing import Optional
+
+from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix
+from ..fixes.policy import PolicyError
+from ..ops import innermost_module
+from ..store import queries as q
+from .report import first_nonfinite
+from .rerun import session_recipe
+from .sessions import run_policy
+
+__all__ = ["applicable_fixes"]
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _fingerprint(model) -> tuple:
+    """What a policy can change in a model: each module's class, public settings, parameter formats, hooks
+    and whether it is compiled."""
+    out = []
+    for name, m in model.named_modules():
+        settings = tuple(sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_")
+                                and (isinstance(v, _SIMPLE) or is_dataclass(v))))
+        dtypes = tuple(str(p.dtype) for p in m.parameters(recurse=False))
+        hooks = (len(m._forward_pre_hooks), len(m._forward_hooks))
+        out.append((name, type(m).__name__, settings, dtypes, hooks, m._compiled_call_impl is not None))
+    return tuple(out)
+
+
+def _target(store, run: dict, names: list[str]) -> Optional[str]:
+    """The module a pattern fix is tried on: the first non-finite producer's, else the worst local error's."""
+    fn = first_nonfinite(store, run["run_id"])
+    ops = ([fn["op"]] if fn else []) + list(q.ops_by_local_error(store, run["run_id"]))
+    for op in ops:
+        m = innermost_module(op, names)
+        if m:
+            return m
+    return None
+
+
+def applicable_fixes(store, session: str) -> list[dict]:
+    """Every fix of the catalogue for the session's model: ``{fix, applies, reason}`` -- ``fix`` the spec tried,
+    ``reason`` what it would do, or why it does not apply.  Builds the model (fp32) once; runs nothing."""
+    info, recipe = session_recipe(store, session)
+    runs = q.session_runs(store, info["session_id"])
+    cand = next((r for r in runs if r["kind"] == "candidate"), None)
+    policy = (run_policy(cand) if cand else None) or recipe.default_policy
+    model, _ = recipe.build()
+    names = [n for n, _ in model.named_modules() if n]
+    base = _fingerprint(policy.prepare(copy.deepcopy(model)))
+    target = _target(store, cand, names) if cand else None
+    out = []
+    for name in sorted(FIXES):
+        d = FIXES[name]
+        spec = d.example
+        if d.param == "pattern":
+            spec = f"{name}:{target or (names[0] if names else '*')}"
+        try:
+            fixed = apply_fixes(policy, spec)
+            prepared = fixed.prepare(copy.deepcopy(model))
+        except (FixError, PolicyError) as e:
+            out.append({"fix": spec, "applies": False, "reason": str(e)})
+            continue
+        if _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
+                policy.compile, policy.emulate_precision_casts):
+            out.append({"fix": spec, "applies": False,
+                        "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"})
+            continue
+        out.append({"fix": spec, "applies": True, "reason": parse_fix(spec).reason})
+    return out
