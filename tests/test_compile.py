@@ -86,6 +86,30 @@ def test_per_block_compile_records_the_compiled_numbers_with_eager_detail_inside
                for b in compiled.blocks)
 
 
+def test_compiled_modules_inside_a_compiled_block_stay_inside_its_graph():
+    eager = blocks.build().to(torch.bfloat16)
+    x = blocks.inputs().to(torch.bfloat16)
+    model = copy.deepcopy(eager)
+    for b in model.blocks:  # a block and its children compiled, as a pattern like "blocks.*" could select
+        for m in b.modules():
+            m.compile()
+    plain = model(x)  # the compiled numbers, with no capture
+    for step in range(3):  # a few steps: the wrapper would be traced and recompiled per step if nested
+        cap, out = _capture(model, x, local_error=False)
+        assert torch.equal(out, plain), step  # never an eager fallback
+    assert not torch.equal(out, eager(x))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert [m for w, m in cap.warnings if w == "torch.compile"] == [
+        "compiled with torch.compile: blocks.0, blocks.1. Inputs and outputs recorded there are the compiled "
+        "numbers; the ops inside come from an eager re-run on the same inputs"]
+    # a policy's pattern compiles the outermost matches only
+    from precision_lab.fixes.policy import PrecisionPolicy
+
+    fresh = blocks.build()
+    PrecisionPolicy("bf16", "bf16", compile="blocks.*").prepare(fresh)
+    assert [n for n, m in fresh.named_modules() if m._compiled_call_impl is not None] == ["blocks.0", "blocks.1"]
+
+
 def test_a_model_wrapped_whole_by_torch_compile_is_named_as_the_eager_model():
     eager = blocks.build().to(torch.bfloat16)
     x = blocks.inputs().to(torch.bfloat16)

@@ -212,8 +212,10 @@ class PrecisionPolicy:
             if name and self.sanitizes(name) and not isinstance(mod, PolicyModule):
                 install_sanitize_hook(mod)
         if self.compile is not None:
-            targets = [model] if self.compile == "model" else [
-                m for n, m in named if n and module_matches(n, self.compile)]
+            # the outermost matches: a block's own children run inside its compiled graph
+            matched = [n for n, _ in named if n and module_matches(n, self.compile)]
+            outer = [n for n in matched if not any(n.startswith(o + ".") for o in matched)]
+            targets = [model] if self.compile == "model" else [model.get_submodule(n) for n in outer]
             if not targets:
                 raise PolicyError(_no_match(self.compile, names, "compile"))
             # in place (Module.compile): module paths, and so op names, stay those of the eager model

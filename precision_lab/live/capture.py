@@ -113,8 +113,10 @@ def _compiled_regions(model) -> dict:
     wrapped by ``torch.compile(module)`` (its ``forward`` is the compiled call) or compiled in place by
     ``module.compile()`` (its ``_compiled_call_impl``).  A ``forward`` replaced by a compiled function cannot be
     captured and is refused in one sentence."""
-    regions = {}
+    regions, inside = {}, set()
     for path, m in model.named_modules():
+        if id(m) in inside:
+            continue  # a compiled module inside a compiled region is traced into the region's graph
         if isinstance(getattr(m, _ORIG, None), torch.nn.Module) and callable(m.__dict__.get("forward")):
             regions[id(m)] = (m, "forward")
         elif getattr(m, "_compiled_call_impl", None) is not None:
@@ -125,6 +127,9 @@ def _compiled_regions(model) -> dict:
                              "torch.compile, whose graphs the capture cannot enter or wrap; compile the module "
                              "instead (module.compile() or torch.compile(module)) and its outputs are recorded "
                              "as compiled, with op-level detail from an eager re-run")
+        else:
+            continue
+        inside.update(id(c) for c in m.modules() if c is not m)
     return regions
 
 
@@ -359,7 +364,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         run = eager.__call__ if eager is not None else module._call_impl
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
         try:
-            with torch.no_grad():
+            # eager all the way down: compiled modules inside the region run eagerly too
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 self._with_rng(rng, lambda: run(*args, **kwargs))
         except Exception as e:
             self._warn(self._module_paths.get(id(module), "?"),

@@ -5,7 +5,8 @@ cannot: a scale fix on a policy without fp8, emulate-precision-casts on an eager
 prepares the model (``PolicyError`` for a pattern naming no module), and the prepared model differs from the one
 the session's own policy prepares: a fix that changes nothing on this model (``stable-softmax`` where no module
 computes a softmax the policy can reach) is listed as such, never offered.  Pattern fixes are tried on the
-module of the first non-finite producer, or of the op with the worst error, when the session names one.
+innermost module with parameters around the first non-finite producer (or the op with the worst local error),
+and a fix with a choice on each choice in turn.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def _target(store, run: dict, names: list[str]) -> Optional[str]:
     return None
 
 
+def _try(model, policy, base: tuple, spec: str) -> dict:
+    try:
+        fixed = apply_fixes(policy, spec)
+        prepared = fixed.prepare(copy.deepcopy(model))
+    except (FixError, PolicyError) as e:
+        return {"fix": spec, "applies": False, "reason": str(e)}
+    if _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
+            policy.compile, policy.emulate_precision_casts):
+        return {"fix": spec, "applies": False,
+                "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"}
+    return {"fix": spec, "applies": True, "reason": parse_fix(spec).reason}
+
+
 def applicable_fixes(store, session: str) -> list[dict]:
     """Every fix of the catalogue for the session's model: ``{fix, applies, reason}`` -- ``fix`` the spec tried,
     ``reason`` what it would do, or why it does not apply.  Builds the model (fp32) once; runs nothing."""
@@ -59,25 +73,22 @@ def applicable_fixes(store, session: str) -> list[dict]:
     cand = next((r for r in runs if r["kind"] == "candidate"), None)
     policy = (run_policy(cand) if cand else None) or recipe.default_policy
     model, _ = recipe.build()
-    names = [n for n, _ in model.named_modules() if n]
+    # an island or a sanitiser on a module without parameters changes nothing: aim at one that has some
+    names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters())]
     base = _fingerprint(policy.prepare(copy.deepcopy(model)))
     target = _target(store, cand, names) if cand else None
     out = []
     for name in sorted(FIXES):
         d = FIXES[name]
-        spec = d.example
         if d.param == "pattern":
-            spec = f"{name}:{target or (names[0] if names else '*')}"
-        try:
-            fixed = apply_fixes(policy, spec)
-            prepared = fixed.prepare(copy.deepcopy(model))
-        except (FixError, PolicyError) as e:
-            out.append({"fix": spec, "applies": False, "reason": str(e)})
-            continue
-        if _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
-                policy.compile, policy.emulate_precision_casts):
-            out.append({"fix": spec, "applies": False,
-                        "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"})
-            continue
-        out.append({"fix": spec, "applies": True, "reason": parse_fix(spec).reason})
+            specs = [f"{name}:{target or (names[0] if names else '*')}"]
+        elif d.param and d.param.startswith("choice:"):
+            specs = [f"{name}:{c}" for c in d.param.split(":", 1)[1].split("|")]
+        else:
+            specs = [d.example]
+        for spec in specs:
+            got = _try(model, policy, base, spec)
+            if got["applies"]:
+                break
+        out.append(got)
     return out
