@@ -149,7 +149,9 @@ def test_fixes_lists_what_applies_to_the_users_model(captured):
                f"{MODEL}:inputs")
     assert res.exit_code == 0, res.output
     got = {}
-    for line in res.output.splitlines():
+    header, *lines = res.output.splitlines()
+    assert header.split()[:2] == ["applies", "fix"]
+    for line in lines:
         verdict, spec = line.split()[:2]
         got[spec.split(":")[0]] = (verdict, spec, line)
     applies = {k for k, (v, _, _) in got.items() if v == "applies"}

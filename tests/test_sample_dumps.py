@@ -65,7 +65,7 @@ def test_regenerated_sample_reproduces_the_failure(regenerated, name, tmp_path):
     assert kinds.get("accumulated", 0) > 0 and kinds.get("local", 0) > 0
     # the committed folder holds the same records as a fresh regeneration
     committed = DEFAULT_ROOT / name
-    assert (committed / "manifest.json").is_file(), "run `python -m precision_lab.services.samples`"
+    assert (committed / "manifest.json").is_file(), "run `precision-lab samples`"
     other = ingest([committed], store=store, session=f"{name}-committed")
     assert _signature(store, other) == _signature(store, sess)
 
@@ -113,3 +113,16 @@ def test_ingested_sample_is_diagnosed_and_rerun(regenerated, tmp_path):
     n_matched = store.sql("""SELECT count(*) FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'
                              AND match = 'exact'""", [run_id]).fetchone()[0]
     assert n_matched > 0
+
+
+def test_samples_command_writes_a_recipes_folder_and_refuses_an_unknown_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+
+    res = CliRunner().invoke(app, ["samples", "--out", str(tmp_path), "fp16-mlp-overflow"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "fp16-mlp-overflow" / "manifest.json").is_file()
+    assert str(tmp_path / "fp16-mlp-overflow") in res.output
+    bad = CliRunner().invoke(app, ["samples", "--out", str(tmp_path), "nope"])
+    assert bad.exit_code == 2 and "unknown recipe 'nope'" in bad.output and "Traceback" not in bad.output

@@ -15,13 +15,13 @@ from . import _app
 
 # command modules, in help order; each does `from ._app import app` and decorates
 _COMMAND_MODULES = ("ingest_cmds", "report_cmds", "capture_cmds", "fix_cmds", "share_cmds", "serve_cmds",
-                    "misc_cmds")
+                    "misc_cmds", "samples_cmds")
 # the module each command lives in
 COMMANDS = {
     "ingest": "ingest_cmds", "compare": "ingest_cmds", "report": "report_cmds", "capture": "capture_cmds",
     "recipes": "misc_cmds", "fixes": "misc_cmds", "rerun": "fix_cmds", "verify": "fix_cmds", "bisect": "fix_cmds", "replay": "fix_cmds",
     "export": "share_cmds", "import": "share_cmds", "share-link": "share_cmds", "config": "share_cmds",
-    "serve": "serve_cmds", "formats": "misc_cmds", "db": "misc_cmds",
+    "serve": "serve_cmds", "formats": "misc_cmds", "db": "misc_cmds", "samples": "samples_cmds",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from typing import NoReturn, Optional
 
@@ -83,3 +84,20 @@ def end_progress(show) -> None:
         show.stop()
 
 
+
+
+def print_table(columns, rows, *, right=()) -> None:
+    """Rows as aligned columns through rich (no borders, never wrapped, so each row stays one line a script can
+    split); ``right``: the columns aligned right (numbers)."""
+    from rich.console import Console  # deferred: commands that print no table start without it
+    from rich.table import Table
+
+    table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
+    for c in columns:
+        table.add_column(c, justify="right" if c in right else "left", no_wrap=True)
+    for r in rows:
+        table.add_row(*(str(v) for v in r))
+    out = Console(width=100_000, highlight=False, no_color=True, file=io.StringIO())
+    out.print(table)
+    for line in out.file.getvalue().splitlines():
+        typer.echo(line.rstrip())

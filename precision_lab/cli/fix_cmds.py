@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from ._app import app
-from ._common import DB_HELP, end_progress, open_store, tty_progress
+from ._common import DB_HELP, end_progress, open_store, print_table, tty_progress
 from ._common import fail as _fail
 from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTION as _MODEL
 from ._models import model_entry_points as _model_entry_points
@@ -179,11 +179,10 @@ def replay_cmd(
                f"({res.policy})" + (f"; fix {res.fix}" if res.fix else ""))
     for n in res.notes:
         typer.echo(f"  note: {n}")
-    typer.echo(f"  {'output':<10}{'dtype':<10}{'NaN':>8}{'inf':>8}{'absmax':>14}{'SQNR vs fp32':>15}{'verdict':>11}")
-    for r in res.rows():
-        sq = "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB"
-        typer.echo(f"  {r['output']:<10}{r['dtype']:<10}{r['nan']:>8}{r['inf']:>8}{fmt_num(r['absmax']):>14}"
-                   f"{sq:>15}{r['verdict_vs_fp32'] or '-':>11}")
+    print_table(("output", "dtype", "NaN", "inf", "absmax", "SQNR vs fp32", "verdict"),
+                [(r["output"], r["dtype"], r["nan"], r["inf"], fmt_num(r["absmax"]),
+                  "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB", r["verdict_vs_fp32"] or "-")
+                 for r in res.rows()], right=("NaN", "inf", "absmax", "SQNR vs fp32"))
     c = res.comparisons.get("candidate vs dumped")
     if res.reproduces_dump:
         typer.echo(f"  replay reproduces the dumped output {res.dump_match}")

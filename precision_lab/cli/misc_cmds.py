@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ._app import app
-from ._common import DB_HELP, open_store
+from ._common import DB_HELP, open_store, print_table
 from ._common import fail as _fail
 from ..display import num_text
 from ._models import INPUTS_OPTION, LOSS_OPTION, MODEL_OPTION, model_entry_points
@@ -24,10 +24,10 @@ from ..store import queries as q
 def formats_cmd() -> None:
     """List the registered number formats and their limits."""
 
-    typer.echo(f"{'format':<14}{'bits':>5}{'max':>14}{'min normal':>14}{'min subnormal':>15}{'eps':>12}")
-    for f in FORMATS.values():
-        typer.echo(f"{f.name:<14}{f.bits:>5}{num_text(f.max):>14}{num_text(f.smallest_normal, 4):>14}"
-                   f"{num_text(f.smallest_subnormal, 4):>15}{num_text(f.eps, 4):>12}")
+    print_table(("format", "bits", "max", "min normal", "min subnormal", "eps"),
+                [(f.name, f.bits, num_text(f.max), num_text(f.smallest_normal, 4), num_text(f.smallest_subnormal, 4),
+                  num_text(f.eps, 4)) for f in FORMATS.values()],
+                right=("bits", "max", "min normal", "min subnormal", "eps"))
 
 
 @app.command("db")
@@ -69,9 +69,8 @@ def fixes_cmd(
     if session is None:
         if model or inputs or loss or db:
             _fail("--model, --inputs, --loss and --db go with --session")
-        for name in sorted(FIXES):
-            d = FIXES[name]
-            typer.echo(f"{d.example:<36} {parse_fix(d.example).reason}")
+        print_table(("fix", "what it does"), [(FIXES[n].example, parse_fix(FIXES[n].example).reason)
+                                              for n in sorted(FIXES)])
         return
     store = open_store(db)
     model_entry_points(store, session, model, inputs, loss)
@@ -79,5 +78,5 @@ def fixes_cmd(
         rows = applicable_fixes(store, session)
     except (SessionNotFound, RerunError) as e:
         _fail(str(e))
-    for r in rows:
-        typer.echo(f"{'applies' if r['applies'] else 'no':<8} {r['fix']:<36} {r['reason']}")
+    print_table(("applies", "fix", "what it does, or why not"),
+                [("applies" if r["applies"] else "no", r["fix"], r["reason"]) for r in rows])

@@ -10,12 +10,11 @@ can be replayed.  ``manifest.json`` also names the recipe, so a session
 ingested from the folder can be re-run under a fix.  Everything is seeded: running it again writes
 the same records.
 
-    python -m precision_lab.services.samples [--out sample_dumps] [RECIPE ...]
+    precision-lab samples [--out sample_dumps] [RECIPE ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -75,17 +74,3 @@ def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list
 
     names = list(recipes) if recipes else list(BUILTIN_RECIPES)
     return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="Write sample_dumps/<recipe>/ for the built-in recipes.")
-    ap.add_argument("--out", default=str(DEFAULT_ROOT), help="folder to write into (default: %(default)s)")
-    ap.add_argument("recipes", nargs="*", help="recipe names (default: all built-in recipes)")
-    args = ap.parse_args(argv)
-    for p in generate(args.out, args.recipes or None):
-        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-        print(f"{p}  {size / 1024:.0f} KiB")
-
-
-if __name__ == "__main__":
-    main()
