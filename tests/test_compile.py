@@ -157,6 +157,38 @@ def test_the_eager_rerun_inside_a_compiled_region_changes_nothing_in_the_model()
     assert ("block.1.forward.0", "output", "0") in _by_name(cap)
 
 
+def test_a_block_that_updates_its_input_in_place_is_re_run_on_the_input_it_got():
+    class Bump(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.add_(1.0)  # in place, on the caller's tensor
+            return self.l(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blk = Bump()
+
+        def forward(self, x):
+            return self.blk(x * 1.0)
+
+    torch.manual_seed(0)
+    eager = Net()
+    compiled = copy.deepcopy(eager)
+    compiled.blk.compile()
+    x = torch.randn(4, 8)
+    e_cap, _ = _capture(eager, x.clone(), local_error=False)
+    c_cap, _ = _capture(compiled, x.clone(), local_error=False)
+    key = ("blk.l.forward.0", "input", "0")
+    e, c = _by_name(e_cap)[key].stats, _by_name(c_cap)[key].stats
+    want = (x.double() + 1.0).numpy()  # bumped once, not twice
+    assert c.mean == pytest.approx(want.mean(), rel=1e-6) and c.max == pytest.approx(want.max(), rel=1e-6)
+    assert (c.mean, c.max, c.min) == (e.mean, e.max, e.min)
+
+
 def test_backward_through_compiled_blocks_records_boundary_and_parameter_gradients():
     model = blocks.build()
     for b in model.blocks:

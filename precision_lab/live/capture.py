@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
 
 from ..records import TensorRecord
 from ..stats import TensorStats
@@ -345,12 +346,15 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             if frame is not None and frame.module is module:
                 frame.shadow_in = None  # the eager re-run below stands in for a local error at the boundary
             rng = _rng_state_of(_cuda_devices((args, kwargs)))
+            # the inputs as the compiled call got them, for the eager re-run (compiled code may update them in place)
+            eager_in = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs)) \
+                if self._recording else None
             out = None
             try:
                 with self._compiled_code():
                     out = compiled(*args, **kwargs)
-                if self._recording:
-                    self._eager_detail(module, args, kwargs, rng)
+                if eager_in is not None:
+                    self._eager_detail(module, *eager_in, rng)
             finally:
                 self._post_hook(module, args, kwargs, out)
             return out
