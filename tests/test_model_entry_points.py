@@ -177,3 +177,21 @@ def test_fixes_on_a_session_without_a_model_is_one_sentence(captured):
     assert res.exit_code == 2 and "never run on their own" in res.output and "Traceback" not in res.output
     res = _cli("fixes", "--session", "nope", "--db", captured)
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
+
+
+def test_verify_grows_an_island_along_the_data_flow_when_no_suggestion_works(captured):
+    """With no suggestion tried (--top 0), --grow keeps modules in fp32 from the first non-finite producer
+    onwards until the run is finite, then drops those it does not need; the island it reports was verified by
+    its own stored re-run."""
+    res = _cli("verify", "--session", "build", "--top", "0", "--grow", "--tolerance", "nonfinite", "--db", captured,
+               "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "grown along the data flow" in ln)
+    assert line.split()[0] == "works"
+    island = line.split()[1]
+    assert island.startswith("keep-fp32:model.layers.1.mlp.down_proj")  # from the producer onwards
+    store = Store(captured)
+    runs = q.session_runs(store, store.session("build")["session_id"])
+    final = next(r for r in runs if r["fix"] == island)
+    assert first_nonfinite(store, final["run_id"]) is None
+    assert len({r["fix"] for r in runs if r["kind"] == "rerun"}) >= 2  # the growth itself was stored

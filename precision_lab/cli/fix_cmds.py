@@ -83,6 +83,11 @@ def rerun_cmd(
 def verify_cmd(
     session: str = typer.Option(..., "--session", "-s", help="session made from a recipe or a model"),
     top: int = typer.Option(3, "--top", help="how many of the suggested fixes to try, in the order proposed"),
+    grow: bool = typer.Option(False, "--grow", help="when none of them works, grow an fp32 island along the data "
+                                                    "flow from the first non-finite producer until the run meets "
+                                                    "--tolerance (every try is stored)"),
+    tolerance: Optional[str] = typer.Option(None, "--tolerance", help="with --grow: e.g. nonfinite or sqnr>=30 "
+                                                                      "(default: the recipe's)"),
     model: Optional[str] = _MODEL,
     inputs: Optional[str] = _INPUTS,
     loss: Optional[str] = _LOSS,
@@ -99,7 +104,7 @@ def verify_cmd(
         _fail(blocker)
     progress = tty_progress()
     try:
-        rows = verify_session(store, session, top=top, progress=progress)
+        rows = verify_session(store, session, top=top, progress=progress, grow=grow, tolerance=tolerance)
     except (SessionNotFound, ValueError) as e:
         end_progress(progress)
         _fail(str(e))
@@ -114,7 +119,8 @@ def verify_cmd(
         sq = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "-"
         state = "works " if r["works"] else "fails "
         where = "" if r["works"] else f", still NaN/Inf at {r['first_nonfinite']}"
-        typer.echo(f"  {state}  {r['label']}  output SQNR {sq}{where}  [run {r['run']}]")
+        grown = " (grown along the data flow)" if r.get("grown") else ""
+        typer.echo(f"  {state}  {r['label']}{grown}  output SQNR {sq}{where}  [run {r['run']}]")
     if not any(r["works"] for r in rows):
         raise typer.Exit(EXIT_FAILED)
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from ..fixes.catalogue import FixError, fix_label, split_specs
 from ..store import queries as q
 from .report import first_nonfinite
-from .rerun import rerun_session
+from .rerun import bisect_fp32_islands, rerun_session
 
 __all__ = ["suggestions", "verification", "untried", "verify_session"]
 
@@ -73,9 +73,14 @@ def untried(store, session: str, *, top: int = 3) -> list[dict]:
     return [s for s in suggestions(store, session, top=top) if (s["parent"], s["label"]) not in tried]
 
 
-def verify_session(store, session: str, *, top: int = 3, progress: Progress = None) -> list[dict]:
+def verify_session(store, session: str, *, top: int = 3, progress: Progress = None, grow: bool = False,
+                   tolerance=None) -> list[dict]:
     """Re-run the first ``top`` suggestions not tried yet; every suggestion's verdict, in order:
-    ``{fix, label, parent, run, works, sqnr_db, first_nonfinite, error}``."""
+    ``{fix, label, parent, run, works, sqnr_db, first_nonfinite, error}``.
+
+    With ``grow``, when none of them works, an fp32 island is grown along the data flow from the first
+    non-finite producer until the run meets ``tolerance`` (``bisect_fp32_islands``: every try is stored) and
+    the island it found is verdict too, with ``grown`` set."""
     todo = suggestions(store, session, top=top)
     done = verification(store, session)
     out = []
@@ -93,6 +98,21 @@ def verify_session(store, session: str, *, top: int = 3, progress: Progress = No
         row.update(done.get(key, {"run": None, "run_id": None, "works": False, "sqnr_db": None,
                                   "first_nonfinite": None}))
         out.append(row)
+    if grow and not any(r["works"] for r in out):
+        out.extend(_grown(store, session, tolerance, progress))
     if progress is not None:
         progress(len(todo), len(todo), "verified")
     return out
+
+
+def _grown(store, session: str, tolerance, progress: Progress) -> list[dict]:
+    res = bisect_fp32_islands(store, session, tolerance=tolerance, progress=progress)
+    if not res.modules or not res.attempts:
+        return []
+    row = {"fix": res.fix, "label": res.fix, "parent": res.attempts[0].run_id, "grown": True,
+           "error": None if res.passed else res.message}
+    done = {v["run_id"]: v for v in verification(store, session).values()}
+    last = next((a.run_id for a in reversed(res.attempts) if list(a.modules) == res.modules), None)
+    row.update(done.get(res.final_run_id or last) or {"run": None, "run_id": None, "works": False, "sqnr_db": None,
+                                                      "first_nonfinite": None})
+    return [row]
