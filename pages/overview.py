@@ -1,7 +1,7 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, start_rerun, start_verify
-from precision_lab.services.verify import untried
+from precision_lab.services.jobs import rerun_actions, start_grow, start_rerun, start_verify
+from precision_lab.services.verify import untried, verification
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
@@ -145,6 +145,15 @@ if to_verify:
                  help="Re-run the first suggested fixes not tried yet; each card then says which of them leave "
                       "the run finite, and its output SQNR against fp32."):
         st.session_state["_pl_verify"] = start_verify(store, info["name"])
+        st.rerun()
+if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
+        and st.session_state.get("_pl_rerun") is None \
+        and not any(v["works"] for v in verification(store, info["name"]).values()):
+    if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
+                 help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
+                      "finite and meets the recipe's tolerance, then drop those not needed; every try is stored "
+                      "as a re-run and the page opens the island's run."):
+        st.session_state["_pl_rerun"] = start_grow(store, info["name"])
         st.rerun()
 _verifying = [j for j in st.session_state.get("_pl_verify", []) if j.session == info["name"]]
 if _verifying and all(j.finished for j in _verifying):

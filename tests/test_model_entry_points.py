@@ -195,3 +195,24 @@ def test_verify_grows_an_island_along_the_data_flow_when_no_suggestion_works(cap
     final = next(r for r in runs if r["fix"] == island)
     assert first_nonfinite(store, final["run_id"]) is None
     assert len({r["fix"] for r in runs if r["kind"] == "rerun"}) >= 2  # the growth itself was stored
+
+
+def test_dashboard_grows_an_island_on_the_users_model(captured, monkeypatch):
+    """Overview's "Grow an fp32 island" runs the growth in the server's worker processes and opens the island's
+    run, which is finite; once a run of the session works, the button is gone."""
+    from ui_fixtures import assert_clean, open_page, serve_db
+
+    monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build,{MODEL}:inputs")
+    with serve_db(captured, monkeypatch):
+        at = open_page("overview", session="build")
+        at.button(key="grow_island").click().run()
+        assert_clean(at)
+        job = at.session_state["_pl_rerun"]
+        assert job.wait(600) and job.error is None, job.error
+        assert job.fix.startswith("keep-fp32:model.layers.1.mlp.down_proj")
+        at.run()
+        assert_clean(at)
+        store = Store(captured)
+        assert first_nonfinite(store, job.run_id) is None
+        again = open_page("overview", session="build")
+        assert not [b for b in again.button if b.key == "grow_island"]

@@ -20,11 +20,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .rerun import RerunError, rerun_session, session_recipe
+from .rerun import RerunError, bisect_fp32_islands, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
 from .verify import untried, verification
 
-__all__ = ["RerunJob", "start_rerun", "start_verify", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
+__all__ = ["RerunJob", "start_rerun", "start_grow", "start_verify", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
            "MAX_FINISHED"]
 
 MAX_WORKERS = 2  # re-runs at once: each holds a model and its activations in memory
@@ -93,9 +93,9 @@ def _forget_finished() -> None:
         del _JOBS[k]
 
 
-def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) -> RerunJob:
-    """Queue re-running ``session`` under ``fix`` (a spec, ``+`` joins several) for the worker pool."""
-
+def _start(store, session: str, fix: str, parent: Optional[str], run: Callable[["RerunJob"], None]) -> RerunJob:
+    """Queue ``run(job)`` for the worker pool as the job (session, fix, parent); a request for one queued or
+    running joins it."""
     key = _key(store, session, fix, parent)
     with _LOCK:
         job = _JOBS.get(key)
@@ -119,13 +119,39 @@ def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) 
     def work() -> None:
         job.label = "starting"
         try:
-            job.run_id = rerun_session(store, session, fix, job.progress, parent=parent, isolated=True)
+            run(job)
         except Exception as e:  # reported to the page as a sentence
             msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             job.error = msg.strip() or type(e).__name__
 
     _QUEUE.put((job, work))
     return job
+
+
+def start_rerun(store, session: str, fix: str, *, parent: Optional[str] = None) -> RerunJob:
+    """Queue re-running ``session`` under ``fix`` (a spec, ``+`` joins several) for the worker pool."""
+
+    def run(job: RerunJob) -> None:
+        job.run_id = rerun_session(store, session, fix, job.progress, parent=parent, isolated=True)
+
+    return _start(store, session, fix, parent, run)
+
+
+GROW = "grow an fp32 island"  # the job's fix label while it searches
+
+
+def start_grow(store, session: str, *, tolerance=None) -> RerunJob:
+    """Queue growing an fp32 island along the data flow (``bisect_fp32_islands``, every model run in a worker
+    process); the job's ``run_id`` is the island's run, its ``error`` says why none was found."""
+
+    def run(job: RerunJob) -> None:
+        res = bisect_fp32_islands(store, session, tolerance=tolerance, progress=job.progress, isolated=True)
+        if res.passed and res.modules:
+            job.fix, job.run_id = res.fix, res.final_run_id
+        else:
+            job.error = res.message or "no fp32 island was needed"
+
+    return _start(store, session, GROW, None, run)
 
 
 def running_jobs(store, session: str) -> list[RerunJob]:

@@ -89,22 +89,29 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
     return _Run(cap.detached(), out.detach() if out is not None else None, tensors)
 
 
-def _forward_named(recipe_name: str, policy: Optional[PrecisionPolicy], **kwargs) -> _Run:
-    """``_forward`` of a recipe found by name: what a worker process runs."""
-    return _forward(get_recipe(recipe_name), policy, **kwargs)
+def _named(fn_name: str, recipe_name: str, *args, **kwargs):
+    """``fn(recipe, *args, **kwargs)`` for one of this module's model-running functions, the recipe found by
+    name: what a worker process runs."""
+    return _IN_WORKER[fn_name](get_recipe(recipe_name), *args, **kwargs)
+
+
+def _isolate(fn, recipe: Recipe, *args, isolated: bool, **kwargs):
+    """``fn(recipe, *args, **kwargs)`` here, or in a worker process when ``isolated`` (the recipe is found there
+    by name, under this process's recipe and model settings): every call that runs a user's model goes
+    through here."""
+    if not isolated:
+        return fn(recipe, *args, **kwargs)
+    env = {k: os.environ.get(k) for k in (RECIPES_ENV, MODELS_ENV)}
+    try:
+        return run_in_worker(_named, fn.__name__, recipe.name, *args, env=env,
+                             what=f"the model of {recipe.name!r}", **kwargs)
+    except WorkerCrashed as e:
+        raise RerunError(str(e)) from None
 
 
 def _run_model(recipe: Recipe, policy: Optional[PrecisionPolicy], *, isolated: bool, **kwargs) -> _Run:
-    """``_forward`` here, or in a worker process when ``isolated`` (the recipe is found there by name, under
-    this process's recipe and model settings)."""
-    if not isolated:
-        return _forward(recipe, policy, **kwargs)
-    env = {k: os.environ.get(k) for k in (RECIPES_ENV, MODELS_ENV)}
-    try:
-        return run_in_worker(_forward_named, recipe.name, policy, env=env, what=f"the model of {recipe.name!r}",
-                             **kwargs)
-    except WorkerCrashed as e:
-        raise RerunError(str(e)) from None
+    """``_forward``, here or in a worker process (``_isolate``)."""
+    return _isolate(_forward, recipe, policy, isolated=isolated, **kwargs)
 
 
 def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_rids: Optional[dict],
@@ -391,7 +398,8 @@ def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
 
 
 def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | float | None = None,
-                        max_runs: int = 16, parent: Optional[str] = None, progress: Progress = None) -> BisectResult:
+                        max_runs: int = 16, parent: Optional[str] = None, progress: Progress = None,
+                        isolated: bool = False) -> BisectResult:
     """Find a small set of modules to keep in fp32 so the run meets ``tolerance``.
 
     Greedy growth, then pruning: start from the parent run (default the
@@ -401,7 +409,8 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     module whose removal still passes.  Every tried run is stored in the
     session (kind ``rerun``, parent = the starting run, fix = the island
     tried).  Default tolerance: no NaN/Inf and the recipe's
-    ``tolerance_db``.  ``max_runs`` bounds the new runs.
+    ``tolerance_db``.  ``max_runs`` bounds the new runs.  With ``isolated``
+    every model run happens in a worker process (see ``rerun_session``).
     """
     info, recipe = session_recipe(store, session)
     if tolerance is None:
@@ -420,8 +429,9 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
         raise RerunError(f"session {info['name']!r} has no fp32 reference run")
     par = _resolve_parent(runs, parent, info["name"])
     base = run_policy(par) or recipe.default_policy
-    names = _module_names(recipe)
-    ref = _forward(recipe, run_policy(ref_run), run_name=ref_run["name"], kind="reference", local_error=False)
+    names = _isolate(_module_names, recipe, isolated=isolated)
+    ref = _run_model(recipe, run_policy(ref_run), isolated=isolated, run_name=ref_run["name"], kind="reference",
+                     local_error=False)
     ref_rids = _reference_rids(store, ref_run["run_id"])
     result = BisectResult([], False, tol)
     tried: dict[tuple, Attempt] = {}
@@ -441,14 +451,14 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
             return tried[island]
         if not island:
             # the starting point is the parent run itself, already stored
-            return judge(par["run_id"], (), "", _plain_output(recipe, base))
+            return judge(par["run_id"], (), "", _isolate(_plain_output, recipe, base, isolated=isolated))
         if len(result.attempts) > max_runs:
             raise _Budget()
         label = "+".join(f"keep-fp32:{m}" for m in island)
         policy = apply_fixes(base, label)
         name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label}")
         _tick(progress, len(tried), max_runs, name)
-        run = _forward(recipe, policy, run_name=name, kind="rerun", local_error=True)
+        run = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
         with store.extend_session(info["name"]) as w:
             run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
                                parent_run_id=par["run_id"], fix=label, kind="rerun")
@@ -486,4 +496,8 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
 
 class _Budget(Exception):
     pass
+
+
+# the functions that run a user's model, by name, for _named in a worker process
+_IN_WORKER = {f.__name__: f for f in (_forward, _plain_output, _module_names)}
 
