@@ -28,6 +28,9 @@ from ..services.verify import verify_session
 EXIT_FAILED = 1
 
 _DB = typer.Option(None, "--db", help=DB_HELP)
+# what an fp32 island must reach (bisect, verify --grow)
+_TOLERANCE = typer.Option(None, "--tolerance", "-t", help="30 or sqnr>=30 (dB, and no NaN/Inf); nonfinite (only no "
+                                                          "NaN/Inf); default: the recipe's own bound")
 
 
 def _print_run_summary(store, session: str, run_id: str) -> bool:
@@ -86,8 +89,7 @@ def verify_cmd(
     grow: bool = typer.Option(False, "--grow", help="when none of them works, grow an fp32 island along the data "
                                                     "flow from the first non-finite producer until the run meets "
                                                     "--tolerance (every try is stored)"),
-    tolerance: Optional[str] = typer.Option(None, "--tolerance", help="with --grow: e.g. nonfinite or sqnr>=30 "
-                                                                      "(default: the recipe's)"),
+    tolerance: Optional[str] = _TOLERANCE,
     model: Optional[str] = _MODEL,
     inputs: Optional[str] = _INPUTS,
     loss: Optional[str] = _LOSS,
@@ -128,9 +130,7 @@ def verify_cmd(
 @app.command("bisect")
 def bisect_cmd(
     session: str = typer.Option(..., "--session", "-s", help="session made from a recipe"),
-    tolerance: Optional[str] = typer.Option(None, "--tolerance", "-t",
-                                            help="30 or sqnr>=30 (dB, and no NaN/Inf); nonfinite (only no "
-                                                 "NaN/Inf); default: the recipe's own bound"),
+    tolerance: Optional[str] = _TOLERANCE,
     max_runs: int = typer.Option(16, "--max-runs", help="most runs to try"),
     parent: Optional[str] = typer.Option(None, "--from-run", help="run to start from (default: the candidate)"),
     model: Optional[str] = _MODEL,
@@ -187,8 +187,9 @@ def replay_cmd(
         typer.echo(f"  note: {n}")
     print_table(("output", "dtype", "NaN", "inf", "absmax", "SQNR vs fp32", "verdict"),
                 [(r["output"], r["dtype"], r["nan"], r["inf"], fmt_num(r["absmax"]),
-                  "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB", r["verdict_vs_fp32"] or "-")
-                 for r in res.rows()], right=("NaN", "inf", "absmax", "SQNR vs fp32"))
+                  "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB",
+                  r["verdict_vs_fp32"] or "-") for r in res.rows()],
+                right=("NaN", "inf", "absmax", "SQNR vs fp32"))
     c = res.comparisons.get("candidate vs dumped")
     if res.reproduces_dump:
         typer.echo(f"  replay reproduces the dumped output {res.dump_match}")

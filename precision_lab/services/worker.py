@@ -61,7 +61,7 @@ def _call(fn: Callable, env: Mapping[str, Optional[str]], args: tuple, kwargs: d
     return fn(*args, **kwargs)
 
 
-def run_in_worker(fn: Callable, *args: Any, env: Mapping[str, Optional[str]] = {}, what: str = "the run",
+def run_in_worker(fn: Callable, *args: Any, env: Optional[Mapping[str, Optional[str]]] = None, what: str = "the run",
                   **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a worker process, with the variables of ``env`` set there (None: unset).
 
@@ -69,7 +69,7 @@ def run_in_worker(fn: Callable, *args: Any, env: Mapping[str, Optional[str]] = {
     a worker that dies raises ``WorkerCrashed`` naming ``what``."""
     pool = _pool()
     try:
-        return pool.submit(_call, fn, dict(env), args, kwargs).result()
+        return pool.submit(_call, fn, dict(env or {}), args, kwargs).result()
     except BrokenProcessPool:
         _drop(pool)
         raise WorkerCrashed(f"the worker process running {what} ended abruptly (it crashed, was killed or ran out "
