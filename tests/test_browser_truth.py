@@ -72,11 +72,15 @@ def _grids(pg) -> list[tuple[list[str], list[list[str]]]]:
     return out
 
 
-def _table_with(pg, column: str):
-    pg.wait_for_function(
-        "(c) => [...document.querySelectorAll(\"[data-testid='stDataFrame'] [role='columnheader']\")]"
-        ".some(h => h.textContent === c)", arg=column)
-    return next((h, rows) for h, rows in _grids(pg) if column in h)
+def _table_with(pg, column: str, under: str | None = None):
+    """The first table with ``column``; with ``under``, the one in the page column captioned ``under``
+    (a page shows one headroom table per run side by side, and they render in no fixed order)."""
+    scope = pg
+    if under is not None:
+        scope = pg.locator("[data-testid='stColumn']").filter(has=pg.get_by_text(under, exact=True))
+    scope.locator("[data-testid='stDataFrame'] [role='columnheader']").filter(
+        has_text=column).first.wait_for(state="attached")
+    return next((h, rows) for h, rows in _grids(scope) if column in h)
 
 
 def _num(v: float) -> str:
@@ -94,7 +98,7 @@ def test_op_detail_of_a_tensor_holding_inf(truth_server, page):
     try:
         pg.goto(f"{url}/op_detail?session={SESSION}&run={cand}&op={rids[INF_OP]}&fmt=fp16")
         pg.get_by_role("heading", name="Op detail").wait_for()
-        heads, rows = _table_with(pg, "headroom (bits)")
+        heads, rows = _table_with(pg, "headroom (bits)", under=f"{cand} (this)")
         row = dict(zip(heads, rows[0]))
         assert row["absmax"] == _num(float(np.max(np.abs(values))))  # inf counts in absmax
         assert row["headroom (bits)"] == "-inf" and row["overflows"].startswith("yes")
