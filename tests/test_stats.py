@@ -789,3 +789,37 @@ def test_narrow_floats_widened_piece_by_piece_match_float64():
         xc = x.to(dtype)
         for chunk in (1 << 24, K._WIDEN_ELEMS + 3):  # one torch chunk, or chunks that straddle the pieces
             assert_matches(tensor_stats(xc, chunk_elems=chunk), ref_stats(xc.double().numpy()))
+
+
+@pytest.mark.skipif("numba" not in BACKENDS, reason="the compiled kernel needs numba")
+def test_key_counting_scan_is_exact_block_by_block_and_leaves_no_counts_behind():
+    """The compiled scan counts keys and bins them at the end, fixing up only the blocks that hold a float32
+    subnormal or a value in a range split by a format threshold (fp16's 65504/65520, bf16's overflow): such
+    values scattered through a large normal tensor, runs of one value, and a call after a call on other data
+    all give numpy's float64 histogram exactly, and the per-thread counters are all zero after each call."""
+    from precision_lab.stats import kernels as K
+    from precision_lab.stats.edges import histogram_counts
+
+    rng = np.random.default_rng(11)
+    big = rng.standard_normal(3_000_000).astype(np.float32)
+    near = np.array([65504, 65520, np.nextafter(np.float32(65520), np.float32(0)), 65519.5, 65280,
+                     np.float32(6.1005353927612305e-05), np.nextafter(np.float32(6.1005353927612305e-05), np.float32(0)),
+                     3.3961775e38, 3.4028235e38, 1e-40, 1e-45, 0.5, np.nextafter(np.float32(0.5), np.float32(1))],
+                    np.float32)
+    pos = rng.choice(big.size, 40 * near.size, replace=False)
+    big[pos] = np.tile(near, 40) * np.where(rng.random(pos.size) < 0.5, -1, 1).astype(np.float32)
+    cases = [
+        big,                                                        # parallel parts, span fold
+        big[:100_000],                                              # one part
+        np.full(1_000_000, 0.5, np.float32),                        # one key, over and over
+        np.tile(np.array([0.5, np.nextafter(np.float32(0.5), np.float32(1)), 0.0], np.float32), 70_001),
+        np.concatenate([big[:5000], [np.inf, -np.inf, np.nan]]).astype(np.float32),  # non-finite: element fold
+        near,                                                       # fewer elements than keys
+    ]
+    for x in cases + cases[::-1]:
+        s = tensor_stats(x, backend="numba")
+        expect = histogram_counts(x[np.isfinite(x)].astype(np.float64))
+        assert np.array_equal(s.hist, expect), np.nonzero(s.hist != expect)
+        assert s.zero_count == int((x == 0).sum())
+        table = K._SCRATCH.table
+        assert table is not None and not table.any()

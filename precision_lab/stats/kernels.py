@@ -4,6 +4,7 @@ and the chunking that feeds them."""
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import threading
 from dataclasses import fields
@@ -22,20 +23,23 @@ from .records import TensorStats, canonical_dtype
 # numba kernel (float32 bit patterns)
 # ---------------------------------------------------------------------------
 #
-# Bin lookup: for a float32 magnitude with bits ``a`` the bin is the largest i
-# with HIST_EDGES[i] <= x, i.e. with C[i] <= a where C[i] is the bit pattern of
-# the smallest float32 >= HIST_EDGES[i].  A table over ``a >> 16`` (32768
-# entries) gives the bin at the start of each 2^16-pattern range; the few
-# ranges with an edge strictly inside are flagged and resolved with up to
-# four compares against a small table (float32 subnormals: binary search).
-# Zero, Inf and NaN map to three extra bins, so there are no data-dependent
-# branches on the common path.
+# Bin i of the histogram holds the magnitudes whose float32 bit pattern ``a`` has C[i] <= a < C[i+1], C[i]
+# being the pattern of the smallest float32 >= HIST_EDGES[i].  The scan never looks a bin up: it counts
+# every element under a 17-bit key, its 2^16-pattern range ``a >> 16`` and whether the low 16 bits are zero.
+# That is all a power-of-two edge (a range's start) and a "just above a power of two" edge (start + 1: the
+# round-to-zero thresholds, where a tie rounds to even) need, and the fold turns key counts into bins with one
+# table.  The few ranges with another edge inside (fp16's 65504 and 65520, bf16's overflow thresholds, ...)
+# and float32 subnormals are binned exactly by a fix-up pass over the blocks that hold such values, and
+# only those blocks.  Each key has four counters used in turn, so a run of equal values does not wait on one
+# counter; the counters live in a per-thread scratch table that is zero between calls (the fold clears what
+# a call touched), so a small tensor pays for the keys it hit, not for the table.
 
-_ZERO_BIN, _INF_BIN, _NAN_BIN = N_BINS, N_BINS + 1, N_BINS + 2
-_NB2 = N_BINS + 3
-_LUT_SHIFT = 16
-_FLAG = -0x80000000
-_SLOT_SEARCH = 0x7FFF
+_KEY_SHIFT = 15
+_AHEAD = 4  # blocks between the one scanned and the one whose lines are read ahead
+_N_KEYS = 1 << 16
+_WAYS = 4
+_SUB_END = 1 << 23  # patterns below this (nonzero) are float32 subnormals
+_NONFINITE = 0x7F800000
 
 
 def _ceil_f32_bits(v: float) -> int:
@@ -47,27 +51,25 @@ def _ceil_f32_bits(v: float) -> int:
     return int(np.array(f, dtype=np.float32).view(np.uint32))
 
 
-def _build_lut():
+def _build_tables():
+    """(bin of each key or -1, the split ranges, C): -1 marks zero, subnormals, Inf/NaN and split ranges."""
     cbits = np.array([_ceil_f32_bits(v) for v in HIST_EDGES], dtype=np.int64)
-    n_sub = 1 << (31 - _LUT_SHIFT)
-    lo = np.arange(n_sub, dtype=np.int64) << _LUT_SHIFT
-    lut = (np.searchsorted(cbits, lo, side="right") - 1).astype(np.int64)
-    thr_rows: list[list[int]] = []
-    normal = (cbits >= (1 << 23)) & (cbits < 0x7F800000) & ((cbits & ((1 << _LUT_SHIFT) - 1)) != 0)
-    inner = cbits[normal]
-    for sub in np.unique(inner >> _LUT_SHIFT):
-        inside = inner[(inner >> _LUT_SHIFT) == sub].tolist()
-        if len(inside) > 4:  # pragma: no cover - would need a wider table
-            raise AssertionError("more than 4 histogram edges inside one 2^16 float32 range")
-        lut[sub] = _FLAG | (len(thr_rows) << 16) | lut[sub]
-        thr_rows.append(inside + [0x7FFFFFFF] * (4 - len(inside)))
-    lut[: (1 << 23) >> _LUT_SHIFT] = _FLAG | (_SLOT_SEARCH << 16)  # float32 subnormals
-    lut[0x7F800000 >> _LUT_SHIFT:] = _NAN_BIN  # Inf is picked out before the lookup
-    thr = np.array(thr_rows or [[0x7FFFFFFF] * 4], dtype=np.int64).ravel().astype(np.uint32)
-    return lut.astype(np.int32), thr, cbits
+    ranges = np.arange(_SUB_END >> 16, _NONFINITE >> 16, dtype=np.int64)
+    start = ranges << 16
+
+    def bin_of(a):
+        return np.searchsorted(cbits, a, side="right") - 1
+
+    at_start, after, at_end = bin_of(start), bin_of(start + 1), bin_of(start + 0xFFFF)
+    split = at_end != after  # an edge inside the range other than start + 1
+    key_bin = np.full(_N_KEYS, -1, dtype=np.int16)
+    ok = ranges[~split]
+    key_bin[(ok << 1) | 1] = at_start[~split]  # low 16 bits zero: the range's first pattern only
+    key_bin[ok << 1] = after[~split]
+    return key_bin, ranges[split].astype(np.int32), cbits.astype(np.uint32)
 
 
-_LUT, _LUT_THR, _CBITS = _build_lut()
+_KEY_BIN, _SPLIT, _CBITS = _build_tables()
 
 
 def numba_available() -> bool:
@@ -87,29 +89,40 @@ class _Kernels:
 _prange = range
 
 
-# Per-block helpers loop over a block *slice* from 0: LLVM vectorises and
-# interleaves those loops, not the same loops over range(lo, hi).
+# Per-block helpers loop over a block *slice* from 0: LLVM vectorises and interleaves those loops, not the
+# same loops over range(lo, hi).  numba widens int32 arithmetic to int64; the explicit casts keep the
+# vector lanes 32 bits wide (twice the elements per instruction).
 
 def _nb_block_extrema(sb):
     """Max |bits|, min (|bits| - 1) over nonzero, min/max order keys, zero count."""
+    m = np.int32(0x7FFFFFFF)
+    one = np.int32(1)
     bam = np.int32(0)
-    bmin1 = np.int32(0x7FFFFFFF)
-    bkmin = np.int32(0x7FFFFFFF)
+    bmin1 = m
+    bkmin = m
     bkmax = np.int32(-0x80000000)
     bz = np.int32(0)
     for i in range(sb.size):
         w = sb[i]
-        a = w & np.int32(0x7FFFFFFF)
-        bam = max(bam, a)
-        m1 = a - np.int32(1)
-        m1 = m1 if m1 >= 0 else np.int32(0x7FFFFFFF)
-        bmin1 = min(bmin1, m1)
+        a = np.int32(w & m)
+        bam = np.int32(max(bam, a))
+        bmin1 = np.int32(min(bmin1, np.int32(np.int32(a - one) & m)))  # a == 0 wraps to the top
         # monotone int32 key of the float: order of keys == order of values
-        k = w ^ ((w >> np.int32(31)) & np.int32(0x7FFFFFFF))
-        bkmin = min(bkmin, k)
-        bkmax = max(bkmax, k)
-        bz += np.int32(a == 0)
+        k = np.int32(w ^ np.int32(np.int32(w >> np.int32(31)) & m))
+        bkmin = np.int32(min(bkmin, k))
+        bkmax = np.int32(max(bkmax, k))
+        bz = np.int32(bz + np.int32(a == np.int32(0)))
     return bam, bmin1, bkmin, bkmax, bz
+
+
+def _nb_block_keys(sb, keys):
+    """Each element's histogram counter: its key * 4 + a way that cycles with the position."""
+    m = np.int32(0x7FFFFFFF)
+    for i in range(sb.size):
+        a = np.int32(sb[i] & m)
+        key = np.int32(np.int32(np.int32(a >> np.int32(_KEY_SHIFT)) & np.int32(0xFFFE))
+                       | np.int32(np.int32(a & np.int32(0xFFFF)) == np.int32(0)))
+        keys[i] = np.uint32(np.int32(key << np.int32(2)) | np.int32(i & 3))
 
 
 def _nb_block_moments(xb, shift):
@@ -125,57 +138,74 @@ def _nb_block_moments(xb, shift):
     return s1, s2, q
 
 
-def _nb_search_bin(a, cbits):
-    lo = 0
-    hi = cbits.size
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if cbits[mid] <= a:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+def _nb_block_count(keys, m, h):
+    for j in range(m):
+        h[keys[j]] += 1
 
 
-def _nb_flagged_bin(a, lv, thr, cbits):
-    """Bin inside a flagged 2^16 range: up to four compares, or a search for float32 subnormals."""
-    slot = (lv >> 16) & 0x7FFF
-    if slot == 0x7FFF:
-        return np.int32(_nb_search_bin(np.int64(a), cbits))
-    t4 = np.uint32(slot * 4)
-    return ((lv & np.int32(0xFFFF)) + np.int32(a >= thr[t4])
-            + np.int32(a >= thr[t4 + np.uint32(1)]) + np.int32(a >= thr[t4 + np.uint32(2)])
-            + np.int32(a >= thr[t4 + np.uint32(3)]))
+def _nb_touch(ahead):
+    """One read per cache line of ``ahead`` (a later block): its lines are on their way before it is scanned."""
+    t = np.int32(0)
+    for j in range(0, ahead.size, 16):
+        t ^= ahead[j]
+    return t
 
 
-def _nb_block_bins(ub, buf, lut, thr, cbits, nb2):
-    """Bin of each element: a table lookup; rarely (kept out of line) a few compares or a search."""
+def _nb_block_exact(ub, r_lo, r_hi, cbits, hrow):
+    """Bin exactly, by search, the elements whose range ``a >> 16`` lies in [r_lo, r_hi]."""
+    n = 0
     for j in range(ub.size):
         a = ub[j] & np.uint32(0x7FFFFFFF)
-        lv = lut[a >> np.uint32(16)]
-        lv = np.int32(nb2 - 3) if a == 0 else lv
-        lv = np.int32(nb2 - 2) if a == np.uint32(0x7F800000) else lv
-        if lv < 0:
-            lv = _nb_flagged_bin(a, lv, thr, cbits)
-        buf[j] = np.uint32(lv)
+        r = a >> np.uint32(16)
+        if a != 0 and r >= r_lo and r <= r_hi:
+            lo = 0
+            hi = cbits.size
+            while lo < hi:  # the last edge <= a
+                mid = (lo + hi) >> 1
+                if cbits[mid] <= a:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            hrow[lo - 1] += 1
+            n += 1
+    return n
 
 
-def _nb_block_count(buf, m, h, nb2):
-    # four interleaved copies break the store->load chain on repeated bins
-    nbu = np.uint32(nb2)
-    for j in range(0, m - 3, 4):
-        h[buf[j]] += 1
-        h[nbu + buf[j + 1]] += 1
-        h[np.uint32(2) * nbu + buf[j + 2]] += 1
-        h[np.uint32(3) * nbu + buf[j + 3]] += 1
-    for j in range(m - (m & 3), m):
-        h[buf[j]] += 1
+def _nb_key_total(h, key):
+    b = key * 4
+    return h[b] + h[b + 1] + h[b + 2] + h[b + 3]
 
 
-def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row):
-    blk = 2048
+def _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
+    """Key counts into bins; every counter the scan touched is zero again afterwards.  (Written out in one
+    function: a call per key that passes arrays costs two atomic reference counts, more than the work.)"""
+    k_lo = ((aminm1 + 1) >> _KEY_SHIFT) & 0xFFFE if aminm1 < 0x7FFFFFFF else 0
+    k_hi = (amax >> _KEY_SHIFT) | 1
+    by_elements = nonfinite > 0 or (k_hi - k_lo) > (hi - lo)  # fewer elements than keys in their span
+    n = hi - lo if by_elements else k_hi - k_lo + 2
+    for j in range(n):
+        if by_elements:
+            a = u[lo + j] & np.uint32(0x7FFFFFFF)
+            key = np.int64(((a >> np.uint32(_KEY_SHIFT)) & np.uint32(0xFFFE)) | np.uint32((a & np.uint32(0xFFFF)) == 0))
+        else:
+            key = np.int64(k_lo + j if j <= k_hi - k_lo else 1)  # the span, then the zeros' key
+        b = key * 4
+        c = h[b] + h[b + 1] + h[b + 2] + h[b + 3]
+        if c:
+            kb = key_bin[key]
+            if kb >= 0:
+                hrow[kb] += c
+            h[b] = 0
+            h[b + 1] = 0
+            h[b + 2] = 0
+            h[b + 3] = 0
+
+
+def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, rf, row):
+    blk = 4096
     u = s.view(np.uint32)
-    buf = np.empty(blk, np.uint32)
+    keys = np.empty(blk, np.uint32)
+    done = np.zeros(split.size, np.int64)  # elements of each split range binned by the fix-up so far
     amax = np.int32(0)
     aminm1 = np.int32(0x7FFFFFFF)
     kmin = np.int32(0x7FFFFFFF)
@@ -188,8 +218,11 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
     mean = 0.0
     m2 = 0.0
     ssq = 0.0
+    touch = np.int32(0)
     for b0 in range(lo, hi, blk):
         b1 = min(b0 + blk, hi)
+        ahead = s[min(b0 + _AHEAD * blk, hi):min(b0 + (_AHEAD + 1) * blk, hi)]
+        touch ^= _nb_touch(ahead)
         bam, bmin1, bkmin, bkmax, bz = _nb_block_extrema(s[b0:b1])
         nzero += bz
         if bam < np.int32(0x7F800000):
@@ -248,8 +281,21 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
             nf += nb
             ssq += q
         if do_hist:
-            _nb_block_bins(u[b0:b1], buf, lut, thr, cbits, nb2)
-            _nb_block_count(buf, b1 - b0, h, nb2)
+            _nb_block_keys(s[b0:b1], keys)
+            _nb_block_count(keys, b1 - b0, h)
+            if bmin1 < np.int32(_SUB_END - 1):  # a float32 subnormal in this block
+                _nb_block_exact(u[b0:b1], 0, (_SUB_END >> 16) - 1, cbits, hrow)
+            r_lo = (bmin1 + 1) >> 16
+            r_hi = bam >> 16
+            for t in range(split.size):
+                r = split[t]
+                if r >= r_lo and r <= r_hi:
+                    c = _nb_key_total(h, r << 1) + _nb_key_total(h, (r << 1) | 1)
+                    if c != done[t]:
+                        _nb_block_exact(u[b0:b1], r, r, cbits, hrow)
+                        done[t] = c
+    if do_hist and hi > lo:
+        _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nnan + ninf)
     ri[row, 0] = amax
     ri[row, 1] = aminm1
     ri[row, 2] = kmin
@@ -259,39 +305,31 @@ def _nb_scan_range(xf, s, lo, hi, lut, thr, cbits, do_hist, h, nb2, ri, rf, row)
     ri[row, 6] = nnan
     ri[row, 7] = ninf
     ri[row, 8] = nneg
+    ri[row, 9] = touch
     rf[row, 0] = mean
     rf[row, 1] = m2
     rf[row, 2] = ssq
 
 
-def _nb_fold(hs, nb2):
-    hist = np.zeros(nb2, np.int64)
-    for p in range(hs.shape[0]):
-        for r in range(4):
-            for c in range(nb2):
-                hist[c] += hs[p, r * nb2 + c]
-    return hist
-
-
-def _nb_scan_parallel(xf, lut, thr, cbits, do_hist, nparts, nb2):
+def _nb_scan_parallel(xf, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
     s = xf.view(np.int32)
     n = s.size
-    hs = np.zeros((nparts, 4 * nb2), np.int64)
-    ri = np.zeros((nparts, 9), np.int64)
+    hs = np.zeros((nparts, nbins), np.int64)
+    ri = np.zeros((nparts, 10), np.int64)
     rf = np.zeros((nparts, 3), np.float64)
     for p in _prange(nparts):
-        _nb_scan_range(xf, s, (n * p) // nparts, (n * (p + 1)) // nparts, lut, thr, cbits, do_hist,
-                       hs[p], nb2, ri, rf, p)
-    return _nb_fold(hs, nb2), ri, rf
+        _nb_scan_range(xf, s, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits, do_hist,
+                       scratch[p], hs[p], ri, rf, p)
+    return hs.sum(axis=0), ri, rf
 
 
-def _nb_scan_serial(xf, lut, thr, cbits, do_hist, nb2):
+def _nb_scan_serial(xf, key_bin, split, cbits, do_hist, scratch, nbins):
     s = xf.view(np.int32)
-    hs = np.zeros((1, 4 * nb2), np.int64)
-    ri = np.zeros((1, 9), np.int64)
+    hs = np.zeros((1, nbins), np.int64)
+    ri = np.zeros((1, 10), np.int64)
     rf = np.zeros((1, 3), np.float64)
-    _nb_scan_range(xf, s, 0, s.size, lut, thr, cbits, do_hist, hs[0], nb2, ri, rf, 0)
-    return _nb_fold(hs, nb2), ri, rf
+    _nb_scan_range(xf, s, 0, s.size, key_bin, split, cbits, do_hist, scratch[0], hs[0], ri, rf, 0)
+    return hs[0], ri, rf
 
 
 def _build_kernels(numba) -> _Kernels:
@@ -301,61 +339,85 @@ def _build_kernels(numba) -> _Kernels:
     # reassociation lets LLVM vectorise the float64 sums; only finite values reach them
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     g["_nb_block_moments"] = njit(numba, _nb_block_moments, fastmath=fm)
-    g["_nb_flagged_bin"] = njit(numba, _nb_flagged_bin, inline="never")
-    for name in ("_nb_block_extrema", "_nb_search_bin", "_nb_block_bins", "_nb_block_count", "_nb_scan_range",
-                 "_nb_fold", "_nb_scan_serial"):
+    g["_nb_block_exact"] = njit(numba, _nb_block_exact, inline="never")
+    for name in ("_nb_block_extrema", "_nb_block_keys", "_nb_block_count", "_nb_touch", "_nb_key_total", "_nb_fold",
+                 "_nb_scan_range", "_nb_scan_serial"):
         g[name] = njit(numba, g[name])
     g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
 
-    def scan(xf, lut, thr, cbits, do_hist, nparts, nb2):
-        if nparts <= 1:
-            return serial(xf, lut, thr, cbits, do_hist, nb2)
-        with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
-            return parallel(xf, lut, thr, cbits, do_hist, nparts, nb2)
+    def scan(xf, do_hist, nparts):
+        scratch = _scratch(nparts)
+        try:
+            if nparts <= 1:
+                return serial(xf, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
+            with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
+                return parallel(xf, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
+        except BaseException:
+            _SCRATCH.table = None  # perhaps left half-counted: the next call starts from a fresh one
+            raise
 
     return _Kernels(scan, numba.get_num_threads)
 
 
 _KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels)
+_SCRATCH = threading.local()
+
+
+def _scratch(nparts: int) -> np.ndarray:
+    """This thread's key counters, one row of 4 x 2^16 int32 per part; all zero between calls."""
+    t = getattr(_SCRATCH, "table", None)
+    if t is None or t.shape[0] < nparts:
+        t = _SCRATCH.table = np.zeros((max(nparts, 1), _WAYS * _N_KEYS), np.int32)
+    return t
+
 
 _PAR_MIN = 1 << 18  # below this a parallel launch costs more than it saves
+_MAX_SCAN = 1 << 30  # elements per scan: each int32 counter then stays below 2^31
 
 
 def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool) -> None:
     """Accumulate one contiguous float32 chunk with the compiled kernel."""
     kern = _KERNELS.get()
-    n = xf.size
-    if n == 0:
-        return
-    nthreads = kern.num_threads() if n >= _PAR_MIN else 1
-    nparts = max(1, min(nthreads, n // (_PAR_MIN // 4) or 1))
-    hist, ri, rf = kern.scan(xf, _LUT, _LUT_THR, _CBITS, histogram, nparts, _NB2)
-    # ri: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf, n_-inf
-    nfin = int(ri[:, 4].sum())
-    acc.zero += int(ri[:, 5].sum())
-    acc.nan += int(ri[:, 6].sum())
-    acc.inf += int(ri[:, 7].sum())
-    acc.neginf += int(ri[:, 8].sum())
-    if nfin:
-        amax_bits = int(ri[:, 0].max())
-        minabs_m1 = int(ri[:, 1].min())
-        kmin = int(ri[:, 2].min())
-        kmax = int(ri[:, 3].max())
-        absmax = float(np.array(amax_bits, np.uint32).view(np.float32))
-        minabs = math.inf if minabs_m1 >= 0x7F7FFFFF else float(np.array(minabs_m1 + 1, np.uint32).view(np.float32))
-        acc.add_extrema(_key_to_f32(kmin), _key_to_f32(kmax), absmax, minabs)
-        for p in range(nparts):
-            if ri[p, 4]:
-                acc.add_moments(int(ri[p, 4]), float(rf[p, 0]), float(rf[p, 1]), float(rf[p, 2]), 0)
+    for s in range(0, xf.size, _MAX_SCAN):
+        part = xf[s:s + _MAX_SCAN]
+        n = part.size
+        nthreads = kern.num_threads() if n >= _PAR_MIN else 1
+        nparts = max(1, min(nthreads, n // (_PAR_MIN // 4) or 1))
+        _take_scan(acc, kern.scan(part, histogram, nparts), nparts, histogram)
+
+
+def _take_scan(acc: _Acc, result, nparts: int, histogram: bool) -> None:
+    hist, ri, rf = result
+    # per part: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf, n_-inf,
+    # read-ahead; plain Python numbers from here (numpy's reductions cost more than the work on a few rows)
+    rows, frows = ri.tolist(), rf.tolist()
+    acc.zero += sum(r[5] for r in rows)
+    acc.nan += sum(r[6] for r in rows)
+    acc.inf += sum(r[7] for r in rows)
+    acc.neginf += sum(r[8] for r in rows)
+    fin = [(r, f) for r, f in zip(rows, frows) if r[4]]
+    if fin:
+        minabs_m1 = min(r[1] for r, _ in fin)
+        minabs = math.inf if minabs_m1 >= 0x7F7FFFFF else _bits_to_f32(minabs_m1 + 1)
+        acc.add_extrema(_key_to_f32(min(r[2] for r, _ in fin)), _key_to_f32(max(r[3] for r, _ in fin)),
+                        _bits_to_f32(max(r[0] for r, _ in fin)), minabs)
+        for r, f in fin:
+            acc.add_moments(r[4], f[0], f[1], f[2], 0)
     if histogram:
-        acc.hist += hist[:N_BINS]
+        acc.hist += hist
+
+
+_U32, _F32 = struct.Struct("<I"), struct.Struct("<f")
+
+
+def _bits_to_f32(bits: int) -> float:
+    return _F32.unpack(_U32.pack(bits & 0xFFFFFFFF))[0]
 
 
 def _key_to_f32(key: int) -> float:
     """Inverse of the monotone int32 key ``b ^ ((b >> 31) & 0x7FFFFFFF)``."""
-    b = key ^ ((key >> 31) & 0x7FFFFFFF)
-    return float(np.array(b, dtype=np.int64).astype(np.int32).view(np.float32))
+    return _bits_to_f32(key ^ ((key >> 31) & 0x7FFFFFFF))
 
 
 # ---------------------------------------------------------------------------
