@@ -1,30 +1,33 @@
-"""Cost of live capture on a training step, as ratios against the plain step timed in the same run.
+"""Cost of live capture on a training step against its peers, as ratios to the plain step of the same run.
 
-Model: a 4-block pre-LN transformer (d=256, 4 heads, MLP 1024), batch 8,
-sequence 128, one forward + backward on CPU.  Variants, interleaved (one step
-of each per round, the order rotating every round), medians over rounds:
+Models: a 4-block pre-LN transformer (d=256, 4 heads, MLP 1024), batch 8 x
+sequence 128, and a Hugging Face ``transformers`` Qwen2 built from config with
+random weights (4 layers, hidden 256, batch 8 x sequence 128); one forward +
+backward on CPU.  Every variant runs in its own process (msprobe's debugger is
+a singleton, and no variant's hooks or caches can leak into another's), the
+processes take turns step by step, the order rotating every round, and the
+medians over rounds are compared with the plain step's:
 
 - plain: no hooks;
 - full: ``precision_lab.capture`` with default options -- every module and
-  functional op, forward and backward, parameters, statistics and the
-  magnitude histogram;
+  functional op, forward and backward, parameters, statistics and the exact
+  magnitude histogram -- into a Store;
+- full, store=None: the same, with the default database (the README's example);
 - moments-only: the same ops with ``CaptureOptions(moments_only=True)``;
 - diy-numpy-hist: forward hooks that copy each module output to numpy and
-  ``np.histogram`` it with TensorBoard's default exponential bins -- the
-  numerical core of ``SummaryWriter.add_histogram``, without its protobuf and
-  file writing (a lower bound on that approach);
-- tensorboard: ``SummaryWriter.add_histogram`` from forward hooks, when
-  ``tensorboard`` is installed;
-- msprobe: Ascend msprobe statistics mode (level "mix"), when
-  ``mindstudio-probe`` is installed.
+  ``np.histogram`` it with TensorBoard's default exponential bins (the
+  numerical core of ``add_histogram``);
+- tensorboard: ``SummaryWriter.add_histogram`` from forward hooks on every
+  module output, when ``tensorboard`` is installed;
+- msprobe: Ascend msprobe statistics mode, level "mix", started and stopped
+  around each step, when ``mindstudio-probe`` is installed.
 
 Each capture is entered and left around its one timed step; writing its
-records to an in-memory DuckDB on exit is timed separately and not part of
-the ratio.  Two ratios are printed: wall-clock time, and the process's CPU
-time (all threads), which moves less when other jobs share the machine.
+records on exit is timed separately and not part of the ratio.  Two ratios are
+printed: wall-clock time, and the process's CPU time (all threads).
 
-    python bench/capture_overhead.py                  # 15 rounds
-    python bench/capture_overhead.py --rounds 30 --threads 2
+    python bench/capture_overhead.py                  # both models, 9 rounds
+    python bench/capture_overhead.py --models transformer --rounds 15
     python bench/capture_overhead.py --more            # + forward-only, modules-only
 
 Not part of CI's pass/fail: wall-clock ratios depend on the machine and on
@@ -101,7 +104,30 @@ def _cpu_name() -> str:
 
 def _step(model, x):
     model.zero_grad(set_to_none=True)
-    model(x).pow(2).mean().backward()
+    if isinstance(x, dict):  # a transformers model: keyword inputs, a ModelOutput
+        model(**x).logits.pow(2).mean().backward()
+    else:
+        model(x).pow(2).mean().backward()
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=D, intermediate_size=HIDDEN, num_hidden_layers=BLOCKS,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                      attn_implementation="eager")
+    model = Qwen2ForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids}
+
+
+MODELS = {
+    "transformer": (f"{BLOCKS}-block pre-LN transformer d={D} heads={HEADS} mlp={HIDDEN}, batch {BATCH} x seq {SEQ}",
+                    lambda: (Transformer(), torch.randn(BATCH, SEQ, D))),
+    "qwen2": (f"transformers Qwen2 from config: {BLOCKS} layers, hidden {D}, mlp {HIDDEN}, batch {BATCH} x seq {SEQ}",
+              _qwen2),
+}
+TARGETS = {"transformer": {"full": 1.3, "moments-only": 1.1}, "qwen2": {"full": 1.5}}
 
 
 # TensorBoard's default histogram bins (bins="tensorflow" in add_histogram)
@@ -158,10 +184,11 @@ class _Timer:
 
 
 class Ours(Variant):
-    def __init__(self, name, options):
+    def __init__(self, name, options, default_store=False):
         self.name, self.options = name, options
         self.exit_times, self.records = [], 0
-        self.store = Store(":memory:")
+        # store=None: the default database, here a file in a temporary folder
+        self.store = None if default_store else Store(":memory:")
 
     def run(self, model, x):
         cap = precision_lab.capture(model, run=self.name, store=self.store, options=self.options)
@@ -250,9 +277,106 @@ class Msprobe(Variant):
         return t.stop()
 
 
+def _variants(more: bool, stats_threads) -> list:
+    st = stats_threads
+    out = [Plain(), Ours("full", CaptureOptions(stats_threads=st)),
+           Ours("full, store=None", CaptureOptions(stats_threads=st), default_store=True),
+           Ours("moments-only", CaptureOptions(moments_only=True, stats_threads=st)),
+           DiyHist(), TensorBoard(), Msprobe()]
+    if more:
+        out[4:4] = [Ours("forward-only", CaptureOptions(backward=False, stats_threads=st)),
+                    Ours("modules-only", CaptureOptions(functional=False, stats_threads=st))]
+    return out
+
+
+def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_threads, warmup: int) -> None:
+    """One variant in its own process: build the model, warm up, then time a step whenever asked."""
+    os.environ["PRECISION_LAB_DB"] = str(Path(tempfile.mkdtemp(prefix="pl-bench-db-")) / "default.duckdb")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, x = MODELS[model_kind][1]()
+    v = _variants(more, stats_threads)[index]
+    if not v.available():
+        conn.send(("skipped", v.note))
+        return
+    try:
+        for _ in range(warmup):
+            v.run(model, x)
+    except Exception as e:  # a peer that cannot run this model is reported, not fatal
+        conn.send(("skipped", f"failed: {type(e).__name__}: {str(e)[:120]}"))
+        return
+    conn.send(("ready", ""))
+    while conn.recv() == "step":
+        conn.send(v.run(model, x))
+    note = ""
+    if isinstance(v, Ours):
+        note = (f"{v.records} records/step; writing them on exit "
+                f"{statistics.median(v.exit_times) * 1e3:.0f} ms (not in the ratio)")
+    conn.send(note)
+
+
+def _run_model(model_kind: str, args) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    names = [v.name for v in _variants(args.more, args.stats_threads or None)]
+    procs, conns, notes = {}, {}, {}
+    for i, name in enumerate(names):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(child, model_kind, i, args.more, args.threads,
+                                              args.stats_threads or None, args.warmup), daemon=True)
+        p.start()
+        procs[name], conns[name] = p, parent
+    active = []
+    for name in names:
+        status, note = conns[name].recv()
+        if status == "ready":
+            active.append(name)
+        else:
+            notes[name] = note
+    load0 = os.getloadavg()
+    times = {n: [] for n in active}
+    for r in range(args.rounds):
+        for name in active[r % len(active):] + active[:r % len(active)]:
+            time.sleep(0.05)  # the previous process's thread pool stops spinning before the next step
+            conns[name].send("step")
+            times[name].append(conns[name].recv())
+    load1 = os.getloadavg()
+    for name in active:
+        conns[name].send("stop")
+        notes[name] = conns[name].recv()
+    for p in procs.values():
+        p.join(timeout=60)
+    print(f"\nmodel: {MODELS[model_kind][0]}, forward+backward, each variant in its own process")
+    base = statistics.median(w for w, _ in times["plain"])
+    base_cpu = statistics.median(c for _, c in times["plain"])
+    print(f"{'variant':<18}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   notes")
+    ratios = {}
+    for name in names:
+        if name not in times:
+            print(f"{name:<18}{'-':>9}{'-':>8}{'-':>9}{'-':>8}   {notes.get(name, '')}")
+            continue
+        m = statistics.median(w for w, _ in times[name])
+        c = statistics.median(c for _, c in times[name])
+        ratios[name] = m / base
+        print(f"{name:<18}{m * 1e3:>9.1f}{m / base:>7.2f}x{c * 1e3:>9.1f}{c / base_cpu:>7.2f}x   {notes.get(name, '')}")
+    peers = [ratios[p] for p in ("tensorboard", "msprobe-stats") if p in ratios]
+    for name, target in TARGETS[model_kind].items():
+        if name in ratios:
+            r = ratios[name]
+            below = (f"; below every peer run ({', '.join(f'{p:.2f}x' for p in peers)}): "
+                     f"{'yes' if all(r < p for p in peers) else 'no'}") if peers and name == "full" else ""
+            print(f"{name}: {r:.2f}x (target <= {target}x: {'met' if r <= target else 'not met'}){below}")
+    if "full" in ratios and "full, store=None" in ratios:
+        print(f"store=None vs an explicit store: {ratios['full, store=None'] / ratios['full']:.2f}x")
+    print(f"rounds {args.rounds}, load average {load0[0]:.2f} at start, {load1[0]:.2f} at end")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--stats-threads", type=int, default=0,
@@ -260,50 +384,11 @@ def main(argv=None) -> int:
     ap.add_argument("--more", action="store_true",
                     help="also time lighter capture settings (forward only; modules only)")
     args = ap.parse_args(argv)
-    st = args.stats_threads or None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = Transformer()
-    x = torch.randn(BATCH, SEQ, D)
-    variants = [Plain(), Ours("full", CaptureOptions(stats_threads=st)),
-                Ours("moments-only", CaptureOptions(moments_only=True, stats_threads=st)),
-                DiyHist(), TensorBoard(), Msprobe()]
-    if args.more:
-        variants[3:3] = [Ours("forward-only", CaptureOptions(backward=False, stats_threads=st)),
-                         Ours("modules-only", CaptureOptions(functional=False, stats_threads=st))]
-    active = [v for v in variants if v.available()]
-    load0 = os.getloadavg()
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
-          f"torch threads {torch.get_num_threads()}  stats threads {st or 'numba default'}  "
-          f"cpu {_cpu_name()}")
-    print(f"model: {BLOCKS}-block pre-LN transformer d={D} heads={HEADS} mlp={HIDDEN}, batch {BATCH} x seq {SEQ}, "
-          "forward+backward")
-    for _ in range(args.warmup):
-        for v in active:
-            v.run(model, x)
-    times = {v.name: [] for v in active}
-    for r in range(args.rounds):
-        order = active[r % len(active):] + active[:r % len(active)]
-        for v in order:
-            times[v.name].append(v.run(model, x))
-    load1 = os.getloadavg()
-    base = statistics.median(w for w, _ in times["plain"])
-    base_cpu = statistics.median(c for _, c in times["plain"])
-    print(f"\n{'variant':<16}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   notes")
-    for v in variants:
-        if v.name not in times:
-            print(f"{v.name:<16}{'-':>9}{'-':>8}{'-':>9}{'-':>8}   {v.note}")
-            continue
-        m = statistics.median(w for w, _ in times[v.name])
-        c = statistics.median(c for _, c in times[v.name])
-        note = ""
-        if isinstance(v, Ours):
-            target = {"full": "; target <= 1.5x", "moments-only": "; target <= 1.2x"}.get(v.name, "")
-            note = (f"{v.records} records/step{target}; writing them to DuckDB on exit "
-                    f"{statistics.median(v.exit_times) * 1e3:.0f} ms (not in the ratio)")
-        print(f"{v.name:<16}{m * 1e3:>9.1f}{m / base:>7.2f}x{c * 1e3:>9.1f}{c / base_cpu:>7.2f}x   {note}")
-    print(f"\nrounds {args.rounds}, load average {load0[0]:.2f} at start, {load1[0]:.2f} at end")
+          f"torch threads {args.threads or torch.get_num_threads()}  stats threads "
+          f"{args.stats_threads or 'numba default'}  cpu {_cpu_name()}")
+    for kind in args.models:
+        _run_model(kind, args)
     return 0
 
 

@@ -99,7 +99,6 @@ def main(argv=None) -> int:
             r = t["sum"] / t["stats"]
             verdicts.append(f"64M float32: stats at {r:.2f}x of torch.sum (target >= {TARGET}x): "
                             + ("met" if r >= TARGET else "not met"))
-        del x, buf
     print("x sum / x copy_ / x clone = that baseline's time / stats time (same tensor, same threads)")
     for v in verdicts:
         print(v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
 import weakref
 
@@ -507,7 +508,11 @@ def test_dtype_policy_torch_dtype_and_duck_typed(store):
         y = cap.model(cap.prepare_inputs(tiny_input()))
     assert y.dtype == torch.bfloat16 and cap.dominant_dtype() == "bfloat16"
     run = store.run(cap.run_id)
-    assert run["kind"] == "candidate" and '"bfloat16"' in run["policy"]
+    # a bare dtype is recorded as the precision policy of that format, which re-runs and diagnosis read back
+    from precision_lab.fixes.policy import PrecisionPolicy
+    from precision_lab.services.sessions import run_policy
+
+    assert run["kind"] == "candidate" and run_policy(run) == PrecisionPolicy("bfloat16", "bf16")
     pol = ToyPolicy()
     with capture(build_tiny(), run="toy", store=store, dtype_policy=pol) as cap:
         cap.model(cap.prepare_inputs(tiny_input()))
@@ -856,3 +861,19 @@ def test_module_re_runs_hold_no_copy_of_the_parameters():
         assert all(t.device.type == "meta" for s in skeletons for t in list(s.parameters()) + list(s.buffers()))
 
 
+
+
+def test_a_float64_reference_is_cast_and_recorded_as_float64(store):
+    """float64 is no compute format of a precision policy: a bare float64 casts the model and inputs and
+    records {"dtype": "float64"}; every other bare dtype is that format's precision policy."""
+    from precision_lab.fixes.policy import PrecisionPolicy
+    from precision_lab.live.policies import as_policy
+
+    assert as_policy(torch.float16) == PrecisionPolicy("float16", "fp16") == as_policy("fp16")
+    with pytest.raises(ValueError, match="bare dtype"):
+        as_policy(torch.float8_e4m3fn)
+    torch.manual_seed(0)
+    with capture(build_tiny(), run="f64", store=store, dtype_policy=torch.float64) as cap:
+        y = cap.model(cap.prepare_inputs(tiny_input()))
+    assert y.dtype == torch.float64 and cap.dominant_dtype() == "float64"
+    assert json.loads(store.run(cap.run_id)["policy"]) == {"dtype": "float64"}

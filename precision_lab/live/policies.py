@@ -1,4 +1,4 @@
-"""The dtype policy a bare torch dtype stands for, and how any policy is described in a run's record."""
+"""The policy a bare torch dtype stands for, and how any policy is described in a run's record."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..fixes.policy import cast_floating
+from ..fixes.policy import PrecisionPolicy, cast_floating
 from ..formats import get_format
 
 
@@ -34,44 +34,47 @@ def policy_description(policy) -> Optional[str]:
     return json.dumps({"policy": repr(policy)})
 
 
-class DtypePolicy:
-    """The policy a bare torch dtype stands for: cast the model and its floating inputs."""
+class Float64Policy:
+    """A float64 model and inputs (a reference above fp32). Every other bare dtype is a ``PrecisionPolicy``;
+    float64 is no compute format of a precision policy, so this one casts and records ``{"dtype": "float64"}``."""
 
-    _OK = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-    def __init__(self, dtype: torch.dtype):
-        if dtype not in self._OK:
-            raise ValueError(
-                f"dtype_policy={dtype}: a bare dtype can only cast a model to float16, bfloat16, float32 or "
-                "float64 (torch cannot run modules with fp8 weights); pass a precision policy with fp8 "
-                "fake-quantisation instead"
-            )
-        self.dtype = dtype
-
-    @property
-    def name(self) -> str:
-        return str(self.dtype).replace("torch.", "")
+    name = "float64"
 
     def to_json(self) -> str:
         return json.dumps({"dtype": self.name})
 
     def prepare(self, model):
-        return model.to(self.dtype)
+        return model.to(torch.float64)
 
     def prepare_inputs(self, inputs):
-        return cast_floating(inputs, self.dtype)
+        return cast_floating(inputs, torch.float64)
+
+
+_BARE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def as_policy(dtype_policy):
-    if dtype_policy is None or isinstance(dtype_policy, DtypePolicy):
-        return dtype_policy
-    if isinstance(dtype_policy, torch.dtype):
-        return DtypePolicy(dtype_policy)
+    """The policy a capture runs under: a bare torch dtype or format name is the ``PrecisionPolicy`` of that
+    compute format (so the run records, and re-runs read back, one kind of policy); float64 is
+    ``Float64Policy``; an object with ``prepare`` and ``prepare_inputs`` is used as it is."""
+    if dtype_policy is None:
+        return None
     if isinstance(dtype_policy, str):
         td = get_format(dtype_policy).torch_dtype()
         if td is None:
             raise ValueError(f"dtype_policy={dtype_policy!r}: no torch dtype for this format")
-        return DtypePolicy(td)
+        dtype_policy = td
+    if isinstance(dtype_policy, torch.dtype):
+        if dtype_policy == torch.float64:
+            return Float64Policy()
+        if dtype_policy not in _BARE:
+            raise ValueError(
+                f"dtype_policy={dtype_policy}: a bare dtype can only cast a model to float16, bfloat16, float32 or "
+                "float64 (torch cannot run modules with fp8 weights); pass a precision policy with fp8 "
+                "fake-quantisation instead"
+            )
+        # named as the dtype was (runs are named after their policy: "float16", as before)
+        return PrecisionPolicy(name=str(dtype_policy).replace("torch.", ""), dtype=_BARE[dtype_policy])
     missing = [m for m in ("prepare", "prepare_inputs") if not callable(getattr(dtype_policy, m, None))]
     if missing:
         raise TypeError(
