@@ -43,8 +43,11 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+
 from ..records import TensorRecord, code_location
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
+from .ptfile import NotPlain, read_plain_tensor
 from .safeio import (check_member_zip, check_regular, check_tensor, contained, limits, plain_error, read_json,
                      reading, relname)
 from ..stats import TensorStats, canonical_dtype, tensor_stats
@@ -292,6 +295,26 @@ def load_pt(path: Path, rel: str, root: Optional[Path] = None):
     return obj
 
 
+def _is_tensor(obj) -> bool:
+    """A numpy array or a torch tensor (told apart without importing torch)."""
+    return isinstance(obj, np.ndarray) or type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
+
+
+def load_tensor_file(path: Path, rel: str, root: Optional[Path] = None):
+    """The one tensor of a dump's ``.pt`` file: a numpy array when it is a plain tensor (read without torch,
+    ``ptfile.read_plain_tensor``), else whatever ``load_pt`` (torch's safe loader) returns."""
+    check_regular(path, rel)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        infos = check_member_zip(path, rel, kind=".pt", root=root, loaded_whole=True, crcs=False)
+        try:
+            return read_plain_tensor(path, rel, infos)
+        except NotPlain:
+            pass
+    return load_pt(path, rel, root)
+
+
 def _check_loaded(obj, rel: str, depth: int = 0) -> None:
     """Every tensor in what ``torch.load`` returned is within the limits; containers are shallow."""
     import torch
@@ -382,11 +405,9 @@ class MsprobeReader:
     def _load(self, root: Path, source: str):
         if not source.endswith(".pt"):
             return None
-        return load_pt(contained(root, root, source, what="tensor file", where=source), source, root)
+        return load_tensor_file(contained(root, root, source, what="tensor file", where=source), source, root)
 
     def _records(self, root: Path, files, ranks, src: RunSource, tick: Tick, first: dict) -> Iterator[TensorRecord]:
-        import torch
-
         for i, (step, _rdir, path) in enumerate(files):
             rel = relname(root, path)
             rank = ranks[path]
@@ -407,8 +428,8 @@ class MsprobeReader:
                         tpath = contained(root, data_dir, data_name, what=f"data_name of {key}", where=rel)
                         trel = relname(root, tpath)
                         if os.path.lexists(tpath):
-                            tensor = load_pt(tpath, trel, root)
-                            if not isinstance(tensor, torch.Tensor):
+                            tensor = load_tensor_file(tpath, trel, root)
+                            if not _is_tensor(tensor):
                                 raise ReadError(f"{trel}: holds a {type(tensor).__name__}, expected one tensor")
                             shape = d.get("shape")
                             if isinstance(shape, list) and list(tensor.shape) != shape:

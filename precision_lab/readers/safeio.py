@@ -261,7 +261,7 @@ def check_tensor(t, where: str) -> None:
 
 
 def check_member_zip(path: Path, rel: str, *, kind: str, root: Optional[Path] = None,
-                     loaded_whole: bool = False) -> list[zipfile.ZipInfo]:
+                     loaded_whole: bool = False, crcs: bool = True) -> list[zipfile.ZipInfo]:
     """Check the zip inside a ``.npz``/``.pt`` before any member is trusted.
 
     Declared member sizes against the tensor limit, each member's compression
@@ -269,7 +269,9 @@ def check_member_zip(path: Path, rel: str, *, kind: str, root: Optional[Path] = 
     CRC-32, streamed (torch does not verify CRCs, so a damaged ``.pt`` would
     otherwise be read as wrong numbers).  ``loaded_whole``: the file is read
     into memory at once (``.pt``), so its members together must fit the
-    tensor limit too.  Returns the members.
+    tensor limit too.  ``crcs=False`` leaves the CRC-32s to a caller that reads
+    the members it uses through ``zipfile`` (which checks each one as it ends).
+    Returns the members.
     """
     lim = limits()
     check_regular(path, rel)
@@ -301,6 +303,8 @@ def check_member_zip(path: Path, rel: str, *, kind: str, root: Optional[Path] = 
         if loaded_whole and total > lim.max_tensor_bytes:
             raise ReadError(f"{rel}: {kind} expands to {total} bytes in all and is read whole, more than the "
                             f"limit of {lim.max_tensor_bytes} bytes (max_tensor_mb)")
+        if not crcs:
+            return infos
         try:
             stored = _stored_crcs(path, infos)
             for info in infos:
