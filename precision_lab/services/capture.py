@@ -27,11 +27,11 @@ from ..live.capture import Capture
 from ..live.policies import as_policy, policy_description
 from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
-from ..metrics import compare, compare_stats
+from ..metrics import Comparison, compare, compare_stats
 from ..stats import canonical_dtype
 from ..store import Store, is_open
 from .diagnose import diagnose_session
-from .pairing import verdict_format
+from .pairing import Item, match_records, verdict_format
 
 __all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES"]
 
@@ -295,9 +295,12 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     Writes ONE session (a new one named ``name``, with a suffix if the name
     is taken, or a new pair of runs in the existing ``session``)
     in one transaction: the reference run (kind "reference"), the candidate
-    run (kind "candidate"), one "accumulated" comparison per candidate
-    tensor against the reference tensor of the same name (element-wise;
-    "unmatched_cand"/"unmatched_ref" rows for names only one run has) and,
+    run (kind "candidate"), the runs' records paired by the one rule ingest
+    uses (``services.pairing.match_records``): an "exact" pair (same step,
+    rank, name and shape) gets the element-wise "accumulated" comparison made
+    as the candidate ran, an "aligned" pair (names that differ, matched by op
+    sequence) a "stats" comparison of their summaries, and a record only one
+    run has an "unmatched_cand"/"unmatched_ref" row; and,
     with ``local_error``, one "local" comparison per candidate op output
     against the op re-run in fp32 from upcast copies of its own inputs.
 
@@ -349,7 +352,8 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
         if cand_cap.records and unmatched * 2 > len(cand_cap.records):
             cand_cap._warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
                                            "reference tensor of the same name: the candidate policy added ops or "
-                                           "changed the model's module paths")
+                                           "changed the model's module paths (those are paired by op sequence "
+                                           "and compared by summary statistics)")
         name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=recipe, source=source,
                            policy=policy, name=name)
     finally:
@@ -366,27 +370,28 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
     with ctx as w:
         ref_rids = ref_cap.write_run(w)
         cand_rids = cand_cap.write_run(w)
-        matched_ref = set()
         run_dtype = judged_run_dtype(cand_cap.policy, cand_cap.dominant_dtype() or None)
-        for pos, rec in enumerate(cand_cap.records):
-            ref_pos, cmp, match = comparer.results.get(pos, (None, None, "unmatched_cand"))
-            if cmp == "stats" and ref_pos is not None:
-                cmp = compare_stats(ref_cap.records[ref_pos].stats, rec.stats,
-                                    cand_format=verdict_format(rec.stats.dtype, run_dtype))
-            if ref_pos is not None:
-                matched_ref.add(ref_pos)
-            w.add_comparison(kind="accumulated", ref_run_id=ref_cap.run_id,
-                             ref_rid=ref_rids[ref_pos] if ref_pos is not None else None,
-                             cand_run_id=cand_cap.run_id, cand_rid=cand_rids[pos], step=rec.step, rank=rec.rank,
-                             seq=rec.seq, op=rec.op, role=rec.role, index=rec.index, match=match,
-                             comparison=cmp)
-        for pos, rec in enumerate(ref_cap.records):
-            if pos in matched_ref:
-                continue
-            w.add_comparison(kind="accumulated", ref_run_id=ref_cap.run_id, ref_rid=ref_rids[pos],
-                             cand_run_id=cand_cap.run_id, cand_rid=None, step=rec.step, rank=rec.rank,
-                             seq=rec.seq, op=rec.op, role=rec.role, index=rec.index, match="unmatched_ref",
-                             comparison=None)
+        # the one pairing rule (services.pairing): same step, rank and name with the same shape, one to one,
+        # then the rest aligned by op sequence; only an exact pair has the element-wise comparison the capture
+        # made as the candidate ran, every other pair is compared by its summary statistics
+        matches = match_records([Item(i, r) for i, r in enumerate(ref_cap.records)],
+                                [Item(i, r) for i, r in enumerate(cand_cap.records)])
+        matches.sort(key=lambda m: (m.cand is None, m.cand.rid if m.cand else m.ref.rid))
+        for m in matches:
+            rec = (m.cand or m.ref).record
+            kind, cmp = "accumulated", None
+            if m.ref is not None and m.cand is not None:
+                ref_pos, online, _ = comparer.results.get(m.cand.rid, (None, None, None))
+                if m.match == "exact" and ref_pos == m.ref.rid and isinstance(online, Comparison):
+                    cmp = online
+                else:
+                    kind, cmp = "stats", compare_stats(m.ref.record.stats, rec.stats,
+                                                       cand_format=verdict_format(rec.stats.dtype, run_dtype))
+            w.add_comparison(kind=kind, ref_run_id=ref_cap.run_id,
+                             ref_rid=ref_rids[m.ref.rid] if m.ref is not None else None,
+                             cand_run_id=cand_cap.run_id, cand_rid=cand_rids[m.cand.rid] if m.cand is not None else None,
+                             step=rec.step, rank=rec.rank, seq=rec.seq, op=rec.op, role=rec.role, index=rec.index,
+                             match=m.match, comparison=cmp)
         name = w.name
     ref_cap.session = cand_cap.session = name
     return name
