@@ -171,12 +171,57 @@ def _nb_block_exact(ub, r_lo, r_hi, cbits, hrow):
     return n
 
 
+_F16_MAGIC = np.float32(2.0 ** -14)  # fp16 subnormals: (2^-14 + m * 2^-24) - 2^-14, exact in float32
+
+
+def _nb_widen(src, kind, out_i, out_f):
+    """16-bit floats (kind 1: bf16, 2: fp16) into float32 in ``out`` (an int32 and a float32 view of one
+    L1-sized buffer), exactly; two vectorised passes, no float16 arithmetic (numba has none)."""
+    m = src.size
+    if kind == 1:
+        for i in range(m):
+            out_i[i] = np.int32(np.int32(src[i]) << np.int32(16))
+        return
+    inf_exp = np.int32(0x7C00 << 13)
+    for i in range(m):
+        o = np.int32(np.int32(np.int32(src[i]) & np.int32(0x7FFF)) << np.int32(13))
+        e = np.int32(o & inf_exp)
+        o = np.int32(o + np.int32(112 << 23))
+        o = np.int32(o + (np.int32(112 << 23) if e == inf_exp else np.int32(0)))  # Inf/NaN: exponent 255
+        o = np.int32(o + (np.int32(1 << 23) if e == np.int32(0) else np.int32(0)))  # subnormal: renormalised below
+        out_i[i] = o
+    for i in range(m):
+        h = np.int32(src[i])
+        x = out_f[i] - (_F16_MAGIC if np.int32(h & np.int32(0x7C00)) == np.int32(0) else np.float32(0.0))
+        out_f[i] = -x if np.int32(h & np.int32(0x8000)) != np.int32(0) else x
+
+
+def _nb_bits16(h, kind):
+    """The float32 bit pattern of one 16-bit float (kind 1: bf16, 2: fp16), as an int32."""
+    h = np.int32(h) & np.int32(0xFFFF)
+    if kind == 1:
+        return np.int32(h << 16)
+    sign = np.int32(np.int32(h & 0x8000) << 16)
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0x1F:
+        return np.int32(sign | 0x7F800000 | (m << 13))
+    if e != 0:
+        return np.int32(sign | ((e + 112) << 23) | (m << 13))
+    if m == 0:
+        return sign
+    p = 9
+    while (m >> p) == 0:
+        p -= 1
+    return np.int32(sign | ((p + 103) << 23) | ((m << (23 - p)) & 0x7FFFFF))
+
+
 def _nb_key_total(h, key):
     b = key * 4
     return h[b] + h[b + 1] + h[b + 2] + h[b + 3]
 
 
-def _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
+def _nb_fold(u, h16, kind, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
     """Key counts into bins; every counter the scan touched is zero again afterwards.  (Written out in one
     function: a call per key that passes arrays costs two atomic reference counts, more than the work.)"""
     k_lo = ((aminm1 + 1) >> _KEY_SHIFT) & 0xFFFE if aminm1 < 0x7FFFFFFF else 0
@@ -185,7 +230,8 @@ def _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
     n = hi - lo if by_elements else k_hi - k_lo + 2
     for j in range(n):
         if by_elements:
-            a = u[lo + j] & np.uint32(0x7FFFFFFF)
+            bits = u[lo + j] if kind == 0 else np.uint32(_nb_bits16(h16[lo + j], kind))
+            a = bits & np.uint32(0x7FFFFFFF)
             key = np.int64(((a >> np.uint32(_KEY_SHIFT)) & np.uint32(0xFFFE)) | np.uint32((a & np.uint32(0xFFFF)) == 0))
         else:
             key = np.int64(k_lo + j if j <= k_hi - k_lo else 1)  # the span, then the zeros' key
@@ -201,10 +247,14 @@ def _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
             h[b + 3] = 0
 
 
-def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, rf, row):
+def _nb_scan_range(xf, s, h16, kind, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, rf, row):
+    """Elements [lo, hi) of ``xf`` (float32; ``s`` its int32 view) or, kind 1/2, of ``h16`` (bf16/fp16 bits,
+    widened block by block into an L1-sized buffer: no float32 copy of the tensor)."""
     blk = 4096
     u = s.view(np.uint32)
     keys = np.empty(blk, np.uint32)
+    wide = np.empty(blk if kind != 0 else 0, np.float32)
+    wide_i = wide.view(np.int32)
     done = np.zeros(split.size, np.int64)  # elements of each split range binned by the fix-up so far
     amax = np.int32(0)
     aminm1 = np.int32(0x7FFFFFFF)
@@ -221,9 +271,17 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
     touch = np.int32(0)
     for b0 in range(lo, hi, blk):
         b1 = min(b0 + blk, hi)
-        ahead = s[min(b0 + _AHEAD * blk, hi):min(b0 + (_AHEAD + 1) * blk, hi)]
-        touch ^= _nb_touch(ahead)
-        bam, bmin1, bkmin, bkmax, bz = _nb_block_extrema(s[b0:b1])
+        a0, a1 = min(b0 + _AHEAD * blk, hi), min(b0 + (_AHEAD + 1) * blk, hi)
+        if kind == 0:
+            touch ^= _nb_touch(s[a0:a1])
+            sb = s[b0:b1]
+            xb = xf[b0:b1]
+        else:
+            touch ^= _nb_touch(h16[a0:a1])
+            _nb_widen(h16[b0:b1], kind, wide_i, wide)
+            sb = wide_i[:b1 - b0]
+            xb = wide[:b1 - b0]
+        bam, bmin1, bkmin, bkmax, bz = _nb_block_extrema(sb)
         nzero += bz
         if bam < np.int32(0x7F800000):
             # all finite: vectorised float64 moments, shifted by the block's first value
@@ -231,8 +289,8 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
             aminm1 = min(aminm1, bmin1)
             kmin = min(kmin, bkmin)
             kmax = max(kmax, bkmax)
-            shift = np.float64(xf[b0])
-            s1, s2, q = _nb_block_moments(xf[b0:b1], shift)
+            shift = np.float64(xb[0])
+            s1, s2, q = _nb_block_moments(xb, shift)
             nb = b1 - b0
         else:
             s1 = 0.0
@@ -240,8 +298,8 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
             q = 0.0
             nb = 0
             shift = 0.0
-            for i in range(b0, b1):
-                w = s[i]
+            for i in range(b1 - b0):
+                w = sb[i]
                 a = w & np.int32(0x7FFFFFFF)
                 if a >= np.int32(0x7F800000):
                     if a == np.int32(0x7F800000):
@@ -257,7 +315,7 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
                 k = w ^ ((w >> np.int32(31)) & np.int32(0x7FFFFFFF))
                 kmin = min(kmin, k)
                 kmax = max(kmax, k)
-                x = np.float64(xf[i])
+                x = np.float64(xb[i])
                 if nb == 0:
                     shift = x
                 d = x - shift
@@ -281,10 +339,10 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
             nf += nb
             ssq += q
         if do_hist:
-            _nb_block_keys(s[b0:b1], keys)
+            _nb_block_keys(sb, keys)
             _nb_block_count(keys, b1 - b0, h)
             if bmin1 < np.int32(_SUB_END - 1):  # a float32 subnormal in this block
-                _nb_block_exact(u[b0:b1], 0, (_SUB_END >> 16) - 1, cbits, hrow)
+                _nb_block_exact(sb.view(np.uint32), 0, (_SUB_END >> 16) - 1, cbits, hrow)
             r_lo = (bmin1 + 1) >> 16
             r_hi = bam >> 16
             for t in range(split.size):
@@ -292,10 +350,10 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
                 if r >= r_lo and r <= r_hi:
                     c = _nb_key_total(h, r << 1) + _nb_key_total(h, (r << 1) | 1)
                     if c != done[t]:
-                        _nb_block_exact(u[b0:b1], r, r, cbits, hrow)
+                        _nb_block_exact(sb.view(np.uint32), r, r, cbits, hrow)
                         done[t] = c
     if do_hist and hi > lo:
-        _nb_fold(u, lo, hi, h, key_bin, hrow, amax, aminm1, nnan + ninf)
+        _nb_fold(u, h16, kind, lo, hi, h, key_bin, hrow, amax, aminm1, nnan + ninf)
     ri[row, 0] = amax
     ri[row, 1] = aminm1
     ri[row, 2] = kmin
@@ -311,24 +369,25 @@ def _nb_scan_range(xf, s, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, r
     rf[row, 2] = ssq
 
 
-def _nb_scan_parallel(xf, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
+def _nb_scan_parallel(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
     s = xf.view(np.int32)
-    n = s.size
+    n = s.size if kind == 0 else h16.size
     hs = np.zeros((nparts, nbins), np.int64)
     ri = np.zeros((nparts, 10), np.int64)
     rf = np.zeros((nparts, 3), np.float64)
     for p in _prange(nparts):
-        _nb_scan_range(xf, s, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits, do_hist,
-                       scratch[p], hs[p], ri, rf, p)
+        _nb_scan_range(xf, s, h16, kind, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits,
+                       do_hist, scratch[p], hs[p], ri, rf, p)
     return hs.sum(axis=0), ri, rf
 
 
-def _nb_scan_serial(xf, key_bin, split, cbits, do_hist, scratch, nbins):
+def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, scratch, nbins):
     s = xf.view(np.int32)
+    n = s.size if kind == 0 else h16.size
     hs = np.zeros((1, nbins), np.int64)
     ri = np.zeros((1, 10), np.int64)
     rf = np.zeros((1, 3), np.float64)
-    _nb_scan_range(xf, s, 0, s.size, key_bin, split, cbits, do_hist, scratch[0], hs[0], ri, rf, 0)
+    _nb_scan_range(xf, s, h16, kind, 0, n, key_bin, split, cbits, do_hist, scratch[0], hs[0], ri, rf, 0)
     return hs[0], ri, rf
 
 
@@ -340,19 +399,21 @@ def _build_kernels(numba) -> _Kernels:
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     g["_nb_block_moments"] = njit(numba, _nb_block_moments, fastmath=fm)
     g["_nb_block_exact"] = njit(numba, _nb_block_exact, inline="never")
-    for name in ("_nb_block_extrema", "_nb_block_keys", "_nb_block_count", "_nb_touch", "_nb_key_total", "_nb_fold",
-                 "_nb_scan_range", "_nb_scan_serial"):
+    for name in ("_nb_block_extrema", "_nb_block_keys", "_nb_block_count", "_nb_touch", "_nb_widen", "_nb_bits16",
+                 "_nb_key_total", "_nb_fold", "_nb_scan_range", "_nb_scan_serial"):
         g[name] = njit(numba, g[name])
     g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
 
-    def scan(xf, do_hist, nparts):
+    def scan(x, do_hist, nparts, kind=0):
+        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16."""
+        xf, h16 = (x, _NO16) if kind == 0 else (_NO32, x)
         scratch = _scratch(nparts)
         try:
             if nparts <= 1:
-                return serial(xf, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
+                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
             with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
-                return parallel(xf, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
+                return parallel(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
         except BaseException:
             _SCRATCH.table = None  # perhaps left half-counted: the next call starts from a fresh one
             raise
@@ -362,6 +423,7 @@ def _build_kernels(numba) -> _Kernels:
 
 _KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels)
 _SCRATCH = threading.local()
+_NO16, _NO32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused input of a scan
 
 
 def _scratch(nparts: int) -> np.ndarray:
@@ -376,15 +438,16 @@ _PAR_MIN = 1 << 18  # below this a parallel launch costs more than it saves
 _MAX_SCAN = 1 << 30  # elements per scan: each int32 counter then stays below 2^31
 
 
-def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool) -> None:
-    """Accumulate one contiguous float32 chunk with the compiled kernel."""
+def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool, kind: int = 0) -> None:
+    """Accumulate one contiguous chunk with the compiled kernel: float32, or (``kind`` 1: bf16, 2: fp16) the
+    16-bit patterns as uint16, widened inside the scan."""
     kern = _KERNELS.get()
     for s in range(0, xf.size, _MAX_SCAN):
         part = xf[s:s + _MAX_SCAN]
         n = part.size
         nthreads = kern.num_threads() if n >= _PAR_MIN else 1
         nparts = max(1, min(nthreads, n // (_PAR_MIN // 4) or 1))
-        _take_scan(acc, kern.scan(part, histogram, nparts), nparts, histogram)
+        _take_scan(acc, kern.scan(part, histogram, nparts, kind), nparts, histogram)
 
 
 def _take_scan(acc: _Acc, result, nparts: int, histogram: bool) -> None:
@@ -694,7 +757,11 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
     name = arr.dtype.name
     acc = _Acc(histogram)
     if use_numba and (name == "float32" or name in _NP_F32_EXACT):
+        kind = {"bfloat16": 1, "float16": 2}.get(name, 0)
         for c in _iter_np_chunks(arr, chunk):
+            if kind:  # 16-bit floats: their bits, widened inside the scan
+                _numba_chunk(acc, np.ascontiguousarray(c).view(np.uint16), histogram, kind)
+                continue
             xf = c if c.dtype == np.float32 else c.astype(np.float32)
             _numba_chunk(acc, np.ascontiguousarray(xf), histogram)
     elif use_numba and arr.dtype.kind in "iu":
@@ -751,8 +818,13 @@ def _stats_torch(torch, t, histogram: bool, chunk: int, use_numba: bool, backend
         for c in _iter_torch_chunks(t, chunk if not packed_fp4 else max(1, chunk // 2)):
             if packed_fp4:
                 c = _fp4x2_to_f32(torch, c)
+            elif c.dtype in (torch.float16, torch.bfloat16):
+                # bf16 / fp16 bits go to the scan as they are and are widened there, block by block
+                _numba_chunk(acc, c.contiguous().view(torch.int16).numpy().view(np.uint16), histogram,
+                             1 if c.dtype == torch.bfloat16 else 2)
+                continue
             elif c.dtype != torch.float32:
-                # narrower floats (fp16, bf16, fp8) are widened a cache-sized piece at a time into one reused
+                # other narrow floats (fp8, e8m0) are widened a cache-sized piece at a time into one reused
                 # buffer: no float32 copy of the whole chunk is allocated and faulted in
                 buf = _widen_buffer(torch)
                 for s0 in range(0, c.numel(), buf.numel()):
