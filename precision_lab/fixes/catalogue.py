@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
+from ..display import num_text
 from ..formats import FORMATS
 from ..registry import Registry
 from .policy import PolicyError, PrecisionPolicy, QuantConfig
@@ -244,25 +245,22 @@ def _eager(p, _):
     return replace(p, compile=None, emulate_precision_casts=False)
 
 
-def _g(x: float) -> str:
-    return f"{x:.3g}"
-
-
 _F32, _F16, _B16 = FORMATS["fp32"], FORMATS["fp16"], FORMATS["bf16"]
 
 for _d in (
     FixDef("keep-fp32", "pattern",
-           lambda pat: f"run modules matching {pat!r} in fp32 (max {_g(_F32.max)}, eps {_g(_F32.eps)}): "
+           lambda pat: f"run modules matching {pat!r} in fp32 (max {num_text(_F32.max, 3)}, "
+                       f"eps {num_text(_F32.eps, 3)}): "
                        "an fp32 island where values leave the low-precision range or lose precision",
            _keep_fp32, "keep-fp32:layers.0.mlp.down_proj"),
     FixDef("use-bf16", None,
-           lambda _: f"compute in bf16 instead of fp16: bf16 keeps fp32's exponent range (max {_g(_B16.max)} vs "
-                     f"fp16 {_F16.max:,.0f}) at {_B16.eps / _F16.eps:g}x coarser rounding",
+           lambda _: f"compute in bf16 instead of fp16: bf16 keeps fp32's exponent range (max {num_text(_B16.max, 3)} vs "
+                     f"fp16 {num_text(_F16.max, grouped=True)}) at {_B16.eps / _F16.eps:g}x coarser rounding",
            _use_bf16, "use-bf16"),
     FixDef("scale-fp32", None,
            lambda _: f"compute fp8 amax, scale and its reciprocal in fp32: a scale below fp16's smallest normal "
-                     f"({_g(_F16.smallest_normal)}) stays normal in fp32 and its reciprocal stays below "
-                     f"fp32 max ({_g(_F32.max)})",
+                     f"({num_text(_F16.smallest_normal, 3)}) stays normal in fp32 and its reciprocal stays below "
+                     f"fp32 max ({num_text(_F32.max, 3)})",
            _scale_fp32, "scale-fp32"),
     FixDef("amax-floor", "value",
            lambda v: f"clamp amax to at least {v:g} so an all-zero or tiny tensor or row gets a finite "
@@ -272,11 +270,12 @@ for _d in (
            lambda v: f"raise every normalisation's epsilon to at least {v:g} (LayerNorm, RMSNorm, GroupNorm, "
                      "BatchNorm, transformers' RMSNorm); it keeps 1/sqrt(var + eps) finite when the "
                      f"variance is 0 if the compute format holds it as a normal number "
-                     f"(fp16 smallest normal {_g(_F16.smallest_normal)})",
+                     f"(fp16 smallest normal {num_text(_F16.smallest_normal, 3)})",
            _eps, "eps:1e-3"),
     FixDef("stable-softmax", None,
            lambda _: f"subtract the row max before exp(): exp(x - max) <= 1 cannot overflow "
-                     f"(in fp16 exp(x) overflows for x > ln({_F16.max:,.0f}) = {math.log(_F16.max):.2f})",
+                     f"(in fp16 exp(x) overflows for x > ln({num_text(_F16.max, grouped=True)}) = "
+                     f"{math.log(_F16.max):.2f})",
            _flag("stable_softmax", "stable-softmax"), "stable-softmax"),
     FixDef("stats-fp32", None,
            lambda _: f"compute normalisation statistics in fp32: x^2 cannot overflow (fp16 overflows for "
@@ -296,12 +295,12 @@ for _d in (
            _finite_only, "calibrate-finite-only"),
     FixDef("keep-subnormals", None,
            lambda _: f"turn flush-to-zero off: values between fp16's smallest subnormal "
-                     f"({_g(_F16.smallest_subnormal)}) and smallest normal ({_g(_F16.smallest_normal)}) "
+                     f"({num_text(_F16.smallest_subnormal, 3)}) and smallest normal ({num_text(_F16.smallest_normal, 3)}) "
                      "keep their value instead of becoming 0",
            _keep_subnormals, "keep-subnormals"),
     FixDef("fp8-format", "format",
-           lambda f: f"fake-quantise to {f} (max {_g(FORMATS[f].max)}, smallest normal "
-                     f"{_g(FORMATS[f].smallest_normal)}, eps {_g(FORMATS[f].eps)})",
+           lambda f: f"fake-quantise to {f} (max {num_text(FORMATS[f].max, 3)}, smallest normal "
+                     f"{num_text(FORMATS[f].smallest_normal, 3)}, eps {num_text(FORMATS[f].eps, 3)})",
            _fp8_format, "fp8-format:fp8_e5m2"),
     FixDef("scaling", "choice:tensor|row",
            lambda g: f"one fp8 scale per {g}" + (": an outlier row no longer coarsens every other row"

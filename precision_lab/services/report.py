@@ -363,7 +363,7 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
                   f" while Max {num_text(r['max'])} and Min {num_text(r['min'])} are finite. The dump computed "
                   f"the {what.lower()} in {fname}")
         if fmt is not None and fmt.kind == "float":
-            reason += (f", whose largest finite value is {fmt.max:g}; the float64 norm is at most "
+            reason += (f", whose largest finite value is {num_text(fmt.max, grouped=True)}; the float64 norm is at most "
                        f"sqrt(numel) x absmax = {bound:.6g}")
         reason += ". The values did not overflow; this is not a non-finite tensor."
         out.append({**{k: r[k] for k in ("run", "run_id", "rid", "step", "rank", "seq", "op", "role", "index",
