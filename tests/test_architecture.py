@@ -76,6 +76,10 @@ def _imports(path: Path, module: str, is_pkg: bool):
             targets = [target]
             if node.module is None or target == "precision_lab":
                 targets = [f"{target}.{a.name}" for a in node.names]
+            else:  # ``from ..store import queries``: a submodule imported by name is that submodule
+                where = ROOT.joinpath(*target.split("."))
+                targets += [f"{target}.{a.name}" for a in node.names
+                            if (where / f"{a.name}.py").exists() or (where / a.name / "__init__.py").exists()]
             for t in targets:
                 yield node.lineno, t, id(node) in in_function
         elif isinstance(node, ast.Import):

@@ -13,11 +13,11 @@ from ..display import num_text
 from ._models import INPUTS_OPTION, LOSS_OPTION, MODEL_OPTION, model_entry_points
 from ..fixes.catalogue import FIXES, parse_fix
 from ..services.applicable import applicable_fixes
+from ..services.sessions import session_list
 from ..services.rerun import RerunError
 from ..store import SessionNotFound
 from ..fixes.recipes import RecipeError, list_recipes
 from ..formats import FORMATS
-from ..store import queries as q
 
 
 @app.command("formats")
@@ -35,7 +35,7 @@ def db_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None
     """Print the database path in use and its sessions."""
     store = open_store(db)
     typer.echo(store.path)
-    for row in q.session_list(store):
+    for row in session_list(store):
         typer.echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")
 
 

@@ -11,10 +11,10 @@ from ..store.dashboard import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, PR
                                SORTABLE, DiffPage, OpsFilter, OpsPage, all_runs, base_run, counterparts,
                                diagnosis_cards, diff_page, error_series, filter_options, find_records, has_record,
                                nrun_page, ops_page, pair_options, record, record_comparisons, runs_table,
-                               session_exists, session_list, session_warnings, top_offenders,
+                               session_exists, session_warnings, top_offenders,
                                unmatched_counts)
 from ..store.queries import (count_records, last_accumulated_output, run_diagnoses, run_row, session_data_version,
-                             session_runs)
+                             session_list, session_runs)
 
 __all__ = ["ACCUMULATED_KINDS", "ERROR_METRICS", "LOCAL_KINDS", "PROBLEM_SEVERITIES", "SHOW_OPTIONS", "SORTABLE",
            "DiffPage", "OpsFilter", "OpsPage", "all_runs", "base_run", "counterparts", "diagnosis_cards",

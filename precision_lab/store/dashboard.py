@@ -719,11 +719,6 @@ def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
                 [run_id, int(rid), run_id, int(rid)])
 
 
-def session_list(store) -> list[dict]:
-    """Every session, newest first: ``{session_id, name, created, source, recipe}``."""
-    return rows(store, "SELECT session_id, name, created, source, recipe FROM sessions ORDER BY created DESC, name")
-
-
 def all_runs(store) -> list[dict]:
     """Every run of every session, oldest first: ``{session_id, run_id, name, dtype, kind, fix, created}``."""
     return rows(store, "SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY created, run_id")

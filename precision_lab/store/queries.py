@@ -37,9 +37,9 @@ def _like_prefix(text: str) -> str:
 # ---- runs and tensors ---------------------------------------------------------------
 
 def session_list(store) -> list[dict]:
-    """Every session with its run count, newest first (``Store.sessions()`` as plain rows)."""
-    return rows(store, "SELECT s.name, s.created, (SELECT count(*) FROM runs r WHERE r.session_id = s.session_id) "
-                       "AS runs FROM sessions s ORDER BY s.created DESC, s.name")
+    """Every session, newest first: ``{session_id, name, created, source, recipe, runs}`` (runs: how many)."""
+    return rows(store, "SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
+                       "WHERE r.session_id = s.session_id) AS runs FROM sessions s ORDER BY s.created DESC, s.name")
 
 
 def session_runs(store, session_id: str, *, references_first: bool = False) -> list[dict]:
