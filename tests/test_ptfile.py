@@ -169,3 +169,64 @@ def test_compare_of_a_tensor_mode_msprobe_pair_does_not_import_torch(tmp_path):
                           str(pair[0]), str(pair[1])], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert "NO-TORCH" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def _u(text: str) -> bytes:
+    b = text.encode()
+    return b"X" + len(b).to_bytes(4, "little") + b
+
+
+def _tensor_pickle(size: bytes, stride: bytes, *, storage_state: bytes = b"", numel: int = 4) -> bytes:
+    """data.pkl written opcode by opcode: _rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())."""
+    return (b"\x80\x02c" + b"torch._utils\n_rebuild_tensor_v2\n" + b"(("
+            + _u("storage") + b"ctorch\nHalfStorage\n" + _u("0") + _u("cpu") + b"J" + numel.to_bytes(4, "little")
+            + b"tQ" + storage_state + b"K\x00" + size + stride
+            + b"\x89ccollections\nOrderedDict\n)Rt" + b"R.")
+
+
+def _tuple(*ints: int) -> bytes:
+    return b"(" + b"".join(b"\x8a\x08" + i.to_bytes(8, "little", signed=True) for i in ints) + b"t"
+
+
+@pytest.mark.parametrize("case, pkl", [
+    ("state set on the storage", _tensor_pickle(_tuple(4), _tuple(1), storage_state=b"}" + _u("data") + b"K\x01sb")),
+    ("huge stride on a dimension of one", _tensor_pickle(_tuple(1, 4), _tuple(2 ** 62, 1))),
+    ("empty with a huge dimension", _tensor_pickle(_tuple(0, 2 ** 62 + 1), _tuple(1, 1))),
+    ("more dimensions than numpy holds", _tensor_pickle(_tuple(*[1] * 70), _tuple(*[1] * 70))),
+], ids=["state-on-storage", "huge-stride-size-1", "empty-huge-dim", "70-dims"])
+def test_odd_pickles_end_in_an_array_or_one_sentence(tmp_path, case, pkl):
+    """Whatever the pickle says, the reader returns a tensor or says one sentence naming the file; never another
+    exception (a traceback for the user)."""
+    path = tmp_path / "odd.pt"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", b"little")
+        z.writestr("archive/data/0", np.arange(4, dtype=np.float16).tobytes())
+    try:
+        got = load_tensor_file(path, "odd.pt")
+    except ReadError as e:
+        assert str(e).startswith("odd.pt: ") and "\n" not in str(e)
+    else:
+        assert isinstance(got, (np.ndarray, torch.Tensor))
+        if case == "huge stride on a dimension of one":
+            assert np.array_equal(np.asarray(got, dtype=np.float64), np.arange(4.0).reshape(1, 4))
+
+
+def test_a_damaged_compressed_byteorder_is_one_sentence(tmp_path):
+    data = np.arange(4, dtype=np.float16)
+    path = _craft(tmp_path / "z.pt", _Tensor(_Ref("0", 4), 0, (4,), (1,)), {"0": data.tobytes()})
+    # rewrite with a deflated byteorder member, then damage its compressed bytes
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(path, "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b * 64 if n.endswith("byteorder") else b,
+                       compress_type=zipfile.ZIP_DEFLATED if n.endswith("byteorder") else zipfile.ZIP_STORED)
+    raw = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo("archive/byteorder")
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw[start:start + 4] = b"\xff\xff\xff\xff"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ReadError) as e:
+        load_tensor_file(path, "z.pt")
+    assert str(e.value).startswith("z.pt: ") and "\n" not in str(e.value)

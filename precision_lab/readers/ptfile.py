@@ -43,12 +43,25 @@ class NotPlain(Exception):
     """The file is not one plain tensor this reader maps (the caller falls back to torch's loader)."""
 
 
-class _StorageType:
+class _Frozen:
+    """What the unpickler hands out: no pickle opcode (BUILD) may set its state."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise NotPlain("state set on a storage")
+
+
+class _StorageType(_Frozen):
+    __slots__ = ("dtype",)
+
     def __init__(self, name: str) -> None:
         self.dtype = numpy_dtype_named(_STORAGE_DTYPES[name])
 
 
-class _Storage:
+class _Storage(_Frozen):
+    __slots__ = ("data",)
+
     def __init__(self, data: np.ndarray) -> None:
         self.data = data
 
@@ -117,7 +130,7 @@ def read_plain_tensor(path: Path, rel: str, infos: list[zipfile.ZipInfo]) -> np.
                 try:
                     with zipfile.ZipFile(path) as zf:
                         return zf.read(info)
-                except zipfile.BadZipFile as e:
+                except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError) as e:
                     raise ReadError(f"{rel}: damaged .pt archive: member {info.filename!r} fails its check "
                                     f"({first_line(e)}); refusing to read numbers from it") from None
             if zlib.crc32(data) != info.CRC:
@@ -150,10 +163,13 @@ def read_plain_tensor(path: Path, rel: str, infos: list[zipfile.ZipInfo]) -> np.
         raise NotPlain("not one tensor")
     _, storage, offset, size, stride = obj
     size, stride = _ints(size, "size"), _ints(stride, "stride")
-    if type(offset) is not int or offset < 0 or len(size) != len(stride):
-        raise NotPlain("an unusual offset or stride")
+    if type(offset) is not int or offset < 0 or len(size) != len(stride) or len(size) > 32:
+        raise NotPlain("an unusual offset, stride or number of dimensions")
     data = storage.data
-    numel = check_numel(size, data.dtype.itemsize, rel)
+    item = data.dtype.itemsize
+    numel = check_numel(size, item, rel)
+    if any(s > 1 and st * item >= 1 << 62 for s, st in zip(size, stride)) or any(s >= 1 << 62 for s in size):
+        raise ReadError(f"{rel}: a tensor of shape {list(size)} with strides {list(stride)} cannot be laid out")
     if numel == 0:
         empty = np.empty(size, dtype=data.dtype)
         empty.setflags(write=False)
@@ -161,12 +177,12 @@ def read_plain_tensor(path: Path, rel: str, infos: list[zipfile.ZipInfo]) -> np.
     last = offset + sum((s - 1) * st for s, st in zip(size, stride))
     if last >= data.size:
         raise ReadError(f"{rel}: the tensor reaches element {last} of a storage of {data.size} elements")
-    nbytes, stored = numel * data.dtype.itemsize, data.nbytes
+    nbytes, stored = numel * item, data.nbytes
     lim = limits()
     if nbytes > RATIO_FREE_BYTES and nbytes > lim.max_ratio * max(stored, 1):
         raise ReadError(f"{rel}: a tensor of shape {list(size)} views {stored} stored bytes as {nbytes} bytes, "
                         f"more than {lim.max_ratio:g}x (zip_max_ratio); refusing it")
-    item = data.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(data[offset:], shape=size, strides=[st * item for st in stride],
+    # strides of dimensions of size 1 are never stepped: 0 keeps them in bounds whatever the file says
+    return np.lib.stride_tricks.as_strided(data[offset:], shape=size,
+                                           strides=[st * item if s > 1 else 0 for s, st in zip(size, stride)],
                                            writeable=False)
-    return view

@@ -28,7 +28,7 @@ from .records import TensorStats, canonical_dtype
 # every element under a 17-bit key, its 2^16-pattern range ``a >> 16`` and whether the low 16 bits are zero.
 # That is all a power-of-two edge (a range's start) and a "just above a power of two" edge (start + 1: the
 # round-to-zero thresholds, where a tie rounds to even) need, and the fold turns key counts into bins with one
-# table.  The few ranges with another edge inside (fp16's 65504 and 65520, bf16's overflow thresholds, ...)
+# table.  The few ranges with another edge inside (fp16's max and overflow threshold, bf16's overflow ones...)
 # and float32 subnormals are binned exactly by a fix-up pass over the blocks that hold such values, and
 # only those blocks.  Each key has four counters used in turn, so a run of equal values does not wait on one
 # counter; the counters live in a per-thread scratch table that is zero between calls (the fold clears what
@@ -190,10 +190,15 @@ def _nb_widen(src, kind, out_i, out_f):
         o = np.int32(o + (np.int32(112 << 23) if e == inf_exp else np.int32(0)))  # Inf/NaN: exponent 255
         o = np.int32(o + (np.int32(1 << 23) if e == np.int32(0) else np.int32(0)))  # subnormal: renormalised below
         out_i[i] = o
-    for i in range(m):
+    for i in range(m):  # the sign of normals, Inf and NaN by integer: no float arithmetic touches a NaN
         h = np.int32(src[i])
-        x = out_f[i] - (_F16_MAGIC if np.int32(h & np.int32(0x7C00)) == np.int32(0) else np.float32(0.0))
-        out_f[i] = -x if np.int32(h & np.int32(0x8000)) != np.int32(0) else x
+        if np.int32(h & np.int32(0x7C00)) != np.int32(0):
+            out_i[i] = np.int32(out_i[i] | np.int32(np.int32(h & np.int32(0x8000)) << np.int32(16)))
+    for i in range(m):  # subnormals and zeros: renormalised in float32 (exact), then signed
+        h = np.int32(src[i])
+        if np.int32(h & np.int32(0x7C00)) == np.int32(0):
+            x = out_f[i] - _F16_MAGIC
+            out_f[i] = -x if np.int32(h & np.int32(0x8000)) != np.int32(0) else x
 
 
 def _nb_bits16(h, kind):
@@ -228,6 +233,7 @@ def _nb_fold(u, h16, kind, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
     k_hi = (amax >> _KEY_SHIFT) | 1
     by_elements = nonfinite > 0 or (k_hi - k_lo) > (hi - lo)  # fewer elements than keys in their span
     n = hi - lo if by_elements else k_hi - k_lo + 2
+    cleared = 0
     for j in range(n):
         if by_elements:
             bits = u[lo + j] if kind == 0 else np.uint32(_nb_bits16(h16[lo + j], kind))
@@ -241,10 +247,13 @@ def _nb_fold(u, h16, kind, lo, hi, h, key_bin, hrow, amax, aminm1, nonfinite):
             kb = key_bin[key]
             if kb >= 0:
                 hrow[kb] += c
+            cleared += c
             h[b] = 0
             h[b + 1] = 0
             h[b + 2] = 0
             h[b + 3] = 0
+    if cleared != hi - lo:  # the values changed under the scan (memory written meanwhile): start clean
+        h[:] = 0
 
 
 def _nb_scan_range(xf, s, h16, kind, lo, hi, key_bin, split, cbits, do_hist, h, hrow, ri, rf, row):
@@ -408,7 +417,7 @@ def _build_kernels(numba) -> _Kernels:
     def scan(x, do_hist, nparts, kind=0):
         """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16."""
         xf, h16 = (x, _NO16) if kind == 0 else (_NO32, x)
-        scratch = _scratch(nparts)
+        scratch = _scratch(nparts) if do_hist else np.zeros((nparts, 0), np.int32)
         try:
             if nparts <= 1:
                 return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
