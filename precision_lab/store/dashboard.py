@@ -39,6 +39,10 @@ def _rank_case(column: str, kind, *, worst_first_order: bool = False) -> str:
 
 
 _VERDICT_RANK = _rank_case("verdict", Verdict)
+# the worst verdict of a group of comparisons ``c``
+_WORST_VERDICT = ("CASE " + " ".join(f"WHEN bool_or(c.verdict = '{v.value}') THEN '{v.value}'"
+                                     for v in worst_first(Verdict) if v.rank > 0)
+                  + f" ELSE '{min(Verdict, key=lambda v: v.rank).value}' END")
 
 
 # sort columns that live in the tensors table; the others need the comparisons
@@ -217,11 +221,13 @@ def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:
         def verdict_in(v: str) -> str:
             return f"t.rid IN (SELECT cand_rid FROM comparisons WHERE cand_run_id = ? AND verdict = '{v}')"
 
-        key = (f"CASE WHEN coalesce(t.nonfinite, false) OR {verdict_in('nonfinite')} THEN 3 "
-               f"WHEN {verdict_in('error')} THEN 2 WHEN {verdict_in('warn')} THEN 1 ELSE 0 END")
+        ranked = [v for v in worst_first(Verdict) if v.rank > 0]  # the best verdict is every other record's
+        key = "CASE " + " ".join(
+            f"WHEN {'coalesce(t.nonfinite, false) OR ' if v is Verdict.NONFINITE else ''}{verdict_in(v.value)} "
+            f"THEN {v.rank}" for v in ranked) + " ELSE 0 END"
         keys = (f"SELECT t.rid FROM tensors t WHERE {where_sql} "
                 f"ORDER BY {key} {direction}, t.seq, t.rid LIMIT ? OFFSET ?")
-        return keys, wparams + [f.run_id] * 3, count, wparams
+        return keys, wparams + [f.run_id] * len(ranked), count, wparams
     key = _CMP_SORT_SQL[f.sort]
     alias, col = key.split(".")
     joins = [(alias, _ACC if alias == "acc" else _LOC, col)]
@@ -631,9 +637,7 @@ def error_series(store, session_id: str, metric: str = "max_rel_err", *, roles=(
                    {agg}(c.value) AS value,
                    arg_{agg}(c.op, c.value) AS op,
                    coalesce(arg_{agg}(c.cand_rid, c.value), min(c.cand_rid)) AS rid,
-                   CASE WHEN bool_or(c.verdict = 'nonfinite') THEN 'nonfinite'
-                        WHEN bool_or(c.verdict = 'error') THEN 'error'
-                        WHEN bool_or(c.verdict = 'warn') THEN 'warn' ELSE 'expected' END AS verdict,
+                   {_WORST_VERDICT} AS verdict,
                    any_value(c.op) AS any_op
             FROM c JOIN runs r ON r.run_id = c.cand_run_id
             GROUP BY r.name, c.cand_run_id, c.kind, c.b ORDER BY r.name, c.kind, seq""",
