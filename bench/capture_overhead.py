@@ -278,14 +278,15 @@ class Msprobe(Variant):
 
 
 def _variants(more: bool, stats_threads) -> list:
-    st = stats_threads
-    out = [Plain(), Ours("full", CaptureOptions(stats_threads=st)),
-           Ours("full, store=None", CaptureOptions(stats_threads=st), default_store=True),
-           Ours("moments-only", CaptureOptions(moments_only=True, stats_threads=st)),
-           DiyHist(), TensorBoard(), Msprobe()]
+    """(name, factory) of every variant: each process builds only its own (a TensorBoard writer, msprobe)."""
+    def ours(name, default_store=False, **opts):
+        return name, lambda: Ours(name, CaptureOptions(stats_threads=stats_threads, **opts), default_store)
+
+    out = [("plain", Plain), ours("full"), ours("full, store=None", default_store=True),
+           ours("moments-only", moments_only=True), (DiyHist.name, DiyHist), (TensorBoard.name, TensorBoard),
+           (Msprobe.name, Msprobe)]
     if more:
-        out[4:4] = [Ours("forward-only", CaptureOptions(backward=False, stats_threads=st)),
-                    Ours("modules-only", CaptureOptions(functional=False, stats_threads=st))]
+        out[4:4] = [ours("forward-only", backward=False), ours("modules-only", functional=False)]
     return out
 
 
@@ -296,7 +297,7 @@ def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_thread
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, x = MODELS[model_kind][1]()
-    v = _variants(more, stats_threads)[index]
+    v = _variants(more, stats_threads)[index][1]()
     if not v.available():
         conn.send(("skipped", v.note))
         return
@@ -320,7 +321,7 @@ def _run_model(model_kind: str, args) -> None:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    names = [v.name for v in _variants(args.more, args.stats_threads or None)]
+    names = [name for name, _ in _variants(args.more, args.stats_threads or None)]
     procs, conns, notes = {}, {}, {}
     for i, name in enumerate(names):
         parent, child = ctx.Pipe()

@@ -8,6 +8,7 @@ never called "expected" on Diff, whose decisive columns (verdict, max_rel_err, r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -83,6 +84,18 @@ def _table_with(pg, column: str, under: str | None = None):
     return next((h, rows) for h, rows in _grids(scope) if column in h)
 
 
+@contextlib.contextmanager
+def _screenshots(pg, name: str, *, on_success: bool = True):
+    """A screenshot of the page as the test ends: ``name.png``, or ``name-failure.png`` when it failed."""
+    try:
+        yield
+    except Exception:
+        _shot(pg, f"{name}-failure.png")
+        raise
+    if on_success:
+        _shot(pg, f"{name}.png")
+
+
 def _num(v: float) -> str:
     """How the dashboard spells a non-finite number (finite ones are compared as numbers)."""
     return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
@@ -95,7 +108,7 @@ def test_op_detail_of_a_tensor_holding_inf(truth_server, page):
         values = _arrays()[INF_OP].astype(np.float16).astype(np.float64)
     n_inf = int(np.isinf(values).sum())
     assert n_inf == 2
-    try:
+    with _screenshots(pg, "browser-op-detail-inf"):
         pg.goto(f"{url}/op_detail?session={SESSION}&run={cand}&op={rids[INF_OP]}&fmt=fp16")
         pg.get_by_role("heading", name="Op detail").wait_for()
         heads, rows = _table_with(pg, "headroom (bits)", under=f"{cand} (this)")
@@ -106,10 +119,6 @@ def test_op_detail_of_a_tensor_holding_inf(truth_server, page):
         stats = {r[0]: r[1] for r in rows}
         assert stats["inf_count"] == str(n_inf) and stats["nan_count"] == "0"
         assert stats["max"] == _num(float(np.max(values))) and stats["min"] == _num(float(np.min(values)))
-        _shot(pg, "browser-op-detail-inf.png")
-    except Exception:
-        _shot(pg, "browser-op-detail-inf-failure.png")
-        raise
 
 
 def test_diff_puts_the_verdict_of_a_far_off_element_on_screen_at_1400px(truth_server, page):
@@ -119,7 +128,7 @@ def test_diff_puts_the_verdict_of_a_far_off_element_on_screen_at_1400px(truth_se
     c = _candidate(NEAR0_OP, _arrays()[NEAR0_OP]).astype(np.float64)
     rel = float((np.abs(c - r) / np.maximum(np.abs(r), 2.0 ** -14)).max())
     assert rel > 10  # 1500% off: anything but "expected"
-    try:
+    with _screenshots(pg, "browser-diff-1400"):
         pg.goto(f"{url}/diff?session={SESSION}&q={NEAR0_OP}")
         pg.get_by_role("heading", name="Diff").wait_for()
         heads, rows = _table_with(pg, "verdict")
@@ -131,20 +140,13 @@ def test_diff_puts_the_verdict_of_a_far_off_element_on_screen_at_1400px(truth_se
         assert row["verdict"] != "expected"
         assert float(row["max_rel_err"]) == pytest.approx(rel, rel=1e-3)
         assert "one element" in row["reason"]
-        _shot(pg, "browser-diff-1400.png")
-    except Exception:
-        _shot(pg, "browser-diff-1400-failure.png")
-        raise
 
 
 def test_a_link_to_an_unknown_session_says_not_found(truth_server, page):
     url, _, _ = truth_server
     pg = page
-    try:
+    with _screenshots(pg, "browser-unknown-session", on_success=False):
         for where in ("overview", "diff"):
             pg.goto(f"{url}/{where}?session=nope")
             pg.get_by_text("There is no session named nope").first.wait_for()
             assert pg.locator("[data-testid='stDataFrame']").count() == 0
-    except Exception:
-        _shot(pg, "browser-unknown-session-failure.png")
-        raise

@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from ..fixes.policy import PrecisionPolicy, cast_floating
-from ..formats import get_format
+from ..fixes.policy import COMPUTE_FORMATS, PrecisionPolicy, cast_floating
+from ..formats import format_for_dtype, get_format
 
 
 def policy_description(policy) -> Optional[str]:
@@ -50,9 +50,6 @@ class Float64Policy:
         return cast_floating(inputs, torch.float64)
 
 
-_BARE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
 def as_policy(dtype_policy):
     """The policy a capture runs under: a bare torch dtype or format name is the ``PrecisionPolicy`` of that
     compute format (so the run records, and re-runs read back, one kind of policy); float64 is
@@ -67,14 +64,15 @@ def as_policy(dtype_policy):
     if isinstance(dtype_policy, torch.dtype):
         if dtype_policy == torch.float64:
             return Float64Policy()
-        if dtype_policy not in _BARE:
+        fmt = format_for_dtype(dtype_policy)
+        if fmt is None or fmt.name not in COMPUTE_FORMATS:
             raise ValueError(
                 f"dtype_policy={dtype_policy}: a bare dtype can only cast a model to float16, bfloat16, float32 or "
                 "float64 (torch cannot run modules with fp8 weights); pass a precision policy with fp8 "
                 "fake-quantisation instead"
             )
         # named as the dtype was (runs are named after their policy: "float16", as before)
-        return PrecisionPolicy(name=str(dtype_policy).replace("torch.", ""), dtype=_BARE[dtype_policy])
+        return PrecisionPolicy(name=str(dtype_policy).replace("torch.", ""), dtype=fmt.name)
     missing = [m for m in ("prepare", "prepare_inputs") if not callable(getattr(dtype_policy, m, None))]
     if missing:
         raise TypeError(

@@ -433,6 +433,7 @@ def _build_kernels(numba) -> _Kernels:
 _KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels)
 _SCRATCH = threading.local()
 _NO16, _NO32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused input of a scan
+_SCAN_KIND = {"bfloat16": 1, "float16": 2}  # 16-bit floats the scan widens itself (float32 is kind 0)
 
 
 def _scratch(nparts: int) -> np.ndarray:
@@ -766,7 +767,7 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
     name = arr.dtype.name
     acc = _Acc(histogram)
     if use_numba and (name == "float32" or name in _NP_F32_EXACT):
-        kind = {"bfloat16": 1, "float16": 2}.get(name, 0)
+        kind = _SCAN_KIND.get(name, 0)
         for c in _iter_np_chunks(arr, chunk):
             if kind:  # 16-bit floats: their bits, widened inside the scan
                 _numba_chunk(acc, np.ascontiguousarray(c).view(np.uint16), histogram, kind)
@@ -830,7 +831,7 @@ def _stats_torch(torch, t, histogram: bool, chunk: int, use_numba: bool, backend
             elif c.dtype in (torch.float16, torch.bfloat16):
                 # bf16 / fp16 bits go to the scan as they are and are widened there, block by block
                 _numba_chunk(acc, c.contiguous().view(torch.int16).numpy().view(np.uint16), histogram,
-                             1 if c.dtype == torch.bfloat16 else 2)
+                             _SCAN_KIND[dtype])
                 continue
             elif c.dtype != torch.float32:
                 # other narrow floats (fp8, e8m0) are widened a cache-sized piece at a time into one reused
