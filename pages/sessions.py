@@ -2,7 +2,8 @@ import streamlit as st
 
 from precision_lab.ui import page
 from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample, sessions_table
-from precision_lab.ui.upload import list_samples, upload_key
+from precision_lab.services.samples import list_samples
+from precision_lab.services.upload import upload_key
 
 store, acc = page.start("sessions")
 cfg = page.get_config()

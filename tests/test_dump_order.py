@@ -275,7 +275,7 @@ def test_extraction_and_upload_order_is_never_taken_for_execution_order(store, t
     import zipfile
 
     from precision_lab.services.ingest import ingest
-    from precision_lab.ui.upload import write_upload
+    from precision_lab.services.upload import write_upload
 
     blobs = {}
     for name in ("b.output.0.npy", "a.output.0.npy", "c.output.0.npy"):

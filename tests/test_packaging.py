@@ -53,7 +53,7 @@ def test_an_installed_package_finds_its_samples_without_a_checkout(wheel, tmp_pa
     res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                           str(target), str(wheel)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    code = ("from precision_lab.paths import samples_dir; from precision_lab.ui.upload import list_samples; "
+    code = ("from precision_lab.paths import samples_dir; from precision_lab.services.samples import list_samples; "
             "print(samples_dir()); print(sorted(s.name for s in list_samples()))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(target)  # ahead of the editable install of the checkout
@@ -62,6 +62,6 @@ def test_an_installed_package_finds_its_samples_without_a_checkout(wheel, tmp_pa
     assert res.returncode == 0, res.stderr
     where, names = res.stdout.splitlines()[:2]
     assert Path(where) == target / "precision_lab" / "sample_dumps"
-    from precision_lab.ui.upload import list_samples
+    from precision_lab.services.samples import list_samples
 
     assert names == repr(sorted(s.name for s in list_samples())) and "fp16-mlp-overflow" in names

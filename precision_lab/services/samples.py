@@ -16,7 +16,10 @@ the same records.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 from .rerun import _forward
@@ -24,7 +27,7 @@ from ..paths import samples_dir
 from ..readers.shards import write_manifest, write_shard
 from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
-__all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES"]
+__all__ = ["generate", "generate_recipe", "DEFAULT_ROOT", "RUN_NAMES", "Sample", "list_samples"]
 
 DEFAULT_ROOT = samples_dir()
 RUN_NAMES = ("reference", "candidate")
@@ -74,3 +77,45 @@ def generate(root=DEFAULT_ROOT, recipes: Optional[Iterable[str]] = None) -> list
 
     names = list(recipes) if recipes else list(BUILTIN_RECIPES)
     return [generate_recipe(get_recipe(n), Path(root) / n) for n in names]
+
+
+# ---- listing the samples ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sample:
+    """A dump under ``sample_dumps/`` and, when a sibling holds it, its fp32 reference."""
+
+    name: str
+    candidate: Path
+    reference: Optional[Path] = None
+
+    @property
+    def label(self) -> str:
+        if self.reference is None:
+            return self.name
+        return f"{self.name} (reference: {self.reference.name})"
+
+
+_LOW = re.compile(r"(fp16|bf16|float16|bfloat16|half|fp8[a-z0-9_]*?(?=_|$)|fp4|fp6)")
+
+
+def list_samples(root: os.PathLike | str = DEFAULT_ROOT) -> list[Sample]:
+    """Sample dumps, each low-precision folder paired with the folder whose
+    name has ``fp32`` in place of its dtype (``x_fp16_y`` -> ``x_fp32_y``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    names = {p.name for p in folders}
+    refs_used: set[str] = set()
+    out = []
+    for p in folders:
+        m = _LOW.search(p.name)
+        ref_name = (p.name[:m.start()] + "fp32" + p.name[m.end():]) if m else None
+        if ref_name and ref_name in names and ref_name != p.name:
+            out.append(Sample(p.name, p, root / ref_name))
+            refs_used.add(ref_name)
+    for p in folders:
+        if p.name not in refs_used and not any(s.name == p.name for s in out):
+            out.append(Sample(p.name, p))
+    return sorted(out, key=lambda s: s.name)

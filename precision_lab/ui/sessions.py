@@ -12,7 +12,8 @@ import pandas as pd
 from ..services import browse
 from .common import public_source, public_text, run_label
 from .overview import session_headline
-from .upload import Sample, UploadError, write_upload
+from ..services.samples import Sample
+from ..services.upload import UploadError, write_upload
 from ..services.ingest import IngestError, ingest
 from ..readers import first_line
 from ..readers.safeio import plain_error

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample, sample_session_name
-from precision_lab.ui.upload import UploadedItem, UploadError, list_samples, upload_key, write_upload
+from precision_lab.services.samples import list_samples
+from precision_lab.services.upload import UploadedItem, UploadError, upload_key, write_upload
 
 from ui_fixtures import STAT_CAND, STAT_REF, msprobe_tensor_entries
 

@@ -12,18 +12,13 @@ it with ``safezip``.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
-from ..paths import samples_dir
 from ..safezip import _safe_parts
 
-__all__ = ["UploadError", "UploadedItem", "write_upload", "upload_key", "Sample", "list_samples",
-           "SAMPLES_DIR"]
-
-SAMPLES_DIR = samples_dir()
+__all__ = ["UploadError", "UploadedItem", "write_upload", "upload_key"]
 
 
 class UploadError(ValueError):
@@ -121,45 +116,3 @@ def write_upload(files: Iterable[Any], dest: os.PathLike | str, *, max_depth: in
         # in is not the order a model ran in (readers may order a dump by modification time)
         os.utime(target, (0, 0))
     return root / next(iter(tops)) if shared_top else root
-
-
-# ---- samples -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sample:
-    """A dump under ``sample_dumps/`` and, when a sibling holds it, its fp32 reference."""
-
-    name: str
-    candidate: Path
-    reference: Optional[Path] = None
-
-    @property
-    def label(self) -> str:
-        if self.reference is None:
-            return self.name
-        return f"{self.name} (reference: {self.reference.name})"
-
-
-_LOW = re.compile(r"(fp16|bf16|float16|bfloat16|half|fp8[a-z0-9_]*?(?=_|$)|fp4|fp6)")
-
-
-def list_samples(root: os.PathLike | str = SAMPLES_DIR) -> list[Sample]:
-    """Sample dumps, each low-precision folder paired with the folder whose
-    name has ``fp32`` in place of its dtype (``x_fp16_y`` -> ``x_fp32_y``)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
-    names = {p.name for p in folders}
-    refs_used: set[str] = set()
-    out = []
-    for p in folders:
-        m = _LOW.search(p.name)
-        ref_name = (p.name[:m.start()] + "fp32" + p.name[m.end():]) if m else None
-        if ref_name and ref_name in names and ref_name != p.name:
-            out.append(Sample(p.name, p, root / ref_name))
-            refs_used.add(ref_name)
-    for p in folders:
-        if p.name not in refs_used and not any(s.name == p.name for s in out):
-            out.append(Sample(p.name, p))
-    return sorted(out, key=lambda s: s.name)
