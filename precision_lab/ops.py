@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "MASKING_OPS", "canonical", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "MSPROBE_PREFIXES", "canonical", "parse_op", "is_msprobe_key", "op_type_of", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -86,6 +86,46 @@ def innermost_module(op: str, modules: Iterable[str]) -> Optional[str]:
     return best
 
 
+# the first part of an msprobe data key: the API family it hooked (torch on GPU/NPU, MindSpore)
+MSPROBE_PREFIXES = frozenset({"Functional", "Torch", "Tensor", "Module", "Aten", "NPU", "Distributed", "VF", "Jit",
+                              "Mint", "MintFunctional", "Primitive"})
+_DIRECTIONS = ("forward", "backward")
+
+
+def parse_op(key: str) -> tuple[str, str]:
+    """``(op_type, direction)`` of an msprobe data key: ``Functional.linear.3.forward`` -> ``("linear",
+    "forward")``, ``Module.blocks.0.fc1.Linear.backward.0`` -> ``("Linear", "backward")``."""
+    parts = key.split(".")
+    if parts[0] == "Module":
+        for i in range(len(parts) - 1, 0, -1):
+            if parts[i] in ("forward", "backward", "parameters_grad"):
+                direction = "forward" if parts[i] == "forward" else "backward"
+                return (parts[i - 1] if i >= 2 else "Module"), direction
+        return (parts[-1] if len(parts) > 1 else "Module"), "forward"
+    direction = parts[-1] if parts[-1] in _DIRECTIONS else "forward"
+    body = parts[1:-1] if parts[-1] in _DIRECTIONS else parts[1:]
+    if body and body[-1].isdigit():
+        body = body[:-1]
+    op_type = ".".join(body).strip("_") if body else parts[0]
+    return op_type or parts[0], direction
+
+
+def is_msprobe_key(name: str) -> bool:
+    head, dot, rest = name.partition(".")
+    return bool(dot and rest) and head in MSPROBE_PREFIXES
+
+
+def op_type_of(op: str) -> str:
+    """The op type a dump's op name carries: an msprobe key's (``parse_op``), else the last part that is not a
+    call number (``blocks.0.fc1`` -> ``fc1``, ``attn.softmax.2`` -> ``softmax``)."""
+    if is_msprobe_key(op):
+        return parse_op(op)[0]
+    for p in reversed(op.split(".")):
+        if p and not p.isdigit():
+            return p
+    return op
+
+
 _MSPROBE_MODULE = re.compile(r"^Module\.(.+)\.[A-Za-z_]\w*\.(?:forward|backward)\.\d+$")
 _CALL = re.compile(r"^(?:(.*)\.)?(?:forward|backward)\.\d+$")
 
@@ -102,7 +142,6 @@ def module_path(op: str) -> str:
 
 
 _FUNC_CALL = re.compile(r"^(?:(.*)\.)?[A-Za-z_]\w*\.\d+$")  # a capture's "<module path>.<function>.<n>"
-_MSPROBE_API = re.compile(r"^(?:Functional|Tensor|Torch|Aten|NPU|Distributed|VF)\.")
 
 
 def enclosing_module(op: str, parent: Optional[str] = None) -> str:
@@ -115,7 +154,8 @@ def enclosing_module(op: str, parent: Optional[str] = None) -> str:
         return path
     if parent:
         return module_path(parent)
-    if _MSPROBE_API.match(op):
+    head, dot, _ = op.partition(".")
+    if dot and head in MSPROBE_PREFIXES:  # Module.* was a module call above
         return ""
     m = _FUNC_CALL.match(op)
     return (m.group(1) or "") if m else op

@@ -53,3 +53,28 @@ def test_enclosing_module_of_module_calls_functional_ops_and_dump_names():
     assert enclosing_module("Functional.linear.10.forward", "Module.blocks.2.fc1.Linear.forward.0") == "blocks.2.fc1"
     assert enclosing_module("Functional.linear.10.forward") == ""
     assert enclosing_module("blocks.0.fc1") == "blocks.0.fc1"  # a dump named by module path
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("Functional.layer_norm.0.forward", "layer_norm"),
+    ("Module.blocks.0.fc1.Linear.forward.0", "Linear"),
+    ("Mint.add.2.backward", "add"),
+    ("blocks.0.fc1", "fc1"),
+    ("blocks.0.attn.softmax.2", "softmax"),
+    ("Functional", "Functional"),  # a bare prefix is a name, not a key
+    ("7", "7"),
+])
+def test_op_type_of_a_dump_name(name, expected):
+    from precision_lab.ops import op_type_of
+    assert op_type_of(name) == expected
+
+
+@pytest.mark.parametrize("op,expected", [
+    ("Functional.softmax.0.forward", ""),   # an msprobe API call without nesting: the root
+    ("Jit.add.0.forward", ""),              # every msprobe prefix, not only torch's
+    ("Module.blocks.0.fc.Linear.forward.0", "blocks.0.fc"),
+    ("blocks.0.attn.softmax.0", "blocks.0.attn"),
+])
+def test_enclosing_module_of_msprobe_and_capture_names(op, expected):
+    from precision_lab.ops import enclosing_module
+    assert enclosing_module(op) == expected

@@ -11,7 +11,7 @@ import torch
 
 from precision_lab import readers
 from precision_lab.readers import RunSource, natural_key
-from precision_lab.readers.msprobe import parse_op
+from precision_lab.ops import parse_op
 from precision_lab.records import split_tensor_name
 from precision_lab.services.ingest import ingest
 

@@ -46,10 +46,11 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..formats import numpy_dtype_named
+from ..ops import is_msprobe_key, op_type_of, parse_op
 from ..records import TensorRecord, split_tensor_name
 from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
-from .msprobe import load_pt, parse_op
+from .msprobe import load_pt
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
                      open_regular, parse_json, reading, read_json, relname)
 from ..stats import tensor_stats
@@ -61,8 +62,6 @@ CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
 ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
 _KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
-_MSPROBE_PREFIXES = {"Functional", "Torch", "Tensor", "Module", "Aten", "NPU", "Distributed", "VF", "Jit",
-                     "Mint", "MintFunctional", "Primitive"}
 _GRAD_ROLES = {"grad_input", "grad_output", "param_grad"}
 _NPY_MAGIC = b"\x93NUMPY"
 
@@ -125,16 +124,6 @@ def _by_mtime(data: list[Path]) -> Optional[list[Path]]:
     return sorted(data, key=times.__getitem__)
 
 
-def op_type_of(op: str) -> str:
-    parts = op.split(".")
-    if parts[0] in _MSPROBE_PREFIXES and len(parts) > 1:
-        return parse_op(op)[0]
-    for p in reversed(parts):
-        if p and not p.isdigit():
-            return p
-    return op
-
-
 def _record_fields(name: str) -> dict:
     split = split_tensor_name(name)
     if split:
@@ -143,7 +132,7 @@ def _record_fields(name: str) -> dict:
         op, role, index = name, "tensor", "0"
     parts = op.split(".")
     backward = role in _GRAD_ROLES or "backward" in parts
-    if parts[0] in _MSPROBE_PREFIXES and len(parts) > 1:
+    if is_msprobe_key(op):
         backward = parse_op(op)[1] == "backward" or role in _GRAD_ROLES
     return {"op": op, "role": role, "index": index, "op_type": op_type_of(op),
             "direction": "backward" if backward else "forward"}

@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from ..ops import parse_op
 from ..records import TensorRecord, code_location
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
 from .ptfile import NotPlain, read_plain_tensor
@@ -52,27 +53,9 @@ from .safeio import (check_member_zip, check_regular, check_tensor, contained, l
                      reading, relname)
 from ..stats import TensorStats, canonical_dtype, tensor_stats
 
-__all__ = ["MsprobeReader", "parse_op", "dump_files"]
+__all__ = ["MsprobeReader", "dump_files"]
 
-_DIRECTIONS = ("forward", "backward")
 _PROC_RE = re.compile(r"^proc(\d+)$")
-
-
-def parse_op(key: str) -> tuple[str, str]:
-    """``(op_type, direction)`` of an msprobe data key."""
-    parts = key.split(".")
-    if parts[0] == "Module":
-        for i in range(len(parts) - 1, 0, -1):
-            if parts[i] in ("forward", "backward", "parameters_grad"):
-                direction = "forward" if parts[i] == "forward" else "backward"
-                return (parts[i - 1] if i >= 2 else "Module"), direction
-        return (parts[-1] if len(parts) > 1 else "Module"), "forward"
-    direction = parts[-1] if parts[-1] in _DIRECTIONS else "forward"
-    body = parts[1:-1] if parts[-1] in _DIRECTIONS else parts[1:]
-    if body and body[-1].isdigit():
-        body = body[:-1]
-    op_type = ".".join(body).strip("_") if body else parts[0]
-    return op_type or parts[0], direction
 
 
 def dump_files(root: Path) -> list[tuple[int, str, Path]]:
