@@ -877,3 +877,73 @@ def test_a_float64_reference_is_cast_and_recorded_as_float64(store):
         y = cap.model(cap.prepare_inputs(tiny_input()))
     assert y.dtype == torch.float64 and cap.dominant_dtype() == "float64"
     assert json.loads(store.run(cap.run_id)["policy"]) == {"dtype": "float64"}
+
+
+def _np_summary(t: torch.Tensor) -> tuple:
+    a = t.detach().double().numpy().ravel()
+    return int(a.size), float(a.min()), float(a.max()), float(np.abs(a).max()), float(a.sum()), float(np.sqrt((a * a).sum()))
+
+
+def test_a_view_over_measured_memory_reuses_its_statistics_until_the_memory_changes(monkeypatch):
+    from precision_lab.live import engine
+
+    calls = []
+    real = engine._stats.tensor_stats
+
+    def counting(t, **kw):
+        calls.append(tuple(t.shape))
+        return real(t, **kw)
+
+    monkeypatch.setattr(engine._stats, "tensor_stats", counting)
+    eng = engine.StatsEngine(CaptureOptions(), warn=lambda *a: None)
+    base = torch.randn(6, 8, 4) * 100
+    hb = eng.measure(base, "base")
+    for view in (base.transpose(0, 2), base.view(48, 4), base.permute(1, 0, 2), base.reshape(-1)):
+        h = eng.measure(view, "view")
+        assert h.shape == tuple(view.shape) and h.stats.shape == tuple(view.shape)
+        s = h.stats
+        n, lo, hi, amax, total, l2 = _np_summary(view)
+        assert (s.numel, s.min, s.max, s.absmax) == (n, lo, hi, amax)
+        assert s.mean == pytest.approx(total / n, rel=1e-12, abs=1e-12) and s.l2norm == pytest.approx(l2, rel=1e-12)
+        assert np.array_equal(s.hist, hb.stats.hist)
+    assert calls == [(6, 8, 4)]  # the views were not scanned again
+    # memory that is not the whole region is measured: a slice, a strided view, a view of other bytes
+    for part in (base[:3], base[:, :, ::2], base[..., 0], base.view(torch.int32)):
+        eng.measure(part, "part")
+    assert len(calls) == 5
+    # an in-place write through the base changes the shared version: the view is measured again, right
+    base.mul_(2)
+    view = base.transpose(0, 1)
+    s = eng.measure(view, "after").stats
+    assert len(calls) == 6 and s.max == pytest.approx(float(base.max()))
+    # a new step forgets every region
+    eng.new_step()
+    eng.measure(base.t() if base.dim() == 2 else base.transpose(1, 2), "next step")
+    assert len(calls) == 7
+
+
+def test_capture_records_of_views_hold_the_views_own_statistics(store):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 12)
+
+        def forward(self, x):
+            y = self.fc(x)
+            z = y.view(4, 3, 4).transpose(1, 2)  # same memory as y, another shape
+            return torch.softmax(z, dim=-1).sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 8)
+    with capture(net, run="views", store=store) as cap:
+        net(x).backward()
+    outs = {(r.op_type, r.role): r for r in cap.records if r.direction == "forward"}
+    y = net.fc(x).detach()
+    # softmax's input is a transposed view of the Linear's output: the same memory, another shape
+    for key, want in ((("softmax", "input"), y.view(4, 3, 4).transpose(1, 2)), (("Linear", "output"), y)):
+        s = outs[key].stats
+        assert s.shape == tuple(want.shape)
+        n, lo, hi, amax, total, l2 = _np_summary(want)
+        assert (s.numel, s.min, s.max) == (n, pytest.approx(lo, rel=1e-6), pytest.approx(hi, rel=1e-6))
+        assert s.l2norm == pytest.approx(l2, rel=1e-5)

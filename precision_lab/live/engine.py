@@ -10,11 +10,15 @@ module only decides *when* they are computed and how results reach the host:
   copies them to the host in one transfer.  No host synchronisation per op.
 
 A tensor object seen twice within a step with the same version counter
-(an op's output that is the next op's input) is measured once.
+(an op's output that is the next op's input) is measured once, and so is a
+CPU view that covers exactly the memory of a tensor measured before (a
+reshape, a transpose, ``.view(...)`` of an op's output): the same elements
+have the same statistics, whatever their shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -39,6 +43,21 @@ class Handle:
         self.stats = None
         self.dtype, self.shape, self.numel = dtype, shape, numel
         self.parts = None
+
+
+def dense_region(t: torch.Tensor) -> Optional[tuple]:
+    """``(address, numel, dtype)`` of the memory a CPU tensor covers when it covers it exactly (contiguous in
+    some order of its dimensions, no gaps, no element twice), else None: two such tensors with the same region
+    hold the same elements."""
+    if t.is_contiguous():
+        return t.data_ptr(), t.numel(), t.dtype
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return None
+        expect *= sz
+    return t.data_ptr(), t.numel(), t.dtype
 
 
 def skip_reason(t: torch.Tensor) -> Optional[str]:
@@ -69,6 +88,7 @@ class StatsEngine:
         self._warn = warn
         self._lock = threading.Lock()
         self._cache: dict = {}
+        self._regions: dict = {}  # dense_region -> (weakref to the tensor measured, its version, handle)
         self._pending: list = []
         # Autograd hands a gradient to the next hook as a fresh Python object
         # unless one is alive, so the object seen by the consumer's hook and
@@ -99,6 +119,7 @@ class StatsEngine:
     def new_step(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._regions.clear()
             self._recent.clear()
 
     def measure(self, t, where: str, *, hold: bool = False, histogram: Optional[bool] = None) -> Optional[Handle]:
@@ -128,11 +149,20 @@ class StatsEngine:
             return None
         dtype = _stats.canonical_dtype(t.dtype)
         shape = tuple(t.shape)
+        region = None
         try:
             d = t.detach()  # statistics never join the autograd graph
             if (not d.is_cuda and not self.deferred_cpu) or d.layout != torch.strided:
-                h = Handle(dtype, shape, d.numel())
                 want = self.histogram if histogram is None else histogram
+                region = dense_region(d) if version is not None and d.layout == torch.strided and not d.is_cuda \
+                    else None
+                h = self._same_region(region, version, shape, histogram)
+                if h is not None:
+                    self._cache[key] = (weakref.ref(t), version, h)
+                    if hold:
+                        self._recent.append(t)
+                    return h
+                h = Handle(dtype, shape, d.numel())
                 h.stats = _stats.tensor_stats(d, histogram=want)
                 if not want and histogram is None and self.refine is not None and self.refine(h.stats):
                     h.stats = _stats.tensor_stats(d, histogram=True)
@@ -144,11 +174,31 @@ class StatsEngine:
         if version is not None:
             try:
                 self._cache[key] = (weakref.ref(t), version, h)
+                if region is not None and h.stats is not None:
+                    self._regions[region] = (weakref.ref(t), version, h, histogram)
             except TypeError:
                 pass
             if hold:
                 self._recent.append(t)
         return h
+
+    def _same_region(self, region, version, shape, histogram) -> Optional[Handle]:
+        """The handle of a live tensor measured before over exactly ``region``, unchanged since (views share
+        their base's version counter), re-shaped to ``shape``; None when there is none."""
+        if region is None:
+            return None
+        hit = self._regions.get(region)
+        if hit is None:
+            return None
+        ref, seen_version, h, seen_hist = hit
+        other = ref()
+        if other is None or seen_version != version or other._version != version or seen_hist != histogram:
+            return None
+        if h.shape == shape:
+            return h
+        out = Handle(h.dtype, shape, h.numel)
+        out.stats = dataclasses.replace(h.stats, shape=shape)
+        return out
 
     # ---- device path -----------------------------------------------------------
     def _device_measure(self, d: torch.Tensor, dtype: str, shape: tuple) -> Handle:
