@@ -817,6 +817,12 @@ def test_key_counting_scan_is_exact_block_by_block_and_leaves_no_counts_behind()
         np.tile(np.array([0.5, np.nextafter(np.float32(0.5), np.float32(1)), 0.0], np.float32), 70_001),
         np.concatenate([big[:5000], [np.inf, -np.inf, np.nan]]).astype(np.float32),  # non-finite: element fold
         near,                                                       # fewer elements than keys
+        # every pattern of every split range, both signs, shuffled: each inner edge and both its neighbours
+        rng.permutation(np.concatenate([
+            ((K._SPLIT[:, :1].astype(np.uint32) << 16) | np.arange(1 << 16, dtype=np.uint32)).ravel().view(np.float32),
+            -((K._SPLIT[:, :1].astype(np.uint32) << 16) | np.arange(1 << 16, dtype=np.uint32)).ravel().view(np.float32)])),
+        # a masked attention score: half of it float32's most negative value, in every block
+        np.where(rng.random(600_000) < 0.5, np.float32(-3.4028235e38), big[:600_000]).astype(np.float32),
     ]
     for x in cases + cases[::-1]:
         s = tensor_stats(x, backend="numba")

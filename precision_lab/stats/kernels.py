@@ -29,8 +29,9 @@ from .records import TensorStats, canonical_dtype
 # That is all a power-of-two edge (a range's start) and a "just above a power of two" edge (start + 1: the
 # round-to-zero thresholds, where a tie rounds to even) need, and the fold turns key counts into bins with one
 # table.  The few ranges with another edge inside (fp16's max and overflow threshold, bf16's overflow ones...)
-# and float32 subnormals are binned exactly by a fix-up pass over the blocks that hold such values, and
-# only those blocks.  Each key has four counters used in turn, so a run of equal values does not wait on one
+# are counted against their inner edges by a branch-free pass over the blocks that hold such values (a masked
+# attention score holds float32's most negative value in every block), float32 subnormals by a search, and
+# only in those blocks.  Each key has four counters used in turn, so a run of equal values does not wait on one
 # counter; the counters live in a per-thread scratch table that is zero between calls (the fold clears what
 # a call touched), so a small tensor pays for the keys it hit, not for the table.
 
@@ -40,6 +41,7 @@ _N_KEYS = 1 << 16
 _WAYS = 4
 _SUB_END = 1 << 23  # patterns below this (nonzero) are float32 subnormals
 _NONFINITE = 0x7F800000
+_MAX_INNER = 5  # edges inside one split range (bf16 has five near float32's max)
 
 
 def _ceil_f32_bits(v: float) -> int:
@@ -66,7 +68,16 @@ def _build_tables():
     ok = ranges[~split]
     key_bin[(ok << 1) | 1] = at_start[~split]  # low 16 bits zero: the range's first pattern only
     key_bin[ok << 1] = after[~split]
-    return key_bin, ranges[split].astype(np.int32), cbits.astype(np.uint32)
+    # one row per split range: the range, the bin just below it, how many edges lie inside it, those edges
+    rows = []
+    for r in ranges[split]:
+        inner = cbits[(cbits >> 16) == r]
+        rows.append([r, bin_of(r << 16) - np.count_nonzero(inner == r << 16), inner.size, *inner])
+    assert all(x[2] <= _MAX_INNER for x in rows), "a split range with more inner edges than _nb_block_split takes"
+    table = np.full((len(rows), 3 + _MAX_INNER), 0xFFFFFFFF, dtype=np.int64)
+    for i, x in enumerate(rows):
+        table[i, :len(x)] = x
+    return key_bin, table.astype(np.uint32), cbits.astype(np.uint32)
 
 
 _KEY_BIN, _SPLIT, _CBITS = _build_tables()
@@ -171,6 +182,36 @@ def _nb_block_exact(ub, r_lo, r_hi, cbits, hrow):
     return n
 
 
+def _nb_block_split(ub, row, counts):
+    """Count the elements of one split range (``row``: the range, the bin below it, the number of edges inside
+    it, up to five edges, padded with 0xFFFFFFFF): ``counts[0]`` those in the range, ``counts[1 + i]`` those
+    at or above inner edge i.  One branch-free pass of reductions: it vectorises, a search per element does not."""
+    m = np.uint32(0x7FFFFFFF)
+    r = row[0]
+    e0, e1, e2, e3, e4 = row[3], row[4], row[5], row[6], row[7]
+    n = np.int32(0)
+    c0 = np.int32(0)
+    c1 = np.int32(0)
+    c2 = np.int32(0)
+    c3 = np.int32(0)
+    c4 = np.int32(0)
+    for j in range(ub.size):
+        a = ub[j] & m
+        inr = ((a >> np.uint32(16)) == r)
+        n += np.int32(inr)
+        c0 += np.int32(inr & (a >= e0))
+        c1 += np.int32(inr & (a >= e1))
+        c2 += np.int32(inr & (a >= e2))
+        c3 += np.int32(inr & (a >= e3))
+        c4 += np.int32(inr & (a >= e4))
+    counts[0] += n
+    counts[1] += c0
+    counts[2] += c1
+    counts[3] += c2
+    counts[4] += c3
+    counts[5] += c4
+
+
 _F16_MAGIC = np.float32(2.0 ** -14)  # fp16 subnormals: (2^-14 + m * 2^-24) - 2^-14, exact in float32
 
 
@@ -264,7 +305,8 @@ def _nb_scan_range(xf, s, h16, kind, lo, hi, key_bin, split, cbits, do_hist, h, 
     keys = np.empty(blk, np.uint32)
     wide = np.empty(blk if kind != 0 else 0, np.float32)
     wide_i = wide.view(np.int32)
-    done = np.zeros(split.size, np.int64)  # elements of each split range binned by the fix-up so far
+    done = np.zeros(split.shape[0], np.int64)  # elements of each split range counted by the fix-up so far
+    split_counts = np.zeros((split.shape[0], split.shape[1] - 2), np.int64)
     amax = np.int32(0)
     aminm1 = np.int32(0x7FFFFFFF)
     kmin = np.int32(0x7FFFFFFF)
@@ -354,13 +396,20 @@ def _nb_scan_range(xf, s, h16, kind, lo, hi, key_bin, split, cbits, do_hist, h, 
                 _nb_block_exact(sb.view(np.uint32), 0, (_SUB_END >> 16) - 1, cbits, hrow)
             r_lo = (bmin1 + 1) >> 16
             r_hi = bam >> 16
-            for t in range(split.size):
-                r = split[t]
+            for t in range(split.shape[0]):
+                r = np.int64(split[t, 0])
                 if r >= r_lo and r <= r_hi:
                     c = _nb_key_total(h, r << 1) + _nb_key_total(h, (r << 1) | 1)
                     if c != done[t]:
-                        _nb_block_exact(sb.view(np.uint32), r, r, cbits, hrow)
+                        _nb_block_split(sb.view(np.uint32), split[t], split_counts[t])
                         done[t] = c
+    if do_hist:
+        for t in range(split.shape[0]):  # counts at or above each inner edge -> bins
+            below = np.int64(split[t, 1])
+            k = np.int64(split[t, 2])
+            for i in range(k + 1):
+                nxt = split_counts[t, i + 1] if i < k else 0
+                hrow[below + i] += split_counts[t, i] - nxt
     if do_hist and hi > lo:
         _nb_fold(u, h16, kind, lo, hi, h, key_bin, hrow, amax, aminm1, nnan + ninf)
     ri[row, 0] = amax
@@ -408,7 +457,8 @@ def _build_kernels(numba) -> _Kernels:
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     g["_nb_block_moments"] = njit(numba, _nb_block_moments, fastmath=fm)
     g["_nb_block_exact"] = njit(numba, _nb_block_exact, inline="never")
-    for name in ("_nb_block_extrema", "_nb_block_keys", "_nb_block_count", "_nb_touch", "_nb_widen", "_nb_bits16",
+    for name in ("_nb_block_extrema", "_nb_block_keys", "_nb_block_count", "_nb_block_split", "_nb_touch", "_nb_widen",
+                 "_nb_bits16",
                  "_nb_key_total", "_nb_fold", "_nb_scan_range", "_nb_scan_serial"):
         g[name] = njit(numba, g[name])
     g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
