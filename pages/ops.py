@@ -58,7 +58,7 @@ with page.guard("The op table could not be queried"):
         page=max(0, int(current) - 1), page_size=page_size,
     ))
 
-shown = ov.display_frame(result.rows)
+shown = ov.display_frame(result.rows, summary=result.stats_basis)
 event = st.dataframe(
     style_severity(shown.drop(columns=["rid"])), key="ops_table", on_select="rerun", selection_mode="single-row",
     hide_index=True, width="stretch", height=page.table_height(len(shown)),

@@ -115,9 +115,10 @@ def _offenders(kinds, key: str, empty: str) -> None:
     if df.empty:
         st.caption(empty)
         return
-    shown = df[["run", "seq", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db", "rounding_units",
-                "reason"]]
-    ev = st.dataframe(text_columns(shown, ("max_rel_err", "sqnr_db", "rounding_units"), 4), hide_index=True,
+    # a comparison on summary statistics has no element-wise error: its summaries' error in a column of its own
+    rel = ["max_rel_err"] + (["summary_rel_err"] if (df["basis"] == "stats").any() else [])
+    shown = df[["run", "seq", "op", "role", "index", "verdict", *rel, "sqnr_db", "rounding_units", "reason"]]
+    ev = st.dataframe(text_columns(shown, (*rel, "sqnr_db", "rounding_units"), 4), hide_index=True,
                       width="stretch", key=key, on_select="rerun", selection_mode="single-row")
     if ev is not None and ev.selection.rows:
         row = df.iloc[ev.selection.rows[0]]
@@ -216,17 +217,22 @@ elif _job is not None and _job.session == info["name"]:
 
 st.subheader("Error along the run")
 c1, c2 = st.columns([2, 1])
-metric = c1.radio("Metric", list(ov.ERROR_METRICS), horizontal=True, key="err_metric",
+metrics = list(ov.ERROR_METRICS)
+# a statistics-only session has no element-wise error: it opens on its summaries' relative error
+metric = c1.radio("Metric", metrics, horizontal=True, key="err_metric",
+                  index=metrics.index(view(ov.default_error_metric)),
                   format_func=lambda m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB",
-                                         "rounding_units": "error / roundoff", "max_abs_err": "max abs error"}[m])
+                                         "rounding_units": "error / roundoff", "max_abs_err": "max abs error",
+                                         "summary_rel_err": "summary rel error (statistics only)"}[m])
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
 series = view(ov.error_series, metric, roles=("output",) if outputs_only else ())
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:
-    if series["value"].isna().all() and metric == "sqnr_db":
-        st.caption("SQNR needs element-wise data; this session holds summary statistics only. "
-                   "Choose max rel error.")
+    if series["value"].isna().all() and metric != "summary_rel_err" \
+            and view(ov.default_error_metric) == "summary_rel_err":
+        st.caption("This error needs element-wise data; this session holds summary statistics only. "
+                   "Choose summary rel error: how far each record's max, min and norm moved.")
     fig = ov.error_figure(series, metric, first_nonfinite=[f["first"] for f in firsts])
     ev = st.plotly_chart(fig, key="err_plot", on_select="rerun", selection_mode="points", width="stretch")
     pts = (ev or {}).get("selection", {}).get("points", []) if isinstance(ev, dict) else \

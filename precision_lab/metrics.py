@@ -21,6 +21,12 @@ Definitions (r = reference, c = candidate, over positions finite in both):
   max_ulp_err   max |c - r| / ulp_fmt(r), the candidate format's spacing at
                 r (subnormal spacing below the normal range).
   nonfinite_introduced  positions finite in r and not finite in c.
+
+Where only summary statistics exist (``compare_stats``, basis "stats"), the
+element-wise metrics stay None and the summaries s in (max, min, l2norm)
+finite on both sides give instead:
+  summary_abs_err  max |c_s - r_s|
+  summary_rel_err  max |c_s - r_s| / max(|r_s|, rel_floor)
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class Comparison:
     cand_format: Optional[str]
     verdict: str  # "expected" | "warn" | "error" | "nonfinite"
     reason: str
+    # basis "stats" only: how far the summaries (max, min, l2norm) differ, never an element's error
+    summary_abs_err: Optional[float] = None
+    summary_rel_err: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -336,7 +345,7 @@ def verdict_for(*, nonfinite_introduced: int, rounding_units: Optional[float],
       max(|r|, smallest normal)) exceeds ``WORST_ELEMENT_UNITS`` (64) unit
       roundoffs of the format at that value, or ``WORST_ELEMENT_REL`` (100 %)
       whatever the format: no rounding of the values involved explains it.
-      Summary-statistics comparisons pass ``max_rel_err / u`` as
+      Summary-statistics comparisons pass ``summary_rel_err / u`` as
       ``rounding_units`` and are judged by it alone.
     """
     if nonfinite_introduced:
@@ -424,11 +433,14 @@ def _introduced_by_counts(r, c) -> int:
 def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -> Comparison:
     """A stats-level comparison where only summary statistics exist on a side.
 
-    max_abs_err/max_rel_err here compare the summaries (max, min, mean,
-    norm), not elements: ``max_abs_err`` is the largest absolute difference
-    among them and ``max_rel_err`` the largest relative one.  A non-finite
-    ``l2norm`` with finite max/min is a norm-arithmetic artefact (msprobe
-    computes norms in the tensor's dtype), not a non-finite value.
+    It compares the summaries (max, min, l2norm; the mean cancels and is
+    left out), not elements, so the element-wise fields (``max_abs_err``,
+    ``max_rel_err``, ...) stay None: ``summary_abs_err`` is the largest
+    absolute difference among the summaries, ``summary_rel_err`` the largest
+    relative one (against max(|reference summary|, rel_floor)); the verdict
+    is judged from ``summary_rel_err``.  A non-finite ``l2norm`` with finite
+    max/min is a norm-arithmetic artefact (msprobe computes norms in the
+    tensor's dtype), not a non-finite value.
     """
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(cand_stats.dtype) or FORMATS["fp32"])
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
@@ -455,6 +467,7 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
         verdict, reason = verdict_for(nonfinite_introduced=0, rounding_units=units)
         reason = "summary statistics: " + reason
     return Comparison(
-        "stats", int(cand_stats.numel), 0, max_abs, None, None, max_rel, rel_floor, None, None, None,
+        "stats", int(cand_stats.numel), 0, None, None, None, None, rel_floor, None, None, None,
         None, None, nf_intro, int(nonfinite_ref), fmt.name, verdict, reason,
+        summary_abs_err=max_abs, summary_rel_err=max_rel,
     )

@@ -102,5 +102,7 @@ def test_pair_diff_puts_the_decision_before_the_statistics(ui_db):
     at = open_page("diff", session=STAT_SESSION)
     cols = list(frame_with(at, "ref absmax").columns)
     first_stat = min(i for i, c in enumerate(cols) if c.startswith(("ref ", "cand ")))
-    for decisive in ("op", "verdict", "max_rel_err", "sqnr_db", "reason"):
+    # a statistics-only pair: the summaries' error right beside the (empty) element-wise one
+    for decisive in ("op", "verdict", "max_rel_err", "summary_rel_err", "sqnr_db", "reason"):
         assert cols.index(decisive) < first_stat, (decisive, cols)
+    assert cols.index("summary_rel_err") == cols.index("max_rel_err") + 1

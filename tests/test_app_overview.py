@@ -67,6 +67,24 @@ def test_session_comes_from_the_url_and_metric_switch(ui_db):
     assert "SQNR" in fig.proto.spec
 
 
+def test_a_statistics_only_session_draws_its_summaries_error(ui_db):
+    """No element-wise error in a statistics-only session: the error plot opens on the summaries' relative
+    error, labelled so, and the top offenders show it in a column of its own."""
+    at = open_page("overview", session=STAT_SESSION)
+    assert at.radio(key="err_metric").value == "summary_rel_err"
+    fig = next(c for c in at.get("plotly_chart") if c.proto.id.endswith("err_plot"))
+    assert "summary relative error" in fig.proto.spec
+    top = frame_with(at, "rounding_units")
+    assert list(top.columns).index("summary_rel_err") == list(top.columns).index("max_rel_err") + 1
+    at.radio(key="err_metric").set_value("max_rel_err").run()
+    assert_clean(at)
+    assert "summary statistics only" in texts(at) and "Choose summary rel error" in texts(at)
+    # an element-wise session opens on max_rel_err, without the summary column
+    at = open_page("overview", session=TENSOR_SESSION)
+    assert at.radio(key="err_metric").value == "max_rel_err"
+    assert "summary_rel_err" not in frame_with(at, "rounding_units").columns
+
+
 def test_unknown_session_in_url_says_so_and_opens_nothing(ui_db):
     at = open_page("overview", session="no-such-session")
     assert_clean(at)

@@ -212,9 +212,12 @@ def test_pair_warns_when_no_name_lines_up(store):
     assert any("changed the model's module paths" in m for m in msgs)
     # the one pairing rule: names that do not line up are aligned by op sequence (as ingest does) and compared
     # by their summaries, each reference record at most once
-    rows = store.df("SELECT match, kind, ref_rid, max_rel_err FROM comparisons WHERE kind <> 'local'")
+    rows = store.df("SELECT match, kind, ref_rid, max_rel_err, summary_rel_err FROM comparisons "
+                    "WHERE kind <> 'local'")
     aligned = rows[rows["match"] == "aligned"]
-    assert len(aligned) > 0 and set(aligned["kind"]) == {"stats"} and aligned["max_rel_err"].notna().all()
+    # a comparison of summaries has the summaries' error, never an element-wise one
+    assert len(aligned) > 0 and set(aligned["kind"]) == {"stats"} and aligned["summary_rel_err"].notna().all()
+    assert aligned["max_rel_err"].isna().all()
     paired = rows[rows["ref_rid"].notna() & rows["match"].isin(["exact", "aligned"])]
     assert paired["ref_rid"].is_unique
     assert name

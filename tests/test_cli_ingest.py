@@ -100,8 +100,41 @@ def test_compare_sqnr_and_rel_err_thresholds(tmp_path):
     assert _run("compare", ref, cand, "--fail-on", f"sqnr<{sqnr - 5:.3f}").exit_code == 0
     r = _run("compare", ref, cand, "--fail-on", f"sqnr<{sqnr + 5:.3f}")
     assert r.exit_code == 1 and "FAIL sqnr<" in r.output
-    assert _run("compare", ref, cand, "--fail-on", "max_rel_err>1e-9").exit_code == 1
+    r = _run("compare", ref, cand, "--fail-on", "max_rel_err>1e-9")
+    assert r.exit_code == 1 and "(element-wise)" in r.output and "summary" not in r.output
     assert _run("compare", ref, cand, "--fail-on", "max_rel_err>10").exit_code == 0
+
+
+def test_rel_err_threshold_on_statistics_only_dumps_uses_the_summaries(tmp_path):
+    """Statistics-only dumps have no element-wise error: ``max_rel_err>X`` is checked on the summaries'
+    relative error (summary_rel_err), and the message says so."""
+    ref, cand = FIXTURES / "stat_mix_fp32_inner_ovf", FIXTURES / "stat_mix_fp16_inner_ovf"
+    rep = json.loads(_run("compare", ref, cand, "--json").stdout)
+    judged = [c for c in rep["comparisons"] if c["verdict"] is not None]
+    assert judged and all(c["max_rel_err"] is None for c in judged)
+    worst = max(c["summary_rel_err"] for c in judged if isinstance(c["summary_rel_err"], float))
+    r = _run("compare", ref, cand, "--fail-on", f"max_rel_err>{worst / 2:.6g}")
+    assert r.exit_code == 1 and "(on summary statistics)" in r.output and "element-wise" not in r.output
+    assert _run("compare", ref, cand, "--fail-on", f"max_rel_err>{worst * 2:.6g}").exit_code == 0
+
+
+def test_rel_err_condition_names_an_element_wise_error_before_a_summary_one():
+    from precision_lab.cli._conditions import check_conditions
+
+    def cmp(op, basis, rel):
+        return {"op": op, "role": "output", "index": "0", "basis": basis, "verdict": "warn",
+                "max_rel_err": rel if basis == "tensor" else None,
+                "summary_rel_err": rel if basis == "stats" else None}
+
+    rep = {"comparisons": [cmp("a", "tensor", 0.5), cmp("b", "stats", 3.0), cmp("c", "tensor", 0.01)],
+           "runs": [], "tensors": []}
+    tripped, unusable = check_conditions(rep, [Condition("max_rel_err", 0.1)])
+    assert not unusable and len(tripped) == 1
+    assert "2 tensor(s) (1 element-wise, 1 on summary statistics)" in tripped[0]
+    assert "worst a output 0 at 0.5 (element-wise)" in tripped[0]
+    tripped, _ = check_conditions(rep, [Condition("max_rel_err", 1.0)])
+    assert tripped == ["max_rel_err>1: 1 tensor(s) (1 on summary statistics), worst b output 0 at 3 "
+                       "(on summary statistics)"]
 
 
 def test_compare_unusable_input_exits_2(tmp_path):

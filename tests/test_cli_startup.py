@@ -35,6 +35,17 @@ def db(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def archive(db, tmp_path_factory):
+    from precision_lab.services.share import export_session
+
+    path = tmp_path_factory.mktemp("archive") / "ovf.zip"
+    with Store(db) as store:
+        export_session(store, "ovf", path)
+    close_all()
+    return path
+
+
 def _run(*args):
     return subprocess.run([sys.executable, "-c", _PROBE, *map(str, args)], capture_output=True, text=True,
                           timeout=120)
@@ -43,10 +54,10 @@ def _run(*args):
 @pytest.mark.parametrize("args", [
     ("report", "-s", "ovf"), ("report", "-s", "ovf", "--json", "--fail-on", "nonfinite"), ("db",), ("formats",),
     ("fixes",), ("recipes",), ("config",), ("export", "-s", "ovf", "-o", "{tmp}/s.zip"),
-    ("share-link", "-s", "ovf"),
+    ("share-link", "-s", "ovf"), ("import", "{archive}", "--db", "{tmp}/other.duckdb"),
 ])
-def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, tmp_path, args):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, archive, tmp_path, args):
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{archive}", str(archive)) for a in args]
     if args[0] in ("report", "db", "export", "share-link"):
         args += ["--db", str(db)]
     got = _run(*args)

@@ -225,6 +225,25 @@ def test_import_duplicate_records(store, exported):
             "lists a (run_id, rid) more than once")
 
 
+def test_import_histogram_of_a_record_tensors_do_not_hold(store, exported):
+    data, _ = exported
+    h = table_of(data, "histograms")
+    rids = h.column("rid").to_pylist()
+    bad = rezip(data, replace={"histograms.parquet": parquet(set_col(h, "rid", [rids[0] + 10_000] + rids[1:]))})
+    refused(store, imp(store, bad, "ghost.zip"), ShareError, "ghost.zip", "histograms.parquet",
+            f"refers to record {rids[0] + 10_000} of run", "tensors.parquet does not hold")
+
+
+def test_import_histogram_listed_twice(store, exported):
+    data, _ = exported
+    h = table_of(data, "histograms")
+    rids, runs = h.column("rid").to_pylist(), h.column("run_id").to_pylist()
+    h = set_col(set_col(h, "rid", [rids[1]] + rids[1:]), "run_id", [runs[1]] + runs[1:])  # row 0 = row 1's record
+    bad = rezip(data, replace={"histograms.parquet": parquet(h)})
+    refused(store, imp(store, bad, "twice.zip"), ShareError, "twice.zip", "histograms.parquet",
+            "lists a record more than once")
+
+
 def test_import_session_name_disagrees_with_manifest(store, exported):
     data, _ = exported
     bad = rezip(data, manifest=lambda m: {**m, "session": {**m["session"], "name": "innocent"}})

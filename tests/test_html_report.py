@@ -77,6 +77,16 @@ def test_statistics_only_session(store, tmp_path):
     name = ingest(SAMPLES / "stat_mix_fp16_inner_ovf", reference=SAMPLES / "stat_mix_fp32_inner_ovf", store=store)
     page = _body(render_html(store, name))
     assert 'id="plot-error"' in page and 'id="plot-focus"' in page
+    # no element-wise error: the plot draws how far the summaries moved, and says so
+    err = page[page.index('id="plot-error"'):page.index('id="plot-focus"')]
+    assert "summary relative error" in err and "summary_rel_err %{y" in err
+    import base64
+
+    line = json.loads(re.search(r'Plotly\.newPlot\(\s*"plot-error",\s*(\[.*?\]),\s*\{', err, re.S).group(1))[0]
+    y = line["y"]  # plotly writes numbers as typed arrays
+    y = np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]) if isinstance(y, dict) else np.array(y, float)
+    assert np.isfinite(y).sum() > 10  # the values are there, not an empty axis
+    assert "<th>max rel err</th><th>summary abs err</th><th>summary rel err</th>" in page
     # independently: the first entry of the raw dump.json whose inputs' Max/Min are finite and whose output's
     # are not (a non-finite Norm alone is the dump's fp16 arithmetic, not the values)
     raw = json.loads(next((SAMPLES / "stat_mix_fp16_inner_ovf").rglob("dump.json")).read_text())["data"]

@@ -105,6 +105,12 @@ def test_statistics_pair_comparisons(stat_session):
     n32 = sum(1 for t in rep["tensors"] if t["run"] == "stat_mix_fp32_inner_ovf")
     assert n16 == n32 and len(comps) == n16
     assert all(c["match"] == "exact" and c["basis"] == "stats" for c in comps)
+    # compared on their summaries: the summaries' errors, never an element-wise one
+    assert all(c["max_rel_err"] is None and c["max_abs_err"] is None for c in comps)
+    judged = [c for c in comps if c["verdict"] != "nonfinite"]
+    assert len(judged) > 100 and all(isinstance(c["summary_rel_err"], float) for c in judged)
+    text = render_text(rep)
+    assert "summary_rel" in text.split("Worst")[1].splitlines()[1]  # the worst table's header
     by = {(c["op"], c["role"], c["index"]): c for c in comps}
     assert by[("Functional.linear.10.forward", "output", "0")]["verdict"] == "nonfinite"
     # the weight whose fp16 Norm is inf is not flagged: its Max/Min match fp32's
@@ -132,8 +138,8 @@ def test_report_json_is_strict_and_stable(stat_session):
     assert set(t) >= {"run", "seq", "op", "op_type", "role", "index", "step", "rank", "dtype", "shape", "numel",
                       "nan", "inf", "zero", "min", "max", "absmax", "mean", "std"}
     c = doc["comparisons"][0]
-    assert set(c) >= {"op", "role", "index", "ref_run", "cand_run", "max_abs_err", "max_rel_err", "cosine",
-                      "sqnr_db", "nonfinite_introduced", "verdict"}
+    assert set(c) >= {"op", "role", "index", "ref_run", "cand_run", "max_abs_err", "max_rel_err", "summary_abs_err",
+                      "summary_rel_err", "cosine", "sqnr_db", "nonfinite_introduced", "verdict"}
     out = [t for t in doc["tensors"] if t["op"] == "Functional.linear.10.forward" and t["role"] == "output"
            and t["run"] == "stat_mix_fp16_inner_ovf"][0]
     assert (out["max"], out["min"], out["mean"]) == ("inf", "-inf", "nan")

@@ -177,3 +177,37 @@ def test_stats_comparison_counts_only_what_the_candidate_adds():
     flip_ref = np.array([np.inf, 1.0], np.float32)
     flip_cand = np.array([-np.inf, 1.0], np.float16)
     assert compare_stats(tensor_stats(flip_ref), tensor_stats(flip_cand)).nonfinite_introduced == 1
+
+
+def test_stats_comparison_keeps_its_summary_errors_apart_from_element_errors():
+    """compare_stats compares max, min and l2norm: their largest absolute and relative differences (float64 by
+    hand from the summaries) land in summary_abs_err/summary_rel_err, and the element-wise fields stay None."""
+    rng = np.random.default_rng(7)
+    ref = (rng.standard_normal(4096) * 3).astype(np.float32)
+    cand = (ref * 1.01).astype(np.float16)
+    got = compare_stats(tensor_stats(ref), tensor_stats(cand))
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    floor = float(np.finfo(np.float16).smallest_normal)
+    sums = [(r.max(), c.max()), (r.min(), c.min()), (np.sqrt(np.sum(r * r)), np.sqrt(np.sum(c * c)))]
+    want_abs = max(abs(b - a) for a, b in sums)
+    want_rel = max(abs(b - a) / max(abs(a), floor) for a, b in sums)
+    assert got.basis == "stats"
+    assert got.summary_abs_err == pytest.approx(want_abs, rel=1e-9)
+    assert got.summary_rel_err == pytest.approx(want_rel, rel=1e-9)
+    assert 0.009 < got.summary_rel_err < 0.011  # the 1 % scaling, seen through fp16 rounding
+    for f in ("max_abs_err", "mean_abs_err", "rmse", "max_rel_err", "cosine", "sqnr_db", "rounding_units",
+              "max_ulp_err"):
+        assert getattr(got, f) is None, f
+    # the verdict is still judged from the summaries' relative error, in unit roundoffs of fp16
+    units = want_rel / (FORMATS["fp16"].eps / 2)
+    assert 8 < units <= 64 and got.verdict == "warn" and got.reason.startswith("summary statistics: ")
+    assert f"{units:.3g}x" in got.reason
+    # nothing comparable: no summary error either
+    from precision_lab.stats import TensorStats
+
+    blank = TensorStats.summary_only(dtype="float16", shape=(2,), min=None, max=None, mean=None, l2norm=None)
+    none = compare_stats(blank, blank)
+    assert none.summary_abs_err is None and none.summary_rel_err is None and none.verdict == "warn"
+    # an element-wise comparison has no summary errors
+    elem = compare(ref, cand)
+    assert elem.summary_abs_err is None and elem.summary_rel_err is None and elem.max_rel_err is not None

@@ -236,3 +236,30 @@ def test_manifest_merge_keeps_other_ranks(tmp_path):
     run = read_manifest(tmp_path)["runs"][0]
     assert run["ranks"] == [0, 1] and run["warnings"] == [{"where": "x", "message": "rank 1 note"}]
     assert sorted({r.rank for _, r in read_shards(tmp_path)}) == [0, 1]
+
+
+class _OldComparison:
+    """A local comparison as shards written before the summary fields hold it (``to_dict`` without them)."""
+
+    def __init__(self, cmp, **old):
+        self.d = {k: v for k, v in cmp.to_dict().items() if not k.startswith("summary_")} | old
+
+    def to_dict(self) -> dict:
+        return self.d
+
+
+def test_local_comparisons_of_shards_written_before_the_summary_fields_still_read(tmp_path):
+    from precision_lab.metrics import compare, compare_stats
+
+    recs = _records()
+    a, b = recs[0].tensor.double(), recs[0].tensor.half()
+    elem = compare(a, b)
+    by_stats = compare_stats(tensor_stats(a), tensor_stats(b))
+    # schema-4 meaning: a stats-basis comparison carried its summaries' errors as max_abs_err/max_rel_err
+    old_stats = _OldComparison(by_stats, max_abs_err=by_stats.summary_abs_err, max_rel_err=by_stats.summary_rel_err)
+    write_shard(tmp_path, META, recs, rank=0, step=0, local_comparisons={0: _OldComparison(elem), 1: old_stats})
+    write_manifest(tmp_path, [META])
+    got = {rec.role: cmp for _, rec, cmp in read_local_comparisons(tmp_path)}
+    assert got["input"] == elem  # summary fields absent: None, as an element-wise comparison has them
+    assert got["output"] == by_stats  # the summaries' errors moved to their own fields
+    assert got["output"].max_rel_err is None and got["output"].summary_rel_err is not None

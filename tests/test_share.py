@@ -207,6 +207,65 @@ def test_stats_only_session_round_trips(store, other_store, tmp_path):
     assert other_store.histogram(run_id, 0) is None and other_store.tensor(run_id, 0) is None
 
 
+def _as_schema_4(archive: bytes) -> bytes:
+    """The archive as schema 4 wrote it: comparisons without the summary columns, a statistics-only
+    comparison's summary errors in max_abs_err/max_rel_err; the manifest's checksums made true again."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    src = zipfile.ZipFile(io.BytesIO(archive))
+    m = json.loads(src.read("manifest.json"))
+    t = pq.read_table(io.BytesIO(src.read("comparisons.parquet")))
+    stats = pc.fill_null(pc.equal(t.column("basis"), "stats"), False)
+    for kind in ("abs", "rel"):
+        i = t.column_names.index(f"max_{kind}_err")
+        t = t.set_column(i, f"max_{kind}_err", pc.if_else(stats, t.column(f"summary_{kind}_err"), t.column(i)))
+    t = t.drop_columns(["summary_abs_err", "summary_rel_err"])
+    buf = pa.BufferOutputStream()
+    pq.write_table(t, buf)
+    cmp = buf.getvalue().to_pybytes()
+    m["schema_version"] = 4
+    m["tables"]["comparisons"].update(sha256=hashlib.sha256(cmp).hexdigest(), bytes=len(cmp))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            if info.filename == "manifest.json":
+                dst.writestr(info.filename, json.dumps(m))
+            else:
+                dst.writestr(info.filename, cmp if info.filename == "comparisons.parquet" else src.read(info))
+    return out.getvalue()
+
+
+def test_a_schema_4_archive_imports_with_its_summary_errors_moved(store, other_store):
+    """An archive written at schema 4 kept a statistics-only comparison's errors in max_abs_err/max_rel_err:
+    imported, they land in summary_abs_err/summary_rel_err; element-wise comparisons keep theirs."""
+    from precision_lab.metrics import compare_stats
+
+    make_session(store, "demo")
+    cand, ref = (store.runs(store.session("demo")["session_id"]).set_index("name").loc[n, "run_id"]
+                 for n in ("fp16", "fp32"))
+    x = np.linspace(-3.0, 3.0, 64)
+    by_stats = compare_stats(tensor_stats(x.astype(np.float32)), tensor_stats((x * 1.01).astype(np.float16)))
+    with store.extend_session("demo") as w:
+        w.add_comparison(kind="stats", ref_run_id=ref, ref_rid=0, cand_run_id=cand, cand_rid=0, step=0, rank=0,
+                         seq=50, op="by.summary", role="output", index="0", match="aligned", comparison=by_stats)
+    sid = store.session("demo")["session_id"]
+    v4 = _as_schema_4(export_bytes(store, "demo"))
+    assert json.loads(zipfile.ZipFile(io.BytesIO(v4)).read("manifest.json"))["schema_version"] == 4
+    res = import_session(other_store, v4, filename="old.zip")
+    assert res.session == "demo"
+    cols = "op, basis, max_abs_err, max_rel_err, summary_abs_err, summary_rel_err, verdict"
+    q = f"SELECT {cols} FROM comparisons WHERE session_id = ? ORDER BY seq, op"
+    got, before = other_store.sql(q, [res.session_id]).fetchall(), store.sql(q, [sid]).fetchall()
+    moved = [r for r in got if r[1] == "stats"]
+    assert moved == [("by.summary", "stats", None, None, by_stats.summary_abs_err, by_stats.summary_rel_err,
+                      by_stats.verdict)]
+    # every other row as exported: element-wise errors stay, no summary error appears
+    assert [r for r in got if r[1] != "stats"] == [r for r in before if r[1] != "stats"]
+    assert all(r[4] is None and r[5] is None and (r[1] is None or r[3] is not None) for r in got if r[1] != "stats")
+
+
 # ---- never overwrite ----------------------------------------------------------------
 
 def test_import_into_same_database_renames_and_gives_fresh_ids(store, tmp_path):

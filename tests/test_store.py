@@ -223,3 +223,47 @@ def test_a_version_1_database_gains_signed_inf_counts_and_parents(tmp_path):
     assert got[1][0] == "old" and got[1][1] == 1 and (got[1][2] is None or math.isnan(got[1][2]))
     assert s2.sql("SELECT count(*) FROM tensors WHERE parent IS NULL").fetchone()[0] == 2
     close_all()
+
+
+def test_a_version_4_database_moves_summary_errors_out_of_the_element_wise_columns(tmp_path):
+    """Before schema 5 a statistics-only comparison kept its summaries' errors in max_abs_err/max_rel_err;
+    the migration moves them to summary_abs_err/summary_rel_err and leaves element-wise rows alone."""
+    from precision_lab.metrics import compare_stats
+    from precision_lab.store import move_summary_errors_sql
+
+    p = tmp_path / "v4.duckdb"
+    s = Store(p)
+    ref = np.linspace(-3.0, 3.0, 64).astype(np.float32)
+    cand = (ref * 1.01).astype(np.float16)
+    by_stats = compare_stats(tensor_stats(ref), tensor_stats(cand))
+    by_tensor = compare(ref, cand)
+    with s.new_session("old") as w:
+        r = w.add_run(name="ref", kind="reference")
+        c = w.add_run(name="cand")
+        for seq, (kind, cmp) in enumerate((("stats", by_stats), ("accumulated", by_tensor))):
+            w.add_comparison(kind=kind, ref_run_id=r, ref_rid=seq, cand_run_id=c, cand_rid=seq, step=0, rank=0,
+                             seq=seq, op=f"op{seq}", role="output", index="0", match="exact", comparison=cmp)
+        w.add_comparison(kind="stats", ref_run_id=r, ref_rid=None, cand_run_id=c, cand_rid=2, step=0, rank=0,
+                         seq=2, op="op2", role="output", index="0", match="unmatched_cand", comparison=None)
+    # the database as schema 4 wrote it: no summary columns, the summaries' errors in the element-wise ones
+    s.sql("UPDATE comparisons SET max_abs_err = summary_abs_err, max_rel_err = summary_rel_err WHERE basis = 'stats'")
+    s.sql('ALTER TABLE comparisons DROP COLUMN "summary_abs_err"')
+    s.sql('ALTER TABLE comparisons DROP COLUMN "summary_rel_err"')
+    s.sql("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    old = s.df("SELECT seq, max_abs_err, max_rel_err FROM comparisons WHERE seq = 0")
+    assert old["max_rel_err"][0] == by_stats.summary_rel_err  # the old, mixed meaning
+    close_all()
+
+    s2 = Store(p)
+    assert s2.schema_version() == SCHEMA_VERSION == 5
+    cols = "seq, basis, max_abs_err, max_rel_err, summary_abs_err, summary_rel_err, verdict, reason, sqnr_db"
+    got = {row[0]: row for row in s2.sql(f"SELECT {cols} FROM comparisons ORDER BY seq").fetchall()}
+    assert got[0][1:] == ("stats", None, None, by_stats.summary_abs_err, by_stats.summary_rel_err,
+                          by_stats.verdict, by_stats.reason, None)
+    assert got[1][1:] == ("tensor", by_tensor.max_abs_err, by_tensor.max_rel_err, None, None, by_tensor.verdict,
+                          by_tensor.reason, by_tensor.sqnr_db)
+    assert got[2][1:] == (None,) * 8  # an unmatched record has no comparison: nothing to move
+    # moving twice changes nothing (a migration interrupted before the version was written runs again)
+    s2.sql(move_summary_errors_sql())
+    assert {row[0]: row for row in s2.sql(f"SELECT {cols} FROM comparisons ORDER BY seq").fetchall()} == got
+    close_all()

@@ -12,7 +12,7 @@ import pytest
 from precision_lab.formats import FORMATS
 from precision_lab.stats import tensor_stats
 from precision_lab.ui import detail, diff, ops, overview
-from precision_lab.ui.common import escape_md
+from precision_lab.ui.common import MISSING, escape_md, num_text
 from precision_lab.ui.sessions import sessions_table
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, TENSOR_SESSION, WIDE_OP,  # noqa: F401
@@ -184,7 +184,9 @@ def test_top_offenders_are_ordered_worst_first(db):
     top = overview.top_offenders(db, sid, n=20)
     assert len(top) == 20 and "nonfinite" not in set(top["verdict"])
     rank = {"error": 0, "warn": 1, "expected": 2}
-    keys = [(rank[v], -e) for v, e in zip(top["verdict"], top["max_rel_err"])]
+    # a statistics-only session: ranked by the summaries' error, and no element-wise error anywhere
+    assert set(top["basis"]) == {"stats"} and top["max_rel_err"].isna().all()
+    keys = [(rank[v], -e) for v, e in zip(top["verdict"], top["summary_rel_err"])]
     assert keys == sorted(keys)
     with_nf = overview.top_offenders(db, sid, n=5, include_nonfinite=True)
     assert set(with_nf["verdict"]) == {"nonfinite"}
@@ -192,19 +194,23 @@ def test_top_offenders_are_ordered_worst_first(db):
 
 def test_error_series_buckets_keep_the_worst_value(db):
     sid, runs = _runs(db, STAT_SESSION)
-    full = overview.error_series(db, sid, "max_rel_err", roles=())
-    raw = db.df("SELECT seq, max_rel_err FROM comparisons WHERE session_id = ? AND verdict IS NOT NULL", [sid])
+    # a statistics-only session: its error is the summaries' (summary_rel_err), it has no element-wise one
+    assert overview.default_error_metric(db, sid) == "summary_rel_err"
+    assert overview.error_series(db, sid, "max_rel_err", roles=())["value"].isna().all()
+    full = overview.error_series(db, sid, "summary_rel_err", roles=())
+    raw = db.df("SELECT seq, summary_rel_err FROM comparisons WHERE session_id = ? AND verdict IS NOT NULL", [sid])
     assert full.attrs["bucket"] == 1
     assert len(full) == raw["seq"].nunique()
-    small = overview.error_series(db, sid, "max_rel_err", roles=(), max_points=10)
+    small = overview.error_series(db, sid, "summary_rel_err", roles=(), max_points=10)
     b = small.attrs["bucket"]
     assert b == math.ceil(len(raw) / 10) and len(small) <= math.ceil((raw["seq"].max() + 1) / b)
-    fin = raw[np.isfinite(raw["max_rel_err"].astype(float))]
-    want = fin.groupby(fin["seq"] // b)["max_rel_err"].max()
+    fin = raw[np.isfinite(raw["summary_rel_err"].astype(float))]
+    want = fin.groupby(fin["seq"] // b)["summary_rel_err"].max()
     got = small.set_index(small["seq"] // b)["value"].dropna()
-    assert got.to_dict() == pytest.approx(want.loc[got.index].to_dict())
-    fig = overview.error_figure(full, "max_rel_err", first_nonfinite=[{"seq": 53, "op": STAT_FIRST_NONFINITE}])
+    assert len(got) > 0 and got.to_dict() == pytest.approx(want.loc[got.index].to_dict())
+    fig = overview.error_figure(full, "summary_rel_err", first_nonfinite=[{"seq": 53, "op": STAT_FIRST_NONFINITE}])
     assert fig.layout.yaxis.type == "log" and fig.layout.xaxis.title.text == "execution order (seq)"
+    assert fig.layout.yaxis.title.text.startswith("summary relative error")
     with pytest.raises(ValueError, match="unknown error metric"):
         overview.error_series(db, sid, "bogus")
 
@@ -354,6 +360,100 @@ def test_diff_problems_start_at_the_first_nonfinite_op(db):
     assert page.total == msprobe_nonfinite_count(CAND_JSON)
     assert page.rows.iloc[0]["op"] == STAT_FIRST_NONFINITE
     assert page.rows.iloc[0]["severity"] == "nonfinite"
+
+
+def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
+    """The msprobe statistics sample: its Diff and Ops rows carry summary_rel_err (the relative change of the
+    summaries, recomputed here from the two sides' stored Max, Min and Norm) and no element-wise max_rel_err."""
+    sid, runs = _runs(db, STAT_SESSION)
+    ref, cand = runs["reference"]["run_id"], runs["candidate"]["run_id"]
+    page = diff.diff_page(db, sid, ref, cand, page_size=1000)
+    df = page.rows
+    assert page.stats_basis and set(df["basis"].dropna()) == {"stats"}
+    cols = list(df.columns)
+    assert cols.index("summary_rel_err") == cols.index("max_rel_err") + 1 and "summary_abs_err" in cols
+    assert df["max_rel_err"].isna().all() and df["max_abs_err"].isna().all()
+    floor = float(np.finfo(np.float16).smallest_normal)
+    checked = 0
+    for _, row in df[df["match"] == "exact"].iterrows():
+        pairs = [(row[f"ref {f}"], row[f"cand {f}"]) for f in ("max", "min", "l2norm")]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None and np.isfinite(a) and np.isfinite(b)]
+        if not pairs or row["verdict"] == "nonfinite":
+            continue
+        want = max(abs(b - a) / max(abs(a), floor) for a, b in pairs)
+        assert row["summary_rel_err"] == pytest.approx(want, rel=1e-9, abs=1e-300), row["op"]
+        assert row["summary_abs_err"] == pytest.approx(max(abs(b - a) for a, b in pairs), rel=1e-9, abs=1e-300)
+        checked += 1
+    assert checked > 20
+    # a pair compared element-wise shows no summary columns
+    tsid, truns = _runs(db, TENSOR_SESSION)
+    tpage = diff.diff_page(db, tsid, truns["reference"]["run_id"], truns["candidate"]["run_id"])
+    assert not tpage.stats_basis and "summary_rel_err" not in tpage.rows.columns
+    assert tpage.rows["max_rel_err"].notna().any()
+    # the Ops table: the same errors, sortable by them
+    opage = ops.ops_page(db, ops.OpsFilter(cand, sort="summary_rel_err", descending=True, page_size=1000))
+    assert opage.stats_basis and opage.rows["max_rel_err"].isna().all()
+    vals = [v for v in opage.rows["summary_rel_err"] if v is not None and not math.isnan(v)]
+    assert len(vals) > 20 and vals == sorted(vals, reverse=True)
+    assert list(opage.rows["summary_rel_err"][:len(vals)]) == vals  # records with a value first
+    shown = ops.display_frame(opage.rows, summary=opage.stats_basis)
+    names = list(shown.columns)
+    assert names.index("summary_rel_err") == names.index("max_rel_err") + 1
+    assert "summary_rel_err" not in ops.display_frame(opage.rows, summary=False).columns
+    # the headline names the summaries' error, not an element-wise one
+    assert "summary rel err" in overview.session_headline(db, sid)["worst"]
+    # Op detail: the summaries' errors in rows of their own, the element-wise ones missing
+    row = df[df["summary_rel_err"].map(lambda v: v is not None and np.isfinite(v))].iloc[0]
+    t = detail.metrics_table(db, cand, int(row["cand_rid"]))
+    col = f"accumulated vs reference {runs['reference']['name']}"
+    assert t.loc["summary rel error", col] == num_text(row["summary_rel_err"], 8)
+    assert t.loc["summary abs error", col] == num_text(row["summary_abs_err"], 8)
+    assert t.loc["max rel error", col] == MISSING and t.loc["basis", col] == "stats"
+
+
+def test_element_wise_and_summary_errors_are_never_ranked_as_one_number(store):
+    """A run compared element-wise for some records and on summary statistics for another: sorted by
+    max_rel_err, the element-wise errors come first (by their value), then the summaries' (by theirs), however
+    large; the Ops sort, its filtered form and the top offenders agree."""
+    from precision_lab.metrics import compare, compare_stats
+    from precision_lab.records import TensorRecord
+
+    x = np.linspace(-3.0, 3.0, 64, dtype=np.float32)
+    # element-wise at seq 0 and 2 (warn), on summaries at 1 (warn) and 3 (error)
+    cands = [(x * k).astype(np.float16) for k in (1.01, 1.02, 1.015, 3.0)]
+    with store.new_session("mixed") as w:
+        ref = w.add_run(name="fp32", dtype="float32", kind="reference")
+        cand = w.add_run(name="fp16", dtype="float16", kind="candidate")
+        for i, c in enumerate(cands):
+            for run, arr in ((ref, x), (cand, c)):
+                w.add_record(TensorRecord(run_id=run, seq=i, op=f"op{i}", op_type="Linear", role="output",
+                                          index="0", stats=tensor_stats(arr)))
+            by_stats = i % 2 == 1
+            cmp = compare_stats(tensor_stats(x), tensor_stats(c)) if by_stats else compare(x, c)
+            w.add_comparison(kind="stats" if by_stats else "accumulated", ref_run_id=ref, ref_rid=i,
+                             cand_run_id=cand, cand_rid=i, step=0, rank=0, seq=i, op=f"op{i}", role="output",
+                             index="0", match="exact", comparison=cmp)
+    sid = store.session("mixed")["session_id"]
+    rows = store.df("SELECT seq, max_rel_err, summary_rel_err FROM comparisons ORDER BY seq")
+    # the summaries moved more than any element-wise error: one number would put them first
+    assert rows["summary_rel_err"][3] > rows["summary_rel_err"][1] > rows["max_rel_err"][2] > rows["max_rel_err"][0]
+    assert rows["max_rel_err"][[1, 3]].isna().all() and rows["summary_rel_err"][[0, 2]].isna().all()
+    want = [2, 0, 3, 1]  # element-wise, largest first; then on summaries, largest first
+    for f in (ops.OpsFilter(cand, sort="max_rel_err", descending=True),
+              ops.OpsFilter(cand, sort="max_rel_err", descending=True, roles=("output",))):
+        assert list(ops.ops_page(store, f).rows["seq"]) == want
+    asc = ops.ops_page(store, ops.OpsFilter(cand, sort="max_rel_err")).rows
+    assert list(asc["seq"]) == [0, 2, 1, 3]
+    assert list(ops.ops_page(store, ops.OpsFilter(cand, sort="summary_rel_err", descending=True)).rows["seq"]) \
+        == [3, 1, 0, 2]
+    # worst verdict first; among the warnings element-wise first, then on summaries
+    top = overview.top_offenders(store, sid, n=10)
+    assert list(zip(top["verdict"], top["seq"])) == [("error", 3), ("warn", 2), ("warn", 0), ("warn", 1)]
+    # severity still sorts by verdict, worst first
+    rank = {"nonfinite": 3, "error": 2, "warn": 1}
+    sev = ops.ops_page(store, ops.OpsFilter(cand, sort="severity", descending=True)).rows
+    ranks = [rank.get(v, 0) for v in sev["severity"]]
+    assert ranks == sorted(ranks, reverse=True)
 
 
 def test_nrun_view_has_a_column_group_per_run(db, tmp_path):

@@ -87,7 +87,9 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
       counterpart that is non-finite.
     - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
     - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
-      whose max relative error exceeds X.
+      whose max relative error exceeds X: ``max_rel_err`` where the
+      comparison is element-wise, else ``summary_rel_err`` (the largest
+      relative difference of the summaries); the message says which.
     - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
       without a timeline cannot answer it.
     """
@@ -126,13 +128,30 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
                                f"at {worst['sqnr_db']:.4g} dB")
         else:
-            vals = [c for c in comps if c["max_rel_err"] is not None]
+            vals = [(c, *_rel_err(c)) for c in comps]
+            vals = [v for v in vals if v[1] is not None]
             if not vals:
                 unusable.append(f"{cond}: no comparisons with a relative error")
                 continue
-            bad = [c for c in vals if c["max_rel_err"] > cond.threshold]
+            bad: dict[str, list] = {}
+            for v in vals:
+                if v[1] > cond.threshold:
+                    bad.setdefault(v[2], []).append(v)
             if bad:
-                worst = max(bad, key=lambda c: c["max_rel_err"])
-                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} "
-                               f"{worst['index']} at {worst['max_rel_err']:.4g}")
+                # the worst element-wise error where there is one: a summary's relative error is another quantity
+                worst, err, how = max(bad.get(_ELEMENTWISE) or bad[_SUMMARY], key=lambda v: v[1])
+                counts = ", ".join(f"{len(bad[k])} {k}" for k in (_ELEMENTWISE, _SUMMARY) if k in bad)
+                tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst['op']} "
+                               f"{worst['role']} {worst['index']} at {err:.4g} ({how})")
     return tripped, unusable
+
+
+_ELEMENTWISE, _SUMMARY = "element-wise", "on summary statistics"
+
+
+def _rel_err(c: dict) -> tuple:
+    """``(relative error, how it was measured)`` of a report's comparison: its element-wise ``max_rel_err``,
+    else its summary statistics' ``summary_rel_err`` (statistics-only dumps); None when it has neither."""
+    if c.get("max_rel_err") is not None:
+        return c["max_rel_err"], _ELEMENTWISE
+    return c.get("summary_rel_err"), _SUMMARY

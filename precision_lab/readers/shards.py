@@ -526,6 +526,10 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
                 try:
                     d = json.loads(js)
                     d = {k: decode_nonfinite(v) for k, v in d.items() if k in names}
+                    if d.get("basis") == "stats" and "summary_rel_err" not in d:
+                        # written before the summary fields: its max_*_err compared the summaries
+                        for f in ("abs", "rel"):
+                            d[f"summary_{f}_err"], d[f"max_{f}_err"] = d.get(f"max_{f}_err"), None
                     cmp = Comparison(**d)
                 except (TypeError, ValueError) as e:
                     raise ShardError(f"{relname(root, path)}: local comparison of {rec.name!r} is malformed "

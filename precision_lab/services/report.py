@@ -376,9 +376,11 @@ _TENSOR_COLS = ("seq", "op", "op_type", "role", "index", "step", "rank", "direct
                 "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "mean", "std", "l2norm",
                 "nonfinite", "rid", "location")
 _RENAME = {"nan_count": "nan", "inf_count": "inf", "zero_count": "zero"}
+# max_*_err are element-wise; summary_*_err compare summary statistics (basis "stats") and are kept apart
 _CMP_COLS = ("kind", "match", "basis", "step", "rank", "seq", "op", "role", "index", "max_abs_err",
-             "mean_abs_err", "max_rel_err", "cosine", "cosine_deficit", "sqnr_db", "rounding_units",
-             "nonfinite_introduced", "nonfinite_in_ref", "cand_format", "verdict", "reason", "ref_rid", "cand_rid")
+             "mean_abs_err", "max_rel_err", "summary_abs_err", "summary_rel_err", "cosine", "cosine_deficit",
+             "sqnr_db", "rounding_units", "nonfinite_introduced", "nonfinite_in_ref", "cand_format", "verdict",
+             "reason", "ref_rid", "cand_rid")
 
 
 def build_report(store, session: str) -> dict:
@@ -446,10 +448,14 @@ def _worst_key(c: dict) -> tuple:
         rank = -Verdict(c.get("verdict")).rank
     except ValueError:  # no verdict: after every judged comparison
         rank = 1
-    ru = c.get("rounding_units")
-    mr = c.get("max_rel_err")
-    score = ru if isinstance(ru, float) and math.isfinite(ru) else (mr if isinstance(mr, float) else 0.0)
-    return (rank, -(score or 0.0), c.get("seq") or 0)
+    # by error in unit roundoffs, then element-wise relative error, then the summary statistics' relative error:
+    # each after the one before, never ranked as one number (as ``top_offenders`` orders them)
+    keys = []
+    for k in ("rounding_units", "max_rel_err", "summary_rel_err"):
+        v = c.get(k)
+        v = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+        keys.append((v is None, -(v or 0.0)))
+    return (rank, *keys, c.get("seq") or 0)
 
 
 def _listing(title: str, top: int, lines: list[str]) -> list[str]:
@@ -496,15 +502,19 @@ def render_text(report: dict, *, top: int = 15) -> str:
             summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
             out.append(f"  {cand} vs {ref}: {summary}")
         worst = sorted((c for c in comps if c["verdict"]), key=_worst_key)[:top]
+        # a comparison on summary statistics has no element-wise error: its own columns, where there is one
+        by_summary = any(c.get("basis") == "stats" for c in worst)
         rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",
-                 num_text(c["max_abs_err"]), num_text(c["max_rel_err"]),
-                 num_text(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
-                 else f"1-{num_text(c['cosine_deficit'])}",
-                 num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
+                 num_text(c["max_abs_err"]), num_text(c["max_rel_err"])]
+                + ([num_text(c.get("summary_abs_err")), num_text(c.get("summary_rel_err"))] if by_summary else [])
+                + [num_text(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
+                   else f"1-{num_text(c['cosine_deficit'])}",
+                   num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
         if rows:
             out += ["", f"Worst {len(rows)} comparisons:"]
-            out += ["  " + ln for ln in _table(rows, ["run", "op", "tensor", "match", "basis", "max_abs", "max_rel",
-                                                       "cosine", "sqnr_db", "nf_new", "verdict"])]
+            out += ["  " + ln for ln in _table(rows, ["run", "op", "tensor", "match", "basis", "max_abs", "max_rel"]
+                                               + (["summary_abs", "summary_rel"] if by_summary else [])
+                                               + ["cosine", "sqnr_db", "nf_new", "verdict"])]
     if report["diagnoses"]:
         out += ["", "Diagnoses:"]
         for d in report["diagnoses"]:

@@ -14,7 +14,10 @@ the store knows, and every row must belong to the declared session and its
 runs.  The whole import is one transaction, so a refused or failed import
 leaves the database as it was.  An import never replaces an existing session:
 a clashing name gets a suffix and the result says so; clashing ids are
-replaced by fresh ones.
+replaced by fresh ones.  An archive written at an older schema version
+imports too: the tables and columns it lacks read as empty, and rows whose
+meaning changed since are brought up to this version (a statistics-only
+comparison's errors move to their summary columns, schema 5).
 
 Share tokens are not exported: a token is a capability on one server.
 """
@@ -367,11 +370,26 @@ def _stray(col, allowed, *, nullable: bool) -> list:
     vals = pc.unique(col)
     if nullable:
         vals = vals.drop_null()
-    return vals.filter(pc.invert(pc.fill_null(pc.is_in(vals, value_set=allowed), False))).to_pylist()
+    return vals.filter(pc.invert(pc.is_in(vals, value_set=allowed))).to_pylist()  # a null is not in a set of strings
 
 
-def _duplicates(t, keys: list) -> bool:
-    return t.select(keys).group_by(keys).aggregate([]).num_rows != t.num_rows
+def _record_keys(t):
+    """One string per row naming its record: ``run_id`` followed by ``rid`` left-padded with "#" to 20
+    characters (an int64's longest), so two rows share a key only when they name the same record.  Arrow
+    compute only, and no scalar made from a Python value: Acero's joins and group-bys import pyarrow.dataset,
+    and Python values converted to Arrow import pandas, which the import command does not otherwise need."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    run = pc.cast(t.column("run_id").combine_chunks(), pa.string())  # arrays: a table without rows has no chunks
+    rid = pc.utf8_lpad(pc.cast(t.column("rid").combine_chunks(), pa.string()), width=20, padding="#")
+    return pc.binary_join_element_wise(run, rid, pc.utf8_slice_codeunits(rid, 0, 0))
+
+
+def _duplicates(keys) -> bool:
+    import pyarrow.compute as pc
+
+    return pc.count_distinct(keys, mode="all").as_py() != len(keys)
 
 
 def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
@@ -395,9 +413,11 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
         raise ShareError(f"{where}: runs.parquet has a run without a run_id")
     if len(set(run_ids)) != len(run_ids):
         raise ShareError(f"{where}: runs.parquet lists a run_id more than once")
-    known = pa.array(run_ids, type=pa.string())
+    # value sets taken from the tables themselves: building Arrow arrays from Python lists imports pandas
+    known = pc.cast(runs.column("run_id"), pa.string()).combine_chunks()
+    the_session = pc.cast(s.column("session_id"), pa.string()).combine_chunks()  # one row, == sid (above)
     for table in ("runs", "comparisons", "diagnoses", "warnings"):
-        bad = _stray(tables[table].column("session_id"), pa.array([sid], type=pa.string()), nullable=False)
+        bad = _stray(tables[table].column("session_id"), the_session, nullable=False)
         if bad:
             raise ShareError(f"{where}: {table}.parquet holds rows of another session ({sorted(map(str, bad))[0]}); "
                              f"the file should hold only session {sid}")
@@ -415,15 +435,15 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
     t = tables["tensors"]
     if t.column("rid").null_count:
         raise ShareError(f"{where}: tensors.parquet has a record without a rid")
-    if _duplicates(t, ["run_id", "rid"]):
+    held = _record_keys(t)
+    if _duplicates(held):
         raise ShareError(f"{where}: tensors.parquet lists a (run_id, rid) more than once")
-    keys = t.select(["run_id", "rid"]).append_column("_held", pa.array([True] * t.num_rows))
     for table in ("histograms", "tensor_data"):
-        k = tables[table].select(["run_id", "rid"])
-        if _duplicates(k, ["run_id", "rid"]):
+        k = tables[table]
+        keys = _record_keys(k)
+        if _duplicates(keys):
             raise ShareError(f"{where}: {table}.parquet lists a record more than once")
-        joined = k.join(keys, ["run_id", "rid"], join_type="left outer")
-        missing = joined.filter(pc.is_null(joined.column("_held")))
+        missing = k.filter(pc.invert(pc.is_in(keys, value_set=held)))
         if missing.num_rows:
             run, rid = missing.column("run_id")[0].as_py(), missing.column("rid")[0].as_py()
             raise ShareError(f"{where}: {table}.parquet refers to record {rid} of run {run!r} that "
@@ -523,7 +543,8 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
     wanted = name or orig_name
     try:
         final_name, new_sid, run_map, notes = insert_session_tables(
-            store, tables, session_id=sid, name=wanted, where=where, hist_edges_id=m.get("hist_edges_id"))
+            store, tables, session_id=sid, name=wanted, where=where, hist_edges_id=m.get("hist_edges_id"),
+            schema_version=m["schema_version"])
     except ImportRefused as e:
         raise ShareError(str(e)) from None
     if new_sid != sid or run_map:

@@ -30,7 +30,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 __all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class SessionNotFound(KeyError):
@@ -100,12 +100,26 @@ def _schema_sql() -> list[str]:
     ]
 
 
+def move_summary_errors_sql(where: str = "") -> str:
+    """Rows written before schema 5 kept a statistics-only comparison's summary errors in
+    max_abs_err/max_rel_err: move them to summary_abs_err/summary_rel_err (``where``: more conditions).
+    A row already moved has NULL there, so running it twice changes nothing."""
+    return ("UPDATE comparisons SET summary_abs_err = max_abs_err, summary_rel_err = max_rel_err, "
+            "max_abs_err = NULL, max_rel_err = NULL "
+            "WHERE basis = 'stats' AND (max_abs_err IS NOT NULL OR max_rel_err IS NOT NULL)"
+            + (f" AND {where}" if where else ""))
+
+
 # Migrations from version N-1 to N, applied in order by _migrate().
 MIGRATIONS: dict[int, list[str]] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
     3: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "parent" VARCHAR'],  # the module call an op ran inside
     # the user code that called an op; the timeline tables are created by _schema_sql()
     4: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "location" VARCHAR'],
+    # a statistics-only comparison's errors in their own columns, apart from the element-wise ones
+    5: ['ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "summary_abs_err" DOUBLE',
+        'ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "summary_rel_err" DOUBLE',
+        move_summary_errors_sql()],
 }
 
 
@@ -229,10 +243,16 @@ class Store:
                 f"({SCHEMA_VERSION}); upgrade precision-lab"
             )
         cur = self.cursor()
-        for v in range(version + 1, SCHEMA_VERSION + 1):
-            for stmt in MIGRATIONS.get(v, []):
-                cur.execute(stmt)
-            cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
+        cur.execute("BEGIN TRANSACTION")  # all versions or none: an interrupted upgrade leaves the old database
+        try:
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                for stmt in MIGRATIONS.get(v, []):
+                    cur.execute(stmt)
+                cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        cur.execute("COMMIT")
 
     def schema_version(self) -> int:
         return int(self.sql("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])

@@ -20,9 +20,9 @@ from .queries import rows, session_runs
 SORTABLE = {
     "seq": "seq", "op": "op", "op_type": "op_type", "role": "role", "dtype": "dtype", "numel": "numel",
     "nan": "nan_count", "inf": "inf_count", "zero": "zero_count", "absmax": "absmax",
-    "max_abs_err": "max_abs_err", "max_rel_err": "max_rel_err", "cosine": "cosine", "sqnr_db": "sqnr_db",
-    "severity": "severity_rank", "local_max_rel_err": "local_max_rel_err", "local_sqnr_db": "local_sqnr_db",
-    "step": "step", "rank": "rank",
+    "max_abs_err": "max_abs_err", "max_rel_err": "max_rel_err", "summary_rel_err": "summary_rel_err",
+    "cosine": "cosine", "sqnr_db": "sqnr_db", "severity": "severity_rank", "local_max_rel_err": "local_max_rel_err",
+    "local_sqnr_db": "local_sqnr_db", "step": "step", "rank": "rank",
 }
 
 
@@ -50,9 +50,15 @@ _TENSOR_SORTS = {"seq", "op", "op_type", "role", "dtype", "numel", "nan", "inf",
 
 
 _CMP_SORT_SQL = {
-    "max_abs_err": "acc.max_abs_err", "max_rel_err": "acc.max_rel_err", "cosine": "acc.cosine",
-    "sqnr_db": "acc.sqnr_db", "local_max_rel_err": "loc.max_rel_err", "local_sqnr_db": "loc.sqnr_db",
+    "max_abs_err": "acc.max_abs_err", "max_rel_err": "acc.max_rel_err", "summary_rel_err": "acc.summary_rel_err",
+    "cosine": "acc.cosine", "sqnr_db": "acc.sqnr_db", "local_max_rel_err": "loc.max_rel_err",
+    "local_sqnr_db": "loc.sqnr_db",
 }
+
+
+# an element-wise error sort goes on with the summary statistics' error of the same kind: records compared on
+# summaries only (no element-wise error) follow the element-wise ones, ranked among themselves, never mixed in
+_SORT_THEN = {"max_abs_err": "summary_abs_err", "max_rel_err": "summary_rel_err"}
 
 
 _ACC = "kind IN ('accumulated', 'stats')"
@@ -63,8 +69,8 @@ _LOC = "kind = 'local'"
 
 _COLUMNS = ["rid", "seq", "step", "rank", "direction", "op", "op_type", "role", "index", "name", "dtype", "shape",
             "numel", "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "nonfinite", "match", "basis",
-            "max_abs_err", "max_rel_err", "cosine", "cosine_deficit", "sqnr_db", "rounding_units", "verdict",
-            "reason", "local_max_rel_err", "local_sqnr_db", "local_verdict", "severity"]
+            "max_abs_err", "max_rel_err", "summary_abs_err", "summary_rel_err", "cosine", "cosine_deficit", "sqnr_db",
+            "rounding_units", "verdict", "reason", "local_max_rel_err", "local_sqnr_db", "local_verdict", "severity"]
 
 
 # which rows a diff shows
@@ -89,6 +95,8 @@ ERROR_METRICS = {
     "sqnr_db": ("SQNR (dB, higher is better)", False, False),
     "rounding_units": ("relative RMS error / unit roundoff of the candidate format", True, True),
     "max_abs_err": ("max absolute error", True, True),
+    # statistics-only comparisons: how far the summaries (max, min, norm) moved, not an element's error
+    "summary_rel_err": ("summary relative error (max, min, norm: |c - r| / max(|r|, floor))", True, True),
 }
 
 
@@ -165,6 +173,7 @@ class OpsPage:
     total: int  # rows matching the filter, over all pages
     filter: OpsFilter
     pages: int = field(init=False)
+    stats_basis: bool = False  # the run has comparisons on summary statistics (summary_*_err, no max_*_err)
 
     def __post_init__(self) -> None:
         self.pages = max(1, -(-self.total // self.filter.page_size))
@@ -230,12 +239,14 @@ def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:
         return keys, wparams + [f.run_id] * len(ranked), count, wparams
     key = _CMP_SORT_SQL[f.sort]
     alias, col = key.split(".")
-    joins = [(alias, _ACC if alias == "acc" else _LOC, col)]
+    then = _SORT_THEN.get(f.sort)
+    joins = [(alias, _ACC if alias == "acc" else _LOC, col + (f", {then}" if then else ""))]
     join_sql = " ".join(
-        f"LEFT JOIN (SELECT cand_rid, {col} FROM comparisons WHERE cand_run_id = ? AND {kind}) {alias} "
-        f"ON {alias}.cand_rid = t.rid" for alias, kind, col in joins)
+        f"LEFT JOIN (SELECT cand_rid, {cols} FROM comparisons WHERE cand_run_id = ? AND {kind}) {alias} "
+        f"ON {alias}.cand_rid = t.rid" for alias, kind, cols in joins)
+    order = f"{key} {direction} NULLS LAST" + (f", {alias}.{then} {direction} NULLS LAST" if then else "")
     keys = (f"SELECT t.rid FROM tensors t {join_sql} "
-            f"WHERE {where_sql} ORDER BY {key} {direction} NULLS LAST, t.seq, t.rid LIMIT ? OFFSET ?")
+            f"WHERE {where_sql} ORDER BY {order}, t.seq, t.rid LIMIT ? OFFSET ?")
     return keys, [f.run_id] * len(joins) + wparams, count, wparams
 
 
@@ -246,18 +257,21 @@ def _only_run(f: OpsFilter) -> bool:
 def _metric_page(store, f: OpsFilter) -> list[int]:
     """A page sorted by a reference-comparison metric over a whole run,
     ordered inside the comparisons table alone (no join of every record):
-    records with a value first, by the metric; then the rest (no value, or
+    records with a value first, by the metric (an element-wise error, then
+    by the summaries' error: ``_SORT_THEN``); then the rest (no value, or
     not compared) in execution order -- the order the join would give."""
     col = SORTABLE[f.sort]
+    then = _SORT_THEN.get(f.sort)
     direction = "DESC" if f.descending else "ASC"
     valued = (f"FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid IS NOT NULL "
-              f"AND {col} IS NOT NULL")
+              f"AND ({col} IS NOT NULL" + (f" OR {then} IS NOT NULL)" if then else ")"))
+    order = f"{col} {direction} NULLS LAST" + (f", {then} {direction} NULLS LAST" if then else "")
     n = int(rows(store, f"SELECT count(*) AS n {valued}", [f.run_id])[0]["n"])
     start, stop = f.page * f.page_size, (f.page + 1) * f.page_size
     rids: list[int] = []
     if start < n:
         rids += [r["rid"] for r in rows(
-            store, f"SELECT cand_rid AS rid {valued} ORDER BY {col} {direction}, seq, cand_rid LIMIT ? OFFSET ?",
+            store, f"SELECT cand_rid AS rid {valued} ORDER BY {order}, seq, cand_rid LIMIT ? OFFSET ?",
             [f.run_id, min(stop, n) - start, start])]
     if stop > n:
         rids += [r["rid"] for r in rows(
@@ -279,9 +293,9 @@ def _rows_sql(n: int) -> str:
     # should a record have been compared twice
     return f"""
         WITH acc AS (
-            SELECT DISTINCT ON (cand_rid) cand_rid, kind, "match", basis, max_abs_err, max_rel_err, cosine,
-                   cosine_deficit, sqnr_db, rounding_units, nonfinite_introduced, verdict, reason,
-                   ref_run_id, ref_rid
+            SELECT DISTINCT ON (cand_rid) cand_rid, kind, "match", basis, max_abs_err, max_rel_err,
+                   summary_abs_err, summary_rel_err, cosine, cosine_deficit, sqnr_db, rounding_units,
+                   nonfinite_introduced, verdict, reason, ref_run_id, ref_rid
             FROM comparisons WHERE cand_run_id = ? AND {_ACC} AND cand_rid {ids.format(col="cand_rid")}
             ORDER BY cand_rid, {_VERDICT_RANK} DESC NULLS LAST
         ), loc AS (
@@ -293,12 +307,18 @@ def _rows_sql(n: int) -> str:
         SELECT t.rid, t.seq, t.step, t.rank, t.direction, t.op, t.op_type, t.role, t."index", t.name,
                t.dtype, t.shape, t.numel, t.nan_count, t.inf_count, t.zero_count, t.min, t.max,
                {absmax_sql('t')} AS absmax,
-               t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.cosine,
-               acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict, acc.reason,
+               t.nonfinite, acc."match", acc.basis, acc.max_abs_err, acc.max_rel_err, acc.summary_abs_err,
+               acc.summary_rel_err, acc.cosine, acc.cosine_deficit, acc.sqnr_db, acc.rounding_units, acc.verdict,
+               acc.reason,
                loc.local_max_rel_err, loc.local_sqnr_db, loc.local_verdict,
                {severity_sql('t.nonfinite', 'acc.verdict', 'loc.local_verdict')} AS severity
         FROM tensors t LEFT JOIN acc ON acc.cand_rid = t.rid LEFT JOIN loc ON loc.cand_rid = t.rid
         WHERE t.run_id = ? AND t.rid {ids.format(col="t.rid")}"""
+
+
+def _has_stats_basis(store, where: str, params: list) -> bool:
+    """Whether any comparison ``where`` selects was made on summary statistics alone."""
+    return bool(rows(store, f"SELECT 1 AS x FROM comparisons WHERE {where} AND basis = 'stats' LIMIT 1", params))
 
 
 def ops_page(store, f: OpsFilter) -> OpsPage:
@@ -318,12 +338,13 @@ def ops_page(store, f: OpsFilter) -> OpsPage:
     else:
         found = [r["rid"] for r in rows(store, keys_sql, kparams + [f.page_size, f.page * f.page_size])]
     rids = list(dict.fromkeys(found))  # a record compared twice would show up twice
+    stats_basis = _has_stats_basis(store, f"cand_run_id = ? AND {_ACC}", [f.run_id])
     if not rids:
-        return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f)
+        return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f, stats_basis)
     one = [f.run_id, min(rids), max(rids), *rids]
     df = frame(store, _rows_sql(len(rids)), one * 3)
     df = df.set_index("rid").loc[rids].reset_index()
-    return OpsPage(df[_COLUMNS], total, f)
+    return OpsPage(df[_COLUMNS], total, f, stats_basis)
 
 
 def filter_options(store, run_id: str) -> dict[str, list]:
@@ -346,6 +367,7 @@ class DiffPage:
     total: int
     page: int
     page_size: int
+    stats_basis: bool = False  # the pair (a run, in the N-run view) has comparisons on summary statistics
 
     @property
     def pages(self) -> int:
@@ -374,7 +396,10 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     """Aligned rows of one reference/candidate pair in execution order.
 
     Unmatched records appear with the other side empty and ``match``
-    ``unmatched_ref`` / ``unmatched_cand``; they carry no metrics.
+    ``unmatched_ref`` / ``unmatched_cand``; they carry no metrics.  A
+    comparison on summary statistics has ``summary_abs_err`` /
+    ``summary_rel_err`` and no ``max_*_err``; ``stats_basis`` says whether
+    the pair has any.
     """
     if show not in SHOW_OPTIONS:
         raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
@@ -407,15 +432,18 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
         store,
         f"""SELECT {severity_sql('t.nonfinite', 'c.verdict')} AS severity, c.seq, c.step, c.rank, c.op, c.role,
                    c."index", c."match", {ref_cols}, {cand_cols},
-                   c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.verdict, c.basis,
-                   c.reason, c.ref_rid, c.cand_rid, r.nonfinite AS ref_nonfinite, t.nonfinite AS cand_nonfinite
+                   c.max_abs_err, c.max_rel_err, c.summary_abs_err, c.summary_rel_err, c.cosine, c.cosine_deficit,
+                   c.sqnr_db, c.verdict, c.basis, c.reason, c.ref_rid, c.cand_rid, r.nonfinite AS ref_nonfinite,
+                   t.nonfinite AS cand_nonfinite
             FROM (SELECT rowid AS id, * FROM comparisons WHERE rowid IN ({', '.join('?' * len(ids)) or 'NULL'})) c
             LEFT JOIN tensors r ON r.run_id = c.ref_run_id AND r.rid = c.ref_rid
             LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
             ORDER BY c.step, c.rank, c.seq, c.id""",
         ids,
     )
-    return DiffPage(df, total, page, page_size)
+    stats_basis = _has_stats_basis(store, "session_id = ? AND ref_run_id = ? AND cand_run_id = ?",
+                                   [session_id, ref_run_id, cand_run_id])
+    return DiffPage(df, total, page, page_size, stats_basis)
 
 
 def base_run(store, session_id: str) -> Optional[dict]:
@@ -433,7 +461,8 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     Each group holds that run's matching record (by the stored comparison
     with the base run when there is one, else by identical step, rank and
     name): its absmax, whether it is non-finite, and its metrics against the
-    base run.  A run with no counterpart for a row shows empty cells and
+    base run (``summary_rel_err`` as well for a run compared on summary
+    statistics).  A run with no counterpart for a row shows empty cells and
     ``unmatched`` in its match column.
     """
     if show not in SHOW_OPTIONS:
@@ -445,11 +474,13 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     others = [runs[r] for r in run_ids if r in runs and r != base["run_id"]]
     if not others:
         raise ValueError("choose at least one run besides the base run to compare")
-    compared = {}
+    compared, by_summary = {}, {}
     for r in others:
-        compared[r["run_id"]] = rows(store, """SELECT count(*) AS n FROM comparisons WHERE session_id = ?
-                                            AND ref_run_id = ? AND cand_run_id = ? AND kind IN ('accumulated', 'stats')""",
-                                     [session_id, base["run_id"], r["run_id"]])[0]["n"] > 0
+        got = rows(store, """SELECT count(*) AS n, coalesce(bool_or(basis = 'stats'), false) AS s FROM comparisons
+                             WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
+                               AND kind IN ('accumulated', 'stats')""",
+                   [session_id, base["run_id"], r["run_id"]])[0]
+        compared[r["run_id"]], by_summary[r["run_id"]] = got["n"] > 0, bool(got["s"])
 
     # step 1: the page's base records, filtered with semi-joins on the base run
     where, wparams = ["b.run_id = ?"], [base["run_id"]]
@@ -493,14 +524,14 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     for i, r in enumerate(others):
         if compared[r["run_id"]]:
             ctes.append(f"""m{i} AS (SELECT DISTINCT ON (ref_rid) ref_rid, cand_rid, "match", max_rel_err,
-                                   sqnr_db, verdict
+                                   summary_rel_err, sqnr_db, verdict
                             FROM comparisons WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
                               AND kind IN ('accumulated', 'stats') AND ref_rid IN ({ids}) ORDER BY ref_rid)""")
             params += [session_id, base["run_id"], r["run_id"], *rids]
         else:
             ctes.append(f"""m{i} AS (SELECT DISTINCT ON (b.rid) b.rid AS ref_rid, o.rid AS cand_rid,
-                                   'name' AS "match", NULL::DOUBLE AS max_rel_err, NULL::DOUBLE AS sqnr_db,
-                                   NULL::VARCHAR AS verdict
+                                   'name' AS "match", NULL::DOUBLE AS max_rel_err,
+                                   NULL::DOUBLE AS summary_rel_err, NULL::DOUBLE AS sqnr_db, NULL::VARCHAR AS verdict
                             FROM tensors b JOIN tensors o ON o.run_id = ? AND o.step = b.step AND o.rank = b.rank
                                  AND o.name = b.name
                             WHERE b.run_id = ? AND b.rid IN ({ids}) ORDER BY b.rid, o.rid)""")
@@ -509,9 +540,11 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
                      f"LEFT JOIN tensors t{i} ON t{i}.run_id = ? AND t{i}.rid = m{i}.cand_rid")
         jparams.append(r["run_id"])
         name = r["name"].replace('"', "'")
+        # a run compared on summary statistics has their error beside the element-wise one, never in it
+        summary = f'm{i}.summary_rel_err AS "{name}: summary_rel_err", ' if by_summary[r["run_id"]] else ""
         selects.append(
             f"""{absmax_sql(f"t{i}")} AS "{name}: absmax", t{i}.nonfinite AS "{name}: nonfinite",
-                m{i}.max_rel_err AS "{name}: max_rel_err", m{i}.sqnr_db AS "{name}: sqnr_db",
+                m{i}.max_rel_err AS "{name}: max_rel_err", {summary}m{i}.sqnr_db AS "{name}: sqnr_db",
                 m{i}.verdict AS "{name}: verdict",
                 CASE WHEN m{i}.cand_rid IS NULL THEN 'unmatched' ELSE coalesce(m{i}."match", '') END AS "{name}: match" """)
     bname = base["name"].replace('"', "'")
@@ -525,7 +558,7 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     df = frame(store, sql, params + jparams + [base["run_id"], *rids])
     df.attrs["base_run"] = base["name"]
     df.attrs["runs"] = [r["name"] for r in others]
-    return DiffPage(df, total, page, page_size)
+    return DiffPage(df, total, page, page_size, any(by_summary.values()))
 
 
 def unmatched_counts(store, session_id: str) -> pd.DataFrame:
@@ -557,9 +590,11 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     """The comparisons with the largest error, worst verdict first.
 
     Ordered by verdict, then by error in units of the candidate format's
-    rounding (element-wise comparisons) or by max relative error (summary
-    statistics).  Non-finite comparisons are left out unless asked for: the
-    first non-finite producer says more than the ops that pass NaN on.
+    rounding and max relative error (element-wise comparisons), then by the
+    summary statistics' relative error (``summary_rel_err``; statistics-only
+    comparisons, ranked after the element-wise ones of their verdict, never
+    as the same number).  Non-finite comparisons are left out unless asked
+    for: the first non-finite producer says more than the ops that pass NaN on.
     """
     kinds = tuple(kinds)
     where = ["c.session_id = ?", f"c.kind IN ({', '.join('?' * len(kinds))})", "c.verdict IS NOT NULL"]
@@ -573,13 +608,15 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     return frame(
         store,
         f"""SELECT r.name AS run, c.seq, c.op, c.role, c."index", c.kind, c.basis, c.verdict,
-                   c.max_abs_err, c.max_rel_err, c.cosine, c.cosine_deficit, c.sqnr_db, c.rounding_units,
-                   c.reason, c.cand_run_id AS run_id, c.cand_rid AS rid, c.ref_run_id, c.ref_rid
+                   c.max_abs_err, c.max_rel_err, c.summary_abs_err, c.summary_rel_err, c.cosine,
+                   c.cosine_deficit, c.sqnr_db, c.rounding_units, c.reason, c.cand_run_id AS run_id,
+                   c.cand_rid AS rid, c.ref_run_id, c.ref_rid
             FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
             WHERE {' AND '.join(where)}
             ORDER BY {_VERDICT_WORST_FIRST},
                      CASE WHEN isfinite(c.rounding_units) THEN c.rounding_units END DESC NULLS LAST,
                      CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
+                     CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,
                      c.seq, c.op
             LIMIT ?""",
         params,
@@ -602,6 +639,14 @@ def diagnosis_cards(store, session_id: str) -> list[dict]:
                     "message": d["message"], "fixes": list(fixes), "severity": d["severity"] or "info",
                     "seq": d["seq"]})
     return out
+
+
+def comparison_bases(store, session_id: str) -> set[str]:
+    """The bases (``tensor``: element-wise, ``stats``: summary statistics only) of a session's judged
+    comparisons."""
+    return {r["basis"] for r in rows(store, """SELECT DISTINCT basis FROM comparisons
+                                              WHERE session_id = ? AND verdict IS NOT NULL AND basis IS NOT NULL""",
+                                     [session_id])}
 
 
 def error_series(store, session_id: str, metric: str = "max_rel_err", *, roles=("output",),

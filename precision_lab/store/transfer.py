@@ -11,9 +11,10 @@ import uuid
 from pathlib import Path
 
 from ..stats import HIST_EDGES_ID
+from . import move_summary_errors_sql
 
-__all__ = ["TABLES", "TABLE_SINCE", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables", "table_columns",
-           "insert_session_tables"]
+__all__ = ["TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
+           "table_columns", "insert_session_tables"]
 
 # Tables of one session, in insertion order (parents before children).
 TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings",
@@ -21,6 +22,10 @@ TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "compariso
 
 # The schema version that added a table: an archive written before it has none (read as empty).
 TABLE_SINCE = {"timeline": 4, "timeline_formats": 4, "step_scalars": 4}
+
+# Schema versions that changed what a column means, with the statement that brings the rows of one imported
+# session (parameter: session_id) written before that version up to it; columns an archive lacks are NULL.
+ROW_UPGRADES = {5: move_summary_errors_sql("session_id = ?")}
 
 # How each table's rows are selected for one session (parameter: session_id).
 _RUNS_OF = "SELECT run_id FROM runs WHERE session_id = $sid"
@@ -85,31 +90,45 @@ def table_columns(store, table: str) -> dict[str, str]:
     return {n: t for n, t in got}
 
 
-def _remap(col, mapping: dict):
-    """Replace ids in an Arrow column by ``mapping`` (values not in it stay)."""
-    import pyarrow as pa  # deferred: only imports need Arrow
-    import pyarrow.compute as pc
+def _quoted(c: str) -> str:
+    return '"' + c.replace('"', '""') + '"'
 
-    if not mapping:
-        return col
-    keys = pa.array(list(mapping), type=pa.string())
-    vals = pa.array(list(mapping.values()), type=pa.string())
-    col = pc.cast(col, pa.string())
-    idx = pc.index_in(col, value_set=keys)
-    return pc.if_else(pc.is_null(idx), col, pc.take(vals, idx))
+
+def _select_list(table: str, columns: list, *, session_id: str, name: str, run_map: dict) -> tuple[str, list]:
+    """What an imported table's rows become: the session id and (sessions) name this database gives them, no
+    share token, run ids through ``run_map``; the rest as archived.  SQL, not Arrow: building Arrow arrays
+    from Python values imports pandas, which an import does not otherwise need."""
+    exprs, params = [], []
+    for c in columns:
+        q = _quoted(c)
+        if c == "session_id":
+            exprs.append("?")
+            params.append(session_id)
+        elif table == "sessions" and c == "name":
+            exprs.append("?")
+            params.append(name)
+        elif table == "sessions" and c == "share_token":
+            exprs.append("NULL")
+        elif c in RUN_ID_COLUMNS.get(table, ()) and run_map:
+            whens = " ".join("WHEN ? THEN ?" for _ in run_map)
+            exprs.append(f"CASE CAST({q} AS VARCHAR) {whens} ELSE CAST({q} AS VARCHAR) END")
+            for old, new in run_map.items():
+                params += [old, new]
+        else:
+            exprs.append(q)
+    return ", ".join(exprs), params
 
 
 def insert_session_tables(store, tables: dict, *, session_id: str, name: str, where: str,
-                          hist_edges_id) -> tuple[str, str, dict, list[str]]:
+                          hist_edges_id, schema_version: int) -> tuple[str, str, dict, list[str]]:
     """Insert one session's checked Arrow tables in one transaction.
 
     Ids the database already holds are replaced by fresh ones, the name is
-    made unique, share tokens are dropped.  Returns (name, session id, run id
-    map, notes).  ``ImportRefused`` names a table DuckDB cannot store; the
-    rollback leaves the database as it was.
+    made unique, share tokens are dropped.  Rows written at an older
+    ``schema_version`` are brought up to this one (``ROW_UPGRADES``).
+    Returns (name, session id, run id map, notes).  ``ImportRefused`` names a
+    table DuckDB cannot store; the rollback leaves the database as it was.
     """
-    import pyarrow as pa  # deferred: only imports need Arrow
-
     notes: list[str] = []
     registered: list[str] = []
     try:
@@ -127,29 +146,23 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
                 t = tables.get(table)
                 if t is None:  # an archive older than the table
                     continue
-                if "session_id" in t.column_names:
-                    t = t.set_column(t.column_names.index("session_id"), "session_id",
-                                     pa.array([new_sid] * t.num_rows, type=pa.string()))
-                for c in RUN_ID_COLUMNS.get(table, ()):
-                    if c in t.column_names:
-                        t = t.set_column(t.column_names.index(c), c, _remap(t.column(c), run_map))
-                if table == "sessions":
-                    t = t.set_column(t.column_names.index("name"), "name", pa.array([final_name], type=pa.string()))
-                    if "share_token" in t.column_names:
-                        t = t.set_column(t.column_names.index("share_token"), "share_token",
-                                         pa.array([None], type=pa.string()))
                 if t.num_rows == 0:
                     continue
-                cols = ", ".join('"' + c.replace('"', '""') + '"' for c in t.column_names)
+                cols = ", ".join(_quoted(c) for c in t.column_names)
+                exprs, params = _select_list(table, t.column_names, session_id=new_sid, name=final_name,
+                                             run_map=run_map)
                 view = f"_pl_import_{table}"
                 cur.register(view, t)
                 registered.append(view)
                 try:
-                    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {view}")
+                    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {exprs} FROM {view}", params)
                 except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
                     raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
                 cur.unregister(view)
                 registered.remove(view)
+            for version, stmt in sorted(ROW_UPGRADES.items()):
+                if schema_version < version:
+                    cur.execute(stmt, [new_sid])
             if hist_edges_id not in (None, HIST_EDGES_ID):
                 note = (f"its histograms use bin edges {hist_edges_id}, this version uses {HIST_EDGES_ID}; "
                         "format overlays for it need a re-ingest")

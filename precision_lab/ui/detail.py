@@ -375,6 +375,8 @@ _METRIC_ROWS = (
     ("basis", "basis"), ("match", "match"), ("verdict", "verdict"), ("reason", "reason"),
     ("cand_format", "judged against format"), ("max_abs_err", "max abs error"),
     ("mean_abs_err", "mean abs error"), ("rmse", "RMSE"), ("max_rel_err", "max rel error"),
+    # a comparison on summary statistics (basis "stats"): how far max, min and norm moved, not an element's error
+    ("summary_abs_err", "summary abs error"), ("summary_rel_err", "summary rel error"),
     ("rel_floor", "rel error floor"), ("cosine", "cosine"), ("sqnr_db", "SQNR (dB)"),
     ("rounding_units", "error / unit roundoff"), ("max_ulp_err", "max error (ulps)"),
     ("nonfinite_introduced", "NaN/Inf introduced"), ("nonfinite_in_ref", "NaN/Inf in reference"),

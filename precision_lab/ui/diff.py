@@ -18,10 +18,14 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
               pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
     """One page of the reference | candidate | metrics table (``services.browse.diff_page``), cosine shown
     as text with 1 - cos; the decisive columns (verdict, max_rel_err, SQNR, reason) come right after the op,
-    so they are on screen at 1400 px, before the two sides' statistics."""
+    so they are on screen at 1400 px, before the two sides' statistics.  A pair compared on summary
+    statistics has their errors in their own columns (summary_rel_err beside max_rel_err); a pair compared
+    element-wise only is shown without them."""
     got = browse.diff_page(store, session_id, ref_run_id, cand_run_id, show=show, pattern=pattern, page=page,
                            page_size=page_size)
     df = got.rows
+    if not got.stats_basis:
+        df = df.drop(columns=[c for c in SUMMARY_COLUMNS if c in df.columns])
     if "cosine" in df.columns:
         df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
                   [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])])
@@ -32,8 +36,11 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
 
 
 # the Diff table's first columns: which record, then what was decided about it and why
-DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "verdict", "max_rel_err", "sqnr_db",
-                  "reason")
+DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "verdict", "max_rel_err",
+                  "summary_rel_err", "sqnr_db", "reason")
+
+# a comparison on summary statistics alone: how far the summaries moved, never an element's error
+SUMMARY_COLUMNS = ("summary_abs_err", "summary_rel_err")
 
 
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:

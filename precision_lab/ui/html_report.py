@@ -113,7 +113,8 @@ def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
     metric = "rounding_units"
     df = error_series(store, sid, metric)
     if df["value"].notna().sum() == 0:
-        metric = "max_rel_err"  # statistics-only sessions have no element-wise rounding error
+        # statistics-only sessions have no element-wise error: how far their summaries moved, labelled so
+        metric = "summary_rel_err"
         df = error_series(store, sid, metric)
     if df.empty:
         return None
@@ -234,11 +235,14 @@ def render_html(store, session: str, *, public: bool = False) -> str:
     for w in worst:
         w["tensor"] = f"{w['role']} {w['index']}"
         w["cosine_text"] = cosine_text(w.get("cosine"), w.get("cosine_deficit"))
+    # a comparison on summary statistics has no element-wise error: its summaries' errors in columns of their own
+    summary = [("summary_abs_err", "summary abs err", "num"), ("summary_rel_err", "summary rel err", "num")] \
+        if any(w.get("basis") == "stats" for w in worst) else []
     parts.append(f"<h2>Largest errors (top {TOP_COMPARISONS})</h2>")
     parts.append(_table(worst, [("run", "run", "name"), ("seq", "seq", "num"), ("op", "op", "name"),
                                 ("tensor", "tensor", "text"), ("kind", "kind", "text"), ("basis", "basis", "text"),
                                 ("verdict", "verdict", "text"), ("max_abs_err", "max abs err", "num"),
-                                ("max_rel_err", "max rel err", "num"), ("cosine_text", "cosine", "text"),
+                                ("max_rel_err", "max rel err", "num"), *summary, ("cosine_text", "cosine", "text"),
                                 ("sqnr_db", "SQNR dB", "num"), ("rounding_units", "err / unit roundoff", "num"),
                                 ("reason", "reason", "text")], row_class="verdict", empty="no comparisons"))
 

@@ -4,6 +4,7 @@ records costs one page of rows in pandas, not the whole table."""
 
 from __future__ import annotations
 
+from typing import Optional
 
 import pandas as pd
 
@@ -13,21 +14,26 @@ from .common import cosine_text, text_columns
 __all__ = ["OpsFilter", "OpsPage", "ops_page", "filter_options", "SORTABLE", "PROBLEM_SEVERITIES", "display_frame"]
 
 
-def display_frame(df: pd.DataFrame) -> pd.DataFrame:
+def display_frame(df: pd.DataFrame, *, summary: Optional[bool] = None) -> pd.DataFrame:
     """The columns the Ops page shows, in reading order (rid stays for selection).
 
-    Numbers are text by ``num_text``: NaN reads ``nan``, infinities ``inf``,
+    ``summary``: show ``summary_rel_err`` (the error of a comparison on summary statistics, which has no
+    element-wise ``max_rel_err``) beside ``max_rel_err``; pass ``OpsPage.stats_basis``, or leave None to
+    decide from the rows shown.  Numbers are text by ``num_text``: NaN reads ``nan``, infinities ``inf``,
     a value that was never computed (no comparison) ``MISSING``."""
+    if summary is None:
+        summary = bool((df["basis"] == "stats").any()) if "basis" in df.columns else False
     out = pd.DataFrame({
         "severity": df["severity"].fillna(""),
         "seq": df["seq"], "op": df["op"], "type": df["op_type"], "role": df["role"], "index": df["index"],
         "dtype": df["dtype"], "shape": df["shape"], "nan": df["nan_count"], "inf": df["inf_count"],
         "zero": df["zero_count"], "absmax": df["absmax"],
         "max_abs_err": df["max_abs_err"], "max_rel_err": df["max_rel_err"],
+        **({"summary_rel_err": df["summary_rel_err"]} if summary else {}),
         "cosine": [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])],
         "sqnr_db": df["sqnr_db"], "verdict": df["verdict"].fillna(""),
         "local_max_rel_err": df["local_max_rel_err"], "match": df["match"].fillna(""),
         "step": df["step"], "rank": df["rank"], "rid": df["rid"],
     })
     numbers = ["nan", "inf", "zero", "absmax", "max_abs_err", "max_rel_err", "sqnr_db", "local_max_rel_err"]
-    return text_columns(out, numbers, 4)
+    return text_columns(out, numbers + (["summary_rel_err"] if summary else []), 4)

@@ -17,8 +17,8 @@ from .common import num_text, plot_text, public_source, run_label
 
 __all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
-           "error_series", "error_figure", "session_headline", "order_text", "warnings_table", "order_caveat",
-           "MAX_WARNINGS"]
+           "error_series", "error_figure", "default_error_metric", "worst_error_text", "session_headline", "order_text",
+           "warnings_table", "order_caveat", "MAX_WARNINGS"]
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
@@ -70,6 +70,20 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
     """Records whose Norm/Mean is non-finite while the values are finite (see services.report)."""
 
     return _na(store, session_id)
+
+
+def default_error_metric(store, session_id: str) -> str:
+    """The error to draw first: ``max_rel_err``, or ``summary_rel_err`` for a session whose comparisons are all
+    on summary statistics (it has no element-wise error to draw)."""
+    return "summary_rel_err" if browse.comparison_bases(store, session_id) == {"stats"} else "max_rel_err"
+
+
+def worst_error_text(row) -> str:
+    """A comparison's relative error in words: element-wise ("max rel err"), or for one on summary statistics
+    the summaries' ("summary rel err"); ``row`` as ``top_offenders`` gives it."""
+    if row.get("basis") == "stats":
+        return f"summary rel err {num_text(row.get('summary_rel_err'), 3)}"
+    return f"max rel err {num_text(row.get('max_rel_err'), 3)}"
 
 
 def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfinite: Optional[list] = None):
@@ -130,7 +144,7 @@ def session_headline(store, session_id: str) -> dict:
     worst_text = ""
     if len(worst):
         w = worst.iloc[0]
-        worst_text = f"{w['run']}: {w['op']} ({w['role']} {w['index']}, {w['verdict']}, max rel err {num_text(w['max_rel_err'], 3)})"
+        worst_text = f"{w['run']}: {w['op']} ({w['role']} {w['index']}, {w['verdict']}, {worst_error_text(w)})"
     return {"first_nonfinite": "; ".join(firsts) or "none", "worst": worst_text or "-"}
 
 
