@@ -52,11 +52,11 @@ def build(store: Store, n: int) -> tuple[str, str, str]:
                 FROM range({n}) t(i)""")
         w.cur.execute(f"""
             INSERT INTO comparisons BY NAME
-            SELECT '{w.session_id}' AS session_id, 'stats' AS kind, '{ref}' AS ref_run_id, i AS ref_rid,
+            SELECT '{w.session_id}' AS session_id, 'accumulated' AS kind, '{ref}' AS ref_run_id, i AS ref_rid,
                    '{cand}' AS cand_run_id, i AS cand_rid, 0 AS step, (i // 100000) % 4 AS rank, i // 3 AS seq,
                    'blocks.' || (i // 3000) || '.op' || ((i // 3) % 1000) AS op,
                    CASE i % 3 WHEN 2 THEN 'output' ELSE 'input' END AS role, (i % 3)::VARCHAR AS "index",
-                   'exact' AS "match", 'stats' AS basis, 4096 AS numel, 0 AS compared,
+                   'exact' AS "match", 'tensor' AS basis, 4096 AS numel, 4096 AS compared,
                    (i % 101) * 1e-4 AS max_abs_err, (i % 89) * 1e-4 AS max_rel_err, 6.1e-5 AS rel_floor,
                    CASE WHEN i % 997 = 500 THEN 1 ELSE 0 END AS nonfinite_introduced, 0 AS nonfinite_in_ref,
                    'fp16' AS cand_format,
