@@ -29,6 +29,7 @@ printed: wall-clock time, and the process's CPU time (all threads).
     python bench/capture_overhead.py                  # both models, 9 rounds
     python bench/capture_overhead.py --models transformer --rounds 15
     python bench/capture_overhead.py --more            # + forward-only, modules-only
+    python bench/capture_overhead.py --breakdown       # hooks vs statistics, in one process
 
 Not part of CI's pass/fail: wall-clock ratios depend on the machine and on
 whatever else runs on it (the load average is printed with the results).
@@ -374,6 +375,68 @@ def _run_model(model_kind: str, args) -> None:
     print(f"rounds {args.rounds}, load average {load0[0]:.2f} at start, {load1[0]:.2f} at end")
 
 
+def _breakdown(model_kind: str, args) -> None:
+    """Where a full capture's time goes, in one process (variants interleaved step by step): the plain step; a
+    capture whose statistics are a constant (the hooks, naming and records); a full capture with every
+    statistics call timed; and the same tensors' statistics again, back to back after the step."""
+    from precision_lab import stats as S
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, x = MODELS[model_kind][1]()
+    store = Store(":memory:")
+    real = S.tensor_stats
+    const = real(torch.ones(4))
+    spent, seen = [0.0], []
+
+    def timed_stats(t, **kw):
+        t0 = time.perf_counter()
+        out = real(t, **kw)
+        spent[0] += time.perf_counter() - t0
+        seen.append((t, kw))
+        return out
+
+    def step(stats_fn=None):
+        if stats_fn is None:
+            t0 = time.perf_counter()
+            _step(model, x)
+            return time.perf_counter() - t0
+        S.tensor_stats = stats_fn
+        try:
+            with precision_lab.capture(model, run="b", store=store):
+                t0 = time.perf_counter()
+                _step(model, x)
+                return time.perf_counter() - t0
+        finally:
+            S.tensor_stats = real
+
+    rows = {"plain": [], "hooks (statistics a constant)": [], "full": [], "  its statistics calls": [],
+            "  same tensors, replayed after the step": []}
+    for r in range(args.warmup + args.rounds):
+        plain = step()
+        hooks = step(lambda t, **kw: const)
+        spent[0] = 0.0
+        seen.clear()
+        full = step(timed_stats)
+        t0 = time.perf_counter()
+        for t, kw in seen:
+            real(t, **kw)
+        replay = time.perf_counter() - t0
+        if r >= args.warmup:
+            for k, v in zip(rows, (plain, hooks, full, spent[0], replay)):
+                rows[k].append(v)
+    base = statistics.median(rows["plain"])
+    n_el = sum(t.numel() for t, _ in seen)
+    print(f"\nmodel: {MODELS[model_kind][0]}: where a full capture's time goes (one process, interleaved)")
+    for k, v in rows.items():
+        m = statistics.median(v)
+        extra = f"   +{(m - base) * 1e3:.1f} ms" if k in ("hooks (statistics a constant)", "full") else ""
+        print(f"{k:<42}{m * 1e3:>8.1f} ms{m / base:>7.2f}x of plain{extra}")
+    print(f"statistics calls per step: {len(seen)} over {n_el / 1e6:.1f}M elements "
+          f"({statistics.median(rows['  its statistics calls']) / n_el * 1e9:.2f} ns per element in the step)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -384,12 +447,14 @@ def main(argv=None) -> int:
                     help="CaptureOptions.stats_threads (default 0: numba's own setting, every core)")
     ap.add_argument("--more", action="store_true",
                     help="also time lighter capture settings (forward only; modules only)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="instead: where a full capture's time goes (hooks, statistics in the step, replayed)")
     args = ap.parse_args(argv)
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
           f"torch threads {args.threads or torch.get_num_threads()}  stats threads "
           f"{args.stats_threads or 'numba default'}  cpu {_cpu_name()}")
     for kind in args.models:
-        _run_model(kind, args)
+        (_breakdown if args.breakdown else _run_model)(kind, args)
     return 0
 
 
