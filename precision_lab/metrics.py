@@ -251,28 +251,33 @@ def _torch_chunks(x, chunk: int):
 
 
 def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) -> dict:
+    """The sums of ``_SUMS`` on the tensors' own device, one row per chunk, brought to the host in one transfer
+    at the end: no ``int()``/``float()`` of a device scalar and no boolean-mask indexing (each a host sync on a
+    GPU).  Positions not finite on both sides count as zero difference, which leaves every sum and maximum as
+    it is over the positions finite on both."""
     import torch
 
-    acc = _new_acc()
+    rows = []
     for r, c in zip(_torch_chunks(reference, chunk), _torch_chunks(candidate, chunk)):
         fr, fc = torch.isfinite(r), torch.isfinite(c)
-        nf_ref = int((~fr).sum())
-        nf_intro = int((fr & ~fc).sum())
         both = fr & fc
-        r, c = r[both], c[both]
-        if r.numel() == 0:
-            _merge_acc(acc, (0, nf_intro, nf_ref) + (0.0,) * 8)
-            continue
+        r = torch.where(both, r, 0.0)
+        c = torch.where(both, c, 0.0)
         d = c - r
         ad = d.abs()
         absr = r.abs()
         # exact floor(log2|r|) via frexp; frexp(0) says 0, so zeros take emin explicitly
         e = torch.where(absr > 0, torch.clamp(torch.frexp(absr).exponent - 1, min=emin), emin)
         ulp = torch.exp2((e - man_bits).to(torch.float64))
-        _merge_acc(acc, (
-            r.numel(), nf_intro, nf_ref, (r * r).sum(), (c * c).sum(), (r * d).sum(), (d * d).sum(), ad.sum(),
+        rows.append(torch.stack([
+            both.sum().to(torch.float64), (fr & ~fc).sum().to(torch.float64), (~fr).sum().to(torch.float64),
+            (r * r).sum(), (c * c).sum(), (r * d).sum(), (d * d).sum(), ad.sum(),
             ad.max(), (ad / torch.clamp(absr, min=rel_floor)).max(), (ad / ulp).max(),
-        ))
+        ]))
+    acc = _new_acc()
+    if rows:
+        for part in torch.stack(rows).cpu().tolist():  # the one transfer
+            _merge_acc(acc, part)
     return acc
 
 

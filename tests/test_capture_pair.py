@@ -282,3 +282,52 @@ def test_pair_judges_an_fp32_tensor_in_an_fp16_run_like_run_pairing(store):
         assert mine["max_abs_err"] == pytest.approx(other.max_abs_err, rel=0, abs=0)
     # every other tensor gets the same verdict by both paths too
     assert all(got[rid]["verdict"] == theirs[rid].verdict for rid in got)
+
+
+def test_reference_keeper_keeps_a_device_tensor_on_its_device_within_its_budget():
+    """A GPU tensor's reference copy stays on its device while the device budget lasts (comparing it needs no
+    copy to the host); past it, host memory, then disk.  The device here is ``meta`` (no GPU on every
+    machine): its copies take no memory, and the budget is counted the same way."""
+    from precision_lab.services.capture import _ReferenceKeeper
+
+    keeper = _ReferenceKeeper(budget_bytes=64, device_budget_bytes=100)
+    first = torch.empty(16, device="meta")  # 64 bytes: within the device budget
+    cpu = torch.arange(16, dtype=torch.float32)  # host tensors never count against the device budget
+    sk_dev, sk_cpu = keeper._store(first), keeper._store(cpu)
+    assert keeper._mem[sk_dev].device.type == "meta" and keeper.device_used == 64
+    assert keeper._mem[sk_cpu].device.type == "cpu" and keeper.used == 64
+    over = torch.arange(32, dtype=torch.float32)  # past the host budget: to disk
+    sk_disk = keeper._store(over)
+    assert isinstance(keeper._mem[sk_disk], str) and np.array_equal(np.load(keeper._mem[sk_disk]), over.numpy())
+    keeper.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pair_keeps_references_on_the_device_and_matches_a_cpu_pair(store):
+    from precision_lab.services import capture as cap_mod
+
+    devices = []
+    real = cap_mod._ReferenceKeeper._store
+
+    def spy(self, t):
+        sk = real(self, t)
+        v = self._mem[sk]
+        devices.append("disk" if isinstance(v, str) else v.device.type)
+        return sk
+
+    cap_mod._ReferenceKeeper._store = spy
+    try:
+        name = precision_lab.capture_pair(lambda: build_tiny().cuda(), tiny_input().cuda(), torch.float16,
+                                          store=store, loss_fn=loss_fn, local_error=False, name="gpu")
+    finally:
+        cap_mod._ReferenceKeeper._store = real
+    assert devices and set(devices) == {"cuda"}
+    cpu = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
+                                     local_error=False, name="cpu")
+    worst = {}
+    for n in (name, cpu):
+        cand = _runs(store, n)["candidate"]["run_id"]
+        worst[n] = _rows(store, """SELECT count(*) AS n, max(max_rel_err) AS m FROM comparisons
+                                   WHERE kind = 'accumulated' AND cand_run_id = ?""", [cand])[0]
+    assert worst[name]["n"] == worst[cpu]["n"]
+    assert worst[name]["m"] == pytest.approx(worst[cpu]["m"], rel=0.5)  # fp16 rounding on two devices

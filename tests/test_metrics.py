@@ -211,3 +211,66 @@ def test_stats_comparison_keeps_its_summary_errors_apart_from_element_errors():
     # an element-wise comparison has no summary errors
     elem = compare(ref, cand)
     assert elem.summary_abs_err is None and elem.summary_rel_err is None and elem.max_rel_err is not None
+
+
+def test_torch_comparison_brings_its_sums_to_the_host_once():
+    """The torch path (every GPU tensor) makes no host conversion per chunk and no boolean-mask indexing: on a
+    GPU each of those is a sync.  Counted on CPU tensors: one transfer for a comparison of three chunks, and
+    the same numbers as the compiled kernel."""
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(3 * 4096 + 5, generator=g) * 100
+    c = (r * (1 + torch.randn(r.shape, generator=g) * 1e-3)).to(torch.float16)
+    r[::700] = float("nan")
+    calls = []
+    saved = {}
+    for name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        saved[name] = real
+
+        def counting(self, *a, _name=name, _real=real, **k):
+            calls.append(_name)
+            return _real(self, *a, **k)
+
+        setattr(torch.Tensor, name, counting)
+    real_getitem = torch.Tensor.__getitem__
+
+    def getitem(self, idx):
+        if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool:
+            calls.append("mask index")
+        return real_getitem(self, idx)
+
+    torch.Tensor.__getitem__ = getitem
+    try:
+        got = compare(r, c, backend="torch", chunk=4096)
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        torch.Tensor.__getitem__ = real_getitem
+    assert calls.count("cpu") == 1 and "mask index" not in calls, calls
+    assert not {"item", "__float__", "__int__", "__bool__"} & set(calls), calls
+    want = compare(r.numpy(), c.float().numpy(), cand_format="fp16", backend="auto")
+    for f in ("compared", "nonfinite_in_ref", "max_abs_err", "max_rel_err", "max_ulp_err"):
+        assert getattr(got, f) == getattr(want, f), f
+    assert got.rmse == pytest.approx(want.rmse, rel=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_comparison_synchronises_once():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = torch.randn(5_000_000, device="cuda", generator=g)
+    c = (r * 1.001).half()
+    compare(r, c, backend="torch")  # warm-up: kernels and allocator
+    torch.cuda.synchronize()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = compare(r, c, backend="torch", chunk=1 << 20)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [x for x in w if "synchroniz" in str(x.message)]
+    assert len(syncs) <= 1, [str(x.message) for x in syncs]
+    want = compare(r.cpu().numpy(), c.float().cpu().numpy(), cand_format="fp16")
+    assert got.compared == want.compared and got.max_abs_err == pytest.approx(want.max_abs_err, rel=1e-12)

@@ -1,7 +1,9 @@
 """An fp32 reference and a low-precision candidate of the same model, compared op by op.
 
 ``capture_pair`` runs the reference first and keeps a copy of each tensor it
-records (in memory up to a budget, then in a temporary folder on disk), then
+records (a GPU tensor on its own device up to a device budget, so comparing
+it needs no copy to the host; then in host memory up to a budget, then in a
+temporary folder on disk), then
 runs the candidate and compares each of its tensors with the reference
 tensor of the same name *as it is produced*, so nothing of the candidate is
 kept and the comparison is element-wise for every recorded tensor.  The
@@ -33,10 +35,12 @@ from ..store import Store, is_open
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
+# reference copies of GPU tensors kept on their device before going to host memory
+DEFAULT_DEVICE_KEEP_BYTES = 1 << 30
 
 
 def _key(rec) -> tuple:
@@ -46,10 +50,12 @@ def _key(rec) -> tuple:
 class _ReferenceKeeper:
     """Keeps the reference run's tensors by record name, bounded in memory."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, device_budget_bytes: int = DEFAULT_DEVICE_KEEP_BYTES):
         self.budget = budget_bytes
         self.used = 0
-        self._mem: dict = {}  # storage key -> tensor (cpu) or path
+        self.device_budget = device_budget_bytes
+        self.device_used = 0
+        self._mem: dict = {}  # storage key -> tensor (on its device, or cpu) or path
         self._by_key: dict = {}  # record key -> (pos, storage key)
         self._ident: dict = {}  # (id, version) -> storage key, to store a shared tensor once
         self._dir: Optional[str] = None
@@ -79,7 +85,10 @@ class _ReferenceKeeper:
         self._n += 1
         c = t.detach()
         nbytes = c.numel() * c.element_size()
-        if self.used + nbytes <= self.budget:
+        if c.device.type != "cpu" and self.device_used + nbytes <= self.device_budget:
+            self._mem[sk] = c.clone()  # stays on the device: no host copy, no sync
+            self.device_used += nbytes
+        elif self.used + nbytes <= self.budget:
             self._mem[sk] = c.to("cpu", copy=True)
             self.used += nbytes
         else:
@@ -281,7 +290,8 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                  session: Optional[str] = None, local_error: bool = True,
                  options: Optional[CaptureOptions] = None, loss_fn: Optional[Callable] = None, seed: int = 0,
                  reference_name: str = "fp32", candidate_name: Optional[str] = None,
-                 keep_bytes: int = DEFAULT_KEEP_BYTES, source: str = "capture",
+                 keep_bytes: int = DEFAULT_KEEP_BYTES, device_keep_bytes: int = DEFAULT_DEVICE_KEEP_BYTES,
+                 source: str = "capture",
                  recipe: Optional[str] = None, name: Optional[str] = None, reference_policy=None) -> str:
     """Capture an fp32 reference and a candidate run of one model; returns the session name.
 
@@ -303,6 +313,10 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     run has an "unmatched_cand"/"unmatched_ref" row; and,
     with ``local_error``, one "local" comparison per candidate op output
     against the op re-run in fp32 from upcast copies of its own inputs.
+
+    ``keep_bytes``/``device_keep_bytes``: how much of the reference's tensors is kept in host memory and, for
+    GPU tensors, on their device (compared there, with one host transfer per comparison) before the rest
+    goes to host memory and then to disk.
 
     ``reference_policy`` (default None: fp32 as built) runs the reference
     under a policy too: the candidate's policy without ``compile`` makes the
@@ -333,7 +347,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
 
     if candidate_name is None:
         candidate_name = str(getattr(policy, "name", None) or "candidate")
-    keeper = _ReferenceKeeper(keep_bytes)
+    keeper = _ReferenceKeeper(keep_bytes, device_keep_bytes)
     comparer = _Comparer(keeper, _declared_dtype(policy))
     try:
         ref_cap = Capture(ref_model, run=reference_name, dtype_policy=reference_policy,
