@@ -244,6 +244,14 @@ def test_import_histogram_listed_twice(store, exported):
             "lists a record more than once")
 
 
+def test_import_histogram_bins_that_are_not_numbers(store, exported):
+    data, _ = exported
+    h = table_of(data, "histograms")
+    words = [["x"] * len(b) for b in h.column("bins").to_pylist()]
+    bad = rezip(data, replace={"histograms.parquet": parquet(set_col(h, "bins", words, pa.list_(pa.string())))})
+    refused(store, imp(store, bad, "words.zip"), ShareError, "words.zip", "cannot be checked")
+
+
 def test_import_session_name_disagrees_with_manifest(store, exported):
     data, _ = exported
     bad = rezip(data, manifest=lambda m: {**m, "session": {**m["session"], "name": "innocent"}})

@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Optional, Union
 from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
+from ..readers import first_line
 from ..scratch import scratch_dir
-from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ImportRefused, copy_session_tables, insert_session_tables,
-                              table_columns)
+from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ArchiveQueries, ImportRefused, copy_session_tables,
+                              insert_session_tables, table_columns)
 from .. import __version__
 from ..stats import HIST_EDGES_ID, N_BINS
 from ..store import SCHEMA_VERSION, resolve_db_path
@@ -363,44 +364,13 @@ def _col(t, name):
     return t.column(name).to_pylist() if name in t.column_names else []
 
 
-def _stray(col, allowed, *, nullable: bool) -> list:
-    """Distinct values of ``col`` not in ``allowed`` (an Arrow array); nulls count unless ``nullable``."""
-    import pyarrow.compute as pc
-
-    vals = pc.unique(col)
-    if nullable:
-        vals = vals.drop_null()
-    return vals.filter(pc.invert(pc.is_in(vals, value_set=allowed))).to_pylist()  # a null is not in a set of strings
-
-
-def _record_keys(t):
-    """One string per row naming its record: ``run_id`` followed by ``rid`` left-padded with "#" to 20
-    characters (an int64's longest), so two rows share a key only when they name the same record.  Arrow
-    compute only, and no scalar made from a Python value: Acero's joins and group-bys import pyarrow.dataset,
-    and Python values converted to Arrow import pandas, which the import command does not otherwise need."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    run = pc.cast(t.column("run_id").combine_chunks(), pa.string())  # arrays: a table without rows has no chunks
-    rid = pc.utf8_lpad(pc.cast(t.column("rid").combine_chunks(), pa.string()), width=20, padding="#")
-    return pc.binary_join_element_wise(run, rid, pc.utf8_slice_codeunits(rid, 0, 0))
-
-
-def _duplicates(keys) -> bool:
-    import pyarrow.compute as pc
-
-    return pc.count_distinct(keys, mode="all").as_py() != len(keys)
-
-
-def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
+def _check_consistency(store, where: str, sid: str, name: str, tables: dict) -> None:
     """Every row must belong to the declared session and to runs that the file holds.
 
-    Vectorised with Arrow: a session of a million records is checked in well
-    under a second.
+    Asked in SQL over the Arrow tables (``store.transfer.ArchiveQueries``): a
+    session of a million records is checked in well under a second, and no
+    Arrow compute module is loaded for it.
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     s = tables["sessions"]
     if s.num_rows != 1:
         raise ShareError(f"{where}: sessions.parquet must hold exactly one session, it holds {s.num_rows}")
@@ -413,56 +383,50 @@ def _check_consistency(where: str, sid: str, name: str, tables: dict) -> None:
         raise ShareError(f"{where}: runs.parquet has a run without a run_id")
     if len(set(run_ids)) != len(run_ids):
         raise ShareError(f"{where}: runs.parquet lists a run_id more than once")
-    # value sets taken from the tables themselves: building Arrow arrays from Python lists imports pandas
-    known = pc.cast(runs.column("run_id"), pa.string()).combine_chunks()
-    the_session = pc.cast(s.column("session_id"), pa.string()).combine_chunks()  # one row, == sid (above)
-    for table in ("runs", "comparisons", "diagnoses", "warnings"):
-        bad = _stray(tables[table].column("session_id"), the_session, nullable=False)
-        if bad:
-            raise ShareError(f"{where}: {table}.parquet holds rows of another session ({sorted(map(str, bad))[0]}); "
-                             f"the file should hold only session {sid}")
-    for table, cols in RUN_ID_COLUMNS.items():
-        if table not in tables:
-            continue
-        for c in cols:
-            if c not in tables[table].column_names:
-                continue
-            nullable = c == "parent_run_id" or table == "warnings" or c == "ref_run_id"
-            stray = _stray(pc.cast(tables[table].column(c), pa.string()), known, nullable=nullable)
-            if stray:
-                raise ShareError(f"{where}: {table}.parquet refers to run {sorted(map(str, stray))[0]!r} "
-                                 f"({c}) that runs.parquet does not hold")
-    t = tables["tensors"]
-    if t.column("rid").null_count:
+    if tables["tensors"].column("rid").null_count:
         raise ShareError(f"{where}: tensors.parquet has a record without a rid")
-    held = _record_keys(t)
-    if _duplicates(held):
-        raise ShareError(f"{where}: tensors.parquet lists a (run_id, rid) more than once")
-    for table in ("histograms", "tensor_data"):
-        k = tables[table]
-        keys = _record_keys(k)
-        if _duplicates(keys):
-            raise ShareError(f"{where}: {table}.parquet lists a record more than once")
-        missing = k.filter(pc.invert(pc.is_in(keys, value_set=held)))
-        if missing.num_rows:
-            run, rid = missing.column("run_id")[0].as_py(), missing.column("rid")[0].as_py()
-            raise ShareError(f"{where}: {table}.parquet refers to record {rid} of run {run!r} that "
-                             "tensors.parquet does not hold")
-    h = tables["histograms"]
-    bins, counts = h.column("bins"), h.column("counts")
-    same_len = pc.all(pc.equal(pc.list_value_length(bins), pc.list_value_length(counts))).as_py()
-    if bins.null_count or counts.null_count or same_len is False:
-        raise ShareError(f"{where}: histograms.parquet has a histogram whose bins and counts disagree")
-    fb, fc = pc.list_flatten(bins), pc.list_flatten(counts)
-    if len(fb):
-        lo_hi = pc.min_max(fb)
-        if fb.null_count or fc.null_count or lo_hi["min"].as_py() < 0 or lo_hi["max"].as_py() >= N_BINS \
-                or pc.min(fc).as_py() < 0:
-            raise ShareError(f"{where}: histograms.parquet has a bin index outside 0..{N_BINS - 1} or a "
-                             "negative count")
+    try:
+        with ArchiveQueries(store, tables) as q:
+            _check_rows(where, sid, tables, q)
+    except ShareError:
+        raise
+    except Exception as e:  # a column of a type the checks cannot read: named, never a traceback
+        raise ShareError(f"{where}: its tables cannot be checked ({first_line(e)})") from None
     td = tables["tensor_data"]
     for run, rid, blob in zip(_col(td, "run_id"), _col(td, "rid"), _col(td, "npy")):
         _check_npy(where, run, rid, blob)
+
+
+def _check_rows(where: str, sid: str, tables: dict, q: ArchiveQueries) -> None:
+    session_tables = ("runs", "comparisons", "diagnoses", "warnings")
+    others = q.other_sessions(session_tables, sid)
+    for table in session_tables:
+        if table in others:
+            raise ShareError(f"{where}: {table}.parquet holds rows of another session "
+                             f"({sorted(map(str, others[table]))[0]}); the file should hold only session {sid}")
+    columns = [(table, c, c == "parent_run_id" or table == "warnings" or c == "ref_run_id")
+               for table, cols in RUN_ID_COLUMNS.items() if table in tables
+               for c in cols if c in tables[table].column_names]
+    stray = q.unknown_runs(columns)
+    for table, c, _ in columns:
+        if (table, c) in stray:
+            raise ShareError(f"{where}: {table}.parquet refers to run {sorted(map(str, stray[table, c]))[0]!r} "
+                             f"({c}) that runs.parquet does not hold")
+    if q.repeats_a_record("tensors"):
+        raise ShareError(f"{where}: tensors.parquet lists a (run_id, rid) more than once")
+    for table in ("histograms", "tensor_data"):
+        if q.repeats_a_record(table):
+            raise ShareError(f"{where}: {table}.parquet lists a record more than once")
+        missing = q.record_not_in_tensors(table)
+        if missing is not None:
+            run, rid = missing
+            raise ShareError(f"{where}: {table}.parquet refers to record {rid} of run {run!r} that "
+                             "tensors.parquet does not hold")
+    if q.histograms_disagree():
+        raise ShareError(f"{where}: histograms.parquet has a histogram whose bins and counts disagree")
+    if q.histogram_out_of_range(N_BINS):
+        raise ShareError(f"{where}: histograms.parquet has a bin index outside 0..{N_BINS - 1} or a "
+                         "negative count")
 
 
 def _check_npy(where: str, run, rid, blob) -> None:
@@ -536,9 +500,10 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
         for t in held:
             if m["tables"][t]["file"] not in present:
                 raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
-        tables = {t: _read_table(zf, where, t, m["tables"][t], table_columns(store, t)) for t in held}
+        columns = table_columns(store, held)
+        tables = {t: _read_table(zf, where, t, m["tables"][t], columns[t]) for t in held}
     sid, orig_name = m["session"]["session_id"], m["session"]["name"]
-    _check_consistency(where, sid, orig_name, tables)
+    _check_consistency(store, where, sid, orig_name, tables)
 
     wanted = name or orig_name
     try:

@@ -8,13 +8,14 @@ write transaction, giving fresh ids where the database already holds them.
 from __future__ import annotations
 
 import uuid
+from typing import Optional
 from pathlib import Path
 
 from ..stats import HIST_EDGES_ID
 from . import move_summary_errors_sql
 
 __all__ = ["TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
-           "table_columns", "insert_session_tables"]
+           "table_columns", "insert_session_tables", "ArchiveQueries"]
 
 # Tables of one session, in insertion order (parents before children).
 TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings",
@@ -83,11 +84,15 @@ def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple
     return out
 
 
-def table_columns(store, table: str) -> dict[str, str]:
-    """``{column: DuckDB type}`` of one table, in column order."""
-    got = store.sql("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ? "
-                    "ORDER BY ordinal_position", [table]).fetchall()
-    return {n: t for n, t in got}
+def table_columns(store, tables) -> dict[str, dict[str, str]]:
+    """``{table: {column: DuckDB type}}`` of the named tables, columns in order (one query for all)."""
+    tables = list(tables)
+    out: dict = {t: {} for t in tables}
+    got = store.sql("SELECT table_name, column_name, data_type FROM information_schema.columns "
+                    "WHERE list_contains(?, table_name) ORDER BY table_name, ordinal_position", [tables]).fetchall()
+    for table, name, kind in got:
+        out[table][name] = kind
+    return out
 
 
 def _quoted(c: str) -> str:
@@ -173,3 +178,85 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
         for view in registered:
             store.cursor().unregister(view)
     return final_name, new_sid, run_map, notes
+
+
+class ArchiveQueries:
+    """Questions asked of an archive's tables before they are imported: SQL over the Arrow tables, which DuckDB
+    reads in place, registered on a cursor of their own (only reads; nothing of the database is touched, and
+    the names go with the cursor).  Each answer is a value or None; the caller says what is wrong with which
+    file."""
+
+    def __init__(self, store, tables: dict):
+        self._con = store._con.cursor()
+        self._views = {}
+        for name, t in tables.items():
+            view = f"a_{name}"
+            self._con.register(view, t)
+            self._views[name] = view
+
+    def close(self) -> None:
+        self._con.close()
+
+    def __enter__(self) -> "ArchiveQueries":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _all(self, sql: str, params=()) -> list:
+        return self._con.execute(sql, list(params)).fetchall()
+
+    def other_sessions(self, tables, session_id: str) -> dict:
+        """``{table: distinct session_id values other than session_id}`` (a null is one), tables that have
+        any; one query for all."""
+        parts = [f"SELECT {i} AS k, CAST(session_id AS VARCHAR) AS v FROM {self._views[t]}"
+                 for i, t in enumerate(tables)]
+        out: dict = {}
+        for k, v in self._all(f"SELECT DISTINCT k, v FROM ({' UNION ALL '.join(parts)}) WHERE v IS NULL OR v <> ?",
+                              [session_id]):
+            out.setdefault(tables[k], []).append(v)
+        return out
+
+    def unknown_runs(self, columns) -> dict:
+        """``{(table, column): distinct values that are no run_id of the archive's runs}`` for ``columns``,
+        ``(table, column, nullable)`` triples (nulls count unless nullable); one query for all."""
+        runs = f"(SELECT CAST(run_id AS VARCHAR) FROM {self._views['runs']} WHERE run_id IS NOT NULL)"
+        parts = []
+        for i, (table, column, nullable) in enumerate(columns):
+            q = _quoted(column)
+            nulls = "FALSE" if nullable else f"{q} IS NULL"
+            parts.append(f"SELECT DISTINCT {i} AS k, CAST({q} AS VARCHAR) AS v FROM {self._views[table]} "
+                         f"WHERE {nulls} OR ({q} IS NOT NULL AND CAST({q} AS VARCHAR) NOT IN {runs})")
+        out: dict = {}
+        if parts:
+            for k, v in self._all(" UNION ALL ".join(parts)):
+                out.setdefault(columns[k][:2], []).append(v)
+        return out
+
+    def repeats_a_record(self, table: str) -> bool:
+        """Whether two rows of ``table`` name the same (run_id, rid)."""
+        return bool(self._all(
+            f"SELECT count(*) <> count(DISTINCT (CAST(run_id AS VARCHAR), CAST(rid AS VARCHAR))) "
+            f"FROM {self._views[table]}")[0][0])
+
+    def record_not_in_tensors(self, table: str) -> Optional[tuple]:
+        """(run_id, rid) of a row of ``table`` naming a record ``tensors`` does not hold, or None."""
+        got = self._all(
+            f"SELECT x.run_id, x.rid FROM {self._views[table]} x WHERE NOT EXISTS (SELECT 1 FROM "
+            f"{self._views['tensors']} t WHERE CAST(t.run_id AS VARCHAR) = CAST(x.run_id AS VARCHAR) "
+            "AND CAST(t.rid AS VARCHAR) = CAST(x.rid AS VARCHAR)) LIMIT 1")
+        return tuple(got[0]) if got else None
+
+    def histograms_disagree(self) -> bool:
+        """A histogram without bins or counts, or with more of one than of the other."""
+        return bool(self._all(
+            f"SELECT coalesce(bool_or(bins IS NULL OR counts IS NULL OR len(bins) <> len(counts)), FALSE) "
+            f"FROM {self._views['histograms']}")[0][0])
+
+    def histogram_out_of_range(self, n_bins: int) -> bool:
+        """A null bin or count, a bin index outside 0..n_bins-1, or a negative count."""
+        return bool(self._all(
+            "SELECT coalesce(bool_or(list_count(bins) <> len(bins) OR list_count(counts) <> len(counts) "
+            "OR list_min(bins) < 0 OR list_max(bins) >= ? OR list_min(counts) < 0), FALSE) "
+            f"FROM {self._views['histograms']}", [n_bins])[0][0])
+
