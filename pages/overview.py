@@ -138,8 +138,8 @@ st.subheader("Diagnosis")
 cards = view(ov.diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
-blocked, offers = rerun_actions(store, info["name"], cards) if acc.can_rerun else (None, [[] for _ in cards])
-to_verify = untried(store, info["name"]) if acc.can_rerun and not blocked and cards else []
+blocked, offers = view(rerun_actions, cards) if acc.can_rerun else (None, [[] for _ in cards])
+to_verify = view(untried) if acc.can_rerun and not blocked and cards else []
 if to_verify:
     if st.button(f"Verify the suggestions ({len(to_verify)} re-runs)", key="verify_fixes",
                  icon=":material/fact_check:",
@@ -149,7 +149,7 @@ if to_verify:
         st.rerun()
 if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
-        and not any(v["works"] for v in verification(store, info["name"]).values()):
+        and not any(v["works"] for v in view(verification).values()):
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
                       "finite and meets the recipe's tolerance, then drop those not needed; every try is stored "

@@ -114,3 +114,32 @@ def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe
         assert any(lab.startswith(f"Open fix: {s['label']}: works, output SQNR {v['sqnr_db']:.1f} dB")
                    for lab in labels), labels
     assert not [b for b in at.button if b.key == "verify_fixes"]  # nothing left to verify
+
+
+def test_overview_asks_for_the_fixes_verification_once_per_session_version(recipe_db, monkeypatch):
+    """Which suggested fixes were verified (a query per re-run) is a view of the session like the others: a
+    second run of the page reuses it, a new re-run computes it again."""
+    from precision_lab.services import verify
+
+    store, name = recipe_db
+    calls = []
+    real = verify.verification
+
+    def counting(store, session):
+        calls.append(session)
+        return real(store, session)
+
+    monkeypatch.setattr(verify, "verification", counting)
+    at = open_page("overview", session=name)
+    assert_clean(at)
+    first = len(calls)
+    assert first >= 1
+    at.run()
+    assert_clean(at)
+    assert len(calls) == first
+    from precision_lab.services.rerun import rerun_session
+
+    rerun_session(store, name, ["stable-softmax"])  # a re-run adds a run: the session's version changes
+    at.run()
+    assert_clean(at)
+    assert len(calls) > first
