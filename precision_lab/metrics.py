@@ -40,7 +40,8 @@ import numpy as np
 from .formats import FORMATS, Format, format_for_dtype
 from .numba_loader import PARALLEL_LOCK, CompiledOnce, njit
 
-__all__ = ["Comparison", "compare", "compare_stats", "verdict_for", "VERDICT_THRESHOLDS"]
+__all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
+           "VERDICT_THRESHOLDS"]
 
 # rounding_units at or below which a difference is what the candidate format's
 # own rounding explains (accumulated over a network it grows with depth).
@@ -250,11 +251,11 @@ def _torch_chunks(x, chunk: int):
             yield flat[i : i + chunk].to(torch.float64)
 
 
-def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) -> dict:
-    """The sums of ``_SUMS`` on the tensors' own device, one row per chunk, brought to the host in one transfer
-    at the end: no ``int()``/``float()`` of a device scalar and no boolean-mask indexing (each a host sync on a
-    GPU).  Positions not finite on both sides count as zero difference, which leaves every sum and maximum as
-    it is over the positions finite on both."""
+def _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk):
+    """The sums of ``_SUMS`` on the tensors' own device, one row per chunk (None for no elements): no
+    ``int()``/``float()`` of a device scalar and no boolean-mask indexing (each a host sync on a GPU).
+    Positions not finite on both sides count as zero difference, which leaves every sum and maximum as it is
+    over the positions finite on both."""
     import torch
 
     rows = []
@@ -274,11 +275,60 @@ def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) ->
             (r * r).sum(), (c * c).sum(), (r * d).sum(), (d * d).sum(), ad.sum(),
             ad.max(), (ad / torch.clamp(absr, min=rel_floor)).max(), (ad / ulp).max(),
         ]))
+    return torch.stack(rows) if rows else None
+
+
+def _acc_of_rows(rows) -> dict:
     acc = _new_acc()
-    if rows:
-        for part in torch.stack(rows).cpu().tolist():  # the one transfer
-            _merge_acc(acc, part)
+    for part in rows:
+        _merge_acc(acc, part)
     return acc
+
+
+def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) -> dict:
+    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk)
+    return _acc_of_rows([] if rows is None else rows.cpu().tolist())  # the one transfer
+
+
+class PendingComparison:
+    """An element-wise comparison whose sums are still on the device (``compare_later``); ``finish_all``
+    brings many to the host in one transfer."""
+
+    __slots__ = ("rows", "n", "rel_floor", "fmt")
+
+    def __init__(self, rows, n: int, rel_floor: float, fmt: Format):
+        self.rows, self.n, self.rel_floor, self.fmt = rows, n, rel_floor, fmt
+
+
+def compare_later(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK
+                  ) -> PendingComparison:
+    """``compare`` on the torch path, its sums left on the tensors' device: no host sync until ``finish_all``."""
+    _check_shapes(reference, candidate)
+    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
+    rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
+    emin, man_bits = _ulp_params(fmt)
+    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk)
+    return PendingComparison(rows, _numel(reference), rel_floor, fmt)
+
+
+def finish_all(pending) -> list[Comparison]:
+    """The ``Comparison`` of each pending one, in order: their sums brought to the host in one transfer per
+    device."""
+    import torch
+
+    by_device: dict = {}
+    for i, p in enumerate(pending):
+        if p.rows is not None:
+            by_device.setdefault(p.rows.device, []).append(i)
+    host: dict = {}
+    for idx in by_device.values():
+        stacked = torch.cat([pending[i].rows for i in idx]).cpu().tolist()  # the one transfer of this device
+        k = 0
+        for i in idx:
+            m = pending[i].rows.shape[0]
+            host[i] = stacked[k:k + m]
+            k += m
+    return [_finish(_acc_of_rows(host.get(i, [])), p.n, p.rel_floor, p.fmt) for i, p in enumerate(pending)]
 
 
 def _numba_accumulate(r: np.ndarray, c: np.ndarray, rel_floor, emin, man_bits, chunk) -> dict:
@@ -379,15 +429,7 @@ def _worst_element(max_rel_err: Optional[float], unit_roundoff: Optional[float])
     return None
 
 
-def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK,
-            backend: str = "auto") -> Comparison:
-    """Compare two tensors/arrays of the same shape element by element.
-
-    ``cand_format`` names the format whose rounding the candidate went
-    through; by default it is inferred from the candidate's dtype (fp32 if it
-    is not a registered format).  ``backend``: "auto" (compiled kernel for
-    CPU inputs when numba is available, else torch), "numba" or "torch".
-    """
+def _check_shapes(reference, candidate) -> None:
     if _shape(reference) != _shape(candidate):
         if _numel(reference) != _numel(candidate):
             raise ValueError(
@@ -397,6 +439,18 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
         raise ValueError(
             f"cannot compare tensors of shapes {_shape(reference)} (reference) and {_shape(candidate)} (candidate)"
         )
+
+
+def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK,
+            backend: str = "auto") -> Comparison:
+    """Compare two tensors/arrays of the same shape element by element.
+
+    ``cand_format`` names the format whose rounding the candidate went
+    through; by default it is inferred from the candidate's dtype (fp32 if it
+    is not a registered format).  ``backend``: "auto" (compiled kernel for
+    CPU inputs when numba is available, else torch), "numba" or "torch".
+    """
+    _check_shapes(reference, candidate)
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
     n = _numel(reference)
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0

@@ -331,3 +331,44 @@ def test_cuda_pair_keeps_references_on_the_device_and_matches_a_cpu_pair(store):
                                    WHERE kind = 'accumulated' AND cand_run_id = ?""", [cand])[0]
     assert worst[name]["n"] == worst[cpu]["n"]
     assert worst[name]["m"] == pytest.approx(worst[cpu]["m"], rel=0.5)  # fp16 rounding on two devices
+
+
+def test_device_comparisons_are_finished_together_with_the_numbers_of_immediate_ones(store, monkeypatch):
+    """GPU tensors are compared on their device and finished together when the candidate run ends (one
+    transfer); run here on CPU tensors through the same path, the session holds the numbers the immediate
+    comparison gives."""
+    from precision_lab import metrics
+    from precision_lab.services import capture as cap_mod
+
+    plain = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
+                                       local_error=False, name="immediate")
+    finished = []
+    real_finish = metrics.finish_all
+
+    def spy(pending):
+        finished.append(len(pending))
+        return real_finish(pending)
+
+    class Deferred(cap_mod._Comparer):
+        def __init__(self, keeper, run_dtype):
+            super().__init__(keeper, run_dtype, deferred_cpu=True)
+
+    monkeypatch.setattr(cap_mod, "_Comparer", Deferred)
+    monkeypatch.setattr(cap_mod, "finish_all", spy)
+    later = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
+                                       local_error=False, name="deferred")
+    assert len(finished) == 1 and finished[0] > 100  # every comparison of the run, finished in one call
+    cols = ("max_abs_err", "max_rel_err", "max_ulp_err", "rmse", "sqnr_db", "compared", "verdict")
+    got = {}
+    for n in (plain, later):
+        cand = _runs(store, n)["candidate"]["run_id"]
+        got[n] = _rows(store, f"""SELECT t.name, {', '.join('c.' + c for c in cols)} FROM comparisons c
+                                 JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+                                 WHERE c.kind = 'accumulated' AND c.cand_run_id = ? ORDER BY t.name""", [cand])
+    assert len(got[plain]) == len(got[later]) > 100
+    for a, b in zip(got[plain], got[later]):
+        assert a["name"] == b["name"] and a["compared"] == b["compared"] and a["verdict"] == b["verdict"]
+        for c in ("max_abs_err", "max_rel_err", "max_ulp_err"):
+            assert a[c] == b[c], (a["name"], c)
+        for c in ("rmse", "sqnr_db"):
+            assert a[c] == pytest.approx(b[c], rel=1e-9), (a["name"], c)

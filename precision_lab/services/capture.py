@@ -29,7 +29,7 @@ from ..live.capture import Capture
 from ..live.policies import as_policy, policy_description
 from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
-from ..metrics import Comparison, compare, compare_stats
+from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
 from ..store import Store, is_open
 from .diagnose import diagnose_session
@@ -177,9 +177,12 @@ class _Comparer:
     policy declares and :meth:`settle` checks them against the real one.
     """
 
-    def __init__(self, keeper: _ReferenceKeeper, run_dtype: Optional[str]):
+    def __init__(self, keeper: _ReferenceKeeper, run_dtype: Optional[str], *, deferred_cpu: bool = False):
         self.keeper = keeper
         self.run_dtype = run_dtype
+        # GPU tensors are compared on their device and their sums brought to the host together when the run
+        # ends (``resolve``): no host sync per op.  ``deferred_cpu`` takes that path for CPU tensors too (tests).
+        self.deferred_cpu = deferred_cpu
         self.results: dict = {}  # candidate position -> (reference position | None, Comparison | None, match)
         self._cache: dict = {}
 
@@ -213,10 +216,22 @@ class _Comparer:
         fmt = verdict_format(canonical_dtype(t.dtype), self.run_dtype)
         if t.device != ref.device:
             ref = ref.to(t.device)
+        if t.device.type != "cpu" or self.deferred_cpu:
+            return compare_later(ref, t, cand_format=fmt)
         return compare(ref, t, cand_format=fmt)
 
     def clear_cache(self) -> None:
         self._cache.clear()
+
+    def resolve(self) -> None:
+        """Finish every comparison still on a device, all in one transfer per device."""
+        pending = {id(c): c for _, c, _ in self.results.values() if isinstance(c, PendingComparison)}
+        if not pending:
+            return
+        done = dict(zip(pending, finish_all(list(pending.values()))))
+        for pos, (ref_pos, cmp, match) in self.results.items():
+            if isinstance(cmp, PendingComparison):
+                self.results[pos] = (ref_pos, done[id(cmp)], match)
 
     def settle(self, cand_cap: Capture) -> None:
         """Re-judge by summary statistics the comparisons made against a format the real run dtype rejects."""
@@ -361,6 +376,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                            observer=comparer, write=False)
         _run(cand_cap, inputs, loss_fn, seed)
         comparer.clear_cache()
+        comparer.resolve()
         comparer.settle(cand_cap)
         unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
         if cand_cap.records and unmatched * 2 > len(cand_cap.records):
