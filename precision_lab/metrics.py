@@ -300,9 +300,13 @@ class PendingComparison:
         self.rows, self.n, self.rel_floor, self.fmt = rows, n, rel_floor, fmt
 
 
-def compare_later(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _CHUNK
+_DEVICE_CHUNK = 1 << 20  # float64 temporaries of about 10 x 8 MiB per chunk on the device
+
+
+def compare_later(reference, candidate, *, cand_format: Optional[str] = None, chunk: int = _DEVICE_CHUNK
                   ) -> PendingComparison:
-    """``compare`` on the torch path, its sums left on the tensors' device: no host sync until ``finish_all``."""
+    """``compare`` on the torch path, its sums left on the tensors' device: no host sync until ``finish_all``.
+    Chunks of ``chunk`` elements bound the float64 temporaries; each leaves one row of 11 sums."""
     _check_shapes(reference, candidate)
     fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
     rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
