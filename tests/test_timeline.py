@@ -170,6 +170,31 @@ def test_locations_name_the_calling_line():
     assert inner.location is not None and "torch" not in inner.location.split(":")[0]
 
 
+def test_an_installed_librarys_op_is_located_in_the_library_not_at_the_model_call():
+    """A ``transformers`` model lives in site-packages, inside Python's own folder: its ops are located in its
+    modeling file (where the user can read the line), not all at the line that called the model."""
+    import inspect
+
+    import transformers  # a test dependency (requirements-test.txt)
+
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with capture(model, run="hf", store=Store(":memory:"), options=CaptureOptions(backward=False)) as cap:
+        line = inspect.currentframe().f_lineno + 1
+        cap.model(input_ids=ids)
+    top = next(r for r in cap.records if r.op == "forward.0" and r.role == "output")
+    assert top.location.endswith(f"test_timeline.py:{line} in "
+                                 "test_an_installed_librarys_op_is_located_in_the_library_not_at_the_model_call")
+    down = next(r for r in cap.records if r.op.startswith("model.layers.0.mlp.down_proj.") and r.role == "output")
+    assert "modeling_qwen2.py:" in down.location, down.location
+    inside = {r.location.split(":")[0] for r in cap.records if r.location and r.op != "forward.0"}
+    assert all("test_timeline.py" not in x for x in inside), inside
+
+
 # ---- the rules ---------------------------------------------------------------------------------
 
 def test_rolling_fit_matches_polyfit():

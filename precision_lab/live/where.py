@@ -1,4 +1,6 @@
-"""Where in the user's code an op was called: the first frame outside torch, Python and Precision Lab.
+"""Where in the user's code an op was called: the first frame outside torch, Python's standard library and
+Precision Lab.  Libraries in site-packages count as the user's: a ``transformers`` model's op is located in
+its modeling file, not at the training loop's call of the model.
 
 The answer is cached per code object and line, so a call site costs one
 walk up a few frames and dictionary look-ups, never string work per call.
@@ -7,6 +9,7 @@ walk up a few frames and dictionary look-ups, never string work per call.
 from __future__ import annotations
 
 import os
+import site
 import sys
 import sysconfig
 from typing import Optional
@@ -18,17 +21,26 @@ from ..records import code_location
 __all__ = ["user_location"]
 
 
-def _internal_roots() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the precision_lab package
-    roots = {os.path.dirname(os.path.abspath(torch.__file__)), here}
-    for key in ("stdlib", "platstdlib"):
-        p = sysconfig.get_paths().get(key)
-        if p:
-            roots.add(os.path.abspath(p))
-    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
+def _folders(*paths) -> tuple[str, ...]:
+    return tuple(sorted({os.path.abspath(p).rstrip(os.sep) + os.sep for p in paths if p}))
 
 
-_ROOTS = _internal_roots()
+def _site_folders() -> tuple[str, ...]:
+    paths = [sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")]
+    try:
+        paths += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # a virtualenv's old site module
+        pass
+    return _folders(*paths)
+
+
+# torch's and ours, wherever they are installed
+_OURS = _folders(os.path.dirname(os.path.abspath(torch.__file__)),
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the precision_lab package
+# Python's own library.  The site-packages inside it hold the user's libraries: a transformers model's op is
+# located in its modeling file, where the user can read it, not at the training loop's call of the model.
+_STDLIB = _folders(sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib"))
+_SITE = _site_folders()
 _INTERNAL: dict = {}  # code object -> whether it is torch's, Python's or ours
 _SHOWN: dict = {}  # (code object, line) -> "file.py:line in function"
 
@@ -37,7 +49,11 @@ def _is_internal(code) -> bool:
     got = _INTERNAL.get(code)
     if got is None:
         fn = code.co_filename
-        got = fn.startswith("<") or os.path.abspath(fn).startswith(_ROOTS)
+        if fn.startswith("<"):
+            got = True
+        else:
+            p = os.path.abspath(fn)
+            got = p.startswith(_OURS) or (p.startswith(_STDLIB) and not p.startswith(_SITE))
         _INTERNAL[code] = got
     return got
 
