@@ -13,7 +13,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -21,6 +21,10 @@ __all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow
 # (msprobe's backward "input" is the gradient flowing in = grad_output in torch
 # terms; we keep the dump's own words); param/param_grad for parameters.
 ROLES = ("input", "output", "kwarg", "param", "grad_input", "grad_output", "param_grad", "tensor")
+# what flows into an op call (a backward call's grad_output included): a NaN there was made elsewhere
+INPUT_ROLES = ("input", "kwarg", "param", "grad_output")
+# the gradients, recorded on the backward pass
+GRAD_ROLES = ("grad_input", "grad_output", "param_grad")
 
 
 def tensor_name(op: str, role: str, index: int | str) -> str:

@@ -43,13 +43,12 @@ from typing import Callable, Optional, Protocol
 from ..formats import FORMATS, Format, format_for_dtype
 from ..display import num_text
 from ..ops import canonical, innermost_module, module_prefixes
-from ..records import Diagnosis
+from ..records import INPUT_ROLES, Diagnosis
 from ..registry import Registry
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
            "representable_floor"]
 
-_IN_ROLES = ("input", "kwarg", "param", "grad_output")
 
 
 def fmt_num(v: Optional[float]) -> str:
@@ -133,10 +132,10 @@ class Evidence:
     policy: object  # PrecisionPolicy or None
 
     def inputs(self, recs=None) -> list[dict]:
-        return [r for r in (recs if recs is not None else self.records) if r["role"] in _IN_ROLES]
+        return [r for r in (recs if recs is not None else self.records) if r["role"] in INPUT_ROLES]
 
     def outputs(self, recs=None) -> list[dict]:
-        return [r for r in (recs if recs is not None else self.records) if r["role"] not in _IN_ROLES]
+        return [r for r in (recs if recs is not None else self.records) if r["role"] not in INPUT_ROLES]
 
     @property
     def where(self) -> str:

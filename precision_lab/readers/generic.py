@@ -47,7 +47,7 @@ import numpy as np
 
 from ..formats import numpy_dtype_named
 from ..ops import is_msprobe_key, op_type_of, parse_op
-from ..records import TensorRecord, split_tensor_name
+from ..records import GRAD_ROLES, TensorRecord, split_tensor_name
 from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt
@@ -62,7 +62,6 @@ CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
 ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
 _KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
-_GRAD_ROLES = {"grad_input", "grad_output", "param_grad"}
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -131,9 +130,9 @@ def _record_fields(name: str) -> dict:
     else:
         op, role, index = name, "tensor", "0"
     parts = op.split(".")
-    backward = role in _GRAD_ROLES or "backward" in parts
+    backward = role in GRAD_ROLES or "backward" in parts
     if is_msprobe_key(op):
-        backward = parse_op(op)[1] == "backward" or role in _GRAD_ROLES
+        backward = parse_op(op)[1] == "backward" or role in GRAD_ROLES
     return {"op": op, "role": role, "index": index, "op_type": op_type_of(op),
             "direction": "backward" if backward else "forward"}
 

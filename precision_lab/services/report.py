@@ -54,6 +54,7 @@ from ..display import num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..ops import MASKING_OPS, canonical, module_path
+from ..records import INPUT_ROLES
 from ..stats import TensorStats
 from ..store import queries as q
 from ..jsoncodec import dumps
@@ -63,7 +64,6 @@ __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "norm_ar
            "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 # roles that feed an op; every other role is something the op produced
-INPUT_ROLES = ("input", "kwarg", "param", "grad_output")
 PATH_LENGTH = 5  # ops shown before the producer
 # runs.order in words
 ORDER_TEXT = {"execution": "execution order", "data": "order recovered from the data (outputs that are later inputs)",
