@@ -138,7 +138,9 @@ st.subheader("Diagnosis")
 cards = view(ov.diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
-blocked, offers = view(rerun_actions, cards) if acc.can_rerun else (None, [[] for _ in cards])
+# which fixes were tried is a view of the session (cached); whether the model can be re-run is the server's
+blocked, offers = (rerun_actions(store, info["name"], cards, made=view(verification)) if acc.can_rerun
+                   else (None, [[] for _ in cards]))
 to_verify = view(untried) if acc.can_rerun and not blocked and cards else []
 if to_verify:
     if st.button(f"Verify the suggestions ({len(to_verify)} re-runs)", key="verify_fixes",

@@ -110,6 +110,13 @@ def _shape(x) -> tuple:
     return tuple(int(s) for s in x.shape)
 
 
+def _judged_format(cand_dtype, cand_format: Optional[str]) -> tuple[Format, float]:
+    """The format a candidate is judged against (``cand_format``, else its dtype's, else fp32) and the floor of
+    the relative error's denominator (its smallest normal; 1 on an integer grid)."""
+    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(cand_dtype) or FORMATS["fp32"])
+    return fmt, (fmt.smallest_normal if fmt.kind != "int" else 1.0)
+
+
 def _ulp_params(fmt: Format) -> tuple[int, int]:
     """(smallest normal exponent, mantissa bits) for the ulp of ``fmt``; int grid: spacing 1."""
     if fmt.kind == "int":
@@ -308,8 +315,7 @@ def compare_later(reference, candidate, *, cand_format: Optional[str] = None, ch
     """``compare`` on the torch path, its sums left on the tensors' device: no host sync until ``finish_all``.
     Chunks of ``chunk`` elements bound the float64 temporaries; each leaves one row of 11 sums."""
     _check_shapes(reference, candidate)
-    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
-    rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
+    fmt, rel_floor = _judged_format(candidate.dtype, cand_format)
     emin, man_bits = _ulp_params(fmt)
     rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk)
     return PendingComparison(rows, _numel(reference), rel_floor, fmt)
@@ -455,9 +461,8 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     CPU inputs when numba is available, else torch), "numba" or "torch".
     """
     _check_shapes(reference, candidate)
-    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(candidate.dtype) or FORMATS["fp32"])
+    fmt, rel_floor = _judged_format(candidate.dtype, cand_format)
     n = _numel(reference)
-    rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
     emin, man_bits = _ulp_params(fmt)
     acc = None
     if backend in ("auto", "numba") and _numba_kernel() is not None:
@@ -505,8 +510,7 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
     max/min is a norm-arithmetic artefact (msprobe computes norms in the
     tensor's dtype), not a non-finite value.
     """
-    fmt = FORMATS[cand_format] if cand_format else (format_for_dtype(cand_stats.dtype) or FORMATS["fp32"])
-    rel_floor = fmt.smallest_normal if fmt.kind != "int" else 1.0
+    fmt, rel_floor = _judged_format(cand_stats.dtype, cand_format)
     nonfinite_ref = ref_stats.has_nonfinite
     nf_intro = _introduced_by_counts(ref_stats, cand_stats)
     diffs, rels = [], []

@@ -947,3 +947,36 @@ def test_capture_records_of_views_hold_the_views_own_statistics(store):
         n, lo, hi, amax, total, l2 = _np_summary(want)
         assert (s.numel, s.min, s.max) == (n, pytest.approx(lo, rel=1e-6), pytest.approx(hi, rel=1e-6))
         assert s.l2norm == pytest.approx(l2, rel=1e-5)
+
+
+def test_only_views_of_one_tensor_share_statistics():
+    """Memory seen again through something that is not a view of the measured tensor is measured again:
+    ``x.data = ...`` moves a tensor to other memory without changing its version (and its old memory may be
+    handed to the next tensor), another tensor made over the same memory (``from_numpy`` twice) is no view
+    of it, and a negative view holds other values over the same memory.  (A write through an alias with its
+    own version counter is not seen by the version check, for a view as for the tensor itself.)"""
+    import numpy as np
+
+    from precision_lab.live import engine
+
+    calls = []
+    eng = engine.StatsEngine(CaptureOptions(), warn=lambda *a: None)
+    real = engine._stats.tensor_stats
+    t = torch.full((1024,), 1.0)
+    assert eng.measure(t, "t").stats.max == 1.0
+    t.data = torch.empty(0)  # t now covers no memory
+    u = torch.full((1024,), 7.0)
+    assert eng.measure(u.view(-1, 1), "u").stats.max == 7.0
+    arr = np.arange(12, dtype=np.float32)
+    a, b = torch.from_numpy(arr), torch.from_numpy(arr)
+    eng.measure(a, "a")
+    try:
+        engine._stats.tensor_stats = lambda x, **kw: calls.append(x.shape) or real(x, **kw)
+        eng.measure(b.view(3, 4), "b")  # the same memory, but no view of a: measured
+    finally:
+        engine._stats.tensor_stats = real
+    assert calls == [torch.Size([3, 4])]
+    x = torch.arange(6, dtype=torch.float32)
+    eng.measure(x, "x")
+    h = eng.measure(torch._neg_view(x), "neg")  # -x, over the same memory: never x's statistics
+    assert h is None or h.stats.max == 0.0

@@ -249,7 +249,18 @@ def test_import_histogram_bins_that_are_not_numbers(store, exported):
     h = table_of(data, "histograms")
     words = [["x"] * len(b) for b in h.column("bins").to_pylist()]
     bad = rezip(data, replace={"histograms.parquet": parquet(set_col(h, "bins", words, pa.list_(pa.string())))})
-    refused(store, imp(store, bad, "words.zip"), ShareError, "words.zip", "cannot be checked")
+    refused(store, imp(store, bad, "words.zip"), ShareError, "words.zip", "histograms.parquet column 'bins' holds "
+            "list<element: string> where table histograms keeps INTEGER[]")
+
+
+def test_import_record_ids_that_are_text(store, exported):
+    """rid '0' and '00' are two values to a check and one record once stored as BIGINT: refused by type."""
+    data, _ = exported
+    t = table_of(data, "tensors")
+    rids = [("0" * (i % 2 + 1)) if i < 2 else str(r) for i, r in enumerate(t.column("rid").to_pylist())]
+    bad = rezip(data, replace={"tensors.parquet": parquet(set_col(t, "rid", rids, pa.string()))})
+    refused(store, imp(store, bad, "text.zip"), ShareError, "text.zip", "tensors.parquet column 'rid' holds string",
+            "keeps BIGINT")
 
 
 def test_import_session_name_disagrees_with_manifest(store, exported):
@@ -320,7 +331,7 @@ def test_import_uncastable_value_rolls_back(store, exported):
     """Rows of the first tables are inserted before the bad one fails: the transaction takes them back."""
     data, _ = exported
     t = table_of(data, "comparisons")
-    t = set_col(t, "seq", ["many"] * t.num_rows, type=pa.string())
+    t = set_col(t, "seq", [2 ** 64 - 1] * t.num_rows, type=pa.uint64())  # an integer, too large for BIGINT
     bad = rezip(data, replace={"comparisons.parquet": parquet(t)})
     refused(store, imp(store, bad, "types.zip"), ShareError, "types.zip", "comparisons.parquet",
             "cannot be stored in table comparisons")

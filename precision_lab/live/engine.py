@@ -60,6 +60,11 @@ def dense_region(t: torch.Tensor) -> Optional[tuple]:
     return t.data_ptr(), t.numel(), t.dtype
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was made from (itself when it is none)."""
+    return t._base if t._base is not None else t
+
+
 def skip_reason(t: torch.Tensor) -> Optional[str]:
     """Why a tensor cannot be summarised (None when it can)."""
     if t.is_complex():
@@ -156,7 +161,7 @@ class StatsEngine:
                 want = self.histogram if histogram is None else histogram
                 region = dense_region(d) if version is not None and d.layout == torch.strided and not d.is_cuda \
                     else None
-                h = self._same_region(region, version, shape, histogram)
+                h = self._same_region(t, region, version, shape, histogram)
                 if h is not None:
                     self._cache[key] = (weakref.ref(t), version, h)
                     if hold:
@@ -182,10 +187,13 @@ class StatsEngine:
                 self._recent.append(t)
         return h
 
-    def _same_region(self, region, version, shape, histogram) -> Optional[Handle]:
-        """The handle of a live tensor measured before over exactly ``region``, unchanged since (views share
-        their base's version counter), re-shaped to ``shape``; None when there is none."""
-        if region is None:
+    def _same_region(self, t, region, version, shape, histogram) -> Optional[Handle]:
+        """The handle of a live tensor measured before over exactly ``region``, unchanged since, re-shaped to
+        ``shape``; None when there is none.  Only views of one tensor qualify: they share its version counter,
+        so equal versions mean no write in between (an alias made otherwise, ``.data`` or ``from_numpy``, has
+        a counter of its own), and the earlier tensor must still cover the region (``x.data = ...`` swaps its
+        memory and keeps its version)."""
+        if region is None or t.is_neg() or t.is_conj():
             return None
         hit = self._regions.get(region)
         if hit is None:
@@ -193,6 +201,8 @@ class StatsEngine:
         ref, seen_version, h, seen_hist = hit
         other = ref()
         if other is None or seen_version != version or other._version != version or seen_hist != histogram:
+            return None
+        if _root(other) is not _root(t) or dense_region(other.detach()) != region:
             return None
         if h.shape == shape:
             return h

@@ -85,8 +85,14 @@ class _ReferenceKeeper:
         self._n += 1
         c = t.detach()
         nbytes = c.numel() * c.element_size()
+        kept = None
         if c.device.type != "cpu" and self.device_used + nbytes <= self.device_budget:
-            self._mem[sk] = c.clone()  # stays on the device: no host copy, no sync
+            try:
+                kept = c.clone()  # stays on the device: no host copy, no sync
+            except torch.OutOfMemoryError:  # the model needs that memory: to the host instead
+                kept = None
+        if kept is not None:
+            self._mem[sk] = kept
             self.device_used += nbytes
         elif self.used + nbytes <= self.budget:
             self._mem[sk] = c.to("cpu", copy=True)
@@ -330,8 +336,8 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     against the op re-run in fp32 from upcast copies of its own inputs.
 
     ``keep_bytes``/``device_keep_bytes``: how much of the reference's tensors is kept in host memory and, for
-    GPU tensors, on their device (compared there, with one host transfer per comparison) before the rest
-    goes to host memory and then to disk.
+    GPU tensors, on their device (compared there; every comparison of the run reaches the host in one
+    transfer when it ends) before the rest goes to host memory and then to disk.
 
     ``reference_policy`` (default None: fp32 as built) runs the reference
     under a policy too: the candidate's policy without ``compile`` makes the

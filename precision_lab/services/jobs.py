@@ -171,7 +171,8 @@ def rerun_blocker(store, session: str) -> Optional[str]:
     return None
 
 
-def rerun_actions(store, session: str, cards: list[dict]) -> tuple[Optional[str], list[list[dict]]]:
+def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict] = None
+                  ) -> tuple[Optional[str], list[list[dict]]]:
     """What the diagnosis cards offer: ``(blocker, actions per card)``.
 
     ``blocker`` is ``rerun_blocker``'s sentence (then no card offers
@@ -189,7 +190,8 @@ def rerun_actions(store, session: str, cards: list[dict]) -> tuple[Optional[str]
     blocker = rerun_blocker(store, session) if any(c.get("fixes") for c in cards) else None
     if blocker is not None or not cards:
         return blocker, [[] for _ in cards]
-    made = verification(store, session)
+    if made is None:  # ``verification(store, session)``, when the caller has it already
+        made = verification(store, session)
     out = []
     for card in cards:
         actions = []

@@ -357,7 +357,30 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
     missing = [c for c in _REQUIRED[table] if c not in cols]
     if missing:
         raise ShareError(f"{where}: {fname} lacks required column(s) {', '.join(missing)}")
+    # the checks read values as archived and the database as its own types ('0' and '00' are one rid once
+    # stored): each column must already be of its table's type
+    for col in t.schema:
+        kind = store_cols[col.name]
+        if not _arrow_fits(col.type, kind):
+            raise ShareError(f"{where}: {fname} column {col.name!r} holds {col.type} where table {table} keeps "
+                             f"{kind}; refusing it")
     return t
+
+
+def _arrow_fits(arrow_type, duck_type: str) -> bool:
+    """Whether an archive column's Arrow type is what this database's column type is written as (or NULLs)."""
+    import pyarrow.types as pt
+
+    if pt.is_null(arrow_type):
+        return True
+    if duck_type.endswith("[]"):
+        return ((pt.is_list(arrow_type) or pt.is_large_list(arrow_type))
+                and _arrow_fits(arrow_type.value_type, duck_type[:-2]))
+    return {"BIGINT": pt.is_integer, "INTEGER": pt.is_integer,
+            "DOUBLE": lambda x: pt.is_floating(x) or pt.is_integer(x),
+            "VARCHAR": lambda x: pt.is_string(x) or pt.is_large_string(x),
+            "BOOLEAN": pt.is_boolean,
+            "BLOB": lambda x: pt.is_binary(x) or pt.is_large_binary(x)}.get(duck_type, lambda x: False)(arrow_type)
 
 
 def _col(t, name):

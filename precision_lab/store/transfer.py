@@ -189,10 +189,14 @@ class ArchiveQueries:
     def __init__(self, store, tables: dict):
         self._con = store._con.cursor()
         self._views = {}
-        for name, t in tables.items():
-            view = f"a_{name}"
-            self._con.register(view, t)
-            self._views[name] = view
+        try:
+            for name, t in tables.items():
+                view = f"a_{name}"
+                self._con.register(view, t)
+                self._views[name] = view
+        except BaseException:
+            self._con.close()
+            raise
 
     def close(self) -> None:
         self._con.close()
