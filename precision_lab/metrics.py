@@ -41,7 +41,7 @@ from .formats import FORMATS, Format, format_for_dtype
 from .numba_loader import PARALLEL_LOCK, CompiledOnce, njit
 
 __all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
-           "VERDICT_THRESHOLDS"]
+           "VERDICT_THRESHOLDS", "SUMMARY_ERRORS", "ELEMENTWISE", "ON_SUMMARIES", "relative_error"]
 
 # rounding_units at or below which a difference is what the candidate format's
 # own rounding explains (accumulated over a network it grows with depth).
@@ -81,6 +81,22 @@ class Comparison:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# a comparison on summary statistics alone (basis "stats"): how far its summaries moved, never an element's error
+SUMMARY_ERRORS = ("summary_abs_err", "summary_rel_err")
+ELEMENTWISE, ON_SUMMARIES = "element-wise", "on summary statistics"
+
+
+def relative_error(c) -> tuple[Optional[float], str]:
+    """``(relative error, how it was measured)`` of a comparison (a ``Comparison`` as a dict, or a row): its
+    element-wise ``max_rel_err``, else its summaries' ``summary_rel_err``; (None, ...) when it has neither (a
+    table row's NaN counts as none)."""
+    v = c.get("max_rel_err")
+    if v is not None and v == v:
+        return v, ELEMENTWISE
+    v = c.get("summary_rel_err")
+    return (v if v is not None and v == v else None), ON_SUMMARIES
 
 
 # ---- accumulation ------------------------------------------------------------

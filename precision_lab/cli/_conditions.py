@@ -11,6 +11,7 @@ import typer
 
 from ._common import EXIT_UNUSABLE
 from ..alerts import RULES_BY_NAME
+from ..metrics import ELEMENTWISE, ON_SUMMARIES, relative_error
 
 __all__ = ["CONDITIONS", "EXIT_TRIPPED", "Condition", "parse_condition", "check_conditions", "exit_on"]
 
@@ -128,7 +129,7 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
                                f"at {worst['sqnr_db']:.4g} dB")
         else:
-            vals = [(c, *_rel_err(c)) for c in comps]
+            vals = [(c, *relative_error(c)) for c in comps]
             vals = [v for v in vals if v[1] is not None]
             if not vals:
                 unusable.append(f"{cond}: no comparisons with a relative error")
@@ -139,19 +140,8 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                     bad.setdefault(v[2], []).append(v)
             if bad:
                 # the worst element-wise error where there is one: a summary's relative error is another quantity
-                worst, err, how = max(bad.get(_ELEMENTWISE) or bad[_SUMMARY], key=lambda v: v[1])
-                counts = ", ".join(f"{len(bad[k])} {k}" for k in (_ELEMENTWISE, _SUMMARY) if k in bad)
+                worst, err, how = max(bad.get(ELEMENTWISE) or bad[ON_SUMMARIES], key=lambda v: v[1])
+                counts = ", ".join(f"{len(bad[k])} {k}" for k in (ELEMENTWISE, ON_SUMMARIES) if k in bad)
                 tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst['op']} "
                                f"{worst['role']} {worst['index']} at {err:.4g} ({how})")
     return tripped, unusable
-
-
-_ELEMENTWISE, _SUMMARY = "element-wise", "on summary statistics"
-
-
-def _rel_err(c: dict) -> tuple:
-    """``(relative error, how it was measured)`` of a report's comparison: its element-wise ``max_rel_err``,
-    else its summary statistics' ``summary_rel_err`` (statistics-only dumps); None when it has neither."""
-    if c.get("max_rel_err") is not None:
-        return c["max_rel_err"], _ELEMENTWISE
-    return c.get("summary_rel_err"), _SUMMARY

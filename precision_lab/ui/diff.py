@@ -8,6 +8,7 @@ from typing import Optional
 from ..services import browse
 from ..services.browse import SHOW_OPTIONS, DiffPage, base_run, nrun_page, pair_options, unmatched_counts
 from ..services.report import first_nonfinite
+from ..metrics import SUMMARY_ERRORS
 from .common import cosine_text
 
 __all__ = ["landing_op", "DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
@@ -25,7 +26,7 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
                            page_size=page_size)
     df = got.rows
     if not got.stats_basis:
-        df = df.drop(columns=[c for c in SUMMARY_COLUMNS if c in df.columns])
+        df = df.drop(columns=[c for c in SUMMARY_ERRORS if c in df.columns])
     if "cosine" in df.columns:
         df.insert(df.columns.get_loc("sqnr_db"), "cosine (1-cos)",
                   [cosine_text(c, d) for c, d in zip(df["cosine"], df["cosine_deficit"])])
@@ -38,9 +39,6 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
 # the Diff table's first columns: which record, then what was decided about it and why
 DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "verdict", "max_rel_err",
                   "summary_rel_err", "sqnr_db", "reason")
-
-# a comparison on summary statistics alone: how far the summaries moved, never an element's error
-SUMMARY_COLUMNS = ("summary_abs_err", "summary_rel_err")
 
 
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:

@@ -14,6 +14,7 @@ from ..services.tree import output_rid, run_tree
 from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
                                session_runs, top_offenders)
 from .common import num_text, plot_text, public_source, run_label
+from ..metrics import ELEMENTWISE, relative_error
 
 __all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
@@ -81,9 +82,8 @@ def default_error_metric(store, session_id: str) -> str:
 def worst_error_text(row) -> str:
     """A comparison's relative error in words: element-wise ("max rel err"), or for one on summary statistics
     the summaries' ("summary rel err"); ``row`` as ``top_offenders`` gives it."""
-    if row.get("basis") == "stats":
-        return f"summary rel err {num_text(row.get('summary_rel_err'), 3)}"
-    return f"max rel err {num_text(row.get('max_rel_err'), 3)}"
+    err, how = relative_error(row)
+    return f"{'max' if how == ELEMENTWISE else 'summary'} rel err {num_text(err, 3)}"
 
 
 def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfinite: Optional[list] = None):
