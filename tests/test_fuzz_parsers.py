@@ -237,6 +237,8 @@ def _msprobe(d, text: bytes) -> None:
 @example(text=b'{"data": {"Functional.linear.0.forward": {"input_kwargs": 1}}}')
 @example(text=b'{"data": {"Module.head.Linear.parameters_grad.0": {"": 1}}}')
 @example(text=b'{"data": {"Functional.linear.0.forward": {"output": 1}}}')
+@example(text=b'{"task": "tensor", "level": "mix", "data": {"Functional.linear.0.forward": {"input_args": [{"type": '
+              b'"torch.Tensor", "dtype": "torch.float16", "shape": [0, 18446744073709551616]}]}}}')
 @example(text=b'{"data": {"Functional.linear.0.forward": {"input_args": [{"type": "torch.Tensor", '
               b'"dtype": "torch.float16", "shape": [2, 3], "Max": ' + b"9" * 5000 + b"}]}}}")
 def test_msprobe_dump_json_reader(lab, text):

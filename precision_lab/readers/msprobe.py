@@ -188,6 +188,8 @@ def _shape(d: dict, where: str) -> tuple:
         numel *= s
     if numel > (1 << 63) - 1:
         raise ReadError(f"{where}: shape {list(shape)} has more elements than any tensor can hold")
+    if any(s > (1 << 63) - 1 for s in shape):  # a size too large, times an empty one
+        raise ReadError(f"{where}: shape {list(shape)} has a size larger than any tensor can have")
     return tuple(shape)
 
 
