@@ -343,19 +343,19 @@ def _right(f, path: str, kind: str, how: str, folder: Optional[Path] = None) -> 
     if f is None:
         return False
     if how == "live" and kind == "weight":
-        return f.get("origin") == "parameter" and f["parameter"]["name"] == f"{path}.weight"
-    if how in ("live", "msprobe") and kind in FIRST_OP_TYPE and canonical(f["op_type"]) != FIRST_OP_TYPE[kind]:
+        return f.origin == "parameter" and f.parameter.name == f"{path}.weight"
+    if how in ("live", "msprobe") and kind in FIRST_OP_TYPE and canonical(f.op_type) != FIRST_OP_TYPE[kind]:
         return False
     if how == "msprobe":
         # the named op, or a module call it ran inside (msprobe's own construct.json), is the injected module
         parents = json.loads(next(folder.rglob("construct.json")).read_text())
-        op, seen = f["op"], 0
+        op, seen = f.op, 0
         while op is not None and seen < 64:
             if module_path(op) == path:
                 return True
             op, seen = parents.get(op), seen + 1
         return False
-    op = f["op"]
+    op = f.op
     if how != "live":
         path = f"model.{path}"
     return op == path or op.startswith(path + ".")
@@ -396,7 +396,7 @@ def main() -> None:
                     folder = Path(tmp) / f"{model}-{layer}-{kind}-{how}"
                     _dump(build, inputs, folder, ordered=how == "dump-ordered")
                     f, secs = _from_dump(store, folder)
-                results.append((model, kind, how, _right(f, path, kind, how, folder), secs, path, f and f["op"]))
+                results.append((model, kind, how, _right(f, path, kind, how, folder), secs, path, f and f.op))
                 close_all()
     print(f"{len(results)} cases: {sum(r[3] for r in results)} right "
           f"({100 * sum(r[3] for r in results) / len(results):.0f}%)\n")

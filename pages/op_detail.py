@@ -32,7 +32,7 @@ first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id
               if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
 names = {r["rid"]: r["name"] for r in records}
 rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar,
-                      default=first["rid"] if first else None,
+                      default=first.rid if first else None,
                       format_func=lambda r: f"{names[r]}  (seq {next(x['seq'] for x in records if x['rid'] == r)})")
 
 with page.guard("This op could not be loaded"):

@@ -53,8 +53,8 @@ st.subheader("First non-finite producer")
 firsts = view(ov.first_nonfinite_by_run)
 for item in firsts:
     run, first, masks = item["run"], item["first"], item["intended"]
-    quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, or log(0)); not blamed: "
-             + ", ".join(page.plain(m["op"]) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
+    quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)); not blamed: "
+             + ", ".join(page.plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
         st.success(f"{page.plain(run['name'])}: every recorded value is finite"
                    + (" apart from intended -inf masks." if masks else "."))
@@ -62,29 +62,29 @@ for item in firsts:
             st.caption(quiet)
         continue
     with st.container(border=True):
-        if first["origin"] == "parameter":
+        if first.origin == "parameter":
             st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite value: parameter "
-                        f"**{page.plain(first['parameter']['name'])}**, read by {page.plain(first['op'])} "
-                        f"(seq {first['seq']}, step {first['step']}, rank {first['rank']})")
+                        f"**{page.plain(first.parameter.name)}**, read by {page.plain(first.op)} "
+                        f"({first.where})")
         else:
             st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
-                        f"**{page.plain(first['op'])}** ({page.plain(first['role'])} {page.plain(first['index'])}, "
-                        f"seq {first['seq']}, step {first['step']}, rank {first['rank']})")
-        st.caption(page.plain(first["reason"]))
-        if first.get("first_nan"):
-            st.caption(f"The first NaN is made later, at {page.plain(first['first_nan']['op'])} "
-                       f"(seq {first['first_nan']['seq']}), from that inf.")
+                        f"**{page.plain(first.op)}** ({page.plain(first.role)} {page.plain(first.index)}, "
+                        f"{first.where})")
+        st.caption(page.plain(first.reason))
+        if first.first_nan:
+            st.caption(f"The first NaN is made later, at {page.plain(first.first_nan.op)} "
+                       f"(seq {first.first_nan.seq}), from that inf.")
         if quiet:
             st.caption(quiet)
-        st.markdown(f"Path of ops leading to it ({ov.order_text(first.get('order'))}):")
+        st.markdown(f"Path of ops leading to it ({ov.order_text(first.order)}):")
         st.dataframe(
-            [{"seq": p["seq"], "op": p["op"], "type": p["op_type"],
-              "NaN/Inf in inputs": p["nonfinite_in"], "NaN/Inf in outputs": p["nonfinite_out"]}
-             for p in first["path"]],
+            [{"seq": p.seq, "op": p.op, "type": p.op_type,
+              "NaN/Inf in inputs": p.nonfinite_in, "NaN/Inf in outputs": p.nonfinite_out}
+             for p in first.path],
             hide_index=True, width="stretch", key=f"path_{run['run_id']}",
         )
         if st.button("Open this op", key=f"open_first_{run['run_id']}", icon=":material/bar_chart:"):
-            page.navigate("detail", session=info["name"], run=run["name"], op=first["rid"])
+            page.navigate("detail", session=info["name"], run=run["name"], op=first.rid)
 
 tree = ov.model_tree(store, firsts)
 if tree is not None and len(tree[1]) > 1:

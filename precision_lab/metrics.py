@@ -21,6 +21,12 @@ Definitions (r = reference, c = candidate, over positions finite in both):
   max_ulp_err   max |c - r| / ulp_fmt(r), the candidate format's spacing at
                 r (subnormal spacing below the normal range).
   nonfinite_introduced  positions finite in r and not finite in c.
+  masked        positions masked in both runs: r at or below half the
+                reference format's most negative value (``finfo.min`` of a
+                mask) and c ``-inf`` or at or below half its own format's;
+                they compare as equal and are left out of every error
+                (a ``finfo(float32).min`` mask is -inf in fp16, -65504 with
+                fp16's own ``finfo.min``: neither is an error).
 
 Where only summary statistics exist (``compare_stats``, basis "stats"), the
 element-wise metrics stay None and the summaries s in (max, min, l2norm)
@@ -78,6 +84,7 @@ class Comparison:
     # basis "stats" only: how far the summaries (max, min, l2norm) differ, never an element's error
     summary_abs_err: Optional[float] = None
     summary_rel_err: Optional[float] = None
+    masked: int = 0  # positions masked in both runs, compared as equal (see the module doc)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +110,8 @@ def relative_error(c) -> tuple[Optional[float], str]:
 # One pass gathers these sums; _finish() turns them into the metrics.  Two
 # accumulators exist (compiled numba for CPU arrays, torch for other devices
 # or when numba is unavailable); tests check they agree.
-_SUMS = ("count", "nf_intro", "nf_ref", "s_rr", "s_cc", "s_rd", "s_dd", "s_ad", "max_ad", "max_rel", "max_ulp")
+_SUMS = ("count", "nf_intro", "nf_ref", "s_rr", "s_cc", "s_rd", "s_dd", "s_ad", "max_ad", "max_rel", "max_ulp",
+         "masked")
 
 
 def _new_acc() -> dict:
@@ -133,6 +141,14 @@ def _judged_format(cand_dtype, cand_format: Optional[str]) -> tuple[Format, floa
     return fmt, (fmt.smallest_normal if fmt.kind != "int" else 1.0)
 
 
+def _mask_levels(ref_dtype, fmt: Format) -> tuple[float, float]:
+    """(reference, candidate) levels at or below which a value is a mask's: half each format's most negative
+    finite value (the reference's format from its dtype, fp32 when unknown); -inf for an integer format."""
+    rf = format_for_dtype(ref_dtype) or FORMATS["fp32"]
+    level = lambda f: -f.max / 2 if f.kind == "float" else -math.inf  # noqa: E731
+    return level(rf), level(fmt)
+
+
 def _ulp_params(fmt: Format) -> tuple[int, int]:
     """(smallest normal exponent, mantissa bits) for the ulp of ``fmt``; int grid: spacing 1."""
     if fmt.kind == "int":
@@ -140,8 +156,9 @@ def _ulp_params(fmt: Format) -> tuple[int, int]:
     return fmt.emin, fmt.man_bits
 
 
-def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, out, p):
+def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, ref_mask, cand_mask, out, p):
     count = 0
+    masked = 0
     nf_intro = 0
     nf_ref = 0
     s_rr = 0.0
@@ -157,6 +174,9 @@ def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, out, p)
         b = np.float64(c[i])
         if not np.isfinite(a):
             nf_ref += 1
+            continue
+        if a <= ref_mask and b <= cand_mask:  # masked in both runs (b may be -inf)
+            masked += 1
             continue
         if not np.isfinite(b):
             nf_intro += 1
@@ -190,14 +210,15 @@ def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, out, p)
     out[p, 8] = max_ad
     out[p, 9] = max_rel
     out[p, 10] = max_ulp
+    out[p, 11] = masked
 
 
-def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, nparts):
-    out = np.zeros((nparts, 11), np.float64)
+def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask, nparts):
+    out = np.zeros((nparts, 12), np.float64)
     n = r.size
     for p in _prange(nparts):
         _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, (n * p) // nparts, (n * (p + 1)) // nparts, rel_floor,
-                          out, p)
+                          ref_mask, cand_mask, out, p)
     return out
 
 
@@ -223,12 +244,12 @@ def _build_kernel(numba):
     g["_nb_compare_range"] = njit(numba, _nb_compare_range)
     par = njit(numba, _nb_compare_parallel, parallel=True)
 
-    def run(r, c, rel_floor, emin, man_bits):
+    def run(r, c, rel_floor, emin, man_bits, ref_mask, cand_mask):
         nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
         tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
         with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
-            return par(r, c, rb, shift, mask, tbl, rel_floor, nparts)
+            return par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
 
     return run
 
@@ -274,7 +295,7 @@ def _torch_chunks(x, chunk: int):
             yield flat[i : i + chunk].to(torch.float64)
 
 
-def _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk):
+def _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask=-math.inf, cand_mask=-math.inf):
     """The sums of ``_SUMS`` on the tensors' own device, one row per chunk (None for no elements): no
     ``int()``/``float()`` of a device scalar and no boolean-mask indexing (each a host sync on a GPU).
     Positions not finite on both sides count as zero difference, which leaves every sum and maximum as it is
@@ -284,7 +305,9 @@ def _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk):
     rows = []
     for r, c in zip(_torch_chunks(reference, chunk), _torch_chunks(candidate, chunk)):
         fr, fc = torch.isfinite(r), torch.isfinite(c)
-        both = fr & fc
+        masked = fr & (r <= ref_mask) & (c <= cand_mask)
+        fc = fc | masked  # a masked position is neither compared nor introduced
+        both = fr & fc & ~masked
         r = torch.where(both, r, 0.0)
         c = torch.where(both, c, 0.0)
         d = c - r
@@ -297,6 +320,7 @@ def _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk):
             both.sum().to(torch.float64), (fr & ~fc).sum().to(torch.float64), (~fr).sum().to(torch.float64),
             (r * r).sum(), (c * c).sum(), (r * d).sum(), (d * d).sum(), ad.sum(),
             ad.max(), (ad / torch.clamp(absr, min=rel_floor)).max(), (ad / ulp).max(),
+            masked.sum().to(torch.float64),
         ]))
     return torch.stack(rows) if rows else None
 
@@ -308,8 +332,8 @@ def _acc_of_rows(rows) -> dict:
     return acc
 
 
-def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk) -> dict:
-    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk)
+def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask) -> dict:
+    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask)
     return _acc_of_rows([] if rows is None else rows.cpu().tolist())  # the one transfer
 
 
@@ -333,7 +357,7 @@ def compare_later(reference, candidate, *, cand_format: Optional[str] = None, ch
     _check_shapes(reference, candidate)
     fmt, rel_floor = _judged_format(candidate.dtype, cand_format)
     emin, man_bits = _ulp_params(fmt)
-    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk)
+    rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk, *_mask_levels(reference.dtype, fmt))
     return PendingComparison(rows, _numel(reference), rel_floor, fmt)
 
 
@@ -357,11 +381,12 @@ def finish_all(pending) -> list[Comparison]:
     return [_finish(_acc_of_rows(host.get(i, [])), p.n, p.rel_floor, p.fmt) for i, p in enumerate(pending)]
 
 
-def _numba_accumulate(r: np.ndarray, c: np.ndarray, rel_floor, emin, man_bits, chunk) -> dict:
+def _numba_accumulate(r: np.ndarray, c: np.ndarray, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask) -> dict:
     kern = _numba_kernel()
     acc = _new_acc()
     for i in range(0, r.size, chunk):
-        for part in kern(r[i : i + chunk], c[i : i + chunk], float(rel_floor), int(emin), int(man_bits)):
+        for part in kern(r[i : i + chunk], c[i : i + chunk], float(rel_floor), int(emin), int(man_bits),
+                         float(ref_mask), float(cand_mask)):
             _merge_acc(acc, part)
     return acc
 
@@ -382,11 +407,16 @@ def _cosine_deficit(s_rr: float, s_cc: float, s_rd: float, s_dd: float) -> float
 
 def _finish(acc: dict, n: int, rel_floor: float, fmt: Format) -> Comparison:
     cnt = int(acc["count"])
-    nf_intro, nf_ref = int(acc["nf_intro"]), int(acc["nf_ref"])
+    nf_intro, nf_ref, masked = int(acc["nf_intro"]), int(acc["nf_ref"]), int(acc.get("masked", 0))
+    said = (f"; {masked} position(s) masked in both runs compare as equal" if masked else "")
     if cnt == 0:
-        verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=None)
+        if masked and not nf_intro:
+            verdict, reason = "expected", "every finite position is masked in both runs"
+        else:
+            verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=None)
+            reason += said
         return Comparison("tensor", n, 0, None, None, None, None, rel_floor, None, None, None, None, None,
-                          nf_intro, nf_ref, fmt.name, verdict, reason)
+                          nf_intro, nf_ref, fmt.name, verdict, reason, masked=masked)
     s_rr, s_cc, s_rd, s_dd = acc["s_rr"], acc["s_cc"], acc["s_rd"], acc["s_dd"]
     if s_rr > 0 and s_cc > 0:
         deficit = _cosine_deficit(s_rr, s_cc, s_rd, s_dd)
@@ -407,7 +437,7 @@ def _finish(acc: dict, n: int, rel_floor: float, fmt: Format) -> Comparison:
                                   max_rel_err=acc["max_rel"], unit_roundoff=unit_roundoff)
     return Comparison(
         "tensor", n, cnt, acc["max_ad"], acc["s_ad"] / cnt, rmse, acc["max_rel"], rel_floor, cosine, deficit, sqnr,
-        rounding_units, acc["max_ulp"], nf_intro, nf_ref, fmt.name, verdict, reason,
+        rounding_units, acc["max_ulp"], nf_intro, nf_ref, fmt.name, verdict, reason + said, masked=masked,
     )
 
 
@@ -480,15 +510,16 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     fmt, rel_floor = _judged_format(candidate.dtype, cand_format)
     n = _numel(reference)
     emin, man_bits = _ulp_params(fmt)
+    levels = _mask_levels(reference.dtype, fmt)
     acc = None
     if backend in ("auto", "numba") and _numba_kernel() is not None:
         r, c = _np_flat(reference), _np_flat(candidate)
         if r is not None and c is not None:
-            acc = _numba_accumulate(r, c, rel_floor, emin, man_bits, chunk)
+            acc = _numba_accumulate(r, c, rel_floor, emin, man_bits, chunk, *levels)
     if acc is None:
         if backend == "numba":
             raise RuntimeError("the numba comparison kernel is unavailable for these inputs")
-        acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk)
+        acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
     return _finish(acc, n, rel_floor, fmt)
 
 
@@ -529,6 +560,11 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
     fmt, rel_floor = _judged_format(cand_stats.dtype, cand_format)
     nonfinite_ref = ref_stats.has_nonfinite
     nf_intro = _introduced_by_counts(ref_stats, cand_stats)
+    masked = 0
+    ref_level = _mask_levels(ref_stats.dtype, fmt)[0]
+    if nf_intro and cand_stats.negative_inf_only and ref_stats.min is not None and ref_stats.min <= ref_level:
+        # the candidate's new -inf sit where the reference holds a mask's finfo.min: masked in both runs
+        masked, nf_intro = nf_intro, 0
     diffs, rels = [], []
     # the mean is left out: it cancels, so its relative change says little
     for f in ("max", "min", "l2norm"):
@@ -549,8 +585,10 @@ def compare_stats(ref_stats, cand_stats, *, cand_format: Optional[str] = None) -
         units = max_rel / (fmt.eps / 2 if fmt.kind != "int" else 0.5)
         verdict, reason = verdict_for(nonfinite_introduced=0, rounding_units=units)
         reason = "summary statistics: " + reason
+    if masked:
+        reason += "; its -inf sit where the reference holds a mask's most negative value (masked in both runs)"
     return Comparison(
         "stats", int(cand_stats.numel), 0, None, None, None, None, rel_floor, None, None, None,
         None, None, nf_intro, int(nonfinite_ref), fmt.name, verdict, reason,
-        summary_abs_err=max_abs, summary_rel_err=max_rel,
+        summary_abs_err=max_abs, summary_rel_err=max_rel, masked=masked,
     )

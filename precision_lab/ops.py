@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "MASKING_OPS", "MSPROBE_PREFIXES", "canonical", "parse_op", "is_msprobe_key", "op_type_of", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "CONSTANT_OPS", "MSPROBE_PREFIXES", "canonical", "parse_op", "is_msprobe_key", "op_type_of", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -42,11 +42,15 @@ OPS: dict[str, tuple[str, ...]] = {
     "fill": ("fill_", "fill_diagonal"),
     "triu": (),
     "tril": (),
+    # constants made from Python numbers (``torch.tensor(float("-inf"))`` as a mask's fill value)
+    "tensor": ("scalar_tensor", "as_tensor"),
 }
 
 # canonical op types whose -inf output is not an error by itself: a mask written on purpose, or log's exact
 # log(0) = -inf (log gives -inf for 0 and nothing else; T5's position buckets take log(0) and discard it)
 MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril", "log"})
+# canonical op types that make a tensor from Python numbers: a -inf they hold is a constant, no error by itself
+CONSTANT_OPS = frozenset({"tensor"})
 
 _BY_NAME = {a.lower().strip("_"): op for op, aliases in OPS.items() for a in (op,) + aliases}
 

@@ -582,8 +582,8 @@ def test_first_nonfinite_producer_with_injected_overflow(store):
     with capture(model, run="fp16", store=store) as cap:
         run_step(model, x)
     hit = first_nonfinite(store, cap.run_id)
-    assert hit is not None and hit["producer"]
-    assert hit["op"] == "blocks.1.fc1.linear.0" and hit["role"] == "output" and hit["rank"] == 0
+    assert hit is not None and hit.producer
+    assert hit.op == "blocks.1.fc1.linear.0" and hit.role == "output" and hit.rank == 0
 
 
 # ---- CUDA (real device path, skipped without a GPU) ----------------------------------------------

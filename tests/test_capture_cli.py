@@ -23,7 +23,7 @@ def test_capture_recipe_names_the_first_nonfinite_op(tmp_path):
     runs = store.runs(store.session("sm")["session_id"])
     assert sorted(runs["kind"]) == ["candidate", "reference"]
     cand = runs[runs["kind"] == "candidate"].iloc[0]
-    assert first_nonfinite(store, cand["run_id"])["op"] == "attn.softmax.exp.0"
+    assert first_nonfinite(store, cand["run_id"]).op == "attn.softmax.exp.0"
     kinds = store.df("SELECT DISTINCT kind FROM comparisons")["kind"].tolist()
     assert sorted(kinds) == ["accumulated", "local"]
 

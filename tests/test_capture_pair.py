@@ -111,7 +111,7 @@ def test_pair_with_injected_overflow_local_vs_accumulated(store):
     ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
     assert first_nonfinite(store, ref_id) is None
     hit = first_nonfinite(store, cand_id)
-    assert hit["producer"] and hit["op"] == "blocks.1.fc1.linear.0" and hit["direction"] == "forward"
+    assert hit.producer and hit.op == "blocks.1.fc1.linear.0" and hit.direction == "forward"
 
     def verdict(kind, op):
         return _rows(store, """SELECT verdict, nonfinite_introduced FROM comparisons WHERE kind = ?

@@ -136,7 +136,7 @@ def test_manifest_order_under_each_key(store, tmp_path, key, which):
     assert info["order"] == "execution" and run["order"] == "execution"
     assert f'manifest.json ("{key}")' in info["order_from"]
     f = first_nonfinite(store, info["run_id"])
-    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+    assert f.op == ORIGIN and f.producer and f.order_known
     assert not store.df("SELECT * FROM warnings").shape[0]
 
 
@@ -149,7 +149,7 @@ def test_first_present_key_wins(store, tmp_path):
     assert '("execution_order")' in info["order_from"]
     seq = dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
     assert [seq[fn[:-4]] for fn in saved] == list(range(len(saved)))
-    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
 
 
 @pytest.mark.parametrize("fmt", ["order.json", "order.txt"])
@@ -162,7 +162,7 @@ def test_order_files(store, tmp_path, fmt):
         (d / fmt).write_text("\n".join(fn[:-4] for fn in saved) + "\n")
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == "execution" and fmt in info["order_from"]
-    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
 
 
 def test_distinct_mtimes_give_the_order(store, tmp_path):
@@ -175,7 +175,7 @@ def test_distinct_mtimes_give_the_order(store, tmp_path):
     seq = dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
     assert [seq[fn[:-4]] for fn in saved] == list(range(len(saved)))  # the save order, not the names'
     f = first_nonfinite(store, info["run_id"])
-    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+    assert f.op == ORIGIN and f.producer and f.order_known
 
 
 def test_mtimes_that_put_containers_first(store, tmp_path):
@@ -185,7 +185,7 @@ def test_mtimes_that_put_containers_first(store, tmp_path):
     _times(d, saved, equal=False, reverse=True)
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == "mtime"
-    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
 
 
 def test_equal_mtimes_fall_back_to_names(store, tmp_path):
@@ -197,9 +197,9 @@ def test_equal_mtimes_fall_back_to_names(store, tmp_path):
     assert info["order"] == "name" and run["order"] == "name"
     assert "order unknown: by name" in info["order_from"]
     f = first_nonfinite(store, info["run_id"])
-    assert f["op"] == ORIGIN and f["producer"] and not f["order_known"]
+    assert f.op == ORIGIN and f.producer and not f.order_known
     assert min(CONTAINERS) < ORIGIN  # by the alphabet a container would come first
-    assert "order unknown: by name" in f["reason"]
+    assert "order unknown: by name" in f.reason
 
     rep = build_report(store, name)
     assert rep["runs"][0]["order"] == "name" and rep["runs"][0]["order_text"] == "order unknown: by name"
@@ -221,7 +221,7 @@ def test_manifest_without_an_order_key(store, tmp_path):
     assert info["order"] == "name" and "order unknown: by name" in info["order_from"]
     w = store.df("SELECT file, message FROM warnings")
     assert list(w.file) == ["manifest.json"] and "call_order" in w.message[0]
-    assert first_nonfinite(store, info["run_id"])["op"] == ORIGIN
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
 
 
 @pytest.mark.parametrize("origin", ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.head"])
@@ -232,7 +232,7 @@ def test_other_origins(store, tmp_path, origin, times):
     _times(d, saved, equal=times == "equal")
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == ("name" if times == "equal" else "mtime")
-    assert first_nonfinite(store, info["run_id"])["op"] == origin
+    assert first_nonfinite(store, info["run_id"]).op == origin
 
 
 class Branches(nn.Module):
@@ -265,8 +265,8 @@ def test_two_innermost_candidates_with_order_unknown(store, tmp_path):
         os.utime(p, ns=(BASE_NS, BASE_NS))
     info, _ = _run(store, ingest(d, store=store))
     f = first_nonfinite(store, info["run_id"])
-    assert {f["op"], *f["others"]} == {"model.a", "model.b"}
-    assert "order unknown: by name" in f["reason"] and "may have run first" in f["reason"]
+    assert {f.op, *f.others} == {"model.a", "model.b"}
+    assert "order unknown: by name" in f.reason and "may have run first" in f.reason
 
 
 def test_extraction_and_upload_order_is_never_taken_for_execution_order(store, tmp_path):
@@ -314,7 +314,7 @@ def test_order_recovered_from_the_data(store, tmp_path, times):
     leaves = [o for o in ops_in_call_order if not any(p.startswith(o + ".") for p in ops_in_call_order)]
     assert [seq[f"{o}.output.0"] for o in leaves] == sorted(seq[f"{o}.output.0"] for o in leaves)
     f = first_nonfinite(store, info["run_id"])
-    assert f["op"] == ORIGIN and f["producer"] and f["order_known"]
+    assert f.op == ORIGIN and f.producer and f.order_known
     rep = build_report(store, name)
     assert rep["runs"][0]["order_text"].startswith("order recovered from the data")
     assert "order unknown" not in render_text(rep)
@@ -327,4 +327,4 @@ def test_other_origins_with_order_from_the_data(store, tmp_path, origin):
     _times(d, saved, equal=True)
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == "data"
-    assert first_nonfinite(store, info["run_id"])["op"] == origin
+    assert first_nonfinite(store, info["run_id"]).op == origin

@@ -68,12 +68,12 @@ def test_statistics_pair_first_nonfinite_producer(stat_session):
     want = _expected_producer(dump16)
     assert want == "Functional.linear.10.forward"  # the fc1 of block 2, per the sample's README
     f = first_nonfinite(store, ids["stat_mix_fp16_inner_ovf"])
-    assert f["op"] == want and f["producer"] and f["role"] == "output" and f["op_type"] == "linear"
-    assert f["run"] == "stat_mix_fp16_inner_ovf" and f["step"] == 0 and f["rank"] == 0
+    assert f.op == want and f.producer and f.role == "output" and f.op_type == "linear"
+    assert f.run == "stat_mix_fp16_inner_ovf" and f.step == 0 and f.rank == 0
     doc = json.loads(dump16.read_text())
-    assert f["seq"] == list(doc["data"]).index(want)
-    assert [p["op"] for p in f["path"]][-1] == want
-    assert len(f["path"]) == 6 and not any(p["nonfinite_out"] for p in f["path"][:-1])
+    assert f.seq == list(doc["data"]).index(want)
+    assert [p.op for p in f.path][-1] == want
+    assert len(f.path) == 6 and not any(p.nonfinite_out for p in f.path[:-1])
     assert first_nonfinite(store, ids["stat_mix_fp32_inner_ovf"]) is None
 
 
@@ -117,7 +117,7 @@ def test_statistics_pair_comparisons(stat_session):
     w = by[("Module.blocks.2.fc1.Linear.forward.0", "param", "weight")]
     assert w["verdict"] != "nonfinite" and w["nonfinite_introduced"] == 0
     # every comparison before the producer in the forward pass is free of non-finite values
-    first_seq = first_nonfinite(store, _run_ids(store, name)["stat_mix_fp16_inner_ovf"])["seq"]
+    first_seq = first_nonfinite(store, _run_ids(store, name)["stat_mix_fp16_inner_ovf"]).seq
     assert all(c["verdict"] != "nonfinite" for c in comps if c["seq"] < first_seq)
 
 

@@ -40,7 +40,7 @@ def test_capture_names_the_overflow_in_the_users_model(captured):
     runs = {r["kind"]: r for r in q.session_runs(store, info["session_id"])}
     assert first_nonfinite(store, runs["reference"]["run_id"]) is None
     f = first_nonfinite(store, runs["candidate"]["run_id"])
-    assert f["op"].startswith("model.layers.1.mlp.down_proj.")
+    assert f.op.startswith("model.layers.1.mlp.down_proj.")
     assert info["recipe"].startswith("model:model=") and "qwen2_overflow.py:build" in info["recipe"]
 
 

@@ -83,4 +83,4 @@ def test_two_ranks_write_shards_and_rank1_is_the_first_nonfinite_producer(tmp_pa
         for _, rec in records:
             w.add_record(rec)
     hit = first_nonfinite(store, run_id)
-    assert hit["producer"] and hit["rank"] == 1 and hit["op"] == "fc1.linear.0" and hit["step"] == 0
+    assert hit.producer and hit.rank == 1 and hit.op == "fc1.linear.0" and hit.step == 0

@@ -92,8 +92,8 @@ def test_the_real_overflow_after_a_mask_is_named_not_the_mask(store):
     runs = _runs(store, name)
     assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
     f = report.first_nonfinite(store, runs["candidate"]["run_id"])
-    assert f["op"] == "a2.out.linear.0" and f["origin"] == "op"
-    assert set(f["intended"]) >= {"a1.masked_fill.0", "a2.masked_fill.0"}
+    assert f.op == "a2.out.linear.0" and f.origin == "op"
+    assert set(f.intended) >= {"a1.masked_fill.0", "a2.masked_fill.0"}
     d = [x for x in diagnose(store, name) if x.severity in ("error", "warn")]
     assert d[0].op == "a2.out.linear.0" and d[0].rule == "overflow"
     # the message quotes the reference's absmax of that op, which the hook above measured independently
@@ -138,10 +138,10 @@ def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
     assert torch.isinf(torch.tensor(1e5).half())  # independent: 1e5 is beyond fp16
     name = capture_pair(Blocks, torch.randn(4, 8), torch.float16, store=store)
     f = report.first_nonfinite(store, _runs(store, name)["candidate"]["run_id"])
-    assert f["origin"] == "parameter" and not f["producer"]
-    assert f["parameter"]["name"] == "blocks.1.fc.weight"
-    assert f["parameter"]["ref_absmax"] == pytest.approx(1e5)
-    assert "1.0e+05 > fp16 max 65,504" in f["reason"]
+    assert f.origin == "parameter" and not f.producer
+    assert f.parameter.name == "blocks.1.fc.weight"
+    assert f.parameter.ref_absmax == pytest.approx(1e5)
+    assert "1.0e+05 > fp16 max 65,504" in f.reason
     d = diagnose(store, name)[0]
     assert d.rule == "parameter-nonfinite" and "blocks.1.fc.weight" in d.message
     assert "keep-fp32:blocks.1.fc" in d.fixes and "use-bf16" in d.fixes
@@ -169,10 +169,10 @@ def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store
     runs = _runs(store, name)
     assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
     f = report.first_nonfinite(store, runs["candidate"]["run_id"])
-    assert f["op"].startswith("model.layers.1.mlp.down_proj.") and f["origin"] == "op"
+    assert f.op.startswith("model.layers.1.mlp.down_proj.") and f.origin == "op"
     # the overflow makes inf; the NaN is made later, where the inf is combined (the final RMSNorm)
-    assert f["first_nan"] is not None and f["first_nan"]["seq"] > f["seq"]
-    assert f["first_nan"]["op"] != f["op"]
+    assert f.first_nan is not None and f.first_nan.seq > f.seq
+    assert f.first_nan.op != f.op
 
 
 def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store, tmp_path):
@@ -203,8 +203,8 @@ def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store
     plain = report.first_nonfinite(store, ingest_copy("plain"))
     masked_run = ingest_copy("masked", add_mask)
     masked = report.first_nonfinite(store, masked_run)
-    assert plain is not None and masked["op"] == plain["op"]
-    assert [m["op"] for m in report.intended_nonfinite(store, masked_run)] == ["Tensor.masked_fill.0.forward"]
+    assert plain is not None and masked.op == plain.op
+    assert [m.op for m in report.intended_nonfinite(store, masked_run)] == ["Tensor.masked_fill.0.forward"]
 
 
 def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
@@ -235,7 +235,7 @@ def test_an_overflow_to_minus_inf_is_not_taken_for_a_mask(store, tmp_path):
     name = ingest(d, store=store)
     run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
     f = report.first_nonfinite(store, run_id)
-    assert f["op"] == "model.fc" and f["producer"] and f["order_known"]  # the order came from the data
+    assert f.op == "model.fc" and f.producer and f.order_known  # the order came from the data
     assert report.intended_nonfinite(store, run_id) == []
 
 
@@ -268,13 +268,13 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
     run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
     assert q.op_parents(store, run_id) == {"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0"}
     f = report.first_nonfinite(store, run_id)
-    assert f["origin"] == "parameter" and f["parameter"]["name"] == "block.fc.weight"
-    assert f["op"] == "Module.block.fc.Linear.forward.0"
+    assert f.origin == "parameter" and f.parameter.name == "block.fc.weight"
+    assert f.op == "Module.block.fc.Linear.forward.0"
     # without construct.json the module is not known to hold the functional op: the value arrives from outside
     (d / "construct.json").unlink()
     name2 = ingest(tmp_path / "ms", store=store)
     run2 = q.session_runs(store, store.session(name2)["session_id"])[0]["run_id"]
-    assert report.first_nonfinite(store, run2)["origin"] == "input"
+    assert report.first_nonfinite(store, run2).origin == "input"
 
 
 
@@ -295,7 +295,7 @@ def test_localization_corpus_subset(store, tmp_path, model, kind, how):
         folder = tmp_path / "dump"
         LOC._dump(build, inputs, folder, ordered=how == "dump-ordered")
         f, _ = LOC._from_dump(store, folder)
-    assert LOC._right(f, path, kind, how, None), (path, f and f["op"], f and f["reason"])
+    assert LOC._right(f, path, kind, how, None), (path, f and f.op, f and f.reason)
 
 
 def _msprobe_dump(tmp_path, data) -> Path:

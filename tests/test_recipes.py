@@ -97,15 +97,15 @@ def test_capture_pair_shows_failure_and_fix(name, store):
         cand_id = runs[runs.kind == "candidate"].run_id.iloc[0]
         fn_ref, fn = first_nonfinite(store, ref_id), first_nonfinite(store, cand_id)
         if r.nonfinite_in_reference:
-            assert fn_ref is not None and fn_ref["op"].startswith(PRODUCER[name] + ".")
+            assert fn_ref is not None and fn_ref.op.startswith(PRODUCER[name] + ".")
         else:
             assert fn_ref is None
         if not fixes:
-            assert fn is not None and fn["producer"]
-            assert fn["op"].startswith(PRODUCER[name] + "."), fn["op"]
+            assert fn is not None and fn.producer
+            assert fn.op.startswith(PRODUCER[name] + "."), fn.op
             assert _final_output(store, cand_id)[1] == "nonfinite" or r.nonfinite_in_reference
         else:
-            assert fn is None, fn and fn["op"]
+            assert fn is None, fn and fn.op
             sqnr, verdict = _final_output(store, cand_id)
             assert verdict != "nonfinite" and sqnr >= r.tolerance_db
 

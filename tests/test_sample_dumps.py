@@ -51,12 +51,12 @@ def test_regenerated_sample_reproduces_the_failure(regenerated, name, tmp_path):
     runs = _runs_nonfinite(store, sess)
     assert set(runs) == {"reference", "candidate"}
     kind, n_cand, fn = runs["candidate"]
-    assert kind == "candidate" and fn is not None and fn["producer"]
+    assert kind == "candidate" and fn is not None and fn.producer
     ref_kind, n_ref, fn_ref = runs["reference"]
     assert ref_kind == "reference"
     if get_recipe(name).nonfinite_in_reference:
         # the fp32 reference has the same producer, the candidate spreads it much further
-        assert fn_ref is not None and fn_ref["op"] == fn["op"] and n_cand > n_ref
+        assert fn_ref is not None and fn_ref.op == fn.op and n_cand > n_ref
     else:
         assert fn_ref is None and n_ref == 0
     # paired op by op with the reference, with the candidate's local errors

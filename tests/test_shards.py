@@ -122,7 +122,7 @@ def test_ingest_reads_a_capture_shard_folder(tmp_path, store):
     name = ingest([root], store=store)
     run_id = store.runs(store.session(name)["session_id"]).iloc[0]["run_id"]
     hit = first_nonfinite(store, run_id)
-    assert hit["op"] == "blocks.1.fc1.linear.0" and hit["producer"]
+    assert hit.op == "blocks.1.fc1.linear.0" and hit.producer
 
 
 # ---- malformed shard folders: each message names the file and the problem ---------------------------

@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from precision_lab.origin import OpRef
+
 from precision_lab.formats import FORMATS
 from precision_lab.stats import tensor_stats
 from precision_lab.ui import detail, diff, ops, overview
@@ -136,7 +138,7 @@ def test_headroom_of_a_stats_only_record(db):
     sid, runs = _runs(db, STAT_SESSION)
     first = overview.first_nonfinite_by_run(db, sid)
     cand_first = next(f["first"] for f in first if f["run"]["kind"] == "candidate")
-    ref = detail.counterparts(db, runs["candidate"]["run_id"], cand_first["rid"])[0]
+    ref = detail.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
     st = detail.load_stats(db, ref["run_id"], ref["rid"])
     assert st.hist is None
     table = detail.headroom_table(st, ["fp16", "bf16"]).set_index("format")
@@ -148,7 +150,7 @@ def test_headroom_of_a_stats_only_record(db):
     absmax = max(abs(entry["Max"]), abs(entry["Min"]))
     assert table.loc["fp16", "headroom (bits)"] == pytest.approx(math.log2(65504.0 / absmax))
     assert table.loc["fp16", "overflows"] == "yes" and table.loc["bf16", "overflows"] == "no"
-    cand = detail.load_stats(db, runs["candidate"]["run_id"], cand_first["rid"])
+    cand = detail.load_stats(db, runs["candidate"]["run_id"], cand_first.rid)
     assert detail.headroom_table(cand, ["fp16"]).loc[0, "overflows"] == "yes: already inf"
     vals = detail.summary_values_table(st, ["fp16"]).set_index("statistic")
     assert vals.loc["absmax", "fp16"] == "overflow" and vals.loc["Mean", "fp16"] == "normal"
@@ -175,8 +177,8 @@ def test_first_nonfinite_matches_the_dump_json(db):
     assert _first_nonfinite_from_json(CAND_JSON) == STAT_FIRST_NONFINITE
     got = {f["run"]["kind"]: f["first"] for f in overview.first_nonfinite_by_run(db, sid)}
     assert got["reference"] is None
-    assert got["candidate"]["op"] == STAT_FIRST_NONFINITE
-    assert got["candidate"]["path"][-1]["op"] == STAT_FIRST_NONFINITE
+    assert got["candidate"].op == STAT_FIRST_NONFINITE
+    assert got["candidate"].path[-1].op == STAT_FIRST_NONFINITE
 
 
 def test_top_offenders_are_ordered_worst_first(db):
@@ -208,7 +210,7 @@ def test_error_series_buckets_keep_the_worst_value(db):
     want = fin.groupby(fin["seq"] // b)["summary_rel_err"].max()
     got = small.set_index(small["seq"] // b)["value"].dropna()
     assert len(got) > 0 and got.to_dict() == pytest.approx(want.loc[got.index].to_dict())
-    fig = overview.error_figure(full, "summary_rel_err", first_nonfinite=[{"seq": 53, "op": STAT_FIRST_NONFINITE}])
+    fig = overview.error_figure(full, "summary_rel_err", first_nonfinite=[OpRef(STAT_FIRST_NONFINITE, None, 0, 0, 53)])
     assert fig.layout.yaxis.type == "log" and fig.layout.xaxis.title.text == "execution order (seq)"
     assert fig.layout.yaxis.title.text.startswith("summary relative error")
     with pytest.raises(ValueError, match="unknown error metric"):

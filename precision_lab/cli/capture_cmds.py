@@ -116,8 +116,8 @@ def _summary(store, name: str) -> None:
         if hit is None:
             typer.echo(f"  {r['name']}: no NaN/Inf")
         else:
-            typer.echo(f"  {r['name']}: first non-finite at {hit['op']} ({hit['direction']}, step {hit['step']}, "
-                       f"rank {hit['rank']}): {hit['reason']}")
+            typer.echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
+                       f"rank {hit.rank}): {hit.reason}")
     for d in browse.diagnosis_cards(store, info["session_id"]):
         typer.echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
         if d["fixes"]:

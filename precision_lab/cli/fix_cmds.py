@@ -44,7 +44,7 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     if fn is None:
         typer.echo("  no NaN or inf anywhere in the run")
     else:
-        typer.echo(f"  first non-finite: {fn['op']} ({fn['reason']})")
+        typer.echo(f"  first non-finite: {fn.op} ({fn.reason})")
     if last is not None:
         sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
         typer.echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")

@@ -43,6 +43,7 @@ from typing import Callable, Optional, Protocol
 from ..formats import FORMATS, Format, format_for_dtype
 from ..display import num_text
 from ..ops import canonical, innermost_module, module_prefixes
+from ..origin import Origin
 from ..records import INPUT_ROLES, Diagnosis
 from ..registry import Registry
 
@@ -121,7 +122,7 @@ class Context:
 @dataclass
 class Evidence:
     run: dict
-    producer: dict  # first_nonfinite's dict
+    producer: Origin  # the run's first non-finite origin
     op: str
     op_type: str
     module: Optional[str]
@@ -164,7 +165,7 @@ def _diag(ev: Evidence, rule: str, message: str, fixes, severity: str = "error")
             seen.add(f)
             ranked.append(f)
     return Diagnosis(session_id="", run_id=ev.run["run_id"], op=ev.where, rule=rule, message=message,
-                     fixes=tuple(ranked), severity=severity, seq=int(ev.producer["seq"]))
+                     fixes=tuple(ranked), severity=severity, seq=ev.producer.seq)
 
 
 def _absmax(r: dict) -> Optional[float]:
@@ -202,28 +203,28 @@ def _keep_fp32(ev: Evidence) -> Optional[str]:
 @register_rule("parameter-nonfinite")
 def _rule_parameter(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     """A parameter that is NaN/inf before any op uses it: it overflowed in the model's cast, or was stored so."""
-    param = ev.producer.get("parameter")
-    if ev.producer.get("origin") != "parameter" or not param:
+    param = ev.producer.parameter
+    if ev.producer.origin != "parameter" or not param:
         return None
-    module = param["name"].rsplit(".", 1)[0] if "." in param["name"] else ""
-    ref = param.get("ref_absmax")
+    module = param.name.rsplit(".", 1)[0] if "." in param.name else ""
+    ref = param.ref_absmax
     fixes = []
     if ref is not None and math.isfinite(ref):
         if ref < FORMATS["bf16"].max and ev.fmt.name == "fp16":
             fixes.append("use-bf16")
         fixes.append(f"keep-fp32:{module}" if module else None)
-        msg = (f"{param['reason']}. Every op that reads it inherits the inf; keep `{module or 'the model'}` in fp32, "
+        msg = (f"{param.reason}. Every op that reads it inherits the inf; keep `{module or 'the model'}` in fp32, "
                f"rescale the weight below {fmt_num(ev.fmt.max)}, or use a format with a wider range")
     else:
-        msg = f"{param['reason']}. Reload or re-initialise the weights; no precision change helps"
+        msg = f"{param.reason}. Reload or re-initialise the weights; no precision change helps"
     return _diag(ev, "parameter-nonfinite", msg, fixes, "error")
 
 
 @register_rule("nonfinite-input")
 def _rule_input(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
-    if ev.producer.get("producer", True):
+    if ev.producer.origin != "input":
         return None
-    msg = (f"`{ev.op}` already receives non-finite values in its {ev.producer['role']} {ev.producer['index']}: "
+    msg = (f"`{ev.op}` already receives non-finite values in its {ev.producer.role} {ev.producer.index}: "
            "no recorded op produced them (they come from the model's inputs or from before the first recorded op)")
     return _diag(ev, "nonfinite-input", msg, [], "error")
 
@@ -291,7 +292,7 @@ def _quant_chain(ctx: Context, ev: Evidence):
             fq = ".".join(parts[:-1])
         else:
             return None
-    step, rank, seq = ev.producer["step"], ev.producer["rank"], ev.producer["seq"]
+    step, rank, seq = ev.producer.step, ev.producer.rank, ev.producer.seq
     run_id = ev.run["run_id"]
     scale = _outputs(ctx.module_call(run_id, f"{fq}.scale", step, rank, seq, after=False))
     inv = _outputs(ctx.module_call(run_id, f"{fq}.inv_scale", step, rank, seq, after=False))
@@ -638,18 +639,18 @@ def _compiled(ctx: Context, run: dict) -> list[Diagnosis]:
 
 # ---- one run ------------------------------------------------------------------------
 
-def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> list[Diagnosis]:
+def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> list[Diagnosis]:
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
     policy = ctx.policies.get(run["run_id"])
     if first_nonfinite is None:
         return _fix_verified(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run)
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
-    nan = first_nonfinite.get("first_nan")
+    nan = first_nonfinite.first_nan
     if found and nan:
         d = found[0]
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
-                           d.message.rstrip(".") + f". That value is inf; the first NaN appears later, at `{nan['op']}` "
-                           f"({nan['op_type']}), which combines it (inf - inf, 0 x inf or inf / inf)",
+                           d.message.rstrip(".") + f". That value is inf; the first NaN appears later, at `{nan.op}` "
+                           f"({nan.op_type}), which combines it (inf - inf, 0 x inf or inf / inf)",
                            d.fixes, d.severity, d.seq)]
     if found and ctx.facts.last_forward_output_finite(run["run_id"]):
         d = found[0]
@@ -659,17 +660,17 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[dict]) -> li
     return found + _compiled(ctx, run)
 
 
-def _producer_diagnosis(ctx: Context, run: dict, fn: dict, policy) -> list[Diagnosis]:
-    recs = ctx.facts.op_records(run["run_id"], fn["op"], fn["step"], fn["rank"])
-    module = ctx.module_of(fn["op"])
+def _producer_diagnosis(ctx: Context, run: dict, fn: Origin, policy) -> list[Diagnosis]:
+    recs = ctx.facts.op_records(run["run_id"], fn.op, fn.step, fn.rank)
+    module = ctx.module_of(fn.op)
     mrecs = recs
     if module:
-        mrecs = ctx.module_call(run["run_id"], module, fn["step"], fn["rank"], fn["seq"]) or recs
-    out_rec = next((r for r in recs if int(r["rid"]) == fn["rid"]), recs[0] if recs else {})
+        mrecs = ctx.module_call(run["run_id"], module, fn.step, fn.rank, fn.seq) or recs
+    out_rec = next((r for r in recs if int(r["rid"]) == fn.rid), recs[0] if recs else {})
     fmt = format_for_dtype(out_rec.get("dtype")) or format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
     if fmt.kind != "float" or fmt.bits <= 8:
         fmt = format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
-    ev = Evidence(run, fn, fn["op"], fn.get("op_type") or "", module, ctx.modules.get(module or "", {}),
+    ev = Evidence(run, fn, fn.op, fn.op_type or "", module, ctx.modules.get(module or "", {}),
                   recs, mrecs, fmt, policy)
     for name, rule in RULES.items():
         d = rule(ctx, ev)

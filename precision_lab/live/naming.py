@@ -22,8 +22,8 @@ _NON_COMPUTE = frozenset({
     "has_names", "is_set_to", "is_same_size", "__dir__", "__getstate__", "__setstate__", "_is_view",
     "is_nonzero", "equal", "allclose", "__array_wrap__", "dim_order", "pin_memory", "share_memory_",
     "record_stream", "is_pinned", "is_shared", "nbytes", "itemsize", "new_empty", "new_zeros", "new_ones",
-    "new_full", "new_tensor", "empty_like", "zeros_like", "ones_like", "full_like", "empty",
-})
+    "new_tensor", "empty_like", "zeros_like", "ones_like", "empty",
+})  # full_like and new_full are recorded: they write a mask's -inf (ops.MASKING_OPS)
 
 
 _INPLACE_DUNDERS = frozenset({

@@ -44,7 +44,7 @@ def _fingerprint(model) -> tuple:
 def _target(store, run: dict, names: list[str]) -> Optional[str]:
     """The module a pattern fix is tried on: the first non-finite producer's, else the worst local error's."""
     fn = first_nonfinite(store, run["run_id"])
-    ops = ([fn["op"]] if fn else []) + list(q.ops_by_local_error(store, run["run_id"]))
+    ops = ([fn.op] if fn else []) + list(q.ops_by_local_error(store, run["run_id"]))
     for op in ops:
         m = innermost_module(op, names)
         if m:

@@ -387,7 +387,7 @@ def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
     ranked: list[str] = []
     fn = first_nonfinite(store, run_id)
     if fn is not None:
-        m = innermost_module(fn["op"], names)
+        m = innermost_module(fn.op, names)
         if m:
             ranked.append(m)
     for op in q.ops_by_local_error(store, run_id):

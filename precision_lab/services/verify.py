@@ -63,7 +63,7 @@ def verification(store, session: str) -> dict[tuple[str, str], dict]:
         out[(r["parent_run_id"], r["fix"])] = {
             "run": r["name"], "run_id": r["run_id"], "works": first is None,
             "sqnr_db": None if last is None else last["sqnr_db"],
-            "first_nonfinite": None if first is None else first["op"]}
+            "first_nonfinite": None if first is None else first.op}
     return out
 
 

@@ -30,7 +30,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 __all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class SessionNotFound(KeyError):
@@ -120,6 +120,8 @@ MIGRATIONS: dict[int, list[str]] = {
     5: ['ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "summary_abs_err" DOUBLE',
         'ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "summary_rel_err" DOUBLE',
         move_summary_errors_sql()],
+    # positions masked in both runs, compared as equal (metrics.Comparison.masked)
+    6: ['ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "masked" BIGINT'],
 }
 
 

@@ -169,16 +169,24 @@ def _in(roles: Sequence[str]) -> str:
 
 def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[dict]:
     """Op calls holding any NaN/inf, in execution order: ``{step, rank, op, seq, op_type, direction, nf_in,
-    nf_out}`` (whether an input role, or any other role, is non-finite)."""
+    nf_out, no_inputs}`` (whether an input role, or any other role, is non-finite; whether the call has no
+    input record at all)."""
     ins = _in(input_roles)
     return rows(store, f"""SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
                                   any_value(direction) AS direction,
+                                  NOT bool_or(role IN {ins}) AS no_inputs,
                                   coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nf_in,
                                   coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nf_out
                            FROM tensors WHERE run_id = ?
                            GROUP BY step, rank, op
                            HAVING bool_or(nonfinite)
                            ORDER BY step, seq, rank, op""", [run_id])
+
+
+def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
+    """Whether a run holds any input record (an outputs-only dump holds none)."""
+    return _one(store, f"SELECT 1 AS x FROM tensors WHERE run_id = ? AND role IN {_in(input_roles)} LIMIT 1",
+                [run_id]) is not None
 
 
 def nonfinite_records(store, run_id: str) -> list[dict]:

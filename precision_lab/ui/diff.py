@@ -55,7 +55,7 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
             last = browse.last_accumulated_output(store, run_id)
             first = first_nonfinite(store, run_id)
             return (browse.count_records(store, run_id, nonfinite=True, direction="forward"),
-                    last["sqnr_db"] if last else None, first["op"] if first else None)
+                    last["sqnr_db"] if last else None, first.op if first else None)
 
         (nb, sb, fb), (na, sa, fa) = facts(parent["run_id"]), facts(r["run_id"])
         out.append({"run": r["name"], "fix": r.get("fix") or "", "parent": parent["name"], "nonfinite_before": nb,
@@ -70,4 +70,4 @@ def landing_op(store, run_id: str) -> Optional[str]:
     run = browse.run_row(store, run_id)
     parent = run.get("parent_run_id") if run else None
     first = first_nonfinite(store, parent) if parent else None
-    return first["op"] if first else None
+    return first.op if first else None

@@ -131,7 +131,7 @@ def _focus_record(store, sid: str, firsts: list[dict]) -> Optional[tuple[str, in
 
     for f in firsts:
         if f["first"] is not None and f["run"]["kind"] != "reference":
-            return f["run"]["run_id"], int(f["first"]["rid"]), "first non-finite producer"
+            return f["run"]["run_id"], f["first"].rid, "first non-finite producer"
     worst = top_offenders(store, sid, n=1)
     if len(worst) and worst.iloc[0]["rid"] is not None and not _isnan(worst.iloc[0]["rid"]):
         return str(worst.iloc[0]["run_id"]), int(worst.iloc[0]["rid"]), "largest error"
@@ -206,14 +206,13 @@ def render_html(store, session: str, *, public: bool = False) -> str:
         masks = f.get("intended") or []
         if first is None:
             nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"
-                            + (f" apart from -inf that is no error by itself (a mask, or log(0)), written by "
+                            + (f" apart from -inf that is no error by itself (a mask, a constant, or log(0)), written by "
                                f"{len(masks)} op(s)" if masks else "")})
             continue
-        op = first["op"] if first["origin"] != "parameter" else f"parameter {first['parameter']['name']}"
-        nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first["op_type"],
-                        "where": f"step {first['step']}, rank {first['rank']}, seq {first['seq']}",
-                        "tensor": f"{first['role']} {first['index']}", "reason": first["reason"],
-                        "path": " → ".join(p["op"] for p in first["path"])})
+        op = first.op if first.origin != "parameter" else f"parameter {first.parameter.name}"
+        nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first.op_type, "where": first.where,
+                        "tensor": f"{first.role} {first.index}", "reason": first.reason,
+                        "path": " → ".join(p.op for p in first.path)})
     parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
                                   ("where", "where", "text"), ("tensor", "tensor", "text"),
                                   ("reason", "why", "text"), ("path", "ops before it", "name")],

@@ -122,8 +122,8 @@ def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfini
             ))
     for item in first_nonfinite or []:
         if item:
-            fig.add_vline(x=item["seq"], line_dash="dash", line_color="#dc2626", opacity=0.8,
-                          annotation_text=f"first NaN/Inf: {plot_text(item['op'])}", annotation_position="top left")
+            fig.add_vline(x=item.seq, line_dash="dash", line_color="#dc2626", opacity=0.8,
+                          annotation_text=f"first NaN/Inf: {plot_text(item.op)}", annotation_position="top left")
     fig.update_layout(
         xaxis_title="execution order (seq)", yaxis_title=title, legend_title_text="run",
         margin={"l": 10, "r": 10, "t": 30, "b": 10}, height=380, hovermode="closest",
@@ -139,7 +139,7 @@ def session_headline(store, session_id: str) -> dict:
     for run in session_runs(store, session_id):
         f = first_nonfinite(store, run["run_id"])
         if f is not None:
-            firsts.append(f"{run['name']}: {f['op']}")
+            firsts.append(f"{run['name']}: {f.op}")
     worst = top_offenders(store, session_id, n=1)
     worst_text = ""
     if len(worst):
@@ -172,6 +172,6 @@ def model_tree(store, firsts: list[dict]) -> Optional[tuple[dict, list[dict]]]:
         (f for f in firsts if f["run"]["kind"] != "reference"), None) or (firsts[0] if firsts else None)
     if pick is None:
         return None
-    first = pick["first"] or {}
-    return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.get("op"),
-                                 failing_parent=first.get("parent"))
+    first = pick["first"]
+    return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.op if first else None,
+                                 failing_parent=first.parent if first else None)

@@ -1,0 +1,417 @@
+"""Where a run's first unexpected non-finite value came from: facts in, a frozen ``Origin`` out.
+
+The analysis is pure: it reads a run's non-finite op calls and records (``RunFacts``, what the store
+answers) and returns typed values; it never touches a database, so it is tested on hand-made facts.
+``services.report`` reads the facts and renders the result; the Overview, the CLI, the diagnosis rules,
+``bisect``/``verify`` and the localization bench all read the same ``Origin``.
+
+The producer is the first op call, in execution order (``step``, then ``seq``, then ``rank``), whose input
+records (``records.INPUT_ROLES``: inputs, keyword inputs, parameters, buffers, incoming gradients) hold no
+unexpected non-finite value and one of whose output records does.  An op call is the group of records
+sharing ``(step, rank, op)``.
+
+Intended and unexpected (``intended_output``, the one rule): without a reference record to compare with, an
+output whose every non-finite value is ``-inf`` is *intended* when
+
+- a masking op wrote it (``ops.MASKING_OPS``: ``masked_fill``, ``where``, ``full``/``full_like``/
+  ``new_full``, ``fill``, ``triu``/``tril``, and ``log``'s exact ``log(0)``);
+- a constant wrote it (``ops.CONSTANT_OPS``: ``torch.tensor(float("-inf"))``, ``scalar_tensor``; or any op
+  call that read no tensor in a run that records inputs);
+- it is an additive mask: its finite values are all 0 (a 0/1 mask times ``finfo.min`` that became
+  ``-inf`` in a narrower format);
+- the op received ``-inf`` itself (softmax's input, a mask added to scores), or an op inside the module
+  wrote it.
+
+With a reference, a record is unexpected where it holds non-finite values the reference does not (the
+comparison's ``nonfinite_introduced``, which counts positions masked in both runs as equal: see
+``metrics``).  A parameter or buffer already non-finite before any op ran is itself the origin, named with
+its value.  Containers pass values on: the innermost candidate is named.  When the order is unknown
+(``order == "name"``) the first innermost candidate by name is named, ``certainty`` says so and ``others``
+lists the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Mapping, Optional, Sequence
+
+from .display import num_text
+from .formats import format_for_dtype
+from .ops import CONSTANT_OPS, MASKING_OPS, canonical, module_path
+from .records import INPUT_ROLES
+from .stats import TensorStats
+
+__all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFacts", "analyse", "ORDER_TEXT",
+           "order_text", "intended_output", "is_additive_mask", "KINDS"]
+
+# runs.order in words
+ORDER_TEXT = {"execution": "execution order", "data": "order recovered from the data (outputs that are later inputs)",
+              "mtime": "order from file modification times", "name": "order unknown: by name"}
+# roles of the values a module holds rather than receives: named as the origin when already non-finite
+PARAM_ROLES = ("param", "buffer")
+# what an origin can be: an op introduced the value; a parameter or buffer already held it; it came from
+# before the first recorded op
+KINDS = ("op", "parameter", "input")
+
+
+def order_text(order: Optional[str]) -> str:
+    """A run's ``order`` in words, as the reports and the Overview show it."""
+    return ORDER_TEXT.get(order or "execution", order or "")
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """One op call: where it ran."""
+    op: str
+    op_type: Optional[str]
+    step: int
+    rank: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Intended(OpRef):
+    """An op call that wrote ``-inf`` that is no error by itself (a mask, a constant, ``log(0)``)."""
+    count: int = 0  # the -inf values it wrote
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """One op call on the way to the origin: whether it received or wrote a non-finite value."""
+    op: str
+    op_type: Optional[str]
+    seq: int
+    nonfinite_in: bool
+    nonfinite_out: bool
+
+
+@dataclass(frozen=True)
+class ParameterOrigin:
+    """A parameter or buffer that was non-finite before any op used it."""
+    name: str  # module path + parameter name
+    module_op: str
+    index: str
+    dtype: Optional[str]
+    ref_absmax: Optional[float]
+    reason: str
+    role: str = "param"  # or "buffer"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a run's first unexpected non-finite value came from.
+
+    ``origin``: one of ``KINDS``; ``producer`` is ``origin == "op"``.  ``op`` is the op call named (for a
+    parameter, the op or module that holds it; ``parameter`` says which and why).  ``rid``/``role``/``index``
+    name the record that shows it (the first unexpected output, the parameter, or the first non-finite
+    input).  ``certainty``: ``"certain"`` in a known order, ``"order unknown"`` when the dump's order is by
+    name (``others`` then lists the other innermost candidates).  ``in_reference``: the reference run holds
+    the same non-finite values.  ``first_nan``: the op that introduced the first NaN when another op made an
+    inf first.  ``intended``: ops that wrote a mask's ``-inf``.  ``path``: the op calls before it.
+    """
+    run: str
+    run_id: str
+    op: str
+    op_type: Optional[str]
+    direction: Optional[str]
+    seq: int
+    step: int
+    rank: int
+    rid: int
+    role: str
+    index: str
+    origin: str
+    reason: str
+    order: str
+    order_known: bool
+    certainty: str
+    location: Optional[str] = None
+    parent: Optional[str] = None
+    parameter: Optional[ParameterOrigin] = None
+    others: tuple[str, ...] = ()
+    in_reference: bool = False
+    first_nan: Optional[OpRef] = None
+    intended: tuple[str, ...] = ()
+    path: tuple[PathStep, ...] = field(default=())
+
+    @property
+    def producer(self) -> bool:
+        return self.origin == "op"
+
+    @property
+    def where(self) -> str:
+        return f"step {self.step}, rank {self.rank}, seq {self.seq}"
+
+    def with_path(self, path: Sequence[PathStep]) -> "Origin":
+        return replace(self, path=tuple(path))
+
+    def as_dict(self) -> dict:
+        """The JSON form (the report's ``first_nonfinite`` entries): every field, plus ``producer``."""
+        d = asdict(self)
+        d["producer"] = self.producer
+        d["others"], d["intended"] = list(self.others), list(self.intended)
+        d["path"] = [asdict(p) for p in self.path]
+        return d
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the analysis reads about one run (``services.report.run_facts`` answers it from the store).
+
+    ``calls``: the op calls holding any NaN/inf, in execution order (``step, rank, op, seq, op_type,
+    direction``).  ``records``: their non-finite records (the tensors columns, plus ``introduced`` -- the
+    comparison's ``nonfinite_introduced`` or None -- and the paired reference's ``ref_absmax`` and
+    ``ref_nonfinite``).  ``parents``: op -> the module call it ran in, where the dump says.  ``inputs_recorded``:
+    whether the run records op inputs at all (an outputs-only dump does not, and there an op without input
+    records is no constant)."""
+    run: str
+    run_id: str
+    order: str
+    calls: tuple[Mapping, ...]
+    records: tuple[Mapping, ...]
+    parents: Mapping[str, str] = field(default_factory=dict)
+    inputs_recorded: bool = True
+
+
+# ---- which non-finite values are intended -----------------------------------------------------------
+
+def is_additive_mask(st: TensorStats) -> bool:
+    """Whether a tensor holding ``-inf`` is an additive mask: every non-finite value is ``-inf`` and every
+    finite one is 0 (a 0/1 mask times ``finfo.min`` that overflowed to ``-inf`` in a narrower format).  From
+    the counts where known, else from a summary's Min (``-inf``) and Max (0)."""
+    if st.negative_inf_only is not True:
+        return False
+    if st.zero_count is not None and st.inf_count is not None and st.numel:
+        return st.zero_count + st.inf_count == st.numel
+    return st.max == 0
+
+
+def intended_output(op_type: Optional[str], st: TensorStats, *, received_mask: bool, read_tensors: bool,
+                    inside_intended: bool = False) -> bool:
+    """Whether an output's non-finite values are no error by itself (see the module doc): the one rule the
+    producer, the intended list, ``bisect``/``verify`` and the alerts share."""
+    if st.negative_inf_only is not True:
+        return False
+    kind = canonical(op_type)
+    return bool(kind in MASKING_OPS or kind in CONSTANT_OPS or not read_tensors or received_mask
+                or inside_intended or is_additive_mask(st))
+
+
+def _inside(op: str, container: str, parents: Optional[Mapping] = None) -> bool:
+    """Whether ``op`` ran inside ``container``: by the dump's own nesting (``parents``: op -> enclosing module
+    call, msprobe's construct.json) or by name (``container``'s module path is a prefix of ``op``)."""
+    if op == container:
+        return False
+    scope = module_path(container)
+    if scope == "" or op.startswith(scope + "."):
+        return True
+    seen = 0
+    p = (parents or {}).get(op)
+    while p is not None and seen < 256:  # a parent chain that loops ends here
+        if p == container:
+            return True
+        p, seen = parents.get(p), seen + 1
+    return False
+
+
+def _classify(facts: RunFacts, *, use_reference: bool) -> list[dict]:
+    """Each op call of the facts with what its non-finite records mean.
+
+    A record compared with a reference is unexpected when it holds non-finite values the reference does not
+    (``use_reference``); one the reference lacks is judged as below when its op received only finite values
+    and the run carried none of the reference's own, else taken as passed on.  Otherwise an input carrying
+    only ``-inf`` is a mask (expected), and an output is judged by ``intended_output``.  Adds ``nf_in``/
+    ``nf_out`` (unexpected in an input / an output), ``nan_in``/``nan_out``, ``intended_out``,
+    ``intended_count``, ``first_rec`` (the first unexpected output record), ``first_in`` (the first
+    unexpected input record) and ``params`` (unexpected parameter and buffer records)."""
+    parents = facts.parents
+    by_call: dict[tuple, list] = {}
+    stats: dict[int, TensorStats] = {}
+    for r in facts.records:
+        by_call.setdefault((r["step"], r["rank"], r["op"]), []).append(r)
+        stats[r["rid"]] = TensorStats.from_row(dict(r))
+    out: list[dict] = []
+    intended_scopes: list[tuple] = []
+    carried: dict[tuple, bool] = {}  # (step, rank) -> a non-finite value the reference shares was seen
+    for g in facts.calls:
+        rs = by_call.get((g["step"], g["rank"], g["op"]), [])
+        ins = [r for r in rs if r["role"] in INPUT_ROLES]
+        outs = [r for r in rs if r["role"] not in INPUT_ROLES]
+        # an op call that read no tensor at all (a constant), told apart from one whose inputs were finite
+        read_tensors = bool(ins) or not facts.inputs_recorded or not g.get("no_inputs", False)
+
+        def by_reference(r) -> bool:
+            """Whether the reference decides: a compared record, or (no reference tensor to compare) a received
+            value, one passed on from non-finite inputs, or one made after the run already carried the
+            reference's own non-finite values (through Python, e.g. torch.tensor(x.item())): those are blamed on
+            the op that made the first of them."""
+            return use_reference and (r.get("introduced") is not None or r["role"] in INPUT_ROLES or bool(ins)
+                                      or bool(carried.get((g["step"], g["rank"]))))
+
+        def unexpected(r) -> bool:
+            if by_reference(r):
+                return r.get("introduced") is not None and int(r["introduced"]) > 0
+            return stats[r["rid"]].negative_inf_only is not True
+
+        bad_in = [r for r in ins if unexpected(r)]
+        mask_in = any(r not in bad_in for r in ins)
+        # the reference's own NaN/inf arriving here (not a mask): what this op adds to them is not its doing
+        shared_in = use_reference and any(r not in bad_in and stats[r["rid"]].negative_inf_only is not True
+                                          for r in ins)
+        inside = any(k[:2] == (g["step"], g["rank"]) and _inside(k[2], g["op"], parents) for k in intended_scopes)
+        bad_out, good_out = [], []
+        for r in outs:
+            if by_reference(r):
+                (bad_out if unexpected(r) else good_out).append(r)
+            elif intended_output(g["op_type"], stats[r["rid"]], received_mask=mask_in, read_tensors=read_tensors,
+                                 inside_intended=inside):
+                good_out.append(r)
+            else:
+                bad_out.append(r)
+        if use_reference and any(r.get("introduced") == 0 for r in rs):
+            carried[(g["step"], g["rank"])] = True
+        intended_out = (bool(good_out) and not bad_in and not mask_in
+                        and all(stats[r["rid"]].negative_inf_only for r in good_out))
+        if intended_out:
+            intended_scopes.append((g["step"], g["rank"], g["op"]))
+        out.append({**g, "nf_in": bool(bad_in) or shared_in, "nf_out": bool(bad_out), "shared_in": shared_in,
+                    "nan_in": any((r["nan_count"] or 0) > 0 for r in bad_in),
+                    "nan_out": any((r["nan_count"] or 0) > 0 for r in bad_out),
+                    "intended_out": intended_out,
+                    "intended_count": sum(int(r["inf_count"] or 0) for r in good_out),
+                    "first_rec": bad_out[0] if bad_out else None, "first_in": bad_in[0] if bad_in else None,
+                    "params": [r for r in bad_in if r["role"] in PARAM_ROLES]})
+    return out
+
+
+def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) -> tuple[dict, list[str], str]:
+    """(the call named, other candidates when the order is unknown, one of ``KINDS``).
+
+    A candidate has no unexpected non-finite input and an unexpected non-finite output.  A candidate with
+    another candidate inside it (same step and rank) is a module passing the value on: the innermost one is
+    named.  When the first event is an op that *receives* a non-finite value no earlier op produced, a
+    parameter of it (or of a module around it) that is already non-finite is the origin; else the value
+    came from before the first record.  With the order unknown, parameters come first, then the innermost
+    candidates of the first step and rank, the first by name named and the others listed."""
+    cands = [g for g in events if g["nf_out"] and not g["nf_in"]]
+    first = events[0]
+    local = [g for g in events if (g["step"], g["rank"]) == (first["step"], first["rank"])]
+    with_params = [g for g in local if g["params"]]
+    if known:
+        if first["nf_out"] and not first["nf_in"]:
+            hit = first
+            lc = [g for g in cands if (g["step"], g["rank"]) == (first["step"], first["rank"])]
+            while True:
+                inner = next((g for g in lc if _inside(g["op"], hit["op"], parents)), None)
+                if inner is None:
+                    return hit, [], "op"
+                hit = inner
+        holder = next((g for g in with_params if g is first or _inside(first["op"], g["op"], parents)), None)
+        if holder is None and first["params"]:
+            holder = first
+        if holder is not None:
+            return holder, [], "parameter"
+        return first, [], "input"
+    if with_params:
+        return with_params[0], [], "parameter"
+    if not cands:
+        return first, [], "input"
+    c0 = cands[0]
+    lc = [g for g in cands if (g["step"], g["rank"]) == (c0["step"], c0["rank"])]
+    innermost = sorted((g for g in lc if not any(_inside(o["op"], g["op"], parents) for o in lc)),
+                       key=lambda g: (g["seq"], g["op"]))
+    return innermost[0], [g["op"] for g in innermost[1:]], "op"
+
+
+def _parameter(call: dict) -> ParameterOrigin:
+    """The first non-finite parameter (or buffer) of ``call``, named by its module path, with its value
+    against the format."""
+    r = call["params"][0]
+    scope = module_path(call["op"])
+    name = f"{scope}.{r['index']}" if scope else str(r["index"])
+    fmt = format_for_dtype(r["dtype"])
+    fname = fmt.name if fmt else (r["dtype"] or "its dtype")
+    st = TensorStats.from_row(dict(r))
+    what = " and ".join(s for s in (f"{st.nan_count:,} NaN" if st.nan_count else "",
+                                    f"{st.inf_count:,} inf" if st.inf_count else "") if s) or "non-finite values"
+    ref = r.get("ref_absmax")
+    noun = "buffer " if r["role"] == "buffer" else ""
+    if ref is not None and math.isfinite(ref) and not r.get("ref_nonfinite") and fmt is not None \
+            and fmt.kind == "float" and ref >= fmt.overflow_threshold:
+        reason = (f"{noun}{name} holds {ref:.1e} > {fname} max {num_text(fmt.max, grouped=True)}: {what} after the "
+                  f"cast to {fname}, before any op ran")
+    elif r.get("ref_nonfinite"):
+        reason = (f"{noun}{name} is already non-finite in the reference run ({what} in {fname}): the stored "
+                  "weights are bad")
+    else:
+        reason = (f"{noun}{name} holds {what} in {fname} before any op used it (stored non-finite, or it overflowed "
+                  f"when the model was cast)")
+    return ParameterOrigin(name, call["op"], str(r["index"]), r["dtype"], ref, reason, r["role"])
+
+
+def _intended_of(calls: list[dict]) -> list[Intended]:
+    return [Intended(c["op"], c["op_type"], int(c["step"]), int(c["rank"]), int(c["seq"]), c["intended_count"])
+            for c in calls if c["intended_out"] and not c["nf_out"]]
+
+
+def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
+    """``(origin, intended)`` of a run: the first unexpected non-finite value's origin (None when the run
+    holds none: a run whose only NaN/inf are a mask's ``-inf`` is clean) and the op calls that wrote
+    intended ``-inf``, in execution order.  ``path`` is left empty: the caller reads it (the op calls before
+    the origin are not among the facts)."""
+    if not facts.calls:
+        return None, []
+    compared = any(r.get("introduced") is not None for r in facts.records)
+    calls = _classify(facts, use_reference=compared)
+    in_reference = False
+    first_event = next((c for c in calls if c["nf_in"] or c["nf_out"]), None)
+    if compared and (first_event is None or first_event["shared_in"]):
+        # nothing was introduced by the lower precision before the reference's own non-finite values arrived:
+        # the reference has them too, and the op that made them there is the answer
+        calls = _classify(facts, use_reference=False)
+        in_reference = True
+    masks = _intended_of(calls)
+    intended = tuple(m.op for m in masks)
+    events = [c for c in calls if c["nf_in"] or c["nf_out"]]
+    if not events:
+        return None, masks
+    order = facts.order or "execution"
+    known = order != "name"
+    hit, others, kind = _pick(events, known, facts.parents)
+    param = _parameter(hit) if kind == "parameter" else None
+    rec = hit["first_rec"] if kind == "op" else (hit["params"][0] if param else hit["first_in"])
+    if kind == "parameter":
+        reason = param.reason
+    elif kind == "op" and known:
+        reason = (f"{hit['op']} is the first op whose inputs are all finite and whose {rec['role']} "
+                  f"{rec['index']} is not")
+    elif kind == "op":
+        reason = (f"{hit['op']}: its inputs are all finite and its {rec['role']} {rec['index']} is not, and no op "
+                  f"inside it is like that ({ORDER_TEXT['name']}, so the innermost such op is named")
+        reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
+                   f"{', ...' if len(others) > 5 else ''})" if others else ")")
+    else:
+        reason = (f"{hit['op']} already receives a non-finite {rec['role']} {rec['index']}; no recorded op "
+                  "produced it (it comes from before the first recorded op, e.g. the model's inputs)")
+        if not known:
+            reason += f" ({ORDER_TEXT['name']})"
+    if in_reference:
+        reason += "; the reference run holds the same non-finite values"
+    if intended:
+        reason += (f" ({len(intended)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)) "
+                   f"and are not blamed: {', '.join(intended[:3])}{', ...' if len(intended) > 3 else ''})")
+    first_nan = None
+    if kind == "op" and known and not hit["nan_out"]:
+        nan_hit = next((c for c in events if c["nan_out"] and not c["nan_in"]
+                        and (c["step"], c["rank"], c["seq"]) >= (hit["step"], hit["rank"], hit["seq"])), None)
+        if nan_hit is not None and nan_hit["op"] != hit["op"]:
+            first_nan = OpRef(nan_hit["op"], nan_hit["op_type"], int(nan_hit["step"]), int(nan_hit["rank"]),
+                              int(nan_hit["seq"]))
+    certainty = "certain" if known else "order unknown"
+    return Origin(
+        run=facts.run, run_id=facts.run_id, op=hit["op"], op_type=hit["op_type"], direction=hit.get("direction"),
+        seq=int(hit["seq"]), step=int(hit["step"]), rank=int(hit["rank"]), rid=int(rec["rid"]), role=rec["role"],
+        index=str(rec["index"]), origin=kind, reason=reason, order=order, order_known=known, certainty=certainty,
+        location=rec.get("location"), parent=rec.get("parent"), parameter=param, others=tuple(others),
+        in_reference=in_reference, first_nan=first_nan, intended=intended), masks
