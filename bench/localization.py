@@ -1,32 +1,71 @@
-"""How often Precision Lab names the op where a failure really started, and how long it takes to say so.
+"""How often Precision Lab names the op where a failure really started, how often it names one where nothing
+failed, and how long it takes to say so.
 
-The corpus injects failures with a known origin into models built from config with random weights (no
-downloads): Hugging Face ``transformers`` Qwen2, Llama, GPT-2, BERT and T5, and two small seed models (a causal
-attention that masks its scores with ``masked_fill(-inf)``, and a stack of Linear+GELU blocks).  Kinds:
+Every model is built from config or from code with random weights (no downloads).  Two corpora:
+
+The injected corpus: Hugging Face ``transformers`` Qwen2, Llama, GPT-2, BERT and T5, and two small seed models
+(a causal attention that masks its scores with ``masked_fill(-inf)``, and a stack of Linear+GELU blocks).  Kinds:
 
 - ``activation``: one Linear-like module's weight and bias are scaled so its fp32 output reaches twice fp16's
   max (measured first with a plain fp32 forward), while the weight itself stays inside fp16's range;
-- ``weight``: one weight element is set to 1e5, which becomes inf when the model is cast to fp16.
+- ``weight``: one weight element is set to 1e5, which becomes inf when the model is cast to fp16;
+- seed failures that need no injection, each after a causal attention that masks with ``-inf``: softmax without
+  max subtraction (exp overflows fp16), one-pass variance on values near 300 (x^2 overflows), RMSNorm with eps
+  1e-8 (0 in fp16: 0 x rsqrt(0) = NaN on a padding row), row-wise fp8-style scale of an all-zero row (0 x inf),
+  and L2 normalisation of a zero row (0/0, in fp32 too).
 
-Each case is answered three ways: ``live`` (``capture_pair`` of the fp32 model against fp16), ``dump-ordered``
-(every module's fp16 tensor inputs and first output saved with forward hooks as
-``<path>.<input.i|kwarg.name|output.0>.npy``, with a
-``manifest.json`` call-order list) and ``dump-unordered`` (the same folder with no list and equal file times,
-so the order must come from the data), and ``msprobe`` (Ascend msprobe's statistics dump, level "mix", of
-the fp16 forward, when ``mindstudio-probe`` is installed: its functional ops show the masks' -inf, and its
-``construct.json`` says which module each op ran in).  A case counts as right when the named op is the injected module or
-an op inside it; for a live ``weight`` case the parameter itself must be named, and for a live seed failure
-the op inside the module that makes the first non-finite value (``FIRST_OP_TYPE``).
+The extended corpus (``bench/localization_cases.py``):
 
-Seed failures that need no injection, each after a causal attention that masks with ``-inf`` (so the mask
-is present in every run): softmax without max subtraction (exp overflows fp16), one-pass variance on values
-near 300 (x^2 overflows), RMSNorm with eps 1e-8 (0 in fp16: 0 x rsqrt(0) = NaN on a padding row), row-wise
-fp8-style scale of an all-zero row (0 x inf), and L2 normalisation of a zero row (0/0, in fp32 too).
+- ``healthy`` controls, scored as false alarms: Qwen2, Llama, GPT-2, BERT, T5, Mistral, GPT-NeoX, OPT, Gemma
+  (eager attention, an ``attention_mask`` with padding so ``transformers`` builds its ``finfo.min`` additive
+  mask) and both seed models, in fp16 and bf16, forward and forward + ``loss.backward()``; the fp32 reference of
+  each fp16 pair is a control of its own;
+- ``mask-constant`` controls: the seed attention with its causal mask made by ``masked_fill(-inf)``,
+  ``torch.where(mask, s, tensor(-inf))``, ``s + mask.to(dtype) * finfo(float32).min`` (``-inf`` in fp16, the
+  output finite and right), ``full_like(s, -inf).triu(1)`` and ``s.new_full(..., -inf).triu(1)``;
+- ``not-first``: the first non-finite value in execution order is not the origin: a mask's ``-inf`` (written by
+  a mul, ``where`` or ``full_like``) or ``log_softmax``'s ``-inf`` before a real overflow, a NaN the fp32
+  reference holds too before an fp16-only overflow, a padding mask in Llama/BERT/GPT-2 before an overflow in
+  layer 1;
+- ``quiet-loss`` (no NaN; judged by the op ranked first by local error, or a diagnosis): one-pass variance with
+  a large common mean in bf16 and fp16 (the subtraction cancels), ``(h + 2048) - 2048`` in fp16, position ids
+  counted past 2048 in fp16, gradients below fp16's smallest subnormal;
+- ``fp8-outlier`` (policy ``fp8-e4m3-tensor``): one weight element, or one input channel, far above the rest
+  flushes the other values to zero; the layer's own quantisation (``weight_quant`` / ``act_quant``) must rank
+  first by local error or be diagnosed;
+- ``buffer``: a BatchNorm ``running_var`` / ``running_mean`` element set to 1e5 (inf in fp16): the buffer must
+  be named, origin "parameter";
+- ``tied-weight``: an element of an embedding tied to the output projection set to 1e5: the parameter named;
+- ``backward-only``: forward finite, a gradient overflows in the fp16 backward: the backward op named;
+- ``report``: failures rebuilt from public reports, each printed with its source: an fp8 scale computed in fp16
+  (reciprocal overflows), row-wise fp8 scaling of an all-zero row, softmax without max subtraction, a bf16
+  one-pass LayerNorm whose variance cancels to a negative number, eps 1e-12 (0 in fp16) in a LayerNorm over a
+  zero row, a Qwen2 MLP ``down_proj`` output above 65504, and a +inf gradient that Adam turns into NaN weights
+  on the next step (two training steps captured).
 
-    python bench/localization.py            # the whole corpus, a table per kind and per input
-    python bench/localization.py --quick    # one layer per model
+Each case is answered by the input kinds that apply: ``live`` (``capture_pair`` of the fp32 model against the
+candidate dtype or policy), ``dump-ordered`` (every module's tensor inputs, its own parameters and buffers
+(``param``) and first output, and with a loss every leaf module's gradients as op ``<module>.backward``, saved
+with forward and backward hooks as ``<path>.<input.i|kwarg.name|param.name|output.0>`` ``.npy`` files, ``.pt``
+for bf16, with a ``manifest.json`` call-order list), ``dump-unordered`` (the same folder with no list and equal
+file times, so the order must come from the data), and ``msprobe`` (Ascend msprobe's statistics dump, level
+"mix", of the fp16 forward of the injected corpus, when ``mindstudio-probe`` is installed).
 
-Not part of CI's pass/fail; ``tests/test_origin.py`` runs a few of the same cases as tests.
+The judge is strict.  A failure is right only when the answer names the exact op and the right origin kind
+("op", "parameter" or "input"): live, an op of the failing module itself (its functional op or its call; for a
+seed or rebuilt failure, the op of the type that first produces the value; for a backward failure, its
+backward op); in a dump, the failing module itself (``model.<path>``, ``model.<path>.backward``); for a
+weight, buffer or tied weight, that parameter.  The enclosing module or an op of the right type elsewhere
+earns nothing.  A healthy control is right when ``first_nonfinite`` names nothing.  Cases that raise are
+counted wrong and say why.
+
+    python bench/localization.py            # everything: two layers per injected model, every control dump
+    python bench/localization.py --quick    # one layer per injected model; forward+backward controls live only
+
+It prints a table per kind and input kind (right, wrong, total, share, median seconds), the same for the
+healthy controls (wrong = false alarm), the rebuilt failures with their sources, every false alarm (case, input
+kind, what was named, the reason given) and every miss with what was named instead.  Not part of CI's
+pass/fail; ``tests/test_origin.py`` runs a few of the same cases as tests.
 """
 
 from __future__ import annotations
@@ -47,13 +86,16 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision_lab import capture_pair  # noqa: E402
+from precision_lab.fixes.policy import call_model  # noqa: E402
 from precision_lab.ops import canonical, module_path  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
 from precision_lab.store import queries as q  # noqa: E402
+from localization_cases import MaskedAttention, SeedAttention, SeedBlocks  # noqa: E402
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 INPUT_KINDS = ("live", "dump-ordered", "dump-unordered")
@@ -86,40 +128,6 @@ def _hf(name: str):
                           decoder_start_token_id=0, attn_implementation="eager")
         return (lambda: tf.T5ForConditionalGeneration(cfg)), "encoder.block.{i}.layer.1.DenseReluDense.wi"
     raise KeyError(name)
-
-
-class MaskedAttention(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        t = x.shape[1]
-        s = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
-        s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1), float("-inf"))
-        return self.out(torch.softmax(s, -1) @ self.v(x))
-
-
-class SeedAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([MaskedAttention(), MaskedAttention()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
-class SeedBlocks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 # failures that need no injection: each computes in the input's dtype, after a masked attention
@@ -243,18 +251,45 @@ def _injector(base_build, inputs, path: str, kind: str):
 
 # ---- the three ways to answer --------------------------------------------------------------------
 
-def _live(store, build, inputs):
+def _get(f, k, default=None):
+    """A field of ``first_nonfinite``'s answer, whether it is a dict or an object with attributes."""
+    if f is None:
+        return default
+    return f.get(k, default) if isinstance(f, dict) else getattr(f, k, default)
+
+
+def _live_pair(store, build, inputs, dtype=torch.float16, loss=None, local_error=False):
+    """capture_pair of the fp32 model against ``dtype`` (a torch dtype or a policy): (candidate's answer,
+    reference's answer, session name, candidate run id, seconds)."""
     t = time.perf_counter()
-    name = capture_pair(build, inputs, torch.float16, store=store, local_error=False)
-    cand = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "candidate")
+    name = capture_pair(build, inputs, dtype, store=store, local_error=local_error, loss_fn=loss)
+    runs = q.session_runs(store, store.session(name)["session_id"])
+    cand = next(r for r in runs if r["kind"] == "candidate")
+    ref = next(r for r in runs if r["kind"] == "reference")
     f = first_nonfinite(store, cand["run_id"])
-    return f, time.perf_counter() - t
+    secs = time.perf_counter() - t
+    return f, first_nonfinite(store, ref["run_id"]), name, cand["run_id"], secs
 
 
-def _dump(build, inputs, folder: Path, ordered: bool) -> None:
-    model = build().half()
-    inputs = {k: v for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.half()
+def _live(store, build, inputs):
+    f, _, _, _, secs = _live_pair(store, build, inputs)
+    return f, secs
+
+
+def _dump(build, inputs, folder: Path, ordered: bool, dtype=torch.float16, loss=None) -> None:
+    """Every module's tensor inputs, its own parameters and buffers (``param``) and first output, and with
+    ``loss`` every leaf module's gradients (as op ``<module>.backward``), saved in ``dtype``."""
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    if isinstance(inputs, dict):
+        inputs = {k: v for k, v in inputs.items()}
+    elif isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        inputs = inputs.to(dtype)
     saved, calls = {}, []
+
+    def keep(key, x):
+        if torch.is_tensor(x):
+            saved[key] = x.detach().clone()
 
     def first_tensor(args, kwargs):
         for v in list(args) + list(kwargs.values()):
@@ -262,15 +297,16 @@ def _dump(build, inputs, folder: Path, ordered: bool) -> None:
                 return v
         return None
 
-    def pre(name):
+    def pre(name, mod):
         def hook(_m, args, kwargs):
             calls.append(name)
             for i, x in enumerate(args):
-                if torch.is_tensor(x):
-                    saved[f"{name}.input.{i}"] = x.detach().numpy().copy()
+                keep(f"{name}.input.{i}", x)
             for k, x in kwargs.items():
-                if torch.is_tensor(x):
-                    saved[f"{name}.kwarg.{k}"] = x.detach().numpy().copy()
+                keep(f"{name}.kwarg.{k}", x)
+            for k, x in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                if x.is_floating_point() and x.numel():
+                    keep(f"{name}.param.{k}", x)
         return hook
 
     def post(name):
@@ -278,18 +314,38 @@ def _dump(build, inputs, folder: Path, ordered: bool) -> None:
             y = out if torch.is_tensor(out) else first_tensor(out if isinstance(out, (tuple, list)) else
                                                                  list(getattr(out, "values", lambda: [])()), {})
             if y is not None:
-                saved[f"{name}.output.0"] = y.detach().numpy().copy()
+                keep(f"{name}.output.0", y)
+        return hook
+
+    def back(name):
+        def hook(_m, grad_input, grad_output):
+            calls.append(f"{name}.backward")
+            for i, g in enumerate(grad_output):
+                keep(f"{name}.backward.grad_output.{i}", g)
+            for i, g in enumerate(grad_input):
+                keep(f"{name}.backward.grad_input.{i}", g)
         return hook
 
     for path, mod in model.named_modules():
         name = f"model.{path}" if path else "model"  # the root's name is a prefix of every other
-        mod.register_forward_pre_hook(pre(name), with_kwargs=True)
+        mod.register_forward_pre_hook(pre(name, mod), with_kwargs=True)
         mod.register_forward_hook(post(name), with_kwargs=True)
-    _forward(model, inputs)
+        if loss is not None and path and not any(True for _ in mod.children()) and any(
+                True for _ in mod.parameters(recurse=False)):
+            mod.register_full_backward_hook(back(name))
+    if loss is None:
+        _forward(model, inputs)
+    else:
+        loss(call_model(model, inputs)).backward()
     folder.mkdir(parents=True)
     for n, a in saved.items():
-        np.save(folder / f"{n}.npy", a)
-        os.utime(folder / f"{n}.npy", ns=(1_700_000_000_000_000_000,) * 2)
+        if a.dtype == torch.bfloat16:
+            f = folder / f"{n}.pt"
+            torch.save(a.contiguous(), f)
+        else:
+            f = folder / f"{n}.npy"
+            np.save(f, a.numpy())
+        os.utime(f, ns=(1_700_000_000_000_000_000,) * 2)
     if ordered:
         order = [n for c in calls for n in saved if n.rsplit(".", 2)[0] == c]
         (folder / "manifest.json").write_text(json.dumps({"call_order": order}))
@@ -339,42 +395,196 @@ FIRST_OP_TYPE = {"softmax": "exp", "onepass-norm": "mul", "tiny-eps": "rsqrt", "
                  "zero-norm": "div"}
 
 
-def _right(f, path: str, kind: str, how: str, folder: Optional[Path] = None) -> bool:
+def _live_module(op: str) -> str:
+    """The module a live capture's op belongs to: ``a.b.linear.0`` and ``a.b.forward.0`` -> ``a.b``, a
+    backward op ``a.b.linear.0.backward`` -> ``a.b``, a root-level ``exp.0`` -> ``""``."""
+    parts = op.removesuffix(".backward").split(".")
+    return ".".join(parts[:-2])
+
+
+def _type_in(op_type, types) -> bool:
+    return types is None or op_type in types or canonical(op_type) in types
+
+
+def _expect(path: str, kind: str) -> dict:
+    """What the original kinds must name."""
+    if kind == "weight":
+        return {"origin": "parameter", "params": {f"{path}.weight"}}
+    if kind in FIRST_OP_TYPE:
+        return {"origin": "op", "module": path, "types": {FIRST_OP_TYPE[kind]}}
+    return {"origin": "op", "module": path, "types": None}
+
+
+def _judge(f, expect: Optional[dict], how: str) -> bool:
+    """The strict judge: a healthy control (``expect`` None) is right when nothing is named; a failure when the
+    exact op (or parameter) and the right origin kind are named."""
+    if expect is None:
+        return f is None
     if f is None:
         return False
-    if how == "live" and kind == "weight":
-        return f.origin == "parameter" and f.parameter.name == f"{path}.weight"
-    if how in ("live", "msprobe") and kind in FIRST_OP_TYPE and canonical(f.op_type) != FIRST_OP_TYPE[kind]:
+    origin = _get(f, "origin")
+    if "params" in expect:
+        name = _get(_get(f, "parameter"), "name")
+        if name and how != "live":
+            name = name.removeprefix("model.")
+        return origin == "parameter" and name in expect["params"]
+    if origin != "op":
         return False
+    op, backward = _get(f, "op"), expect.get("backward", False)
+    if how == "live":
+        return ((_get(f, "direction") == "backward") == backward and _live_module(op) == expect["module"]
+                and _type_in(_get(f, "op_type"), expect.get("types")))
+    want = "model" + (f".{expect['module']}" if expect["module"] else "") + (".backward" if backward else "")
+    return op == want
+
+
+def _right(f, path: str, kind: str, how: str, folder: Optional[Path] = None) -> bool:
     if how == "msprobe":
+        if f is None or (kind in FIRST_OP_TYPE and canonical(_get(f, "op_type")) != FIRST_OP_TYPE[kind]):
+            return False
+        if kind == "weight":
+            return _get(f, "origin") == "parameter" and _get(_get(f, "parameter"), "name", "").endswith(
+                f"{path}.weight")
         # the named op, or a module call it ran inside (msprobe's own construct.json), is the injected module
         parents = json.loads(next(folder.rglob("construct.json")).read_text())
-        op, seen = f.op, 0
+        op, seen = _get(f, "op"), 0
         while op is not None and seen < 64:
             if module_path(op) == path:
                 return True
             op, seen = parents.get(op), seen + 1
         return False
-    op = f.op
-    if how != "live":
-        path = f"model.{path}"
-    return op == path or op.startswith(path + ".")
+    return _judge(f, _expect(path, kind), how)
+
+
+def _op_type_of(store, run_id: str, op: str) -> Optional[str]:
+    got = store.sql("SELECT any_value(op_type) FROM tensors WHERE run_id = ? AND op = ?", [run_id, op]).fetchone()
+    return got[0] if got else None
+
+
+def _judge_quiet(store, session: str, run_id: str, expect: dict) -> tuple[bool, str]:
+    """A quiet loss is found when the op ranked first by local error, or an op a diagnosis names, is an op of
+    the expected module (of the expected type, when given).  Returns (right, what was named)."""
+    from precision_lab.services.diagnose import diagnose
+
+    def match(op):
+        if not op:
+            return False
+        m, types = expect["module"], expect.get("types")
+        if types is None:
+            return op == m or op.startswith(m + ".")
+        return _live_module(op) == m and _type_in(_op_type_of(store, run_id, op), types)
+
+    ranked = q.ops_by_local_error(store, run_id)
+    diags = [d for d in diagnose(store, session) if d.run_id == run_id]
+    named = f"top local error: {ranked[0] if ranked else None}"
+    if diags:
+        named += "; diagnoses: " + ", ".join(f"{d.rule}@{d.op}" for d in diags[:3])
+    return (bool(ranked) and match(ranked[0])) or any(match(d.op) for d in diags), named
 
 
 # ---- the corpus ---------------------------------------------------------------------------------
 
 MODELS = ("qwen2", "llama", "gpt2", "bert", "t5", "seed-attention", "seed-blocks")
 KINDS = ("activation", "weight")  # injected into MODELS; SEED_FAILURES fail by themselves
+HEALTHY = ("healthy", "mask-constant")
+
+
+def _dtype_name(d) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(d, getattr(d, "name", str(d)))
+
+
+def _row(kind, case, how, right, f, secs, expected="", source="", named=None):
+    return {"kind": kind, "case": case, "how": how, "right": right, "secs": secs, "expected": expected,
+            "source": source, "named": named if named is not None else (
+                None if f is None else f"{_get(f, 'op')} ({_get(f, 'op_type')}, origin {_get(f, 'origin')}"
+                + (f", parameter {_get(_get(f, 'parameter'), 'name')}" if _get(f, "parameter") else "") + ")"),
+            "reason": _get(f, "reason")}
+
+
+def _describe(expect) -> str:
+    if expect is None:
+        return "nothing"
+    if "params" in expect:
+        return "parameter " + " or ".join(sorted(expect["params"]))
+    where = expect["module"] or "<root>"
+    types = "/".join(sorted(expect["types"])) if expect.get("types") else "its own op"
+    return f"{'quiet: ' if expect.get('quiet') else ''}{where} {types}" + (" (backward)" if expect.get("backward") else "")
+
+
+def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
+    """Every input kind of one extended-corpus case."""
+    rows = []
+    healthy = c.expect is None
+    quiet = bool(c.expect and c.expect.get("quiet"))
+    dname = _dtype_name(c.dtype)
+    hows = c.hows if not (quick and healthy and c.loss is not None) else ("live",)
+    for how in hows:
+        store = Store(":memory:")
+        try:
+            if how == "live":
+                if c.runner is not None:
+                    t = time.perf_counter()
+                    f = c.runner(store)
+                    rows.append(_row(c.kind, c.name, how, _judge(f, c.expect, how), f, time.perf_counter() - t,
+                                     _describe(c.expect), c.source))
+                    continue
+                f, fref, session, run_id, secs = _live_pair(store, c.build, c.inputs, c.dtype, c.loss,
+                                                            local_error=quiet)
+                if quiet:
+                    right, named = _judge_quiet(store, session, run_id, c.expect)
+                    if f is not None and not c.expect.get("any_nonfinite"):
+                        named += f"; first_nonfinite {_get(f, 'op')}"
+                    rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
+                    continue
+                rows.append(_row(c.kind, c.name + ("" if healthy else ""), how, _judge(f, c.expect, how), f, secs,
+                                 _describe(c.expect), c.source))
+                if healthy and c.fp32_control:
+                    fp32 = c.name.replace(f"/{dname}", "/fp32")
+                    rows.append(_row(c.kind, fp32, how, fref is None, fref, secs, "nothing"))
+                elif healthy and fref is not None:
+                    rows.append(_row(c.kind, c.name + " (its fp32 reference)", how, False, fref, secs, "nothing"))
+            else:
+                dtypes = [c.dtype] + ([torch.float32] if healthy and c.fp32_control else [])
+                for d in dtypes:
+                    folder = tmp / f"{c.kind}-{c.name.replace('/', '_')}-{_dtype_name(d)}-{how}"
+                    _dump(c.build, c.inputs, folder, ordered=how == "dump-ordered", dtype=d, loss=c.loss)
+                    f, secs = _from_dump(store, folder)
+                    name = c.name if d is c.dtype else c.name.replace(f"/{dname}", "/fp32")
+                    rows.append(_row(c.kind, name, how, _judge(f, c.expect, how), f, secs, _describe(c.expect),
+                                     c.source))
+        except Exception as e:  # a case the tool (or the dump) cannot run is a miss, and says why
+            rows.append(_row(c.kind, c.name, how, False, None, 0.0, _describe(c.expect), c.source,
+                             named=f"ERROR {type(e).__name__}: {str(e)[:200]}"))
+        finally:
+            close_all()
+    return rows
+
+
+def _table(rows, title):
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["kind"], r["how"])].append(r)
+    print(f"| {title} | input | right | wrong | total | share | median seconds |")
+    print("|---|---|---|---|---|---|---|")
+    for (k, h), rs in sorted(groups.items()):
+        right = sum(r["right"] for r in rs)
+        print(f"| {k} | {h} | {right} | {len(rs) - right} | {len(rs)} | {100 * right / len(rs):.0f}% | "
+              f"{sorted(r['secs'] for r in rs)[len(rs) // 2]:.2f} |")
+    print()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one layer per model")
+    ap.add_argument("--quick", action="store_true", help="one layer per model, fewer healthy dumps")
     ap.add_argument("--no-msprobe", action="store_true", help="leave out msprobe dumps even when it is installed")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import localization_cases as LC
+
+    started = time.perf_counter()
     layers = (1,) if args.quick else (0, 1)
-    results = []
+    rows = []
     cases = [(m, layer, kind) for m in MODELS for layer in layers for kind in KINDS]
     cases += [(m, None, m.removeprefix("seed-")) for m in SEED_FAILURES]
     with tempfile.TemporaryDirectory() as tmp:
@@ -396,24 +606,39 @@ def main() -> None:
                     folder = Path(tmp) / f"{model}-{layer}-{kind}-{how}"
                     _dump(build, inputs, folder, ordered=how == "dump-ordered")
                     f, secs = _from_dump(store, folder)
-                results.append((model, kind, how, _right(f, path, kind, how, folder), secs, path, f and f.op))
+                exp = _expect(path, kind)
+                rows.append(_row(kind, f"{model}" + (f" layer {layer}" if layer is not None else ""), how,
+                                 _right(f, path, kind, how, folder), f, secs, _describe(exp)))
                 close_all()
-    print(f"{len(results)} cases: {sum(r[3] for r in results)} right "
-          f"({100 * sum(r[3] for r in results) / len(results):.0f}%)\n")
-    for title, key in (("model", 0), ("kind", 1), ("input", 2)):
-        groups = defaultdict(list)
-        for r in results:
-            groups[r[key]].append(r)
-        print(f"| {title} | cases | right | share | median seconds to answer |")
-        print("|---|---|---|---|---|")
-        for g, rs in groups.items():
-            right = sum(r[3] for r in rs)
-            print(f"| {g} | {len(rs)} | {right} | {100 * right / len(rs):.0f}% | "
-                  f"{sorted(r[4] for r in rs)[len(rs) // 2]:.2f} |")
-        print()
-    misses = [r for r in results if not r[3]]
-    for r in misses:
-        print(f"miss: {r[0]} {r[1]} {r[2]}: origin {r[5]}, named {r[6]}")
+        for c in LC.corpus(args.quick):
+            rows.extend(_run_case(c, Path(tmp), args.quick))
+    failing = [r for r in rows if r["kind"] not in HEALTHY]
+    healthy = [r for r in rows if r["kind"] in HEALTHY]
+    right = sum(r["right"] for r in failing)
+    print(f"{len(failing)} failing answers: {right} right ({100 * right / max(len(failing), 1):.0f}%); "
+          f"{len(healthy)} healthy answers: {sum(not r['right'] for r in healthy)} false alarms "
+          f"({100 * sum(not r['right'] for r in healthy) / max(len(healthy), 1):.0f}%); "
+          f"{time.perf_counter() - started:.0f} s\n")
+    _table(failing, "kind")
+    print("Healthy controls (right = nothing named; wrong = a false alarm):\n")
+    _table(healthy, "controls")
+    sources = {}
+    for r in rows:
+        if r["source"]:
+            sources.setdefault((r["kind"], r["case"], r["source"]), []).append(f"{r['how']}: {'right' if r['right'] else 'WRONG'}")
+    print("| rebuilt failure | kind | source | answers |")
+    print("|---|---|---|---|")
+    for (k, case, src), answers in sources.items():
+        print(f"| {case} | {k} | {src} | {'; '.join(answers)} |")
+    print()
+    for r in healthy:
+        if not r["right"]:
+            print(f"false alarm: {r['case']} [{r['how']}]: named {r['named']}; reason: {r['reason']}")
+    print()
+    for r in failing:
+        if not r["right"]:
+            print(f"miss: {r['kind']} {r['case']} [{r['how']}]: expected {r['expected']}; named {r['named']}"
+                  + (f"; reason: {r['reason']}" if r["reason"] else ""))
 
 
 if __name__ == "__main__":

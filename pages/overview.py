@@ -63,7 +63,8 @@ for item in firsts:
         continue
     with st.container(border=True):
         if first.origin == "parameter":
-            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite value: parameter "
+            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite value: "
+                        f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} "
                         f"**{page.plain(first.parameter.name)}**, read by {page.plain(first.op)} "
                         f"({first.where})")
         else:

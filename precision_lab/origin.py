@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence
 from .display import num_text
 from .formats import format_for_dtype
 from .ops import CONSTANT_OPS, MASKING_OPS, canonical, module_path
-from .records import INPUT_ROLES
+from .records import INPUT_ROLES, STATE_ROLES
 from .stats import TensorStats
 
 __all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFacts", "analyse", "ORDER_TEXT",
@@ -48,8 +48,6 @@ __all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFac
 # runs.order in words
 ORDER_TEXT = {"execution": "execution order", "data": "order recovered from the data (outputs that are later inputs)",
               "mtime": "order from file modification times", "name": "order unknown: by name"}
-# roles of the values a module holds rather than receives: named as the origin when already non-finite
-PARAM_ROLES = ("param", "buffer")
 # what an origin can be: an op introduced the value; a parameter or buffer already held it; it came from
 # before the first recorded op
 KINDS = ("op", "parameter", "input")
@@ -275,13 +273,17 @@ def _classify(facts: RunFacts, *, use_reference: bool) -> list[dict]:
                         and all(stats[r["rid"]].negative_inf_only for r in good_out))
         if intended_out:
             intended_scopes.append((g["step"], g["rank"], g["op"]))
-        out.append({**g, "nf_in": bool(bad_in) or shared_in, "nf_out": bool(bad_out), "shared_in": shared_in,
+        # the reference's own NaN arriving and only NaN leaving is their spread (a calibration poisoned by a NaN
+        # row); an inf where the reference is finite is this op's own overflow, whatever else it received
+        spread = shared_in and bool(bad_out) and all((r["inf_count"] or 0) == 0 for r in bad_out)
+        out.append({**g, "nf_in": bool(bad_in) or spread, "nf_out": bool(bad_out), "shared_in": shared_in,
+                    "mask_in": mask_in, "spread": spread and not bad_in,
                     "nan_in": any((r["nan_count"] or 0) > 0 for r in bad_in),
                     "nan_out": any((r["nan_count"] or 0) > 0 for r in bad_out),
                     "intended_out": intended_out,
                     "intended_count": sum(int(r["inf_count"] or 0) for r in good_out),
                     "first_rec": bad_out[0] if bad_out else None, "first_in": bad_in[0] if bad_in else None,
-                    "params": [r for r in bad_in if r["role"] in PARAM_ROLES]})
+                    "params": [r for r in bad_in if r["role"] in STATE_ROLES]})
     return out
 
 
@@ -305,8 +307,15 @@ def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) ->
             while True:
                 inner = next((g for g in lc if _inside(g["op"], hit["op"], parents)), None)
                 if inner is None:
-                    return hit, [], "op"
+                    break
                 hit = inner
+            # a module inside it that holds a non-finite parameter or buffer (a dump that records a module's
+            # own weights: the container's output is the first non-finite one, the weight was already inf)
+            holder = next((g for g in with_params if g is hit or _inside(g["op"], hit["op"], parents)), None)
+            if holder is None and hit["mask_in"] and with_params:
+                # its input's -inf looked like a mask's, but a non-finite weight of this step wrote it (x * inf)
+                holder = with_params[0]
+            return (holder, [], "parameter") if holder is not None else (hit, [], "op")
         holder = next((g for g in with_params if g is first or _inside(first["op"], g["op"], parents)), None)
         if holder is None and first["params"]:
             holder = first
@@ -365,10 +374,12 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     compared = any(r.get("introduced") is not None for r in facts.records)
     calls = _classify(facts, use_reference=compared)
     in_reference = False
+    # with a reference, values it shares are no event: a later op that adds its own (an fp16-only overflow after
+    # a 0/0 row the fp32 run has too) is still the answer
     first_event = next((c for c in calls if c["nf_in"] or c["nf_out"]), None)
-    if compared and (first_event is None or first_event["shared_in"]):
-        # nothing was introduced by the lower precision before the reference's own non-finite values arrived:
-        # the reference has them too, and the op that made them there is the answer
+    if compared and (first_event is None or first_event["spread"]):
+        # nothing was introduced by the lower precision before the reference's own NaN spread: the reference has
+        # the same non-finite values, and the op that made them there is the answer
         calls = _classify(facts, use_reference=False)
         in_reference = True
     masks = _intended_of(calls)

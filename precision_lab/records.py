@@ -13,16 +13,19 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
 # input/output of a forward op; grad_input/grad_output of a backward op
 # (msprobe's backward "input" is the gradient flowing in = grad_output in torch
-# terms; we keep the dump's own words); param/param_grad for parameters.
-ROLES = ("input", "output", "kwarg", "param", "grad_input", "grad_output", "param_grad", "tensor")
+# terms; we keep the dump's own words); param/param_grad for parameters; buffer for a module's
+# floating-point buffers (BatchNorm's running statistics), recorded like parameters, without gradients.
+ROLES = ("input", "output", "kwarg", "param", "buffer", "grad_input", "grad_output", "param_grad", "tensor")
 # what flows into an op call (a backward call's grad_output included): a NaN there was made elsewhere
-INPUT_ROLES = ("input", "kwarg", "param", "grad_output")
+INPUT_ROLES = ("input", "kwarg", "param", "buffer", "grad_output")
+# a module's own state, recorded once per step on its first call: made before any op ran
+STATE_ROLES = ("param", "buffer")
 # the gradients, recorded on the backward pass
 GRAD_ROLES = ("grad_input", "grad_output", "param_grad")
 
@@ -31,7 +34,8 @@ def tensor_name(op: str, role: str, index: int | str) -> str:
     return f"{op}.{role}.{index}"
 
 
-_NAME_RE = re.compile(r"^(?P<op>.+)\.(?P<role>input|output|kwarg|param|grad_input|grad_output|param_grad)\.(?P<index>[^.]+)$")
+_NAME_RE = re.compile(r"^(?P<op>.+)\.(?P<role>" + "|".join(r for r in ROLES if r != "tensor")
+                      + r")\.(?P<index>[^.]+)$")
 
 
 def split_tensor_name(name: str) -> Optional[tuple[str, str, str]]:

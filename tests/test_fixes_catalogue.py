@@ -56,7 +56,7 @@ def test_split_keeps_exponent_signs():
 
 
 @pytest.mark.parametrize("spec, msg", [
-    ("no-such-fix", r"unknown fix 'no-such-fix'; known fixes: amax-floor, calibrate-finite-only"),
+    ("no-such-fix", r"unknown fix 'no-such-fix'; known fixes: amax-floor, amax-percentile, calibrate-finite-only"),
     ("eps", r"fix 'eps' needs an argument: e.g. eps:1e-3"),
     ("use-bf16:yes", r"fix 'use-bf16' takes no argument \(got 'yes'\)"),
     ("amax-floor:tiny", r"fix 'amax-floor': 'tiny' is not a number"),

@@ -216,3 +216,34 @@ def test_dashboard_grows_an_island_on_the_users_model(captured, monkeypatch):
         assert first_nonfinite(store, job.run_id) is None
         again = open_page("overview", session="build")
         assert not [b for b in again.button if b.key == "grow_island"]
+
+
+MASKED = str(Path(__file__).parent / "models" / "masked_overflow.py")
+
+
+def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
+    """The model masks its scores with masked_fill(-inf) in every run: that -inf is intended, so the island
+    search counts only the overflow and stops at the module that makes it, not at the whole model."""
+    db = tmp_path / "mask.duckdb"
+    res = _cli("capture", "--model", f"{MASKED}:build", "--inputs", f"{MASKED}:inputs", "--dtype", "fp16",
+               "--db", db, "--no-local")
+    assert res.exit_code == 0, res.output
+    store = Store(db)
+    runs = {r["kind"]: r for r in q.session_runs(store, store.session("build")["session_id"])}
+    assert first_nonfinite(store, runs["reference"]["run_id"]) is None  # fp32 holds only the mask's -inf
+    assert q.count_records(store, runs["reference"]["run_id"], nonfinite=True) > 0
+    f = first_nonfinite(store, runs["candidate"]["run_id"])
+    assert f.op.startswith("blocks.1.down.") and f.origin == "op"
+    close_all()
+    res = _cli("verify", "--session", "build", "--top", "0", "--grow", "--tolerance", "nonfinite", "--db", db,
+               "--model", f"{MASKED}:build", "--inputs", f"{MASKED}:inputs")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "grown along the data flow" in ln)
+    assert line.split()[0] == "works", res.output
+    island = line.split()[1]
+    # the overflow and what reads it; never the whole model (keep-fp32 of the root)
+    assert island.startswith("keep-fp32:blocks.1.down") and "keep-fp32:+" not in island + "+"
+    store = Store(db)
+    final = next(r for r in q.session_runs(store, store.session("build")["session_id"]) if r["fix"] == island)
+    assert first_nonfinite(store, final["run_id"]) is None
+    assert q.count_records(store, final["run_id"], nonfinite=True) > 0  # the mask is still there

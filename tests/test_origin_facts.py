@@ -98,6 +98,16 @@ def test_a_reference_decides_and_positions_masked_in_both_are_not_introduced():
     assert first is not None and first.origin == "op" and first.op_type == "add"
 
 
+def test_a_buffer_non_finite_after_the_cast_is_the_origin_named_with_its_value():
+    calls = [call("bn.forward.0", 0)]
+    buf = rec("bn.forward.0", "buffer", [INF, 0.0], seq=0, index="running_mean")
+    buf["ref_absmax"] = 1e5
+    first, _ = analyse(facts(calls, [buf, rec("bn.forward.0", "output", [INF, -INF], seq=0)]))
+    assert first.origin == "parameter" and not first.producer
+    assert first.parameter.name == "bn.running_mean" and first.parameter.role == "buffer"
+    assert first.reason.startswith("buffer bn.running_mean holds 1.0e+05 > fp16 max 65,504")
+
+
 def test_order_unknown_names_the_first_innermost_by_name_and_says_so():
     calls = [call("model.b", 0, op_type="Linear"), call("model.a", 1, op_type="Linear")]
     recs = [rec("model.b", "output", [INF], seq=0), rec("model.a", "output", [INF], seq=1)]
@@ -157,3 +167,26 @@ def test_statistics_only_mask_in_both():
     assert c.nonfinite_introduced == 0 and c.masked == 1 and "masked in both runs" in c.reason
     plain = tensor_stats(torch.tensor([0.5, -3.0, 1.0]))
     assert compare_stats(plain, cand).nonfinite_introduced == 1
+
+
+def test_an_overflow_after_a_nan_the_reference_shares_is_named():
+    # a 0/0 row both runs hold, then an fp16-only overflow in fc that also carries the NaN row along
+    calls = [call("pad.div.0", 0), call("fc.linear.0", 1)]
+    recs = [rec("pad.div.0", "output", [math.nan, 1.0], seq=0, introduced=0),
+            rec("fc.linear.0", "input", [math.nan, 1.0], seq=1, introduced=0),
+            rec("fc.linear.0", "output", [math.nan, INF, 2.0], seq=1, introduced=1)]
+    first, _ = analyse(facts(calls, recs))
+    assert first.op == "fc.linear.0" and first.origin == "op" and not first.in_reference
+    # the same NaN only spreading (no inf of its own): the reference's producer is the answer
+    recs[-1] = rec("fc.linear.0", "output", [math.nan, math.nan, 2.0], seq=1, introduced=1)
+    first, _ = analyse(facts(calls, recs))
+    assert first.op == "pad.div.0" and first.in_reference and "reference run holds the same" in first.reason
+
+
+def test_a_container_whose_weight_is_inf_names_the_weight():
+    # a dump that records modules and their own weights: the container's output is the first non-finite one
+    calls = [call("model.mlp", 0, op_type="MLP"), call("model.mlp.up", 1, op_type="Linear")]
+    w = rec("model.mlp.up", "param", [INF, 0.1], seq=1, index="weight")
+    recs = [rec("model.mlp", "output", [INF, 1.0], seq=0), w, rec("model.mlp.up", "output", [INF, -INF], seq=1)]
+    first, _ = analyse(facts(calls, recs))
+    assert first.origin == "parameter" and first.parameter.name == "model.mlp.up.weight"

@@ -120,7 +120,7 @@ def verify_cmd(
             continue
         sq = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "-"
         state = "works " if r["works"] else "fails "
-        where = "" if r["works"] else f", still NaN/Inf at {r['first_nonfinite']}"
+        where = f" ({r['why']})" if r.get("why") else ""
         grown = " (grown along the data flow)" if r.get("grown") else ""
         typer.echo(f"  {state}  {r['label']}{grown}  output SQNR {sq}{where}  [run {r['run']}]")
     if not any(r["works"] for r in rows):

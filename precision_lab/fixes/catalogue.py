@@ -227,6 +227,12 @@ def _fp8_format(p, fmt):
     return replace(p, quant=QuantConfig(**{**q.__dict__, "format": fmt}))
 
 
+def _amax_percentile(p, v):
+    if not 0 < v <= 100:
+        raise FixError(f"fix 'amax-percentile': {v:g} is not a percentile in (0, 100]")
+    return replace(p, quant=replace(_need_quant(p, "amax-percentile"), calibration="histogram", percentile=v))
+
+
 def _scaling(p, gran):
     return replace(p, quant=replace(_need_quant(p, "scaling"), granularity=gran))
 
@@ -306,6 +312,10 @@ for _d in (
            lambda g: f"one fp8 scale per {g}" + (": an outlier row no longer coarsens every other row"
                                                   if g == "row" else ""),
            _scaling, "scaling:row"),
+    FixDef("amax-percentile", "value",
+           lambda v: f"build each fp8 scale from the {v:g}th percentile of |x| instead of its max: values above it "
+                     "saturate at the format's max, and one outlier no longer flushes the others to zero",
+           _amax_percentile, "amax-percentile:99.9"),
     FixDef("emulate-precision-casts", None,
            lambda _: "compile with inductor's emulate_precision_casts (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1): "
                      "fused kernels round each intermediate to the low-precision format where eager code does, "

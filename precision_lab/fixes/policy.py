@@ -18,9 +18,20 @@ A ``PrecisionPolicy`` is a frozen description of one low-precision regime:
 
 The policy implements the capture protocol ``prepare(model) -> model`` and
 ``prepare_inputs(inputs) -> inputs``.  Modules from
-``precision_lab.fixes.modules`` read their options from the policy; any other
-module with parameters is cast to its format and gets its floating inputs cast
-on entry (autocast-like), so user models work too.
+``precision_lab.fixes.modules`` read their options from the policy and cast
+their own inputs; any other module with floating parameters or buffers is cast
+to its format and gets its floating inputs cast on entry (autocast-like), so
+user models work too.  A module holding neither computes in whatever format
+its inputs arrive in: an override (an fp32 island, ``keep-fp32``) on such a
+module alone changes nothing (``island_effect`` says so), while an override on
+a container reaches the children that hold parameters or buffers.
+
+Tied tensors: modules that share a parameter or buffer (the same tensor object,
+or tensors over the same storage: an embedding and an LM head with tied
+weights) compute in one format, because one tensor has one dtype.  An override
+reaching any of them covers its partners too (the latest override among them
+wins); ``tied_groups`` finds them and ``PrecisionPolicy.island_notes`` /
+``island_effect`` say which modules move with an island.
 
 Scale convention for fake quantisation: ``scale = amax / fmt.max`` is the
 dequantisation scale and ``inv_scale = 1 / scale`` multiplies the input
@@ -48,6 +59,10 @@ __all__ = [
     "cast_floating",
     "call_model",
     "first_tensor",
+    "tied_groups",
+    "island_effect",
+    "island_effects",
+    "IslandEffect",
 ]
 
 # formats a module can compute in: the ones torch runs arithmetic in on CPU
@@ -110,6 +125,8 @@ class QuantConfig:
 
 def module_matches(name: str, pattern: str) -> bool:
     """Whether ``pattern`` names module ``name`` itself (full name or a dotted suffix)."""
+    if not any(c in pattern for c in "*?["):  # a literal name: the same test without fnmatch's translation
+        return name == pattern or name.endswith("." + pattern)
     return fnmatchcase(name, pattern) or fnmatchcase(name, "*." + pattern)
 
 
@@ -161,8 +178,43 @@ class PrecisionPolicy:
         return fmt
 
     def dtype_for(self, module_name: str) -> str:
-        """The compute format of a module: its override, else the default."""
+        """The compute format of a module by its name alone: its override, else the default (``module_formats``
+        gives the formats ``prepare`` uses, with tied modules aligned)."""
         return self.override_for(module_name) or self.dtype
+
+    def _override_at(self, module_name: str) -> int:
+        """The position of the last override matching the module or a parent, -1 when none does."""
+        chain = [n for n in _ancestors(module_name) if n]
+        at = -1
+        for i, (pattern, _) in enumerate(self.overrides):
+            if any(module_matches(n, pattern) for n in chain):
+                at = i
+        return at
+
+    def module_formats(self, model) -> dict:
+        """Module path -> the format ``prepare`` gives it: ``dtype_for``, except that modules sharing a parameter
+        or buffer (``tied_groups``) all take the format of the latest override reaching any of them (one tensor
+        has one dtype).  A module registered at several paths is one module: every path gets its format."""
+        return _module_formats(self, model)[0]
+
+    def island_notes(self, model) -> list:
+        """Sentences about what the overrides do on ``model`` beyond their names: the tied modules that move
+        with an island (``keep-fp32:lm_head`` also runs ``transformer.wte`` in fp32), and an override that
+        changes nothing (a module with no parameter or buffer, whose inputs the policy does not cast)."""
+        fmts, moved = _module_formats(self, model)
+        notes = []
+        for partner, (fmt, island, via) in moved.items():
+            notes.append(f"{partner} runs in {fmt} with {island}: they share {via} (tied), and one tensor has one "
+                         "dtype, so the island covers both")
+        for i, (pattern, fmt) in enumerate(self.overrides):
+            before = dataclasses.replace(self, overrides=self.overrides[:i])
+            try:
+                eff = island_effect(model, pattern, before, fmt=fmt)
+            except PolicyError:
+                continue  # prepare says so
+            if not eff.changes:
+                notes.append(eff.reason)
+        return notes
 
     def eps_for(self, current: Optional[float]) -> Optional[float]:
         """The epsilon a normalisation uses under this policy: its own (``current``), raised to at least the
@@ -191,7 +243,9 @@ class PrecisionPolicy:
         if self.quant is not None:
             _quantise_linears(model, self.quant)
         named = list(model.named_modules())
-        names = [n for n, _ in named if n]
+        # every path a module is registered at (a module used twice is named twice)
+        names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+        fmts = _module_formats(self, model)[0] if self.overrides else None
         for pattern, _ in self.overrides:
             if not any(module_matches(n, pattern) for n in names):
                 raise PolicyError(_no_match(pattern, names, "keep-fp32"))
@@ -199,7 +253,7 @@ class PrecisionPolicy:
             if not any(module_matches(n, pattern) for n in names):
                 raise PolicyError(_no_match(pattern, names, "sanitize-nonfinite"))
         for name, mod in named:
-            fmt = self.dtype_for(name)
+            fmt = fmts[name] if fmts is not None else self.dtype
             tdtype = FORMATS[fmt].torch_dtype()
             _cast_own(mod, tdtype)
             if isinstance(mod, PolicyModule):
@@ -207,7 +261,7 @@ class PrecisionPolicy:
             else:
                 if self.eps is not None:
                     _floor_eps(mod, self, fmt)
-                if any(p.is_floating_point() for p in mod.parameters(recurse=False)):
+                if _holds_floating(mod):
                     install_cast_hook(mod, tdtype)
             if name and self.sanitizes(name) and not isinstance(mod, PolicyModule):
                 install_sanitize_hook(mod)
@@ -354,6 +408,252 @@ def _cast_own(mod, tdtype) -> None:
     for key, b in mod._buffers.items():
         if b is not None and b.is_floating_point() and b.dtype != tdtype:
             mod._buffers[key] = b.to(tdtype)
+
+
+def _own_tensors(mod):
+    """(kind, name, tensor) of a module's own parameters and buffers (not its children's), Nones left out."""
+    for key, p in mod._parameters.items():
+        if p is not None:
+            yield "parameter", key, p
+    for key, b in mod._buffers.items():
+        if b is not None:
+            yield "buffer", key, b
+
+
+def _holds_floating(mod) -> bool:
+    """Whether a module has a floating parameter or buffer of its own: what a policy casts, and what makes it
+    cast its inputs."""
+    return any(t.is_floating_point() for _, _, t in _own_tensors(mod))
+
+
+def _storage_key(t):
+    """What identifies the memory a tensor lives in (device and storage address), None for a tensor without
+    memory (meta, empty)."""
+    try:
+        if t.device.type == "meta":
+            return None
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:  # a tensor subclass without storage
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
+class _Ties:
+    """Which modules of a model share a parameter or buffer (the same tensor object, or tensors over the same
+    storage), over every path a module is registered at; one module at two paths shares everything with itself."""
+
+    def __init__(self, model):
+        self.paths: dict = {}  # module id -> its paths, in named_modules order
+        self.modules: dict = {}  # module id -> module
+        for path, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), []).append(path)
+            self.modules[id(m)] = m
+        seen: dict = {}  # tensor id or storage key -> (module id, "path.name")
+        self.links: dict = {}  # (module id a, module id b), a first seen -> "path.name" of a tensor they share
+        for mid, m in self.modules.items():
+            for _, key, t in _own_tensors(m):
+                label = f"{self.paths[mid][0]}.{key}" if self.paths[mid][0] else key
+                for k in (("id", id(t)), ("storage", _storage_key(t))):
+                    if k[1] is None:
+                        continue
+                    got = seen.get(k)
+                    if got is None:
+                        seen[k] = (mid, label)
+                    elif got[0] != mid:
+                        self.links.setdefault((got[0], mid), got[1])
+        parent = {mid: mid for mid in self.paths}
+
+        def find(x):
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for x, y in self.links:
+            parent[find(x)] = find(y)
+        self.group = {mid: find(mid) for mid in self.paths}  # module id -> its group's representative
+        self.members: dict = {}  # group representative -> its module ids
+        for mid, g in self.group.items():
+            self.members.setdefault(g, []).append(mid)
+        self.owner = {p: mid for mid, ps in self.paths.items() for p in ps}  # path -> module id
+        self.children: dict = {}  # path -> the paths directly under it
+        self.suffixes: dict = {}  # dotted suffix -> the paths ending with it ("c", "b.c", "a.b.c" for "a.b.c")
+        for p in self.owner:
+            if not p:
+                continue
+            self.children.setdefault(p.rsplit(".", 1)[0] if "." in p else "", []).append(p)
+            parts = p.split(".")
+            for i in range(len(parts)):
+                self.suffixes.setdefault(".".join(parts[i:]), []).append(p)
+
+    def reached(self, pattern: str) -> list:
+        """The paths an override ``pattern`` reaches: the modules it names (``module_matches``) and every path
+        under them, in no particular order."""
+        if any(c in pattern for c in "*?["):
+            named = [p for p in self.owner if p and module_matches(p, pattern)]
+        else:  # a literal name: its dotted-suffix index, no scan
+            named = list(self.suffixes.get(pattern, ()))
+        out, seen, stack = [], set(), named
+        while stack:
+            p = stack.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            out.append(p)
+            stack.extend(self.children.get(p, ()))
+        return out
+
+    def via(self, a, b) -> str:
+        """A tensor ``a`` shares with ``b`` (directly when they do, else one ``a`` shares with its group)."""
+        got = self.links.get((a, b)) or self.links.get((b, a))
+        if got is None:
+            got = next(v for (x, y), v in self.links.items() if a in (x, y))
+        return got
+
+    def formats(self, policy: Optional["PrecisionPolicy"], own_at: dict) -> tuple[dict, dict]:
+        """(path -> format, partner path -> (format, island path, shared tensor)) given each module's latest
+        override position (``own_at``: module id -> index into ``policy.overrides``, -1 for none): a tied group
+        takes the format of the latest override reaching any of its modules."""
+        if policy is None:
+            return {p: None for ps in self.paths.values() for p in ps}, {}
+        best: dict = {}
+        for mid, at in own_at.items():
+            g = self.group[mid]
+            if g not in best or at > best[g][0]:
+                best[g] = (at, mid)
+        fmt_of, moved = {}, {}
+        for mid, ps in self.paths.items():
+            at, src = best[self.group[mid]]
+            fmt = policy.overrides[at][1] if at >= 0 else policy.dtype
+            own = policy.overrides[own_at[mid]][1] if own_at[mid] >= 0 else policy.dtype
+            for p in ps:
+                fmt_of[p] = fmt
+                if src != mid and fmt != own:
+                    moved[p] = (fmt, self.paths[src][0] or "the model", self.via(mid, src))
+        return fmt_of, moved
+
+    def own_at(self, policy: "PrecisionPolicy") -> dict:
+        """Module id -> the position of the latest override of ``policy`` reaching any of its paths (-1: none)."""
+        return {mid: max(policy._override_at(p) for p in ps) for mid, ps in self.paths.items()}
+
+
+def tied_groups(model) -> dict:
+    """Module path -> the other module paths that share a parameter or buffer with it (the same tensor object, or
+    tensors over the same storage), for the modules that share any.  GPT-2 with tied embeddings gives
+    ``{'transformer.wte': ['lm_head'], 'lm_head': ['transformer.wte']}``.  Sharing is transitive (a tensor shared
+    by three modules ties all three); a module registered at two paths is tied to itself under the other path."""
+    ties = _Ties(model)
+    members: dict = {}
+    for mid, ps in ties.paths.items():
+        members.setdefault(ties.group[mid], []).extend(ps)
+    out = {}
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        for p in group:
+            out[p] = [q for q in group if q != p]
+    return out
+
+
+def _module_formats(policy: Optional["PrecisionPolicy"], model) -> tuple[dict, dict]:
+    """(path -> the format ``prepare`` gives the module, partner path -> (format, island path, shared tensor) for
+    each module whose format comes from a tied module's override rather than its own name).  ``policy`` None:
+    every format None, nothing moves."""
+    ties = _Ties(model)
+    return ties.formats(policy, ties.own_at(policy) if policy is not None else {})
+
+
+@dataclass(frozen=True)
+class IslandEffect:
+    """What an override (``keep-fp32:<pattern>``) does to one model under one policy.
+
+    ``modules``: the paths the pattern reaches by name (the matches and their children); ``partners``: modules
+    outside them that move too, because they share a parameter or buffer with one inside (tied weights), with
+    that tensor; ``tensors``: ``<module path>.<name>`` of each floating parameter or buffer whose format
+    changes (each tensor once).  The override changes the model exactly when ``tensors`` is not empty: a
+    module's inputs are cast by the policy only when it holds a floating parameter or buffer, so an island
+    holding none computes in whatever format its inputs arrive in, as before."""
+
+    pattern: str
+    fmt: str
+    modules: tuple
+    partners: tuple  # ((partner path, island path, shared tensor), ...)
+    tensors: tuple
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.tensors)
+
+    @property
+    def note(self) -> str:
+        """The tied modules that move with the island, as a sentence ("" when none)."""
+        if not self.partners:
+            return ""
+        parts = [f"{p} (shares {via} with {isl})" for p, isl, via in self.partners]
+        return (f"the island also runs {', '.join(parts)} in {self.fmt}: tied tensors have one dtype, so the "
+                "modules sharing them move together")
+
+    @property
+    def reason(self) -> str:
+        """Why the override changes nothing (when it does not), else the note."""
+        if self.changes:
+            return self.note
+        spec = f"keep-{self.fmt}:{self.pattern}" if self.fmt == "fp32" else f"{self.pattern}={self.fmt}"
+        if not self.modules:
+            return f"{spec} reaches no module"
+        return (f"{spec} changes nothing: the modules it reaches ({', '.join(self.modules[:6])}"
+                f"{' ...' if len(self.modules) > 6 else ''}) hold no floating parameter or buffer whose format it "
+                "changes, and the policy casts the inputs only of modules that hold one: they compute in the "
+                "format their inputs arrive in")
+
+
+def island_effect(model, pattern: str, policy: Optional["PrecisionPolicy"] = None, *, fmt: str = "fp32",
+                  _ties: Optional[_Ties] = None, _before: Optional[dict] = None) -> IslandEffect:
+    """What adding the override ``(pattern, fmt)`` to ``policy`` changes in ``model`` (see ``IslandEffect``).
+
+    With ``policy`` None the question is structural: does the island (the modules the pattern reaches and their
+    tied partners) hold any floating parameter or buffer at all.  ``PolicyError`` when the pattern names no
+    module.  This is the one rule for "this island changes nothing": the fix listing (``services.applicable``)
+    and whatever offers an island (the diagnosis rules) should both ask it."""
+    _check_compute(fmt, f"override {pattern!r}: format")
+    if policy is None:  # judged against a run in another format: every floating tensor reached would change
+        policy = PrecisionPolicy(name="any", dtype="fp16" if fmt != "fp16" else "fp32")
+    ties = _ties if _ties is not None else _Ties(model)
+    before = _before if _before is not None else _formats_now(ties, policy)
+    reached = ties.reached(pattern)
+    if not reached:
+        raise PolicyError(_no_match(pattern, [p for p in ties.owner if p], "keep-fp32"))
+    # the new override is the policy's last: every module it reaches, and every module tied to one, takes ``fmt``
+    inside = {ties.owner[p] for p in reached}
+    source = {}  # group -> a module of the island in it
+    for mid in inside:
+        source.setdefault(ties.group[mid], mid)
+    changed = [mid for g in source for mid in ties.members[g] if before[ties.paths[mid][0]] != fmt]
+    partners = tuple((p or "the model", ties.paths[source[ties.group[mid]]][0] or "the model",
+                      ties.via(mid, source[ties.group[mid]]))
+                     for mid in changed if mid not in inside for p in ties.paths[mid])
+    tensors, seen = [], set()
+    for mid in sorted(changed, key=lambda m: ties.paths[m][0]):
+        path = ties.paths[mid][0]
+        for _, key, t in _own_tensors(ties.modules[mid]):
+            if t.is_floating_point() and id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(f"{path}.{key}" if path else key)
+    return IslandEffect(pattern, fmt, tuple(sorted(reached)), partners, tuple(tensors))
+
+
+def _formats_now(ties: _Ties, policy: "PrecisionPolicy") -> dict:
+    """Each path's format under ``policy``."""
+    return ties.formats(policy, ties.own_at(policy))[0]
+
+
+def island_effects(model, patterns, policy: Optional["PrecisionPolicy"] = None, *, fmt: str = "fp32") -> dict:
+    """``island_effect`` of each pattern, the model's ties and the policy's formats worked out once."""
+    if policy is None:
+        policy = PrecisionPolicy(name="any", dtype="fp16" if fmt != "fp16" else "fp32")
+    ties = _Ties(model)
+    before = _formats_now(ties, policy)
+    return {p: island_effect(model, p, policy, fmt=fmt, _ties=ties, _before=before) for p in patterns}
 
 
 def cast_floating(tree, tdtype):

@@ -42,10 +42,13 @@ from typing import Callable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
 from ..display import num_text
-from ..ops import canonical, innermost_module, module_prefixes
+from ..ops import canonical, innermost_module, module_path, module_prefixes
+from ..quantisation import QUANT_FIXES, quant_facts
+from ..stats import TensorStats
 from ..origin import Origin
 from ..records import INPUT_ROLES, Diagnosis
 from ..registry import Registry
+from .policy import PolicyError, island_effects
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
            "representable_floor"]
@@ -100,6 +103,10 @@ class RunFacts(Protocol):
     def last_accumulated_output(self, run_id: str) -> Optional[dict]: ...
 
     def last_forward_output_finite(self, run_id: str) -> bool: ...
+
+    def quantise_calls(self, run_id: str) -> list[dict]:
+        """Each quantise op call: ``{op, step, rank, seq, input, output, amax, input_hist}`` (its first input
+        and output records, the amax its scale was built from where recorded, the input's histogram or None)."""
 
 
 @dataclass
@@ -195,7 +202,9 @@ def _ref_records(ctx: Context, ev: Evidence, recs: list[dict]) -> dict[int, dict
 
 
 def _keep_fp32(ev: Evidence) -> Optional[str]:
-    return f"keep-fp32:{ev.module}" if ev.module else None
+    if not ev.module or ev.module_facts.get("island_changes") is False:  # an island there changes nothing
+        return None
+    return f"keep-fp32:{ev.module}"
 
 
 # ---- producer rules ------------------------------------------------------------------
@@ -212,7 +221,8 @@ def _rule_parameter(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     if ref is not None and math.isfinite(ref):
         if ref < FORMATS["bf16"].max and ev.fmt.name == "fp16":
             fixes.append("use-bf16")
-        fixes.append(f"keep-fp32:{module}" if module else None)
+        fixes.append(f"keep-fp32:{module}" if module and ctx.modules.get(module, {}).get("island_changes") is not False
+                     else None)
         msg = (f"{param.reason}. Every op that reads it inherits the inf; keep `{module or 'the model'}` in fp32, "
                f"rescale the weight below {fmt_num(ev.fmt.max)}, or use a format with a wider range")
     else:
@@ -599,11 +609,42 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
         msg = (f"`{where}` introduces error {r['rounding_units']:.3g}x {fmt.name}'s unit roundoff "
                f"(SQNR {r['sqnr_db']:.1f} dB against fp32 recomputed from its own inputs)")
         out.append(Diagnosis("", run["run_id"], where, "precision-loss", msg,
-                             tuple(x for x in (f"keep-fp32:{m}" if m and facts else None,
+                             tuple(x for x in (f"keep-fp32:{m}" if m and facts and facts.get("island_changes")
+                                               is not False else None,
                                                "use-bf16" if fmt.name == "fp16" else None) if x),
                              "warn", int(r["seq"])))
         if len(out) >= 3:
             break
+    return out
+
+
+def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
+    """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
+    scale) or saturates them, judged against its own input (``quantisation.quant_facts``); the worst three."""
+    calls = getattr(ctx.facts, "quantise_calls", None)
+    if calls is None:
+        return []
+    policy = ctx.policies.get(run["run_id"])
+    quant = getattr(policy, "quant", None)
+    found = []
+    for c in calls(run["run_id"]):
+        fmt = (quant.format if quant is not None else None) or "fp8_e4m3fn"
+        x, y = TensorStats.from_row(c["input"], c.get("input_hist")), TensorStats.from_row(c["output"])
+        qf = quant_facts(c["op"], fmt, x, y, c.get("amax"))
+        if qf.verdict != "expected":
+            found.append((c, qf))
+    found.sort(key=lambda cq: -cq[1].flushed_share)
+    out = []
+    for c, qf in found[:3]:
+        where = module_path(c["op"])
+        layer = where.rsplit(".", 1)[0] if "." in where else where
+        fixes = [f for f in QUANT_FIXES
+                 if not (f.startswith("scaling:") and quant is not None and quant.granularity == "row")]
+        msg = (f"`{where}` ({'weight' if 'weight' in where.rsplit('.', 1)[-1] else 'input'} of `{layer}`): "
+               f"{qf.message}. A scale per row, or an amax clipped at a high percentile, keeps the other values "
+               "apart from the outlier")
+        out.append(Diagnosis("", run["run_id"], where, "fp8-quantisation", msg, tuple(fixes),
+                             "error" if qf.verdict == "error" else "warn", int(c["seq"])))
     return out
 
 
@@ -643,7 +684,7 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
     policy = ctx.policies.get(run["run_id"])
     if first_nonfinite is None:
-        return _fix_verified(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run)
+        return _fix_verified(ctx, run) + _quantisation(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run)
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
     nan = first_nonfinite.first_nan
     if found and nan:
@@ -680,10 +721,21 @@ def _producer_diagnosis(ctx: Context, run: dict, fn: Origin, policy) -> list[Dia
 
 
 def module_facts(model) -> dict[str, dict]:
-    """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable} of a built model."""
+    """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable, island_changes,
+    island_note} of a built model: ``island_changes`` is whether an fp32 island there changes anything
+    (``policy.island_effect``: the island or its tied partners hold a floating parameter or buffer), and
+    ``island_note`` names the tied modules that move with it."""
     facts = {}
+    names = [n for n, _ in model.named_modules() if n]
+    try:
+        effects = island_effects(model, names)
+    except PolicyError:
+        effects = {}
     for name, mod in model.named_modules():
         d = {"class": type(mod).__name__, "leaf": not any(True for _ in mod.children())}
+        eff = effects.get(name)
+        if eff is not None:
+            d["island_changes"], d["island_note"] = bool(eff.tensors), eff.note
         for attr in ("eps", "flush_to_zero", "two_pass", "stats_fp32", "stable"):
             if hasattr(mod, attr):
                 d[attr] = getattr(mod, attr)

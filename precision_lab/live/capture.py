@@ -3,7 +3,10 @@
 What is recorded, and how:
 
 - every module call, through forward pre/post hooks on each module (inputs
-  and keyword inputs at entry, outputs at exit, parameters once per step);
+  and keyword inputs at entry, outputs at exit, parameters -- role
+  ``param`` -- and floating-point buffers -- role ``buffer``, e.g.
+  BatchNorm's ``running_mean`` -- once per step, as the module reads them on
+  entry);
 - every functional and tensor op run inside the model's forward
   (``F.softmax``, ``torch.matmul``, ``x / y``, ``.float()``), through a
   ``TorchFunctionMode``; ops run outside the model's forward (loss,
@@ -243,6 +246,15 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         if self._active:
             raise RuntimeError("this capture is already active")
         if self.policy is not None:
+            # what the policy's islands do beyond their names (tied modules moving together, an island that
+            # changes nothing), read before prepare: a cast can separate tensors that shared storage
+            notes = getattr(self.policy, "island_notes", None)
+            if callable(notes):
+                try:
+                    for note in notes(self.model):
+                        self._warn("policy", note)
+                except Exception as e:
+                    self._hook_error("policy", e)
             prepared = self.policy.prepare(self.model)
             if prepared is not None:
                 self.model = prepared
@@ -627,8 +639,9 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             out_recs.append((idx, t, pos))
         self._mark_outputs(outs, seq)
         if self.options.backward and torch.is_grad_enabled():
-            # a parameter's gradient is recorded as its param_grad, not through the graph walk
-            self._register_backward(backward_op, op_type, [(r, i, t) for r, i, t, _ in ins if r != "param"],
+            # a parameter's gradient is recorded as its param_grad, not through the graph walk; a buffer gets none
+            self._register_backward(backward_op, op_type,
+                                    [(r, i, t) for r, i, t, _ in ins if r not in ("param", "buffer")],
                                     outs, start_seq)
         return out_recs
 
@@ -676,6 +689,14 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                     h = self._measure(op, p)
                     if h is not None:
                         ins.append(("param", pname, p, h))
+                for bname, b in module.named_buffers(recurse=False):
+                    # floating buffers (running statistics, rotary frequencies) feed the op like parameters;
+                    # an empty one is a marker (a policy module's format), integer ones are counters
+                    if not b.is_floating_point() or b.numel() == 0:
+                        continue
+                    h = self._measure(op, b)
+                    if h is not None:
+                        ins.append(("buffer", bname, self._buffer_as_read(op, b), h))
             frame.inputs = ins
             if self.options.local_error:
                 frame.shadow_in = (_upcast(args, clone=True), _upcast(kwargs, clone=True))
@@ -687,6 +708,14 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         finally:
             tls.busy = False
         return None
+
+    def _buffer_as_read(self, op: str, b: torch.Tensor) -> torch.Tensor:
+        """The buffer as the module reads it on entry, for what uses the tensor itself after the call (a kept
+        tensor, a paired run's comparison): a copy when something will, since the module may update it in place
+        (BatchNorm's running statistics in training); its statistics were taken already."""
+        if self.observer is None and not (self.options.keep_tensors and self.options.keep_selected(op)):
+            return b
+        return b.detach().clone()
 
     def _post_hook(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():

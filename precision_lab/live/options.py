@@ -54,7 +54,8 @@ class CaptureOptions:
     - ``views``: also record view-like ops (``VIEW_OPS``), off by default.
     - ``backward``: record gradients when the user runs backward.
     - ``params``: record each module's parameters (once per step) and their
-      gradients.
+      gradients, and its non-empty floating-point buffers (role ``buffer``,
+      once per step, no gradient).
     - ``stats_threads``: threads the CPU statistics kernel may use while the
       capture runs; None (the default) leaves numba's setting (every core).
       The kernel runs between torch ops, when torch's own threads are idle;

@@ -5,8 +5,15 @@ cannot: a scale fix on a policy without fp8, emulate-precision-casts on an eager
 prepares the model (``PolicyError`` for a pattern naming no module), and the prepared model differs from the one
 the session's own policy prepares: a fix that changes nothing on this model (``stable-softmax`` where no module
 computes a softmax the policy can reach) is listed as such, never offered.  Pattern fixes are tried on the
-innermost module with parameters around the first non-finite producer (or the op with the worst local error),
-and a fix with a choice on each choice in turn.
+innermost module around the first non-finite producer (or the op with the worst local error) on which an fp32
+island changes something, and a fix with a choice on each choice in turn.
+
+An fp32 island (``keep-fp32:<module>``) changes the model exactly when ``fixes.policy.island_effect`` says so:
+when the modules it reaches, or the modules tied to them (sharing a parameter or buffer), hold a floating
+parameter or buffer whose format it changes; the policy casts the inputs only of modules that hold one, so an
+island on a module holding none (a pooling, an activation, a counter) computes as before.  The same function
+picks the module an island is offered on and predicts "changes nothing" for it; an island that moves tied
+modules with it says which.
 """
 
 from __future__ import annotations
@@ -16,26 +23,27 @@ from dataclasses import is_dataclass
 from typing import Optional
 
 from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix
-from ..fixes.policy import PolicyError
+from ..fixes.policy import PolicyError, island_effect, island_effects
 from ..ops import innermost_module
 from ..store import queries as q
 from .report import first_nonfinite
 from .rerun import session_recipe
 from .sessions import run_policy
 
-__all__ = ["applicable_fixes"]
+__all__ = ["applicable_fixes", "island_targets"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 
 
 def _fingerprint(model) -> tuple:
-    """What a policy can change in a model: each module's class, public settings, parameter formats, hooks
-    and whether it is compiled."""
+    """What a policy can change in a model: each module's class, public settings, parameter and buffer formats,
+    hooks and whether it is compiled."""
     out = []
     for name, m in model.named_modules():
         settings = tuple(sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_")
                                 and (isinstance(v, _SIMPLE) or is_dataclass(v))))
-        dtypes = tuple(str(p.dtype) for p in m.parameters(recurse=False))
+        dtypes = (tuple(str(p.dtype) for p in m.parameters(recurse=False))
+                  + tuple(str(b.dtype) for b in m.buffers(recurse=False)))
         hooks = (len(m._forward_pre_hooks), len(m._forward_hooks))
         out.append((name, type(m).__name__, settings, dtypes, hooks, m._compiled_call_impl is not None))
     return tuple(out)
@@ -52,17 +60,44 @@ def _target(store, run: dict, names: list[str]) -> Optional[str]:
     return None
 
 
+def island_targets(model, policy) -> list[str]:
+    """The module paths on which an fp32 island changes something under ``policy`` (``island_effect``): the
+    modules an island fix may be offered on."""
+    names = [n for n, _ in model.named_modules() if n]
+    effects = island_effects(model, names, policy)
+    return [n for n in names if effects[n].changes]
+
+
+def _island_pattern(spec: str) -> Optional[str]:
+    """The pattern of a lone ``keep-fp32:<pattern>`` spec, else None."""
+    name, _, arg = spec.partition(":")
+    return arg if name == "keep-fp32" and arg and "+" not in spec else None
+
+
 def _try(model, policy, base: tuple, spec: str) -> dict:
+    pattern = _island_pattern(spec)
+    effect = None
+    if pattern is not None:
+        try:
+            effect = island_effect(model, pattern, policy)
+        except PolicyError as e:
+            return {"fix": spec, "applies": False, "reason": str(e)}
+        if not effect.changes:
+            return {"fix": spec, "applies": False,
+                    "reason": f"changes nothing in this model under {policy.describe()}: {effect.reason}"}
     try:
         fixed = apply_fixes(policy, spec)
         prepared = fixed.prepare(copy.deepcopy(model))
     except (FixError, PolicyError) as e:
         return {"fix": spec, "applies": False, "reason": str(e)}
-    if _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
+    if effect is None and _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
             policy.compile, policy.emulate_precision_casts):
         return {"fix": spec, "applies": False,
                 "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"}
-    return {"fix": spec, "applies": True, "reason": parse_fix(spec).reason}
+    reason = parse_fix(spec).reason
+    if effect is not None and effect.note:
+        reason += f"; {effect.note}"
+    return {"fix": spec, "applies": True, "reason": reason}
 
 
 def applicable_fixes(store, session: str) -> list[dict]:
@@ -73,8 +108,8 @@ def applicable_fixes(store, session: str) -> list[dict]:
     cand = next((r for r in runs if r["kind"] == "candidate"), None)
     policy = (run_policy(cand) if cand else None) or recipe.default_policy
     model, _ = recipe.build()
-    # an island or a sanitiser on a module without parameters changes nothing: aim at one that has some
-    names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters())]
+    # an island changes something only where island_effect says so: the modules it is offered on
+    names = island_targets(model, policy)
     base = _fingerprint(policy.prepare(copy.deepcopy(model)))
     target = _target(store, cand, names) if cand else None
     out = []

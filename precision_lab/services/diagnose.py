@@ -14,6 +14,7 @@ from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
 from ..fixes.rules import Context, diagnose_run, module_facts
+from ..ops import aliases_of
 from ..records import Diagnosis
 from ..store import queries as q
 from .report import first_nonfinite
@@ -54,6 +55,13 @@ class StoreFacts:
 
     def last_forward_output_finite(self, run_id):
         return q.last_forward_output_finite(self.store, run_id)
+
+    def quantise_calls(self, run_id):
+        out = []
+        for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise")):
+            c["input_hist"] = self.store.histogram(run_id, c["input"]["rid"])
+            out.append(c)
+        return out
 
 
 def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:

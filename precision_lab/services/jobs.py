@@ -209,7 +209,7 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
                               first_nonfinite=tried["first_nonfinite"])
                 action["label"] = f"Open {tried['run']}: " + (
                     ("works" + (f", output SQNR {tried['sqnr_db']:.1f} dB" if tried["sqnr_db"] is not None else ""))
-                    if tried["works"] else f"still NaN/Inf ({tried['first_nonfinite']})")
+                    if tried["works"] else (tried.get("why") or f"still NaN/Inf ({tried['first_nonfinite']})"))
             actions.append(action)
         out.append(actions)
     return blocker, out

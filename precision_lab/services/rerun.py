@@ -372,6 +372,10 @@ def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
 
 
 def _run_nonfinite(store, run_id: str) -> int:
+    """The run's forward records holding NaN/Inf when any of them is unexpected (``origin``), else 0: a mask's
+    intended -inf never fails an island."""
+    if first_nonfinite(store, run_id) is None:
+        return 0
     return q.count_records(store, run_id, nonfinite=True, direction="forward")
 
 

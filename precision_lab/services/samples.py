@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 from .rerun import _forward
 from ..paths import samples_dir
+from ..records import STATE_ROLES
 from ..readers.shards import write_manifest, write_shard
 from ..fixes.recipes import BUILTIN_RECIPES, get_recipe
 
@@ -49,9 +50,9 @@ def generate_recipe(recipe, out_dir) -> Path:
         for rec in cap.records:
             rec.run_id = cap.run_id
             key = (rec.step, rec.rank, rec.name)
-            # op inputs and outputs are kept for replay; parameters are
+            # op inputs and outputs are kept for replay; parameters and buffers are
             # reproducible from the recipe and would dominate the size
-            rec.tensor = run.tensors.get(key) if rec.role != "param" else None
+            rec.tensor = run.tensors.get(key) if rec.role not in STATE_ROLES else None
             records.append(rec)
         local = {pos: cmp for pos, cmp in cap.local_comparisons}
         meta = cap.run_meta()

@@ -1,9 +1,14 @@
 """Suggestions that were verified: re-run a session's proposed fixes and say which of them work.
 
 A fix is *verified* by the re-run it made from the run its diagnosis is about
-(re-runs are deterministic, so one is enough): it *works* when that re-run
-holds no unexpected non-finite value; its output SQNR against the fp32
-reference says how close it comes.  Nothing new is stored: the verdict is read
+(re-runs are deterministic, so one is enough), and judged by its effect
+(``judge_fix``): it *works* when that re-run holds no unexpected non-finite
+value (a mask's -inf is no failure: ``origin``) and improves on the run it
+fixes: that run held NaN/Inf, or the fix raises the output SQNR against the
+fp32 reference by at least ``IMPROVE_DB``.  A fix that leaves a finite run's
+output where it was (an island on a module whose dtype comes from its inputs)
+or makes it worse (bf16 on an integer count past 256) does not work, and says
+so beside both SQNRs.  Nothing new is stored: the verdict is read
 from the re-runs themselves, so a fix tried from the dashboard, the command
 line or a script counts the same.
 """
@@ -11,16 +16,46 @@ line or a script counts the same.
 from __future__ import annotations
 
 import json
+import math
 from typing import Callable, Optional
 
 from ..fixes.catalogue import FixError, fix_label, split_specs
+from ..origin import Origin
 from ..store import queries as q
 from .report import first_nonfinite
 from .rerun import bisect_fp32_islands, rerun_session
 
-__all__ = ["suggestions", "verification", "untried", "verify_session"]
+__all__ = ["suggestions", "verification", "untried", "verify_session", "judge_fix", "IMPROVE_DB"]
 
 Progress = Optional[Callable[[int, int, str], None]]
+# how much a fix of a run without NaN/Inf must raise its output SQNR (dB) to count as working
+IMPROVE_DB = 1.0
+
+
+def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: Optional[Origin],
+              parent_sqnr_db: Optional[float]) -> tuple[bool, str]:
+    """``(works, why)`` of a re-run against the run it fixes: its first unexpected non-finite origin and output
+    SQNR (dB, against the fp32 reference) beside the parent's."""
+    if first is not None:
+        return False, f"still NaN/Inf at {first.op}"
+    if parent_first is not None:
+        return True, "no NaN/Inf left" + (f", output SQNR {sqnr_db:.1f} dB" if _finite(sqnr_db) else "")
+    if sqnr_db is None or parent_sqnr_db is None:
+        return False, "the run it fixes held no NaN/Inf and no output SQNR says whether this one is better"
+    if sqnr_db == parent_sqnr_db:
+        return False, f"changes nothing the output shows: output SQNR {_db(sqnr_db)}, as the run it fixes"
+    if sqnr_db >= parent_sqnr_db + IMPROVE_DB:
+        return True, f"output SQNR {_db(parent_sqnr_db)} -> {_db(sqnr_db)}"
+    worse = "worse than" if sqnr_db < parent_sqnr_db - IMPROVE_DB else "no better than"
+    return False, f"{worse} the run it fixes: output SQNR {_db(sqnr_db)} against {_db(parent_sqnr_db)}"
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _db(v: float) -> str:
+    return f"{v:.1f} dB" if math.isfinite(v) else ("exact" if v > 0 else "-inf dB")
 
 
 def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]:
@@ -51,19 +86,27 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]
 
 
 def verification(store, session: str) -> dict[tuple[str, str], dict]:
-    """``(parent run id, fix label) -> {run, run_id, works, sqnr_db, first_nonfinite}`` for every re-run of the
-    session: what trying that fix from that run gave."""
+    """``(parent run id, fix label) -> {run, run_id, works, why, sqnr_db, parent_sqnr_db, first_nonfinite}`` for
+    every re-run of the session: what trying that fix from that run gave, judged by ``judge_fix``."""
     info = store.session(session)
     out = {}
+    parents: dict[str, tuple] = {}
+
+    def quality(run_id: str) -> tuple[Optional[Origin], Optional[float]]:
+        if run_id not in parents:
+            last = q.last_accumulated_output(store, run_id)
+            parents[run_id] = (first_nonfinite(store, run_id), None if last is None else last["sqnr_db"])
+        return parents[run_id]
+
     for r in q.session_runs(store, info["session_id"]):
         if r["kind"] != "rerun" or not r["parent_run_id"] or not r["fix"]:
             continue
-        first = first_nonfinite(store, r["run_id"])
-        last = q.last_accumulated_output(store, r["run_id"])
+        first, sqnr = quality(r["run_id"])
+        parent_first, parent_sqnr = quality(r["parent_run_id"])
+        works, why = judge_fix(first, sqnr, parent_first, parent_sqnr)
         out[(r["parent_run_id"], r["fix"])] = {
-            "run": r["name"], "run_id": r["run_id"], "works": first is None,
-            "sqnr_db": None if last is None else last["sqnr_db"],
-            "first_nonfinite": None if first is None else first.op}
+            "run": r["name"], "run_id": r["run_id"], "works": works, "why": why, "sqnr_db": sqnr,
+            "parent_sqnr_db": parent_sqnr, "first_nonfinite": None if first is None else first.op}
     return out
 
 
@@ -95,8 +138,8 @@ def verify_session(store, session: str, *, top: int = 3, progress: Progress = No
             except Exception as e:  # a fix that cannot apply to this model is a verdict too
                 row["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             done = verification(store, session)
-        row.update(done.get(key, {"run": None, "run_id": None, "works": False, "sqnr_db": None,
-                                  "first_nonfinite": None}))
+        row.update(done.get(key, {"run": None, "run_id": None, "works": False, "why": None, "sqnr_db": None,
+                                  "parent_sqnr_db": None, "first_nonfinite": None}))
         out.append(row)
     if grow and not any(r["works"] for r in out):
         out.extend(_grown(store, session, tolerance, progress))
@@ -113,6 +156,7 @@ def _grown(store, session: str, tolerance, progress: Progress) -> list[dict]:
            "error": None if res.passed else res.message}
     done = {v["run_id"]: v for v in verification(store, session).values()}
     last = next((a.run_id for a in reversed(res.attempts) if list(a.modules) == res.modules), None)
-    row.update(done.get(res.final_run_id or last) or {"run": None, "run_id": None, "works": False, "sqnr_db": None,
+    row.update(done.get(res.final_run_id or last) or {"run": None, "run_id": None, "works": False, "why": None,
+                                                      "sqnr_db": None, "parent_sqnr_db": None,
                                                       "first_nonfinite": None})
     return [row]

@@ -127,11 +127,16 @@ def ops_above(store, run_id: str, absmax: float) -> list[dict]:
                           AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax])
 
 
+# a capture's module call (``<path>.forward.<n>``, the root's ``forward.<n>``): true sorts after false
+_MODULE_CALL = r"regexp_matches(op, '(^|\.)(forward|backward)\.[0-9]+$')"
+
+
 def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
-    """Outputs whose local (shadow) error is judged an error, worst first."""
-    return rows(store, """SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
-                          WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
-                          ORDER BY rounding_units DESC LIMIT ?""", [run_id, int(limit)])
+    """Outputs whose local (shadow) error is judged an error, worst first; an op before the module calls that
+    hold it (a module's local error adds up its ops')."""
+    return rows(store, f"""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
+                           WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
+                           ORDER BY {_MODULE_CALL}, rounding_units DESC LIMIT ?""", [run_id, int(limit)])
 
 
 def last_accumulated_output(store, run_id: str) -> Optional[dict]:
@@ -181,6 +186,29 @@ def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[d
                            GROUP BY step, rank, op
                            HAVING bool_or(nonfinite)
                            ORDER BY step, seq, rank, op""", [run_id])
+
+
+def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
+    """Each call of a quantise op (``op_types``: the names it goes by) with its first input and first output
+    record: ``{op, step, rank, seq, input, output, amax}`` (records as dicts of the tensors columns; ``amax``:
+    the max of the output of the ``<path>.amax`` call it made, where recorded), in execution order."""
+    calls = rows(store, f"""SELECT op, step, rank, min(seq) AS seq FROM tensors WHERE run_id = ?
+                            AND op_type IN {_in(op_types)} GROUP BY op, step, rank ORDER BY step, seq""", [run_id])
+    out = []
+    for c in calls:
+        recs = rows(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
+                              AND role IN ('input', 'output') ORDER BY role, "index" """,
+                    [run_id, c["op"], c["step"], c["rank"]])
+        ins = [r for r in recs if r["role"] == "input"]
+        outs = [r for r in recs if r["role"] == "output"]
+        if not ins or not outs:
+            continue
+        path = c["op"].rsplit(".forward.", 1)[0]
+        amax = _one(store, """SELECT max AS amax FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
+                              AND role = 'output' AND op LIKE ? ESCAPE '\\' AND seq >= ? ORDER BY seq LIMIT 1""",
+                    [run_id, c["step"], c["rank"], _like_prefix(path + ".amax.forward.") + "%", c["seq"]])
+        out.append({**c, "input": ins[0], "output": outs[0], "amax": amax["amax"] if amax else None})
+    return out
 
 
 def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
@@ -293,11 +321,13 @@ def count_records(store, run_id: str, *, nonfinite: Optional[bool] = None, direc
 
 
 def ops_by_local_error(store, run_id: str) -> list[str]:
-    """Ops of a run's judged local comparisons, worst first (non-finite introduced, then rounding units)."""
-    return [r["op"] for r in rows(store, """SELECT op FROM comparisons
-                                            WHERE cand_run_id = ? AND kind = 'local' AND role = 'output'
-                                              AND verdict IS NOT NULL
-                                            ORDER BY nonfinite_introduced DESC, rounding_units DESC NULLS LAST, seq""",
+    """Ops of a run's judged local comparisons, worst first (non-finite introduced, then ops before module
+    calls, then rounding units)."""
+    return [r["op"] for r in rows(store, f"""SELECT op FROM comparisons
+                                             WHERE cand_run_id = ? AND kind = 'local' AND role = 'output'
+                                               AND verdict IS NOT NULL
+                                             ORDER BY nonfinite_introduced DESC, {_MODULE_CALL},
+                                                      rounding_units DESC NULLS LAST, seq""",
                                   [run_id])]
 
 

@@ -209,7 +209,8 @@ def render_html(store, session: str, *, public: bool = False) -> str:
                             + (f" apart from -inf that is no error by itself (a mask, a constant, or log(0)), written by "
                                f"{len(masks)} op(s)" if masks else "")})
             continue
-        op = first.op if first.origin != "parameter" else f"parameter {first.parameter.name}"
+        op = first.op if first.origin != "parameter" else \
+            f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
         nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first.op_type, "where": first.where,
                         "tensor": f"{first.role} {first.index}", "reason": first.reason,
                         "path": " → ".join(p.op for p in first.path)})
