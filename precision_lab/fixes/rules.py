@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
+from ..metrics import VERDICT_THRESHOLDS
 from ..display import num_text
 from ..ops import canonical, innermost_module, module_path, module_prefixes
 from ..quantisation import QUANT_FIXES, quant_facts
@@ -103,6 +104,10 @@ class RunFacts(Protocol):
     def last_accumulated_output(self, run_id: str) -> Optional[dict]: ...
 
     def last_forward_output_finite(self, run_id: str) -> bool: ...
+
+    def error_growth(self, run_id: str) -> list[dict]:
+        """Per op call: ``{op, op_type, step, rank, seq, out_units, in_units, cand_format}``, its output's and
+        inputs' accumulated error in unit roundoffs of the candidate format, in execution order."""
 
     def quantise_calls(self, run_id: str) -> list[dict]:
         """Each quantise op call: ``{op, step, rank, seq, input, output, amax, input_hist}`` (its first input
@@ -618,6 +623,42 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
     return out
 
 
+AMPLIFY_MIN = 16.0  # how many times an op must multiply the relative error it receives to be named for it
+
+
+def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
+    """``error-amplified``: the first op whose inputs arrive within rounding (``VERDICT_THRESHOLDS['expected']``
+    unit roundoffs) and whose output leaves beyond ``warn``, multiplying the relative error it received at
+    least ``AMPLIFY_MIN`` times: cancellation (x - mean, E[x^2] - E[x]^2) turns rounding into lost bits
+    without any local error of its own."""
+    growth = getattr(ctx.facts, "error_growth", None)
+    if run["kind"] == "reference" or growth is None:
+        return []
+    for g in growth(run["run_id"]):
+        out_u, in_u = g["out_units"], g["in_units"]
+        if not (_finite(out_u) and _finite(in_u)) or out_u <= VERDICT_THRESHOLDS["warn"] \
+                or in_u > VERDICT_THRESHOLDS["expected"]:
+            continue
+        amp = out_u / max(in_u, 0.5)  # an exact input still carries half a unit of rounding once cast
+        if amp < AMPLIFY_MIN:
+            continue
+        fmt = FORMATS.get(g["cand_format"] or "") or FORMATS["fp32"]
+        bits = fmt.man_bits + 1
+        lost = min(float(bits), math.log2(amp))
+        kind = canonical(g["op_type"])
+        why = ("cancellation: its output is far smaller than its inputs, so their rounding becomes most of it"
+               if kind in ("sub", "add") else "its output is far more sensitive to its inputs than they are to "
+               "rounding")
+        msg = (f"`{g['op']}` amplifies the relative error it receives {amp:.3g}x (inputs within "
+               f"{in_u:.3g}x {fmt.name}'s unit roundoff, output {out_u:.3g}x): it loses {lost:.1f} of the {bits} "
+               f"significant bits {fmt.name} holds ({why}). Compute it in fp32 or reformulate it (two-pass "
+               "variance, subtract the mean first)")
+        m = ctx.module_of(g["op"])
+        fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
+        return [Diagnosis("", run["run_id"], g["op"], "error-amplified", msg, fixes, "warn", int(g["seq"]))]
+    return []
+
+
 def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
     """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
     scale) or saturates them, judged against its own input (``quantisation.quant_facts``); the worst three."""
@@ -684,7 +725,8 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
     policy = ctx.policies.get(run["run_id"])
     if first_nonfinite is None:
-        return _fix_verified(ctx, run) + _quantisation(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run)
+        return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _amplified(ctx, run) + _precision_loss(ctx, run)
+                + _compiled(ctx, run))
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
     nan = first_nonfinite.first_nan
     if found and nan:

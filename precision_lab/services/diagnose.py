@@ -56,6 +56,9 @@ class StoreFacts:
     def last_forward_output_finite(self, run_id):
         return q.last_forward_output_finite(self.store, run_id)
 
+    def error_growth(self, run_id):
+        return q.error_growth(self.store, run_id)
+
     def quantise_calls(self, run_id):
         out = []
         for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise")):

@@ -211,6 +211,22 @@ def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
     return out
 
 
+def error_growth(store, run_id: str) -> list[dict]:
+    """Per op call of a run, its output's accumulated error against the reference beside its inputs', both in
+    unit roundoffs of the candidate format (element-wise comparisons only): ``{op, op_type, step, rank, seq,
+    out_units, in_units, cand_format}``, in execution order; module calls left out (their error is their ops')."""
+    return rows(store, f"""SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
+                                  max(c.rounding_units) FILTER (WHERE c.role = 'output') AS out_units,
+                                  max(c.rounding_units) FILTER (WHERE c.role IN ('input', 'kwarg')) AS in_units,
+                                  any_value(c.cand_format) AS cand_format
+                           FROM comparisons c JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+                           WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.basis = 'tensor'
+                             AND c.rounding_units IS NOT NULL AND NOT {_MODULE_CALL.replace("op", "c.op", 1)}
+                           GROUP BY c.op, c.step, c.rank
+                           HAVING out_units IS NOT NULL AND in_units IS NOT NULL
+                           ORDER BY c.step, seq, c.rank""", [run_id])
+
+
 def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
     """Whether a run holds any input record (an outputs-only dump holds none)."""
     return _one(store, f"SELECT 1 AS x FROM tensors WHERE run_id = ? AND role IN {_in(input_roles)} LIMIT 1",
