@@ -25,8 +25,8 @@ Definitions (r = reference, c = candidate, over positions finite in both):
                 reference format's most negative value (``finfo.min`` of a
                 mask) and c ``-inf`` or at or below half its own format's;
                 they compare as equal and are left out of every error
-                (a ``finfo(float32).min`` mask is -inf in fp16, -65504 with
-                fp16's own ``finfo.min``: neither is an error).
+                (a ``finfo(float32).min`` mask is -inf in fp16, and fp16's
+                own ``finfo.min`` is finite: neither is an error).
 
 Where only summary statistics exist (``compare_stats``, basis "stats"), the
 element-wise metrics stay None and the summaries s in (max, min, l2norm)

@@ -39,7 +39,7 @@ def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: O
     if first is not None:
         return False, f"still NaN/Inf at {first.op}"
     if parent_first is not None:
-        return True, "no NaN/Inf left" + (f", output SQNR {sqnr_db:.1f} dB" if _finite(sqnr_db) else "")
+        return True, "no NaN/Inf left" + (f", output SQNR {_db(sqnr_db)}" if sqnr_db is not None else "")
     if sqnr_db is None or parent_sqnr_db is None:
         return False, "the run it fixes held no NaN/Inf and no output SQNR says whether this one is better"
     if sqnr_db == parent_sqnr_db:
@@ -48,10 +48,6 @@ def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: O
         return True, f"output SQNR {_db(parent_sqnr_db)} -> {_db(sqnr_db)}"
     worse = "worse than" if sqnr_db < parent_sqnr_db - IMPROVE_DB else "no better than"
     return False, f"{worse} the run it fixes: output SQNR {_db(sqnr_db)} against {_db(parent_sqnr_db)}"
-
-
-def _finite(v) -> bool:
-    return v is not None and math.isfinite(v)
 
 
 def _db(v: float) -> str:

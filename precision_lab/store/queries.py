@@ -192,22 +192,28 @@ def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
     """Each call of a quantise op (``op_types``: the names it goes by) with its first input and first output
     record: ``{op, step, rank, seq, input, output, amax}`` (records as dicts of the tensors columns; ``amax``:
     the max of the output of the ``<path>.amax`` call it made, where recorded), in execution order."""
-    calls = rows(store, f"""SELECT op, step, rank, min(seq) AS seq FROM tensors WHERE run_id = ?
-                            AND op_type IN {_in(op_types)} GROUP BY op, step, rank ORDER BY step, seq""", [run_id])
+    recs = rows(store, f"""SELECT * FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
+                             AND op IN (SELECT op FROM tensors WHERE run_id = ? AND op_type IN {_in(op_types)})
+                           ORDER BY step, rank, seq, role, "index" """, [run_id, run_id])
+    if not recs:
+        return []
+    calls: dict[tuple, dict] = {}
+    for r in recs:
+        c = calls.setdefault((r["step"], r["rank"], r["op"]), {"op": r["op"], "step": r["step"], "rank": r["rank"],
+                                                                "seq": r["seq"], "input": None, "output": None})
+        c[r["role"]] = c[r["role"]] or r
+    # the first output of each call's "<path>.amax" module at or after the call starts: the value the scale was
+    # built from (one query for the run's amax outputs)
+    amaxes = rows(store, """SELECT op, step, rank, seq, max FROM tensors WHERE run_id = ? AND role = 'output'
+                            AND regexp_matches(op, '\\.amax\\.forward\\.[0-9]+$') ORDER BY seq""", [run_id])
     out = []
-    for c in calls:
-        recs = rows(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
-                              AND role IN ('input', 'output') ORDER BY role, "index" """,
-                    [run_id, c["op"], c["step"], c["rank"]])
-        ins = [r for r in recs if r["role"] == "input"]
-        outs = [r for r in recs if r["role"] == "output"]
-        if not ins or not outs:
+    for c in sorted(calls.values(), key=lambda c: (c["step"], c["seq"], c["rank"])):
+        if c["input"] is None or c["output"] is None:
             continue
-        path = c["op"].rsplit(".forward.", 1)[0]
-        amax = _one(store, """SELECT max AS amax FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
-                              AND role = 'output' AND op LIKE ? ESCAPE '\\' AND seq >= ? ORDER BY seq LIMIT 1""",
-                    [run_id, c["step"], c["rank"], _like_prefix(path + ".amax.forward.") + "%", c["seq"]])
-        out.append({**c, "input": ins[0], "output": outs[0], "amax": amax["amax"] if amax else None})
+        prefix = c["op"].rsplit(".forward.", 1)[0] + ".amax.forward."
+        amax = next((a["max"] for a in amaxes if (a["step"], a["rank"]) == (c["step"], c["rank"])
+                     and a["seq"] >= c["seq"] and a["op"].startswith(prefix)), None)
+        out.append({**c, "amax": amax})
     return out
 
 
