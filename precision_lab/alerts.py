@@ -10,8 +10,9 @@ The rules (``ALERT_RULES``; thresholds are their ``params``):
 - ``headroom``: |x| max is less than ``bits`` bits below the max of the op's
   format (log2(max / absmax) < bits).
 - ``underflow``: more than ``share`` of the op's finite values round to zero
-  or to a subnormal in the op's format (Transformer Engine's fp8 autoswitch
-  default is 5%).
+  or to a subnormal in the op's format, or were flushed to zero (nonzero in
+  the fp32 reference, zero in the run: a gradient below half the format's
+  smallest subnormal), Transformer Engine's fp8 autoswitch default is 5%.
 - ``growth``: a least-squares fit of log2(absmax) against the step over the
   last ``window`` steps (r^2 >= ``min_r2``) reaches log2(format max) within
   ``steps`` steps.
@@ -49,8 +50,8 @@ class AlertRule:
 
 ALERT_RULES: tuple[AlertRule, ...] = (
     AlertRule("headroom", "op", "|x| max within {bits} bits of the format's max", {"bits": 2.0}),
-    AlertRule("underflow", "op", "more than {share:.0%} of finite values round to zero or a subnormal",
-              {"share": 0.05}),
+    AlertRule("underflow", "op", "more than {share:.0%} of finite values round to zero or a subnormal, or were "
+              "flushed to zero", {"share": 0.05}),
     AlertRule("growth", "op", "log2 |x| max, fitted over the last {window} steps, reaches the format's max "
               "within {steps} steps", {"window": 6, "steps": 50, "min_r2": 0.6}),
     AlertRule("loss_scale", "step", "the loss scale fell {factor:g}x below its peak", {"factor": 64.0}),
@@ -121,9 +122,11 @@ def _rolling_fit(x: np.ndarray, y: np.ndarray, w: int):
 
 
 def op_alerts(run: str, op: str, steps: Sequence[int], absmax: Sequence[float], fmt: Format,
-              low_share: Optional[Sequence[float]] = None, overrides: Optional[dict] = None) -> list[Alert]:
+              low_share: Optional[Sequence[float]] = None, overrides: Optional[dict] = None,
+              flushed_share: Optional[Sequence[float]] = None) -> list[Alert]:
     """Alerts of one op's series (steps ascending; ``absmax`` over finite values, NaN where none;
-    ``low_share``: share of finite values that round to zero or a subnormal in ``fmt``, NaN where unknown)."""
+    ``low_share``: share of finite values that round to zero or a subnormal in ``fmt``, NaN where unknown;
+    ``flushed_share``: share of its values that are zero where the reference's are not, NaN where unknown)."""
     steps = np.asarray(steps, dtype=np.int64)
     a = np.asarray(absmax, dtype=np.float64)
     out: list[Alert] = []
@@ -140,16 +143,26 @@ def op_alerts(run: str, op: str, steps: Sequence[int], absmax: Sequence[float], 
                          f"{num_text(fmax)} at step {steps[i]} (alert below {p['bits']:g} bits)",
                          float(head[i]), float(p["bits"]), int(fire.sum())))
 
-    if low_share is not None:
+    if low_share is not None or flushed_share is not None:
         p = _params("underflow", overrides)
-        s = np.asarray(low_share, dtype=np.float64)
+        low = np.asarray(low_share if low_share is not None else np.full(len(steps), np.nan), dtype=np.float64)
+        gone = np.asarray(flushed_share if flushed_share is not None else np.full(len(steps), np.nan),
+                          dtype=np.float64)
+        known = np.isfinite(low) | np.isfinite(gone)
+        s = np.where(known, np.nan_to_num(low) + np.nan_to_num(gone), np.nan)
         fire = np.isfinite(s) & (s > p["share"])
         i = _first(fire)
         if i is not None:
+            parts = []
+            if np.isfinite(low[i]) and (low[i] > 0 or not gone[i] > 0):
+                parts.append(f"{low[i]:.1%} of its finite values round to zero or a subnormal in {fmt.name} (below "
+                             f"its smallest normal {num_text(fmt.smallest_normal)})")
+            if np.isfinite(gone[i]) and gone[i] > 0:
+                parts.append(f"{gone[i]:.1%} of its values were flushed to zero in {fmt.name} (nonzero in the "
+                             f"reference; below half its smallest subnormal {num_text(fmt.smallest_positive)})")
             out.append(Alert(run, op, int(steps[i]), "underflow",
-                             f"{op}: {s[i]:.1%} of its finite values round to zero or a subnormal in {fmt.name} "
-                             f"(below its smallest normal {num_text(fmt.smallest_normal)}) at step {steps[i]} "
-                             f"(alert above {p['share']:.0%})", float(s[i]), float(p["share"]), int(fire.sum())))
+                             f"{op}: {' and '.join(parts)} at step {steps[i]} (alert above {p['share']:.0%})",
+                             float(s[i]), float(p["share"]), int(fire.sum())))
 
     p = _params("growth", overrides)
     w = int(p["window"])

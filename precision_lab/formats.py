@@ -144,6 +144,41 @@ class Format:
     def max_log2(self) -> float:
         return math.log2(self.max)
 
+    @cached_property
+    def integer_limit(self) -> int:
+        """The largest N such that every integer 0..N is exactly representable: 2^(man_bits + 1) for a float
+        format (fp16 2048, bf16 256); above it only every 2nd (then 4th, ...) integer exists, so adding 1 is
+        lost.  The largest value for the integer grid and e8m0."""
+        if self.kind == "int":
+            return int(self.max)
+        if self.kind == "e8m0":
+            return 2
+        return 2 ** (self.man_bits + 1)
+
+    def spacing_at(self, x: float) -> float:
+        """Distance between neighbouring values of this format around magnitude ``x`` (its ulp there)."""
+        a = abs(float(x))
+        if self.kind == "int" or not math.isfinite(a):
+            return 1.0
+        e = max(math.floor(math.log2(a)) if a > 0 else self.emin, self.emin)
+        return math.ldexp(1.0, e - self.man_bits)
+
+    def cannot_hold(self, *, absmax: Optional[float] = None, smallest: Optional[float] = None,
+                    integers_to: Optional[float] = None) -> Optional[str]:
+        """Why values of these magnitudes are lost in this format, or None where it holds them: ``absmax`` at
+        or beyond its overflow threshold, ``smallest`` (nonzero) rounding to 0, integers counted up to
+        ``integers_to`` past ``integer_limit``."""
+        if absmax is not None and math.isfinite(absmax) and absmax >= self.overflow_threshold:
+            return (f"{absmax:.4g} is beyond {self.name}'s range (max {self.max:.4g}): "
+                    f"{'it saturates' if self.saturating else 'it becomes inf'} there too")
+        if smallest is not None and 0 < smallest < self.underflow_threshold:
+            return (f"{smallest:.2g} is below half {self.name}'s smallest value {self.smallest_positive:.2g}: "
+                    "it rounds to 0 there too")
+        if integers_to is not None and math.isfinite(integers_to) and abs(integers_to) > self.integer_limit:
+            return (f"integers above {self.integer_limit} are not representable in {self.name} "
+                    f"(counting to {abs(integers_to):.0f} loses increments there too)")
+        return None
+
     # ---- rounding thresholds on |x| (float64, exact) ----------------------
     # Bins are half-open [lo, hi): each threshold is the *smallest* float64
     # magnitude that lands in the next class, so a tie that rounds down moves

@@ -29,7 +29,7 @@ from .formats import FORMATS
 from .stats import TensorStats
 from .stats.edges import HIST_EDGES
 
-__all__ = ["QuantFacts", "quant_facts", "percentile_of", "FLUSH_ERROR", "FLUSH_WARN", "SATURATE_WARN",
+__all__ = ["QuantFacts", "quant_facts", "flushed_count", "percentile_of", "FLUSH_ERROR", "FLUSH_WARN", "SATURATE_WARN",
            "QUANT_FIXES"]
 
 FLUSH_ERROR = 0.05  # share of the values that flush to zero before a quantise op's verdict is "error"
@@ -62,6 +62,12 @@ class QuantFacts:
         return self.amax / self.p999
 
 
+def flushed_count(before_zeros, after_zeros) -> int:
+    """Values flushed to zero: zero after (a cast, a quantisation, the low-precision run) and nonzero before (the
+    input, the fp32 reference), from the two zero counts of the same tensor (None counts as none)."""
+    return max(0, int(after_zeros or 0) - int(before_zeros or 0))
+
+
 def percentile_of(hist: Optional[np.ndarray], q: float, zeros: int = 0) -> Optional[float]:
     """The upper edge of the histogram bin holding the ``q``-th percentile of |x| (zeros, not in the
     histogram, counted below every bin); None without a histogram or values."""
@@ -90,7 +96,7 @@ def quant_facts(op: str, fmt_name: str, x: TensorStats, y: TensorStats, amax: Op
     ``amax``: the value the scale was built from (default: |x|'s max)."""
     fmt = FORMATS[fmt_name]
     n = int(x.numel or 0)
-    flushed = max(0, int(y.zero_count or 0) - int(x.zero_count or 0))
+    flushed = flushed_count(x.zero_count, y.zero_count)
     if amax is None or not math.isfinite(amax):
         amax = x.absmax if x.absmax is not None and math.isfinite(x.absmax) else None
     p999 = percentile_of(x.hist, 99.9, int(x.zero_count or 0))

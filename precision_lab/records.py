@@ -13,7 +13,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -109,6 +109,11 @@ class RunInfo:
     source: str = ""  # folder/zip path, recipe name, or "capture"
     order: str = "execution"  # execution | name (when a dump carries no order)
     created: Optional[str] = None
+
+
+# diagnoses that name the op where an error was introduced or amplified (not where it shows): the rankings
+# (Top offenders, the worst comparisons) put that op's outputs ahead of the ops that only carry the error on
+ATTRIBUTING_RULES = ("error-amplified", "integer-limit", "gradient-underflow")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from torch import nn
 
 from precision_lab import capture_pair
 from precision_lab.services.diagnose import diagnose
+from precision_lab.services.report import build_report, render_text
+from precision_lab.store.dashboard import ACCUMULATED_KINDS, LOCAL_KINDS, top_offenders
 
 
 class OnePassVar(nn.Module):
@@ -66,3 +68,14 @@ def test_no_amplification_named_in_a_healthy_run(store):
 
     name = capture_pair(lambda: (torch.manual_seed(0), Plain())[1], _x(), torch.bfloat16, store=store)
     assert not [d for d in diagnose(store, name) if d.rule == "error-amplified"]
+
+
+def test_the_amplifying_op_ranks_ahead_of_its_consumers(store):
+    name = capture_pair(_build, _x(), torch.bfloat16, store=store)
+    # Top offenders (both tabs) and the worst-comparison table: the subtraction that cancels first, not the ops
+    # after it, though its own local error is nil (it rounds nothing: its inputs' rounding is what it amplifies)
+    sid = store.session(name)["session_id"]
+    for kinds in (ACCUMULATED_KINDS, LOCAL_KINDS):
+        assert top_offenders(store, sid, kinds=kinds, n=1).iloc[0]["op"] == "sub.0", kinds
+    worst = render_text(build_report(store, name)).split("Worst")[1].splitlines()[3]
+    assert worst.split()[1] == "sub.0"

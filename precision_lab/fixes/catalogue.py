@@ -21,7 +21,7 @@ from ..registry import Registry
 from .policy import PolicyError, PrecisionPolicy, QuantConfig
 
 __all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "split_specs",
-           "fix_label"]
+           "fix_label", "unreachable"]
 
 
 class FixError(PolicyError):
@@ -36,6 +36,8 @@ class FixDef:
     ``"value"`` (a positive number), ``"format"`` (a format name) or
     ``"choice:a|b"``.  ``reason(arg)`` returns the one-line reason;
     ``edit(policy, value)`` returns the edited policy or raises FixError.
+    ``target(value)``: the format the fix computes in instead (``use-bf16``: bf16), None where it changes no
+    format; a fix whose target cannot hold the values at stake is never offered (``unreachable``).
     """
 
     name: str
@@ -43,6 +45,7 @@ class FixDef:
     reason: Callable[[Any], str]
     edit: Callable[[PrecisionPolicy, Any], PrecisionPolicy]
     example: str
+    target: Optional[Callable[[Any], Optional[str]]] = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,24 @@ def apply_fixes(policy: PrecisionPolicy, specs) -> PrecisionPolicy:
 
 # ---- the built-in catalogue ------------------------------------------------------
 
+def unreachable(spec: str, *, absmax: Optional[float] = None, smallest: Optional[float] = None,
+                integers_to: Optional[float] = None) -> Optional[str]:
+    """Why the fix ``spec`` (``a+b`` too) cannot help values of these magnitudes, or None: a part of it computes
+    in a format that cannot hold them either (``Format.cannot_hold``), e.g. ``use-bf16`` for
+    ``finfo(float32).min`` (-inf in bf16 as in fp16) or for a count past 256."""
+    for part in split_specs(spec):
+        try:
+            fix = parse_fix(part)
+        except FixError:
+            continue
+        name = fix.definition.target(fix.value) if fix.definition.target is not None else None
+        why = FORMATS[name].cannot_hold(absmax=absmax, smallest=smallest, integers_to=integers_to) \
+            if name in FORMATS else None
+        if why:
+            return f"{fix.spec}: {why}"
+    return None
+
+
 def _need_quant(policy: PrecisionPolicy, fix: str):
     if policy.quant is None:
         raise FixError(f"fix {fix!r} edits fp8 fake-quantisation settings, but policy "
@@ -258,11 +279,11 @@ for _d in (
            lambda pat: f"run modules matching {pat!r} in fp32 (max {num_text(_F32.max, 3)}, "
                        f"eps {num_text(_F32.eps, 3)}): "
                        "an fp32 island where values leave the low-precision range or lose precision",
-           _keep_fp32, "keep-fp32:layers.0.mlp.down_proj"),
+           _keep_fp32, "keep-fp32:layers.0.mlp.down_proj", target=lambda _: "fp32"),
     FixDef("use-bf16", None,
            lambda _: f"compute in bf16 instead of fp16: bf16 keeps fp32's exponent range (max {num_text(_B16.max, 3)} vs "
                      f"fp16 {num_text(_F16.max, grouped=True)}) at {_B16.eps / _F16.eps:g}x coarser rounding",
-           _use_bf16, "use-bf16"),
+           _use_bf16, "use-bf16", target=lambda _: "bf16"),
     FixDef("scale-fp32", None,
            lambda _: f"compute fp8 amax, scale and its reciprocal in fp32: a scale below fp16's smallest normal "
                      f"({num_text(_F16.smallest_normal, 3)}) stays normal in fp32 and its reciprocal stays below "
@@ -307,7 +328,7 @@ for _d in (
     FixDef("fp8-format", "format",
            lambda f: f"fake-quantise to {f} (max {num_text(FORMATS[f].max, 3)}, smallest normal "
                      f"{num_text(FORMATS[f].smallest_normal, 3)}, eps {num_text(FORMATS[f].eps, 3)})",
-           _fp8_format, "fp8-format:fp8_e5m2"),
+           _fp8_format, "fp8-format:fp8_e5m2", target=lambda f: f),
     FixDef("scaling", "choice:tensor|row",
            lambda g: f"one fp8 scale per {g}" + (": an outlier row no longer coarsens every other row"
                                                   if g == "row" else ""),

@@ -43,16 +43,17 @@ from typing import Callable, Optional, Protocol
 from ..formats import FORMATS, Format, format_for_dtype
 from ..metrics import VERDICT_THRESHOLDS
 from ..display import num_text
-from ..ops import canonical, innermost_module, module_path, module_prefixes
-from ..quantisation import QUANT_FIXES, quant_facts
+from ..ops import aliases_of, canonical, innermost_module, module_path, module_prefixes
+from ..quantisation import FLUSH_ERROR, QUANT_FIXES, flushed_count, quant_facts
 from ..stats import TensorStats
 from ..origin import Origin
 from ..records import INPUT_ROLES, Diagnosis
 from ..registry import Registry
+from .catalogue import unreachable
 from .policy import PolicyError, island_effects
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
-           "representable_floor"]
+           "representable_floor", "quantise_findings"]
 
 
 
@@ -108,6 +109,15 @@ class RunFacts(Protocol):
     def error_growth(self, run_id: str) -> list[dict]:
         """Per op call: ``{op, op_type, step, rank, seq, out_units, in_units, cand_format}``, its output's and
         inputs' accumulated error in unit roundoffs of the candidate format, in execution order."""
+
+    def paired_values(self, run_id: str, roles, op_types=None) -> list[dict]:
+        """The run's records of ``roles`` (ops of ``op_types`` when given) compared element-wise, beside the
+        reference's: ``{op, op_type, step, rank, seq, role, index, dtype, numel, min, max, absmax, zero_count,
+        ref_min, ref_max, ref_absmax, ref_zero_count, ref_min_abs_nonzero}``, in execution order."""
+
+    def first_nonfinite_state_after(self, run_id: str, step: int) -> Optional[dict]:
+        """The first non-finite parameter or buffer record after ``step``: ``{op, index, step, nan_count,
+        inf_count, count}``."""
 
     def quantise_calls(self, run_id: str) -> list[dict]:
         """Each quantise op call: ``{op, step, rank, seq, input, output, amax, input_hist}`` (its first input
@@ -210,6 +220,19 @@ def _keep_fp32(ev: Evidence) -> Optional[str]:
     if not ev.module or ev.module_facts.get("island_changes") is False:  # an island there changes nothing
         return None
     return f"keep-fp32:{ev.module}"
+
+
+def _reachable(fixes, **values) -> list:
+    """``fixes`` without those that cannot help values of these magnitudes (``catalogue.unreachable``: a fix
+    whose target format cannot hold them either is never offered)."""
+    return [f for f in fixes if f and not unreachable(f, **values)]
+
+
+def _at_stake(ctx: Context, ev: Evidence) -> Optional[float]:
+    """The largest finite magnitude the reference holds in the producer's inputs and outputs: what a fix's
+    target format must hold (None without a reference)."""
+    refs = _ref_records(ctx, ev, ev.records)
+    return max((_absmax(r) for r in refs.values() if _finite(_absmax(r))), default=None)
 
 
 # ---- producer rules ------------------------------------------------------------------
@@ -659,14 +682,14 @@ def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
     return []
 
 
-def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
-    """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
-    scale) or saturates them, judged against its own input (``quantisation.quant_facts``); the worst three."""
+def quantise_findings(ctx: Context, run: dict) -> list[tuple[dict, object]]:
+    """``(call, QuantFacts)`` of each quantise op call of ``run`` judged worse than expected against its own
+    input (``quantisation.quant_facts``), most values flushed first: what the ``fp8-quantisation`` diagnosis
+    says, and the verdict its output comparisons get (``services.diagnose``)."""
     calls = getattr(ctx.facts, "quantise_calls", None)
-    if calls is None:
+    if calls is None or run["kind"] == "reference":
         return []
-    policy = ctx.policies.get(run["run_id"])
-    quant = getattr(policy, "quant", None)
+    quant = getattr(ctx.policies.get(run["run_id"]), "quant", None)
     found = []
     for c in calls(run["run_id"]):
         fmt = (quant.format if quant is not None else None) or "fp8_e4m3fn"
@@ -675,6 +698,14 @@ def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
         if qf.verdict != "expected":
             found.append((c, qf))
     found.sort(key=lambda cq: -cq[1].flushed_share)
+    return found
+
+
+def _quantisation(ctx: Context, run: dict, found=None) -> list[Diagnosis]:
+    """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
+    scale) or saturates them, judged against its own input (``quantise_findings``); the worst three."""
+    quant = getattr(ctx.policies.get(run["run_id"]), "quant", None)
+    found = quantise_findings(ctx, run) if found is None else found
     out = []
     for c, qf in found[:3]:
         where = module_path(c["op"])
@@ -687,6 +718,122 @@ def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
         out.append(Diagnosis("", run["run_id"], where, "fp8-quantisation", msg, tuple(fixes),
                              "error" if qf.verdict == "error" else "warn", int(c["seq"])))
     return out
+
+
+# ops that count: an increment lost above a format's contiguous-integer limit
+COUNTING_OPS = ("add", "sub")
+
+
+def _integer_limit(ctx: Context, run: dict) -> list[Diagnosis]:
+    """``integer-limit``: an add whose operands are integers past its format's ``integer_limit`` (fp16 2048,
+    bf16 256) leaves the count where it was in the run while the reference's moves on: the increment is below
+    half the format's spacing there and rounds away (a token counter stuck at 2048).  Names the first such op
+    call and counts the others."""
+    paired = getattr(ctx.facts, "paired_values", None)
+    if run["kind"] == "reference" or paired is None:
+        return []
+    calls: dict[tuple, list] = {}
+    for r in paired(run["run_id"], ("input", "output"), tuple(t for k in COUNTING_OPS for t in (k,) + aliases_of(k))):
+        calls.setdefault((r["step"], r["rank"], r["op"]), []).append(r)
+    lost = []
+    for rs in calls.values():
+        out = next((r for r in rs if r["role"] == "output"), None)
+        ins = [r for r in rs if r["role"] == "input" and _finite(r["ref_max"]) and _finite(r["ref_min"])]
+        fmt = format_for_dtype(out["dtype"]) if out else None
+        if not ins or fmt is None or fmt.kind != "float" or fmt.bits >= 32:
+            continue
+        acc = max(ins, key=lambda r: max(abs(r["ref_max"]), abs(r["ref_min"])))  # the count: the larger operand
+        vals = (out["min"], out["max"], out["ref_min"], out["ref_max"], acc["min"], acc["max"], acc["ref_min"],
+                acc["ref_max"])
+        if not all(_finite(v) and float(v).is_integer() for v in vals):
+            continue
+        step = out["ref_max"] - acc["ref_max"]
+        # the run's count did not move where the reference's did, at a magnitude past the integer limit
+        if step and (out["min"], out["max"]) == (acc["min"], acc["max"]) and \
+                max(abs(acc["max"]), abs(acc["min"])) >= fmt.integer_limit:
+            lost.append((out, acc, step, fmt))
+    if not lost:
+        return []
+    out, acc, step, fmt = lost[0]
+    last = lost[-1][0]
+    at, limit = max(abs(acc["max"]), abs(acc["min"])), fmt.integer_limit
+    reach = max(abs(last["ref_max"]), abs(last["ref_min"]))
+    stuck = max(abs(last["max"]), abs(last["min"]))
+    msg = (f"`{out['op']}` adds {step:+g} to a count at {at:,.0f} in {fmt.name}: integers above {limit} are not "
+           f"representable in {fmt.name}: {step:+g} is lost (from {limit:,} on only multiples of "
+           f"{fmt.spacing_at(at):g} exist, so {at:,.0f} {step:+g} rounds back to {at:,.0f}). {len(lost)} add(s) are "
+           f"lost this way: the count stays at {stuck:,.0f} where the fp32 run reaches {reach:,.0f} "
+           f"({abs(reach - stuck) / reach:.1%} off). Count in fp32 or an integer dtype (torch.long)")
+    m = ctx.module_of(out["op"])
+    island = f"keep-fp32:{m}" if m and ctx.modules.get(m, {}).get("island_changes") is True else None
+    if island:
+        msg += f", or keep `{m}` in fp32 (its dtype comes from its own parameters)"
+    fixes = _reachable([island, "use-bf16" if fmt.name == "fp16" else None], integers_to=reach)
+    return [Diagnosis("", run["run_id"], out["op"], "integer-limit", msg, tuple(fixes), "warn", int(out["seq"]))]
+
+
+# gradients written by a backward op: a gradient flushed to zero there never reaches the optimizer
+_WRITTEN_GRADS = ("grad_input", "param_grad")
+
+
+def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
+    """``gradient-underflow``: gradients that are zero in the run where the reference's are not (flushed to
+    zero: below half the format's smallest subnormal), at least ``FLUSH_ERROR`` of a tensor; names the first
+    backward op that writes them and the parameter gradients that are lost."""
+    paired = getattr(ctx.facts, "paired_values", None)
+    if run["kind"] == "reference" or paired is None:
+        return []
+    hit = []
+    for r in paired(run["run_id"], _WRITTEN_GRADS):
+        n = int(r["numel"] or 0)
+        k = flushed_count(r["ref_zero_count"], r["zero_count"])
+        if n and k / n >= FLUSH_ERROR:
+            hit.append((r, k, n))
+    if not hit:
+        return []
+    r, k, n = hit[0]
+    fmt = format_for_dtype(r["dtype"]) or FORMATS["fp32"]
+    smallest = min((x["ref_min_abs_nonzero"] for x, _, _ in hit if _finite(x["ref_min_abs_nonzero"])), default=None)
+    largest = max((x["ref_absmax"] for x, _, _ in hit if _finite(x["ref_absmax"])), default=None)
+    params = [(x, kk, nn) for x, kk, nn in hit if x["role"] == "param_grad"]
+    msg = (f"`{r['op']}` (step {r['step']}) writes a gradient ({r['role']} {r['index']}) whose values are 0 in "
+           f"{fmt.name} where the fp32 run's are not: {k:,} of {n:,} ({k / n:.0%}) flushed to zero")
+    if largest is not None:
+        msg += (f" (the fp32 gradients reach only {largest:.2g}; {fmt.name} rounds every magnitude below "
+                f"{fmt.underflow_threshold:.2g} to 0)")
+    if params:
+        x, kk, nn = max(params, key=lambda p: p[1])
+        msg += (f". {len(params)} parameter gradient(s) lose values this way, e.g. `{x['op']}` {x['index']}: "
+                f"{kk:,} of {nn:,}, so the optimizer does not update them")
+    if largest:
+        need = 2.0 ** math.ceil(math.log2(fmt.smallest_normal / (smallest or largest)))
+        msg += (f". Scale the loss before backward (torch.amp.GradScaler, or a constant scale of at least "
+                f"{need:.3g} = 2^{math.log2(need):.0f}) and unscale the gradients before the optimizer step")
+    fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
+    return [Diagnosis("", run["run_id"], r["op"], "gradient-underflow", msg, tuple(fixes), "warn", int(r["seq"]))]
+
+
+def _optimizer_state(ctx: Context, run: dict, fn: Origin) -> list[Diagnosis]:
+    """``optimizer-nonfinite``: a backward op's NaN/inf gradient reached the optimizer, whose step made the
+    weights non-finite (Adam: exp_avg_sq = g^2 = inf, the update inf / inf = NaN)."""
+    after = getattr(ctx.facts, "first_nonfinite_state_after", None)
+    if after is None or fn.direction != "backward":
+        return []
+    st = after(run["run_id"], fn.step)
+    if st is None:
+        return []
+    rec = next((r for r in ctx.facts.op_records(run["run_id"], fn.op, fn.step, fn.rank) if int(r["rid"]) == fn.rid),
+               {})
+    inf = _count(rec, "inf_count")
+    what = "+/-inf" if inf and not _count(rec, "nan_count") else "NaN/inf"
+    msg = (f"`{fn.op}` (step {fn.step}) writes {what} into a gradient ({fn.role} {fn.index}) and the optimizer "
+           f"step takes it: with Adam, exp_avg_sq = g^2 = inf, so the update exp_avg / (sqrt(exp_avg_sq) + eps) = "
+           f"inf / inf = NaN, and the weights are non-finite from step {st['step']} on (`{st['op']}` {st['index']}, "
+           f"{int(st['count'])} parameter record(s) that step). Skip a step whose gradients are not finite "
+           "(torch.amp.GradScaler's scaler.step does, and lowers the loss scale; by hand: check "
+           "torch.isfinite of the gradient norm before optimizer.step()); clipping alone does not help once a "
+           "gradient is inf (its norm is inf and the clipped gradient NaN)")
+    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, (), "error", fn.seq)]
 
 
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
@@ -725,8 +872,8 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
     policy = ctx.policies.get(run["run_id"])
     if first_nonfinite is None:
-        return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _amplified(ctx, run) + _precision_loss(ctx, run)
-                + _compiled(ctx, run))
+        return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _integer_limit(ctx, run) + _amplified(ctx, run)
+                + _gradient_underflow(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run))
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
     nan = first_nonfinite.first_nan
     if found and nan:
@@ -734,12 +881,12 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
                            d.message.rstrip(".") + f". That value is inf; the first NaN appears later, at `{nan.op}` "
                            f"({nan.op_type}), which combines it (inf - inf, 0 x inf or inf / inf)",
-                           d.fixes, d.severity, d.seq)]
+                           d.fixes, d.severity, d.seq)] + found[1:]
     if found and ctx.facts.last_forward_output_finite(run["run_id"]):
         d = found[0]
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
                            d.message + f" The non-finite values stop before the run's output, which is finite "
-                           f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)]
+                           f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)] + found[1:]
     return found + _compiled(ctx, run)
 
 
@@ -758,7 +905,13 @@ def _producer_diagnosis(ctx: Context, run: dict, fn: Origin, policy) -> list[Dia
     for name, rule in RULES.items():
         d = rule(ctx, ev)
         if d is not None:
-            return [d]
+            stake = _at_stake(ctx, ev)
+            if stake is not None:
+                dropped = [why for why in (unreachable(f, absmax=stake) for f in d.fixes) if why]
+                msg = d.message + ("" if not dropped else f" (not offered: {'; '.join(dropped)})")
+                d = Diagnosis(d.session_id, d.run_id, d.op, d.rule, msg, tuple(_reachable(d.fixes, absmax=stake)),
+                              d.severity, d.seq)
+            return [d] + _optimizer_state(ctx, run, fn)
     return []
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
-from ..fixes.rules import Context, diagnose_run, module_facts
+from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
 from ..records import Diagnosis
 from ..store import queries as q
@@ -28,6 +28,7 @@ class StoreFacts:
 
     def __init__(self, store):
         self.store = store
+        self._quantise: dict[str, list] = {}  # run_id -> its quantise calls (read once per diagnosis pass)
 
     def op_records(self, run_id, op, step, rank):
         return q.op_records(self.store, run_id, op, step, rank)
@@ -59,12 +60,20 @@ class StoreFacts:
     def error_growth(self, run_id):
         return q.error_growth(self.store, run_id)
 
+    def paired_values(self, run_id, roles, op_types=None):
+        return q.paired_values(self.store, run_id, roles, op_types)
+
+    def first_nonfinite_state_after(self, run_id, step):
+        return q.first_nonfinite_state_after(self.store, run_id, step)
+
     def quantise_calls(self, run_id):
-        out = []
-        for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise")):
-            c["input_hist"] = self.store.histogram(run_id, c["input"]["rid"])
-            out.append(c)
-        return out
+        if run_id not in self._quantise:
+            out = []
+            for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise")):
+                c["input_hist"] = self.store.histogram(run_id, c["input"]["rid"])
+                out.append(c)
+            self._quantise[run_id] = out
+        return self._quantise[run_id]
 
 
 def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:
@@ -86,6 +95,12 @@ def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:
 
 def diagnose(store, session: str) -> list[Diagnosis]:
     """The diagnoses of a session, computed from the store (nothing written)."""
+    return _diagnose(store, session)[0]
+
+
+def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
+    """``(diagnoses, judgements)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict, reason)``
+    for each quantise op call whose output is worse than expected against its own input."""
     info = store.session(session)
     runs = q.session_runs(store, info["session_id"])
     ref = next((r for r in runs if r["kind"] == "reference"), None)
@@ -95,6 +110,7 @@ def diagnose(store, session: str) -> list[Diagnosis]:
     recipe = recipe_name(store, info)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []
+    judged: list[tuple] = []
     for run in runs:
         if run["kind"] == "reference":
             continue
@@ -104,15 +120,21 @@ def diagnose(store, session: str) -> list[Diagnosis]:
             modules_by_policy[key] = _recipe_modules(recipe, policy)
         ctx.modules = modules_by_policy[key]
         out.extend(diagnose_run(ctx, run, first_nonfinite(store, run["run_id"])))
-    return out
+        judged.extend((run["run_id"], c["op"], c["step"], c["rank"], qf.verdict,
+                       f"judged against its own input: {qf.message}") for c, qf in quantise_findings(ctx, run))
+    return out, judged
 
 
 def diagnose_session(store, session: str) -> list[Diagnosis]:
-    """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction)."""
-    found = diagnose(store, session)
+    """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction); a quantise op's
+    output comparisons take the verdict of its quantisation where that is worse (``rules.quantise_findings``:
+    re-run in fp32, the op quantises too, so its comparison cannot see values flushed to zero)."""
+    found, judged = _diagnose(store, session)
     with store.extend_session(session) as w:
         w.clear_diagnoses()
         for d in found:
             w.add_diagnosis(d)
+        for j in judged:
+            w.worsen_verdicts(*j)
     sid = store.session(session)["session_id"]
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]

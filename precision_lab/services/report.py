@@ -29,7 +29,7 @@ from ..display import num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..origin import ORDER_TEXT, Intended, Origin, PathStep, RunFacts, analyse, order_text
-from ..records import INPUT_ROLES
+from ..records import ATTRIBUTING_RULES, INPUT_ROLES
 from ..store import queries as q
 from ..jsoncodec import dumps
 from . import timeline as _timeline
@@ -238,7 +238,11 @@ def render_text(report: dict, *, top: int = 15) -> str:
         for (cand, ref), d in counts.items():
             summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
             out.append(f"  {cand} vs {ref}: {summary}")
-        worst = sorted((c for c in comps if c["verdict"]), key=_worst_key)[:top]
+        # the ops a diagnosis names as where the error was introduced or amplified first, with what they wrote
+        # (as ``top_offenders`` ranks them)
+        named = {(d["run"], d["op"]) for d in report.get("diagnoses") or () if d["rule"] in ATTRIBUTING_RULES}
+        worst = sorted((c for c in comps if c["verdict"]), key=lambda c: (
+            not ((c["cand_run"], c["op"]) in named and c["role"] not in INPUT_ROLES), *_worst_key(c)))[:top]
         # a comparison on summary statistics has no element-wise error: its own columns, where there is one
         by_summary = any(c.get("basis") == "stats" for c in worst)
         rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",

@@ -16,13 +16,14 @@ import numpy as np
 from ..alerts import Alert, grad_spike_alerts, headroom_bits, loss_scale_alerts, op_alerts, op_format
 from ..formats import Format, get_format
 from ..ops import module_path
+from ..quantisation import flushed_count
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
 from .tree import build_tree
 
 __all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts",
-           "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op"]
+           "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op", "pair_alerts"]
 
 # op alerts judge forward outputs; gradients of parameters are judged for underflow only
 # (a GradScaler overflows them on purpose, and skips those steps)
@@ -90,12 +91,47 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
     return out
 
 
+# what a compared run's flushed-to-zero alert reads: forward outputs and the gradients backward ops write
+_FLUSH_ROLES = ("output", "grad_input", "param_grad")
+
+
+def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list[Alert]:
+    """The underflow alerts of a run compared with a reference: per op output or gradient, by step, the share
+    of its values flushed to zero (zero in the run, nonzero in the reference: ``quantisation.flushed_count``),
+    in the record's own low-precision format."""
+    run = q.run_row(store, run_id)
+    series: dict[tuple, list] = {}
+    for r in q.paired_values(store, run_id, _FLUSH_ROLES):
+        series.setdefault((r["op"], r["role"], r["index"], r["dtype"]), []).append(r)
+    out: list[Alert] = []
+    for (op, role, index, dtype), rs in series.items():
+        fmt = op_format(dtype)
+        if fmt is None:
+            continue
+        rs.sort(key=lambda r: r["step"])
+        share = [flushed_count(r["ref_zero_count"], r["zero_count"]) / r["numel"] if r["numel"] else np.nan
+                 for r in rs]
+        shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
+        got = op_alerts(run["name"], shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
+                        overrides=overrides, flushed_share=share)
+        out.extend(dataclasses.replace(x, op=op) for x in got if x.rule == "underflow")
+    out.sort(key=lambda a: (a.step, a.op or "", a.rule))
+    return out
+
+
 def session_alerts(store, session: str, *, target: Optional[str] = None,
                    overrides: Optional[dict] = None) -> list[Alert]:
+    """Every alert of a session: its long runs' (``run_alerts``), then its compared runs' values flushed to
+    zero (``pair_alerts``)."""
     info = store.session(session)
     out: list[Alert] = []
+    timed = set()
     for r in timeline_runs(store, info["session_id"]):
+        timed.add(r["run_id"])
         out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
+    for r in q.session_runs(store, info["session_id"]):
+        if r["kind"] != "reference" and r["run_id"] not in timed:
+            out.extend(pair_alerts(store, r["run_id"], overrides=overrides))
     return out
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from ..paths import default_data_dir, default_db_path, resolve_db_path
 from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
+from ..enums import Verdict
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
@@ -680,6 +681,16 @@ class SessionWriter:
         cols = [f.name for f in dataclasses.fields(Diagnosis)]
         vals = [d.fixes_json() if c == "fixes" else getattr(d, c) for c in cols]
         self.cur.execute(f"INSERT INTO diagnoses ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", vals)
+
+    def worsen_verdicts(self, run_id: str, op: str, step: int, rank: int, verdict: str, reason: str) -> None:
+        """Judge the output comparisons of one op call of ``run_id`` ``verdict`` (with ``reason``) where they
+        were judged better or not at all (no reference record to compare with): a finding made from more than
+        the comparison (a quantise op judged against its own input)."""
+        better = [v.value for v in Verdict if v.rank < Verdict(verdict).rank]
+        self.cur.execute(f"""UPDATE comparisons SET verdict = ?, reason = ? WHERE session_id = ? AND cand_run_id = ?
+                             AND op = ? AND step = ? AND rank = ? AND role = 'output'
+                             AND (verdict IS NULL OR verdict IN ({', '.join('?' * len(better))}))""",
+                         [verdict, reason, self.session_id, run_id, op, int(step), int(rank), *better])
 
     def add_warning(self, file: str, message: str, run_id: Optional[str] = None) -> None:
         self._warns.append((self.session_id, run_id, str(file), str(message)))

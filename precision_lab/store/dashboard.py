@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
+from ..records import ATTRIBUTING_RULES, INPUT_ROLES
 from .queries import rows, session_runs
 
 # column -> SQL expression; the only columns a visitor may sort by
@@ -595,10 +596,14 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     comparisons, ranked after the element-wise ones of their verdict, never
     as the same number).  Non-finite comparisons are left out unless asked
     for: the first non-finite producer says more than the ops that pass NaN on.
+    An op a diagnosis names as where the error was introduced or amplified
+    (``records.ATTRIBUTING_RULES``: a cancelling subtraction, a count past the
+    format's integer limit, gradients flushed to zero) ranks first with what it
+    wrote, ahead of the ops that carry its error on.
     """
     kinds = tuple(kinds)
     where = ["c.session_id = ?", f"c.kind IN ({', '.join('?' * len(kinds))})", "c.verdict IS NOT NULL"]
-    params: list = [session_id, *kinds]
+    params: list = [session_id, *ATTRIBUTING_RULES, *INPUT_ROLES, session_id, *kinds]
     if not include_nonfinite:
         where.append("c.verdict <> 'nonfinite'")
     if run_id:
@@ -612,8 +617,11 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
                    c.cosine_deficit, c.sqnr_db, c.rounding_units, c.reason, c.cand_run_id AS run_id,
                    c.cand_rid AS rid, c.ref_run_id, c.ref_rid
             FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
+            LEFT JOIN (SELECT DISTINCT run_id, op FROM diagnoses WHERE session_id = ?
+                       AND rule IN ({', '.join('?' * len(ATTRIBUTING_RULES))})) d
+                   ON d.run_id = c.cand_run_id AND d.op = c.op AND c.role NOT IN ({', '.join('?' * len(INPUT_ROLES))})
             WHERE {' AND '.join(where)}
-            ORDER BY {_VERDICT_WORST_FIRST},
+            ORDER BY d.op IS NULL, {_VERDICT_WORST_FIRST},
                      CASE WHEN isfinite(c.rounding_units) THEN c.rounding_units END DESC NULLS LAST,
                      CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
                      CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,

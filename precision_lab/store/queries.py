@@ -233,6 +233,32 @@ def error_growth(store, run_id: str) -> list[dict]:
                            ORDER BY c.step, seq, c.rank""", [run_id])
 
 
+def paired_values(store, run_id: str, roles: Sequence[str], op_types: Optional[Sequence[str]] = None) -> list[dict]:
+    """The run's records of ``roles`` (of ops of ``op_types`` when given) compared element-wise with the
+    reference, beside the reference's: ``{op, op_type, step, rank, seq, role, index, dtype, numel, min, max,
+    absmax, zero_count, ref_min, ref_max, ref_absmax, ref_zero_count, ref_min_abs_nonzero}``, in execution
+    order."""
+    types = f"AND t.op_type IN {_in(op_types)}" if op_types else ""
+    return rows(store, f"""SELECT c.op, t.op_type, c.step, c.rank, c.seq, c.role, c."index", t.dtype, t.numel,
+                                  t.min, t.max, t.absmax, t.zero_count, rt.min AS ref_min, rt.max AS ref_max,
+                                  rt.absmax AS ref_absmax, rt.zero_count AS ref_zero_count,
+                                  rt.min_abs_nonzero AS ref_min_abs_nonzero
+                           FROM comparisons c JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+                           JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
+                           WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.basis = 'tensor'
+                             AND c.role IN {_in(roles)} {types}
+                           ORDER BY c.step, c.seq, c.rank, c.op, c.role, c."index" """, [run_id])
+
+
+def first_nonfinite_state_after(store, run_id: str, step: int) -> Optional[dict]:
+    """The first parameter or buffer record holding NaN/inf at a step after ``step``: ``{op, index, step,
+    nan_count, inf_count, count}`` (``count``: how many such records that step holds), or None."""
+    return _one(store, """SELECT op, "index", step, nan_count, inf_count,
+                                 count(*) OVER (PARTITION BY step) AS count
+                          FROM tensors WHERE run_id = ? AND step > ? AND role IN ('param', 'buffer') AND nonfinite
+                          ORDER BY step, seq, rid LIMIT 1""", [run_id, int(step)])
+
+
 def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
     """Whether a run holds any input record (an outputs-only dump holds none)."""
     return _one(store, f"SELECT 1 AS x FROM tensors WHERE run_id = ? AND role IN {_in(input_roles)} LIMIT 1",

@@ -1,0 +1,255 @@
+"""Mechanisms with their own diagnoses, alerts and fixes: a count past its format's contiguous-integer limit, a
+non-finite gradient reaching Adam, gradients flushed to zero; a fix whose target format cannot hold the values
+is never offered; a quantise op's verdict from its own input; the op that introduced the error ranks first."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import torch
+from torch import nn
+
+from precision_lab import capture_pair
+from precision_lab.alerts import op_alerts
+from precision_lab.fixes.catalogue import unreachable
+from precision_lab.fixes.policy import get_policy
+from precision_lab.fixes.recipes import Recipe, register_recipe
+from precision_lab.formats import FORMATS
+from precision_lab.live import CaptureOptions, capture
+from precision_lab.services.diagnose import diagnose
+from precision_lab.services.report import build_report, first_nonfinite, render_text
+from precision_lab.services.timeline import session_alerts
+from precision_lab.store import queries as q
+from precision_lab.store.dashboard import top_offenders
+
+START, ADDS = 2040, 24
+
+
+class Pool(nn.Module):
+    """Mean pooling that counts its tokens in the dtype of its own projection: one add of 1 per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        count = torch.full((x.shape[0], 1, 1), float(START), dtype=h.dtype)
+        total = h[:, :1] * START
+        for t in range(ADDS):
+            count = count + 1.0
+            total = total + h[:, t:t + 1]
+        return total / count
+
+
+class CounterModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = Pool()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.pool(x)[:, 0])
+
+
+def _tokens():
+    return torch.randn(2, ADDS, 16, generator=torch.Generator().manual_seed(0))
+
+
+def _count(dtype) -> tuple[float, int]:
+    """The count after ``ADDS`` adds of 1 from ``START`` in ``dtype`` (a numpy/ml_dtypes type), and how many
+    adds left it where it was."""
+    c, lost = dtype(START), 0
+    for _ in range(ADDS):
+        n = dtype(float(c) + 1.0)
+        lost += float(n) == float(c)
+        c = n
+    return float(c), lost
+
+
+def test_integer_limits_come_from_the_mantissa():
+    for name, dt in (("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)):
+        lim = FORMATS[name].integer_limit
+        assert all(float(dt(i)) == i for i in range(lim + 1))  # every integer up to the limit
+        assert float(dt(lim + 1)) == lim  # the next one rounds back (to even)
+    assert (FORMATS["fp16"].integer_limit, FORMATS["bf16"].integer_limit) == (2048, 256)
+
+
+def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
+    stuck, lost = _count(np.float16)
+    reach, _ = _count(np.float32)
+    assert (stuck, reach, lost) == (2048.0, START + ADDS, 16)  # independently: 16 adds of 1 are lost in fp16
+    assert _count(ml_dtypes.bfloat16)[0] < reach - 16  # and bf16 is worse, not a fix
+    register_recipe(Recipe("test-token-counter", "fp16 token counter past 2048",
+                           lambda: (CounterModel(), _tokens()), get_policy("fp16")), replace=True)
+    name = capture_pair(CounterModel, _tokens(), get_policy("fp16"), store=store, recipe="test-token-counter")
+    d = next(d for d in diagnose(store, name) if d.rule == "integer-limit")
+    assert d.op.startswith("pool.add.")
+    assert "integers above 2048 are not representable in fp16: +1 is lost" in d.message
+    assert f"{lost} add(s) are lost" in d.message and f"reaches {reach:,.0f}" in d.message
+    assert f"stays at {stuck:,.0f}" in d.message
+    assert "keep-fp32:pool" in d.fixes  # pool's dtype comes from its own Linear: the island moves the count
+    assert "use-bf16" not in d.fixes  # bf16 counts worse (its limit is 256)
+    assert unreachable("use-bf16", integers_to=reach) and not unreachable("keep-fp32:pool", integers_to=reach)
+    # the add that lost the count ranks first, ahead of the ops that carry its error on
+    sid = store.session(name)["session_id"]
+    assert top_offenders(store, sid, n=1).iloc[0]["op"] == d.op
+    worst = render_text(build_report(store, name)).split("Worst")[1].splitlines()[3]
+    assert worst.split()[1] == d.op
+
+
+class TinyGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * 1e-4
+
+
+def _tiny_loss(out):
+    return out.float().mean() * 1e-4
+
+
+def test_gradients_flushed_to_zero_raise_the_alert_and_a_loss_scaling_diagnosis(store):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = TinyGrad()
+    _tiny_loss(ref(x)).backward()
+    g = ref.a.weight.grad.numpy()
+    assert np.count_nonzero(g) == g.size and not np.any(g.astype(np.float16))  # every value flushes in fp16
+    name = capture_pair(TinyGrad, x, torch.float16, store=store, loss_fn=_tiny_loss)
+    d = next(d for d in diagnose(store, name) if d.rule == "gradient-underflow")
+    assert d.op == "mul.0.backward"  # the first backward op that writes zeros
+    assert f"{g.size:,} of {g.size:,}" in d.message and "Scale the loss" in d.message
+    assert "use-bf16" in d.fixes  # bf16 holds 1e-12 as fp32 does
+    alerts = [a for a in session_alerts(store, name) if a.rule == "underflow"]
+    weight = next(a for a in alerts if a.op == "a.backward.0" and "param_grad.weight" in a.message)
+    assert weight.value == 1.0 and "flushed to zero" in weight.message
+
+
+def test_flushed_share_alone_fires_the_underflow_rule():
+    fmt = FORMATS["fp16"]
+    got = op_alerts("r", "g", np.arange(3), np.ones(3), fmt, flushed_share=[0.0, 0.02, 0.5])
+    a = next(a for a in got if a.rule == "underflow")
+    assert a.step == 2 and a.value == 0.5 and "50.0% of its values were flushed to zero" in a.message
+    # both shares add up: 3% round to a subnormal and 3% flushed is over 5%
+    got = op_alerts("r", "g", np.arange(2), np.ones(2), fmt, [0.03, 0.03], flushed_share=[0.0, 0.03])
+    assert [a.step for a in got if a.rule == "underflow"] == [1]
+
+
+class BackwardOverflow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.mid = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.c(self.mid(torch.relu(self.a(x))))
+
+
+def _overflowing():
+    torch.manual_seed(0)
+    m = BackwardOverflow()
+    with torch.no_grad():
+        m.a.weight.mul_(1e-3)
+        m.a.bias.zero_()
+        m.mid.weight.fill_(3000.0)
+        m.mid.bias.zero_()
+        m.c.weight.fill_(1.0 / 64)
+        m.c.bias.zero_()
+    return m
+
+
+def test_an_inf_gradient_that_adam_turns_into_nan_weights_is_explained(store):
+    # independently: Adam's update of an inf gradient is inf / inf = NaN
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([math.inf, 1.0])
+    torch.optim.Adam([p], lr=1e-3).step()
+    assert math.isnan(float(p.detach()[0])) and math.isfinite(float(p.detach()[1]))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).abs()
+    model = _overflowing()
+    with capture(model, run="fp16-adam", store=store, dtype_policy=torch.float16, options=CaptureOptions()) as cap:
+        opt = torch.optim.Adam(cap.model.parameters(), lr=1e-3, eps=1e-4)
+        for _ in range(2):
+            opt.zero_grad()
+            (cap.model(cap.prepare_inputs(x)).float().sum() * 64.0).backward()
+            opt.step()
+            cap.step()
+    run = q.session_runs(store, store.session(cap.session)["session_id"])[0]
+    origin = first_nonfinite(store, run["run_id"])
+    assert origin.direction == "backward" and origin.step == 0
+    d = next(d for d in diagnose(store, cap.session) if d.rule == "optimizer-nonfinite")
+    assert d.op == origin.op and "(step 0)" in d.message and "inf / inf = NaN" in d.message
+    assert "from step 1 on" in d.message and "GradScaler" in d.message
+
+
+class PadAttention(nn.Module):
+    """The transformers additive mask built from finfo(float32).min; query 0 is fully padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        keep = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool)
+        keep[0] = False
+        bias = (~keep).to(s.dtype) * torch.finfo(torch.float32).min
+        return torch.softmax(s + bias, -1) @ x
+
+
+def test_a_fix_whose_format_cannot_hold_the_value_is_not_offered(store):
+    lowest = torch.finfo(torch.float32).min
+    assert torch.tensor(lowest).to(torch.bfloat16).item() == -math.inf  # -inf in bf16 as in fp16
+    assert torch.tensor(lowest).to(torch.float16).item() == -math.inf
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
+    name = capture_pair(PadAttention, x, torch.float16, store=store)
+    d = next(d for d in diagnose(store, name) if d.rule != "compiled")
+    assert d.op == "softmax.0"  # the fully masked row: softmax of all -inf is NaN in fp16 only
+    assert "use-bf16" not in d.fixes and "not offered: use-bf16" in d.message
+    why = unreachable("use-bf16", absmax=abs(lowest))
+    assert why and "beyond bf16's range" in why
+    assert unreachable("fp8-format:fp8_e4m3fn", absmax=1e3) and not unreachable("fp8-format:fp8_e5m2", absmax=1e3)
+    assert unreachable("use-bf16", smallest=1e-41) and not unreachable("use-bf16", smallest=1e-12)
+
+
+class QuantMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < 2:
+                x = torch.relu(x)
+        return x
+
+
+def _weight_outlier():
+    torch.manual_seed(0)
+    m = QuantMLP()
+    with torch.no_grad():
+        m.layers[1].weight[0, 0] = 3.0e4
+    return m
+
+
+def test_a_quantise_op_that_flushes_values_is_judged_by_them(store):
+    w = _weight_outlier().layers[1].weight.detach().half().float()
+    scale = w.abs().max() / FORMATS["fp8_e4m3fn"].max
+    deq = (w / scale).to(torch.float8_e4m3fn).float() * scale
+    flushed = int(((deq == 0) & (w != 0)).sum())
+    assert flushed / w.numel() > 0.05  # independently: a real e4m3 cast flushes most small weights
+    name = capture_pair(_weight_outlier, torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).abs(),
+                        get_policy("fp8-e4m3-tensor"), store=store)
+    rows = store.sql("""SELECT verdict, reason FROM comparisons WHERE op = 'layers.1.weight_quant.forward.0'
+                        AND role = 'output' AND verdict IS NOT NULL""").fetchall()
+    assert rows and all(v == "error" for v, _ in rows)
+    assert all(f"{flushed:,} of {w.numel():,}" in r and "round to 0" in r for _, r in rows)
+    sid = store.session(name)["session_id"]
+    assert top_offenders(store, sid, n=1).iloc[0]["op"] == "layers.1.weight_quant.forward.0"
