@@ -28,8 +28,10 @@ The extended corpus (``bench/localization_cases.py``):
   reference holds too before an fp16-only overflow, a padding mask in Llama/BERT/GPT-2 before an overflow in
   layer 1;
 - ``quiet-loss`` (no NaN; judged by the op ranked first by local error, or a diagnosis): one-pass variance with
-  a large common mean in bf16 and fp16 (the subtraction cancels), ``(h + 2048) - 2048`` in fp16, position ids
-  counted past 2048 in fp16, gradients below fp16's smallest subnormal;
+  a large common mean in bf16 and fp16 (the subtraction cancels), ``(h + 2048) - 2048`` in fp16 (the add is
+  named, by an ``absorption`` diagnosis: it rounds h to fp16's spacing 2 there, and the subtraction after it is
+  exact), position ids counted past 2048 in fp16, a token count in fp16 that sticks at 2048 (``integer-limit``),
+  gradients below fp16's smallest subnormal (``gradient-underflow``);
 - ``fp8-outlier`` (policy ``fp8-e4m3-tensor``): one weight element, or one input channel, far above the rest
   flushes the other values to zero; the layer's own quantisation (``weight_quant`` / ``act_quant``) must rank
   first by local error or be diagnosed;
@@ -40,8 +42,8 @@ The extended corpus (``bench/localization_cases.py``):
 - ``report``: failures rebuilt from public reports, each printed with its source: an fp8 scale computed in fp16
   (reciprocal overflows), row-wise fp8 scaling of an all-zero row, softmax without max subtraction, a bf16
   one-pass LayerNorm whose variance cancels to a negative number, eps 1e-12 (0 in fp16) in a LayerNorm over a
-  zero row, a Qwen2 MLP ``down_proj`` output above 65504, and a +inf gradient that Adam turns into NaN weights
-  on the next step (two training steps captured).
+  zero row, a Qwen2 MLP ``down_proj`` output above 65504, a half-precision token counter stuck at 2048, and a
+  +inf gradient that Adam turns into NaN weights on the next step (two training steps captured).
 
 Each case is answered by the input kinds that apply: ``live`` (``capture_pair`` of the fp32 model against the
 candidate dtype or policy), ``dump-ordered`` (every module's tensor inputs, its own parameters and buffers
@@ -56,8 +58,12 @@ The judge is strict.  A failure is right only when the answer names the exact op
 seed or rebuilt failure, the op of the type that first produces the value; for a backward failure, its
 backward op); in a dump, the failing module itself (``model.<path>``, ``model.<path>.backward``); for a
 weight, buffer or tied weight, that parameter.  The enclosing module or an op of the right type elsewhere
-earns nothing.  A healthy control is right when ``first_nonfinite`` names nothing.  Cases that raise are
-counted wrong and say why.
+earns nothing.  Where the op that writes the first NaN is not where the failure started, the live answer must
+name both: the bf16 one-pass LayerNorm's ``rsqrt`` as the origin and its cancelling subtraction in an
+``error-amplified`` diagnosis; the Adam case's backward op as the origin and ``optimizer-nonfinite`` for what
+the optimizer did with it.  A quiet case with a mechanism of its own counts only that mechanism's diagnosis.
+A healthy control is right when ``first_nonfinite`` names nothing.  Cases that raise are counted wrong and say
+why.
 
     python bench/localization.py            # everything: two layers per injected model, every control dump
     python bench/localization.py --quick    # one layer per injected model; forward+backward controls live only
@@ -479,7 +485,20 @@ def _judge_quiet(store, session: str, run_id: str, expect: dict) -> tuple[bool, 
     named = f"top local error: {ranked[0] if ranked else None}"
     if diags:
         named += "; diagnoses: " + ", ".join(f"{d.rule}@{d.op}" for d in diags[:3])
+    if expect.get("rule"):  # only that mechanism's diagnosis counts
+        return any(d.rule == expect["rule"] and match(d.op) for d in diags), named
     return (bool(ranked) and match(ranked[0])) or any(match(d.op) for d in diags), named
+
+
+def _cause_named(store, session: str, run_id: str, cause: dict) -> tuple[bool, str]:
+    """Whether the run's diagnoses name an op of ``cause['types']`` with rule ``cause['rule']``; (right, what the
+    diagnoses named)."""
+    from precision_lab.services.diagnose import diagnose
+
+    diags = [d for d in diagnose(store, session) if d.run_id == run_id]
+    hit = any(d.rule == cause["rule"] and _type_in(_op_type_of(store, run_id, d.op), cause.get("types"))
+              for d in diags)
+    return hit, "diagnoses: " + (", ".join(f"{d.rule}@{d.op}" for d in diags[:3]) or "none")
 
 
 # ---- the corpus ---------------------------------------------------------------------------------
@@ -508,7 +527,11 @@ def _describe(expect) -> str:
         return "parameter " + " or ".join(sorted(expect["params"]))
     where = expect["module"] or "<root>"
     types = "/".join(sorted(expect["types"])) if expect.get("types") else "its own op"
-    return f"{'quiet: ' if expect.get('quiet') else ''}{where} {types}" + (" (backward)" if expect.get("backward") else "")
+    cause = expect.get("cause")
+    return (f"{'quiet: ' if expect.get('quiet') else ''}{where} {types}" + (" (backward)" if expect.get("backward") else "")
+            + (f" ({expect['rule']})" if expect.get("rule") else "")
+            + (f", and {cause['rule']}" + (f" at {'/'.join(sorted(cause['types']))}" if cause.get("types") else "")
+               if cause else ""))
 
 
 def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
@@ -525,8 +548,13 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                 if c.runner is not None:
                     t = time.perf_counter()
                     f = c.runner(store)
-                    rows.append(_row(c.kind, c.name, how, _judge(f, c.expect, how), f, time.perf_counter() - t,
-                                     _describe(c.expect), c.source))
+                    right, named = _judge(f, c.expect, how), None
+                    if right and c.expect.get("cause"):
+                        right, why = _cause_named(store, q.session_list(store)[0]["name"], _get(f, "run_id"),
+                                                  c.expect["cause"])
+                        named = None if right else f"{_get(f, 'op')}; {why}"
+                    rows.append(_row(c.kind, c.name, how, right, f, time.perf_counter() - t,
+                                     _describe(c.expect), c.source, named))
                     continue
                 f, fref, session, run_id, secs = _live_pair(store, c.build, c.inputs, c.dtype, c.loss,
                                                             local_error=quiet)
@@ -536,8 +564,11 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                         named += f"; first_nonfinite {_get(f, 'op')}"
                     rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
                     continue
-                rows.append(_row(c.kind, c.name + ("" if healthy else ""), how, _judge(f, c.expect, how), f, secs,
-                                 _describe(c.expect), c.source))
+                right, named = _judge(f, c.expect, how), None
+                if right and c.expect and c.expect.get("cause"):
+                    right, why = _cause_named(store, session, run_id, c.expect["cause"])
+                    named = None if right else f"{_get(f, 'op')}; {why}"
+                rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
                 if healthy and c.fp32_control:
                     fp32 = c.name.replace(f"/{dname}", "/fp32")
                     rows.append(_row(c.kind, fp32, how, fref is None, fref, secs, "nothing"))

@@ -14,7 +14,13 @@ control):
   a dump names modules, not the ops inside them);
 - ``{"origin": "parameter", "params": {...}}``: a parameter (or buffer) of one of these names;
 - ``{"quiet": True, "module": m, "types": {...}}``: no NaN or inf anywhere; right when the op ranked first by
-  local error, or a diagnosis, names an op of module ``m`` (of one of ``types`` when given).
+  local error, or a diagnosis, names an op of module ``m`` (of one of ``types`` when given); with ``"rule"``,
+  only a diagnosis of that rule counts.
+
+``"cause": {"rule": r, "types": {...}}`` beside an origin (live only): the run's diagnoses must also name an op
+of one of ``types`` (any op when None) with rule ``r``: the op where the failure started when it is not the one
+that wrote the first NaN (a variance that cancelled below zero before ``rsqrt``), or the mechanism that carried
+it on (Adam's state).
 """
 
 from __future__ import annotations
@@ -355,6 +361,35 @@ class TinyGrad(nn.Module):
         return self.b(torch.relu(self.a(x))) * 1e-4
 
 
+class TokenPool(nn.Module):
+    """Mean pooling that counts its tokens in the dtype of its own projection, one add of 1 per token, from a
+    count already at 2040 (NVIDIA/cutlass#1521: a half counter sticks at 2048)."""
+
+    def __init__(self, start=2040):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.start = start
+
+    def forward(self, x):
+        h = self.proj(x)
+        count = torch.full((x.shape[0], 1, 1), float(self.start), dtype=h.dtype)
+        total = h[:, :1] * self.start
+        for t in range(x.shape[1]):
+            count = count + 1.0
+            total = total + h[:, t:t + 1]
+        return total / count
+
+
+class TokenCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = TokenPool()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.pool(x)[:, 0])
+
+
 def _tiny_loss(out):
     return out.float().mean() * 1e-4
 
@@ -368,8 +403,9 @@ def quiet(quick: bool) -> list[Case]:
              expect={"quiet": True, "module": "", "types": {"sub"}}, hows=("live",),
              note="(x*x).mean() - m*m at mean 100 in fp16"),
         Case("absorb-2048-fp16", "quiet-loss", Absorb, _x(4, 32), torch.float16,
-             expect={"quiet": True, "module": "", "types": {"add"}}, hows=("live",),
-             note="(h + 2048) - 2048: the add drops h's bits"),
+             expect={"quiet": True, "module": "", "types": {"add"}, "rule": "absorption"}, hows=("live",),
+             note="(h + 2048) - 2048: the add rounds h to fp16's spacing 2 at 2048 (its bits are lost there); the "
+                  "subtraction is exact (operands within 2x: Sterbenz) and only shows it"),
     ]
 
 
@@ -642,7 +678,8 @@ def reports(quick: bool) -> list[Case]:
                     source="https://github.com/NVIDIA/FasterTransformer/issues/43",
                     note="exp(scores) with scores > 11.09 overflows fp16"))
     out.append(Case("bf16-onepass-layernorm", "report", OnePassLNbf16, _x(4, 32), torch.bfloat16,
-                    expect={"origin": "op", "module": "", "types": {"sub"}},
+                    expect={"origin": "op", "module": "", "types": {"rsqrt"},
+                            "cause": {"rule": "error-amplified", "types": {"sub"}}},
                     source="https://github.com/tenstorrent/tt-metal/issues/45968",
                     note="E[x^2]-E[x]^2 at mean 130 in bf16 is -128 on one row; rsqrt(negative) is where the NaN appears, "
                          "the subtraction is where it started"))
@@ -663,12 +700,20 @@ def reports(quick: bool) -> list[Case]:
                     source="https://github.com/sonos/tract/pull/2587 ; https://github.com/numpy/numpy/issues/22208",
                     note="cumsum of ones in fp16: 2049 -> 2048, 2051 -> 2052, then cos/sin of the wrong angle"))
     out.append(Case("fp16-grad-underflow", "quiet-loss", TinyGrad, _x(4, 32), loss=_tiny_loss,
-                    expect={"quiet": True, "module": "", "types": {"mul"}}, hows=("live",),
+                    expect={"quiet": True, "module": "", "types": {"mul"}, "rule": "gradient-underflow"},
+                    hows=("live",),
                     source="https://github.com/huggingface/diffusers/pull/13539",
                     note="grads ~1e-9 < fp16's 6e-8: the backward of the final mul writes zeros"))
+    out.append(Case("fp16-token-counter-2048", "quiet-loss", TokenCounter, _x(2, 24, 16),
+                    expect={"quiet": True, "module": "pool", "types": {"add"}, "rule": "integer-limit"},
+                    hows=("live",),
+                    source="https://github.com/NVIDIA/cutlass/issues/1521 ; https://github.com/pytorch/pytorch/issues/17584",
+                    note="a token count kept in fp16 from 2040: 2048 + 1 rounds back to 2048, 16 of 24 adds lost"))
     out.append(Case("fp16-grad-inf-adam-nan", "report", _with(BackwardOverflow, _bo_edit), _x(4, 64).abs(),
-                    expect={"origin": "op", "module": "mid", "types": {"linear", "Linear"}, "backward": True},
-                    hows=("live",), source="https://github.com/deepspeedai/DeepSpeed/pull/8035",
+                    expect={"origin": "op", "module": "mid", "types": {"linear", "Linear"}, "backward": True,
+                            "cause": {"rule": "optimizer-nonfinite", "types": None}},
+                    hows=("live",), source="https://github.com/deepspeedai/DeepSpeed/pull/8035 ; "
+                                           "https://github.com/NVIDIA/apex/issues/240",
                     note="step 0: mid's grad_input +inf; Adam turns weights NaN; step 1 NaN from its first op"))
     out[-1].runner = _adam_runner(out[-1].build, out[-1].inputs)
     return out

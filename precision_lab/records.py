@@ -113,7 +113,7 @@ class RunInfo:
 
 # diagnoses that name the op where an error was introduced or amplified (not where it shows): the rankings
 # (Top offenders, the worst comparisons) put that op's outputs ahead of the ops that only carry the error on
-ATTRIBUTING_RULES = ("error-amplified", "integer-limit", "gradient-underflow")
+ATTRIBUTING_RULES = ("error-amplified", "absorption", "integer-limit", "gradient-underflow")
 
 
 @dataclass(frozen=True)

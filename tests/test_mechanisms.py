@@ -4,7 +4,10 @@ is never offered; a quantise op's verdict from its own input; the op that introd
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -13,7 +16,7 @@ from torch import nn
 
 from precision_lab import capture_pair
 from precision_lab.alerts import op_alerts
-from precision_lab.fixes.catalogue import unreachable
+from precision_lab.fixes.catalogue import apply_fixes, unreachable
 from precision_lab.fixes.policy import get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
@@ -24,34 +27,22 @@ from precision_lab.services.timeline import session_alerts
 from precision_lab.store import queries as q
 from precision_lab.store.dashboard import top_offenders
 
-START, ADDS = 2040, 24
 
 
-class Pool(nn.Module):
-    """Mean pooling that counts its tokens in the dtype of its own projection: one add of 1 per token."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.proj(x)
-        count = torch.full((x.shape[0], 1, 1), float(START), dtype=h.dtype)
-        total = h[:, :1] * START
-        for t in range(ADDS):
-            count = count + 1.0
-            total = total + h[:, t:t + 1]
-        return total / count
+def _corpus():
+    """bench/localization_cases.py, the published localization corpus: its models are the cases tested here."""
+    spec = importlib.util.spec_from_file_location("localization_cases",
+                                                  Path(__file__).parents[1] / "bench" / "localization_cases.py")
+    if spec.name in sys.modules:  # loaded already (bench/localization.py imports it)
+        return sys.modules[spec.name]
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-class CounterModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.pool = Pool()
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.head(self.pool(x)[:, 0])
+LC = _corpus()
+START, ADDS = LC.TokenPool().start, 24
+CounterModel = LC.TokenCounter
 
 
 def _tokens():
@@ -67,6 +58,17 @@ def _count(dtype) -> tuple[float, int]:
         lost += float(n) == float(c)
         c = n
     return float(c), lost
+
+
+def _output(policy):
+    """The counter model's pooled tokens under ``policy`` (None: fp32 as built), in float64."""
+    torch.manual_seed(0)
+    m = CounterModel()
+    x = _tokens()
+    if policy is not None:
+        m, x = policy.prepare(m), policy.prepare_inputs(x)
+    with torch.no_grad():
+        return m.pool(x).double()
 
 
 def test_integer_limits_come_from_the_mantissa():
@@ -92,6 +94,12 @@ def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     assert f"stays at {stuck:,.0f}" in d.message
     assert "keep-fp32:pool" in d.fixes  # pool's dtype comes from its own Linear: the island moves the count
     assert "use-bf16" not in d.fixes  # bf16 counts worse (its limit is 256)
+    # and the island does help: with pool in fp32 its output is the fp32 one, in bf16 it moves further away
+    ref = _output(None)
+    err = {f: float((_output(apply_fixes(get_policy("fp16"), f)) - ref).abs().max()) for f in ("keep-fp32:pool",
+                                                                                           "use-bf16")}
+    base = float((_output(get_policy("fp16")) - ref).abs().max())
+    assert err["keep-fp32:pool"] < base / 4 < base < err["use-bf16"]
     assert unreachable("use-bf16", integers_to=reach) and not unreachable("keep-fp32:pool", integers_to=reach)
     # the add that lost the count ranks first, ahead of the ops that carry its error on
     sid = store.session(name)["session_id"]
@@ -100,18 +108,7 @@ def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     assert worst.split()[1] == d.op
 
 
-class TinyGrad(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(32, 32)
-        self.b = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x))) * 1e-4
-
-
-def _tiny_loss(out):
-    return out.float().mean() * 1e-4
+TinyGrad, _tiny_loss = LC.TinyGrad, LC._tiny_loss
 
 
 def test_gradients_flushed_to_zero_raise_the_alert_and_a_loss_scaling_diagnosis(store):
@@ -141,27 +138,11 @@ def test_flushed_share_alone_fires_the_underflow_rule():
     assert [a.step for a in got if a.rule == "underflow"] == [1]
 
 
-class BackwardOverflow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.mid = nn.Linear(64, 64)
-        self.c = nn.Linear(64, 8)
-
-    def forward(self, x):
-        return self.c(self.mid(torch.relu(self.a(x))))
-
-
 def _overflowing():
     torch.manual_seed(0)
-    m = BackwardOverflow()
+    m = LC.BackwardOverflow()
     with torch.no_grad():
-        m.a.weight.mul_(1e-3)
-        m.a.bias.zero_()
-        m.mid.weight.fill_(3000.0)
-        m.mid.bias.zero_()
-        m.c.weight.fill_(1.0 / 64)
-        m.c.bias.zero_()
+        LC._bo_edit(m)
     return m
 
 
@@ -218,22 +199,9 @@ def test_a_fix_whose_format_cannot_hold_the_value_is_not_offered(store):
     assert unreachable("use-bf16", smallest=1e-41) and not unreachable("use-bf16", smallest=1e-12)
 
 
-class QuantMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)])
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < 2:
-                x = torch.relu(x)
-        return x
-
-
 def _weight_outlier():
     torch.manual_seed(0)
-    m = QuantMLP()
+    m = LC.QuantMLP()
     with torch.no_grad():
         m.layers[1].weight[0, 0] = 3.0e4
     return m

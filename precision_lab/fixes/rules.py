@@ -25,9 +25,18 @@ diagnosis:
 ``nonfinite-input``         the run's inputs are already non-finite
 
 Runs without non-finite values get ``precision-loss`` (an op whose local
-error is far above its format's rounding) and re-runs get ``fix-verified``
-when the fix removed every non-finite value.  Every threshold is read from
-``FORMATS``; every number in a message comes from the stored stats.
+error is far above its format's rounding), ``error-amplified`` (an op that
+multiplies the relative error it receives: cancellation), ``integer-limit``
+(an add whose count passed the format's contiguous-integer limit, fp16 2048,
+bf16 256, so its +1 is lost), ``gradient-underflow`` (gradients zero where the
+fp32 run's are not: loss scaling) and ``fp8-quantisation``; re-runs get
+``fix-verified`` when the fix removed every non-finite value.  A run whose
+non-finite value is a backward op's gradient that the optimizer then turned
+into NaN weights also gets ``optimizer-nonfinite`` (Adam: inf / inf).  Every
+threshold is read from ``FORMATS``; every number in a message comes from the
+stored stats.  A fix whose target format cannot hold the values at stake
+(``catalogue.unreachable``: ``use-bf16`` for ``finfo(float32).min``) is never
+offered.
 
 Sessions made from recipes carry the recipe name and the run's policy, so
 the rules also know module classes, epsilons and flush-to-zero, and propose
@@ -649,7 +658,7 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
 AMPLIFY_MIN = 16.0  # how many times an op must multiply the relative error it receives to be named for it
 
 
-def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
+def _amplified(ctx: Context, run: dict, before: Optional[Origin] = None) -> list[Diagnosis]:
     """``error-amplified``: the first op whose inputs arrive within rounding (``VERDICT_THRESHOLDS['expected']``
     unit roundoffs) and whose output leaves beyond ``warn``, multiplying the relative error it received at
     least ``AMPLIFY_MIN`` times: cancellation (x - mean, E[x^2] - E[x]^2) turns rounding into lost bits
@@ -657,7 +666,10 @@ def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
     growth = getattr(ctx.facts, "error_growth", None)
     if run["kind"] == "reference" or growth is None:
         return []
-    for g in growth(run["run_id"]):
+    rows = growth(run["run_id"])
+    if before is not None:  # what went wrong before the first non-finite value (a variance cancelled below 0)
+        rows = [g for g in rows if (g["step"], g["seq"]) < (before.step, before.seq)]
+    for i, g in enumerate(rows):
         out_u, in_u = g["out_units"], g["in_units"]
         if not (_finite(out_u) and _finite(in_u)) or out_u <= VERDICT_THRESHOLDS["warn"] \
                 or in_u > VERDICT_THRESHOLDS["expected"]:
@@ -669,6 +681,12 @@ def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
         bits = fmt.man_bits + 1
         lost = min(float(bits), math.log2(amp))
         kind = canonical(g["op_type"])
+        absorbed = _absorbed_before(rows[:i], g, fmt) if kind in ("sub", "add") else None
+        if absorbed is not None:
+            m = ctx.module_of(absorbed.op)
+            fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
+            return [Diagnosis("", run["run_id"], absorbed.op, absorbed.rule, absorbed.message, fixes, "warn",
+                              absorbed.seq)]
         why = ("cancellation: its output is far smaller than its inputs, so their rounding becomes most of it"
                if kind in ("sub", "add") else "its output is far more sensitive to its inputs than they are to "
                "rounding")
@@ -680,6 +698,34 @@ def _amplified(ctx: Context, run: dict) -> list[Diagnosis]:
         fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
         return [Diagnosis("", run["run_id"], g["op"], "error-amplified", msg, fixes, "warn", int(g["seq"]))]
     return []
+
+
+def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[Diagnosis]:
+    """``absorption``: the op where the error a cancelling add/sub ``g`` shows was made, when an earlier add
+    of the same step rounded its smaller operand away (its output's absolute error is at least ``AMPLIFY_MIN``
+    unit roundoffs of that operand), ``g``'s operands are of that add's output's magnitude (within 2x), and
+    ``g`` carries the same error on (no more than twice it: ``g`` itself
+    rounds nothing, as a subtraction of operands within a factor 2 of each other is exact).  (h + 2048) - 2048
+    in fp16: the add keeps none of h's low bits, the subtraction only shows it."""
+    for p in reversed(earlier):
+        if (p["step"], p["rank"]) != (g["step"], g["rank"]) or canonical(p["op_type"]) not in ("add", "sub"):
+            continue
+        err, small, big = p.get("out_abs_err"), p.get("in_absmax"), p.get("out_absmax")
+        shown, received = g.get("out_abs_err"), g.get("in_absmax")
+        if not all(_finite(v) and v > 0 for v in (err, small, big, shown, received)) or big <= small:
+            continue
+        # g receives what p wrote (an operand of p's magnitude) and carries its error on
+        if err / small >= AMPLIFY_MIN * fmt.eps / 2 and shown <= 2 * err and 0.5 <= received / big <= 2:
+            bits = fmt.man_bits + 1
+            lost = min(float(bits), math.log2(big / small))
+            msg = (f"`{p['op']}` adds values up to {fmt_num(small)} to values near {fmt_num(big)}, whose {fmt.name} "
+                   f"spacing is {fmt_num(fmt.spacing_at(big))}: it loses {lost:.1f} of the {bits} significant bits "
+                   f"of its smaller operand (absorption: their low bits round away; its error {fmt_num(err)} is "
+                   f"{err / small:.0%} of them). `{g['op']}` after it rounds nothing (a difference of operands "
+                   "within a factor 2 of each other is exact) and only shows the loss. Subtract the large offset "
+                   "before adding, add the small values last, or compute it in fp32")
+            return Diagnosis("", "", p["op"], "absorption", msg, (), "warn", int(p["seq"]))
+    return None
 
 
 def quantise_findings(ctx: Context, run: dict) -> list[tuple[dict, object]]:
@@ -875,6 +921,8 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
         return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _integer_limit(ctx, run) + _amplified(ctx, run)
                 + _gradient_underflow(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run))
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
+    if found and first_nonfinite.producer:
+        found += _amplified(ctx, run, before=first_nonfinite)
     nan = first_nonfinite.first_nan
     if found and nan:
         d = found[0]

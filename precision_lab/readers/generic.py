@@ -8,9 +8,10 @@ list; nested keys are joined with ``.``).  A folder whose only data file is
 one container contributes just the keys.  Folders named ``step<N>`` and
 ``rank<R>`` set the record's step and rank and are left out of the name.
 Names of the form ``<op>.<role>.<index>`` (role ``input``, ``output``,
-``kwarg``, ``param``, ``grad_input``, ``grad_output``, ``param_grad``) fill
-op, role and index; any other name becomes op ``<name>`` with role
-``tensor``.
+``kwarg``, ``param``, ``buffer`` (a module's floating buffer, e.g.
+BatchNorm's ``running_mean``, read like a parameter), ``grad_input``,
+``grad_output``, ``param_grad``) fill op, role and index; any other name
+becomes op ``<name>`` with role ``tensor``.
 
 Order, first found wins.  1. An explicit list of names: ``manifest.json``
 or ``order.json`` holding a list, or an object with the list under the first

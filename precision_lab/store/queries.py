@@ -220,10 +220,15 @@ def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
 def error_growth(store, run_id: str) -> list[dict]:
     """Per op call of a run, its output's accumulated error against the reference beside its inputs', both in
     unit roundoffs of the candidate format (element-wise comparisons only): ``{op, op_type, step, rank, seq,
-    out_units, in_units, cand_format}``, in execution order; module calls left out (their error is their ops')."""
+    out_units, in_units, out_abs_err, out_absmax, in_absmax, cand_format}`` (the output's largest absolute
+    error and magnitude, the smallest magnitude among the inputs), in execution order; module calls left out
+    (their error is their ops')."""
     return rows(store, f"""SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
                                   max(c.rounding_units) FILTER (WHERE c.role = 'output') AS out_units,
                                   max(c.rounding_units) FILTER (WHERE c.role IN ('input', 'kwarg')) AS in_units,
+                                  max(c.max_abs_err) FILTER (WHERE c.role = 'output') AS out_abs_err,
+                                  max(t.absmax) FILTER (WHERE c.role = 'output') AS out_absmax,
+                                  min(t.absmax) FILTER (WHERE c.role IN ('input', 'kwarg')) AS in_absmax,
                                   any_value(c.cand_format) AS cand_format
                            FROM comparisons c JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
                            WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.basis = 'tensor'
