@@ -13,9 +13,11 @@ import ml_dtypes
 import numpy as np
 import torch
 from torch import nn
+from typer.testing import CliRunner
 
 from precision_lab import capture_pair
 from precision_lab.alerts import op_alerts
+from precision_lab.cli import app
 from precision_lab.fixes.catalogue import apply_fixes, unreachable
 from precision_lab.fixes.policy import get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
@@ -24,6 +26,7 @@ from precision_lab.live import CaptureOptions, capture
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.report import build_report, first_nonfinite, render_text
 from precision_lab.services.timeline import session_alerts
+from precision_lab.store import Store
 from precision_lab.store import queries as q
 from precision_lab.store.dashboard import top_offenders
 
@@ -221,3 +224,13 @@ def test_a_quantise_op_that_flushes_values_is_judged_by_them(store):
     assert all(f"{flushed:,} of {w.numel():,}" in r and "round to 0" in r for _, r in rows)
     sid = store.session(name)["session_id"]
     assert top_offenders(store, sid, n=1).iloc[0]["op"] == "layers.1.weight_quant.forward.0"
+
+
+def test_fail_on_underflow_trips_on_a_compared_run_with_flushed_gradients(tmp_path):
+    db = tmp_path / "x.duckdb"
+    name = capture_pair(TinyGrad, torch.randn(4, 32, generator=torch.Generator().manual_seed(0)), torch.float16,
+                        store=Store(db), loss_fn=_tiny_loss)
+    got = CliRunner().invoke(app, ["report", "--db", str(db), "-s", name, "--fail-on", "alert:underflow"])
+    assert got.exit_code == 1 and "flushed to zero" in got.output
+    got = CliRunner().invoke(app, ["report", "--db", str(db), "-s", name, "--fail-on", "alert:growth"])
+    assert got.exit_code == 2 and "no timeline" in got.stderr

@@ -92,7 +92,9 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
       comparison is element-wise, else ``summary_rel_err`` (the largest
       relative difference of the summaries); the message says which.
     - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
-      without a timeline cannot answer it.
+      without a timeline cannot answer it, except ``underflow`` (and
+      ``alert``, which then means it) where element-wise comparisons with a
+      reference count the values flushed to zero.
     """
     comps = [c for c in report["comparisons"] if c["verdict"] is not None]
     tripped, unusable = [], []
@@ -111,8 +113,10 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
                                f"the reference, first {where}")
         elif cond.kind == "alert":
-            if not report.get("timeline"):
-                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N)")
+            flushed = cond.rule in (None, "underflow") and any(c["basis"] == "tensor" for c in comps)
+            if not report.get("timeline") and not flushed:
+                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N"
+                                + (", or compare with a reference for underflow)" if cond.rule is None else ")"))
                 continue
             hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
             if hits:
