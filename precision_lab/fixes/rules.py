@@ -683,10 +683,10 @@ def _amplified(ctx: Context, run: dict, before: Optional[Origin] = None) -> list
         kind = canonical(g["op_type"])
         absorbed = _absorbed_before(rows[:i], g, fmt) if kind in ("sub", "add") else None
         if absorbed is not None:
-            m = ctx.module_of(absorbed.op)
+            p, msg = absorbed
+            m = ctx.module_of(p["op"])
             fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
-            return [Diagnosis("", run["run_id"], absorbed.op, absorbed.rule, absorbed.message, fixes, "warn",
-                              absorbed.seq)]
+            return [Diagnosis("", run["run_id"], p["op"], "absorption", msg, fixes, "warn", int(p["seq"]))]
         why = ("cancellation: its output is far smaller than its inputs, so their rounding becomes most of it"
                if kind in ("sub", "add") else "its output is far more sensitive to its inputs than they are to "
                "rounding")
@@ -700,12 +700,12 @@ def _amplified(ctx: Context, run: dict, before: Optional[Origin] = None) -> list
     return []
 
 
-def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[Diagnosis]:
-    """``absorption``: the op where the error a cancelling add/sub ``g`` shows was made, when an earlier add
-    of the same step rounded its smaller operand away (its output's absolute error is at least ``AMPLIFY_MIN``
-    unit roundoffs of that operand), ``g``'s operands are of that add's output's magnitude (within 2x), and
-    ``g`` carries the same error on (no more than twice it: ``g`` itself
-    rounds nothing, as a subtraction of operands within a factor 2 of each other is exact).  (h + 2048) - 2048
+def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[tuple[dict, str]]:
+    """``absorption`` (the earlier op call and its message): where the error a cancelling add/sub ``g`` shows
+    was made, when an earlier add of the same step rounded its smaller operand away (its output's absolute
+    error is at least ``AMPLIFY_MIN`` unit roundoffs of that operand), ``g``'s operands are of that add's
+    output's magnitude (within 2x) and ``g`` carries the same error on, no more than twice it: ``g`` itself
+    rounds nothing, as a difference of operands within a factor 2 of each other is exact.  (h + 2048) - 2048
     in fp16: the add keeps none of h's low bits, the subtraction only shows it."""
     for p in reversed(earlier):
         if (p["step"], p["rank"]) != (g["step"], g["rank"]) or canonical(p["op_type"]) not in ("add", "sub"):
@@ -724,7 +724,7 @@ def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[Diag
                    f"{err / small:.0%} of them). `{g['op']}` after it rounds nothing (a difference of operands "
                    "within a factor 2 of each other is exact) and only shows the loss. Subtract the large offset "
                    "before adding, add the small values last, or compute it in fp32")
-            return Diagnosis("", "", p["op"], "absorption", msg, (), "warn", int(p["seq"]))
+            return p, msg
     return None
 
 
@@ -747,11 +747,11 @@ def quantise_findings(ctx: Context, run: dict) -> list[tuple[dict, object]]:
     return found
 
 
-def _quantisation(ctx: Context, run: dict, found=None) -> list[Diagnosis]:
+def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
     """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
     scale) or saturates them, judged against its own input (``quantise_findings``); the worst three."""
     quant = getattr(ctx.policies.get(run["run_id"]), "quant", None)
-    found = quantise_findings(ctx, run) if found is None else found
+    found = quantise_findings(ctx, run)
     out = []
     for c, qf in found[:3]:
         where = module_path(c["op"])
@@ -855,6 +855,9 @@ def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
         need = 2.0 ** math.ceil(math.log2(fmt.smallest_normal / (smallest or largest)))
         msg += (f". Scale the loss before backward (torch.amp.GradScaler, or a constant scale of at least "
                 f"{need:.3g} = 2^{math.log2(need):.0f}) and unscale the gradients before the optimizer step")
+        if largest * need > fmt.max:
+            msg += (f"; no one scale fits: it lifts the largest gradient {largest:.2g} past {fmt.name}'s max "
+                    f"{fmt_num(fmt.max)}, so compute the gradients in a wider format")
     fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
     return [Diagnosis("", run["run_id"], r["op"], "gradient-underflow", msg, tuple(fixes), "warn", int(r["seq"]))]
 
