@@ -47,10 +47,9 @@ __all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFac
 
 # runs.order in words
 ORDER_TEXT = {"execution": "execution order", "data": "order recovered from the data (outputs that are later inputs)",
-              "mtime": "order from file modification times", "name": "order unknown: by name",
-              "spread": "order unknown: containers first, then the fewest non-finite values"}
+              "mtime": "order from file modification times", "name": "order unknown: by name"}
 # the orders that do not say which op ran first
-UNKNOWN_ORDERS = frozenset({"name", "spread"})
+UNKNOWN_ORDERS = frozenset({"name"})
 # what an origin can be: an op introduced the value; a parameter or buffer already held it; it came from
 # before the first recorded op
 KINDS = ("op", "parameter", "input")

@@ -33,8 +33,7 @@ class RunSource:
     ``"execution"`` when ``seq`` follows execution order, ``"mtime"`` when it
     follows file modification times, ``"data"`` when it was recovered from the
     data (``digests``), ``"name"`` when the dump carries no order and records
-    were numbered by name, ``"spread"`` when nothing in the dump gave an order (see
-    ``dataorder.settle``); ``order_note``
+    were numbered by name (see ``dataorder.settle`` for the ties it breaks first); ``order_note``
     says where the order came from, in words.  ``kind``, ``parent_key``,
     ``fix`` and ``policy`` are set when the dump itself says (our own shard
     format); ingest decides otherwise.

@@ -221,14 +221,24 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     tied = sum(n for n in per_tick.values() if n > 1) if times > 1 else 0
     inside = _names(ops)
     encl = _data_containers(ops, ins, outs, inside)
+    root = _root(ops, hints, inside)
+    if root is not None:
+        encl[root] = ({o for o in ops if o != root and not _nested(o, root)}, set())
     _container_links(ops, succ, weak, inside)
     for b, (inner, first) in encl.items():  # a container found from the data is called before what it holds
         for o in inner | first:
             if b not in succ[o]:
                 succ[b].add(o)
     given = {o: i for i, o in enumerate(ops)}
-    keyed = sorted(ops, key=lambda o: (tick.get(o, 0), spread[o], given[o]))
-    rank = _toposort(keyed, succ, weak)
+    own = {o: (tick.get(o, 0), spread[o], given[o]) for o in ops}
+    # a container goes where the first op it holds would go (it is called right before it)
+    key = {o: min([own[o]] + [own[i] for i in inside(o)] + [own[i] for i in encl.get(o, (set(), set()))[0]])
+           for o in ops}
+    keyed = sorted(ops, key=key.__getitem__)
+    # distinct file times for every op are the order itself (hooks save as each module finishes), unless the data
+    # links say otherwise (files copied or touched later)
+    rank = {o: i for i, o in enumerate(ops)} if times > 1 and not tied and not n_edges else _toposort(
+        keyed, succ, weak)
     order = sorted(ops, key=rank.__getitem__)
     list_order = None
     if listed:
@@ -253,7 +263,8 @@ def _data_containers(ops, ins, outs, inside) -> dict[str, tuple[set, set]]:
     encl: dict[str, tuple[set, set]] = {}
     for makers in by_out.values():
         for a, b in combinations(makers, 2):
-            if _nested(a, b) or "" in (a, b):
+            # an op that hands its input on unchanged (dropout in eval, identity) holds nothing
+            if _nested(a, b) or "" in (a, b) or ins[a] & outs[a] or ins[b] & outs[b]:
                 continue
             c = _outer(a, b, ops, ins, kids)
             if c is None:
@@ -263,6 +274,33 @@ def _data_containers(ops, ins, outs, inside) -> dict[str, tuple[set, set]]:
             held.add(inner)
             first.update(o for o in ops if o not in (c, inner) and ins[o] & ins[c] and not _nested(o, c))
     return encl
+
+
+def _root(ops, hints, inside) -> Optional[str]:
+    """The root module saved under a name its children do not carry (``model``, its class name): the one op
+    with a name of one part, that holds no op by name, whose input is another op's
+    input (its first child's; without inputs recorded: whose output is another op's output, its last child's,
+    and no op named as a container shares it); all-NaN tensors count here.  None when no op, or more than one, is like that."""
+    ins: dict[str, set] = {o: set() for o in ops}
+    outs: dict[str, set] = {o: set() for o in ops}
+    for h in hints:
+        if h.digest is not None:
+            if h.role in DATA_OUT_ROLES or h.role == "tensor":
+                outs[h.op].add(h.digest)
+            elif h.role in DATA_IN_ROLES:
+                ins[h.op].add(h.digest)
+    found = []
+    for r in ops:
+        if r == "" or "." in r or inside(r):
+            continue
+        if ins[r]:  # its input is its first child's
+            if any(o != r and ins[o] & ins[r] for o in ops):
+                found.append(r)
+        else:  # outputs only: its output is its last child's, and no module named as a container shares it
+            same = [o for o in ops if o != r and outs[o] & outs[r]]
+            if same and not any(inside(o) for o in same):
+                found.append(r)
+    return found[0] if len(found) == 1 else None
 
 
 def _outer(a: str, b: str, ops, ins, kids) -> Optional[str]:
@@ -339,8 +377,11 @@ def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers)
             by = "; ".join(x for x in (by, rest) if x) or "the fewest non-finite values, then name"
             note += f"; {missing} op(s) it does not list placed by {by} (uncertain)"
         return "execution", note
+    if times > 1 and not tied and not n_edges:
+        return "mtime", "order from file modification times (certain)"
     if times > 1 and not tied:
-        return "mtime", "order from file modification times (certain)" + (f"; {rest} agree" if rest else "")
+        return "data", (f"order recovered from the data: {links}, certain along those links; file modification "
+                        "times for the rest")
     if times > 1:
         note = (f"order from file modification times, certain between the {times} distinct times; {tied} op(s) "
                 f"share a time, their order broken by ")
@@ -349,9 +390,9 @@ def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers)
     if n_edges:
         return "data", (f"order recovered from the data: {links}, certain along those links; the rest by "
                         "containers first, then the fewest non-finite values, then name")
-    return "spread", ("order unknown: no order list, no distinct file times and no output that is a later input; "
-                      "containers first, then the fewest non-finite values (a value spreads as it is passed on), "
-                      "then name")
+    return "name", ("order unknown: by name, after containers first and the fewest non-finite values first (a value "
+                    "spreads as it is passed on); the dump has no order list, no distinct file times and no output "
+                    "that is a later input")
 
 
 def _nested(a: str, b: str) -> bool:

@@ -33,7 +33,7 @@ oldest first; files sharing a time are ordered by the data.  3. The data:
 an output bit-identical to a later input (``dataorder``), and containers (an
 output bit-identical to another op's output).  What stays tied goes by the
 fewest non-finite values, then by name.  ``RunSource.order`` says which was
-used (``execution``, ``mtime``, ``data``, or ``spread`` when none says
+used (``execution``, ``mtime``, ``data``, or ``name`` when none says
 anything: order unknown) and ``order_note`` which parts are certain.
 
 Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
@@ -508,6 +508,8 @@ class GenericReader:
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
         seen: dict[tuple, str] = {}
         used: set[str] = set()
+        seen_names: list[str] = []
+        hints_seen: list[tuple] = []
         emitted = 0
         for p in sc.data:
             rel = relname(root, p)
@@ -544,11 +546,20 @@ class GenericReader:
                 k = (step, rank, f["op"], f["role"], f["index"])
                 src.digests[k] = digest(t)
                 src.hints[k] = (listed, ticks.get(p))
+                seen_names.append(name)
+                hints_seen.append(src.hints[k])
                 yield TensorRecord(run_id="", seq=emitted, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
                                    source=rel if key == "" else f"{rel}#{key}", tensor=t)
                 emitted += 1
             tick(os.lstat(p).st_size, rel)
+        if order is not None and used:
+            left = [n for n, (listed, _t) in zip(seen_names, hints_seen) if listed is None]
+            if left:
+                shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+                src.warnings.append((relname(root, sc.order_file),
+                                     f"{len(left)} tensor(s) not listed in the order file were placed by file "
+                                     f"times and the data, not by name: {shown}"))
         if order is not None:
             unknown = [n for n in order if n not in used]
             if unknown:

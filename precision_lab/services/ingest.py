@@ -433,10 +433,14 @@ class _Ingestion:
         ranked = sorted(r.items, key=lambda it: (it.record.step, it.record.rank,
                                                  found.get((it.record.step, it.record.rank), {}).get(it.record.op, 0),
                                                  it.record.role not in INPUT_ROLES, it.record.seq))
-        for i, it in enumerate(ranked):
+        i, group = 0, None
+        for it in ranked:  # numbered from 0 in each step and rank, as the dump's own order list numbers them
+            if (it.record.step, it.record.rank) != group:
+                i, group = 0, (it.record.step, it.record.rank)
             if it.record.seq != i:
                 seqs[it.rid] = i
             it.record.seq = i
+            i += 1
         r.src.order, r.src.order_note = said.kind, said.note
         self.w.set_run_order(r.run_id, said.kind, seqs)
         if parents:
