@@ -418,6 +418,11 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
                   f"inside it is like that ({order_text(order)}, so the innermost such op is named")
         reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
                    f"{', ...' if len(others) > 5 else ''})" if others else ")")
+    elif rec.get("introduced") and not in_reference:
+        # a gap: the comparison shows this input newly non-finite, and no recorded op wrote it
+        reason = (f"{hit['op']} receives a {rec['role']} {rec['index']} that is newly non-finite (the reference's is "
+                  "finite), and no recorded op produced it: its producer was not recorded (likely a cast or a view, "
+                  "e.g. Tensor.to, which some dumpers leave out)")
     else:
         reason = (f"{hit['op']} already receives a non-finite {rec['role']} {rec['index']}; no recorded op "
                   "produced it (it comes from before the first recorded op, e.g. the model's inputs)")

@@ -321,7 +321,8 @@ def _outer(a: str, b: str, ops, ins, kids) -> Optional[str]:
 
 
 def _parents(encl, rank) -> dict[str, str]:
-    """op -> the innermost container found from the data whose span (from its first op to its last) holds it."""
+    """op -> the innermost container found from the data whose span (from its first op to its last) holds it,
+    for the ops no other op's name already holds."""
     spans = []
     for b, (held, first) in encl.items():
         members = held | first
@@ -330,10 +331,16 @@ def _parents(encl, rank) -> dict[str, str]:
         spans.append((hi - lo, b, lo, hi))
     parents: dict[str, str] = {}
     by_rank = sorted(rank, key=rank.__getitem__)
+    named = set(rank)
+
+    def name_held(o: str) -> bool:  # its name already puts it inside another op of the dump
+        parts = o.split(".")
+        return any(".".join(parts[:i]) in named for i in range(1, len(parts)))
     for _size, b, lo, hi in sorted(spans):
         for o in by_rank[lo:hi + 1]:
             # never a module around ``b`` (by name, or the root ""): that would make each hold the other
-            if o not in (b, "") and o not in parents and not _nested(o, b) and not _held(b, o, parents):
+            if o not in (b, "") and o not in parents and not _nested(o, b) and not _held(b, o, parents) \
+                    and not name_held(o):
                 parents[o] = b
     return parents
 
