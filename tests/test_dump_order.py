@@ -429,3 +429,13 @@ def test_the_order_used_and_its_certainty_are_in_every_report_and_on_the_overvie
     assert list(runs_table(store, sid)["order_used"]) == [note]
     page = render_html(store, name)
     assert "order used" in page and f"certain between the {ticks} distinct times" in page
+
+
+def test_a_sequential_state_dict_in_a_pt_is_not_taken_for_args_and_output(store, tmp_path):
+    d = tmp_path / "dump"
+    d.mkdir()
+    torch.save(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).state_dict(), d / "weights.pt")
+    np.save(d / "x.npy", np.arange(4, dtype=np.float32))
+    _run(store, ingest(d, store=store))
+    got = set(store.df("SELECT op || ':' || role FROM tensors").iloc[:, 0])
+    assert "weights.0.weight:tensor" in got and "weights.1.bias:tensor" in got

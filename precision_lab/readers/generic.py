@@ -138,7 +138,9 @@ def _pt_layout(keys: list[str]) -> Optional[dict[str, str]]:
             h[0] in _PT_OUT for h in heads.values()):
         return {k: f"{'input' if h[0] in _PT_IN else 'output'}.{h[1] if len(h) > 1 else 0}"
                 for k, h in heads.items()}
-    if heads and all(h[0] in ("0", "1") and (h[0] == "1" or len(h) > 1) for h in heads.values()) and any(
+    # (args, out): positions only ("0.<i>", "1" or "1.<j>"), never a Sequential's state dict ("0.weight")
+    if heads and all(h[0] in ("0", "1") and (h[0] == "1" or len(h) > 1)
+                     and (len(h) == 1 or h[1].split(".")[0].isdigit()) for h in heads.values()) and any(
             h[0] == "1" for h in heads.values()):
         return {k: f"{'input' if h[0] == '0' else 'output'}.{h[1] if len(h) > 1 else 0}" for k, h in heads.items()}
     return None
