@@ -23,7 +23,8 @@ data), the output -> input links, and containers found from the data (a
 record whose output is bit-identical to another's and whose input is a third
 op's input encloses them: the root under any name); what is still tied goes
 containers first, then the fewest non-finite values (a value spreads as it is
-passed on), then the name.  It says which order it used and how certain it is.
+passed on), then the fewest NaN (an overflow writes inf; the ops after it turn
+inf into NaN), then the name.  It says which order it used and how certain it is.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class Hint:
     tick: Optional[int] = None
     listed: Optional[int] = None
     spread: float = 0.0
+    nan: float = 0.0  # its share of NaN: an overflow writes inf, the ops after it turn inf into NaN
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     tick: dict[str, int] = {}
     listed: dict[str, int] = {}
     spread: dict[str, float] = {o: 0.0 for o in ops}
+    nan: dict[str, float] = {o: 0.0 for o in ops}
     for h in hints:
         if h.tick is not None:
             tick[h.op] = min(tick.get(h.op, h.tick), h.tick)
@@ -209,6 +212,7 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
             listed[h.op] = min(listed.get(h.op, h.listed), h.listed)
         if h.role in DATA_OUT_ROLES or h.role == "tensor":
             spread[h.op] = max(spread[h.op], h.spread)
+            nan[h.op] = max(nan[h.op], h.nan)
         if _strong(h.digest):
             if h.role in DATA_OUT_ROLES or h.role == "tensor":
                 outs[h.op].add(h.digest)
@@ -230,7 +234,7 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
             if b not in succ[o]:
                 succ[b].add(o)
     given = {o: i for i, o in enumerate(ops)}
-    own = {o: (tick.get(o, 0), spread[o], given[o]) for o in ops}
+    own = {o: (tick.get(o, 0), spread[o], nan[o], given[o]) for o in ops}
     # a container goes where the first op it holds would go (it is called right before it)
     key = {o: min([own[o]] + [own[i] for i in inside(o)] + [own[i] for i in encl.get(o, (set(), set()))[0]])
            for o in ops}
@@ -280,20 +284,24 @@ def _root(ops, hints, inside) -> Optional[str]:
     """The root module saved under a name its children do not carry (``model``, its class name): the one op
     with a name of one part, that holds no op by name, whose input is another op's
     input (its first child's; without inputs recorded: whose output is another op's output, its last child's,
-    and no op named as a container shares it); all-NaN tensors count here.  None when no op, or more than one, is like that."""
+    and no op named as a container shares it, all-NaN outputs counting too).  None when no op, or more than
+    one, is like that."""
     ins: dict[str, set] = {o: set() for o in ops}
     outs: dict[str, set] = {o: set() for o in ops}
+    reads: set[str] = set()  # ops with an input recorded
     for h in hints:
+        if h.role in DATA_IN_ROLES:
+            reads.add(h.op)
         if h.digest is not None:
             if h.role in DATA_OUT_ROLES or h.role == "tensor":
                 outs[h.op].add(h.digest)
-            elif h.role in DATA_IN_ROLES:
+            elif h.role in DATA_IN_ROLES and _strong(h.digest):  # all-NaN inputs are shared after any overflow
                 ins[h.op].add(h.digest)
     found = []
     for r in ops:
         if r == "" or "." in r or inside(r):
             continue
-        if ins[r]:  # its input is its first child's
+        if r in reads:  # its input is its first child's
             if any(o != r and ins[o] & ins[r] for o in ops):
                 found.append(r)
         else:  # outputs only: its output is its last child's, and no module named as a container shares it
@@ -321,8 +329,8 @@ def _outer(a: str, b: str, ops, ins, kids) -> Optional[str]:
 
 
 def _parents(encl, rank) -> dict[str, str]:
-    """op -> the innermost container found from the data whose span (from its first op to its last) holds it,
-    for the ops no other op's name already holds."""
+    """op -> the innermost container found from the data whose span (from its first op to its last) holds it
+    (an op held by name too is given it: the origin analysis walks these links, not the names, upward)."""
     spans = []
     for b, (held, first) in encl.items():
         members = held | first
@@ -331,16 +339,10 @@ def _parents(encl, rank) -> dict[str, str]:
         spans.append((hi - lo, b, lo, hi))
     parents: dict[str, str] = {}
     by_rank = sorted(rank, key=rank.__getitem__)
-    named = set(rank)
-
-    def name_held(o: str) -> bool:  # its name already puts it inside another op of the dump
-        parts = o.split(".")
-        return any(".".join(parts[:i]) in named for i in range(1, len(parts)))
     for _size, b, lo, hi in sorted(spans):
         for o in by_rank[lo:hi + 1]:
             # never a module around ``b`` (by name, or the root ""): that would make each hold the other
-            if o not in (b, "") and o not in parents and not _nested(o, b) and not _held(b, o, parents) \
-                    and not name_held(o):
+            if o not in (b, "") and o not in parents and not _nested(o, b) and not _held(b, o, parents):
                 parents[o] = b
     return parents
 
@@ -369,6 +371,10 @@ def _list_order(listed, inside, encl) -> Optional[str]:
     return "call" if before >= after else "completion"
 
 
+# how ties are broken once the data's links have spoken
+_TIES = "containers first, then the fewest non-finite values, then the fewest NaN, then name"
+
+
 def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers) -> tuple[str, str]:
     """The run's order kind and its note: what was used, and which parts of it are certain."""
     links = f"{n_edges} output(s) bit-identical to a later op's input" if n_edges else ""
@@ -381,7 +387,7 @@ def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers)
         missing = len(ops) - len(listed)
         if missing:
             by = "file modification times" if times > 1 else ""
-            by = "; ".join(x for x in (by, rest) if x) or "the fewest non-finite values, then name"
+            by = "; ".join(x for x in (by, rest) if x) or _TIES
             note += f"; {missing} op(s) it does not list placed by {by} (uncertain)"
         return "execution", note
     if times > 1 and not tied and not n_edges:
@@ -392,14 +398,13 @@ def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers)
     if times > 1:
         note = (f"order from file modification times, certain between the {times} distinct times; {tied} op(s) "
                 f"share a time, their order broken by ")
-        note += "; ".join(x for x in (rest, "containers first, then the fewest non-finite values, then name") if x)
+        note += "; ".join(x for x in (rest, _TIES) if x)
         return ("data" if n_edges else "mtime"), note
     if n_edges:
-        return "data", (f"order recovered from the data: {links}, certain along those links; the rest by "
-                        "containers first, then the fewest non-finite values, then name")
-    return "name", ("order unknown: by name, after containers first and the fewest non-finite values first (a value "
-                    "spreads as it is passed on); the dump has no order list, no distinct file times and no output "
-                    "that is a later input")
+        return "data", f"order recovered from the data: {links}, certain along those links; the rest by {_TIES}"
+    return "name", ("order unknown: by name, after containers first, the fewest non-finite values first (a value "
+                    "spreads as it is passed on) and the fewest NaN first (an overflow writes inf); the dump has no "
+                    "order list, no distinct file times and no output that is a later input")
 
 
 def _nested(a: str, b: str) -> bool:

@@ -420,8 +420,9 @@ class _Ingestion:
                 k = group + (rec.op, rec.role, rec.index)
                 listed, tick = hints.get(k, (None, None))
                 st = rec.stats
-                bad = ((st.nan_count or 0) + (st.inf_count or 0)) / st.numel if st.numel else 0.0
-                entries.append(Hint(rec.op, rec.role, digests.get(k), tick, listed, bad))
+                n = st.numel or 1
+                entries.append(Hint(rec.op, rec.role, digests.get(k), tick, listed,
+                                    ((st.nan_count or 0) + (st.inf_count or 0)) / n, (st.nan_count or 0) / n))
             got = settle(entries, listed_from=listed_from)
             found[group] = got.rank
             parents.update(got.parents)
