@@ -43,11 +43,13 @@ from .records import INPUT_ROLES, STATE_ROLES
 from .stats import TensorStats
 
 __all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFacts", "analyse", "ORDER_TEXT",
-           "order_text", "intended_output", "is_additive_mask", "KINDS"]
+           "order_text", "order_known", "UNKNOWN_ORDERS", "intended_output", "is_additive_mask", "KINDS"]
 
 # runs.order in words
 ORDER_TEXT = {"execution": "execution order", "data": "order recovered from the data (outputs that are later inputs)",
               "mtime": "order from file modification times", "name": "order unknown: by name"}
+# the orders that do not say which op ran first
+UNKNOWN_ORDERS = frozenset({"name"})
 # what an origin can be: an op introduced the value; a parameter or buffer already held it; it came from
 # before the first recorded op
 KINDS = ("op", "parameter", "input")
@@ -56,6 +58,11 @@ KINDS = ("op", "parameter", "input")
 def order_text(order: Optional[str]) -> str:
     """A run's ``order`` in words, as the reports and the Overview show it."""
     return ORDER_TEXT.get(order or "execution", order or "")
+
+
+def order_known(order: Optional[str]) -> bool:
+    """Whether a run's ``order`` says which op ran first."""
+    return (order or "execution") not in UNKNOWN_ORDERS
 
 
 @dataclass(frozen=True)
@@ -304,11 +311,13 @@ def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) ->
         if first["nf_out"] and not first["nf_in"]:
             hit = first
             lc = [g for g in cands if (g["step"], g["rank"]) == (first["step"], first["rank"])]
-            while True:
-                inner = next((g for g in lc if _inside(g["op"], hit["op"], parents)), None)
+            visited = {hit["op"]}
+            while True:  # inward; a nesting that loops (two ops each said to hold the other) stops
+                inner = next((g for g in lc if g["op"] not in visited and _inside(g["op"], hit["op"], parents)), None)
                 if inner is None:
                     break
                 hit = inner
+                visited.add(hit["op"])
             # a module inside it that holds a non-finite parameter or buffer (a dump that records a module's
             # own weights: the container's output is the first non-finite one, the weight was already inf)
             holder = next((g for g in with_params if g is hit or _inside(g["op"], hit["op"], parents)), None)
@@ -388,25 +397,37 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     if not events:
         return None, masks
     order = facts.order or "execution"
-    known = order != "name"
+    known = order_known(order)
+    outputs_only = not facts.inputs_recorded
     hit, others, kind = _pick(events, known, facts.parents)
     param = _parameter(hit) if kind == "parameter" else None
     rec = hit["first_rec"] if kind == "op" else (hit["params"][0] if param else hit["first_in"])
     if kind == "parameter":
         reason = param.reason
+    elif kind == "op" and outputs_only:
+        reason = (f"{hit['op']} is the first module whose output is non-finite (inputs not recorded), the innermost "
+                  f"one" + (f", in {order_text(order)}" if known else f" ({order_text(order)}"))
+        if not known:
+            reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
+                       f"{', ...' if len(others) > 5 else ''})" if others else ")")
     elif kind == "op" and known:
         reason = (f"{hit['op']} is the first op whose inputs are all finite and whose {rec['role']} "
                   f"{rec['index']} is not")
     elif kind == "op":
         reason = (f"{hit['op']}: its inputs are all finite and its {rec['role']} {rec['index']} is not, and no op "
-                  f"inside it is like that ({ORDER_TEXT['name']}, so the innermost such op is named")
+                  f"inside it is like that ({order_text(order)}, so the innermost such op is named")
         reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
                    f"{', ...' if len(others) > 5 else ''})" if others else ")")
+    elif rec.get("introduced") and not in_reference:
+        # a gap: the comparison shows this input newly non-finite, and no recorded op wrote it
+        reason = (f"{hit['op']} receives a {rec['role']} {rec['index']} that is newly non-finite (the reference's is "
+                  "finite), and no recorded op produced it: its producer was not recorded (likely a cast or a view, "
+                  "e.g. Tensor.to, which some dumpers leave out)")
     else:
         reason = (f"{hit['op']} already receives a non-finite {rec['role']} {rec['index']}; no recorded op "
                   "produced it (it comes from before the first recorded op, e.g. the model's inputs)")
         if not known:
-            reason += f" ({ORDER_TEXT['name']})"
+            reason += f" ({order_text(order)})"
     if in_reference:
         reason += "; the reference run holds the same non-finite values"
     if intended:

@@ -1,5 +1,7 @@
 """Order recovered from the data: digests and the topological order they give."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -77,3 +79,85 @@ def test_all_nan_links_wait_behind_real_ones_and_modules_come_before_their_ops()
     got = order_from_data(_entries(calls))
     r = got.rank
     assert r["z_encoder.fc"] < r["a_decoder.cross"] < r["a_decoder.cross.k"]
+
+
+# ---- settle: every source of order together ----------------------------------------------------------
+
+from precision_lab.readers.dataorder import Hint, settle  # noqa: E402
+
+
+def _chain(n=4, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(6).astype(np.float32) for _ in range(n)]
+
+
+def _hints(calls, **per_op):
+    """Hints for ops given as op -> (input array or None, output array); ``per_op``: field -> {op: value}."""
+    out = []
+    for op, (x, y) in calls.items():
+        extra = {k: v[op] for k, v in per_op.items() if op in v}
+        if x is not None:
+            out.append(Hint(op, "input", digest(x), **extra))
+        out.append(Hint(op, "output", digest(y), **extra))
+    return out
+
+
+def _ranked(got):
+    return [o for o, _ in sorted(got.rank.items(), key=lambda kv: kv[1])]
+
+
+def test_a_module_list_in_call_or_completion_order_is_recognised_and_said():
+    x0, h, y, z = _chain()
+    calls = {"block": (x0, y), "block.fc1": (x0, h), "block.fc2": (h, y), "head": (y, z)}
+    call = {"block": 0, "block.fc1": 1, "block.fc2": 2, "head": 3}
+    done = {"block.fc1": 0, "block.fc2": 1, "block": 2, "head": 3}
+    got = settle(_hints(calls, listed=call), listed_from="manifest.json")
+    assert got.kind == "execution" and got.list_order == "call" and "call order" in got.note
+    assert _ranked(got) == ["block", "block.fc1", "block.fc2", "head"]
+    got = settle(_hints(calls, listed=done), listed_from="order.json")
+    assert got.list_order == "completion" and "completion order" in got.note
+    assert _ranked(got) == ["block.fc1", "block.fc2", "block", "head"]
+
+
+def test_a_partial_list_is_completed_by_the_data_not_by_the_names():
+    x0, x1, x2, x3 = _chain()
+    # "a_late" reads what "m_mid" wrote: by name it would come first
+    calls = {"z_first": (x0, x1), "m_mid": (x1, x2), "a_late": (x2, x3)}
+    got = settle(_hints(calls, listed={"z_first": 0, "m_mid": 1}), listed_from="manifest.json")
+    assert _ranked(got) == ["z_first", "m_mid", "a_late"]
+    assert "1 op(s) it does not list placed by the data" in got.note
+
+
+def test_file_time_ties_are_broken_by_the_data_and_the_note_says_what_is_certain():
+    x0, x1, x2, x3 = _chain()
+    calls = {"z_first": (x0, x1), "m_mid": (x1, x2), "a_late": (x2, x3), "b_after": (np.float32([5, 6, 7]), x0[:3])}
+    # the first three share one coarse time, the fourth came later
+    got = settle(_hints(calls, tick={"z_first": 0, "m_mid": 0, "a_late": 0, "b_after": 1}))
+    assert _ranked(got) == ["z_first", "m_mid", "a_late", "b_after"]
+    assert got.kind == "data" and "certain between the 2 distinct times" in got.note
+    assert "3 op(s) share a time" in got.note and "2 output(s) bit-identical" in got.note
+
+
+def test_the_root_under_any_name_holds_every_op():
+    x0, h, y, z = _chain()
+    # the root saved as its class name: its input is its first child's, its output its last child's
+    calls = {"Net": (x0, z), "enc": (x0, h), "enc.fc": (x0, h), "dec": (h, y), "head": (y, z)}
+    got = settle(_hints(calls))
+    assert _ranked(got)[0] == "Net"
+    assert {o: got.parents.get(o) for o in ("enc", "enc.fc", "dec", "head")} == dict.fromkeys(
+        ("enc", "enc.fc", "dec", "head"), "Net")
+
+
+def test_without_inputs_containers_go_first_then_the_fewest_non_finite_values():
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal(8).astype(np.float16), rng.standard_normal(8).astype(np.float16)
+    a[0] = np.inf
+    nan = np.full(8, np.nan, np.float16)
+    # outputs only, no times: "lm_head" sorts first by name, but the overflow holds fewer non-finite values
+    calls = {"lm_head": (None, nan), "model": (None, nan), "model.mlp": (None, a), "model.mlp.down": (None, a),
+             "model.up": (None, b)}
+    spread = {"lm_head": 1.0, "model": 1.0, "model.mlp": 1 / 8, "model.mlp.down": 1 / 8, "model.up": 0.0}
+    got = settle([dataclasses.replace(h, spread=spread[h.op]) for h in _hints(calls)])
+    r = _ranked(got)
+    assert got.kind == "name" and "order unknown" in got.note
+    assert r.index("model") < r.index("model.mlp") < r.index("model.mlp.down") < r.index("lm_head")

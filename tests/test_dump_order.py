@@ -328,3 +328,114 @@ def test_other_origins_with_order_from_the_data(store, tmp_path, origin):
     info, _ = _run(store, ingest(d, store=store))
     assert info["order"] == "data"
     assert first_nonfinite(store, info["run_id"]).op == origin
+
+
+# ---- order lists as users write them, and bad ones ----------------------------------------------------
+
+def _warnings(store):
+    return store.df("SELECT file, message FROM warnings").to_dict("records")
+
+
+@pytest.mark.parametrize("key,order", [("module_order", "call"), ("order", "completion")])
+def test_a_list_of_module_names_covers_their_tensors_and_its_order_is_said(store, tmp_path, key, order):
+    """``manifest.json`` naming modules, not tensors: each entry covers the module's input and output, and a
+    list in call order (pre-order) is told from one in completion order (post-order)."""
+    d = tmp_path / "dump"
+    saved, calls = _record(ORIGIN, d, linked=False)
+    modules = list(dict.fromkeys(c.rsplit(".", 2)[0] for c in calls))  # call order, as the pre-hooks ran
+    if order == "completion":
+        modules = list(dict.fromkeys(f.rsplit(".", 3)[0] for f in saved))  # as the forward hooks finished
+    (d / "manifest.json").write_text(json.dumps({key: modules}))
+    _times(d, saved, equal=True)
+    info, run = _run(store, ingest(d, store=store))
+    assert info["order"] == "execution"
+    assert f"{order} order" in info["order_from"]
+    assert not _warnings(store)  # every entry matched a module
+    seq = _seqs(store)
+    for m in modules:
+        assert seq[f"{m}.input.0"] < seq[f"{m}.output.0"]  # inputs before outputs
+    places = [min(seq[f"{m}.input.0"], seq[f"{m}.output.0"]) for m in modules]
+    assert places == sorted(places)  # in the list's order
+    f = first_nonfinite(store, info["run_id"])
+    assert f.op == ORIGIN and f.producer
+
+
+@pytest.mark.parametrize("doc,words", [
+    ({"order": 5}, "not a list of tensor or module names"),
+    ({"order": ["a", 3]}, "not a list of tensor or module names"),
+    (["nothing.here", "nor.here"], "names no tensor or module of the dump"),
+])
+def test_a_bad_order_list_is_one_sentence_and_the_run_falls_back(store, tmp_path, doc, words):
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    (d / "order.json").write_text(json.dumps(doc))
+    _times(d, saved, equal=True)
+    info, _ = _run(store, ingest(d, store=store))
+    w = _warnings(store)
+    assert len(w) == 1 and w[0]["file"] == "order.json" and words in w[0]["message"]
+    assert "Traceback" not in w[0]["message"] and w[0]["message"].count(". ") == 0  # one sentence
+    assert info["order"] == "data"  # the data still gives the order
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
+
+
+def test_an_order_list_naming_an_entry_twice_or_unknown_ones_warns_once_each(store, tmp_path):
+    d = tmp_path / "dump"
+    saved, calls = _record(ORIGIN, d, linked=False)
+    modules = list(dict.fromkeys(c.rsplit(".", 2)[0] for c in calls))
+    (d / "order.txt").write_text("\n".join(modules[:3] + [modules[1], "no.such.module"] + modules[3:]) + "\n")
+    _times(d, saved, equal=True)
+    info, _ = _run(store, ingest(d, store=store))
+    w = _warnings(store)
+    assert [x["file"] for x in w] == ["order.txt", "order.txt"]
+    assert "more than once" in w[0]["message"] and modules[1] in w[0]["message"]
+    assert "no.such.module" in w[1]["message"] and "left out" in w[1]["message"]
+    assert first_nonfinite(store, info["run_id"]).op == ORIGIN
+
+
+@pytest.mark.parametrize("layout", ["dict", "tuple"])
+def test_one_pt_per_module_holding_its_input_and_output(store, tmp_path, layout):
+    d = tmp_path / "dump"
+    d.mkdir()
+    x = torch.arange(6.0).reshape(2, 3)
+    y = x * 2
+    obj = {"input": x, "output": y} if layout == "dict" else ((x,), y)
+    torch.save(obj, d / "model.fc.pt")
+    torch.save({"inputs": (y,), "out": y + 1} if layout == "dict" else ((y,), y + 1), d / "model.act.pt")
+    info, _ = _run(store, ingest(d, store=store))
+    got = store.df("SELECT op, role, \"index\", max FROM tensors ORDER BY seq").values.tolist()
+    assert got == [["model.fc", "input", "0", 5.0], ["model.fc", "output", "0", 10.0],
+                   ["model.act", "input", "0", 10.0], ["model.act", "output", "0", 11.0]]
+    assert info["order"] == "data"  # fc's output is act's input
+
+
+def test_the_order_used_and_its_certainty_are_in_every_report_and_on_the_overview(store, tmp_path):
+    """Coarse file times (four files per tick): the note says the times are certain between ticks and the ties
+    were broken by the data, in the JSON, text and HTML reports and the Overview's runs table."""
+    d = tmp_path / "dump"
+    saved, _ = _record(ORIGIN, d)
+    for i, fn in enumerate(saved):
+        t = BASE_NS + (i // 4) * 1_000_000_000
+        os.utime(d / fn, ns=(t, t))
+    name = ingest(d, store=store)
+    rep = build_report(store, name)
+    note = rep["runs"][0]["order_note"]
+    ticks = (len(saved) + 3) // 4
+    assert rep["runs"][0]["order"] == "data"
+    assert f"certain between the {ticks} distinct times" in note and "broken by the data" in note
+    assert rep["first_nonfinite"][rep["runs"][0]["name"]]["op"] == ORIGIN
+    text = render_text(rep)
+    assert "Order used:" in text and note in text
+    sid = store.session(name)["session_id"]
+    assert list(runs_table(store, sid)["order_used"]) == [note]
+    page = render_html(store, name)
+    assert "order used" in page and f"certain between the {ticks} distinct times" in page
+
+
+def test_a_sequential_state_dict_in_a_pt_is_not_taken_for_args_and_output(store, tmp_path):
+    d = tmp_path / "dump"
+    d.mkdir()
+    torch.save(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).state_dict(), d / "weights.pt")
+    np.save(d / "x.npy", np.arange(4, dtype=np.float32))
+    _run(store, ingest(d, store=store))
+    got = set(store.df("SELECT op || ':' || role FROM tensors").iloc[:, 0])
+    assert "weights.0.weight:tensor" in got and "weights.1.bias:tensor" in got

@@ -190,3 +190,33 @@ def test_a_container_whose_weight_is_inf_names_the_weight():
     recs = [rec("model.mlp", "output", [INF, 1.0], seq=0), w, rec("model.mlp.up", "output", [INF, -INF], seq=1)]
     first, _ = analyse(facts(calls, recs))
     assert first.origin == "parameter" and first.parameter.name == "model.mlp.up.weight"
+
+
+def test_a_consumer_whose_input_is_newly_non_finite_names_the_gap_not_a_later_op():
+    # msprobe records no Tensor.to: the cast that overflowed is missing; the comparison marks the matmul's input
+    # as newly non-finite (the reference's is finite), and a later op that only passes the value on is not named
+    calls = [call("Functional.matmul.0", 5, op_type="matmul"), call("Functional.add.0", 6, op_type="add")]
+    recs = [rec("Functional.matmul.0", "input", [1.0, INF], seq=5, introduced=1),
+            rec("Functional.matmul.0", "output", [INF, INF], seq=5, introduced=2),
+            rec("Functional.add.0", "input", [INF, INF], seq=6, introduced=2),
+            rec("Functional.add.0", "output", [INF, INF], seq=6, introduced=2)]
+    first, _ = analyse(facts(calls, recs))
+    assert first.op == "Functional.matmul.0" and first.origin == "input"
+    assert "producer was not recorded" in first.reason and "cast" in first.reason
+    # without a reference nothing says the input is new: it came from before the first recorded op
+    plain, _ = analyse(facts(calls, [dict(r, introduced=None) for r in recs]))
+    assert plain.op == "Functional.matmul.0" and "before the first recorded op" in plain.reason
+
+
+def test_an_outputs_only_answer_says_what_it_knows_and_never_that_inputs_were_finite():
+    calls = [call("model.layers.1.mlp", 3, op_type="MLP"), call("model.layers.1.mlp.down_proj", 4, op_type="Linear"),
+             call("lm_head", 7, op_type="Linear")]
+    recs = [rec("model.layers.1.mlp", "output", [1.0, INF], seq=3, op_type="MLP"),
+            rec("model.layers.1.mlp.down_proj", "output", [1.0, INF], seq=4, op_type="Linear"),
+            rec("lm_head", "output", [math.nan, math.nan], seq=7, op_type="Linear")]
+    for order in ("execution", "name"):
+        first, _ = analyse(facts(calls, recs, order=order, inputs_recorded=False))
+        assert first.op == "model.layers.1.mlp.down_proj"  # the innermost, not the module holding it
+        assert "first module whose output is non-finite (inputs not recorded)" in first.reason
+        assert "inputs are all finite" not in first.reason
+    assert first.others == ("lm_head",) and "order unknown" in first.reason

@@ -33,7 +33,7 @@ class RunSource:
     ``"execution"`` when ``seq`` follows execution order, ``"mtime"`` when it
     follows file modification times, ``"data"`` when it was recovered from the
     data (``digests``), ``"name"`` when the dump carries no order and records
-    were numbered by name; ``order_note``
+    were numbered by name (see ``dataorder.settle`` for the ties it breaks first); ``order_note``
     says where the order came from, in words.  ``kind``, ``parent_key``,
     ``fix`` and ``policy`` are set when the dump itself says (our own shard
     format); ingest decides otherwise.
@@ -56,6 +56,9 @@ class RunSource:
     # (step, rank, op, role, index) -> readers.dataorder.digest of the tensor, filled while the records stream by
     # when the dump gives no order list, so ingest can recover the order from the data
     digests: dict[tuple, Optional[bytes]] = field(default_factory=dict, repr=False)
+    # the same keys -> (place in the dump's order list or None, rank of the file's modification time or None):
+    # what readers.dataorder.settle reads besides the digests
+    hints: dict[tuple, tuple[Optional[int], Optional[int]]] = field(default_factory=dict, repr=False)
 
     def load(self, source: str):
         """Re-read the tensor a record came from, or None if the dump has no data for it."""

@@ -15,19 +15,30 @@ A module and the ops inside it share tensors too (its input is its first
 op's input, its output its last op's output): equal inputs or equal outputs
 give no edge; a module is called before the ops inside it, and an op that
 reads a module's output runs after every op inside that module.
+
+``settle`` puts every source of order together for a dump (``Hint`` per
+tensor): the dump's own list (tensor or module names; ops it leaves out are
+placed by what follows, never by name), file times (ties broken by the
+data), the output -> input links, and containers found from the data (a
+record whose output is bit-identical to another's and whose input is a third
+op's input encloses them: the root under any name); what is still tied goes
+containers first, then the fewest non-finite values (a value spreads as it is
+passed on), then the fewest NaN (an overflow writes inf; the ops after it turn
+inf into NaN), then the name.  It says which order it used and how certain it is.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import combinations
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 
-__all__ = ["digest", "order_from_data", "DataOrder", "DATA_IN_ROLES", "DATA_OUT_ROLES"]
+__all__ = ["digest", "order_from_data", "DataOrder", "DATA_IN_ROLES", "DATA_OUT_ROLES", "Hint", "Settled", "settle"]
 
 # the roles a value passes through from one op to the next (a parameter is no op's output)
 DATA_IN_ROLES = frozenset({"input", "kwarg"})
@@ -84,6 +95,15 @@ class DataOrder:
 def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Optional[DataOrder]:
     """The order of the ops named in ``entries`` (``(op, role, digest)``, in the order the dump gave them:
     that order breaks ties), or None when no output of one op is the input of another (nothing to go on)."""
+    ops, succ, weak, n_edges = _links(entries)
+    if n_edges == 0:
+        return None
+    _container_links(ops, succ, weak, _names(ops))
+    return DataOrder(_toposort(ops, succ, weak), n_edges)
+
+
+def _links(entries) -> tuple[list[str], dict, dict, int]:
+    """``(ops in the given order, strong links, weak links, how many)`` from outputs that are later inputs."""
     ops: list[str] = []
     seen: set[str] = set()
     produced: dict[bytes, set[str]] = {}
@@ -115,15 +135,23 @@ def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Opti
                 else:
                     succ[a].add(b)
                 n_edges += 1
-    if n_edges == 0:
-        return None
+    return ops, succ, weak, n_edges
+
+
+def _names(ops: Sequence[str]):
+    """``inside(a)``: the ops whose name puts them inside module ``a`` (every op for the root ``""``)."""
     names = sorted(ops)
 
     def inside(a: str) -> list[str]:
+        if a == "":
+            return [o for o in names if o != ""]
         lo = bisect.bisect_left(names, a + ".")
         hi = bisect.bisect_left(names, a + "/")  # "/" sorts right after "."
         return names[lo:hi]
+    return inside
 
+
+def _container_links(ops, succ, weak, inside) -> None:
     # whatever reads a module's output runs after every op inside that module
     for links in (succ, weak):
         for a in [a for a in ops if links[a]]:
@@ -135,7 +163,248 @@ def order_from_data(entries: Iterable[tuple[str, str, Optional[bytes]]]) -> Opti
     # a module is called before the ops inside it
     for a in ops:
         succ[a].update(inside(a))
-    return DataOrder(_toposort(ops, succ, weak), n_edges)
+
+
+@dataclass(frozen=True)
+class Hint:
+    """One tensor as ``settle`` reads it: its op and role, its ``digest``, the rank of its file's modification
+    time among the dump's distinct times (``tick``, None without usable times), its op's place in the dump's
+    own order list (``listed``) and its share of non-finite values (``spread``)."""
+    op: str
+    role: str
+    digest: Optional[bytes] = None
+    tick: Optional[int] = None
+    listed: Optional[int] = None
+    spread: float = 0.0
+    nan: float = 0.0  # its share of NaN: an overflow writes inf, the ops after it turn inf into NaN
+
+
+@dataclass(frozen=True)
+class Settled:
+    """``rank``: op -> place; ``parents``: op -> the op found from the data to enclose it; ``kind``: the
+    run's order (``RunSource.order``); ``note``: the order used and how certain it is, in words."""
+    rank: dict[str, int]
+    parents: dict[str, str] = field(default_factory=dict)
+    kind: str = "name"
+    note: str = ""
+    edges: int = 0
+    list_order: Optional[str] = None  # "call" or "completion" when the dump's list names modules around others
+
+
+def _strong(d) -> bool:
+    return d is not None and not getattr(d, "weak", False)
+
+
+def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
+    """The order of the ops in ``hints`` (given in the reader's order: by file time, then name) from every
+    source the dump has; ``listed_from`` names the order list (for the note)."""
+    ops, succ, weak, n_edges = _links((h.op, h.role, h.digest) for h in hints)
+    ins: dict[str, set] = {o: set() for o in ops}
+    outs: dict[str, set] = {o: set() for o in ops}
+    tick: dict[str, int] = {}
+    listed: dict[str, int] = {}
+    spread: dict[str, float] = {o: 0.0 for o in ops}
+    nan: dict[str, float] = {o: 0.0 for o in ops}
+    for h in hints:
+        if h.tick is not None:
+            tick[h.op] = min(tick.get(h.op, h.tick), h.tick)
+        if h.listed is not None:
+            listed[h.op] = min(listed.get(h.op, h.listed), h.listed)
+        if h.role in DATA_OUT_ROLES or h.role == "tensor":
+            spread[h.op] = max(spread[h.op], h.spread)
+            nan[h.op] = max(nan[h.op], h.nan)
+        if _strong(h.digest):
+            if h.role in DATA_OUT_ROLES or h.role == "tensor":
+                outs[h.op].add(h.digest)
+            elif h.role in DATA_IN_ROLES:
+                ins[h.op].add(h.digest)
+    times = len(set(tick.values()))
+    per_tick: dict[int, int] = {}
+    for t in tick.values():
+        per_tick[t] = per_tick.get(t, 0) + 1
+    tied = sum(n for n in per_tick.values() if n > 1) if times > 1 else 0
+    inside = _names(ops)
+    encl = _data_containers(ops, ins, outs, inside)
+    root = _root(ops, hints, inside)
+    if root is not None:
+        encl[root] = ({o for o in ops if o != root and not _nested(o, root)}, set())
+    _container_links(ops, succ, weak, inside)
+    for b, (inner, first) in encl.items():  # a container found from the data is called before what it holds
+        for o in inner | first:
+            if b not in succ[o]:
+                succ[b].add(o)
+    given = {o: i for i, o in enumerate(ops)}
+    own = {o: (tick.get(o, 0), spread[o], nan[o], given[o]) for o in ops}
+    # a container goes where the first op it holds would go (it is called right before it)
+    key = {o: min([own[o]] + [own[i] for i in inside(o)] + [own[i] for i in encl.get(o, (set(), set()))[0]])
+           for o in ops}
+    keyed = sorted(ops, key=key.__getitem__)
+    # distinct file times for every op are the order itself (hooks save as each module finishes), unless the data
+    # links say otherwise (files copied or touched later)
+    rank = {o: i for i, o in enumerate(ops)} if times > 1 and not tied and not n_edges else _toposort(
+        keyed, succ, weak)
+    order = sorted(ops, key=rank.__getitem__)
+    list_order = None
+    if listed:
+        slots = [i for i, o in enumerate(order) if o in listed]
+        for i, o in zip(slots, sorted(listed, key=listed.__getitem__)):
+            order[i] = o
+        list_order = _list_order(listed, inside, encl)
+    rank = {o: i for i, o in enumerate(order)}
+    parents = _parents(encl, rank)
+    kind, note = _say(ops, listed, listed_from, list_order, n_edges, times, tied, bool(encl))
+    return Settled(rank, parents, kind, note, n_edges, list_order)
+
+
+def _data_containers(ops, ins, outs, inside) -> dict[str, tuple[set, set]]:
+    """container -> (the ops it encloses by the data: those whose output is its own, the ops whose input is
+    its own), for pairs of ops sharing an output whose names do not already say which holds which."""
+    by_out: dict[bytes, list[str]] = {}
+    for o in ops:
+        for d in outs[o]:
+            by_out.setdefault(d, []).append(o)
+    kids = {o: bool(inside(o)) for o in ops}
+    encl: dict[str, tuple[set, set]] = {}
+    for makers in by_out.values():
+        for a, b in combinations(makers, 2):
+            # an op that hands its input on unchanged (dropout in eval, identity) holds nothing
+            if _nested(a, b) or "" in (a, b) or ins[a] & outs[a] or ins[b] & outs[b]:
+                continue
+            c = _outer(a, b, ops, ins, kids)
+            if c is None:
+                continue
+            inner = b if c == a else a
+            held, first = encl.setdefault(c, (set(), set()))
+            held.add(inner)
+            first.update(o for o in ops if o not in (c, inner) and ins[o] & ins[c] and not _nested(o, c))
+    return encl
+
+
+def _root(ops, hints, inside) -> Optional[str]:
+    """The root module saved under a name its children do not carry (``model``, its class name): the one op
+    with a name of one part, that holds no op by name, whose input is another op's
+    input (its first child's; without inputs recorded: whose output is another op's output, its last child's,
+    and no op named as a container shares it, all-NaN outputs counting too).  None when no op, or more than
+    one, is like that."""
+    ins: dict[str, set] = {o: set() for o in ops}
+    outs: dict[str, set] = {o: set() for o in ops}
+    reads: set[str] = set()  # ops with an input recorded
+    for h in hints:
+        if h.role in DATA_IN_ROLES:
+            reads.add(h.op)
+        if h.digest is not None:
+            if h.role in DATA_OUT_ROLES or h.role == "tensor":
+                outs[h.op].add(h.digest)
+            elif h.role in DATA_IN_ROLES and _strong(h.digest):  # all-NaN inputs are shared after any overflow
+                ins[h.op].add(h.digest)
+    found = []
+    for r in ops:
+        if r == "" or "." in r or inside(r):
+            continue
+        if r in reads:  # its input is its first child's
+            if any(o != r and ins[o] & ins[r] for o in ops):
+                found.append(r)
+        else:  # outputs only: its output is its last child's, and no module named as a container shares it
+            same = [o for o in ops if o != r and outs[o] & outs[r]]
+            if same and not any(inside(o) for o in same):
+                found.append(r)
+    return found[0] if len(found) == 1 else None
+
+
+def _outer(a: str, b: str, ops, ins, kids) -> Optional[str]:
+    """Which of two ops with the same output holds the other: the one whose input is a third op's input (its
+    first op's), else the one other ops are named under, else the shallower name; None when nothing says."""
+    def first_of(x, y):
+        own = ins[x] - ins[y]
+        return bool(own) and any(o not in (x, y) and ins[o] & own for o in ops)
+    fa, fb = first_of(a, b), first_of(b, a)
+    if fa != fb:
+        return a if fa else b
+    if kids[a] != kids[b]:
+        return a if kids[a] else b
+    da, db = a.count("."), b.count(".")
+    if da != db:
+        return a if da < db else b
+    return None
+
+
+def _parents(encl, rank) -> dict[str, str]:
+    """op -> the innermost container found from the data whose span (from its first op to its last) holds it
+    (an op held by name too is given it: the origin analysis walks these links, not the names, upward)."""
+    spans = []
+    for b, (held, first) in encl.items():
+        members = held | first
+        lo = min(rank[o] for o in members)
+        hi = max(rank[o] for o in members)
+        spans.append((hi - lo, b, lo, hi))
+    parents: dict[str, str] = {}
+    by_rank = sorted(rank, key=rank.__getitem__)
+    for _size, b, lo, hi in sorted(spans):
+        for o in by_rank[lo:hi + 1]:
+            # never a module around ``b`` (by name, or the root ""): that would make each hold the other
+            if o not in (b, "") and o not in parents and not _nested(o, b) and not _held(b, o, parents):
+                parents[o] = b
+    return parents
+
+
+def _held(a: str, b: str, parents: dict[str, str]) -> bool:
+    """Whether ``a`` is already inside ``b`` through ``parents``."""
+    seen = 0
+    while a in parents and seen < len(parents):
+        a, seen = parents[a], seen + 1
+        if a == b:
+            return True
+    return False
+
+
+def _list_order(listed, inside, encl) -> Optional[str]:
+    """Whether the dump's list puts modules before the modules inside them (call order, pre-order) or after
+    (completion order, post-order); None when it lists no module around another."""
+    before = after = 0
+    for a in listed:
+        for b in list(inside(a)) + sorted(encl.get(a, (set(), set()))[0]):
+            if b in listed:
+                before += listed[a] < listed[b]
+                after += listed[a] > listed[b]
+    if before == after == 0:
+        return None
+    return "call" if before >= after else "completion"
+
+
+# how ties are broken once the data's links have spoken
+_TIES = "containers first, then the fewest non-finite values, then the fewest NaN, then name"
+
+
+def _say(ops, listed, listed_from, list_order, n_edges, times, tied, containers) -> tuple[str, str]:
+    """The run's order kind and its note: what was used, and which parts of it are certain."""
+    links = f"{n_edges} output(s) bit-identical to a later op's input" if n_edges else ""
+    rest = "; ".join(x for x in (
+        links and f"the data ({links})", "containers found from the data" if containers else "") if x)
+    if listed:
+        how = {"call": ", call order: each module before the modules inside it",
+               "completion": ", completion order: each module after the modules inside it"}.get(list_order, "")
+        note = f"execution order from {listed_from}{how}"
+        missing = len(ops) - len(listed)
+        if missing:
+            by = "file modification times" if times > 1 else ""
+            by = "; ".join(x for x in (by, rest) if x) or _TIES
+            note += f"; {missing} op(s) it does not list placed by {by} (uncertain)"
+        return "execution", note
+    if times > 1 and not tied and not n_edges:
+        return "mtime", "order from file modification times (certain)"
+    if times > 1 and not tied:
+        return "data", (f"order recovered from the data: {links}, certain along those links; file modification "
+                        "times for the rest")
+    if times > 1:
+        note = (f"order from file modification times, certain between the {times} distinct times; {tied} op(s) "
+                f"share a time, their order broken by ")
+        note += "; ".join(x for x in (rest, _TIES) if x)
+        return ("data" if n_edges else "mtime"), note
+    if n_edges:
+        return "data", f"order recovered from the data: {links}, certain along those links; the rest by {_TIES}"
+    return "name", ("order unknown: by name, after containers first, the fewest non-finite values first (a value "
+                    "spreads as it is passed on) and the fewest NaN first (an overflow writes inf); the dump has no "
+                    "order list, no distinct file times and no output that is a later input")
 
 
 def _nested(a: str, b: str) -> bool:

@@ -13,15 +13,29 @@ BatchNorm's ``running_mean``, read like a parameter), ``grad_input``,
 ``grad_output``, ``param_grad``) fill op, role and index; any other name
 becomes op ``<name>`` with role ``tensor``.
 
-Order, first found wins.  1. An explicit list of names: ``manifest.json``
+Layouts of one ``.pt`` per module: ``torch.save({"input": x, "output": y})``
+(keys ``input``/``inputs``/``args`` and ``output``/``outputs``/``out``) and
+``torch.save((args, out))`` give ``<module>.input.<i>`` and
+``<module>.output.<j>``.  A root saved as ``input.0``/``output.0`` (no module
+name) is op ``""``, which holds every other op.
+
+Order.  Every source the dump has, put together by
+``dataorder.settle`` when the run is ingested:  1. An explicit list: ``manifest.json``
 or ``order.json`` holding a list, or an object with the list under the first
 present key of ``order``, ``execution_order``, ``module_order`` or
-``call_order``; or ``order.txt`` (one name per line).  Names may be written
-with their file extension.  The run says ``order="execution"``.  2. File
-modification times, when every data file has its own (nanosecond) time:
-files are numbered oldest first, tensors inside one container file by name;
-the run says ``order="mtime"``.  3. Natural name order; the run says
-``order="name"`` (order unknown).  ``order_note`` says which was used.
+``call_order``; or ``order.txt`` (one name per line).  Entries name tensors
+(with or without their file extension) or ops/modules (an entry covers every
+tensor of that op, inputs before outputs); a list of modules in call order
+(pre-order) or completion order (post-order) is recognised and said; ops it
+leaves out are placed by the sources below, not by name.  A list that is not a
+list of names, names nothing in the dump, or names an entry twice gets one
+warning; the run then uses the rest.  2. File modification times: files
+oldest first; files sharing a time are ordered by the data.  3. The data:
+an output bit-identical to a later input (``dataorder``), and containers (an
+output bit-identical to another op's output).  What stays tied goes by the
+fewest non-finite values, then by name.  ``RunSource.order`` says which was
+used (``execution``, ``mtime``, ``data``, or ``name`` when none says
+anything: order unknown) and ``order_note`` which parts are certain.
 
 Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
 ``{"dtype": "float16", "shape": [4, 8]}`` (optional ``"byteorder"``:
@@ -49,7 +63,7 @@ import numpy as np
 from ..formats import numpy_dtype_named
 from ..ops import is_msprobe_key, op_type_of, parse_op
 from ..records import GRAD_ROLES, TensorRecord, split_tensor_name
-from .dataorder import digest
+from .dataorder import Hint, digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
@@ -114,20 +128,35 @@ def scan(root: Path) -> Scan:
     return Scan(data, sidecars, order_file, other, special)
 
 
-def _by_mtime(data: list[Path]) -> Optional[list[Path]]:
-    """``data`` oldest first when every file has its own nanosecond modification time, else None."""
-    if len(data) < 2:
-        return None
-    times = {p: os.lstat(p).st_mtime_ns for p in data}
-    if len(set(times.values())) < len(data):
-        return None
-    return sorted(data, key=times.__getitem__)
+_PT_IN, _PT_OUT = ("input", "inputs", "args"), ("output", "outputs", "out")
+
+
+def _pt_layout(keys: list[str]) -> Optional[dict[str, str]]:
+    """key -> ``input.<i>``/``output.<j>`` for a ``.pt`` holding one module call: ``{"input": x, "output": y}``
+    or ``(args, out)``; None for any other content."""
+    heads = {k: k.split(".", 1) for k in keys}
+    if heads and all(h[0] in _PT_IN + _PT_OUT for h in heads.values()) and any(
+            h[0] in _PT_OUT for h in heads.values()):
+        return {k: f"{'input' if h[0] in _PT_IN else 'output'}.{h[1] if len(h) > 1 else 0}"
+                for k, h in heads.items()}
+    # (args, out): positions only ("0.<i>", "1" or "1.<j>"), never a Sequential's state dict ("0.weight")
+    if heads and all(h[0] in ("0", "1") and (h[0] == "1" or len(h) > 1)
+                     and (len(h) == 1 or h[1].split(".")[0].isdigit()) for h in heads.values()) and any(
+            h[0] == "1" for h in heads.values()):
+        return {k: f"{'input' if h[0] == '0' else 'output'}.{h[1] if len(h) > 1 else 0}" for k, h in heads.items()}
+    return None
+
+
+_ROOT_ROLE = {r for r in ("input", "output", "kwarg", "param", "buffer", "grad_input", "grad_output", "param_grad")}
 
 
 def _record_fields(name: str) -> dict:
     split = split_tensor_name(name)
+    head, _, tail = name.partition(".")
     if split:
         op, role, index = split
+    elif head in _ROOT_ROLE and tail and "." not in tail:
+        op, role, index = "", head, tail  # the root module, saved without a name
     else:
         op, role, index = name, "tensor", "0"
     parts = op.split(".")
@@ -346,7 +375,7 @@ class GenericReader:
 
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
         sc = scan(root)
-        order, kind, note, warnings, data = self._order(root, sc)
+        order, kind, note, warnings, data, ticks = self._order(root, sc)
         sc = dataclasses.replace(sc, data=data)
         src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
                         records=iter(()), order=kind, order_note=note,
@@ -363,40 +392,47 @@ class GenericReader:
             else:
                 why = f"unsupported file type {p.suffix or '(no extension)'!r}"
             src.warnings.append((rel, f"{why}; skipped (readable types: {', '.join(SUFFIXES)})"))
-        src.records = self._records(root, sc, order, src, tick)
+        src.records = self._records(root, sc, order, ticks, src, tick)
         yield src
 
     # -- order
-    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, str, list, list[Path]]:
-        """``(order, kind, note, warnings, data files in reading order)``; ``order`` maps names to
-        their place in an explicit list (None without one), ``kind`` is RunSource.order."""
-        names, where, keyless = self._order_list(root, sc)
-        if names is None:
-            timed = _by_mtime(sc.data)
-            if timed is not None:
-                inner = "; tensors inside one container file by name" if any(
-                    p.suffix.lower() in CONTAINERS for p in sc.data) else ""
-                kind, note = "mtime", f"order from file modification times ({where}){inner}"
-            else:
-                kind, note = "name", f"order unknown: by name ({where}; file modification times not distinct)"
-            said = "order from file modification times" if timed else "order unknown: by name"
-            warnings = [(keyless, f"has no {_KEYS_TEXT} list; {said}")] if keyless else []
-            return None, kind, note, warnings, timed or sc.data
-        order: dict[str, int] = {}
-        for i, n in enumerate(names):
-            n = n.replace("\\", "/")
-            for suf in SUFFIXES:
-                if n.lower().endswith(suf):
-                    n = n[: -len(suf)]
-                    break
-            order.setdefault(n.replace("/", "."), i)
-        return order, "execution", f"execution order from {where}", [], sc.data
+    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, str, list, list[Path], dict]:
+        """``(listed, kind, note, warnings, data files in reading order, file -> time rank)``; ``listed`` maps the
+        names of an order list to their place (None without a usable one), ``kind`` is RunSource.order until
+        ingest settles it."""
+        names, where, warnings = self._order_list(root, sc)
+        times = {p: os.lstat(p).st_mtime_ns for p in sc.data}
+        distinct = sorted(set(times.values()))
+        ticks = {p: distinct.index(t) for p, t in times.items()} if len(distinct) > 1 else {}
+        data = sorted(sc.data, key=lambda p: ticks.get(p, 0))  # stable: by name within one time
+        if names is not None:
+            listed: dict[str, int] = {}
+            dups = []
+            for i, n in enumerate(names):
+                n = n.replace("\\", "/")
+                for suf in SUFFIXES:
+                    if n.lower().endswith(suf):
+                        n = n[: -len(suf)]
+                        break
+                n = n.replace("/", ".")
+                if n in listed:
+                    dups.append(n)
+                listed.setdefault(n, i)
+            if dups:
+                warnings.append((relname(root, sc.order_file),
+                                 f"names {len(dups)} entr{'y' if len(dups) == 1 else 'ies'} more than once "
+                                 f"({', '.join(dups[:3])}{', ...' if len(dups) > 3 else ''}); the first place is used"))
+            return listed, "execution", f"execution order from {where}", warnings, data, ticks
+        if ticks:
+            return None, "mtime", f"order from file modification times ({where})", warnings, data, ticks
+        return None, "name", f"order unknown: by name ({where}; file modification times not distinct)", warnings, \
+            data, ticks
 
-    def _order_list(self, root: Path, sc: Scan) -> tuple[Optional[list[str]], str, Optional[str]]:
-        """``(names, where they came from, None)``, or ``(None, why there are none, the order file
-        when it is an object without an order key)``."""
+    def _order_list(self, root: Path, sc: Scan) -> tuple[Optional[list[str]], str, list]:
+        """``(names, where they came from, warnings)``; names None when there is no usable list (the warning
+        says why in one sentence)."""
         if sc.order_file is None:
-            return None, f"no {', '.join(ORDER_FILES)}", None
+            return None, f"no {', '.join(ORDER_FILES)}", []
         rel = relname(root, sc.order_file)
         if sc.order_file.suffix == ".txt":
             with open_regular(sc.order_file, rel, root) as f:
@@ -406,19 +442,21 @@ class GenericReader:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ReadError(f"{rel}: not UTF-8 text ({e.reason})") from None
-            return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")], rel, None
+                return None, rel, [(rel, f"not UTF-8 text ({e.reason}); its order is not used")]
+            return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")], rel, []
         doc = read_json(sc.order_file, rel, root, what="order file")
         if isinstance(doc, dict):
             key = next((k for k in ORDER_KEYS if doc.get(k) is not None), None)
             if key is None:
-                return None, f"{rel} has no {_KEYS_TEXT} list", rel
+                return None, f"{rel} has no {_KEYS_TEXT} list", [(rel, f"has no {_KEYS_TEXT} list; its order is "
+                                                                        "not used")]
             names, where = doc[key], f'{rel} ("{key}")'
         else:
             names, where = doc, rel
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ReadError(f"{where}: the order must be a list of tensor names")
-        return names, where, None
+            return None, f"{where} is not a list of names", [
+                (rel, f"the order in {where} is not a list of tensor or module names; its order is not used")]
+        return names, where, []
 
     # -- names
     def _prefix(self, root: Path, p: Path) -> tuple[str, int, int]:
@@ -468,48 +506,70 @@ class GenericReader:
             return _native(t)
         return None
 
-    def _records(self, root: Path, sc: Scan, order, src: RunSource, tick: Tick) -> Iterator[TensorRecord]:
+    def _records(self, root: Path, sc: Scan, order, ticks, src: RunSource, tick: Tick) -> Iterator[TensorRecord]:
+        """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle``."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
-        unlisted: list[str] = []
         seen: dict[tuple, str] = {}
-        n_order = len(order) if order is not None else 0
+        used: set[str] = set()
+        seen_names: list[str] = []
+        hints_seen: list[tuple] = []
         emitted = 0
         for p in sc.data:
             rel = relname(root, p)
             prefix, step, rank = self._prefix(root, p)
-            for key, t in self._load(root, sc, p):
+            items = list(self._load(root, sc, p))
+            layout = _pt_layout([k for k, _ in items]) if p.suffix.lower() in (".pt", ".pth") and not \
+                lone_container else None
+            if layout is not None:
+                items.sort(key=lambda kv: (layout[kv[0]].startswith("output"), natural_key(layout[kv[0]])))
+            for key, t in items:
                 t = _native(t)
                 if key == "":
                     name = prefix
+                elif layout is not None:
+                    name = f"{prefix}.{layout[key]}"
                 else:
                     name = key if lone_container else f"{prefix}.{key}"
                 dup = seen.get((step, rank, name))
                 if dup is not None:
                     raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
                 seen[(step, rank, name)] = rel
-                if order is not None:
-                    seq = order.get(name)
-                    if seq is None:
-                        seq = n_order + len(unlisted)
-                        unlisted.append(name)
-                else:
-                    seq = emitted
-                emitted += 1
                 try:
                     stats = tensor_stats(t)
                 except Exception as e:  # an unusual dtype: say which tensor
                     raise ReadError(f"{rel}: cannot compute statistics of {name!r} "
                                     f"(dtype {getattr(t, 'dtype', '?')}): {first_line(e)}") from None
                 f = _record_fields(name)
-                if order is None:
-                    src.digests[(step, rank, f["op"], f["role"], f["index"])] = digest(t)
-                yield TensorRecord(run_id="", seq=seq, op=f["op"], op_type=f["op_type"], role=f["role"],
+                listed = None
+                if order is not None:
+                    hit = name if name in order else f["op"] if f["op"] in order else None
+                    if hit is not None:
+                        listed = order[hit]
+                        used.add(hit)
+                k = (step, rank, f["op"], f["role"], f["index"])
+                src.digests[k] = digest(t)
+                src.hints[k] = (listed, ticks.get(p))
+                seen_names.append(name)
+                hints_seen.append(src.hints[k])
+                yield TensorRecord(run_id="", seq=emitted, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
                                    source=rel if key == "" else f"{rel}#{key}", tensor=t)
+                emitted += 1
             tick(os.lstat(p).st_size, rel)
-        if unlisted:
-            shown = ", ".join(unlisted[:5]) + (", ..." if len(unlisted) > 5 else "")
-            src.warnings.append((relname(root, sc.order_file),
-                                 f"{len(unlisted)} tensor(s) not listed in the order file were placed after the "
-                                 f"listed ones, by name: {shown}"))
-
+        if order is not None and used:
+            left = [n for n, (listed, _t) in zip(seen_names, hints_seen) if listed is None]
+            if left:
+                shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+                src.warnings.append((relname(root, sc.order_file),
+                                     f"{len(left)} tensor(s) not listed in the order file were placed by file "
+                                     f"times and the data, not by name: {shown}"))
+        if order is not None:
+            unknown = [n for n in order if n not in used]
+            if unknown:
+                shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+                what = ("names no tensor or module of the dump; its order is not used" if not used else
+                        f"names {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} that match no tensor or "
+                        "module of the dump (left out)")
+                src.warnings.append((relname(root, sc.order_file), f"{what}: {shown}"))
+                if not used:
+                    src.hints.update({k: (None, t) for k, (_l, t) in src.hints.items()})

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..readers import ReadError, RunSource, detect, dominant_dtype, ordered
-from ..readers.dataorder import order_from_data
+from ..readers.dataorder import Hint, settle
 from ..readers.safeio import ReadLimits, limits_in_force, plain_error
-from ..records import free_name
+from ..records import INPUT_ROLES, free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from ..scratch import scratch_dir, sweep
 from .pairing import Item, compare_pair, compare_runs, exact_key
@@ -402,36 +402,50 @@ class _Ingestion:
         src.warnings.clear()
 
     def _order_from_data(self, r: "_Run") -> None:
-        """A dump without an order list: where one op's output is bit-identical to another's input, the first
-        ran first (``readers.dataorder``); renumber the run's records so, and say the order came from the data."""
-        if not r.src.digests or r.src.order == "execution":
+        """A dump whose reader left the order to the data (``RunSource.digests`` and ``hints``): put its order
+        list, file times, output -> input links and containers together (``readers.dataorder.settle``);
+        renumber the run's records so, record the containers found, and say which order was used."""
+        if not r.src.digests:
             return
-        digests = r.src.digests
+        digests, hints = r.src.digests, r.src.hints
+        listed_from = r.src.order_note.removeprefix("execution order from ") if r.src.order == "execution" else ""
         keys = collections.defaultdict(list)  # (step, rank) -> items in their current order
         for it in sorted(r.items, key=lambda it: it.record.seq):
             keys[(it.record.step, it.record.rank)].append(it)
-        found, edges = {}, 0
+        found, parents, said = {}, {}, None
         for group, items in keys.items():
-            got = order_from_data((it.record.op, it.record.role,
-                                   digests.get(group + (it.record.op, it.record.role, it.record.index)))
-                                  for it in items)
-            if got is not None:
-                found[group], edges = got.rank, edges + got.edges
-        r.src.digests = {}
-        if not found:
+            entries = []
+            for it in items:
+                rec = it.record
+                k = group + (rec.op, rec.role, rec.index)
+                listed, tick = hints.get(k, (None, None))
+                st = rec.stats
+                n = st.numel or 1
+                entries.append(Hint(rec.op, rec.role, digests.get(k), tick, listed,
+                                    ((st.nan_count or 0) + (st.inf_count or 0)) / n, (st.nan_count or 0) / n))
+            got = settle(entries, listed_from=listed_from)
+            found[group] = got.rank
+            parents.update(got.parents)
+            said = said or got
+        r.src.digests, r.src.hints = {}, {}
+        if said is None:
             return
         seqs: dict[int, int] = {}
         ranked = sorted(r.items, key=lambda it: (it.record.step, it.record.rank,
                                                  found.get((it.record.step, it.record.rank), {}).get(it.record.op, 0),
-                                                 it.record.seq))
-        for i, it in enumerate(ranked):
+                                                 it.record.role not in INPUT_ROLES, it.record.seq))
+        i, group = 0, None
+        for it in ranked:  # numbered from 0 in each step and rank, as the dump's own order list numbers them
+            if (it.record.step, it.record.rank) != group:
+                i, group = 0, (it.record.step, it.record.rank)
             if it.record.seq != i:
                 seqs[it.rid] = i
             it.record.seq = i
-        r.src.order = "data"
-        r.src.order_note = (f"order recovered from the data: {edges} output(s) bit-identical to a later op's input "
-                            f"({r.src.order_note})")
-        self.w.set_run_order(r.run_id, "data", seqs)
+            i += 1
+        r.src.order, r.src.order_note = said.kind, said.note
+        self.w.set_run_order(r.run_id, said.kind, seqs)
+        if parents:
+            self.w.set_op_parents(r.run_id, parents)
 
     def _local(self, si: int, comparisons) -> None:
         """Store the local (own fp32 re-run) comparisons a dump carries, on the records they belong to."""

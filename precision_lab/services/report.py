@@ -35,6 +35,7 @@ from ..jsoncodec import dumps
 from . import timeline as _timeline
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
+           "order_notes",
            "render_text", "to_json", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 PATH_LENGTH = 5  # ops shown before the producer
@@ -50,6 +51,15 @@ def run_facts(store, run_id: str) -> RunFacts:
     return RunFacts(run["name"], run_id, run["order"] or "execution", tuple(calls), tuple(recs),
                     q.op_parents(store, run_id) if calls else {},
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES))
+
+
+def order_notes(store, session: str) -> dict[str, str]:
+    """run_id -> the order its dump gave, in words, with which parts are certain (what ingest recorded in the
+    session's notes: an order list and whether it is call or completion order, file times and their ties, links
+    found in the data); runs it did not say for are left out."""
+    runs = (store.session(session)["notes"].get("ingest") or {}).get("runs") or {}
+    return {v["run_id"]: v["order_from"] for v in runs.values()
+            if isinstance(v, dict) and v.get("run_id") and v.get("order_from")}
 
 
 def first_nonfinite(store, run_id: str) -> Optional[Origin]:
@@ -125,6 +135,7 @@ def build_report(store, session: str) -> dict:
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
     names = {r["run_id"]: r["name"] for r in runs}
+    notes = order_notes(store, sid)
     first, intended = {}, {}
     for r in runs:
         f, masks = nonfinite_origin(store, r["run_id"])
@@ -155,7 +166,8 @@ def build_report(store, session: str) -> dict:
         "source": info["source"],
         "runs": [{"name": r["name"], "run_id": r["run_id"], "kind": r["kind"], "dtype": r["dtype"],
                   "parent": names.get(r["parent_run_id"]) if r["parent_run_id"] else None, "fix": r["fix"],
-                  "source": r["source"], "order": r["order"], "order_text": order_text(r["order"])} for r in runs],
+                  "source": r["source"], "order": r["order"], "order_text": order_text(r["order"]),
+                  "order_note": notes.get(r["run_id"])} for r in runs],
         "first_nonfinite": first,
         "intended_nonfinite": intended,
         "norm_artefacts": norm_artefacts(store, sid),
@@ -209,6 +221,8 @@ def render_text(report: dict, *, top: int = 15) -> str:
     out += _table([[r["name"], r["kind"], r["dtype"] or "-", r["parent"] or "-", r["fix"] or "-",
                     r.get("order_text") or order_text(r.get("order"))] for r in report["runs"]],
                   ["run", "kind", "dtype", "parent", "fix", "order"])
+    said = [f"  {r['name']}: {r['order_note']}" for r in report["runs"] if r.get("order_note")]
+    out += (["", "Order used:"] + said) if said else []
     out += ["", "First non-finite producer:"]
     intended = report.get("intended_nonfinite") or {}
     for run, f in report["first_nonfinite"].items():

@@ -668,6 +668,17 @@ class SessionWriter:
             self.cur.unregister("_pl_seq")
         self.cur.execute("UPDATE runs SET \"order\" = ? WHERE run_id = ?", [order, run_id])
 
+    def set_op_parents(self, run_id: str, parents: dict[str, str]) -> None:
+        """Record the module call each op ran inside (``parents``: op -> enclosing op) where the dump did not."""
+        import pyarrow as pa
+
+        self.flush()
+        table = pa.table({"op": list(parents), "parent": list(parents.values())})
+        self.cur.register("_pl_parent", table)
+        self.cur.execute("UPDATE tensors SET parent = p.parent FROM _pl_parent p WHERE tensors.run_id = ? "
+                         "AND tensors.op = p.op AND tensors.parent IS NULL", [run_id])
+        self.cur.unregister("_pl_parent")
+
     def set_run_parent(self, run_id: str, parent_run_id: str) -> None:
         """Record the run a re-run was made from."""
         self.cur.execute("UPDATE runs SET parent_run_id = ? WHERE run_id = ?", [parent_run_id, run_id])

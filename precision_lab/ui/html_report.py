@@ -196,7 +196,7 @@ def render_html(store, session: str, *, public: bool = False) -> str:
         "<h2>Runs</h2>",
         _table(runs, [("run", "run", "name"), ("kind", "kind", "text"), ("dtype", "dtype", "text"),
                       ("parent", "parent", "name"), ("fix", "fix", "name"), ("order", "order", "text"),
-                      ("records", "records", "num"), ("nonfinite_records", "non-finite records", "num"),
+                      ("order_used", "order used", "text"), ("records", "records", "num"), ("nonfinite_records", "non-finite records", "num"),
                       ("source", "source", "name")]),
         "<h2>First non-finite producer</h2>",
     ]

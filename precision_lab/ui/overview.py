@@ -7,7 +7,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_text
+from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_notes, order_text
 from ..services import browse
 from ..services import timeline as _timeline
 from ..services.tree import output_rid, run_tree
@@ -24,7 +24,8 @@ __all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
     """One row per run: kind, dtype, parent and fix, order in words ("order unknown: by name" for a
-    dump numbered by name), record counts, source.
+    dump numbered by name) and ``order_used`` (where the order came from and which parts are certain, as
+    ingest said), record counts, source.
 
     ``public``: sources as a browser may see them (``common.public_source``:
     names relative to the upload, never a server folder).
@@ -33,6 +34,8 @@ def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
     if public:
         df["source"] = [public_source(v) for v in df["source"]]
     df["order"] = [order_text(v) if isinstance(v, str) and v else v for v in df["order"]]
+    notes = order_notes(store, session_id)
+    df["order_used"] = [notes.get(r, "") for r in df["run_id"]]
     return df
 
 

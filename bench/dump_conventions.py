@@ -1,0 +1,422 @@
+"""Dumps as users really write them: does Precision Lab name the right module from a folder of tensors written
+by plain PyTorch hooks, whatever its order, names or gaps?
+
+Each case is one architecture, one failure kind and one writer.  The model (random weights, built from config
+or code, no downloads) runs once in fp16 with a forward pre-hook and a forward hook on every module; every
+writer then lays the same calls out as a folder the way people write them, and the ground truth is written
+next to the folder (``<case>.truth.json``) before the tool reads it.
+
+Architectures: ``transformers`` Qwen2, GPT-2 and BERT built from config, a conv net (Conv2d, BatchNorm, ReLU,
+a Linear head), a hand-written causal attention (``masked_fill(-inf)``) and a stack of Linear+GELU blocks.
+
+Failure kinds: ``activation`` (one Linear-like module's weight and bias scaled so its fp32 output reaches twice
+fp16's max, the weight itself finite in fp16), ``weight`` (one weight element set to 1e5: inf once cast to
+fp16) and ``healthy`` (no failure: right when nothing is named, wrong = a false alarm).
+
+Writers (``WRITERS``):
+
+- ``outputs-equal``: ``register_forward_hook(lambda m, i, o: np.save(f"{name}.npy", o))``: outputs only, the
+  root saved as ``model.npy`` (over the child of the same name in a Hugging Face model), all file times equal;
+- ``outputs-coarse``: the same with coarse file times (8 files per clock tick);
+- ``io-coarse``: ``<module>.input.0.npy`` and ``<module>.output.0.npy``, root ``model``, coarse file times;
+- ``io-root-empty``: the same with the root written as ``input.0.npy``/``output.0.npy`` (name ``""``), equal
+  times;
+- ``io-root-class``: the root named by its class (``Qwen2ForCausalLM.output.0.npy``), equal times;
+- ``dict-pt``: ``torch.save({"input": x, "output": y}, f"{name}.pt")`` per module, equal times;
+- ``tuple-pt``: ``torch.save((args, out), f"{name}.pt")`` per module, coarse times;
+- ``module-order-call``: inputs and outputs, ``manifest.json`` ``{"module_order": [...]}`` listing the
+  modules in call order (pre-order), equal times;
+- ``module-order-done``: the same, ``order.json`` listing the modules in completion order (post-order);
+- ``tensor-order``: inputs and outputs, ``manifest.json`` ``{"execution_order": [...]}`` of file names in save
+  order, equal times;
+- ``prefixed-mtime``: every name under ``model.`` (``model.model.layers.1...``), distinct file times.
+
+The judge is strict: a failure is right when the named op is the failing module under the writer's own name
+(origin "op"), or its weight (origin "parameter"); a healthy case when nothing is named.
+
+    python bench/dump_conventions.py            # every architecture x kind x writer
+    python bench/dump_conventions.py --quick    # three small architectures and Qwen2
+
+It prints one line per writer and per architecture (right, wrong, total, share), the false alarms, and every
+miss with what was named instead.  ``tests/test_dump_conventions.py`` runs the small architectures as tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from precision_lab.services.ingest import ingest  # noqa: E402
+from precision_lab.services.report import first_nonfinite  # noqa: E402
+from precision_lab.store import Store, close_all  # noqa: E402
+from precision_lab.store import queries as q  # noqa: E402
+from localization_cases import SeedAttention, SeedBlocks  # noqa: E402
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+KINDS = ("activation", "weight", "healthy")
+BASE_NS = 1_700_000_000_000_000_000
+TICK = 8  # files per clock tick with coarse file times
+
+
+# ---- architectures ---------------------------------------------------------------------------------
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.classifier(self.pool(self.features(x)).flatten(1))
+
+
+def _hf(name: str):
+    import transformers as tf
+
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if name == "qwen2":
+        cfg = tf.Qwen2Config(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                             attn_implementation="eager", **small)
+        return (lambda: tf.Qwen2ForCausalLM(cfg)), "model.layers.1.mlp.down_proj"  # fed by up_proj (FEEDS)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                            attn_implementation="eager")
+        return (lambda: tf.GPT2LMHeadModel(cfg)), "transformer.h.1.mlp.c_fc"
+    if name == "bert":
+        cfg = tf.BertConfig(intermediate_size=128, max_position_embeddings=64, attn_implementation="eager", **small)
+        return (lambda: tf.BertModel(cfg)), "encoder.layer.1.intermediate.dense"
+    raise KeyError(name)
+
+
+# a target whose own weight cannot carry the whole scale shares it with the module feeding it (its output is
+# linear in that module's weight: Qwen2's down_proj(act(gate_proj(x)) * up_proj(x)))
+FEEDS = {"model.layers.1.mlp.down_proj": "model.layers.1.mlp.up_proj"}
+SMALL_ARCHS = ("mlp", "attention", "convnet")
+ARCHS = SMALL_ARCHS + ("qwen2", "gpt2", "bert")
+
+
+def arch(name: str):
+    """``(build, target module path, inputs)`` of an architecture."""
+    g = torch.Generator().manual_seed(0)
+    if name == "mlp":
+        return SeedBlocks, "layers.1.0", torch.randn(4, 16, generator=g)
+    if name == "attention":
+        return SeedAttention, "layers.1.v", torch.randn(2, 16, 32, generator=g)
+    if name == "convnet":
+        return ConvNet, "features.3", torch.randn(2, 3, 8, 8, generator=g)
+    build, target = _hf(name)
+    return build, target, {"input_ids": torch.randint(0, 128, (2, 16), generator=g)}
+
+
+def _forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def _first_tensor(obj):
+    if torch.is_tensor(obj):
+        return obj
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def _built(name: str, kind: str):
+    """The model of ``arch(name)`` with failure ``kind`` injected, in fp16, and its inputs."""
+    base, target, inputs = arch(name)
+    torch.manual_seed(0)
+    model = base().eval()
+    mod = model.get_submodule(target)
+    if kind == "activation":
+        got = {}
+        h = mod.register_forward_hook(lambda m, i, o: got.__setitem__("a", float(o.detach().abs().max())))
+        _forward(model, inputs)
+        h.remove()
+        scale = 2 * FP16_MAX / got["a"]
+        share = {target: scale}
+        if target in FEEDS:
+            share = {target: scale ** 0.5, FEEDS[target]: scale ** 0.5}
+        with torch.no_grad():
+            for path, s in share.items():
+                m = model.get_submodule(path)
+                m.weight.mul_(s)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.mul_(s)
+                assert float(m.weight.abs().max()) < FP16_MAX, "the weight itself would overflow"
+    elif kind == "weight":
+        with torch.no_grad():
+            mod.weight.view(-1)[0] = 1e5
+    model = model.half()
+    if not isinstance(inputs, dict):
+        inputs = inputs.half()
+    return model, target, inputs
+
+
+# ---- one run, every module's call ------------------------------------------------------------------
+
+@dataclass
+class Call:
+    path: str  # "" for the root
+    pre: int  # call order
+    post: int  # completion order
+    input: Optional[np.ndarray]
+    output: Optional[np.ndarray]
+
+
+def capture(model: nn.Module, inputs) -> tuple[list[Call], str]:
+    """Every module's first call (its first tensor input and first tensor output), and the root's class name."""
+    calls: dict[str, Call] = {}
+    counter = {"pre": 0, "post": 0}
+    handles = []
+
+    def arr(t):
+        return None if t is None else t.detach().cpu().numpy().copy()
+
+    for path, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            continue
+
+        def pre(m, args, kwargs, path=path):
+            if path not in calls:
+                calls[path] = Call(path, counter["pre"], -1, arr(_first_tensor((args, kwargs))), None)
+                counter["pre"] += 1
+
+        def post(m, args, kwargs, out, path=path):
+            c = calls[path]
+            if c.post < 0:
+                c.post, c.output = counter["post"], arr(_first_tensor(out))
+                counter["post"] += 1
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    _forward(model, inputs)
+    for h in handles:
+        h.remove()
+    return [c for c in calls.values() if c.post >= 0 and c.output is not None], type(model).__name__
+
+
+def _bad(a: Optional[np.ndarray]) -> bool:
+    return a is not None and a.dtype.kind == "f" and not np.isfinite(a.astype(np.float32)).all()
+
+
+def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
+    """The module path the tool must name (None: nothing), checked against the run itself: the target's input
+    is finite and its output is not, and no module that finished before it holds a non-finite output."""
+    if kind == "healthy":
+        assert not any(_bad(c.output) for c in calls), "the healthy control is not healthy"
+        return None
+    c = next(c for c in calls if c.path == target)
+    assert not _bad(c.input) and _bad(c.output), f"{target}: the injection did not make its output non-finite"
+    assert not any(_bad(o.output) for o in calls if o.post < c.post), "a module before the target failed"
+    return target
+
+
+# ---- writers ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Writer:
+    name: str
+    root: str  # "model" | "prefixed" | "empty" | "class"
+    layout: str  # "outputs" | "io" | "dict-pt" | "tuple-pt"
+    times: str  # "equal" | "coarse" | "distinct"
+    order: Optional[str] = None  # "module-call" | "module-done" | "tensor"
+
+    def module_name(self, path: str, cls: str) -> str:
+        if path == "":
+            return {"model": "model", "prefixed": "model", "empty": "", "class": cls}[self.root]
+        return f"model.{path}" if self.root == "prefixed" else path
+
+
+WRITERS = {w.name: w for w in (
+    Writer("outputs-equal", "model", "outputs", "equal"),
+    Writer("outputs-coarse", "model", "outputs", "coarse"),
+    Writer("io-coarse", "model", "io", "coarse"),
+    Writer("io-root-empty", "empty", "io", "equal"),
+    Writer("io-root-class", "class", "io", "equal"),
+    Writer("dict-pt", "model", "dict-pt", "equal"),
+    Writer("tuple-pt", "model", "tuple-pt", "coarse"),
+    Writer("module-order-call", "model", "io", "equal", "module-call"),
+    Writer("module-order-done", "model", "io", "equal", "module-done"),
+    Writer("tensor-order", "model", "io", "equal", "tensor"),
+    Writer("prefixed-mtime", "prefixed", "io", "distinct"),
+)}
+
+
+def _join(name: str, rest: str) -> str:
+    return f"{name}.{rest}" if name else rest
+
+
+def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
+    """Lay the calls out as ``w`` does: files saved in completion order (a forward hook fires when its module
+    finishes), a later save of the same file name replacing the earlier one."""
+    folder.mkdir(parents=True)
+    files: dict[str, object] = {}  # file name -> content, in save order
+    saved: list[str] = []  # tensor names in save order
+
+    def put(fn, content, names):
+        files.pop(fn, None)
+        files[fn] = content
+        saved.extend(names)
+
+    for c in sorted(calls, key=lambda c: c.post):
+        name = w.module_name(c.path, cls)
+        if w.layout == "outputs":
+            put(f"{name}.npy", c.output, [name])
+        elif w.layout == "io":
+            if c.input is not None:
+                put(f"{_join(name, 'input.0')}.npy", c.input, [_join(name, "input.0")])
+            put(f"{_join(name, 'output.0')}.npy", c.output, [_join(name, "output.0")])
+        elif w.layout == "dict-pt":
+            d = {"output": torch.from_numpy(c.output)}
+            if c.input is not None:
+                d = {"input": torch.from_numpy(c.input), **d}
+            put(f"{name}.pt", d, [])
+        else:
+            args = (torch.from_numpy(c.input),) if c.input is not None else ()
+            put(f"{name}.pt", (args, torch.from_numpy(c.output)), [])
+    for fn, content in files.items():
+        if isinstance(content, np.ndarray):
+            np.save(folder / fn, content)
+        else:
+            torch.save(content, folder / fn)
+    for i, fn in enumerate(files):
+        t = {"equal": BASE_NS, "coarse": BASE_NS + (i // TICK) * 1_000_000_000,
+             "distinct": BASE_NS + i * 1_000}[w.times]
+        os.utime(folder / fn, ns=(t, t))
+    if w.order == "module-call":
+        names = [w.module_name(c.path, cls) for c in sorted(calls, key=lambda c: c.pre)]
+        (folder / "manifest.json").write_text(json.dumps({"module_order": list(dict.fromkeys(names))}))
+    elif w.order == "module-done":
+        names = [w.module_name(c.path, cls) for c in sorted(calls, key=lambda c: c.post)]
+        (folder / "order.json").write_text(json.dumps(list(dict.fromkeys(reversed(names)))[::-1]))
+    elif w.order == "tensor":
+        (folder / "manifest.json").write_text(json.dumps({"execution_order": [f"{n}.npy" for n in saved]}))
+
+
+# ---- answers and the judge -------------------------------------------------------------------------
+
+def answer(folder: Path):
+    """The tool's answer for a dump folder: ``(first_nonfinite, order, seconds)``."""
+    t = time.perf_counter()
+    store = Store(":memory:")
+    try:
+        name = ingest(folder, store=store)
+        run = q.session_runs(store, store.session(name)["session_id"])[0]
+        return first_nonfinite(store, run["run_id"]), run["order"], time.perf_counter() - t
+    finally:
+        close_all()
+
+
+def right(f, expected: Optional[str]) -> bool:
+    if expected is None:
+        return f is None
+    if f is None:
+        return False
+    if f.origin == "parameter":
+        return f.parameter is not None and f.parameter.name == f"{expected}.weight"
+    return f.origin == "op" and f.op == expected
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    kind: str
+    writer: str
+
+
+def cases(archs=ARCHS, kinds=KINDS, writers=tuple(WRITERS)) -> list[Case]:
+    return [Case(a, k, w) for a in archs for k in kinds for w in writers]
+
+
+def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Score every case; the model of an (architecture, kind) runs once and every writer lays it out."""
+    rows = []
+    by_model = defaultdict(list)
+    for c in case_list:
+        by_model[(c.arch, c.kind)].append(c)
+    for (a, kind), cs in by_model.items():
+        model, target, inputs = _built(a, kind)
+        calls, cls = capture(model, inputs)
+        path = truth(calls, target, kind)
+        for c in cs:
+            w = WRITERS[c.writer]
+            folder = tmp / f"{a}-{kind}-{c.writer}"
+            expected = None if path is None else w.module_name(path, cls)
+            write(w, calls, cls, folder)
+            (tmp / f"{folder.name}.truth.json").write_text(json.dumps({"expected": expected, "target": path}))
+            try:
+                f, order, secs = answer(folder)
+                ok, named, reason = right(f, expected), (None if f is None else f"{f.op} ({f.origin})"), (
+                    None if f is None else f.reason)
+            except Exception as e:  # noqa: BLE001 - a case that raises is counted wrong, with why
+                f, order, secs, ok, named, reason = None, "?", 0.0, False, "raised", f"{type(e).__name__}: {e}"
+            rows.append({"arch": a, "kind": kind, "writer": c.writer, "expected": expected, "right": ok,
+                         "named": named, "reason": reason, "order": order, "secs": secs})
+            progress(f"{a} {kind} {c.writer}: {'right' if ok else 'WRONG'}")
+    return rows
+
+
+def table(rows: list[dict], by: str) -> list[str]:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r[by]].append(r)
+    out = [f"| {by} | right | wrong | false alarms | total | share |", "|---|---|---|---|---|---|"]
+    for k, rs in groups.items():
+        ok = sum(r["right"] for r in rs)
+        alarms = sum(not r["right"] for r in rs if r["kind"] == "healthy")
+        out.append(f"| {k} | {ok} | {len(rs) - ok} | {alarms} | {len(rs)} | {100 * ok / len(rs):.0f}% |")
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    failing = [r for r in rows if r["kind"] != "healthy"]
+    healthy = [r for r in rows if r["kind"] == "healthy"]
+    ok = sum(r["right"] for r in failing)
+    return (f"{len(failing)} failing dumps: {ok} right ({100 * ok / max(len(failing), 1):.0f}%); "
+            f"{len(healthy)} healthy dumps: {sum(not r['right'] for r in healthy)} false alarms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the three small architectures and Qwen2")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each case as it is scored")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    archs = SMALL_ARCHS + ("qwen2",) if args.quick else ARCHS
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = run(cases(archs), Path(tmp), progress=print if args.verbose else (lambda s: None))
+    print(f"{summary(rows)}; {time.perf_counter() - started:.0f} s\n")
+    print("\n".join(table(rows, "writer")) + "\n")
+    print("\n".join(table(rows, "arch")) + "\n")
+    for r in rows:
+        if not r["right"]:
+            what = "false alarm" if r["kind"] == "healthy" else "miss"
+            print(f"{what}: {r['arch']} {r['kind']} [{r['writer']}, order {r['order']}]: expected "
+                  f"{r['expected'] or 'nothing'}; named {r['named']}; reason: {r['reason']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Dumps laid out the way users write them (bench/dump_conventions.py, small architectures): every writer --
+outputs-only hooks, inputs and outputs, ``torch.save`` of a dict or ``(args, out)`` per module, module- and
+tensor-name order lists in call and completion order, equal and coarse file times, the root saved as
+``model``, ``""`` or its class name -- must name the module that overflowed, and nothing in a healthy run.
+
+The ground truth comes from the run itself (the target's input finite and its output not, no module finishing
+before it non-finite) and is written next to each folder before the tool reads it."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("dump_conventions",
+                                               Path(__file__).parents[1] / "bench" / "dump_conventions.py")
+D = importlib.util.module_from_spec(_spec)
+sys.modules["dump_conventions"] = D  # its dataclasses look their module up
+_spec.loader.exec_module(D)
+
+
+def _check(rows):
+    assert rows
+    bad = [f"{r['arch']} {r['kind']} [{r['writer']}]: expected {r['expected']}, named {r['named']} ({r['reason']})"
+           for r in rows if not r["right"]]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "attention"])
+def test_every_writer_names_the_overflow_and_nothing_in_a_healthy_run(arch, tmp_path):
+    rows = D.run(D.cases((arch,)), tmp_path)
+    assert len(rows) == len(D.WRITERS) * len(D.KINDS) >= 8 * 3
+    _check(rows)
+    # the truth was written before the answer, beside each folder
+    truth = json.loads((tmp_path / f"{arch}-activation-outputs-equal.truth.json").read_text())
+    assert truth["expected"] == D.arch(arch)[1]
+
+
+def test_a_conv_net_with_its_weight_overflowed_in_every_layout(tmp_path):
+    _check(D.run(D.cases(("convnet",), ("weight", "healthy")), tmp_path))
+
+
+def test_the_writers_lay_out_what_they_say(tmp_path):
+    """The corpus itself: names, layouts and file times as described, so the conventions stay covered."""
+    import os
+
+    import torch
+
+    model, target, inputs = D._built("mlp", "activation")
+    calls, cls = D.capture(model, inputs)
+    assert cls == "SeedBlocks" and [c.path for c in sorted(calls, key=lambda c: c.pre)][:3] == ["", "layers.0",
+                                                                                               "layers.0.0"]
+    for name, w in D.WRITERS.items():
+        D.write(w, calls, cls, tmp_path / name)
+    files = lambda n: sorted(p.name for p in (tmp_path / n).iterdir())  # noqa: E731
+    assert "model.npy" in files("outputs-equal") and "layers.1.0.npy" in files("outputs-equal")
+    assert "input.0.npy" in files("io-root-empty") and "SeedBlocks.output.0.npy" in files("io-root-class")
+    assert "model.model.layers.1.0.input.0.npy" not in files("prefixed-mtime")
+    assert "model.layers.1.0.input.0.npy" in files("prefixed-mtime")
+    d = torch.load(tmp_path / "dict-pt" / "layers.1.0.pt")
+    assert set(d) == {"input", "output"}
+    args, out = torch.load(tmp_path / "tuple-pt" / "layers.1.0.pt")
+    assert isinstance(args, tuple) and torch.equal(args[0], d["input"]) and torch.equal(out, d["output"])
+    times = {os.stat(p).st_mtime_ns for p in (tmp_path / "outputs-equal").iterdir()}
+    assert len(times) == 1
+    coarse = [os.stat(tmp_path / "io-coarse" / f).st_mtime_ns for f in files("io-coarse")]
+    assert 1 < len(set(coarse)) < len(coarse)
+    call = json.loads((tmp_path / "module-order-call" / "manifest.json").read_text())["module_order"]
+    done = json.loads((tmp_path / "module-order-done" / "order.json").read_text())
+    assert call[0] == "model" and done[-1] == "model" and call.index("layers.1") < call.index("layers.1.0")
+    assert done.index("layers.1") > done.index("layers.1.0")
