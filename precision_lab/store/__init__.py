@@ -29,7 +29,7 @@ from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
-__all__ = ["Store", "Result", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
+__all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
 SCHEMA_VERSION = 6
@@ -342,6 +342,17 @@ def _file(path: str) -> _File:
         return f
 
 
+@contextmanager
+def held(path: Optional[os.PathLike | str] = None):
+    """``Store.held()`` for the database at ``path``, before any ``Store`` of it exists (a dashboard page run)."""
+    f = _file(resolve_db_path(path))
+    f.hold(1)
+    try:
+        yield
+    finally:
+        f.hold(-1)
+
+
 def is_open(path: Optional[os.PathLike | str]) -> bool:
     """Whether this process has the database at ``path`` open right now (between operations it has not,
     unless ``Store.held()`` keeps it)."""
@@ -402,11 +413,8 @@ class Store:
         """Keep the database open between the operations of this block (read-only; a write in it still takes
         the file for its transaction only).  For a bounded stretch such as one dashboard page run: other
         processes' writes wait while it lasts."""
-        self._file.hold(1)
-        try:
+        with held(self.path):
             yield self
-        finally:
-            self._file.hold(-1)
 
     def data_version(self) -> tuple:
         """A cheap token that changes whenever a write commits: the database file's and its write-ahead log's
