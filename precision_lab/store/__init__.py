@@ -170,7 +170,8 @@ def _holder(message: str) -> str:
     except OSError:
         argv = [m.group("exe")]
     words = [Path(argv[0]).name] + [Path(a).name if "/" in a else a for a in argv[1:4]] if argv else []
-    what = " ".join(words)[:80]
+    what = " ".join(" ".join(w.split()) for w in words)  # one line, whatever the command line held
+    what = what if len(what) <= 80 else what[:79] + "…"
     return f"process {pid}" + (f" ({what})" if what else "")
 
 
