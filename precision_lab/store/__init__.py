@@ -316,6 +316,15 @@ class Result:
             self._rows = self._all("fetchall")
         return self._rows.pop(0) if self._rows else None
 
+    def fetchmany(self, size: int = 1) -> list:
+        if self._rows is None:
+            self._rows = self._all("fetchall")
+        out, self._rows = self._rows[:size], self._rows[size:]
+        return out
+
+    def __iter__(self):
+        return iter(self.fetchall())
+
     def df(self):
         return self._all("df")
 
