@@ -7,7 +7,7 @@ library calls that need it, so the app starts fast.
 
 import streamlit as st
 
-from precision_lab.ui.page import PAGES, routed, show_error, sweep_scratch
+from precision_lab.ui.page import PAGES, page_run, routed, show_error, sweep_scratch
 
 st.set_page_config(page_title="Precision Lab", page_icon=":material/troubleshoot:", layout="wide")
 sweep_scratch()  # leftovers of ingests killed in an earlier server process; once per process
@@ -23,6 +23,7 @@ pages = [
 current = st.navigation(pages)
 routed()
 try:
-    current.run()
+    with page_run():  # the database is let go between page runs: other processes write meanwhile
+        current.run()
 except Exception as e:  # no traceback ever reaches the visitor
     show_error(e, "This page could not be shown")

@@ -1,7 +1,7 @@
 import streamlit as st
 
 from precision_lab.ui import page
-from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample, sessions_table
+from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample
 from precision_lab.services.samples import list_samples
 from precision_lab.services.upload import upload_key
 
@@ -22,7 +22,7 @@ flash = st.session_state.pop("_pl_import_message", None)
 if flash:  # set by the import below, shown after the rerun that lists the new session
     st.success(page.plain(flash))
 
-table = sessions_table(store, headline=page.cached_headline(store)) if acc.can_list else None
+table = page.cached_sessions_table(store) if acc.can_list else None
 if table is not None and table.empty:
     st.info("No sessions yet. Upload a dump folder (or a .zip of one) below, optionally with its fp32 "
             "reference, or open a sample in one click.")

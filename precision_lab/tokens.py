@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["TokenFile", "TokenFileError", "token_file_for", "SUFFIX"]
+__all__ = ["TokenFile", "TokenFileError", "token_file_for", "SUFFIX", "file_lock", "write_private_json"]
 
 SUFFIX = ".tokens.json"
 _LOCK_SUFFIX = ".tokens.lock"
@@ -126,20 +126,8 @@ class TokenFile:
 
     # ---- writing -------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        try:
-            try:
-                import fcntl
-            except ImportError:  # no advisory locks here; writers are rare and short
-                fcntl = None
-            if fcntl is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
+    def _locked(self):
+        return file_lock(self._lock_path)
 
     def update(self, change) -> dict:
         """Apply ``change(sessions) -> None`` (it edits the dict) and write the result atomically.
@@ -160,17 +148,7 @@ class TokenFile:
     def _write(self, sessions: dict) -> None:
         doc = {"format": FORMAT, "version": VERSION,
                "sessions": {sid: {"name": e["name"], "token": e["token"]} for sid, e in sorted(sessions.items())}}
-        fd, tmp = tempfile.mkstemp(prefix=".tokens-", suffix=".json", dir=self.path.parent)  # mode 0600
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_private_json(self.path, doc)
         with self._mutex:
             self._cache = (None, None)
 
@@ -194,6 +172,40 @@ class TokenFile:
 
         self.update(change)
         return removed
+
+
+@contextlib.contextmanager
+def file_lock(lock_path: Path) -> Iterator[None]:
+    """An advisory lock on ``lock_path`` (mode 0600) for a read-change-write of a small file."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        try:
+            import fcntl
+        except ImportError:  # no advisory locks here; writers are rare and short
+            fcntl = None
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def write_private_json(path: Path, doc: dict) -> None:
+    """Replace ``path`` with ``doc`` atomically (a temporary file in the same folder, then ``os.replace``),
+    readable by its owner only (mode 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _copy(sessions: dict) -> dict:

@@ -27,3 +27,7 @@ def _isolated_default_db(tmp_path, monkeypatch):
     # no test may touch the user's real database
     monkeypatch.setenv("PRECISION_LAB_DB", str(tmp_path / "default.duckdb"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    # a dashboard page run on localhost trusts the user's allow-list for the rest of its process: not across tests
+    from precision_lab.fixes.recipes import trust_user_models
+
+    trust_user_models(False)

@@ -38,7 +38,7 @@ def test_revoke_while_a_server_holds_the_database(store):
     cfg = ServerConfig(read_only=True)
     assert resolve_access({"share": token}, store, cfg).session == "demo"
 
-    # this process is the server: it holds the database file; the CLI cannot open it
+    # this process is the server; the CLI opens the database between its reads
     out = _cli("share-link", "--session", "demo", "--revoke", env_db=store.path)
     assert out.returncode == 0, out.stderr
     assert "revoked" in out.stdout and "next request" in out.stdout
@@ -47,21 +47,57 @@ def test_revoke_while_a_server_holds_the_database(store):
     assert refused.session is None and refused.error and "not valid" in refused.error
     assert resolve_access({"share": keep}, store, cfg).session == "other"  # the other link still works
 
-    # creating needs the database; a name with no recorded link is an error, not a silent success
+    # a new link made from the terminal opens on the server's next request
     out = _cli("share-link", "--session", "demo", env_db=store.path)
-    assert out.returncode == 2 and "Revoking works while it runs" in out.stderr
+    assert out.returncode == 0, out.stderr
+    fresh = out.stdout.strip().rsplit("share=", 1)[1]
+    assert fresh != token and resolve_access({"share": fresh}, store, cfg).session == "demo"
     out = _cli("share-link", "--session", "nope", "--revoke", env_db=store.path)
-    assert out.returncode == 2 and "nothing was revoked" in out.stderr
+    assert out.returncode == 2 and "no session named 'nope'" in out.stderr
+    assert store.session("demo")["share_token"] == fresh and store.session("other")["share_token"] == keep
 
-    # the next process to open the database brings its column in line with the file
+
+def _raw_holder(db) -> subprocess.Popen:
+    """A process holding the database file read-write with DuckDB itself, as a job that never lets go would."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, duckdb\ncon = duckdb.connect(sys.argv[1])\n"
+                               "print('ready', flush=True)\nsys.stdin.read()", str(db)],
+                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    return holder
+
+
+def test_a_lock_held_too_long_is_one_sentence_and_revoking_still_works(tmp_path):
+    """A process that holds the file past the wait: creating a link fails in one sentence naming that process
+    (by its pid), never DuckDB's message; revoking goes through the token file the server reads."""
+    from precision_lab.config import ServerConfig, resolve_access
+    from precision_lab.services.share import create_share_token
     from precision_lab.store import Store, close_all
 
-    path = store.path
+    db = tmp_path / "held.duckdb"
+    s = Store(db)
+    _session(s, "demo")
+    token = create_share_token(s, "demo")
     close_all()
-    again = Store(path)
-    assert again.session("demo")["share_token"] is None
-    assert again.session("other")["share_token"] == keep
-    assert again.session_by_token(token) is None
+    holder = _raw_holder(db)
+    try:
+        env = dict(os.environ, PRECISION_LAB_DB=str(db), PRECISION_LAB_LOCK_WAIT="0.5")
+        env.pop("PRECISION_LAB_CONFIG", None)
+        run = lambda *a: subprocess.run([sys.executable, "-c", "from precision_lab.cli import main; main()", *a],  # noqa: E731
+                                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        out = run("share-link", "--session", "demo")
+        assert out.returncode == 2 and out.stdout == ""
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert f"in use by process {holder.pid}" in lines[0] and str(db) in lines[0]
+        assert "within 0.5 s" in lines[0] and "PRECISION_LAB_LOCK_WAIT" in lines[0]
+        assert "Conflicting lock" not in lines[0] and "IO Error" not in lines[0]
+        out = run("share-link", "--session", "demo", "--revoke")
+        assert out.returncode == 0 and "revoked" in out.stdout, out.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert resolve_access({"share": token}, Store(db), ServerConfig()).error
 
 
 def test_revoke_through_the_cli_in_process_with_the_database_held_elsewhere(tmp_path):

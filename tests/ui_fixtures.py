@@ -230,3 +230,57 @@ def serving(argv: list, *, port: int, env: dict, log_path: Path, cwd: Path = ROO
             proc.kill()
             proc.wait()
         log.close()
+
+
+class DashboardTab:
+    """A browser tab on a served dashboard, spoken to over Streamlit's own websocket (no browser needed): each
+    ``run()`` is one page run of the same browser session, as a click or a reload of an open page is.  Reads what
+    the page drew: its text elements and its tables (Arrow)."""
+
+    def __init__(self, url: str, query: str = "", timeout_s: float = 60):
+        from websockets.sync.client import connect
+
+        self.query, self.timeout_s = query, timeout_s
+        self._ws = connect(url.replace("http://", "ws://") + "/_stcore/stream", subprotocols=["streamlit"],
+                           max_size=None, open_timeout=timeout_s, legacy=True)
+
+    def run(self) -> dict:
+        """One page run: ``{"texts": [...], "tables": [pyarrow.Table, ...]}`` of what it drew."""
+        import pyarrow as pa
+        from streamlit.proto.BackMsg_pb2 import BackMsg
+        from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+        msg = BackMsg()
+        msg.rerun_script.query_string = self.query
+        self._ws.send(msg.SerializeToString())
+        texts, tables = [], []
+        deadline = time.time() + self.timeout_s
+        while True:
+            fwd = ForwardMsg.FromString(self._ws.recv(timeout=max(0.1, deadline - time.time())))
+            kind = fwd.WhichOneof("type")
+            if kind == "script_finished":
+                return {"texts": texts, "tables": tables}
+            if kind != "delta" or fwd.delta.WhichOneof("type") != "new_element":
+                continue
+            el = fwd.delta.new_element
+            which = el.WhichOneof("type")
+            if which == "markdown":
+                texts.append(el.markdown.body)
+            elif which == "alert":
+                texts.append(el.alert.body)
+            elif which == "dataframe" and el.dataframe.arrow_data.data:
+                tables.append(pa.ipc.open_stream(el.dataframe.arrow_data.data).read_all())
+
+    def sessions(self) -> list[str]:
+        """The session names the Sessions page lists on one page run."""
+        got = self.run()
+        return [n for t in got["tables"] if "session" in t.column_names for n in t.column("session").to_pylist()]
+
+    def close(self) -> None:
+        self._ws.close()
+
+    def __enter__(self) -> "DashboardTab":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ._common import fail as _fail
+from ..allowed import record_entry_points
 from ..fixes.recipes import MODEL_PREFIX, entry_point_recipe, get_recipe, parse_entry_point_recipe, register_recipe
 from ..services.sessions import recipe_name as session_recipe_name
 from ..store import SessionNotFound
@@ -29,7 +30,12 @@ def resolve_recipe(recipe: Optional[str], model: Optional[str], inputs: Optional
     if model is not None:
         if not inputs:
             raise ValueError("--model needs --inputs FILE.py:FUNCTION returning the model's inputs")
-        return register_recipe(entry_point_recipe(model, inputs, loss), replace=True)
+        rec = register_recipe(entry_point_recipe(model, inputs, loss), replace=True)
+        try:  # a dashboard this user serves on localhost may now re-run the sessions made from them
+            record_entry_points(parse_entry_point_recipe(rec.name).values())
+        except OSError:  # no writable data folder: re-runs from the dashboard then need PRECISION_LAB_MODELS
+            pass
+        return rec
     if inputs or loss:
         raise ValueError("--inputs and --loss go with --model")
     return get_recipe(recipe)

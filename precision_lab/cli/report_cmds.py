@@ -34,7 +34,8 @@ def report_cmd(
     conditions = [parse_condition(c) for c in (fail_on or [])]
     store = open_store(db)
     try:
-        rep = build_report(store, session)
+        with store.held():  # one read-only open for the report's questions, let go before printing
+            rep = build_report(store, session)
     except SessionNotFound as e:
         _fail(str(e))
     typer.echo(to_json(rep) if as_json else render_text(rep), nl=False)

@@ -13,8 +13,10 @@ A user's own model becomes a recipe through entry points
 (``entry_point_recipe``: ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``
 for the model, its inputs and optionally a loss), as ``precision-lab capture
 --model ... --inputs ...`` does.  The session records them in the recipe's
-name; they are run again only when given again on the command line or listed
-in ``PRECISION_LAB_MODELS`` by whoever configures the server.
+name; they are run again only when given again on the command line, listed
+in ``PRECISION_LAB_MODELS`` by whoever configures the server, or recorded by
+this user's own ``capture --model`` for a dashboard this user serves on
+localhost (``precision_lab.allowed``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..allowed import allowed_entry_points
 from ..formats import FORMATS
 from ..registry import DuplicateName, Registry
 from .policy import PrecisionPolicy, QuantConfig
 
 __all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPES", "register_recipe", "get_recipe",
            "list_recipes", "load_user_recipes", "RECIPES_ENV", "BUILD_LOCK", "MODELS_ENV", "MODEL_PREFIX",
-           "entry_point_recipe", "load_entry_point", "parse_entry_point_recipe"]
+           "entry_point_recipe", "load_entry_point", "parse_entry_point_recipe", "allowed_models", "trust_user_models"]
 
 RECIPES_ENV = "PRECISION_LAB_RECIPES"
 
@@ -161,14 +164,16 @@ def get_recipe(name: str) -> Recipe:
     r = RECIPES.get(name)
     if r is None and name.startswith(MODEL_PREFIX):
         eps = parse_entry_point_recipe(name)
-        allowed = {_normalise(e) for e in os.environ.get(MODELS_ENV, "").split(",") if e.strip()}
+        allowed = allowed_models()
         # every function the recipe would run must be listed: a session names its inputs and loss too
         if not set(eps.values()) <= allowed:
             raise RecipeNotFound(
                 f"this session was captured from the model entry point {eps['model']!r}; entry points named by a "
                 f"session are never run on their own: pass --model {eps['model']} --inputs {eps['inputs']}"
                 + (f" --loss {eps['loss']}" if eps.get("loss") else "")
-                + f" on the command line, or list every one of them in {MODELS_ENV} on the server")
+                + f" on the command line, or list every one of them in {MODELS_ENV} on the server"
+                + ("" if _TRUST_USER[0] else " (a dashboard you start on localhost runs the models you captured "
+                                             "from the command line)"))
         r = register_recipe(entry_point_recipe(**eps), replace=True)
     if r is None:
         raise RecipeNotFound(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
@@ -179,6 +184,20 @@ def get_recipe(name: str) -> Recipe:
 
 MODEL_PREFIX = "model:"
 MODELS_ENV = "PRECISION_LAB_MODELS"  # model entry points this server may run for re-runs from the dashboard
+_TRUST_USER = [False]  # whether this process also runs the entry points of this user's allow-list
+
+
+def trust_user_models(on: bool) -> None:
+    """Whether the entry points this user recorded (``precision_lab.allowed``) may run in this process, beside
+    ``$PRECISION_LAB_MODELS``: set by a dashboard this user serves on localhost, never by a shared server."""
+    _TRUST_USER[0] = bool(on)
+
+
+def allowed_models() -> set[str]:
+    """The model entry points this process may run for a session that names them: ``$PRECISION_LAB_MODELS``,
+    and, where ``trust_user_models`` said so, this user's allow-list."""
+    allowed = {_normalise(e) for e in os.environ.get(MODELS_ENV, "").split(",") if e.strip()}
+    return allowed | allowed_entry_points() if _TRUST_USER[0] else allowed
 
 
 def _normalise(spec: str) -> str:

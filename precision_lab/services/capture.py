@@ -31,7 +31,7 @@ from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
 from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
-from ..store import Store, is_open
+from ..store import Store
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
@@ -272,29 +272,18 @@ def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
 
 
 class _StoreAt:
-    """A database path as a capture sink: the database is opened when the capture writes, not before, and
-    closed again once written unless this process already had it open (a notebook that captured does not keep
-    the file locked against ``precision-lab report`` in a terminal)."""
+    """A database path as a capture sink: the database is opened when the capture writes, not before (a store
+    holds its file only while it writes, so a notebook that captured leaves it free for
+    ``precision-lab report`` in a terminal and for a dashboard)."""
 
     def __init__(self, path):
         self.path = path
 
-    @contextlib.contextmanager
-    def _writing(self, method: str, *args, **kwargs):
-        opened_here = not is_open(self.path)
-        store = Store(self.path)
-        try:
-            with getattr(store, method)(*args, **kwargs) as w:
-                yield w
-        finally:
-            if opened_here:
-                store.close()
-
     def new_session(self, *args, **kwargs):
-        return self._writing("new_session", *args, **kwargs)
+        return Store(self.path).new_session(*args, **kwargs)
 
     def extend_session(self, *args, **kwargs):
-        return self._writing("extend_session", *args, **kwargs)
+        return Store(self.path).extend_session(*args, **kwargs)
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,

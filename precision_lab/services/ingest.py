@@ -166,6 +166,7 @@ def ingest(
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     read_limits: Optional[ReadLimits] = None,
     labels: Optional[dict] = None,
+    recipe: Optional[str] = None,
 ) -> str:
     """Read dump folders/zips into one new session; returns the session's name.
 
@@ -179,14 +180,16 @@ def ingest(
     maps a given path to the name shown for it in messages and stored as the
     run's source (an upload's own name instead of the server folder it was
     written to).  Raises ``IngestError`` naming the file and the problem;
-    whatever goes wrong while a file is read, the database is unchanged.
+    whatever goes wrong while a file is read, the database is unchanged.  ``recipe``: the registered recipe
+    the dump was made from (a sample's), recorded so the session can be re-run.
     """
     with limits_in_force(read_limits):
         return _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits, cache_bytes,
-                       {str(Path(k)): str(v) for k, v in (labels or {}).items()})
+                       {str(Path(k)): str(v) for k, v in (labels or {}).items()}, recipe)
 
 
-def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits, cache_bytes, labels) -> str:
+def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits, cache_bytes, labels,
+            recipe=None) -> str:
     cand_paths = [Path(p) for p in _as_list(paths)]
     ref_paths = [Path(p) for p in _as_list(reference)]
     if not cand_paths:
@@ -209,7 +212,7 @@ def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits
 
         name = session or _session_name(sources)
         source_text = "; ".join(f"{s.role}: {s.label}" for s in sources)
-        with store.new_session(name, source=source_text) as w:
+        with store.new_session(name, source=source_text, recipe=recipe) as w:
             try:
                 notes = _Ingestion(w, sources, tick, keep_tensors, cache_bytes, progress).run()
             except ReadError as e:  # re-reading a tensor to compare it

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 from ..fixes.catalogue import apply_fixes, fix_label, split_specs
 from ..fixes.policy import PrecisionPolicy, call_model, first_tensor
 from ..fixes.recipes import (BUILD_LOCK, MODEL_PREFIX, MODELS_ENV, RECIPES_ENV, Recipe, RecipeError, RecipeNotFound,
-                             get_recipe)
+                             allowed_models, get_recipe)
 from ..metrics import compare
 from ..ops import innermost_module
 from ..records import free_name
@@ -101,7 +101,8 @@ def _isolate(fn, recipe: Recipe, *args, isolated: bool, **kwargs):
     through here."""
     if not isolated:
         return fn(recipe, *args, **kwargs)
-    env = {k: os.environ.get(k) for k in (RECIPES_ENV, MODELS_ENV)}
+    # the worker runs what this process may run: $PRECISION_LAB_MODELS and, on a local dashboard, the user's list
+    env = {RECIPES_ENV: os.environ.get(RECIPES_ENV), MODELS_ENV: ",".join(sorted(allowed_models())) or None}
     try:
         return run_in_worker(_named, fn.__name__, recipe.name, *args, env=env,
                              what=f"the model of {recipe.name!r}", **kwargs)

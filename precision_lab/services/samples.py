@@ -91,6 +91,18 @@ class Sample:
     reference: Optional[Path] = None
 
     @property
+    def recipe(self) -> Optional[str]:
+        """The built-in recipe the dump was generated from (its ``manifest.json`` names it), so the session
+        opened from it can be re-run; None for a dump of anything else (a manifest never names code to run:
+        only a built-in recipe's name is taken)."""
+        try:
+            doc = json.loads((self.candidate / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        name = doc.get("recipe") if isinstance(doc, dict) else None
+        return name if isinstance(name, str) and name in BUILTIN_RECIPES else None
+
+    @property
     def label(self) -> str:
         if self.reference is None:
             return self.name

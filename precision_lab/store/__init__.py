@@ -11,7 +11,9 @@ import dataclasses
 import json
 import os
 import re
+import random
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -28,7 +30,7 @@ from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
-__all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
+__all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
 SCHEMA_VERSION = 6
@@ -127,49 +129,256 @@ MIGRATIONS: dict[int, list[str]] = {
 
 
 # ---- connections ------------------------------------------------------------
+#
+# DuckDB lets one process write a file, or any number of processes read it, never both.  So no process holds
+# the file between operations: each operation (a query, a batch of reads, a write transaction) takes the
+# file's connection, and the connection is closed again as soon as no operation of this process uses it.
+# Reads open the file read-only, so dashboards and `report`s read side by side; a write opens it read-write
+# for its transaction only.  An open that meets another process's lock is retried with backoff for up to
+# ``default_lock_wait()`` seconds, then refused in one sentence naming the process that holds it.  ``Store.held()``
+# keeps a read-only connection between operations for a bounded stretch (one dashboard page run), since an
+# open costs ~10 ms and a page asks dozens of questions.
 
-_CONNS: dict[str, Any] = {}
-_LOCKS: dict[str, threading.RLock] = {}
-_GLOBAL = threading.Lock()
+LOCK_WAIT_ENV = "PRECISION_LAB_LOCK_WAIT"  # seconds an open waits for another process's lock
+DEFAULT_LOCK_WAIT = 30.0
+_READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZE|EXPLAIN)\b", re.I)
+_HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
 
 
-def _connection(path: str):
+def default_lock_wait() -> float:
+    """Seconds an open of the database waits for another process to let go of it (``$PRECISION_LAB_LOCK_WAIT``)."""
+    text = os.environ.get(LOCK_WAIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_LOCK_WAIT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{LOCK_WAIT_ENV}={text!r} is not a number of seconds (0 or more)")
+    return value
+
+
+def _holder(message: str) -> str:
+    """Who holds the file, from DuckDB's lock message: ``process 123 (streamlit run app.py)``."""
+    m = _HOLDER.search(message)
+    if m is None:
+        return "another process"
+    pid = m.group("pid")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        argv = [m.group("exe")]
+    words = [Path(argv[0]).name] + [Path(a).name if "/" in a else a for a in argv[1:4]] if argv else []
+    what = " ".join(" ".join(w.split()) for w in words)  # one line, whatever the command line held
+    what = what if len(what) <= 80 else what[:79] + "…"
+    return f"process {pid}" + (f" ({what})" if what else "")
+
+
+def locked_message(path: str, message: str, waited: float) -> str:
+    """The one sentence for a database another process held longer than we waited."""
+    return (f"database {path} is in use by {_holder(message)} and did not become free within {waited:g} s; "
+            f"try again when it is done, or wait longer with {LOCK_WAIT_ENV}=SECONDS")
+
+
+def _is_lock_error(e: BaseException) -> bool:
+    return "lock" in str(e).lower()
+
+
+def _connect(path: str, read_only: bool, wait: float):
+    """``duckdb.connect``, retried with backoff while another process holds the file (up to ``wait`` s)."""
     import duckdb
 
-    with _GLOBAL:
-        con = _CONNS.get(path)
-        if con is None:
-            if path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                con = duckdb.connect(path)
-            except duckdb.IOException as e:
-                kind = DatabaseLocked if "lock" in str(e).lower() else RuntimeError
-                raise kind(
-                    f"cannot open database {path}: {e}. Another process may hold it; "
-                    "live captures in other processes should write Parquet shards instead."
-                ) from None
-            _CONNS[path] = con
-            _LOCKS[path] = threading.RLock()
-        return con, _LOCKS[path]
+    deadline = time.monotonic() + wait
+    delay = 0.002
+    while True:
+        try:
+            return duckdb.connect(path, read_only=read_only)
+        except duckdb.IOException as e:
+            if not _is_lock_error(e):
+                reason = str(e).split("\n")[0].removeprefix("IO Error: ")
+                raise RuntimeError(f"cannot open database {path}: {reason}") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DatabaseLocked(locked_message(path, str(e), wait)) from None
+            time.sleep(min(left, delay * (0.5 + random.random())))
+            delay = min(delay * 2, 0.1)
+        except duckdb.Error as e:
+            raise RuntimeError(f"cannot open database {path}: {str(e).splitlines()[0]}") from None
 
 
-def is_open(path: Optional[os.PathLike | str]) -> bool:
-    """Whether this process holds the database at ``path`` open."""
-    with _GLOBAL:
-        return resolve_db_path(path) in _CONNS
+class _File:
+    """One database file's connection in this process: opened when an operation needs it, closed when the
+    last operation is done (unless held), read-only unless a write needs it."""
 
+    def __init__(self, path: str):
+        self.path = path
+        self.memory = path == ":memory:"
+        self.cond = threading.Condition(threading.Lock())
+        self.write_lock = threading.RLock()  # writers of this process, one at a time
+        self.con = None
+        self.read_only = False
+        self.active = 0  # operations using the connection now
+        self.holds = 0  # Store.held() blocks: keep a read-only connection between operations
+        self.tx = threading.local()  # the cursor of this thread's open transaction
+        self.commits = 0  # transactions committed by this process (the version of an in-memory database)
 
-def close_all() -> None:
-    """Close every cached connection (tests, shutdown)."""
-    with _GLOBAL:
-        for con in _CONNS.values():
+    def acquire(self, write: bool, wait: float):
+        with self.cond:
+            deadline = time.monotonic() + wait
+            while True:
+                if self.con is not None and (self.memory or not write or not self.read_only):
+                    self.active += 1
+                    return self.con
+                if self.con is not None and self.active:  # read-only now, a write must wait for the reads
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self.cond.wait(left):
+                        raise DatabaseLocked(f"database {self.path} is being read by this process for longer "
+                                             f"than {wait:g} s; a write could not start")
+                    continue
+                self._close()
+                if self.memory:
+                    import duckdb
+
+                    self.con, self.read_only = duckdb.connect(":memory:"), False
+                else:
+                    exists = os.path.exists(self.path)
+                    if not exists:
+                        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                    ro = exists and not write
+                    self.con, self.read_only = _connect(self.path, ro, wait), ro
+                self.active += 1
+                return self.con
+
+    def release(self) -> None:
+        with self.cond:
+            self.active -= 1
+            if not self.active:
+                # a write's connection goes at once (other processes wait on it); a read's when nothing holds it
+                if not self.memory and (self.holds == 0 or not self.read_only):
+                    self._close()
+                self.cond.notify_all()
+
+    def hold(self, delta: int) -> None:
+        with self.cond:
+            self.holds += delta
+            if not self.holds and not self.active and not self.memory:
+                self._close()
+
+    def close(self) -> bool:
+        with self.cond:
+            if self.active:
+                return False
+            self._close()
+            return True
+
+    def _close(self) -> None:
+        con, self.con = self.con, None
+        if con is not None:
             try:
                 con.close()
             except Exception:
                 pass
-        _CONNS.clear()
-        _LOCKS.clear()
+
+    @property
+    def is_open(self) -> bool:
+        return self.con is not None
+
+
+class Result:
+    """A query's result, read once: ``fetchall``, ``fetchone``, ``df``, ``fetchnumpy``, ``fetch_arrow_table``.
+    The connection it came from is let go as soon as it is read (or dropped), never held for later."""
+
+    def __init__(self, cur, done):
+        self._cur, self._done = cur, done
+        self.description = cur.description
+        self._rows: Optional[list] = None
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def _all(self, how: str):
+        try:
+            return getattr(self._cur, how)()
+        finally:
+            self._finish()
+
+    def fetchall(self) -> list:
+        if self._rows is None:
+            self._rows = self._all("fetchall")
+        rows, self._rows = self._rows, []
+        return rows
+
+    def fetchone(self):
+        if self._rows is None:
+            self._rows = self._all("fetchall")
+        return self._rows.pop(0) if self._rows else None
+
+    def fetchmany(self, size: int = 1) -> list:
+        if self._rows is None:
+            self._rows = self._all("fetchall")
+        out, self._rows = self._rows[:size], self._rows[size:]
+        return out
+
+    def __iter__(self):
+        return iter(self.fetchall())
+
+    def df(self):
+        return self._all("df")
+
+    fetchdf = df
+
+    def fetchnumpy(self):
+        return self._all("fetchnumpy")
+
+    def fetch_arrow_table(self):
+        return self._all("fetch_arrow_table")
+
+    def __del__(self):
+        self._finish()
+
+
+_FILES: dict[str, _File] = {}
+_GLOBAL = threading.Lock()
+
+
+def _file(path: str) -> _File:
+    with _GLOBAL:
+        f = _FILES.get(path)
+        if f is None:
+            f = _FILES[path] = _File(path)
+        return f
+
+
+@contextmanager
+def held(path: Optional[os.PathLike | str] = None):
+    """``Store.held()`` for the database at ``path``, before any ``Store`` of it exists (a dashboard page run)."""
+    f = _file(resolve_db_path(path))
+    f.hold(1)
+    try:
+        yield
+    finally:
+        f.hold(-1)
+
+
+def is_open(path: Optional[os.PathLike | str]) -> bool:
+    """Whether this process has the database at ``path`` open right now (between operations it has not,
+    unless ``Store.held()`` keeps it)."""
+    with _GLOBAL:
+        f = _FILES.get(resolve_db_path(path))
+    return f is not None and f.is_open
+
+
+def close_all() -> None:
+    """Close every connection no operation is using (tests, shutdown)."""
+    with _GLOBAL:
+        files = list(_FILES.values())
+        _FILES.clear()
+    for f in files:
+        f.close()
 
 
 def _now() -> str:
@@ -181,31 +390,27 @@ def _shape_json(shape) -> str:
 
 
 class Store:
-    """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one."""
+    """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one (kept open while the process
+    runs); a file is opened per operation and let go after it (see "connections" above)."""
 
-    def __init__(self, path: Optional[os.PathLike | str] = None):
+    def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None):
         self.path = resolve_db_path(path)
-        self._con, self._lock = _connection(self.path)
-        self._local = threading.local()
+        self.lock_wait = default_lock_wait() if lock_wait is None else float(lock_wait)
+        self._file = _file(self.path)
+        self._lock = self._file.write_lock
         global TENSOR_COLUMNS
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
-        self._init_schema()
-        self._tokens = token_file_for(self.path)
-        self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
-        self._sync_tokens()
+        with self.held():
+            self._init_schema()
+            self._tokens = token_file_for(self.path)
+            self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
+            self._sync_tokens()
 
     def close(self) -> None:
-        """Close this database: its connection is shared by every ``Store`` of the same file in this process,
-        and the file's lock is released for other processes (a later ``Store`` opens it again)."""
-        with _GLOBAL:
-            con = _CONNS.pop(self.path, None)
-            _LOCKS.pop(self.path, None)
-        if con is not None:
-            try:
-                con.close()
-            except Exception:
-                pass
+        """Let go of the file now if no operation of this process is using it (it is let go after each
+        operation anyway; kept for callers that close what they open)."""
+        self._file.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -214,71 +419,147 @@ class Store:
         self.close()
 
     # -- connection plumbing
-    def cursor(self):
-        cur = getattr(self._local, "cur", None)
-        if cur is None:
-            cur = self._con.cursor()
-            self._local.cur = cur
-        return cur
+    @contextmanager
+    def held(self):
+        """Keep the database open between the operations of this block (read-only; a write in it still takes
+        the file for its transaction only).  For a bounded stretch such as one dashboard page run: other
+        processes' writes wait while it lasts."""
+        with held(self.path):
+            yield self
 
-    def sql(self, query: str, params: Optional[list] = None):
-        """Run a query; returns the cursor (use .df(), .fetchall())."""
-        return self.cursor().execute(query, params or [])
+    def data_version(self) -> tuple:
+        """A cheap token that changes whenever a write commits: the database file's and its write-ahead log's
+        modification time and size (no query, the file is not opened)."""
+        if self._file.memory:
+            return (id(self._file), self._file.commits)
+        out = []
+        for p in (self.path, self.path + ".wal"):
+            try:
+                st = os.stat(p)
+                out += [st.st_mtime_ns, st.st_size]
+            except OSError:
+                out += [None, None]
+        return tuple(out)
+
+    @contextmanager
+    def reading(self):
+        """A cursor for several reads that must see one state of the database (one read transaction)."""
+        tx = getattr(self._file.tx, "cur", None)
+        if tx is not None:
+            yield tx
+            return
+        con = self._file.acquire(False, self.lock_wait)
+        cur = con.cursor()
+        try:
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                yield cur
+            finally:
+                cur.execute("ROLLBACK")
+        finally:
+            cur.close()
+            self._file.release()
+
+    def sql(self, query: str, params: Optional[list] = None) -> "Result":
+        """Run a query; returns a ``Result`` (``.df()``, ``.fetchall()``, ``.fetchone()``), read once.  Inside
+        a transaction of this thread, the query runs in it (it sees what the transaction wrote)."""
+        tx = getattr(self._file.tx, "cur", None)
+        if tx is not None:
+            return Result(tx.execute(query, params or []), None)
+        if not _READ.match(query):  # a statement that writes: a transaction of its own
+            with self.transaction() as cur:
+                res = Result(cur.execute(query, params or []), None)
+                res._rows = res._cur.fetchall()
+            return res
+        con = self._file.acquire(False, self.lock_wait)
+        try:
+            cur = con.cursor()
+        except BaseException:
+            self._file.release()
+            raise
+
+        def done():
+            try:
+                cur.close()
+            finally:
+                self._file.release()
+
+        try:
+            cur.execute(query, params or [])
+        except BaseException:
+            done()
+            raise
+        return Result(cur, done)
 
     def df(self, query: str, params: Optional[list] = None):
-        return self.cursor().execute(query, params or []).df()
+        return self.sql(query, params).df()
 
     def _init_schema(self) -> None:
-        with self._lock:
-            cur = self.cursor()
-            try:  # a database at this version has every table: one query instead of a dozen CREATEs
-                row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                if row is not None and row[0] == str(SCHEMA_VERSION):
-                    return
-            except Exception:  # no meta table yet: a new database
-                pass
+        try:  # a database at this version has every table: one query instead of a dozen CREATEs
+            row = self.sql("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is not None and row[0] == str(SCHEMA_VERSION):
+                return
+        except DatabaseLocked:
+            raise
+        except RuntimeError as e:
+            if "cannot open database" in str(e):
+                raise
+        except Exception:  # no meta table yet: a new database
+            pass
+        with self.transaction() as cur:
             for stmt in _schema_sql():
                 cur.execute(stmt)
             row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
                 cur.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
             else:
-                self._migrate(int(row[0]))
+                self._migrate(cur, int(row[0]))
 
-    def _migrate(self, version: int) -> None:
+    def _migrate(self, cur, version: int) -> None:
+        """Inside the schema's transaction: all versions or none, so an interrupted upgrade leaves the old
+        database."""
         if version > SCHEMA_VERSION:
             raise RuntimeError(
                 f"database {self.path} has schema version {version}, newer than this Precision Lab "
                 f"({SCHEMA_VERSION}); upgrade precision-lab"
             )
-        cur = self.cursor()
-        cur.execute("BEGIN TRANSACTION")  # all versions or none: an interrupted upgrade leaves the old database
-        try:
-            for v in range(version + 1, SCHEMA_VERSION + 1):
-                for stmt in MIGRATIONS.get(v, []):
-                    cur.execute(stmt)
-                cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
-        except BaseException:
-            cur.execute("ROLLBACK")
-            raise
-        cur.execute("COMMIT")
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in MIGRATIONS.get(v, []):
+                cur.execute(stmt)
+            cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
 
     def schema_version(self) -> int:
         return int(self.sql("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
 
     @contextmanager
     def transaction(self):
-        """Serialise writers in this process and make the block atomic."""
+        """One atomic write: the file is opened read-write for it (waiting, within ``lock_wait``, for other
+        processes to let go), writers of this process take turns, and the file is let go when it commits.
+        A failure or a killed process leaves nothing of it."""
+        tx = getattr(self._file.tx, "cur", None)
+        if tx is not None:  # nested in this thread's transaction: part of it
+            yield tx
+            return
         with self._lock:
-            cur = self.cursor()
-            cur.execute("BEGIN TRANSACTION")
+            con = self._file.acquire(True, self.lock_wait)
+            cur = con.cursor()
+            self._file.tx.cur = cur
             try:
-                yield cur
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            else:
-                cur.execute("COMMIT")
+                cur.execute("BEGIN TRANSACTION")
+                try:
+                    yield cur
+                except BaseException:
+                    cur.execute("ROLLBACK")
+                    raise
+                else:
+                    cur.execute("COMMIT")
+                    self._file.commits += 1
+            finally:
+                self._file.tx.cur = None
+                try:
+                    cur.close()
+                finally:
+                    self._file.release()
 
     # -- writing
     @contextmanager

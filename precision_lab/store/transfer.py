@@ -11,6 +11,8 @@ import uuid
 from typing import Optional
 from pathlib import Path
 
+import duckdb
+
 from ..stats import HIST_EDGES_ID
 from . import move_summary_errors_sql
 
@@ -69,18 +71,14 @@ def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple
 
     ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
     """
-    cur = store.cursor()
     out = {}
-    cur.execute("BEGIN TRANSACTION")
-    try:
+    with store.reading() as cur:
         for table in TABLES:
             path = Path(folder) / f"{table}.parquet"
             target = str(path).replace("'", "''")
             got = cur.execute(f"COPY ({_SELECT[table]} ORDER BY rowid) TO '{target}' (FORMAT parquet, "
                               "COMPRESSION zstd)", {"sid": session_id}).fetchall()
             out[table] = (int(got[0][0]), path)
-    finally:
-        cur.execute("ROLLBACK")
     return out
 
 
@@ -135,48 +133,41 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
     table DuckDB cannot store; the rollback leaves the database as it was.
     """
     notes: list[str] = []
-    registered: list[str] = []
-    try:
-        with store.transaction() as cur:
-            existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
-            new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
-            runs = tables["runs"]
-            run_ids = runs.column("run_id").to_pylist() if "run_id" in runs.column_names else []
-            clash = {r[0] for r in cur.execute(
-                "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
-            ).fetchall()} & set(run_ids)
-            run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
-            final_name = store._unique_name(cur, name, rename=True)
-            for table in TABLES:
-                t = tables.get(table)
-                if t is None:  # an archive older than the table
-                    continue
-                if t.num_rows == 0:
-                    continue
-                cols = ", ".join(_quoted(c) for c in t.column_names)
-                exprs, params = _select_list(table, t.column_names, session_id=new_sid, name=final_name,
-                                             run_map=run_map)
-                view = f"_pl_import_{table}"
-                cur.register(view, t)
-                registered.append(view)
-                try:
-                    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {exprs} FROM {view}", params)
-                except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
-                    raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
-                cur.unregister(view)
-                registered.remove(view)
-            for version, stmt in sorted(ROW_UPGRADES.items()):
-                if schema_version < version:
-                    cur.execute(stmt, [new_sid])
-            if hist_edges_id not in (None, HIST_EDGES_ID):
-                note = (f"its histograms use bin edges {hist_edges_id}, this version uses {HIST_EDGES_ID}; "
-                        "format overlays for it need a re-ingest")
-                cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
-                notes.append(note)
-    finally:
-        # after a failed INSERT the aborted transaction refuses unregister(); after the rollback it works
-        for view in registered:
-            store.cursor().unregister(view)
+    # the transaction's cursor, and the views registered on it, are closed when it ends
+    with store.transaction() as cur:
+        existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
+        new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
+        runs = tables["runs"]
+        run_ids = runs.column("run_id").to_pylist() if "run_id" in runs.column_names else []
+        clash = {r[0] for r in cur.execute(
+            "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
+        ).fetchall()} & set(run_ids)
+        run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
+        final_name = store._unique_name(cur, name, rename=True)
+        for table in TABLES:
+            t = tables.get(table)
+            if t is None:  # an archive older than the table
+                continue
+            if t.num_rows == 0:
+                continue
+            cols = ", ".join(_quoted(c) for c in t.column_names)
+            exprs, params = _select_list(table, t.column_names, session_id=new_sid, name=final_name,
+                                         run_map=run_map)
+            view = f"_pl_import_{table}"
+            cur.register(view, t)
+            try:
+                cur.execute(f"INSERT INTO {table} ({cols}) SELECT {exprs} FROM {view}", params)
+            except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
+                raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
+            cur.unregister(view)
+        for version, stmt in sorted(ROW_UPGRADES.items()):
+            if schema_version < version:
+                cur.execute(stmt, [new_sid])
+        if hist_edges_id not in (None, HIST_EDGES_ID):
+            note = (f"its histograms use bin edges {hist_edges_id}, this version uses {HIST_EDGES_ID}; "
+                    "format overlays for it need a re-ingest")
+            cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
+            notes.append(note)
     return final_name, new_sid, run_map, notes
 
 
@@ -187,7 +178,7 @@ class ArchiveQueries:
     file."""
 
     def __init__(self, store, tables: dict):
-        self._con = store._con.cursor()
+        self._con = duckdb.connect()  # in memory: the archive's tables only, never the database
         self._views = {}
         try:
             for name, t in tables.items():

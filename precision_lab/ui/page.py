@@ -29,12 +29,14 @@ import streamlit as st
 from ..formats import FORMAT_NAMES
 from .common import escape_md, message_md, public_text, run_label
 from .overview import session_headline
+from . import sessions as sessions_view
 from ..services.browse import session_data_version
-from ..store import Store, default_db_path
+from ..store import Store, default_db_path, held
 from ..config import SHARE_PARAM, ConfigError, load_config, parse_bool, resolve_access
 from ..scratch import scratch_root, sweep
+from ..fixes.recipes import trust_user_models
 
-__all__ = ["PAGES", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
+__all__ = ["PAGES", "page_run", "local_server", "cached_sessions_table", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
            "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
@@ -95,6 +97,37 @@ def cached_headline(store) -> Callable[[str, tuple], dict]:
 
 def _open_store(path: str):
     return Store(path)
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def local_server(cfg) -> bool:
+    """Whether this dashboard serves only its own user: writable and listening on a loopback address (Streamlit
+    unset listens on every address)."""
+    return cfg is not None and not cfg.read_only and str(st.get_option("server.address") or "") in LOOPBACK
+
+
+@contextlib.contextmanager
+def page_run():
+    """One page run: the database stays open (read-only) between the page's questions and is let go when the
+    run ends, so terminals, notebooks and training jobs write between runs (app.py wraps every run).  A local
+    dashboard also re-runs the models this user captured from the command line (``precision_lab.allowed``)."""
+    cfg = _quiet_config()
+    trust_user_models(local_server(cfg))
+    with held((cfg.db_path if cfg else None) or default_db_path()):
+        yield
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _sessions_table(db_path: str, version: tuple, _store) -> Any:
+    return sessions_view.sessions_table(_store, headline=cached_headline(_store))
+
+
+def cached_sessions_table(store):
+    """The Sessions list, cached on the database's version (``Store.data_version``: no query): a session
+    written by another process shows on the next page run, and a run with nothing new asks nothing."""
+    return _sessions_table(store.path, store.data_version(), store)
 
 
 def get_config():

@@ -63,8 +63,8 @@ def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable
 
 
 def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], progress: Optional[Progress],
-            zip_limits=None, labels: Optional[dict] = None) -> str:
-    kw: dict[str, Any] = {}
+            zip_limits=None, labels: Optional[dict] = None, recipe: Optional[str] = None) -> str:
+    kw: dict[str, Any] = {"recipe": recipe} if recipe else {}
     if zip_limits is not None:
         kw["zip_limits"] = zip_limits
     try:
@@ -139,4 +139,5 @@ def open_sample(store, sample: Sample, *, progress: Optional[Progress] = None) -
     if browse.session_exists(store, name):
         return name
     labels = {str(p): p.name for p in (sample.candidate, sample.reference) if p is not None}
-    return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress, labels=labels)
+    return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress, labels=labels,
+                   recipe=sample.recipe)

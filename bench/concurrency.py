@@ -1,0 +1,214 @@
+"""Writers in several processes against one database while a served dashboard keeps reading it.
+
+Starts ``streamlit run app.py`` on a fresh database and keeps one tab of it
+running its Sessions page over Streamlit's websocket (as an open browser tab
+whose page is rerun), then starts ``--writers`` processes of ``--ops``
+operations each, cycling through: ingest a small dump pair (a new session),
+capture a small model from Python (a new session), build a session's report
+(a read), and make a share link (a write).  Prints
+
+  * lock errors: operations that failed on another process's lock (target 0),
+  * lost or half sessions: a session a writer committed that is missing, or whose
+    runs or records are not all there, and any session nobody committed (target 0),
+  * time until visible: from a writer's commit until the open tab lists the new
+    session (median, 95th percentile, max; target <= 2 s),
+
+and, as the baseline of the same run, the writers' throughput with no
+dashboard serving against their throughput beside it.
+
+    python bench/concurrency.py [--writers 4] [--ops 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import numpy as np  # noqa: E402
+
+N_OPS_IN_DUMP = 5
+KINDS = ("ingest", "capture", "report", "share")
+
+
+def _dump_pair(root: Path) -> tuple[Path, Path]:
+    rng = np.random.default_rng(0)
+    ref, cand = root / "ref", root / "cand"
+    for d in (ref, cand):
+        d.mkdir(parents=True, exist_ok=True)
+    for k in range(N_OPS_IN_DUMP):
+        a = (rng.standard_normal(256) * 10 ** k).astype(np.float32)
+        np.save(ref / f"layers.{k}.fc.output.0.npy", a)
+        np.save(cand / f"layers.{k}.fc.output.0.npy", a.astype(np.float16))
+    return ref, cand
+
+
+def writer(me: int, db: str, ops: int, dumps: str) -> None:
+    """One writer process: ``ops`` operations, one JSON line each on stdout."""
+    import torch
+
+    import precision_lab
+    from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import build_report
+    from precision_lab.services.share import create_share_token
+    from precision_lab.store import Store
+
+    ref, cand = Path(dumps) / "ref", Path(dumps) / "cand"
+    mine: list[str] = []
+    for k in range(ops):
+        kind = KINDS[k % len(KINDS)]
+        name = f"w{me}-{k}"
+        t0 = time.time()
+        line = {"writer": me, "op": k, "kind": kind, "error": None}
+        try:
+            store = Store(db)
+            if kind == "ingest":
+                line["session"] = ingest(cand, reference=ref, store=store, session=name)
+                line["runs"], line["records"] = 2, 2 * N_OPS_IN_DUMP
+            elif kind == "capture":
+                m = torch.nn.Linear(4, 3)
+                with precision_lab.capture(m, run=name, store=db) as cap:
+                    m(torch.ones(2, 4))
+                line["session"], line["runs"], line["records"] = cap.session, 1, len(cap.records)
+            elif kind == "report" and mine:
+                build_report(store, mine[-1])
+            elif kind == "share" and mine:
+                create_share_token(store, mine[-1])
+        except Exception as e:  # counted, never fatal: the bench reports what failed
+            line["error"] = f"{type(e).__name__}: {e}"
+        line["committed"] = time.time()
+        line["seconds"] = line["committed"] - t0
+        if line.get("session"):
+            mine.append(line["session"])
+        print(json.dumps(line), flush=True)
+
+
+def run_writers(db: Path, n: int, ops: int, dumps: Path) -> tuple[list[dict], float]:
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, __file__, "--writer", str(i), "--db", str(db), "--ops", str(ops),
+                               "--dumps", str(dumps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT) for i in range(n)]
+    lines = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"a writer process failed: {err[-2000:]}")
+        lines += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    return lines, time.time() - t0
+
+
+def check(db: Path, lines: list[dict]) -> tuple[int, list[str]]:
+    """(sessions checked, problems): every committed session whole, nothing else there."""
+    from precision_lab.store import Store
+
+    store = Store(db)
+    want = {ln["session"]: ln for ln in lines if ln.get("session") and not ln["error"]}
+    problems = []
+    have = {r["name"]: r for r in store.sessions().to_dict("records")}
+    for name, ln in want.items():
+        if name not in have:
+            problems.append(f"{name}: lost")
+            continue
+        sid = have[name]["session_id"]
+        runs = store.sql("SELECT count(*) FROM runs WHERE session_id = ?", [sid]).fetchone()[0]
+        recs = store.sql("SELECT count(*) FROM tensors t JOIN runs r USING (run_id) WHERE r.session_id = ?",
+                         [sid]).fetchone()[0]
+        if runs != ln["runs"] or recs != ln["records"]:
+            problems.append(f"{name}: {runs} runs, {recs} records, committed {ln['runs']} and {ln['records']}")
+    problems += [f"{name}: nobody committed it" for name in have if name not in want]
+    return len(want), problems
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--writers", type=int, default=4)
+    ap.add_argument("--ops", type=int, default=50)
+    ap.add_argument("--writer", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--db", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dumps", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.writer is not None:
+        writer(args.writer, args.db, args.ops, args.dumps)
+        return
+
+    from ui_fixtures import DashboardTab, free_port, serving
+
+    with tempfile.TemporaryDirectory(prefix="pl-concurrency-") as tmp:
+        tmp = Path(tmp)
+        dumps = tmp / "dumps"
+        _dump_pair(dumps)
+        env = dict(os.environ, PRECISION_LAB_DB=str(tmp / "served.duckdb"), XDG_DATA_HOME=str(tmp / "xdg"))
+        for k in ("PRECISION_LAB_CONFIG", "PRECISION_LAB_READ_ONLY"):
+            env.pop(k, None)
+        os.environ["XDG_DATA_HOME"] = env["XDG_DATA_HOME"]  # the writers' allow-list and data stay in tmp
+
+        # baseline: the same writers with no dashboard serving
+        base_lines, base_s = run_writers(tmp / "alone.duckdb", args.writers, args.ops, dumps)
+
+        port = free_port()
+        argv = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+                "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"]
+        seen: dict = {}
+        page_runs = [0]
+        errors: list = []
+        stop = threading.Event()
+        with serving(argv, port=port, env=env, log_path=tmp / "streamlit.log") as url, DashboardTab(url) as tab:
+            def browse():
+                try:
+                    while not stop.is_set():
+                        names = tab.sessions()
+                        now = time.time()
+                        page_runs[0] += 1
+                        for n in names:
+                            seen.setdefault(n, now)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+
+            reader = threading.Thread(target=browse)
+            reader.start()
+            lines, served_s = run_writers(Path(env["PRECISION_LAB_DB"]), args.writers, args.ops, dumps)
+            want = {ln["session"] for ln in lines if ln.get("session") and not ln["error"]}
+            deadline = time.time() + 30
+            while not want <= set(seen) and time.time() < deadline and not errors:
+                time.sleep(0.1)
+            stop.set()
+            reader.join(timeout=120)
+        n_sessions, problems = check(Path(env["PRECISION_LAB_DB"]), lines)
+
+    lock_errors = [ln for ln in lines if ln["error"] and "lock" in ln["error"].lower()]
+    other_errors = [ln for ln in lines if ln["error"] and ln not in lock_errors]
+    delays = sorted(seen[ln["session"]] - ln["committed"] for ln in lines
+                    if ln.get("session") and not ln["error"] and ln["session"] in seen)
+    unseen = sum(1 for ln in lines if ln.get("session") and not ln["error"] and ln["session"] not in seen)
+    n_ops = args.writers * args.ops
+    print(f"{args.writers} writer processes x {args.ops} operations ({', '.join(KINDS)}) against a served dashboard "
+          f"({page_runs[0]} page runs of its open Sessions tab meanwhile)")
+    print(f"lock errors:                 {len(lock_errors)} of {n_ops} operations (target 0)")
+    print(f"other errors:                {len(other_errors)}" + (f" (first: {other_errors[0]['error']})"
+                                                                 if other_errors else ""))
+    print(f"lost or half sessions:       {len(problems)} of {n_sessions} committed (target 0)"
+          + (f": {problems[:3]}" if problems else ""))
+    if delays:
+        p95 = delays[min(len(delays) - 1, int(round(0.95 * (len(delays) - 1))))]
+        print(f"time until visible:          median {statistics.median(delays):.2f} s, p95 {p95:.2f} s, "
+              f"max {delays[-1]:.2f} s (target <= 2 s)" + (f"; {unseen} never listed" if unseen else ""))
+    if errors:
+        print(f"dashboard tab errors:        {errors[0]}")
+    base_err = sum(1 for ln in base_lines if ln["error"])
+    print(f"throughput: {n_ops / served_s:.1f} ops/s beside the dashboard vs {n_ops / base_s:.1f} ops/s with none "
+          f"(baseline, same run; {base_err} errors): ratio {base_s / served_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
