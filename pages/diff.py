@@ -24,13 +24,12 @@ for card in dv.rerun_cards(store, sid):
         st.markdown(f"**{page.plain(card['run'])}**: {page.plain(card['parent'])} re-run with "
                     f"`{page.plain(card['fix'])}`")
         c = st.columns(3)
-        c[0].metric("records with NaN/Inf", card["nonfinite_after"],
+        c[0].metric("forward records with NaN/Inf", card["nonfinite_after"],
                     delta=card["nonfinite_after"] - card["nonfinite_before"], delta_color="inverse",
-                    help=f"before: {card['nonfinite_before']} in {card['parent']}")
-        sa, sb = card["sqnr_after"], card["sqnr_before"]
-        c[1].metric("output SQNR vs fp32 (dB)", "—" if sa is None else f"{sa:.1f}",
-                    delta=None if sa is None or sb is None else round(sa - sb, 1),
-                    help="before: " + ("—" if sb is None else f"{sb:.1f} dB"))
+                    help=f"Records of the forward pass holding NaN/Inf (the Runs table's nonfinite_records counts "
+                         f"the backward pass's too). Before: {card['nonfinite_before']} in {card['parent']}.")
+        value, delta, why = dv.sqnr_card(card)
+        c[1].metric("output SQNR vs fp32 (dB)", value, delta=delta, help=why)
         c[2].metric("first non-finite op", page.plain(card["first_after"] or "none"),
                     help=f"before: {card['first_before'] or 'none'}")
 # the view lives in the URL (?view=&pair=&show=&q=&page=), so a copied link opens the same rows

@@ -141,6 +141,16 @@ def test_bisect_finds_the_fp32_island(lab):
     runs = _runs(store, name)
     cand = runs[runs.kind == "candidate"].run_id.iloc[0]
     assert res.attempts[0].run_id == cand and res.attempts[0].modules == ()  # starts from the candidate
+    # the candidate's output holds NaN (independently: the recipe run under its policy), so that try has no SQNR:
+    # the SQNR of its finite values would rank a broken output above a working one
+    recipe = get_recipe("fp16-mlp-overflow")
+    model, x = recipe.build()
+    recipe.default_policy.prepare(model)
+    with torch.no_grad():
+        out = model(recipe.default_policy.prepare_inputs(x))
+    assert 0 < int((~torch.isfinite(out)).sum()) < out.numel()
+    assert res.attempts[0].sqnr_db is None
+    assert all(a.sqnr_db is not None and a.sqnr_db >= 30 for a in res.attempts if a.passed)
     assert len(runs) == before + len(res.attempts) - 1  # every other try is stored
     for a in res.attempts[1:]:
         kind, parent, fix = store.sql("SELECT kind, parent_run_id, fix FROM runs WHERE run_id = ?",

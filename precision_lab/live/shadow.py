@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 
 import torch
 from torch.func import functional_call
@@ -27,9 +28,35 @@ for _n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
         _LOW_FLOAT.add(getattr(torch, _n))
 
 
+_PLAIN = (torch.dtype, torch.device, torch.Size, torch.nn.Module, str, bytes, int, float, complex, bool, type(None),
+          type, enum.Enum)
+
+
+def _tensors_in(obj, depth: int = 0, seen=None) -> list:
+    """The tensors an argument object holds in its attributes, lists and dicts (a key/value cache's past keys)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 4 or id(obj) in seen or isinstance(obj, _PLAIN) or callable(obj):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+        items += [getattr(obj, n, None) for n in getattr(type(obj), "__slots__", ()) if isinstance(n, str)]
+    return [t for v in items for t in _tensors_in(v, depth + 1, seen)]
+
+
 def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
     """Every low-precision floating tensor (and dtype argument) of a pytree upcast to float32; other tensors
-    detached (copied when ``clone``, or when their ``id`` is in ``copy_ids``: the model's buffers)."""
+    detached (copied when ``clone``, or when their ``id`` is in ``copy_ids``: the model's buffers).
+
+    With ``clone``, any other argument object (a ``transformers`` key/value cache) is copied, the tensors it holds
+    upcast and copied alike: the op may update it, and its re-run must find it as the op did and must not update
+    the one the model goes on with.  An object that cannot be copied is passed as it is."""
     def up(x):
         if isinstance(x, torch.Tensor):
             if x.dtype in _LOW_FLOAT:
@@ -37,6 +64,11 @@ def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
             return x.detach().clone() if clone or id(x) in copy_ids else x.detach()
         if isinstance(x, torch.dtype):
             return torch.float32 if x in _LOW_FLOAT else x
+        if clone and not isinstance(x, _PLAIN) and not callable(x):
+            try:
+                return copy.deepcopy(x, {id(t): up(t) for t in _tensors_in(x)})
+            except Exception:
+                return x
         return x
 
     return tree_map(up, obj)

@@ -356,7 +356,8 @@ def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
         return 0, None
     nonfinite = int((~torch.isfinite(out)).sum())
     c = compare(ref_out, out)
-    return nonfinite, c.sqnr_db
+    # a broken output has no SQNR: the SQNR of its finite values would rank it above a working one
+    return nonfinite, None if c.nonfinite_introduced else c.sqnr_db
 
 
 def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
