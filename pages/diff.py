@@ -10,7 +10,7 @@ store, acc = page.start("diff")
 info = page.choose_session(store, acc)
 st.title("Diff")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 sid = info["session_id"]
 st.write(

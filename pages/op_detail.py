@@ -9,7 +9,7 @@ store, acc = page.start("detail")
 info = page.choose_session(store, acc)
 st.title("Op detail")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 runs = session_runs(store, info["session_id"])
 run = page.choose_run(runs)
@@ -17,23 +17,36 @@ if run is None:
     st.info("This session holds no runs.")
     st.stop()
 
-# the op picker: a name filter, then the matching records (the current one always among them)
-find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
+# the op picker: a step (when the run has several), a name filter, then the matching records of that step (the
+# current one among them when it is of that step); opened without an op, it lands on the first non-finite producer
+first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
+              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
 asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None
 if asked is not None and not dv.has_record(store, run["run_id"], asked):
     page.not_found(f"Run {run['name']} has no op {asked}; open one from the Ops page.")
-records = dv.find_records(store, run["run_id"], find, include_rid=current_rid)
+current_rec = dv.record(store, run["run_id"], current_rid) if current_rid is not None and dv.has_record(
+    store, run["run_id"], str(current_rid)) else None
+first_rec = dv.record(store, run["run_id"], first.rid) if first else None
+steps = dv.full_steps(store, run["run_id"])
+step = None
+if len(steps) > 1:
+    landing = current_rec or first_rec
+    step = page.url_select("Step", steps, param="step", key="pick_step", container=st.sidebar,
+                           default=landing["step"] if landing else steps[0])
+    if current_rec is not None and current_rec["step"] != step:
+        current_rid = None  # another step was chosen: pick among its ops
+landing_rid = first_rec["rid"] if first_rec and (step is None or first_rec["step"] == step) else None
+find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
+records = dv.find_records(store, run["run_id"], find, step=step,
+                          include_rid=current_rid if current_rid is not None else landing_rid)
 if not records:
     st.info("No record of this run matches the name filter.")
     st.stop()
-first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
-              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
-names = {r["rid"]: r["name"] for r in records}
-rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar,
-                      default=first.rid if first else None,
-                      format_func=lambda r: f"{names[r]}  (seq {next(x['seq'] for x in records if x['rid'] == r)})")
+names = {r["rid"]: r for r in records}
+rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar, default=landing_rid,
+                      format_func=lambda r: dv.op_label(names[r], steps=len(steps) > 1))
 
 with page.guard("This op could not be loaded"):
     rec = dv.record(store, run["run_id"], rid)

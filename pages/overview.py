@@ -1,6 +1,6 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, start_grow, start_rerun, start_verify
+from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_grow, start_rerun, start_verify
 from precision_lab.services.verify import untried, verification
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
@@ -12,7 +12,7 @@ store, acc = page.start("overview")
 info = page.choose_session(store, acc)
 if info is None:
     st.title("Overview")
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 sid = info["session_id"]
 view = page.session_views(store, sid)  # the session's view-models, cached until it changes
@@ -152,7 +152,8 @@ if to_verify:
         st.rerun()
 if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
-        and not any(v["works"] for v in view(verification).values()):
+        and not any(v["works"] for v in view(verification).values()) \
+        and rerun_blocker(store, info["name"]) is None:  # no card with fixes asked: a dump or a capture, no model
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
                       "finite and meets the recipe's tolerance, then drop those not needed; every try is stored "
@@ -228,7 +229,7 @@ metric = c1.radio("Metric", metrics, horizontal=True, key="err_metric",
                                          "rounding_units": "error / roundoff", "max_abs_err": "max abs error",
                                          "summary_rel_err": "summary rel error (statistics only)"}[m])
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
-series = view(ov.error_series, metric, roles=("output",) if outputs_only else ())
+series = view(ov.error_series, metric, roles=ov.OUTPUT_ROLES if outputs_only else ())
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:

@@ -133,3 +133,33 @@ def test_op_picker_filter(ui_db):
     at.text_input(key="op_find").input("fc2").run()
     opts = at.selectbox(key="pick_op@detail").options
     assert len(opts) > 1 and all("fc2" in o or STAT_FIRST_NONFINITE in o for o in opts)
+
+
+def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_chosen(ui_db):
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store
+
+    from ui_fixtures import TIMELINE_SESSION
+
+    store = Store(ui_db)
+    run_id, run = store.sql("SELECT r.run_id, r.name FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                            [TIMELINE_SESSION]).fetchone()
+    first = first_nonfinite(store, run_id)
+    steps = [r[0] for r in store.sql("SELECT DISTINCT step FROM tensors WHERE run_id = ? ORDER BY step",
+                                     [run_id]).fetchall()]
+    first_step = store.sql("SELECT step FROM tensors WHERE run_id = ? AND rid = ?", [run_id, first.rid]).fetchone()[0]
+    assert len(steps) > 2 and first_step != steps[0]  # the failure is far down a long run's records
+    at = open_page("detail", session=TIMELINE_SESSION)
+    assert_clean(at)
+    assert at.subheader[0].value.startswith(escape_md(first.op))
+    assert f"step {first_step}" in texts(at)
+    step = at.selectbox(key="pick_step@detail")
+    assert step.value == first_step and list(step.options) == [str(s) for s in steps]
+    # another step: its ops, each labelled with the step
+    other = steps[0]
+    step.set_value(other).run()
+    assert_clean(at)
+    want = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND step = ?", [run_id, other]).fetchone()[0]
+    opts = at.selectbox(key="pick_op@detail").options
+    assert len(opts) == min(want, 200) and all(f"(step {other}, seq " in o for o in opts)
+    assert f"step {other}" in texts(at)

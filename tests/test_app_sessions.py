@@ -35,6 +35,24 @@ def test_empty_database_invites_upload_and_samples(empty_db):
     assert any(b.label.startswith(f"Open sample: {STAT_CAND.name}") for b in at.button)
 
 
+def test_a_read_only_server_visited_without_a_token_never_invites_an_upload(empty_db, monkeypatch):
+    from precision_lab.ui.page import PAGES
+
+    monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+    for listing in ("0", "1"):  # sessions hidden (the default), or listed on an empty database
+        monkeypatch.setenv("PRECISION_LAB_LIST_SESSIONS", listing)
+        at = app_test()
+        at.run()
+        assert_clean(at)
+        for page in ("sessions", "overview", "detail", "ops", "diff", "timeline"):
+            if page != "sessions":
+                at.switch_page(PAGES[page]).run()
+                assert_clean(at)
+            said = " ".join(i.value for i in at.info)
+            assert "read-only" in said and "upload" not in said.lower() and "sample" not in said.lower(), (page, said)
+            assert not at.file_uploader and not [b for b in at.button if (b.key or "").startswith("sample_")]
+
+
 def test_open_sample_in_one_click_lands_on_its_overview(empty_db):
     at = app_test()
     at.run()

@@ -16,11 +16,11 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..services import browse
-from ..services.browse import counterparts, find_records, has_record, record
+from ..services.browse import counterparts, find_records, full_steps, has_record, record
 from .common import MISSING, cosine_text, num_text, plot_text
 from ..stats import HIST_EDGES
 
-__all__ = ["record", "has_record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
+__all__ = ["record", "has_record", "find_records", "full_steps", "op_label", "counterparts", "load_stats", "default_formats", "binade_counts",
            "histogram_figure", "representability_table", "what_if_table", "headroom_table", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
@@ -37,6 +37,12 @@ REGION_COLORS = {"overflow": "rgba(220, 38, 38, {a})", "subnormal": "rgba(234, 1
                  "underflow": "rgba(100, 116, 139, {a})"}
 # Data series (this record, its reference/candidates): distinct from the format colours.
 SERIES_COLORS = ("#06b6d4", "#84cc16", "#f472b6", "#a3a3a3")
+
+
+def op_label(rec: dict, *, steps: bool) -> str:
+    """An op picker's entry: its name and seq, with its step when the run has several (the same op is listed once
+    per step)."""
+    return f"{rec['name']}  (" + (f"step {rec['step']}, " if steps else "") + f"seq {rec['seq']})"
 
 
 def load_stats(store, run_id: str, rid: int):

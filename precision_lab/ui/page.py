@@ -308,6 +308,15 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     return store.session(name)
 
 
+def no_session_text(acc) -> str:
+    """What a page opened with no session says: where one comes from, for this visitor."""
+    if acc.can_upload:
+        return "No session yet: upload a dump or open a sample on the Sessions page."
+    if acc.can_list:
+        return "No session on this server yet. It is read-only: sessions cannot be added here."
+    return "This server is read-only: a session opens through its share link."
+
+
 def choose_run(runs: list[dict], *, container=None, default_kind: str = "candidate",
                key: str = "pick_run", label: str = "Run") -> Optional[dict]:
     """The run picker (``?run=<run name>``); candidates come first by default."""
