@@ -137,12 +137,16 @@ class ShadowRuns:
         with torch.no_grad():
             # the module's own parameters (fp32 copies of low-precision ones, for this call only) and copies of
             # its buffers, so running statistics are not updated twice
-            state = {n: _fp32_copy(p) for n, p in module.named_parameters()}
+            params = dict(module.named_parameters())
+            state = {n: _fp32_copy(p) for n, p in params.items()}
             state.update((n, b.detach().to(torch.float32) if b.dtype in _LOW_FLOAT else b.detach().clone())
                          for n, b in module.named_buffers())
             with _exact_fp32():
                 ref_out = self._with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
-        self._store_local(frame.op, dict(_flatten(ref_out)), out_recs)
+        # a module computes in the coarsest format of its parameters: an fp32 output (an fp32 island inside it,
+        # a cast at its end) does not make its fp16 arithmetic fp32's
+        self._store_local(frame.op, dict(_flatten(ref_out)), out_recs,
+                          compute_dtypes={p.dtype for p in params.values() if p.is_floating_point()})
 
     def _skeleton(self, frame: _Frame):
         """A copy of the module's structure for its fp32 re-run: parameters and buffers on the meta device (the
@@ -187,7 +191,8 @@ class ShadowRuns:
             for dev, st in cur[1].items():
                 torch.cuda.set_rng_state(st, dev)
 
-    def _store_local(self, op, ref_outs: dict, out_recs) -> None:
+    def _store_local(self, op, ref_outs: dict, out_recs, compute_dtypes=frozenset()) -> None:
+        """Each output against its fp32 re-run, judged in the coarsest of its own format and ``compute_dtypes``."""
         for idx, t, pos in out_recs:
             ref = ref_outs.get(idx)
             if ref is None or not isinstance(ref, torch.Tensor):
@@ -199,7 +204,8 @@ class ShadowRuns:
                 continue
             if not (t.is_floating_point() and ref.is_floating_point()):
                 continue
-            fmt = format_for_dtype(t.dtype)
+            fmts = [f for f in map(format_for_dtype, {t.dtype, *compute_dtypes}) if f is not None]
+            fmt = max(fmts, key=lambda f: f.eps, default=None)
             cmp = compare(ref.detach(), t.detach(), cand_format=fmt.name if fmt else None)
             with self._lock:
                 self.local_comparisons.append((pos, cmp))
