@@ -3,7 +3,7 @@ import streamlit as st
 
 from precision_lab.ui import diff as dv
 from precision_lab.ui import page
-from precision_lab.ui.common import run_label, style_severity, text_columns
+from precision_lab.ui.common import code_md, run_label, style_severity, text_columns
 from precision_lab.ui.overview import session_runs
 
 store, acc = page.start("diff")
@@ -22,7 +22,7 @@ runs = session_runs(store, sid)
 for card in dv.rerun_cards(store, sid):
     with st.container(border=True):
         st.markdown(f"**{page.plain(card['run'])}**: {page.plain(card['parent'])} re-run with "
-                    f"`{page.plain(card['fix'])}`")
+                    f"{code_md(card['fix'])}")
         c = st.columns(3)
         c[0].metric("forward records with NaN/Inf", card["nonfinite_after"],
                     delta=card["nonfinite_after"] - card["nonfinite_before"], delta_color="inverse",

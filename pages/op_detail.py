@@ -78,7 +78,7 @@ formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 art = next((a for a in norm_artefacts(store, info["session_id"])
             if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
 if art:
-    st.info(page.plain(art["reason"]))
+    st.info(page.message_md(art["reason"]))
 
 with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
 if with_hist:
@@ -104,13 +104,9 @@ if summary_only:
     st.plotly_chart(dv.summary_figure(series, formats), key="summary_plot", width="stretch")
 if formats:
     st.markdown("**Headroom**: bits between the largest magnitude and each format's max (negative: it overflows)")
-    cols = st.columns(len(series))
-    for i, (col, (label, s)) in enumerate(zip(cols, series)):
-        with col:
-            st.caption(page.plain(label))
-            st.dataframe(text_columns(dv.headroom_table(s, formats), ("max finite", "absmax", "headroom (bits)",
-                                                                      "min |x| > 0", "footroom (bits)"), 4),
-                         hide_index=True, width="stretch", key=f"head_{i}")
+    st.dataframe(text_columns(dv.headroom_tables(series, formats), ("max finite", "absmax", "headroom (bits)",
+                                                                    "min |x| > 0", "footroom (bits)"), 4),
+                 hide_index=True, width="stretch", key="headroom")
     if summary_only:
         with st.expander("Where each summary statistic lands in each format"):
             for i, (label, s) in enumerate(series):

@@ -29,7 +29,7 @@ st.dataframe(view(ov.runs_table).drop(columns=["run_id"]).fillna({"parent": "", 
 
 caveat = view(ov.order_caveat)
 if caveat:
-    st.warning(page.plain(caveat), icon=":material/sort_by_alpha:")
+    st.warning(page.message_md(caveat), icon=":material/sort_by_alpha:")
 warns = view(ov.warnings_table)
 if len(warns):
     more = "+" if len(warns) >= ov.MAX_WARNINGS else ""
@@ -71,7 +71,7 @@ for item in firsts:
             st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
                         f"**{page.plain(first.op)}** ({page.plain(first.role)} {page.plain(first.index)}, "
                         f"{first.where})")
-        st.caption(page.plain(first.reason))
+        st.caption(page.message_md(first.reason))
         if first.first_nan:
             st.caption(f"The first NaN is made later, at {page.plain(first.first_nan.op)} "
                        f"(seq {first.first_nan.seq}), from that inf.")
@@ -165,7 +165,7 @@ if _verifying and all(j.finished for j in _verifying):
     st.session_state.pop("_pl_verify")
     for j in _verifying:
         if j.error:
-            st.error(f"Verifying {page.plain(j.fix)} failed: {page.plain(j.error)}")
+            st.error(f"Verifying {page.plain(j.fix)} failed: {page.message_md(j.error)}")
 elif _verifying:
     @st.fragment(run_every=1.0)
     def _verify_progress():
@@ -185,7 +185,7 @@ for i, card in enumerate(cards):
         if card["fixes"]:
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
             if blocked and card["rule"] != "fix-verified":
-                st.caption("No re-run button: " + page.plain(blocked))
+                st.caption("No re-run button: " + page.message_md(blocked))
         for j, action in enumerate(offers[i]):
             if action["existing"]:  # already made from this run: open it, do not make a copy
                 icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
@@ -203,7 +203,7 @@ _job = st.session_state.get("_pl_rerun")
 if _job is not None and _job.session == info["name"] and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
-        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.plain(_job.error)}")
+        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.message_md(_job.error)}")
     else:  # every run of the session side by side, the new one included, at the op the fix was for
         st.session_state["diff_mode"] = "runs"
         landing = dv.landing_op(store, _job.run_id)

@@ -101,9 +101,19 @@ def test_stats_only_record_gets_the_summary_overlay(ui_db):
     body = texts(at)
     assert "Summary statistics against the format limits" in body
     heads = [f for f in frames(at) if "headroom (bits)" in f.columns]
-    assert heads[0].loc[0, "overflows"] == "yes: already inf"  # this fp16 record
-    assert heads[0].loc[0, "headroom (bits)"] == "-inf"
-    assert heads[1].loc[0, "overflows"] == "yes" and float(heads[1].loc[0, "headroom (bits)"]) < 0  # the fp32 ref
+    assert len(heads) == 1  # one full-width table, every record's rows in it: no column cut off beside another
+    head = heads[0]
+    assert list(head.columns) == ["record", "format", "max finite", "absmax", "headroom (bits)", "overflows",
+                                  "min |x| > 0", "footroom (bits)", "underflows"]
+    this = head[head["record"].str.endswith("(this)")].reset_index(drop=True)
+    ref = head[head["record"].str.endswith("(reference)")].reset_index(drop=True)
+    assert this.loc[0, "overflows"] == "yes: already inf"  # this fp16 record
+    assert this.loc[0, "headroom (bits)"] == "-inf"
+    assert ref.loc[0, "overflows"] == "yes" and float(ref.loc[0, "headroom (bits)"]) < 0  # the fp32 ref
+    # what a statistics-only record does not hold reads as unknown, like its counts: never "nan"
+    stats = frame_with(at, f"{STAT_CAND.name} (this)")
+    assert stats.loc["nan_count"].iloc[0] == "—"
+    assert "nan" not in set(stats.iloc[:, 0]) and stats.loc["std"].iloc[0] == "—"
     assert not any("overflow %" in f.columns for f in frames(at))  # no histogram, no invented counts
     import json
 

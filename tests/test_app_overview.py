@@ -112,6 +112,9 @@ def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
     body = texts(at)
     assert "Proposed fixes" in body
     assert "No re-run button" in body and "holds dumps, not a model" in body and "capture --model" in body
+    # the command is shown as code, its backticks not printed (an escaped backtick is shown as one)
+    why = next(c.value for c in at.caption if c.value.startswith("No re-run button"))
+    assert "`precision-lab capture --model FILE.py:FUNCTION --inputs FILE.py:FUNCTION`" in why and "\\`" not in why
     assert not [b for b in at.button if b.label.startswith("Re-run with")]
 
 

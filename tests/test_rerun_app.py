@@ -123,6 +123,8 @@ def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_
     assert f"{finite_sqnr:.1f}" not in broken.help and "NaN/Inf in its output" in broken.help
     # the finite run is not shown as worse than the broken one it fixes
     assert float(bf16.value) > 0 and bf16.delta in (None, "") and "NaN/Inf in its output" in bf16.help
+    # the fix is shown as code, as typed: no markdown escape inside the code span (it would be printed)
+    assert any("re-run with `keep-fp32:attn.o_proj`" in m.value for m in at.markdown)
 
 
 def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe_db):

@@ -25,7 +25,7 @@ import json
 import math
 from typing import Optional
 
-from ..display import num_text
+from ..display import cosine_brief, num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..origin import ORDER_TEXT, Intended, Origin, PathStep, RunFacts, analyse, order_text
@@ -244,8 +244,7 @@ def render_text(report: dict, *, top: int = 15) -> str:
         rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",
                  num_text(c["max_abs_err"]), num_text(c["max_rel_err"])]
                 + ([num_text(c.get("summary_abs_err")), num_text(c.get("summary_rel_err"))] if by_summary else [])
-                + [num_text(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
-                   else f"1-{num_text(c['cosine_deficit'])}",
+                + [cosine_brief(c["cosine"], c["cosine_deficit"]),
                    num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
         if rows:
             out += ["", f"Worst {len(rows)} comparisons:"]

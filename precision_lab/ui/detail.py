@@ -21,7 +21,7 @@ from .common import MISSING, cosine_text, num_text, plot_text
 from ..stats import HIST_EDGES
 
 __all__ = ["record", "has_record", "find_records", "full_steps", "op_label", "counterparts", "load_stats", "default_formats", "binade_counts",
-           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "shown_absmax",
+           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "headroom_tables", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
 
@@ -309,6 +309,16 @@ def headroom_table(stats, formats: Sequence[str]) -> pd.DataFrame:
                                       "min |x| > 0", "footroom (bits)", "underflows"])
 
 
+def headroom_tables(series: Sequence[tuple[str, object]], formats: Sequence[str]) -> pd.DataFrame:
+    """``headroom_table`` of every ``(label, stats)`` in one table, a ``record`` column first: one full-width
+    table keeps every column on screen where side-by-side tables would cut them."""
+    parts = [headroom_table(s, formats).assign(record=str(label)) for label, s in series if s is not None]
+    if not parts:
+        return pd.DataFrame()
+    df = pd.concat(parts, ignore_index=True)
+    return df[["record"] + [c for c in df.columns if c != "record"]]
+
+
 def summary_values_table(stats, formats: Sequence[str]) -> pd.DataFrame:
     """Each summary statistic, its log2 magnitude, and where it lands in each format.
 
@@ -464,6 +474,8 @@ def stats_table(records: Sequence[tuple[str, object]]) -> pd.DataFrame:
                 vals.append(str(v))
             elif f in ("min", "max", "absmax"):
                 vals.append(_extreme_text(st, f))
+            elif isinstance(v, float) and math.isnan(v):
+                vals.append(MISSING)  # not recorded (a statistics-only record), like the counts it lacks
             else:
                 vals.append(num_text(v, 8))
         data[str(label)] = vals

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import streamlit as st
@@ -37,7 +38,7 @@ from ..scratch import scratch_root, sweep
 __all__ = ["PAGES", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
-           "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
+           "message_md", "PAGE_ICON", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
 
 # page scripts, relative to app.py
 PAGES = {
@@ -48,6 +49,10 @@ PAGES = {
     "diff": "pages/diff.py",
     "timeline": "pages/timeline.py",
 }
+
+# the browser tab's icon: a file shipped with the package, served by this server (a material icon would be
+# fetched from a font CDN, which an offline or air-gapped server cannot reach)
+PAGE_ICON = str(Path(__file__).with_name("icon.png"))
 
 _PENDING = "_pl_pending"  # values handed to the next page by navigate()
 _REMEMBER = "_pl_last_"  # + param: last value chosen, carried across pages
