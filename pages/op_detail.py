@@ -33,6 +33,8 @@ steps = dv.full_steps(store, run["run_id"])
 step = None
 if len(steps) > 1:
     landing = current_rec or first_rec
+    if asked is not None and current_rec is not None and page.linked("step") is None:
+        st.session_state[page.page_key("pick_step")] = current_rec["step"]  # a link to an op opens its step
     step = page.url_select("Step", steps, param="step", key="pick_step", container=st.sidebar,
                            default=landing["step"] if landing else steps[0])
     if current_rec is not None and current_rec["step"] != step:

@@ -173,3 +173,16 @@ def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_ch
     opts = at.selectbox(key="pick_op@detail").options
     assert len(opts) == min(want, 200) and all(f"(step {other}, seq " in o for o in opts)
     assert f"step {other}" in texts(at)
+    # a link to an op (a row selected on the Ops page) opens that op's step, whatever step was chosen last
+    at.query_params.clear()  # the navigation menu opens a page without the last one's URL parameters
+    at.switch_page("pages/ops.py").run()
+    at.text_input(key="f_pattern").input(f"{first.op}.output").run()
+    assert_clean(at)
+    rows = frame_with(at, "step")
+    row = int(np.flatnonzero(rows["step"].astype(int).to_numpy() == first_step)[0])  # the failing step's row
+    at.session_state["ops_table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
+    at.run()
+    assert_clean(at)
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md(first.op))
+    assert at.selectbox(key="pick_step@detail").value == first_step
