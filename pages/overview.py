@@ -215,7 +215,7 @@ elif _job is not None and _job.session == info["name"]:
         job = st.session_state.get("_pl_rerun")
         if job is None or job.finished:
             st.rerun()
-        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.label}"[:120]))
+        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.status}"[:200]))
 
     _rerun_progress()
 
