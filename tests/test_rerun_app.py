@@ -117,8 +117,10 @@ def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_
     at = open_page("diff", session=name)
     assert_clean(at)
     sqnr = [m for m in at.metric if m.label == "output SQNR vs fp32 (dB)"]
-    assert len(sqnr) == 2
-    bf16, broken = sqnr  # newest first
+    fixes = [m.value.split("re-run with `")[1].rstrip("`") for m in at.markdown if "re-run with `" in m.value]
+    assert len(sqnr) == 2 and sorted(fixes) == ["keep-fp32:attn.o_proj", "use-bf16"]  # one card per re-run
+    cards = dict(zip(fixes, sqnr))
+    bf16, broken = cards["use-bf16"], cards["keep-fp32:attn.o_proj"]
     assert broken.value == "NaN/Inf" and broken.delta in (None, "")
     assert f"{finite_sqnr:.1f}" not in broken.help and "NaN/Inf in its output" in broken.help
     # the finite run is not shown as worse than the broken one it fixes
