@@ -231,13 +231,15 @@ def render_text(report: dict, *, top: int = 15) -> str:
     if comps:
         counts: dict[tuple, dict[str, int]] = {}
         for c in comps:
-            key = (c["cand_run"], c["ref_run"])
+            key = (c["cand_run"], c["ref_run"], c.get("kind") == "local")
             v = c["verdict"] or c["match"]
             counts.setdefault(key, {})[v] = counts.setdefault(key, {}).get(v, 0) + 1
         out += ["", "Comparisons:"]
-        for (cand, ref), d in counts.items():
+        for (cand, ref, local), d in counts.items():
             summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
-            out.append(f"  {cand} vs {ref}: {summary}")
+            # a local comparison sets each op of a run against its own fp32 re-run: not a second run
+            out.append(f"  {cand}: local error (each op against its fp32 re-run): {summary}" if local
+                       else f"  {cand} vs {ref}: {summary}")
         worst = sorted((c for c in comps if c["verdict"]), key=_worst_key)[:top]
         # a comparison on summary statistics has no element-wise error: its own columns, where there is one
         by_summary = any(c.get("basis") == "stats" for c in worst)
