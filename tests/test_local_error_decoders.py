@@ -105,3 +105,44 @@ def test_decoder_layers_get_local_error_without_a_hook_error(arch):
         got = local[f"{name}.forward.0"]
         assert got.max_abs_err > 0
         assert got.max_abs_err == pytest.approx(want[name], rel=1e-5)
+
+
+def test_an_argument_object_is_copied_for_the_re_run_without_the_modules_it_refers_to():
+    """A module given an object that it updates (a cache) and that refers to a module: the re-run gets the
+    object as it was at entry, the model's own is updated once, and the referred module is shared, not copied."""
+    from torch import nn
+
+    class Log:
+        def __init__(self, owner):
+            self.owner = owner  # a module: never copied with its parameters
+            self.seen = []
+
+    class Appender(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, log):
+            owners.append(log.owner)
+            log.seen.append(x)
+            return self.lin(x) * len(log.seen)  # depends on the log's state at entry
+
+    owners = []
+    torch.manual_seed(0)
+    m = nn.Sequential(Appender()).half()
+    x = torch.randn(2, 8).half()
+    log = Log(m)
+    with Capture(m, run="log", write=False, options=CaptureOptions(local_error=True)) as cap:
+        with torch.no_grad():
+            out = m[0](x, log)
+    assert len(log.seen) == 1 and log.owner is m  # updated once, by the model's own call
+    assert len(owners) == 2 and all(o is m for o in owners)  # the call and its re-run: the same module
+    assert not [w for w in cap.warnings if "hook error" in w[1] or "re-run" in w[1]], cap.warnings
+    local = {cap.records[pos].op: c for pos, c in cap.local_comparisons}
+    got = local["0.forward.0"]
+    # independent: the fp32 module on the fp32 input, with the log as it was at entry (empty: factor 1)
+    lin = nn.Linear(8, 8)
+    lin.load_state_dict({k: v.float() for k, v in m[0].lin.state_dict().items()})
+    with torch.no_grad():
+        ref = (lin(x.float()) * 1).double().numpy()
+    assert got.max_abs_err == pytest.approx(float(np.abs(ref - out.double().numpy()).max()), rel=1e-6)

@@ -33,9 +33,10 @@ _PLAIN = (torch.dtype, torch.device, torch.Size, torch.nn.Module, str, bytes, in
 
 
 def _tensors_in(obj, depth: int = 0, seen=None) -> list:
-    """The tensors an argument object holds in its attributes, lists and dicts (a key/value cache's past keys)."""
+    """The tensors (and modules) an argument object holds in its attributes, lists and dicts (a key/value
+    cache's past keys)."""
     seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
         return [obj]
     if depth > 4 or id(obj) in seen or isinstance(obj, _PLAIN) or callable(obj):
         return []
@@ -65,8 +66,9 @@ def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
         if isinstance(x, torch.dtype):
             return torch.float32 if x in _LOW_FLOAT else x
         if clone and not isinstance(x, _PLAIN) and not callable(x):
-            try:
-                return copy.deepcopy(x, {id(t): up(t) for t in _tensors_in(x)})
+            try:  # a module it refers to is shared, never copied with its parameters
+                return copy.deepcopy(x, {id(t): t if isinstance(t, torch.nn.Module) else up(t)
+                                         for t in _tensors_in(x)})
             except Exception:
                 return x
         return x
