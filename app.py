@@ -7,9 +7,9 @@ library calls that need it, so the app starts fast.
 
 import streamlit as st
 
-from precision_lab.ui.page import PAGES, page_run, routed, show_error, sweep_scratch
+from precision_lab.ui.page import PAGE_ICON, PAGES, page_run, routed, show_error, sweep_scratch
 
-st.set_page_config(page_title="Precision Lab", page_icon=":material/troubleshoot:", layout="wide")
+st.set_page_config(page_title="Precision Lab", page_icon=PAGE_ICON, layout="wide")
 sweep_scratch()  # leftovers of ingests killed in an earlier server process; once per process
 
 pages = [

@@ -3,14 +3,14 @@ import streamlit as st
 
 from precision_lab.ui import diff as dv
 from precision_lab.ui import page
-from precision_lab.ui.common import run_label, style_severity, text_columns
+from precision_lab.ui.common import code_md, run_label, style_severity, text_columns
 from precision_lab.ui.overview import session_runs
 
 store, acc = page.start("diff")
 info = page.choose_session(store, acc)
 st.title("Diff")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 sid = info["session_id"]
 st.write(
@@ -22,15 +22,14 @@ runs = session_runs(store, sid)
 for card in dv.rerun_cards(store, sid):
     with st.container(border=True):
         st.markdown(f"**{page.plain(card['run'])}**: {page.plain(card['parent'])} re-run with "
-                    f"`{page.plain(card['fix'])}`")
+                    f"{code_md(card['fix'])}")
         c = st.columns(3)
-        c[0].metric("records with NaN/Inf", card["nonfinite_after"],
+        c[0].metric("forward records with NaN/Inf", card["nonfinite_after"],
                     delta=card["nonfinite_after"] - card["nonfinite_before"], delta_color="inverse",
-                    help=f"before: {card['nonfinite_before']} in {card['parent']}")
-        sa, sb = card["sqnr_after"], card["sqnr_before"]
-        c[1].metric("output SQNR vs fp32 (dB)", "—" if sa is None else f"{sa:.1f}",
-                    delta=None if sa is None or sb is None else round(sa - sb, 1),
-                    help="before: " + ("—" if sb is None else f"{sb:.1f} dB"))
+                    help=f"Records of the forward pass holding NaN/Inf (the Runs table's nonfinite_records counts "
+                         f"the backward pass's too). Before: {card['nonfinite_before']} in {card['parent']}.")
+        value, delta, why = dv.sqnr_card(card)
+        c[1].metric("output SQNR vs fp32 (dB)", value, delta=delta, help=why)
         c[2].metric("first non-finite op", page.plain(card["first_after"] or "none"),
                     help=f"before: {card['first_before'] or 'none'}")
 # the view lives in the URL (?view=&pair=&show=&q=&page=), so a copied link opens the same rows

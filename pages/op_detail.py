@@ -9,7 +9,7 @@ store, acc = page.start("detail")
 info = page.choose_session(store, acc)
 st.title("Op detail")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 runs = session_runs(store, info["session_id"])
 run = page.choose_run(runs)
@@ -17,23 +17,38 @@ if run is None:
     st.info("This session holds no runs.")
     st.stop()
 
-# the op picker: a name filter, then the matching records (the current one always among them)
-find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
+# the op picker: a step (when the run has several), a name filter, then the matching records of that step (the
+# current one among them when it is of that step); opened without an op, it lands on the first non-finite producer
+first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
+              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
 asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None
 if asked is not None and not dv.has_record(store, run["run_id"], asked):
     page.not_found(f"Run {run['name']} has no op {asked}; open one from the Ops page.")
-records = dv.find_records(store, run["run_id"], find, include_rid=current_rid)
+current_rec = dv.record(store, run["run_id"], current_rid) if current_rid is not None and dv.has_record(
+    store, run["run_id"], str(current_rid)) else None
+first_rec = dv.record(store, run["run_id"], first.rid) if first else None
+steps = dv.full_steps(store, run["run_id"])
+step = None
+if len(steps) > 1:
+    landing = current_rec or first_rec
+    if asked is not None and current_rec is not None and page.linked("step") is None:
+        st.session_state[page.page_key("pick_step")] = current_rec["step"]  # a link to an op opens its step
+    step = page.url_select("Step", steps, param="step", key="pick_step", container=st.sidebar,
+                           default=landing["step"] if landing else steps[0])
+    if current_rec is not None and current_rec["step"] != step:
+        current_rid = None  # another step was chosen: pick among its ops
+landing_rid = first_rec["rid"] if first_rec and (step is None or first_rec["step"] == step) else None
+find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
+records = dv.find_records(store, run["run_id"], find, step=step,
+                          include_rid=current_rid if current_rid is not None else landing_rid)
 if not records:
     st.info("No record of this run matches the name filter.")
     st.stop()
-first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
-              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
-names = {r["rid"]: r["name"] for r in records}
-rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar,
-                      default=first.rid if first else None,
-                      format_func=lambda r: f"{names[r]}  (seq {next(x['seq'] for x in records if x['rid'] == r)})")
+names = {r["rid"]: r for r in records}
+rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar, default=landing_rid,
+                      format_func=lambda r: dv.op_label(names[r], steps=len(steps) > 1))
 
 with page.guard("This op could not be loaded"):
     rec = dv.record(store, run["run_id"], rid)
@@ -65,7 +80,7 @@ formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 art = next((a for a in norm_artefacts(store, info["session_id"])
             if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
 if art:
-    st.info(page.plain(art["reason"]))
+    st.info(page.message_md(art["reason"]))
 
 with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
 if with_hist:
@@ -91,13 +106,9 @@ if summary_only:
     st.plotly_chart(dv.summary_figure(series, formats), key="summary_plot", width="stretch")
 if formats:
     st.markdown("**Headroom**: bits between the largest magnitude and each format's max (negative: it overflows)")
-    cols = st.columns(len(series))
-    for i, (col, (label, s)) in enumerate(zip(cols, series)):
-        with col:
-            st.caption(page.plain(label))
-            st.dataframe(text_columns(dv.headroom_table(s, formats), ("max finite", "absmax", "headroom (bits)",
-                                                                      "min |x| > 0", "footroom (bits)"), 4),
-                         hide_index=True, width="stretch", key=f"head_{i}")
+    st.dataframe(text_columns(dv.headroom_tables(series, formats), ("max finite", "absmax", "headroom (bits)",
+                                                                    "min |x| > 0", "footroom (bits)"), 4),
+                 hide_index=True, width="stretch", key="headroom")
     if summary_only:
         with st.expander("Where each summary statistic lands in each format"):
             for i, (label, s) in enumerate(series):

@@ -9,7 +9,7 @@ store, acc = page.start("ops")
 info = page.choose_session(store, acc)
 st.title("Ops")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 run = page.choose_run(session_runs(store, info["session_id"]))
 if run is None:

@@ -1,6 +1,6 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, start_grow, start_rerun, start_verify
+from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_grow, start_rerun, start_verify
 from precision_lab.services.verify import untried, verification
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
@@ -12,7 +12,7 @@ store, acc = page.start("overview")
 info = page.choose_session(store, acc)
 if info is None:
     st.title("Overview")
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 sid = info["session_id"]
 view = page.session_views(store, sid)  # the session's view-models, cached until it changes
@@ -29,7 +29,7 @@ st.dataframe(view(ov.runs_table).drop(columns=["run_id"]).fillna({"parent": "", 
 
 caveat = view(ov.order_caveat)
 if caveat:
-    st.warning(page.plain(caveat), icon=":material/sort_by_alpha:")
+    st.warning(page.message_md(caveat), icon=":material/sort_by_alpha:")
 warns = view(ov.warnings_table)
 if len(warns):
     more = "+" if len(warns) >= ov.MAX_WARNINGS else ""
@@ -71,7 +71,7 @@ for item in firsts:
             st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
                         f"**{page.plain(first.op)}** ({page.plain(first.role)} {page.plain(first.index)}, "
                         f"{first.where})")
-        st.caption(page.plain(first.reason))
+        st.caption(page.message_md(first.reason))
         if first.first_nan:
             st.caption(f"The first NaN is made later, at {page.plain(first.first_nan.op)} "
                        f"(seq {first.first_nan.seq}), from that inf.")
@@ -152,7 +152,8 @@ if to_verify:
         st.rerun()
 if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
-        and not any(v["works"] for v in view(verification).values()):
+        and not any(v["works"] for v in view(verification).values()) \
+        and rerun_blocker(store, info["name"]) is None:  # no card with fixes asked: a dump or a capture, no model
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
                       "finite and meets the recipe's tolerance, then drop those not needed; every try is stored "
@@ -164,7 +165,7 @@ if _verifying and all(j.finished for j in _verifying):
     st.session_state.pop("_pl_verify")
     for j in _verifying:
         if j.error:
-            st.error(f"Verifying {page.plain(j.fix)} failed: {page.plain(j.error)}")
+            st.error(f"Verifying {page.plain(j.fix)} failed: {page.message_md(j.error)}")
 elif _verifying:
     @st.fragment(run_every=1.0)
     def _verify_progress():
@@ -184,7 +185,7 @@ for i, card in enumerate(cards):
         if card["fixes"]:
             st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
             if blocked and card["rule"] != "fix-verified":
-                st.caption("No re-run button: " + page.plain(blocked))
+                st.caption("No re-run button: " + page.message_md(blocked))
         for j, action in enumerate(offers[i]):
             if action["existing"]:  # already made from this run: open it, do not make a copy
                 icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
@@ -202,7 +203,7 @@ _job = st.session_state.get("_pl_rerun")
 if _job is not None and _job.session == info["name"] and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
-        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.plain(_job.error)}")
+        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.message_md(_job.error)}")
     else:  # every run of the session side by side, the new one included, at the op the fix was for
         st.session_state["diff_mode"] = "runs"
         landing = dv.landing_op(store, _job.run_id)
@@ -214,7 +215,7 @@ elif _job is not None and _job.session == info["name"]:
         job = st.session_state.get("_pl_rerun")
         if job is None or job.finished:
             st.rerun()
-        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.label}"[:120]))
+        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.status}"[:200]))
 
     _rerun_progress()
 
@@ -228,7 +229,7 @@ metric = c1.radio("Metric", metrics, horizontal=True, key="err_metric",
                                          "rounding_units": "error / roundoff", "max_abs_err": "max abs error",
                                          "summary_rel_err": "summary rel error (statistics only)"}[m])
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
-series = view(ov.error_series, metric, roles=("output",) if outputs_only else ())
+series = view(ov.error_series, metric, roles=ov.OUTPUT_ROLES if outputs_only else ())
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:

@@ -25,7 +25,7 @@ if flash:  # set by the import below, shown after the rerun that lists the new s
 table = page.cached_sessions_table(store) if acc.can_list else None
 if table is not None and table.empty:
     st.info("No sessions yet. Upload a dump folder (or a .zip of one) below, optionally with its fp32 "
-            "reference, or open a sample in one click.")
+            "reference, or open a sample in one click." if acc.can_upload else page.no_session_text(acc))
 
 
 def _uploader(label: str, key: str):
@@ -139,6 +139,6 @@ if acc.can_upload:
                     with page.guard(f"Sample {sample.name} could not be opened"):
                         session = open_sample(store, sample, progress=page.progress_callback(bar))
                     page.navigate("overview", session=session)
-elif acc.read_only:
-    st.info("This server is read-only: sessions open through their share links.")
+elif acc.read_only and table is None:
+    st.info(page.no_session_text(acc))
 

@@ -9,7 +9,7 @@ store, acc = page.start("timeline")
 info = page.choose_session(store, acc)
 st.title("Timeline")
 if info is None:
-    st.info("No session yet: upload a dump or open a sample on the Sessions page.")
+    st.info(page.no_session_text(acc))
     st.stop()
 runs = svc.timeline_runs(store, info["session_id"])
 if not runs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MISSING", "num_text"]
+__all__ = ["MISSING", "num_text", "cosine_brief"]
 
 # what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
 MISSING = "—"
@@ -34,3 +34,13 @@ def num_text(v: Any, digits: int = 6, *, grouped: bool = False) -> str:
     if f.is_integer() and abs(f) < 1e15:
         return f"{int(f):,}" if grouped else str(int(f))
     return f"{f:.{digits}g}"
+
+
+def cosine_brief(cosine: Any, deficit: Any) -> str:
+    """A cosine similarity in a table cell: near 1 as ``1-`` its deficit (``1-2.4e-05``, exact where the
+    cosine's own digits would round to 1), else the value itself to 9 decimals (``0``, ``-0.0625``: the
+    rounding left by computing 1 - deficit is not shown as a value)."""
+    if deficit is None or cosine is None or not math.isfinite(float(deficit)) or not 0 < float(deficit) < 1e-3:
+        c = None if cosine is None else float(cosine)
+        return num_text(round(c, 9) + 0.0 if c is not None and math.isfinite(c) else cosine)
+    return f"1-{num_text(deficit, 3)}"

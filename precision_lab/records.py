@@ -13,7 +13,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -26,6 +26,8 @@ ROLES = ("input", "output", "kwarg", "param", "buffer", "grad_input", "grad_outp
 INPUT_ROLES = ("input", "kwarg", "param", "buffer", "grad_output")
 # a module's own state, recorded once per step on its first call: made before any op ran
 STATE_ROLES = ("param", "buffer")
+# what an op makes: its outputs, or a dump's free tensors (role tensor: a name that says no op or role)
+OUTPUT_ROLES = ("output", "tensor")
 # the gradients, recorded on the backward pass
 GRAD_ROLES = ("grad_input", "grad_output", "param_grad")
 

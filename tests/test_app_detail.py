@@ -101,9 +101,19 @@ def test_stats_only_record_gets_the_summary_overlay(ui_db):
     body = texts(at)
     assert "Summary statistics against the format limits" in body
     heads = [f for f in frames(at) if "headroom (bits)" in f.columns]
-    assert heads[0].loc[0, "overflows"] == "yes: already inf"  # this fp16 record
-    assert heads[0].loc[0, "headroom (bits)"] == "-inf"
-    assert heads[1].loc[0, "overflows"] == "yes" and float(heads[1].loc[0, "headroom (bits)"]) < 0  # the fp32 ref
+    assert len(heads) == 1  # one full-width table, every record's rows in it: no column cut off beside another
+    head = heads[0]
+    assert list(head.columns) == ["record", "format", "max finite", "absmax", "headroom (bits)", "overflows",
+                                  "min |x| > 0", "footroom (bits)", "underflows"]
+    this = head[head["record"].str.endswith("(this)")].reset_index(drop=True)
+    ref = head[head["record"].str.endswith("(reference)")].reset_index(drop=True)
+    assert this.loc[0, "overflows"] == "yes: already inf"  # this fp16 record
+    assert this.loc[0, "headroom (bits)"] == "-inf"
+    assert ref.loc[0, "overflows"] == "yes" and float(ref.loc[0, "headroom (bits)"]) < 0  # the fp32 ref
+    # what a statistics-only record does not hold reads as unknown, like its counts: never "nan"
+    stats = frame_with(at, f"{STAT_CAND.name} (this)")
+    assert stats.loc["nan_count"].iloc[0] == "—"
+    assert "nan" not in set(stats.iloc[:, 0]) and stats.loc["std"].iloc[0] == "—"
     assert not any("overflow %" in f.columns for f in frames(at))  # no histogram, no invented counts
     import json
 
@@ -133,3 +143,46 @@ def test_op_picker_filter(ui_db):
     at.text_input(key="op_find").input("fc2").run()
     opts = at.selectbox(key="pick_op@detail").options
     assert len(opts) > 1 and all("fc2" in o or STAT_FIRST_NONFINITE in o for o in opts)
+
+
+def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_chosen(ui_db):
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store
+
+    from ui_fixtures import TIMELINE_SESSION
+
+    store = Store(ui_db)
+    run_id, run = store.sql("SELECT r.run_id, r.name FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                            [TIMELINE_SESSION]).fetchone()
+    first = first_nonfinite(store, run_id)
+    steps = [r[0] for r in store.sql("SELECT DISTINCT step FROM tensors WHERE run_id = ? ORDER BY step",
+                                     [run_id]).fetchall()]
+    first_step = store.sql("SELECT step FROM tensors WHERE run_id = ? AND rid = ?", [run_id, first.rid]).fetchone()[0]
+    assert len(steps) > 2 and first_step != steps[0]  # the failure is far down a long run's records
+    at = open_page("detail", session=TIMELINE_SESSION)
+    assert_clean(at)
+    assert at.subheader[0].value.startswith(escape_md(first.op))
+    assert f"step {first_step}" in texts(at)
+    step = at.selectbox(key="pick_step@detail")
+    assert step.value == first_step and list(step.options) == [str(s) for s in steps]
+    # another step: its ops, each labelled with the step
+    other = steps[0]
+    step.set_value(other).run()
+    assert_clean(at)
+    want = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND step = ?", [run_id, other]).fetchone()[0]
+    opts = at.selectbox(key="pick_op@detail").options
+    assert len(opts) == min(want, 200) and all(f"(step {other}, seq " in o for o in opts)
+    assert f"step {other}" in texts(at)
+    # a link to an op (a row selected on the Ops page) opens that op's step, whatever step was chosen last
+    at.query_params.clear()  # the navigation menu opens a page without the last one's URL parameters
+    at.switch_page("pages/ops.py").run()
+    at.text_input(key="f_pattern").input(f"{first.op}.output").run()
+    assert_clean(at)
+    rows = frame_with(at, "step")
+    row = int(np.flatnonzero(rows["step"].astype(int).to_numpy() == first_step)[0])  # the failing step's row
+    at.session_state["ops_table"] = {"selection": {"rows": [row], "columns": [], "cells": []}}
+    at.run()
+    assert_clean(at)
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md(first.op))
+    assert at.selectbox(key="pick_step@detail").value == first_step

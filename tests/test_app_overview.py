@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
+
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_FIRST_NONFINITE, STAT_SESSION, TENSOR_SESSION, WIDE_OP, assert_clean,  # noqa: F401
                          frame_with, open_page, texts, ui_db, ui_template)
+
+
+def _values(v):
+    """A plotly JSON array as a list: numpy arrays travel base64-encoded (``{"dtype", "bdata"}``)."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(v, dict) and "bdata" in v:
+        return list(np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]))
+    return list(v)
 
 
 def _store(db):
@@ -99,6 +112,9 @@ def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
     body = texts(at)
     assert "Proposed fixes" in body
     assert "No re-run button" in body and "holds dumps, not a model" in body and "capture --model" in body
+    # the command is shown as code, its backticks not printed (an escaped backtick is shown as one)
+    why = next(c.value for c in at.caption if c.value.startswith("No re-run button"))
+    assert "`precision-lab capture --model FILE.py:FUNCTION --inputs FILE.py:FUNCTION`" in why and "\\`" not in why
     assert not [b for b in at.button if b.label.startswith("Re-run with")]
 
 
@@ -199,3 +215,52 @@ def test_overview_view_models_are_cached_until_the_session_changes(ui_db, monkey
     assert_clean(at)
     assert len(calls) == 3 * first
     assert "fp16-again" in set(frame_with(at, "nonfinite_records")["run"])
+
+
+def test_a_training_capture_with_no_model_is_not_offered_an_island_it_cannot_grow(ui_db):
+    from precision_lab.services.jobs import rerun_blocker
+    from precision_lab.services.report import first_nonfinite
+
+    from ui_fixtures import TIMELINE_SESSION
+
+    store = _store(ui_db)
+    run_id = store.df("SELECT r.run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                      [TIMELINE_SESSION]).run_id[0]
+    assert first_nonfinite(store, run_id) is not None  # the run went non-finite: a grow would be tempting
+    assert rerun_blocker(store, TIMELINE_SESSION)  # but no model is stored to run again
+    at = open_page("overview", session=TIMELINE_SESSION)
+    assert not [b for b in at.button if b.key == "grow_island"]
+
+
+def test_error_along_the_run_plots_a_generic_dump_whose_records_are_free_tensors(tmp_path, monkeypatch):
+    import json
+
+    import numpy as np
+
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store
+    from ui_fixtures import serve_db
+
+    rng = np.random.default_rng(3)
+    want = {}
+    for d in ("ref", "cand"):
+        (tmp_path / d).mkdir()
+    for name in ("embed", "hidden", "logits"):  # names that say no op or role: records of role "tensor"
+        x = rng.standard_normal(64).astype(np.float32) * 100
+        np.save(tmp_path / "ref" / f"{name}.npy", x)
+        np.save(tmp_path / "cand" / f"{name}.npy", x.astype(np.float16))
+        want[name] = float(np.abs(x.astype(np.float16).astype(np.float64) - x.astype(np.float64)).max())
+    db = tmp_path / "g.duckdb"
+    store = Store(db)
+    name = ingest(tmp_path / "cand", reference=tmp_path / "ref", store=store, session="generic")
+    roles = {r[0] for r in store.sql("SELECT DISTINCT role FROM tensors").fetchall()}
+    assert roles == {"tensor"}
+    with serve_db(db, monkeypatch):
+        at = open_page("overview", session=name)
+        assert "No comparisons to plot" not in texts(at)
+        at.radio(key="err_metric").set_value("max_abs_err").run()
+        assert_clean(at)
+        fig = json.loads(next(c for c in at.get("plotly_chart") if c.proto.id.endswith("err_plot")).proto.spec)
+        traces = [tr for tr in fig["data"] if tr.get("customdata")]
+        got = sorted(float(y) for tr in traces for y in _values(tr["y"]))
+        assert got == [pytest.approx(v, rel=1e-6) for v in sorted(want.values())]

@@ -35,6 +35,24 @@ def test_empty_database_invites_upload_and_samples(empty_db):
     assert any(b.label.startswith(f"Open sample: {STAT_CAND.name}") for b in at.button)
 
 
+def test_a_read_only_server_visited_without_a_token_never_invites_an_upload(empty_db, monkeypatch):
+    from precision_lab.ui.page import PAGES
+
+    monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
+    for listing in ("0", "1"):  # sessions hidden (the default), or listed on an empty database
+        monkeypatch.setenv("PRECISION_LAB_LIST_SESSIONS", listing)
+        at = app_test()
+        at.run()
+        assert_clean(at)
+        for page in ("sessions", "overview", "detail", "ops", "diff", "timeline"):
+            if page != "sessions":
+                at.switch_page(PAGES[page]).run()
+                assert_clean(at)
+            said = " ".join(i.value for i in at.info)
+            assert "read-only" in said and "upload" not in said.lower() and "sample" not in said.lower(), (page, said)
+            assert not at.file_uploader and not [b for b in at.button if (b.key or "").startswith("sample_")]
+
+
 def test_open_sample_in_one_click_lands_on_its_overview(empty_db):
     at = app_test()
     at.run()
@@ -203,3 +221,24 @@ def test_session_headlines_are_cached_until_a_run_is_added(ui_db):
     assert "fp16-again: blocks.9.late" in after and "fp16-again" not in before
     versions = [sv.session_version(rs) for rs in ([], [{"run_id": "a", "created": "1"}])]
     assert versions[0] != versions[1]
+
+
+def test_the_page_icon_is_served_by_this_server_so_it_shows_offline(empty_db, monkeypatch):
+    """A material icon as the page icon is fetched by the browser from a font CDN; the icon is a file the server
+    itself serves (Streamlit's media files), so an offline or air-gapped server shows it."""
+    from streamlit.commands import page_config
+
+    sent = []
+    real = page_config._get_favicon_string
+
+    def recording(icon):
+        sent.append(real(icon))
+        return sent[-1]
+
+    monkeypatch.setattr(page_config, "_get_favicon_string", recording)
+    at = app_test()
+    at.run()
+    assert_clean(at)
+    assert sent, "the app sets no page icon"
+    # this server's media endpoint (a path, no host), never a material icon the browser fetches elsewhere
+    assert all("/media/" in s and s.startswith("/") and not s.startswith("//") for s in sent), sent

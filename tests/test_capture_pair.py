@@ -202,6 +202,16 @@ def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op
         assert outs and all(t["numel"] > 0 and t["max"] is not None and t["std"] is not None for t in outs), op
         kinds = {c["kind"] for c in rep["comparisons"] if c["op"] == op and c["role"] == "output"}
         assert kinds == {"local", "accumulated"}, (op, kinds)
+    # the text lists the local comparisons as the candidate's local error, never as "candidate vs candidate"
+    from precision_lab.services.report import render_text
+
+    text = render_text(build_report(store, name))
+    cand = runs["candidate"]
+    assert f"{cand} vs {cand}" not in text
+    local = dict(store.sql("""SELECT verdict, count(*) FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
+                              WHERE r.name = ? AND c.kind = 'local' GROUP BY verdict""", [cand]).fetchall())
+    want = ", ".join(f"{k} {n}" for k, n in sorted(local.items()))
+    assert f"  {cand}: local error (each op against its fp32 re-run): {want}" in text.splitlines()
 
 
 def test_pair_warns_when_no_name_lines_up(store):

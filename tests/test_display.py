@@ -32,3 +32,23 @@ def test_formats_command_prints_limits_with_the_same_rule():
     assert fp16.split()[2] == num_text(float(ml_dtypes.finfo(np.float16).max))
     e4m3 = next(line for line in out.splitlines() if line.startswith("fp8_e4m3fn "))
     assert e4m3.split()[2] == num_text(float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max))
+
+
+def test_a_cosine_of_zero_reads_0_and_one_near_1_reads_its_deficit():
+    from precision_lab.display import cosine_brief
+    from precision_lab.metrics import compare
+
+    ref = np.array([1.0, 0.0, 2.0, 0.0], np.float32)
+    orth = np.array([0.0, 3.0, 0.0, 1.0], np.float32)  # orthogonal: cosine 0
+    c = compare(ref, orth)
+    assert float(ref.astype(np.float64) @ orth.astype(np.float64)) == 0.0
+    assert cosine_brief(c.cosine, c.cosine_deficit) == "0"  # not "1-1"
+    opp = compare(ref, -ref)
+    assert cosine_brief(opp.cosine, opp.cosine_deficit) == "-1"
+    near = ref + np.array([0.0, 1e-3, 0.0, 0.0], np.float32)
+    c = compare(ref, near)
+    r, n = ref.astype(np.float64), near.astype(np.float64)
+    want = 1.0 - (r @ n) / (np.linalg.norm(r) * np.linalg.norm(n))
+    assert cosine_brief(c.cosine, c.cosine_deficit) == f"1-{num_text(want, 3)}"
+    same = compare(ref, ref)
+    assert cosine_brief(same.cosine, same.cosine_deficit) == "1"

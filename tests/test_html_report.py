@@ -11,7 +11,7 @@ import pytest
 from precision_lab.ui.html_report import render_html, write_html
 from test_share import make_session
 
-from conftest import SAMPLES
+from conftest import SAMPLES  # noqa: E402
 
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -159,3 +159,44 @@ def test_report_opens_offline_in_browser(store, tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+def test_a_long_run_has_its_timeline_and_alerts_as_report_lists_them(store):
+    import html
+
+    from precision_lab.display import num_text
+    from precision_lab.services.report import build_report, render_text
+    from training import GROWTH_RUN, train
+
+    losses = {}
+
+    def keep_losses(cap):
+        step = cap.step
+
+        def recording(*args, **kwargs):
+            losses[cap.step_no] = float(kwargs["loss"])
+            return step(*args, **kwargs)
+        cap.step = recording
+
+    train(store, lr=0.2, steps=30, grow=True, hook=keep_losses)
+    report = build_report(store, GROWTH_RUN)
+    assert report["alerts"] and report["timeline"]
+    text = render_text(report, top=1000)
+    page = _body(render_html(store, GROWTH_RUN))
+    assert 'id="plot-timeline-0"' in page
+    t = report["timeline"][GROWTH_RUN]
+    assert f"{len(t['steps'])} steps, full records at {len(t['full_steps'])}; first non-finite value at step " \
+           f"{t['first_nonfinite_step']}" in text
+    assert f"<p>{len(t['steps'])} steps, full records at {len(t['full_steps'])}; first non-finite value at step " \
+           f"{t['first_nonfinite_step']}</p>" in page
+    # every alert the text report lists, with its step and rule
+    assert f"Alerts of {GROWTH_RUN} ({len(report['alerts'])})" in page
+    for a in report["alerts"]:
+        assert f"[{a['rule']}] {GROWTH_RUN} step {a['step']}: {a['message']}" in text
+        assert (f'<td class="num">{a["step"]}</td><td>{html.escape(a["rule"])}</td>'
+                f'<td>{html.escape(a["message"])}</td>') in page
+    # the per-step losses, as the training loop computed them
+    assert len(losses) == 30
+    for step, loss in losses.items():
+        assert re.search(rf'<tr><td class="num">{step}</td><td class="num">{re.escape(num_text(loss))}</td>', page), \
+            (step, loss)

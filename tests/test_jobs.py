@@ -68,3 +68,14 @@ def test_a_full_queue_refuses_and_finished_jobs_are_forgotten(monkeypatch):
         jobs.start_rerun(store, "full", f"g{i}").wait(30)
     kept = [k for k, j in jobs._JOBS.items() if k[1] == "full" and j.finished]
     assert len(kept) <= 3 + 1
+
+
+def test_a_job_says_what_it_is_doing_and_for_how_long(monkeypatch):
+    job = jobs.RerunJob("s", "stable-softmax")
+    assert job.status == "queued"  # not started: no time yet
+    job.progress(1, 4, "fix: stable-softmax: model run 2 of 2, fp16")
+    job.started = 1000.0
+    monkeypatch.setattr(jobs.time, "monotonic", lambda: 1042.7)
+    assert job.status == "fix: stable-softmax: model run 2 of 2, fp16 · 42 s"
+    monkeypatch.setattr(jobs.time, "monotonic", lambda: 1065.0 + 60)
+    assert job.status.endswith(" · 2 min 05 s")

@@ -247,3 +247,67 @@ def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
     final = next(r for r in q.session_runs(store, store.session("build")["session_id"]) if r["fix"] == island)
     assert first_nonfinite(store, final["run_id"]) is None
     assert q.count_records(store, final["run_id"], nonfinite=True) > 0  # the mask is still there
+
+
+def test_a_partial_island_names_the_cast_into_fp16_not_a_square_computed_in_fp32(tmp_path):
+    """Keeping only the down projection in fp32 sends a value past fp16's max into the final norm, still in fp32:
+    the first failure is its cast to fp16 there (Qwen2's RMSNorm squares in fp32), and the diagnosis says so."""
+    import numpy as np
+    import torch
+
+    from precision_lab.fixes.catalogue import apply_fixes
+    from precision_lab.fixes.recipes import entry_point_recipe, register_recipe
+    from precision_lab.fixes.rules import fmt_num
+    from precision_lab.services.diagnose import diagnose
+    from precision_lab.services.rerun import capture_recipe, rerun_session
+
+    fix = "keep-fp32:model.layers.1.mlp.down_proj"
+    recipe = register_recipe(entry_point_recipe(f"{MODEL}:build", f"{MODEL}:inputs"), replace=True)
+    # independent: the norm's input under that island, from a plain forward with a hook
+    model, inputs = recipe.build()
+    policy = apply_fixes(recipe.default_policy, fix)
+    model = policy.prepare(model) or model
+    seen = {}
+    model.model.norm.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach()), prepend=True)
+    with torch.no_grad():
+        model(**policy.prepare_inputs(inputs))
+    x = seen["x"]
+    absmax = float(x.abs().max())
+    assert x.dtype == torch.float32 and absmax > float(np.finfo(np.float16).max)
+    store = Store(tmp_path / "p.duckdb")
+    name = capture_recipe(store, recipe, local_error=False)
+    run_id = rerun_session(store, name, fix)
+    cards = [d for d in diagnose(store, name) if d.run_id == run_id and d.op == "model.norm"]
+    assert cards, [(d.run_id, d.op) for d in diagnose(store, name)]
+    msg = cards[0].message
+    assert "x^2" not in msg and "mean(x^2)" not in msg
+    assert f"input absmax {fmt_num(absmax)} arrives in fp32" in msg and "casting it to fp16 gives inf" in msg
+    assert "keep-fp32:model.norm" in cards[0].fixes and "stats-fp32" not in cards[0].fixes
+
+
+def test_a_fixed_run_is_judged_in_its_own_format_not_fp32s(tmp_path):
+    """With the island that fixes it, the model's module calls output fp32 (the island's end) but compute in fp16:
+    their local error is measured in fp16's unit roundoff, so the fixed run gets no precision-loss warning
+    offering to keep the whole model in fp32."""
+    import numpy as np
+
+    from precision_lab.fixes.recipes import entry_point_recipe, register_recipe
+    from precision_lab.services.diagnose import diagnose
+    from precision_lab.services.rerun import capture_recipe, rerun_session
+
+    recipe = register_recipe(entry_point_recipe(f"{MODEL}:build", f"{MODEL}:inputs"), replace=True)
+    store = Store(tmp_path / "f.duckdb")
+    name = capture_recipe(store, recipe)
+    run_id = rerun_session(store, name, "keep-fp32:model.layers.1.mlp.down_proj+keep-fp32:model.norm")
+    assert first_nonfinite(store, run_id) is None
+    rows = store.sql("""SELECT t.dtype, c.cand_format, c.sqnr_db, c.rounding_units, c.verdict FROM comparisons c
+                        JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+                        WHERE c.cand_run_id = ? AND c.kind = 'local' AND c.op = 'model.forward.0'""",
+                     [run_id]).fetchall()
+    assert rows
+    u16 = float(np.finfo(np.float16).eps) / 2
+    for dtype, fmt, sqnr, units, verdict in rows:
+        assert dtype == "float32" and fmt == "fp16"  # an fp32 output of fp16 arithmetic
+        assert units == pytest.approx(10 ** (-sqnr / 20) / u16, rel=1e-6)
+        assert verdict != "error"
+    assert not [d for d in diagnose(store, name) if d.run_id == run_id and d.rule == "precision-loss"]

@@ -160,3 +160,19 @@ def test_recipe_validation():
     r = Recipe("not-a-module", "", lambda: (np.zeros(2), None), PrecisionPolicy())
     with pytest.raises(RecipeError, match="returned ndarray, not a torch module"):
         r.build()
+
+
+def test_a_model_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    import sys
+
+    from precision_lab.fixes.recipes import load_entry_point
+
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "blocks_beside.py").write_text("import torch\n\n\ndef block():\n    return torch.nn.Linear(4, 3)\n")
+    (folder / "model.py").write_text("from blocks_beside import block\n\n\ndef build():\n    return block()\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder joins the path for this test only
+    monkeypatch.delitem(sys.modules, "blocks_beside", raising=False)
+    build = load_entry_point(f"{folder / 'model.py'}:build")
+    m = build()
+    assert type(m).__name__ == "Linear" and tuple(m.weight.shape) == (3, 4)

@@ -45,8 +45,12 @@ def test_rerun_adds_a_child_run_that_fixes_the_failure(lab):
     cand = before[before.kind == "candidate"].iloc[0]
     ref = before[before.kind == "reference"].iloc[0]
     seen = []
-    run_id = rerun_session(store, name, "scale-fp32", lambda d, t, label: seen.append((d, t)))
-    assert seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    run_id = rerun_session(store, name, "scale-fp32", lambda d, t, label: seen.append((d, t, label)))
+    assert seen[-1][0] == seen[-1][1] and [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    # the progress says which model run of how many, and what it is doing
+    labels = [label for _, _, label in seen]
+    assert labels[0].endswith("model run 1 of 2, the fp32 reference") and "model run 2 of 2, " in labels[1]
+    assert [lab.split(": ")[-1] for lab in labels[2:]] == ["comparing with the fp32 reference", "diagnosing", "done"]
     runs = _runs(store, name)
     assert len(runs) == len(before) + 1
     new = runs[runs.run_id == run_id].iloc[0]
@@ -135,12 +139,25 @@ def test_bisect_finds_the_fp32_island(lab):
     store, s, _ = lab
     name = s["fp16-mlp-overflow"]
     before = len(_runs(store, name))
-    res = bisect_fp32_islands(store, name, tolerance="sqnr>=30")
+    labels = []
+    res = bisect_fp32_islands(store, name, tolerance="sqnr>=30", progress=lambda d, t, label: labels.append(label))
     assert res.passed, res.message
+    tries = [lab for lab in labels if lab.startswith("model run ")]
+    assert tries == [f"model run {i} of at most 16: bisect: {a.fix}" for i, a in enumerate(res.attempts[1:], 1)]
     assert res.modules == ["layers.0.mlp.down_proj", "layers.0.residual", "norm"]
     runs = _runs(store, name)
     cand = runs[runs.kind == "candidate"].run_id.iloc[0]
     assert res.attempts[0].run_id == cand and res.attempts[0].modules == ()  # starts from the candidate
+    # the candidate's output holds NaN (independently: the recipe run under its policy), so that try has no SQNR:
+    # the SQNR of its finite values would rank a broken output above a working one
+    recipe = get_recipe("fp16-mlp-overflow")
+    model, x = recipe.build()
+    recipe.default_policy.prepare(model)
+    with torch.no_grad():
+        out = model(recipe.default_policy.prepare_inputs(x))
+    assert 0 < int((~torch.isfinite(out)).sum()) < out.numel()
+    assert res.attempts[0].sqnr_db is None
+    assert all(a.sqnr_db is not None and a.sqnr_db >= 30 for a in res.attempts if a.passed)
     assert len(runs) == before + len(res.attempts) - 1  # every other try is stored
     for a in res.attempts[1:]:
         kind, parent, fix = store.sql("SELECT kind, parent_run_id, fix FROM runs WHERE run_id = ?",

@@ -87,10 +87,46 @@ def test_diff_shows_the_re_run_before_and_after(recipe_db):
     at = open_page("diff", session=name)
     assert_clean(at)
     metrics = {m.label: m for m in at.metric}
-    m = metrics["records with NaN/Inf"]
+    m = metrics["forward records with NaN/Inf"]
+    assert "backward" in m.help  # says which count, beside the Runs table's
     assert int(m.value) == after and int(float(str(m.delta))) == after - before
     assert metrics["first non-finite op"].value == "none"
     assert "stable-softmax" in texts(at)
+
+
+def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_finite_values(recipe_db):
+    import numpy as np
+    import torch
+
+    from precision_lab.fixes.recipes import get_recipe
+    from precision_lab.services.rerun import rerun_session
+
+    store, name = recipe_db
+    sid = store.session(name)["session_id"]
+    # independent: the candidate's output (fp16 softmax overflow) holds NaN, and the SQNR of its finite values is high
+    model, inputs = get_recipe("softmax-fp16-overflow").build()
+    with torch.no_grad():
+        ref = model(inputs).double().numpy()
+        low = model.half()(inputs.half()).double().numpy()
+    finite = np.isfinite(low)
+    assert 0 < (~finite).sum() < low.size
+    finite_sqnr = 10 * np.log10((ref[finite] ** 2).sum() / ((low[finite] - ref[finite]) ** 2).sum())
+    assert finite_sqnr > 40
+    rerun_session(store, name, "keep-fp32:attn.o_proj")  # leaves the overflow where it is
+    rerun_session(store, name, "use-bf16")  # a finite output
+    at = open_page("diff", session=name)
+    assert_clean(at)
+    sqnr = [m for m in at.metric if m.label == "output SQNR vs fp32 (dB)"]
+    fixes = [m.value.split("re-run with `")[1].rstrip("`") for m in at.markdown if "re-run with `" in m.value]
+    assert len(sqnr) == 2 and sorted(fixes) == ["keep-fp32:attn.o_proj", "use-bf16"]  # one card per re-run
+    cards = dict(zip(fixes, sqnr))
+    bf16, broken = cards["use-bf16"], cards["keep-fp32:attn.o_proj"]
+    assert broken.value == "NaN/Inf" and broken.delta in (None, "")
+    assert f"{finite_sqnr:.1f}" not in broken.help and "NaN/Inf in its output" in broken.help
+    # the finite run is not shown as worse than the broken one it fixes
+    assert float(bf16.value) > 0 and bf16.delta in (None, "") and "NaN/Inf in its output" in bf16.help
+    # the fix is shown as code, as typed: no markdown escape inside the code span (it would be printed)
+    assert any("re-run with `keep-fp32:attn.o_proj`" in m.value for m in at.markdown)
 
 
 def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe_db):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -224,6 +225,9 @@ def load_entry_point(spec: str) -> Callable:
             if not os.path.isfile(target):
                 raise RecipeError(f"entry point {spec!r}: no file {target}")
             mod_name = "precision_lab_user_" + "".join(c if c.isalnum() else "_" for c in target)
+            folder = os.path.dirname(os.path.abspath(target))
+            if folder not in sys.path:  # its own imports find the modules beside it, as `python FILE.py` would
+                sys.path.insert(0, folder)
             loader = importlib.util.spec_from_file_location(mod_name, target)
             mod = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(mod)

@@ -447,7 +447,19 @@ def _rule_norm(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     f = ev.fmt
     recs = ev.module_records or ev.records
     ins = ev.inputs(recs)
-    x = max((_absmax(r) for r in ins if r["role"] == "input" and _finite(_absmax(r))), default=None)
+    held = [r for r in ins if r["role"] == "input" and _finite(_absmax(r))]
+    widest = max(held, key=_absmax, default=None)
+    x = _absmax(widest) if widest is not None else None
+    if x is not None and x > f.max:
+        # the input arrives in a wider format (an fp32 island before it) and is past the format's range: the
+        # first failure is its cast into the format, not a square computed in it
+        held_in = format_for_dtype(widest.get("dtype")) if widest.get("dtype") else None
+        return _diag(ev, "norm-statistics",
+                     f"`{ev.where}` in {f.name}: input absmax {fmt_num(x)}"
+                     + (f" arrives in {held_in.name} and" if held_in is not None and held_in.name != f.name else "")
+                     + f" exceeds {f.name} max {fmt_num(f.max)}, so casting it to {f.name} gives inf before the "
+                       "normalisation computes anything",
+                     [_keep_fp32(ev), "use-bf16" if f.name == "fp16" else None])
     facts = ev.module_facts
     parts, fixes = [], []
     one_pass = facts.get("class") == "LayerNorm" and not facts.get("two_pass")

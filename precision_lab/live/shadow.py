@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 
 import torch
 from torch.func import functional_call
@@ -27,9 +28,36 @@ for _n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
         _LOW_FLOAT.add(getattr(torch, _n))
 
 
+_PLAIN = (torch.dtype, torch.device, torch.Size, torch.nn.Module, str, bytes, int, float, complex, bool, type(None),
+          type, enum.Enum)
+
+
+def _tensors_in(obj, depth: int = 0, seen=None) -> list:
+    """The tensors (and modules) an argument object holds in its attributes, lists and dicts (a key/value
+    cache's past keys)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return [obj]
+    if depth > 4 or id(obj) in seen or isinstance(obj, _PLAIN) or callable(obj):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+        items += [getattr(obj, n, None) for n in getattr(type(obj), "__slots__", ()) if isinstance(n, str)]
+    return [t for v in items for t in _tensors_in(v, depth + 1, seen)]
+
+
 def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
     """Every low-precision floating tensor (and dtype argument) of a pytree upcast to float32; other tensors
-    detached (copied when ``clone``, or when their ``id`` is in ``copy_ids``: the model's buffers)."""
+    detached (copied when ``clone``, or when their ``id`` is in ``copy_ids``: the model's buffers).
+
+    With ``clone``, any other argument object (a ``transformers`` key/value cache) is copied, the tensors it holds
+    upcast and copied alike: the op may update it, and its re-run must find it as the op did and must not update
+    the one the model goes on with.  An object that cannot be copied is passed as it is."""
     def up(x):
         if isinstance(x, torch.Tensor):
             if x.dtype in _LOW_FLOAT:
@@ -37,6 +65,12 @@ def _upcast(obj, clone: bool, copy_ids: frozenset = frozenset()):
             return x.detach().clone() if clone or id(x) in copy_ids else x.detach()
         if isinstance(x, torch.dtype):
             return torch.float32 if x in _LOW_FLOAT else x
+        if clone and not isinstance(x, _PLAIN) and not callable(x):
+            try:  # a module it refers to is shared, never copied with its parameters
+                return copy.deepcopy(x, {id(t): t if isinstance(t, torch.nn.Module) else up(t)
+                                         for t in _tensors_in(x)})
+            except Exception:
+                return x
         return x
 
     return tree_map(up, obj)
@@ -105,12 +139,16 @@ class ShadowRuns:
         with torch.no_grad():
             # the module's own parameters (fp32 copies of low-precision ones, for this call only) and copies of
             # its buffers, so running statistics are not updated twice
-            state = {n: _fp32_copy(p) for n, p in module.named_parameters()}
+            params = dict(module.named_parameters())
+            state = {n: _fp32_copy(p) for n, p in params.items()}
             state.update((n, b.detach().to(torch.float32) if b.dtype in _LOW_FLOAT else b.detach().clone())
                          for n, b in module.named_buffers())
             with _exact_fp32():
                 ref_out = self._with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
-        self._store_local(frame.op, dict(_flatten(ref_out)), out_recs)
+        # a module computes in the coarsest format of its parameters: an fp32 output (an fp32 island inside it,
+        # a cast at its end) does not make its fp16 arithmetic fp32's
+        self._store_local(frame.op, dict(_flatten(ref_out)), out_recs,
+                          compute_dtypes={p.dtype for p in params.values() if p.is_floating_point()})
 
     def _skeleton(self, frame: _Frame):
         """A copy of the module's structure for its fp32 re-run: parameters and buffers on the meta device (the
@@ -155,7 +193,8 @@ class ShadowRuns:
             for dev, st in cur[1].items():
                 torch.cuda.set_rng_state(st, dev)
 
-    def _store_local(self, op, ref_outs: dict, out_recs) -> None:
+    def _store_local(self, op, ref_outs: dict, out_recs, compute_dtypes=frozenset()) -> None:
+        """Each output against its fp32 re-run, judged in the coarsest of its own format and ``compute_dtypes``."""
         for idx, t, pos in out_recs:
             ref = ref_outs.get(idx)
             if ref is None or not isinstance(ref, torch.Tensor):
@@ -167,7 +206,8 @@ class ShadowRuns:
                 continue
             if not (t.is_floating_point() and ref.is_floating_point()):
                 continue
-            fmt = format_for_dtype(t.dtype)
+            fmts = [f for f in map(format_for_dtype, {t.dtype, *compute_dtypes}) if f is not None]
+            fmt = max(fmts, key=lambda f: f.eps, default=None)
             cmp = compare(ref.detach(), t.detach(), cand_format=fmt.name if fmt else None)
             with self._lock:
                 self.local_comparisons.append((pos, cmp))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -48,7 +49,17 @@ class RerunJob:
     run_id: Optional[str] = None
     error: Optional[str] = None
     finished: bool = False
+    started: Optional[float] = None  # time.monotonic() when a worker took it
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def status(self) -> str:
+        """What the job is doing, in a line: the step it is at (which model run of how many) and how long it has
+        run (``fix: stable-softmax: model run 2 of 2, fp16 · 1 min 05 s``)."""
+        if self.started is None:
+            return self.label
+        took = int(max(0.0, time.monotonic() - self.started))
+        return f"{self.label} · " + (f"{took // 60} min {took % 60:02d} s" if took >= 60 else f"{took} s")
 
     @property
     def fraction(self) -> float:
@@ -118,6 +129,7 @@ def _start(store, session: str, fix: str, parent: Optional[str], run: Callable[[
 
     def work() -> None:
         job.label = "starting"
+        job.started = time.monotonic()
         try:
             run(job)
         except Exception as e:  # reported to the page as a sentence

@@ -25,7 +25,7 @@ import json
 import math
 from typing import Optional
 
-from ..display import num_text
+from ..display import cosine_brief, num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..origin import ORDER_TEXT, Intended, Origin, PathStep, RunFacts, analyse, order_text
@@ -245,13 +245,15 @@ def render_text(report: dict, *, top: int = 15) -> str:
     if comps:
         counts: dict[tuple, dict[str, int]] = {}
         for c in comps:
-            key = (c["cand_run"], c["ref_run"])
+            key = (c["cand_run"], c["ref_run"], c.get("kind") == "local")
             v = c["verdict"] or c["match"]
             counts.setdefault(key, {})[v] = counts.setdefault(key, {}).get(v, 0) + 1
         out += ["", "Comparisons:"]
-        for (cand, ref), d in counts.items():
+        for (cand, ref, local), d in counts.items():
             summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
-            out.append(f"  {cand} vs {ref}: {summary}")
+            # a local comparison sets each op of a run against its own fp32 re-run: not a second run
+            out.append(f"  {cand}: local error (each op against its fp32 re-run): {summary}" if local
+                       else f"  {cand} vs {ref}: {summary}")
         # the ops a diagnosis names as where the error was introduced or amplified first, with what they wrote
         # (as ``top_offenders`` ranks them)
         named = {(d["run"], d["op"]) for d in report.get("diagnoses") or () if d["rule"] in ATTRIBUTING_RULES}
@@ -262,8 +264,7 @@ def render_text(report: dict, *, top: int = 15) -> str:
         rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",
                  num_text(c["max_abs_err"]), num_text(c["max_rel_err"])]
                 + ([num_text(c.get("summary_abs_err")), num_text(c.get("summary_rel_err"))] if by_summary else [])
-                + [num_text(c["cosine"]) if c["cosine"] is None or c["cosine_deficit"] is None
-                   else f"1-{num_text(c['cosine_deficit'])}",
+                + [cosine_brief(c["cosine"], c["cosine_deficit"]),
                    num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
         if rows:
             out += ["", f"Worst {len(rows)} comparisons:"]

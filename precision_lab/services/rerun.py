@@ -256,17 +256,17 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     policy = apply_fixes(run_policy(par) or recipe.default_policy, specs)
     _check_policy(recipe, policy)
     name = _unique_run_name(runs, f"fix: {label}")
-    _tick(progress, 0, 4, f"{name}: fp32 reference")
+    _tick(progress, 0, 4, f"{name}: model run 1 of 2, the fp32 reference")
     ref = _run_model(recipe, run_policy(ref_run), isolated=isolated, run_name=ref_run["name"],
                      kind="reference", local_error=False)
-    _tick(progress, 1, 4, f"{name}: {policy.describe()}")
+    _tick(progress, 1, 4, f"{name}: model run 2 of 2, {policy.describe()}")
     cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
-    _tick(progress, 2, 4, f"{name}: compare")
+    _tick(progress, 2, 4, f"{name}: comparing with the fp32 reference")
     ref_rids = _reference_rids(store, ref_run["run_id"])
     with store.extend_session(info["name"]) as w:
         run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
                            parent_run_id=par["run_id"], fix=label, kind="rerun")
-    _tick(progress, 3, 4, f"{name}: diagnose")
+    _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
         diagnose_session(store, info["name"])
     _tick(progress, 4, 4, f"{name}: done")
@@ -357,7 +357,8 @@ def _output_quality(ref_out, out) -> tuple[int, Optional[float]]:
         return 0, None
     nonfinite = int((~torch.isfinite(out)).sum())
     c = compare(ref_out, out)
-    return nonfinite, c.sqnr_db
+    # a broken output has no SQNR: the SQNR of its finite values would rank it above a working one
+    return nonfinite, None if c.nonfinite_introduced else c.sqnr_db
 
 
 def _plain_output(recipe: Recipe, policy: PrecisionPolicy):
@@ -462,7 +463,7 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
         label = "+".join(f"keep-fp32:{m}" for m in island)
         policy = apply_fixes(base, label)
         name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label}")
-        _tick(progress, len(tried), max_runs, name)
+        _tick(progress, len(tried), max_runs, f"model run {len(tried)} of at most {max_runs}: {name}")
         run = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
         with store.extend_session(info["name"]) as w:
             run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,

@@ -722,11 +722,14 @@ def has_record(store, run_id: str, rid) -> bool:
     return bool(rows(store, "SELECT 1 AS x FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(text)]))
 
 
-def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None
-                 ) -> list[dict]:
-    """Records of a run whose name contains ``text`` (execution order), for
+def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None,
+                 step: Optional[int] = None) -> list[dict]:
+    """Records of a run whose name contains ``text`` (execution order), of one ``step`` when given, for
     the op picker; ``include_rid`` is always among them."""
     where, params = ["run_id = ?"], [run_id]
+    if step is not None:
+        where.append("step = ?")
+        params.append(int(step))
     if text.strip():
         where.append("name ILIKE ? ESCAPE '\\'")
         params.append(name_pattern_sql(text.strip()))

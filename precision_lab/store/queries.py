@@ -140,9 +140,11 @@ def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
 
 
 def last_accumulated_output(store, run_id: str) -> Optional[dict]:
-    """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict}``):
-    its ``sqnr_db`` is None when that output holds NaN/Inf, never an earlier op's SQNR standing in for it."""
-    return _one(store, """SELECT op, seq, sqnr_db, verdict FROM comparisons WHERE cand_run_id = ?
+    """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict,
+    nonfinite_introduced}``): its ``sqnr_db`` is None when that output holds NaN/Inf the reference does not, never
+    the SQNR of its finite values nor an earlier op's standing in for it."""
+    return _one(store, """SELECT op, seq, CASE WHEN nonfinite_introduced > 0 THEN NULL ELSE sqnr_db END AS sqnr_db,
+                          verdict, nonfinite_introduced FROM comparisons WHERE cand_run_id = ?
                           AND kind = 'accumulated' AND role = 'output' AND ref_rid IS NOT NULL AND cand_rid IS NOT NULL
                           ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
 

@@ -16,12 +16,12 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..services import browse
-from ..services.browse import counterparts, find_records, has_record, record
+from ..services.browse import counterparts, find_records, full_steps, has_record, record
 from .common import MISSING, cosine_text, num_text, plot_text
 from ..stats import HIST_EDGES
 
-__all__ = ["record", "has_record", "find_records", "counterparts", "load_stats", "default_formats", "binade_counts",
-           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "shown_absmax",
+__all__ = ["record", "has_record", "find_records", "full_steps", "op_label", "counterparts", "load_stats", "default_formats", "binade_counts",
+           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "headroom_tables", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
 
@@ -37,6 +37,12 @@ REGION_COLORS = {"overflow": "rgba(220, 38, 38, {a})", "subnormal": "rgba(234, 1
                  "underflow": "rgba(100, 116, 139, {a})"}
 # Data series (this record, its reference/candidates): distinct from the format colours.
 SERIES_COLORS = ("#06b6d4", "#84cc16", "#f472b6", "#a3a3a3")
+
+
+def op_label(rec: dict, *, steps: bool) -> str:
+    """An op picker's entry: its name and seq, with its step when the run has several (the same op is listed once
+    per step)."""
+    return f"{rec['name']}  (" + (f"step {rec['step']}, " if steps else "") + f"seq {rec['seq']})"
 
 
 def load_stats(store, run_id: str, rid: int):
@@ -303,6 +309,16 @@ def headroom_table(stats, formats: Sequence[str]) -> pd.DataFrame:
                                       "min |x| > 0", "footroom (bits)", "underflows"])
 
 
+def headroom_tables(series: Sequence[tuple[str, object]], formats: Sequence[str]) -> pd.DataFrame:
+    """``headroom_table`` of every ``(label, stats)`` in one table, a ``record`` column first: one full-width
+    table keeps every column on screen where side-by-side tables would cut them."""
+    parts = [headroom_table(s, formats).assign(record=str(label)) for label, s in series if s is not None]
+    if not parts:
+        return pd.DataFrame()
+    df = pd.concat(parts, ignore_index=True)
+    return df[["record"] + [c for c in df.columns if c != "record"]]
+
+
 def summary_values_table(stats, formats: Sequence[str]) -> pd.DataFrame:
     """Each summary statistic, its log2 magnitude, and where it lands in each format.
 
@@ -458,6 +474,8 @@ def stats_table(records: Sequence[tuple[str, object]]) -> pd.DataFrame:
                 vals.append(str(v))
             elif f in ("min", "max", "absmax"):
                 vals.append(_extreme_text(st, f))
+            elif isinstance(v, float) and math.isnan(v):
+                vals.append(MISSING)  # not recorded (a statistics-only record), like the counts it lacks
             else:
                 vals.append(num_text(v, 8))
         data[str(label)] = vals

@@ -12,7 +12,7 @@ from ..metrics import SUMMARY_ERRORS
 from .common import cosine_text
 
 __all__ = ["landing_op", "DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
-           "rerun_cards"]
+           "rerun_cards", "sqnr_card"]
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
@@ -43,8 +43,10 @@ DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "ver
 
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
     """Before and after of the latest re-runs, newest first: ``{run, fix, parent, nonfinite_before,
-    nonfinite_after, sqnr_before, sqnr_after, first_before, first_after}`` (forward records holding NaN/Inf;
-    the output SQNR against the fp32 reference, None without one; the op named first non-finite)."""
+    nonfinite_after, sqnr_before, sqnr_after, broken_before, broken_after, first_before, first_after}`` (forward
+    records holding NaN/Inf; the output SQNR against the fp32 reference, None without one or when the output
+    holds NaN/Inf the reference does not -- ``broken`` -- so a broken output is never credited with the SQNR of
+    its finite values; the op named first non-finite)."""
     runs = browse.session_runs(store, session_id)
     by_id = {r["run_id"]: r for r in runs}
     out = []
@@ -55,13 +57,25 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
             last = browse.last_accumulated_output(store, run_id)
             first = first_nonfinite(store, run_id)
             return (browse.count_records(store, run_id, nonfinite=True, direction="forward"),
-                    last["sqnr_db"] if last else None, first.op if first else None)
+                    last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
+                    first.op if first else None)
 
-        (nb, sb, fb), (na, sa, fa) = facts(parent["run_id"]), facts(r["run_id"])
+        (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent["run_id"]), facts(r["run_id"])
         out.append({"run": r["name"], "fix": r.get("fix") or "", "parent": parent["name"], "nonfinite_before": nb,
-                    "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "first_before": fb,
-                    "first_after": fa})
+                    "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "broken_before": bb,
+                    "broken_after": ba, "first_before": fb, "first_after": fa})
     return out
+
+
+def sqnr_card(card: dict) -> tuple[str, Optional[float], str]:
+    """The re-run card's output SQNR as ``(value, delta, help)``: "NaN/Inf" for an output holding NaN/Inf (the
+    worst result, never a number), a delta only between two finite outputs."""
+    sa, sb = card["sqnr_after"], card["sqnr_before"]
+    value = "NaN/Inf" if card["broken_after"] else ("—" if sa is None else f"{sa:.1f}")
+    before = ("NaN/Inf in its output" if card["broken_before"] else "—" if sb is None else f"{sb:.1f} dB")
+    return (value, None if sa is None or sb is None else round(sa - sb, 1),
+            f"The model's output against the fp32 reference; an output holding NaN/Inf has no SQNR. Before: "
+            f"{before} in {card['parent']}.")
 
 
 def landing_op(store, run_id: str) -> Optional[str]:

@@ -3,7 +3,8 @@
 The page holds the tables and key plots the dashboard's Overview shows —
 runs, first non-finite producer per run, error along execution order, the
 magnitude histogram of the op that went wrong against its format's range,
-the worst comparisons, norm artefacts, diagnoses and warnings — with
+the worst comparisons, norm artefacts, diagnoses and warnings, and for a long
+run (a capture over many steps) its timeline and alerts, as ``report`` lists them — with
 plotly.js embedded, so it opens from disk with no server and no network.
 A Content-Security-Policy forbids every fetch.
 
@@ -24,15 +25,18 @@ from typing import Any, Optional, Sequence
 
 from .. import __version__
 from ..services import browse
+from ..services import timeline as _timeline
 from ..services.report import norm_artefacts, order_text
 from .common import cosine_text, num_text, plot_text, public_source
 from .detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
-from .overview import diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, runs_table, top_offenders
+from .overview import (diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, long_runs, runs_table,
+                       top_offenders)
 
 __all__ = ["render_html", "write_html"]
 
 TOP_COMPARISONS = 25
 MAX_WARNINGS = 200
+MAX_STEP_ROWS = 500  # a long run's step table; its plot shows every step
 
 # No network at all; inline scripts and styles only (plotly.js is inlined).
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -166,6 +170,52 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
     return _figure_div(fig, "plot-focus"), caption
 
 
+def _step_figure(steps: list[dict], first: Optional[int]):
+    """Loss, gradient norm and non-finite values per step (log y), the first non-finite step marked."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    x = [r["step"] for r in steps]
+    for key, label in (("loss", "loss"), ("grad_norm", "gradient norm"), ("nonfinite_values", "NaN/Inf values")):
+        y = [None if r.get(key) is None or _isnan(r[key]) else abs(r[key]) for r in steps]
+        if any(v is not None for v in y):
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label,
+                                     hovertemplate=f"step %{{x}}<br>{label} %{{y:.4g}}<extra></extra>"))
+    if first is not None:
+        fig.add_vline(x=first, line_color="#dc2626", line_dash="dash",
+                      annotation_text=f"first non-finite value: step {first}", annotation_position="top left")
+    fig.update_layout(height=340, margin={"l": 60, "r": 20, "t": 40, "b": 50}, xaxis_title="step",
+                      yaxis={"type": "log", "title": "|value|"}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def _long_runs(store, sid: str) -> list[str]:
+    """Per long run (a timeline): its steps in a line, a plot and a table of the per-step values, and its
+    alerts -- what ``report`` lists."""
+    out = []
+    alerts = {r["run"]: r["alerts"] for r in long_runs(store, sid)}
+    for i, (run, t) in enumerate(_timeline.timeline_report(store, sid).items()):
+        first, steps = t["first_nonfinite_step"], t["steps"]
+        out.append(f"<h2>Timeline of <code>{_e(run)}</code></h2>")
+        out.append(f"<p>{len(steps)} steps, full records at {len(t['full_steps'])}; "
+                   + (f"first non-finite value at step {first}" if first is not None else "every step finite")
+                   + "</p>")
+        if len(steps) > 1:  # a line needs two steps
+            out.append(_figure_div(_step_figure(steps, first), f"plot-timeline-{i}"))
+        table = _records(alerts.get(run)) if run in alerts else []
+        out.append(f"<h3>Alerts of {_e(run)} ({len(table)})</h3>")
+        out.append(_table(table, [("step", "step", "num"), ("rule", "rule", "text"), ("message", "message", "text")],
+                          empty="no alerts"))
+        shown = steps[:MAX_STEP_ROWS]
+        out.append(f"<h3>Steps of {_e(run)}" + (f" (the first {MAX_STEP_ROWS} of {len(steps)})"
+                                                if len(steps) > MAX_STEP_ROWS else "") + "</h3>")
+        out.append(_table(shown, [("step", "step", "num"), ("loss", "loss", "num"),
+                                  ("loss_scale", "loss scale", "num"), ("grad_norm", "gradient norm", "num"),
+                                  ("nonfinite_values", "NaN/Inf values", "num"),
+                                  ("tensors", "tensors summarised", "num")], empty="no steps"))
+    return out
+
+
 def render_html(store, session: str, *, public: bool = False) -> str:
     """The page as a string (see the module doc).
 
@@ -218,6 +268,8 @@ def render_html(store, session: str, *, public: bool = False) -> str:
                                   ("where", "where", "text"), ("tensor", "tensor", "text"),
                                   ("reason", "why", "text"), ("path", "ops before it", "name")],
                         empty="no runs"))
+
+    parts += _long_runs(store, sid)
 
     err = _error_plot(store, sid, firsts)
     unknown = [r["run"] for r in runs if r.get("order") == order_text("name")]

@@ -15,11 +15,12 @@ from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, di
                                session_runs, top_offenders)
 from .common import num_text, plot_text, public_source, run_label
 from ..metrics import ELEMENTWISE, relative_error
+from ..records import OUTPUT_ROLES
 
 __all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
            "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
            "error_series", "error_figure", "default_error_metric", "worst_error_text", "session_headline", "order_text",
-           "warnings_table", "order_caveat", "MAX_WARNINGS"]
+           "warnings_table", "order_caveat", "MAX_WARNINGS", "OUTPUT_ROLES"]
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import streamlit as st
@@ -39,7 +40,7 @@ from ..fixes.recipes import trust_user_models
 __all__ = ["PAGES", "page_run", "local_server", "cached_sessions_table", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
            "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
            "sweep_scratch", "server_folders", "while_allowed",
-           "message_md", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
+           "message_md", "PAGE_ICON", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
 
 # page scripts, relative to app.py
 PAGES = {
@@ -50,6 +51,10 @@ PAGES = {
     "diff": "pages/diff.py",
     "timeline": "pages/timeline.py",
 }
+
+# the browser tab's icon: a file shipped with the package, served by this server (a material icon would be
+# fetched from a font CDN, which an offline or air-gapped server cannot reach)
+PAGE_ICON = str(Path(__file__).with_name("icon.png"))
 
 _PENDING = "_pl_pending"  # values handed to the next page by navigate()
 _REMEMBER = "_pl_last_"  # + param: last value chosen, carried across pages
@@ -339,6 +344,15 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     name = url_select("Session", names, param="session", key="pick_session", container=container,
                       default=acc.session)
     return store.session(name)
+
+
+def no_session_text(acc) -> str:
+    """What a page opened with no session says: where one comes from, for this visitor."""
+    if acc.can_upload:
+        return "No session yet: upload a dump or open a sample on the Sessions page."
+    if acc.can_list:
+        return "No session on this server yet. It is read-only: sessions cannot be added here."
+    return "This server is read-only: a session opens through its share link."
 
 
 def choose_run(runs: list[dict], *, container=None, default_kind: str = "candidate",
