@@ -71,7 +71,8 @@ def crossover(rounds: int, loads: list) -> None:
                 n = 1 << log2
                 x = np.random.default_rng(log2).standard_normal(n).astype(np.float32)
                 xt = torch.from_numpy(x)
-                fns = {"serial": lambda: kern.scan(x, True, 1), "parallel": lambda: kern.scan(x, True, threads),
+                fns = {"serial": lambda: kern.scan(x, True, threads, threads=False),
+                       "parallel": lambda: kern.scan(x, True, threads),
                        "auto": lambda: S.tensor_stats(x), "sum": lambda: xt.sum()}
                 t = _medians(fns, max(rounds, 5) * (4 if n < (1 << 20) else 1))
                 print(f"{n:>9} {t['serial'] * 1e6:10.0f} {t['parallel'] * 1e6:11.0f} "

@@ -45,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
-from .numba_loader import PARALLEL_LOCK, CompiledOnce, ParallelChoice, njit, readonly
+from .numba_loader import PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, readonly
 
 __all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
            "VERDICT_THRESHOLDS", "SUMMARY_ERRORS", "ELEMENTWISE", "ON_SUMMARIES", "relative_error"]
@@ -223,9 +223,14 @@ def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, ca
     return out
 
 
-def _nb_compare_serial(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask):
-    out = np.zeros((1, 12), np.float64)
-    _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, 0, r.size, rel_floor, ref_mask, cand_mask, out, 0)
+def _nb_compare_serial(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask, nparts):
+    """``_nb_compare_parallel``'s parts one after another in the calling thread: the same result, no thread to
+    wait for."""
+    out = np.zeros((nparts, 12), np.float64)
+    n = r.size
+    for p in range(nparts):
+        _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, (n * p) // nparts, (n * (p + 1)) // nparts, rel_floor,
+                          ref_mask, cand_mask, out, p)
     return out
 
 
@@ -261,14 +266,14 @@ def _build_kernel(numba):
         tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
         if nparts == 1:
-            return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask)
+            return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, 1)
         parallel = _CHOICE.pick()  # serial when another process holds a core (numba_loader.ParallelChoice)
         t0 = time.perf_counter()
         if parallel:
             with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
                 out = par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
-        else:
-            out = serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask)
+        else:  # the same parts, one after another: the same result
+            out = serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
         _CHOICE.record(parallel, time.perf_counter() - t0, r.size)
         return out
 
@@ -283,7 +288,7 @@ def _warm_kernel(run) -> None:
         x = readonly(np.linspace(-2.0, 2.0, 256, dtype=dt))
         tbl, shift, mask = _ulp_table(x.dtype, -14, 10)
         rb = x.view(np.int32 if dt == np.float32 else np.int64)
-        serial(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf)
+        serial(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
         par(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
 
 
@@ -384,8 +389,9 @@ def _numpy_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, re
         absr = np.abs(r)
         e = np.where(absr > 0, np.maximum(np.frexp(absr)[1] - 1, emin), emin)
         ulp = np.exp2((e - man_bits).astype(np.float64))
-        rows.append([np.count_nonzero(both), np.count_nonzero(fr & ~fc), np.count_nonzero(~fr), np.dot(r, r),
-                     np.dot(c, c), np.dot(r, d), np.dot(d, d), ad.sum(), ad.max(),
+        # sums of products, not np.dot: BLAS threads spin-wait, and stall when another process holds a core
+        rows.append([np.count_nonzero(both), np.count_nonzero(fr & ~fc), np.count_nonzero(~fr), np.sum(r * r),
+                     np.sum(c * c), np.sum(r * d), np.sum(d * d), ad.sum(), ad.max(),
                      (ad / np.maximum(absr, rel_floor)).max(), (ad / ulp).max(), np.count_nonzero(masked)])
     return _acc_of_rows(rows)
 
@@ -574,7 +580,10 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     emin, man_bits = _ulp_params(fmt)
     levels = _mask_levels(reference.dtype, fmt)
     acc = None
-    if backend in ("auto", "numba") and _numba_kernel(wait=backend == "numba") is not None:
+    small = (isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray) and reference.size < SMALL_NUMPY
+             and not KERNEL.loaded())  # loading the kernel would cost more (numba_loader.SMALL_NUMPY)
+    if (backend == "numba" and _numba_kernel(wait=True) is not None) or (
+            backend == "auto" and not small and _numba_kernel() is not None):
         r, c = _np_flat(reference), _np_flat(candidate)
         if r is not None and c is not None:
             acc = _numba_accumulate(r, c, rel_floor, emin, man_bits, chunk, *levels)

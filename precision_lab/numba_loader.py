@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "CompiledOnce", "ParallelChoice", "load_numba", "njit",
-           "limit_threads", "restore_threads", "readonly"]
+__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "CompiledOnce", "ParallelChoice",
+           "load_numba", "njit", "limit_threads", "restore_threads", "readonly"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
 COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
@@ -36,6 +36,11 @@ COMPILER_MODULE = "precision_lab.compile_kernels"
 _LOCK_NAME = "precision-lab-compiling"
 _LOCK_STALE_S = 900.0  # a compiling process older than this has died
 _RECHECK_S = 2.0  # how often a process without the kernels looks at the cache again
+# A numpy array below this many elements does not load the kernels (``auto``): its float64 numpy path costs
+# 50-400 us more than the kernel's 25-30 us, importing numba and loading its cache 0.5-1.5 s; once a larger one
+# has loaded them, small ones take them too.  (A `compare` of 270 tensors of at most 4096 elements never loads
+# them: docs/benchmarks.md, "Command-line start-up".)
+SMALL_NUMPY = 1 << 14
 
 K = TypeVar("K")
 
@@ -174,6 +179,10 @@ class CompiledOnce(Generic[K]):
             if directory is not None:
                 start_compiler(directory)
             return None
+
+    def loaded(self) -> bool:
+        """Whether this process has the kernels already (``get()`` or ``ready()`` handed them out)."""
+        return bool(self._value)
 
     def warm(self) -> None:
         """Compile every signature the callers use (into numba's cache)."""

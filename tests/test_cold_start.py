@@ -130,3 +130,29 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
         k = tensor_stats(x, backend="numba")  # an explicit backend compiles here, whatever the cache says
         assert np.array_equal(k.hist, want.hist) and k.neg_inf_count == want.neg_inf_count == 100
         assert k.std == pytest.approx(want.std, rel=1e-12)
+
+
+def test_small_numpy_arrays_do_not_load_numba():
+    """A command over small tensors (a `compare` of small dumps) never imports numba: loading it and its cache
+    costs more than the float64 numpy path of many small arrays.  A large one loads it."""
+    code = """
+import sys
+import numpy as np
+from precision_lab import metrics
+from precision_lab.numba_loader import SMALL_NUMPY
+from precision_lab.stats import tensor_stats
+x = np.linspace(-3, 3, SMALL_NUMPY - 1, dtype=np.float32)
+s = tensor_stats(x)
+m = metrics.compare(x, x.astype(np.float16))
+small = "numba" in sys.modules
+tensor_stats(np.linspace(-3, 3, SMALL_NUMPY, dtype=np.float32))
+print(small, "numba" in sys.modules, s.zero_count, s.max, m.compared)
+"""
+    env = dict(os.environ, PRECISION_LAB_COMPILE="now", PYTHONPATH=str(ROOT))
+    env.pop("PRECISION_LAB_NO_NUMBA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    small, large, zeros, top, compared = out.stdout.split()
+    assert small == "False"
+    assert large == str(numba_loader.load_numba() is not None)
+    assert (int(zeros), float(top), int(compared)) == (1, 3.0, (1 << 14) - 1)  # linspace holds 0 exactly

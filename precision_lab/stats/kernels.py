@@ -14,7 +14,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ..formats import FORMATS
-from ..numba_loader import PARALLEL_LOCK, CompiledOnce, ParallelChoice, load_numba, njit, readonly
+from ..numba_loader import PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, readonly
 from .accumulate import _Acc, merge_stats
 from .edges import HIST_EDGES, N_BINS, histogram_counts
 from .records import TensorStats, canonical_dtype
@@ -441,14 +441,18 @@ def _nb_scan_parallel(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scr
     return hs.sum(axis=0), ri, rf
 
 
-def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, scratch, nbins):
+def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
+    """``_nb_scan_parallel``'s parts one after another in the calling thread: the same parts, the same result,
+    and no thread to wait for."""
     s = xf.view(np.int32)
     n = s.size if kind == 0 else h16.size
-    hs = np.zeros((1, nbins), np.int64)
-    ri = np.zeros((1, 10), np.int64)
-    rf = np.zeros((1, 3), np.float64)
-    _nb_scan_range(xf, s, h16, kind, 0, n, key_bin, split, cbits, do_hist, scratch[0], hs[0], ri, rf, 0)
-    return hs[0], ri, rf
+    hs = np.zeros((nparts, nbins), np.int64)
+    ri = np.zeros((nparts, 10), np.int64)
+    rf = np.zeros((nparts, 3), np.float64)
+    for p in range(nparts):
+        _nb_scan_range(xf, s, h16, kind, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits,
+                       do_hist, scratch[p], hs[p], ri, rf, p)
+    return hs.sum(axis=0), ri, rf
 
 
 def _build_kernels(numba) -> _Kernels:
@@ -466,13 +470,14 @@ def _build_kernels(numba) -> _Kernels:
     g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
 
-    def scan(x, do_hist, nparts, kind=0):
-        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16."""
+    def scan(x, do_hist, nparts, kind=0, threads=True):
+        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16.  ``nparts`` parts, on as many
+        threads or (``threads`` False) one after another here: the same result either way."""
         xf, h16 = (readonly(x), _NO16) if kind == 0 else (_NO32, readonly(x))
         scratch = _scratch(nparts) if do_hist else np.zeros((nparts, 0), np.int32)
         try:
-            if nparts <= 1:
-                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
+            if nparts <= 1 or not threads:
+                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
             with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
                 return parallel(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
         except BaseException:
@@ -485,7 +490,7 @@ def _build_kernels(numba) -> _Kernels:
 def _warm_kernels(k: _Kernels) -> None:
     """Compile the scan's one signature, serial and parallel (its inputs are always read-only views)."""
     x = np.linspace(-3.0, 3.0, 4096, dtype=np.float32)
-    k.scan(x, True, 1)
+    k.scan(x, True, 2, threads=False)
     k.scan(x, True, 2)
 
 
@@ -526,11 +531,10 @@ def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool, kind: int = 0) -> N
             continue
         choice = _CHOICE[histogram, kind]
         parallel = choice.pick()
-        nparts = nthreads if parallel else 1
         t0 = time.perf_counter()
-        result = kern.scan(part, histogram, nparts, kind)
+        result = kern.scan(part, histogram, nthreads, kind, threads=parallel)  # the same parts either way
         choice.record(parallel, time.perf_counter() - t0, n)
-        _take_scan(acc, result, nparts, histogram)
+        _take_scan(acc, result, nthreads, histogram)
 
 
 def _take_scan(acc: _Acc, result, nparts: int, histogram: bool) -> None:
@@ -809,8 +813,14 @@ def tensor_stats(x, *, histogram: bool = True, chunk_elems: int = 1 << 24, backe
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
     # "auto" takes the kernel only once it is compiled or cached: the first command after an install runs the
-    # numpy/torch path while the kernel compiles in the background (numba_loader)
-    use_numba = backend in ("auto", "numba") and (KERNELS.get() if backend == "numba" else KERNELS.ready()) is not None
+    # numpy/torch path while the kernel compiles in the background (numba_loader); a small numpy array takes the
+    # numpy path until the kernel is loaded (loading numba and its cache costs more than many such arrays)
+    if backend == "numba":
+        use_numba = KERNELS.get() is not None
+    elif backend == "auto" and isinstance(x, np.ndarray) and x.size < SMALL_NUMPY and not KERNELS.loaded():
+        use_numba = False
+    else:
+        use_numba = backend == "auto" and KERNELS.ready() is not None
     if backend == "numba" and not use_numba:
         raise ValueError("backend='numba' requested but numba is not available (or PRECISION_LAB_NO_NUMBA is set)")
 
@@ -908,7 +918,8 @@ def _numpy_chunk(acc: _Acc, c: np.ndarray, histogram: bool) -> None:
     y = np.ldexp(np.ldexp(f, -k1), k1 - k)
     mean_y = float(y.sum()) / nfin
     d = y - mean_y
-    acc.add_moments(nfin, math.ldexp(mean_y, k), float(np.dot(d, d)), float(np.dot(y, y)), k)
+    # sums of products, not np.dot: BLAS threads spin-wait, and stall when another process holds a core
+    acc.add_moments(nfin, math.ldexp(mean_y, k), float(np.sum(d * d)), float(np.sum(y * y)), k)
     if histogram:
         acc.hist += histogram_counts(nz)
 
