@@ -45,7 +45,8 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
-from .numba_loader import PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, readonly
+from .numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, note_fallback, over_budget,
+                           readonly)
 
 __all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
            "VERDICT_THRESHOLDS", "SUMMARY_ERRORS", "ELEMENTWISE", "ON_SUMMARIES", "relative_error"]
@@ -581,7 +582,8 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     levels = _mask_levels(reference.dtype, fmt)
     acc = None
     small = (isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray) and reference.size < SMALL_NUMPY
-             and not KERNEL.loaded())  # loading the kernel would cost more (numba_loader.SMALL_NUMPY)
+             and not KERNEL.loaded() and not over_budget())  # loading the kernel would cost more (numba_loader)
+    t0 = time.thread_time()
     if (backend == "numba" and _numba_kernel(wait=True) is not None) or (
             backend == "auto" and not small and _numba_kernel() is not None):
         r, c = _np_flat(reference), _np_flat(candidate)
@@ -597,6 +599,8 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
             acc = _numpy_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
         else:
             acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
+        if backend == "auto":
+            note_fallback(time.thread_time() - t0)  # counted against numba_loader.FALLBACK_BUDGET_S
     return _finish(acc, n, rel_floor, fmt)
 
 

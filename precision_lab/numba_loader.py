@@ -12,6 +12,9 @@ cache holds them (loading takes a fraction of a second).  When it does not,
 the caller runs its path that needs no compilation and one low-priority
 process, ``python -m precision_lab.compile_kernels``, fills the cache in the
 background (it outlives a short command; one at a time per cache directory).
+A command that has spent ``FALLBACK_BUDGET_S`` on those paths compiles the
+kernels itself (a large dump's first ``compare``: at most that much slower
+than compiling from the start).
 ``PRECISION_LAB_COMPILE=now`` compiles in the process instead, on first use.
 ``get()`` always compiles in the process (an explicit ``backend="numba"``).
 """
@@ -26,8 +29,9 @@ import threading
 import time
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "CompiledOnce", "ParallelChoice",
-           "load_numba", "njit", "limit_threads", "restore_threads", "readonly"]
+__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
+           "ParallelChoice", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
+           "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
 COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
@@ -41,6 +45,11 @@ _RECHECK_S = 2.0  # how often a process without the kernels looks at the cache a
 # has loaded them, small ones take them too.  (A `compare` of 270 tensors of at most 4096 elements never loads
 # them: docs/benchmarks.md, "Command-line start-up".)
 SMALL_NUMPY = 1 << 14
+# Seconds of work (CPU time of the calling thread: a loaded machine does not shorten it) a process may serve from the no-compilation paths while the kernels compile elsewhere; past
+# them the command is long enough that compiling pays: a large dump's first `compare` compiles the kernels here
+# after a few seconds instead of running the float64 paths (some 100 times slower per element) to the end.
+FALLBACK_BUDGET_S = 3.0
+_FALLBACK_SPENT = [0.0]
 
 K = TypeVar("K")
 
@@ -129,6 +138,16 @@ def start_compiler(directory: str) -> bool:
     return True
 
 
+def note_fallback(seconds: float) -> None:
+    """A caller ran its no-compilation path for ``seconds`` (counted against ``FALLBACK_BUDGET_S``)."""
+    _FALLBACK_SPENT[0] += seconds
+
+
+def over_budget() -> bool:
+    """Whether this process has spent its ``FALLBACK_BUDGET_S`` on the no-compilation paths."""
+    return _FALLBACK_SPENT[0] >= FALLBACK_BUDGET_S
+
+
 class CompiledOnce(Generic[K]):
     """``build(numba)``'s result: ``get()`` compiles it in this process; ``ready()`` returns it only when it
     needs no compilation (see the module's docstring).  Both are None without numba.
@@ -165,7 +184,7 @@ class CompiledOnce(Generic[K]):
         if not compile_in_background():
             return self.get()
         now = time.monotonic()
-        if now < self._next_check:
+        if now < self._next_check and not over_budget():
             return None
         with self._lock:
             if self._value is not None:
@@ -174,8 +193,11 @@ class CompiledOnce(Generic[K]):
             if built is False or cache_holds(self._roots(built)):
                 self._value = built
                 return built or None
-            self._next_check = now + _RECHECK_S
             directory = cache_dir(self._roots(built))
+            if over_budget():  # a long command: the kernels pay for their compilation here (or load the cache
+                self._value = built  # if the background compiler has filled it by the first call)
+                return built
+            self._next_check = now + _RECHECK_S
             if directory is not None:
                 start_compiler(directory)
             return None

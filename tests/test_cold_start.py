@@ -156,3 +156,26 @@ print(small, "numba" in sys.modules, s.zero_count, s.max, m.compared)
     assert small == "False"
     assert large == str(numba_loader.load_numba() is not None)
     assert (int(zeros), float(top), int(compared)) == (1, 3.0, (1 << 14) - 1)  # linspace holds 0 exactly
+
+
+def test_a_long_command_compiles_after_its_fallback_budget(monkeypatch):
+    """Past FALLBACK_BUDGET_S of float64-path work the process takes the kernels (compiling them itself if the
+    background compiler has not filled the cache): a large dump's first compare is not float64 to the end."""
+    monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
+    monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
+    monkeypatch.setattr(numba_loader, "start_compiler", lambda directory: True)
+    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+        monkeypatch.setattr(kernel_set, "_value", None)
+        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+    monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
+    x = np.linspace(-1.0, 1.0, 4097, dtype=np.float32)
+    tensor_stats(x)
+    assert kernels.KERNELS._value is None and 0.0 < numba_loader._FALLBACK_SPENT[0] < numba_loader.FALLBACK_BUDGET_S
+    numba_loader.note_fallback(numba_loader.FALLBACK_BUDGET_S)
+    s = tensor_stats(x)
+    metrics.compare(x, x)
+    if numba_loader.load_numba() is None:
+        assert kernels.KERNELS._value is False
+        return
+    assert kernels.KERNELS.loaded() and metrics.KERNEL.loaded()
+    assert s.zero_count == 1 and s.max == 1.0 and s.min == -1.0

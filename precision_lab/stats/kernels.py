@@ -14,7 +14,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ..formats import FORMATS
-from ..numba_loader import PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, readonly
+from ..numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, note_fallback,
+                            over_budget, readonly)
 from .accumulate import _Acc, merge_stats
 from .edges import HIST_EDGES, N_BINS, histogram_counts
 from .records import TensorStats, canonical_dtype
@@ -817,13 +818,21 @@ def tensor_stats(x, *, histogram: bool = True, chunk_elems: int = 1 << 24, backe
     # numpy path until the kernel is loaded (loading numba and its cache costs more than many such arrays)
     if backend == "numba":
         use_numba = KERNELS.get() is not None
-    elif backend == "auto" and isinstance(x, np.ndarray) and x.size < SMALL_NUMPY and not KERNELS.loaded():
+    elif (backend == "auto" and isinstance(x, np.ndarray) and x.size < SMALL_NUMPY and not KERNELS.loaded()
+          and not over_budget()):
         use_numba = False
     else:
         use_numba = backend == "auto" and KERNELS.ready() is not None
     if backend == "numba" and not use_numba:
         raise ValueError("backend='numba' requested but numba is not available (or PRECISION_LAB_NO_NUMBA is set)")
+    t0 = time.thread_time()
+    out = _tensor_stats(x, histogram, chunk_elems, use_numba, backend)
+    if backend == "auto" and not use_numba:
+        note_fallback(time.thread_time() - t0)  # counted against numba_loader.FALLBACK_BUDGET_S
+    return out
 
+
+def _tensor_stats(x, histogram: bool, chunk_elems: int, use_numba: bool, backend: str) -> TensorStats:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         if backend == "numpy":
