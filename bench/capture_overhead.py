@@ -22,11 +22,18 @@ medians over rounds are compared with the plain step's:
 - msprobe: Ascend msprobe statistics mode, level "mix", started and stopped
   around each step, when ``mindstudio-probe`` is installed.
 
-Each capture is entered and left around its one timed step; writing its
-records on exit is timed separately and not part of the ratio.  Two ratios are
-printed: wall-clock time, and the process's CPU time (all threads).
+Like for like: every variant's timed window holds all it does for a step.
+Precision Lab: entering the capture, the step, and leaving it (which writes
+the step's records to the store); msprobe: ``start``, the step, ``stop`` and
+``step`` (its dump is written there); TensorBoard: the step with its hooks and
+the writer's ``flush``.  The split (enter / step / exit and write) is printed
+beside each.  Two ratios are printed: wall-clock time, and the process's CPU
+time (all threads).  ``--busy N`` runs N busy-looping processes beside every
+variant for the whole measurement (a machine shared with data-loader workers or
+other jobs).
 
     python bench/capture_overhead.py                  # both models, 9 rounds
+    python bench/capture_overhead.py --busy 1         # the same with one core taken
     python bench/capture_overhead.py --models transformer --rounds 15
     python bench/capture_overhead.py --more            # + forward-only, modules-only
     python bench/capture_overhead.py --breakdown       # hooks vs statistics, in one process
@@ -57,6 +64,8 @@ import torch.nn.functional as F  # noqa: E402
 import precision_lab  # noqa: E402
 from precision_lab.live import CaptureOptions  # noqa: E402
 from precision_lab.store import Store  # noqa: E402
+
+from _busy import busy, describe  # noqa: E402  (bench/ is on the path when a bench runs)
 
 D, HEADS, HIDDEN, BLOCKS, BATCH, SEQ = 256, 4, 1024, 4, 8, 128
 
@@ -175,30 +184,39 @@ class Plain(Variant):
 
 
 class _Timer:
-    """Wall-clock and process CPU time (all threads) of one step."""
+    """Wall-clock and process CPU time (all threads) of one step; ``lap()`` marks the split points."""
 
     def __init__(self):
         self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.laps = []
 
-    def stop(self) -> tuple[float, float]:
-        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+    def lap(self) -> None:
+        self.laps.append(time.perf_counter())
+
+    def stop(self) -> tuple[float, float, tuple]:
+        end = time.perf_counter()
+        marks = [self.wall, *self.laps, end]
+        return end - self.wall, time.process_time() - self.cpu, tuple(b - a for a, b in zip(marks, marks[1:]))
+
+
+SPLIT = ("enter", "step", "exit")  # the three parts of a capture's window (msprobe: start / step / stop+step)
 
 
 class Ours(Variant):
     def __init__(self, name, options, default_store=False):
         self.name, self.options = name, options
-        self.exit_times, self.records = [], 0
+        self.records = 0
         # store=None: the default database, here a file in a temporary folder
         self.store = None if default_store else Store(":memory:")
 
     def run(self, model, x):
+        t = _Timer()  # the whole capture: enter, step, exit (which writes the records)
         cap = precision_lab.capture(model, run=self.name, store=self.store, options=self.options)
         with cap:
-            t = _Timer()
+            t.lap()
             _step(model, x)
-            dt = t.stop()
-            t1 = time.perf_counter()
-        self.exit_times.append(time.perf_counter() - t1)
+            t.lap()
+        dt = t.stop()
         self.records = len(cap.records)
         if cap.warnings:
             raise RuntimeError(f"capture warned: {cap.warnings[:3]}")
@@ -241,7 +259,11 @@ class TensorBoard(Variant):
             if isinstance(o, torch.Tensor):
                 self.writer.add_histogram(names[m], o.detach(), 0)
 
-        return _step_with_forward_hooks(model, x, hook)
+        wall, cpu, (step,) = _step_with_forward_hooks(model, x, hook)
+        t = _Timer()
+        self.writer.flush()  # its histograms reach the event file
+        w2, c2, _ = t.stop()
+        return wall + w2, cpu + c2, (0.0, step, w2)
 
 
 class Msprobe(Variant):
@@ -272,7 +294,9 @@ class Msprobe(Variant):
             self.debugger = self.cls(config_path=str(cfg))
         t = _Timer()
         self.debugger.start(model)
+        t.lap()
         _step(model, x)
+        t.lap()
         self.debugger.stop()
         self.debugger.step()
         return t.stop()
@@ -311,11 +335,7 @@ def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_thread
     conn.send(("ready", ""))
     while conn.recv() == "step":
         conn.send(v.run(model, x))
-    note = ""
-    if isinstance(v, Ours):
-        note = (f"{v.records} records/step; writing them on exit "
-                f"{statistics.median(v.exit_times) * 1e3:.0f} ms (not in the ratio)")
-    conn.send(note)
+    conn.send(f"{v.records} records/step" if isinstance(v, Ours) else "")
 
 
 def _run_model(model_kind: str, args) -> None:
@@ -337,32 +357,38 @@ def _run_model(model_kind: str, args) -> None:
             active.append(name)
         else:
             notes[name] = note
-    load0 = os.getloadavg()
     times = {n: [] for n in active}
-    for r in range(args.rounds):
-        for name in active[r % len(active):] + active[:r % len(active)]:
-            time.sleep(0.05)  # the previous process's thread pool stops spinning before the next step
-            conns[name].send("step")
-            times[name].append(conns[name].recv())
-    load1 = os.getloadavg()
+    with busy(args.busy):
+        time.sleep(1.0 if args.busy else 0.0)
+        load0 = os.getloadavg()
+        for r in range(args.rounds):
+            for name in active[r % len(active):] + active[:r % len(active)]:
+                time.sleep(0.05)  # the previous process's thread pool stops spinning before the next step
+                conns[name].send("step")
+                times[name].append(conns[name].recv())
+        load1 = os.getloadavg()
     for name in active:
         conns[name].send("stop")
         notes[name] = conns[name].recv()
     for p in procs.values():
         p.join(timeout=60)
-    print(f"\nmodel: {MODELS[model_kind][0]}, forward+backward, each variant in its own process")
-    base = statistics.median(w for w, _ in times["plain"])
-    base_cpu = statistics.median(c for _, c in times["plain"])
-    print(f"{'variant':<18}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   notes")
+    print(f"\nmodel: {MODELS[model_kind][0]}, forward+backward, each variant in its own process; "
+          f"{describe(args.busy)}")
+    base = statistics.median(w for w, _, _ in times["plain"])
+    base_cpu = statistics.median(c for _, c, _ in times["plain"])
+    print(f"{'variant':<18}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   {' / '.join(SPLIT)} ms (medians)   notes")
     ratios = {}
     for name in names:
         if name not in times:
             print(f"{name:<18}{'-':>9}{'-':>8}{'-':>9}{'-':>8}   {notes.get(name, '')}")
             continue
-        m = statistics.median(w for w, _ in times[name])
-        c = statistics.median(c for _, c in times[name])
+        m = statistics.median(w for w, _, _ in times[name])
+        c = statistics.median(c for _, c, _ in times[name])
+        parts = [p for _, _, p in times[name]]
+        split = " / ".join(f"{statistics.median(p[i] for p in parts) * 1e3:.1f}" for i in range(len(parts[0])))
         ratios[name] = m / base
-        print(f"{name:<18}{m * 1e3:>9.1f}{m / base:>7.2f}x{c * 1e3:>9.1f}{c / base_cpu:>7.2f}x   {notes.get(name, '')}")
+        print(f"{name:<18}{m * 1e3:>9.1f}{m / base:>7.2f}x{c * 1e3:>9.1f}{c / base_cpu:>7.2f}x   "
+              f"{split if name != 'plain' else '-':<28}{notes.get(name, '')}")
     peers = [ratios[p] for p in ("tensorboard", "msprobe-stats") if p in ratios]
     for name, target in TARGETS[model_kind].items():
         if name in ratios:
@@ -445,11 +471,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--stats-threads", type=int, default=0,
                     help="CaptureOptions.stats_threads (default 0: numba's own setting, every core)")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside every variant (default 0)")
     ap.add_argument("--more", action="store_true",
                     help="also time lighter capture settings (forward only; modules only)")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: where a full capture's time goes (hooks, statistics in the step, replayed)")
     args = ap.parse_args(argv)
+    os.environ.setdefault("PRECISION_LAB_COMPILE", "now")  # the kernels compile in the warm-up, not in the rounds
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
           f"torch threads {args.threads or torch.get_num_threads()}  stats threads "
           f"{args.stats_threads or 'numba default'}  cpu {_cpu_name()}")

@@ -38,13 +38,15 @@ finite on both sides give instead:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
-from .numba_loader import PARALLEL_LOCK, CompiledOnce, njit
+from .numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, note_fallback, over_budget,
+                           readonly)
 
 __all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
            "VERDICT_THRESHOLDS", "SUMMARY_ERRORS", "ELEMENTWISE", "ON_SUMMARIES", "relative_error"]
@@ -222,6 +224,17 @@ def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, ca
     return out
 
 
+def _nb_compare_serial(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask, nparts):
+    """``_nb_compare_parallel``'s parts one after another in the calling thread: the same result, no thread to
+    wait for."""
+    out = np.zeros((nparts, 12), np.float64)
+    n = r.size
+    for p in range(nparts):
+        _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, (n * p) // nparts, (n * (p + 1)) // nparts, rel_floor,
+                          ref_mask, cand_mask, out, p)
+    return out
+
+
 def _ulp_table(dtype, emin: int, man_bits: int):
     """ulp of the format for each exponent field of ``dtype`` (float32 or float64) values."""
     fi = np.finfo(dtype)
@@ -234,6 +247,7 @@ def _ulp_table(dtype, emin: int, man_bits: int):
 
 
 _PAR_MIN = 1 << 16
+_CHOICE = ParallelChoice()
 _prange = range  # numba.prange once _build_kernel has run
 
 
@@ -243,23 +257,49 @@ def _build_kernel(numba):
     g["_prange"] = numba.prange
     g["_nb_compare_range"] = njit(numba, _nb_compare_range)
     par = njit(numba, _nb_compare_parallel, parallel=True)
+    serial = njit(numba, _nb_compare_serial)  # no parallel region: no thread to wait for
 
     def run(r, c, rel_floor, emin, man_bits, ref_mask, cand_mask):
+        if r.dtype != c.dtype:  # float32 against float64: both exactly in float64 (two signatures in all)
+            r, c = r.astype(np.float64), c.astype(np.float64)
+        r, c = readonly(r), readonly(c)
         nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
         tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
-        with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
-            return par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
+        if nparts == 1:
+            return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, 1)
+        parallel = _CHOICE.pick()  # serial when another process holds a core (numba_loader.ParallelChoice)
+        t0 = time.perf_counter()
+        if parallel:
+            with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
+                out = par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
+        else:  # the same parts, one after another: the same result
+            out = serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
+        _CHOICE.record(parallel, time.perf_counter() - t0, r.size)
+        return out
 
+    run.dispatchers = (serial, par)
     return run
 
 
-_KERNEL = CompiledOnce(_build_kernel)
+def _warm_kernel(run) -> None:
+    """Compile the comparison's two signatures (float32 and float64 inputs), serial and parallel."""
+    serial, par = run.dispatchers
+    for dt in (np.float32, np.float64):
+        x = readonly(np.linspace(-2.0, 2.0, 256, dtype=dt))
+        tbl, shift, mask = _ulp_table(x.dtype, -14, 10)
+        rb = x.view(np.int32 if dt == np.float32 else np.int64)
+        serial(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
+        par(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
 
 
-def _numba_kernel():
-    """The compiled one-pass comparison; None without numba."""
-    return _KERNEL.get()
+KERNEL = CompiledOnce(_build_kernel, roots=lambda run: [(d, 2) for d in run.dispatchers], warm=_warm_kernel)
+
+
+def _numba_kernel(wait: bool = False):
+    """The compiled one-pass comparison, None without numba; without ``wait``, None also while it is not
+    compiled or cached yet (``numba_loader``)."""
+    return KERNEL.get() if wait else KERNEL.ready()
 
 
 def _np_flat(x) -> Optional[np.ndarray]:
@@ -332,6 +372,31 @@ def _acc_of_rows(rows) -> dict:
     return acc
 
 
+def _numpy_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask) -> dict:
+    """``_torch_rows`` in float64 numpy, for numpy arrays while the compiled kernel is not there yet: no torch
+    import."""
+    rows = []
+    ref, cand = _np_flat(reference), _np_flat(candidate)
+    for i in range(0, ref.size, chunk):
+        r, c = ref[i:i + chunk].astype(np.float64), cand[i:i + chunk].astype(np.float64)
+        fr, fc = np.isfinite(r), np.isfinite(c)
+        masked = fr & (r <= ref_mask) & (c <= cand_mask)
+        fc |= masked  # a masked position is neither compared nor introduced
+        both = fr & fc & ~masked
+        r = np.where(both, r, 0.0)
+        c = np.where(both, c, 0.0)
+        d = c - r
+        ad = np.abs(d)
+        absr = np.abs(r)
+        e = np.where(absr > 0, np.maximum(np.frexp(absr)[1] - 1, emin), emin)
+        ulp = np.exp2((e - man_bits).astype(np.float64))
+        # sums of products, not np.dot: BLAS threads spin-wait, and stall when another process holds a core
+        rows.append([np.count_nonzero(both), np.count_nonzero(fr & ~fc), np.count_nonzero(~fr), np.sum(r * r),
+                     np.sum(c * c), np.sum(r * d), np.sum(d * d), ad.sum(), ad.max(),
+                     (ad / np.maximum(absr, rel_floor)).max(), (ad / ulp).max(), np.count_nonzero(masked)])
+    return _acc_of_rows(rows)
+
+
 def _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask) -> dict:
     rows = _torch_rows(reference, candidate, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask)
     return _acc_of_rows([] if rows is None else rows.cpu().tolist())  # the one transfer
@@ -382,7 +447,7 @@ def finish_all(pending) -> list[Comparison]:
 
 
 def _numba_accumulate(r: np.ndarray, c: np.ndarray, rel_floor, emin, man_bits, chunk, ref_mask, cand_mask) -> dict:
-    kern = _numba_kernel()
+    kern = _numba_kernel(wait=True)
     acc = _new_acc()
     for i in range(0, r.size, chunk):
         for part in kern(r[i : i + chunk], c[i : i + chunk], float(rel_floor), int(emin), int(man_bits),
@@ -503,23 +568,39 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
 
     ``cand_format`` names the format whose rounding the candidate went
     through; by default it is inferred from the candidate's dtype (fp32 if it
-    is not a registered format).  ``backend``: "auto" (compiled kernel for
-    CPU inputs when numba is available, else torch), "numba" or "torch".
+    is not a registered format).  ``backend``: "auto" (the compiled kernel for
+    CPU inputs once it is compiled or cached, else float64 numpy for two
+    numpy arrays and torch for tensors), "numba", "torch" or "numpy" (numpy
+    arrays only).
     """
+    if backend not in ("auto", "numba", "torch", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'numba', 'torch' or 'numpy', not {backend!r}")
     _check_shapes(reference, candidate)
     fmt, rel_floor = _judged_format(candidate.dtype, cand_format)
     n = _numel(reference)
     emin, man_bits = _ulp_params(fmt)
     levels = _mask_levels(reference.dtype, fmt)
     acc = None
-    if backend in ("auto", "numba") and _numba_kernel() is not None:
+    small = (isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray) and reference.size < SMALL_NUMPY
+             and not KERNEL.loaded() and not over_budget())  # loading the kernel would cost more (numba_loader)
+    t0 = time.thread_time()
+    if (backend == "numba" and _numba_kernel(wait=True) is not None) or (
+            backend == "auto" and not small and _numba_kernel() is not None):
         r, c = _np_flat(reference), _np_flat(candidate)
         if r is not None and c is not None:
             acc = _numba_accumulate(r, c, rel_floor, emin, man_bits, chunk, *levels)
     if acc is None:
         if backend == "numba":
             raise RuntimeError("the numba comparison kernel is unavailable for these inputs")
-        acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
+        numpy_inputs = isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray)
+        if backend == "numpy" and not numpy_inputs:
+            raise ValueError("backend='numpy' takes numpy arrays, not torch tensors")
+        if numpy_inputs and backend != "torch":
+            acc = _numpy_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
+        else:
+            acc = _torch_accumulate(reference, candidate, rel_floor, emin, man_bits, chunk, *levels)
+        if backend == "auto":
+            note_fallback(time.thread_time() - t0)  # counted against numba_loader.FALLBACK_BUDGET_S
     return _finish(acc, n, rel_floor, fmt)
 
 

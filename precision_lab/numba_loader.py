@@ -1,23 +1,55 @@
 """numba, when it can be used: one switch, one way to compile, one lock and the thread limit for every kernel.
 
-``PRECISION_LAB_NO_NUMBA=1`` turns the compiled kernels off (the torch
-paths run instead).  Kernels are compiled on first use (``CompiledOnce``),
-cached on disk by numba (``njit``) and release the GIL.  numba's default
-"workqueue" threading layer must not run two parallel regions at once in one
-process, whichever module compiled them, so every parallel call takes
-``PARALLEL_LOCK``.
+``PRECISION_LAB_NO_NUMBA=1`` turns the compiled kernels off (the numpy/torch
+paths run instead).  Kernels are cached on disk by numba (``njit``) and
+release the GIL.  numba's default "workqueue" threading layer must not run
+two parallel regions at once in one process, whichever module compiled them,
+so every parallel call takes ``PARALLEL_LOCK``.
+
+Compiling the kernels takes 10-20 s, once per install.  A command must not
+pay that: ``CompiledOnce.ready()`` hands out the kernels only when numba's
+cache holds them (loading takes a fraction of a second).  When it does not,
+the caller runs its path that needs no compilation and one low-priority
+process, ``python -m precision_lab.compile_kernels``, fills the cache in the
+background (it outlives a short command; one at a time per cache directory).
+A command that has spent ``FALLBACK_BUDGET_S`` on those paths compiles the
+kernels itself (a large dump's first ``compare``: at most that much slower
+than compiling from the start).
+``PRECISION_LAB_COMPILE=now`` compiles in the process instead, on first use.
+``get()`` always compiles in the process (an explicit ``backend="numba"``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import sys
 import threading
+import time
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-__all__ = ["DISABLE_ENV", "PARALLEL_LOCK", "CompiledOnce", "load_numba", "njit", "limit_threads", "restore_threads"]
+__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
+           "ParallelChoice", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
+           "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
+COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
 PARALLEL_LOCK = threading.Lock()
+COMPILER_MODULE = "precision_lab.compile_kernels"
+_LOCK_NAME = "precision-lab-compiling"
+_LOCK_STALE_S = 900.0  # a compiling process older than this has died
+_RECHECK_S = 2.0  # how often a process without the kernels looks at the cache again
+# A numpy array below this many elements does not load the kernels (``auto``): its float64 numpy path costs
+# 50-400 us more than the kernel's 25-30 us, importing numba and loading its cache 0.5-1.5 s; once a larger one
+# has loaded them, small ones take them too.  (A `compare` of 270 tensors of at most 4096 elements never loads
+# them: docs/benchmarks.md, "Command-line start-up".)
+SMALL_NUMPY = 1 << 14
+# Seconds of work (CPU time of the calling thread: a loaded machine does not shorten it) a process may serve from the no-compilation paths while the kernels compile elsewhere; past
+# them the command is long enough that compiling pays: a large dump's first `compare` compiles the kernels here
+# after a few seconds instead of running the float64 paths (some 100 times slower per element) to the end.
+FALLBACK_BUDGET_S = 3.0
+_FALLBACK_SPENT = [0.0]
 
 K = TypeVar("K")
 
@@ -38,21 +70,189 @@ def njit(numba: Any, fn: Callable, **options: Any) -> Callable:
     return numba.njit(cache=True, nogil=True, **options)(fn)
 
 
-class CompiledOnce(Generic[K]):
-    """``build(numba)``'s result, built on the first ``get()``; ``get()`` is None without numba."""
+def readonly(a):
+    """A read-only view of the numpy array ``a``: every kernel takes its inputs read-only, so a writable array
+    and a read-only memory map share one compiled signature (and one cache entry)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
-    def __init__(self, build: Callable[[Any], K]) -> None:
+
+def compile_in_background() -> bool:
+    """Whether a process without cached kernels runs its no-compilation path and compiles in the background."""
+    return os.environ.get(COMPILE_ENV, "background").strip().lower() != "now"
+
+
+def cache_holds(roots) -> bool:
+    """Whether numba's cache holds, for this machine and this source, ``n`` signatures of each ``(dispatcher,
+    n)`` in ``roots``.  True when it cannot tell (numba's cache layout changed): then the kernels compile in the
+    process on first use, as they would without a cache."""
+    try:
+        for disp, n in roots:
+            magic = disp.targetctx.codegen().magic_tuple()
+            code = hashlib.sha256(disp.py_func.__code__.co_code).hexdigest()
+            index = disp._cache._cache_file._load_index()  # {(signature, machine, (code hash, ...)): file}
+            if sum(1 for key in index if key[1] == magic and key[2][0] == code) < n:
+                return False
+        return True
+    except Exception:
+        return True
+
+
+def cache_dir(roots) -> Optional[str]:
+    """The directory numba caches ``roots``' first dispatcher in (None when it cannot tell)."""
+    try:
+        return str(roots[0][0]._cache._cache_path)
+    except Exception:
+        return None
+
+
+_STARTED: list = []  # the compiler this process started (one per process: it compiles every kernel set)
+
+
+def start_compiler(directory: str) -> bool:
+    """Start ``python -m precision_lab.compile_kernels`` unless this process started one or one is compiling
+    into ``directory`` already (its lock file there); True when started."""
+    if _STARTED:
+        return False
+    lock = os.path.join(directory, _LOCK_NAME)
+    try:
+        if time.time() - os.path.getmtime(lock) < _LOCK_STALE_S:
+            return False
+        os.unlink(lock)
+    except OSError:
+        pass
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return False
+    try:
+        _STARTED.append(subprocess.Popen([sys.executable, "-m", COMPILER_MODULE, lock], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                         start_new_session=True))
+    except OSError:
+        os.unlink(lock)
+        return False
+    return True
+
+
+def note_fallback(seconds: float) -> None:
+    """A caller ran its no-compilation path for ``seconds`` (counted against ``FALLBACK_BUDGET_S``)."""
+    _FALLBACK_SPENT[0] += seconds
+
+
+def over_budget() -> bool:
+    """Whether this process has spent its ``FALLBACK_BUDGET_S`` on the no-compilation paths."""
+    return _FALLBACK_SPENT[0] >= FALLBACK_BUDGET_S
+
+
+class CompiledOnce(Generic[K]):
+    """``build(numba)``'s result: ``get()`` compiles it in this process; ``ready()`` returns it only when it
+    needs no compilation (see the module's docstring).  Both are None without numba.
+
+    ``roots(value)``: the dispatchers called from Python, each with the number of signatures ``warm(value)``
+    compiles (every signature the callers use)."""
+
+    def __init__(self, build: Callable[[Any], K], *, roots: Callable[[K], list], warm: Callable[[K], None]) -> None:
         self._build = build
-        self._value: Any = None  # None: not tried yet; False: numba unavailable
+        self._roots = roots
+        self._warm = warm
+        self._built: Any = None  # the dispatchers (nothing compiled yet); False: numba unavailable
+        self._value: Any = None  # handed out: the kernels, or False (numba unavailable)
+        self._next_check = 0.0
         self._lock = threading.Lock()
+
+    def _dispatchers(self) -> Any:
+        if self._built is None:
+            numba = load_numba()
+            self._built = self._build(numba) if numba is not None else False
+        return self._built
 
     def get(self) -> Optional[K]:
         if self._value is None:
             with self._lock:
                 if self._value is None:
-                    numba = load_numba()
-                    self._value = self._build(numba) if numba is not None else False
+                    self._value = self._dispatchers()
         return self._value or None
+
+    def ready(self) -> Optional[K]:
+        """The kernels if they are compiled here or cached; else None, and the cache is being filled."""
+        if self._value is not None:
+            return self._value or None
+        if not compile_in_background():
+            return self.get()
+        now = time.monotonic()
+        if now < self._next_check and not over_budget():
+            return None
+        with self._lock:
+            if self._value is not None:
+                return self._value or None
+            built = self._dispatchers()
+            if built is False or cache_holds(self._roots(built)):
+                self._value = built
+                return built or None
+            directory = cache_dir(self._roots(built))
+            if over_budget():  # a long command: the kernels pay for their compilation here (or load the cache
+                self._value = built  # if the background compiler has filled it by the first call)
+                return built
+            self._next_check = now + _RECHECK_S
+            if directory is not None:
+                start_compiler(directory)
+            return None
+
+    def loaded(self) -> bool:
+        """Whether this process has the kernels already (``get()`` or ``ready()`` handed them out)."""
+        return bool(self._value)
+
+    def warm(self) -> None:
+        """Compile every signature the callers use (into numba's cache)."""
+        value = self.get()
+        if value is not None:
+            self._warm(value)
+
+
+class ParallelChoice:
+    """Serial or parallel, for a kernel call large enough that parallel can pay: whichever has cost less per
+    element lately in this process.
+
+    A parallel region ends when its last thread does.  On a quiet machine two threads halve a large scan; when
+    another process holds a core, the thread that waits for it stalls every call (a step makes hundreds), and
+    one thread in the calling thread is faster.  Each call's time per element updates its path's running
+    estimate (a few slow calls in a row turn the choice); every ``explore``-th call takes the other path and
+    its time replaces that path's estimate, so a change in the load is noticed within that many calls.  ``pick()`` says whether to go parallel; ``record(parallel, seconds, n)`` reports a call."""
+
+    __slots__ = ("_est", "_calls", "explore", "alpha")
+
+    def __init__(self, explore: int = 48, alpha: float = 0.25) -> None:
+        self._est: list = [None, None]  # seconds per element: serial, parallel
+        self._calls = 0
+        self.explore = explore
+        self.alpha = alpha
+
+    def pick(self) -> bool:
+        self._calls += 1
+        serial, parallel = self._est
+        if parallel is None:
+            return True
+        if serial is None:
+            return False
+        faster = parallel < serial
+        return faster != (self._calls % self.explore == 0)
+
+    def record(self, parallel: bool, seconds: float, n: int) -> None:
+        v = seconds / max(n, 1)
+        old, other = self._est[parallel], self._est[not parallel]
+        if old is None or (other is not None and old >= other):
+            self._est[parallel] = v  # the path not taken lately: this call is all that is known of it now
+            return
+        v = min(max(v, old / 2), old * 2)  # one descheduled call moves the estimate, it does not set it
+        self._est[parallel] = old + self.alpha * (v - old)
+
+    def estimates(self) -> tuple:
+        """(serial, parallel) seconds per element, None where not measured yet."""
+        return tuple(self._est)
 
 
 def limit_threads(n: int) -> Optional[int]:

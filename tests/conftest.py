@@ -8,6 +8,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# the kernels compile in this process on first use (not in a background process while the float64 paths
+# serve): every test sees the path it asks for; tests of the background compilation set it themselves
+os.environ.setdefault("PRECISION_LAB_COMPILE", "now")
+
 FIXTURES = ROOT / "tests" / "data" / "msprobe"  # recorded msprobe dumps, copied into the repo
 SAMPLES = ROOT / "sample_dumps"
 

@@ -45,6 +45,28 @@ def test_compare_matches_float64_reference(dtype):
     assert cmp.verdict == "expected"
 
 
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_numpy_path_matches_float64_reference(name):
+    """The path numpy inputs take while the compiled kernel is not there yet (and without numba)."""
+    rng = np.random.default_rng(3)
+    ref = (rng.standard_normal((1000, 37)) * 3).astype(np.float32)
+    ref[0, :5] = np.float32(np.finfo(np.float32).min)  # a mask, in both runs below
+    with np.errstate(over="ignore"):  # the mask overflows to -inf in fp16, as a cast gives
+        cand = ref.astype(np.float16 if name == "float16" else ml_dtypes.bfloat16)
+    cand[1, 0] = np.inf  # introduced
+    ref[2, 0] = np.nan  # in the reference
+    fmt = FORMATS["fp16" if name == "float16" else "bf16"]
+    cmp = compare(ref, cand, backend="numpy", chunk=4099)
+    r64, c64 = ref.astype(np.float64), cand.astype(np.float64)
+    keep = ~(r64 <= np.finfo(np.float32).min / 2)
+    exp = _ref_metrics(r64[keep], c64[keep], fmt.smallest_normal)
+    for k, v in exp.items():
+        assert getattr(cmp, k) == pytest.approx(v, rel=1e-12, abs=0), k
+    assert cmp.masked == 5 and cmp.nonfinite_in_ref == 1 and cmp.cand_format == fmt.name
+    with pytest.raises(ValueError, match="numpy arrays"):
+        compare(torch.from_numpy(ref), torch.from_numpy(ref), backend="numpy")
+
+
 def test_cosine_deficit_resolves_near_one():
     x = np.linspace(1, 2, 100_000)
     y = x * (1 + 1e-9 * np.sin(np.arange(x.size)))
@@ -133,8 +155,9 @@ def test_cosine_deficit_against_exact_rationals():
     assert cmp.cosine_deficit == pytest.approx(exact, rel=1e-6)
 
 
+@pytest.mark.parametrize("other", ["torch", "numpy"])
 @pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e4m3fn", "int8"])
-def test_numba_and_torch_accumulators_agree(fmt):
+def test_numba_and_float64_accumulators_agree(fmt, other):
     rng = np.random.default_rng(6)
     r = (rng.standard_normal(200_003) * np.exp(rng.uniform(-12, 12, 200_003))).astype(np.float32)
     c = (r * (1 + rng.standard_normal(r.size).astype(np.float32) * 1e-3)).astype(np.float32)
@@ -142,7 +165,7 @@ def test_numba_and_torch_accumulators_agree(fmt):
     c[5::997] = np.inf
     r[7::501] = 0.0
     a = compare(r, c, cand_format=fmt, backend="numba")
-    b = compare(r, c, cand_format=fmt, backend="torch")
+    b = compare(r, c, cand_format=fmt, backend=other)
     for f in ("compared", "nonfinite_introduced", "nonfinite_in_ref", "max_abs_err", "max_rel_err", "max_ulp_err"):
         assert getattr(a, f) == getattr(b, f), f
     for f in ("mean_abs_err", "rmse", "sqnr_db", "cosine_deficit", "rounding_units"):
@@ -158,6 +181,7 @@ def test_numba_and_torch_accumulators_agree(fmt):
         e = np.where(rr != 0, np.maximum(e - 1, F.emin), F.emin)  # frexp(0) gives 0
         ulp = np.ldexp(1.0, e - F.man_bits)
     assert a.max_ulp_err == np.max(np.abs(cc - rr) / ulp)
+    assert b.max_ulp_err == np.max(np.abs(cc - rr) / ulp)
 
 
 def test_stats_comparison_counts_only_what_the_candidate_adds():

@@ -865,3 +865,34 @@ def test_sixteen_bit_floats_are_widened_inside_the_scan_exactly(all16, src):
     for n in (1, 7, 17, 33):
         got = tensor_stats(narrow[snan:snan + n], backend="numba")
         assert got.nan_count == n and not K._SCRATCH.table.any()
+
+
+@pytest.mark.parametrize("kind", ["float32", "float64-extremes", "float16", "bfloat16", "float8_e4m3fn", "int64",
+                                  "bool"])
+def test_numpy_path_against_reference_and_kernel(kind):
+    """The float64 numpy path (numpy inputs while the kernel is not compiled yet, or without numba): the float64
+    reference to rounding, and the kernel's counts, extrema and histogram exactly."""
+    x = _mixture(100_003, seed=11)
+    if kind == "float64-extremes":
+        x = x.astype(np.float64)
+        x[100:110] = [1e150, -1.7e150, 5e-324, -1e-320, 1e-310, 3.0, -3.0, 1e140, 2e-300, 0.0]
+    elif kind == "int64":
+        x = np.random.default_rng(2).integers(-(1 << 40), 1 << 40, 50_001)
+    elif kind == "bool":
+        x = np.random.default_rng(2).random(50_001) < 0.3
+    elif kind != "float32":
+        with np.errstate(over="ignore"):  # beyond the format: Inf, as a cast gives
+            x = x.astype(getattr(ml_dtypes, kind) if kind != "float16" else np.float16)
+    s = tensor_stats(x, backend="numpy", chunk_elems=30_011)
+    assert s.dtype == kind.split("-")[0] and s.numel == x.size
+    assert_matches(s, ref_stats(x), rel=1e-12)
+    if "numba" in BACKENDS and kind not in ("float64-extremes", "int64"):
+        k = tensor_stats(x, backend="numba")
+        for f in ("nan_count", "inf_count", "neg_inf_count", "zero_count", "min", "max", "absmax",
+                  "min_abs_nonzero"):
+            assert getattr(s, f) == getattr(k, f) or (math.isnan(getattr(s, f)) and math.isnan(getattr(k, f))), f
+        assert np.array_equal(s.hist, k.hist)
+        for f in ("mean", "std", "l2norm"):  # two float64 summation orders; this mean cancels 5 digits
+            assert getattr(s, f) == pytest.approx(getattr(k, f), rel=1e-10), f
+    with pytest.raises(ValueError, match="numpy arrays"):
+        tensor_stats(torch.zeros(3), backend="numpy")

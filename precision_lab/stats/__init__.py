@@ -28,12 +28,15 @@ Performance: on CPU, float32 (and anything converted exactly to float32 per
 chunk: fp16, bf16, fp8, fp6, fp4, e8m0, 8/16-bit ints, bool) goes through a
 one-pass numba kernel (``parallel=True``) that reads each element once;
 everything else, every CUDA tensor and every CPU run without numba uses a
-pure-torch path in float64 (``backend="torch"``) that gives the same counts,
+pure-torch path in float64 (``backend="torch"``; numpy arrays a float64 numpy
+one, ``backend="numpy"``, that never imports torch) that gives the same counts,
 extrema and histogram and moments equal to rounding.  Inputs are processed in
 chunks of ``chunk_elems`` elements, so a memory-mapped file larger than RAM
-works in bounded memory.  numba is imported and the kernel compiled (or
-loaded from numba's cache) on first use; ``PRECISION_LAB_NO_NUMBA=1`` forces
-the torch path everywhere.
+works in bounded memory.  numba is imported and the kernel loaded from numba's
+cache on first use; while the cache is empty (the first command after an
+install) the float64 paths run and the kernel compiles in a background process
+(``numba_loader``); ``PRECISION_LAB_NO_NUMBA=1`` forces the float64 paths
+everywhere.
 """
 
 from __future__ import annotations

@@ -7,15 +7,17 @@ import math
 import struct
 import sys
 import threading
+import time
 from dataclasses import fields
 from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from ..formats import FORMATS
-from ..numba_loader import PARALLEL_LOCK, CompiledOnce, njit
+from ..numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, note_fallback,
+                            over_budget, readonly)
 from .accumulate import _Acc, merge_stats
-from .edges import HIST_EDGES, N_BINS
+from .edges import HIST_EDGES, N_BINS, histogram_counts
 from .records import TensorStats, canonical_dtype
 
 
@@ -84,14 +86,15 @@ _KEY_BIN, _SPLIT, _CBITS = _build_tables()
 
 
 def numba_available() -> bool:
-    """Whether the compiled CPU kernel can be used (numba importable and not disabled)."""
-    return _KERNELS.get() is not None
+    """Whether the compiled CPU kernel can be used (numba importable and not disabled); compiles nothing."""
+    return load_numba() is not None
 
 
 class _Kernels:
-    def __init__(self, scan, num_threads) -> None:
+    def __init__(self, scan, num_threads, serial, parallel) -> None:
         self.scan = scan
         self.num_threads = num_threads
+        self.serial, self.parallel = serial, parallel
 
 
 # The kernels are plain module-level functions (so numba's on-disk cache works)
@@ -439,14 +442,18 @@ def _nb_scan_parallel(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scr
     return hs.sum(axis=0), ri, rf
 
 
-def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, scratch, nbins):
+def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
+    """``_nb_scan_parallel``'s parts one after another in the calling thread: the same parts, the same result,
+    and no thread to wait for."""
     s = xf.view(np.int32)
     n = s.size if kind == 0 else h16.size
-    hs = np.zeros((1, nbins), np.int64)
-    ri = np.zeros((1, 10), np.int64)
-    rf = np.zeros((1, 3), np.float64)
-    _nb_scan_range(xf, s, h16, kind, 0, n, key_bin, split, cbits, do_hist, scratch[0], hs[0], ri, rf, 0)
-    return hs[0], ri, rf
+    hs = np.zeros((nparts, nbins), np.int64)
+    ri = np.zeros((nparts, 10), np.int64)
+    rf = np.zeros((nparts, 3), np.float64)
+    for p in range(nparts):
+        _nb_scan_range(xf, s, h16, kind, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits,
+                       do_hist, scratch[p], hs[p], ri, rf, p)
+    return hs.sum(axis=0), ri, rf
 
 
 def _build_kernels(numba) -> _Kernels:
@@ -464,25 +471,34 @@ def _build_kernels(numba) -> _Kernels:
     g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
     serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
 
-    def scan(x, do_hist, nparts, kind=0):
-        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16."""
-        xf, h16 = (x, _NO16) if kind == 0 else (_NO32, x)
+    def scan(x, do_hist, nparts, kind=0, threads=True):
+        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16.  ``nparts`` parts, on as many
+        threads or (``threads`` False) one after another here: the same result either way."""
+        xf, h16 = (readonly(x), _NO16) if kind == 0 else (_NO32, readonly(x))
         scratch = _scratch(nparts) if do_hist else np.zeros((nparts, 0), np.int32)
         try:
-            if nparts <= 1:
-                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, scratch, N_BINS)
+            if nparts <= 1 or not threads:
+                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
             with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
                 return parallel(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
         except BaseException:
             _SCRATCH.table = None  # perhaps left half-counted: the next call starts from a fresh one
             raise
 
-    return _Kernels(scan, numba.get_num_threads)
+    return _Kernels(scan, numba.get_num_threads, serial, parallel)
 
 
-_KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels)
+def _warm_kernels(k: _Kernels) -> None:
+    """Compile the scan's one signature, serial and parallel (its inputs are always read-only views)."""
+    x = np.linspace(-3.0, 3.0, 4096, dtype=np.float32)
+    k.scan(x, True, 2, threads=False)
+    k.scan(x, True, 2)
+
+
+KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels, roots=lambda k: [(k.serial, 1), (k.parallel, 1)],
+                                               warm=_warm_kernels)
 _SCRATCH = threading.local()
-_NO16, _NO32 = np.zeros(0, np.uint16), np.zeros(0, np.float32)  # the unused input of a scan
+_NO16, _NO32 = readonly(np.zeros(0, np.uint16)), readonly(np.zeros(0, np.float32))  # the unused input of a scan
 _SCAN_KIND = {"bfloat16": 1, "float16": 2}  # 16-bit floats the scan widens itself (float32 is kind 0)
 
 
@@ -494,20 +510,32 @@ def _scratch(nparts: int) -> np.ndarray:
     return t
 
 
-_PAR_MIN = 1 << 18  # below this a parallel launch costs more than it saves
+# Below this many elements a parallel launch costs more than it saves, on a quiet machine too
+# (``python bench/stats_throughput.py --crossover``: serial against parallel by size, docs/benchmarks.md).
+_PAR_MIN = 1 << 18
 _MAX_SCAN = 1 << 30  # elements per scan: each int32 counter then stays below 2^31
+# above _PAR_MIN, serial or parallel by what each has cost lately (one estimate per histogram setting and input
+# kind: their costs per element differ): a core taken by another process makes one thread the faster
+_CHOICE = {(h, k): ParallelChoice() for h in (False, True) for k in (0, 1, 2)}
 
 
 def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool, kind: int = 0) -> None:
     """Accumulate one contiguous chunk with the compiled kernel: float32, or (``kind`` 1: bf16, 2: fp16) the
     16-bit patterns as uint16, widened inside the scan."""
-    kern = _KERNELS.get()
+    kern = KERNELS.get()
     for s in range(0, xf.size, _MAX_SCAN):
         part = xf[s:s + _MAX_SCAN]
         n = part.size
         nthreads = kern.num_threads() if n >= _PAR_MIN else 1
-        nparts = max(1, min(nthreads, n // (_PAR_MIN // 4) or 1))
-        _take_scan(acc, kern.scan(part, histogram, nparts, kind), nparts, histogram)
+        if nthreads <= 1:
+            _take_scan(acc, kern.scan(part, histogram, 1, kind), 1, histogram)
+            continue
+        choice = _CHOICE[histogram, kind]
+        parallel = choice.pick()
+        t0 = time.perf_counter()
+        result = kern.scan(part, histogram, nthreads, kind, threads=parallel)  # the same parts either way
+        choice.record(parallel, time.perf_counter() - t0, n)
+        _take_scan(acc, result, nthreads, histogram)
 
 
 def _take_scan(acc: _Acc, result, nparts: int, histogram: bool) -> None:
@@ -777,18 +805,38 @@ def tensor_stats(x, *, histogram: bool = True, chunk_elems: int = 1 << 24, backe
     ValueError.  Integers wider than 2^53 are rounded to float64 first.
 
     ``chunk_elems`` bounds the elements converted/held at a time.
-    ``backend``: "auto" (numba on CPU where possible), "numba", or "torch".
+    ``backend``: "auto" (the compiled kernel on CPU where possible, once it is compiled or cached; numpy
+    arrays otherwise take the float64 numpy path, torch tensors the torch one), "numba", "torch" or "numpy"
+    (numpy arrays only).
     """
-    if backend not in ("auto", "numba", "torch"):
-        raise ValueError(f"backend must be 'auto', 'numba' or 'torch', not {backend!r}")
+    if backend not in ("auto", "numba", "torch", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'numba', 'torch' or 'numpy', not {backend!r}")
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
-    use_numba = backend != "torch" and _KERNELS.get() is not None
+    # "auto" takes the kernel only once it is compiled or cached: the first command after an install runs the
+    # numpy/torch path while the kernel compiles in the background (numba_loader); a small numpy array takes the
+    # numpy path until the kernel is loaded (loading numba and its cache costs more than many such arrays)
+    if backend == "numba":
+        use_numba = KERNELS.get() is not None
+    elif (backend == "auto" and isinstance(x, np.ndarray) and x.size < SMALL_NUMPY and not KERNELS.loaded()
+          and not over_budget()):
+        use_numba = False
+    else:
+        use_numba = backend == "auto" and KERNELS.ready() is not None
     if backend == "numba" and not use_numba:
         raise ValueError("backend='numba' requested but numba is not available (or PRECISION_LAB_NO_NUMBA is set)")
+    t0 = time.thread_time()
+    out = _tensor_stats(x, histogram, chunk_elems, use_numba, backend)
+    if backend == "auto" and not use_numba:
+        note_fallback(time.thread_time() - t0)  # counted against numba_loader.FALLBACK_BUDGET_S
+    return out
 
+
+def _tensor_stats(x, histogram: bool, chunk_elems: int, use_numba: bool, backend: str) -> TensorStats:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
+        if backend == "numpy":
+            raise ValueError("backend='numpy' takes numpy arrays, not torch tensors")
         return _stats_torch(torch, x, histogram, chunk_elems, use_numba, backend)
     if isinstance(x, (np.ndarray, np.generic, int, float, list, tuple)):
         return _stats_numpy(np.asarray(x), histogram, chunk_elems, use_numba, backend)
@@ -835,11 +883,14 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
             else:
                 parts.append(_torch_chunk_partial(torch, torch.from_numpy(c.astype(np.float64)), histogram))
         _torch_finish(torch, acc, parts)
+    elif backend != "torch":
+        if backend == "numba":
+            raise ValueError(f"backend='numba' handles only dtypes exact in float32, not {name}")
+        for c in _iter_np_chunks(arr, min(chunk, 1 << 22)):
+            _numpy_chunk(acc, c, histogram)
     else:
         import torch  # deferred: see above
 
-        if backend == "numba":
-            raise ValueError(f"backend='numba' handles only dtypes exact in float32, not {name}")
         parts = []
         sub = min(chunk, 1 << 22)
         for c in _iter_np_chunks(arr, sub):
@@ -850,6 +901,36 @@ def _stats_numpy_inner(arr: np.ndarray, histogram: bool, chunk: int, use_numba: 
                 parts = []
         _torch_finish(torch, acc, parts)
     return acc.result(numel=arr.size, dtype=name, shape=arr.shape)
+
+
+def _numpy_chunk(acc: _Acc, c: np.ndarray, histogram: bool) -> None:
+    """One chunk in float64 numpy, as the torch path computes it (``_torch_chunk_partial``): numpy inputs take
+    it when the compiled kernel is not there yet, and never import torch."""
+    x = np.asarray(c).astype(np.float64, copy=False).reshape(-1)
+    fin = np.isfinite(x)
+    nfin = int(np.count_nonzero(fin))
+    nnan = int(np.count_nonzero(np.isnan(x)))
+    acc.nan += nnan
+    acc.inf += x.size - nfin - nnan
+    acc.neginf += int(np.count_nonzero(x == -math.inf))
+    acc.zero += int(np.count_nonzero(x == 0))
+    if not nfin:
+        return
+    f = x if nfin == x.size else x[fin]
+    a = np.abs(f)
+    nz = a[a > 0]
+    absmax = float(a.max())
+    acc.add_extrema(float(f.min()), float(f.max()), absmax, float(nz.min()) if nz.size else math.inf)
+    # scaled by 2**-k (exact, in two halves) so squares near float64's limits neither overflow nor vanish
+    k = math.frexp(absmax)[1]
+    k1 = k // 2
+    y = np.ldexp(np.ldexp(f, -k1), k1 - k)
+    mean_y = float(y.sum()) / nfin
+    d = y - mean_y
+    # sums of products, not np.dot: BLAS threads spin-wait, and stall when another process holds a core
+    acc.add_moments(nfin, math.ldexp(mean_y, k), float(np.sum(d * d)), float(np.sum(y * y)), k)
+    if histogram:
+        acc.hist += histogram_counts(nz)
 
 
 def _stats_torch(torch, t, histogram: bool, chunk: int, use_numba: bool, backend: str) -> TensorStats:

@@ -1,0 +1,99 @@
+"""Serial or parallel kernel calls: chosen by what each has cost per element lately (a core taken by another
+process makes the serial path the faster), with identical results either way."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from precision_lab import metrics
+from precision_lab.numba_loader import ParallelChoice, load_numba
+from precision_lab.stats import kernels, tensor_stats
+
+
+class _Forced(ParallelChoice):
+    """Always the given path."""
+
+    __slots__ = ("parallel",)
+
+    def __init__(self, parallel: bool) -> None:
+        super().__init__()
+        self.parallel = parallel
+
+    def pick(self) -> bool:
+        return self.parallel
+
+
+def _feed(choice: ParallelChoice, calls: int, serial_s: float, parallel_s: float) -> list:
+    """Run ``calls`` picks, each reported at the given cost for a 1M-element call; the picks made."""
+    picks = []
+    for _ in range(calls):
+        p = choice.pick()
+        picks.append(p)
+        choice.record(p, parallel_s if p else serial_s, 1 << 20)
+    return picks
+
+
+def test_follows_the_faster_path_and_notices_a_change_in_load():
+    c = ParallelChoice(explore=16)
+    quiet = _feed(c, 64, serial_s=0.010, parallel_s=0.006)
+    assert quiet[:2] == [True, False]  # each path measured once
+    assert sum(quiet[2:]) == len(quiet[2:]) - sum(1 for i in range(3, 65) if i % 16 == 0)
+    busy = _feed(c, 64, serial_s=0.012, parallel_s=0.040)  # a core taken: every parallel call waits for it
+    assert sum(busy[-32:]) == 2  # serial but for one exploring call in 16
+    s, p = c.estimates()
+    assert s == pytest.approx(0.012 / (1 << 20), rel=1e-9) and p > 2 * s
+    again = _feed(c, 64, serial_s=0.010, parallel_s=0.006)  # quiet again: back at the next exploring call
+    assert sum(again[16:]) == len(again[16:]) - 3
+
+
+def test_one_outlier_does_not_flip_the_choice():
+    c = ParallelChoice(explore=1000)
+    _feed(c, 20, serial_s=0.010, parallel_s=0.006)
+    c.record(True, 1.0, 1 << 20)  # one call descheduled for a second
+    assert c.pick() is True
+
+
+@pytest.mark.skipif(load_numba() is None, reason="numba is not installed")
+@pytest.mark.parametrize("histogram", [True, False])
+def test_stats_identical_on_both_paths(monkeypatch, histogram):
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(1 << 19) * np.exp(rng.uniform(-25, 25, 1 << 19))).astype(np.float32)
+    x[::997] = np.nan
+    x[3::1009] = -np.inf
+    x[::7] = 0.0
+    got = {}
+    for parallel in (False, True):
+        for key in list(kernels._CHOICE):
+            monkeypatch.setitem(kernels._CHOICE, key, _Forced(parallel))
+        got[parallel] = tensor_stats(x, histogram=histogram, backend="numba")
+    a, b = got[False], got[True]
+    for f in ("nan_count", "inf_count", "neg_inf_count", "zero_count", "min", "max", "absmax", "min_abs_nonzero",
+              "mean", "std", "l2norm"):  # the same parts in the same order: bit for bit
+        assert getattr(a, f) == getattr(b, f), f
+    if histogram:
+        assert np.array_equal(a.hist, b.hist)
+    fin = x[np.isfinite(x)].astype(np.float64)
+    for f, want in (("mean", fin.mean()), ("std", fin.std()), ("l2norm", math.sqrt(math.fsum(fin * fin)))):
+        assert getattr(a, f) == pytest.approx(want, rel=1e-12), f
+        assert getattr(b, f) == pytest.approx(want, rel=1e-12), f
+
+
+@pytest.mark.skipif(load_numba() is None, reason="numba is not installed")
+def test_compare_identical_on_both_paths(monkeypatch):
+    rng = np.random.default_rng(9)
+    r = rng.standard_normal(300_001).astype(np.float32)
+    c = (r * (1 + 1e-3 * rng.standard_normal(r.size))).astype(np.float32)
+    c[::1001] = np.nan
+    got = {}
+    for parallel in (False, True):
+        monkeypatch.setattr(metrics, "_CHOICE", _Forced(parallel))
+        got[parallel] = metrics.compare(r, c, backend="numba")
+    a, b = got[False], got[True]
+    assert a == b  # the same parts in the same order: bit for bit
+    both = np.isfinite(c)
+    d = c[both].astype(np.float64) - r[both].astype(np.float64)
+    assert a.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
+    assert b.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
