@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from precision_lab.readers.dataorder import digest, order_from_data
+from precision_lab.readers.dataorder import Hint, digest, order_from_data, settle
 
 
 def test_digest_tells_tensors_apart_by_bytes_dtype_and_shape():
@@ -82,8 +82,6 @@ def test_all_nan_links_wait_behind_real_ones_and_modules_come_before_their_ops()
 
 
 # ---- settle: every source of order together ----------------------------------------------------------
-
-from precision_lab.readers.dataorder import Hint, settle  # noqa: E402
 
 
 def _chain(n=4, seed=5):

@@ -62,8 +62,8 @@ import numpy as np
 
 from ..formats import numpy_dtype_named
 from ..ops import is_msprobe_key, op_type_of, parse_op
-from ..records import GRAD_ROLES, TensorRecord, split_tensor_name
-from .dataorder import Hint, digest
+from ..records import GRAD_ROLES, ROLES, TensorRecord, split_tensor_name
+from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .msprobe import load_pt
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
@@ -147,7 +147,7 @@ def _pt_layout(keys: list[str]) -> Optional[dict[str, str]]:
     return None
 
 
-_ROOT_ROLE = {r for r in ("input", "output", "kwarg", "param", "buffer", "grad_input", "grad_output", "param_grad")}
+_ROOT_ROLE = frozenset(ROLES) - {"tensor"}
 
 
 def _record_fields(name: str) -> dict:
@@ -402,8 +402,8 @@ class GenericReader:
         ingest settles it."""
         names, where, warnings = self._order_list(root, sc)
         times = {p: os.lstat(p).st_mtime_ns for p in sc.data}
-        distinct = sorted(set(times.values()))
-        ticks = {p: distinct.index(t) for p, t in times.items()} if len(distinct) > 1 else {}
+        distinct = {t: i for i, t in enumerate(sorted(set(times.values())))}
+        ticks = {p: distinct[t] for p, t in times.items()} if len(distinct) > 1 else {}
         data = sorted(sc.data, key=lambda p: ticks.get(p, 0))  # stable: by name within one time
         if names is not None:
             listed: dict[str, int] = {}
