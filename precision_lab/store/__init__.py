@@ -141,6 +141,7 @@ MIGRATIONS: dict[int, list[str]] = {
 
 LOCK_WAIT_ENV = "PRECISION_LAB_LOCK_WAIT"  # seconds an open waits for another process's lock
 DEFAULT_LOCK_WAIT = 30.0
+_WRITER_FIRST_S = 1.0  # how long a new read waits for a write of its own process that is waiting to start
 _READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZE|EXPLAIN)\b", re.I)
 _HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
 
@@ -221,19 +222,29 @@ class _File:
         self.read_only = False
         self.active = 0  # operations using the connection now
         self.holds = 0  # Store.held() blocks: keep a read-only connection between operations
+        self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
         self.tx = threading.local()  # the cursor of this thread's open transaction
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
 
     def acquire(self, write: bool, wait: float):
         with self.cond:
             deadline = time.monotonic() + wait
+            polite = time.monotonic() + _WRITER_FIRST_S
             while True:
                 if self.con is not None and (self.memory or not write or not self.read_only):
+                    if (not write and self.read_only and self.writers_waiting and not self.memory
+                            and self.cond.wait(max(0.0, polite - time.monotonic()))):
+                        continue  # a write of this process is waiting for the reads to end: let it go first
                     self.active += 1
                     return self.con
                 if self.con is not None and self.active:  # read-only now, a write must wait for the reads
                     left = deadline - time.monotonic()
-                    if left <= 0 or not self.cond.wait(left):
+                    self.writers_waiting += 1
+                    try:
+                        woke = left > 0 and self.cond.wait(left)
+                    finally:
+                        self.writers_waiting -= 1
+                    if not woke:
                         raise DatabaseLocked(f"database {self.path} is being read by this process for longer "
                                              f"than {wait:g} s; a write could not start")
                     continue
@@ -249,6 +260,7 @@ class _File:
                     ro = exists and not write
                     self.con, self.read_only = _connect(self.path, ro, wait), ro
                 self.active += 1
+                self.cond.notify_all()  # reads that let a waiting write go first may use this connection
                 return self.con
 
     def release(self) -> None:
