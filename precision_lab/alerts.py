@@ -11,8 +11,9 @@ The rules (``ALERT_RULES``; thresholds are their ``params``):
   format (log2(max / absmax) < bits).
 - ``underflow``: more than ``share`` of the op's finite values round to zero
   or to a subnormal in the op's format, or were flushed to zero (nonzero in
-  the fp32 reference, zero in the run: a gradient below half the format's
-  smallest subnormal), Transformer Engine's fp8 autoswitch default is 5%.
+  the fp32 reference, zero in the run, where the reference reaches below half
+  the format's smallest subnormal: ``quantisation.flushed_by_underflow``);
+  Transformer Engine's fp8 autoswitch default is 5%.
 - ``growth``: a least-squares fit of log2(absmax) against the step over the
   last ``window`` steps (r^2 >= ``min_r2``) reaches log2(format max) within
   ``steps`` steps.

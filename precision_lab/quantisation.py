@@ -29,7 +29,7 @@ from .formats import FORMATS
 from .stats import TensorStats
 from .stats.edges import HIST_EDGES
 
-__all__ = ["QuantFacts", "quant_facts", "flushed_count", "percentile_of", "FLUSH_ERROR", "FLUSH_WARN", "SATURATE_WARN",
+__all__ = ["QuantFacts", "quant_facts", "flushed_count", "flushed_by_underflow", "percentile_of", "FLUSH_ERROR", "FLUSH_WARN", "SATURATE_WARN",
            "QUANT_FIXES"]
 
 FLUSH_ERROR = 0.05  # share of the values that flush to zero before a quantise op's verdict is "error"
@@ -66,6 +66,16 @@ def flushed_count(before_zeros, after_zeros) -> int:
     """Values flushed to zero: zero after (a cast, a quantisation, the low-precision run) and nonzero before (the
     input, the fp32 reference), from the two zero counts of the same tensor (None counts as none)."""
     return max(0, int(after_zeros or 0) - int(before_zeros or 0))
+
+
+def flushed_by_underflow(ref_zeros, zeros, ref_smallest, fmt) -> int:
+    """Values of a run flushed to zero by its format ``fmt``: zero in the run and nonzero in the reference
+    (``flushed_count``), counted only where the reference holds magnitudes ``fmt`` rounds to zero (its
+    smallest nonzero |x| below ``fmt.underflow_threshold``); zeros the run made otherwise (a difference
+    that cancels exactly) are no underflow."""
+    if ref_smallest is None or not math.isfinite(ref_smallest) or not 0 < ref_smallest < fmt.underflow_threshold:
+        return 0
+    return flushed_count(ref_zeros, zeros)
 
 
 def percentile_of(hist: Optional[np.ndarray], q: float, zeros: int = 0) -> Optional[float]:

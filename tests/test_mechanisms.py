@@ -22,6 +22,7 @@ from precision_lab.fixes.catalogue import apply_fixes, unreachable
 from precision_lab.fixes.policy import get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
+from precision_lab.quantisation import flushed_by_underflow
 from precision_lab.live import CaptureOptions, capture
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.report import build_report, first_nonfinite, render_text
@@ -234,3 +235,17 @@ def test_fail_on_underflow_trips_on_a_compared_run_with_flushed_gradients(tmp_pa
     assert got.exit_code == 1 and "flushed to zero" in got.output
     got = CliRunner().invoke(app, ["report", "--db", str(db), "-s", name, "--fail-on", "alert:growth"])
     assert got.exit_code == 2 and "no timeline" in got.stderr
+
+
+def test_zeros_count_as_flushed_only_where_the_reference_holds_values_the_format_rounds_to_zero():
+    ref = np.array([1e-9] * 4 + [1.0] * 4, dtype=np.float32)
+    got = ref.astype(np.float16)  # a real cast: 1e-9 is below half fp16's smallest subnormal
+    zeros = lambda a: int(np.count_nonzero(a == 0))  # noqa: E731
+    smallest = float(np.abs(ref[ref != 0]).min())
+    assert flushed_by_underflow(zeros(ref), zeros(got), smallest, FORMATS["fp16"]) == 4
+    # a difference that cancels exactly in bf16 is a zero, not an underflow: 1 + 2^-10 rounds to 1 there
+    a = np.array([1.0, 1.0 + 2.0 ** -10], dtype=np.float32)
+    ref = a - np.float32(1.0)
+    got = a.astype(ml_dtypes.bfloat16) - ml_dtypes.bfloat16(1.0)
+    assert zeros(got) == 2 and zeros(ref) == 1
+    assert flushed_by_underflow(zeros(ref), zeros(got), float(ref[1]), FORMATS["bf16"]) == 0

@@ -53,7 +53,7 @@ from ..formats import FORMATS, Format, format_for_dtype
 from ..metrics import VERDICT_THRESHOLDS
 from ..display import num_text
 from ..ops import aliases_of, canonical, innermost_module, module_path, module_prefixes
-from ..quantisation import FLUSH_ERROR, QUANT_FIXES, flushed_count, quant_facts
+from ..quantisation import FLUSH_ERROR, QUANT_FIXES, flushed_by_underflow, quant_facts
 from ..stats import TensorStats
 from ..origin import Origin
 from ..records import INPUT_ROLES, Diagnosis
@@ -843,8 +843,8 @@ def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
         return []
     hit = []
     for r in paired(run["run_id"], _WRITTEN_GRADS):
-        n = int(r["numel"] or 0)
-        k = flushed_count(r["ref_zero_count"], r["zero_count"])
+        n, fmt = int(r["numel"] or 0), format_for_dtype(r["dtype"])
+        k = flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt) if fmt else 0
         if n and k / n >= FLUSH_ERROR:
             hit.append((r, k, n))
     if not hit:

@@ -16,7 +16,7 @@ import numpy as np
 from ..alerts import Alert, grad_spike_alerts, headroom_bits, loss_scale_alerts, op_alerts, op_format
 from ..formats import Format, get_format
 from ..ops import module_path
-from ..quantisation import flushed_count
+from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
@@ -97,8 +97,9 @@ _FLUSH_ROLES = ("output", "grad_input", "param_grad")
 
 def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list[Alert]:
     """The underflow alerts of a run compared with a reference: per op output or gradient, by step, the share
-    of its values flushed to zero (zero in the run, nonzero in the reference: ``quantisation.flushed_count``),
-    in the record's own low-precision format."""
+    of its values flushed to zero (zero in the run, nonzero in the reference, where the reference holds
+    magnitudes the format rounds to zero: ``quantisation.flushed_by_underflow``), in the record's own
+    low-precision format."""
     run = q.run_row(store, run_id)
     series: dict[tuple, list] = {}
     for r in q.paired_values(store, run_id, _FLUSH_ROLES):
@@ -109,8 +110,8 @@ def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list
         if fmt is None:
             continue
         rs.sort(key=lambda r: r["step"])
-        share = [flushed_count(r["ref_zero_count"], r["zero_count"]) / r["numel"] if r["numel"] else np.nan
-                 for r in rs]
+        share = [flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt)
+                 / r["numel"] if r["numel"] else np.nan for r in rs]
         shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
         got = op_alerts(run["name"], shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
                         overrides=overrides, flushed_share=share)
