@@ -465,3 +465,20 @@ def test_a_long_runs_memory_per_step_is_what_the_options_state():
     per_step = len([r for r in cap.timeline_rows if r.step == 10])
     grown = sum(d.size_diff for d in after.compare_to(before, "filename"))
     assert per_step == 8 and grown / (100 * per_step) <= 1.1 * 1024 * 1.15  # 15% for the allocator's rounding
+
+
+def test_two_files_identical_functions_are_located_each_in_its_own_file(tmp_path):
+    """Code objects compare equal by contents, not by file: ``transformers`` copies one model's MLP into another's
+    modeling file, and the second model's ops were located in the first one's file."""
+    from precision_lab.live.where import user_location
+
+    src = "def f():\n    return user_location(skip=0)\n"
+    found = []
+    for name in ("modeling_a.py", "modeling_b.py"):
+        path = tmp_path / name
+        path.write_text(src)
+        ns = {"user_location": user_location}
+        exec(compile(src, str(path), "exec"), ns)
+        found.append(ns["f"]())
+    assert ns["f"].__code__ == compile(src, "elsewhere.py", "exec").co_consts[0]  # equal whatever the file
+    assert "modeling_a.py:2" in found[0] and "modeling_b.py:2" in found[1], found

@@ -41,20 +41,24 @@ _OURS = _folders(os.path.dirname(os.path.abspath(torch.__file__)),
 # located in its modeling file, where the user can read it, not at the training loop's call of the model.
 _STDLIB = _folders(sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib"))
 _SITE = _site_folders()
-_INTERNAL: dict = {}  # code object -> whether it is torch's, Python's or ours
-_SHOWN: dict = {}  # (code object, line) -> "file.py:line in function"
+# Keyed by the code object's id, with the code object kept in the value so that the id is never reused: code
+# objects compare equal by their contents, not their file, so two libraries' identical functions (transformers
+# copies one model's MLP into another's modeling file) would share one entry and one file name.
+_INTERNAL: dict = {}  # id(code) -> (code, whether it is torch's, Python's or ours)
+_SHOWN: dict = {}  # (id(code), line) -> (code, "file.py:line in function")
 
 
 def _is_internal(code) -> bool:
-    got = _INTERNAL.get(code)
-    if got is None:
-        fn = code.co_filename
-        if fn.startswith("<"):
-            got = True
-        else:
-            p = os.path.abspath(fn)
-            got = p.startswith(_OURS) or (p.startswith(_STDLIB) and not p.startswith(_SITE))
-        _INTERNAL[code] = got
+    hit = _INTERNAL.get(id(code))
+    if hit is not None:
+        return hit[1]
+    fn = code.co_filename
+    if fn.startswith("<"):
+        got = True
+    else:
+        p = os.path.abspath(fn)
+        got = p.startswith(_OURS) or (p.startswith(_STDLIB) and not p.startswith(_SITE))
+    _INTERNAL[id(code)] = (code, got)
     return got
 
 
@@ -80,11 +84,11 @@ def user_location(skip: int = 1, depth: int = 64) -> Optional[str]:
     while f is not None and n < depth:
         code = f.f_code
         if not _is_internal(code):
-            key = (code, f.f_lineno)
-            got = _SHOWN.get(key)
-            if got is None:
-                got = _SHOWN[key] = _shown(code, f.f_lineno)
-            return got
+            key = (id(code), f.f_lineno)
+            hit = _SHOWN.get(key)
+            if hit is None:
+                hit = _SHOWN[key] = (code, _shown(code, f.f_lineno))
+            return hit[1]
         f = f.f_back
         n += 1
     return None
