@@ -870,7 +870,10 @@ def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
         if largest * need > fmt.max:
             msg += (f"; no one scale fits: it lifts the largest gradient {largest:.2g} past {fmt.name}'s max "
                     f"{fmt_num(fmt.max)}, so compute the gradients in a wider format")
-    fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
+    scaled = []
+    if largest and largest * need <= fmt.max:  # one scale lifts the smallest without overflowing the largest
+        scaled = [f"loss-scale:{need:.0f}", "dynamic-loss-scale"]
+    fixes = _reachable(scaled + ["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
     return [Diagnosis("", run["run_id"], r["op"], "gradient-underflow", msg, tuple(fixes), "warn", int(r["seq"]))]
 
 
@@ -894,7 +897,8 @@ def _optimizer_state(ctx: Context, run: dict, fn: Origin) -> list[Diagnosis]:
            "(torch.amp.GradScaler's scaler.step does, and lowers the loss scale; by hand: check "
            "torch.isfinite of the gradient norm before optimizer.step()); clipping alone does not help once a "
            "gradient is inf (its norm is inf and the clipped gradient NaN)")
-    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, (), "error", fn.seq)]
+    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, ("dynamic-loss-scale",), "error",
+                      fn.seq)]
 
 
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:

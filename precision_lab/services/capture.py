@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..fixes.policy import call_model
+from ..fixes.policy import DYNAMIC_INIT_SCALE, call_model
 from ..formats import format_for_dtype, get_format
 from ..live.capture import Capture
 from ..live.policies import as_policy, policy_description
@@ -35,7 +35,7 @@ from ..store import Store
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "scaled_backward", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
@@ -268,7 +268,36 @@ def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"loss_fn must return a one-element tensor, got "
                                  f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-            loss.backward()
+            scaled_backward(cap, loss)
+
+
+MIN_LOSS_SCALE = 2.0 ** -24  # a dynamic scale goes below 1 where the loss itself overflows the gradients
+
+
+def scaled_backward(cap: Capture, loss) -> None:
+    """``loss.backward()`` under the capture policy's loss scale: the loss is multiplied by the scale and the
+    gradients recorded divided by it (``Capture.grad_scale``).  A ``"dynamic"`` scale is GradScaler's backoff on
+    this one batch: from ``DYNAMIC_INIT_SCALE``, halved while any parameter's gradient is not finite (those tries
+    are not recorded, as GradScaler skips their steps), down to ``MIN_LOSS_SCALE``.  The parameters' ``.grad``
+    stay scaled; the records hold the gradients unscaled in fp32 (fp32 master gradients)."""
+    scale = getattr(cap.policy, "loss_scale", None)
+    if scale is None:
+        loss.backward()
+        return
+    if scale == "dynamic":
+        params = [p for p in cap.model.parameters() if p.requires_grad]
+        scale, recording = DYNAMIC_INIT_SCALE, cap._recording
+        cap._recording = False
+        try:
+            while scale > MIN_LOSS_SCALE and params:
+                grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
+                if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                    break
+                scale /= 2.0
+        finally:
+            cap._recording = recording
+    cap.grad_scale = float(scale)
+    (loss * scale).backward()
 
 
 class _StoreAt:

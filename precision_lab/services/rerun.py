@@ -75,7 +75,7 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
                 x = cap.prepare_inputs(inputs)
                 out = call_model(cap.model, x)
                 if backward:
-                    recipe.loss_fn(out).backward()
+                    pair.scaled_backward(cap, recipe.loss_fn(out))
     tensors = {}
     for rec in cap.records:
         if rec.tensor is not None:
