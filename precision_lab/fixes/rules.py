@@ -62,7 +62,7 @@ from .catalogue import unreachable
 from .policy import PolicyError, island_effects
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
-           "representable_floor", "quantise_findings"]
+           "representable_floor", "quantise_findings", "at_stake"]
 
 
 
@@ -237,11 +237,15 @@ def _reachable(fixes, **values) -> list:
     return [f for f in fixes if f and not unreachable(f, **values)]
 
 
+def at_stake(reference_records) -> Optional[float]:
+    """The largest finite magnitude among the reference's records of the producer's inputs and outputs: what a
+    fix's target format must hold (``catalogue.unreachable(fix, absmax=...)``); None without them.  The cards and
+    the fixes listing (``services.applicable``) both ask it."""
+    return max((_absmax(r) for r in reference_records if _finite(_absmax(r))), default=None)
+
+
 def _at_stake(ctx: Context, ev: Evidence) -> Optional[float]:
-    """The largest finite magnitude the reference holds in the producer's inputs and outputs: what a fix's
-    target format must hold (None without a reference)."""
-    refs = _ref_records(ctx, ev, ev.records)
-    return max((_absmax(r) for r in refs.values() if _finite(_absmax(r))), default=None)
+    return at_stake(_ref_records(ctx, ev, ev.records).values())
 
 
 # ---- producer rules ------------------------------------------------------------------
