@@ -111,3 +111,38 @@ def test_loss_scale_fixes_edit_the_policy_and_judge_by_gradients():
     assert works and why == "parameter gradients' worst SQNR 0.0 dB -> 45.0 dB"
     works, why = judge_fix(None, 62.6, None, 62.6, 0.2, 0.0)
     assert not works and "changes nothing the output shows" in why
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-4)
+
+
+def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(store):
+    x = X.repeat(1, 2).abs()
+    build = LC._with(LC.BackwardOverflow, LC._bo_edit)
+    register_recipe(Recipe("test-adam-inf", "an inf gradient that Adam turns into NaN weights",
+                           lambda: (build(), x), get_policy("fp16"), loss_fn=LC._scaled_sum, optimizer_fn=_adam,
+                           steps=2), replace=True)
+    name = capture_recipe(store, "test-adam-inf")
+    card = next(d for d in diagnose(store, name) if d.rule == "optimizer-nonfinite")
+    assert card.fixes[0] == "skip-nonfinite-step" and "from step 1 on" in card.message
+    rows = {r["label"]: r for r in verify_session(store, name, top=4)}
+    skip = rows["skip-nonfinite-step"]
+    assert skip["works"] and "no longer reaches the weights" in skip["why"], skip
+    states = store.sql("""SELECT count(*), sum(CASE WHEN nonfinite THEN 1 ELSE 0 END) FROM tensors
+                          WHERE run_id = ? AND role = 'param' AND step = 1""", [skip["run_id"]]).fetchone()
+    assert states[0] >= 6 and states[1] == 0
+    # independently: the fp16 model's step-0 gradient is inf; Adam on it makes NaN weights, a skipped step none
+    half = build().half()
+    LC._scaled_sum(half(x.half())).backward()
+    assert not all(bool(torch.isfinite(p.grad).all()) for p in half.parameters())
+    opt = _adam(list(half.parameters()))
+    before = [p.detach().clone() for p in half.parameters()]
+    opt.step()
+    assert any(bool(torch.isnan(p).any()) for p in half.parameters())
+    # the skipped step leaves the weights as they were: the re-run's step-1 parameters are the step-0 ones
+    same = store.sql("""SELECT count(*) FROM tensors a JOIN tensors b ON a.run_id = b.run_id AND a.op = b.op
+                        AND a."index" = b."index" AND a.role = b.role WHERE a.run_id = ? AND a.role = 'param'
+                        AND a.step = 0 AND b.step = 1 AND a.absmax = b.absmax AND a.l2norm = b.l2norm""",
+                     [skip["run_id"]]).fetchone()[0]
+    assert same == states[0] and float(before[2].abs().max()) == 3000.0

@@ -363,6 +363,11 @@ for _d in (
                      "each step whose gradients hold inf or NaN, a step that is skipped so Adam's state never "
                      "sees them; the gradients are unscaled in fp32",
            _loss_scale("dynamic"), "dynamic-loss-scale"),
+    FixDef("skip-nonfinite-step", None,
+           lambda _: "skip an optimizer step whose gradients hold inf or NaN (what GradScaler's scaler.step does): "
+                     "Adam's exp_avg_sq = g^2 = inf and its update inf / inf = NaN never reach the weights; "
+                     "clipping cannot do it (the norm of an inf gradient is inf, the clipped gradient NaN)",
+           _flag("skip_nonfinite_step", "skip-nonfinite-step"), "skip-nonfinite-step"),
     FixDef("eager", None,
            lambda _: "run without torch.compile: tells apart what compilation changes (fused kernels, fp32 "
                      "intermediates, reordered reductions) from what the format does",

@@ -163,6 +163,7 @@ class PrecisionPolicy:
     # DYNAMIC_INIT_SCALE down, at which every gradient stays finite (GradScaler's backoff: a step with inf is
     # skipped and the scale halved)
     loss_scale: Optional[object] = None
+    skip_nonfinite_step: bool = False  # an optimizer step whose gradients hold NaN/inf is skipped (GradScaler's)
     fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -325,6 +326,8 @@ class PrecisionPolicy:
         if self.compile is not None:
             parts.append("torch.compile" + ("" if self.compile == "model" else f" {self.compile}")
                          + (" emulating precision casts" if self.emulate_precision_casts else ""))
+        if self.skip_nonfinite_step:
+            parts.append("skips non-finite steps")
         if self.loss_scale is not None:
             parts.append("dynamic loss scale" if self.loss_scale == "dynamic" else f"loss scale {self.loss_scale:g}")
         return ", ".join(parts)

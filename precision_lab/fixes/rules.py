@@ -901,8 +901,8 @@ def _optimizer_state(ctx: Context, run: dict, fn: Origin) -> list[Diagnosis]:
            "(torch.amp.GradScaler's scaler.step does, and lowers the loss scale; by hand: check "
            "torch.isfinite of the gradient norm before optimizer.step()); clipping alone does not help once a "
            "gradient is inf (its norm is inf and the clipped gradient NaN)")
-    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, ("dynamic-loss-scale",), "error",
-                      fn.seq)]
+    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, ("skip-nonfinite-step", "dynamic-loss-scale"),
+                      "error", fn.seq)]
 
 
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
