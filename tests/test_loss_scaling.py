@@ -12,6 +12,7 @@ from precision_lab.fixes.catalogue import apply_fixes, parse_fix
 from precision_lab.fixes.policy import PolicyError, PrecisionPolicy, get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
+from precision_lab.services.applicable import applicable_fixes
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.rerun import capture_recipe, rerun_session
 from precision_lab.services.verify import judge_fix, verify_session
@@ -126,6 +127,8 @@ def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(
     name = capture_recipe(store, "test-adam-inf")
     card = next(d for d in diagnose(store, name) if d.rule == "optimizer-nonfinite")
     assert card.fixes[0] == "skip-nonfinite-step" and "from step 1 on" in card.message
+    listed = {r["fix"]: r for r in applicable_fixes(store, name)}
+    assert listed["skip-nonfinite-step"]["applies"] and listed["dynamic-loss-scale"]["applies"]
     rows = {r["label"]: r for r in verify_session(store, name, top=4)}
     skip = rows["skip-nonfinite-step"]
     assert skip["works"] and "no longer reaches the weights" in skip["why"], skip

@@ -269,3 +269,4 @@ def test_the_fixes_listing_and_the_card_leave_out_the_same_fix_whose_format_cann
     assert all(listed[f]["applies"] for f in card.fixes if f in listed)
     loss = next(r for f, r in listed.items() if f.startswith("loss-scale"))
     assert not loss["applies"] and "no backward pass" in loss["reason"]
+    assert not listed["skip-nonfinite-step"]["applies"] and "no optimizer" in listed["skip-nonfinite-step"]["reason"]

@@ -89,7 +89,8 @@ def _stake(store, runs: list[dict], cand: Optional[dict]) -> Optional[float]:
     return at_stake(q.reference_of(store, cand["run_id"], recs, ref["run_id"]).values())
 
 
-def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False) -> dict:
+def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False,
+         trains: bool = False) -> dict:
     why = unreachable(spec, absmax=stake) if stake is not None else None
     if why:
         return {"fix": spec, "applies": False, "reason": f"cannot help: {why}"}
@@ -111,9 +112,12 @@ def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None
     if fixed.loss_scale != policy.loss_scale and not backward:
         return {"fix": spec, "applies": False,
                 "reason": "scales the loss, but this model runs no backward pass (its recipe has no loss)"}
+    if fixed.skip_nonfinite_step != policy.skip_nonfinite_step and not trains:
+        return {"fix": spec, "applies": False,
+                "reason": "skips optimizer steps, but this model takes none (its recipe has no optimizer)"}
     if effect is None and _fingerprint(prepared) == base and (
-            fixed.compile, fixed.emulate_precision_casts, fixed.loss_scale) == (
-            policy.compile, policy.emulate_precision_casts, policy.loss_scale):
+            fixed.compile, fixed.emulate_precision_casts, fixed.loss_scale, fixed.skip_nonfinite_step) == (
+            policy.compile, policy.emulate_precision_casts, policy.loss_scale, policy.skip_nonfinite_step):
         return {"fix": spec, "applies": False,
                 "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"}
     reason = parse_fix(spec).reason
@@ -135,6 +139,7 @@ def applicable_fixes(store, session: str) -> list[dict]:
     base = _fingerprint(policy.prepare(copy.deepcopy(model)))
     target = _target(store, cand, names) if cand else None
     stake, backward = _stake(store, runs, cand), recipe.loss_fn is not None
+    trains = backward and recipe.optimizer_fn is not None
     out = []
     for name in sorted(FIXES):
         d = FIXES[name]
@@ -145,7 +150,7 @@ def applicable_fixes(store, session: str) -> list[dict]:
         else:
             specs = [d.example]
         for spec in specs:
-            got = _try(model, policy, base, spec, stake=stake, backward=backward)
+            got = _try(model, policy, base, spec, stake=stake, backward=backward, trains=trains)
             if got["applies"]:
                 break
         out.append(got)
