@@ -159,3 +159,39 @@ def test_without_inputs_containers_go_first_then_the_fewest_non_finite_values():
     r = _ranked(got)
     assert got.kind == "name" and "order unknown" in got.note
     assert r.index("model") < r.index("model.mlp") < r.index("model.mlp.down") < r.index("lm_head")
+
+
+def test_backward_ops_go_after_the_forward_pass_in_the_order_autograd_runs_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    for name, mod in (("zin", torch.nn.Linear(8, 8)), ("act", torch.nn.ReLU()), ("mid", torch.nn.Linear(8, 8)),
+                      ("head", torch.nn.Linear(8, 4))):
+        model.add_module(name, mod)
+    fired, saved = [], []  # what the hooks saw, in the order they ran: the order to recover
+
+    def fwd(name):
+        def hook(_m, args, out):
+            fired.append(name)
+            saved.extend([(name, "input", args[0]), (name, "output", out)])
+        return hook
+
+    def back(name):
+        def hook(_m, grad_input, grad_output):
+            fired.append(f"{name}.backward")
+            saved.append((f"{name}.backward", "grad_output", grad_output[0]))
+            if grad_input[0] is not None:
+                saved.append((f"{name}.backward", "grad_input", grad_input[0]))
+        return hook
+
+    for name, mod in model.named_children():
+        mod.register_forward_hook(fwd(name))
+        if any(True for _ in mod.parameters()):
+            mod.register_full_backward_hook(back(name))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model(x).pow(2).sum().backward()
+    assert fired[-3:] == ["head.backward", "mid.backward", "zin.backward"]  # autograd: from the loss back
+    # the dump gives them by name, every file at the same time: the order must come from the data
+    hints = sorted((Hint(op, role, digest(t.detach()), tick=0) for op, role, t in saved), key=lambda h: h.op)
+    got = settle(hints)
+    assert sorted(got.rank, key=got.rank.__getitem__) == fired
+    assert "backward ops after the forward pass" in got.note

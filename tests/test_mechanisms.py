@@ -24,7 +24,9 @@ from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
 from precision_lab.quantisation import flushed_by_underflow
 from precision_lab.live import CaptureOptions, capture
+from precision_lab.services.applicable import applicable_fixes
 from precision_lab.services.diagnose import diagnose
+from precision_lab.services.rerun import capture_recipe
 from precision_lab.services.report import build_report, first_nonfinite, render_text
 from precision_lab.services.timeline import session_alerts
 from precision_lab.store import Store
@@ -249,3 +251,22 @@ def test_zeros_count_as_flushed_only_where_the_reference_holds_values_the_format
     got = a.astype(ml_dtypes.bfloat16) - ml_dtypes.bfloat16(1.0)
     assert zeros(got) == 2 and zeros(ref) == 1
     assert flushed_by_underflow(zeros(ref), zeros(got), float(ref[1]), FORMATS["bf16"]) == 0
+
+
+def test_the_fixes_listing_and_the_card_leave_out_the_same_fix_whose_format_cannot_hold_the_value(store):
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
+    register_recipe(Recipe("test-pad-attention", "finfo(float32).min mask in fp16", lambda: (PadAttention(), x),
+                           get_policy("fp16")), replace=True)
+    name = capture_recipe(store, "test-pad-attention")
+    card = next(d for d in diagnose(store, name) if d.rule != "compiled")
+    listed = {r["fix"]: r for r in applicable_fixes(store, name)}
+    bf16 = listed["use-bf16"]
+    assert not bf16["applies"] and "beyond bf16's range" in bf16["reason"]
+    assert "use-bf16" not in card.fixes and "not offered: use-bf16" in card.message
+    # the value at stake is finfo(float32).min, which a real bf16 cast cannot hold
+    assert torch.tensor(torch.finfo(torch.float32).min).to(torch.bfloat16).item() == -math.inf
+    # the fixes the card offers are listed as applying (an island on the softmax's module, if offered)
+    assert all(listed[f]["applies"] for f in card.fixes if f in listed)
+    loss = next(r for f, r in listed.items() if f.startswith("loss-scale"))
+    assert not loss["applies"] and "no backward pass" in loss["reason"]
+    assert not listed["skip-nonfinite-step"]["applies"] and "no optimizer" in listed["skip-nonfinite-step"]["reason"]

@@ -272,6 +272,15 @@ def _eager(p, _):
     return replace(p, compile=None, emulate_precision_casts=False)
 
 
+def _loss_scale(value):
+    def edit(p, _):
+        if p.loss_scale == value:
+            raise FixError(f"policy {p.name!r} already has loss scale {value}")
+        return replace(p, loss_scale=value)
+
+    return edit
+
+
 _F32, _F16, _B16 = FORMATS["fp32"], FORMATS["fp16"], FORMATS["bf16"]
 
 for _d in (
@@ -342,6 +351,23 @@ for _d in (
                      "fused kernels round each intermediate to the low-precision format where eager code does, "
                      "so compiled numbers match eager ones instead of keeping fp32 intermediates",
            _emulate_casts, "emulate-precision-casts"),
+    FixDef("loss-scale", "value",
+           lambda v: f"multiply the loss by {v:g} before backward and divide the gradients by it in fp32 before the "
+                     f"optimizer uses them (a static torch.amp.GradScaler): a gradient below fp16's smallest "
+                     f"subnormal ({num_text(_F16.smallest_subnormal, 3)}) is computed {v:g}x larger instead of "
+                     "flushing to 0",
+           lambda p, v: _loss_scale(v)(p, v), "loss-scale:65536"),
+    FixDef("dynamic-loss-scale", None,
+           lambda _: "torch.amp.GradScaler's dynamic loss scale: the largest power of two at which every gradient "
+                     f"stays finite (below fp16's max {num_text(_F16.max, grouped=True)}), found by halving it on "
+                     "each step whose gradients hold inf or NaN, a step that is skipped so Adam's state never "
+                     "sees them; the gradients are unscaled in fp32",
+           _loss_scale("dynamic"), "dynamic-loss-scale"),
+    FixDef("skip-nonfinite-step", None,
+           lambda _: "skip an optimizer step whose gradients hold inf or NaN (what GradScaler's scaler.step does): "
+                     "Adam's exp_avg_sq = g^2 = inf and its update inf / inf = NaN never reach the weights; "
+                     "clipping cannot do it (the norm of an inf gradient is inf, the clipped gradient NaN)",
+           _flag("skip_nonfinite_step", "skip-nonfinite-step"), "skip-nonfinite-step"),
     FixDef("eager", None,
            lambda _: "run without torch.compile: tells apart what compilation changes (fused kernels, fp32 "
                      "intermediates, reordered reductions) from what the format does",

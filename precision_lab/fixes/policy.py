@@ -49,6 +49,7 @@ from typing import Optional
 from ..formats import FORMATS
 
 __all__ = [
+    "DYNAMIC_INIT_SCALE",
     "PrecisionPolicy",
     "QuantConfig",
     "PolicyError",
@@ -67,6 +68,11 @@ __all__ = [
 
 # formats a module can compute in: the ones torch runs arithmetic in on CPU
 COMPUTE_FORMATS = ("fp32", "fp16", "bf16")
+
+
+# where a "dynamic" loss scale starts its backoff (2^24: GradScaler starts at 2^16 and doubles every 2000 finite
+# steps; a one-batch re-run stands for the scale a long run settles at)
+DYNAMIC_INIT_SCALE = 2.0 ** 24
 
 
 class PolicyError(ValueError):
@@ -152,6 +158,12 @@ class PrecisionPolicy:
     sanitize: tuple[str, ...] = ()
     compile: Optional[str] = None  # torch.compile: "model" (the whole model) or a module pattern (each match)
     emulate_precision_casts: bool = False  # compiled code rounds where eager would (inductor's option)
+    # the loss is multiplied by this before backward and the gradients divided by it, into fp32, before they are
+    # used (torch.amp.GradScaler's scale and unscale_); "dynamic": the largest power of two, from
+    # DYNAMIC_INIT_SCALE down, at which every gradient stays finite (GradScaler's backoff: a step with inf is
+    # skipped and the scale halved)
+    loss_scale: Optional[object] = None
+    skip_nonfinite_step: bool = False  # an optimizer step whose gradients hold NaN/inf is skipped (GradScaler's)
     fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +176,9 @@ class PrecisionPolicy:
             raise PolicyError(f"epsilon {self.eps!r} must be a number > 0")
         if self.compile is not None and (not isinstance(self.compile, str) or not self.compile.strip()):
             raise PolicyError(f"compile {self.compile!r} must be 'model' or a module pattern")
+        if self.loss_scale is not None and self.loss_scale != "dynamic" and not (
+                isinstance(self.loss_scale, (int, float)) and 0 < self.loss_scale < float("inf")):
+            raise PolicyError(f"loss scale {self.loss_scale!r} must be a finite number > 0 or 'dynamic'")
         if self.emulate_precision_casts and self.compile is None:
             raise PolicyError("emulate_precision_casts applies to compiled code; the policy compiles nothing")
 
@@ -311,6 +326,10 @@ class PrecisionPolicy:
         if self.compile is not None:
             parts.append("torch.compile" + ("" if self.compile == "model" else f" {self.compile}")
                          + (" emulating precision casts" if self.emulate_precision_casts else ""))
+        if self.skip_nonfinite_step:
+            parts.append("skips non-finite steps")
+        if self.loss_scale is not None:
+            parts.append("dynamic loss scale" if self.loss_scale == "dynamic" else f"loss scale {self.loss_scale:g}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:

@@ -72,6 +72,10 @@ class Recipe:
     default_policy: PrecisionPolicy
     seed: int = 0
     loss_fn: Optional[Callable] = None
+    # ``optimizer_fn(parameters) -> torch.optim.Optimizer`` and ``steps``: with a loss, each run trains for
+    # ``steps`` steps on the same inputs (a gradient's effect on the weights and the optimizer's state is seen)
+    optimizer_fn: Optional[Callable] = None
+    steps: int = 1
     fixes: tuple[str, ...] = ()
     tolerance_db: float = 20.0
     failure: str = "nonfinite"  # what the default policy shows: "nonfinite" or "accuracy"
@@ -83,6 +87,8 @@ class Recipe:
             raise RecipeError(f"recipe name {self.name!r} must be non-empty with no spaces")
         if not callable(self.build_fn):
             raise RecipeError(f"recipe {self.name!r}: build_fn is not callable")
+        if self.steps < 1 or (self.steps > 1 and (self.optimizer_fn is None or self.loss_fn is None)):
+            raise RecipeError(f"recipe {self.name!r}: {self.steps} step(s) need a loss_fn and an optimizer_fn")
         if not isinstance(self.default_policy, PrecisionPolicy):
             raise RecipeError(f"recipe {self.name!r}: default_policy must be a PrecisionPolicy")
 

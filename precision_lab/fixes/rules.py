@@ -62,7 +62,7 @@ from .catalogue import unreachable
 from .policy import PolicyError, island_effects
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
-           "representable_floor", "quantise_findings"]
+           "representable_floor", "quantise_findings", "at_stake"]
 
 
 
@@ -237,11 +237,15 @@ def _reachable(fixes, **values) -> list:
     return [f for f in fixes if f and not unreachable(f, **values)]
 
 
+def at_stake(reference_records) -> Optional[float]:
+    """The largest finite magnitude among the reference's records of the producer's inputs and outputs: what a
+    fix's target format must hold (``catalogue.unreachable(fix, absmax=...)``); None without them.  The cards and
+    the fixes listing (``services.applicable``) both ask it."""
+    return max((_absmax(r) for r in reference_records if _finite(_absmax(r))), default=None)
+
+
 def _at_stake(ctx: Context, ev: Evidence) -> Optional[float]:
-    """The largest finite magnitude the reference holds in the producer's inputs and outputs: what a fix's
-    target format must hold (None without a reference)."""
-    refs = _ref_records(ctx, ev, ev.records)
-    return max((_absmax(r) for r in refs.values() if _finite(_absmax(r))), default=None)
+    return at_stake(_ref_records(ctx, ev, ev.records).values())
 
 
 # ---- producer rules ------------------------------------------------------------------
@@ -870,7 +874,10 @@ def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
         if largest * need > fmt.max:
             msg += (f"; no one scale fits: it lifts the largest gradient {largest:.2g} past {fmt.name}'s max "
                     f"{fmt_num(fmt.max)}, so compute the gradients in a wider format")
-    fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
+    scaled = []
+    if largest and largest * need <= fmt.max:  # one scale lifts the smallest without overflowing the largest
+        scaled = [f"loss-scale:{need:.0f}", "dynamic-loss-scale"]
+    fixes = _reachable(scaled + ["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
     return [Diagnosis("", run["run_id"], r["op"], "gradient-underflow", msg, tuple(fixes), "warn", int(r["seq"]))]
 
 
@@ -894,7 +901,8 @@ def _optimizer_state(ctx: Context, run: dict, fn: Origin) -> list[Diagnosis]:
            "(torch.amp.GradScaler's scaler.step does, and lowers the loss scale; by hand: check "
            "torch.isfinite of the gradient norm before optimizer.step()); clipping alone does not help once a "
            "gradient is inf (its norm is inf and the clipped gradient NaN)")
-    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, (), "error", fn.seq)]
+    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, ("skip-nonfinite-step", "dynamic-loss-scale"),
+                      "error", fn.seq)]
 
 
 def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:

@@ -88,6 +88,11 @@ class BackwardHooks:
                 bop.seq = self._take_seq()
             return bop.seq
 
+    def _unscaled(self, g):
+        """A gradient as the optimizer sees it under a loss scale: divided by the scale in fp32 (GradScaler's
+        unscale_ into fp32 master gradients); the gradient itself where no loss scale is set."""
+        return g if not self.grad_scale else g.float() / self.grad_scale
+
     def _add_grad(self, seq, bop: _BackwardOp, role, index, g, h) -> None:
         pos = self._add(seq, bop.op, bop.op_type, role, index, h, "backward", tensor=self._keep(bop.op, g),
                         step=bop.step)
@@ -103,6 +108,7 @@ class BackwardHooks:
                     g = grad_outputs[nr] if nr < len(grad_outputs) else None
                     if g is None:
                         continue
+                    g = self._unscaled(g)
                     h = self._measure(bop.op, g, hold=True)
                     if h is None:
                         continue
@@ -132,7 +138,7 @@ class BackwardHooks:
                         entry[2] = g if entry[2] is None else entry[2] + g
                     if entry[1] < entry[0] or entry[2] is None:
                         continue
-                    total = entry[2]
+                    total = self._unscaled(entry[2])
                     entry[2] = None
                     out_idx = idx if role == "input" else f"{role}_{idx}"
                     h = self._measure(bop.op, total, hold=True)
@@ -152,7 +158,7 @@ class BackwardHooks:
             return
         op, op_type, pname = owner
         try:
-            g = p.grad
+            g = self._unscaled(p.grad)
             seq = None
             if self._recording:
                 h = self._measure(op, g, hold=True)

@@ -203,6 +203,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         self._mode: Optional[_Mode] = None
         self._active = False
         self._recording = False
+        # the loss scale of this backward: gradients are recorded divided by it, in fp32 (GradScaler's unscale_)
+        self.grad_scale: Optional[float] = None
         self._seq = 0
         self._counters: dict = {}
         self._names: dict = {}  # (path, op, n) -> its name, made once

@@ -24,7 +24,9 @@ record whose output is bit-identical to another's and whose input is a third
 op's input encloses them: the root under any name); what is still tied goes
 containers first, then the fewest non-finite values (a value spreads as it is
 passed on), then the fewest NaN (an overflow writes inf; the ops after it turn
-inf into NaN), then the name.  It says which order it used and how certain it is.
+inf into NaN), then the name; backward ops (gradients only) go after the forward pass, in its reverse order, as
+autograd runs them, and the gradient one hands on (``grad_input``) links it to the next (``grad_output``).  It
+says which order it used and how certain it is.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ import numpy as np
 
 __all__ = ["digest", "order_from_data", "DataOrder", "DATA_IN_ROLES", "DATA_OUT_ROLES", "Hint", "Settled", "settle"]
 
-# the roles a value passes through from one op to the next (a parameter is no op's output)
-DATA_IN_ROLES = frozenset({"input", "kwarg"})
-DATA_OUT_ROLES = frozenset({"output"})
+# the roles a value passes through from one op to the next (a parameter is no op's output); in the backward pass
+# an op's grad_input is the gradient it hands on, the next backward op's grad_output
+DATA_IN_ROLES = frozenset({"input", "kwarg", "grad_output"})
+DATA_OUT_ROLES = frozenset({"output", "grad_input"})
 
 
 class Digest(bytes):
@@ -151,14 +154,15 @@ def _names(ops: Sequence[str]):
     return inside
 
 
-def _container_links(ops, succ, weak, inside) -> None:
-    # whatever reads a module's output runs after every op inside that module
+def _container_links(ops, succ, weak, inside, back=frozenset()) -> None:
+    # whatever reads a module's output runs after every forward op inside that module (its backward op, named
+    # under it, runs after the whole forward pass)
     for links in (succ, weak):
         for a in [a for a in ops if links[a]]:
             inner = inside(a)
             for b in list(links[a]):
                 for o in inner:
-                    if not _nested(o, b):
+                    if o not in back and not _nested(o, b):
                         links[o].add(b)
     # a module is called before the ops inside it
     for a in ops:
@@ -228,7 +232,8 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     root = _root(ops, hints, inside)
     if root is not None:
         encl[root] = ({o for o in ops if o != root and not _nested(o, root)}, set())
-    _container_links(ops, succ, weak, inside)
+    back = _backward_ops(hints)
+    _container_links(ops, succ, weak, inside, back)
     for b, (inner, first) in encl.items():  # a container found from the data is called before what it holds
         for o in inner | first:
             if b not in succ[o]:
@@ -241,8 +246,12 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     keyed = sorted(ops, key=key.__getitem__)
     # distinct file times for every op are the order itself (hooks save as each module finishes), unless the data
     # links say otherwise (files copied or touched later)
-    rank = {o: i for i, o in enumerate(ops)} if times > 1 and not tied and not n_edges else _toposort(
-        keyed, succ, weak)
+    if times > 1 and not tied and not n_edges:
+        rank = {o: i for i, o in enumerate(ops)}
+    else:
+        rank = _toposort(keyed, succ, weak)
+        if back:  # the backward ops in the reverse of the forward order just found
+            rank = _toposort(_backward_last(sorted(ops, key=rank.__getitem__), back), succ, weak)
     order = sorted(ops, key=rank.__getitem__)
     list_order = None
     if listed:
@@ -253,7 +262,39 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     rank = {o: i for i, o in enumerate(order)}
     parents = _parents(encl, rank)
     kind, note = _say(ops, listed, listed_from, list_order, n_edges, times, tied, bool(encl))
+    if back and not listed and not (times > 1 and not tied and not n_edges):
+        note += "; backward ops after the forward pass, in its reverse order (as autograd runs them)"
     return Settled(rank, parents, kind, note, n_edges, list_order)
+
+
+# what a backward op records: the gradients it receives and hands on, and its parameters' gradients
+GRAD_ROLES = frozenset({"grad_input", "grad_output", "param_grad"})
+
+
+def _backward_ops(hints: Sequence[Hint]) -> set[str]:
+    """The ops that record gradients only (``GRAD_ROLES``): a dump's backward ops."""
+    roles: dict[str, set] = {}
+    for h in hints:
+        roles.setdefault(h.op, set()).add(h.role)
+    return {o for o, r in roles.items() if r <= GRAD_ROLES}
+
+
+def _backward_last(keyed: list[str], back: set[str]) -> list[str]:
+    """``keyed`` with the backward ops ``back`` after every forward op, in the reverse order of their forward ops
+    (autograd walks the graph from the loss back to the inputs: ``<op>.backward`` runs after the backward of the
+    ops that used ``<op>``'s output); a backward op whose forward op is not in the dump goes last.  Data links
+    still decide where they say something (``_toposort``)."""
+    if not back:
+        return keyed
+    at = {o: i for i, o in enumerate(keyed)}
+
+    def forward_at(o: str) -> int:
+        for f in (o.replace(".backward", ".forward"), o.replace(".backward", "")):
+            if f != o and f in at and f not in back:
+                return at[f]
+        return -1
+
+    return [o for o in keyed if o not in back] + sorted(back, key=lambda o: (-forward_at(o), at[o]))
 
 
 def _data_containers(ops, ins, outs, inside) -> dict[str, tuple[set, set]]:

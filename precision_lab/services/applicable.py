@@ -3,8 +3,11 @@
 A fix applies when it edits the session's low-precision policy (``apply_fixes`` raises ``FixError`` for one that
 cannot: a scale fix on a policy without fp8, emulate-precision-casts on an eager run), the edited policy
 prepares the model (``PolicyError`` for a pattern naming no module), and the prepared model differs from the one
-the session's own policy prepares: a fix that changes nothing on this model (``stable-softmax`` where no module
-computes a softmax the policy can reach) is listed as such, never offered.  Pattern fixes are tried on the
+the session's own policy prepares (or its loss scale, where the model runs backward): a fix that changes nothing
+on this model (``stable-softmax`` where no module computes a softmax the policy can reach) is listed as such,
+never offered.  Nor is a fix whose target format cannot hold the values at stake where the first non-finite
+value is made (``catalogue.unreachable`` of ``rules.at_stake``: the rule the diagnosis cards apply), e.g.
+``use-bf16`` for a mask built from ``finfo(float32).min``.  Pattern fixes are tried on the
 innermost module around the first non-finite producer (or the op with the worst local error) on which an fp32
 island changes something, and a fix with a choice on each choice in turn.
 
@@ -22,8 +25,9 @@ import copy
 from dataclasses import is_dataclass
 from typing import Optional
 
-from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix
+from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix, unreachable
 from ..fixes.policy import PolicyError, island_effect, island_effects
+from ..fixes.rules import at_stake
 from ..ops import innermost_module
 from ..store import queries as q
 from .report import first_nonfinite
@@ -74,7 +78,22 @@ def _island_pattern(spec: str) -> Optional[str]:
     return arg if name == "keep-fp32" and arg and "+" not in spec else None
 
 
-def _try(model, policy, base: tuple, spec: str) -> dict:
+def _stake(store, runs: list[dict], cand: Optional[dict]) -> Optional[float]:
+    """The largest finite magnitude the reference holds where the candidate's first non-finite value is made
+    (``rules.at_stake``, as its diagnosis card asks): what a fix's target format must hold; None without one."""
+    ref = next((r for r in runs if r["kind"] == "reference"), None)
+    fn = first_nonfinite(store, cand["run_id"]) if cand and ref else None
+    if fn is None:
+        return None
+    recs = q.op_records(store, cand["run_id"], fn.op, fn.step, fn.rank)
+    return at_stake(q.reference_of(store, cand["run_id"], recs, ref["run_id"]).values())
+
+
+def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False,
+         trains: bool = False) -> dict:
+    why = unreachable(spec, absmax=stake) if stake is not None else None
+    if why:
+        return {"fix": spec, "applies": False, "reason": f"cannot help: {why}"}
     pattern = _island_pattern(spec)
     effect = None
     if pattern is not None:
@@ -90,8 +109,15 @@ def _try(model, policy, base: tuple, spec: str) -> dict:
         prepared = fixed.prepare(copy.deepcopy(model))
     except (FixError, PolicyError) as e:
         return {"fix": spec, "applies": False, "reason": str(e)}
-    if effect is None and _fingerprint(prepared) == base and (fixed.compile, fixed.emulate_precision_casts) == (
-            policy.compile, policy.emulate_precision_casts):
+    if fixed.loss_scale != policy.loss_scale and not backward:
+        return {"fix": spec, "applies": False,
+                "reason": "scales the loss, but this model runs no backward pass (its recipe has no loss)"}
+    if fixed.skip_nonfinite_step != policy.skip_nonfinite_step and not trains:
+        return {"fix": spec, "applies": False,
+                "reason": "skips optimizer steps, but this model takes none (its recipe has no optimizer)"}
+    if effect is None and _fingerprint(prepared) == base and (
+            fixed.compile, fixed.emulate_precision_casts, fixed.loss_scale, fixed.skip_nonfinite_step) == (
+            policy.compile, policy.emulate_precision_casts, policy.loss_scale, policy.skip_nonfinite_step):
         return {"fix": spec, "applies": False,
                 "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"}
     reason = parse_fix(spec).reason
@@ -112,6 +138,8 @@ def applicable_fixes(store, session: str) -> list[dict]:
     names = island_targets(model, policy)
     base = _fingerprint(policy.prepare(copy.deepcopy(model)))
     target = _target(store, cand, names) if cand else None
+    stake, backward = _stake(store, runs, cand), recipe.loss_fn is not None
+    trains = backward and recipe.optimizer_fn is not None
     out = []
     for name in sorted(FIXES):
         d = FIXES[name]
@@ -122,7 +150,7 @@ def applicable_fixes(store, session: str) -> list[dict]:
         else:
             specs = [d.example]
         for spec in specs:
-            got = _try(model, policy, base, spec)
+            got = _try(model, policy, base, spec, stake=stake, backward=backward, trains=trains)
             if got["applies"]:
                 break
         out.append(got)

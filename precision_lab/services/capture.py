@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..fixes.policy import call_model
+from ..fixes.policy import DYNAMIC_INIT_SCALE, call_model
 from ..formats import format_for_dtype, get_format
 from ..live.capture import Capture
 from ..live.policies import as_policy, policy_description
@@ -35,7 +35,7 @@ from ..store import Store
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
@@ -258,17 +258,73 @@ class _Comparer:
                                            "statistics against the format that rule gives")
 
 
-def _run(cap: Capture, inputs, loss_fn, seed: int) -> None:
+def run_steps(cap: Capture, inputs, loss_fn, seed: int, optimizer_fn: Optional[Callable] = None, steps: int = 1):
+    """Run the model under ``cap``: once, or with a loss and an optimizer ``steps`` training steps on the same
+    inputs (backward under the policy's loss scale, ``scaled_backward``; then ``optimizer_step``); the last
+    output."""
+    out = None
     with cap:
-        x = cap.prepare_inputs(inputs)
-        torch.manual_seed(seed)
-        out = call_model(cap.model, x)
-        if loss_fn is not None:
-            loss = loss_fn(out)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(f"loss_fn must return a one-element tensor, got "
-                                 f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-            loss.backward()
+        opt = optimizer_fn([p for p in cap.model.parameters() if p.requires_grad]) \
+            if optimizer_fn is not None and loss_fn is not None else None
+        for i in range(steps if opt is not None else 1):
+            if i:
+                cap.step()
+            x = cap.prepare_inputs(inputs)
+            torch.manual_seed(seed)
+            out = call_model(cap.model, x)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"loss_fn must return a one-element tensor, got "
+                                     f"{type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+                scaled_backward(cap, loss)
+                if opt is not None:
+                    optimizer_step(cap, opt)
+    return out
+
+
+def optimizer_step(cap: Capture, opt) -> None:
+    """``opt.step()`` on the gradients unscaled in place (``Capture.grad_scale``), then ``zero_grad``; skipped
+    (and said in a warning) where the policy skips non-finite steps and a gradient holds NaN/inf, as
+    GradScaler's ``scaler.step`` does."""
+    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    if cap.grad_scale:
+        for g in grads:
+            g.div_(cap.grad_scale)
+    if getattr(cap.policy, "skip_nonfinite_step", False) and not all(bool(torch.isfinite(g).all()) for g in grads):
+        cap._warn("optimizer", f"step {cap.step_no} skipped: its gradients hold NaN/inf")
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+MIN_LOSS_SCALE = 2.0 ** -24  # a dynamic scale goes below 1 where the loss itself overflows the gradients
+
+
+def scaled_backward(cap: Capture, loss) -> None:
+    """``loss.backward()`` under the capture policy's loss scale: the loss is multiplied by the scale and the
+    gradients recorded divided by it (``Capture.grad_scale``).  A ``"dynamic"`` scale is GradScaler's backoff on
+    this one batch: from ``DYNAMIC_INIT_SCALE``, halved while any parameter's gradient is not finite (those tries
+    are not recorded, as GradScaler skips their steps), down to ``MIN_LOSS_SCALE``.  The parameters' ``.grad``
+    stay scaled; the records hold the gradients unscaled in fp32 (fp32 master gradients)."""
+    scale = getattr(cap.policy, "loss_scale", None)
+    if scale is None:
+        loss.backward()
+        return
+    if scale == "dynamic":
+        params = [p for p in cap.model.parameters() if p.requires_grad]
+        scale, recording = DYNAMIC_INIT_SCALE, cap._recording
+        cap._recording = False
+        try:
+            while scale > MIN_LOSS_SCALE and params:
+                grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
+                if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                    break
+                scale /= 2.0
+        finally:
+            cap._recording = recording
+    cap.grad_scale = float(scale)
+    (loss * scale).backward()
 
 
 class _StoreAt:
@@ -302,8 +358,10 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                  reference_name: str = "fp32", candidate_name: Optional[str] = None,
                  keep_bytes: int = DEFAULT_KEEP_BYTES, device_keep_bytes: int = DEFAULT_DEVICE_KEEP_BYTES,
                  source: str = "capture",
-                 recipe: Optional[str] = None, name: Optional[str] = None, reference_policy=None) -> str:
-    """Capture an fp32 reference and a candidate run of one model; returns the session name.
+                 recipe: Optional[str] = None, name: Optional[str] = None, reference_policy=None,
+                 optimizer_fn: Optional[Callable] = None, steps: int = 1) -> str:
+    """Capture an fp32 reference and a candidate run of one model; returns the session name.  With ``loss_fn``
+    and ``optimizer_fn`` both train ``steps`` steps on the inputs (``run_steps``).
 
     ``build_model()`` must return a fresh fp32 model; it is called twice
     (after ``torch.manual_seed(seed)`` each time) and the candidate is given
@@ -363,13 +421,13 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
         ref_cap = Capture(ref_model, run=reference_name, dtype_policy=reference_policy,
                           options=replace(opts, local_error=False), kind="reference", source=source,
                           observer=keeper, write=False)
-        _run(ref_cap, inputs, loss_fn, seed)
+        run_steps(ref_cap, inputs, loss_fn, seed, optimizer_fn, steps)
         del ref_model
         keeper.drop_objects()
         cand_cap = Capture(cand_model, run=candidate_name, dtype_policy=policy,
                            options=replace(opts, local_error=local_error), kind="candidate", source=source,
                            observer=comparer, write=False)
-        _run(cand_cap, inputs, loss_fn, seed)
+        run_steps(cand_cap, inputs, loss_fn, seed, optimizer_fn, steps)
         comparer.clear_cache()
         comparer.resolve()
         comparer.settle(cand_cap)

@@ -71,11 +71,7 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
         cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
                       source=f"recipe:{recipe.name}")
         with torch.set_grad_enabled(backward):
-            with cap:
-                x = cap.prepare_inputs(inputs)
-                out = call_model(cap.model, x)
-                if backward:
-                    recipe.loss_fn(out).backward()
+            out = pair.run_steps(cap, inputs, recipe.loss_fn, recipe.seed, recipe.optimizer_fn, recipe.steps)
     tensors = {}
     for rec in cap.records:
         if rec.tensor is not None:
@@ -175,6 +171,7 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     with _RUN_LOCK:
         name = capture_pair(recipe.build_model, recipe.inputs(), cand_policy, store=store, local_error=local_error,
                             loss_fn=recipe.loss_fn, seed=recipe.seed, reference_name="fp32 reference",
+                            optimizer_fn=recipe.optimizer_fn, steps=recipe.steps,
                             candidate_name=f"candidate ({cand_policy.name})" + (f" + {label}" if label else ""),
                             source=f"recipe:{recipe.name}", recipe=recipe.name, name=session or recipe.name)
     _tick(progress, 2, 2, "done")

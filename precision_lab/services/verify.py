@@ -33,13 +33,29 @@ IMPROVE_DB = 1.0
 
 
 def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: Optional[Origin],
-              parent_sqnr_db: Optional[float]) -> tuple[bool, str]:
+              parent_sqnr_db: Optional[float], grad_db: Optional[float] = None,
+              parent_grad_db: Optional[float] = None, weights_after: Optional[dict] = None,
+              parent_weights_after: Optional[dict] = None) -> tuple[bool, str]:
     """``(works, why)`` of a re-run against the run it fixes: its first unexpected non-finite origin and output
-    SQNR (dB, against the fp32 reference) beside the parent's."""
+    SQNR (dB, against the fp32 reference) beside the parent's, and where both ran backward the worst SQNR of
+    their parameter gradients (``worst_gradient_sqnr``): a fix of the gradients (a loss scale) leaves the output
+    where it was and is judged by them.  ``weights_after``: the first non-finite parameter record after the step of
+    the run's first non-finite gradient (``first_nonfinite_state_after``): a fix that skips that optimizer step
+    leaves the gradient non-finite and works when the weights it fixes turned non-finite and its own do not."""
+    if (first is not None and first.direction == "backward" and weights_after is None
+            and parent_weights_after is not None and sqnr_db is not None):
+        return True, (f"the NaN/Inf gradient at {first.op} no longer reaches the weights (the run it fixes has "
+                      f"non-finite weights from step {parent_weights_after['step']} on), output SQNR {_db(sqnr_db)}")
     if first is not None:
         return False, f"still NaN/Inf at {first.op}"
     if parent_first is not None:
         return True, "no NaN/Inf left" + (f", output SQNR {_db(sqnr_db)}" if sqnr_db is not None else "")
+    if grad_db is not None and parent_grad_db is not None and (sqnr_db is None or sqnr_db == parent_sqnr_db):
+        if grad_db >= parent_grad_db + IMPROVE_DB:
+            return True, f"parameter gradients' worst SQNR {_db(parent_grad_db)} -> {_db(grad_db)}"
+        if sqnr_db is not None:
+            return False, (f"changes nothing the output shows (output SQNR {_db(sqnr_db)}) and the parameter "
+                           f"gradients' worst SQNR {_db(grad_db)} against {_db(parent_grad_db)}")
     if sqnr_db is None or parent_sqnr_db is None:
         return False, "the run it fixes held no NaN/Inf and no output SQNR says whether this one is better"
     if sqnr_db == parent_sqnr_db:
@@ -88,21 +104,24 @@ def verification(store, session: str) -> dict[tuple[str, str], dict]:
     out = {}
     parents: dict[str, tuple] = {}
 
-    def quality(run_id: str) -> tuple[Optional[Origin], Optional[float]]:
+    def quality(run_id: str) -> tuple:
         if run_id not in parents:
             last = q.last_accumulated_output(store, run_id)
-            parents[run_id] = (first_nonfinite(store, run_id), None if last is None else last["sqnr_db"])
+            fn = first_nonfinite(store, run_id)
+            parents[run_id] = (fn, None if last is None else last["sqnr_db"], q.worst_gradient_sqnr(store, run_id),
+                               q.first_nonfinite_state_after(store, run_id, fn.step) if fn is not None else None)
         return parents[run_id]
 
     for r in q.session_runs(store, info["session_id"]):
         if r["kind"] != "rerun" or not r["parent_run_id"] or not r["fix"]:
             continue
-        first, sqnr = quality(r["run_id"])
-        parent_first, parent_sqnr = quality(r["parent_run_id"])
-        works, why = judge_fix(first, sqnr, parent_first, parent_sqnr)
+        first, sqnr, grad, state = quality(r["run_id"])
+        parent_first, parent_sqnr, parent_grad, parent_state = quality(r["parent_run_id"])
+        works, why = judge_fix(first, sqnr, parent_first, parent_sqnr, grad, parent_grad, state, parent_state)
         out[(r["parent_run_id"], r["fix"])] = {
             "run": r["name"], "run_id": r["run_id"], "works": works, "why": why, "sqnr_db": sqnr,
-            "parent_sqnr_db": parent_sqnr, "first_nonfinite": None if first is None else first.op}
+            "parent_sqnr_db": parent_sqnr, "grad_sqnr_db": grad, "parent_grad_sqnr_db": parent_grad,
+            "first_nonfinite": None if first is None else first.op}
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
-    "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "session_data_version",
+    "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "worst_gradient_sqnr", "session_data_version",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid",
 ]
 
@@ -147,6 +147,16 @@ def last_accumulated_output(store, run_id: str) -> Optional[dict]:
                           verdict, nonfinite_introduced FROM comparisons WHERE cand_run_id = ?
                           AND kind = 'accumulated' AND role = 'output' AND ref_rid IS NOT NULL AND cand_rid IS NOT NULL
                           ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
+
+
+def worst_gradient_sqnr(store, run_id: str) -> Optional[float]:
+    """The lowest SQNR (dB) against the reference of the run's parameter gradients (what the optimizer uses), None
+    when it compared none or one holds NaN/Inf the reference does not (-inf dB then stands for it)."""
+    row = _one(store, """SELECT count(*) AS n, min(CASE WHEN nonfinite_introduced > 0 THEN '-inf'::DOUBLE
+                                                  ELSE sqnr_db END) AS worst
+                         FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated' AND role = 'param_grad'
+                         AND ref_rid IS NOT NULL AND cand_rid IS NOT NULL""", [run_id])
+    return None if row is None or not row["n"] or row["worst"] is None else float(row["worst"])
 
 
 def last_forward_output_finite(store, run_id: str) -> bool:
