@@ -29,7 +29,9 @@ Writers (``WRITERS``):
 - ``module-order-done``: the same, ``order.json`` listing the modules in completion order (post-order);
 - ``tensor-order``: inputs and outputs, ``manifest.json`` ``{"execution_order": [...]}`` of file names in save
   order, equal times;
-- ``prefixed-mtime``: every name under ``model.`` (``model.model.layers.1...``), distinct file times.
+- ``prefixed-mtime``: every name under ``model.`` (``model.model.layers.1...``), distinct file times;
+- ``float32-dtypes``: inputs and outputs saved as ``t.float().numpy()`` with ``manifest.json``
+  ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype.
 
 The judge is strict: a failure is right when the named op is the failing module under the writer's own name
 (origin "op"), or its weight (origin "parameter"); a healthy case when nothing is named.
@@ -239,7 +241,7 @@ def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
 class Writer:
     name: str
     root: str  # "model" | "prefixed" | "empty" | "class"
-    layout: str  # "outputs" | "io" | "dict-pt" | "tuple-pt"
+    layout: str  # "outputs" | "io" | "io-float32" (t.float().numpy(), manifest "dtypes") | "dict-pt" | "tuple-pt"
     times: str  # "equal" | "coarse" | "distinct"
     order: Optional[str] = None  # "module-call" | "module-done" | "tensor"
 
@@ -261,6 +263,7 @@ WRITERS = {w.name: w for w in (
     Writer("module-order-done", "model", "io", "equal", "module-done"),
     Writer("tensor-order", "model", "io", "equal", "tensor"),
     Writer("prefixed-mtime", "prefixed", "io", "distinct"),
+    Writer("float32-dtypes", "model", "io-float32", "coarse"),
 )}
 
 
@@ -274,6 +277,7 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
     folder.mkdir(parents=True)
     files: dict[str, object] = {}  # file name -> content, in save order
     saved: list[str] = []  # tensor names in save order
+    dtypes: dict[str, str] = {}  # tensor name -> the dtype it was saved from (io-float32)
 
     def put(fn, content, names):
         files.pop(fn, None)
@@ -284,10 +288,13 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         name = w.module_name(c.path, cls)
         if w.layout == "outputs":
             put(f"{name}.npy", c.output, [name])
-        elif w.layout == "io":
-            if c.input is not None:
-                put(f"{_join(name, 'input.0')}.npy", c.input, [_join(name, "input.0")])
-            put(f"{_join(name, 'output.0')}.npy", c.output, [_join(name, "output.0")])
+        elif w.layout in ("io", "io-float32"):
+            for role, a in (("input.0", c.input), ("output.0", c.output)):
+                if a is not None:
+                    if w.layout == "io-float32" and a.dtype.kind == "f":
+                        dtypes[_join(name, role)] = a.dtype.name
+                        a = a.astype(np.float32)
+                    put(f"{_join(name, role)}.npy", a, [_join(name, role)])
         elif w.layout == "dict-pt":
             d = {"output": torch.from_numpy(c.output)}
             if c.input is not None:
@@ -313,6 +320,8 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         (folder / "order.json").write_text(json.dumps(list(dict.fromkeys(reversed(names)))[::-1]))
     elif w.order == "tensor":
         (folder / "manifest.json").write_text(json.dumps({"execution_order": [f"{n}.npy" for n in saved]}))
+    if dtypes:
+        (folder / "manifest.json").write_text(json.dumps({"dtypes": dtypes}))
 
 
 # ---- answers and the judge -------------------------------------------------------------------------
@@ -324,7 +333,14 @@ def answer(folder: Path):
     try:
         name = ingest(folder, store=store)
         run = q.session_runs(store, store.session(name)["session_id"])[0]
-        return first_nonfinite(store, run["run_id"]), run["order"], time.perf_counter() - t
+        f = first_nonfinite(store, run["run_id"])
+        manifest = folder / "manifest.json"
+        want = json.loads(manifest.read_text()).get("dtypes", {}) if manifest.exists() else {}
+        if want:  # tensors saved as float32 must come back in the dtype they were saved from, else wrong
+            got = dict(store.df("SELECT name, dtype FROM tensors WHERE run_id = ?", [run["run_id"]]).values)
+            if any(got.get(n) != d for n, d in want.items()):
+                f = None
+        return f, run["order"], time.perf_counter() - t
     finally:
         close_all()
 

@@ -124,7 +124,9 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
     import numpy as np
 
     from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import order_notes
     from precision_lab.store import Store
+    from precision_lab.services.browse import session_runs
     from ui_fixtures import serve_db
 
     d = tmp_path / "dump"
@@ -135,11 +137,17 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
     for f in d.iterdir():  # equal file times: they say nothing about the order
         os.utime(f, ns=(1_700_000_000_000_000_000,) * 2)
     db = tmp_path / "w.duckdb"
-    name = ingest(d, store=Store(db), session="unordered")
+    store = Store(db)
+    name = ingest(d, store=store, session="unordered")
+    sid = store.session(name)["session_id"]
+    note = order_notes(store, sid)[session_runs(store, sid)[0]["run_id"]]  # what ingest recorded for the run
+    assert "no order list" in note and "fewest non-finite" in note
+    store.close()
     with serve_db(db, monkeypatch):
         at = open_page("overview", session=name)
         body = texts(at)
-        assert escape_md("order unknown: by name for dump") in body
+        assert escape_md(f"Order used for dump: {note}.") in body  # the order used and which parts are certain
+        assert "first by name" not in body
         warns = frame_with(at, "message")
         assert list(warns["file"]) == ["notes.txt"] and "unsupported file type" in warns["message"][0]
         assert str(tmp_path) not in " ".join(warns["file"])  # no server path

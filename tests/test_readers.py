@@ -393,3 +393,35 @@ def test_register_rejects_non_readers():
 
 def test_natural_key():
     assert sorted(["a10", "a9", "a1b", "a1a"], key=natural_key) == ["a1a", "a1b", "a9", "a10"]
+
+
+def test_float32_dumps_of_bf16_and_fp8_are_read_in_their_original_format(store, tmp_path):
+    """``t.float().numpy()`` of a bf16/fp8 tensor plus ``manifest.json`` "dtypes": the records are the
+    originals (dtype, values, stats), checked against real torch casts."""
+    d = tmp_path / "wide"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(64, generator=g) * 1e3).to(torch.bfloat16)  # bf16 rounding: not float32 values in general
+    q = (torch.randn(32, generator=g) * 100).to(torch.float8_e4m3fn)
+    np.save(d / "mlp.output.0.npy", h.float().numpy())
+    torch.save({"input": h.float(), "output": q.float()}, d / "q.pt")
+    np.save(d / "plain.npy", np.float32([0.1, 2.0]))
+    (d / "manifest.json").write_text(json.dumps({"dtypes": {"mlp.output.0": "bfloat16", "q.output.0": "float8_e4m3fn",
+                                                            "q.input.0": "torch.bfloat16"}}))
+    name, rows = _roundtrip(store, d, {"mlp.output.0": h, "q.input.0": h, "q.output.0": q,
+                                       "plain": np.float32([0.1, 2.0])})
+    assert rows["q.output.0"]["dtype"] == "float8_e4m3fn" and rows["mlp.output.0"]["dtype"] == "bfloat16"
+    assert store.df("SELECT count(*) AS n FROM warnings").n[0] == 0
+
+
+def test_a_dtypes_entry_the_values_contradict_is_said_and_the_tensor_kept(store, tmp_path):
+    d = tmp_path / "wrong"
+    d.mkdir()
+    x = np.float32([0.1, 1.0, 3.0])  # 0.1 is no bf16 value: torch rounds it
+    assert float(torch.tensor(0.1).to(torch.bfloat16)) != float(np.float32(0.1))
+    np.save(d / "x.npy", x)
+    (d / "manifest.json").write_text(json.dumps({"dtypes": {"x": "bf16"}}))
+    name, rows = _roundtrip(store, d, {"x": x})
+    assert rows["x.tensor.0"]["dtype"] == "float32"
+    w = store.df("SELECT file, message FROM warnings")
+    assert list(w.file) == ["x.npy"] and "not bfloat16 values" in w.message[0] and "manifest" in w.message[0]

@@ -37,6 +37,14 @@ fewest non-finite values, then by name.  ``RunSource.order`` says which was
 used (``execution``, ``mtime``, ``data``, or ``name`` when none says
 anything: order unknown) and ``order_note`` which parts are certain.
 
+Original dtypes.  bf16/fp8 tensors saved as float32 (numpy has no bf16;
+``t.float().numpy()``) are read in their original format when
+``manifest.json`` holds ``{"dtypes": {"<tensor, module or file name>":
+"bfloat16"}}``: the record's dtype, statistics and format overlays are then
+the original's.  Every value must be exactly representable in that dtype;
+where one is not, the sidecar is wrong and the tensor is kept as saved, with
+one warning naming it.
+
 Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
 ``{"dtype": "float16", "shape": [4, 8]}`` (optional ``"byteorder"``:
 ``"little"``/``"big"``, ``"offset"``: bytes to skip).  The file size must
@@ -76,6 +84,7 @@ SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
 CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
 ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
+DTYPES_KEY = "dtypes"  # in a manifest object: {name: original dtype} of tensors saved wider
 _KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
 _NPY_MAGIC = b"\x93NUMPY"
 
@@ -360,6 +369,28 @@ def _native(x):
     return x
 
 
+def _original_for(originals: dict, name: str, prefix: str):
+    """The original dtype the manifest gives a tensor: by its name, its op/module, or its file."""
+    if not originals:
+        return None
+    for n in (name, _record_fields(name)["op"], prefix):
+        if n in originals:
+            return originals[n]
+    return None
+
+
+def _as_dtype(t, dt):
+    """``t`` read back in dtype ``dt`` (a numpy/ml_dtypes dtype) when every value is exactly representable in
+    it; None when one is not; ``t`` itself for ``dt`` None."""
+    if dt is None or t is None:
+        return t
+    a = t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t)
+    b = a.astype(dt)
+    if not np.array_equal(b.astype(a.dtype), a, equal_nan=True):
+        return None
+    return b
+
+
 class GenericReader:
     name = "generic"
     priority = 0
@@ -376,11 +407,13 @@ class GenericReader:
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
         sc = scan(root)
         order, kind, note, warnings, data, ticks = self._order(root, sc)
+        originals, dt_warnings = self._original_dtypes(root, sc)
         sc = dataclasses.replace(sc, data=data)
+        cast: dict[str, np.dtype] = {}  # source -> the original dtype its values were read back in
         src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
                         records=iter(()), order=kind, order_note=note,
-                        loader=lambda source: self._reload(root, sc, source))
-        src.warnings.extend(warnings)
+                        loader=lambda source: _as_dtype(self._reload(root, sc, source), cast.get(source)))
+        src.warnings.extend(warnings + dt_warnings)
         if sc.special:
             rel = relname(root, sc.special[0])
             kind = "a symbolic link" if os.path.islink(sc.special[0]) else "not a regular file (a pipe, device or socket)"
@@ -392,8 +425,28 @@ class GenericReader:
             else:
                 why = f"unsupported file type {p.suffix or '(no extension)'!r}"
             src.warnings.append((rel, f"{why}; skipped (readable types: {', '.join(SUFFIXES)})"))
-        src.records = self._records(root, sc, order, ticks, src, tick)
+        src.records = self._records(root, sc, order, ticks, src, tick, originals, cast)
         yield src
+
+    def _original_dtypes(self, root: Path, sc: Scan) -> tuple[dict[str, np.dtype], list]:
+        """``({name: original dtype}, warnings)`` from the manifest's ``"dtypes"`` object."""
+        if sc.order_file is None or sc.order_file.suffix != ".json":
+            return {}, []
+        rel = relname(root, sc.order_file)
+        doc = read_json(sc.order_file, rel, root, what="order file")
+        got = doc.get(DTYPES_KEY) if isinstance(doc, dict) else None
+        if got is None:
+            return {}, []
+        if not isinstance(got, dict) or not all(isinstance(v, str) for v in got.values()):
+            return {}, [(rel, f'"{DTYPES_KEY}" is not an object of name: dtype; tensors are read as saved')]
+        out, bad = {}, []
+        for n, d in got.items():
+            try:
+                out[n.replace("/", ".")] = numpy_dtype_named(d)
+            except (ValueError, KeyError, TypeError):
+                bad.append(f"{n}: {d}")
+        return out, ([(rel, f'"{DTYPES_KEY}" names unknown dtypes ({", ".join(bad[:3])}); those tensors are read as '
+                              "saved")] if bad else [])
 
     # -- order
     def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, str, list, list[Path], dict]:
@@ -448,8 +501,8 @@ class GenericReader:
         if isinstance(doc, dict):
             key = next((k for k in ORDER_KEYS if doc.get(k) is not None), None)
             if key is None:
-                return None, f"{rel} has no {_KEYS_TEXT} list", [(rel, f"has no {_KEYS_TEXT} list; its order is "
-                                                                        "not used")]
+                return None, f"{rel} has no {_KEYS_TEXT} list", [] if DTYPES_KEY in doc else [
+                    (rel, f"has no {_KEYS_TEXT} list; its order is not used")]
             names, where = doc[key], f'{rel} ("{key}")'
         else:
             names, where = doc, rel
@@ -506,7 +559,8 @@ class GenericReader:
             return _native(t)
         return None
 
-    def _records(self, root: Path, sc: Scan, order, ticks, src: RunSource, tick: Tick) -> Iterator[TensorRecord]:
+    def _records(self, root: Path, sc: Scan, order, ticks, src: RunSource, tick: Tick, originals=None,
+                 cast=None) -> Iterator[TensorRecord]:
         """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle``."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
         seen: dict[tuple, str] = {}
@@ -534,6 +588,17 @@ class GenericReader:
                 if dup is not None:
                     raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
                 seen[(step, rank, name)] = rel
+                source = rel if key == "" else f"{rel}#{key}"
+                want = _original_for(originals or {}, name, prefix)
+                if want is not None:
+                    back = _as_dtype(t, want)
+                    if back is None:
+                        src.warnings.append((rel, f"{name!r} holds values that are not {want.name} values, so it was "
+                                                  f"not saved from {want.name} as the manifest says; it is read as "
+                                                  f"saved ({getattr(t, 'dtype', '?')})"))
+                    else:
+                        t = back
+                        cast[source] = want
                 try:
                     stats = tensor_stats(t)
                 except Exception as e:  # an unusual dtype: say which tensor
@@ -553,7 +618,7 @@ class GenericReader:
                 hints_seen.append(src.hints[k])
                 yield TensorRecord(run_id="", seq=emitted, op=f["op"], op_type=f["op_type"], role=f["role"],
                                    index=f["index"], stats=stats, step=step, rank=rank, direction=f["direction"],
-                                   source=rel if key == "" else f"{rel}#{key}", tensor=t)
+                                   source=source, tensor=t)
                 emitted += 1
             tick(os.lstat(p).st_size, rel)
         if order is not None and used:

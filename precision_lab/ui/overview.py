@@ -52,12 +52,15 @@ def warnings_table(store, session_id: str) -> pd.DataFrame:
 
 
 def order_caveat(store, session_id: str) -> Optional[str]:
-    """A sentence when some run's order is unknown (numbered by name), else None."""
-    unknown = [r["name"] for r in session_runs(store, session_id) if (r.get("order") or "") == "name"]
+    """A sentence when some run's order is unknown (numbered by name): the order it used and which parts are
+    certain, as ingest recorded (``order_notes``), else None."""
+    unknown = [r for r in session_runs(store, session_id) if (r.get("order") or "") == "name"]
     if not unknown:
         return None
-    return (f"{order_text('name')} for {', '.join(unknown)}: seq follows the names, not the execution, so 'first' "
-            "means first by name; the producer is chosen as the innermost op whose inputs are finite")
+    notes = order_notes(store, session_id)
+    said = "; ".join(f"{r['name']}: {notes.get(r['run_id']) or order_text('name')}" for r in unknown)
+    return (f"Order used for {said}. 'First' means first in that order: where it is not certain, an op placed "
+            "later may have run earlier.")
 
 
 def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
