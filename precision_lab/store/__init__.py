@@ -27,6 +27,7 @@ from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow
                        record_columns, stats_columns)
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
+from ..config import LOCK_WAIT_ENV, env_lock_wait
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
 __all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
@@ -138,25 +139,15 @@ MIGRATIONS: dict[int, list[str]] = {
 # keeps a read-only connection between operations for a bounded stretch (one dashboard page run), since an
 # open costs ~10 ms and a page asks dozens of questions.
 
-LOCK_WAIT_ENV = "PRECISION_LAB_LOCK_WAIT"  # seconds an open waits for another process's lock
-DEFAULT_LOCK_WAIT = 30.0
 _WRITER_FIRST_S = 1.0  # how long a new read waits for a write of its own process that is waiting to start
 _READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZE|EXPLAIN)\b", re.I)
 _HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
 
 
 def default_lock_wait() -> float:
-    """Seconds an open of the database waits for another process to let go of it (``$PRECISION_LAB_LOCK_WAIT``)."""
-    text = os.environ.get(LOCK_WAIT_ENV, "").strip()
-    if not text:
-        return DEFAULT_LOCK_WAIT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{LOCK_WAIT_ENV}={text!r} is not a number of seconds (0 or more)")
-    return value
+    """Seconds an open of the database waits for another process to let go of it: the ``lock_wait`` setting
+    (``$PRECISION_LAB_LOCK_WAIT``); a bad value is a ``ConfigError`` naming the variable."""
+    return env_lock_wait()
 
 
 def _holder(message: str) -> str:
