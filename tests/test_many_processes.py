@@ -224,7 +224,7 @@ import numpy as np
 from precision_lab.records import TensorRecord
 from precision_lab.stats import tensor_stats
 from precision_lab.store import Store
-store = Store(sys.argv[1])
+store = Store(sys.argv[1], staged=False)  # written straight in: the file is the writer's until it commits
 with store.new_session("half", source="x") as w:
     run = w.add_run(name="r", dtype="float32")
     for k in range(50):
