@@ -16,7 +16,16 @@ capture a small model from Python (a new session), build a session's report
 and, as the baseline of the same run, the writers' throughput with no
 dashboard serving against their throughput beside it.
 
+With ``--staging`` it measures instead what staging a large write buys: the
+dumps of bench/ingest.py are ingested (fp16 against fp32) while another
+process runs page runs (the Sessions list, held read-only) every 50 ms, once
+written straight into the shared file (the baseline) and once staged in a
+private file and inserted in one short transaction, interleaved ``--reps``
+times; it prints how long the ingest held the shared file read-write and
+the longest and median page run of the reader, medians over the repetitions.
+
     python bench/concurrency.py [--writers 4] [--ops 50]
+    python bench/concurrency.py --staging [--reps 3]
 """
 
 from __future__ import annotations
@@ -94,6 +103,85 @@ def writer(me: int, db: str, ops: int, dumps: str) -> None:
         print(json.dumps(line), flush=True)
 
 
+def reader_page_runs(db: str) -> None:
+    """A reader process: page runs (the Sessions list, the file held read-only for the run) every 50 ms until
+    stdin closes; then one JSON line of their durations."""
+    from precision_lab.store import Store
+
+    store = Store(db, lock_wait=600)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    print("ready", flush=True)
+    took = []
+    while not stop.is_set():
+        t = time.perf_counter()
+        with store.held():
+            store.sessions()
+        took.append(time.perf_counter() - t)
+        time.sleep(0.05)
+    print(json.dumps(took), flush=True)
+
+
+def staged_ingest(ref: Path, cand: Path, db: Path, staged: bool) -> tuple[float, float, list[float]]:
+    """(seconds the ingest took, seconds it held the shared file read-write, a concurrent reader's page runs)."""
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    Store(db)
+    close_all()
+    reader = subprocess.Popen([sys.executable, __file__, "--reader", str(db)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        store = Store(db, staged=staged)
+        held0, t0 = store.write_held_s, time.perf_counter()
+        ingest(cand, reference=ref, store=store)
+        took, held = time.perf_counter() - t0, store.write_held_s - held0
+        close_all()
+        time.sleep(0.3)  # a few page runs after it
+        reader.stdin.close()
+        runs = json.loads(reader.stdout.readline())
+    finally:
+        if reader.poll() is None and not reader.stdin.closed:
+            reader.kill()
+        reader.wait(timeout=60)
+        reader.stdout.close()
+    return took, held, runs
+
+
+def staging_bench(reps: int) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from ingest import tensor_bytes, write_dumps
+
+    with tempfile.TemporaryDirectory(prefix="pl-staging-") as tmp:
+        tmp = Path(tmp)
+        os.environ["XDG_DATA_HOME"] = str(tmp / "xdg")  # scratch (the staging files) stays in tmp
+        os.environ.pop("PRECISION_LAB_CONFIG", None)
+        ref, cand = write_dumps(tmp / "dumps")
+        mb = tensor_bytes(ref, cand) / 1e6
+        nfiles = sum(1 for r in (ref, cand) for _ in r.rglob("*.pt"))
+        got: dict = {False: [], True: []}
+        staged_ingest(ref, cand, tmp / "warm.duckdb", True)  # compile kernels, import modules once
+        for i in range(reps):
+            for staged in (False, True):
+                got[staged].append(staged_ingest(ref, cand, tmp / f"{i}-{staged}.duckdb", staged))
+
+    def med(staged: bool, k: int) -> float:
+        return statistics.median(g[k] for g in got[staged])
+
+    def page(staged: bool, how) -> float:
+        return statistics.median(how(g[2]) for g in got[staged])
+
+    print(f"ingest of bench/ingest.py's dumps ({mb:.1f} MB, {nfiles} files, fp16 vs fp32) beside a process running "
+          f"page runs every 50 ms; medians of {reps} interleaved repetitions")
+    for staged, label in ((False, "written straight in (baseline)"), (True, "staged, then inserted")):
+        print(f"  {label:<31} ingest {med(staged, 0):6.2f} s, shared file held read-write {med(staged, 1):6.2f} s; "
+              f"page run max {page(staged, max):6.2f} s, median {page(staged, statistics.median):.3f} s")
+    print(f"held read-write: staged / baseline {med(True, 1) / med(False, 1):.3f}; longest page run: staged / "
+          f"baseline {page(True, max) / page(False, max):.3f}; ingest time: staged / baseline "
+          f"{med(True, 0) / med(False, 0):.2f}")
+
+
 def run_writers(db: Path, n: int, ops: int, dumps: Path) -> tuple[list[dict], float]:
     t0 = time.time()
     procs = [subprocess.Popen([sys.executable, __file__, "--writer", str(i), "--db", str(db), "--ops", str(ops),
@@ -134,12 +222,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--writers", type=int, default=4)
     ap.add_argument("--ops", type=int, default=50)
+    ap.add_argument("--staging", action="store_true", help="measure staging a large ingest instead (see above)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of --staging")
     ap.add_argument("--writer", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reader", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--db", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dumps", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.writer is not None:
         writer(args.writer, args.db, args.ops, args.dumps)
+        return
+    if args.reader is not None:
+        reader_page_runs(args.reader)
+        return
+    if args.staging:
+        staging_bench(args.reps)
         return
 
     from ui_fixtures import DashboardTab, free_port, serving

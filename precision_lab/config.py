@@ -42,6 +42,8 @@ SHARE_PARAM = "share"
 SESSION_PARAM = "session"
 
 _MB = 1024 * 1024
+DEFAULT_LOCK_WAIT = 30.0  # seconds
+LOCK_WAIT_ENV = "PRECISION_LAB_LOCK_WAIT"
 
 
 class ConfigError(ValueError):
@@ -87,6 +89,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("work_dir", "PRECISION_LAB_WORK_DIR", str,
             "Folder for uploads and extracted zips while they are ingested (default: scratch/ in the "
             "per-user data directory); leftovers of killed ingests are swept from it."),
+    Setting("lock_wait", LOCK_WAIT_ENV, float,
+            "Seconds a command, notebook or page waits for another process to let go of the database before it "
+            "stops with one sentence naming that process (0 or more)."),
 )
 
 
@@ -107,6 +112,7 @@ class ServerConfig:
     max_file_records: int = ReadLimits.max_file_records
     max_json_mb: int = ReadLimits.max_json_bytes >> 20
     work_dir: Optional[str] = None
+    lock_wait: float = DEFAULT_LOCK_WAIT
     source: str = "defaults"  # where the settings came from, for messages
 
     def __post_init__(self) -> None:
@@ -118,6 +124,7 @@ class ServerConfig:
         if not isinstance(self.zip_max_ratio, (int, float)) or isinstance(self.zip_max_ratio, bool) \
                 or not self.zip_max_ratio > 1:
             raise ConfigError(f"{self.source}: zip_max_ratio must be a number above 1, got {self.zip_max_ratio!r}")
+        check_lock_wait(self.lock_wait, self.source)
 
     @property
     def max_upload_bytes(self) -> int:
@@ -138,6 +145,24 @@ class ServerConfig:
     def read_limits(self) -> ReadLimits:
         """The limits on reading dump files as ``precision_lab.readers.safeio.ReadLimits``."""
         return ReadLimits.from_config(self)
+
+
+def check_lock_wait(value: Any, where: str) -> float:
+    """``value`` as the ``lock_wait`` setting: a finite number of seconds, 0 or more (``ConfigError`` otherwise)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    if not ok:
+        raise ConfigError(f"{where}: lock_wait must be a number of seconds, 0 or more, got {value!r}")
+    return float(value)
+
+
+def env_lock_wait(env: Optional[Mapping[str, str]] = None) -> float:
+    """The ``lock_wait`` setting from ``$PRECISION_LAB_LOCK_WAIT`` alone (unset or empty: the default), for every
+    process that opens the database, not only a server."""
+    text = (os.environ if env is None else env).get(LOCK_WAIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_LOCK_WAIT
+    where = f"environment variable {LOCK_WAIT_ENV}"
+    return check_lock_wait(_parse(_LOCK_WAIT, text, where), where)
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -178,6 +203,9 @@ def _parse(setting: Setting, raw: Any, where: str) -> Any:
     if not isinstance(raw, str):
         raise ConfigError(f"{where}: {setting.name} must be a string, got {raw!r}")
     return raw
+
+
+_LOCK_WAIT = next(s for s in SETTINGS if s.name == "lock_wait")
 
 
 def load_config(path: Optional[os.PathLike | str] = None, env: Optional[Mapping[str, str]] = None) -> ServerConfig:

@@ -798,15 +798,18 @@ def test_a_capture_to_a_path_releases_the_database_for_other_processes(tmp_path)
 
 
 def test_a_store_holds_its_file_only_while_an_operation_runs(tmp_path):
-    """A Store in a notebook does not keep other processes out: between operations the file is free, and
-    ``held()`` keeps it (read-only) only for its block."""
+    """A Store in a notebook does not keep other processes out: between operations the file is free, a new
+    session is staged apart from it until it is inserted whole, and ``held()`` keeps it (read-only) only for its
+    block."""
     from precision_lab.store import is_open
 
     db = tmp_path / "s.duckdb"
     with Store(db) as s:
         with s.new_session("kept") as w:
             w.add_run(name="r")
-            assert is_open(db)
+            assert not is_open(db)
+            meanwhile = _other_process_reads(db)  # the file is free while the session is written, and without it
+            assert meanwhile.returncode == 0 and meanwhile.stdout.strip() == "0", meanwhile.stderr
         assert not is_open(db)
         got = _other_process_reads(db)
         assert got.returncode == 0 and got.stdout.strip() == "1", got.stderr

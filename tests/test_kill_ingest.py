@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precision_lab.scratch import scratch_root
 from precision_lab.store import Store, close_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def test_sigkill_mid_ingest_of_a_dump(tmp_path):
         import sys, time
         from precision_lab.store import Store
         from precision_lab.services.ingest import ingest
-        store = Store({str(db)!r})
+        store = Store({str(db)!r}, staged=False)  # written straight in: the uncommitted rows are in the file
         def progress(done, total, label):
             if done >= total * 3 // 4:
                 # this thread's cursor is the ingest's transaction: it sees the uncommitted rows
@@ -127,8 +128,11 @@ def test_sigkill_mid_ingest_of_a_dump(tmp_path):
     _check_clean(db, before)
 
 
-def test_sigkill_with_large_uncommitted_session(tmp_path):
-    """More rows than a DuckDB row group, flushed in batches, then the kill."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_sigkill_with_large_uncommitted_session(tmp_path, staged):
+    """More rows than a DuckDB row group, flushed in batches, then the kill: written straight into the file (its
+    transaction holds them) or staged in a private file (the shared one is untouched, the staging folder is
+    swept by the next writer)."""
     db = tmp_path / "lab.duckdb"
     before = _seed_database(db)
     child = _Child(f"""
@@ -136,7 +140,7 @@ def test_sigkill_with_large_uncommitted_session(tmp_path):
         from precision_lab.records import TensorRecord
         from precision_lab.stats import TensorStats
         from precision_lab.store import Store
-        store = Store({str(db)!r})
+        store = Store({str(db)!r}, staged={staged!r})
         with store.new_session("victim") as w:
             run = w.add_run(name="fp16", dtype="float16")
             for i in range(150_000):
@@ -144,14 +148,17 @@ def test_sigkill_with_large_uncommitted_session(tmp_path):
                 w.add_record(TensorRecord(run_id=run, seq=i, op=f"op{{i}}", op_type="Linear", role="output",
                                           index="0", stats=st))
             w.flush()
-            n = store.sql("SELECT count(*) FROM tensors").fetchall()[0][0]
+            n = w.cur.execute("SELECT count(*) FROM tensors").fetchall()[0][0]
             print("READY", n, flush=True)
             time.sleep(600)
     """)
     line = child.wait_for("READY", timeout=300)
-    assert int(line.split()[1]) == before["tensors"] + 150_000
+    assert int(line.split()[1]) == (0 if staged else before["tensors"]) + 150_000
+    stage = [p for p in scratch_root().glob("stage-*")]
+    assert len(stage) == (1 if staged else 0)
     assert child.kill() == -signal.SIGKILL
-    _check_clean(db, before)
+    _check_clean(db, before)  # its new session was staged: the leftover folder is swept
+    assert not [p for p in scratch_root().glob("stage-*")]
 
 
 def test_sigkill_during_back_to_back_commits(tmp_path):

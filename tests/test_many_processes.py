@@ -6,6 +6,7 @@ too long is one sentence naming its holder."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,7 +224,7 @@ import numpy as np
 from precision_lab.records import TensorRecord
 from precision_lab.stats import tensor_stats
 from precision_lab.store import Store
-store = Store(sys.argv[1])
+store = Store(sys.argv[1], staged=False)  # written straight in: the file is the writer's until it commits
 with store.new_session("half", source="x") as w:
     run = w.add_run(name="r", dtype="float32")
     for k in range(50):
@@ -323,12 +324,59 @@ def test_an_open_retries_until_the_holder_lets_go_and_names_it_when_it_does_not(
         holder.stdout.close()
 
 
-def test_lock_wait_setting_is_checked(monkeypatch):
+def test_lock_wait_is_a_server_setting_checked_in_one_sentence(monkeypatch, tmp_path):
+    from precision_lab.config import ConfigError, load_config, settings_table
     from precision_lab.store import LOCK_WAIT_ENV, default_lock_wait
 
+    assert {"name": "lock_wait", "env": LOCK_WAIT_ENV} .items() <= next(
+        r for r in settings_table() if r["name"] == "lock_wait").items()
     monkeypatch.setenv(LOCK_WAIT_ENV, "2.5")
-    assert default_lock_wait() == 2.5
+    assert default_lock_wait() == 2.5 and load_config(env={LOCK_WAIT_ENV: "2.5"}).lock_wait == 2.5
+    assert Store(tmp_path / "w.duckdb").lock_wait == 2.5
+    toml = tmp_path / "s.toml"
+    toml.write_text("[server]\nlock_wait = 0\n")
+    assert load_config(toml, env={}).lock_wait == 0.0
     for bad in ("soon", "-1", "inf", "nan"):
         monkeypatch.setenv(LOCK_WAIT_ENV, bad)
-        with pytest.raises(ValueError, match=LOCK_WAIT_ENV):
+        with pytest.raises(ConfigError, match=LOCK_WAIT_ENV) as e:
             default_lock_wait()
+        assert "\n" not in str(e.value) and "lock_wait must be a number" in str(e.value)
+        with pytest.raises(ConfigError, match=LOCK_WAIT_ENV):
+            load_config(env={LOCK_WAIT_ENV: bad})
+    toml.write_text("lock_wait = -3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{toml}: lock_wait must be a number of seconds, 0 or more, got -3")):
+        load_config(toml, env={})
+
+
+def test_a_lock_met_mid_command_in_process_is_one_sentence_and_exit_2(tmp_path, monkeypatch):
+    """Under typer's CliRunner (as from the console script): a write that meets a reader of another process
+    past the wait ends the command with one sentence naming it, exit 2, and writes nothing."""
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+
+    db = tmp_path / "m.duckdb"
+    Store(db)
+    close_all()
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    np.save(dump / "a.npy", np.arange(8, dtype=np.float32))
+    code = ("import sys, duckdb\ncon = duckdb.connect(sys.argv[1], read_only=True)\nprint('ready', flush=True)\n"
+            "sys.stdin.read()\ncon.close()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(db)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("PRECISION_LAB_LOCK_WAIT", "0.3")
+        # the command's reads open the file beside the holder; its write cannot
+        res = CliRunner().invoke(app, ["ingest", str(dump), "--db", str(db)])
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert res.exit_code == 2, (res.exception, res.output)
+    assert not isinstance(res.exception, DatabaseLocked)
+    err = res.stderr.strip()
+    assert err.startswith(f"error: database {db} is in use by process {holder.pid} (") and "\n" not in err
+    assert "Conflicting lock" not in err and "Traceback" not in res.output
+    assert list(Store(db).sessions()["name"]) == []

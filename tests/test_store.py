@@ -267,3 +267,28 @@ def test_a_version_4_database_moves_summary_errors_out_of_the_element_wise_colum
     s2.sql(move_summary_errors_sql())
     assert {row[0]: row for row in s2.sql(f"SELECT {cols} FROM comparisons ORDER BY seq").fetchall()} == got
     close_all()
+
+
+def test_a_staged_session_gets_a_free_name_when_another_writer_takes_its_name_meanwhile(tmp_path):
+    """A new session is written apart from the file and inserted at the end: a name taken in between is made
+    unique (``w.name`` says which), or refused with nothing written when renaming is not allowed."""
+    db = tmp_path / "n.duckdb"
+    s, other = Store(db), Store(db, staged=False)
+    with s.new_session("x", source="a") as w:
+        w.add_run(name="r")
+        with other.new_session("x", source="b") as w2:  # committed while the first is still being written
+            w2.add_run(name="r")
+    assert w2.name == "x" and w.name != "x"
+    got = {r["name"]: r["source"] for r in s.sessions().to_dict("records")}
+    assert got == {"x": "b", w.name: "a"}
+    assert len(s.runs(s.session(w.name)["session_id"])) == 1
+    with pytest.raises(ValueError, match="already exists"):
+        with s.new_session("x", exist_ok_rename=False):
+            raise AssertionError("a taken name is refused before the work")
+    with pytest.raises(ValueError, match="already exists"):
+        with s.new_session("y", exist_ok_rename=False) as w3:
+            w3.add_run(name="r")
+            with other.new_session("y"):
+                pass
+    assert sorted(s.sessions()["name"]) == sorted(["x", w.name, "y"])
+    assert s.sql("SELECT count(*) FROM runs").fetchone()[0] == 2

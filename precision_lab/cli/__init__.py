@@ -41,14 +41,4 @@ def main() -> None:
     words = [a for a in sys.argv[1:] if not a.startswith("-")]
     wanted = COMMANDS.get(words[0]) if words else None
     _load_commands((wanted,) if wanted else _COMMAND_MODULES)
-    try:
-        _app.app()
-    except RuntimeError as e:
-        # a store opens its file for each operation, so any command may meet another process's lock held past
-        # the wait: one sentence naming the holder, exit 2 (a store is loaded when it raised: none is imported)
-        store = sys.modules.get("precision_lab.store")
-        if store is None or not isinstance(e, store.DatabaseLocked):
-            raise
-        msg = "".join(c if c.isprintable() else " " for c in str(e))
-        print(f"error: {msg}", file=sys.stderr)
-        sys.exit(2)  # _common.EXIT_UNUSABLE
+    _app.app()

@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 import typer
+from typer.core import TyperGroup
+
+EXIT_UNUSABLE = 2  # the request cannot be carried out
+
+
+def fail(msg: str, code: int = EXIT_UNUSABLE) -> NoReturn:
+    """Print ``error: msg`` on stderr, as one line, and exit with ``code``.
+
+    Control characters (a file name may hold a newline) are shown escaped,
+    so a name cannot forge a second line of output.
+    """
+    msg = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(msg))
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+class _Commands(TyperGroup):
+    """The command group: a store opens its file for each operation, so any command may meet another
+    process's lock held past the wait; that ends it in one sentence naming the holder, exit 2, whether the
+    command runs from the console script or in-process (``typer.testing.CliRunner``, an embedding)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except RuntimeError as e:
+            store = sys.modules.get("precision_lab.store")  # loaded when it raised: none is imported here
+            if store is None or not isinstance(e, store.DatabaseLocked):
+                raise
+            fail(str(e))
+
 
 app = typer.Typer(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     help="Precision Lab: find where a model's numbers go wrong in low precision, and why.",

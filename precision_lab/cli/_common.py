@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import NoReturn, Optional
+from typing import Optional
 
 import typer
 from ..store import Store
 from ..config import ConfigError, load_config
-
-EXIT_UNUSABLE = 2  # the request cannot be carried out
+from ._app import EXIT_UNUSABLE, fail
 
 DB_HELP = "database file (default: $PRECISION_LAB_DB or the user data directory)"
-
-
-def fail(msg: str, code: int = EXIT_UNUSABLE) -> NoReturn:
-    """Print ``error: msg`` on stderr, as one line, and exit with ``code``.
-
-    Control characters (a file name may hold a newline) are shown escaped,
-    so a name cannot forge a second line of output.
-    """
-    msg = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(msg))
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def open_store(db: Optional[str], *, use_config: bool = False, code: int = EXIT_UNUSABLE):

@@ -104,7 +104,7 @@ class RunOutput:
         else:
             with store.new_session(self.run, source=self.source, notes=notes) as w:
                 self.write_run(w)
-                self.session = w.name
+            self.session = w.name  # the name it got: made unique as the session is inserted
 
     def _write_step_shard(self, step_records, base, step=None) -> None:
         local = {}

@@ -475,7 +475,7 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
                              cand_run_id=cand_cap.run_id, cand_rid=cand_rids[m.cand.rid] if m.cand is not None else None,
                              step=rec.step, rank=rec.rank, seq=rec.seq, op=rec.op, role=rec.role, index=rec.index,
                              match=m.match, comparison=cmp)
-        name = w.name
+    name = w.name  # the name it got: made unique as the session is inserted
     ref_cap.session = cand_cap.session = name
     return name
 

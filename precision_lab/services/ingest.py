@@ -223,7 +223,7 @@ def _ingest(paths, reference, session, store, progress, keep_tensors, zip_limits
                 shown = ", ".join(s.label for s in sources)
                 raise IngestError(f"{shown}: {plain_error(e)}") from None
             w.set_notes(notes)
-            name = w.name
+        name = w.name  # the name it got: made unique as the session is inserted
         try:
             diagnose_session(store, name)
         except Exception as e:  # the ingested session stands; say why it has no diagnoses

@@ -28,6 +28,9 @@ from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow
 from ..enums import Verdict
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
+from ..config import LOCK_WAIT_ENV, env_lock_wait
+from ..scratch import scratch_dir, sweep
+from .transfer import insert_staged_session, move_summary_errors_sql
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 
 __all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
@@ -103,16 +106,6 @@ def _schema_sql() -> list[str]:
     ]
 
 
-def move_summary_errors_sql(where: str = "") -> str:
-    """Rows written before schema 5 kept a statistics-only comparison's summary errors in
-    max_abs_err/max_rel_err: move them to summary_abs_err/summary_rel_err (``where``: more conditions).
-    A row already moved has NULL there, so running it twice changes nothing."""
-    return ("UPDATE comparisons SET summary_abs_err = max_abs_err, summary_rel_err = max_rel_err, "
-            "max_abs_err = NULL, max_rel_err = NULL "
-            "WHERE basis = 'stats' AND (max_abs_err IS NOT NULL OR max_rel_err IS NOT NULL)"
-            + (f" AND {where}" if where else ""))
-
-
 # Migrations from version N-1 to N, applied in order by _migrate().
 MIGRATIONS: dict[int, list[str]] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
@@ -139,25 +132,15 @@ MIGRATIONS: dict[int, list[str]] = {
 # keeps a read-only connection between operations for a bounded stretch (one dashboard page run), since an
 # open costs ~10 ms and a page asks dozens of questions.
 
-LOCK_WAIT_ENV = "PRECISION_LAB_LOCK_WAIT"  # seconds an open waits for another process's lock
-DEFAULT_LOCK_WAIT = 30.0
 _WRITER_FIRST_S = 1.0  # how long a new read waits for a write of its own process that is waiting to start
 _READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZE|EXPLAIN)\b", re.I)
 _HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
 
 
 def default_lock_wait() -> float:
-    """Seconds an open of the database waits for another process to let go of it (``$PRECISION_LAB_LOCK_WAIT``)."""
-    text = os.environ.get(LOCK_WAIT_ENV, "").strip()
-    if not text:
-        return DEFAULT_LOCK_WAIT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{LOCK_WAIT_ENV}={text!r} is not a number of seconds (0 or more)")
-    return value
+    """Seconds an open of the database waits for another process to let go of it: the ``lock_wait`` setting
+    (``$PRECISION_LAB_LOCK_WAIT``); a bad value is a ``ConfigError`` naming the variable."""
+    return env_lock_wait()
 
 
 def _holder(message: str) -> str:
@@ -225,6 +208,8 @@ class _File:
         self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
         self.tx = threading.local()  # the cursor of this thread's open transaction
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
+        self.write_held_s = 0.0  # seconds this process has held the file read-write (benches)
+        self._rw_since: Optional[float] = None
 
     def acquire(self, write: bool, wait: float):
         with self.cond:
@@ -259,6 +244,7 @@ class _File:
                         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
                     ro = exists and not write
                     self.con, self.read_only = _connect(self.path, ro, wait), ro
+                    self._rw_since = None if ro else time.monotonic()
                 self.active += 1
                 self.cond.notify_all()  # reads that let a waiting write go first may use this connection
                 return self.con
@@ -289,9 +275,12 @@ class _File:
         con, self.con = self.con, None
         if con is not None:
             try:
-                con.close()
+                con.close()  # a read-write connection checkpoints as it closes: part of the hold
             except Exception:
                 pass
+        if self._rw_since is not None:
+            self.write_held_s += time.monotonic() - self._rw_since
+            self._rw_since = None
 
     @property
     def is_open(self) -> bool:
@@ -405,8 +394,12 @@ class Store:
     """A DuckDB database of sessions.  ``Store(":memory:")`` for a throwaway one (kept open while the process
     runs); a file is opened per operation and let go after it (see "connections" above)."""
 
-    def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None):
+    def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None,
+                 staged: bool = True):
+        """``staged=False`` writes a new session straight into the file, holding it for the whole write (the
+        baseline of bench/concurrency.py --staging); see ``new_session``."""
         self.path = resolve_db_path(path)
+        self.staged = staged
         self.lock_wait = default_lock_wait() if lock_wait is None else float(lock_wait)
         self._file = _file(self.path)
         self._lock = self._file.write_lock
@@ -431,6 +424,11 @@ class Store:
         self.close()
 
     # -- connection plumbing
+    @property
+    def write_held_s(self) -> float:
+        """Seconds this process has held the database file read-write so far (every ``Store`` of it)."""
+        return self._file.write_held_s
+
     @contextmanager
     def held(self):
         """Keep the database open between the operations of this block (read-only; a write in it still takes
@@ -577,7 +575,20 @@ class Store:
     @contextmanager
     def new_session(self, name: Optional[str] = None, *, source: str = "", recipe: Optional[str] = None,
                     notes: Optional[dict] = None, exist_ok_rename: bool = True) -> Iterator["SessionWriter"]:
-        """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``."""
+        """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``; ``w.name`` after
+        the block is the name it got (made unique unless ``exist_ok_rename`` is false: then a taken name is a
+        ``ValueError``).
+
+        A file database's session is first written to a private staging database in the scratch folder and then
+        inserted into the shared file in one short transaction, so a long ingest or capture holds the file (and
+        keeps other processes' writes, and dashboards' reads, waiting) only for that insert.  A failure or a
+        killed process before it leaves the shared file as it was; the staging folder goes with the block (a
+        killed process's is swept by the next writer)."""
+        if self.staged and not self._file.memory:
+            with self._staged_session(name or _default_session_name(source), source=source, recipe=recipe,
+                                      notes=notes, rename=exist_ok_rename) as w:
+                yield w
+            return
         with self.transaction() as cur:
             name = self._unique_name(cur, name or _default_session_name(source), rename=exist_ok_rename)
             sid = uuid.uuid4().hex[:12]
@@ -588,6 +599,33 @@ class Store:
             w = SessionWriter(self, cur, sid, name)
             yield w
             w.flush()
+
+    @contextmanager
+    def _staged_session(self, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
+                        rename: bool) -> Iterator["SessionWriter"]:
+        import duckdb
+
+        if not rename:  # a taken name fails before the work, not only at the insert
+            with self.reading() as cur:
+                self._unique_name(cur, name, rename=False)
+        sweep()
+        with scratch_dir("stage") as folder:
+            con = duckdb.connect(str(folder / "session.duckdb"))
+            try:
+                for stmt in _schema_sql():
+                    con.execute(stmt)
+                cur = con.cursor()
+                cur.execute("BEGIN TRANSACTION")
+                sid = uuid.uuid4().hex[:12]
+                cur.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                            [sid, name, _now(), source, recipe, json.dumps(notes or {})])
+                w = SessionWriter(self, cur, sid, name)
+                yield w
+                w.flush()
+                cur.execute("COMMIT")
+                w.name, w.session_id = insert_staged_session(self, con, sid, name, rename=rename)
+            finally:
+                con.close()
 
     @contextmanager
     def extend_session(self, session: str) -> Iterator["SessionWriter"]:

@@ -14,10 +14,19 @@ from pathlib import Path
 import duckdb
 
 from ..stats import HIST_EDGES_ID
-from . import move_summary_errors_sql
 
-__all__ = ["TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
+__all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
            "table_columns", "insert_session_tables", "ArchiveQueries"]
+
+def move_summary_errors_sql(where: str = "") -> str:
+    """Rows written before schema 5 kept a statistics-only comparison's summary errors in
+    max_abs_err/max_rel_err: move them to summary_abs_err/summary_rel_err (``where``: more conditions).
+    A row already moved has NULL there, so running it twice changes nothing."""
+    return ("UPDATE comparisons SET summary_abs_err = max_abs_err, summary_rel_err = max_rel_err, "
+            "max_abs_err = NULL, max_rel_err = NULL "
+            "WHERE basis = 'stats' AND (max_abs_err IS NOT NULL OR max_rel_err IS NOT NULL)"
+            + (f" AND {where}" if where else ""))
+
 
 # Tables of one session, in insertion order (parents before children).
 TABLES = ("sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings",
@@ -123,11 +132,13 @@ def _select_list(table: str, columns: list, *, session_id: str, name: str, run_m
 
 
 def insert_session_tables(store, tables: dict, *, session_id: str, name: str, where: str,
-                          hist_edges_id, schema_version: int) -> tuple[str, str, dict, list[str]]:
+                          hist_edges_id, schema_version: int, rename: bool = True) -> tuple[str, str, dict, list[str]]:
     """Insert one session's checked Arrow tables in one transaction.
 
     Ids the database already holds are replaced by fresh ones, the name is
-    made unique, share tokens are dropped.  Rows written at an older
+    made unique (``rename`` false: a taken name is a ``ValueError``), share
+    tokens are dropped.  A table is an Arrow table or, read as it is inserted,
+    an Arrow record batch reader (``runs`` must be a table).  Rows written at an older
     ``schema_version`` are brought up to this one (``ROW_UPGRADES``).
     Returns (name, session id, run id map, notes).  ``ImportRefused`` names a
     table DuckDB cannot store; the rollback leaves the database as it was.
@@ -143,15 +154,15 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
             "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
         ).fetchall()} & set(run_ids)
         run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
-        final_name = store._unique_name(cur, name, rename=True)
+        final_name = store._unique_name(cur, name, rename=rename)
         for table in TABLES:
             t = tables.get(table)
             if t is None:  # an archive older than the table
                 continue
-            if t.num_rows == 0:
+            if getattr(t, "num_rows", None) == 0:
                 continue
-            cols = ", ".join(_quoted(c) for c in t.column_names)
-            exprs, params = _select_list(table, t.column_names, session_id=new_sid, name=final_name,
+            cols = ", ".join(_quoted(c) for c in t.schema.names)
+            exprs, params = _select_list(table, t.schema.names, session_id=new_sid, name=final_name,
                                          run_map=run_map)
             view = f"_pl_import_{table}"
             cur.register(view, t)
@@ -169,6 +180,26 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
             cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
             notes.append(note)
     return final_name, new_sid, run_map, notes
+
+
+def insert_staged_session(store, staged, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:
+    """Insert the session ``session_id`` that a private staging database (``staged``: its DuckDB connection,
+    committed) holds into ``store``, in one transaction (``insert_session_tables``), so the shared file is held
+    for the copy only; returns the (name, session id) it got there.  The small tables are read into memory
+    first, tensors' data streams from the staging file as it is inserted."""
+    tables: dict = {}
+    for table in TABLES:
+        query = f"{_SELECT[table]} ORDER BY rowid"
+        if table == "tensor_data":
+            if staged.execute(f"SELECT count(*) FROM ({_SELECT[table]})", {"sid": session_id}).fetchall()[0][0]:
+                tables[table] = staged.cursor().sql(query, params={"sid": session_id}).to_arrow_reader()
+        else:
+            tables[table] = staged.sql(query, params={"sid": session_id}).to_arrow_table()
+    # rows written by this version: no upgrade applies, and histograms use this version's bin edges
+    got, new_sid, _runs, _notes = insert_session_tables(
+        store, tables, session_id=session_id, name=name, where=f"session {name}", hist_edges_id=HIST_EDGES_ID,
+        schema_version=max(ROW_UPGRADES), rename=rename)
+    return got, new_sid
 
 
 class ArchiveQueries:

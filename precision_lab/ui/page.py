@@ -69,7 +69,6 @@ def plain(text: Any) -> str:
 
 # ---- store, config, access ------------------------------------------------------
 
-@st.cache_resource(show_spinner=False)
 @st.cache_data(max_entries=20_000, show_spinner=False)
 def _headline(db_path: str, session_id: str, version: tuple, _store) -> dict:
     return session_headline(_store, session_id)
@@ -100,8 +99,9 @@ def cached_headline(store) -> Callable[[str, tuple], dict]:
     return lambda session_id, version: _headline(store.path, session_id, version, store)
 
 
-def _open_store(path: str):
-    return Store(path)
+@st.cache_resource(show_spinner=False)
+def _open_store(path: str, lock_wait: float):
+    return Store(path, lock_wait=lock_wait)
 
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
@@ -151,7 +151,7 @@ def get_store():
     cfg = get_config()
     path = cfg.db_path or str(default_db_path())
     try:
-        return _open_store(str(path))
+        return _open_store(str(path), cfg.lock_wait)
     except Exception as e:  # a locked or unreadable database file
         st.error(plain(f"Cannot open the database {path}: {e}"))
         st.stop()
