@@ -26,6 +26,7 @@ from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow
 from ..metrics import Comparison
 from ..tokens import TokenFileError, token_file_for
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
+from .queries import run_order
 
 __all__ = ["Store", "is_open", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
@@ -337,7 +338,7 @@ class Store:
         return d
 
     def runs(self, session_id: str):
-        return self.df("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+        return self.df(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
     def run(self, run_id: str) -> dict:
         df = self.df("SELECT * FROM runs WHERE run_id = ?", [run_id])
