@@ -479,6 +479,15 @@ def guard(what: str = ""):
         st.stop()
 
 
+def selected_row(frame, event):
+    """The row of ``frame`` that a single-row table selection ``event`` points at, or None: nothing selected, or a
+    selection kept from before the table shrank (a filter, another page) that points past its end."""
+    picked = event.selection.rows if event is not None else []
+    if not picked or not 0 <= picked[0] < len(frame):
+        return None
+    return frame.iloc[picked[0]]
+
+
 def table_height(rows: int) -> int:
     """Pixel height that shows every row of a table page, up to about 20 rows."""
     return min(38 + 35 * max(rows, 1), 740)
