@@ -516,6 +516,19 @@ def not_found(sentence: str) -> None:
     st.stop()
 
 
+def scoped(param: str, key: str, scope: str) -> None:
+    """Forget the value last chosen for ``param`` (picker ``key``, the URL, the value carried across pages) when
+    it was chosen under another ``scope``: an op's record number means nothing in another run.  A value handed
+    over by ``navigate`` comes with its own run and is kept; so is one in a URL opened afresh."""
+    mark = f"{_REMEMBER}{param}@scope"
+    if param not in st.session_state.get(_PENDING, {}) and st.session_state.get(mark, scope) != scope:
+        st.session_state.pop(page_key(key), None)
+        st.session_state.pop(_REMEMBER + param, None)
+        if param in st.query_params:
+            del st.query_params[param]
+    st.session_state[mark] = scope
+
+
 def peek(param: str, key: str) -> Optional[str]:
     """The value a picker for ``param`` (widget ``key``) is about to start from, as text."""
     key = page_key(key)
