@@ -68,8 +68,8 @@ if mode == "pair":
     event = st.dataframe(style_severity(text_columns(shown, digits=4)), key="diff_table", hide_index=True, width="stretch",
                          height=page.table_height(len(shown)), on_select="rerun",
                          selection_mode="single-row")
-    if event is not None and event.selection.rows:
-        row = df.iloc[event.selection.rows[0]]
+    row = page.selected_row(df, event)
+    if row is not None:
         names = {r["run_id"]: r["name"] for r in runs}
         if not pd.isna(row["cand_rid"]):
             page.navigate("detail", session=info["name"], run=names[pair["cand_run_id"]], op=int(row["cand_rid"]))

@@ -21,6 +21,7 @@ if run is None:
 # current one among them when it is of that step); opened without an op, it lands on the first non-finite producer
 first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
               if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
+page.scoped("op", "pick_op", run["run_id"])  # a record number chosen in another run is no op of this one
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
 asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None

@@ -69,6 +69,6 @@ if st.session_state.get("f_page", 1) > result.pages:  # the filter shrank the ta
     st.session_state["f_page"] = result.pages
 right.number_input("Page", min_value=1, max_value=result.pages, step=1, key="f_page")
 page.to_url("page", int(st.session_state["f_page"]), 1)
-if event is not None and event.selection.rows:
-    rid = int(shown.iloc[event.selection.rows[0]]["rid"])
-    page.navigate("detail", session=info["name"], run=run["name"], op=rid)
+picked = page.selected_row(shown, event)
+if picked is not None:
+    page.navigate("detail", session=info["name"], run=run["name"], op=int(picked["rid"]))

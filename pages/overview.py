@@ -121,8 +121,8 @@ def _offenders(kinds, key: str, empty: str) -> None:
     shown = df[["run", "seq", "op", "role", "index", "verdict", *rel, "sqnr_db", "rounding_units", "reason"]]
     ev = st.dataframe(text_columns(shown, (*rel, "sqnr_db", "rounding_units"), 4), hide_index=True,
                       width="stretch", key=key, on_select="rerun", selection_mode="single-row")
-    if ev is not None and ev.selection.rows:
-        row = df.iloc[ev.selection.rows[0]]
+    row = page.selected_row(df, ev)
+    if row is not None:
         page.navigate("detail", session=info["name"], run=row["run"], op=int(row["rid"]))
 
 

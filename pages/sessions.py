@@ -51,9 +51,9 @@ if table is not None and not table.empty:
         table.drop(columns=["session_id"]), key="sessions_table", on_select="rerun", selection_mode="single-row",
         hide_index=True, width="stretch",
     )
-    picked = event.selection.rows if event is not None else []
-    if picked:
-        page.navigate("overview", session=table.iloc[picked[0]]["session"])
+    picked = page.selected_row(table, event)
+    if picked is not None:
+        page.navigate("overview", session=picked["session"])
 
     if acc.can_delete:
         with st.expander("Rename or delete a session"):

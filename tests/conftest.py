@@ -35,3 +35,19 @@ def _isolated_default_db(tmp_path, monkeypatch):
     from precision_lab.fixes.recipes import trust_user_models
 
     trust_user_models(False)
+
+
+def pytest_runtest_setup(item):
+    """A browser test without Debian's chromium: skipped with the reason on a developer's machine; failed with
+    the reason in CI (``CI=true``), which installs chromium, so its absence there is a broken setup, never a
+    pass.  Either way the message names the missing path, not a launch error from deep inside Playwright."""
+    if item.get_closest_marker("browser") is None:
+        return
+    from ui_fixtures import CHROMIUM
+
+    if Path(CHROMIUM).exists():
+        return
+    reason = f"{CHROMIUM} is missing: the browser tests drive Debian's chromium (apt-get install -y chromium)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason + "; CI must run them", pytrace=False)
+    pytest.skip(reason)

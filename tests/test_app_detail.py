@@ -186,3 +186,32 @@ def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_ch
     assert at.title[0].value == "Op detail"
     assert at.subheader[0].value.startswith(escape_md(first.op))
     assert at.selectbox(key="pick_step@detail").value == first_step
+
+
+def test_an_op_chosen_in_one_run_is_not_opened_by_its_record_number_in_another(ui_db):
+    """A record number means nothing in another run: Op detail on another session's run (the session picker
+    changed) opens that run's first failure, never the record that happens to carry the number last chosen."""
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store
+
+    from ui_fixtures import TIMELINE_SESSION
+
+    store = Store(ui_db)
+    run_id = store.sql("SELECT r.run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                       [TIMELINE_SESSION]).fetchone()[0]
+    first = first_nonfinite(store, run_id)
+    rid = _rid(ui_db, TENSOR_SESSION, "candidate", f"{WIDE_OP}.output.0")
+    same_number = store.sql("SELECT name FROM tensors WHERE run_id = ? AND rid = ?", [run_id, rid]).fetchone()[0]
+    assert not same_number.startswith(first.op)  # the number names another op in the other run
+    at = open_page("detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid))
+    assert at.subheader[0].value == escape_md(f"{WIDE_OP}.output.0")
+    at.selectbox(key="pick_session@detail").set_value(TIMELINE_SESSION).run()
+    assert_clean(at)
+    assert at.subheader[0].value.startswith(escape_md(first.op)), at.subheader[0].value
+    assert at.query_params["op"] == str(first.rid)
+    # and back: the first run's own first failure, not the number chosen in the other run
+    at.selectbox(key="pick_session@detail").set_value(TENSOR_SESSION).run()
+    assert_clean(at)
+    cand = store.sql("""SELECT r.run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?
+                        AND r.kind = 'candidate'""", [TENSOR_SESSION]).fetchone()[0]
+    assert at.subheader[0].value.startswith(escape_md(first_nonfinite(store, cand).op)), at.subheader[0].value

@@ -58,6 +58,25 @@ def test_selecting_a_row_opens_the_op(ui_db):
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
 
 
+def test_a_selection_left_past_the_end_of_a_shrunk_table_opens_nothing(ui_db):
+    """A row chosen on a full page stays selected while the table shrinks below it (the last, shorter page): the
+    page shows that page (no IndexError) and opens no op."""
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
+    n = len(msprobe_tensor_entries(CAND_JSON))
+    assert len(frame_with(at, "severity")) == 50 > n - 500
+    at.session_state["ops_table"] = {"selection": {"rows": [49], "columns": [], "cells": []}}
+    at.number_input(key="f_page").set_value(11).run()
+    assert_clean(at)
+    assert at.title[0].value == "Ops"
+    assert len(frame_with(at, "severity")) == n - 500
+    # a selection inside the table still opens its op
+    at.toggle(key="f_problems").set_value(True)
+    at.session_state["ops_table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
+    at.number_input(key="f_page").set_value(1).run()
+    assert at.title[0].value == "Op detail"
+    assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
+
+
 def _filters(at) -> dict:
     return {"roles": at.multiselect(key="f_roles").value, "problems": at.toggle(key="f_problems").value,
             "pattern": at.text_input(key="f_pattern").value, "sort": at.selectbox(key="f_sort").value,

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from test_share import make_session
-from ui_fixtures import assert_clean, open_page, serve_db
+from ui_fixtures import CHROMIUM, CHROMIUM_ARGS, assert_clean, open_page, serve_db
 
 EVIL = "<script>alert(1)</script>[click](http://evil.example)*x*"
 OP_PREFIX = "blk<img src=x onerror=alert(2)>[a](http://evil.example)"
@@ -64,12 +64,11 @@ def test_html_report_shows_names_as_text_in_browser(store, tmp_path):
     from playwright.sync_api import sync_playwright
 
     from precision_lab.ui.html_report import write_html
-    from test_html_report import BROWSER_ARGS
 
     _hostile_session(store)
     path = write_html(store, SESSION, tmp_path / "evil.html")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_context(offline=True).new_page()
             dialogs = []

@@ -10,11 +10,9 @@ import pytest
 
 from precision_lab.ui.html_report import render_html, write_html
 from test_share import make_session
+from ui_fixtures import CHROMIUM, CHROMIUM_ARGS
 
 from conftest import SAMPLES  # noqa: E402
-
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 def _body(page: str) -> str:
@@ -136,7 +134,7 @@ def test_report_opens_offline_in_browser(store, tmp_path):
     made = make_session(store, "demo")
     path = write_html(store, "demo", tmp_path / "r.html")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=BROWSER_ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             ctx = browser.new_context(offline=True)
             page = ctx.new_page()

@@ -292,3 +292,26 @@ def test_a_staged_session_gets_a_free_name_when_another_writer_takes_its_name_me
                 pass
     assert sorted(s.sessions()["name"]) == sorted(["x", w.name, "y"])
     assert s.sql("SELECT count(*) FROM runs").fetchone()[0] == 2
+
+
+def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(store):
+    """``created`` is kept to the second: two re-runs made in it keep the order they were added in everywhere runs
+    are listed (never their random ids' order), and the Diff cards list the later one first."""
+    from precision_lab.store import dashboard
+    from precision_lab.store import queries as q
+    from precision_lab.ui.diff import rerun_cards
+
+    same = "2026-01-01 00:00:00"
+    with store.new_session("s") as w:
+        base = w.add_run(run_id="m-base", name="base", kind="candidate", created=same)
+        w.add_run(run_id="z-first", name="first fix", kind="rerun", parent_run_id=base, fix="use-bf16", created=same)
+    with store.extend_session("s") as w:  # a later transaction, the same second
+        w.add_run(run_id="a-second", name="second fix", kind="rerun", parent_run_id=base, fix="keep-fp32:x",
+                  created=same)
+    sid = store.session("s")["session_id"]
+    added = ["base", "first fix", "second fix"]
+    assert [r["name"] for r in q.session_runs(store, sid)] == added
+    assert store.runs(sid).name.tolist() == added
+    assert dashboard.runs_table(store, sid).run.tolist() == added
+    assert [r["name"] for r in dashboard.all_runs(store) if r["session_id"] == sid] == added
+    assert [c["run"] for c in rerun_cards(store, sid)] == ["second fix", "first fix"]  # newest first

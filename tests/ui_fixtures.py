@@ -36,6 +36,12 @@ STAT_FIRST_NONFINITE = "Functional.linear.10.forward"
 WIDE_OP = "blocks.0.wide"
 TIMELINE_SESSION = "fp16-growth"  # a 40-step fp16 training run whose activations grow until they overflow
 
+# the browser tests drive Debian's chromium (never `playwright install`); conftest skips them without it, except
+# in CI, where its absence fails each of them with this path named
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
 
 def wide_values() -> np.ndarray:
     """fp32 values spanning fp16's and fp8's ranges: subnormal and

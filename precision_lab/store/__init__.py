@@ -32,6 +32,7 @@ from ..config import LOCK_WAIT_ENV, env_lock_wait
 from ..scratch import scratch_dir, sweep
 from .transfer import insert_staged_session, move_summary_errors_sql
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
+from .queries import run_order
 
 __all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
@@ -669,7 +670,7 @@ class Store:
         return d
 
     def runs(self, session_id: str):
-        return self.df("SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+        return self.df(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
     def run(self, run_id: str) -> dict:
         df = self.df("SELECT * FROM runs WHERE run_id = ?", [run_id])

@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
 from ..records import ATTRIBUTING_RULES, INPUT_ROLES
-from .queries import rows, session_runs
+from .queries import rows, run_order, session_runs
 
 # column -> SQL expression; the only columns a visitor may sort by
 SORTABLE = {
@@ -576,12 +576,12 @@ def unmatched_counts(store, session_id: str) -> pd.DataFrame:
 def runs_table(store, session_id: str) -> pd.DataFrame:
     """One row per run: kind, dtype, parent and fix, stored order, record counts, source (as stored)."""
     return store.df(
-        """SELECT r.name AS run, r.kind, r.dtype, p.name AS parent, r.fix, r."order" AS "order",
+        f"""SELECT r.name AS run, r.kind, r.dtype, p.name AS parent, r.fix, r."order" AS "order",
                   (SELECT count(*) FROM tensors t WHERE t.run_id = r.run_id) AS records,
                   (SELECT count(*) FROM tensors t WHERE t.run_id = r.run_id AND t.nonfinite) AS nonfinite_records,
                   r.source, r.created, r.run_id
            FROM runs r LEFT JOIN runs p ON p.run_id = r.parent_run_id
-           WHERE r.session_id = ? ORDER BY r.created, r.run_id""",
+           WHERE r.session_id = ? ORDER BY {run_order("r")}""",
         [session_id],
     )
 
@@ -755,13 +755,13 @@ def counterparts(store, run_id: str, rid: int) -> list[dict]:
                             WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
                               AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]):
         out.append({"side": "reference", **r})
-    for r in rows(store, """SELECT c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run,
+    for r in rows(store, f"""SELECT c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run,
                                    t.name
                             FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
                             LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
                             WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
                               AND c.kind IN ('accumulated', 'stats')
-                            ORDER BY r.created""", [run_id, int(rid)]):
+                            ORDER BY {run_order("r")}""", [run_id, int(rid)]):
         out.append({"side": "candidate", **r})
     return out
 
@@ -781,7 +781,7 @@ def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
 
 def all_runs(store) -> list[dict]:
     """Every run of every session, oldest first: ``{session_id, run_id, name, dtype, kind, fix, created}``."""
-    return rows(store, "SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY created, run_id")
+    return rows(store, f"SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY {run_order()}")
 
 
 def session_exists(store, name: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "worst_gradient_sqnr", "session_data_version",
-    "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid",
+    "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
 ]
 
 
@@ -36,6 +36,14 @@ def _like_prefix(text: str) -> str:
 
 # ---- runs and tensors ---------------------------------------------------------------
 
+def run_order(alias: str = "") -> str:
+    """ORDER BY terms listing runs in the order they were added: by ``created`` (to the second), then by insertion
+    (DuckDB's ``rowid``, kept in order through deletes and imports), so two re-runs made in the same second keep
+    their order; ``alias``: the runs table's alias in the query."""
+    a = f"{alias}." if alias else ""
+    return f"{a}created, {a}rowid"
+
+
 def session_list(store) -> list[dict]:
     """Every session, newest first: ``{session_id, name, created, source, recipe, runs}`` (runs: how many)."""
     return rows(store, "SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
@@ -46,9 +54,9 @@ def session_runs(store, session_id: str, *, references_first: bool = False) -> l
     """The runs of a session, oldest first (with ``references_first``: reference runs, then the rest in the
     order they were added)."""
     if references_first:
-        return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY kind <> 'reference', created, rowid",
+        return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY kind <> 'reference', {run_order()}",
                     [session_id])
-    return rows(store, "SELECT * FROM runs WHERE session_id = ? ORDER BY created, run_id", [session_id])
+    return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
 
 def run_row(store, run_id: str) -> Optional[dict]:

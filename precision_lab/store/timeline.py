@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .queries import rows
+from .queries import rows, run_order
 
 __all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "full_steps", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
            "op_worst", "timeline_ops"]
@@ -23,8 +23,8 @@ def timeline_runs(store, session_id: str) -> list[dict]:
     """Runs of the session that have a timeline: run_id, name, dtype, steps, first and last step, ops."""
     return rows(store, "SELECT r.run_id, r.name, r.dtype, count(DISTINCT t.step) AS steps, min(t.step) AS first_step, "
                        "max(t.step) AS last_step, count(DISTINCT t.op) AS ops FROM runs r JOIN timeline t "
-                       "ON t.run_id = r.run_id WHERE r.session_id = ? GROUP BY r.run_id, r.name, r.dtype, r.created "
-                       "ORDER BY r.created, r.run_id", [session_id])
+                       "ON t.run_id = r.run_id WHERE r.session_id = ? GROUP BY r.run_id, r.name, r.dtype, r.created, r.rowid "
+                       f"ORDER BY {run_order('r')}", [session_id])
 
 
 def timeline_dtypes(store, run_id: str) -> list[str]:

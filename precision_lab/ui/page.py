@@ -512,6 +512,15 @@ def guard(what: str = ""):
         st.stop()
 
 
+def selected_row(frame, event):
+    """The row of ``frame`` that a single-row table selection ``event`` points at, or None: nothing selected, or a
+    selection kept from before the table shrank (a filter, another page) that points past its end."""
+    picked = event.selection.rows if event is not None else []
+    if not picked or not 0 <= picked[0] < len(frame):
+        return None
+    return frame.iloc[picked[0]]
+
+
 def table_height(rows: int) -> int:
     """Pixel height that shows every row of a table page, up to about 20 rows."""
     return min(38 + 35 * max(rows, 1), 740)
@@ -538,6 +547,19 @@ def not_found(sentence: str) -> None:
     """Say that what a link names does not exist, and stop: nothing else is opened in its place."""
     st.warning(plain(sentence), icon=":material/search_off:")
     st.stop()
+
+
+def scoped(param: str, key: str, scope: str) -> None:
+    """Forget the value last chosen for ``param`` (picker ``key``, the URL, the value carried across pages) when
+    it was chosen under another ``scope``: an op's record number means nothing in another run.  A value handed
+    over by ``navigate`` comes with its own run and is kept; so is one in a URL opened afresh."""
+    mark = f"{_REMEMBER}{param}@scope"
+    if param not in st.session_state.get(_PENDING, {}) and st.session_state.get(mark, scope) != scope:
+        st.session_state.pop(page_key(key), None)
+        st.session_state.pop(_REMEMBER + param, None)
+        if param in st.query_params:
+            del st.query_params[param]
+    st.session_state[mark] = scope
 
 
 def peek(param: str, key: str) -> Optional[str]:
