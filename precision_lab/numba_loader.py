@@ -220,16 +220,24 @@ class ParallelChoice:
     A parallel region ends when its last thread does.  On a quiet machine two threads halve a large scan; when
     another process holds a core, the thread that waits for it stalls every call (a step makes hundreds), and
     one thread in the calling thread is faster.  Each call's time per element updates its path's running
-    estimate (a few slow calls in a row turn the choice); every ``explore``-th call takes the other path and
-    its time replaces that path's estimate, so a change in the load is noticed within that many calls.  ``pick()`` says whether to go parallel; ``record(parallel, seconds, n)`` reports a call."""
+    estimate (a few slow calls in a row turn the choice).  Now and then a call takes the other path and its
+    time replaces that path's estimate: after ``explore`` calls, then twice as many each time the other path
+    is still the slower (at most ``max_gap``), so a change in the load is noticed while a path that stays slow
+    costs little.  A path's first call is not counted (it starts threads).  ``pick()`` says whether to go
+    parallel; ``record(parallel, seconds, n)`` reports the call."""
 
-    __slots__ = ("_est", "_calls", "explore", "alpha")
+    __slots__ = ("_est", "_seen", "_calls", "_next", "_gap", "explore", "max_gap", "alpha")
 
-    def __init__(self, explore: int = 48, alpha: float = 0.25) -> None:
+    def __init__(self, explore: int = 16, max_gap: int = 512, alpha: float = 0.25) -> None:
         self._est: list = [None, None]  # seconds per element: serial, parallel
+        self._seen = [0, 0]
         self._calls = 0
-        self.explore = explore
-        self.alpha = alpha
+        self._gap = self._next = explore
+        self.explore, self.max_gap, self.alpha = explore, max_gap, alpha
+
+    def _faster(self) -> bool:
+        serial, parallel = self._est
+        return parallel < serial
 
     def pick(self) -> bool:
         self._calls += 1
@@ -238,14 +246,21 @@ class ParallelChoice:
             return True
         if serial is None:
             return False
-        faster = parallel < serial
-        return faster != (self._calls % self.explore == 0)
+        return self._faster() != (self._calls >= self._next)
 
     def record(self, parallel: bool, seconds: float, n: int) -> None:
+        self._seen[parallel] += 1
+        if self._seen[parallel] == 1:
+            return
         v = seconds / max(n, 1)
         old, other = self._est[parallel], self._est[not parallel]
-        if old is None or (other is not None and old >= other):
-            self._est[parallel] = v  # the path not taken lately: this call is all that is known of it now
+        if old is None or other is None:
+            self._est[parallel] = v
+            return
+        if self._calls >= self._next and parallel != self._faster():  # the exploring call
+            self._est[parallel] = v
+            self._gap = min(self._gap * 2, self.max_gap) if v >= other else self.explore  # still the slower
+            self._next = self._calls + self._gap
             return
         v = min(max(v, old / 2), old * 2)  # one descheduled call moves the estimate, it does not set it
         self._est[parallel] = old + self.alpha * (v - old)
