@@ -11,7 +11,9 @@ a Linear head), a hand-written causal attention (``masked_fill(-inf)``) and a st
 
 Failure kinds: ``activation`` (one Linear-like module's weight and bias scaled so its fp32 output reaches twice
 fp16's max, the weight itself finite in fp16), ``weight`` (one weight element set to 1e5: inf once cast to
-fp16) and ``healthy`` (no failure: right when nothing is named, wrong = a false alarm).
+fp16), ``cast-gap`` (the same module's input scaled to twice fp16's max and cast with ``.to(torch.float16)``
+where no module hook sees it; the dump is compared with the same writer's dump of the fp32 run) and
+``healthy`` (no failure: right when nothing is named, wrong = a false alarm).
 
 Writers (``WRITERS``):
 
@@ -34,7 +36,9 @@ Writers (``WRITERS``):
   ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype.
 
 The judge is strict: a failure is right when the named op is the failing module under the writer's own name
-(origin "op"), or its weight (origin "parameter"); a healthy case when nothing is named.
+(origin "op"), or its weight (origin "parameter"); a cast-gap case when that module is named for its input
+(origin "input", "producer was not recorded"; with outputs only, origin "op"); a healthy case when nothing is
+named.
 
     python bench/dump_conventions.py            # every architecture x kind x writer
     python bench/dump_conventions.py --quick    # three small architectures and Qwen2
@@ -70,7 +74,7 @@ from precision_lab.store import queries as q  # noqa: E402
 from localization_cases import SeedAttention, SeedBlocks  # noqa: E402
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
-KINDS = ("activation", "weight", "healthy")
+KINDS = ("activation", "weight", "cast-gap", "healthy")
 BASE_NS = 1_700_000_000_000_000_000
 TICK = 8  # files per clock tick with coarse file times
 
@@ -145,12 +149,30 @@ def _first_tensor(obj):
     return None
 
 
-def _built(name: str, kind: str):
-    """The model of ``arch(name)`` with failure ``kind`` injected, in fp16, and its inputs."""
+def _cast_before(model: nn.Module, target: str, inputs, dtype) -> None:
+    """``cast-gap``: a scale and ``.to(dtype)`` of the target's input that no module hook sees (registered before
+    the capture's hooks, so they record its result): in fp16 the cast overflows, in fp32 it does not."""
+    mod = model.get_submodule(target)
+    got = {}
+    h = mod.register_forward_pre_hook(lambda m, a: got.__setitem__("a", float(a[0].detach().float().abs().max())))
+    _forward(model, inputs)
+    h.remove()
+    scale = 2 * FP16_MAX / got["a"]
+    mod.register_forward_pre_hook(lambda m, a: ((a[0].float() * scale).to(dtype),) + tuple(a[1:]))
+
+
+def _built(name: str, kind: str, dtype=torch.float16):
+    """The model of ``arch(name)`` with failure ``kind`` injected, in ``dtype`` (fp16; fp32 for the reference of
+    ``cast-gap``), and its inputs."""
     base, target, inputs = arch(name)
     torch.manual_seed(0)
     model = base().eval()
     mod = model.get_submodule(target)
+    if kind == "cast-gap":
+        model = model.to(dtype)
+        inputs = inputs if isinstance(inputs, dict) else inputs.to(dtype)
+        _cast_before(model, target, inputs, dtype)
+        return model, target, inputs
     if kind == "activation":
         got = {}
         h = mod.register_forward_hook(lambda m, i, o: got.__setitem__("a", float(o.detach().abs().max())))
@@ -230,6 +252,10 @@ def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
         assert not any(_bad(c.output) for c in calls), "the healthy control is not healthy"
         return None
     c = next(c for c in calls if c.path == target)
+    if kind == "cast-gap":
+        assert _bad(c.input), f"{target}: the unrecorded cast did not overflow"
+        assert not any(_bad(o.output) for o in calls if o.post < c.post), "a module before the target failed"
+        return target
     assert not _bad(c.input) and _bad(c.output), f"{target}: the injection did not make its output non-finite"
     assert not any(_bad(o.output) for o in calls if o.post < c.post), "a module before the target failed"
     return target
@@ -326,13 +352,14 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
 
 # ---- answers and the judge -------------------------------------------------------------------------
 
-def answer(folder: Path):
-    """The tool's answer for a dump folder: ``(first_nonfinite, order, seconds)``."""
+def answer(folder: Path, reference: Optional[Path] = None):
+    """The tool's answer for a dump folder (compared with ``reference`` if given): ``(first_nonfinite, order,
+    seconds)``."""
     t = time.perf_counter()
     store = Store(":memory:")
     try:
-        name = ingest(folder, store=store)
-        run = q.session_runs(store, store.session(name)["session_id"])[0]
+        name = ingest(folder, reference=reference, store=store)
+        run = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] != "reference")
         f = first_nonfinite(store, run["run_id"])
         manifest = folder / "manifest.json"
         want = json.loads(manifest.read_text()).get("dtypes", {}) if manifest.exists() else {}
@@ -345,11 +372,15 @@ def answer(folder: Path):
         close_all()
 
 
-def right(f, expected: Optional[str]) -> bool:
+def right(f, expected: Optional[str], kind: str = "", inputs: bool = True) -> bool:
     if expected is None:
         return f is None
     if f is None:
         return False
+    if kind == "cast-gap":  # the consumer named, its producer said not recorded; outputs only: the first output
+        if not inputs:
+            return f.origin == "op" and f.op == expected
+        return f.origin == "input" and f.op == expected and "producer was not recorded" in f.reason
     if f.origin == "parameter":
         return f.parameter is not None and f.parameter.name == f"{expected}.weight"
     return f.origin == "op" and f.op == expected
@@ -376,16 +407,21 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
         model, target, inputs = _built(a, kind)
         calls, cls = capture(model, inputs)
         path = truth(calls, target, kind)
+        ref_calls = capture(*_built(a, kind, torch.float32)[::2])[0] if kind == "cast-gap" else None
         for c in cs:
             w = WRITERS[c.writer]
             folder = tmp / f"{a}-{kind}-{c.writer}"
             expected = None if path is None else w.module_name(path, cls)
             write(w, calls, cls, folder)
+            ref = None
+            if ref_calls is not None:
+                ref = tmp / f"{folder.name}-fp32"
+                write(w, ref_calls, cls, ref)
             (tmp / f"{folder.name}.truth.json").write_text(json.dumps({"expected": expected, "target": path}))
             try:
-                f, order, secs = answer(folder)
-                ok, named, reason = right(f, expected), (None if f is None else f"{f.op} ({f.origin})"), (
-                    None if f is None else f.reason)
+                f, order, secs = answer(folder, ref)
+                ok = right(f, expected, kind, w.layout != "outputs")
+                named, reason = (None if f is None else f"{f.op} ({f.origin})"), (None if f is None else f.reason)
             except Exception as e:  # noqa: BLE001 - a case that raises is counted wrong, with why
                 f, order, secs, ok, named, reason = None, "?", 0.0, False, "raised", f"{type(e).__name__}: {e}"
             rows.append({"arch": a, "kind": kind, "writer": c.writer, "expected": expected, "right": ok,

@@ -21,7 +21,13 @@ Throughput is bytes of tensor files per second; the ratio ingest/read is the
 number to watch (target >= 0.3).  Against msprobe's own compare, on dumps
 msprobe writes, see ``compare_vs_msprobe.py`` (measured there, in one run).
 
-    python bench/ingest.py [--reps 3] [--keep DIR]
+With ``--generic``: the fp16 dump's tensors rewritten as a generic folder
+(one ``.npy`` per tensor and a ``manifest.json`` listing every one in
+execution order), ingested as is and with the per-tensor hashing the order
+settling uses turned off; the ratio is what hashing costs when the order is
+fully given.
+
+    python bench/ingest.py [--reps 3] [--keep DIR] [--generic]
 """
 
 from __future__ import annotations
@@ -214,10 +220,47 @@ def components(ref: Path, cand: Path) -> dict[str, float]:
     return out
 
 
+def write_generic(cand: Path, out: Path) -> Path:
+    """The msprobe dump ``cand`` as a generic folder: every tensor one ``.npy``, a full ``execution_order``."""
+    import numpy as np
+
+    out.mkdir()
+    names = []
+    for p in sorted((cand / "step0" / "rank0" / "dump_tensor_data").glob("*.pt")):
+        np.save(out / (p.stem + ".npy"), torch.load(p, weights_only=True).numpy())
+        names.append(p.stem)
+    (out / "manifest.json").write_text(json.dumps({"execution_order": names}))
+    return out
+
+
+def generic_hashing(cand: Path, work: Path, reps: int) -> None:
+    from precision_lab.readers import generic
+
+    folder = write_generic(cand, work / "generic")
+    mb = sum(p.stat().st_size for p in folder.glob("*.npy")) / 1e6
+    real = generic.digest
+    timed_ingest(folder, None, work)
+    withs, withouts = [], []
+    for _ in range(reps):
+        generic.digest = real
+        withs.append(timed_ingest(folder, None, work))
+        generic.digest = lambda t: None
+        try:
+            withouts.append(timed_ingest(folder, None, work))
+        finally:
+            generic.digest = real
+    w, wo = statistics.median(withs), statistics.median(withouts)
+    print(f"generic fp16 folder, full order list: {mb:.1f} MB, {sum(1 for _ in folder.glob('*.npy'))} files")
+    print(f"ingest with hashing:       {w:7.3f} s  {mb / w:8.1f} MB/s")
+    print(f"ingest without hashing:    {wo:7.3f} s  {mb / wo:8.1f} MB/s   ratio with/without {w / wo:.3f}")
+    print(f"medians of {reps} interleaved repetitions; torch threads {torch.get_num_threads()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--keep", type=Path, help="write the dumps here and keep them")
+    ap.add_argument("--generic", action="store_true", help="only the generic folder, with and without hashing")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,6 +272,9 @@ def main() -> None:
         nfiles = sum(1 for r in (ref, cand) for _ in r.rglob("*.pt"))
         mb = nbytes / 1e6
         cand_mb = tensor_bytes(cand) / 1e6
+        if args.generic:
+            generic_hashing(cand, Path(tmp), args.reps)
+            return
         print(f"dumps: {mb:.1f} MB of tensor files ({nfiles} files; fp32 {tensor_bytes(ref) / 1e6:.1f} MB, "
               f"fp16 {cand_mb:.1f} MB), written in {gen:.1f} s")
         cat_read(ref, cand)  # warm the page cache for both measurements

@@ -324,7 +324,10 @@ def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) ->
             if holder is None and hit["mask_in"] and with_params:
                 # its input's -inf looked like a mask's, but a non-finite weight of this step wrote it (x * inf)
                 holder = with_params[0]
-            return (holder, [], "parameter") if holder is not None else (hit, [], "op")
+            if holder is not None:
+                return holder, [], "parameter"
+            gap = _gap_inside(local, hit, parents)
+            return (gap, [], "input") if gap is not None else (hit, [], "op")
         holder = next((g for g in with_params if g is first or _inside(first["op"], g["op"], parents)), None)
         if holder is None and first["params"]:
             holder = first
@@ -339,7 +342,17 @@ def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) ->
     lc = [g for g in cands if (g["step"], g["rank"]) == (c0["step"], c0["rank"])]
     innermost = sorted((g for g in lc if not any(_inside(o["op"], g["op"], parents) for o in lc)),
                        key=lambda g: (g["seq"], g["op"]))
+    gap = _gap_inside(local, innermost[0], parents)
+    if gap is not None:
+        return gap, [], "input"
     return innermost[0], [g["op"] for g in innermost[1:]], "op"
+
+
+def _gap_inside(local: list[dict], hit: dict, parents: Optional[Mapping]) -> Optional[dict]:
+    """The first op inside ``hit`` whose input the comparison shows newly non-finite: the value appeared inside
+    ``hit`` from an op the dump does not record (a cast), so that consumer is named, not the container."""
+    return next((g for g in local if g["nf_in"] and g["first_in"] is not None and g["first_in"].get("introduced")
+                 and _inside(g["op"], hit["op"], parents)), None)
 
 
 def _parameter(call: dict) -> ParameterOrigin:

@@ -70,3 +70,60 @@ def test_the_writers_lay_out_what_they_say(tmp_path):
     done = json.loads((tmp_path / "module-order-done" / "order.json").read_text())
     assert call[0] == "model" and done[-1] == "model" and call.index("layers.1") < call.index("layers.1.0")
     assert done.index("layers.1") > done.index("layers.1.0")
+
+
+def test_a_cast_between_two_recorded_modules_is_named_as_a_gap_end_to_end(tmp_path):
+    """Hooks that record modules only: ``.to(torch.float16)`` inside forward overflows between ``up`` (fp32,
+    finite output) and ``down``.  Against the fp32 run, ``down``'s input is newly non-finite and no recorded op
+    wrote it: ``down`` is named, its producer said not recorded -- not ``down`` as an op that overflowed."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store, close_all
+    from precision_lab.store import queries as q
+
+    class Net(nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.dtype = dtype
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.up(x).to(self.dtype)  # the cast no hook sees
+            return self.down.to(self.dtype)(h)
+
+    def dump(dtype, folder):
+        torch.manual_seed(0)
+        net = Net(dtype)
+        with torch.no_grad():
+            net.up.weight.mul_(1e5)
+        folder.mkdir()
+        def hook(m, i, o, name):
+            np.save(folder / f"{name}.input.0.npy", i[0].numpy())
+            np.save(folder / f"{name}.output.0.npy", o.numpy())
+
+        for name, m in (("up", net.up), ("down", net.down)):
+            m.register_forward_hook(lambda m, i, o, name=name: hook(m, i, o, name))
+        (folder / "manifest.json").write_text(json.dumps({"module_order": ["up", "down"]}))
+        with torch.no_grad():
+            return net(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+
+    ref, cand = tmp_path / "fp32", tmp_path / "fp16"
+    assert torch.isfinite(dump(torch.float32, ref)).all()
+    dump(torch.float16, cand)
+    up_out = np.load(cand / "up.output.0.npy")
+    assert np.isfinite(up_out).all() and np.abs(up_out).max() > float(torch.finfo(torch.float16).max)
+    assert not np.isfinite(np.load(cand / "down.input.0.npy")).all()  # the cast overflowed, unrecorded
+    store = Store(tmp_path / "w.duckdb")
+    try:
+        name = ingest(cand, reference=ref, store=store)
+        runs = q.session_runs(store, store.session(name)["session_id"])
+        run = next(r for r in runs if r["kind"] != "reference")
+        f = first_nonfinite(store, run["run_id"])
+        assert f.op == "down" and f.origin == "input"
+        assert "newly non-finite" in f.reason and "producer was not recorded" in f.reason and "cast" in f.reason
+    finally:
+        close_all()

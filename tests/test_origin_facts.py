@@ -220,3 +220,22 @@ def test_an_outputs_only_answer_says_what_it_knows_and_never_that_inputs_were_fi
         assert "first module whose output is non-finite (inputs not recorded)" in first.reason
         assert "inputs are all finite" not in first.reason
     assert first.others == ("lm_head",) and "order unknown" in first.reason
+
+
+@pytest.mark.parametrize("order", ["execution", "name"])
+def test_a_gap_inside_a_recorded_container_names_the_consumer_not_the_container(order):
+    # hooks on modules only: the block's input is finite, a cast inside it (not recorded) overflows before the
+    # block's first Linear; the block is called first and its output is non-finite, but the value appeared inside
+    calls = [call("layers.1", 0, op_type="Sequential"), call("layers.1.0", 1, op_type="Linear"),
+             call("layers.1.1", 2, op_type="GELU")]
+    recs = [rec("layers.1", "output", [INF, 1.0], seq=0, introduced=1),
+            rec("layers.1.0", "input", [INF, 1.0], seq=1, introduced=1),
+            rec("layers.1.0", "output", [INF, -INF], seq=1, introduced=2),
+            rec("layers.1.1", "input", [INF, -INF], seq=2, introduced=2),
+            rec("layers.1.1", "output", [INF, math.nan], seq=2, introduced=2)]
+    first, _ = analyse(facts(calls, recs, order=order))
+    assert first.op == "layers.1.0" and first.origin == "input"
+    assert "producer was not recorded" in first.reason
+    # without a reference nothing says the value is new: the block that holds the unrecorded op is named
+    plain, _ = analyse(facts(calls, [dict(r, introduced=None) for r in recs], order=order))
+    assert plain.op == "layers.1" and plain.origin == "op"
