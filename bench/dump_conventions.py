@@ -32,6 +32,9 @@ Writers (``WRITERS``):
 - ``tensor-order``: inputs and outputs, ``manifest.json`` ``{"execution_order": [...]}`` of file names in save
   order, equal times;
 - ``prefixed-mtime``: every name under ``model.`` (``model.model.layers.1...``), distinct file times;
+- ``safetensors-slash``: outputs only, every module's output in one ``activations.safetensors`` keyed by its
+  path with ``/`` between names (``model/layers/1/mlp``), as ``save_file({name.replace(".", "/"): o})`` writes it;
+  the file's keys come back sorted, so nothing in it gives the order;
 - ``float32-dtypes``: inputs and outputs saved as ``t.float().numpy()`` with ``manifest.json``
   ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype.
 
@@ -62,6 +65,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from safetensors.numpy import save_file
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -267,7 +271,7 @@ def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
 class Writer:
     name: str
     root: str  # "model" | "prefixed" | "empty" | "class"
-    layout: str  # "outputs" | "io" | "io-float32" (t.float().numpy(), manifest "dtypes") | "dict-pt" | "tuple-pt"
+    layout: str  # "outputs" | "outputs-st" (one safetensors, "/" keys) | "io" | "io-float32" (t.float().numpy(), manifest "dtypes") | "dict-pt" | "tuple-pt"
     times: str  # "equal" | "coarse" | "distinct"
     order: Optional[str] = None  # "module-call" | "module-done" | "tensor"
 
@@ -290,6 +294,7 @@ WRITERS = {w.name: w for w in (
     Writer("tensor-order", "model", "io", "equal", "tensor"),
     Writer("prefixed-mtime", "prefixed", "io", "distinct"),
     Writer("float32-dtypes", "model", "io-float32", "coarse"),
+    Writer("safetensors-slash", "model", "outputs-st", "equal"),
 )}
 
 
@@ -304,6 +309,7 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
     files: dict[str, object] = {}  # file name -> content, in save order
     saved: list[str] = []  # tensor names in save order
     dtypes: dict[str, str] = {}  # tensor name -> the dtype it was saved from (io-float32)
+    keyed: dict[str, np.ndarray] = {}  # key -> output, for the one safetensors file (outputs-st)
 
     def put(fn, content, names):
         files.pop(fn, None)
@@ -314,6 +320,8 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         name = w.module_name(c.path, cls)
         if w.layout == "outputs":
             put(f"{name}.npy", c.output, [name])
+        elif w.layout == "outputs-st":
+            keyed[name.replace(".", "/")] = np.ascontiguousarray(c.output)
         elif w.layout in ("io", "io-float32"):
             for role, a in (("input.0", c.input), ("output.0", c.output)):
                 if a is not None:
@@ -329,8 +337,12 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         else:
             args = (torch.from_numpy(c.input),) if c.input is not None else ()
             put(f"{name}.pt", (args, torch.from_numpy(c.output)), [])
+    if keyed:
+        files["activations.safetensors"] = keyed
     for fn, content in files.items():
-        if isinstance(content, np.ndarray):
+        if fn.endswith(".safetensors"):
+            save_file(content, folder / fn)
+        elif isinstance(content, np.ndarray):
             np.save(folder / fn, content)
         else:
             torch.save(content, folder / fn)
@@ -420,7 +432,7 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
             (tmp / f"{folder.name}.truth.json").write_text(json.dumps({"expected": expected, "target": path}))
             try:
                 f, order, secs = answer(folder, ref)
-                ok = right(f, expected, kind, w.layout != "outputs")
+                ok = right(f, expected, kind, not w.layout.startswith("outputs"))
                 named, reason = (None if f is None else f"{f.op} ({f.origin})"), (None if f is None else f.reason)
             except Exception as e:  # noqa: BLE001 - a case that raises is counted wrong, with why
                 f, order, secs, ok, named, reason = None, "?", 0.0, False, "raised", f"{type(e).__name__}: {e}"

@@ -351,8 +351,9 @@ def _pick(events: list[dict], known: bool, parents: Optional[Mapping] = None) ->
 def _gap_inside(local: list[dict], hit: dict, parents: Optional[Mapping]) -> Optional[dict]:
     """The first op inside ``hit`` whose input the comparison shows newly non-finite: the value appeared inside
     ``hit`` from an op the dump does not record (a cast), so that consumer is named, not the container."""
+    # a backward op is named after its forward one ("fc1.linear.0.backward") but never ran inside it
     return next((g for g in local if g["nf_in"] and g["first_in"] is not None and g["first_in"].get("introduced")
-                 and _inside(g["op"], hit["op"], parents)), None)
+                 and g.get("direction") == hit.get("direction") and _inside(g["op"], hit["op"], parents)), None)
 
 
 def _parameter(call: dict) -> ParameterOrigin:

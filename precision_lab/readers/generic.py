@@ -582,8 +582,9 @@ class GenericReader:
                     name = prefix
                 elif layout is not None:
                     name = f"{prefix}.{layout[key]}"
-                else:
-                    name = key if lone_container else f"{prefix}.{key}"
+                else:  # a key's "/" separates module names as a folder's does ("model/layers/1/mlp")
+                    dotted = key.replace("/", ".")
+                    name = dotted if lone_container else f"{prefix}.{dotted}"
                 dup = seen.get((step, rank, name))
                 if dup is not None:
                     raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
