@@ -39,6 +39,10 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..records import GRAD_ROLES
+
+_GRAD = frozenset(GRAD_ROLES)  # what a backward op records: gradients received, handed on and of its parameters
+
 
 __all__ = ["digest", "order_from_data", "DataOrder", "DATA_IN_ROLES", "DATA_OUT_ROLES", "Hint", "Settled", "settle"]
 
@@ -267,16 +271,12 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     return Settled(rank, parents, kind, note, n_edges, list_order)
 
 
-# what a backward op records: the gradients it receives and hands on, and its parameters' gradients
-GRAD_ROLES = frozenset({"grad_input", "grad_output", "param_grad"})
-
-
 def _backward_ops(hints: Sequence[Hint]) -> set[str]:
     """The ops that record gradients only (``GRAD_ROLES``): a dump's backward ops."""
     roles: dict[str, set] = {}
     for h in hints:
         roles.setdefault(h.op, set()).add(h.role)
-    return {o for o, r in roles.items() if r <= GRAD_ROLES}
+    return {o for o, r in roles.items() if r <= _GRAD}
 
 
 def _backward_last(keyed: list[str], back: set[str]) -> list[str]:

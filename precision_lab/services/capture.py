@@ -316,7 +316,8 @@ def scaled_backward(cap: Capture, loss) -> None:
         scale, recording = DYNAMIC_INIT_SCALE, cap._recording
         cap._recording = False
         try:
-            while scale > MIN_LOSS_SCALE and params:
+            # a loss that is itself NaN/Inf has no scale that makes its gradients finite: no search
+            while scale > MIN_LOSS_SCALE and params and bool(torch.isfinite(loss).all()):
                 grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
                 if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
                     break

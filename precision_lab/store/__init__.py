@@ -193,6 +193,17 @@ def _connect(path: str, read_only: bool, wait: float):
             raise RuntimeError(f"cannot open database {path}: {str(e).splitlines()[0]}") from None
 
 
+def _rollback(cur) -> None:
+    """End a transaction that failed or only read; a connection DuckDB has already invalidated (disk full, out of
+    memory) refuses the rollback too, and the error that matters is the one before it."""
+    import duckdb
+
+    try:
+        cur.execute("ROLLBACK")
+    except duckdb.Error:
+        pass
+
+
 class _File:
     """One database file's connection in this process: opened when an operation needs it, closed when the
     last operation is done (unless held), read-only unless a write needs it."""
@@ -460,15 +471,17 @@ class Store:
             yield tx
             return
         con = self._file.acquire(False, self.lock_wait)
-        cur = con.cursor()
-        try:
+        cur = None
+        try:  # the connection is given back whatever fails, the cursor's creation included
+            cur = con.cursor()
             cur.execute("BEGIN TRANSACTION")
             try:
                 yield cur
             finally:
-                cur.execute("ROLLBACK")
+                _rollback(cur)
         finally:
-            cur.close()
+            if cur is not None:
+                cur.close()
             self._file.release()
 
     def sql(self, query: str, params: Optional[list] = None) -> "Result":
@@ -553,14 +566,15 @@ class Store:
             return
         with self._lock:
             con = self._file.acquire(True, self.lock_wait)
-            cur = con.cursor()
-            self._file.tx.cur = cur
-            try:
+            cur = None
+            try:  # the read-write connection is given back whatever fails, the cursor's creation included
+                cur = con.cursor()
+                self._file.tx.cur = cur
                 cur.execute("BEGIN TRANSACTION")
                 try:
                     yield cur
                 except BaseException:
-                    cur.execute("ROLLBACK")
+                    _rollback(cur)  # the error that ended the work is the one raised, not the rollback's
                     raise
                 else:
                     cur.execute("COMMIT")
@@ -568,7 +582,8 @@ class Store:
             finally:
                 self._file.tx.cur = None
                 try:
-                    cur.close()
+                    if cur is not None:
+                        cur.close()
                 finally:
                     self._file.release()
 
