@@ -300,7 +300,7 @@ class _File:
 
 
 class Result:
-    """A query's result, read once: ``fetchall``, ``fetchone``, ``df``, ``fetchnumpy``, ``fetch_arrow_table``.
+    """A query's result, read once: ``fetchall``, ``fetchone``, ``df``, ``fetchnumpy``.
     The connection it came from is let go as soon as it is read (or dropped), never held for later."""
 
     def __init__(self, cur, done):
@@ -346,9 +346,6 @@ class Result:
 
     def fetchnumpy(self):
         return self._all("fetchnumpy")
-
-    def fetch_arrow_table(self):
-        return self._all("fetch_arrow_table")
 
     def __del__(self):
         self._finish()
