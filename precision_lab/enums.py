@@ -1,4 +1,5 @@
-"""The verdicts a comparison gets and the severities a diagnosis has, with their order, words and colours.
+"""The fixed sets of words the project's results use: the verdicts a comparison gets and the severities a
+diagnosis has, with their order, words and colours; what an origin is, how certain, in which run order.
 
 Every place that ranks, filters, labels or paints them reads these (the SQL
 ``CASE`` the store sorts by is built from ``rank``).
@@ -6,9 +7,9 @@ Every place that ranks, filters, labels or paints them reads these (the SQL
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 
-__all__ = ["Verdict", "Severity", "worst_first"]
+__all__ = ["Verdict", "Severity", "worst_first", "OriginKind", "Certainty", "RunOrder", "Direction"]
 
 
 class Verdict(str, Enum):
@@ -72,3 +73,58 @@ _SEVERITY_RANK = {Severity.INFO: 0, Severity.WARN: 1, Severity.ERROR: 2}
 def worst_first(kind) -> list:
     """The members of ``Verdict`` or ``Severity``, worst first."""
     return sorted(kind, key=lambda m: -m.rank)
+
+
+# The words below are StrEnums: each member is its word (``OriginKind.OP == "op"``, ``f"{OriginKind.OP}"`` is
+# ``op``), so JSON, SQL parameters and text written from them read as before.
+
+class OriginKind(StrEnum):
+    """What a run's first unexpected non-finite value came from (``origin.Origin.origin``)."""
+
+    OP = "op"  # an op call wrote it from finite inputs
+    PARAMETER = "parameter"  # a parameter or buffer already held it before any op read it
+    INPUT = "input"  # it arrived from before the first recorded op (the model's inputs, an op not recorded)
+
+
+class Certainty(StrEnum):
+    """How sure an origin is of being first (``origin.Origin.certainty``)."""
+
+    CERTAIN = "certain"  # the run's order says which op ran first
+    ORDER_UNKNOWN = "order unknown"  # the dump gave no order: the op named is first by name among equals
+
+
+class RunOrder(StrEnum):
+    """Where a run's op order comes from (the ``runs.order`` column)."""
+
+    EXECUTION = "execution"  # recorded as the ops ran (capture, msprobe, an order list)
+    DATA = "data"  # recovered from the data: outputs that are later inputs
+    MTIME = "mtime"  # the dump's file modification times
+    NAME = "name"  # nothing says: ops sorted by name
+
+    @property
+    def text(self) -> str:
+        """The order in words, as the reports and the Overview show it."""
+        return _ORDER_TEXT[self]
+
+    @property
+    def known(self) -> bool:
+        """Whether the order says which op ran first."""
+        return self is not RunOrder.NAME
+
+    @classmethod
+    def of(cls, word) -> "RunOrder":
+        """The order a stored word names; no word (an older row) is ``execution``."""
+        return cls(word or cls.EXECUTION)
+
+
+_ORDER_TEXT = {RunOrder.EXECUTION: "execution order",
+               RunOrder.DATA: "order recovered from the data (outputs that are later inputs)",
+               RunOrder.MTIME: "order from file modification times",
+               RunOrder.NAME: "order unknown: by name"}
+
+
+class Direction(StrEnum):
+    """Which pass an op call ran in (the ``tensors.direction`` column)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,7 +14,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "StoredRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -99,6 +100,51 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class StoredRecord:
+    """One stored tensor record as the analyses read it (a row of the tensors table, typed once where the query
+    answers it: ``StoredRecord.from_row``)."""
+
+    rid: int  # unique within the run
+    run_id: str
+    op: str
+    op_type: Optional[str]
+    role: str  # one of ``ROLES``
+    index: str
+    step: int
+    rank: int
+    seq: int
+    direction: Optional[str]  # forward | backward
+    nonfinite: bool  # holds NaN or inf (the stored flag)
+    stats: TensorStats  # counts None where the source did not give them (a summary-only record)
+    location: Optional[str] = None  # the user code that called the op, when known
+    parent: Optional[str] = None  # the module call it ran inside, where the dump says
+
+    @classmethod
+    def from_row(cls, row, hist: Optional[np.ndarray] = None) -> "StoredRecord":
+        """A row of the tensors table (a mapping of its columns), with its histogram when given; a subclass's
+        own fields are read from the row's columns of the same name."""
+        own = {f.name for f in dataclasses.fields(StoredRecord)}
+        return cls(rid=int(row["rid"]), run_id=row.get("run_id"), op=row["op"], op_type=row.get("op_type"),
+                   role=row["role"], index=str(row["index"]), step=int(row["step"]), rank=int(row["rank"]),
+                   seq=int(row["seq"]), direction=row.get("direction"), nonfinite=bool(row.get("nonfinite")),
+                   stats=TensorStats.from_row(row, hist), location=row.get("location"), parent=row.get("parent"),
+                   **{f.name: row.get(f.name) for f in dataclasses.fields(cls) if f.name not in own})
+
+    @property
+    def dtype(self) -> str:
+        return self.stats.dtype
+
+    @property
+    def magnitude(self) -> Optional[float]:
+        """Its largest finite magnitude: ``absmax``, else the larger of ``|min|`` and ``|max|`` (a summary that
+        gives only those, or ``absmax`` NaN: no finite value); None when neither says."""
+        a, mn, mx = self.stats.absmax, self.stats.min, self.stats.max
+        if a is not None and not (isinstance(a, float) and math.isnan(a)):
+            return float(a)
+        return None if mn is None or mx is None else max(abs(mx), abs(mn))
+
+
+@dataclass(frozen=True)
 class RunInfo:
     run_id: str
     session_id: str
@@ -111,6 +157,11 @@ class RunInfo:
     source: str = ""  # folder/zip path, recipe name, or "capture"
     order: str = "execution"  # execution | name (when a dump carries no order)
     created: Optional[str] = None
+
+    @classmethod
+    def from_row(cls, row) -> "RunInfo":
+        """A row of the runs table (a mapping of its columns)."""
+        return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
 
 
 # diagnoses that name the op where an error was introduced or amplified (not where it shows): the rankings

@@ -3,6 +3,7 @@ comparison it relies on (metrics: positions masked in both runs compare as equal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,26 +12,27 @@ import pytest
 import torch
 
 from precision_lab.metrics import compare, compare_stats
-from precision_lab.origin import Origin, RunFacts, analyse, intended_output, is_additive_mask
+from precision_lab.origin import ComparedRecord, NonfiniteCall, Origin, RunFacts, analyse, intended_output, is_additive_mask
 from precision_lab.stats import TensorStats, tensor_stats
 
 _RID = iter(range(10_000))
 
 
-def rec(op: str, role: str, values, *, seq: int, introduced=None, op_type=None, index="0", dtype="float16"):
+def rec(op: str, role: str, values, *, seq: int, introduced=None, op_type=None, index="0", dtype="float16",
+        ref_absmax=None):
     """A non-finite record as the store answers it, its statistics computed from ``values``."""
     t = torch.tensor(values, dtype=getattr(torch, dtype))
     st = tensor_stats(t)
-    row = {k: v for k, v in st.to_dict().items() if k != "hist"}
+    row = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if f.name != "hist"}
     row.update(rid=next(_RID), op=op, op_type=op_type or op.split(".")[-2], role=role, index=index, step=0,
                rank=0, seq=seq, dtype=dtype, shape=json.dumps(list(t.shape)), introduced=introduced,
-               ref_absmax=None, ref_nonfinite=None, location=None, parent=None)
-    return row
+               ref_absmax=ref_absmax, ref_nonfinite=None, location=None, parent=None, nonfinite=True)
+    return ComparedRecord.from_row(row)
 
 
 def call(op: str, seq: int, *, no_inputs=False, op_type=None):
-    return {"step": 0, "rank": 0, "op": op, "seq": seq, "op_type": op_type or op.split(".")[-2],
-            "direction": "forward", "no_inputs": no_inputs}
+    return NonfiniteCall.from_row({"step": 0, "rank": 0, "op": op, "seq": seq, "op_type": op_type or op.split(".")[-2],
+                                   "direction": "forward", "no_inputs": no_inputs})
 
 
 def facts(calls, recs, *, order="execution", inputs_recorded=True):
@@ -100,8 +102,7 @@ def test_a_reference_decides_and_positions_masked_in_both_are_not_introduced():
 
 def test_a_buffer_non_finite_after_the_cast_is_the_origin_named_with_its_value():
     calls = [call("bn.forward.0", 0)]
-    buf = rec("bn.forward.0", "buffer", [INF, 0.0], seq=0, index="running_mean")
-    buf["ref_absmax"] = 1e5
+    buf = rec("bn.forward.0", "buffer", [INF, 0.0], seq=0, index="running_mean", ref_absmax=1e5)
     first, _ = analyse(facts(calls, [buf, rec("bn.forward.0", "output", [INF, -INF], seq=0)]))
     assert first.origin == "parameter" and not first.producer
     assert first.parameter.name == "bn.running_mean" and first.parameter.role == "buffer"
@@ -204,7 +205,7 @@ def test_a_consumer_whose_input_is_newly_non_finite_names_the_gap_not_a_later_op
     assert first.op == "Functional.matmul.0" and first.origin == "input"
     assert "producer was not recorded" in first.reason and "cast" in first.reason
     # without a reference nothing says the input is new: it came from before the first recorded op
-    plain, _ = analyse(facts(calls, [dict(r, introduced=None) for r in recs]))
+    plain, _ = analyse(facts(calls, [dataclasses.replace(r, introduced=None) for r in recs]))
     assert plain.op == "Functional.matmul.0" and "before the first recorded op" in plain.reason
 
 
@@ -237,5 +238,5 @@ def test_a_gap_inside_a_recorded_container_names_the_consumer_not_the_container(
     assert first.op == "layers.1.0" and first.origin == "input"
     assert "producer was not recorded" in first.reason
     # without a reference nothing says the value is new: the block that holds the unrecorded op is named
-    plain, _ = analyse(facts(calls, [dict(r, introduced=None) for r in recs], order=order))
+    plain, _ = analyse(facts(calls, [dataclasses.replace(r, introduced=None) for r in recs], order=order))
     assert plain.op == "layers.1" and plain.origin == "op"

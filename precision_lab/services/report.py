@@ -28,7 +28,8 @@ from typing import Optional
 from ..display import cosine_brief, num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
-from ..origin import ORDER_TEXT, Intended, Origin, PathStep, RunFacts, analyse, order_text
+from ..origin import (ORDER_TEXT, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
+                      order_text)
 from ..records import ATTRIBUTING_RULES, INPUT_ROLES
 from ..store import queries as q
 from ..jsoncodec import dumps
@@ -46,9 +47,9 @@ def run_facts(store, run_id: str) -> RunFacts:
     run = q.run_row(store, run_id)
     if run is None:
         raise KeyError(f"no run {run_id!r}")
-    calls = q.nonfinite_op_calls(store, run_id, INPUT_ROLES)
-    recs = q.nonfinite_records(store, run_id) if calls else []
-    return RunFacts(run["name"], run_id, run["order"] or "execution", tuple(calls), tuple(recs),
+    calls = tuple(NonfiniteCall.from_row(c) for c in q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
+    recs = tuple(ComparedRecord.from_row(r) for r in q.nonfinite_records(store, run_id)) if calls else ()
+    return RunFacts(run["name"], run_id, run["order"], calls, recs,
                     q.op_parents(store, run_id) if calls else {},
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES))
 
