@@ -47,18 +47,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 from ..formats import FORMATS, Format, format_for_dtype
 from ..metrics import VERDICT_THRESHOLDS
 from ..display import num_text
+from ..enums import Direction, OriginKind
 from ..ops import aliases_of, canonical, innermost_module, module_path, module_prefixes
 from ..quantisation import FLUSH_ERROR, QUANT_FIXES, flushed_by_underflow, quant_facts
-from ..stats import TensorStats
 from ..origin import Origin
-from ..records import INPUT_ROLES, Diagnosis
+from ..records import INPUT_ROLES, Diagnosis, RunInfo, StoredRecord
 from ..registry import Registry
 from .catalogue import unreachable
+from .facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter
 from .policy import PolicyError, island_effects
 
 __all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
@@ -87,58 +88,54 @@ def _eps_normal(fmt: Format) -> float:
 # ---- what a rule sees -------------------------------------------------------------
 
 class RunFacts(Protocol):
-    """What a rule may ask about the recorded runs; records are dicts of the tensors table's columns.
+    """What a rule may ask about the recorded runs, as typed rows (``records.StoredRecord``, ``fixes.facts``).
 
     The service layer answers these from the store; tests may answer them from lists.
     """
 
-    def op_records(self, run_id: str, op: str, step: int, rank: int) -> list[dict]: ...
+    def op_records(self, run_id: str, op: str, step: int, rank: int) -> list[StoredRecord]: ...
 
     def module_call(self, run_id: str, module: str, step: int, rank: int, seq: int, *,
-                    after: bool = True) -> list[dict]:
+                    after: bool = True) -> list[StoredRecord]:
         """Records of one call of ``module`` (capture names it ``<module>.forward.<n>``): with ``after`` the
         call that encloses ``seq`` (first at or after it), else the last call at or before it."""
 
-    def reference_of(self, cand_run_id: str, recs: list[dict], ref_run_id: str) -> dict[int, dict]:
+    def reference_of(self, cand_run_id: str, recs: list[StoredRecord], ref_run_id: str) -> dict[int, StoredRecord]:
         """Reference records paired with ``recs`` (by stored comparisons, else by name), by candidate rid."""
 
     def first_nonfinite_output_of_type(self, run_id: str, op_type: str) -> Optional[str]: ...
 
     def warning_starting(self, run_id: str, prefix: str) -> Optional[str]: ...
 
-    def ops_above(self, run_id: str, absmax: float) -> list[dict]:
-        """``{op, seq}`` of ops whose inputs or outputs exceed ``absmax``, in execution order."""
+    def ops_above(self, run_id: str, absmax: float) -> list[OpSeen]:
+        """Ops whose inputs or outputs exceed ``absmax``, in execution order."""
 
-    def worst_local_errors(self, run_id: str, limit: int) -> list[dict]: ...
+    def worst_local_errors(self, run_id: str, limit: int) -> list[LocalError]: ...
 
-    def last_accumulated_output(self, run_id: str) -> Optional[dict]: ...
+    def last_accumulated_output(self, run_id: str) -> Optional[FinalOutput]: ...
 
     def last_forward_output_finite(self, run_id: str) -> bool: ...
 
-    def error_growth(self, run_id: str) -> list[dict]:
-        """Per op call: ``{op, op_type, step, rank, seq, out_units, in_units, cand_format}``, its output's and
-        inputs' accumulated error in unit roundoffs of the candidate format, in execution order."""
+    def error_growth(self, run_id: str) -> list[ErrorGrowth]:
+        """Per op call, its output's and inputs' accumulated error, in execution order."""
 
-    def paired_values(self, run_id: str, roles, op_types=None) -> list[dict]:
+    def paired_values(self, run_id: str, roles, op_types=None) -> list[PairedValues]:
         """The run's records of ``roles`` (ops of ``op_types`` when given) compared element-wise, beside the
-        reference's: ``{op, op_type, step, rank, seq, role, index, dtype, numel, min, max, absmax, zero_count,
-        ref_min, ref_max, ref_absmax, ref_zero_count, ref_min_abs_nonzero}``, in execution order."""
+        reference's, in execution order."""
 
-    def first_nonfinite_state_after(self, run_id: str, step: int) -> Optional[dict]:
-        """The first non-finite parameter or buffer record after ``step``: ``{op, index, step, nan_count,
-        inf_count, count}``."""
+    def first_nonfinite_state_after(self, run_id: str, step: int) -> Optional[StateAfter]:
+        """The first non-finite parameter or buffer record after ``step``."""
 
-    def quantise_calls(self, run_id: str) -> list[dict]:
-        """Each quantise op call: ``{op, step, rank, seq, input, output, amax, input_hist}`` (its first input
-        and output records, the amax its scale was built from where recorded, the input's histogram or None)."""
+    def quantise_calls(self, run_id: str) -> list[QuantiseCall]:
+        """Each quantise op call with its first input and output records."""
 
 
 @dataclass
 class Context:
     facts: RunFacts
     session: dict
-    runs: list[dict]
-    ref_run: Optional[dict]
+    runs: list[RunInfo]
+    ref_run: Optional[RunInfo]
     modules: dict[str, dict] = field(default_factory=dict)  # module path -> facts (class, eps, leaf, ...)
     policies: dict[str, object] = field(default_factory=dict)  # run_id -> PrecisionPolicy
 
@@ -152,22 +149,22 @@ class Context:
 
 @dataclass
 class Evidence:
-    run: dict
+    run: RunInfo
     producer: Origin  # the run's first non-finite origin
     op: str
     op_type: str
     module: Optional[str]
     module_facts: dict
-    records: list[dict]  # the producer op's records in this run
-    module_records: list[dict]  # the enclosing module's records (may equal records)
+    records: list[StoredRecord]  # the producer op's records in this run
+    module_records: list[StoredRecord]  # the enclosing module's records (may equal records)
     fmt: Format  # the format the producer computed in
     policy: object  # PrecisionPolicy or None
 
-    def inputs(self, recs=None) -> list[dict]:
-        return [r for r in (recs if recs is not None else self.records) if r["role"] in INPUT_ROLES]
+    def inputs(self, recs=None) -> list[StoredRecord]:
+        return [r for r in (recs if recs is not None else self.records) if r.role in INPUT_ROLES]
 
-    def outputs(self, recs=None) -> list[dict]:
-        return [r for r in (recs if recs is not None else self.records) if r["role"] not in INPUT_ROLES]
+    def outputs(self, recs=None) -> list[StoredRecord]:
+        return [r for r in (recs if recs is not None else self.records) if r.role not in INPUT_ROLES]
 
     @property
     def where(self) -> str:
@@ -195,34 +192,19 @@ def _diag(ev: Evidence, rule: str, message: str, fixes, severity: str = "error")
         if f and f not in seen:
             seen.add(f)
             ranked.append(f)
-    return Diagnosis(session_id="", run_id=ev.run["run_id"], op=ev.where, rule=rule, message=message,
+    return Diagnosis(session_id="", run_id=ev.run.run_id, op=ev.where, rule=rule, message=message,
                      fixes=tuple(ranked), severity=severity, seq=ev.producer.seq)
-
-
-def _absmax(r: dict) -> Optional[float]:
-    v = r.get("absmax")
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        mx, mn = r.get("max"), r.get("min")
-        if mx is None or mn is None:
-            return None
-        return max(abs(mx), abs(mn))
-    return float(v)
 
 
 def _finite(v) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _count(r: dict, key: str) -> int:
-    v = r.get(key)
-    return 0 if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
-
-
-def _ref_records(ctx: Context, ev: Evidence, recs: list[dict]) -> dict[int, dict]:
+def _ref_records(ctx: Context, ev: Evidence, recs: list[StoredRecord]) -> dict[int, StoredRecord]:
     """Reference records paired with ``recs`` (by the stored comparisons, else by name)."""
     if ctx.ref_run is None or not recs:
         return {}
-    return ctx.facts.reference_of(ev.run["run_id"], recs, ctx.ref_run["run_id"])
+    return ctx.facts.reference_of(ev.run.run_id, recs, ctx.ref_run.run_id)
 
 
 def _keep_fp32(ev: Evidence) -> Optional[str]:
@@ -237,11 +219,11 @@ def _reachable(fixes, **values) -> list:
     return [f for f in fixes if f and not unreachable(f, **values)]
 
 
-def at_stake(reference_records) -> Optional[float]:
+def at_stake(reference_records: Iterable[StoredRecord]) -> Optional[float]:
     """The largest finite magnitude among the reference's records of the producer's inputs and outputs: what a
     fix's target format must hold (``catalogue.unreachable(fix, absmax=...)``); None without them.  The cards and
     the fixes listing (``services.applicable``) both ask it."""
-    return max((_absmax(r) for r in reference_records if _finite(_absmax(r))), default=None)
+    return max((r.magnitude for r in reference_records if _finite(r.magnitude)), default=None)
 
 
 def _at_stake(ctx: Context, ev: Evidence) -> Optional[float]:
@@ -254,7 +236,7 @@ def _at_stake(ctx: Context, ev: Evidence) -> Optional[float]:
 def _rule_parameter(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     """A parameter that is NaN/inf before any op uses it: it overflowed in the model's cast, or was stored so."""
     param = ev.producer.parameter
-    if ev.producer.origin != "parameter" or not param:
+    if ev.producer.origin is not OriginKind.PARAMETER or not param:
         return None
     module = param.name.rsplit(".", 1)[0] if "." in param.name else ""
     ref = param.ref_absmax
@@ -273,7 +255,7 @@ def _rule_parameter(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 @register_rule("nonfinite-input")
 def _rule_input(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
-    if ev.producer.origin != "input":
+    if ev.producer.origin is not OriginKind.INPUT:
         return None
     msg = (f"`{ev.op}` already receives non-finite values in its {ev.producer.role} {ev.producer.index}: "
            "no recorded op produced them (they come from the model's inputs or from before the first recorded op)")
@@ -282,17 +264,17 @@ def _rule_input(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 @register_rule("nonfinite-in-reference")
 def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
-    if ctx.ref_run is None or ev.run["run_id"] == ctx.ref_run["run_id"]:
+    if ctx.ref_run is None or ev.run.run_id == ctx.ref_run.run_id:
         return None
     recs = ev.module_records or ev.records
     refs = _ref_records(ctx, ev, ev.outputs(recs))
-    bad = [r for r in refs.values() if r.get("nonfinite")]
+    bad = [r for r in refs.values() if r.nonfinite]
     if not bad:
         return None
     out = bad[0]
     ins = ev.inputs(recs)
-    zeros = sum(_count(r, "zero_count") for r in ins)
-    nan, inf = _count(out, "nan_count"), _count(out, "inf_count")
+    zeros = sum(r.stats.zero_count or 0 for r in ins)
+    nan, inf = out.stats.nan_count or 0, out.stats.inf_count or 0
     what = []
     if nan:
         what.append(f"{nan:,} NaN")
@@ -309,9 +291,9 @@ def _rule_reference(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     policy = ev.policy
     q = getattr(policy, "quant", None)
     if q is not None and q.calibration == "histogram":
-        calib = ctx.facts.first_nonfinite_output_of_type(ev.run["run_id"], "Amax")
+        calib = ctx.facts.first_nonfinite_output_of_type(ev.run.run_id, "Amax")
         if calib:
-            warn = ctx.facts.warning_starting(ev.run["run_id"], "histogram calibration failed:")
+            warn = ctx.facts.warning_starting(ev.run.run_id, "histogram calibration failed:")
             if warn:
                 err = warn.split(":", 1)[1].strip()
             else:  # torch's own words for a histogram over a NaN range
@@ -344,7 +326,7 @@ def _quant_chain(ctx: Context, ev: Evidence):
         else:
             return None
     step, rank, seq = ev.producer.step, ev.producer.rank, ev.producer.seq
-    run_id = ev.run["run_id"]
+    run_id = ev.run.run_id
     scale = _outputs(ctx.module_call(run_id, f"{fq}.scale", step, rank, seq, after=False))
     inv = _outputs(ctx.module_call(run_id, f"{fq}.inv_scale", step, rank, seq, after=False))
     amax = _outputs(ctx.module_call(run_id, f"{fq}.amax", step, rank, seq, after=False))
@@ -353,8 +335,8 @@ def _quant_chain(ctx: Context, ev: Evidence):
     return scale[0], (inv[0] if inv else None), (amax[0] if amax else None), fq
 
 
-def _outputs(recs: list[dict]) -> list[dict]:
-    return [r for r in recs if r["role"] == "output"]
+def _outputs(recs: list[StoredRecord]) -> list[StoredRecord]:
+    return [r for r in recs if r.role == "output"]
 
 
 @register_rule("fp8-scale")
@@ -363,13 +345,13 @@ def _rule_fp8_scale(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     if got is None:
         return None
     scale, inv, amax, fq = got
-    sfmt = format_for_dtype(scale["dtype"]) or FORMATS["fp32"]
+    sfmt = format_for_dtype(scale.dtype) or FORMATS["fp32"]
     q = getattr(ev.policy, "quant", None)
     qfmt = FORMATS[q.format] if q is not None else None
-    inv_op = inv["op"] if inv else f"{fq}.inv_scale"
-    zeros = _count(scale, "zero_count")
-    amax_zeros = _count(amax, "zero_count") if amax else zeros
-    smallest = scale.get("min_abs_nonzero")
+    inv_op = inv.op if inv else f"{fq}.inv_scale"
+    zeros = scale.stats.zero_count or 0
+    amax_zeros = (amax.stats.zero_count or 0) if amax else zeros
+    smallest = scale.stats.min_abs_nonzero
     per_row = q is not None and q.granularity == "row"
     qmax = f"{qfmt.name} max {fmt_num(qfmt.max)}" if qfmt else "the format's max"
     parts = []
@@ -396,7 +378,7 @@ def _rule_fp8_scale(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
         parts.append(f"scale {fmt_num(smallest)}: its reciprocal {1.0 / smallest:.2g} exceeds {sfmt.name} max "
                      f"{fmt_num(sfmt.max)} -> inf at `{inv_op}`")
     if not parts:
-        if inv is None or not inv.get("nonfinite"):
+        if inv is None or not inv.nonfinite:
             return None
         parts.append(f"the reciprocal scale at `{inv_op}` is not finite")
     msg = "; ".join(parts)
@@ -425,10 +407,10 @@ def _rule_softmax(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     if not _is_softmax(ev):
         return None
     recs = ev.module_records or ev.records
-    ins = [r for r in ev.inputs(recs) if _finite(r.get("max"))]
+    ins = [r for r in ev.inputs(recs) if _finite(r.stats.max)]
     if not ins:
         return None
-    top = max(r["max"] for r in ins)
+    top = max(r.stats.max for r in ins)
     lim = math.log(ev.fmt.max)
     if top <= lim:
         return None
@@ -451,13 +433,13 @@ def _rule_norm(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     f = ev.fmt
     recs = ev.module_records or ev.records
     ins = ev.inputs(recs)
-    held = [r for r in ins if r["role"] == "input" and _finite(_absmax(r))]
-    widest = max(held, key=_absmax, default=None)
-    x = _absmax(widest) if widest is not None else None
+    held = [r for r in ins if r.role == "input" and _finite(r.magnitude)]
+    widest = max(held, key=lambda r: r.magnitude, default=None)
+    x = widest.magnitude if widest is not None else None
     if x is not None and x > f.max:
         # the input arrives in a wider format (an fp32 island before it) and is past the format's range: the
         # first failure is its cast into the format, not a square computed in it
-        held_in = format_for_dtype(widest.get("dtype")) if widest.get("dtype") else None
+        held_in = format_for_dtype(widest.dtype) if widest.dtype else None
         return _diag(ev, "norm-statistics",
                      f"`{ev.where}` in {f.name}: input absmax {fmt_num(x)}"
                      + (f" arrives in {held_in.name} and" if held_in is not None and held_in.name != f.name else "")
@@ -498,27 +480,27 @@ def _island(ctx: Context, fmt: Format) -> list[str]:
     if ctx.ref_run is None or not ctx.modules:
         return []
     leaves = {n for n, f in ctx.modules.items() if f.get("leaf") and n}
-    rows = ctx.facts.ops_above(ctx.ref_run["run_id"], fmt.max)
+    rows = ctx.facts.ops_above(ctx.ref_run.run_id, fmt.max)
     out = []
     for r in rows:
-        m = ctx.module_of(r["op"])
+        m = ctx.module_of(r.op)
         if m in leaves and m not in out:
             out.append(m)
     return out
 
 
-def _zeros(r: dict) -> Optional[int]:
+def _zeros(r: StoredRecord) -> Optional[int]:
     """How many zeros a record holds: its count, else 1 when a summary's Min or Max is exactly 0, else None."""
-    if r.get("zero_count") is not None and not (isinstance(r["zero_count"], float) and math.isnan(r["zero_count"])):
-        return int(r["zero_count"])
-    return 1 if 0.0 in (r.get("min"), r.get("max")) else None
+    if r.stats.zero_count is not None:
+        return r.stats.zero_count
+    return 1 if 0.0 in (r.stats.min, r.stats.max) else None
 
 
-def _smallest_magnitude(r: dict) -> Optional[float]:
-    v = r.get("min_abs_nonzero")
+def _smallest_magnitude(r: StoredRecord) -> Optional[float]:
+    v = r.stats.min_abs_nonzero
     if _finite(v) and v > 0:
         return float(v)
-    mn, mx = r.get("min"), r.get("max")
+    mn, mx = r.stats.min, r.stats.max
     if _finite(mn) and _finite(mx) and (mn > 0 or mx < 0):  # one sign: the extreme nearest 0 bounds it
         return min(abs(mn), abs(mx))
     return None
@@ -535,27 +517,27 @@ def _rule_division(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     idx = _DIVISOR.get(op or "")
     if idx is None:
         return None
-    ins = [r for r in ev.inputs() if r["role"] == "input"]
-    den = next((r for r in ins if str(r["index"]) == idx), None)
+    ins = [r for r in ev.inputs() if r.role == "input"]
+    den = next((r for r in ins if r.index == idx), None)
     if den is None:
         return None
     f = ev.fmt
     zeros = _zeros(den)
     small = _smallest_magnitude(den)
-    negative = _finite(den.get("min")) and den["min"] < 0 and op in ("rsqrt", "sqrt", "log")
+    negative = _finite(den.stats.min) and den.stats.min < 0 and op in ("rsqrt", "sqrt", "log")
     parts = []
     name = {"reciprocal": "1 / x", "div": "x / y", "rsqrt": "rsqrt(x)", "sqrt": "sqrt(x)", "log": "log(x)"}[op]
     if zeros:
-        num = next((r for r in ins if str(r["index"]) == "0"), None) if op == "div" else None
+        num = next((r for r in ins if r.index == "0"), None) if op == "div" else None
         # 0/0: the numerator's own zeros, or (statistics only) a NaN where a quotient by zero alone gives inf
         both = num is not None and (_zeros(num) or any(
-            _count(r, "nan_count") or (isinstance(r.get("max"), float) and math.isnan(r["max"])) for r in ev.outputs()))
+            r.stats.nan_count or (isinstance(r.stats.max, float) and math.isnan(r.stats.max)) for r in ev.outputs()))
         what = {"reciprocal": "1/0 = inf", "div": "0/0 = NaN" if both else "x/0 = inf", "rsqrt": "rsqrt(0) = inf",
                 "sqrt": "sqrt(0) = 0", "log": "log(0) = -inf"}[op]
         parts.append(f"`{ev.where}` computes {name} where the {'divisor' if op in ('div', 'reciprocal') else 'input'} "
                      f"holds {'zeros' if zeros != 1 else 'a zero'} in {f.name}: {what}")
     if negative:
-        parts.append(f"its input goes down to {fmt_num(den['min'])}: {name} of a negative number is NaN (a "
+        parts.append(f"its input goes down to {fmt_num(den.stats.min)}: {name} of a negative number is NaN (a "
                      "variance computed as E[x^2] - E[x]^2 that cancelled below zero)")
     if small is not None and op in ("reciprocal", "div") and 1.0 / small > f.max:
         parts.append(f"the divisor reaches {fmt_num(small)} < 1/{fmt_num(f.max)} = {1.0 / f.max:.2g}, so the quotient "
@@ -581,7 +563,7 @@ def _rule_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     recs = ev.module_records or ev.records
     outs = ev.outputs(recs)
     refs = _ref_records(ctx, ev, outs)
-    ref_max = max((_absmax(r) for r in refs.values() if _finite(_absmax(r))), default=None)
+    ref_max = at_stake(refs.values())
     f = ev.fmt
     if ref_max is None or ref_max <= f.max:
         return None
@@ -605,9 +587,9 @@ def _rule_product(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     op = canonical(ev.op_type)
     if op not in ("mul", "pow"):
         return None
-    ins = [r for r in ev.inputs() if r["role"] == "input"]
-    mags = [_absmax(r) for r in ins[:2]]
-    if op == "pow" or (len(mags) == 2 and mags[0] == mags[1] and ins[0].get("min") == ins[1].get("min")):
+    ins = [r for r in ev.inputs() if r.role == "input"]
+    mags = [r.magnitude for r in ins[:2]]
+    if op == "pow" or (len(mags) == 2 and mags[0] == mags[1] and ins[0].stats.min == ins[1].stats.min):
         mags = [mags[0], mags[0]] if mags and mags[0] is not None else []
         square = True
     else:
@@ -634,9 +616,9 @@ def _rule_fallback(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     recs = ev.records
     ins = [r for r in ev.inputs(recs)]
     outs = ev.outputs(recs)
-    x = max((_absmax(r) for r in ins if _finite(_absmax(r))), default=None)
-    nan = sum(_count(r, "nan_count") for r in outs)
-    inf = sum(_count(r, "inf_count") for r in outs)
+    x = max((r.magnitude for r in ins if _finite(r.magnitude)), default=None)
+    nan = sum(r.stats.nan_count or 0 for r in outs)
+    inf = sum(r.stats.inf_count or 0 for r in outs)
     what = " and ".join(s for s in (f"{nan:,} NaN" if nan else "", f"{inf:,} inf" if inf else "") if s)
     msg = (f"`{ev.op}` ({ev.op_type}) turns finite inputs" + (f" (absmax {fmt_num(x)})" if x is not None else "")
            + f" into {what or 'non-finite values'} in {ev.fmt.name} (max {fmt_num(ev.fmt.max)})")
@@ -646,26 +628,26 @@ def _rule_fallback(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
 
 # ---- run-level findings ---------------------------------------------------------------
 
-def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
-    policy = ctx.policies.get(run["run_id"])
-    rows = ctx.facts.worst_local_errors(run["run_id"], 20)
+def _precision_loss(ctx: Context, run: RunInfo) -> list[Diagnosis]:
+    policy = ctx.policies.get(run.run_id)
+    rows = ctx.facts.worst_local_errors(run.run_id, 20)
     out = []
     for r in rows:
-        m = ctx.module_of(r["op"])
+        m = ctx.module_of(r.op)
         facts = ctx.modules.get(m or "", {})
         # fp8 fake quantisation is expected to be far coarser than the compute format
         if getattr(policy, "quant", None) is not None and any(
-                ctx.modules.get(p, {}).get("class") in ("QuantLinear", "FakeQuant") for p in module_prefixes(m or r["op"])):
+                ctx.modules.get(p, {}).get("class") in ("QuantLinear", "FakeQuant") for p in module_prefixes(m or r.op)):
             continue
-        fmt = FORMATS.get(r["cand_format"] or "") or FORMATS["fp32"]
-        where = m or r["op"]
-        msg = (f"`{where}` introduces error {r['rounding_units']:.3g}x {fmt.name}'s unit roundoff "
-               f"(SQNR {r['sqnr_db']:.1f} dB against fp32 recomputed from its own inputs)")
-        out.append(Diagnosis("", run["run_id"], where, "precision-loss", msg,
+        fmt = FORMATS.get(r.cand_format or "") or FORMATS["fp32"]
+        where = m or r.op
+        msg = (f"`{where}` introduces error {r.rounding_units:.3g}x {fmt.name}'s unit roundoff "
+               f"(SQNR {r.sqnr_db:.1f} dB against fp32 recomputed from its own inputs)")
+        out.append(Diagnosis("", run.run_id, where, "precision-loss", msg,
                              tuple(x for x in (f"keep-fp32:{m}" if m and facts and facts.get("island_changes")
                                                is not False else None,
                                                "use-bf16" if fmt.name == "fp16" else None) if x),
-                             "warn", int(r["seq"])))
+                             "warn", r.seq))
         if len(out) >= 3:
             break
     return out
@@ -674,49 +656,49 @@ def _precision_loss(ctx: Context, run: dict) -> list[Diagnosis]:
 AMPLIFY_MIN = 16.0  # how many times an op must multiply the relative error it receives to be named for it
 
 
-def _amplified(ctx: Context, run: dict, before: Optional[Origin] = None) -> list[Diagnosis]:
+def _amplified(ctx: Context, run: RunInfo, before: Optional[Origin] = None) -> list[Diagnosis]:
     """``error-amplified``: the first op whose inputs arrive within rounding (``VERDICT_THRESHOLDS['expected']``
     unit roundoffs) and whose output leaves beyond ``warn``, multiplying the relative error it received at
     least ``AMPLIFY_MIN`` times: cancellation (x - mean, E[x^2] - E[x]^2) turns rounding into lost bits
     without any local error of its own."""
     growth = getattr(ctx.facts, "error_growth", None)
-    if run["kind"] == "reference" or growth is None:
+    if run.kind == "reference" or growth is None:
         return []
-    rows = growth(run["run_id"])
+    rows = growth(run.run_id)
     if before is not None:  # what went wrong before the first non-finite value (a variance cancelled below 0)
-        rows = [g for g in rows if (g["step"], g["seq"]) < (before.step, before.seq)]
+        rows = [g for g in rows if (g.step, g.seq) < (before.step, before.seq)]
     for i, g in enumerate(rows):
-        out_u, in_u = g["out_units"], g["in_units"]
+        out_u, in_u = g.out_units, g.in_units
         if not (_finite(out_u) and _finite(in_u)) or out_u <= VERDICT_THRESHOLDS["warn"] \
                 or in_u > VERDICT_THRESHOLDS["expected"]:
             continue
         amp = out_u / max(in_u, 0.5)  # an exact input still carries half a unit of rounding once cast
         if amp < AMPLIFY_MIN:
             continue
-        fmt = FORMATS.get(g["cand_format"] or "") or FORMATS["fp32"]
+        fmt = FORMATS.get(g.cand_format or "") or FORMATS["fp32"]
         bits = fmt.man_bits + 1
         lost = min(float(bits), math.log2(amp))
-        kind = canonical(g["op_type"])
+        kind = canonical(g.op_type)
         absorbed = _absorbed_before(rows[:i], g, fmt) if kind in ("sub", "add") else None
         if absorbed is not None:
             p, msg = absorbed
-            m = ctx.module_of(p["op"])
+            m = ctx.module_of(p.op)
             fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
-            return [Diagnosis("", run["run_id"], p["op"], "absorption", msg, fixes, "warn", int(p["seq"]))]
+            return [Diagnosis("", run.run_id, p.op, "absorption", msg, fixes, "warn", p.seq)]
         why = ("cancellation: its output is far smaller than its inputs, so their rounding becomes most of it"
                if kind in ("sub", "add") else "its output is far more sensitive to its inputs than they are to "
                "rounding")
-        msg = (f"`{g['op']}` amplifies the relative error it receives {amp:.3g}x (inputs within "
+        msg = (f"`{g.op}` amplifies the relative error it receives {amp:.3g}x (inputs within "
                f"{in_u:.3g}x {fmt.name}'s unit roundoff, output {out_u:.3g}x): it loses {lost:.1f} of the {bits} "
                f"significant bits {fmt.name} holds ({why}). Compute it in fp32 or reformulate it (two-pass "
                "variance, subtract the mean first)")
-        m = ctx.module_of(g["op"])
+        m = ctx.module_of(g.op)
         fixes = (f"keep-fp32:{m}",) if m and ctx.modules.get(m, {}).get("island_changes") is not False else ()
-        return [Diagnosis("", run["run_id"], g["op"], "error-amplified", msg, fixes, "warn", int(g["seq"]))]
+        return [Diagnosis("", run.run_id, g.op, "error-amplified", msg, fixes, "warn", g.seq)]
     return []
 
 
-def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[tuple[dict, str]]:
+def _absorbed_before(earlier: list[ErrorGrowth], g: ErrorGrowth, fmt: Format) -> Optional[tuple[ErrorGrowth, str]]:
     """``absorption`` (the earlier op call and its message): where the error a cancelling add/sub ``g`` shows
     was made, when an earlier add of the same step rounded its smaller operand away (its output's absolute
     error is at least ``AMPLIFY_MIN`` unit roundoffs of that operand), ``g``'s operands are of that add's
@@ -724,61 +706,60 @@ def _absorbed_before(earlier: list[dict], g: dict, fmt: Format) -> Optional[tupl
     rounds nothing, as a difference of operands within a factor 2 of each other is exact.  (h + 2048) - 2048
     in fp16: the add keeps none of h's low bits, the subtraction only shows it."""
     for p in reversed(earlier):
-        if (p["step"], p["rank"]) != (g["step"], g["rank"]) or canonical(p["op_type"]) not in ("add", "sub"):
+        if (p.step, p.rank) != (g.step, g.rank) or canonical(p.op_type) not in ("add", "sub"):
             continue
-        err, small, big = p.get("out_abs_err"), p.get("in_absmax"), p.get("out_absmax")
-        shown, received = g.get("out_abs_err"), g.get("in_absmax")
+        err, small, big = p.out_abs_err, p.in_absmax, p.out_absmax
+        shown, received = g.out_abs_err, g.in_absmax
         if not all(_finite(v) and v > 0 for v in (err, small, big, shown, received)) or big <= small:
             continue
         # g receives what p wrote (an operand of p's magnitude) and carries its error on
         if err / small >= AMPLIFY_MIN * fmt.eps / 2 and shown <= 2 * err and 0.5 <= received / big <= 2:
             bits = fmt.man_bits + 1
             lost = min(float(bits), math.log2(big / small))
-            msg = (f"`{p['op']}` adds values up to {fmt_num(small)} to values near {fmt_num(big)}, whose {fmt.name} "
+            msg = (f"`{p.op}` adds values up to {fmt_num(small)} to values near {fmt_num(big)}, whose {fmt.name} "
                    f"spacing is {fmt_num(fmt.spacing_at(big))}: it loses {lost:.1f} of the {bits} significant bits "
                    f"of its smaller operand (absorption: their low bits round away; its error {fmt_num(err)} is "
-                   f"{err / small:.0%} of them). `{g['op']}` after it rounds nothing (a difference of operands "
+                   f"{err / small:.0%} of them). `{g.op}` after it rounds nothing (a difference of operands "
                    "within a factor 2 of each other is exact) and only shows the loss. Subtract the large offset "
                    "before adding, add the small values last, or compute it in fp32")
             return p, msg
     return None
 
 
-def quantise_findings(ctx: Context, run: dict) -> list[tuple[dict, object]]:
+def quantise_findings(ctx: Context, run: RunInfo) -> list[tuple[QuantiseCall, object]]:
     """``(call, QuantFacts)`` of each quantise op call of ``run`` judged worse than expected against its own
     input (``quantisation.quant_facts``), most values flushed first: what the ``fp8-quantisation`` diagnosis
     says, and the verdict its output comparisons get (``services.diagnose``)."""
     calls = getattr(ctx.facts, "quantise_calls", None)
-    if calls is None or run["kind"] == "reference":
+    if calls is None or run.kind == "reference":
         return []
-    quant = getattr(ctx.policies.get(run["run_id"]), "quant", None)
+    quant = getattr(ctx.policies.get(run.run_id), "quant", None)
     found = []
-    for c in calls(run["run_id"]):
+    for c in calls(run.run_id):
         fmt = (quant.format if quant is not None else None) or "fp8_e4m3fn"
-        x, y = TensorStats.from_row(c["input"], c.get("input_hist")), TensorStats.from_row(c["output"])
-        qf = quant_facts(c["op"], fmt, x, y, c.get("amax"))
+        qf = quant_facts(c.op, fmt, c.input.stats, c.output.stats, c.amax)
         if qf.verdict != "expected":
             found.append((c, qf))
     found.sort(key=lambda cq: -cq[1].flushed_share)
     return found
 
 
-def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
+def _quantisation(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     """``fp8-quantisation``: a quantise op that flushes a share of its values to zero (one outlier set the
     scale) or saturates them, judged against its own input (``quantise_findings``); the worst three."""
-    quant = getattr(ctx.policies.get(run["run_id"]), "quant", None)
+    quant = getattr(ctx.policies.get(run.run_id), "quant", None)
     found = quantise_findings(ctx, run)
     out = []
     for c, qf in found[:3]:
-        where = module_path(c["op"])
+        where = module_path(c.op)
         layer = where.rsplit(".", 1)[0] if "." in where else where
         fixes = [f for f in QUANT_FIXES
                  if not (f.startswith("scaling:") and quant is not None and quant.granularity == "row")]
         msg = (f"`{where}` ({'weight' if 'weight' in where.rsplit('.', 1)[-1] else 'input'} of `{layer}`): "
                f"{qf.message}. A scale per row, or an amax clipped at a high percentile, keeps the other values "
                "apart from the outlier")
-        out.append(Diagnosis("", run["run_id"], where, "fp8-quantisation", msg, tuple(fixes),
-                             "error" if qf.verdict == "error" else "warn", int(c["seq"])))
+        out.append(Diagnosis("", run.run_id, where, "fp8-quantisation", msg, tuple(fixes),
+                             "error" if qf.verdict == "error" else "warn", c.seq))
     return out
 
 
@@ -786,86 +767,86 @@ def _quantisation(ctx: Context, run: dict) -> list[Diagnosis]:
 COUNTING_OPS = ("add", "sub")
 
 
-def _integer_limit(ctx: Context, run: dict) -> list[Diagnosis]:
+def _integer_limit(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     """``integer-limit``: an add whose operands are integers past its format's ``integer_limit`` (fp16 2048,
     bf16 256) leaves the count where it was in the run while the reference's moves on: the increment is below
     half the format's spacing there and rounds away (a token counter stuck at 2048).  Names the first such op
     call and counts the others."""
     paired = getattr(ctx.facts, "paired_values", None)
-    if run["kind"] == "reference" or paired is None:
+    if run.kind == "reference" or paired is None:
         return []
     calls: dict[tuple, list] = {}
-    for r in paired(run["run_id"], ("input", "output"), tuple(t for k in COUNTING_OPS for t in (k,) + aliases_of(k))):
-        calls.setdefault((r["step"], r["rank"], r["op"]), []).append(r)
+    for r in paired(run.run_id, ("input", "output"), tuple(t for k in COUNTING_OPS for t in (k,) + aliases_of(k))):
+        calls.setdefault((r.step, r.rank, r.op), []).append(r)
     lost = []
     for rs in calls.values():
-        out = next((r for r in rs if r["role"] == "output"), None)
-        ins = [r for r in rs if r["role"] == "input" and _finite(r["ref_max"]) and _finite(r["ref_min"])]
-        fmt = format_for_dtype(out["dtype"]) if out else None
+        out = next((r for r in rs if r.role == "output"), None)
+        ins = [r for r in rs if r.role == "input" and _finite(r.ref_max) and _finite(r.ref_min)]
+        fmt = format_for_dtype(out.dtype) if out else None
         if not ins or fmt is None or fmt.kind != "float" or fmt.bits >= 32:
             continue
-        acc = max(ins, key=lambda r: max(abs(r["ref_max"]), abs(r["ref_min"])))  # the count: the larger operand
-        vals = (out["min"], out["max"], out["ref_min"], out["ref_max"], acc["min"], acc["max"], acc["ref_min"],
-                acc["ref_max"])
+        acc = max(ins, key=lambda r: max(abs(r.ref_max), abs(r.ref_min)))  # the count: the larger operand
+        vals = (out.min, out.max, out.ref_min, out.ref_max, acc.min, acc.max, acc.ref_min,
+                acc.ref_max)
         if not all(_finite(v) and float(v).is_integer() for v in vals):
             continue
-        step = out["ref_max"] - acc["ref_max"]
+        step = out.ref_max - acc.ref_max
         # the run's count did not move where the reference's did, at a magnitude past the integer limit
-        if step and (out["min"], out["max"]) == (acc["min"], acc["max"]) and \
-                max(abs(acc["max"]), abs(acc["min"])) >= fmt.integer_limit:
+        if step and (out.min, out.max) == (acc.min, acc.max) and \
+                max(abs(acc.max), abs(acc.min)) >= fmt.integer_limit:
             lost.append((out, acc, step, fmt))
     if not lost:
         return []
     out, acc, step, fmt = lost[0]
     last = lost[-1][0]
-    at, limit = max(abs(acc["max"]), abs(acc["min"])), fmt.integer_limit
-    reach = max(abs(last["ref_max"]), abs(last["ref_min"]))
-    stuck = max(abs(last["max"]), abs(last["min"]))
-    msg = (f"`{out['op']}` adds {step:+g} to a count at {at:,.0f} in {fmt.name}: integers above {limit} are not "
+    at, limit = max(abs(acc.max), abs(acc.min)), fmt.integer_limit
+    reach = max(abs(last.ref_max), abs(last.ref_min))
+    stuck = max(abs(last.max), abs(last.min))
+    msg = (f"`{out.op}` adds {step:+g} to a count at {at:,.0f} in {fmt.name}: integers above {limit} are not "
            f"representable in {fmt.name}: {step:+g} is lost (from {limit:,} on only multiples of "
            f"{fmt.spacing_at(at):g} exist, so {at:,.0f} {step:+g} rounds back to {at:,.0f}). {len(lost)} add(s) are "
            f"lost this way: the count stays at {stuck:,.0f} where the fp32 run reaches {reach:,.0f} "
            f"({abs(reach - stuck) / reach:.1%} off). Count in fp32 or an integer dtype (torch.long)")
-    m = ctx.module_of(out["op"])
+    m = ctx.module_of(out.op)
     island = f"keep-fp32:{m}" if m and ctx.modules.get(m, {}).get("island_changes") is True else None
     if island:
         msg += f", or keep `{m}` in fp32 (its dtype comes from its own parameters)"
     fixes = _reachable([island, "use-bf16" if fmt.name == "fp16" else None], integers_to=reach)
-    return [Diagnosis("", run["run_id"], out["op"], "integer-limit", msg, tuple(fixes), "warn", int(out["seq"]))]
+    return [Diagnosis("", run.run_id, out.op, "integer-limit", msg, tuple(fixes), "warn", out.seq)]
 
 
 # gradients written by a backward op: a gradient flushed to zero there never reaches the optimizer
 _WRITTEN_GRADS = ("grad_input", "param_grad")
 
 
-def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
+def _gradient_underflow(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     """``gradient-underflow``: gradients that are zero in the run where the reference's are not (flushed to
     zero: below half the format's smallest subnormal), at least ``FLUSH_ERROR`` of a tensor; names the first
     backward op that writes them and the parameter gradients that are lost."""
     paired = getattr(ctx.facts, "paired_values", None)
-    if run["kind"] == "reference" or paired is None:
+    if run.kind == "reference" or paired is None:
         return []
     hit = []
-    for r in paired(run["run_id"], _WRITTEN_GRADS):
-        n, fmt = int(r["numel"] or 0), format_for_dtype(r["dtype"])
-        k = flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt) if fmt else 0
+    for r in paired(run.run_id, _WRITTEN_GRADS):
+        n, fmt = int(r.numel or 0), format_for_dtype(r.dtype)
+        k = flushed_by_underflow(r.ref_zero_count, r.zero_count, r.ref_min_abs_nonzero, fmt) if fmt else 0
         if n and k / n >= FLUSH_ERROR:
             hit.append((r, k, n))
     if not hit:
         return []
     r, k, n = hit[0]
-    fmt = format_for_dtype(r["dtype"]) or FORMATS["fp32"]
-    smallest = min((x["ref_min_abs_nonzero"] for x, _, _ in hit if _finite(x["ref_min_abs_nonzero"])), default=None)
-    largest = max((x["ref_absmax"] for x, _, _ in hit if _finite(x["ref_absmax"])), default=None)
-    params = [(x, kk, nn) for x, kk, nn in hit if x["role"] == "param_grad"]
-    msg = (f"`{r['op']}` (step {r['step']}) writes a gradient ({r['role']} {r['index']}) whose values are 0 in "
+    fmt = format_for_dtype(r.dtype) or FORMATS["fp32"]
+    smallest = min((x.ref_min_abs_nonzero for x, _, _ in hit if _finite(x.ref_min_abs_nonzero)), default=None)
+    largest = max((x.ref_absmax for x, _, _ in hit if _finite(x.ref_absmax)), default=None)
+    params = [(x, kk, nn) for x, kk, nn in hit if x.role == "param_grad"]
+    msg = (f"`{r.op}` (step {r.step}) writes a gradient ({r.role} {r.index}) whose values are 0 in "
            f"{fmt.name} where the fp32 run's are not: {k:,} of {n:,} ({k / n:.0%}) flushed to zero")
     if largest is not None:
         msg += (f" (the fp32 gradients reach only {largest:.2g}; {fmt.name} rounds every magnitude below "
                 f"{fmt.underflow_threshold:.2g} to 0)")
     if params:
         x, kk, nn = max(params, key=lambda p: p[1])
-        msg += (f". {len(params)} parameter gradient(s) lose values this way, e.g. `{x['op']}` {x['index']}: "
+        msg += (f". {len(params)} parameter gradient(s) lose values this way, e.g. `{x.op}` {x.index}: "
                 f"{kk:,} of {nn:,}, so the optimizer does not update them")
     if largest:
         need = 2.0 ** math.ceil(math.log2(fmt.smallest_normal / (smallest or largest)))
@@ -878,68 +859,67 @@ def _gradient_underflow(ctx: Context, run: dict) -> list[Diagnosis]:
     if largest and largest * need <= fmt.max:  # one scale lifts the smallest without overflowing the largest
         scaled = [f"loss-scale:{need:.0f}", "dynamic-loss-scale"]
     fixes = _reachable(scaled + ["use-bf16" if fmt.name == "fp16" else None], smallest=smallest)
-    return [Diagnosis("", run["run_id"], r["op"], "gradient-underflow", msg, tuple(fixes), "warn", int(r["seq"]))]
+    return [Diagnosis("", run.run_id, r.op, "gradient-underflow", msg, tuple(fixes), "warn", r.seq)]
 
 
-def _optimizer_state(ctx: Context, run: dict, fn: Origin) -> list[Diagnosis]:
+def _optimizer_state(ctx: Context, run: RunInfo, fn: Origin) -> list[Diagnosis]:
     """``optimizer-nonfinite``: a backward op's NaN/inf gradient reached the optimizer, whose step made the
     weights non-finite (Adam: exp_avg_sq = g^2 = inf, the update inf / inf = NaN)."""
     after = getattr(ctx.facts, "first_nonfinite_state_after", None)
-    if after is None or fn.direction != "backward":
+    if after is None or fn.direction is not Direction.BACKWARD:
         return []
-    st = after(run["run_id"], fn.step)
+    st = after(run.run_id, fn.step)
     if st is None:
         return []
-    rec = next((r for r in ctx.facts.op_records(run["run_id"], fn.op, fn.step, fn.rank) if int(r["rid"]) == fn.rid),
-               {})
-    inf = _count(rec, "inf_count")
-    what = "+/-inf" if inf and not _count(rec, "nan_count") else "NaN/inf"
+    rec = next((r for r in ctx.facts.op_records(run.run_id, fn.op, fn.step, fn.rank) if r.rid == fn.rid), None)
+    inf, nan = (0, 0) if rec is None else (rec.stats.inf_count or 0, rec.stats.nan_count or 0)
+    what = "+/-inf" if inf and not nan else "NaN/inf"
     msg = (f"`{fn.op}` (step {fn.step}) writes {what} into a gradient ({fn.role} {fn.index}) and the optimizer "
            f"step takes it: with Adam, exp_avg_sq = g^2 = inf, so the update exp_avg / (sqrt(exp_avg_sq) + eps) = "
-           f"inf / inf = NaN, and the weights are non-finite from step {st['step']} on (`{st['op']}` {st['index']}, "
-           f"{int(st['count'])} parameter record(s) that step). Skip a step whose gradients are not finite "
+           f"inf / inf = NaN, and the weights are non-finite from step {st.step} on (`{st.op}` {st.index}, "
+           f"{st.count} parameter record(s) that step). Skip a step whose gradients are not finite "
            "(torch.amp.GradScaler's scaler.step does, and lowers the loss scale; by hand: check "
            "torch.isfinite of the gradient norm before optimizer.step()); clipping alone does not help once a "
            "gradient is inf (its norm is inf and the clipped gradient NaN)")
-    return [Diagnosis("", run["run_id"], fn.op, "optimizer-nonfinite", msg, ("skip-nonfinite-step", "dynamic-loss-scale"),
+    return [Diagnosis("", run.run_id, fn.op, "optimizer-nonfinite", msg, ("skip-nonfinite-step", "dynamic-loss-scale"),
                       "error", fn.seq)]
 
 
-def _fix_verified(ctx: Context, run: dict) -> list[Diagnosis]:
-    if run["kind"] != "rerun" or not run.get("fix"):
+def _fix_verified(ctx: Context, run: RunInfo) -> list[Diagnosis]:
+    if run.kind != "rerun" or not run.fix:
         return []
-    last = ctx.facts.last_accumulated_output(run["run_id"])
-    parent = next((r for r in ctx.runs if r["run_id"] == run.get("parent_run_id")), None)
-    msg = f"re-run with `{run['fix']}`" + (f" (from run {parent['name']})" if parent else "")
+    last = ctx.facts.last_accumulated_output(run.run_id)
+    parent = next((r for r in ctx.runs if r.run_id == run.parent_run_id), None)
+    msg = f"re-run with `{run.fix}`" + (f" (from run {parent.name})" if parent else "")
     msg += ": no NaN or inf anywhere in the run"
-    if last and _finite(last["sqnr_db"]):
-        msg += f"; final output SQNR {last['sqnr_db']:.1f} dB against the fp32 reference"
-    return [Diagnosis("", run["run_id"], last["op"] if last else "", "fix-verified", msg, (), "info",
-                      int(last["seq"]) if last else -1)]
+    if last and _finite(last.sqnr_db):
+        msg += f"; final output SQNR {last.sqnr_db:.1f} dB against the fp32 reference"
+    return [Diagnosis("", run.run_id, last.op if last else "", "fix-verified", msg, (), "info",
+                      last.seq if last else -1)]
 
 
-def _compiled(ctx: Context, run: dict) -> list[Diagnosis]:
+def _compiled(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     """A run compiled with torch.compile without emulated precision casts: its fused kernels keep intermediates
     in fp32 where eager code rounds, so part of its difference from any eager run is the compiler's."""
-    policy = ctx.policies.get(run["run_id"])
+    policy = ctx.policies.get(run.run_id)
     if getattr(policy, "compile", None) is None or policy.emulate_precision_casts:
         return []
-    last = ctx.facts.last_accumulated_output(run["run_id"])
-    fmt = format_for_dtype(run.get("dtype"))
+    last = ctx.facts.last_accumulated_output(run.run_id)
+    fmt = format_for_dtype(run.dtype)
     msg = (f"run compiled with torch.compile ({'the whole model' if policy.compile == 'model' else policy.compile}): "
            f"fused kernels keep intermediates in fp32 where eager code rounds each op's result to "
            f"{fmt.name if fmt else 'its format'}, so its numbers differ from an eager run in the same format; to "
            "tell what compilation changes from what the format does, re-run it rounding as eager code does "
            "(emulate-precision-casts) or without compiling (eager)")
-    return [Diagnosis("", run["run_id"], last["op"] if last else "", "compiled", msg,
-                      ("emulate-precision-casts", "eager"), "info", int(last["seq"]) if last else -1)]
+    return [Diagnosis("", run.run_id, last.op if last else "", "compiled", msg,
+                      ("emulate-precision-casts", "eager"), "info", last.seq if last else -1)]
 
 
 # ---- one run ------------------------------------------------------------------------
 
-def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> list[Diagnosis]:
+def diagnose_run(ctx: Context, run: RunInfo, first_nonfinite: Optional[Origin]) -> list[Diagnosis]:
     """The findings for one candidate or re-run, given its first non-finite producer (or None)."""
-    policy = ctx.policies.get(run["run_id"])
+    policy = ctx.policies.get(run.run_id)
     if first_nonfinite is None:
         return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _integer_limit(ctx, run) + _amplified(ctx, run)
                 + _gradient_underflow(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run))
@@ -953,24 +933,24 @@ def diagnose_run(ctx: Context, run: dict, first_nonfinite: Optional[Origin]) -> 
                            d.message.rstrip(".") + f". That value is inf; the first NaN appears later, at `{nan.op}` "
                            f"({nan.op_type}), which combines it (inf - inf, 0 x inf or inf / inf)",
                            d.fixes, d.severity, d.seq)] + found[1:]
-    if found and ctx.facts.last_forward_output_finite(run["run_id"]):
+    if found and ctx.facts.last_forward_output_finite(run.run_id):
         d = found[0]
         found = [Diagnosis(d.session_id, d.run_id, d.op, d.rule,
                            d.message + f" The non-finite values stop before the run's output, which is finite "
-                           f"(run fix: {run.get('fix') or 'none'}).", d.fixes, "warn", d.seq)] + found[1:]
+                           f"(run fix: {run.fix or 'none'}).", d.fixes, "warn", d.seq)] + found[1:]
     return found + _compiled(ctx, run)
 
 
-def _producer_diagnosis(ctx: Context, run: dict, fn: Origin, policy) -> list[Diagnosis]:
-    recs = ctx.facts.op_records(run["run_id"], fn.op, fn.step, fn.rank)
+def _producer_diagnosis(ctx: Context, run: RunInfo, fn: Origin, policy) -> list[Diagnosis]:
+    recs = ctx.facts.op_records(run.run_id, fn.op, fn.step, fn.rank)
     module = ctx.module_of(fn.op)
     mrecs = recs
     if module:
-        mrecs = ctx.module_call(run["run_id"], module, fn.step, fn.rank, fn.seq) or recs
-    out_rec = next((r for r in recs if int(r["rid"]) == fn.rid), recs[0] if recs else {})
-    fmt = format_for_dtype(out_rec.get("dtype")) or format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
+        mrecs = ctx.module_call(run.run_id, module, fn.step, fn.rank, fn.seq) or recs
+    out_rec = next((r for r in recs if r.rid == fn.rid), recs[0] if recs else None)
+    fmt = format_for_dtype(out_rec and out_rec.dtype) or format_for_dtype(run.dtype) or FORMATS["fp32"]
     if fmt.kind != "float" or fmt.bits <= 8:
-        fmt = format_for_dtype(run.get("dtype")) or FORMATS["fp32"]
+        fmt = format_for_dtype(run.dtype) or FORMATS["fp32"]
     ev = Evidence(run, fn, fn.op, fn.op_type or "", module, ctx.modules.get(module or "", {}),
                   recs, mrecs, fmt, policy)
     for name, rule in RULES.items():

@@ -30,6 +30,7 @@ from ..fixes.policy import PolicyError, island_effect, island_effects
 from ..fixes.rules import at_stake
 from ..ops import innermost_module
 from ..store import queries as q
+from .diagnose import StoreFacts
 from .report import first_nonfinite
 from .rerun import session_recipe
 from .sessions import run_policy
@@ -85,8 +86,9 @@ def _stake(store, runs: list[dict], cand: Optional[dict]) -> Optional[float]:
     fn = first_nonfinite(store, cand["run_id"]) if cand and ref else None
     if fn is None:
         return None
-    recs = q.op_records(store, cand["run_id"], fn.op, fn.step, fn.rank)
-    return at_stake(q.reference_of(store, cand["run_id"], recs, ref["run_id"]).values())
+    facts = StoreFacts(store)  # the typed rows the rules read
+    recs = facts.op_records(cand["run_id"], fn.op, fn.step, fn.rank)
+    return at_stake(facts.reference_of(cand["run_id"], recs, ref["run_id"]).values())
 
 
 def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False,

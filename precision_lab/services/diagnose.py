@@ -5,7 +5,8 @@ comparisons of every candidate and re-run in a session and writes one
 ``Diagnosis`` row per finding, replacing the session's earlier diagnoses in
 one transaction (running it twice gives the same rows).  The rules
 themselves live in ``precision_lab.fixes.rules`` and see the store only
-through ``StoreFacts``.
+through ``StoreFacts``, which types each row the store answers once (``records.StoredRecord``, ``records.RunInfo``,
+``fixes.facts``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
+from ..fixes.facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
-from ..records import Diagnosis
+from ..records import Diagnosis, RunInfo, StoredRecord
 from ..store import queries as q
 from .report import first_nonfinite
 from .sessions import recipe_name, run_policy
@@ -24,20 +26,22 @@ __all__ = ["diagnose", "diagnose_session", "StoreFacts"]
 
 
 class StoreFacts:
-    """``fixes.rules.RunFacts`` answered from a store."""
+    """``fixes.rules.RunFacts`` answered from a store, as typed rows."""
 
     def __init__(self, store):
         self.store = store
         self._quantise: dict[str, list] = {}  # run_id -> its quantise calls (read once per diagnosis pass)
 
     def op_records(self, run_id, op, step, rank):
-        return q.op_records(self.store, run_id, op, step, rank)
+        return [StoredRecord.from_row(r) for r in q.op_records(self.store, run_id, op, step, rank)]
 
     def module_call(self, run_id, module, step, rank, seq, *, after=True):
-        return q.module_call(self.store, run_id, module, step, rank, seq, after=after)
+        return [StoredRecord.from_row(r) for r in q.module_call(self.store, run_id, module, step, rank, seq, after=after)]
 
     def reference_of(self, cand_run_id, recs, ref_run_id):
-        return q.reference_of(self.store, cand_run_id, recs, ref_run_id)
+        rows = [{"rid": r.rid, "op": r.op, "role": r.role, "index": r.index, "step": r.step, "rank": r.rank}
+                for r in recs]
+        return {rid: StoredRecord.from_row(r) for rid, r in q.reference_of(self.store, cand_run_id, rows, ref_run_id).items()}
 
     def first_nonfinite_output_of_type(self, run_id, op_type):
         return q.first_nonfinite_output_of_type(self.store, run_id, op_type)
@@ -46,33 +50,33 @@ class StoreFacts:
         return q.warning_starting(self.store, run_id, prefix)
 
     def ops_above(self, run_id, absmax):
-        return q.ops_above(self.store, run_id, absmax)
+        return [OpSeen.from_row(r) for r in q.ops_above(self.store, run_id, absmax)]
 
     def worst_local_errors(self, run_id, limit):
-        return q.worst_local_errors(self.store, run_id, limit)
+        return [LocalError.from_row(r) for r in q.worst_local_errors(self.store, run_id, limit)]
 
     def last_accumulated_output(self, run_id):
-        return q.last_accumulated_output(self.store, run_id)
+        row = q.last_accumulated_output(self.store, run_id)
+        return None if row is None else FinalOutput.from_row(row)
 
     def last_forward_output_finite(self, run_id):
         return q.last_forward_output_finite(self.store, run_id)
 
     def error_growth(self, run_id):
-        return q.error_growth(self.store, run_id)
+        return [ErrorGrowth.from_row(r) for r in q.error_growth(self.store, run_id)]
 
     def paired_values(self, run_id, roles, op_types=None):
-        return q.paired_values(self.store, run_id, roles, op_types)
+        return [PairedValues.from_row(r) for r in q.paired_values(self.store, run_id, roles, op_types)]
 
     def first_nonfinite_state_after(self, run_id, step):
-        return q.first_nonfinite_state_after(self.store, run_id, step)
+        row = q.first_nonfinite_state_after(self.store, run_id, step)
+        return None if row is None else StateAfter.from_row(row)
 
     def quantise_calls(self, run_id):
         if run_id not in self._quantise:
-            out = []
-            for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise")):
-                c["input_hist"] = self.store.histogram(run_id, c["input"]["rid"])
-                out.append(c)
-            self._quantise[run_id] = out
+            self._quantise[run_id] = [
+                QuantiseCall.from_row(c, self.store.histogram(run_id, c["input"]["rid"]))
+                for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise"))]
         return self._quantise[run_id]
 
 
@@ -102,25 +106,26 @@ def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
     """``(diagnoses, judgements)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict, reason)``
     for each quantise op call whose output is worse than expected against its own input."""
     info = store.session(session)
-    runs = q.session_runs(store, info["session_id"])
-    ref = next((r for r in runs if r["kind"] == "reference"), None)
+    rows = q.session_runs(store, info["session_id"])
+    runs = [RunInfo.from_row(r) for r in rows]
+    ref = next((r for r in runs if r.kind == "reference"), None)
     ctx = Context(StoreFacts(store), info, runs, ref)
-    for r in runs:
+    for r in rows:
         ctx.policies[r["run_id"]] = run_policy(r)
     recipe = recipe_name(store, info)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []
     judged: list[tuple] = []
     for run in runs:
-        if run["kind"] == "reference":
+        if run.kind == "reference":
             continue
-        policy = ctx.policies.get(run["run_id"])
+        policy = ctx.policies.get(run.run_id)
         key = policy.to_json() if policy is not None else ""
         if key not in modules_by_policy:
             modules_by_policy[key] = _recipe_modules(recipe, policy)
         ctx.modules = modules_by_policy[key]
-        out.extend(diagnose_run(ctx, run, first_nonfinite(store, run["run_id"])))
-        judged.extend((run["run_id"], c["op"], c["step"], c["rank"], qf.verdict,
+        out.extend(diagnose_run(ctx, run, first_nonfinite(store, run.run_id)))
+        judged.extend((run.run_id, c.op, c.step, c.rank, qf.verdict,
                        f"judged against its own input: {qf.message}") for c, qf in quantise_findings(ctx, run))
     return out, judged
 

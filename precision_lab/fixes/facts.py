@@ -1,0 +1,130 @@
+"""The rows a diagnosis rule reads about recorded runs, typed (``rules.RunFacts`` answers them).
+
+Each is built once where the store's answer comes out (``services.diagnose.StoreFacts``) with ``from_row``; a
+tensor record is a ``records.StoredRecord`` and a run a ``records.RunInfo``.  A field is None where the store
+holds NULL: the query gave no value (no comparison, a summary-only record).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+import numpy as np
+
+from ..records import StoredRecord
+
+__all__ = ["OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues", "StateAfter", "QuantiseCall"]
+
+
+class _Row:
+    @classmethod
+    def from_row(cls, row: Mapping):
+        """The row's columns of the same names as the fields."""
+        return cls(**{f.name: row.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class OpSeen(_Row):
+    """An op and where it first appears in execution order."""
+    op: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class LocalError(_Row):
+    """An output whose local error (against fp32 recomputed from its own inputs) is judged an error."""
+    op: str
+    seq: int
+    rounding_units: float
+    """The error in unit roundoffs of ``cand_format``."""
+    sqnr_db: Optional[float]
+    cand_format: Optional[str]
+    """The format the run computed the op in (a ``FORMATS`` name)."""
+
+
+@dataclass(frozen=True)
+class FinalOutput(_Row):
+    """The run's last output compared with the reference: the model's output."""
+    op: str
+    seq: int
+    sqnr_db: Optional[float]
+    """None when that output holds NaN/inf the reference does not."""
+    verdict: Optional[str]
+    nonfinite_introduced: Optional[int]
+
+
+@dataclass(frozen=True)
+class ErrorGrowth(_Row):
+    """One op call's accumulated error against the reference, its output's beside its inputs'."""
+    op: str
+    op_type: Optional[str]
+    step: int
+    rank: int
+    seq: int
+    out_units: float
+    """Its output's error in unit roundoffs of ``cand_format``."""
+    in_units: float
+    """Its inputs' largest error in unit roundoffs of ``cand_format``."""
+    out_abs_err: Optional[float]
+    """Its output's largest absolute error."""
+    out_absmax: Optional[float]
+    """Its output's largest magnitude."""
+    in_absmax: Optional[float]
+    """The smallest largest-magnitude among its inputs."""
+    cand_format: Optional[str]
+
+
+@dataclass(frozen=True)
+class PairedValues(_Row):
+    """A record compared element-wise with the reference, beside the reference record's values."""
+    op: str
+    op_type: Optional[str]
+    step: int
+    rank: int
+    seq: int
+    role: str
+    index: str
+    dtype: Optional[str]
+    numel: Optional[int]
+    min: Optional[float]
+    max: Optional[float]
+    absmax: Optional[float]
+    zero_count: Optional[int]
+    ref_min: Optional[float]
+    ref_max: Optional[float]
+    ref_absmax: Optional[float]
+    ref_zero_count: Optional[int]
+    ref_min_abs_nonzero: Optional[float]
+
+
+@dataclass(frozen=True)
+class StateAfter(_Row):
+    """The first non-finite parameter or buffer record after a step."""
+    op: str
+    index: str
+    step: int
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    count: int
+    """How many non-finite parameter and buffer records that step holds."""
+
+
+@dataclass(frozen=True)
+class QuantiseCall:
+    """One call of a quantise op with its first input and output records."""
+    op: str
+    step: int
+    rank: int
+    seq: int
+    input: StoredRecord
+    """Its first input, with its magnitude histogram where stored."""
+    output: StoredRecord
+    amax: Optional[float]
+    """The max of the ``<path>.amax`` output its scale was built from, where recorded."""
+
+    @classmethod
+    def from_row(cls, row: Mapping, input_hist: Optional[np.ndarray] = None) -> "QuantiseCall":
+        return cls(row["op"], int(row["step"]), int(row["rank"]), int(row["seq"]),
+                   StoredRecord.from_row(row["input"], input_hist), StoredRecord.from_row(row["output"]),
+                   row.get("amax"))
