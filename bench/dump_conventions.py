@@ -71,6 +71,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from precision_lab.enums import OriginKind  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
@@ -391,11 +392,11 @@ def right(f, expected: Optional[str], kind: str = "", inputs: bool = True) -> bo
         return False
     if kind == "cast-gap":  # the consumer named, its producer said not recorded; outputs only: the first output
         if not inputs:
-            return f.origin == "op" and f.op == expected
-        return f.origin == "input" and f.op == expected and "producer was not recorded" in f.reason
-    if f.origin == "parameter":
+            return f.origin is OriginKind.OP and f.op == expected
+        return f.origin is OriginKind.INPUT and f.op == expected and "producer was not recorded" in f.reason
+    if f.origin is OriginKind.PARAMETER:
         return f.parameter is not None and f.parameter.name == f"{expected}.weight"
-    return f.origin == "op" and f.op == expected
+    return f.origin is OriginKind.OP and f.op == expected
 
 
 @dataclass(frozen=True)

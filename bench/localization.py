@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -95,6 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision_lab import capture_pair  # noqa: E402
+from precision_lab.enums import Direction, OriginKind  # noqa: E402
 from precision_lab.fixes.policy import call_model  # noqa: E402
 from precision_lab.ops import canonical, module_path  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
@@ -256,13 +256,6 @@ def _injector(base_build, inputs, path: str, kind: str):
 
 
 # ---- the three ways to answer --------------------------------------------------------------------
-
-def _get(f, k, default=None):
-    """A field of ``first_nonfinite``'s answer, whether it is a dict or an object with attributes."""
-    if f is None:
-        return default
-    return f.get(k, default) if isinstance(f, dict) else getattr(f, k, default)
-
 
 def _live_pair(store, build, inputs, dtype=torch.float16, loss=None, local_error=False):
     """capture_pair of the fp32 model against ``dtype`` (a torch dtype or a policy): (candidate's answer,
@@ -428,32 +421,30 @@ def _judge(f, expect: Optional[dict], how: str) -> bool:
         return f is None
     if f is None:
         return False
-    origin = _get(f, "origin")
     if "params" in expect:
-        name = _get(_get(f, "parameter"), "name")
+        name = f.parameter.name if f.parameter else None
         if name and how != "live":
             name = name.removeprefix("model.")
-        return origin == "parameter" and name in expect["params"]
-    if origin != "op":
+        return f.origin is OriginKind.PARAMETER and name in expect["params"]
+    if f.origin is not OriginKind.OP:
         return False
-    op, backward = _get(f, "op"), expect.get("backward", False)
+    op, backward = f.op, expect.get("backward", False)
     if how == "live":
-        return ((_get(f, "direction") == "backward") == backward and _live_module(op) == expect["module"]
-                and _type_in(_get(f, "op_type"), expect.get("types")))
+        return ((f.direction is Direction.BACKWARD) == backward and _live_module(op) == expect["module"]
+                and _type_in(f.op_type, expect.get("types")))
     want = "model" + (f".{expect['module']}" if expect["module"] else "") + (".backward" if backward else "")
     return op == want
 
 
 def _right(f, path: str, kind: str, how: str, folder: Optional[Path] = None) -> bool:
     if how == "msprobe":
-        if f is None or (kind in FIRST_OP_TYPE and canonical(_get(f, "op_type")) != FIRST_OP_TYPE[kind]):
+        if f is None or (kind in FIRST_OP_TYPE and canonical(f.op_type) != FIRST_OP_TYPE[kind]):
             return False
         if kind == "weight":
-            return _get(f, "origin") == "parameter" and _get(_get(f, "parameter"), "name", "").endswith(
-                f"{path}.weight")
+            return f.origin is OriginKind.PARAMETER and f.parameter.name.endswith(f"{path}.weight")
         # the named op, or a module call it ran inside (msprobe's own construct.json), is the injected module
         parents = json.loads(next(folder.rglob("construct.json")).read_text())
-        op, seen = _get(f, "op"), 0
+        op, seen = f.op, 0
         while op is not None and seen < 64:
             if module_path(op) == path:
                 return True
@@ -515,9 +506,9 @@ def _dtype_name(d) -> str:
 def _row(kind, case, how, right, f, secs, expected="", source="", named=None):
     return {"kind": kind, "case": case, "how": how, "right": right, "secs": secs, "expected": expected,
             "source": source, "named": named if named is not None else (
-                None if f is None else f"{_get(f, 'op')} ({_get(f, 'op_type')}, origin {_get(f, 'origin')}"
-                + (f", parameter {_get(_get(f, 'parameter'), 'name')}" if _get(f, "parameter") else "") + ")"),
-            "reason": _get(f, "reason")}
+                None if f is None else f"{f.op} ({f.op_type}, origin {f.origin}"
+                + (f", parameter {f.parameter.name}" if f.parameter else "") + ")"),
+            "reason": None if f is None else f.reason}
 
 
 def _describe(expect) -> str:
@@ -550,9 +541,9 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                     f = c.runner(store)
                     right, named = _judge(f, c.expect, how), None
                     if right and c.expect.get("cause"):
-                        right, why = _cause_named(store, q.session_list(store)[0]["name"], _get(f, "run_id"),
+                        right, why = _cause_named(store, q.session_list(store)[0]["name"], f.run_id,
                                                   c.expect["cause"])
-                        named = None if right else f"{_get(f, 'op')}; {why}"
+                        named = None if right else f"{f.op}; {why}"
                     rows.append(_row(c.kind, c.name, how, right, f, time.perf_counter() - t,
                                      _describe(c.expect), c.source, named))
                     continue
@@ -561,13 +552,13 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                 if quiet:
                     right, named = _judge_quiet(store, session, run_id, c.expect)
                     if f is not None and not c.expect.get("any_nonfinite"):
-                        named += f"; first_nonfinite {_get(f, 'op')}"
+                        named += f"; first_nonfinite {f.op}"
                     rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
                     continue
                 right, named = _judge(f, c.expect, how), None
                 if right and c.expect and c.expect.get("cause"):
                     right, why = _cause_named(store, session, run_id, c.expect["cause"])
-                    named = None if right else f"{_get(f, 'op')}; {why}"
+                    named = None if right else f"{f.op}; {why}"
                 rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
                 if healthy and c.fp32_control:
                     fp32 = c.name.replace(f"/{dname}", "/fp32")
