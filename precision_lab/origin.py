@@ -80,7 +80,9 @@ class OpRef:
     op_type: Optional[str]
     """What it computes (``linear``, ``softmax``, a module class), where the dump says."""
     step: int
+    """The training step (0 for a single forward)."""
     rank: int
+    """The process (data-parallel rank) it ran in."""
     seq: int
     """Its place in execution order within its step and rank."""
 
@@ -131,9 +133,11 @@ class Origin:
     op: str
     """The op call named: the producer, the op reading the parameter, or the first op receiving the value."""
     op_type: Optional[str]
+    """What ``op`` computes, where the dump says."""
     direction: Optional[Direction]
     """The pass ``op`` ran in, where the dump says."""
     seq: int
+    """``op``'s place in execution order within its step and rank."""
     step: int
     rank: int
     rid: int
