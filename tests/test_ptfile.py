@@ -19,7 +19,7 @@ import torch
 import torch._utils
 
 from precision_lab.readers.base import ReadError
-from precision_lab.readers.msprobe import load_tensor_file
+from precision_lab.readers.tensorfile import load_tensor_file
 from precision_lab.readers.ptfile import NotPlain, read_plain_tensor
 from precision_lab.readers.safeio import check_member_zip
 
