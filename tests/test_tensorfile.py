@@ -50,7 +50,7 @@ def test_compare_refuses_a_damaged_tensor_file(dumps, tmp_path):
     res = CliRunner().invoke(app, ["compare", str(ref), str(cand)])
     lines = res.output.strip().splitlines()
     assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert lines[0].startswith(f"error: {rel}: damaged .pt archive: member ") and "CRC-32" in lines[0]
+    assert lines[0].startswith(f"error: {rel}: damaged .pt archive: entry ") and "CRC-32" in lines[0]
 
 
 def test_compare_rereads_through_the_checked_loader(dumps, tmp_path):
@@ -86,7 +86,7 @@ def test_run_source_load_and_load_source_agree_and_refuse(dumps):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(rec.tensor))
     _flip_data_byte(ref / rec.source)
     for load in (src.load, lambda s: load_source(ref, s)):
-        with pytest.raises(ReadError, match=rf"^{rec.source}: damaged \.pt archive: member '.*' fails its check"):
+        with pytest.raises(ReadError, match=rf"^{rec.source}: damaged \.pt archive: entry '.*' fails its check"):
             load(rec.source)
 
 
@@ -115,7 +115,7 @@ def test_npz_member_damaged_is_named(tmp_path):
     raw = bytearray((d / "z.npz").read_bytes())
     raw[_member_data_start(d / "z.npz", info) + info.file_size - 1] ^= 0x40  # inside w's last float
     (d / "z.npz").write_bytes(bytes(raw))
-    with pytest.raises(ReadError, match=r"^z\.npz: damaged \.npz archive: member 'w\.npy' fails its check"):
+    with pytest.raises(ReadError, match=r"^z\.npz: damaged \.npz archive: entry 'w\.npy' fails its check"):
         load_source(d, "z.npz#w")
 
 
