@@ -141,10 +141,6 @@ class Format:
         return self.smallest_subnormal is not None
 
     @cached_property
-    def max_log2(self) -> float:
-        return math.log2(self.max)
-
-    @cached_property
     def integer_limit(self) -> int:
         """The largest N such that every integer 0..N is exactly representable: 2^(man_bits + 1) for a float
         format (fp16 2048, bf16 256); above it only every 2nd (then 4th, ...) integer exists, so adding 1 is
@@ -249,23 +245,6 @@ class Format:
         import torch
 
         return getattr(torch, self.torch_name, None)
-
-    def as_row(self) -> dict:
-        """A flat dict for tables and JSON."""
-        return {
-            "format": self.name,
-            "bits": self.bits,
-            "exp_bits": self.exp_bits,
-            "man_bits": self.man_bits,
-            "max": self.max,
-            "smallest_normal": self.smallest_normal,
-            "smallest_subnormal": self.smallest_subnormal,
-            "eps": self.eps,
-            "inf": self.has_inf,
-            "nan": self.has_nan,
-            "saturating": self.saturating,
-            "description": self.description,
-        }
 
 
 # The table.  One line per format; everything else is derived.

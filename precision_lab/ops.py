@@ -3,7 +3,9 @@
 Dumps and captures name one op many ways: msprobe keys (``Functional.layer_norm.0.forward``,
 ``Tensor.__truediv__.0.forward``), torch functions and methods (``softmax``, ``__truediv__``), aten
 overloads (``aten._softmax.default``, ``aten::native_layer_norm``) and module classes (``LayerNorm``).
-``canonical(name)`` maps any of them to one op type; replay, diagnosis and the readers all ask it.
+``canonical(name)`` maps any of them to one op type; replay, diagnosis and the readers all ask it.  The op
+categories are defined here too, once: ops that write a mask or a constant (``MASKING_OPS``, ``CONSTANT_OPS``)
+and the calls capture does not record by default or at all (``VIEW_OPS``, ``NON_COMPUTE_OPS``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Optional
 
-__all__ = ["OPS", "MASKING_OPS", "CONSTANT_OPS", "MSPROBE_PREFIXES", "canonical", "parse_op", "is_msprobe_key", "op_type_of", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
+__all__ = ["OPS", "MASKING_OPS", "CONSTANT_OPS", "VIEW_OPS", "NON_COMPUTE_OPS", "MSPROBE_PREFIXES", "canonical", "parse_op", "is_msprobe_key", "op_type_of", "module_path", "enclosing_module", "aliases_of", "module_prefixes", "innermost_module"]
 
 # canonical op type -> the other names it goes by (compared case-insensitively, leading/trailing "_" ignored);
 # an alias is listed only where it computes the same function with the same arguments
@@ -51,6 +53,34 @@ OPS: dict[str, tuple[str, ...]] = {
 MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril", "log"})
 # canonical op types that make a tensor from Python numbers: a -inf they hold is a constant, no error by itself
 CONSTANT_OPS = frozenset({"tensor"})
+
+# calls, by the name capture gives them (a torch function's or a tensor method's), whose output values are a
+# rearrangement or subset of their input's (views, reshapes, indexing, splitting, detaching): they cannot
+# introduce error or a non-finite value, so capture does not record them by default (the data flows through
+# them to the next op, which is).  Casts are NOT here: a cast is where precision is lost.
+VIEW_OPS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "transpose_", "t", "permute", "contiguous",
+    "flatten", "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select",
+    "getitem", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "movedim", "moveaxis",
+    "swapaxes", "swapdims", "detach", "detach_", "as_strided", "unfold", "clone", "squeeze_", "unsqueeze_",
+    "requires_grad_", "retain_grad", "broadcast_to", "mT", "mH", "T", "H", "real", "imag", "view_as_real",
+    "view_as_complex", "diagonal", "stack", "cat", "concat", "concatenate", "hstack", "vstack", "repeat",
+    "repeat_interleave", "tile", "roll", "flip", "gather", "index_select", "masked_select", "take",
+})
+
+# calls, by the name capture gives them, that compute nothing from tensor values (metadata, conversions to
+# Python, autograd plumbing): capture skips them before any statistics are taken
+NON_COMPUTE_OPS = frozenset({
+    "size", "dim", "numel", "item", "tolist", "is_floating_point", "is_complex", "data_ptr", "element_size",
+    "stride", "storage_offset", "is_contiguous", "__len__", "__bool__", "__index__", "__int__", "__float__",
+    "__format__", "__repr__", "__str__", "__iter__", "__contains__", "__hash__", "__reduce_ex__",
+    "__deepcopy__", "__array__", "numpy", "cpu_numpy", "backward", "register_hook", "retain_grad",
+    "register_post_accumulate_grad_hook", "untyped_storage", "storage", "get_device", "nelement",
+    "has_names", "is_set_to", "is_same_size", "__dir__", "__getstate__", "__setstate__", "_is_view",
+    "is_nonzero", "equal", "allclose", "__array_wrap__", "dim_order", "pin_memory", "share_memory_",
+    "record_stream", "is_pinned", "is_shared", "nbytes", "itemsize", "new_empty", "new_zeros", "new_ones",
+    "new_tensor", "empty_like", "zeros_like", "ones_like", "empty",
+})  # full_like and new_full are recorded: they write a mask's -inf (MASKING_OPS)
 
 _BY_NAME = {a.lower().strip("_"): op for op, aliases in OPS.items() for a in (op,) + aliases}
 

@@ -78,3 +78,17 @@ def test_op_type_of_a_dump_name(name, expected):
 def test_enclosing_module_of_msprobe_and_capture_names(op, expected):
     from precision_lab.ops import enclosing_module
     assert enclosing_module(op) == expected
+
+
+def test_op_categories_are_defined_once_in_the_op_table():
+    """``VIEW_OPS`` keeps its public name in ``precision_lab.live``; capture asks the op table's categories."""
+    import precision_lab.live as live
+    from precision_lab import ops
+    from precision_lab.live.options import CaptureOptions
+
+    assert live.VIEW_OPS is ops.VIEW_OPS
+    assert {"view", "reshape", "getitem", "cat"} <= ops.VIEW_OPS and not {"to", "float", "add"} & ops.VIEW_OPS
+    assert {"size", "item", "numpy"} <= ops.NON_COMPUTE_OPS and not {"full_like", "new_full"} & ops.NON_COMPUTE_OPS
+    default, views = CaptureOptions(), CaptureOptions(views=True)
+    assert [default.op_type_selected(t) for t in ("view", "transpose", "softmax")] == [False, False, True]
+    assert views.op_type_selected("view") and views.op_type_selected("transpose")

@@ -19,7 +19,7 @@ import torch
 import torch._utils
 
 from precision_lab.readers.base import ReadError
-from precision_lab.readers.msprobe import load_tensor_file
+from precision_lab.readers.tensorfile import load_tensor_file
 from precision_lab.readers.ptfile import NotPlain, read_plain_tensor
 from precision_lab.readers.safeio import check_member_zip
 
@@ -136,7 +136,7 @@ def test_a_damaged_storage_fails_its_crc(tmp_path):
     at = raw.find(data)
     raw[at + 10] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(ReadError, match=r"crc\.pt: damaged \.pt archive: member 'archive/data/0' fails its check"):
+    with pytest.raises(ReadError, match=r"crc\.pt: damaged \.pt archive: entry 'archive/data/0' fails its check"):
         load_tensor_file(path, "crc.pt")
 
 

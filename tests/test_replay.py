@@ -252,3 +252,93 @@ def test_replay_more_ops_against_float64(op_type):
     # fp16 and bf16 replays stay within a few of their own rounding units of float64
     for key, eps in (("candidate", 2.0 ** -10), ("fixed", 2.0 ** -7)):
         np.testing.assert_allclose(out[key].double().numpy(), expect, rtol=4 * eps, atol=4 * eps)
+
+
+def _flip_data_byte(path):
+    """Flip the lowest bit of the first byte of a torch file's tensor data (a stored zip member): still a valid
+    number, so only the member's CRC-32 can tell."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl"))
+    raw = bytearray(path.read_bytes())
+    head = raw[info.header_offset:info.header_offset + 30]
+    start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+    raw[start] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_replay_refuses_a_tensor_file_damaged_after_ingest(tmp_path):
+    """A byte flipped in an ingested msprobe tensor: replay names the file (CLI: one error line, exit 2)."""
+    from precision_lab.cli import app
+    from precision_lab.readers import ReadError
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    dump = _overflow_dump(tmp_path / "dump")
+    db = tmp_path / "r.duckdb"
+    store = Store(db)
+    try:
+        name = ingest([dump], store=store, session="s")
+        op = "Functional.linear.0.forward"
+        before = replay_op(store, name, op).outputs["dumped"]
+        rel = f"step0/rank0/dump_tensor_data/{op}.input.0.pt"
+        _flip_data_byte(dump / rel)
+        # torch itself reads the damaged file without complaint, as other numbers
+        x = torch.load(dump / rel, weights_only=True)
+        assert x.shape == (2, 4) and torch.isfinite(x).all()
+        with pytest.raises(ReadError) as e:
+            replay_op(store, name, op)
+        assert str(e.value).startswith(f"{rel}: damaged .pt archive") and "CRC" in str(e.value)
+        assert "\n" not in str(e.value)
+        res = CliRunner().invoke(app, ["replay", "--session", name, "--op", op, "--db", str(db)])
+        assert res.exit_code == 2 and res.output.strip().splitlines() == [f"error: {e.value}"]
+        assert torch.equal(replay_op(store, name, "Functional.softmax.0.forward").outputs["dumped"].isinf(),
+                           torch.zeros(2, 6, dtype=torch.bool))  # the other op's files are intact
+        assert torch.isinf(before).any()
+    finally:
+        close_all()
+
+
+def test_replay_refuses_a_tensor_file_whose_shape_changed(tmp_path):
+    from precision_lab.readers import ReadError
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    dump = _overflow_dump(tmp_path / "dump")
+    store = Store(tmp_path / "r.duckdb")
+    try:
+        name = ingest([dump], store=store, session="s")
+        op = "Functional.linear.0.forward"
+        rel = f"step0/rank0/dump_tensor_data/{op}.input.2.pt"
+        torch.save(torch.zeros(5).half(), dump / rel)
+        with pytest.raises(ReadError, match=re.escape(f"{rel}: holds a tensor of shape [5] where the session "
+                                                      f"recorded [3]")):
+            replay_op(store, name, op)
+    finally:
+        close_all()
+
+
+def test_replay_from_a_generic_npy_folder(tmp_path):
+    """Files of a generic dump are read through the same loader as msprobe's (no --keep-tensors needed)."""
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    d = tmp_path / "gen"
+    d.mkdir()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 8)).astype(np.float16)
+    w = rng.standard_normal((4, 8)).astype(np.float16)
+    b = rng.standard_normal(4).astype(np.float16)
+    y = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)).numpy()
+    for role, a in (("input.0", x), ("input.1", w), ("input.2", b), ("output.0", y)):
+        np.save(d / f"linear.{role}.npy", a)
+    store = Store(tmp_path / "g.duckdb")
+    try:
+        name = ingest([d], store=store, session="g")
+        res = replay_op(store, name, "linear")
+        expect = x.astype(np.float64) @ w.astype(np.float64).T + b.astype(np.float64)
+        np.testing.assert_allclose(res.outputs["fp32"].double().numpy(), expect, rtol=1e-6, atol=1e-6)
+        assert res.outputs["dumped"].dtype == torch.float16 and res.reproduces_dump
+    finally:
+        close_all()

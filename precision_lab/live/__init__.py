@@ -29,6 +29,7 @@ rank), pass ``shard_dir=`` instead of ``store=``: each rank writes
 from __future__ import annotations
 
 from .capture import Capture, capture
-from .options import VIEW_OPS, CaptureOptions
+from ..ops import VIEW_OPS
+from .options import CaptureOptions
 
 __all__ = ["capture", "CaptureOptions", "Capture", "VIEW_OPS"]

@@ -5,25 +5,12 @@ from __future__ import annotations
 import torch
 from torch.overrides import resolve_name
 
+from ..ops import NON_COMPUTE_OPS as _NON_COMPUTE
+
 
 # Tensor methods that change dtype: recorded like any op (their local error
 # is the rounding of the cast itself), and their fp32 shadow is the input.
 CAST_OPS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
-
-
-# Calls that compute nothing from tensor values (metadata, conversions to
-# Python, autograd plumbing); skipped before any statistics are taken.
-_NON_COMPUTE = frozenset({
-    "size", "dim", "numel", "item", "tolist", "is_floating_point", "is_complex", "data_ptr", "element_size",
-    "stride", "storage_offset", "is_contiguous", "__len__", "__bool__", "__index__", "__int__", "__float__",
-    "__format__", "__repr__", "__str__", "__iter__", "__contains__", "__hash__", "__reduce_ex__",
-    "__deepcopy__", "__array__", "numpy", "cpu_numpy", "backward", "register_hook", "retain_grad",
-    "register_post_accumulate_grad_hook", "untyped_storage", "storage", "get_device", "nelement",
-    "has_names", "is_set_to", "is_same_size", "__dir__", "__getstate__", "__setstate__", "_is_view",
-    "is_nonzero", "equal", "allclose", "__array_wrap__", "dim_order", "pin_memory", "share_memory_",
-    "record_stream", "is_pinned", "is_shared", "nbytes", "itemsize", "new_empty", "new_zeros", "new_ones",
-    "new_tensor", "empty_like", "zeros_like", "ones_like", "empty",
-})  # full_like and new_full are recorded: they write a mask's -inf (ops.MASKING_OPS)
 
 
 _INPLACE_DUNDERS = frozenset({

@@ -7,23 +7,9 @@ from fnmatch import fnmatchcase
 from typing import Callable, Optional, Union
 
 from ..formats import get_format
+from ..ops import VIEW_OPS
 
-__all__ = ["CaptureOptions", "VIEW_OPS"]
-
-# Ops whose output values are a rearrangement or subset of their input's
-# (views, reshapes, indexing, splitting, detaching).  They cannot introduce
-# error or a non-finite value, so by default they are not recorded; the
-# data flows through them to the next op, which is.  Casts are NOT here:
-# a cast is where precision is lost.
-VIEW_OPS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "transpose_", "t", "permute", "contiguous",
-    "flatten", "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select",
-    "getitem", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "movedim", "moveaxis",
-    "swapaxes", "swapdims", "detach", "detach_", "as_strided", "unfold", "clone", "squeeze_", "unsqueeze_",
-    "requires_grad_", "retain_grad", "broadcast_to", "mT", "mH", "T", "H", "real", "imag", "view_as_real",
-    "view_as_complex", "diagonal", "stack", "cat", "concat", "concatenate", "hstack", "vstack", "repeat",
-    "repeat_interleave", "tile", "roll", "flip", "gather", "index_select", "masked_select", "take",
-})
+__all__ = ["CaptureOptions"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +37,7 @@ class CaptureOptions:
       its own inputs and compare with its low-precision output.
     - ``functional``: record functional and tensor ops (``F.softmax``,
       ``x / y``, ``.float()``) as well as module calls.
-    - ``views``: also record view-like ops (``VIEW_OPS``), off by default.
+    - ``views``: also record view-like ops (``ops.VIEW_OPS``), off by default.
     - ``backward``: record gradients when the user runs backward.
     - ``params``: record each module's parameters (once per step) and their
       gradients, and its non-empty floating-point buffers (role ``buffer``,

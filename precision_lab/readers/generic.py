@@ -73,20 +73,16 @@ from ..ops import is_msprobe_key, op_type_of, parse_op
 from ..records import GRAD_ROLES, ROLES, TensorRecord, split_tensor_name
 from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
-from .msprobe import load_pt
-from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, contained, limits, npy_header,
-                     open_regular, parse_json, reading, read_json, relname)
+from .safeio import limits, open_regular, read_json, relname
+from .tensorfile import CONTAINERS, SUFFIXES, bin_sidecars, load_source, read_tensors
 from ..stats import tensor_stats
 
 __all__ = ["GenericReader", "SUFFIXES", "ORDER_FILES", "ORDER_KEYS", "scan"]
 
-SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
-CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 ORDER_FILES = ("manifest.json", "order.json", "order.txt")
 ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
 DTYPES_KEY = "dtypes"  # in a manifest object: {name: original dtype} of tensors saved wider
 _KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
-_NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclasses.dataclass
@@ -127,7 +123,7 @@ def scan(root: Path) -> Scan:
     names = set(files)
     for p in data:
         if p.suffix.lower() == ".bin":
-            for cand in (p.with_suffix(".json"), p.with_name(p.name + ".json")):
+            for cand in bin_sidecars(p):
                 if cand in names:
                     sidecars[p] = cand
                     break
@@ -175,191 +171,6 @@ def _record_fields(name: str) -> dict:
     return {"op": op, "role": role, "index": index, "op_type": op_type_of(op),
             "direction": "backward" if backward else "forward"}
 
-
-# ---- file loaders: each yields (key, array_or_tensor), key "" for a lone tensor;
-# ``want`` restricts a container to one key (re-reading one tensor later)
-
-def _load_npy(path: Path, rel: str, want=None):
-    with open_regular(path, rel) as f:
-        if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
-            raise ReadError(f"{rel}: not a .npy file (bad magic bytes)")
-        f.seek(0)
-        shape, fortran, dtype, offset = npy_header(f, rel)
-        size = os.fstat(f.fileno()).st_size
-        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
-        if size - offset < nbytes:
-            raise ReadError(f"{rel}: truncated: the header promises more data than the file holds")
-        if size - offset > nbytes:
-            # bytes past the data mean the header's shape is not the data's
-            raise ReadError(f"{rel}: the header says shape {list(shape)} of {dtype} ({nbytes} bytes) but "
-                            f"the file holds {size - offset} bytes of data")
-        if nbytes == 0:
-            return [("", np.zeros(shape, dtype=dtype))]
-        with reading(rel):  # mapped through the descriptor that was checked; the map outlives the file object
-            arr = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
-    return [("", arr)]
-
-
-def _load_npz(path: Path, rel: str, want=None):
-    import zipfile
-
-    # an .npz is a zip: sizes, ratios and CRCs are checked before numpy inflates a member
-    infos = check_member_zip(path, rel, kind=".npz")
-    members = sorted((i for i in infos if not i.is_dir()), key=lambda i: natural_key(i.filename))
-    with zipfile.ZipFile(path) as z:
-        for info in members:
-            k = info.filename
-            key = k[:-4] if k.endswith(".npy") else k
-            if want is not None and key != want:
-                continue
-            where = f"{rel}: member {k!r}"
-            with z.open(info) as fp:
-                if fp.read(len(_NPY_MAGIC)) != _NPY_MAGIC:
-                    raise ReadError(f"{where} is not a .npy array")
-            with z.open(info) as fp:
-                shape, _fortran, dtype, offset = npy_header(fp, where)
-            numel = int(np.prod(shape, dtype=object)) if shape else 1
-            if info.file_size - offset != numel * dtype.itemsize:
-                raise ReadError(f"{where}: the header says shape {list(shape)} of {dtype} ({numel * dtype.itemsize} "
-                                f"bytes) but the member holds {info.file_size - offset} bytes of data")
-            with reading(where), z.open(info) as fp:
-                arr = np.lib.format.read_array(fp, allow_pickle=False, max_header_size=NPY_MAX_HEADER)
-            yield key, arr
-
-
-def _flatten_obj(obj, prefix: str = ""):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten_obj(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _flatten_obj(v, f"{prefix}.{i}" if prefix else str(i))
-
-
-def _load_pt(path: Path, rel: str, want=None):
-    obj = load_pt(path, rel)
-    out = list(_flatten_obj(obj))
-    if not out:
-        raise ReadError(f"{rel}: holds a {type(obj).__name__} with no tensors in it")
-    cap = limits().max_file_records
-    if len(out) > cap:
-        raise ReadError(f"{rel}: holds {len(out)} tensors, more than the limit of {cap} per file (max_file_records)")
-    if want is not None:
-        return [kv for kv in out if kv[0] == want]
-    return sorted(out, key=lambda kv: natural_key(kv[0]))
-
-
-_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-              "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
-_ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own bound
-
-
-def safetensors_header(path: Path, rel: str) -> dict:
-    """The checked header of a ``.safetensors`` file: ``{name: {"dtype", "shape", "data_offsets"}}``.
-
-    Declared before any data: the header length and tensor count against the
-    limits, each tensor's size against ``max_tensor_mb`` and its byte range
-    against the file.
-    """
-    with open_regular(path, rel) as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ReadError(f"{rel}: not a .safetensors file (shorter than its 8-byte header length)")
-        n = int.from_bytes(raw, "little")
-        if n > min(size - 8, _ST_MAX_HEADER, limits().max_json_bytes):
-            raise ReadError(f"{rel}: not a readable .safetensors file (header length {n} is larger than the file "
-                            "or the format allows)")
-        text = f.read(n)
-    try:
-        header = parse_json(text, rel, what="header")
-    except ReadError as e:
-        raise ReadError(f"{rel}: not a readable .safetensors file ({str(e)[len(rel) + 2:]})") from None
-    if not isinstance(header, dict):
-        raise ReadError(f"{rel}: not a readable .safetensors file (header is not an object)")
-    header.pop("__metadata__", None)
-    cap = limits().max_file_records
-    if len(header) > cap:
-        raise ReadError(f"{rel}: holds {len(header)} tensors, more than the limit of {cap} per file "
-                        "(max_file_records)")
-    data_len = size - 8 - n
-    for name, info in header.items():
-        where = f"{rel}: tensor {name!r}"
-        if not isinstance(info, dict):
-            raise ReadError(f"{where} has no dtype/shape/data_offsets")
-        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt not in _ST_DTYPES:
-            raise ReadError(f"{where} has unknown dtype {dt!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise ReadError(f"{where}: shape {shape!r} is not a list of non-negative sizes")
-        numel = check_numel(shape, _ST_DTYPES[dt], where)
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
-                                                                    for o in offs)
-                or not 0 <= offs[0] <= offs[1] <= data_len or offs[1] - offs[0] != numel * _ST_DTYPES[dt]):
-            raise ReadError(f"{rel}: not a readable .safetensors file (tensor {name!r}: data_offsets {offs!r} "
-                          "do not match its shape or lie outside the file)")
-    return header
-
-
-def _load_safetensors(path: Path, rel: str, want=None):
-    from safetensors import SafetensorError, safe_open
-
-    header = safetensors_header(path, rel)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for k in sorted(header, key=natural_key):
-                if want is None or k == want:
-                    yield k, f.get_tensor(k)
-    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
-        raise ReadError(f"{rel}: not a readable .safetensors file ({first_line(e)})") from None
-
-
-def _np_dtype(name, where: str):
-    try:
-        return numpy_dtype_named(name)
-    except ValueError:
-        raise ReadError(f"{where}: unknown dtype {name!r}") from None
-
-
-def _load_bin(path: Path, rel: str, sidecar: Optional[Path], root: Path, want=None):
-    if sidecar is None:
-        raise ReadError(f"{rel}: raw .bin file without a JSON sidecar: add {path.stem}.json with "
-                        "{\"dtype\": ..., \"shape\": [...]} to say how to read it")
-    srel = relname(root, sidecar)
-    meta = read_json(sidecar, srel, root, what=f"sidecar of {rel}")
-    if not isinstance(meta, dict) or "dtype" not in meta or "shape" not in meta:
-        raise ReadError(f"{srel}: sidecar of {rel} needs \"dtype\" and \"shape\"")
-    shape = meta["shape"]
-    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                              for s in shape):
-        raise ReadError(f"{srel}: shape {shape!r} is not a list of non-negative sizes")
-    dt = _np_dtype(meta["dtype"], srel)
-    order = meta.get("byteorder", "little")
-    if order not in ("little", "big"):
-        raise ReadError(f"{srel}: byteorder must be \"little\" or \"big\", not {order!r}")
-    if dt.itemsize > 1:
-        dt = dt.newbyteorder("<" if order == "little" else ">")
-    offset = meta.get("offset", 0)
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise ReadError(f"{srel}: offset must be a non-negative integer")
-    numel = check_numel(shape, dt.itemsize, srel)
-    expected = offset + numel * dt.itemsize
-    actual = check_regular(path, rel).st_size
-    if actual != expected:
-        raise ReadError(
-            f"{rel}: sidecar {srel} says shape {shape} of {dt.name} ({numel * dt.itemsize} bytes"
-            f"{f' after {offset}' if offset else ''}) but the file holds {actual} bytes"
-        )
-    if numel == 0:
-        return [("", np.zeros(shape, dtype=dt))]
-    with open_regular(path, rel, root) as f:
-        arr = np.memmap(f, dtype=dt, mode="r", offset=offset, shape=tuple(shape))
-    return [("", arr)]
 
 
 def _native(x):
@@ -412,7 +223,7 @@ class GenericReader:
         cast: dict[str, np.dtype] = {}  # source -> the original dtype its values were read back in
         src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
                         records=iter(()), order=kind, order_note=note,
-                        loader=lambda source: _as_dtype(self._reload(root, sc, source), cast.get(source)))
+                        loader=lambda source: _as_dtype(_native(load_source(root, source)), cast.get(source)))
         src.warnings.extend(warnings + dt_warnings)
         if sc.special:
             rel = relname(root, sc.special[0])
@@ -529,35 +340,7 @@ class GenericReader:
 
     def _load(self, root: Path, sc: Scan, p: Path, want=None):
         """``(key, tensor)`` pairs of data file ``p``; any failure is a ReadError naming the file."""
-        rel = relname(root, p)
-        with reading(rel):  # opening may fail too (a zero-size .npy whose shape numpy cannot allocate)
-            it = iter(self._open(root, sc, p, rel, want))
-        while True:
-            with reading(rel):
-                try:
-                    kv = next(it)
-                except StopIteration:
-                    return
-            yield kv
-
-    def _open(self, root: Path, sc: Scan, p: Path, rel: str, want=None):
-        check_regular(p, rel)
-        suf = p.suffix.lower()
-        if suf == ".npy":
-            return _load_npy(p, rel, want)
-        if suf == ".npz":
-            return _load_npz(p, rel, want)
-        if suf in (".pt", ".pth"):
-            return _load_pt(p, rel, want)
-        if suf == ".safetensors":
-            return _load_safetensors(p, rel, want)
-        return _load_bin(p, rel, sc.sidecars.get(p), root, want)
-
-    def _reload(self, root: Path, sc: Scan, source: str):
-        rel, _, key = source.partition("#")
-        for _k, t in self._load(root, sc, contained(root, root, rel, what="tensor file", where=rel), want=key):
-            return _native(t)
-        return None
+        return read_tensors(p, relname(root, p), root, want, sc.sidecars.get(p))
 
     def _records(self, root: Path, sc: Scan, order, ticks, src: RunSource, tick: Tick, originals=None,
                  cast=None) -> Iterator[TensorRecord]:

@@ -25,7 +25,7 @@ Entries of ``dump.json``'s ``data`` map become records, in the file's order
 Statistics-only entries keep the Max/Min/Mean/Norm msprobe computed (in the
 tensor's own dtype, so an fp16 Norm can be Infinity while every value is
 finite) and have no histogram.  Tensor-mode entries get full statistics from
-the tensor, loaded with ``torch.load(..., weights_only=True)``.  A tensor file
+the tensor, read by ``tensorfile`` (the loader every path uses).  A tensor file
 named by ``data_name`` but missing falls back to the entry's statistics with
 a warning; an unreadable one fails the read.
 
@@ -43,14 +43,11 @@ import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import numpy as np
-
 from ..ops import parse_op
 from ..records import TensorRecord, code_location
-from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, first_line, natural_key
-from .ptfile import NotPlain, read_plain_tensor
-from .safeio import (check_member_zip, check_regular, check_tensor, contained, limits, plain_error, read_json,
-                     reading, relname)
+from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, dominant_dtype, natural_key
+from .safeio import check_regular, contained, limits, read_json, reading, relname
+from .tensorfile import load_source, read_tensors
 from ..stats import TensorStats, canonical_dtype, tensor_stats
 
 __all__ = ["MsprobeReader", "dump_files"]
@@ -249,72 +246,6 @@ def _doc_dtype(doc: dict, rel: str) -> str:
     return dominant_dtype(counts)
 
 
-def load_pt(path: Path, rel: str, root: Optional[Path] = None):
-    """What a ``.pt`` file holds, never unpickling anything but tensors and plain containers.
-
-    The file must be a regular file inside the dump whose zip passes
-    ``check_member_zip`` (declared sizes, ratios, CRCs); every tensor in it
-    must pass ``check_tensor``.  Legacy (non-zip) ``.pt`` files are refused:
-    they carry no sizes to check before unpickling.
-    """
-    import pickle
-
-    import torch
-
-    check_regular(path, rel)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        raise ReadError(f"{rel}: not a torch file saved by torch.save (zip format); refusing to read it")
-    check_member_zip(path, rel, kind=".pt", root=root, loaded_whole=True)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
-    except pickle.UnpicklingError as e:
-        raise ReadError(f"{rel}: refused: the file holds Python objects that safe loading "
-                        f"(weights_only=True) does not allow, possibly code ({first_line(e)})") from None
-    except (RecursionError, MemoryError, OverflowError) as e:
-        raise ReadError(f"{rel}: {plain_error(e)}") from None
-    except Exception as e:  # torch raises many types for a damaged archive; all mean the same to a user
-        raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first_line(e)})") from None
-    _check_loaded(obj, rel)
-    return obj
-
-
-def _is_tensor(obj) -> bool:
-    """A numpy array or a torch tensor (told apart without importing torch)."""
-    return isinstance(obj, np.ndarray) or type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
-
-
-def load_tensor_file(path: Path, rel: str, root: Optional[Path] = None):
-    """The one tensor of a dump's ``.pt`` file: a numpy array when it is a plain tensor (read without torch,
-    ``ptfile.read_plain_tensor``), else whatever ``load_pt`` (torch's safe loader) returns."""
-    check_regular(path, rel)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"PK\x03\x04":
-        infos = check_member_zip(path, rel, kind=".pt", root=root, loaded_whole=True, crcs=False)
-        try:
-            return read_plain_tensor(path, rel, infos)
-        except NotPlain:
-            pass
-    return load_pt(path, rel, root)
-
-
-def _check_loaded(obj, rel: str, depth: int = 0) -> None:
-    """Every tensor in what ``torch.load`` returned is within the limits; containers are shallow."""
-    import torch
-
-    if depth > 64:
-        raise ReadError(f"{rel}: containers nested more than 64 deep; refusing to read them")
-    if isinstance(obj, torch.Tensor):
-        check_tensor(obj, rel)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _check_loaded(v, rel, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _check_loaded(v, rel, depth + 1)
-
 
 def _sidecar(root: Path, path: Path, src: RunSource, *, what: str, without: str):
     """A JSON object msprobe writes beside a dump.json (construct.json, stack.json), or None: missing is
@@ -388,9 +319,7 @@ class MsprobeReader:
         yield src
 
     def _load(self, root: Path, source: str):
-        if not source.endswith(".pt"):
-            return None
-        return load_tensor_file(contained(root, root, source, what="tensor file", where=source), source, root)
+        return load_source(root, source) if source.endswith(".pt") else None
 
     def _records(self, root: Path, files, ranks, src: RunSource, tick: Tick, first: dict) -> Iterator[TensorRecord]:
         for i, (step, _rdir, path) in enumerate(files):
@@ -413,9 +342,11 @@ class MsprobeReader:
                         tpath = contained(root, data_dir, data_name, what=f"data_name of {key}", where=rel)
                         trel = relname(root, tpath)
                         if os.path.lexists(tpath):
-                            tensor = load_tensor_file(tpath, trel, root)
-                            if not _is_tensor(tensor):
-                                raise ReadError(f"{trel}: holds a {type(tensor).__name__}, expected one tensor")
+                            tensors = list(read_tensors(tpath, trel, root))
+                            if len(tensors) != 1 or tensors[0][0] != "":
+                                raise ReadError(f"{trel}: holds {len(tensors)} tensors in a container, expected "
+                                                "one tensor")
+                            tensor = tensors[0][1]
                             shape = d.get("shape")
                             if isinstance(shape, list) and list(tensor.shape) != shape:
                                 raise ReadError(f"{trel}: tensor shape {list(tensor.shape)} differs from the shape "

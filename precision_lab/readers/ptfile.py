@@ -131,10 +131,10 @@ def read_plain_tensor(path: Path, rel: str, infos: list[zipfile.ZipInfo]) -> np.
                     with zipfile.ZipFile(path) as zf:
                         return zf.read(info)
                 except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError) as e:
-                    raise ReadError(f"{rel}: damaged .pt archive: member {info.filename!r} fails its check "
+                    raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check "
                                     f"({first_line(e)}); refusing to read numbers from it") from None
             if zlib.crc32(data) != info.CRC:
-                raise ReadError(f"{rel}: damaged .pt archive: member {info.filename!r} fails its check (Bad CRC-32); "
+                raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check (Bad CRC-32); "
                                 "refusing to read numbers from it")
             return data
 

@@ -12,10 +12,10 @@ holds everywhere:
   opened.
 - **Declared sizes first.** :class:`ReadLimits` bounds what one file may
   make us hold: a tensor's ``elements x item size`` from its header, the
-  members of the zip inside ``.npz`` and ``.pt`` files (declared sizes,
-  per-member compression ratio, CRCs verified by streaming them before the
-  data is trusted), the number of tensors one file describes, and the size
-  of JSON files.  The limits in force are set by ingest for the duration of
+  zip inside ``.npz`` and ``.pt`` files (checked by ``safezip.check_zip``,
+  the validator uploads pass too: entry paths, declared sizes, ratios, and
+  CRCs verified before the data is trusted), the number of tensors one file
+  describes, and the size of JSON files.  The limits in force are set by ingest for the duration of
   a read (:func:`limits_in_force`); readers ask :func:`limits`.
 - **One error boundary.** :func:`reading` turns any exception raised while a
   file is read into ``ReadError("<file>: <problem in plain words>")``.
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from .base import ReadError, first_line
+from ..safezip import UnsafeZip, ZipLimits, check_zip
 
 
 __all__ = ["ReadLimits", "limits", "limits_in_force", "contained", "open_regular", "check_regular",
@@ -48,6 +49,8 @@ _MB = 1 << 20
 # Entries this small may compress arbitrarily well (a few KiB of zeros); the
 # archive-wide ratio and size bounds still apply to them.
 RATIO_FREE_BYTES = 64 << 10
+# the settings that raise the bounds on the zip inside a .npz/.pt (safezip.ZipLimits.settings)
+_MEMBER_SETTINGS = ("max_tensor_mb", "max_file_records", "zip_max_ratio", "max_path_depth", "max_tensor_mb")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,15 @@ class ReadLimits:
     def from_config(cls, config) -> "ReadLimits":
         return cls(max_tensor_bytes=config.max_tensor_mb * _MB, max_file_records=config.max_file_records,
                    max_json_bytes=config.max_json_mb * _MB, max_ratio=float(config.zip_max_ratio))
+
+    def member_zip_limits(self, loaded_whole: bool) -> ZipLimits:
+        """What the zip inside one ``.npz``/``.pt`` may expand to: each member within the tensor limit, and all
+        of them too when the file is read whole (``.pt``); a few members beyond the record limit (a ``.pt``
+        holds its pickle and byte order besides the tensors)."""
+        files = self.max_file_records + 16
+        return ZipLimits(max_total_bytes=self.max_tensor_bytes * (1 if loaded_whole else files), max_files=files,
+                         max_ratio=self.max_ratio, ratio_min_entry_bytes=RATIO_FREE_BYTES,
+                         max_entry_bytes=self.max_tensor_bytes, settings=_MEMBER_SETTINGS)
 
 
 _LIMITS: contextvars.ContextVar[ReadLimits] = contextvars.ContextVar("precision_lab_read_limits",
@@ -262,100 +274,23 @@ def check_tensor(t, where: str) -> None:
 
 def check_member_zip(path: Path, rel: str, *, kind: str, root: Optional[Path] = None,
                      loaded_whole: bool = False, crcs: bool = True) -> list[zipfile.ZipInfo]:
-    """Check the zip inside a ``.npz``/``.pt`` before any member is trusted.
+    """Check the zip inside a ``.npz``/``.pt`` with ``safezip.check_zip`` before any member is trusted.
 
-    Declared member sizes against the tensor limit, each member's compression
-    ratio, the member count against the record limit, and every member's
-    CRC-32, streamed (torch does not verify CRCs, so a damaged ``.pt`` would
-    otherwise be read as wrong numbers).  ``loaded_whole``: the file is read
-    into memory at once (``.pt``), so its members together must fit the
-    tensor limit too.  ``crcs=False`` leaves the CRC-32s to a caller that reads
-    the members it uses through ``zipfile`` (which checks each one as it ends).
-    Returns the members.
+    The file must be a regular file reached without links; each member's declared size is bounded by the
+    tensor limit, the member count by the record limit, ratios by ``zip_max_ratio``, and every member's
+    CRC-32 is verified (torch does not verify them).  ``loaded_whole``: the file is read into memory at once
+    (``.pt``), so its members together must fit the tensor limit too.  ``crcs=False`` leaves the CRC-32s to a
+    caller that checks the members it reads (``ptfile``).  Returns the members; a ``ReadError`` naming
+    ``rel`` otherwise.
     """
-    lim = limits()
     check_regular(path, rel)
     if root is not None:
         _dir_links(root, path, rel)
     try:
-        zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile as e:
-        raise ReadError(f"{rel}: not a readable {kind} file, truncated or corrupt ({first_line(e)})") from None
-    except OSError as e:
-        raise ReadError(f"{rel}: cannot be read ({e.strerror or e})") from None
-    with zf:
-        infos = zf.infolist()
-        if len(infos) > lim.max_file_records + 16:
-            raise ReadError(f"{rel}: {kind} archive holds {len(infos)} members, more than the limit of "
-                            f"{lim.max_file_records} (max_file_records)")
-        total = 0
-        for info in infos:
-            if info.flag_bits & 0x1:
-                raise ReadError(f"{rel}: member {info.filename!r} is encrypted; cannot read it")
-            if info.file_size > lim.max_tensor_bytes:
-                raise ReadError(f"{rel}: member {info.filename!r} expands to {info.file_size} bytes, more than "
-                                f"the limit of {lim.max_tensor_bytes} bytes (max_tensor_mb)")
-            if info.file_size > RATIO_FREE_BYTES and info.file_size > lim.max_ratio * max(info.compress_size, 1):
-                raise ReadError(f"{rel}: member {info.filename!r} expands "
-                                f"{info.file_size / max(info.compress_size, 1):.0f}x, more than the limit of "
-                                f"{lim.max_ratio:g}x (zip bomb protection)")
-            total += info.file_size
-        if loaded_whole and total > lim.max_tensor_bytes:
-            raise ReadError(f"{rel}: {kind} expands to {total} bytes in all and is read whole, more than the "
-                            f"limit of {lim.max_tensor_bytes} bytes (max_tensor_mb)")
-        if not crcs:
-            return infos
-        try:
-            stored = _stored_crcs(path, infos)
-            for info in infos:
-                if info.filename in stored:
-                    if stored[info.filename] != info.CRC:
-                        raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
-                    continue
-                with zf.open(info) as m:  # ZipExtFile checks the CRC-32 when the member ends
-                    while m.read(1 << 20):
-                        pass
-        except zipfile.BadZipFile as e:
-            raise ReadError(f"{rel}: damaged {kind} archive: member {info.filename!r} fails its check "
-                            f"({first_line(e)}); refusing to read numbers from it") from None
-        except (zlib.error, EOFError, OSError, NotImplementedError) as e:
-            raise ReadError(f"{rel}: damaged {kind} archive: member {info.filename!r} cannot be inflated "
-                            f"({first_line(e)})") from None
-    return infos
-
-
-def _stored_crcs(path: Path, infos: list) -> dict[str, int]:
-    """CRC-32 of each uncompressed member (torch writes ``.pt`` members stored), computed over the file mapped
-    in memory: one pass at zlib's speed, without copying the data through ``zipfile``.  Members whose local
-    header does not agree with the directory are left out (``zipfile`` then checks them the slow way)."""
-    import mmap
-
-    out: dict[str, int] = {}
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return out
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for info in infos:
-                        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                            continue
-                        h = info.header_offset
-                        if h < 0 or h + 30 > size or bytes(view[h:h + 4]) != b"PK\x03\x04":
-                            continue
-                        name_len = int.from_bytes(view[h + 26:h + 28], "little")
-                        extra_len = int.from_bytes(view[h + 28:h + 30], "little")
-                        start = h + 30 + name_len + extra_len
-                        if start + info.file_size > size:
-                            continue
-                        out[info.filename] = zlib.crc32(view[start:start + info.file_size])
-                finally:
-                    view.release()
-    except (OSError, ValueError):
-        return {}
-    return out
+        return check_zip(path, limits().member_zip_limits(loaded_whole), shown=rel, what=f"{kind} archive",
+                         crcs=crcs)
+    except UnsafeZip as e:
+        raise ReadError(str(e)) from None
 
 
 NPY_MAX_HEADER = 10_000  # numpy's own bound for headers it parses safely

@@ -46,7 +46,7 @@ from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_h
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
-           "write_timeline", "read_timeline",
+           "write_timeline", "read_timeline", "kept_tensor",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
 
 SHARD_FORMAT = "precision-lab-shards"
@@ -455,6 +455,22 @@ def _kept_tensor(data: bytes, where: str):
                          "follow it")
     arr = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
     return arr.reshape(shape, order="F" if fortran else "C")
+
+
+def kept_tensor(root, path: Path, name: str, step: int, rank: int):
+    """The kept tensor of record ``name`` at ``step`` and ``rank`` in shard ``path``, read with the checks
+    ``read_shards`` makes (metadata and value sizes within the limits, the ``.npy`` header before the data);
+    None when the shard keeps no tensor of that record."""
+    shown = relname(Path(root), path)
+    try:
+        check_regular(path, shown)
+    except ReadError as e:
+        raise ShardError(str(e)) from None
+    for row in _rows(_open_shard(path, shown), shown):
+        if row.get("name") == name and row.get("step") == step and row.get("rank") == rank \
+                and row.get("tensor_npy") is not None:
+            return _kept_tensor(row["tensor_npy"], f"{shown}: kept tensor of {name!r}")
+    return None
 
 
 def _row_stats(path, row: dict):

@@ -6,7 +6,9 @@ When a tensor-mode dump holds an op's inputs and the op type is known,
 compares each with ``metrics.compare`` against the dumped output and the
 fp32 replay.  Inputs come from tensors kept in the store (``ingest
 --keep-tensors``) or, when the dump folder is still on disk, from its files
-inside that folder (``torch.load(..., weights_only=True)`` only).
+inside that folder, read by ``readers.tensorfile.load_source`` with every
+check ingest made (sizes, CRC-32s, safe unpickling); a file that fails one,
+or that no longer holds what was ingested, is a ``ReadError`` naming it.
 Non-tensor arguments (LayerNorm's shape and epsilon, softmax's dim) are
 read from msprobe's ``dump.json`` next to the tensors; where it is missing
 the op's defaults are used and the result says so.
@@ -16,9 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
 
 from ..fixes.catalogue import fix_label
 from ..fixes.policy import PrecisionPolicy
@@ -26,8 +31,8 @@ from ..fixes.replay import REPLAY_OPS, ReplayError, canonical_op, replay
 from ..formats import FORMATS, format_for_dtype
 from ..metrics import compare
 from ..readers import ReadError
-from ..readers.safeio import contained
-from ..records import npy_load
+from ..readers.safeio import ReadLimits, contained, limits_in_force, read_json
+from ..readers.tensorfile import SUFFIXES, load_source
 from ..stats import tensor_stats
 from ..store import queries as q
 
@@ -48,21 +53,10 @@ def _is_tensor(x) -> bool:
     return isinstance(x, _torch().Tensor)
 
 
-def _dump_file(run: dict, src: str) -> Optional[Path]:
-    """A record's file inside its run's dump folder, or None (no folder, or a path that leaves it)."""
+def _dump_root(run: dict) -> Optional[Path]:
+    """The run's dump folder when it is still on disk (an imported or uploaded session's is not)."""
     root = Path(run.get("source") or "")
-    if not src or not str(root) or str(root) == ".":
-        return None
-    rel = Path(src)
-    if rel.is_absolute():
-        try:
-            rel = rel.relative_to(root)
-        except ValueError:
-            return None
-    try:
-        return contained(root, root, str(rel), what="source", where=str(root))
-    except ReadError:
-        return None
+    return root if str(root) not in ("", ".") and root.is_dir() else None
 
 
 # ---- result ------------------------------------------------------------------------------
@@ -148,54 +142,61 @@ def _as_dtype(t, dtype_name: Optional[str]):
 
 
 def _load_tensor(store, run: dict, rec: dict):
-    """The record's tensor: kept in the store, else read from the dump folder (``.pt`` or a shard)."""
+    """The record's tensor: kept in the store, else read from the dump folder (a tensor file or a shard)."""
     torch = _torch()
     arr = store.tensor(run["run_id"], rec["rid"])
     if arr is not None:
         return _as_dtype(torch.from_numpy(arr), rec.get("dtype"))
     src = rec.get("source") or ""
-    # a stored source is a path inside the dump folder; anything else (an imported session's) is not read
-    path = _dump_file(run, src)
-    if path is None or not path.is_file():
+    root = _dump_root(run)
+    if root is None or not src.partition("#")[0].lower().endswith(SUFFIXES + (".parquet",)):
+        return None  # a statistics-only record (its source is the dump.json), or no folder to read
+    t = load_source(root, src, name=rec["name"], step=int(rec["step"]), rank=int(rec["rank"]))
+    if t is None:
         return None
-    if src.endswith(".pt"):
-        t = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(t, torch.Tensor):
-            raise ReplayError(f"{path}: holds a {type(t).__name__}, expected one tensor")
-        return t
-    if src.endswith(".parquet"):
-        import pyarrow.parquet as pq  # deferred: only shard-backed sessions need it
+    shape = json.loads(rec["shape"]) if isinstance(rec.get("shape"), str) else rec.get("shape")
+    if shape is not None and list(t.shape) != list(shape):
+        raise ReadError(f"{src.partition('#')[0]}: holds a tensor of shape {list(t.shape)} where the session "
+                        f"recorded {list(shape)} for {rec['name']}; the dump changed after it was ingested")
+    return _as_dtype(_as_torch(t), rec.get("dtype"))
 
-        table = pq.read_table(path, columns=["name", "step", "rank", "tensor_npy"],
-                              filters=[("name", "=", rec["name"])])
-        for row in table.to_pylist():
-            if row["tensor_npy"] is not None and int(row["step"]) == int(rec["step"]) \
-                    and int(row["rank"]) == int(rec["rank"]):
-                return _as_dtype(torch.from_numpy(npy_load(row["tensor_npy"])), rec.get("dtype"))
-    return None
+
+def _as_torch(t):
+    """A loaded array as a torch tensor (numpy has no bf16/fp8 of torch's: those go through float32, exactly)."""
+    torch = _torch()
+    if isinstance(t, torch.Tensor):
+        return t
+    a = np.array(t)  # a copy: loaded arrays may be read-only views of a mapped file
+    try:
+        return torch.from_numpy(a)
+    except TypeError:
+        return torch.from_numpy(a.astype(np.float32))
 
 
 def _scalar_args(run: dict, op: str, records: list[dict]) -> tuple[dict, dict, Optional[str]]:
-    """Non-tensor positional and keyword arguments of an msprobe entry: ({pos: value}, {name: value}, note)."""
-    root = Path(run.get("source") or "")
+    """Non-tensor positional and keyword arguments of an msprobe entry: ({pos: value}, {name: value}, note).
+    The ``dump.json`` is read within the limits ingest used; one that cannot be read is a ``ReadError``."""
+    root = _dump_root(run)
     src = next((r.get("source") for r in records if r.get("source")), "") or ""
-    candidates = []
-    if src:
-        p = Path(src)
-        candidates = [p.parent.parent / "dump.json", p.parent / "dump.json"] if p.suffix == ".pt" else [p]
-    for c in candidates:
-        path = root / c
-        if path.is_file() and path.name == "dump.json":
-            try:
-                data = json.loads(path.read_text()).get("data", {})
-            except (OSError, ValueError) as e:
-                return {}, {}, f"could not read {path} for the op's non-tensor arguments ({e}); used defaults"
-            entry = data.get(op)
-            if not isinstance(entry, dict):
-                return {}, {}, f"{path} has no entry {op!r}; used the op's default arguments"
-            pos = {i: _json_value(a) for i, a in enumerate(entry.get("input_args", [])) if _is_scalar(a)}
-            kw = {k: _json_value(a) for k, a in (entry.get("input_kwargs") or {}).items() if _is_scalar(a)}
-            return pos, kw, None
+    if root is None or not src:
+        return {}, {}, None
+    p = Path(src.partition("#")[0])
+    for c in ([p.parent.parent / "dump.json", p.parent / "dump.json"] if p.suffix == ".pt" else [p]):
+        if c.name != "dump.json":
+            continue
+        path = contained(root, root, c.as_posix(), what="dump.json", where=src)
+        if not os.path.lexists(path):
+            continue
+        rel = c.as_posix()
+        doc = read_json(path, rel, root, what="dump.json")
+        data = doc.get("data") if isinstance(doc, dict) else None
+        entry = data.get(op) if isinstance(data, dict) else None
+        if not isinstance(entry, dict):
+            return {}, {}, f"{rel} has no entry {op!r}; used the op's default arguments"
+        args, kwargs = entry.get("input_args"), entry.get("input_kwargs")
+        pos = {i: _json_value(a) for i, a in enumerate(args if isinstance(args, list) else []) if _is_scalar(a)}
+        kw = {k: _json_value(a) for k, a in (kwargs if isinstance(kwargs, dict) else {}).items() if _is_scalar(a)}
+        return pos, kw, None
     return {}, {}, None
 
 
@@ -239,8 +240,15 @@ def _pick_run(store, info: dict, run: Optional[str]) -> dict:
 
 
 def replay_op(store, session: str, op: str, *, fixes=(), run: Optional[str] = None, step: int = 0,
-              rank: int = 0) -> ReplayResult:
-    """Replay one op of a stored dump session (see the module doc)."""
+              rank: int = 0, read_limits: Optional[ReadLimits] = None) -> ReplayResult:
+    """Replay one op of a stored dump session (see the module doc).  ``read_limits`` bound what a dump file
+    may make the loader hold, as at ingest (default: ``ReadLimits()``); a file that fails a check raises
+    ``ReadError`` naming it."""
+    with limits_in_force(read_limits):
+        return _replay_op(store, session, op, fixes, run, step, rank)
+
+
+def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: int, rank: int) -> ReplayResult:
     torch = _torch()
     info = store.session(session)
     r = _pick_run(store, info, run)

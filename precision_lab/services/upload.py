@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..safezip import _safe_parts
+from ..safezip import entry_parts
 
 __all__ = ["UploadError", "UploadedItem", "write_upload", "upload_key"]
 
@@ -59,7 +59,7 @@ def upload_key(files: Iterable[Any]) -> tuple:
 def _parts(name: str, max_depth: int) -> tuple[str, ...]:
     if "\x00" in name:
         raise UploadError(f"uploaded file {name!r}: the name contains a NUL character; refusing the upload")
-    parts = _safe_parts(name)
+    parts = entry_parts(name)
     if parts is None:
         norm = name.replace("\\", "/")
         kind = ("an absolute path" if norm.startswith("/") or name[1:2] == ":"
