@@ -247,7 +247,9 @@ def _ulp_table(dtype, emin: int, man_bits: int):
 
 
 _PAR_MIN = 1 << 16
-_CHOICE = ParallelChoice()
+# serial or parallel by what each has cost lately, per input dtype: a float64 element costs about twice a float32
+# one, so one estimate for both would compare a path's float32 calls with the other's float64 calls
+_CHOICE = {4: ParallelChoice(), 8: ParallelChoice()}  # by the inputs' itemsize: float32, float64
 _prange = range  # numba.prange once _build_kernel has run
 
 
@@ -268,14 +270,15 @@ def _build_kernel(numba):
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
         if nparts == 1:
             return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, 1)
-        parallel = _CHOICE.pick()  # serial when another process holds a core (numba_loader.ParallelChoice)
+        choice = _CHOICE[r.dtype.itemsize]
+        parallel = choice.pick()  # serial when another process holds a core (numba_loader.ParallelChoice)
         t0 = time.perf_counter()
         if parallel:
             with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
                 out = par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
         else:  # the same parts, one after another: the same result
             out = serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
-        _CHOICE.record(parallel, time.perf_counter() - t0, r.size)
+        choice.record(parallel, time.perf_counter() - t0, r.size)
         return out
 
     run.dispatchers = (serial, par)

@@ -89,7 +89,8 @@ def test_compare_identical_on_both_paths(monkeypatch):
     c[::1001] = np.nan
     got = {}
     for parallel in (False, True):
-        monkeypatch.setattr(metrics, "_CHOICE", _Forced(parallel))
+        for key in list(metrics._CHOICE):
+            monkeypatch.setitem(metrics._CHOICE, key, _Forced(parallel))
         got[parallel] = metrics.compare(r, c, backend="numba")
     a, b = got[False], got[True]
     assert a == b  # the same parts in the same order: bit for bit
@@ -97,3 +98,24 @@ def test_compare_identical_on_both_paths(monkeypatch):
     d = c[both].astype(np.float64) - r[both].astype(np.float64)
     assert a.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
     assert b.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
+
+
+@pytest.mark.skipif(load_numba() is None, reason="numba is not installed")
+def test_compare_measures_float32_and_float64_apart(monkeypatch):
+    """A float64 element costs about twice a float32 one: float64 comparisons move only their own estimates, so
+    a run of them cannot make the float32 ones look slow on the path they took."""
+    monkeypatch.setattr(metrics, "_CHOICE", {k: ParallelChoice() for k in metrics._CHOICE})
+    rng = np.random.default_rng(10)
+    r = rng.standard_normal(1 << 18)
+    c = r * (1 + 1e-6 * rng.standard_normal(r.size))
+    for _ in range(6):
+        got = metrics.compare(r, c, backend="numba")
+    d = c - r
+    assert got.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
+    assert metrics._CHOICE[8].estimates() != (None, None)  # float64 calls measured (after each path's first)
+    assert metrics._CHOICE[4].estimates() == (None, None)  # and nothing credited to float32
+    float64_estimates = metrics._CHOICE[8].estimates()
+    for _ in range(6):
+        metrics.compare(r.astype(np.float32), c.astype(np.float32), backend="numba")
+    assert metrics._CHOICE[4].estimates() != (None, None)
+    assert metrics._CHOICE[8].estimates() == float64_estimates
