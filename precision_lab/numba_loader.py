@@ -1,10 +1,12 @@
-"""numba, when it can be used: one switch, one way to compile, one lock and the thread limit for every kernel.
+"""numba, when it can be used: one switch, one way to compile, the threads and the thread limit for every kernel.
 
 ``PRECISION_LAB_NO_NUMBA=1`` turns the compiled kernels off (the numpy/torch
 paths run instead).  Kernels are cached on disk by numba (``njit``) and
-release the GIL.  numba's default "workqueue" threading layer must not run
-two parallel regions at once in one process, whichever module compiled them,
-so every parallel call takes ``PARALLEL_LOCK``.
+release the GIL.  They are compiled without numba's parallel regions: a large
+call is cut into parts that the calling thread and helper threads take as they
+become free (``run_parts``), so a core taken by another process delays one
+part, not every call; ``limit_threads`` bounds the threads (numba's thread
+count, per calling thread).
 
 Compiling the kernels takes 10-20 s, once per install.  A command must not
 pay that: ``CompiledOnce.ready()`` hands out the kernels only when numba's
@@ -23,12 +25,14 @@ than compiling from the start).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 try:
@@ -36,13 +40,12 @@ try:
 except ImportError:  # Windows: no background compiler (see start_compiler)
     fcntl = None
 
-__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
-           "ParallelChoice", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
+__all__ = ["DISABLE_ENV", "COMPILE_ENV", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
+           "ParallelChoice", "run_parts", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
            "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
 COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
-PARALLEL_LOCK = threading.Lock()
 COMPILER_MODULE = "precision_lab.compile_kernels"
 _LOCK_NAME = "precision-lab-compiling"
 LOCK_FD_FLAG = "--lock-fd"  # compile_kernels' argument: the inherited descriptor holding the compiler lock
@@ -241,13 +244,12 @@ class ParallelChoice:
     """Serial or parallel, for a kernel call large enough that parallel can pay: whichever has cost less per
     element lately in this process.
 
-    A parallel region ends when its last thread does.  On a quiet machine two threads halve a large scan; when
-    another process holds a core, the thread that waits for it stalls every call (a step makes hundreds), and
-    one thread in the calling thread is faster.  Each call's time per element updates its path's running
+    On a quiet machine two threads halve a large scan; when other processes hold the cores, waking a helper
+    and waiting for its last part can cost more than it saves, and the calling thread alone is faster.  Each call's time per element updates its path's running
     estimate (a few slow calls in a row turn the choice).  Now and then a call takes the other path and its
     time replaces that path's estimate: after ``explore`` calls, then twice as many each time the other path
     is still the slower (at most ``max_gap``), so a change in the load is noticed while a path that stays slow
-    costs little.  A path's first call is not counted (it starts threads).  ``pick()`` says whether to go
+    costs little.  A path's first call is not counted (it may start threads).  ``pick()`` says whether to go
     parallel; ``record(parallel, seconds, n)`` reports the call."""
 
     __slots__ = ("_est", "_seen", "_calls", "_next", "_gap", "explore", "max_gap", "alpha")
@@ -294,10 +296,59 @@ class ParallelChoice:
         return tuple(self._est)
 
 
+_POOL: list = []  # the helper threads' executor, made on first use (and again in a forked child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.clear)
+
+
+def run_parts(fn: Callable[[int], Any], n_parts: int, threads: int) -> list:
+    """``[fn(0), ..., fn(n_parts - 1)]`` on up to ``threads`` threads: the calling one and helpers (the kernels
+    release the GIL).  Each part is taken by whichever thread is free, the calling thread included, so a thread
+    that waits for a core (another process holds it) holds up one part, not the call: the others take the rest.
+    (numba's parallel regions give each thread a fixed share and end when the last thread does: with a core
+    taken, every call waited for the descheduled thread.)  Idle helpers block; nothing spins.  The results do
+    not depend on the threads: each part is computed alone and they come back in order; the first exception a
+    part raised is raised here once every part has ended."""
+    helpers = max(0, min(threads, n_parts) - 1)
+    if not helpers:
+        return [fn(i) for i in range(n_parts)]
+    results: list = [None] * n_parts
+    errors: list = []
+    taken = itertools.count()
+    left = [n_parts]
+    finished = threading.Event()
+    count_lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            i = next(taken)  # atomic under the GIL: each part is taken once
+            if i >= n_parts:
+                return
+            try:
+                results[i] = fn(i)
+            except BaseException as e:  # raised in the calling thread below
+                errors.append(e)
+            with count_lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                        thread_name_prefix="precision-lab-kernel"))
+    for _ in range(helpers):
+        _POOL[0].submit(work)  # a helper that comes late finds every part taken and returns
+    work()
+    finished.wait()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def limit_threads(n: int) -> Optional[int]:
-    """Run numba's parallel regions started from this thread on at most ``n`` threads (and at most
-    ``NUMBA_NUM_THREADS``); the previous count for ``restore_threads``, None without numba.  Raises what numba
-    raises when its threading layer cannot start."""
+    """Run the kernels called from this thread on at most ``n`` threads (and at most ``NUMBA_NUM_THREADS``):
+    numba's thread count, which the kernels read; the previous count for ``restore_threads``, None without
+    numba.  Raises what numba raises when its threading layer cannot start."""
     numba = load_numba()
     if numba is None:
         return None

@@ -4,12 +4,13 @@ process makes the serial path the faster), with identical results either way."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
 
 from precision_lab import metrics
-from precision_lab.numba_loader import ParallelChoice, load_numba
+from precision_lab.numba_loader import ParallelChoice, load_numba, run_parts
 from precision_lab.stats import kernels, tensor_stats
 
 
@@ -119,3 +120,37 @@ def test_compare_measures_float32_and_float64_apart(monkeypatch):
         metrics.compare(r.astype(np.float32), c.astype(np.float32), backend="numba")
     assert metrics._CHOICE[4].estimates() != (None, None)
     assert metrics._CHOICE[8].estimates() == float64_estimates
+
+
+def test_a_held_up_thread_delays_its_own_part_not_the_others():
+    """Parts go to whichever thread is free: while one thread is held up (as by a core another process holds),
+    the other takes every remaining part.  A fixed share per thread would leave half of them waiting."""
+    others = []
+    all_others_done = threading.Event()
+    first = threading.Lock()
+
+    def part(i):
+        if first.acquire(blocking=False):  # the first part taken is held up until every other part is done
+            assert all_others_done.wait(30), "the other parts waited for the held-up thread"
+        else:
+            others.append(i)
+            if len(others) == 7:
+                all_others_done.set()
+        return i * i
+
+    assert run_parts(part, 8, 2) == [i * i for i in range(8)]
+    assert sorted(others + [sorted(set(range(8)) - set(others))[0]]) == list(range(8))
+
+
+def test_an_error_in_a_part_is_raised_once_every_part_has_ended():
+    ended = []
+
+    def part(i):
+        if i == 2:
+            raise ZeroDivisionError("part 2")
+        ended.append(i)
+        return i
+
+    with pytest.raises(ZeroDivisionError, match="part 2"):
+        run_parts(part, 6, 2)
+    assert sorted(ended) == [0, 1, 3, 4, 5]
