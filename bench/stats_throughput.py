@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from precision_lab import stats as S  # noqa: E402
+from precision_lab.numba_loader import run_parts  # noqa: E402
 from precision_lab.stats import kernels as K  # noqa: E402
 
 from _busy import busy, describe  # noqa: E402  (bench/ is on the path when a bench runs)
@@ -55,24 +56,31 @@ def _medians(fns: dict, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _scan_parts(x, threads: int):
+    """``tensor_stats``' scan of float32 ``x`` with histogram, its parts taken by ``threads`` threads."""
+    kern = K.KERNELS.get()
+    n = x.size
+    nparts = max(2, min(threads * K._PARTS_PER_THREAD, n // K._PART_MIN))
+    b = [(n * p) // nparts for p in range(nparts + 1)]
+    return run_parts(lambda p: kern.scan(x[b[p]:b[p + 1]], True), nparts, threads)
+
+
 def crossover(rounds: int, loads: list) -> None:
     """The compiled scan on one thread against all threads, by size, and what ``tensor_stats`` chose."""
     import numpy as np
 
-    kern = K.KERNELS.get()
-    threads = kern.num_threads()
+    threads = K.KERNELS.get().num_threads()
     for n_busy in loads:
         with busy(n_busy):
             time.sleep(1.0 if n_busy else 0.0)
-            print(f"\nserial vs parallel ({threads} threads), float32 with histogram; {describe(n_busy)}")
+            print(f"\none thread vs {threads} threads taking parts, float32 with histogram; {describe(n_busy)}")
             print(f"{'elements':>9} {'serial us':>10} {'parallel us':>11} {'par/serial':>10} {'auto us':>8} "
                   f"{'sum us':>8}")
             for log2 in range(14, 25, 2):
                 n = 1 << log2
                 x = np.random.default_rng(log2).standard_normal(n).astype(np.float32)
                 xt = torch.from_numpy(x)
-                fns = {"serial": lambda: kern.scan(x, True, threads, threads=False),
-                       "parallel": lambda: kern.scan(x, True, threads),
+                fns = {"serial": lambda: _scan_parts(x, 1), "parallel": lambda: _scan_parts(x, threads),
                        "auto": lambda: S.tensor_stats(x), "sum": lambda: xt.sum()}
                 t = _medians(fns, max(rounds, 5) * (4 if n < (1 << 20) else 1))
                 print(f"{n:>9} {t['serial'] * 1e6:10.0f} {t['parallel'] * 1e6:11.0f} "

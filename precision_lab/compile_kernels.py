@@ -1,8 +1,10 @@
-"""Fill numba's cache with every compiled kernel: ``python -m precision_lab.compile_kernels [LOCK]``.
+"""Fill numba's cache with every compiled kernel: ``python -m precision_lab.compile_kernels``.
 
 Started in the background, at the lowest priority, by the first process that finds the cache empty
-(``numba_loader.CompiledOnce.ready``); ``LOCK`` is the lock file it removes when done.  Run it by hand after
-an install to have the kernels from the first command on.
+(``numba_loader.start_compiler``), with ``--lock-fd N``: the inherited descriptor that holds the compiler lock
+for as long as this process lives (the operating system releases it when the process ends, however it ends).
+Run it by hand after an install to have the kernels from the first command on: it then takes the same lock
+itself, waiting for a background compiler to finish first, so two compilers never write one cache.
 """
 
 from __future__ import annotations
@@ -10,22 +12,22 @@ from __future__ import annotations
 import os
 import sys
 
-from . import metrics
+from . import metrics, numba_loader
 from .stats import kernels
 
 
 def main(argv: list[str]) -> int:
+    held = None
+    if argv[:1] != [numba_loader.LOCK_FD_FLAG]:  # by hand: take the lock a background compiler would hold
+        held = numba_loader.take_compiler_lock(numba_loader.compiler_lock_path(), wait=True)
     try:
         if hasattr(os, "nice"):
             os.nice(19)  # the command that started it runs on its own path meanwhile: leave it the cores
         for kernel_set in (kernels.KERNELS, metrics.KERNEL):
             kernel_set.warm()
     finally:
-        for lock in argv[:1]:
-            try:
-                os.unlink(lock)
-            except OSError:
-                pass
+        if held is not None:
+            os.close(held)
     return 0
 
 

@@ -45,8 +45,8 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
-from .numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, note_fallback, over_budget,
-                           readonly)
+from .numba_loader import (SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, note_fallback, over_budget, readonly,
+                           run_parts)
 
 __all__ = ["Comparison", "compare", "compare_later", "finish_all", "PendingComparison", "compare_stats", "verdict_for",
            "VERDICT_THRESHOLDS", "SUMMARY_ERRORS", "ELEMENTWISE", "ON_SUMMARIES", "relative_error"]
@@ -215,18 +215,8 @@ def _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, lo, hi, rel_floor, ref_mas
     out[p, 11] = masked
 
 
-def _nb_compare_parallel(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask, nparts):
-    out = np.zeros((nparts, 12), np.float64)
-    n = r.size
-    for p in _prange(nparts):
-        _nb_compare_range(r, c, rb, shift, mask, ulp_tbl, (n * p) // nparts, (n * (p + 1)) // nparts, rel_floor,
-                          ref_mask, cand_mask, out, p)
-    return out
-
-
 def _nb_compare_serial(r, c, rb, shift, mask, ulp_tbl, rel_floor, ref_mask, cand_mask, nparts):
-    """``_nb_compare_parallel``'s parts one after another in the calling thread: the same result, no thread to
-    wait for."""
+    """``nparts`` equal parts of the inputs one after another, each with its own row of sums."""
     out = np.zeros((nparts, 12), np.float64)
     n = r.size
     for p in range(nparts):
@@ -246,51 +236,51 @@ def _ulp_table(dtype, emin: int, man_bits: int):
     return np.ldexp(1.0, e - man_bits), fi.nmant, nfield - 1
 
 
-_PAR_MIN = 1 << 16
-_CHOICE = ParallelChoice()
-_prange = range  # numba.prange once _build_kernel has run
+_PAR_MIN = 1 << 16  # elements per part at least (a part's call costs some 10 us)
+_PARTS_PER_THREAD = 4  # parts are taken by whichever thread is free: a thread that waits for a core holds one
+# serial or parallel by what each has cost lately, per input dtype: a float64 element costs about twice a float32
+# one, so one estimate for both would compare a path's float32 calls with the other's float64 calls
+_CHOICE = {4: ParallelChoice(), 8: ParallelChoice()}  # by the inputs' itemsize: float32, float64
 
 
 def _build_kernel(numba):
     """Compile (or load from numba's cache) the one-pass comparison."""
     g = globals()
-    g["_prange"] = numba.prange
     g["_nb_compare_range"] = njit(numba, _nb_compare_range)
-    par = njit(numba, _nb_compare_parallel, parallel=True)
-    serial = njit(numba, _nb_compare_serial)  # no parallel region: no thread to wait for
+    serial = njit(numba, _nb_compare_serial)
 
     def run(r, c, rel_floor, emin, man_bits, ref_mask, cand_mask):
         if r.dtype != c.dtype:  # float32 against float64: both exactly in float64 (two signatures in all)
             r, c = r.astype(np.float64), c.astype(np.float64)
         r, c = readonly(r), readonly(c)
-        nparts = max(1, min(numba.get_num_threads(), r.size // _PAR_MIN))
+        threads = numba.get_num_threads()
+        nparts = max(1, min(threads * _PARTS_PER_THREAD, r.size // _PAR_MIN))
         tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)
-        if nparts == 1:
-            return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, 1)
-        parallel = _CHOICE.pick()  # serial when another process holds a core (numba_loader.ParallelChoice)
+        if nparts == 1 or threads <= 1:
+            return serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
+        choice = _CHOICE[r.dtype.itemsize]
+        parallel = choice.pick()  # one thread when the others have not paid lately (numba_loader.ParallelChoice)
+        b = [(r.size * p) // nparts for p in range(nparts + 1)]
         t0 = time.perf_counter()
-        if parallel:
-            with PARALLEL_LOCK:  # one parallel region at a time per process, shared with the stats scan
-                out = par(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
-        else:  # the same parts, one after another: the same result
-            out = serial(r, c, rb, shift, mask, tbl, rel_floor, ref_mask, cand_mask, nparts)
-        _CHOICE.record(parallel, time.perf_counter() - t0, r.size)
-        return out
+        # the same parts whoever takes them (numba_loader.run_parts): the same result
+        rows = run_parts(lambda p: serial(r[b[p]:b[p + 1]], c[b[p]:b[p + 1]], rb[b[p]:b[p + 1]], shift, mask, tbl,
+                                          rel_floor, ref_mask, cand_mask, 1), nparts, threads if parallel else 1)
+        choice.record(parallel, time.perf_counter() - t0, r.size)
+        return np.concatenate(rows)
 
-    run.dispatchers = (serial, par)
+    run.dispatchers = (serial,)
     return run
 
 
 def _warm_kernel(run) -> None:
-    """Compile the comparison's two signatures (float32 and float64 inputs), serial and parallel."""
-    serial, par = run.dispatchers
+    """Compile the comparison's two signatures (float32 and float64 inputs)."""
+    (serial,) = run.dispatchers
     for dt in (np.float32, np.float64):
         x = readonly(np.linspace(-2.0, 2.0, 256, dtype=dt))
         tbl, shift, mask = _ulp_table(x.dtype, -14, 10)
         rb = x.view(np.int32 if dt == np.float32 else np.int64)
         serial(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
-        par(x, x, rb, shift, mask, tbl, 1e-6, -math.inf, -math.inf, 2)
 
 
 KERNEL = CompiledOnce(_build_kernel, roots=lambda run: [(d, 2) for d in run.dispatchers], warm=_warm_kernel)

@@ -1,17 +1,20 @@
-"""numba, when it can be used: one switch, one way to compile, one lock and the thread limit for every kernel.
+"""numba, when it can be used: one switch, one way to compile, the threads and the thread limit for every kernel.
 
 ``PRECISION_LAB_NO_NUMBA=1`` turns the compiled kernels off (the numpy/torch
 paths run instead).  Kernels are cached on disk by numba (``njit``) and
-release the GIL.  numba's default "workqueue" threading layer must not run
-two parallel regions at once in one process, whichever module compiled them,
-so every parallel call takes ``PARALLEL_LOCK``.
+release the GIL.  They are compiled without numba's parallel regions: a large
+call is cut into parts that the calling thread and helper threads take as they
+become free (``run_parts``), so a core taken by another process delays one
+part, not every call; ``limit_threads`` bounds the threads (numba's thread
+count, per calling thread).
 
 Compiling the kernels takes 10-20 s, once per install.  A command must not
 pay that: ``CompiledOnce.ready()`` hands out the kernels only when numba's
 cache holds them (loading takes a fraction of a second).  When it does not,
 the caller runs its path that needs no compilation and one low-priority
 process, ``python -m precision_lab.compile_kernels``, fills the cache in the
-background (it outlives a short command; one at a time per cache directory).
+background (it outlives a short command; one at a time per install and cache: one lock,
+``compiler_lock_path``, held by the compiler for as long as it runs).
 A command that has spent ``FALLBACK_BUDGET_S`` on those paths compiles the
 kernels itself (a large dump's first ``compare``: at most that much slower
 than compiling from the start).
@@ -22,23 +25,31 @@ than compiling from the start).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-__all__ = ["DISABLE_ENV", "COMPILE_ENV", "PARALLEL_LOCK", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
-           "ParallelChoice", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
+try:
+    import fcntl
+except ImportError:  # Windows: no background compiler (see start_compiler)
+    fcntl = None
+
+__all__ = ["DISABLE_ENV", "COMPILE_ENV", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
+           "ParallelChoice", "run_parts", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
            "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
 COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
-PARALLEL_LOCK = threading.Lock()
 COMPILER_MODULE = "precision_lab.compile_kernels"
 _LOCK_NAME = "precision-lab-compiling"
-_LOCK_STALE_S = 900.0  # a compiling process older than this has died
+LOCK_FD_FLAG = "--lock-fd"  # compile_kernels' argument: the inherited descriptor holding the compiler lock
+_COMPILER = [sys.executable, "-m", COMPILER_MODULE]
 _RECHECK_S = 2.0  # how often a process without the kernels looks at the cache again
 # A numpy array below this many elements does not load the kernels (``auto``): its float64 numpy path costs
 # 50-400 us more than the kernel's 25-30 us, importing numba and loading its cache 0.5-1.5 s; once a larger one
@@ -100,41 +111,59 @@ def cache_holds(roots) -> bool:
         return True
 
 
-def cache_dir(roots) -> Optional[str]:
-    """The directory numba caches ``roots``' first dispatcher in (None when it cannot tell)."""
-    try:
-        return str(roots[0][0]._cache._cache_path)
-    except Exception:
-        return None
-
-
 _STARTED: list = []  # the compiler this process started (one per process: it compiles every kernel set)
 
 
-def start_compiler(directory: str) -> bool:
-    """Start ``python -m precision_lab.compile_kernels`` unless this process started one or one is compiling
-    into ``directory`` already (its lock file there); True when started."""
+def compiler_lock_path() -> str:
+    """The one lock file of every compiler that fills this install's kernel cache (every kernel set: a compiler
+    compiles them all).  In ``NUMBA_CACHE_DIR`` when set, else in the temporary directory; named after the
+    package's directory, the cache directory and the user, so another install or user compiles on its own."""
+    cache = os.environ.get("NUMBA_CACHE_DIR", "")
+    key = "\0".join((os.path.dirname(os.path.abspath(__file__)), cache, str(getattr(os, "getuid", lambda: "")())))
+    return os.path.join(cache or tempfile.gettempdir(), f"{_LOCK_NAME}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def take_compiler_lock(path: str, wait: bool = False) -> Optional[int]:
+    """An open descriptor of ``path`` holding its exclusive ``flock`` (``wait``: until it is free), or None when
+    another process holds it or it cannot be taken.  The operating system releases the lock when every
+    descriptor of that open file is closed -- when its holder ends, however it ends -- so no lock outlives a
+    crashed compiler and none is ever removed by another process."""
+    if fcntl is None:
+        return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def start_compiler() -> bool:
+    """Start ``python -m precision_lab.compile_kernels`` unless this process started one or one holds the
+    compiler lock (``compiler_lock_path``); True when started.  The lock is taken here and handed to the
+    compiler (its descriptor inherited), so it is held from before the start until the compiler ends; a daemon
+    thread waits for the compiler, so it does not linger as a zombie in a long-lived process.  Without ``fcntl``
+    (Windows) no compiler is started: a long command compiles in the process (``FALLBACK_BUDGET_S``)."""
     if _STARTED:
         return False
-    lock = os.path.join(directory, _LOCK_NAME)
-    try:
-        if time.time() - os.path.getmtime(lock) < _LOCK_STALE_S:
-            return False
-        os.unlink(lock)
-    except OSError:
-        pass
-    try:
-        os.makedirs(directory, exist_ok=True)
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except OSError:
+    fd = take_compiler_lock(compiler_lock_path())
+    if fd is None:
         return False
     try:
-        _STARTED.append(subprocess.Popen([sys.executable, "-m", COMPILER_MODULE, lock], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
-                                         start_new_session=True))
+        proc = subprocess.Popen([*_COMPILER, LOCK_FD_FLAG, str(fd)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(fd,),
+                                start_new_session=True)
     except OSError:
-        os.unlink(lock)
         return False
+    finally:
+        os.close(fd)  # the compiler holds the lock now (or, not started, nobody does)
+    _STARTED.append(proc)
+    threading.Thread(target=proc.wait, name="precision-lab-compiler-reaper", daemon=True).start()
     return True
 
 
@@ -193,13 +222,11 @@ class CompiledOnce(Generic[K]):
             if built is False or cache_holds(self._roots(built)):
                 self._value = built
                 return built or None
-            directory = cache_dir(self._roots(built))
             if over_budget():  # a long command: the kernels pay for their compilation here (or load the cache
                 self._value = built  # if the background compiler has filled it by the first call)
                 return built
             self._next_check = now + _RECHECK_S
-            if directory is not None:
-                start_compiler(directory)
+            start_compiler()
             return None
 
     def loaded(self) -> bool:
@@ -217,13 +244,12 @@ class ParallelChoice:
     """Serial or parallel, for a kernel call large enough that parallel can pay: whichever has cost less per
     element lately in this process.
 
-    A parallel region ends when its last thread does.  On a quiet machine two threads halve a large scan; when
-    another process holds a core, the thread that waits for it stalls every call (a step makes hundreds), and
-    one thread in the calling thread is faster.  Each call's time per element updates its path's running
+    On a quiet machine two threads halve a large scan; when other processes hold the cores, waking a helper
+    and waiting for its last part can cost more than it saves, and the calling thread alone is faster.  Each call's time per element updates its path's running
     estimate (a few slow calls in a row turn the choice).  Now and then a call takes the other path and its
     time replaces that path's estimate: after ``explore`` calls, then twice as many each time the other path
     is still the slower (at most ``max_gap``), so a change in the load is noticed while a path that stays slow
-    costs little.  A path's first call is not counted (it starts threads).  ``pick()`` says whether to go
+    costs little.  A path's first call is not counted (it may start threads).  ``pick()`` says whether to go
     parallel; ``record(parallel, seconds, n)`` reports the call."""
 
     __slots__ = ("_est", "_seen", "_calls", "_next", "_gap", "explore", "max_gap", "alpha")
@@ -270,10 +296,59 @@ class ParallelChoice:
         return tuple(self._est)
 
 
+_POOL: list = []  # the helper threads' executor, made on first use (and again in a forked child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.clear)
+
+
+def run_parts(fn: Callable[[int], Any], n_parts: int, threads: int) -> list:
+    """``[fn(0), ..., fn(n_parts - 1)]`` on up to ``threads`` threads: the calling one and helpers (the kernels
+    release the GIL).  Each part is taken by whichever thread is free, the calling thread included, so a thread
+    that waits for a core (another process holds it) holds up one part, not the call: the others take the rest.
+    (numba's parallel regions give each thread a fixed share and end when the last thread does: with a core
+    taken, every call waited for the descheduled thread.)  Idle helpers block; nothing spins.  The results do
+    not depend on the threads: each part is computed alone and they come back in order; the first exception a
+    part raised is raised here once every part has ended."""
+    helpers = max(0, min(threads, n_parts) - 1)
+    if not helpers:
+        return [fn(i) for i in range(n_parts)]
+    results: list = [None] * n_parts
+    errors: list = []
+    taken = itertools.count()
+    left = [n_parts]
+    finished = threading.Event()
+    count_lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            i = next(taken)  # atomic under the GIL: each part is taken once
+            if i >= n_parts:
+                return
+            try:
+                results[i] = fn(i)
+            except BaseException as e:  # raised in the calling thread below
+                errors.append(e)
+            with count_lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
+
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                        thread_name_prefix="precision-lab-kernel"))
+    for _ in range(helpers):
+        _POOL[0].submit(work)  # a helper that comes late finds every part taken and returns
+    work()
+    finished.wait()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def limit_threads(n: int) -> Optional[int]:
-    """Run numba's parallel regions started from this thread on at most ``n`` threads (and at most
-    ``NUMBA_NUM_THREADS``); the previous count for ``restore_threads``, None without numba.  Raises what numba
-    raises when its threading layer cannot start."""
+    """Run the kernels called from this thread on at most ``n`` threads (and at most ``NUMBA_NUM_THREADS``):
+    numba's thread count, which the kernels read; the previous count for ``restore_threads``, None without
+    numba.  Raises what numba raises when its threading layer cannot start."""
     numba = load_numba()
     if numba is None:
         return None

@@ -72,11 +72,16 @@ def test_first_process_needs_no_compilation_and_fills_the_cache(tmp_path):
     first_s = time.monotonic() - t0
     assert not first["kernel"] and not first["compare_kernel"]
     assert not first["torch"], "numpy inputs took the torch path (importing torch costs a second)"
-    # the background compiler: one lock file while it works, gone when the cache is full
+    # the background compiler: one lock for both kernel sets, held while it works, free when the cache is full
+    locks = list(cache.rglob("precision-lab-compiling*"))
+    assert len(locks) == 1, locks
     deadline = time.monotonic() + 600
-    while any(cache.rglob("precision-lab-compiling")) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not any(cache.rglob("precision-lab-compiling")), "the background compilation did not finish"
+    fd = None
+    while fd is None and time.monotonic() < deadline:
+        fd = numba_loader.take_compiler_lock(str(locks[0]))
+        time.sleep(0 if fd is not None else 1)
+    assert fd is not None, "the background compilation did not finish"
+    os.close(fd)
     assert any(cache.rglob("*.nbi")), "nothing was cached"
     t0 = time.monotonic()
     second = _probe(cache)
@@ -109,7 +114,7 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
     monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
     started = []
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
-    monkeypatch.setattr(numba_loader, "start_compiler", lambda directory: started.append(directory) or True)
+    monkeypatch.setattr(numba_loader, "start_compiler", lambda: started.append(1) or True)
     for kernel_set in (kernels.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_value", None)
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
@@ -163,7 +168,7 @@ def test_a_long_command_compiles_after_its_fallback_budget(monkeypatch):
     background compiler has not filled the cache): a large dump's first compare is not float64 to the end."""
     monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
-    monkeypatch.setattr(numba_loader, "start_compiler", lambda directory: True)
+    monkeypatch.setattr(numba_loader, "start_compiler", lambda: True)
     for kernel_set in (kernels.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_value", None)
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
@@ -179,3 +184,86 @@ def test_a_long_command_compiles_after_its_fallback_budget(monkeypatch):
         return
     assert kernels.KERNELS.loaded() and metrics.KERNEL.loaded()
     assert s.zero_count == 1 and s.max == 1.0 and s.min == -1.0
+
+
+class _Compilers:
+    """``subprocess.Popen`` for numba_loader: each compiler it is asked to start runs ``code`` instead (with the
+    same arguments otherwise: the inherited lock descriptor), and is kept to be ended by the test."""
+
+    def __init__(self, code: str) -> None:
+        self.code, self.procs = code, []
+        self.real = subprocess.Popen
+
+    def __call__(self, args, **kw):
+        p = self.real([sys.executable, "-c", self.code, *args[3:]], **kw)
+        self.procs.append(p)
+        return p
+
+    def end(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _cold(monkeypatch, tmp_path, code: str) -> _Compilers:
+    """Both kernel sets reported not cached; compilers started by ``ready()`` run ``code``."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
+    monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
+    monkeypatch.setattr(numba_loader, "_STARTED", [])
+    monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
+    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+        monkeypatch.setattr(kernel_set, "_value", None)
+        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+    fake = _Compilers(code)
+    monkeypatch.setattr(numba_loader.subprocess, "Popen", fake)
+    return fake
+
+
+def _another_process(monkeypatch) -> None:
+    """What a second process would see: it has started no compiler and asks again at once."""
+    monkeypatch.setattr(numba_loader, "_STARTED", [])
+    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+
+
+@pytest.mark.skipif(not numba_loader.load_numba(), reason="numba is not installed: there is nothing to compile")
+def test_one_compiler_at_a_time_for_both_kernel_sets(monkeypatch, tmp_path):
+    """A compiler compiles both kernel sets, so one lock covers both: while one runs, a process missing either
+    set starts none, however old the lock file is; once it has ended, the next one starts at once."""
+    fake = _cold(monkeypatch, tmp_path, "import time; time.sleep(120)")
+    try:
+        assert kernels.KERNELS.ready() is None
+        assert len(fake.procs) == 1
+        for path in tmp_path.rglob("precision-lab-compiling*"):
+            os.utime(path, (time.time() - 7200, time.time() - 7200))  # old: its age says nothing
+        _another_process(monkeypatch)
+        assert metrics.KERNEL.ready() is None and kernels.KERNELS.ready() is None
+        assert len(fake.procs) == 1, "a second compiler started while the first one was writing the cache"
+        fake.procs[0].kill()
+        fake.procs[0].wait()
+        _another_process(monkeypatch)
+        assert metrics.KERNEL.ready() is None
+        assert len(fake.procs) == 2  # the lock died with its holder: no stale lock to wait out
+    finally:
+        fake.end()
+
+
+@pytest.mark.skipif(not numba_loader.load_numba(), reason="numba is not installed: there is nothing to compile")
+def test_a_compiler_that_fails_at_once_is_reaped_and_leaves_no_lock(monkeypatch, tmp_path):
+    """A compiler that dies on its imports does not block the next one (the old lock file stayed 900 s), and the
+    process that started it reaps it without being asked (no zombie in a long-lived server)."""
+    fake = _cold(monkeypatch, tmp_path, "raise ImportError('a broken install')")
+    try:
+        assert kernels.KERNELS.ready() is None
+        proc = fake.procs[0]
+        deadline = time.monotonic() + 60
+        while proc.returncode is None and time.monotonic() < deadline:  # set by whoever waits for it; never poll()
+            time.sleep(0.05)
+        assert proc.returncode == 1, "the compiler that ended was not reaped"
+        _another_process(monkeypatch)
+        assert kernels.KERNELS.ready() is None
+        assert len(fake.procs) == 2
+    finally:
+        fake.end()

@@ -4,12 +4,13 @@ process makes the serial path the faster), with identical results either way."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
 
 from precision_lab import metrics
-from precision_lab.numba_loader import ParallelChoice, load_numba
+from precision_lab.numba_loader import ParallelChoice, load_numba, run_parts
 from precision_lab.stats import kernels, tensor_stats
 
 
@@ -89,7 +90,8 @@ def test_compare_identical_on_both_paths(monkeypatch):
     c[::1001] = np.nan
     got = {}
     for parallel in (False, True):
-        monkeypatch.setattr(metrics, "_CHOICE", _Forced(parallel))
+        for key in list(metrics._CHOICE):
+            monkeypatch.setitem(metrics._CHOICE, key, _Forced(parallel))
         got[parallel] = metrics.compare(r, c, backend="numba")
     a, b = got[False], got[True]
     assert a == b  # the same parts in the same order: bit for bit
@@ -97,3 +99,58 @@ def test_compare_identical_on_both_paths(monkeypatch):
     d = c[both].astype(np.float64) - r[both].astype(np.float64)
     assert a.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
     assert b.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
+
+
+@pytest.mark.skipif(load_numba() is None, reason="numba is not installed")
+def test_compare_measures_float32_and_float64_apart(monkeypatch):
+    """A float64 element costs about twice a float32 one: float64 comparisons move only their own estimates, so
+    a run of them cannot make the float32 ones look slow on the path they took."""
+    monkeypatch.setattr(metrics, "_CHOICE", {k: ParallelChoice() for k in metrics._CHOICE})
+    rng = np.random.default_rng(10)
+    r = rng.standard_normal(1 << 18)
+    c = r * (1 + 1e-6 * rng.standard_normal(r.size))
+    for _ in range(6):
+        got = metrics.compare(r, c, backend="numba")
+    d = c - r
+    assert got.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
+    assert metrics._CHOICE[8].estimates() != (None, None)  # float64 calls measured (after each path's first)
+    assert metrics._CHOICE[4].estimates() == (None, None)  # and nothing credited to float32
+    float64_estimates = metrics._CHOICE[8].estimates()
+    for _ in range(6):
+        metrics.compare(r.astype(np.float32), c.astype(np.float32), backend="numba")
+    assert metrics._CHOICE[4].estimates() != (None, None)
+    assert metrics._CHOICE[8].estimates() == float64_estimates
+
+
+def test_a_held_up_thread_delays_its_own_part_not_the_others():
+    """Parts go to whichever thread is free: while one thread is held up (as by a core another process holds),
+    the other takes every remaining part.  A fixed share per thread would leave half of them waiting."""
+    others = []
+    all_others_done = threading.Event()
+    first = threading.Lock()
+
+    def part(i):
+        if first.acquire(blocking=False):  # the first part taken is held up until every other part is done
+            assert all_others_done.wait(30), "the other parts waited for the held-up thread"
+        else:
+            others.append(i)
+            if len(others) == 7:
+                all_others_done.set()
+        return i * i
+
+    assert run_parts(part, 8, 2) == [i * i for i in range(8)]
+    assert sorted(others + [sorted(set(range(8)) - set(others))[0]]) == list(range(8))
+
+
+def test_an_error_in_a_part_is_raised_once_every_part_has_ended():
+    ended = []
+
+    def part(i):
+        if i == 2:
+            raise ZeroDivisionError("part 2")
+        ended.append(i)
+        return i
+
+    with pytest.raises(ZeroDivisionError, match="part 2"):
+        run_parts(part, 6, 2)
+    assert sorted(ended) == [0, 1, 3, 4, 5]

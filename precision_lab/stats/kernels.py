@@ -14,8 +14,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 import numpy as np
 
 from ..formats import FORMATS
-from ..numba_loader import (PARALLEL_LOCK, SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, note_fallback,
-                            over_budget, readonly)
+from ..numba_loader import (SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, note_fallback, over_budget,
+                            readonly, run_parts)
 from .accumulate import _Acc, merge_stats
 from .edges import HIST_EDGES, N_BINS, histogram_counts
 from .records import TensorStats, canonical_dtype
@@ -91,16 +91,15 @@ def numba_available() -> bool:
 
 
 class _Kernels:
-    def __init__(self, scan, num_threads, serial, parallel) -> None:
+    def __init__(self, scan, num_threads, serial) -> None:
         self.scan = scan
         self.num_threads = num_threads
-        self.serial, self.parallel = serial, parallel
+        self.serial = serial
 
 
 # The kernels are plain module-level functions (so numba's on-disk cache works)
 # that _build_kernels() compiles and rebinds on first use; numba is imported
-# only then.  ``_prange`` becomes numba.prange at that point.
-_prange = range
+# only then.
 
 
 # Per-block helpers loop over a block *slice* from 0: LLVM vectorises and interleaves those loops, not the
@@ -430,21 +429,8 @@ def _nb_scan_range(xf, s, h16, kind, lo, hi, key_bin, split, cbits, do_hist, h, 
     rf[row, 2] = ssq
 
 
-def _nb_scan_parallel(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
-    s = xf.view(np.int32)
-    n = s.size if kind == 0 else h16.size
-    hs = np.zeros((nparts, nbins), np.int64)
-    ri = np.zeros((nparts, 10), np.int64)
-    rf = np.zeros((nparts, 3), np.float64)
-    for p in _prange(nparts):
-        _nb_scan_range(xf, s, h16, kind, (n * p) // nparts, (n * (p + 1)) // nparts, key_bin, split, cbits,
-                       do_hist, scratch[p], hs[p], ri, rf, p)
-    return hs.sum(axis=0), ri, rf
-
-
 def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scratch, nbins):
-    """``_nb_scan_parallel``'s parts one after another in the calling thread: the same parts, the same result,
-    and no thread to wait for."""
+    """``nparts`` equal parts of the input one after another, each with its own row of results."""
     s = xf.view(np.int32)
     n = s.size if kind == 0 else h16.size
     hs = np.zeros((nparts, nbins), np.int64)
@@ -459,7 +445,6 @@ def _nb_scan_serial(xf, h16, kind, key_bin, split, cbits, do_hist, nparts, scrat
 def _build_kernels(numba) -> _Kernels:
     """Compile (or load from numba's cache) the float32 scan."""
     g = globals()
-    g["_prange"] = numba.prange
     # reassociation lets LLVM vectorise the float64 sums; only finite values reach them
     fm = {"reassoc", "contract", "nsz", "arcp", "nnan", "ninf"}
     g["_nb_block_moments"] = njit(numba, _nb_block_moments, fastmath=fm)
@@ -468,37 +453,31 @@ def _build_kernels(numba) -> _Kernels:
                  "_nb_bits16",
                  "_nb_key_total", "_nb_fold", "_nb_scan_range", "_nb_scan_serial"):
         g[name] = njit(numba, g[name])
-    g["_nb_scan_parallel"] = njit(numba, _nb_scan_parallel, parallel=True)
-    serial, parallel = g["_nb_scan_serial"], g["_nb_scan_parallel"]
+    serial = g["_nb_scan_serial"]
 
-    def scan(x, do_hist, nparts, kind=0, threads=True):
-        """kind 0: ``x`` is float32; 1: bf16 and 2: fp16 bit patterns as uint16.  ``nparts`` parts, on as many
-        threads or (``threads`` False) one after another here: the same result either way."""
+    def scan(x, do_hist, kind=0):
+        """(histogram, integer row, float row) of ``x``: kind 0, float32; 1: bf16 and 2: fp16 bit patterns as
+        uint16.  In the calling thread (the GIL released), with this thread's scratch table."""
         xf, h16 = (readonly(x), _NO16) if kind == 0 else (_NO32, readonly(x))
-        scratch = _scratch(nparts) if do_hist else np.zeros((nparts, 0), np.int32)
+        scratch = _scratch(1) if do_hist else _NO_SCRATCH
         try:
-            if nparts <= 1 or not threads:
-                return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
-            with PARALLEL_LOCK:  # one parallel region at a time per process (e.g. two dashboard sessions)
-                return parallel(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, nparts, scratch, N_BINS)
+            return serial(xf, h16, kind, _KEY_BIN, _SPLIT, _CBITS, do_hist, 1, scratch, N_BINS)
         except BaseException:
             _SCRATCH.table = None  # perhaps left half-counted: the next call starts from a fresh one
             raise
 
-    return _Kernels(scan, numba.get_num_threads, serial, parallel)
+    return _Kernels(scan, numba.get_num_threads, serial)
 
 
 def _warm_kernels(k: _Kernels) -> None:
-    """Compile the scan's one signature, serial and parallel (its inputs are always read-only views)."""
-    x = np.linspace(-3.0, 3.0, 4096, dtype=np.float32)
-    k.scan(x, True, 2, threads=False)
-    k.scan(x, True, 2)
+    """Compile the scan's one signature (its inputs are always read-only views)."""
+    k.scan(np.linspace(-3.0, 3.0, 4096, dtype=np.float32), True)
 
 
-KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels, roots=lambda k: [(k.serial, 1), (k.parallel, 1)],
-                                               warm=_warm_kernels)
+KERNELS: CompiledOnce[_Kernels] = CompiledOnce(_build_kernels, roots=lambda k: [(k.serial, 1)], warm=_warm_kernels)
 _SCRATCH = threading.local()
 _NO16, _NO32 = readonly(np.zeros(0, np.uint16)), readonly(np.zeros(0, np.float32))  # the unused input of a scan
+_NO_SCRATCH = np.zeros((1, 0), np.int32)  # a scan without histogram counts nothing
 _SCAN_KIND = {"bfloat16": 1, "float16": 2}  # 16-bit floats the scan widens itself (float32 is kind 0)
 
 
@@ -510,35 +489,42 @@ def _scratch(nparts: int) -> np.ndarray:
     return t
 
 
-# Below this many elements a parallel launch costs more than it saves, on a quiet machine too
-# (``python bench/stats_throughput.py --crossover``: serial against parallel by size, docs/benchmarks.md).
+# Below this many elements a second thread costs more than it saves, on a quiet machine too
+# (``python bench/stats_throughput.py --crossover``: one thread against several by size, docs/benchmarks.md).
 _PAR_MIN = 1 << 18
+_PART_MIN = 1 << 17  # elements per part at least: a part's call and its fold cost some 20 us
+_PARTS_PER_THREAD = 4  # parts are taken by whichever thread is free: a thread that waits for a core holds one
 _MAX_SCAN = 1 << 30  # elements per scan: each int32 counter then stays below 2^31
-# above _PAR_MIN, serial or parallel by what each has cost lately (one estimate per histogram setting and input
-# kind: their costs per element differ): a core taken by another process makes one thread the faster
+# above _PAR_MIN, one thread or several by what each has cost lately (one estimate per histogram setting and
+# input kind: their costs per element differ): the other threads take parts only when they have paid lately
 _CHOICE = {(h, k): ParallelChoice() for h in (False, True) for k in (0, 1, 2)}
 
 
 def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool, kind: int = 0) -> None:
     """Accumulate one contiguous chunk with the compiled kernel: float32, or (``kind`` 1: bf16, 2: fp16) the
-    16-bit patterns as uint16, widened inside the scan."""
+    16-bit patterns as uint16, widened inside the scan.  A large chunk is scanned in parts (the same parts
+    whatever the threads, so the same result), taken by the calling thread and helpers (``run_parts``)."""
     kern = KERNELS.get()
     for s in range(0, xf.size, _MAX_SCAN):
         part = xf[s:s + _MAX_SCAN]
         n = part.size
-        nthreads = kern.num_threads() if n >= _PAR_MIN else 1
-        if nthreads <= 1:
-            _take_scan(acc, kern.scan(part, histogram, 1, kind), 1, histogram)
+        threads = kern.num_threads() if n >= _PAR_MIN else 1
+        if threads <= 1:
+            _take_scan(acc, kern.scan(part, histogram, kind), histogram)
             continue
+        nparts = max(2, min(threads * _PARTS_PER_THREAD, n // _PART_MIN))
+        bounds = [(n * p) // nparts for p in range(nparts + 1)]
         choice = _CHOICE[histogram, kind]
         parallel = choice.pick()
         t0 = time.perf_counter()
-        result = kern.scan(part, histogram, nthreads, kind, threads=parallel)  # the same parts either way
+        results = run_parts(lambda p: kern.scan(part[bounds[p]:bounds[p + 1]], histogram, kind), nparts,
+                            threads if parallel else 1)
         choice.record(parallel, time.perf_counter() - t0, n)
-        _take_scan(acc, result, nthreads, histogram)
+        for result in results:
+            _take_scan(acc, result, histogram)
 
 
-def _take_scan(acc: _Acc, result, nparts: int, histogram: bool) -> None:
+def _take_scan(acc: _Acc, result, histogram: bool) -> None:
     hist, ri, rf = result
     # per part: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf, n_-inf,
     # read-ahead; plain Python numbers from here (numpy's reductions cost more than the work on a few rows)
