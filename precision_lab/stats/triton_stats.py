@@ -41,7 +41,7 @@ from .edges import N_BINS
 from .kernels import _CBITS, DevicePartial, _torch_dense_flat
 from .records import canonical_dtype
 
-__all__ = ["takes", "device_partials", "available", "give_up", "BLOCK", "MAX_PROGRAMS"]
+__all__ = ["takes", "device_partials", "available", "failure", "give_up", "BLOCK", "MAX_PROGRAMS"]
 
 BLOCK = 1024  # elements per program and step
 _NUM_WARPS = 8
@@ -284,6 +284,11 @@ _state = {"failed": None}  # why the kernel was given up in this process (it the
 def available() -> bool:
     """Whether triton can be imported (nothing is imported) and the kernel has not failed in this process."""
     return _state["failed"] is None and importlib.util.find_spec("triton") is not None
+
+
+def failure() -> Optional[str]:
+    """Why the kernel was given up in this process, or None."""
+    return _state["failed"]
 
 
 def give_up(reason: BaseException) -> None:
