@@ -138,7 +138,6 @@ def _stats_kernel(x_ptr, n, ints_ptr, flts_ptr, hist_ptr, table_ptr,
     s2 = tl.zeros([BLOCK], tl.float64)
     sq = tl.zeros([BLOCK], tl.float64)
     hacc = tl.zeros([NB], tl.int32)
-    cols = tl.arange(0, W)
     n64 = n.to(tl.int64)
     for start in range(pid.to(tl.int64) * BLOCK, n64, nprog.to(tl.int64) * BLOCK):
         offs = start + lanes
@@ -194,9 +193,10 @@ def _stats_kernel(x_ptr, n, ints_ptr, flts_ptr, hist_ptr, table_ptr,
             row = tl.where(is_sub, SUB_ROW + (pat >> 23) - 127, a >> 23)
             row = tl.where(nz, row, 1)
             val = tl.where(is_sub, pat, a)
-            tab = tl.load(table_ptr + row[:, None] * W + cols[None, :])
-            above = (val[:, None] >= tab).to(tl.int32)
-            b = tl.sum(tl.where(cols[None, :] == 0, tab, above), axis=1)
+            rp = table_ptr + row * W
+            b = tl.load(rp)
+            for j in tl.static_range(1, W):
+                b += (val >= tl.load(rp + j)).to(tl.int32)
             hacc += tl.histogram(tl.where(nz, b, NB - 1), NB)
     # ---- this program's partials: lanes merged (Chan), then stored ----
     nl = fin_c.to(tl.float64)
@@ -278,12 +278,19 @@ _LOCK = threading.Lock()
 _BUILT: dict = {}  # interpret (bool) -> (stats kernel, finish kernel)
 _TABLES: dict = {}  # device -> the lookup table there
 _SMS: dict = {}  # device index -> streaming multiprocessors
-_state = {"failed": None}  # why the kernel was given up in this process (it then stays with the torch path)
+# "failed": why the kernel was given up in this process (the torch path then serves); "installed": triton found
+_state = {"failed": None, "installed": None}
 
 
 def available() -> bool:
-    """Whether triton can be imported (nothing is imported) and the kernel has not failed in this process."""
-    return _state["failed"] is None and importlib.util.find_spec("triton") is not None
+    """Whether triton is installed (looked up once, nothing imported) and the kernel has not failed in this
+    process."""
+    if _state["installed"] is None:
+        try:
+            _state["installed"] = importlib.util.find_spec("triton") is not None
+        except (ImportError, ValueError):
+            _state["installed"] = False
+    return _state["failed"] is None and _state["installed"]
 
 
 def failure() -> Optional[str]:
@@ -391,7 +398,7 @@ def device_partials(t, *, histogram: bool, block: int = BLOCK, programs: Optiona
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         stats_k[(nprog,)](bits, n, ints, flts, hist, table, KIND=kind, EXP=exp, MAN=man, BIAS=bias, SPECIAL=special,
                           SUB_SCALE=sub_scale, HIST=bool(histogram), BLOCK=block, NB=_NB, W=_bin_table().shape[1], SUB_ROW=_SUB_ROW,
-                          num_warps=_NUM_WARPS)
-        finish_k[(1,)](ints, flts, nprog, totals, P=MAX_PROGRAMS)
+                          num_warps=_NUM_WARPS, enable_fp_fusion=False)
+        finish_k[(1,)](ints, flts, nprog, totals, P=MAX_PROGRAMS, enable_fp_fusion=False)
     return [DevicePartial(totals[:_TOTALS], hist[:N_BINS] if histogram else None)]
 
