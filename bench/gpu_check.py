@@ -11,8 +11,12 @@ same run:
   op; against two plain steps).  Variants interleaved step by step, medians;
   each timed window holds the whole capture (enter, step, exit and write).
   Targets: full <= 1.10x, summary mode <= 1.03x;
-- ``tensor_stats`` of a device tensor against ``torch.sum`` of the same
-  tensor (bandwidth, GB/s; target >= 0.8x of ``torch.sum``'s);
+- the fused Triton statistics kernel (``precision_lab/stats/triton_stats.py``,
+  what the capture runs on CUDA tensors; results left on the device) against
+  ``torch.sum`` of the same tensor (bandwidth, GB/s; target >= 0.8x of
+  ``torch.sum``'s), with its host syncs per launch (target 0), and
+  ``tensor_stats`` (the torch device path, results brought to the host) beside
+  it;
 - host synchronisations while a step runs, counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` (each sync warns once), per
   recorded op (target 0; the one transfer at the end of a step is counted
@@ -42,7 +46,7 @@ import torch  # noqa: E402
 
 import precision_lab  # noqa: E402
 from precision_lab.live import CaptureOptions  # noqa: E402
-from precision_lab.stats import tensor_stats  # noqa: E402
+from precision_lab.stats import tensor_stats, triton_stats  # noqa: E402
 from precision_lab.store import Store  # noqa: E402
 
 TARGETS = {"full": 1.10, "summary mode": 1.03}
@@ -193,22 +197,54 @@ def _stop(device: str, t0: float) -> float:
     return time.perf_counter() - t0
 
 
+def _kernel_path(device: str) -> str:
+    """Which statistics path the capture takes for this device's tensors."""
+    if device != "cuda":
+        return "the CPU kernel (dry run: the Triton kernel runs on CUDA tensors only)"
+    if triton_stats.available():
+        import triton  # the optional GPU dependency, present when available() says so
+
+        return f"the fused Triton kernel (triton {triton.__version__})"
+    why = triton_stats.failure() or "triton is not installed: pip install -e '.[gpu]'"
+    return f"the torch device path ({why})"
+
+
 def stats_vs_sum(args, device: str) -> None:
-    print(f"\ntensor_stats against torch.sum on {device} (same tensor; rounds {args.rounds}, medians)")
-    print(f"{'dtype':<10}{'elements':>10}{'stats ms':>10}{'sum ms':>9}{'stats GB/s':>12}{'sum GB/s':>10}{'x sum':>7}")
-    for dtype in (torch.float32, torch.bfloat16):
+    print(f"\nstatistics against torch.sum on {device} (same tensor; rounds {args.rounds}, medians; GB/s of the "
+          f"tensor's bytes)")
+    print(f"{'dtype':<10}{'elements':>10}  {'path':<14}{'stats ms':>9}{'sum ms':>9}{'stats GB/s':>12}{'sum GB/s':>10}"
+          f"{'x sum':>7}")
+    use_triton = device == "cuda" and triton_stats.available()
+    plain_path = "the torch device path, results brought to the host" if device == "cuda" else "the CPU kernel"
+    syncs = None
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         n = args.stats_elems
         x = torch.randn(n, device=device).to(dtype)
-        tensor_stats(x)
-        x.sum()
-        ts = {"stats": [], "sum": []}
-        for _ in range(args.rounds):
-            ts["stats"].append(_timed(lambda: tensor_stats(x), device))
-            ts["sum"].append(_timed(lambda: x.sum(), device))
-        s, m = statistics.median(ts["stats"]), statistics.median(ts["sum"])
         gb = n * x.element_size() / 1e9
-        print(f"{str(dtype).replace('torch.', ''):<10}{n:>10}{s * 1e3:>10.2f}{m * 1e3:>9.2f}{gb / s:>12.1f}{gb / m:>10.1f}"
-              f"{m / s:>6.2f}x   target >= {STATS_TARGET}x: {'met' if m / s >= STATS_TARGET else 'not met'}")
+        name = str(dtype).replace("torch.", "")
+        paths = {"tensor_stats": lambda: tensor_stats(x)}
+        if use_triton:  # the capture's path: results stay on the device
+            paths = {"triton kernel": lambda: triton_stats.device_partials(x, histogram=True), **paths}
+        for fn in paths.values():  # warm-up: compilation, the lookup table, the allocator
+            fn()
+        x.sum()
+        if use_triton and syncs is None:
+            with SyncCounter(device) as sc:
+                triton_stats.device_partials(x, histogram=True)
+            syncs = sc.count
+        for path, fn in paths.items():
+            ts = {"stats": [], "sum": []}
+            for _ in range(args.rounds):
+                ts["stats"].append(_timed(fn, device))
+                ts["sum"].append(_timed(lambda: x.sum(), device))
+            st, m = statistics.median(ts["stats"]), statistics.median(ts["sum"])
+            verdict = (f"   target >= {STATS_TARGET}x: {'met' if m / st >= STATS_TARGET else 'not met'}"
+                       if path == "triton kernel" else f"   ({plain_path})")
+            print(f"{name:<10}{n:>10}  {path:<14}{st * 1e3:>9.2f}{m * 1e3:>9.2f}{gb / st:>12.1f}{gb / m:>10.1f}"
+                  f"{m / st:>6.2f}x{verdict}")
+    print(f"capture's statistics path on {device}: {_kernel_path(device)}")
+    if syncs is not None:
+        print(f"host syncs in one launch of the Triton kernel: {syncs} (target 0)")
 
 
 def main(argv=None) -> int:

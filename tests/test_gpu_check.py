@@ -37,3 +37,4 @@ def test_dry_run_on_cpu_prints_every_figure():
     assert "syncs over" in text and "per op (target 0)" in text and "the step's end (one transfer)" in text
     recorded = [int(line.split("syncs over")[1].split()[0]) for line in text.splitlines() if "syncs over" in line]
     assert len(recorded) == 2 and all(n > 10 for n in recorded)
+    assert "capture's statistics path on cpu: the CPU kernel" in text  # the Triton kernel's rows need CUDA

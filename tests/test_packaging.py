@@ -30,7 +30,7 @@ def wheel(tmp_path_factory):
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("precision_lab", "sample_dumps"):
         shutil.copytree(ROOT / name, src / name, ignore=skip)
-    for name in ("pyproject.toml", "README.md", "requirements.txt", "requirements-test.txt"):
+    for name in ("pyproject.toml", "README.md", "requirements.txt", "requirements-test.txt", "requirements-gpu.txt"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",

@@ -4,7 +4,8 @@ Definitions are those of :func:`precision_lab.stats.tensor_stats`; this
 module only decides *when* they are computed and how results reach the host:
 
 - CPU tensors: ``tensor_stats`` at once (the compiled one-pass kernel).
-- CUDA tensors: the stats module's device kernel runs at once on the
+- CUDA tensors: the stats module's device kernel (the fused Triton kernel
+  where triton is installed, else the torch one) runs at once on the
   current stream and leaves its small per-tensor results on the device;
   :meth:`StatsEngine.resolve` stacks every pending result of the step and
   copies them to the host in one transfer.  No host synchronisation per op.
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import stats as _stats  # module attributes, so tests can patch them
+from ..stats import triton_stats as _triton_stats
 from ..numba_loader import limit_threads, restore_threads
 
 __all__ = ["StatsEngine", "Handle", "skip_reason"]
@@ -219,10 +221,21 @@ class StatsEngine:
         if not (d.dtype.is_floating_point or packed_fp4 or dtype.startswith(("int", "uint")) or dtype == "bool"):
             raise ValueError(f"cannot compute numeric statistics of a {dtype} tensor")
         h = Handle(dtype, shape, numel)
-        h.parts = _stats.device_partials(d, histogram=self.device_histogram)
+        h.parts = self._device_parts(d)
         with self._lock:
             self._pending.append(h)
         return h
+
+    def _device_parts(self, d: torch.Tensor) -> list:
+        """The fused Triton kernel's partials where it takes ``d`` (a CUDA tensor, triton installed), else the
+        torch device path's; a kernel that fails here (no compiler for this GPU) leaves the torch path in use."""
+        if _triton_stats.takes(d):
+            try:
+                return _triton_stats.device_partials(d, histogram=self.device_histogram)
+            except Exception as e:
+                _triton_stats.give_up(e)
+                self._warn("statistics", f"the Triton statistics kernel failed ({e}); using the torch device path")
+        return _stats.device_partials(d, histogram=self.device_histogram)
 
     def resolve(self) -> None:
         """Bring every pending device result to the host in one transfer."""
