@@ -610,7 +610,8 @@ def _adam_runner(build, inputs):
     weights become NaN, step 1 is NaN from its first op.  The right answer is step 0's backward op."""
 
     def run(store):
-        from precision_lab.live import CaptureOptions, capture
+        from precision_lab import capture
+        from precision_lab.live import CaptureOptions
         from precision_lab.services.report import first_nonfinite
         from precision_lab.store import queries as q
 

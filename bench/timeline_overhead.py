@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from capture_overhead import BATCH, BLOCKS, D, HEADS, HIDDEN, SEQ, Transformer, _cpu_name  # noqa: E402
-from precision_lab.live.capture import Capture  # noqa: E402
+from precision_lab.live.recorder import Capture  # noqa: E402
 from precision_lab.live.options import CaptureOptions  # noqa: E402
 
 EVERY = 1_000_000  # "every N-th step in full": only the untimed first step of a block

@@ -94,8 +94,8 @@ ALL = list(_modules())
 def test_the_checker_sees_the_package(tmp_path):
     names = {m for _, m, _ in ALL}
     assert {"precision_lab.store.queries", "precision_lab.services.ingest", "precision_lab.fixes.rules",
-            "precision_lab.live.capture", "precision_lab.readers.base"} <= names
-    assert _floor_of("precision_lab.live.capture") == "producers"
+            "precision_lab.live.recorder", "precision_lab.readers.base"} <= names
+    assert _floor_of("precision_lab.live.recorder") == "producers"
     assert _floor_of("precision_lab.formats") == "vocabulary"
     # the checker resolves relative imports and sees ones inside functions
     probe = tmp_path / "probe.py"

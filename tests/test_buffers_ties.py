@@ -15,7 +15,7 @@ import precision_lab
 from precision_lab.fixes.catalogue import apply_fixes
 from precision_lab.fixes.policy import PrecisionPolicy, island_effect, tied_groups
 from precision_lab.live import CaptureOptions
-from precision_lab.live.capture import Capture
+from precision_lab.live.recorder import Capture
 from precision_lab.records import INPUT_ROLES, ROLES, split_tensor_name
 from precision_lab.services.applicable import _fingerprint, _try, island_targets
 from precision_lab.store import Store

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import precision_lab
 from precision_lab import capture
 from precision_lab.live import CaptureOptions
-from precision_lab.live.capture import Capture
+from precision_lab.live.recorder import Capture
 from precision_lab.store import Store
 from precision_lab.stats import HIST_EDGES, N_BINS, tensor_stats
 
@@ -865,7 +865,7 @@ def test_module_re_runs_hold_no_copy_of_the_parameters():
     m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     with capture(m, store=Store(":memory:"), options=CaptureOptions(local_error=True)) as cap:
         m(torch.randn(2, 64))
-        skeletons = [s for s in cap._shadow_cache.values() if s is not False]
+        skeletons = [s for s in cap._shadow.skeletons.values() if s is not False]
         assert skeletons
         assert all(t.device.type == "meta" for s in skeletons for t in list(s.parameters()) + list(s.buffers()))
 
@@ -989,3 +989,4 @@ def test_only_views_of_one_tensor_share_statistics():
     eng.measure(x, "x")
     h = eng.measure(torch._neg_view(x), "neg")  # -x, over the same memory: never x's statistics
     assert h is None or h.stats.max == 0.0
+

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from precision_lab.cli import app
 from precision_lab.fixes.recipes import RECIPES
 from precision_lab.live import CaptureOptions
-from precision_lab.live.capture import Capture
+from precision_lab.live.recorder import Capture
 from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 

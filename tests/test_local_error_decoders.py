@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from precision_lab.live.capture import Capture
+from precision_lab.live.recorder import Capture
 from precision_lab.live.options import CaptureOptions
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from precision_lab import capture_pair
+from precision_lab import capture, capture_pair
 from precision_lab.alerts import op_alerts
 from precision_lab.cli import app
 from precision_lab.fixes.catalogue import apply_fixes, unreachable
@@ -23,7 +23,7 @@ from precision_lab.fixes.policy import get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
 from precision_lab.quantisation import flushed_by_underflow
-from precision_lab.live import CaptureOptions, capture
+from precision_lab.live import CaptureOptions
 from precision_lab.services.applicable import applicable_fixes
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.rerun import capture_recipe

@@ -13,7 +13,7 @@ from precision_lab.alerts import (grad_spike_alerts, headroom_bits, loss_scale_a
                                   op_format, _rolling_fit)
 from precision_lab.cli import app
 from precision_lab.formats import get_format
-from precision_lab.live.capture import capture
+from precision_lab import capture
 from precision_lab.live.engine import StatsEngine
 from precision_lab.live.options import CaptureOptions
 from precision_lab.services import timeline as svc
@@ -446,7 +446,7 @@ def test_a_long_runs_memory_per_step_is_what_the_options_state():
     1.1 KB the options document (with the four default watched formats)."""
     import tracemalloc
 
-    from precision_lab.live.capture import Capture
+    from precision_lab.live.recorder import Capture
 
     model = _mlp()
     with Capture(model, run="mem", options=CaptureOptions(every=10 ** 6), write=False) as cap:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from precision_lab.live.capture import capture
+from precision_lab import capture
 from precision_lab.live.options import CaptureOptions
 
 GROWTH_RUN = "fp16-growth"

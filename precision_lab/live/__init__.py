@@ -1,4 +1,4 @@
-"""Live capture: hooks on a running PyTorch model.
+"""Live capture: hooks on a running PyTorch model (``Capture``, in ``live.recorder``).
 
 Record one training step of a model in fp16, into the default database::
 
@@ -28,8 +28,8 @@ rank), pass ``shard_dir=`` instead of ``store=``: each rank writes
 
 from __future__ import annotations
 
-from .capture import Capture, capture
 from ..ops import VIEW_OPS
 from .options import CaptureOptions
+from .recorder import Capture
 
-__all__ = ["capture", "CaptureOptions", "Capture", "VIEW_OPS"]
+__all__ = ["Capture", "CaptureOptions", "VIEW_OPS"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-
+import threading
+from typing import Optional, Protocol
 
 # Bounds of the autograd-graph walk that finds an op's own gradient edges.
 _MAX_WALK_NODES = 4096
@@ -19,11 +20,79 @@ class _BackwardOp:
         self.pending = {}  # (role, index) -> [expected, arrived, sum]
 
 
-class BackwardHooks:
-    """Part of ``Capture``: see ``live.capture``."""
+class Recorder(Protocol):
+    """What the backward hooks need from the capture they record for."""
 
-    # -- backward
-    def _register_backward(self, op, op_type, ins, outs, start_seq) -> None:
+    recording: bool  # this step is recorded in full
+    summarising: bool  # this step is summarised for the timeline only
+    step_no: int
+
+    def take_seq(self) -> int: ...
+
+    def measure(self, op: str, t, hold: bool = False): ...
+
+    def add_tensor(self, seq, op, op_type, role, index, t, handle, direction="forward", step=None,
+                   location=None) -> int: ...
+
+    def summarise(self, seq, op, op_type, role, index, direction, t, location) -> None: ...
+
+    def hook_error(self, where: str, e: BaseException) -> None: ...
+
+
+class BackwardHooks:
+    """A capture's gradient hooks: each op's ``grad_output`` and ``grad_input`` through autograd node hooks
+    registered on the step's graph as the op finishes (``register``), each parameter's ``param_grad`` after it
+    is accumulated (``watch_param``).  ``timeline``: parameter gradients are summarised on every step."""
+
+    def __init__(self, recorder: Recorder, *, timeline: bool):
+        self._rec = recorder
+        self._timeline = timeline
+        self._lock = threading.Lock()
+        # the loss scale of this backward: gradients are recorded divided by it, in fp32 (GradScaler's unscale_)
+        self.grad_scale: Optional[float] = None
+        self._node_birth: dict = {}  # id(autograd node) -> seq of the op that made it, this step
+        self._param_owner: dict = {}  # id(parameter) -> (op, op_type, name) of the module whose backward owns it
+        self._handles: list = []  # parameter hooks, for the whole capture
+        self._step_handles: list = []  # node hooks on this step's graph
+
+    def watch_param(self, p, op: str, op_type: str, pname: str) -> None:
+        """Record parameter ``p``'s gradient as ``op``'s ``param_grad`` ``pname`` (once per parameter)."""
+        if id(p) in self._param_owner or not p.requires_grad:
+            return
+        self._param_owner[id(p)] = (op, op_type, pname)
+        self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
+
+    def mark_outputs(self, outs, seq: int) -> None:
+        """Note the seq of the op that made these outputs' autograd nodes: the graph walk stops there."""
+        for _, t in outs:
+            gf = t.grad_fn
+            if gf is not None:
+                self._node_birth.setdefault(id(gf), seq)
+
+    def new_step(self) -> None:
+        self._node_birth.clear()
+
+    def end_step(self) -> None:
+        """Drop the hooks registered on this step's autograd graph."""
+        for h in self._step_handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._step_handles.clear()
+
+    def remove(self) -> None:
+        for h in self._handles + self._step_handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        self._step_handles.clear()
+
+    def register(self, op, op_type, ins, outs, start_seq) -> None:
+        """Hook the backward of an op that just finished: ``ins`` (role, index, tensor), ``outs`` (index,
+        tensor), ``start_seq`` the seq when it started (nodes made since are its own)."""
         nodes: dict = {}
         for idx, t in outs:
             gf = t.grad_fn
@@ -31,7 +100,7 @@ class BackwardHooks:
                 nodes.setdefault(gf, []).append((idx, t.output_nr))
         if not nodes:
             return
-        bop = _BackwardOp(op, op_type, self.step_no)
+        bop = _BackwardOp(op, op_type, self._rec.step_no)
         # the edges through which this op hands gradient to its inputs
         nonleaf: dict = {}
         leaf: dict = {}
@@ -85,7 +154,7 @@ class BackwardHooks:
     def _bw_seq(self, bop: _BackwardOp) -> int:
         with self._lock:
             if bop.seq is None:
-                bop.seq = self._take_seq()
+                bop.seq = self._rec.take_seq()
             return bop.seq
 
     def _unscaled(self, g):
@@ -94,13 +163,11 @@ class BackwardHooks:
         return g if not self.grad_scale else g.float() / self.grad_scale
 
     def _add_grad(self, seq, bop: _BackwardOp, role, index, g, h) -> None:
-        pos = self._add(seq, bop.op, bop.op_type, role, index, h, "backward", tensor=self._keep(bop.op, g),
-                        step=bop.step)
-        self._observe(pos, g, h)
+        self._rec.add_tensor(seq, bop.op, bop.op_type, role, index, g, h, "backward", step=bop.step)
 
     def _make_grad_output_hook(self, bop, outputs, through):
         def hook(grad_outputs):
-            if not self._recording:
+            if not self._rec.recording:
                 return None
             try:
                 seq = self._bw_seq(bop)
@@ -109,7 +176,7 @@ class BackwardHooks:
                     if g is None:
                         continue
                     g = self._unscaled(g)
-                    h = self._measure(bop.op, g, hold=True)
+                    h = self._rec.measure(bop.op, g, hold=True)
                     if h is None:
                         continue
                     self._add_grad(seq, bop, "grad_output", idx, g, h)
@@ -117,14 +184,14 @@ class BackwardHooks:
                         self._add_grad(seq, bop, "grad_input", in_idx if role == "input" else f"{role}_{in_idx}",
                                        g, h)
             except Exception as e:
-                self._hook_error(bop.op, e)
+                self._rec.hook_error(bop.op, e)
             return None
 
         return hook
 
     def _make_grad_input_hook(self, bop, lst):
         def hook(grad_inputs, grad_outputs):
-            if not self._recording:
+            if not self._rec.recording:
                 return None
             try:
                 seq = self._bw_seq(bop)
@@ -141,17 +208,18 @@ class BackwardHooks:
                     total = self._unscaled(entry[2])
                     entry[2] = None
                     out_idx = idx if role == "input" else f"{role}_{idx}"
-                    h = self._measure(bop.op, total, hold=True)
+                    h = self._rec.measure(bop.op, total, hold=True)
                     if h is not None:
                         self._add_grad(seq, bop, "grad_input", out_idx, total, h)
             except Exception as e:
-                self._hook_error(bop.op, e)
+                self._rec.hook_error(bop.op, e)
             return None
 
         return hook
 
     def _param_grad_hook(self, p) -> None:
-        if not (self._recording or self._summary):
+        rec = self._rec
+        if not (rec.recording or rec.summarising):
             return
         owner = self._param_owner.get(id(p))
         if owner is None or p.grad is None:
@@ -160,14 +228,13 @@ class BackwardHooks:
         try:
             g = self._unscaled(p.grad)
             seq = None
-            if self._recording:
-                h = self._measure(op, g, hold=True)
+            if rec.recording:
+                h = rec.measure(op, g, hold=True)
                 if h is not None:
-                    seq = self._take_seq()
-                    pos = self._add(seq, op, op_type, "param_grad", pname, h, "backward", tensor=self._keep(op, g))
-                    self._observe(pos, g, h)
-            if self.options.timeline:
-                self._summarise(self._take_seq() if seq is None else seq, op, op_type, "param_grad", pname,
-                                "backward", g, None)
+                    seq = rec.take_seq()
+                    rec.add_tensor(seq, op, op_type, "param_grad", pname, g, h, "backward")
+            if self._timeline:
+                rec.summarise(rec.take_seq() if seq is None else seq, op, op_type, "param_grad", pname,
+                              "backward", g, None)
         except Exception as e:
-            self._hook_error(op, e)
+            rec.hook_error(op, e)

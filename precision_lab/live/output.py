@@ -1,13 +1,21 @@
-"""Where a capture's records go: a store-like sink in one transaction, or Parquet shards per rank and step."""
+"""Where a capture's records go: a store-like sink in one transaction, or Parquet shards per rank and step.
+
+``CapturedRun`` is what a capture recorded (records, local comparisons, warnings, timeline), written by its
+``write_run``; ``RunOutput`` is the destination a capture was given, written when it ends (or, for shards, as
+each step ends).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from ..readers.shards import write_manifest, write_shard, write_timeline
 from ..records import RunInfo
 from .policies import policy_description
+
+__all__ = ["CapturedRun", "RunOutput"]
 
 
 def _dist(getter: str) -> Optional[int]:
@@ -32,10 +40,23 @@ def _world_size() -> int:
     return n if n is not None else 1
 
 
-class RunOutput:
-    """Part of ``Capture``: see ``live.capture``."""
+@dataclasses.dataclass
+class CapturedRun:
+    """What a capture recorded, without its model, hooks or store (``Capture.detached()``): picklable, so a
+    worker process can send it back to be written.  The lists are the capture's own, not copies."""
 
-    # ---- output ----------------------------------------------------------------------------
+    run_id: str
+    run: str
+    kind: Optional[str]
+    source: str
+    policy: Any
+    records: list
+    local_comparisons: list  # (record position, Comparison)
+    warnings: list  # (where, message)
+    timeline_rows: list
+    timeline_shares: list
+    step_scalars: list
+
     def run_meta(self) -> dict:
         return {
             "run_id": self.run_id, "name": self.run, "dtype": self.dominant_dtype(), "kind": self.run_kind(),
@@ -78,53 +99,44 @@ class RunOutput:
         if self.timeline_rows or self.step_scalars:
             w.add_timeline(self.timeline_rows, self.timeline_shares, self.step_scalars)
 
-    def detached(self) -> "CapturedRun":
-        """What this finished capture recorded, without its model, hooks or store: picklable, so a worker
-        process can send it back to be written."""
-        return CapturedRun({k: getattr(self, k) for k in CapturedRun.FIELDS})
 
-    def _finish_output(self) -> None:
-        if self.shard_dir is not None:
-            meta = self.run_meta()
-            meta["warnings"] = [{"where": a, "message": b} for a, b in self.warnings]
-            if self.timeline_rows or self.step_scalars:
-                write_timeline(self.shard_dir, meta, rank=self.rank, rows=self.timeline_rows,
-                               shares=self.timeline_shares, scalars=self.step_scalars)
-            write_manifest(self.shard_dir, [meta])
-            self.session = None
-            return
-        store = self._store_arg  # a Store, or any sink with new_session/extend_session
-        notes = {"capture": {"run": self.run, "steps": self.step_no + 1, "options": repr(self.options)}}
-        if self.options.timeline:
-            notes["capture"].update(frames=self.frames, first_nonfinite_step=self.first_nonfinite_step)
-        if self.session_arg:
-            with store.extend_session(self.session_arg) as w:
-                self.write_run(w)
-                self.session = w.name
-        else:
-            with store.new_session(self.run, source=self.source, notes=notes) as w:
-                self.write_run(w)
-            self.session = w.name  # the name it got: made unique as the session is inserted
+class RunOutput:
+    """A capture's destination: ``store`` (a Store, or any sink with ``new_session``/``extend_session``),
+    written in one transaction when the capture ends -- a new session, or a new run in ``session`` -- or
+    ``shard_dir``, one Parquet shard per step as each step ends and the run's timeline and manifest entry
+    at the end."""
 
-    def _write_step_shard(self, step_records, base, step=None) -> None:
-        local = {}
-        for pos, cmp in self.local_comparisons:
-            if base <= pos < base + len(step_records):
-                local[pos - base] = cmp
-        meta = self.run_meta()
-        path = write_shard(self.shard_dir, meta, step_records, rank=self.rank,
-                           step=self.step_no if step is None else step,
+    def __init__(self, *, store=None, session: Optional[str] = None, shard_dir=None, rank: int = 0):
+        self.store = store
+        self.session = session
+        self.shard_dir = shard_dir
+        self.rank = rank
+        self.shard_files: list = []  # Parquet files written (shard mode)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_dir is not None
+
+    def write_step(self, run: CapturedRun, step_records: list, local: dict, step: int) -> None:
+        """One step's records as a shard; ``local``: its local comparisons by position in ``step_records``."""
+        path = write_shard(self.shard_dir, run.run_meta(), step_records, rank=self.rank, step=step,
                            local_comparisons=local)
         self.shard_files.append(path)
 
-
-class CapturedRun(RunOutput):
-    """A finished capture's records, comparisons, warnings and timeline (``Capture.detached()``), written
-    with the same ``write_run`` as the capture itself."""
-
-    FIELDS = ("run_id", "run", "kind", "source", "policy", "records", "local_comparisons", "warnings",
-              "timeline_rows", "timeline_shares", "step_scalars")
-
-    def __init__(self, fields: dict):
-        for k in self.FIELDS:
-            setattr(self, k, fields[k])
+    def finish(self, run: CapturedRun, notes: dict) -> Optional[str]:
+        """Write the run; the session it went to (None for shards).  ``notes``: a new session's notes."""
+        if self.shard_dir is not None:
+            meta = run.run_meta()
+            meta["warnings"] = [{"where": a, "message": b} for a, b in run.warnings]
+            if run.timeline_rows or run.step_scalars:
+                write_timeline(self.shard_dir, meta, rank=self.rank, rows=run.timeline_rows,
+                               shares=run.timeline_shares, scalars=run.step_scalars)
+            write_manifest(self.shard_dir, [meta])
+            return None
+        if self.session:
+            with self.store.extend_session(self.session) as w:
+                run.write_run(w)
+                return w.name
+        with self.store.new_session(run.run, source=run.source, notes=notes) as w:
+            run.write_run(w)
+        return w.name  # the name it got: made unique as the session is inserted

@@ -104,11 +104,59 @@ def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32) if t.dtype in _LOW_FLOAT else t.detach()
 
 
-class ShadowRuns:
-    """Part of ``Capture``: see ``live.capture``."""
+def with_rng(state, fn):
+    """Run ``fn`` with the RNG state an op itself saw (``_rng_state_of``), then restore the current one.
 
-    # -- local (shadow) error
-    def _local_functional(self, op, info, func, shadow, rng, out_recs) -> None:
+    A random op (dropout) re-run in fp32 then draws the numbers the op drew,
+    and the user's next random op draws what it would have without capture.
+    """
+    if state is None:
+        return fn()
+    cpu, cuda = state
+    cur = _rng_state_of(cuda)
+    torch.set_rng_state(cpu)
+    for dev, st in cuda.items():
+        torch.cuda.set_rng_state(st, dev)
+    try:
+        return fn()
+    finally:
+        torch.set_rng_state(cur[0])
+        for dev, st in cur[1].items():
+            torch.cuda.set_rng_state(st, dev)
+
+
+class ShadowRuns:
+    """The fp32 re-runs of a capture's ops, each output compared with its re-run: the local error.
+
+    ``add_comparison(position, comparison)`` takes each output's comparison (by its record's position);
+    ``warn(where, message)`` notes a problem on the run; ``shared``: objects the model's hooks refer to (the
+    capture), shared by a module's re-run copy rather than copied with it.
+    """
+
+    def __init__(self, *, add_comparison, warn, shared=()):
+        self._add_comparison = add_comparison
+        self._warn = warn
+        self._shared = tuple(shared)
+        self.skeletons: dict = {}  # id(module) -> its re-run skeleton (no memory), or False, for the whole capture
+        self._buffer_ids: frozenset = frozenset()
+
+    def new_step(self, model=None) -> None:
+        """A step starts: ``model``'s buffers are copied (not shared) into a functional op's re-run."""
+        self._buffer_ids = frozenset(id(b) for b in model.buffers()) if model is not None else frozenset()
+
+    def clear(self) -> None:
+        self.skeletons.clear()
+
+    def functional_inputs(self, args, kwargs, inplace: bool) -> tuple:
+        """A functional op's arguments for its re-run, taken before it runs (upcast; copied where it writes)."""
+        return (_upcast(args, clone=inplace, copy_ids=self._buffer_ids),
+                _upcast(kwargs, clone=inplace, copy_ids=self._buffer_ids))
+
+    def module_inputs(self, args, kwargs) -> tuple:
+        """A module call's arguments for its re-run, taken before it runs (upcast copies)."""
+        return _upcast(args, clone=True), _upcast(kwargs, clone=True)
+
+    def functional(self, op, info, func, shadow, rng, out_recs) -> None:
         sargs, skwargs = shadow
         with torch.no_grad():
             if info.cast:
@@ -121,18 +169,18 @@ class ShadowRuns:
                 if not any(t.is_floating_point() for _, t in _flatten((sargs, skwargs))):
                     return
                 with _exact_fp32():
-                    ref_out = self._with_rng(rng, lambda: func(*sargs, **skwargs))
+                    ref_out = with_rng(rng, lambda: func(*sargs, **skwargs))
                 ref_outs = dict(_flatten(ref_out))
-        self._store_local(op, ref_outs, out_recs)
+        self._compare(op, ref_outs, out_recs)
 
-    def _local_module(self, frame: _Frame, out_recs) -> None:
+    def module(self, frame: _Frame, out_recs) -> None:
         module = frame.module
-        skeleton = self._shadow_cache.get(id(module))
+        skeleton = self.skeletons.get(id(module))
         if skeleton is False:
             return
         if skeleton is None:
             skeleton = self._skeleton(frame)
-            self._shadow_cache[id(module)] = skeleton
+            self.skeletons[id(module)] = skeleton
             if skeleton is False:
                 return
         sargs, skwargs = frame.shadow_in
@@ -144,18 +192,18 @@ class ShadowRuns:
             state.update((n, b.detach().to(torch.float32) if b.dtype in _LOW_FLOAT else b.detach().clone())
                          for n, b in module.named_buffers())
             with _exact_fp32():
-                ref_out = self._with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
+                ref_out = with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
         # a module computes in the coarsest format of its parameters: an fp32 output (an fp32 island inside it,
         # a cast at its end) does not make its fp16 arithmetic fp32's
-        self._store_local(frame.op, dict(_flatten(ref_out)), out_recs,
-                          compute_dtypes={p.dtype for p in params.values() if p.is_floating_point()})
+        self._compare(frame.op, dict(_flatten(ref_out)), out_recs,
+                      compute_dtypes={p.dtype for p in params.values() if p.is_floating_point()})
 
     def _skeleton(self, frame: _Frame):
         """A copy of the module's structure for its fp32 re-run: parameters and buffers on the meta device (the
         real ones are passed at each call), and no hooks (the user's, a policy's input casts, ours); False when
         the module cannot be copied."""
         module = frame.module
-        memo = {id(self): self}  # the module's hooks refer to this capture: share it, do not copy it
+        memo = {id(o): o for o in self._shared}  # the module's hooks refer to the capture: share it, do not copy it
         for p in module.parameters():
             memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for b in module.buffers():
@@ -173,27 +221,7 @@ class ShadowRuns:
                     d.clear()
         return skeleton
 
-    def _with_rng(self, state, fn):
-        """Run ``fn`` with the RNG state the op itself saw, then restore the current one.
-
-        A random op (dropout) re-run in fp32 then draws the numbers the op drew,
-        and the user's next random op draws what it would have without capture.
-        """
-        if state is None:
-            return fn()
-        cpu, cuda = state
-        cur = _rng_state_of(cuda)
-        torch.set_rng_state(cpu)
-        for dev, st in cuda.items():
-            torch.cuda.set_rng_state(st, dev)
-        try:
-            return fn()
-        finally:
-            torch.set_rng_state(cur[0])
-            for dev, st in cur[1].items():
-                torch.cuda.set_rng_state(st, dev)
-
-    def _store_local(self, op, ref_outs: dict, out_recs, compute_dtypes=frozenset()) -> None:
+    def _compare(self, op, ref_outs: dict, out_recs, compute_dtypes=frozenset()) -> None:
         """Each output against its fp32 re-run, judged in the coarsest of its own format and ``compute_dtypes``."""
         for idx, t, pos in out_recs:
             ref = ref_outs.get(idx)
@@ -209,5 +237,4 @@ class ShadowRuns:
             fmts = [f for f in map(format_for_dtype, {t.dtype, *compute_dtypes}) if f is not None]
             fmt = max(fmts, key=lambda f: f.eps, default=None)
             cmp = compare(ref.detach(), t.detach(), cand_format=fmt.name if fmt else None)
-            with self._lock:
-                self.local_comparisons.append((pos, cmp))
+            self._add_comparison(pos, cmp)

@@ -1,4 +1,4 @@
-"""A long run's timeline, part of ``Capture``: a cheap summary of every step, full records every N-th step,
+"""A long run's timeline: a cheap summary of every step, full records every N-th step,
 and the last K steps' full records kept when a step goes non-finite (the frames that led to it).
 
 The summary covers each module's output and each parameter's gradient:
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections import deque
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..records import StepScalar, TimelineRow, TimelineShare, tensor_name
 from ..stats import format_counts
 from .engine import StatsEngine
 
-__all__ = ["TimelineSteps", "unexpected_nonfinite", "NONFINITE_SCALAR"]
+__all__ = ["Timeline", "unexpected_nonfinite", "NONFINITE_SCALAR"]
 
 # the step scalar that counts a step's unexpected non-finite values (the timeline's failure marker)
 NONFINITE_SCALAR = "nonfinite_values"
@@ -48,90 +49,104 @@ def _crosses(stats, fmt) -> bool:
     return (a is not None and a >= fmt.overflow_threshold) or (m is not None and m < fmt.normal_threshold)
 
 
-class TimelineSteps:
-    """Part of ``Capture``: see ``live.capture``."""
+class Timeline:
+    """A capture's timeline: the step summaries, the step scalars, the frames kept before a non-finite step and
+    the alerts fired live.
 
-    def _timeline_init(self) -> None:
-        opts = self.options
-        self.timeline_rows: list[TimelineRow] = []
-        self.timeline_shares: list[TimelineShare] = []
-        self.step_scalars: list[StepScalar] = []
+    ``engine`` is the capture's own statistics engine (a summary taken on a fully recorded step uses it);
+    ``warn(where, message)`` and ``hook_error(where, exception)`` note a problem on the run.
+    """
+
+    def __init__(self, options, *, run: str, run_id: str, rank: int, engine: StatsEngine, warn, hook_error):
+        self.options = options
+        self.run, self.run_id, self.rank = run, run_id, rank
+        self._engine = engine
+        self._hook_error = hook_error
+        self._lock = threading.Lock()
+        self.rows: list[TimelineRow] = []
+        self.shares: list[TimelineShare] = []
+        self.scalars: list[StepScalar] = []
         self.frames: list[int] = []  # steps kept only because a later step went non-finite
         self.first_nonfinite_step: Optional[int] = None
-        self._summary = False
-        self._tl_items: list = []
-        self._tl_tid = 0
-        self._tl_hist: dict = {}  # (op, role, index) -> whether its last summary took the histogram
-        self._ring: Optional[deque] = deque(maxlen=opts.keep_last) if opts.keep_last else None
-        self._watch = [get_format(w) for w in opts.watch]
         self.alerts: list = []  # alerts fired live (``on_alert``)
+        self._warn = warn
+        self._items: list = []
+        self._tid = 0
+        self._hist: dict = {}  # (op, role, index) -> whether its last summary took the histogram
+        self._ring: Optional[deque] = deque(maxlen=options.keep_last) if options.keep_last else None
+        self._watch = [get_format(w) for w in options.watch]
         self._live: dict = {}  # (op, role, index) -> the last points of its series, for the live rules
         self._fired: set = set()
         self._norms: deque = deque()  # (step, global gradient norm) of the last steps, for the spike rule
         self._peak: Optional[tuple] = None  # (step, scale): the loss scale's largest so far
         self._summary_engine = None
-        if opts.timeline:
+        if options.timeline:
             fmts = self._watch
-            self._summary_engine = StatsEngine(opts, warn=self._warn, histogram=False, device_histogram=True,
+            self._summary_engine = StatsEngine(options, warn=warn, histogram=False, device_histogram=True,
                                                refine=lambda s: any(_crosses(s, f) for f in fmts))
 
-    # ---- hooks ---------------------------------------------------------------------------
-    def _summarise(self, seq, op, op_type, role, index, direction, t, location) -> None:
-        """Note one tensor of the step's timeline (a module output or a parameter gradient)."""
+    # ---- during a step ----------------------------------------------------------------------
+    def summarise(self, seq, op, op_type, role, index, direction, t, location, *, full: bool) -> None:
+        """Note one tensor of the step's timeline (a module output or a parameter gradient); ``full``: the step
+        is recorded in full, and the tensor's statistics come from the capture's engine."""
         hold = direction == "backward"
-        if self._recording:
+        if full:
             h = self._engine.measure(t, op, hold=hold)
         else:
             # an op's values stay alike from step to step: where its last summary needed the histogram, take
             # it in the first pass instead of a second one
             key = (op, role, index)
-            h = self._summary_engine.measure(t, op, hold=hold, histogram=True if self._tl_hist.get(key) else None)
+            h = self._summary_engine.measure(t, op, hold=hold, histogram=True if self._hist.get(key) else None)
             if h is not None and h.stats is not None:
-                self._tl_hist[key] = h.stats.hist is not None
+                self._hist[key] = h.stats.hist is not None
         if h is not None:
             with self._lock:
-                self._tl_items.append((seq, op, op_type, role, str(index), direction, location, h))
+                self._items.append((seq, op, op_type, role, str(index), direction, location, h))
 
-    def _add_scalars(self, loss, grad_scaler) -> None:
-        step = self.step_no
+    def add_scalars(self, step: int, loss, grad_scaler) -> None:
         if loss is not None:
             try:
                 v = float(loss.detach().float().item()) if hasattr(loss, "detach") else float(loss)
             except Exception as e:
                 self._warn("timeline", f"loss of step {step} is not a number ({e})")
             else:
-                self.step_scalars.append(StepScalar(self.run_id, step, self.rank, "loss", v))
+                self.scalars.append(StepScalar(self.run_id, step, self.rank, "loss", v))
         if grad_scaler is not None:
             try:
                 if grad_scaler.is_enabled():
-                    self.step_scalars.append(StepScalar(self.run_id, step, self.rank, "loss_scale",
-                                                        float(grad_scaler.get_scale())))
+                    self.scalars.append(StepScalar(self.run_id, step, self.rank, "loss_scale",
+                                                   float(grad_scaler.get_scale())))
             except Exception as e:
                 self._warn("timeline", f"could not read the GradScaler's scale ({e})")
 
-    # ---- the end of a step --------------------------------------------------------------------
-    def _timeline_pending(self) -> bool:
-        return bool(self._tl_items)
+    def new_step(self) -> None:
+        if self._summary_engine is not None:
+            self._summary_engine.new_step()
 
-    def _resolve_summaries(self) -> None:
+    # ---- the end of a step --------------------------------------------------------------------
+    def pending(self, step: int) -> bool:
+        """Whether step ``step`` has summaries or scalars (a loss, a loss scale) waiting for its end."""
+        return bool(self._items) or (bool(self.scalars) and self.scalars[-1].step == step)
+
+    def resolve(self) -> None:
         if self._summary_engine is not None:
             self._summary_engine.resolve()
 
-    def _timeline_end_step(self, step_records: list, base: int) -> list:
+    def end_step(self, step: int, step_records: list, local: list) -> list:
         """Make the step's timeline rows and decide which full records stay: ``[(step, records, local)]`` to
-        keep now, ``local`` being the group's local comparisons by position in it (None: already placed)."""
-        step = self.step_no
+        keep now, ``local`` being the group's local comparisons by position in it (``local`` given: this
+        step's)."""
         bad = 0
-        first_row, first_share = len(self.timeline_rows), len(self.timeline_shares)
-        items, self._tl_items = self._tl_items, []
+        first_row, first_share = len(self.rows), len(self.shares)
+        items, self._items = self._items, []
         with_hist = []  # (tid, stats) whose watched-format counts come from the histogram, all at once below
         for seq, op, op_type, role, index, direction, location, h in items:
             s = h.stats
             if s is None:
                 continue
-            tid = self._tl_tid
-            self._tl_tid += 1
-            self.timeline_rows.append(TimelineRow(
+            tid = self._tid
+            self._tid += 1
+            self.rows.append(TimelineRow(
                 run_id=self.run_id, tid=tid, step=step, rank=self.rank, seq=seq, op=op, op_type=op_type, role=role,
                 index=index, direction=direction, dtype=s.dtype, numel=s.numel, nan_count=s.nan_count,
                 inf_count=s.inf_count, neg_inf_count=s.neg_inf_count, zero_count=s.zero_count, absmax=s.absmax,
@@ -142,39 +157,37 @@ class TimelineSteps:
             else:
                 for fmt in self._watch:
                     if not _crosses(s, fmt):  # exactly none past either end; otherwise unknown, no row
-                        self.timeline_shares.append(TimelineShare(self.run_id, tid, fmt.name, finite, 0, 0, 0))
+                        self.shares.append(TimelineShare(self.run_id, tid, fmt.name, finite, 0, 0, 0))
             bad += unexpected_nonfinite(op_type, s.nan_count, s.inf_count, s.neg_inf_count)
         if with_hist:
             hists = np.stack([x[2] for x in with_hist])
             for fmt in self._watch:
                 counts = zip(*(c.tolist() for c in format_counts(hists, fmt)))
-                self.timeline_shares.extend(TimelineShare(self.run_id, tid, fmt.name, finite, *c)
-                                            for (tid, finite, _), c in zip(with_hist, counts))
+                self.shares.extend(TimelineShare(self.run_id, tid, fmt.name, finite, *c)
+                                   for (tid, finite, _), c in zip(with_hist, counts))
         if self.options.on_alert is not None:
-            self._live_alerts(step, self.timeline_rows[first_row:], self.timeline_shares[first_share:])
-        loss = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss"), None)
+            self._live_alerts(step, self.rows[first_row:], self.shares[first_share:])
+        loss = next((x.value for x in self.scalars if x.step == step and x.name == "loss"), None)
         if items or loss is not None:
             if loss is not None and not math.isfinite(loss):
                 bad += 1
-            self.step_scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
+            self.scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
         keep = self.options.full_step(step)
-        groups = []  # (step, records, local comparisons relative to the group or None where already placed)
+        groups = []  # (step, records, local comparisons relative to the group)
         if self._ring is not None and step_records and not keep:
-            local = [(p - base, c) for p, c in self.local_comparisons if p >= base]
-            self.local_comparisons = [(p, c) for p, c in self.local_comparisons if p < base]
             self._ring.append((step, step_records, local))
         else:
             if step_records:
-                groups.append((step, step_records, None))
+                groups.append((step, step_records, local))
             if self._ring is not None:  # kept already: it still counts as one of the last K steps
                 self._ring.append((step, None, None))
         if bad and self.first_nonfinite_step is None:
             self.first_nonfinite_step = step
             if self._ring:
-                for s_no, recs, local in self._ring:
+                for s_no, recs, kept_local in self._ring:
                     if recs is None:
                         continue
-                    groups.append((s_no, recs, local))
+                    groups.append((s_no, recs, kept_local))
                     if s_no != step:
                         self.frames.append(s_no)
                 self._ring.clear()
@@ -200,7 +213,7 @@ class TimelineSteps:
                 got = grad_spike_alerts(self.run, [p[0] for p in self._norms], [p[1] for p in self._norms])
                 if got and got[0].step == step:
                     self._fire((None, "grad_spike"), dataclasses.replace(got[0], steps_firing=1))
-        scale = next((x.value for x in self.step_scalars if x.step == step and x.name == "loss_scale"), None)
+        scale = next((x.value for x in self.scalars if x.step == step and x.name == "loss_scale"), None)
         if scale is not None:
             if self._peak is None or scale > self._peak[1]:
                 self._peak = (step, scale)

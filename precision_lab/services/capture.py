@@ -12,7 +12,6 @@ reference copies are deleted when the pair is written.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -25,10 +24,9 @@ import torch
 
 from ..fixes.policy import DYNAMIC_INIT_SCALE, call_model
 from ..formats import format_for_dtype, get_format
-from ..live.capture import Capture
-from ..live.policies import as_policy, policy_description
-from ..live.capture import capture as live_capture
 from ..live.options import CaptureOptions
+from ..live.policies import as_policy, policy_description
+from ..live.recorder import Capture
 from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
 from ..store import Store
@@ -216,8 +214,8 @@ class _Comparer:
         if t.is_complex() or ref.is_complex():
             return None
         if tuple(ref.shape) != tuple(t.shape):
-            cap._warn(rec.op, f"{rec.name}: reference shape {tuple(ref.shape)} differs from candidate "
-                              f"{tuple(t.shape)}; compared by summary statistics")
+            cap.warn(rec.op, f"{rec.name}: reference shape {tuple(ref.shape)} differs from candidate "
+                             f"{tuple(t.shape)}; compared by summary statistics")
             return "stats"
         fmt = verdict_format(canonical_dtype(t.dtype), self.run_dtype)
         if t.device != ref.device:
@@ -253,9 +251,9 @@ class _Comparer:
                 self.results[pos] = (ref_pos, "stats", match)
                 changed += 1
         if changed:
-            cand_cap._warn("capture_pair", f"the candidate ran mostly in {actual}, not the {self.run_dtype} its "
-                                           f"policy declares; {changed} tensors were compared by summary "
-                                           "statistics against the format that rule gives")
+            cand_cap.warn("capture_pair", f"the candidate ran mostly in {actual}, not the {self.run_dtype} its "
+                                          f"policy declares; {changed} tensors were compared by summary "
+                                          "statistics against the format that rule gives")
 
 
 def run_steps(cap: Capture, inputs, loss_fn, seed: int, optimizer_fn: Optional[Callable] = None, steps: int = 1):
@@ -292,7 +290,7 @@ def optimizer_step(cap: Capture, opt) -> None:
         for g in grads:
             g.div_(cap.grad_scale)
     if getattr(cap.policy, "skip_nonfinite_step", False) and not all(bool(torch.isfinite(g).all()) for g in grads):
-        cap._warn("optimizer", f"step {cap.step_no} skipped: its gradients hold NaN/inf")
+        cap.warn("optimizer", f"step {cap.step_no} skipped: its gradients hold NaN/inf")
     else:
         opt.step()
     opt.zero_grad(set_to_none=True)
@@ -313,17 +311,14 @@ def scaled_backward(cap: Capture, loss) -> None:
         return
     if scale == "dynamic":
         params = [p for p in cap.model.parameters() if p.requires_grad]
-        scale, recording = DYNAMIC_INIT_SCALE, cap._recording
-        cap._recording = False
-        try:
+        scale = DYNAMIC_INIT_SCALE
+        with cap.paused():
             # a loss that is itself NaN/Inf has no scale that makes its gradients finite: no search
             while scale > MIN_LOSS_SCALE and params and bool(torch.isfinite(loss).all()):
                 grads = torch.autograd.grad(loss * scale, params, retain_graph=True, allow_unused=True)
                 if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
                     break
                 scale /= 2.0
-        finally:
-            cap._recording = recording
     cap.grad_scale = float(scale)
     (loss * scale).backward()
 
@@ -345,12 +340,30 @@ class _StoreAt:
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
             options: Optional[CaptureOptions] = None, shard_dir=None) -> Capture:
-    """``precision_lab.capture``: ``live.capture`` with ``store`` also a database path (None: the default
-    database), opened when the capture writes."""
+    """Record per-op statistics of ``model`` while the ``with`` block runs (``precision_lab.capture``).
+
+    ``with precision_lab.capture(model, run="fp16", dtype_policy=torch.float16) as cap:``
+    then run forward (and backward) on ``cap.model`` with inputs from
+    ``cap.prepare_inputs(...)``; call ``cap.step()`` between training steps.
+
+    On exit the records go to ``store`` (a database path, None meaning the
+    default database, opened only when the capture writes; or a
+    :class:`~precision_lab.store.Store`, or any object with its
+    ``new_session``/``extend_session``) in one transaction -- a new session
+    named after the run, or a new run in ``session`` -- or, with
+    ``shard_dir``, to Parquet shards (one file per rank and step plus
+    ``manifest.json``), for a process that cannot hold the database.
+
+    ``dtype_policy``: None (run as is), a torch dtype (``torch.float16``,
+    ``torch.bfloat16``: the model and floating inputs are cast), or any
+    object with ``prepare(model) -> model`` and ``prepare_inputs(inputs)``.
+    Use ``cap.model``: a policy may return a new module.  Returns the
+    ``live.Capture`` that records.
+    """
     if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
         store = _StoreAt(store)
-    return live_capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
-                        shard_dir=shard_dir)
+    return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
+                   shard_dir=shard_dir)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
@@ -434,10 +447,10 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
         comparer.settle(cand_cap)
         unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
         if cand_cap.records and unmatched * 2 > len(cand_cap.records):
-            cand_cap._warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
-                                           "reference tensor of the same name: the candidate policy added ops or "
-                                           "changed the model's module paths (those are paired by op sequence "
-                                           "and compared by summary statistics)")
+            cand_cap.warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
+                                          "reference tensor of the same name: the candidate policy added ops or "
+                                          "changed the model's module paths (those are paired by op sequence "
+                                          "and compared by summary statistics)")
         name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=recipe, source=source,
                            policy=policy, name=name)
     finally:

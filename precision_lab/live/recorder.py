@@ -50,15 +50,15 @@ from ..records import TensorRecord
 from ..stats import TensorStats
 from .backward import BackwardHooks
 from .engine import StatsEngine
-from .naming import CAST_OPS, _Frame, _OpInfo, _backward_name, _flatten, _func_info
-from .output import RunOutput, _rank, _world_size
+from .naming import _Frame, _OpInfo, _backward_name, _flatten, _func_info
+from .output import CapturedRun, RunOutput, _rank, _world_size
 from .policies import as_policy
-from .shadow import ShadowRuns, _cuda_devices, _rng_state_of, _upcast
+from .shadow import ShadowRuns, _cuda_devices, _rng_state_of, with_rng
 from .options import CaptureOptions
-from .timeline import TimelineSteps
+from .timeline import Timeline
 from .where import user_location
 
-__all__ = ["Capture", "capture", "CAST_OPS"]
+__all__ = ["Capture"]
 
 
 _UNSEEN = object()
@@ -80,7 +80,7 @@ class _Mode(TorchFunctionMode):
         info = cap._fn_selected.get(func, _UNSEEN)
         if info is _UNSEEN:
             info = cap._select_func(func)
-        if info is None or not cap._recording:
+        if info is None or not cap.recording:
             return func(*args, **kwargs)
         st = cap._tls
         stack = getattr(st, "stack", None)
@@ -94,7 +94,7 @@ class _Mode(TorchFunctionMode):
         try:
             ctx = cap._op_before(frame, info, args, kwargs)
         except Exception as e:  # never break the user's step
-            cap._hook_error(f"{frame.path}.{info.name}", e)
+            cap.hook_error(f"{frame.path}.{info.name}", e)
         finally:
             st.busy = False
         out = func(*args, **kwargs)
@@ -103,7 +103,7 @@ class _Mode(TorchFunctionMode):
             try:
                 cap._op_after(ctx, func, args, kwargs, out)
             except Exception as e:
-                cap._hook_error(ctx[0], e)
+                cap.hook_error(ctx[0], e)
             finally:
                 st.busy = False
         return out
@@ -142,8 +142,20 @@ def _name_path(path: str) -> str:
     return ".".join(p for p in path.split(".") if p != _ORIG) if _ORIG in path else path
 
 
-class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
-    """A live capture; use :func:`capture` to make one."""
+class Capture:
+    """A live capture of ``model``: hooks while the ``with`` block runs, the records written when it ends.
+
+    ``precision_lab.capture(...)`` makes one (and also takes a database path); the arguments are its own.
+    ``store``: a :class:`~precision_lab.store.Store`, or any object with its ``new_session``/``extend_session``;
+    ``shard_dir``: Parquet shards instead, for a process that cannot hold the database; ``write=False``: neither
+    (``detached()`` hands the records over).  ``observer.on_record(capture, position, record, tensor, handle)``
+    sees each tensor as it is recorded; ``kind``, ``source``, ``run_id``: the run's.
+
+    It is made of four parts that each own their state: the forward hooks and the step's records here, the
+    gradient hooks (``BackwardHooks``), the fp32 re-runs (``ShadowRuns``), the timeline (``Timeline``) and the
+    destination (``RunOutput``).  The parts call back only ``recording``, ``summarising``, ``step_no``,
+    ``take_seq``, ``measure``, ``add_tensor``, ``summarise``, ``warn`` and ``hook_error``.
+    """
 
     def __init__(self, model, *, run: str = "capture", store=None, session: Optional[str] = None,
                  dtype_policy=None, options: Optional[CaptureOptions] = None, shard_dir=None,
@@ -166,13 +178,9 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         self.options = options
         self.run = run.strip()
         self.policy = as_policy(dtype_policy)
-        self._store_arg = store
-        self.session_arg = session
-        self.shard_dir = shard_dir
         self.kind = kind
         self.source = source
         self.observer = observer
-        self._write = write
         self.rank = _rank()
         if write and shard_dir is None and _world_size() > 1:
             raise ValueError(
@@ -194,36 +202,36 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         self.warnings: list[tuple[str, str]] = []
         self.session: Optional[str] = None
         self.step_no = 0
+        self.recording = False  # this step is recorded in full
+        self.summarising = False  # this step is summarised for the timeline only
         self._warned: set = set()
         self._lock = threading.RLock()
         self._tls = threading.local()
-        self._engine = StatsEngine(options, warn=self._warn)
+        self._engine = StatsEngine(options, warn=self.warn)
+        # the parts, each with its own state
+        self._output = RunOutput(store=store, session=session, shard_dir=shard_dir, rank=self.rank) \
+            if write else None
+        self.timeline = Timeline(options, run=self.run, run_id=run_id, rank=self.rank, engine=self._engine,
+                                 warn=self.warn, hook_error=self.hook_error)
+        self._backward = BackwardHooks(self, timeline=options.timeline)
+        # a module's re-run copy shares this capture (its hooks on the module refer to it)
+        self._shadow = ShadowRuns(add_comparison=self._add_comparison, warn=self.warn, shared=(self,))
         self._handles: list = []
-        self._step_handles: list = []
         self._mode: Optional[_Mode] = None
         self._active = False
-        self._recording = False
-        # the loss scale of this backward: gradients are recorded divided by it, in fp32 (GradScaler's unscale_)
-        self.grad_scale: Optional[float] = None
         self._seq = 0
         self._counters: dict = {}
         self._names: dict = {}  # (path, op, n) -> its name, made once
         self._pending: list = []  # (TensorRecord, handle) of the current step
-        self._node_birth: dict = {}
         self._params_done: set = set()
         self._module_paths: dict = {}
-        self._param_owner: dict = {}
-        self._shadow_cache: dict = {}  # id(module) -> its re-run skeleton (no memory), for the whole capture
-        self._buffer_ids: frozenset = frozenset()
         self._regions: dict = {}  # id(module) -> (module, attribute, the compiled callable it held)
         self._compile_watch = None  # torch._dynamo's compile-start callback, while installed
         # decisions that depend only on the options and the op or module, made once per capture
         self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
         self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
         self._keep_ops: dict = {}  # op name -> whether its tensors are kept whole
-        self.shard_files: list = []  # Parquet files written (shard mode)
         self._user_error: Optional[str] = None
-        self._timeline_init()
 
     # ---- public ---------------------------------------------------------------
     def prepare_inputs(self, inputs):
@@ -238,10 +246,67 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         """
         with self._lock:
             if loss is not None or grad_scaler is not None:
-                self._add_scalars(loss, grad_scaler)
+                self.timeline.add_scalars(self.step_no, loss, grad_scaler)
             self._end_step()
             self.step_no += 1
             self._begin_step()
+
+    @property
+    def grad_scale(self) -> Optional[float]:
+        """The loss scale of this backward: gradients are recorded divided by it, in fp32 (GradScaler's
+        ``unscale_``); None for none."""
+        return self._backward.grad_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: Optional[float]) -> None:
+        self._backward.grad_scale = value
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing is recorded inside (a loss-scale search's trial backward passes)."""
+        recording, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = recording
+
+    # what the timeline holds, as the run has it
+    timeline_rows = property(lambda self: self.timeline.rows)
+    timeline_shares = property(lambda self: self.timeline.shares)
+    step_scalars = property(lambda self: self.timeline.scalars)
+    frames = property(lambda self: self.timeline.frames)
+    first_nonfinite_step = property(lambda self: self.timeline.first_nonfinite_step)
+    alerts = property(lambda self: self.timeline.alerts)
+
+    @property
+    def shard_files(self) -> list:
+        """Parquet files written (shard mode)."""
+        return self._output.shard_files if self._output is not None else []
+
+    def step_scalars_pending(self) -> bool:
+        """Whether the current step has scalars (a loss, a loss scale) waiting for its end."""
+        return bool(self.step_scalars) and self.step_scalars[-1].step == self.step_no
+
+    def detached(self) -> CapturedRun:
+        """What this capture recorded, without its model, hooks or store: picklable, so a worker process can
+        send it back to be written."""
+        tl = self.timeline
+        return CapturedRun(run_id=self.run_id, run=self.run, kind=self.kind, source=self.source, policy=self.policy,
+                           records=self.records, local_comparisons=self.local_comparisons, warnings=self.warnings,
+                           timeline_rows=tl.rows, timeline_shares=tl.shares, step_scalars=tl.scalars)
+
+    def run_meta(self) -> dict:
+        return self.detached().run_meta()
+
+    def dominant_dtype(self) -> str:
+        return self.detached().dominant_dtype()
+
+    def run_kind(self) -> str:
+        return self.detached().run_kind()
+
+    def write_run(self, w) -> list[int]:
+        """Add this run, its records, local comparisons and warnings to a session writer; returns the rids."""
+        return self.detached().write_run(w)
 
     # ---- context manager ------------------------------------------------------
     def __enter__(self) -> "Capture":
@@ -254,9 +319,9 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             if callable(notes):
                 try:
                     for note in notes(self.model):
-                        self._warn("policy", note)
+                        self.warn("policy", note)
                 except Exception as e:
-                    self._hook_error("policy", e)
+                    self.hook_error("policy", e)
             prepared = self.policy.prepare(self.model)
             if prepared is not None:
                 self.model = prepared
@@ -276,15 +341,15 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             self._uninstall()
         finally:
             self._active = False
-            self._recording = False
+            self.recording = False
             self._engine.exit()
         if et is not None and not issubclass(et, Exception):
             return False  # KeyboardInterrupt and friends: leave at once
         if et is not None:
             self._user_error = f"{et.__name__}: {ev}"
-            self._warn("capture", f"the captured code raised {self._user_error}; records up to that point are kept")
+            self.warn("capture", f"the captured code raised {self._user_error}; records up to that point are kept")
         self._end_step()
-        if self._write:
+        if self._output is not None:
             if et is None:
                 self._finish_output()
             else:
@@ -294,6 +359,12 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                 except Exception as e:
                     ev.add_note(f"precision_lab.capture could not write run {self.run!r}: {type(e).__name__}: {e}")
         return False
+
+    def _finish_output(self) -> None:
+        notes = {"capture": {"run": self.run, "steps": self.step_no + 1, "options": repr(self.options)}}
+        if self.options.timeline:
+            notes["capture"].update(frames=self.frames, first_nonfinite_step=self.first_nonfinite_step)
+        self.session = self._output.finish(self.detached(), notes)
 
     # ---- installing hooks --------------------------------------------------------
     def _install(self) -> None:
@@ -315,23 +386,20 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                 self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
             if opts.backward and opts.params and opts.module_selected(path) and opts.op_type_selected(
                     type(mod).__name__):
+                # a parameter's gradient is produced by its module's backward
+                named = _name_path(path)  # "" for the model, and for the model torch.compile(model) wraps
+                op = f"{named}.backward.0" if named else "backward.0"
                 for pname, p in mod.named_parameters(recurse=False):
-                    if id(p) in self._param_owner or not p.requires_grad:
-                        continue
-                    # a parameter's gradient is produced by its module's backward
-                    named = _name_path(path)  # "" for the model, and for the model torch.compile(model) wraps
-                    op = f"{named}.backward.0" if named else "backward.0"
-                    self._param_owner[id(p)] = (op, type(mod).__name__, pname)
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
+                    self._backward.watch_param(p, op, type(mod).__name__, pname)
         for key, (mod, attr) in regions.items():
             compiled = getattr(mod, attr)
             self._regions[key] = (mod, attr, compiled)
             setattr(mod, attr, self._region_call(mod, compiled))
         if regions:
             shown = ", ".join(self._module_paths[k] or "the model" for k in regions)
-            self._warn("torch.compile", f"compiled with torch.compile: {shown}. Inputs and outputs recorded there "
-                                        "are the compiled numbers; the ops inside come from an eager re-run on the "
-                                        "same inputs")
+            self.warn("torch.compile", f"compiled with torch.compile: {shown}. Inputs and outputs recorded there "
+                                       "are the compiled numbers; the ops inside come from an eager re-run on the "
+                                       "same inputs")
         # code compiled anywhere else (a function given to torch.compile) would be traced with the capture's
         # function mode on the stack: say so on the run rather than record it silently as something it is not
         self._compile_watch = torch._dynamo.callback.callback_handler.register_start_callback(self._on_compile)
@@ -341,10 +409,10 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
 
     def _on_compile(self, *_) -> None:
         if self._active and not getattr(self._tls, "in_region", False):
-            self._warn("torch.compile", "a function compiled with torch.compile, not a compiled module, ran inside "
-                                        "the capture: its ops are not recorded as compiled numbers. Compile the "
-                                        "module that calls it (module.compile() or torch.compile(module)) so its "
-                                        "inputs and outputs are recorded as compiled")
+            self.warn("torch.compile", "a function compiled with torch.compile, not a compiled module, ran inside "
+                                       "the capture: its ops are not recorded as compiled numbers. Compile the "
+                                       "module that calls it (module.compile() or torch.compile(module)) so its "
+                                       "inputs and outputs are recorded as compiled")
 
     def _region_call(self, module, compiled):
         """The compiled call of ``module``, wrapped: its inputs and outputs recorded as the module's own call (the
@@ -352,7 +420,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         its graphs), and an eager re-run of the module on the same inputs for the ops inside."""
 
         def call(*args, **kwargs):
-            if not (self._recording or self._summary) or getattr(self._tls, "busy", False):
+            if not (self.recording or self.summarising) or getattr(self._tls, "busy", False):
                 with self._compiled_code():
                     return compiled(*args, **kwargs)
             self._pre_hook(module, args, kwargs)
@@ -362,7 +430,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             rng = _rng_state_of(_cuda_devices((args, kwargs)))
             # the inputs as the compiled call got them, for the eager re-run (compiled code may update them in place)
             eager_in = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs)) \
-                if self._recording else None
+                if self.recording else None
             out = None
             try:
                 with self._compiled_code():
@@ -384,10 +452,10 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         try:
             # eager all the way down: compiled modules inside the region run eagerly too
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                self._with_rng(rng, lambda: run(*args, **kwargs))
+                with_rng(rng, lambda: run(*args, **kwargs))
         except Exception as e:
-            self._warn(self._module_paths.get(id(module), "?"),
-                       f"the eager re-run for the ops inside this compiled region failed ({type(e).__name__}: {e})")
+            self.warn(self._module_paths.get(id(module), "?"),
+                      f"the eager re-run for the ops inside this compiled region failed ({type(e).__name__}: {e})")
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
@@ -423,43 +491,42 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             except Exception as e:  # a mode pushed by user code on top of ours
                 err = e
             self._mode = None
-        for h in self._handles + self._step_handles:
+        for h in self._handles:
             try:
                 h.remove()
             except Exception:
                 pass
         self._handles.clear()
-        self._step_handles.clear()
-        self._shadow_cache.clear()
+        self._backward.remove()
+        self._shadow.clear()
         if err is not None:
-            self._warn("capture", f"could not pop the capture's function mode cleanly: {err}")
+            self.warn("capture", f"could not pop the capture's function mode cleanly: {err}")
 
     # ---- steps -------------------------------------------------------------------------
     def _begin_step(self) -> None:
-        self._recording = self._active and self.options.step_selected(self.step_no)
-        self._summary = self._active and self.options.timeline and not self._recording
+        self.recording = self._active and self.options.step_selected(self.step_no)
+        self.summarising = self._active and self.options.timeline and not self.recording
         self._seq = 0
         self._counters.clear()
-        self._node_birth.clear()
+        self._backward.new_step()
         self._params_done.clear()
         # the model's buffers, copied (not shared) into a functional op's fp32 re-run
-        self._buffer_ids = frozenset(id(b) for b in self.model.buffers()) if self.options.local_error else frozenset()
+        self._shadow.new_step(self.model if self.options.local_error else None)
         self._engine.new_step()
-        if self._summary_engine is not None:
-            self._summary_engine.new_step()
+        self.timeline.new_step()
         tls = self._tls
         tls.stack = []
         tls.busy = False
 
     def _end_step(self) -> None:
-        if not self._pending and not self._timeline_pending() and not self.step_scalars_pending():
+        if not self._pending and not self.timeline.pending(self.step_no):
             self._engine.new_step()
             return
         try:
             self._engine.resolve()
-            self._resolve_summaries()
+            self.timeline.resolve()
         except Exception as e:
-            self._hook_error("statistics", e)
+            self.hook_error("statistics", e)
         step_records = []
         for item in self._pending:
             handle = item[-1]
@@ -473,31 +540,29 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             step_records.append(rec)
         self._pending.clear()
         # handles registered on this step's autograd graph are dropped with it
-        for h in self._step_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._step_handles.clear()
+        self._backward.end_step()
+        # this step's local comparisons (the last ones), by position among its records: they go where its
+        # records go, now or (a step the timeline holds back) later or never
         base = len(self.records)
+        split = len(self.local_comparisons)
+        while split and self.local_comparisons[split - 1][0] >= base:
+            split -= 1
+        local = [(p - base, c) for p, c in self.local_comparisons[split:]]
+        del self.local_comparisons[split:]
         if not self.options.timeline:
-            groups = [(self.step_no, step_records, None)] if step_records else []
+            groups = [(self.step_no, step_records, local)] if step_records else []
         else:
-            groups = self._timeline_end_step(step_records, base)
-        for step, recs, local in groups:
+            groups = self.timeline.end_step(self.step_no, step_records, local)
+        for step, recs, group_local in groups:
             at = len(self.records)
             self.records.extend(recs)
-            if local is not None:
-                self.local_comparisons.extend((at + p, c) for p, c in local)
-            if self.shard_dir is not None and self._write:
-                self._write_step_shard(recs, at, step)
-
-    def step_scalars_pending(self) -> bool:
-        """Whether the current step has scalars (a loss, a loss scale) waiting for its end."""
-        return bool(self.step_scalars) and self.step_scalars[-1].step == self.step_no
+            self.local_comparisons.extend((at + p, c) for p, c in group_local)
+            if self._output is not None and self._output.sharded:
+                self._output.write_step(self.detached(), recs, dict(group_local), step)
 
     # ---- recording -----------------------------------------------------------------------
-    def _warn(self, where: str, message: str) -> None:
+    def warn(self, where: str, message: str) -> None:
+        """Note a warning on the run (each one once, up to ``options.max_warnings``)."""
         key = (where, message)
         with self._lock:
             if key in self._warned or len(self.warnings) >= self.options.max_warnings:
@@ -505,8 +570,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             self._warned.add(key)
             self.warnings.append((where, message))
 
-    def _hook_error(self, where: str, e: BaseException) -> None:
-        self._warn(where, f"capture hook error ({type(e).__name__}: {e}); the step ran unchanged")
+    def hook_error(self, where: str, e: BaseException) -> None:
+        self.warn(where, f"capture hook error ({type(e).__name__}: {e}); the step ran unchanged")
 
     def _select_func(self, func) -> Optional[_OpInfo]:
         info = _func_info(func)
@@ -538,7 +603,8 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             name = self._names[(path, opname, n)] = f"{path}.{opname}.{n}" if path else f"{opname}.{n}"
         return name
 
-    def _measure(self, op: str, t: torch.Tensor, hold: bool = False):
+    def measure(self, op: str, t: torch.Tensor, hold: bool = False):
+        """Start the statistics of ``t`` (recorded under ``op``): a handle they arrive on when the step ends."""
         return self._engine.measure(t, op, hold=hold)
 
     def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None,
@@ -565,7 +631,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         if not keep:
             return None
         if t.layout != torch.strided or t.device.type == "meta" or t.is_complex():
-            self._warn(op, f"{t.layout} {str(t.dtype).replace('torch.', '')} tensor not kept: only dense real "
+            self.warn(op, f"{t.layout} {str(t.dtype).replace('torch.', '')} tensor not kept: only dense real "
                            "tensors are stored whole")
             return None
         return t.detach().clone()
@@ -579,7 +645,23 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         try:
             self.observer.on_record(self, pos, rec, t, handle)
         except Exception as e:
-            self._hook_error(rec.op, e)
+            self.hook_error(rec.op, e)
+
+    def add_tensor(self, seq, op, op_type, role, index, t, handle, direction="forward", step=None,
+                   location=None) -> int:
+        """Record tensor ``t`` (its statistics on ``handle``; kept whole where the options say): its position."""
+        pos = self._add(seq, op, op_type, role, index, handle, direction, tensor=self._keep(op, t), step=step,
+                        location=location)
+        self._observe(pos, t, handle)
+        return pos
+
+    def summarise(self, seq, op, op_type, role, index, direction, t, location) -> None:
+        """Note tensor ``t`` in the step's timeline summary."""
+        self.timeline.summarise(seq, op, op_type, role, index, direction, t, location, full=self.recording)
+
+    def _add_comparison(self, pos: int, cmp) -> None:
+        with self._lock:
+            self.local_comparisons.append((pos, cmp))
 
     # -- functional ops
     def _op_before(self, frame: _Frame, info: _OpInfo, args, kwargs):
@@ -590,8 +672,7 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
         rng = None
         if self.options.local_error:
             inplace = info.inplace or kwargs.get("out") is not None or kwargs.get("inplace") is True
-            shadow = (_upcast(args, clone=inplace, copy_ids=self._buffer_ids),
-                      _upcast(kwargs, clone=inplace, copy_ids=self._buffer_ids))
+            shadow = self._shadow.functional_inputs(args, kwargs, inplace)
             rng = _rng_state_of(_cuda_devices((args, kwargs)))
         return (op, info, ins, self._seq, shadow, rng, where)
 
@@ -606,18 +687,18 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             return
         out_recs = self._record_call(op, info.name, ins, outs, start_seq, f"{op}.backward", where)
         if shadow is not None and out_recs:
-            self._local_functional(op, info, func, shadow, rng, out_recs)
+            self._shadow.functional(op, info, func, shadow, rng, out_recs)
 
     def _measure_inputs(self, op, args, kwargs) -> list:
         """(role, index, tensor, handle) of a call's tensor arguments."""
         ins = []
         for idx, t in _flatten(args):
-            h = self._measure(op, t)
+            h = self.measure(op, t)
             if h is not None:
                 ins.append(("input", idx, t, h))
         if kwargs:
             for idx, t in _flatten(kwargs):
-                h = self._measure(op, t)
+                h = self.measure(op, t)
                 if h is not None:
                     ins.append(("kwarg", idx, t, h))
         return ins
@@ -627,44 +708,37 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
 
         Returns (index, tensor, position) of the recorded outputs, for the local error.
         """
-        seq = self._take_seq()
+        seq = self.take_seq()
         for role, idx, t, h in ins:
-            pos = self._add(seq, op, op_type, role, idx, h, tensor=self._keep(op, t), location=location)
-            self._observe(pos, t, h)
+            self.add_tensor(seq, op, op_type, role, idx, t, h, location=location)
         out_recs = []
         for idx, t in outs:
-            h = self._measure(op, t)
+            h = self.measure(op, t)
             if h is None:
                 continue
-            pos = self._add(seq, op, op_type, "output", idx, h, tensor=self._keep(op, t), location=location)
-            self._observe(pos, t, h)
+            pos = self.add_tensor(seq, op, op_type, "output", idx, t, h, location=location)
             out_recs.append((idx, t, pos))
-        self._mark_outputs(outs, seq)
+        self._backward.mark_outputs(outs, seq)
         if self.options.backward and torch.is_grad_enabled():
             # a parameter's gradient is recorded as its param_grad, not through the graph walk; a buffer gets none
-            self._register_backward(backward_op, op_type,
+            self._backward.register(backward_op, op_type,
                                     [(r, i, t) for r, i, t, _ in ins if r not in ("param", "buffer")],
                                     outs, start_seq)
         return out_recs
 
-    def _take_seq(self) -> int:
+    def take_seq(self) -> int:
+        """The next seq (execution order) of this step."""
         with self._lock:
             s = self._seq
             self._seq += 1
             return s
-
-    def _mark_outputs(self, outs, seq) -> None:
-        for _, t in outs:
-            gf = t.grad_fn
-            if gf is not None:
-                self._node_birth.setdefault(id(gf), seq)
 
     # -- modules
     def _pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():  # a module inside a compiled region, being traced: nothing to do
             return None
         tls = self._tls
-        if not (self._recording or self._summary) or getattr(tls, "busy", False):
+        if not (self.recording or self.summarising) or getattr(tls, "busy", False):
             return None
         if getattr(tls, "stack", None) is None:
             tls.stack = []  # a forward run in another thread than the one that entered the capture
@@ -681,14 +755,14 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                 return None
             if self.options.locations:
                 frame.location = user_location(1)
-            if not self._recording:  # a summary step: the module's output only
+            if not self.recording:  # a summary step: the module's output only
                 frame.inputs = []
                 return None
             ins = self._measure_inputs(op, args, kwargs)
             if self.options.params and id(module) not in self._params_done:
                 self._params_done.add(id(module))
                 for pname, p in module.named_parameters(recurse=False):
-                    h = self._measure(op, p)
+                    h = self.measure(op, p)
                     if h is not None:
                         ins.append(("param", pname, p, h))
                 for bname, b in module.named_buffers(recurse=False):
@@ -696,17 +770,17 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
                     # an empty one is a marker (a policy module's format), integer ones are counters
                     if not b.is_floating_point() or b.numel() == 0:
                         continue
-                    h = self._measure(op, b)
+                    h = self.measure(op, b)
                     if h is not None:
                         ins.append(("buffer", bname, self._buffer_as_read(op, b), h))
             frame.inputs = ins
             if self.options.local_error:
-                frame.shadow_in = (_upcast(args, clone=True), _upcast(kwargs, clone=True))
+                frame.shadow_in = self._shadow.module_inputs(args, kwargs)
                 devs = _cuda_devices((args, kwargs))
                 devs.update(_cuda_devices(list(module.parameters())))
                 frame.rng = _rng_state_of(devs)
         except Exception as e:
-            self._hook_error(self._module_paths.get(id(module), "?"), e)
+            self.hook_error(self._module_paths.get(id(module), "?"), e)
         finally:
             tls.busy = False
         return None
@@ -735,50 +809,26 @@ class Capture(BackwardHooks, ShadowRuns, TimelineSteps, RunOutput):
             return None
         frame = stack[at]
         del stack[at:]
-        if frame is None or not frame.record or frame.inputs is None or not (self._recording or self._summary):
+        if frame is None or not frame.record or frame.inputs is None or not (self.recording or self.summarising):
             return None
         tls.busy = True
         try:
             op = frame.op
             outs = list(_flatten(output))
-            if self._recording:
+            if self.recording:
                 out_recs = self._record_call(op, frame.op_type, frame.inputs, outs, frame.start_seq,
                                              _backward_name(op), frame.location)
                 if frame.shadow_in is not None and out_recs:
-                    self._local_module(frame, out_recs)
+                    self._shadow.module(frame, out_recs)
                 seq = self._seq - 1
             else:
-                seq = self._take_seq()
+                seq = self.take_seq()
             if self.options.timeline:
                 for idx, t in outs:
-                    self._summarise(seq, op, frame.op_type, "output", idx, "forward", t, frame.location)
+                    self.summarise(seq, op, frame.op_type, "output", idx, "forward", t, frame.location)
         except Exception as e:
-            self._hook_error(frame.op, e)
+            self.hook_error(frame.op, e)
         finally:
             tls.busy = False
         return None
 
-
-def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
-            options: Optional[CaptureOptions] = None, shard_dir=None) -> Capture:
-    """Record per-op statistics of ``model`` while the ``with`` block runs.
-
-    ``with precision_lab.capture(model, run="fp16", dtype_policy=torch.float16) as cap:``
-    then run forward (and backward) on ``cap.model`` with inputs from
-    ``cap.prepare_inputs(...)``; call ``cap.step()`` between training steps.
-
-    On exit the records go to ``store`` (a :class:`~precision_lab.store.Store`,
-    or any object with its ``new_session``/``extend_session``; the package's
-    ``precision_lab.capture`` also takes a database path, None meaning the
-    default database) in one transaction
-    -- a new session named after the run, or a new run in ``session`` -- or,
-    with ``shard_dir``, to Parquet shards (one file per rank and step plus
-    ``manifest.json``), for a process that cannot hold the database.
-
-    ``dtype_policy``: None (run as is), a torch dtype (``torch.float16``,
-    ``torch.bfloat16``: the model and floating inputs are cast), or any
-    object with ``prepare(model) -> model`` and ``prepare_inputs(inputs)``.
-    Use ``cap.model``: a policy may return a new module.
-    """
-    return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
-                   shard_dir=shard_dir)
