@@ -90,7 +90,7 @@ def main() -> None:
         print(f"baseline: load the candidate run into pandas  {base * 1e3:9.1f} ms")
         cases = {
             "ops page 1, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand)),
-            "ops page 500, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand, page=500)),
+            "ops page 500, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand), page=500),
             "ops sorted by max_rel_err desc": lambda: ops.ops_page(
                 store, ops.OpsFilter(cand, sort="max_rel_err", descending=True)),
             "ops sorted by severity": lambda: ops.ops_page(

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from precision_lab.records import StepScalar, TimelineRow, TimelineShare  # noqa: E402
 from precision_lab.services import timeline as svc  # noqa: E402
+from precision_lab.store import timeline as tl  # noqa: E402
 from precision_lab.store import Store  # noqa: E402
 from precision_lab.ui import timeline as tv  # noqa: E402
 
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
             ("module tree", lambda: svc.module_tree(store, run, fmt="fp16")),
             ("heatmap figure, built and JSON", lambda: tv.heatmap_figure(
                 svc.heatmap(store, run, metric="headroom", fmt="fp16"), metric="headroom", fmt="fp16").to_json()),
-            ("step table", lambda: svc.step_table(store, run)),
+            ("step table", lambda: tl.step_rows(store, run)),
         ]
         for name, fn in reads:
             t = timed(fn, args.repeat)

@@ -1,17 +1,14 @@
 import streamlit as st
 
+from precision_lab.services.report import norm_artefacts
 from precision_lab.ui import detail as dv
 from precision_lab.ui import page
-from precision_lab.ui.common import text_columns
-from precision_lab.ui.overview import first_nonfinite_by_run, norm_artefacts, session_runs
+from precision_lab.ui.common import escape_md as plain
+from precision_lab.ui.common import message_md, text_columns
+from precision_lab.ui.overview import first_nonfinite_by_run
 
-store, acc = page.start("detail")
-info = page.choose_session(store, acc)
-st.title("Op detail")
-if info is None:
-    st.info(page.no_session_text(acc))
-    st.stop()
-runs = session_runs(store, info["session_id"])
+store, acc, info = page.require_session("op_detail")
+runs = dv.session_runs(store, info["session_id"])
 run = page.choose_run(runs)
 if run is None:
     st.info("This session holds no runs.")
@@ -56,13 +53,13 @@ with page.guard("This op could not be loaded"):
     stats = dv.load_stats(store, run["run_id"], rid)
     others = dv.counterparts(store, run["run_id"], rid)
 
-st.subheader(page.plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
+st.subheader(plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
 flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
-st.markdown(f"run **{page.plain(run['name'])}** · {page.plain(rec['op_type'])} · {page.plain(rec['direction'])} · "
-            f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {page.plain(rec['dtype'])} "
-            f"{page.plain(rec['shape'])}{flag}")
+st.markdown(f"run **{plain(run['name'])}** · {plain(rec['op_type'])} · {plain(rec['direction'])} · "
+            f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {plain(rec['dtype'])} "
+            f"{plain(rec['shape'])}{flag}")
 if rec.get("location"):
-    st.caption(f"Called from {page.plain(rec['location'])}")
+    st.caption(f"Called from {plain(rec['location'])}")
 st.write(
     "Magnitudes of the values on a log2 scale against the limits of the chosen number formats; the table "
     "counts exactly how many values would overflow, become subnormal or round to zero in each."
@@ -73,28 +70,28 @@ for o in others[:3]:
     with page.guard(f"The {o['side']} record could not be loaded"):
         series.append((f"{o['run']} ({o['side']})", dv.load_stats(store, o["run_id"], o["rid"])))
 if others:
-    st.caption("Compared with: " + "; ".join(f"{page.plain(o['run'])} ({o['side']}, {o['match']} match): "
-                                              f"{page.plain(o['name'] or '-')}" for o in others))
+    st.caption("Compared with: " + "; ".join(f"{plain(o['run'])} ({o['side']}, {o['match']} match): "
+                                              f"{plain(o['name'] or '-')}" for o in others))
 
 formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 
 art = next((a for a in norm_artefacts(store, info["session_id"])
             if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
 if art:
-    st.info(page.message_md(art["reason"]))
+    st.info(message_md(art["reason"]))
 
 with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
 if with_hist:
     log_y = st.toggle("Log count axis", value=True, key="hist_log")
     st.plotly_chart(dv.histogram_figure(with_hist, formats, log_y=log_y), key="hist_plot", width="stretch")
-    hidden = [f"{page.plain(label)}: {dv.not_drawn(s)}" for label, s in with_hist if dv.not_drawn(s)]
+    hidden = [f"{plain(label)}: {dv.not_drawn(s)}" for label, s in with_hist if dv.not_drawn(s)]
     if hidden:
         st.caption("Not on the log axis (counted in the tables): " + "; ".join(hidden))
     st.markdown("**Exact counts per format** (round-to-nearest-even, from the stored histogram)")
     cols = st.columns(len(with_hist))
     for i, (col, (label, s)) in enumerate(zip(cols, with_hist)):
         with col:
-            st.caption(page.plain(label))
+            st.caption(plain(label))
             table = dv.representability_table(s, formats)
             st.dataframe(table, hide_index=True, width="stretch", key=f"repr_{i}",
                          column_config={c: st.column_config.NumberColumn(format="%.4f")
@@ -113,7 +110,7 @@ if formats:
     if summary_only:
         with st.expander("Where each summary statistic lands in each format"):
             for i, (label, s) in enumerate(series):
-                st.caption(page.plain(label))
+                st.caption(plain(label))
                 st.dataframe(dv.summary_values_table(s, formats), hide_index=True, width="stretch",
                              key=f"vals_{i}")
 

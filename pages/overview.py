@@ -2,22 +2,20 @@ import streamlit as st
 
 from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_grow, start_rerun, start_verify
 from precision_lab.services.verify import untried, verification
+from precision_lab.origin import order_text
+from precision_lab.records import OUTPUT_ROLES
+from precision_lab.services.report import norm_artefacts
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
-from precision_lab.ui.common import num_text, text_columns
+from precision_lab.ui.common import escape_md as plain
+from precision_lab.ui.common import message_md, num_text, text_columns
 
-store, acc = page.start("overview")
-info = page.choose_session(store, acc)
-if info is None:
-    st.title("Overview")
-    st.info(page.no_session_text(acc))
-    st.stop()
+store, acc, info = page.require_session("overview", title=lambda info: f"Overview: {plain(info['name'])}")
 sid = info["session_id"]
 view = page.session_views(store, sid)  # the session's view-models, cached until it changes
 
-st.title(f"Overview: {page.plain(info['name'])}")
 st.write(
     "Where the low-precision run first produced NaN/Inf, which ops carry the largest error against the "
     "reference (accumulated) or introduce it themselves (local), and what the diagnosis says."
@@ -29,7 +27,7 @@ st.dataframe(view(ov.runs_table).drop(columns=["run_id"]).fillna({"parent": "", 
 
 caveat = view(ov.order_caveat)
 if caveat:
-    st.warning(page.message_md(caveat), icon=":material/sort_by_alpha:")
+    st.warning(message_md(caveat), icon=":material/sort_by_alpha:")
 warns = view(ov.warnings_table)
 if len(warns):
     more = "+" if len(warns) >= ov.MAX_WARNINGS else ""
@@ -40,7 +38,7 @@ for lr in view(ov.long_runs):
     with st.container(border=True):
         first = lr["first_nonfinite_step"]
         alerts = lr["alerts"]
-        st.markdown(f"**{page.plain(lr['run'])}**: a long run of {lr['steps']} steps; "
+        st.markdown(f"**{plain(lr['run'])}**: a long run of {lr['steps']} steps; "
                     + ("every step finite" if first is None else f":red[first non-finite value at step {first}]")
                     + f"; {len(alerts)} alert(s)"
                     + (f", the first at step {int(alerts['step'].min())}" if len(alerts) else ""))
@@ -54,30 +52,30 @@ firsts = view(ov.first_nonfinite_by_run)
 for item in firsts:
     run, first, masks = item["run"], item["first"], item["intended"]
     quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)); not blamed: "
-             + ", ".join(page.plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
+             + ", ".join(plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
-        st.success(f"{page.plain(run['name'])}: every recorded value is finite"
+        st.success(f"{plain(run['name'])}: every recorded value is finite"
                    + (" apart from intended -inf masks." if masks else "."))
         if quiet:
             st.caption(quiet)
         continue
     with st.container(border=True):
         if first.origin == "parameter":
-            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite value: "
+            st.markdown(f":red[**{plain(run['name'])}**] first non-finite value: "
                         f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} "
-                        f"**{page.plain(first.parameter.name)}**, read by {page.plain(first.op)} "
+                        f"**{plain(first.parameter.name)}**, read by {plain(first.op)} "
                         f"({first.where})")
         else:
-            st.markdown(f":red[**{page.plain(run['name'])}**] first non-finite producer: "
-                        f"**{page.plain(first.op)}** ({page.plain(first.role)} {page.plain(first.index)}, "
+            st.markdown(f":red[**{plain(run['name'])}**] first non-finite producer: "
+                        f"**{plain(first.op)}** ({plain(first.role)} {plain(first.index)}, "
                         f"{first.where})")
-        st.caption(page.message_md(first.reason))
+        st.caption(message_md(first.reason))
         if first.first_nan:
-            st.caption(f"The first NaN is made later, at {page.plain(first.first_nan.op)} "
+            st.caption(f"The first NaN is made later, at {plain(first.first_nan.op)} "
                        f"(seq {first.first_nan.seq}), from that inf.")
         if quiet:
             st.caption(quiet)
-        st.markdown(f"Path of ops leading to it ({ov.order_text(first.order)}):")
+        st.markdown(f"Path of ops leading to it ({order_text(first.order)}):")
         st.dataframe(
             [{"seq": p.seq, "op": p.op, "type": p.op_type,
               "NaN/Inf in inputs": p.nonfinite_in, "NaN/Inf in outputs": p.nonfinite_out}
@@ -85,12 +83,12 @@ for item in firsts:
             hide_index=True, width="stretch", key=f"path_{run['run_id']}",
         )
         if st.button("Open this op", key=f"open_first_{run['run_id']}", icon=":material/bar_chart:"):
-            page.navigate("detail", session=info["name"], run=run["name"], op=first.rid)
+            page.navigate("op_detail", session=info["name"], run=run["name"], op=first.rid)
 
 tree = ov.model_tree(store, firsts)
 if tree is not None and len(tree[1]) > 1:
     run, nodes = tree
-    with st.expander(f"The model as a tree: {page.plain(run['name'])}", expanded=False):
+    with st.expander(f"The model as a tree: {plain(run['name'])}", expanded=False):
         st.caption("Each module coloured by its worst headroom in bits below the run's format's max, the path "
                    "to the first non-finite producer outlined in red; click a module to zoom into it.")
         st.plotly_chart(tv.tree_figure(nodes), key="ov_tree", width="stretch")
@@ -98,11 +96,11 @@ if tree is not None and len(tree[1]) > 1:
         c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
         pick = c1.selectbox("Module", list(mods), format_func=mods.get, key="ov_module")
         if c2.button("Open on Op detail", key="ov_open_module", icon=":material/bar_chart:"):
-            rid = ov.output_rid(store, run["run_id"], pick)
+            rid = ov.op_output_rid(store, run["run_id"], pick)
             if rid is not None:
-                page.navigate("detail", session=info["name"], run=run["name"], op=rid)
+                page.navigate("op_detail", session=info["name"], run=run["name"], op=rid)
 
-artefacts = view(ov.norm_artefacts)
+artefacts = view(norm_artefacts)
 if artefacts:
     with st.expander(f"{len(artefacts)} norm artefact(s): Norm/Mean non-finite while the values are finite"):
         st.dataframe([{"run": a["run"], "op": a["op"], "tensor": f"{a['role']} {a['index']}",
@@ -123,7 +121,7 @@ def _offenders(kinds, key: str, empty: str) -> None:
                       width="stretch", key=key, on_select="rerun", selection_mode="single-row")
     row = page.selected_row(df, ev)
     if row is not None:
-        page.navigate("detail", session=info["name"], run=row["run"], op=int(row["rid"]))
+        page.navigate("op_detail", session=info["name"], run=row["run"], op=int(row["rid"]))
 
 
 st.subheader("Top offenders")
@@ -165,7 +163,7 @@ if _verifying and all(j.finished for j in _verifying):
     st.session_state.pop("_pl_verify")
     for j in _verifying:
         if j.error:
-            st.error(f"Verifying {page.plain(j.fix)} failed: {page.message_md(j.error)}")
+            st.error(f"Verifying {plain(j.fix)} failed: {message_md(j.error)}")
 elif _verifying:
     @st.fragment(run_every=1.0)
     def _verify_progress():
@@ -179,21 +177,20 @@ elif _verifying:
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
         icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
-        st.markdown(f"{icon} · {page.plain(card['run'] or '')} · **{page.plain(card['op'])}** "
-                    f"· rule {page.plain(card['rule'])}")
-        st.markdown(page.message_md(card["message"]))
+        st.markdown(f"{icon} · {plain(card['run'] or '')} · **{plain(card['op'])}** "
+                    f"· rule {plain(card['rule'])}")
+        st.markdown(message_md(card["message"]))
         if card["fixes"]:
-            st.markdown("Proposed fixes: " + ", ".join(page.plain(f) for f in card["fixes"]))
+            st.markdown("Proposed fixes: " + ", ".join(plain(f) for f in card["fixes"]))
             if blocked and card["rule"] != "fix-verified":
-                st.caption("No re-run button: " + page.message_md(blocked))
+                st.caption("No re-run button: " + message_md(blocked))
         for j, action in enumerate(offers[i]):
             if action["existing"]:  # already made from this run: open it, do not make a copy
                 icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
-                if st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
+                if st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
                              help=f"this fix was already run from this run: {action['reason']}"):
-                    st.session_state["diff_mode"] = "runs"
-                    page.navigate("diff", session=info["name"])
-            elif st.button(page.plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                    page.navigate("diff", session=info["name"], view="runs")
+            elif st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
                            help=action["reason"]):
                 st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
                                                             parent=action["parent"])
@@ -203,19 +200,16 @@ _job = st.session_state.get("_pl_rerun")
 if _job is not None and _job.session == info["name"] and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
-        st.error(f"The re-run with {page.plain(_job.fix)} failed: {page.message_md(_job.error)}")
+        st.error(f"The re-run with {plain(_job.fix)} failed: {message_md(_job.error)}")
     else:  # every run of the session side by side, the new one included, at the op the fix was for
-        st.session_state["diff_mode"] = "runs"
-        landing = dv.landing_op(store, _job.run_id)
-        st.session_state["diff_pattern"] = landing or ""
-        page.navigate("diff", session=info["name"], q=landing)
+        page.navigate("diff", session=info["name"], view="runs", q=dv.landing_op(store, _job.run_id))
 elif _job is not None and _job.session == info["name"]:
     @st.fragment(run_every=1.0)
     def _rerun_progress():
         job = st.session_state.get("_pl_rerun")
         if job is None or job.finished:
             st.rerun()
-        st.progress(job.fraction, text=page.plain(f"Re-running with {job.fix}: {job.status}"[:200]))
+        st.progress(job.fraction, text=plain(f"Re-running with {job.fix}: {job.status}"[:200]))
 
     _rerun_progress()
 
@@ -229,7 +223,7 @@ metric = c1.radio("Metric", metrics, horizontal=True, key="err_metric",
                                          "rounding_units": "error / roundoff", "max_abs_err": "max abs error",
                                          "summary_rel_err": "summary rel error (statistics only)"}[m])
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
-series = view(ov.error_series, metric, roles=ov.OUTPUT_ROLES if outputs_only else ())
+series = view(ov.error_series, metric, roles=OUTPUT_ROLES if outputs_only else ())
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:
@@ -244,7 +238,7 @@ else:
     if pts and pts[0].get("customdata"):
         cd = pts[0]["customdata"]
         runs = {r["run_id"]: r["name"] for r in ov.session_runs(store, sid)}
-        page.navigate("detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
+        page.navigate("op_detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
     if series.attrs.get("bucket", 1) > 1:
         st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")
 

@@ -1,6 +1,7 @@
 import streamlit as st
 
 from precision_lab.ui import page
+from precision_lab.ui.common import escape_md as plain
 from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample
 from precision_lab.services.samples import list_samples
 from precision_lab.services.upload import upload_key
@@ -20,7 +21,7 @@ if acc.shared:
 
 flash = st.session_state.pop("_pl_import_message", None)
 if flash:  # set by the import below, shown after the rerun that lists the new session
-    st.success(page.plain(flash))
+    st.success(plain(flash))
 
 table = page.cached_sessions_table(store) if acc.can_list else None
 if table is not None and table.empty:
@@ -67,7 +68,7 @@ if table is not None and not table.empty:
                 st.session_state["_pl_confirm_delete"] = target
             pending = st.session_state.get("_pl_confirm_delete")
             if pending:
-                st.warning(f"Delete session {page.plain(pending)} with all its runs, records and comparisons? "
+                st.warning(f"Delete session {plain(pending)} with all its runs, records and comparisons? "
                            "This cannot be undone.")
                 yes, no = st.columns(2)
                 if yes.button("Yes, delete", key="delete_yes", type="primary"):

@@ -5,13 +5,8 @@ from precision_lab.services import timeline as svc
 from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
 
-store, acc = page.start("timeline")
-info = page.choose_session(store, acc)
-st.title("Timeline")
-if info is None:
-    st.info(page.no_session_text(acc))
-    st.stop()
-runs = svc.timeline_runs(store, info["session_id"])
+store, acc, info = page.require_session("timeline")
+runs = tv.timeline_runs(store, info["session_id"])
 if not runs:
     st.info("This session has no timeline. Record a training run over many steps with "
             "`precision_lab.capture(model, options=CaptureOptions(every=50, keep_last=4))` and call "
@@ -27,9 +22,9 @@ fmt = page.url_select("Format", FORMAT_NAMES, param="tfmt", key="tl_fmt", contai
                       help="The format headroom and underflow are measured against.")
 
 with page.guard("This run's timeline could not be loaded"):
-    first = svc.first_nonfinite_step(store, run["run_id"])
+    first = tv.first_nonfinite_step(store, run["run_id"])
     alerts = svc.run_alerts(store, run["run_id"])
-    steps = svc.step_table(store, run["run_id"])
+    steps = tv.step_rows(store, run["run_id"])
 
 c1, c2, c3 = st.columns(3)
 c1.metric("Steps", run["steps"])
@@ -64,7 +59,7 @@ with page.guard("The heatmap could not be drawn"):
             if rec is None:
                 st.warning(f"{target[0]} has no full records in this run.")
             else:
-                page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
+                page.navigate("op_detail", session=info["name"], run=run["name"], op=rec["rid"])
 
     labels = [tv.series_label(o["op"], o["role"], o["index"]) for o in hm["ops"]]
     chosen = st.multiselect("Ops to plot", labels, default=tv.default_ops(hm, alerts), key="tl_ops")
@@ -88,7 +83,7 @@ with page.guard("The tree could not be drawn"):
             if rec is None:
                 st.warning(f"{pick} has no full records in this run.")
             else:
-                page.navigate("detail", session=info["name"], run=run["name"], op=rec["rid"])
+                page.navigate("op_detail", session=info["name"], run=run["name"], op=rec["rid"])
 
 with st.expander("Steps"):
     st.dataframe(tv.steps_frame(steps), hide_index=True, width="stretch", key="tl_steps")

@@ -10,7 +10,7 @@ from torch import nn
 from precision_lab import capture_pair
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.report import build_report, render_text
-from precision_lab.store.dashboard import ACCUMULATED_KINDS, LOCAL_KINDS, top_offenders
+from precision_lab.store.views import ACCUMULATED_KINDS, LOCAL_KINDS, top_offenders
 
 
 class OnePassVar(nn.Module):

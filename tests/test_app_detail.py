@@ -44,7 +44,7 @@ def _repr_table(at):
 
 def test_format_choice_changes_the_overlay_counts(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "reference", f"{WIDE_OP}.output.0")
-    at = open_page("detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid), fmt="fp16")
+    at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid), fmt="fp16")
     assert at.subheader[0].value == escape_md(f"{WIDE_OP}.output.0")
     x = wide_values().ravel()
     table = _repr_table(at)
@@ -53,7 +53,7 @@ def test_format_choice_changes_the_overlay_counts(ui_db):
         assert int(table.loc["fp16", k]) == v, k
     assert all(v > 0 for v in _cast_counts(x, np.float16).values())  # the fixture exercises every region
 
-    at.multiselect(key="pick_formats@detail").set_value(["fp8_e4m3fn", "bf16"]).run()
+    at.multiselect(key="pick_formats@op_detail").set_value(["fp8_e4m3fn", "bf16"]).run()
     assert_clean(at)
     table = _repr_table(at)
     assert list(table.index) == ["fp8_e4m3fn", "bf16"]
@@ -67,7 +67,7 @@ def test_format_choice_changes_the_overlay_counts(ui_db):
 
 def test_fp32_record_shows_what_if_for_every_format(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "reference", f"{WIDE_OP}.output.0")
-    at = open_page("detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid))
+    at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid))
     what_if = next(f for f in frames(at) if "smallest normal" in f.columns).set_index("format")
     assert list(what_if.index) == [f for f in FORMATS if f != "fp32"]
     x = wide_values().ravel()
@@ -78,7 +78,7 @@ def test_fp32_record_shows_what_if_for_every_format(ui_db):
 
 def test_candidate_metrics_and_side_by_side_stats(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "candidate", "blocks.1.proj.output.0")
-    at = open_page("detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid), fmt="fp16")
+    at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid), fmt="fp16")
     metrics = next(f for f in frames(at) if "accumulated vs reference wide_fp32" in f.columns)
     col = metrics["accumulated vs reference wide_fp32"]
     r = np.linspace(-1.0, 1.0, 64, dtype=np.float32) * np.float32(3)
@@ -95,7 +95,7 @@ def test_candidate_metrics_and_side_by_side_stats(ui_db):
 
 
 def test_stats_only_record_gets_the_summary_overlay(ui_db):
-    at = open_page("detail", session=STAT_SESSION, run=STAT_CAND.name, fmt="fp16")
+    at = open_page("op_detail", session=STAT_SESSION, run=STAT_CAND.name, fmt="fp16")
     # no op in the URL: the run's first non-finite producer is shown
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
     body = texts(at)
@@ -131,17 +131,17 @@ def test_norm_artefact_is_explained(ui_db):
     arts = norm_artefacts(s, s.session(STAT_SESSION)["session_id"])
     assert arts, "the fp16 sample holds records whose fp16 Norm overflowed"
     a = arts[0]
-    at = open_page("detail", session=STAT_SESSION, run=a["run"], op=str(a["rid"]))
+    at = open_page("op_detail", session=STAT_SESSION, run=a["run"], op=str(a["rid"]))
     shown = " ".join(i.value for i in at.info).replace("\\", "")
     assert "not a non-finite tensor" in shown and "norm-arithmetic artefact" in shown
 
 
 def test_op_picker_filter(ui_db):
-    at = open_page("detail", session=STAT_SESSION, run=STAT_CAND.name)
+    at = open_page("op_detail", session=STAT_SESSION, run=STAT_CAND.name)
     assert_clean(at)
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))  # no op asked: the first producer
     at.text_input(key="op_find").input("fc2").run()
-    opts = at.selectbox(key="pick_op@detail").options
+    opts = at.selectbox(key="pick_op@op_detail").options
     assert len(opts) > 1 and all("fc2" in o or STAT_FIRST_NONFINITE in o for o in opts)
 
 
@@ -159,24 +159,24 @@ def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_ch
                                      [run_id]).fetchall()]
     first_step = store.sql("SELECT step FROM tensors WHERE run_id = ? AND rid = ?", [run_id, first.rid]).fetchone()[0]
     assert len(steps) > 2 and first_step != steps[0]  # the failure is far down a long run's records
-    at = open_page("detail", session=TIMELINE_SESSION)
+    at = open_page("op_detail", session=TIMELINE_SESSION)
     assert_clean(at)
     assert at.subheader[0].value.startswith(escape_md(first.op))
     assert f"step {first_step}" in texts(at)
-    step = at.selectbox(key="pick_step@detail")
+    step = at.selectbox(key="pick_step@op_detail")
     assert step.value == first_step and list(step.options) == [str(s) for s in steps]
     # another step: its ops, each labelled with the step
     other = steps[0]
     step.set_value(other).run()
     assert_clean(at)
     want = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND step = ?", [run_id, other]).fetchone()[0]
-    opts = at.selectbox(key="pick_op@detail").options
+    opts = at.selectbox(key="pick_op@op_detail").options
     assert len(opts) == min(want, 200) and all(f"(step {other}, seq " in o for o in opts)
     assert f"step {other}" in texts(at)
     # a link to an op (a row selected on the Ops page) opens that op's step, whatever step was chosen last
     at.query_params.clear()  # the navigation menu opens a page without the last one's URL parameters
     at.switch_page("pages/ops.py").run()
-    at.text_input(key="f_pattern").input(f"{first.op}.output").run()
+    at.text_input(key="q").input(f"{first.op}.output").run()
     assert_clean(at)
     rows = frame_with(at, "step")
     row = int(np.flatnonzero(rows["step"].astype(int).to_numpy() == first_step)[0])  # the failing step's row
@@ -185,7 +185,7 @@ def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_ch
     assert_clean(at)
     assert at.title[0].value == "Op detail"
     assert at.subheader[0].value.startswith(escape_md(first.op))
-    assert at.selectbox(key="pick_step@detail").value == first_step
+    assert at.selectbox(key="pick_step@op_detail").value == first_step
 
 
 def test_an_op_chosen_in_one_run_is_not_opened_by_its_record_number_in_another(ui_db):
@@ -203,14 +203,14 @@ def test_an_op_chosen_in_one_run_is_not_opened_by_its_record_number_in_another(u
     rid = _rid(ui_db, TENSOR_SESSION, "candidate", f"{WIDE_OP}.output.0")
     same_number = store.sql("SELECT name FROM tensors WHERE run_id = ? AND rid = ?", [run_id, rid]).fetchone()[0]
     assert not same_number.startswith(first.op)  # the number names another op in the other run
-    at = open_page("detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid))
+    at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid))
     assert at.subheader[0].value == escape_md(f"{WIDE_OP}.output.0")
-    at.selectbox(key="pick_session@detail").set_value(TIMELINE_SESSION).run()
+    at.selectbox(key="pick_session@op_detail").set_value(TIMELINE_SESSION).run()
     assert_clean(at)
     assert at.subheader[0].value.startswith(escape_md(first.op)), at.subheader[0].value
     assert at.query_params["op"] == str(first.rid)
     # and back: the first run's own first failure, not the number chosen in the other run
-    at.selectbox(key="pick_session@detail").set_value(TENSOR_SESSION).run()
+    at.selectbox(key="pick_session@op_detail").set_value(TENSOR_SESSION).run()
     assert_clean(at)
     cand = store.sql("""SELECT r.run_id FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?
                         AND r.kind = 'candidate'""", [TENSOR_SESSION]).fetchone()[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, assert_clean,  # noqa: F401
-                         frame_with, msprobe_nonfinite_count, msprobe_tensor_entries, open_page, ui_db, ui_template)
+                         frame_with, link, msprobe_nonfinite_count, msprobe_tensor_entries, open_page, ui_db, ui_template)
 
 CAND_JSON = next(STAT_CAND.rglob("dump.json"))
 
@@ -17,7 +17,7 @@ def test_pair_diff_rows_and_problems(ui_db):
     table = frame_with(at, "ref absmax")
     assert {"ref absmax", "cand absmax", "max_rel_err", "verdict", "match"} <= set(table.columns)
     assert set(table["match"]) == {"exact"}
-    at.selectbox(key="diff_show").set_value("problems").run()
+    at.selectbox(key="show").set_value("problems").run()
     assert_clean(at)
     assert any(c.value.startswith(f"{msprobe_nonfinite_count(CAND_JSON)} row(s)") for c in at.caption)
     table = frame_with(at, "ref absmax")
@@ -30,7 +30,7 @@ def test_pair_diff_rows_and_problems(ui_db):
 
 def test_nrun_mode_has_a_column_group_per_run(ui_db):
     at = open_page("diff", session=STAT_SESSION)
-    at.radio(key="diff_mode").set_value("runs").run()
+    at.radio(key="view").set_value("runs").run()
     assert_clean(at)
     table = frame_with(at, f"{STAT_CAND.name}: absmax")
     assert f"{STAT_REF.name}: absmax" in table.columns and f"{STAT_CAND.name}: verdict" in table.columns
@@ -38,10 +38,10 @@ def test_nrun_mode_has_a_column_group_per_run(ui_db):
 
 
 def _settings(at) -> dict:
-    out = {"view": at.radio(key="diff_mode").value, "show": at.selectbox(key="diff_show").value,
-           "pattern": at.text_input(key="diff_pattern").value, "page": at.number_input(key="diff_page").value}
+    out = {"view": at.radio(key="view").value, "show": at.selectbox(key="show").value,
+           "pattern": at.text_input(key="q").value, "page": at.pagination(key="page").value}
     if out["view"] == "pair":
-        out["pair"] = at.selectbox(key="diff_pair").value
+        out["pair"] = at.selectbox(key="pair").value
     return out
 
 
@@ -70,15 +70,15 @@ def test_settings_come_from_the_url(ui_db):
 def test_runs_view_from_the_url_and_the_url_follows_the_widgets(ui_db):
     at = open_page("diff", session=STAT_SESSION, view="runs")
     assert_clean(at)
-    assert at.radio(key="diff_mode").value == "runs"
+    assert at.radio(key="view").value == "runs"
     assert f"{STAT_CAND.name}: absmax" in frame_with(at, f"{STAT_REF.name}: absmax").columns
 
     at = open_page("diff", session=STAT_SESSION)
     assert not {"view", "show", "q", "page", "pair"} & set(at.query_params)  # defaults stay out of the link
-    at.selectbox(key="diff_show").set_value("problems")
-    at.text_input(key="diff_pattern").input("linear").run()
-    url = dict(at.query_params)
-    assert url["show"] == "problems" and url["q"] == "linear"
+    at.selectbox(key="show").set_value("problems")
+    at.text_input(key="q").input("linear").run()
+    url = link(at)
+    assert url["show"] == "problems" and url["q"] == "linear" and url["session"] == STAT_SESSION
     colleague = open_page("diff", **url)
     assert _settings(colleague) == _settings(at)
     assert frame_with(colleague, "ref absmax").equals(frame_with(at, "ref absmax"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from precision_lab.ui.common import escape_md
 
-from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, assert_clean, frame_with,  # noqa: F401
+from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, assert_clean, frame_with, link,  # noqa: F401
                          msprobe_nonfinite_count, msprobe_tensor_entries, open_page, ui_db, ui_template)
 
 CAND_JSON = next(STAT_CAND.rglob("dump.json"))
@@ -21,27 +21,27 @@ def test_table_has_every_record_and_filters(ui_db):
     table = frame_with(at, "severity")
     assert len(table) == 50 and list(table["seq"]) == sorted(table["seq"])
 
-    at.toggle(key="f_problems").set_value(True).run()
+    at.toggle(key="problems").set_value(True).run()
     n_bad = msprobe_nonfinite_count(CAND_JSON)
     assert _caption(at).startswith(f"{n_bad} record(s) match")
     table = frame_with(at, "severity")
     assert set(table["severity"]) == {"nonfinite"}
     assert table["op"].iloc[0] == STAT_FIRST_NONFINITE  # execution order: the producer comes first
 
-    at.text_input(key="f_pattern").input("fc1").run()
+    at.text_input(key="q").input("fc1").run()
     table = frame_with(at, "severity")
     assert len(table) > 0 and all("fc1" in op for op in table["op"])
-    at.multiselect(key="f_roles").set_value(["output"]).run()
+    at.multiselect(key="role").set_value(["output"]).run()
     assert set(frame_with(at, "severity")["role"]) == {"output"}
 
 
 def test_sort_and_paging(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
-    at.selectbox(key="f_sort").set_value("absmax")
-    at.toggle(key="f_desc").set_value(True).run()
+    at.selectbox(key="sort").set_value("absmax")
+    at.toggle(key="desc").set_value(True).run()
     vals = list(frame_with(at, "severity")["absmax"].dropna())
     assert vals == sorted(vals, reverse=True)
-    at.number_input(key="f_page").set_value(11).run()
+    at.pagination(key="page").set_value(11).run()
     assert_clean(at)
     n = len(msprobe_tensor_entries(CAND_JSON))
     assert len(frame_with(at, "severity")) == n - 500
@@ -50,7 +50,7 @@ def test_sort_and_paging(ui_db):
 
 def test_selecting_a_row_opens_the_op(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
-    at.toggle(key="f_problems").set_value(True).run()
+    at.toggle(key="problems").set_value(True).run()
     at.session_state["ops_table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
     at.run()
     assert_clean(at)
@@ -65,27 +65,27 @@ def test_a_selection_left_past_the_end_of_a_shrunk_table_opens_nothing(ui_db):
     n = len(msprobe_tensor_entries(CAND_JSON))
     assert len(frame_with(at, "severity")) == 50 > n - 500
     at.session_state["ops_table"] = {"selection": {"rows": [49], "columns": [], "cells": []}}
-    at.number_input(key="f_page").set_value(11).run()
+    at.pagination(key="page").set_value(11).run()
     assert_clean(at)
     assert at.title[0].value == "Ops"
     assert len(frame_with(at, "severity")) == n - 500
     # a selection inside the table still opens its op
-    at.toggle(key="f_problems").set_value(True)
+    at.toggle(key="problems").set_value(True)
     at.session_state["ops_table"] = {"selection": {"rows": [0], "columns": [], "cells": []}}
-    at.number_input(key="f_page").set_value(1).run()
+    at.pagination(key="page").set_value(1).run()
     assert at.title[0].value == "Op detail"
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
 
 
 def _filters(at) -> dict:
-    return {"roles": at.multiselect(key="f_roles").value, "problems": at.toggle(key="f_problems").value,
-            "pattern": at.text_input(key="f_pattern").value, "sort": at.selectbox(key="f_sort").value,
-            "desc": at.toggle(key="f_desc").value, "page": at.number_input(key="f_page").value}
+    return {"roles": at.multiselect(key="role").value, "problems": at.toggle(key="problems").value,
+            "pattern": at.text_input(key="q").value, "sort": at.selectbox(key="sort").value,
+            "desc": at.toggle(key="desc").value, "page": at.pagination(key="page").value}
 
 
 def test_filters_come_from_the_url(ui_db):
-    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, role=["output"], problems="1", q="fc1",
-                   sort="absmax", desc="1")
+    at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, role=["output"], problems="true", q="fc1",
+                   sort="absmax", desc="true")
     assert _filters(at) == {"roles": ["output"], "problems": True, "pattern": "fc1", "sort": "absmax",
                             "desc": True, "page": 1}
     table = frame_with(at, "severity")
@@ -95,11 +95,11 @@ def test_filters_come_from_the_url(ui_db):
     assert vals == sorted(vals, reverse=True)
     # the same filters set by hand give the same table
     by_hand = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
-    by_hand.multiselect(key="f_roles").set_value(["output"])
-    by_hand.toggle(key="f_problems").set_value(True)
-    by_hand.text_input(key="f_pattern").input("fc1")
-    by_hand.selectbox(key="f_sort").set_value("absmax")
-    by_hand.toggle(key="f_desc").set_value(True).run()
+    by_hand.multiselect(key="role").set_value(["output"])
+    by_hand.toggle(key="problems").set_value(True)
+    by_hand.text_input(key="q").input("fc1")
+    by_hand.selectbox(key="sort").set_value("absmax")
+    by_hand.toggle(key="desc").set_value(True).run()
     assert frame_with(by_hand, "severity").equals(table)
     assert _caption(by_hand) == _caption(at)
 
@@ -115,12 +115,12 @@ def test_problems_only_from_the_url_shows_only_problem_rows(ui_db):
 
 def test_a_copied_url_opens_the_same_view(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
-    at.selectbox(key="f_sort").set_value("absmax")
-    at.multiselect(key="f_roles").set_value(["input", "output"])
-    at.number_input(key="f_page").set_value(3).run()
-    url = dict(at.query_params)
+    at.selectbox(key="sort").set_value("absmax")
+    at.multiselect(key="role").set_value(["input", "output"])
+    at.pagination(key="page").set_value(3).run()
+    url = link(at)
     assert url["sort"] == "absmax" and url["page"] == "3" and url["role"] == ["input", "output"]
-    assert "desc" not in url and "problems" not in url  # defaults stay out of the link
+    assert url["session"] == STAT_SESSION and url["run"] == STAT_CAND.name
     colleague = open_page("ops", **url)
     assert _filters(colleague) == _filters(at)
     assert frame_with(colleague, "severity").equals(frame_with(at, "severity"))
@@ -153,14 +153,14 @@ def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
     assert_clean(at)
     assert _filters(at) == {"roles": [], "problems": False, "pattern": "", "sort": "seq", "desc": False,
                             "page": 1}
-    assert at.multiselect(key="f_steps").value == [] and at.multiselect(key="f_ranks").value == []
+    assert at.multiselect(key="step").value == [] and at.multiselect(key="rank").value == []
     n = len(msprobe_tensor_entries(CAND_JSON))
     assert _caption(at) == f"{n} record(s) match; page 1 of {-(-n // 50)}."
     assert not {"sort", "desc", "problems", "page", "role", "step", "rank"} & set(at.query_params)
     for bad in ("0", "-4", "1.5", "9" * 5000):
         at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, page=bad)
         assert_clean(at)
-        assert at.number_input(key="f_page").value == 1
+        assert at.pagination(key="page").value == 1
     # a page past the end shows the last page
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, page="999")
     assert_clean(at)

@@ -126,7 +126,7 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import order_notes
     from precision_lab.store import Store
-    from precision_lab.services.browse import session_runs
+    from precision_lab.store.queries import session_runs
     from ui_fixtures import serve_db
 
     d = tmp_path / "dump"

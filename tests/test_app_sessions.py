@@ -36,7 +36,7 @@ def test_empty_database_invites_upload_and_samples(empty_db):
 
 
 def test_a_read_only_server_visited_without_a_token_never_invites_an_upload(empty_db, monkeypatch):
-    from precision_lab.ui.page import PAGES
+    from precision_lab.ui.page import page_script
 
     monkeypatch.setenv("PRECISION_LAB_READ_ONLY", "1")
     for listing in ("0", "1"):  # sessions hidden (the default), or listed on an empty database
@@ -44,9 +44,9 @@ def test_a_read_only_server_visited_without_a_token_never_invites_an_upload(empt
         at = app_test()
         at.run()
         assert_clean(at)
-        for page in ("sessions", "overview", "detail", "ops", "diff", "timeline"):
+        for page in ("sessions", "overview", "op_detail", "ops", "diff", "timeline"):
             if page != "sessions":
-                at.switch_page(PAGES[page]).run()
+                at.switch_page(page_script(page)).run()
                 assert_clean(at)
             said = " ".join(i.value for i in at.info)
             assert "read-only" in said and "upload" not in said.lower() and "sample" not in said.lower(), (page, said)

@@ -26,10 +26,11 @@ def _run_id(store, session):
 def _facts(db) -> tuple:
     """(store, run id, first non-finite step, alerts) of the timeline session, from the service."""
     from precision_lab.services import timeline as svc
+    from precision_lab.store import timeline as tl
 
     store = _store(db)
     run_id = _run_id(store, TIMELINE_SESSION)
-    return store, run_id, svc.first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id)
+    return store, run_id, tl.first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id)
 
 
 def _arr(v):
@@ -151,11 +152,11 @@ def test_op_detail_shows_where_the_op_was_called(ui_db):
     store, run_id, first, _ = _facts(ui_db)
     rid = store.sql("SELECT rid FROM tensors WHERE run_id = ? AND op = '2.forward.0' AND role = 'output' "
                     "AND step = 0", [run_id]).fetchone()[0]
-    at = open_page("detail", session=TIMELINE_SESSION, run=TIMELINE_SESSION, op=str(rid))
+    at = open_page("op_detail", session=TIMELINE_SESSION, run=TIMELINE_SESSION, op=str(rid))
     body = texts(at)
     line = next(ln for ln in body.splitlines() if ln.startswith("Called from"))
     assert line.replace("\\", "").startswith("Called from tests/training.py:") and line.endswith(" in train")
-    at = open_page("detail", session=STAT_SESSION, run="stat_mix_fp16_inner_ovf")
+    at = open_page("op_detail", session=STAT_SESSION, run="stat_mix_fp16_inner_ovf")
     # the sample's first non-finite op, located by the dump's stack.json
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
     line = next(ln for ln in texts(at).splitlines() if ln.startswith("Called from"))

@@ -119,22 +119,120 @@ def test_imports_point_down(path, module, is_pkg):
     assert not up, "\n".join(up)
 
 
-def test_ui_and_cli_read_the_store_through_services():
+# the read model: the store's named questions (the dashboard's views, the questions use cases share, a long run's
+# timeline), which ui and cli read directly; no service forwards them
+READ_MODEL = ("precision_lab.store.views", "precision_lab.store.queries", "precision_lab.store.timeline")
+
+
+def test_ui_and_cli_read_the_store_through_the_read_model_only():
+    """ui and cli ask the store's named questions (``READ_MODEL``) and use the package's public face (``Store``,
+    ``held``); the store's other modules (transfer, the connections) are the services' to use."""
     reach = []
     for path, module, is_pkg in ALL:
         if _floor_of(module) not in ("ui", "cli"):
             continue
         for line, target, _ in _imports(path, module, is_pkg):
-            if target.startswith("precision_lab.store.") and target != "precision_lab.store.connection":
+            if target.startswith("precision_lab.store.") and target not in READ_MODEL:
                 reach.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not reach, "\n".join(reach)
 
 
-def test_pages_only_render():
-    for page in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
-        text = page.read_text()
-        assert not re.search(r"^\s*(import|from)\s+(torch|duckdb)\b", text, re.M), page.name
-        assert not SQL.search(text), page.name
+def _top_imports(path: Path):
+    """(line, module) for every import of a script."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+
+
+PAGES = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_pages_only_render(page):
+    """Pages lay out what ui shapes and start the use cases of services; they never reach the store."""
+    text = page.read_text()
+    assert not re.search(r"^\s*(import|from)\s+(torch|duckdb)\b", text, re.M), page.name
+    assert not SQL.search(text), page.name
+    store = [f"{page.name}:{line} imports {m}" for line, m in _top_imports(page)
+             if m == "precision_lab.store" or m.startswith("precision_lab.store.")]
+    assert not store, "\n".join(store)
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _all_of(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [e.value for e in node.value.elts]
+    return []
+
+
+def _imported_from(tree: ast.Module, package: str) -> dict[str, str]:
+    """name -> the project module it was imported from, for a module's top-level ``from ... import`` lines."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - max(0, node.level - 1)] if node.level else []
+            src = ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+            out.update({(a.asname or a.name): src for a in node.names})
+    return out
+
+
+@pytest.mark.parametrize("path, module, is_pkg", [m for m in ALL if _floor_of(m[1]) in ("services", "ui")],
+                         ids=[m for _, m, _ in ALL if _floor_of(m) in ("services", "ui")])
+def test_each_name_is_published_in_one_place(path, module, is_pkg):
+    """A view-model module's ``__all__`` lists only what it defines; a service's never lists a name of the read
+    model (a forward of the store's questions, as services/browse.py was): ui reads the read model directly."""
+    tree = ast.parse(path.read_text())
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    sources = _imported_from(tree, package)
+    published = [n for n in _all_of(tree) if n not in _defined_names(tree)]
+    if _floor_of(module) == "services":
+        published = [n for n in published if sources.get(n, "").startswith(READ_MODEL)]
+    assert not published, f"{path.relative_to(ROOT)} publishes names it imports: {published}"
+
+
+def _forwards(tree: ast.Module, aliases: set[str]) -> list[str]:
+    """Top-level functions whose whole body (past a docstring) is ``return <alias>.<question>(...)``."""
+    out = []
+    for f in tree.body:
+        if not isinstance(f, ast.FunctionDef):
+            continue
+        body = f.body[1:] if f.body and isinstance(f.body[0], ast.Expr) else f.body
+        if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Call):
+            fn = body[0].value.func
+            if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id in aliases:
+                out.append(f.name)
+            elif isinstance(fn, ast.Name) and fn.id in aliases:
+                out.append(f.name)
+    return out
+
+
+def test_no_service_forwards_a_store_question():
+    """A service is a use case with behaviour; a function that only returns a store question's answer is a
+    forward, and its callers ask the read model themselves."""
+    found = []
+    for path, module, is_pkg in ALL:
+        if _floor_of(module) != "services":
+            continue
+        tree = ast.parse(path.read_text())
+        package = module if is_pkg else module.rsplit(".", 1)[0]
+        aliases = {n for n, src in _imported_from(tree, package).items()
+                   if src.startswith("precision_lab.store")}
+        found += [f"{path.relative_to(ROOT)}: {name}" for name in _forwards(tree, aliases) if not name.startswith("_")]
+    assert not found, "\n".join(found)
 
 
 def test_sql_is_written_in_the_store_only():

@@ -163,7 +163,7 @@ def test_ops_page_shows_names_as_text(hostile_db):
 
 
 def test_detail_page_shows_names_as_text(hostile_db):
-    at = open_page("detail", session=SESSION, run="fp16", op="5")
+    at = open_page("op_detail", session=SESSION, run="fp16", op="5")
     text = _check_page(at)
     assert f"{OP_PREFIX}.5.fc.output.0" in text
 

@@ -31,7 +31,7 @@ from precision_lab.services.report import build_report, first_nonfinite, render_
 from precision_lab.services.timeline import session_alerts
 from precision_lab.store import Store
 from precision_lab.store import queries as q
-from precision_lab.store.dashboard import top_offenders
+from precision_lab.store.views import top_offenders
 
 
 

@@ -35,10 +35,10 @@ def test_rerun_button_runs_the_fix_and_opens_the_n_run_diff(recipe_db):
     at.run()
     assert_clean(at)
     assert at.title[0].value == "Diff"
-    assert at.radio(key="diff_mode").value == "runs"
+    assert at.radio(key="view").value == "runs"
     # it lands on the op the fix was for: where the candidate first went non-finite
     landing = first_nonfinite(store, cand).op
-    assert at.text_input(key="diff_pattern").value == landing and at.query_params["q"] == landing
+    assert at.text_input(key="q").value == landing and at.query_params["q"] == landing
     runs = store.df("SELECT run_id, name, kind, parent_run_id, fix FROM runs WHERE session_id = ?", [sid])
     new = runs[runs.kind == "rerun"].iloc[0]
     assert new.run_id == job.run_id and new.parent_run_id == cand and new.fix == "stable-softmax"

@@ -174,16 +174,15 @@ def test_warnings_are_written_in_batches_within_the_transaction(store, monkeypat
     assert store.df("SELECT count(*) AS n FROM warnings WHERE message = 'never stored'")["n"][0] == 0
 
 
-def test_one_switch_rule_for_settings_and_url_toggles():
+def test_one_switch_rule_for_settings():
     from precision_lab.config import ConfigError, load_config, parse_bool
-    from precision_lab.ui.page import parse_flag
 
     for text, want in [("1", True), ("TRUE", True), (" yes ", True), ("on", True), ("0", False), ("False", False),
                        ("no", False), ("off", False), ("", False)]:
-        assert parse_bool(text) is want and parse_flag(text) is want
+        assert parse_bool(text) is want
     for bad in ("2", "enabled", "y"):
         with pytest.raises(ValueError):
-            parse_flag(bad)
+            parse_bool(bad)
     assert load_config(env={"PRECISION_LAB_READ_ONLY": ""}).read_only is False
     assert load_config(env={"PRECISION_LAB_READ_ONLY": "On"}).read_only is True
     with pytest.raises(ConfigError):
@@ -297,7 +296,7 @@ def test_a_staged_session_gets_a_free_name_when_another_writer_takes_its_name_me
 def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(store):
     """``created`` is kept to the second: two re-runs made in it keep the order they were added in everywhere runs
     are listed (never their random ids' order), and the Diff cards list the later one first."""
-    from precision_lab.store import dashboard
+    from precision_lab.store import views
     from precision_lab.store import queries as q
     from precision_lab.ui.diff import rerun_cards
 
@@ -312,6 +311,6 @@ def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(st
     added = ["base", "first fix", "second fix"]
     assert [r["name"] for r in q.session_runs(store, sid)] == added
     assert store.runs(sid).name.tolist() == added
-    assert dashboard.runs_table(store, sid).run.tolist() == added
-    assert [r["name"] for r in dashboard.all_runs(store) if r["session_id"] == sid] == added
+    assert views.runs_table(store, sid).run.tolist() == added
+    assert [r["name"] for r in views.all_runs(store) if r["session_id"] == sid] == added
     assert [c["run"] for c in rerun_cards(store, sid)] == ["second fix", "first fix"]  # newest first

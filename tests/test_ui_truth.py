@@ -144,7 +144,7 @@ def test_stats_table_of_only_nan_says_no_finite_value():
 
 def test_op_detail_of_a_tensor_holding_inf(truth_db):
     rid = _rid(truth_db, "candidate", INF_OP)
-    at = open_page("detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
+    at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
     cast = _arrays()[INF_OP].astype(np.float64)
     with np.errstate(over="ignore"):
         cand = cast.astype(np.float16).astype(np.float64)
@@ -163,7 +163,7 @@ def test_op_detail_of_a_tensor_holding_inf(truth_db):
 
 def test_op_detail_of_a_scalar_inf(truth_db):
     rid = _rid(truth_db, "candidate", SCALAR_OP)
-    at = open_page("detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
+    at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
     with np.errstate(over="ignore"):
         assert np.isinf(np.float64(np.float16(_arrays()[SCALAR_OP])))
     stats = next(f for f in frames(at) if "inf_count" in f.index)
@@ -270,7 +270,7 @@ def test_plain_rounding_stays_expected():
 # ---- (d) unknown session or op: say so, open nothing else -------------------------------
 
 def test_unknown_session_says_not_found(truth_db):
-    for page in ("overview", "ops", "diff", "detail"):
+    for page in ("overview", "ops", "diff", "op_detail"):
         at = open_page(page, session="nope")
         assert_clean(at)
         assert any("no session named nope" in w.value.replace("\\", "") for w in at.warning), page
@@ -279,7 +279,7 @@ def test_unknown_session_says_not_found(truth_db):
 
 @pytest.mark.parametrize("op", ["abc", "999999", "-1"])
 def test_unknown_op_says_not_found(truth_db, op):
-    at = open_page("detail", session=SESSION, run=_cand_run(truth_db), op=op)
+    at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=op)
     assert_clean(at)
     assert any(f"has no op {op}" in w.value.replace("\\", "") for w in at.warning)
     assert not at.subheader and not at.dataframe and not at.get("plotly_chart")
@@ -287,6 +287,6 @@ def test_unknown_op_says_not_found(truth_db, op):
 
 def test_known_op_still_opens(truth_db):
     rid = _rid(truth_db, "candidate", NEAR0_OP)
-    at = open_page("detail", session=SESSION, run=_cand_run(truth_db), op=str(rid))
+    at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid))
     assert not at.warning
     assert at.subheader[0].value.replace("\\", "") == NEAR0_OP

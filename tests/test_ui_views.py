@@ -250,32 +250,32 @@ def test_ops_page_counts_filters_and_pages(db):
     page = ops.ops_page(db, ops.OpsFilter(run_id))
     assert page.total == len(entries) and len(page.rows) == 50 and page.pages == math.ceil(len(entries) / 50)
     assert page.rows["seq"].is_monotonic_increasing
-    last = ops.ops_page(db, ops.OpsFilter(run_id, page=99))
-    assert last.filter.page == page.pages - 1 and len(last.rows) == len(entries) - 50 * (page.pages - 1)
-    probs = ops.ops_page(db, ops.OpsFilter(run_id, only_problems=True, page_size=1000))
+    last = ops.ops_page(db, ops.OpsFilter(run_id), page=99)
+    assert last.page == page.pages - 1 and len(last.rows) == len(entries) - 50 * (page.pages - 1)
+    probs = ops.ops_page(db, ops.OpsFilter(run_id, only_problems=True), page_size=1000)
     assert probs.total == msprobe_nonfinite_count(CAND_JSON)
     assert set(probs.rows["severity"]) == {"nonfinite"}
     import json
 
     data = json.loads(CAND_JSON.read_text())["data"]
     n_linear10 = sum(len(list(msprobe_tensor_entries_of(v))) for k, v in data.items() if "linear.10." in k)
-    pat = ops.ops_page(db, ops.OpsFilter(run_id, pattern="linear.10.", page_size=1000))
+    pat = ops.ops_page(db, ops.OpsFilter(run_id, pattern="linear.10."), page_size=1000)
     assert pat.total == n_linear10 and all("linear.10." in n for n in pat.rows["name"])
-    glob = ops.ops_page(db, ops.OpsFilter(run_id, pattern="Functional.linear.1?.forward.output.*", page_size=1000))
+    glob = ops.ops_page(db, ops.OpsFilter(run_id, pattern="Functional.linear.1?.forward.output.*"), page_size=1000)
     import re
 
     want_ops = sorted(k for k in data if re.fullmatch(r"Functional\.linear\.1.\.forward", k))
     assert len(want_ops) > 1 and sorted(set(glob.rows["op"])) == want_ops
     assert set(glob.rows["role"]) == {"output"}
-    srt = ops.ops_page(db, ops.OpsFilter(run_id, sort="absmax", descending=True, page_size=600))
+    srt = ops.ops_page(db, ops.OpsFilter(run_id, sort="absmax", descending=True), page_size=600)
     vals = srt.rows["absmax"].dropna().to_numpy()
     assert all(a >= b for a, b in zip(vals, vals[1:])) and math.isinf(vals[0])
     rank = {"nonfinite": 3, "error": 2, "warn": 1}
-    sev = ops.ops_page(db, ops.OpsFilter(run_id, sort="severity", descending=True, page_size=1000))
+    sev = ops.ops_page(db, ops.OpsFilter(run_id, sort="severity", descending=True), page_size=1000)
     ranks = [rank.get(v, 0) for v in sev.rows["severity"]]
     assert ranks == sorted(ranks, reverse=True) and ranks[0] == 3 and sev.total == len(entries)
     assert sev.rows["seq"].iloc[0] == min(probs.rows["seq"])  # ties in execution order
-    roles = ops.ops_page(db, ops.OpsFilter(run_id, roles=("param",), page_size=1000))
+    roles = ops.ops_page(db, ops.OpsFilter(run_id, roles=("param",)), page_size=1000)
     assert roles.total > 0 and set(roles.rows["role"]) == {"param"}
     with pytest.raises(ValueError, match="cannot sort"):
         ops.OpsFilter(run_id, sort="name; DROP TABLE tensors")
@@ -294,7 +294,7 @@ def msprobe_tensor_entries_of(entry):
 
 
 def test_name_pattern_escapes_like_wildcards():
-    from precision_lab.store.dashboard import name_pattern_sql
+    from precision_lab.store.views import name_pattern_sql
 
     assert name_pattern_sql("a_b%c") == "%a\\_b\\%c%"
     assert name_pattern_sql("blocks.*.fc?") == "blocks.%.fc_"
@@ -393,7 +393,7 @@ def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
     assert not tpage.stats_basis and "summary_rel_err" not in tpage.rows.columns
     assert tpage.rows["max_rel_err"].notna().any()
     # the Ops table: the same errors, sortable by them
-    opage = ops.ops_page(db, ops.OpsFilter(cand, sort="summary_rel_err", descending=True, page_size=1000))
+    opage = ops.ops_page(db, ops.OpsFilter(cand, sort="summary_rel_err", descending=True), page_size=1000)
     assert opage.stats_basis and opage.rows["max_rel_err"].isna().all()
     vals = [v for v in opage.rows["summary_rel_err"] if v is not None and not math.isnan(v)]
     assert len(vals) > 20 and vals == sorted(vals, reverse=True)

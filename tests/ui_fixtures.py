@@ -162,18 +162,35 @@ def app_test(**query):
 
 
 def open_page(page: str, /, **query):
-    """Run app.py once, switch to ``page`` (a key of ``precision_lab.ui.page.PAGES``) with the URL
+    """Run app.py once, switch to ``page`` (a name in ``precision_lab.ui.page.PAGES``) with the URL
     parameters ``query``, and run it.  ``page`` is positional-only, so ``page=`` is a URL parameter."""
-    from precision_lab.ui.page import PAGES
+    from precision_lab.ui.page import page_script
 
     at = app_test()
     at.run()
-    at.switch_page(PAGES[page])
+    at.switch_page(page_script(page))
     for k, v in query.items():
         at.query_params[k] = v
     at.run()
     assert_clean(at)
     return at
+
+
+def link(at) -> dict:
+    """The URL parameters of the view ``at`` shows, as a copied link carries them: the pickers' (written by the
+    page) and every widget bound to the URL (``bind="query-params"``: Streamlit's browser side writes the widget's
+    value under its key, which AppTest has no browser to do), in the text the URL holds."""
+    def text(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return [text(x) for x in v] if isinstance(v, (list, tuple)) else str(v)
+
+    out = dict(at.query_params)
+    for kind in ("selectbox", "multiselect", "toggle", "text_input", "pagination", "radio"):
+        for w in at.get(kind):
+            if getattr(w.proto, "query_param_key", ""):
+                out[w.proto.query_param_key] = text(w.value)
+    return out
 
 
 def assert_clean(at) -> None:

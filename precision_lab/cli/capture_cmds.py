@@ -20,8 +20,9 @@ from ..fixes.policy import POLICIES, PolicyError, PrecisionPolicy, QuantConfig
 from ..formats import FORMATS, get_format
 from ..fixes.recipes import RecipeNotFound
 from ..fixes.catalogue import apply_fixes
-from ..services import browse
+from ..store.queries import count_records
 from ..services.report import first_nonfinite
+from ..ui.overview import diagnosis_cards
 
 
 def candidate_policy(recipe, dtype: Optional[str]):
@@ -109,7 +110,7 @@ def _summary(store, name: str) -> None:
     runs = store.runs(info["session_id"])
     typer.echo(f"session {name!r} in {store.path}")
     for _, r in runs.iterrows():
-        n = browse.count_records(store, r["run_id"])
+        n = count_records(store, r["run_id"])
         typer.echo(f"  {r['kind']:<10} {r['name']}: {n} records, dtype {r['dtype']}")
     for _, r in runs.iterrows():
         hit = first_nonfinite(store, r["run_id"])
@@ -118,7 +119,7 @@ def _summary(store, name: str) -> None:
         else:
             typer.echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
                        f"rank {hit.rank}): {hit.reason}")
-    for d in browse.diagnosis_cards(store, info["session_id"]):
+    for d in diagnosis_cards(store, info["session_id"]):
         typer.echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
         if d["fixes"]:
             typer.echo(f"    fixes (best first): {', '.join(d['fixes'])}")

@@ -16,7 +16,7 @@ from ._common import DB_HELP, end_progress, open_store, print_table, tty_progres
 from ._common import fail as _fail
 from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTION as _MODEL
 from ._models import model_entry_points as _model_entry_points
-from ..services import browse
+from ..store import queries as q
 from ..services.report import first_nonfinite
 from ..services.rerun import bisect_fp32_islands, rerun_session
 from ..store import SessionNotFound
@@ -40,7 +40,7 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     fn = first_nonfinite(store, run_id)
     typer.echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
                f"fix {run.get('fix') or '-'}")
-    last = browse.last_accumulated_output(store, run_id)
+    last = q.last_accumulated_output(store, run_id)
     if fn is None:
         typer.echo("  no NaN or inf anywhere in the run")
     else:
@@ -48,7 +48,7 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     if last is not None:
         sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
         typer.echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
-    for d in browse.run_diagnoses(store, run_id):
+    for d in q.run_diagnoses(store, run_id):
         typer.echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
         if d["fixes"] and d["fixes"] != "[]":
             typer.echo(f"      fixes: {d['fixes']}")

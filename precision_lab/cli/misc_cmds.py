@@ -13,7 +13,7 @@ from ..display import num_text
 from ._models import INPUTS_OPTION, LOSS_OPTION, MODEL_OPTION, model_entry_points
 from ..fixes.catalogue import FIXES, parse_fix
 from ..services.applicable import applicable_fixes
-from ..services.sessions import session_list
+from ..store.queries import session_list
 from ..services.rerun import RerunError
 from ..store import SessionNotFound
 from ..fixes.recipes import RecipeError, list_recipes

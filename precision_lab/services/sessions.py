@@ -9,9 +9,7 @@ from typing import Optional
 from ..fixes.policy import PrecisionPolicy
 from ..store import queries as q
 
-__all__ = ["recipe_name", "run_policy", "session_list"]
-
-session_list = q.session_list  # every session, newest first (the CLI's `db`, light to import)
+__all__ = ["recipe_name", "run_policy"]
 
 
 def run_policy(run: dict) -> Optional[PrecisionPolicy]:

@@ -20,29 +20,15 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
+from ..store import views
 from .tree import build_tree
 
-__all__ = ["timeline_runs", "first_nonfinite_step", "step_table", "run_format", "run_alerts", "session_alerts",
+__all__ = ["run_format", "run_alerts", "session_alerts",
            "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op", "pair_alerts"]
 
 # op alerts judge forward outputs; gradients of parameters are judged for underflow only
 # (a GradScaler overflows them on purpose, and skips those steps)
 _OUTPUT = ("output",)
-
-
-def timeline_runs(store, session_id: str) -> list[dict]:
-    """Runs of a session that have a timeline (``steps``, ``ops``, first and last step)."""
-    return tl.timeline_runs(store, session_id)
-
-
-def first_nonfinite_step(store, run_id: str) -> Optional[int]:
-    """The first step of a run whose summaries hold an unexpected NaN/Inf (or whose loss is non-finite)."""
-    return tl.first_nonfinite_step(store, run_id)
-
-
-def step_table(store, run_id: str) -> list[dict]:
-    """One row per step: loss, loss_scale, grad_norm, nonfinite_values, tensors summarised."""
-    return tl.step_rows(store, run_id)
 
 
 def run_format(run: dict, target: Optional[str] = None) -> Format:
@@ -127,7 +113,7 @@ def session_alerts(store, session: str, *, target: Optional[str] = None,
     info = store.session(session)
     out: list[Alert] = []
     timed = set()
-    for r in timeline_runs(store, info["session_id"]):
+    for r in tl.timeline_runs(store, info["session_id"]):
         timed.add(r["run_id"])
         out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
     for r in q.session_runs(store, info["session_id"]):
@@ -149,11 +135,11 @@ def first_failing_op(store, run_id: str) -> Optional[dict]:
 def timeline_report(store, session_id: str) -> dict:
     """Per timeline run: the first non-finite step, the steps with full records, and one row per step."""
     out = {}
-    for r in timeline_runs(store, session_id):
+    for r in tl.timeline_runs(store, session_id):
         out[r["name"]] = {
-            "first_nonfinite_step": first_nonfinite_step(store, r["run_id"]),
-            "full_steps": tl.full_steps(store, r["run_id"]),
-            "steps": step_table(store, r["run_id"]),
+            "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]),
+            "full_steps": views.full_steps(store, r["run_id"]),
+            "steps": tl.step_rows(store, r["run_id"]),
         }
     return out
 
@@ -190,7 +176,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
 
 def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
-    steps = tl.full_steps(store, run_id, op)
+    steps = views.full_steps(store, run_id, op)
     if not steps:
         return None
     before = [s for s in steps if s <= step]

@@ -17,7 +17,7 @@ from ..formats import get_format
 from ..ops import enclosing_module, module_path
 from ..store import queries as q
 
-__all__ = ["ROOT", "build_tree", "run_tree", "tree_modules_of", "output_rid"]
+__all__ = ["ROOT", "build_tree", "run_tree", "tree_modules_of"]
 
 ROOT = "(model)"
 
@@ -71,8 +71,3 @@ def tree_modules_of(nodes: list[dict]) -> list[dict]:
     with_op.sort(key=lambda n: (not n["on_path"], -depth(n) if n["on_path"] else 0,
                                 n["headroom"] if n["headroom"] is not None else math.inf))
     return with_op
-
-
-def output_rid(store, run_id: str, op: str) -> Optional[int]:
-    """The record of ``op`` a click on its module opens (its first non-finite output, else its first)."""
-    return q.op_output_rid(store, run_id, op)

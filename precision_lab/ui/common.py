@@ -1,22 +1,60 @@
-"""Small pieces every view-model shares: row fetching, severity, number text."""
+"""Small pieces every view-model shares: pages of a table, severity, number text."""
 
 from __future__ import annotations
 
 import html
 import math
 import re
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pandas as pd
 
 from ..display import MISSING, num_text
 from ..enums import Verdict, worst_first
 
-__all__ = ["plot_text", "MISSING", "SEVERITIES", "SEVERITY_COLORS", "num_text", "cosine_text", "escape_md", "code_md",
+__all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md", "code_md",
            "message_md", "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
 
 # A record's severity as the tables show it, worst first: "nonfinite" (NaN/inf in the record or
 # introduced against the reference), then the comparisons' verdicts ("ok" = expected).
 SEVERITIES = tuple(v.label for v in worst_first(Verdict))
 SEVERITY_COLORS = {v.label: v.colour for v in Verdict}
+
+
+def severity_label(value: Any) -> str:
+    """A record's severity (a ``Verdict`` value, as the read model gives it) as the tables write it; "" for none."""
+    return Verdict(value).label if isinstance(value, str) and value else ""
+
+
+@dataclass(frozen=True)
+class Page:
+    """Page ``page`` (0-based) of a table: its rows, the table's row count, and whether any of its comparisons is
+    on summary statistics only (``summary_*_err``, no ``max_*_err``)."""
+
+    rows: pd.DataFrame
+    total: int
+    page: int
+    page_size: int
+    stats_basis: bool = False
+
+    @property
+    def pages(self) -> int:
+        return max(1, -(-self.total // self.page_size))
+
+
+def paged(fetch: Callable[[int, int], Any], page: int, page_size: int) -> Page:
+    """Page ``page`` of a table the read model gives a window at a time (``fetch(offset, limit)`` returns a
+    ``store.views.Window``).  A page past the end shows the last page: a filter shrank the table, or a link is
+    older than the data."""
+    if page < 0 or page_size <= 0:
+        raise ValueError(f"invalid page {page} of size {page_size}")
+    got = fetch(page * page_size, page_size)
+    last = max(0, -(-got.total // page_size) - 1)
+    if page > last:
+        page = last
+        got = fetch(page * page_size, page_size)
+    return Page(got.rows, got.total, page, page_size, got.stats_basis)
 
 
 def cosine_text(cosine: Any, deficit: Any) -> str:

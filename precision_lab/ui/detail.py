@@ -15,12 +15,13 @@ import numpy as np
 import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
-from ..services import browse
-from ..services.browse import counterparts, find_records, full_steps, has_record, record
+from ..store import views
+from ..store.queries import session_runs  # the page reads these here
+from ..store.views import counterparts, find_records, full_steps, has_record, record
 from .common import MISSING, cosine_text, num_text, plot_text
 from ..stats import HIST_EDGES
 
-__all__ = ["record", "has_record", "find_records", "full_steps", "op_label", "counterparts", "load_stats", "default_formats", "binade_counts",
+__all__ = ["op_label", "load_stats", "default_formats", "binade_counts",
            "histogram_figure", "representability_table", "what_if_table", "headroom_table", "headroom_tables", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
@@ -409,7 +410,7 @@ def metrics_table(store, run_id: str, rid: int) -> pd.DataFrame:
     "local"), one row per metric, as text with enough digits (cosine also as
     1 - cos)."""
     data = {}
-    for c in browse.record_comparisons(store, run_id, rid):
+    for c in views.record_comparisons(store, run_id, rid):
         if c["kind"] == "local":
             col = "local (op re-run in fp32 on this run's inputs)"
         elif c["this_side"] == "candidate":

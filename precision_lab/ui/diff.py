@@ -4,27 +4,29 @@ and the N-run view with one column group per run."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
-from ..services import browse
-from ..services.browse import SHOW_OPTIONS, DiffPage, base_run, nrun_page, pair_options, unmatched_counts
-from ..services.report import first_nonfinite
-from ..metrics import SUMMARY_ERRORS
-from .common import cosine_text
+from typing import Optional, Sequence
 
-__all__ = ["landing_op", "DiffPage", "pair_options", "diff_page", "nrun_page", "base_run", "SHOW_OPTIONS", "unmatched_counts",
-           "rerun_cards", "sqnr_card"]
+from ..services.report import first_nonfinite
+from ..store import queries as q
+from ..store import views
+from ..store.queries import session_runs
+from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
+from ..metrics import SUMMARY_ERRORS
+from .common import Page, cosine_text, paged, severity_label
+
+__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card"]
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
-              pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
-    """One page of the reference | candidate | metrics table (``services.browse.diff_page``), cosine shown
-    as text with 1 - cos; the decisive columns (verdict, max_rel_err, SQNR, reason) come right after the op,
+              pattern: str = "", page: int = 0, page_size: int = 50) -> Page:
+    """Page ``page`` (0-based; past the end: the last) of the reference | candidate | metrics table
+    (``store.views.diff_rows``), severity in words, cosine shown as text with 1 - cos; the decisive columns (verdict, max_rel_err, SQNR, reason) come right after the op,
     so they are on screen at 1400 px, before the two sides' statistics.  A pair compared on summary
     statistics has their errors in their own columns (summary_rel_err beside max_rel_err); a pair compared
     element-wise only is shown without them."""
-    got = browse.diff_page(store, session_id, ref_run_id, cand_run_id, show=show, pattern=pattern, page=page,
-                           page_size=page_size)
-    df = got.rows
+    got = paged(lambda offset, limit: views.diff_rows(store, session_id, ref_run_id, cand_run_id, show=show,
+                                                      pattern=pattern, offset=offset, limit=limit), page, page_size)
+    df = got.rows.assign(severity=got.rows["severity"].map(severity_label))
     if not got.stats_basis:
         df = df.drop(columns=[c for c in SUMMARY_ERRORS if c in df.columns])
     if "cosine" in df.columns:
@@ -34,6 +36,14 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     lead = [c for c in DECISIVE_FIRST if c in df.columns]
     df = df[lead + [c for c in df.columns if c not in lead]]
     return replace(got, rows=df)
+
+
+def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Optional[str] = None,
+              show: str = "all", pattern: str = "", page: int = 0, page_size: int = 50) -> Page:
+    """Page ``page`` (0-based; past the end: the last) of the N-run table (``store.views.nrun_rows``): one row per
+    record of the base run, one column group per other run."""
+    return paged(lambda offset, limit: views.nrun_rows(store, session_id, run_ids, base_run_id=base_run_id, show=show,
+                                                       pattern=pattern, offset=offset, limit=limit), page, page_size)
 
 
 # the Diff table's first columns: which record, then what was decided about it and why
@@ -47,16 +57,16 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
     records holding NaN/Inf; the output SQNR against the fp32 reference, None without one or when the output
     holds NaN/Inf the reference does not -- ``broken`` -- so a broken output is never credited with the SQNR of
     its finite values; the op named first non-finite)."""
-    runs = browse.session_runs(store, session_id)
+    runs = session_runs(store, session_id)
     by_id = {r["run_id"]: r for r in runs}
     out = []
     for r in [r for r in runs if r["kind"] == "rerun" and r.get("parent_run_id") in by_id][::-1][:limit]:
         parent = by_id[r["parent_run_id"]]
 
         def facts(run_id):
-            last = browse.last_accumulated_output(store, run_id)
+            last = q.last_accumulated_output(store, run_id)
             first = first_nonfinite(store, run_id)
-            return (browse.count_records(store, run_id, nonfinite=True, direction="forward"),
+            return (q.count_records(store, run_id, nonfinite=True, direction="forward"),
                     last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
                     first.op if first else None)
 
@@ -81,7 +91,7 @@ def sqnr_card(card: dict) -> tuple[str, Optional[float], str]:
 def landing_op(store, run_id: str) -> Optional[str]:
     """The op a finished re-run opens on: where its parent first went non-finite (the op the fix was for), or
     None when the parent had no non-finite value."""
-    run = browse.run_row(store, run_id)
+    run = q.run_row(store, run_id)
     parent = run.get("parent_run_id") if run else None
     first = first_nonfinite(store, parent) if parent else None
     return first.op if first else None

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import __version__
-from ..services import browse
+from ..store import views
 from ..services import timeline as _timeline
 from ..services.report import norm_artefacts, order_text
 from .common import cosine_text, num_text, plot_text, public_source
-from .detail import counterparts, default_formats, histogram_figure, load_stats, record, summary_figure
+from ..store.views import counterparts, record
+from .detail import default_formats, histogram_figure, load_stats, summary_figure
 from .overview import (diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, long_runs, runs_table,
                        top_offenders)
 
@@ -313,7 +314,7 @@ def render_html(store, session: str, *, public: bool = False) -> str:
                                 ("rule", "rule", "text"), ("message", "message", "text"),
                                 ("fixes_text", "fixes", "name")], empty="no diagnoses"))
 
-    warns = browse.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
+    warns = views.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
     parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
     parts.append(_table(warns[:MAX_WARNINGS], [("run", "run", "name"), ("file", "file", "name"),
                                                ("message", "message", "text")], empty="no warnings"))

@@ -8,23 +8,32 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.browse import PROBLEM_SEVERITIES, SORTABLE, OpsFilter, OpsPage, filter_options, ops_page
-from .common import cosine_text, text_columns
+from ..store.queries import session_runs
+from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows
+from .common import Page, cosine_text, paged, severity_label, text_columns
 
-__all__ = ["OpsFilter", "OpsPage", "ops_page", "filter_options", "SORTABLE", "PROBLEM_SEVERITIES", "display_frame"]
+__all__ = ["ops_page", "SORT_OPTIONS", "display_frame"]
+
+# what the table may be sorted by (the read model's SORTABLE)
+SORT_OPTIONS = tuple(SORTABLE)
+
+
+def ops_page(store, f: OpsFilter, *, page: int = 0, page_size: int = 50) -> Page:
+    """Page ``page`` (0-based; past the end: the last) of the op table for the filter ``f``."""
+    return paged(lambda offset, limit: ops_rows(store, f, offset=offset, limit=limit), page, page_size)
 
 
 def display_frame(df: pd.DataFrame, *, summary: Optional[bool] = None) -> pd.DataFrame:
     """The columns the Ops page shows, in reading order (rid stays for selection).
 
     ``summary``: show ``summary_rel_err`` (the error of a comparison on summary statistics, which has no
-    element-wise ``max_rel_err``) beside ``max_rel_err``; pass ``OpsPage.stats_basis``, or leave None to
+    element-wise ``max_rel_err``) beside ``max_rel_err``; pass ``Page.stats_basis``, or leave None to
     decide from the rows shown.  Numbers are text by ``num_text``: NaN reads ``nan``, infinities ``inf``,
     a value that was never computed (no comparison) ``MISSING``."""
     if summary is None:
         summary = bool((df["basis"] == "stats").any()) if "basis" in df.columns else False
     out = pd.DataFrame({
-        "severity": df["severity"].fillna(""),
+        "severity": df["severity"].map(severity_label),
         "seq": df["seq"], "op": df["op"], "type": df["op_type"], "role": df["role"], "index": df["index"],
         "dtype": df["dtype"], "shape": df["shape"], "nan": df["nan_count"], "inf": df["inf_count"],
         "zero": df["zero_count"], "absmax": df["absmax"],

@@ -3,24 +3,24 @@ diagnosis cards, and error against execution order."""
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, nonfinite_origin, norm_artefacts as _na, order_notes, order_text
-from ..services import browse
+from ..services.report import first_nonfinite, nonfinite_origin, order_notes, order_text
 from ..services import timeline as _timeline
-from ..services.tree import output_rid, run_tree
-from ..services.browse import (ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, diagnosis_cards, error_series,
-                               session_runs, top_offenders)
-from .common import num_text, plot_text, public_source, run_label
+from ..services.tree import run_tree
+from ..store import timeline as tl
+from ..store import views
+from ..store.queries import op_output_rid, session_runs
+from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders
+from .common import num_text, plot_text, public_source
 from ..metrics import ELEMENTWISE, relative_error
-from ..records import OUTPUT_ROLES
 
-__all__ = ["long_runs", "model_tree", "output_rid", "ACCUMULATED_KINDS", "LOCAL_KINDS", "ERROR_METRICS", "runs_table", "session_runs",
-           "first_nonfinite_by_run", "norm_artefacts", "top_offenders", "diagnosis_cards",
-           "error_series", "error_figure", "default_error_metric", "worst_error_text", "session_headline", "order_text",
-           "warnings_table", "order_caveat", "MAX_WARNINGS", "OUTPUT_ROLES"]
+__all__ = ["long_runs", "model_tree", "runs_table", "first_nonfinite_by_run", "diagnosis_cards", "error_figure",
+           "default_error_metric", "worst_error_text", "session_headline", "warnings_table", "order_caveat",
+           "MAX_WARNINGS"]
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
@@ -31,7 +31,7 @@ def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
     ``public``: sources as a browser may see them (``common.public_source``:
     names relative to the upload, never a server folder).
     """
-    df = browse.runs_table(store, session_id)
+    df = views.runs_table(store, session_id)
     if public:
         df["source"] = [public_source(v) for v in df["source"]]
     df["order"] = [order_text(v) if isinstance(v, str) and v else v for v in df["order"]]
@@ -46,7 +46,7 @@ MAX_WARNINGS = 200  # shown on the Overview; the HTML report and `report --json`
 def warnings_table(store, session_id: str) -> pd.DataFrame:
     """The session's warnings (from reading its dumps or capturing it): run, file as a browser may see it,
     message; at most ``MAX_WARNINGS`` rows."""
-    rows = browse.session_warnings(store, session_id, limit=MAX_WARNINGS)
+    rows = views.session_warnings(store, session_id, limit=MAX_WARNINGS)
     return pd.DataFrame([{"run": r["run"] or "", "file": public_source(r["file"]), "message": r["message"]}
                          for r in rows], columns=["run", "file", "message"])
 
@@ -74,16 +74,26 @@ def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
     return out
 
 
-def norm_artefacts(store, session_id: str) -> list[dict]:
-    """Records whose Norm/Mean is non-finite while the values are finite (see services.report)."""
-
-    return _na(store, session_id)
-
-
 def default_error_metric(store, session_id: str) -> str:
     """The error to draw first: ``max_rel_err``, or ``summary_rel_err`` for a session whose comparisons are all
     on summary statistics (it has no element-wise error to draw)."""
-    return "summary_rel_err" if browse.comparison_bases(store, session_id) == {"stats"} else "max_rel_err"
+    return "summary_rel_err" if views.comparison_bases(store, session_id) == {"stats"} else "max_rel_err"
+
+
+def diagnosis_cards(store, session_id: str) -> list[dict]:
+    """The session's diagnoses as cards, errors first, then by execution order: ``run, run_id, op, rule, message,
+    fixes`` (a list, best first; a value that is not a JSON list is one fix), ``severity`` (``info`` when none was
+    stored) and ``seq``."""
+    out = []
+    for d in views.diagnoses_worst_first(store, session_id):
+        try:
+            fixes = json.loads(d["fixes"] or "[]")
+        except json.JSONDecodeError:
+            fixes = [d["fixes"]]
+        out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
+                    "message": d["message"], "fixes": list(fixes), "severity": d["severity"] or "info",
+                    "seq": d["seq"]})
+    return out
 
 
 def worst_error_text(row) -> str:
@@ -155,20 +165,15 @@ def session_headline(store, session_id: str) -> dict:
     return {"first_nonfinite": "; ".join(firsts) or "none", "worst": worst_text or "-"}
 
 
-def run_options(store, session_id: str) -> list[dict]:
-    """Runs with a display label, for pickers."""
-    return [{**r, "label": run_label(r)} for r in session_runs(store, session_id)]
-
-
 def long_runs(store, session_id: str) -> list[dict]:
     """The session's runs with a timeline: ``{run, steps, first_nonfinite_step, alerts}`` (alerts as a table)."""
     out = []
-    for r in _timeline.timeline_runs(store, session_id):
+    for r in tl.timeline_runs(store, session_id):
         alerts = _timeline.run_alerts(store, r["run_id"])
         table = pd.DataFrame([{"step": a.step, "rule": a.rule, "message": a.message} for a in alerts],
                              columns=["step", "rule", "message"])
         out.append({"run": r["name"], "steps": r["steps"],
-                    "first_nonfinite_step": _timeline.first_nonfinite_step(store, r["run_id"]), "alerts": table})
+                    "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]), "alerts": table})
     return out
 
 

@@ -1,26 +1,28 @@
-"""Streamlit plumbing the pages share: the store, who may do what, the
-session/run/op/format pickers whose values live in the URL, navigation
-between pages, and errors shown as sentences.
+"""Streamlit plumbing the pages share: the page table, the store, who may do what, the session/run/op/format
+pickers, navigation between pages, and errors shown as sentences.
 
 The only module of ``precision_lab`` that imports streamlit; the view-models
 beside it return DataFrames and figures and are tested without a browser.
 
-URL state: ``?session=<name>&run=<run name>&op=<rid>&fmt=fp16&fmt=bf16``.
-Each picker starts from (in order) a value handed over by ``navigate``, its
-own widget state, the URL, the value last chosen on another page, then a
-default; whatever it ends up showing is written back to the URL, so a copied
+URL state.  A page's own settings (the Ops filters, the Diff view) are widgets
+bound to the URL by Streamlit (``bind="query-params"``: the widget's key is
+the parameter, a value the widget cannot show is dropped, a default is left
+out of the link).  The pickers that name what a page shows
+(``?session=<name>&run=<run name>&op=<rid>&step=<n>&fmt=fp16&fmt=bf16``) are
+the hand-made part, because a binding cannot serve them: Streamlit keeps a
+bound value for its own page, while these carry over to the next page (the
+navigation menu opens a page without the last one's URL) and are handed over
+by ``navigate``; and their options come from the session or run chosen just
+before.  Each picker starts from (in order) a value handed over by
+``navigate``, its own widget state, the URL, the value last chosen on another
+page, then a default; what it shows is written back to the URL, so a copied
 link opens the same view.
-
-A page's own settings (the Ops filters, the Diff view) live in the URL too,
-through ``from_url`` before the widget and ``to_url`` after it: the widget's
-state wins, then the URL (read by a parser that rejects what the page cannot
-show, which silently gives the default), then the default; a value equal to
-its default is left out of the URL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -28,29 +30,41 @@ from typing import Any, Callable, Optional, Sequence
 import streamlit as st
 
 from ..formats import FORMAT_NAMES
-from .common import escape_md, message_md, public_text, run_label
+from .common import escape_md, public_text, run_label
 from .overview import session_headline
 from . import sessions as sessions_view
-from ..services.browse import session_data_version
+from ..store.queries import session_data_version
 from ..store import Store, default_db_path, held
-from ..config import SHARE_PARAM, ConfigError, load_config, parse_bool, resolve_access
+from ..config import SHARE_PARAM, ConfigError, load_config, resolve_access
 from ..scratch import scratch_root, sweep
 from ..fixes.recipes import trust_user_models
 
-__all__ = ["PAGES", "page_run", "local_server", "cached_sessions_table", "cached_headline", "session_views", "get_store", "get_config", "access", "choose_session", "choose_run", "choose_formats",
-           "url_value", "linked", "not_found", "navigate", "page_key", "start", "peek", "show_error", "guard", "progress_callback", "plain",
-           "sweep_scratch", "server_folders", "while_allowed",
-           "message_md", "PAGE_ICON", "from_url", "to_url", "parse_choice", "parse_flag", "parse_page"]
+__all__ = ["PAGES", "page_script", "navigation", "routed", "page_run", "require_session", "start", "session_views",
+           "cached_sessions_table", "get_config", "get_store", "access", "while_allowed", "sweep_scratch",
+           "choose_session", "choose_run", "choose_formats", "url_select", "no_session_text", "bound_value",
+           "linked", "not_found", "scoped", "peek", "page_key", "navigate", "show_error", "guard", "selected_row",
+           "table_height", "progress_callback", "PAGE_ICON"]
 
-# page scripts, relative to app.py
+# the dashboard's pages, each under one name: its script ``pages/<name>.py`` and its URL path; the first opens at /
 PAGES = {
-    "sessions": "pages/sessions.py",
-    "overview": "pages/overview.py",
-    "ops": "pages/ops.py",
-    "detail": "pages/op_detail.py",  # url path: the file's stem, as Streamlit derives it
-    "diff": "pages/diff.py",
-    "timeline": "pages/timeline.py",
+    "sessions": ("Sessions", ":material/folder_open:"),
+    "overview": ("Overview", ":material/monitoring:"),
+    "ops": ("Ops", ":material/table_rows:"),
+    "op_detail": ("Op detail", ":material/bar_chart:"),
+    "diff": ("Diff", ":material/compare_arrows:"),
+    "timeline": ("Timeline", ":material/timeline:"),
 }
+
+
+def page_script(name: str) -> str:
+    """The script of page ``name``, relative to app.py."""
+    return f"pages/{name}.py"
+
+
+def navigation():
+    """The one registration of the pages (``st.navigation``), in ``PAGES`` order."""
+    return st.navigation([st.Page(page_script(name), title=title, icon=icon, default=i == 0)
+                          for i, (name, (title, icon)) in enumerate(PAGES.items())])
 
 # the browser tab's icon: a file shipped with the package, served by this server (a material icon would be
 # fetched from a font CDN, which an offline or air-gapped server cannot reach)
@@ -60,11 +74,6 @@ _PENDING = "_pl_pending"  # values handed to the next page by navigate()
 _REMEMBER = "_pl_last_"  # + param: last value chosen, carried across pages
 _SHARE = "_pl_share"
 _PAGE = "_pl_page"
-
-
-def plain(text: Any) -> str:
-    """Markdown-escaped text (names from dumps must not render as markup)."""
-    return escape_md(text)
 
 
 # ---- store, config, access ------------------------------------------------------
@@ -141,7 +150,7 @@ def get_config():
     try:
         return load_config()
     except ConfigError as e:
-        st.error(plain(f"The server configuration cannot be used: {e}"))
+        st.error(escape_md(f"The server configuration cannot be used: {e}"))
         st.stop()
 
 
@@ -153,7 +162,7 @@ def get_store():
     try:
         return _open_store(str(path), cfg.lock_wait)
     except Exception as e:  # a locked or unreadable database file
-        st.error(plain(f"Cannot open the database {path}: {e}"))
+        st.error(escape_md(f"Cannot open the database {path}: {e}"))
         st.stop()
 
 
@@ -178,9 +187,6 @@ def sweep_scratch() -> None:
 
 def server_folders() -> tuple:
     """Folders whose paths a message must not show a browser (see ``common.public_text``)."""
-    import tempfile
-    from pathlib import Path
-
     root, tmp = scratch_root(_quiet_config()), Path(tempfile.gettempdir())
     return (str(root), str(root.resolve()), str(tmp), str(tmp.resolve()))
 
@@ -200,7 +206,7 @@ def access(store):
         st.query_params[SHARE_PARAM] = token
     acc = resolve_access(params, store, get_config())
     if acc.error:
-        st.error(plain(acc.error))
+        st.error(escape_md(acc.error))
         st.stop()
     return acc
 
@@ -262,9 +268,8 @@ def _ensure_routed() -> None:
 
 
 def start(name: str):
-    """Begin a page: record which page runs (picker keys are per page), drop
-    values handed over by ``navigate`` to an earlier page, and return
-    ``(store, access)``."""
+    """Begin page ``name`` (a key of ``PAGES``): record which page runs (picker keys are per page), drop
+    values handed over by ``navigate`` to an earlier page, and return ``(store, access)``."""
     _ensure_routed()
     st.session_state[_PAGE] = name
     pending = st.session_state.get(_PENDING)
@@ -275,6 +280,35 @@ def start(name: str):
             pending["_runs"] = 1
     store = get_store()
     return store, access(store)
+
+
+def require_session(name: str, title: Optional[Callable[[dict], str]] = None):
+    """Begin page ``name`` on a session: ``(store, access, session)``.  Draws the session picker and the page's title
+    (``title(session)``, default the page's title in ``PAGES``); with no session to show, says where one comes
+    from and stops."""
+    store, acc = start(name)
+    info = choose_session(store, acc)
+    if info is None:
+        st.title(PAGES[name][0])
+        st.info(no_session_text(acc))
+        st.stop()
+    st.title(title(info) if title else PAGES[name][0])
+    return store, acc, info
+
+
+def bound_value(key: str, parse: Callable[[str], Any], default: Any) -> Any:
+    """The value a widget bound to the URL (``bind="query-params"``, key ``key``) is about to show, for a page that
+    needs it before drawing the widget: the table's page number, read before the table and its pager are drawn.
+    Streamlit seeds a bound widget from the URL only when the widget is drawn, so before that the URL is read
+    here: the widget's state, else the URL's text through ``parse``, else ``default`` (a value ``parse`` refuses
+    with ValueError/TypeError, as the widget would)."""
+    if key in st.session_state:
+        return st.session_state[key]
+    text = url_value(key)
+    try:
+        return default if text is None else parse(text)
+    except (ValueError, TypeError):
+        return default
 
 
 def page_key(key: str) -> str:
@@ -329,7 +363,7 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     if acc.shared:
         info = store.session(acc.session)
         st.query_params["session"] = info["name"]
-        container.caption(f"Shared session (read-only): {plain(info['name'])}")
+        container.caption(f"Shared session (read-only): {escape_md(info['name'])}")
         return info
     if not acc.can_list:
         if acc.session:
@@ -390,93 +424,9 @@ def choose_formats(default: Sequence[str], *, key: str = "pick_formats", contain
     return list(chosen)
 
 
-_BAD_URL_VALUE = (ValueError, TypeError, KeyError)
-
-
-def from_url(key: str, param: str, parse: Callable[[str], Any], default: Any, *, multi: bool = False) -> None:
-    """Start the widget ``key`` from the URL parameter ``param``; call before drawing it.
-
-    A widget that already has state keeps it (the visitor's last change wins
-    over the URL).  Otherwise the URL's text goes through ``parse``, which
-    raises ValueError/TypeError/KeyError for a value the page cannot show; a
-    link is untrusted input, and a stale or edited one still opens the page,
-    with ``default`` in place of what was rejected.  With ``multi`` every
-    value of a repeated parameter (``?role=input&role=output``) is parsed,
-    rejected ones are dropped, and the widget gets the list.
-    """
-    if key in st.session_state:
-        return
-    if multi:
-        chosen: list = []
-        for text in st.query_params.get_all(param):
-            try:
-                value = parse(text)
-            except _BAD_URL_VALUE:
-                continue
-            if value not in chosen:
-                chosen.append(value)
-        st.session_state[key] = chosen or list(default)
-        return
-    text = url_value(param)
-    value = default
-    if text is not None:
-        try:
-            value = parse(text)
-        except _BAD_URL_VALUE:
-            value = default
-    st.session_state[key] = value
-
-
-def to_url(param: str, value: Any, default: Any, *, to_text: Callable[[Any], str] = str) -> None:
-    """Write a widget's ``value`` to the URL parameter ``param`` (a list as a
-    repeated parameter, a bool as ``1``); a value equal to ``default`` is
-    removed, so links stay short and a default is never pinned."""
-    if value == default or (isinstance(value, (list, tuple)) and list(value) == list(default)):
-        if param in st.query_params:
-            del st.query_params[param]
-        return
-    if isinstance(value, (list, tuple)):
-        st.query_params[param] = [to_text(v) for v in value]
-    elif isinstance(value, bool):
-        st.query_params[param] = "1" if value else "0"
-    else:
-        st.query_params[param] = to_text(value)
-
-
-def parse_choice(options: Sequence, to_text: Callable[[Any], str] = str) -> Callable[[str], Any]:
-    """A ``from_url`` parser accepting only ``options`` (matched by their text; KeyError otherwise)."""
-    by_text = {to_text(o): o for o in options}
-    return lambda text: by_text[text]
-
-
-def parse_flag(text: str) -> bool:
-    """A ``from_url`` parser for a toggle: ``config.parse_bool`` (1/true/yes/on, 0/false/no/off)."""
-    return parse_bool(text)
-
-
-def parse_page(text: str) -> int:
-    """A ``from_url`` parser for a 1-based page number (the page clamps it to its last page)."""
-    n = int(text)
-    if n < 1:
-        raise ValueError(f"not a page number: {text!r}")
-    return n
-
-
-def remember(param: str, value: Any) -> None:
-    """Record a value chosen without a picker (e.g. ``op``) in the URL and for other pages."""
-    st.session_state[_REMEMBER + param] = str(value)
-    st.query_params[param] = str(value)
-
-
-def remembered(param: str) -> Optional[str]:
-    pending = st.session_state.get(_PENDING, {})
-    if param in pending:
-        return str(pending.pop(param))
-    return url_value(param) or st.session_state.get(_REMEMBER + param)
-
-
 def navigate(page: str, **params: Any) -> None:
-    """Switch to ``page`` (a key of ``PAGES``) showing ``params`` (session, run, op, fmt)."""
+    """Switch to ``page`` (a key of ``PAGES``) showing ``params``: the pickers' (session, run, op, fmt) and the
+    page's own URL-bound settings (the Diff's ``view`` and ``q``)."""
     clean = {k: v for k, v in params.items() if v is not None}
     st.session_state[_PENDING] = {**clean, "_page": page}
     for k, v in clean.items():
@@ -485,7 +435,7 @@ def navigate(page: str, **params: Any) -> None:
     qp = {k: ([str(x) for x in v] if isinstance(v, list) else str(v)) for k, v in clean.items()}
     if token:
         qp["share"] = token
-    st.switch_page(PAGES[page], query_params=qp)
+    st.switch_page(page_script(page), query_params=qp)
 
 
 # ---- errors and progress -------------------------------------------------------------
@@ -499,7 +449,7 @@ def show_error(e: BaseException, what: str = "") -> None:
     """
     msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
     msg = public_text(msg.strip(), server_folders()) or type(e).__name__
-    st.error(plain(f"{what}: {msg}" if what else msg))
+    st.error(escape_md(f"{what}: {msg}" if what else msg))
 
 
 @contextlib.contextmanager
@@ -545,7 +495,7 @@ def linked(param: str) -> Optional[str]:
 
 def not_found(sentence: str) -> None:
     """Say that what a link names does not exist, and stop: nothing else is opened in its place."""
-    st.warning(plain(sentence), icon=":material/search_off:")
+    st.warning(escape_md(sentence), icon=":material/search_off:")
     st.stop()
 
 

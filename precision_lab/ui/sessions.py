@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import pandas as pd
 
-from ..services import browse
+from ..store import queries as q
+from ..store import views
 from .common import public_source, public_text, run_label
 from .overview import session_headline
 from ..services.samples import Sample
@@ -41,8 +42,8 @@ def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable
     ``headline(session_id, version)``: the session's headline (default ``session_headline``); the page passes
     a cached one, keyed on ``session_version`` so a re-run shows at once.
     """
-    sessions = browse.session_list(store)
-    runs = browse.all_runs(store)
+    sessions = q.session_list(store)
+    runs = views.all_runs(store)
     by_session: dict[str, list[dict]] = {}
     for r in runs:
         by_session.setdefault(r["session_id"], []).append(r)
@@ -136,7 +137,7 @@ def open_sample(store, sample: Sample, *, progress: Optional[Progress] = None) -
     """The session of a sample dump (with its reference when it has one),
     ingested on first use and reused after; returns the session name."""
     name = sample_session_name(sample)
-    if browse.session_exists(store, name):
+    if views.session_exists(store, name):
         return name
     labels = {str(p): p.name for p in (sample.candidate, sample.reference) if p is not None}
     return _ingest(store, sample.candidate, sample.reference, session=name, progress=progress, labels=labels,

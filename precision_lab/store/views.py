@@ -1,14 +1,16 @@
-"""The dashboard's and the CLI's reads: op pages, diffs, run tables, error series, record lookups.
+"""The read model: the questions the dashboard and the CLI ask of a session (op tables, diffs, run tables, error
+series, record lookups), answered in SQL.
 
 Every function takes a ``Store`` first and returns plain values or a
-DataFrame; the view-models in ``precision_lab.ui`` shape them for display.
+DataFrame; ``precision_lab.ui`` reads them directly and decides how they are
+shown (page numbers, labels, colours, decoded cards).  A table that is read a
+window at a time takes ``offset`` and ``limit`` and returns a ``Window``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import pandas as pd
@@ -27,8 +29,8 @@ SORTABLE = {
 }
 
 
-# what "only problems" keeps
-PROBLEM_SEVERITIES = tuple(v.label for v in worst_first(Verdict) if v.problem)
+# what "only problems" keeps: these verdicts, or NaN/Inf in the record
+PROBLEM_VERDICTS = tuple(v.value for v in worst_first(Verdict) if v.problem)
 
 
 def _rank_case(column: str, kind, *, worst_first_order: bool = False) -> str:
@@ -105,15 +107,14 @@ _VERDICT_WORST_FIRST = _rank_case("verdict", Verdict, worst_first_order=True)
 
 
 def severity_sql(nonfinite: str, *verdicts: str) -> str:
-    """SQL expression giving a record's severity from its non-finite flag and
-    the verdicts of its comparisons (NULL when it has neither problem nor
-    comparison)."""
+    """SQL expression giving a record's severity, as a ``Verdict`` value, from its non-finite flag and the verdicts
+    of its comparisons (NULL when it has neither problem nor comparison)."""
     def any_is(v: str) -> str:
         return " OR ".join(f"{c} = '{v}'" for c in verdicts) or "false"
 
     nf = Verdict.NONFINITE
-    whens = [f"WHEN coalesce({nonfinite}, false) OR {any_is(nf.value)} THEN '{nf.label}'"]
-    whens += [f"WHEN {any_is(v.value)} THEN '{v.label}'" for v in worst_first(Verdict) if v is not nf]
+    whens = [f"WHEN coalesce({nonfinite}, false) OR {any_is(nf.value)} THEN '{nf.value}'"]
+    whens += [f"WHEN {any_is(v.value)} THEN '{v.value}'" for v in worst_first(Verdict) if v is not nf]
     return f"CASE {' '.join(whens)} ELSE NULL END"
 
 
@@ -158,26 +159,24 @@ class OpsFilter:
     only_problems: bool = False
     sort: str = "seq"
     descending: bool = False
-    page: int = 0  # zero-based
-    page_size: int = 50
 
     def __post_init__(self) -> None:
         if self.sort not in SORTABLE:
             raise ValueError(f"cannot sort the op table by {self.sort!r}; choose one of {', '.join(SORTABLE)}")
-        if self.page < 0 or self.page_size <= 0:
-            raise ValueError(f"invalid page {self.page} of size {self.page_size}")
 
 
-@dataclass
-class OpsPage:
+@dataclass(frozen=True)
+class Window:
+    """Rows ``offset .. offset + limit`` of a table, and how many rows it has in all."""
+
     rows: pd.DataFrame
-    total: int  # rows matching the filter, over all pages
-    filter: OpsFilter
-    pages: int = field(init=False)
-    stats_basis: bool = False  # the run has comparisons on summary statistics (summary_*_err, no max_*_err)
+    total: int
+    stats_basis: bool = False  # some comparison of the table is on summary statistics (summary_*_err, no max_*_err)
 
-    def __post_init__(self) -> None:
-        self.pages = max(1, -(-self.total // self.filter.page_size))
+
+def _window(offset: int, limit: int) -> None:
+    if offset < 0 or limit <= 0:
+        raise ValueError(f"invalid window of {limit} rows from row {offset}")
 
 
 def name_pattern_sql(pattern: str) -> str:
@@ -202,9 +201,9 @@ def _where(f: OpsFilter) -> tuple[list[str], list]:
 
 
 def _problem_sql(f: OpsFilter) -> tuple[str, list]:
-    """Records whose severity is in PROBLEM_SEVERITIES, as a semi-join on the
+    """Records with NaN/Inf or a verdict in PROBLEM_VERDICTS, as a semi-join on the
     (few) problem comparisons rather than a join of every record."""
-    verdicts = ", ".join(repr(v) for v in PROBLEM_SEVERITIES)
+    verdicts = ", ".join(repr(v) for v in PROBLEM_VERDICTS)
     return (f"(coalesce(t.nonfinite, false) OR t.rid IN (SELECT cand_rid FROM comparisons "
             f"WHERE cand_run_id = ? AND verdict IN ({verdicts})))", [f.run_id])
 
@@ -255,7 +254,7 @@ def _only_run(f: OpsFilter) -> bool:
     return not (f.steps or f.ranks or f.roles or f.op_types or f.pattern.strip() or f.only_problems)
 
 
-def _metric_page(store, f: OpsFilter) -> list[int]:
+def _metric_page(store, f: OpsFilter, offset: int, limit: int) -> list[int]:
     """A page sorted by a reference-comparison metric over a whole run,
     ordered inside the comparisons table alone (no join of every record):
     records with a value first, by the metric (an element-wise error, then
@@ -268,7 +267,7 @@ def _metric_page(store, f: OpsFilter) -> list[int]:
               f"AND ({col} IS NOT NULL" + (f" OR {then} IS NOT NULL)" if then else ")"))
     order = f"{col} {direction} NULLS LAST" + (f", {then} {direction} NULLS LAST" if then else "")
     n = int(rows(store, f"SELECT count(*) AS n {valued}", [f.run_id])[0]["n"])
-    start, stop = f.page * f.page_size, (f.page + 1) * f.page_size
+    start, stop = offset, offset + limit
     rids: list[int] = []
     if start < n:
         rids += [r["rid"] for r in rows(
@@ -322,30 +321,28 @@ def _has_stats_basis(store, where: str, params: list) -> bool:
     return bool(rows(store, f"SELECT 1 AS x FROM comparisons WHERE {where} AND basis = 'stats' LIMIT 1", params))
 
 
-def ops_page(store, f: OpsFilter) -> OpsPage:
-    """One page of the op table for ``f``, with the total count of matching rows.
+def ops_rows(store, f: OpsFilter, *, offset: int = 0, limit: int = 50) -> Window:
+    """Rows ``offset .. offset + limit`` of the op table for ``f``, with the count of matching rows.
 
-    Two steps: the filter/sort/LIMIT/OFFSET picks one page of record ids
-    (narrow columns, inside DuckDB), then the page's rows are fetched with
+    Two steps: the filter/sort/LIMIT/OFFSET picks the window's record ids
+    (narrow columns, inside DuckDB), then their rows are fetched with
     their comparisons.
     """
+    _window(offset, limit)
     keys_sql, kparams, count_sql, cparams = _keys_sql(f)
     total = int(rows(store, count_sql, cparams)[0]["n"])
-    page = min(f.page, max(0, -(-total // f.page_size) - 1))
-    if page != f.page:
-        f = replace(f, page=page)
     if f.sort in _CMP_SORT_SQL and not f.sort.startswith("local") and _only_run(f):
-        found = _metric_page(store, f)
+        found = _metric_page(store, f, offset, limit)
     else:
-        found = [r["rid"] for r in rows(store, keys_sql, kparams + [f.page_size, f.page * f.page_size])]
+        found = [r["rid"] for r in rows(store, keys_sql, kparams + [limit, offset])]
     rids = list(dict.fromkeys(found))  # a record compared twice would show up twice
     stats_basis = _has_stats_basis(store, f"cand_run_id = ? AND {_ACC}", [f.run_id])
     if not rids:
-        return OpsPage(pd.DataFrame(columns=_COLUMNS), total, f, stats_basis)
+        return Window(pd.DataFrame(columns=_COLUMNS), total, stats_basis)
     one = [f.run_id, min(rids), max(rids), *rids]
     df = frame(store, _rows_sql(len(rids)), one * 3)
     df = df.set_index("rid").loc[rids].reset_index()
-    return OpsPage(df[_COLUMNS], total, f, stats_basis)
+    return Window(df[_COLUMNS], total, stats_basis)
 
 
 def filter_options(store, run_id: str) -> dict[str, list]:
@@ -362,19 +359,6 @@ def _stat_sql(table: str, column: str) -> str:
     return absmax_sql(table) if column == "absmax" else f'{table}."{column}"'
 
 
-@dataclass
-class DiffPage:
-    rows: pd.DataFrame
-    total: int
-    page: int
-    page_size: int
-    stats_basis: bool = False  # the pair (a run, in the N-run view) has comparisons on summary statistics
-
-    @property
-    def pages(self) -> int:
-        return max(1, -(-self.total // self.page_size))
-
-
 def pair_options(store, session_id: str) -> list[dict]:
     """(reference, candidate) run pairs that have comparisons, with labels."""
     names = {r["run_id"]: r["name"] for r in session_runs(store, session_id)}
@@ -386,14 +370,8 @@ def pair_options(store, session_id: str) -> list[dict]:
             for p in pairs]
 
 
-def _page_bounds(total: int, page: int, page_size: int) -> int:
-    if page_size <= 0:
-        raise ValueError(f"invalid page size {page_size}")
-    return max(0, min(page, -(-total // page_size) - 1))
-
-
-def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
-              pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
+def diff_rows(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
+              pattern: str = "", offset: int = 0, limit: int = 50) -> Window:
     """Aligned rows of one reference/candidate pair in execution order.
 
     Unmatched records appear with the other side empty and ``match``
@@ -404,6 +382,7 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     """
     if show not in SHOW_OPTIONS:
         raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
+    _window(offset, limit)
     # step 1: the page's comparison rows (rowid), filtered and ordered on
     # the comparisons table alone; step 2: their records, for those rows only
     where = ["c.session_id = ?", "c.ref_run_id = ?", "c.cand_run_id = ?",
@@ -422,11 +401,10 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
         params.append(name_pattern_sql(pattern.strip()))
     where_sql = " AND ".join(where)
     total = int(rows(store, f"SELECT count(*) AS n FROM comparisons c WHERE {where_sql}", params)[0]["n"])
-    page = _page_bounds(total, page, page_size)
     ids = [r["id"] for r in rows(
         store, f"""SELECT c.rowid AS id FROM comparisons c WHERE {where_sql}
                    ORDER BY c.step, c.rank, c.seq, c.rowid LIMIT ? OFFSET ?""",
-        params + [page_size, page * page_size])]
+        params + [limit, offset])]
     ref_cols = ", ".join(f'{_stat_sql("r", c)} AS "ref {c}"' for c in _STAT_COLS)
     cand_cols = ", ".join(f'{_stat_sql("t", c)} AS "cand {c}"' for c in _STAT_COLS)
     df = frame(
@@ -444,7 +422,7 @@ def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     )
     stats_basis = _has_stats_basis(store, "session_id = ? AND ref_run_id = ? AND cand_run_id = ?",
                                    [session_id, ref_run_id, cand_run_id])
-    return DiffPage(df, total, page, page_size, stats_basis)
+    return Window(df, total, stats_basis)
 
 
 def base_run(store, session_id: str) -> Optional[dict]:
@@ -455,8 +433,8 @@ def base_run(store, session_id: str) -> Optional[dict]:
     return next((r for r in runs if r["kind"] == "reference"), runs[0])
 
 
-def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Optional[str] = None,
-              show: str = "all", pattern: str = "", page: int = 0, page_size: int = 50) -> DiffPage:
+def nrun_rows(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Optional[str] = None,
+              show: str = "all", pattern: str = "", offset: int = 0, limit: int = 50) -> Window:
     """One row per record of the base run, one column group per other run.
 
     Each group holds that run's matching record (by the stored comparison
@@ -468,6 +446,7 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     """
     if show not in SHOW_OPTIONS:
         raise ValueError(f"unknown diff filter {show!r}; choose one of {', '.join(SHOW_OPTIONS)}")
+    _window(offset, limit)
     runs = {r["run_id"]: r for r in session_runs(store, session_id)}
     base = runs.get(base_run_id) if base_run_id else base_run(store, session_id)
     if base is None:
@@ -514,10 +493,9 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
                 "AND o.step = b.step AND o.rank = b.rank)")
     where_sql = " AND ".join(where)
     total = int(rows(store, f"SELECT count(*) AS n FROM tensors b WHERE {where_sql}", wparams)[0]["n"])
-    page = _page_bounds(total, page, page_size)
     rids = [r["rid"] for r in rows(store, f"""SELECT b.rid FROM tensors b WHERE {where_sql}
                                              ORDER BY b.step, b.rank, b.seq, b.rid LIMIT ? OFFSET ?""",
-                                   wparams + [page_size, page * page_size])]
+                                   wparams + [limit, offset])]
 
     # step 2: each run's counterpart of those records only
     ids = ", ".join("?" * len(rids)) or "NULL"
@@ -559,7 +537,7 @@ def nrun_page(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
     df = frame(store, sql, params + jparams + [base["run_id"], *rids])
     df.attrs["base_run"] = base["name"]
     df.attrs["runs"] = [r["name"] for r in others]
-    return DiffPage(df, total, page, page_size, any(by_summary.values()))
+    return Window(df, total, any(by_summary.values()))
 
 
 def unmatched_counts(store, session_id: str) -> pd.DataFrame:
@@ -631,22 +609,13 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     )
 
 
-def diagnosis_cards(store, session_id: str) -> list[dict]:
-    """Diagnoses as cards: ``run, run_id, op, rule, message, fixes (list), severity, seq``,
-    errors first, then by execution order."""
-    out = []
-    for d in rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
-                            WHERE d.session_id = ?
-                            ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)},
-                                     d.seq, d.op""", [session_id]):
-        try:
-            fixes = json.loads(d["fixes"] or "[]")
-        except json.JSONDecodeError:
-            fixes = [d["fixes"]]
-        out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
-                    "message": d["message"], "fixes": list(fixes), "severity": d["severity"] or "info",
-                    "seq": d["seq"]})
-    return out
+def diagnoses_worst_first(store, session_id: str) -> list[dict]:
+    """A session's stored diagnoses (every ``diagnoses`` column, ``fixes`` as stored) and their run's name
+    (``run``), errors first, then by execution order."""
+    return rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+                           WHERE d.session_id = ?
+                           ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
+                [session_id])
 
 
 def comparison_bases(store, session_id: str) -> set[str]:
@@ -720,6 +689,13 @@ def has_record(store, run_id: str, rid) -> bool:
     if not text.isdigit() or len(text) > 18:
         return False
     return bool(rows(store, "SELECT 1 AS x FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(text)]))
+
+
+def full_steps(store, run_id: str, op: Optional[str] = None) -> list[int]:
+    """The steps a run (or one ``op`` of it) has full records of, ascending."""
+    where, args = ("AND op = ?", [run_id, op]) if op is not None else ("", [run_id])
+    return [r[0] for r in store.sql(f"SELECT DISTINCT step FROM tensors WHERE run_id = ? {where} ORDER BY step",
+                                    args).fetchall()]
 
 
 def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None,
