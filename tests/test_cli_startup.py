@@ -51,20 +51,25 @@ def _run(*args):
                           timeout=120)
 
 
-@pytest.mark.parametrize("args", [
-    ("report", "-s", "ovf"), ("report", "-s", "ovf", "--json", "--fail-on", "nonfinite"), ("db",), ("formats",),
-    ("fixes",), ("recipes",), ("config",), ("export", "-s", "ovf", "-o", "{tmp}/s.zip"),
-    ("share-link", "-s", "ovf"), ("import", "{archive}", "--db", "{tmp}/other.duckdb"),
+@pytest.mark.parametrize("args, code, says", [
+    (("report", "-s", "ovf"), 0, "Session ovf"),
+    (("report", "-s", "ovf", "--json", "--fail-on", "nonfinite"), 1, '"session": "ovf"'),  # the fp16 run trips it
+    (("db",), 0, "ovf  (2 runs"), (("formats",), 0, "fp16"), (("fixes",), 0, "what it does"),
+    (("recipes",), 0, "calibration-nan"), (("config",), 0, "db_path"),
+    (("export", "-s", "ovf", "-o", "{tmp}/s.zip"), 0, "exported session 'ovf'"),
+    (("share-link", "-s", "ovf"), 0, "?share="),
+    (("import", "{archive}", "--db", "{tmp}/other.duckdb"), 0, "imported session 'ovf'"),
 ])
-def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, archive, tmp_path, args):
+def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, archive, tmp_path, args, code, says):
     args = [a.replace("{tmp}", str(tmp_path)).replace("{archive}", str(archive)) for a in args]
     if args[0] in ("report", "db", "export", "share-link"):
         args += ["--db", str(db)]
     got = _run(*args)
     heavy = next(ln for ln in got.stderr.splitlines() if ln.startswith("HEAVY="))
     assert heavy == "HEAVY=", (args, heavy)
-    assert got.returncode in (0, 1), got.stderr  # 1: the sample's fp16 run trips --fail-on nonfinite
-    assert got.stdout.strip() or args[0] in ("export", "share-link")
+    assert got.returncode == code, got.stderr
+    assert says in got.stdout, got.stdout
+    assert (code == 1) == ("FAIL nonfinite" in got.stderr), got.stderr
 
 
 def test_one_loaded_command_still_runs_as_a_subcommand(db):

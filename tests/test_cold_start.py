@@ -67,9 +67,7 @@ def _reference() -> dict:
 @pytest.mark.skipif(not numba_loader.load_numba(), reason="numba is not installed: there is nothing to compile")
 def test_first_process_needs_no_compilation_and_fills_the_cache(tmp_path):
     cache = tmp_path / "numba-cache"
-    t0 = time.monotonic()
     first = _probe(cache)
-    first_s = time.monotonic() - t0
     assert not first["kernel"] and not first["compare_kernel"]
     assert not first["torch"], "numpy inputs took the torch path (importing torch costs a second)"
     # the background compiler: one lock for both kernel sets, held while it works, free when the cache is full
@@ -83,7 +81,6 @@ def test_first_process_needs_no_compilation_and_fills_the_cache(tmp_path):
     assert fd is not None, "the background compilation did not finish"
     os.close(fd)
     assert any(cache.rglob("*.nbi")), "nothing was cached"
-    t0 = time.monotonic()
     second = _probe(cache)
     assert second["kernel"] and second["compare_kernel"]
     ref = _reference()
@@ -96,7 +93,6 @@ def test_first_process_needs_no_compilation_and_fills_the_cache(tmp_path):
     assert first["introduced"] == second["introduced"] > 0
     for k in ("rmse", "max_rel"):
         assert first[k] == pytest.approx(second[k], rel=1e-12), k
-    assert first_s < 120  # no compilation in the first process (it takes 10-20 s on a quiet machine)
 
 
 def _same(a, b) -> None:

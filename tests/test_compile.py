@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from typer.testing import CliRunner
 
 from precision_lab.cli import app
@@ -48,14 +47,17 @@ def _by_name(cap):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def counters():
+    """torch._dynamo's counters, cleared (importing dynamo costs seconds: only these tests load it)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
-    yield
+    yield counters
     torch._dynamo.reset()
 
 
-def test_per_block_compile_records_the_compiled_numbers_with_eager_detail_inside():
+def test_per_block_compile_records_the_compiled_numbers_with_eager_detail_inside(counters):
     eager = blocks.build().to(torch.bfloat16)
     x = blocks.inputs().to(torch.bfloat16)
     compiled = copy.deepcopy(eager)
@@ -86,7 +88,7 @@ def test_per_block_compile_records_the_compiled_numbers_with_eager_detail_inside
                for b in compiled.blocks)
 
 
-def test_compiled_modules_inside_a_compiled_block_stay_inside_its_graph():
+def test_compiled_modules_inside_a_compiled_block_stay_inside_its_graph(counters):
     eager = blocks.build().to(torch.bfloat16)
     x = blocks.inputs().to(torch.bfloat16)
     model = copy.deepcopy(eager)
@@ -110,7 +112,7 @@ def test_compiled_modules_inside_a_compiled_block_stay_inside_its_graph():
     assert [n for n, m in fresh.named_modules() if m._compiled_call_impl is not None] == ["blocks.0", "blocks.1"]
 
 
-def test_a_model_wrapped_whole_by_torch_compile_is_named_as_the_eager_model():
+def test_a_model_wrapped_whole_by_torch_compile_is_named_as_the_eager_model(counters):
     eager = blocks.build().to(torch.bfloat16)
     x = blocks.inputs().to(torch.bfloat16)
     wrapped = torch.compile(copy.deepcopy(eager))  # an OptimizedModule around the model
@@ -189,7 +191,7 @@ def test_a_block_that_updates_its_input_in_place_is_re_run_on_the_input_it_got()
     assert (c.mean, c.max, c.min) == (e.mean, e.max, e.min)
 
 
-def test_backward_through_compiled_blocks_records_boundary_and_parameter_gradients():
+def test_backward_through_compiled_blocks_records_boundary_and_parameter_gradients(counters):
     model = blocks.build()
     for b in model.blocks:
         b.compile()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from precision_lab import capture_pair
@@ -14,15 +13,16 @@ from precision_lab.fixes.policy import POLICIES, PolicyError
 from precision_lab.services.report import first_nonfinite
 from precision_lab.store import queries as q
 
-CFG = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                               attn_implementation="eager")
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
 
 
 def _llama(zero_row: bool):
+    import transformers  # seconds to import: only the tests that build a Llama load it
+
     def build():
         torch.manual_seed(0)
-        m = transformers.LlamaForCausalLM(CFG)
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
         if zero_row:
             with torch.no_grad():
                 m.model.embed_tokens.weight[0] = 0.0  # a padding token embeds to an all-zero row

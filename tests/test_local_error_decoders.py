@@ -9,21 +9,21 @@ import copy
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from precision_lab.live.recorder import Capture
 from precision_lab.live.options import CaptureOptions
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
-MODELS = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-          "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+MODELS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 WATCHED = ("model.layers.1", "model.layers.1.self_attn")
 
 
 def _model(arch):
-    config_cls, model_cls = MODELS[arch]
+    import transformers  # seconds to import: only the tests that build a decoder load it
+
+    config_cls, model_cls = (getattr(transformers, n) for n in MODELS[arch])
     torch.manual_seed(0)
     return model_cls(config_cls(**SIZES)).half().eval()
 

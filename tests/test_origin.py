@@ -7,6 +7,7 @@ torch hooks, and against fp16's max from torch.finfo."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -28,16 +29,14 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 SAMPLES = Path(__file__).parent / "data" / "msprobe"
 
 
+@functools.cache
 def _bench():
-    """bench/localization.py, the published corpus: its models and its judge of a right answer."""
+    """bench/localization.py, the published corpus: its models and its judge of a right answer (loaded by the
+    tests that use it, not when the suite is collected)."""
     spec = importlib.util.spec_from_file_location("localization", Path(__file__).parents[1] / "bench" / "localization.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-LOC = _bench()
-MaskedAttention = LOC.MaskedAttention
 
 
 def _runs(store, name):
@@ -59,7 +58,7 @@ def _fp32_absmax(model, inputs, names):
 class TwoAttentions(nn.Module):
     def __init__(self, out_scale=1.0):
         super().__init__()
-        self.a1, self.a2 = MaskedAttention(), MaskedAttention()
+        self.a1, self.a2 = _bench().MaskedAttention(), _bench().MaskedAttention()
         with torch.no_grad():
             self.a2.out.weight.mul_(out_scale)
 
@@ -286,6 +285,7 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
     ("gpt2", "weight", "live"), ("bert", "activation", "dump-unordered"),
 ])
 def test_localization_corpus_subset(store, tmp_path, model, kind, how):
+    LOC = _bench()
     base, template, inputs = LOC._model(model)
     path = template.format(i=1)
     build = LOC._injector(base, inputs, path, kind) if kind in LOC.KINDS else base
@@ -338,7 +338,7 @@ def test_a_dump_gets_the_format_story_of_a_division(store, tmp_path, op, args, w
 
 
 def test_a_captured_rsqrt_of_a_padding_row_is_explained(store):
-    base, _t, x = LOC._model("seed-tiny-eps")
+    base, _t, x = _bench()._model("seed-tiny-eps")
     name = capture_pair(base, x, torch.float16, store=store)
     d = [x for x in diagnose(store, name) if x.severity == "error"][0]
     assert d.rule == "division" and d.op == "fail.rsqrt.0" and "rsqrt(0) = inf" in d.message
