@@ -243,8 +243,9 @@ class StepScalar:
 def to_numpy(t) -> np.ndarray:
     """A tensor or array as a numpy array that survives ``.npy`` (bf16/fp8 widened to float32, exactly)."""
     if isinstance(t, np.ndarray):
-        # ml_dtypes arrays (bfloat16, fp8: kind "V") do not survive .npy; float32 holds their values exactly
-        return t.astype(np.float32) if t.dtype.kind == "V" else t
+        # ml_dtypes arrays (bfloat16, fp8: kind "V", and float8_e5m2, whose kind "f" writes a '<f1' numpy cannot
+        # read back) do not survive .npy; float32 holds their values exactly
+        return t.astype(np.float32) if t.dtype.kind == "V" or t.dtype.type.__module__ == "ml_dtypes" else t
     t = t.detach().cpu()
     if "bfloat16" in str(t.dtype) or "float8" in str(t.dtype):
         return t.float().numpy()

@@ -425,3 +425,50 @@ def test_a_dtypes_entry_the_values_contradict_is_said_and_the_tensor_kept(store,
     assert rows["x.tensor.0"]["dtype"] == "float32"
     w = store.df("SELECT file, message FROM warnings")
     assert list(w.file) == ["x.npy"] and "not bfloat16 values" in w.message[0] and "manifest" in w.message[0]
+
+
+def test_per_file_dtype_sidecars_are_read_like_the_manifest(store, tmp_path):
+    """``x.json`` beside ``x.npy`` holding {"dtype": "bfloat16"}: read as the manifest's "dtypes" are, and over
+    the manifest for that file; a sidecar the values contradict, or with no dtype, is said and the file kept."""
+    d = tmp_path / "side"
+    d.mkdir()
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(48, generator=g) * 300).to(torch.bfloat16)
+    q = (torch.randn(16, generator=g) * 50).to(torch.float8_e5m2)
+    np.save(d / "a.output.0.npy", h.float().numpy())
+    (d / "a.output.0.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    np.save(d / "b.output.0.npy", q.float().numpy())
+    (d / "b.output.0.npy.json").write_text(json.dumps({"dtype": "float8_e5m2", "note": "saved with .float()"}))
+    (d / "manifest.json").write_text(json.dumps({"dtypes": {"b.output.0": "bfloat16"}}))  # the sidecar wins
+    x = np.float32([0.1, 1.0, 3.0])  # 0.1 is no bf16 value
+    np.save(d / "c.output.0.npy", x)
+    (d / "c.output.0.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    y = np.float32([0.5, 2.0])
+    np.save(d / "e.output.0.npy", y)
+    (d / "e.output.0.json").write_text(json.dumps({"shape": [2]}))
+    name, rows = _roundtrip(store, d, {"a.output.0": h, "b.output.0": q, "c.output.0": x, "e.output.0": y})
+    assert rows["a.output.0"]["dtype"] == "bfloat16" and rows["b.output.0"]["dtype"] == "float8_e5m2"
+    w = store.df("SELECT file, message FROM warnings ORDER BY file")
+    assert list(w.file) == ["c.output.0.npy", "e.output.0.json"]
+    assert "not bfloat16 values" in w.message[0] and "its sidecar says" in w.message[0]
+    assert w.message[1] == 'sidecar of e.output.0.npy needs "dtype": the name of a dtype (NoneType is not one); the ' \
+                           "file is read as saved"
+
+
+def test_the_manifest_is_read_once(tmp_path, monkeypatch):
+    """The order list and the "dtypes" come from one read of manifest.json."""
+    from precision_lab.readers import generic
+
+    d = tmp_path / "m"
+    d.mkdir()
+    np.save(d / "a.output.0.npy", np.float32([1, 2]))
+    np.save(d / "b.output.0.npy", np.float32([3, 4]))
+    (d / "manifest.json").write_text(json.dumps({"order": ["b", "a"], "dtypes": {"a.output.0": "bfloat16"}}))
+    reads = []
+    real = generic.read_json
+    monkeypatch.setattr(generic, "read_json", lambda path, *a, **k: reads.append(path.name) or real(path, *a, **k))
+    src = next(generic.GenericReader().iter_runs(d, lambda n, label: None))
+    recs = list(src.records)
+    assert reads == ["manifest.json"]
+    assert {r.op: r.stats.dtype for r in recs} == {"a": "bfloat16", "b": "float32"}
+    assert src.order == "execution" and [src.hints[(0, 0, r.op, "output", "0")][0] for r in recs] == [1, 0]

@@ -342,3 +342,56 @@ def test_replay_from_a_generic_npy_folder(tmp_path):
         assert res.outputs["dumped"].dtype == torch.float16 and res.reproduces_dump
     finally:
         close_all()
+
+
+def test_replay_refuses_an_npy_whose_numbers_changed(tmp_path):
+    """.npy has no checksum: a value changed after ingest is caught by the exact statistics stored at ingest."""
+    from precision_lab.readers import ReadError
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    d = tmp_path / "gen"
+    d.mkdir()
+    x = np.float16([[1.0, -2.0, 0.5, 3.0]])
+    w = np.float16([[0.25, 0.5, -1.0, 2.0]])
+    np.save(d / "linear.input.0.npy", x)
+    np.save(d / "linear.input.1.npy", w)
+    np.save(d / "linear.output.0.npy", (x.astype(np.float32) @ w.T.astype(np.float32)).astype(np.float16))
+    store = Store(tmp_path / "g.duckdb")
+    try:
+        name = ingest([d], store=store, session="g")
+        assert replay_op(store, name, "linear").reproduces_dump
+        x[0, 3] = 7.0  # a new maximum, same shape and dtype
+        np.save(d / "linear.input.0.npy", x)
+        with pytest.raises(ReadError, match=re.escape("linear.input.0.npy: its max is 7.0 where the session "
+                                                      "recorded 3.0 for linear.input.0; the dump changed")):
+            replay_op(store, name, "linear")
+    finally:
+        close_all()
+
+
+def test_cli_replay_reads_within_the_configured_limits(tmp_path, monkeypatch):
+    """The CLI replays within the settings' limits, as ingest reads: a tensor larger than max_tensor_mb is refused."""
+    from precision_lab.cli import app
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store, close_all
+
+    d = tmp_path / "gen"
+    d.mkdir()
+    x = np.ones((600, 1000), np.float16)  # 1.2 MB: over a 1 MiB limit
+    np.save(d / "relu.input.0.npy", x)
+    np.save(d / "relu.output.0.npy", x)
+    db = tmp_path / "g.duckdb"
+    store = Store(db)
+    try:
+        name = ingest([d], store=store, session="g")
+    finally:
+        close_all()
+    ok = CliRunner().invoke(app, ["replay", "--session", name, "--op", "relu", "--db", str(db)])
+    assert ok.exit_code == 0, ok.output
+    monkeypatch.setenv("PRECISION_LAB_MAX_TENSOR_MB", "1")
+    res = CliRunner().invoke(app, ["replay", "--session", name, "--op", "relu", "--db", str(db)])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        "error: relu.input.0.npy: a tensor of shape [600, 1000] needs 1200000 bytes, more than the limit of 1048576 "
+        "bytes (max_tensor_mb)"]

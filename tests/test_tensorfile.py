@@ -132,3 +132,25 @@ def test_shard_kept_tensor_through_load_source(tmp_path):
     src = path.relative_to(tmp_path).as_posix()
     np.testing.assert_array_equal(load_source(tmp_path, src, name=rec.name, step=2, rank=1), t)
     assert load_source(tmp_path, src, name=rec.name, step=0, rank=1) is None
+
+
+def test_a_tensor_digests_alike_read_with_or_without_torch(tmp_path):
+    """A plain bf16 ``.pt`` is read without torch (an ml_dtypes array), one inside a container by torch: the
+    same bits must give the same digest, or a generic dump's output -> input links are lost between them."""
+    import ml_dtypes
+    import torch
+
+    from precision_lab.readers.dataorder import digest
+
+    g = torch.Generator().manual_seed(2)
+    t = (torch.randn(4, 8, generator=g) * 4).to(torch.bfloat16)
+    torch.save(t, tmp_path / "plain.pt")
+    torch.save({"input": t, "output": t.float()}, tmp_path / "module.pt")
+    [(_, plain)] = read_tensors(tmp_path / "plain.pt", "plain.pt", tmp_path)
+    boxed = dict(read_tensors(tmp_path / "module.pt", "module.pt", tmp_path))["input"]
+    assert isinstance(plain, np.ndarray) and isinstance(boxed, torch.Tensor)
+    assert plain.tobytes() == boxed.view(torch.int16).numpy().tobytes()
+    assert digest(plain) == digest(boxed) is not None
+    # fp8 the same way (torch reads fp8 files itself; an ml_dtypes array may come from a .npy)
+    q = (torch.randn(16, generator=g) * 8).to(torch.float8_e4m3fn)
+    assert digest(q.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)) == digest(q) is not None

@@ -16,6 +16,7 @@ from ._common import DB_HELP, end_progress, open_store, print_table, tty_progres
 from ._common import fail as _fail
 from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTION as _MODEL
 from ._models import model_entry_points as _model_entry_points
+from ..config import load_config
 from ..store import queries as q
 from ..services.report import first_nonfinite
 from ..services.rerun import bisect_fp32_islands, rerun_session
@@ -178,7 +179,8 @@ def replay_cmd(
             for o in replayable_ops(store, session, run):
                 typer.echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
             return
-        res = replay_op(store, session, op, fixes=list(fix or []), run=run)
+        # a dump file is read within the limits ingest used (`precision-lab config`); ConfigError is a ValueError
+        res = replay_op(store, session, op, fixes=list(fix or []), run=run, read_limits=load_config().read_limits())
     except (SessionNotFound, ValueError) as e:
         _fail(str(e))
     typer.echo(f"{res.op}: {res.op_type} replayed as {res.replay_as}; candidate {res.cand_format} "

@@ -20,7 +20,10 @@ filled in and, where the dump holds the data, ``record.tensor`` set; the
 consumer drops each tensor when it is done with it, so memory stays bounded
 by the largest file, not the folder.  ``RunSource.load(record.source)``
 re-reads a tensor later (for comparisons) without keeping it around.
-Readers call ``tick(nbytes, label)`` after each file they finish.
+Readers call ``tick(nbytes, label)`` after each file they finish.  Tensor
+files are opened through ``readers.tensorfile`` (``read_tensors``, and
+``load_source`` to re-read one), the loader replay uses too, so every path
+makes the same bounds and checksum checks.
 
 A reader raises ``ReadError`` with a message naming the file and the
 problem; warnings about files it skipped go to ``RunSource.warnings``.

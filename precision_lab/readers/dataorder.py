@@ -71,6 +71,8 @@ def digest(t) -> Optional[bytes]:
                 a = a.view(torch.uint8 if a.element_size() == 1 else torch.int16)
             a = a.contiguous().numpy()
         a = np.ascontiguousarray(a)
+        if a.dtype.type.__module__ == "ml_dtypes":  # bf16/fp8 read without torch: labelled as torch's are above
+            a = a.view(np.uint8 if a.dtype.itemsize == 1 else np.int16)
         if a.size < 2:
             return None
         flat = a.reshape(-1)

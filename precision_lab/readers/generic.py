@@ -40,8 +40,10 @@ anything: order unknown) and ``order_note`` which parts are certain.
 Original dtypes.  bf16/fp8 tensors saved as float32 (numpy has no bf16;
 ``t.float().numpy()``) are read in their original format when
 ``manifest.json`` holds ``{"dtypes": {"<tensor, module or file name>":
-"bfloat16"}}``: the record's dtype, statistics and format overlays are then
-the original's.  Every value must be exactly representable in that dtype;
+"bfloat16"}}``, or a file has a JSON sidecar of its own (``x.json`` or
+``x.npy.json`` beside ``x.npy``) holding ``{"dtype": "bfloat16"}`` (it wins
+over the manifest for that file): the record's dtype, statistics and format
+overlays are then the original's.  Every value must be exactly representable in that dtype;
 where one is not, the sidecar is wrong and the tensor is kept as saved, with
 one warning naming it.
 
@@ -64,7 +66,7 @@ import dataclasses
 import os
 import stat
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -83,6 +85,7 @@ ORDER_FILES = ("manifest.json", "order.json", "order.txt")
 ORDER_KEYS = ("order", "execution_order", "module_order", "call_order")  # in a manifest object, first present wins
 DTYPES_KEY = "dtypes"  # in a manifest object: {name: original dtype} of tensors saved wider
 _KEYS_TEXT = " or ".join(f'"{k}"' for k in ORDER_KEYS)
+_UNREADABLE = object()  # an order file that is not text
 
 
 @dataclasses.dataclass
@@ -92,6 +95,7 @@ class Scan:
     order_file: Optional[Path]
     other: list[Path]  # files we do not read
     special: list[Path] = dataclasses.field(default_factory=list)  # links, pipes, devices: refused
+    dtype_sidecars: dict[Path, Path] = dataclasses.field(default_factory=dict)  # other data file -> its sidecar
 
 
 def _hidden(name: str) -> bool:
@@ -119,18 +123,16 @@ def scan(root: Path) -> Scan:
     files.sort(key=lambda p: natural_key(str(p.relative_to(root))))
     special.sort(key=lambda p: natural_key(str(p.relative_to(root))))
     data = [p for p in files if p.suffix.lower() in SUFFIXES]
-    sidecars = {}
     names = set(files)
-    for p in data:
-        if p.suffix.lower() == ".bin":
-            for cand in bin_sidecars(p):
-                if cand in names:
-                    sidecars[p] = cand
-                    break
     order_file = next((root / n for n in ORDER_FILES if (root / n) in names), None)
-    used = set(data) | set(sidecars.values()) | ({order_file} if order_file else set())
+    sidecars, dtype_sidecars = {}, {}
+    for p in data:
+        cand = next((c for c in bin_sidecars(p) if c in names and c != order_file), None)
+        if cand is not None:
+            (sidecars if p.suffix.lower() == ".bin" else dtype_sidecars)[p] = cand
+    used = set(data) | set(sidecars.values()) | set(dtype_sidecars.values()) | ({order_file} if order_file else set())
     other = [p for p in files if p not in used]
-    return Scan(data, sidecars, order_file, other, special)
+    return Scan(data, sidecars, order_file, other, special, dtype_sidecars)
 
 
 _PT_IN, _PT_OUT = ("input", "inputs", "args"), ("output", "outputs", "out")
@@ -180,11 +182,12 @@ def _native(x):
     return x
 
 
-def _original_for(originals: dict, name: str, prefix: str):
-    """The original dtype the manifest gives a tensor: by its name, its op/module, or its file."""
+def _original_for(originals: dict, name: str, prefix: str, path: Path):
+    """The original dtype a tensor was saved from: its file's own sidecar says (``originals[path]``), else the
+    manifest, by the tensor's name, its op/module, or its file's name."""
     if not originals:
         return None
-    for n in (name, _record_fields(name)["op"], prefix):
+    for n in (path, name, _record_fields(name)["op"], prefix):
         if n in originals:
             return originals[n]
     return None
@@ -217,8 +220,9 @@ class GenericReader:
 
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
         sc = scan(root)
-        order, kind, note, warnings, data, ticks = self._order(root, sc)
-        originals, dt_warnings = self._original_dtypes(root, sc)
+        doc, warnings = self._read_order_file(root, sc)  # read once: the order and the original dtypes
+        order, kind, note, warnings, data, ticks = self._order(root, sc, doc, warnings)
+        originals, dt_warnings = self._original_dtypes(root, sc, doc)
         sc = dataclasses.replace(sc, data=data)
         cast: dict[str, np.dtype] = {}  # source -> the original dtype its values were read back in
         src = RunSource(key=root.name or "dump", name=root.name or "dump", root=root, reader=self.name,
@@ -239,32 +243,45 @@ class GenericReader:
         src.records = self._records(root, sc, order, ticks, src, tick, originals, cast)
         yield src
 
-    def _original_dtypes(self, root: Path, sc: Scan) -> tuple[dict[str, np.dtype], list]:
-        """``({name: original dtype}, warnings)`` from the manifest's ``"dtypes"`` object."""
-        if sc.order_file is None or sc.order_file.suffix != ".json":
-            return {}, []
-        rel = relname(root, sc.order_file)
-        doc = read_json(sc.order_file, rel, root, what="order file")
+    def _original_dtypes(self, root: Path, sc: Scan, doc) -> tuple[dict[str, np.dtype], list]:
+        """``({name or file: original dtype}, warnings)`` from the manifest's ``"dtypes"`` object (``doc``, the
+        order file as read; keyed by name) and the data files' own sidecars (keyed by the file's path)."""
+        out, warnings = {}, []
         got = doc.get(DTYPES_KEY) if isinstance(doc, dict) else None
-        if got is None:
-            return {}, []
-        if not isinstance(got, dict) or not all(isinstance(v, str) for v in got.values()):
-            return {}, [(rel, f'"{DTYPES_KEY}" is not an object of name: dtype; tensors are read as saved')]
-        out, bad = {}, []
-        for n, d in got.items():
+        if got is not None:
+            rel = relname(root, sc.order_file)
+            if not isinstance(got, dict) or not all(isinstance(v, str) for v in got.values()):
+                warnings.append((rel, f'"{DTYPES_KEY}" is not an object of name: dtype; tensors are read as saved'))
+            else:
+                bad = []
+                for n, d in got.items():
+                    try:
+                        out[n.replace("/", ".")] = numpy_dtype_named(d)
+                    except (ValueError, KeyError, TypeError):
+                        bad.append(f"{n}: {d}")
+                if bad:
+                    warnings.append((rel, f'"{DTYPES_KEY}" names unknown dtypes ({", ".join(bad[:3])}); those '
+                                          "tensors are read as saved"))
+        for p, side in sc.dtype_sidecars.items():
+            srel = relname(root, side)
+            meta = read_json(side, srel, root, what=f"sidecar of {relname(root, p)}")
+            d = meta.get("dtype") if isinstance(meta, dict) else None
             try:
-                out[n.replace("/", ".")] = numpy_dtype_named(d)
+                out[p] = numpy_dtype_named(d)
             except (ValueError, KeyError, TypeError):
-                bad.append(f"{n}: {d}")
-        return out, ([(rel, f'"{DTYPES_KEY}" names unknown dtypes ({", ".join(bad[:3])}); those tensors are read as '
-                              "saved")] if bad else [])
+                shown = repr(d) if isinstance(d, str) and len(d) <= 40 else type(d).__name__
+                warnings.append((srel, f'sidecar of {relname(root, p)} needs "dtype": the name of a dtype '
+                                       f"({shown} is not one); the file is read as saved"))
+        return out, warnings
 
     # -- order
-    def _order(self, root: Path, sc: Scan) -> tuple[Optional[dict[str, int]], str, str, list, list[Path], dict]:
+    def _order(self, root: Path, sc: Scan, doc, warnings: list) -> tuple[Optional[dict[str, int]], str, str, list,
+                                                                         list[Path], dict]:
         """``(listed, kind, note, warnings, data files in reading order, file -> time rank)``; ``listed`` maps the
         names of an order list to their place (None without a usable one), ``kind`` is RunSource.order until
-        ingest settles it."""
-        names, where, warnings = self._order_list(root, sc)
+        ingest settles it.  ``doc``: the order file as ``_read_order_file`` read it."""
+        names, where, more = self._order_list(root, sc, doc)
+        warnings = warnings + more
         times = {p: os.lstat(p).st_mtime_ns for p in sc.data}
         distinct = {t: i for i, t in enumerate(sorted(set(times.values())))}
         ticks = {p: distinct[t] for p, t in times.items()} if len(distinct) > 1 else {}
@@ -292,23 +309,32 @@ class GenericReader:
         return None, "name", f"order unknown: by name ({where}; file modification times not distinct)", warnings, \
             data, ticks
 
-    def _order_list(self, root: Path, sc: Scan) -> tuple[Optional[list[str]], str, list]:
-        """``(names, where they came from, warnings)``; names None when there is no usable list (the warning
-        says why in one sentence)."""
+    def _read_order_file(self, root: Path, sc: Scan) -> tuple[Any, list]:
+        """``(doc, warnings)``: the order file, read once: parsed JSON, the lines of ``order.txt`` (a list of
+        names), None without a file, or ``_UNREADABLE`` (text that is not UTF-8: one warning says so)."""
+        if sc.order_file is None:
+            return None, []
+        rel = relname(root, sc.order_file)
+        if sc.order_file.suffix != ".txt":
+            return read_json(sc.order_file, rel, root, what="order file"), []
+        with open_regular(sc.order_file, rel, root) as f:
+            raw = f.read(limits().max_json_bytes + 1)
+        if len(raw) > limits().max_json_bytes:
+            raise ReadError(f"{rel}: larger than the limit of {limits().max_json_bytes} bytes (max_json_mb)")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return _UNREADABLE, [(rel, f"not UTF-8 text ({e.reason}); its order is not used")]
+        return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")], []
+
+    def _order_list(self, root: Path, sc: Scan, doc) -> tuple[Optional[list[str]], str, list]:
+        """``(names, where they came from, warnings)`` from the order file as read (``doc``); names None when
+        there is no usable list (the warning says why in one sentence)."""
         if sc.order_file is None:
             return None, f"no {', '.join(ORDER_FILES)}", []
         rel = relname(root, sc.order_file)
-        if sc.order_file.suffix == ".txt":
-            with open_regular(sc.order_file, rel, root) as f:
-                raw = f.read(limits().max_json_bytes + 1)
-            if len(raw) > limits().max_json_bytes:
-                raise ReadError(f"{rel}: larger than the limit of {limits().max_json_bytes} bytes (max_json_mb)")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return None, rel, [(rel, f"not UTF-8 text ({e.reason}); its order is not used")]
-            return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")], rel, []
-        doc = read_json(sc.order_file, rel, root, what="order file")
+        if doc is _UNREADABLE:  # _read_order_file said why
+            return None, rel, []
         if isinstance(doc, dict):
             key = next((k for k in ORDER_KEYS if doc.get(k) is not None), None)
             if key is None:
@@ -373,13 +399,14 @@ class GenericReader:
                     raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
                 seen[(step, rank, name)] = rel
                 source = rel if key == "" else f"{rel}#{key}"
-                want = _original_for(originals or {}, name, prefix)
+                want = _original_for(originals or {}, name, prefix, p)
                 if want is not None:
                     back = _as_dtype(t, want)
                     if back is None:
+                        said = "its sidecar" if p in originals else "the manifest"
                         src.warnings.append((rel, f"{name!r} holds values that are not {want.name} values, so it was "
-                                                  f"not saved from {want.name} as the manifest says; it is read as "
-                                                  f"saved ({getattr(t, 'dtype', '?')})"))
+                                                  f"not saved from {want.name} as {said} says; it is read as saved "
+                                                  f"({getattr(t, 'dtype', '?')})"))
                     else:
                         t = back
                         cast[source] = want

@@ -66,7 +66,8 @@ def read_tensors(path: Path, rel: str, root: Optional[Path] = None, want: Option
 
 
 def _open(path: Path, rel: str, root: Optional[Path], want, sidecar):
-    check_regular(path, rel)
+    with open_regular(path, rel, root):  # a regular file, reached without links in ``root``: checked once here
+        pass
     suf = path.suffix.lower()
     if suf == ".npy":
         return _load_npy(path, rel, root)
@@ -106,6 +107,7 @@ def load_source(root: Path, source: str, *, name: str = "", step: int = 0, rank:
 
 # ---- one loader per format: each yields (key, array_or_tensor), key "" for a lone tensor;
 # ``want`` restricts a container to one key (re-reading one tensor later)
+
 def _load_npy(path: Path, rel: str, root: Optional[Path]):
     with open_regular(path, rel, root) as f:
         if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:

@@ -154,11 +154,32 @@ def _load_tensor(store, run: dict, rec: dict):
     t = load_source(root, src, name=rec["name"], step=int(rec["step"]), rank=int(rec["rank"]))
     if t is None:
         return None
+    rel = src.partition("#")[0]
     shape = json.loads(rec["shape"]) if isinstance(rec.get("shape"), str) else rec.get("shape")
     if shape is not None and list(t.shape) != list(shape):
-        raise ReadError(f"{src.partition('#')[0]}: holds a tensor of shape {list(t.shape)} where the session "
-                        f"recorded {list(shape)} for {rec['name']}; the dump changed after it was ingested")
-    return _as_dtype(_as_torch(t), rec.get("dtype"))
+        raise ReadError(f"{rel}: holds a tensor of shape {list(t.shape)} where the session recorded {list(shape)} "
+                        f"for {rec['name']}; the dump changed after it was ingested")
+    t = _as_dtype(_as_torch(t), rec.get("dtype"))
+    _check_unchanged(t, rec, rel)
+    return t
+
+
+# statistics that are exact whatever computes them: a tensor read back must have the ones ingest stored
+_EXACT_STATS = ("nan_count", "inf_count", "zero_count", "min", "max", "min_abs_nonzero")
+
+
+def _check_unchanged(t, rec: dict, rel: str) -> None:
+    """A tensor read back from the dump holds what was ingested: its counts and extremes are the stored ones.
+    Files without checksums (``.npy``, ``.bin``, ``.safetensors``) replaced or damaged since are caught here
+    when the change reaches one of them."""
+    s = tensor_stats(t, histogram=False)
+    for f in _EXACT_STATS:
+        want, got = rec.get(f), getattr(s, f)
+        if want is None or got is None or (want != want and got != got):  # unknown, or NaN on both sides
+            continue
+        if want != got:
+            raise ReadError(f"{rel}: its {f.replace('_', ' ')} is {got!r} where the session recorded {want!r} for "
+                            f"{rec['name']}; the dump changed after it was ingested")
 
 
 def _as_torch(t):
