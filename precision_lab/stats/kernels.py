@@ -520,8 +520,9 @@ def _numba_chunk(acc: _Acc, xf: np.ndarray, histogram: bool, kind: int = 0) -> N
         results = run_parts(lambda p: kern.scan(part[bounds[p]:bounds[p + 1]], histogram, kind), nparts,
                             threads if parallel else 1)
         choice.record(parallel, time.perf_counter() - t0, n)
-        for result in results:
-            _take_scan(acc, result, histogram)
+        # the parts' rows in order, taken at once
+        _take_scan(acc, (sum(r[0] for r in results), np.concatenate([r[1] for r in results]),
+                         np.concatenate([r[2] for r in results])), histogram)
 
 
 def _take_scan(acc: _Acc, result, histogram: bool) -> None:
@@ -529,32 +530,40 @@ def _take_scan(acc: _Acc, result, histogram: bool) -> None:
     # per part: amax bits, (min |x| bits) - 1, min key, max key, n_finite, n_zero, n_nan, n_inf, n_-inf,
     # read-ahead; plain Python numbers from here (numpy's reductions cost more than the work on a few rows)
     rows, frows = ri.tolist(), rf.tolist()
-    acc.zero += sum(r[5] for r in rows)
-    acc.nan += sum(r[6] for r in rows)
-    acc.inf += sum(r[7] for r in rows)
-    acc.neginf += sum(r[8] for r in rows)
-    fin = [(r, f) for r, f in zip(rows, frows) if r[4]]
-    if fin:
-        minabs_m1 = min(r[1] for r, _ in fin)
-        minabs = math.inf if minabs_m1 >= 0x7F7FFFFF else _bits_to_f32(minabs_m1 + 1)
-        acc.add_extrema(_key_to_f32(min(r[2] for r, _ in fin)), _key_to_f32(max(r[3] for r, _ in fin)),
-                        _bits_to_f32(max(r[0] for r, _ in fin)), minabs)
-        for r, f in fin:
-            acc.add_moments(r[4], f[0], f[1], f[2], 0)
+    if len(rows) == 1:  # the usual case: one part, nothing to reduce over
+        r = rows[0]
+        acc.zero += r[5]
+        acc.nan += r[6]
+        acc.inf += r[7]
+        acc.neginf += r[8]
+        if r[4]:
+            _take_finite(acc, r[0], r[1], r[2], r[3])
+            acc.add_moments(r[4], *frows[0], 0)
+    else:
+        acc.zero += sum(r[5] for r in rows)
+        acc.nan += sum(r[6] for r in rows)
+        acc.inf += sum(r[7] for r in rows)
+        acc.neginf += sum(r[8] for r in rows)
+        fin = [(r, f) for r, f in zip(rows, frows) if r[4]]
+        if fin:
+            _take_finite(acc, max(r[0] for r, _ in fin), min(r[1] for r, _ in fin), min(r[2] for r, _ in fin),
+                         max(r[3] for r, _ in fin))
+            for r, f in fin:
+                acc.add_moments(r[4], f[0], f[1], f[2], 0)
     if histogram:
         acc.hist += hist
 
 
-_U32, _F32 = struct.Struct("<I"), struct.Struct("<f")
+_U4, _F4 = struct.Struct("<4I"), struct.Struct("<4f")
 
 
-def _bits_to_f32(bits: int) -> float:
-    return _F32.unpack(_U32.pack(bits & 0xFFFFFFFF))[0]
-
-
-def _key_to_f32(key: int) -> float:
-    """Inverse of the monotone int32 key ``b ^ ((b >> 31) & 0x7FFFFFFF)``."""
-    return _bits_to_f32(key ^ ((key >> 31) & 0x7FFFFFFF))
+def _take_finite(acc: _Acc, amax: int, minabs_m1: int, kmin: int, kmax: int) -> None:
+    """The extrema of a scan from its bit patterns: max |x|, (min nonzero |x|) - 1, and the min and max monotone
+    keys ``b ^ ((b >> 31) & 0x7FFFFFFF)`` (their own inverse), converted in one pack and unpack."""
+    vmin, vmax, absmax, minabs = _F4.unpack(_U4.pack((kmin ^ ((kmin >> 31) & 0x7FFFFFFF)) & 0xFFFFFFFF,
+                                                     (kmax ^ ((kmax >> 31) & 0x7FFFFFFF)) & 0xFFFFFFFF,
+                                                     amax, (minabs_m1 + 1) & 0xFFFFFFFF))
+    acc.add_extrema(vmin, vmax, absmax, math.inf if minabs_m1 >= 0x7F7FFFFF else minabs)
 
 
 # ---------------------------------------------------------------------------
