@@ -432,9 +432,9 @@ def test_the_kernels_compile_for_a_gpu_without_one():
     width = triton_stats._bin_table().shape[1]
     target = GPUTarget("cuda", 90, 32)
     consts = ("KIND", "EXP", "MAN", "BIAS", "SPECIAL", "SUB_SCALE", "HIST", "BLOCK", "NB", "W", "SUB_ROW")
-    for view, kind, exp, man, bias, special, hist in (("*i32", 0, 8, 23, 127, 0, True), ("*i16", 2, 5, 10, 15, 0, False),
-                                                      ("*u8", 2, 4, 3, 7, 1, True)):
-        sig = {"x_ptr": view, "n": "i64", "ints_ptr": "*i64", "flts_ptr": "*fp64", "hist_ptr": "*i64",
+    for dtype, hist in (("float32", True), ("float16", False), ("float8_e4m3fn", True)):
+        view, kind, exp, man, bias, special = triton_stats._DECODE[dtype]
+        sig = {"x_ptr": {"int32": "*i32", "int16": "*i16", "uint8": "*u8"}[view], "n": "i64", "ints_ptr": "*i64", "flts_ptr": "*fp64", "hist_ptr": "*i64",
                "table_ptr": "*i32", **{k: "constexpr" for k in consts}}
         values = dict(zip(consts, (kind, exp, man, bias, special, 2.0 ** (1 - bias - man), hist, triton_stats.BLOCK,
                                    triton_stats._NB, width, triton_stats._SUB_ROW)))

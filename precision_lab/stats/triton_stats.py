@@ -51,7 +51,7 @@ MAX_PROGRAMS = 1024  # the finishing kernel folds at most this many partials (a 
 _PROGRAMS_PER_SM = 4
 _INTERPRET_PROGRAMS = 4  # programs of an interpreted launch (each runs in turn)
 _NB = 1 << int(N_BINS).bit_length()  # histogram slots, a power of two above N_BINS: the last one takes the rest
-_INTS, _FLTS = 9, 3  # per-program partials: see _stats_kernel's stores
+_INTS, _FLTS = 9, 3  # per-program partials: the row widths _stats_kernel stores and _finish_kernel reads
 _TOTALS = 13  # DevicePartial.totals, in _torch_chunk_partial's order
 _MAX_PER_PROGRAM = 1 << 30  # elements one program may count (its counters are int32)
 
@@ -100,14 +100,12 @@ def _decode(dtype: str) -> Optional[tuple]:
     """``(view dtype name, kind, exp bits, mantissa bits, bias, special)`` for a dtype the kernel reads, else
     None.  kind 0: float32 bits; 1: bfloat16 (the top half of float32); 2: a narrower float, decoded by its
     layout (formats.py)."""
-    if dtype == "float32":
-        return "int32", 0, 8, 23, 127, 0
-    if dtype == "bfloat16":
-        return "int16", 1, 8, 7, 127, 0
     fmt = format_for_dtype(dtype)
-    if fmt is None or fmt.kind != "float" or fmt.special not in _SPECIAL or fmt.bits not in (8, 16):
+    if fmt is None or fmt.kind != "float" or fmt.special not in _SPECIAL or fmt.bits not in (8, 16, 32):
         return None
-    return ("int16" if fmt.bits == 16 else "uint8"), 2, fmt.exp_bits, fmt.man_bits, fmt.bias, _SPECIAL[fmt.special]
+    kind = 0 if dtype == "float32" else 1 if dtype == "bfloat16" else 2
+    view = {8: "uint8", 16: "int16", 32: "int32"}[fmt.bits]
+    return view, kind, fmt.exp_bits, fmt.man_bits, fmt.bias, _SPECIAL[fmt.special]
 
 
 _DECODE = {d: _decode(d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz",
@@ -441,8 +439,8 @@ def device_partials(t, *, histogram: bool, block: int = BLOCK, programs: Optiona
     sub_scale = float(np.ldexp(1.0, 1 - bias - man))
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         stats_k[(nprog,)](bits, n, ints, flts, hist, table, KIND=kind, EXP=exp, MAN=man, BIAS=bias, SPECIAL=special,
-                          SUB_SCALE=sub_scale, HIST=bool(histogram), BLOCK=block, NB=_NB, W=_bin_table().shape[1], SUB_ROW=_SUB_ROW,
-                          num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                          SUB_SCALE=sub_scale, HIST=bool(histogram), BLOCK=block, NB=_NB, W=_bin_table().shape[1],
+                          SUB_ROW=_SUB_ROW, num_warps=_NUM_WARPS, enable_fp_fusion=False)
         finish_k[(1,)](ints, flts, nprog, totals, P=MAX_PROGRAMS, enable_fp_fusion=False)
     return [DevicePartial(totals[:_TOTALS], hist[:N_BINS] if histogram else None)]
 
