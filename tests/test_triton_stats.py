@@ -383,18 +383,24 @@ def test_cuda_capture_uses_the_kernel_without_a_sync_per_op(monkeypatch, sync_er
 def test_cuda_summary_mode_uses_the_kernel_without_a_sync_per_op(monkeypatch, sync_errors):
     calls = _spy_on_kernel(monkeypatch)
     model, x = _tiny().cuda(), torch.randn(4, 8, device="cuda")
+    seen = {}
     with precision_lab.capture(model, run="cuda-long", store=Store(":memory:"),
                                options=CaptureOptions(every=10)) as cap:
         _step(model, x)  # step 0: full records, warm-up
         cap.step()
         calls.clear()
+        hook = model[2].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.detach().clone()))
         with sync_errors():
             _step(model, x)  # step 1: a summary step
+        hook.remove()
         cap.step()
     assert not cap.warnings, cap.warnings
-    rows = [r for r in cap.timeline_rows if r.step == 1]
-    assert rows and calls and set(calls) == {"cuda"}
-    assert all(r.nan_count == 0 and r.absmax > 0 for r in rows if r.numel)
+    assert calls and set(calls) == {"cuda"}
+    row = next(r for r in cap.timeline_rows if r.step == 1 and r.op == "2.forward.0" and r.role == "output")
+    ref = reference(seen["out"])
+    assert (row.numel, row.nan_count, row.absmax, row.min_abs_nonzero) == \
+        (ref["numel"], ref["nan_count"], ref["absmax"], ref["min_abs_nonzero"])
+    assert row.l2norm == pytest.approx(ref["l2norm"], rel=1e-12)
 
 
 @needs_cuda
