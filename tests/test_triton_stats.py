@@ -39,6 +39,14 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _triton_cache(tmp_path_factory):
+    """Compiled kernels go to a folder of this test run, not the user's ~/.triton."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
+        yield
+
+
 @pytest.fixture
 def interpret(monkeypatch):
     """Triton's interpreter for this test only (the kernels are built per mode, when launched)."""
@@ -375,18 +383,24 @@ def test_cuda_capture_uses_the_kernel_without_a_sync_per_op(monkeypatch, sync_er
 def test_cuda_summary_mode_uses_the_kernel_without_a_sync_per_op(monkeypatch, sync_errors):
     calls = _spy_on_kernel(monkeypatch)
     model, x = _tiny().cuda(), torch.randn(4, 8, device="cuda")
+    seen = {}
     with precision_lab.capture(model, run="cuda-long", store=Store(":memory:"),
                                options=CaptureOptions(every=10)) as cap:
         _step(model, x)  # step 0: full records, warm-up
         cap.step()
         calls.clear()
+        hook = model[2].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.detach().clone()))
         with sync_errors():
             _step(model, x)  # step 1: a summary step
+        hook.remove()
         cap.step()
     assert not cap.warnings, cap.warnings
-    rows = [r for r in cap.timeline_rows if r.step == 1]
-    assert rows and calls and set(calls) == {"cuda"}
-    assert all(r.nan_count == 0 and r.absmax > 0 for r in rows if r.numel)
+    assert calls and set(calls) == {"cuda"}
+    row = next(r for r in cap.timeline_rows if r.step == 1 and r.op == "2.forward.0" and r.role == "output")
+    ref = reference(seen["out"])
+    assert (row.numel, row.nan_count, row.absmax, row.min_abs_nonzero) == \
+        (ref["numel"], ref["nan_count"], ref["absmax"], ref["min_abs_nonzero"])
+    assert row.l2norm == pytest.approx(ref["l2norm"], rel=1e-12)
 
 
 @needs_cuda
@@ -410,3 +424,32 @@ def test_cuda_capture_pair_measures_each_op_without_a_sync(monkeypatch, sync_err
     session = precision_lab.capture_pair(lambda: copy.deepcopy(base), x, torch.float16, store=store,
                                          loss_fn=lambda y: y.float().pow(2).mean(), local_error=False)
     assert session and calls and set(calls) == {"cuda"}
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_a_gpu_without_one():
+    """What the interpreter cannot check: the kernels lower through Triton's CUDA compiler (to a cubin for
+    sm_90, with the bundled ptxas) for a 16-bit, an 8-bit and the float32 input, with and without the histogram."""
+    import triton  # the optional dependency, in the test requirements
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    stats_k, finish_k = triton_stats._build()
+    width = triton_stats._bin_table().shape[1]
+    target = GPUTarget("cuda", 90, 32)
+    consts = ("KIND", "EXP", "MAN", "BIAS", "SPECIAL", "SUB_SCALE", "HIST", "BLOCK", "NB", "W", "SUB_ROW")
+    for dtype, hist in (("float32", True), ("float16", False), ("float8_e4m3fn", True)):
+        view, kind, exp, man, bias, special = triton_stats._DECODE[dtype]
+        sig = {"x_ptr": {"int32": "*i32", "int16": "*i16", "uint8": "*u8"}[view], "n": "i64", "ints_ptr": "*i64", "flts_ptr": "*fp64", "hist_ptr": "*i64",
+               "table_ptr": "*i32", **{k: "constexpr" for k in consts}}
+        values = dict(zip(consts, (kind, exp, man, bias, special, 2.0 ** (1 - bias - man), hist, triton_stats.BLOCK,
+                                   triton_stats._NB, width, triton_stats._SUB_ROW)))
+        src = ASTSource(fn=stats_k, signature=sig,
+                        constexprs={(stats_k.arg_names.index(k),): v for k, v in values.items()})
+        compiled = triton.compile(src, target=target, options={"num_warps": triton_stats._NUM_WARPS,
+                                                                "enable_fp_fusion": False})
+        assert compiled.asm["cubin"] and ("atom.global" in compiled.asm["ptx"]) == hist
+    src = ASTSource(fn=finish_k, signature={"ints_ptr": "*i64", "flts_ptr": "*fp64", "nprog": "i32",
+                                            "out_ptr": "*fp64", "P": "constexpr"},
+                    constexprs={(finish_k.arg_names.index("P"),): triton_stats.MAX_PROGRAMS})
+    assert triton.compile(src, target=target, options={"enable_fp_fusion": False}).asm["cubin"]

@@ -27,11 +27,13 @@ the tests check them without a GPU).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import importlib.util
 import os
 import threading
+import types
 from typing import Optional
 
 import numpy as np
@@ -49,11 +51,11 @@ MAX_PROGRAMS = 1024  # the finishing kernel folds at most this many partials (a 
 _PROGRAMS_PER_SM = 4
 _INTERPRET_PROGRAMS = 4  # programs of an interpreted launch (each runs in turn)
 _NB = 1 << int(N_BINS).bit_length()  # histogram slots, a power of two above N_BINS: the last one takes the rest
-_INTS, _FLTS = 9, 3  # per-program partials: see _stats_kernel's stores
+_INTS, _FLTS = 9, 3  # per-program partials: the row widths _stats_kernel stores and _finish_kernel reads
 _TOTALS = 13  # DevicePartial.totals, in _torch_chunk_partial's order
 _MAX_PER_PROGRAM = 1 << 30  # elements one program may count (its counters are int32)
 
-triton = tl = None  # bound by _build() on first use: importing this module never imports triton
+tl = None  # the kernels' own globals bind it (_build): importing this module never imports triton
 
 
 # ---------------------------------------------------------------------------
@@ -98,14 +100,12 @@ def _decode(dtype: str) -> Optional[tuple]:
     """``(view dtype name, kind, exp bits, mantissa bits, bias, special)`` for a dtype the kernel reads, else
     None.  kind 0: float32 bits; 1: bfloat16 (the top half of float32); 2: a narrower float, decoded by its
     layout (formats.py)."""
-    if dtype == "float32":
-        return "int32", 0, 8, 23, 127, 0
-    if dtype == "bfloat16":
-        return "int16", 1, 8, 7, 127, 0
     fmt = format_for_dtype(dtype)
-    if fmt is None or fmt.kind != "float" or fmt.special not in _SPECIAL or fmt.bits not in (8, 16):
+    if fmt is None or fmt.kind != "float" or fmt.special not in _SPECIAL or fmt.bits not in (8, 16, 32):
         return None
-    return ("int16" if fmt.bits == 16 else "uint8"), 2, fmt.exp_bits, fmt.man_bits, fmt.bias, _SPECIAL[fmt.special]
+    kind = 0 if dtype == "float32" else 1 if dtype == "bfloat16" else 2
+    view = {8: "uint8", 16: "int16", 32: "int32"}[fmt.bits]
+    return view, kind, fmt.exp_bits, fmt.man_bits, fmt.bias, _SPECIAL[fmt.special]
 
 
 _DECODE = {d: _decode(d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz",
@@ -116,6 +116,33 @@ _DECODE = {d: _decode(d) for d in ("float32", "bfloat16", "float16", "float8_e4m
 # the kernels (plain functions, made Triton kernels by _build)
 # ---------------------------------------------------------------------------
 
+def _add(a, b):
+    return a + b
+
+
+def _lo(a, b):
+    return tl.minimum(a, b)
+
+
+def _hi(a, b):
+    return tl.maximum(a, b)
+
+
+def _sum(x):
+    return tl.reduce(x, 0, _add)
+
+
+def _min_of(x):
+    return tl.reduce(x, 0, _lo)
+
+
+def _max_of(x):
+    return tl.reduce(x, 0, _hi)
+
+
+_HELPERS = (_add, _lo, _hi, _sum, _min_of, _max_of)
+
+
 def _stats_kernel(x_ptr, n, ints_ptr, flts_ptr, hist_ptr, table_ptr,
                   KIND: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
                   SPECIAL: tl.constexpr, SUB_SCALE: tl.constexpr, HIST: tl.constexpr, BLOCK: tl.constexpr,
@@ -124,20 +151,20 @@ def _stats_kernel(x_ptr, n, ints_ptr, flts_ptr, hist_ptr, table_ptr,
     nprog = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     big = 0x7FFFFFFF
-    nan_c = tl.zeros([BLOCK], tl.int32)
-    inf_c = tl.zeros([BLOCK], tl.int32)
-    ninf_c = tl.zeros([BLOCK], tl.int32)
-    zero_c = tl.zeros([BLOCK], tl.int32)
-    fin_c = tl.zeros([BLOCK], tl.int32)
+    nan_c = tl.full([BLOCK], 0, tl.int32)
+    inf_c = tl.full([BLOCK], 0, tl.int32)
+    ninf_c = tl.full([BLOCK], 0, tl.int32)
+    zero_c = tl.full([BLOCK], 0, tl.int32)
+    fin_c = tl.full([BLOCK], 0, tl.int32)
     kmin = tl.full([BLOCK], big, tl.int32)
     kmax = tl.full([BLOCK], -big - 1, tl.int32)
-    amax = tl.zeros([BLOCK], tl.int32)
+    amax = tl.full([BLOCK], 0, tl.int32)
     amin = tl.full([BLOCK], big, tl.int32)
-    shift = tl.zeros([BLOCK], tl.float64)
-    s1 = tl.zeros([BLOCK], tl.float64)
-    s2 = tl.zeros([BLOCK], tl.float64)
-    sq = tl.zeros([BLOCK], tl.float64)
-    hacc = tl.zeros([NB], tl.int32)
+    shift = tl.full([BLOCK], 0, tl.float64)
+    s1 = tl.full([BLOCK], 0, tl.float64)
+    s2 = tl.full([BLOCK], 0, tl.float64)
+    sq = tl.full([BLOCK], 0, tl.float64)
+    hacc = tl.full([NB], 0, tl.int32)
     n64 = n.to(tl.int64)
     for start in range(pid.to(tl.int64) * BLOCK, n64, nprog.to(tl.int64) * BLOCK):
         offs = start + lanes
@@ -203,24 +230,24 @@ def _stats_kernel(x_ptr, n, ints_ptr, flts_ptr, hist_ptr, table_ptr,
     nl1 = tl.maximum(nl, 1.0)
     mean_l = shift + s1 / nl1
     m2_l = tl.maximum(s2 - s1 * (s1 / nl1), 0.0)
-    nsum = tl.sum(nl)
-    mean = tl.sum(nl * mean_l) / tl.maximum(nsum, 1.0)
+    nsum = _sum(nl)
+    mean = _sum(nl * mean_l) / tl.maximum(nsum, 1.0)
     dm = tl.where(fin_c > 0, mean_l - mean, 0.0)
-    m2 = tl.sum(m2_l + nl * dm * dm)
+    m2 = _sum(m2_l + nl * dm * dm)
     ip = ints_ptr + pid * 9
-    tl.store(ip + 0, tl.sum(nan_c.to(tl.int64)))
-    tl.store(ip + 1, tl.sum(inf_c.to(tl.int64)))
-    tl.store(ip + 2, tl.sum(ninf_c.to(tl.int64)))
-    tl.store(ip + 3, tl.sum(zero_c.to(tl.int64)))
-    tl.store(ip + 4, tl.sum(fin_c.to(tl.int64)))
-    tl.store(ip + 5, tl.min(kmin).to(tl.int64))
-    tl.store(ip + 6, tl.max(kmax).to(tl.int64))
-    tl.store(ip + 7, tl.max(amax).to(tl.int64))
-    tl.store(ip + 8, tl.min(amin).to(tl.int64))
+    tl.store(ip + 0, _sum(nan_c.to(tl.int64)))
+    tl.store(ip + 1, _sum(inf_c.to(tl.int64)))
+    tl.store(ip + 2, _sum(ninf_c.to(tl.int64)))
+    tl.store(ip + 3, _sum(zero_c.to(tl.int64)))
+    tl.store(ip + 4, _sum(fin_c.to(tl.int64)))
+    tl.store(ip + 5, _min_of(kmin).to(tl.int64))
+    tl.store(ip + 6, _max_of(kmax).to(tl.int64))
+    tl.store(ip + 7, _max_of(amax).to(tl.int64))
+    tl.store(ip + 8, _min_of(amin).to(tl.int64))
     fp = flts_ptr + pid * 3
     tl.store(fp + 0, mean)
     tl.store(fp + 1, m2)
-    tl.store(fp + 2, tl.sum(sq))
+    tl.store(fp + 2, _sum(sq))
     if HIST:
         tl.atomic_add(hist_ptr + tl.arange(0, NB), hacc.to(tl.int64))
 
@@ -232,16 +259,16 @@ def _finish_kernel(ints_ptr, flts_ptr, nprog, out_ptr, P: tl.constexpr):
     i = tl.arange(0, P)
     on = i < nprog
     ip = ints_ptr + i * 9
-    nan_c = tl.sum(tl.load(ip + 0, mask=on, other=0))
-    inf_c = tl.sum(tl.load(ip + 1, mask=on, other=0))
-    ninf_c = tl.sum(tl.load(ip + 2, mask=on, other=0))
-    zero_c = tl.sum(tl.load(ip + 3, mask=on, other=0))
+    nan_c = _sum(tl.load(ip + 0, mask=on, other=0))
+    inf_c = _sum(tl.load(ip + 1, mask=on, other=0))
+    ninf_c = _sum(tl.load(ip + 2, mask=on, other=0))
+    zero_c = _sum(tl.load(ip + 3, mask=on, other=0))
     nf = tl.load(ip + 4, mask=on, other=0)
     has = nf > 0
-    kmin = tl.min(tl.where(has, tl.load(ip + 5, mask=on, other=big), big)).to(tl.int32)
-    kmax = tl.max(tl.where(has, tl.load(ip + 6, mask=on, other=0), -big - 1)).to(tl.int32)
-    amax = tl.max(tl.where(has, tl.load(ip + 7, mask=on, other=0), 0)).to(tl.int32)
-    amin = tl.min(tl.where(has, tl.load(ip + 8, mask=on, other=big), big)).to(tl.int32)
+    kmin = _min_of(tl.where(has, tl.load(ip + 5, mask=on, other=big), big)).to(tl.int32)
+    kmax = _max_of(tl.where(has, tl.load(ip + 6, mask=on, other=0), -big - 1)).to(tl.int32)
+    amax = _max_of(tl.where(has, tl.load(ip + 7, mask=on, other=0), 0)).to(tl.int32)
+    amin = _min_of(tl.where(has, tl.load(ip + 8, mask=on, other=big), big)).to(tl.int32)
     vmin = (kmin ^ ((kmin >> 31) & big)).to(tl.float32, bitcast=True).to(tl.float64)
     vmax = (kmax ^ ((kmax >> 31) & big)).to(tl.float32, bitcast=True).to(tl.float64)
     absmax = amax.to(tl.float32, bitcast=True).to(tl.float64)
@@ -249,11 +276,11 @@ def _finish_kernel(ints_ptr, flts_ptr, nprog, out_ptr, P: tl.constexpr):
     fp = flts_ptr + i * 3
     n_p = nf.to(tl.float64)
     mean_p = tl.load(fp + 0, mask=on, other=0.0)
-    nsum = tl.sum(n_p)
-    mean = tl.sum(n_p * mean_p) / tl.maximum(nsum, 1.0)
+    nsum = _sum(n_p)
+    mean = _sum(n_p * mean_p) / tl.maximum(nsum, 1.0)
     dm = tl.where(has, mean_p - mean, 0.0)
-    m2 = tl.sum(tl.load(fp + 1, mask=on, other=0.0) + n_p * dm * dm)
-    sq = tl.sum(tl.load(fp + 2, mask=on, other=0.0))
+    m2 = _sum(tl.load(fp + 1, mask=on, other=0.0) + n_p * dm * dm)
+    sq = _sum(tl.load(fp + 2, mask=on, other=0.0))
     j = tl.arange(0, 16)
     out = tl.where(j == 0, nan_c.to(tl.float64), 0.0)
     out = tl.where(j == 1, inf_c.to(tl.float64), out)
@@ -308,6 +335,13 @@ def _interpreting() -> bool:
 
 
 def _build():
+    """The two kernels for the current mode (compiled, or interpreted under TRITON_INTERPRET=1).
+
+    Each build gets its own globals: Triton's interpreter writes its names into the globals of what it runs,
+    and a process may build both modes.  The kernels call no ``@triton.jit`` function of triton.language
+    (``tl.sum``, ``tl.zeros``...), only builtins and the helpers above: those library functions are made for
+    the mode in force when triton was first imported, so a kernel built in the other mode could not call them
+    (the tests interpret the kernels in a process that may have imported triton before)."""
     interp = _interpreting()
     k = _BUILT.get(interp)
     if k is not None:
@@ -318,10 +352,18 @@ def _build():
             import triton as _triton  # deferred: an optional dependency, and a second's import
             import triton.language as _tl
 
-            g = globals()
-            g["triton"], g["tl"] = _triton, _tl
-            stats = _triton.jit(_stats_kernel, do_not_specialize=["n"])
-            finish = _triton.jit(_finish_kernel, do_not_specialize=["nprog"])
+            g = {"tl": _tl, "triton": _triton, "__builtins__": builtins}
+
+            def jit(fn, **kw):
+                f = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+                f.__annotations__, f.__module__, f.__qualname__ = fn.__annotations__, fn.__module__, fn.__qualname__
+                f.__doc__ = fn.__doc__
+                return _triton.jit(f, **kw)
+
+            for h in _HELPERS:
+                g[h.__name__] = jit(h)
+            stats = jit(_stats_kernel, do_not_specialize=["n"])
+            finish = jit(_finish_kernel, do_not_specialize=["nprog"])
             k = _BUILT[interp] = (stats, finish)
     return k
 
@@ -397,8 +439,8 @@ def device_partials(t, *, histogram: bool, block: int = BLOCK, programs: Optiona
     sub_scale = float(np.ldexp(1.0, 1 - bias - man))
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         stats_k[(nprog,)](bits, n, ints, flts, hist, table, KIND=kind, EXP=exp, MAN=man, BIAS=bias, SPECIAL=special,
-                          SUB_SCALE=sub_scale, HIST=bool(histogram), BLOCK=block, NB=_NB, W=_bin_table().shape[1], SUB_ROW=_SUB_ROW,
-                          num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                          SUB_SCALE=sub_scale, HIST=bool(histogram), BLOCK=block, NB=_NB, W=_bin_table().shape[1],
+                          SUB_ROW=_SUB_ROW, num_warps=_NUM_WARPS, enable_fp_fusion=False)
         finish_k[(1,)](ints, flts, nprog, totals, P=MAX_PROGRAMS, enable_fp_fusion=False)
     return [DevicePartial(totals[:_TOTALS], hist[:N_BINS] if histogram else None)]
 
