@@ -990,3 +990,17 @@ def test_only_views_of_one_tensor_share_statistics():
     h = eng.measure(torch._neg_view(x), "neg")  # -x, over the same memory: never x's statistics
     assert h is None or h.stats.max == 0.0
 
+
+def test_one_public_capture_over_the_recorder():
+    """``precision_lab.capture`` is the one capture function (the use case that also takes a database path);
+    the live layer's producer is the ``Capture`` class, in ``live.recorder``, which no function hides."""
+    import importlib
+
+    import precision_lab.live as live
+    from precision_lab.services import capture as use_case
+
+    assert precision_lab.capture is capture is use_case.capture
+    assert not hasattr(live, "capture")
+    assert importlib.import_module("precision_lab.live.recorder").Capture is live.Capture is Capture
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("precision_lab.live.capture")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Optional, Protocol
 
+from .naming import remove_handles
+
 # Bounds of the autograd-graph walk that finds an op's own gradient edges.
 _MAX_WALK_NODES = 4096
 
@@ -74,21 +76,11 @@ class BackwardHooks:
 
     def end_step(self) -> None:
         """Drop the hooks registered on this step's autograd graph."""
-        for h in self._step_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._step_handles.clear()
+        remove_handles(self._step_handles)
 
     def remove(self) -> None:
-        for h in self._handles + self._step_handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._handles.clear()
-        self._step_handles.clear()
+        remove_handles(self._handles)
+        remove_handles(self._step_handles)
 
     def register(self, op, op_type, ins, outs, start_seq) -> None:
         """Hook the backward of an op that just finished: ``ins`` (role, index, tensor), ``outs`` (index,

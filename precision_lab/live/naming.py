@@ -99,3 +99,13 @@ class _Frame:
         self.shadow_in = None
         self.rng = None
         self.location = None
+
+
+def remove_handles(handles: list) -> None:
+    """Remove each hook handle (one already gone is no matter) and empty the list."""
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:
+            pass
+    handles.clear()

@@ -50,7 +50,7 @@ from ..records import TensorRecord
 from ..stats import TensorStats
 from .backward import BackwardHooks
 from .engine import StatsEngine
-from .naming import _Frame, _OpInfo, _backward_name, _flatten, _func_info
+from .naming import _Frame, _OpInfo, _backward_name, _flatten, _func_info, remove_handles
 from .output import CapturedRun, RunOutput, _rank, _world_size
 from .policies import as_policy
 from .shadow import ShadowRuns, _cuda_devices, _rng_state_of, with_rng
@@ -491,12 +491,7 @@ class Capture:
             except Exception as e:  # a mode pushed by user code on top of ours
                 err = e
             self._mode = None
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
-        self._handles.clear()
+        remove_handles(self._handles)
         self._backward.remove()
         self._shadow.clear()
         if err is not None:
