@@ -33,7 +33,7 @@ if len(steps) > 1:
     landing = current_rec or first_rec
     if asked is not None and current_rec is not None and page.linked("step") is None:
         st.session_state[page.page_key("pick_step")] = current_rec["step"]  # a link to an op opens its step
-    step = page.url_select("Step", steps, param="step", key="pick_step", container=st.sidebar,
+    step = page.url_select("Step", steps, param="step", key="pick_step",
                            default=landing["step"] if landing else steps[0])
     if current_rec is not None and current_rec["step"] != step:
         current_rid = None  # another step was chosen: pick among its ops
@@ -45,7 +45,7 @@ if not records:
     st.info("No record of this run matches the name filter.")
     st.stop()
 names = {r["rid"]: r for r in records}
-rid = page.url_select("Op", list(names), param="op", key="pick_op", container=st.sidebar, default=landing_rid,
+rid = page.url_select("Op", list(names), param="op", key="pick_op", default=landing_rid,
                       format_func=lambda r: dv.op_label(names[r], steps=len(steps) > 1))
 
 with page.guard("This op could not be loaded"):

@@ -14,12 +14,11 @@ if not runs:
             "the last 4 steps before a NaN/Inf are kept.")
     st.stop()
 by_name = {r["name"]: r for r in runs}
-name = page.url_select("Run", list(by_name), param="run", key="tl_run", container=st.sidebar,
+name = page.url_select("Run", list(by_name), param="run", key="tl_run",
                        format_func=lambda n: f"{n} ({by_name[n]['steps']} steps, {by_name[n]['ops']} ops)")
 run = by_name[name]
-fmt = page.url_select("Format", FORMAT_NAMES, param="tfmt", key="tl_fmt", container=st.sidebar,
-                      default=svc.run_format(run).name,
-                      help="The format headroom and underflow are measured against.")
+fmt = st.sidebar.selectbox("Format", list(FORMAT_NAMES), index=list(FORMAT_NAMES).index(svc.run_format(run).name),
+                           key="tfmt", bind="query-params", help="The format headroom and underflow are measured against.")
 
 with page.guard("This run's timeline could not be loaded"):
     first = tv.first_nonfinite_step(store, run["run_id"])

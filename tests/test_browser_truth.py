@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -140,6 +141,10 @@ def test_diff_puts_the_verdict_of_a_far_off_element_on_screen_at_1400px(truth_se
         assert row["verdict"] != "expected"
         assert float(row["max_rel_err"]) == pytest.approx(rel, rel=1e-3)
         assert "one element" in row["reason"]
+        # the page's settings are bound to the URL: the browser writes a choice there, beside the link's own
+        pg.get_by_text("runs", exact=True).first.click()
+        pg.wait_for_url(re.compile(r"[?&]view=runs(&|$)"))
+        assert f"q={NEAR0_OP}" in pg.url
 
 
 def test_a_link_to_an_unknown_session_says_not_found(truth_server, page):

@@ -14,7 +14,7 @@ from ..display import MISSING, num_text
 from ..enums import Verdict, worst_first
 
 __all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md", "code_md",
-           "message_md", "run_label", "resolve_run", "style_severity", "text_columns", "public_source", "public_text"]
+           "message_md", "run_label", "style_severity", "text_columns", "public_source", "public_text"]
 
 # A record's severity as the tables show it, worst first: "nonfinite" (NaN/inf in the record or
 # introduced against the reference), then the comparisons' verdicts ("ok" = expected).
@@ -145,16 +145,6 @@ def run_label(run: dict) -> str:
     if run.get("fix"):
         bits.append(f"fix {run['fix']}")
     return f"{run['name']} ({', '.join(bits)})" if bits else str(run["name"])
-
-
-def resolve_run(runs: list[dict], wanted: Optional[str]) -> Optional[dict]:
-    """A run of the session by id or name; None when ``wanted`` names none."""
-    if not wanted:
-        return None
-    for r in runs:
-        if wanted in (r["run_id"], r["name"]):
-            return r
-    return None
 
 
 def style_severity(df, column: str = "severity"):

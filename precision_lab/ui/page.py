@@ -227,7 +227,8 @@ def while_allowed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-# ---- URL-backed pickers ------------------------------------------------------------
+# ---- the pickers of what a page shows, carried across pages (hand-made: see the module's docstring for why a
+# ---- binding to the URL cannot serve them)
 
 def url_value(param: str) -> Optional[str]:
     vals = st.query_params.get_all(param)
@@ -322,18 +323,16 @@ def page_key(key: str) -> str:
 
 
 def url_select(label: str, options: Sequence, *, param: str, key: str, default: Any = None,
-               format_func: Callable = str, container=None, help: Optional[str] = None,
-               to_url: Callable[[Any], str] = str) -> Any:
-    """A selectbox whose value is the URL parameter ``param`` (widget key ``page_key(key)``)."""
-    container = container or st
+               format_func: Callable = str) -> Any:
+    """A sidebar selectbox whose value is the URL parameter ``param`` (widget key ``page_key(key)``)."""
     key = page_key(key)
     options = list(options)
     # URL values are strings; match options by their string form
-    by_text = {to_url(o): o for o in options}
+    by_text = {str(o): o for o in options}
     _initial(param, key, options, default, by_text)
-    value = container.selectbox(label, options, key=key, format_func=format_func, help=help)
-    st.session_state[_REMEMBER + param] = to_url(value)
-    st.query_params[param] = to_url(value)
+    value = st.sidebar.selectbox(label, options, key=key, format_func=format_func)
+    st.session_state[_REMEMBER + param] = str(value)
+    st.query_params[param] = str(value)
     return value
 
 
@@ -354,16 +353,15 @@ def _initial(param: str, key: str, options: list, default: Any, by_text: dict) -
     st.session_state[key] = default if default in options else options[0]
 
 
-def choose_session(store, acc, *, container=None) -> Optional[dict]:
+def choose_session(store, acc) -> Optional[dict]:
     """The session picker (``?session=``); None when there is no session.
 
     A visitor who came through a share link sees only that session.
     """
-    container = container or st.sidebar
     if acc.shared:
         info = store.session(acc.session)
         st.query_params["session"] = info["name"]
-        container.caption(f"Shared session (read-only): {escape_md(info['name'])}")
+        st.sidebar.caption(f"Shared session (read-only): {escape_md(info['name'])}")
         return info
     if not acc.can_list:
         if acc.session:
@@ -375,8 +373,7 @@ def choose_session(store, acc, *, container=None) -> Optional[dict]:
     wanted = linked("session")
     if wanted is not None and wanted not in names:
         not_found(f"There is no session named {wanted}; choose one on the Sessions page.")
-    name = url_select("Session", names, param="session", key="pick_session", container=container,
-                      default=acc.session)
+    name = url_select("Session", names, param="session", key="pick_session", default=acc.session)
     return store.session(name)
 
 
@@ -389,25 +386,21 @@ def no_session_text(acc) -> str:
     return "This server is read-only: a session opens through its share link."
 
 
-def choose_run(runs: list[dict], *, container=None, default_kind: str = "candidate",
-               key: str = "pick_run", label: str = "Run") -> Optional[dict]:
-    """The run picker (``?run=<run name>``); candidates come first by default."""
+def choose_run(runs: list[dict]) -> Optional[dict]:
+    """The run picker (``?run=<run name>``); the first candidate by default."""
     if not runs:
         return None
-    container = container or st.sidebar
     names = [r["name"] for r in runs]
-    default = next((r["name"] for r in runs if r["kind"] == default_kind), names[0])
+    default = next((r["name"] for r in runs if r["kind"] == "candidate"), names[0])
     by_name = {r["name"]: r for r in runs}
-    name = url_select(label, names, param="run", key=key, default=default, container=container,
+    name = url_select("Run", names, param="run", key="pick_run", default=default,
                       format_func=lambda n: run_label(by_name[n]))
     return by_name[name]
 
 
-def choose_formats(default: Sequence[str], *, key: str = "pick_formats", container=None,
-                   label: str = "Formats to overlay") -> list[str]:
+def choose_formats(default: Sequence[str]) -> list[str]:
     """The format multiselect (``?fmt=fp16&fmt=bf16``)."""
-    container = container or st
-    key = page_key(key)
+    key = page_key("pick_formats")
     pending = st.session_state.get(_PENDING, {})
     if "fmt" in pending:
         st.session_state[key] = [f for f in pending.pop("fmt") if f in FORMAT_NAMES]
@@ -415,7 +408,7 @@ def choose_formats(default: Sequence[str], *, key: str = "pick_formats", contain
         from_url = [f for f in st.query_params.get_all("fmt") if f in FORMAT_NAMES]
         remembered = st.session_state.get(_REMEMBER + "fmt")
         st.session_state[key] = from_url or remembered or [f for f in default if f in FORMAT_NAMES]
-    chosen = container.multiselect(label, list(FORMAT_NAMES), key=key,
+    chosen = st.multiselect("Formats to overlay", list(FORMAT_NAMES), key=key,
                                    help="Number formats drawn over the values: shaded overflow, subnormal and "
                                         "underflow-to-zero regions, lines at max / smallest normal / smallest "
                                         "subnormal.")
