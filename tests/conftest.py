@@ -69,6 +69,13 @@ def _isolated_default_db(tmp_path, monkeypatch):
     trust_user_models(False)
 
 
+def pytest_collection_modifyitems(items):
+    """A browser test starts a server and chromium: it is slow too (``pytest -m "not slow"`` leaves it out)."""
+    for item in items:
+        if item.get_closest_marker("browser") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item):
     """A browser test without Debian's chromium: skipped with the reason on a developer's machine; failed with
     the reason in CI (``CI=true``), which installs chromium, so its absence there is a broken setup, never a
