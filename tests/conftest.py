@@ -1,3 +1,4 @@
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,37 @@ os.environ.setdefault("PRECISION_LAB_COMPILE", "now")
 
 FIXTURES = ROOT / "tests" / "data" / "msprobe"  # recorded msprobe dumps, copied into the repo
 SAMPLES = ROOT / "sample_dumps"
+
+TABLES = ("meta", "sessions", "runs", "tensors", "histograms", "tensor_data", "comparisons", "diagnoses", "warnings",
+          "timeline", "timeline_formats", "step_scalars")
+
+
+def snapshot(store) -> str:
+    """A digest of every row of every table: equal digests mean an unchanged database."""
+    h = hashlib.sha256()
+    for t in TABLES:
+        for row in sorted(map(repr, store.sql(f"SELECT * FROM {t}").fetchall())):
+            h.update(row.encode())
+    return h.hexdigest()
+
+
+def refused(store, fn, exc, *words) -> str:
+    """``fn()`` raises ``exc`` whose message holds every word, and the database is unchanged; the message."""
+    before = snapshot(store)
+    with pytest.raises(exc) as ei:
+        fn()
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    assert snapshot(store) == before
+    return msg
+
+
+def ingest_refused(store, path, *words, **kw) -> str:
+    """Ingesting ``path`` raises IngestError naming every word and writes nothing; the message."""
+    from precision_lab.services.ingest import IngestError, ingest
+
+    return refused(store, lambda: ingest(path, store=store, **kw), IngestError, *words)
 
 
 @pytest.fixture
@@ -35,6 +67,13 @@ def _isolated_default_db(tmp_path, monkeypatch):
     from precision_lab.fixes.recipes import trust_user_models
 
     trust_user_models(False)
+
+
+def pytest_collection_modifyitems(items):
+    """A browser test starts a server and chromium: it is slow too (``pytest -m "not slow"`` leaves it out)."""
+    for item in items:
+        if item.get_closest_marker("browser") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_setup(item):

@@ -22,6 +22,8 @@ import pytest
 from precision_lab import metrics, numba_loader
 from precision_lab.stats import kernels, tensor_stats
 
+pytestmark = pytest.mark.slow  # processes that compile the kernels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """

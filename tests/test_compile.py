@@ -20,6 +20,8 @@ from precision_lab.live.recorder import Capture
 from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 
+pytestmark = pytest.mark.slow  # torch.compile compiles each model
+
 MODEL = str(Path(__file__).parent / "models" / "compile_blocks.py")
 
 

@@ -16,6 +16,8 @@ from precision_lab.metrics import compare
 from precision_lab.records import TensorRecord
 from precision_lab.stats import tensor_stats
 
+pytestmark = pytest.mark.slow  # eight sessions at once, threads and a database each
+
 N_THREADS = 8
 N_OPS = 10
 

@@ -16,9 +16,10 @@ import torch
 
 from precision_lab.readers.safeio import ReadLimits
 from precision_lab.safezip import UnsafeZip, ZipLimits, check_zip, safe_extract
-from precision_lab.services.ingest import IngestError, ingest
+from precision_lab.services.ingest import ingest
 
-FIXTURES = __import__("tests.conftest", fromlist=["FIXTURES"]).FIXTURES
+from conftest import FIXTURES, ingest_refused
+
 PROC = "step0/proc22432"
 
 
@@ -41,14 +42,6 @@ def _point_data_name(d, data_name):
     p.write_text(json.dumps(doc))
 
 
-def _refusal(store, d, **kw):
-    before = _counts(store)
-    with pytest.raises(IngestError) as ei:
-        ingest(d, store=store, **kw)
-    assert _counts(store) == before
-    return str(ei.value)
-
-
 @pytest.mark.parametrize("escape", ["../../../../{secret}", "../../../../{missing}", "{abs_secret}", "{abs_missing}"])
 def test_data_name_outside_the_dump_is_refused_alike_whether_or_not_it_exists(store, tmp_path, escape):
     secret = tmp_path / "secret.pt"
@@ -57,7 +50,7 @@ def test_data_name_outside_the_dump_is_refused_alike_whether_or_not_it_exists(st
     name = escape.format(secret="secret.pt", missing="missing.pt", abs_secret=secret,
                          abs_missing=tmp_path / "missing.pt")
     _point_data_name(d, name)
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert f"data_name of Functional.layer_norm.0.forward {name!r}" in msg
     assert msg.startswith(f"{PROC}/dump.json: ")
     kind = "is an absolute path" if name.startswith("/") else "points outside the dump"
@@ -65,7 +58,7 @@ def test_data_name_outside_the_dump_is_refused_alike_whether_or_not_it_exists(st
     # the sentence depends on the name only: an existing and a missing target read alike
     other = name.replace("secret", "missing") if "secret" in name else name.replace("missing", "secret")
     _point_data_name(d, other)
-    assert _refusal(store, d) == msg.replace(repr(name), repr(other))
+    assert ingest_refused(store, d) == msg.replace(repr(name), repr(other))
 
 
 def test_data_name_climbing_back_inside_is_read(store, tmp_path):
@@ -82,7 +75,7 @@ def test_data_name_that_is_a_symlink_is_not_followed(store, tmp_path):
     link = d / PROC / "dump_tensor_data" / "Functional.layer_norm.0.forward.input.0.pt"
     link.unlink()
     link.symlink_to(secret)
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert "Functional.layer_norm.0.forward.input.0.pt: is a symbolic link" in msg
     assert str(secret) not in msg
 
@@ -98,7 +91,7 @@ def test_damaged_pt_is_refused_not_read_as_numbers(store, tmp_path):
     raw[start + 10] ^= 0x7F  # one byte of the tensor's data; torch itself would read it silently
     p.write_bytes(bytes(raw))
     assert torch.load(p, weights_only=True).shape == (2, 8, 32)  # torch does not notice
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert "Functional.layer_norm.0.forward.input.0.pt: damaged .pt archive" in msg and "Bad CRC-32" in msg
 
 
@@ -106,7 +99,7 @@ def test_zero_stride_view_over_a_tiny_storage_is_refused(store, tmp_path):
     d = tmp_path / "views"
     d.mkdir()
     torch.save(torch.zeros(1).expand(1 << 28), d / "big.output.0.pt")  # 1 GiB of float32 from 4 bytes
-    msg = _refusal(store, d, read_limits=ReadLimits(max_tensor_bytes=2 << 30))
+    msg = ingest_refused(store, d, read_limits=ReadLimits(max_tensor_bytes=2 << 30))
     assert "big.output.0.pt" in msg and "views 4 stored bytes as 1073741824 bytes" in msg
 
 
@@ -117,7 +110,7 @@ def test_npz_member_header_claiming_more_than_it_holds(store, tmp_path):
     np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": (1 << 26,)})
     with zipfile.ZipFile(d / "x.npz", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("a.npy", buf.getvalue() + b"\0" * 64)
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert "x.npz: member 'a.npy'" in msg and "holds 64 bytes of data" in msg
 
 
@@ -125,7 +118,7 @@ def test_tensor_limit_is_checked_from_the_header(store, tmp_path):
     d = tmp_path / "big"
     d.mkdir()
     np.save(d / "a.output.0.npy", np.zeros(4096, np.float32))  # 16 KiB
-    msg = _refusal(store, d, read_limits=ReadLimits(max_tensor_bytes=8 << 10))
+    msg = ingest_refused(store, d, read_limits=ReadLimits(max_tensor_bytes=8 << 10))
     assert "a.output.0.npy" in msg and "16384 bytes" in msg and "max_tensor_mb" in msg
     assert ingest(d, store=store, read_limits=ReadLimits(max_tensor_bytes=16 << 10))
 
@@ -136,7 +129,7 @@ def test_safetensors_with_more_tensors_than_the_file_limit_is_refused_from_its_h
     d = tmp_path / "st"
     d.mkdir()
     save_file({f"t{i}": torch.zeros(0) for i in range(50)}, str(d / "m.safetensors"))
-    msg = _refusal(store, d, read_limits=ReadLimits(max_file_records=49))
+    msg = ingest_refused(store, d, read_limits=ReadLimits(max_file_records=49))
     assert "m.safetensors: holds 50 tensors, more than the limit of 49" in msg
 
 
@@ -154,7 +147,7 @@ def test_msprobe_shape_beyond_any_tensor_and_huge_statistic(store, tmp_path):
     store.delete_session(name)
     doc["data"][key]["input_args"][0]["shape"] = [1 << 40, 1 << 40]
     p.write_text(json.dumps(doc))
-    assert "has more elements than any tensor can hold" in _refusal(store, d)
+    assert "has more elements than any tensor can hold" in ingest_refused(store, d)
 
 
 @pytest.mark.parametrize("where", ["dump.json", "sidecar", "order"])
@@ -173,7 +166,7 @@ def test_deeply_nested_json_is_one_sentence(store, tmp_path, where):
         if where == "order":
             (d / "order.json").write_text(deep)
         shown = "a.json" if where == "sidecar" else "order.json"
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert msg.startswith(f"{shown}: ") and "nested too deeply" in msg
 
 
@@ -220,5 +213,5 @@ def test_fifo_does_not_hang_and_special_files_are_named(store, tmp_path):
     d.mkdir()
     np.save(d / "a.output.0.npy", np.ones(3, np.float32))
     os.mkfifo(d / "b.output.0.npy")
-    msg = _refusal(store, d)
+    msg = ingest_refused(store, d)
     assert msg.startswith("b.output.0.npy: is not a regular file")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds the bench's models and writes every dump
+
 _spec = importlib.util.spec_from_file_location("dump_conventions",
                                                Path(__file__).parents[1] / "bench" / "dump_conventions.py")
 D = importlib.util.module_from_spec(_spec)

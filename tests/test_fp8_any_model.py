@@ -13,6 +13,8 @@ from precision_lab.fixes.policy import POLICIES, PolicyError
 from precision_lab.services.report import first_nonfinite
 from precision_lab.store import queries as q
 
+pytestmark = pytest.mark.slow  # builds transformers models
+
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
 

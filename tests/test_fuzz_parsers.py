@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from precision_lab.services.ingest import IngestError, ingest
 
+pytestmark = pytest.mark.slow  # hundreds of generated dumps, each ingested
+
 FUZZ = settings(max_examples=80, deadline=None, database=None,
                 phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,

@@ -13,6 +13,8 @@ import torch
 from precision_lab.live.recorder import Capture
 from precision_lab.live.options import CaptureOptions
 
+pytestmark = pytest.mark.slow  # builds transformers models
+
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
 MODELS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}

@@ -22,6 +22,8 @@ from precision_lab.store import DatabaseLocked, Store, close_all
 
 from ui_fixtures import ROOT, DashboardTab, free_port, serving
 
+pytestmark = pytest.mark.slow  # a served dashboard and writer processes
+
 TINY_MODEL = """
 import torch
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import setuptools
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,8 @@ import pytest
 from precision_lab.cli.serve_cmds import APP, READ_ONLY_UPLOAD_MB, serve_command
 from precision_lab.config import ServerConfig
 
+pytestmark = pytest.mark.slow  # starts servers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

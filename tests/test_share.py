@@ -569,7 +569,7 @@ def test_dashboard_import_says_when_it_renamed(app_db, tmp_path):
 
 def test_dashboard_import_refuses_a_bad_file(app_db):
     from precision_lab.store import Store
-    from test_hostile import snapshot
+    from conftest import snapshot
     from ui_fixtures import assert_clean
 
     before = snapshot(Store(app_db))
