@@ -11,8 +11,6 @@ import uuid
 from typing import Optional
 from pathlib import Path
 
-import duckdb
-
 from ..stats import HIST_EDGES_ID
 
 __all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
@@ -209,6 +207,9 @@ class ArchiveQueries:
     file."""
 
     def __init__(self, store, tables: dict):
+        import duckdb  # here, not at the top: ``import precision_lab.store`` then loads no DuckDB (commands that
+        # never open a database start faster)
+
         self._con = duckdb.connect()  # in memory: the archive's tables only, never the database
         self._views = {}
         try:
