@@ -4,22 +4,14 @@ wait while another opens the file, and ``close_all`` while an operation runs."""
 from __future__ import annotations
 
 import gc
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from precision_lab import store as store_mod
 from precision_lab.store import DatabaseLocked, Store, close_all, is_open
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _session(store, name: str) -> None:
-    with store.new_session(name, source="capture"):
-        pass
+from test_share_revoke import _raw_holder, _session
 
 
 def test_an_unread_result_kept_by_a_traceback_lets_a_writer_in(tmp_path):
@@ -67,14 +59,6 @@ def test_dropping_an_unread_result_takes_no_lock(tmp_path):
     t.start()
     assert done.wait(20), "dropping an unread result waited for the file's lock"
     assert list(s.sessions()["name"]) == ["demo"]
-
-
-def _raw_holder(db) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, duckdb\ncon = duckdb.connect(sys.argv[1])\n"
-                               "print('ready', flush=True)\nsys.stdin.read()", str(db)],
-                              cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "ready"
-    return holder
 
 
 def test_an_open_that_waits_for_another_process_does_not_stop_this_ones_threads(tmp_path, monkeypatch):

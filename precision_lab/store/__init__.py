@@ -27,7 +27,7 @@ from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow
                        record_columns, stats_columns)
 from ..enums import Verdict
 from ..metrics import Comparison
-from ..tokens import TokenFileError, token_file_for
+from ..tokens import MemoryTokens, TokenFileError, token_file_for
 from ..config import LOCK_WAIT_ENV, env_lock_wait
 from ..scratch import scratch_dir, sweep
 from .transfer import insert_staged_session, move_summary_errors_sql
@@ -37,7 +37,7 @@ from .queries import run_order
 __all__ = ["Store", "Result", "held", "is_open", "close_all", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class SessionNotFound(KeyError):
@@ -92,7 +92,7 @@ def _schema_sql() -> list[str]:
     return [
         "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         "CREATE TABLE IF NOT EXISTS sessions (session_id VARCHAR PRIMARY KEY, name VARCHAR UNIQUE, "
-        "created VARCHAR, source VARCHAR, recipe VARCHAR, notes VARCHAR, share_token VARCHAR)",
+        "created VARCHAR, source VARCHAR, recipe VARCHAR, notes VARCHAR)",
         f"CREATE TABLE IF NOT EXISTS runs ({cols(rcols)})",
         f"CREATE TABLE IF NOT EXISTS tensors ({cols(tcols)})",
         "CREATE TABLE IF NOT EXISTS histograms (run_id VARCHAR, rid BIGINT, edges_id VARCHAR, "
@@ -107,8 +107,27 @@ def _schema_sql() -> list[str]:
     ]
 
 
-# Migrations from version N-1 to N, applied in order by _migrate().
-MIGRATIONS: dict[int, list[str]] = {
+def _move_share_tokens_out(store: "Store", cur) -> None:
+    """Before schema 7 the sessions table kept a copy of each share token beside the token file; the file is
+    now their one record.  A database that has no token file yet gets one from its column (a file that
+    exists was already the source of truth, and stays as it is)."""
+    tokens = store._tokens
+    columns = [r[0] for r in cur.execute("DESCRIBE sessions").fetchall()]
+    if "share_token" not in columns or tokens.exists():
+        return
+    held = {sid: {"name": name, "token": tok} for sid, name, tok in
+            cur.execute("SELECT session_id, name, share_token FROM sessions WHERE share_token IS NOT NULL "
+                        "AND share_token <> ''").fetchall()}
+    if held:
+        try:
+            tokens.update(lambda s: s.update(held))
+        except OSError as e:  # the upgrade is rolled back: the database keeps its tokens and schema 6
+            raise RuntimeError(f"cannot upgrade database {store.path}: its share links could not be written "
+                               f"to {tokens.path} ({e.strerror or e})") from None
+
+
+# Migrations from version N-1 to N, applied in order by _migrate(): SQL, or a function of (store, cursor).
+MIGRATIONS: dict[int, list] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
     3: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "parent" VARCHAR'],  # the module call an op ran inside
     # the user code that called an op; the timeline tables are created by _schema_sql()
@@ -119,6 +138,8 @@ MIGRATIONS: dict[int, list[str]] = {
         move_summary_errors_sql()],
     # positions masked in both runs, compared as equal (metrics.Comparison.masked)
     6: ['ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "masked" BIGINT'],
+    # share tokens in the token file only (precision_lab.tokens)
+    7: [_move_share_tokens_out, "ALTER TABLE sessions DROP COLUMN IF EXISTS share_token"],
 }
 
 
@@ -213,6 +234,7 @@ class _File:
         self.active = 0  # operations using the connection now
         self.holds = 0  # Store.held() blocks: keep a read-only connection between operations
         self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
+        self.memory_tokens = MemoryTokens() if self.memory else None  # share tokens of a database in memory
         self.opening = False  # a thread is opening the file (outside the lock, retrying while another process holds it)
         self.tx = threading.local()  # the cursor of this thread's open transaction
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
@@ -429,11 +451,10 @@ class Store:
         self._lock = self._file.write_lock
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
+        # share links: the token file beside the database (precision_lab.tokens), or the in-memory database's own
+        self._tokens = token_file_for(self.path) or self._file.memory_tokens
         with self.held():
             self._init_schema()
-            self._tokens = token_file_for(self.path)
-            self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
-            self._sync_tokens()
 
     def close(self) -> None:
         """Let go of the file now if no operation of this process is using it (it is let go after each
@@ -555,7 +576,10 @@ class Store:
             )
         for v in range(version + 1, SCHEMA_VERSION + 1):
             for stmt in MIGRATIONS.get(v, []):
-                cur.execute(stmt)
+                if callable(stmt):
+                    stmt(self, cur)
+                else:
+                    cur.execute(stmt)
             cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
 
     def schema_version(self) -> int:
@@ -615,7 +639,7 @@ class Store:
             name = self._unique_name(cur, name or _default_session_name(source), rename=exist_ok_rename)
             sid = uuid.uuid4().hex[:12]
             cur.execute(
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
                 [sid, name, _now(), source, recipe, json.dumps(notes or {})],
             )
             w = SessionWriter(self, cur, sid, name)
@@ -639,7 +663,7 @@ class Store:
                 cur = con.cursor()
                 cur.execute("BEGIN TRANSACTION")
                 sid = uuid.uuid4().hex[:12]
-                cur.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                cur.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
                             [sid, name, _now(), source, recipe, json.dumps(notes or {})])
                 w = SessionWriter(self, cur, sid, name)
                 yield w
@@ -678,14 +702,14 @@ class Store:
     def session(self, session: str) -> dict:
         """A session by name or id; raises SessionNotFound with the known names."""
         row = self.sql(
-            "SELECT session_id, name, created, source, recipe, notes, share_token FROM sessions "
+            "SELECT session_id, name, created, source, recipe, notes FROM sessions "
             "WHERE name = ? OR session_id = ?", [session, session]
         ).fetchone()
         if row is None:
             names = [r[0] for r in self.sql("SELECT name FROM sessions ORDER BY name").fetchall()]
             known = ", ".join(names[:20]) if names else "none yet"
             raise SessionNotFound(f"no session named {session!r} (known sessions: {known})")
-        keys = ["session_id", "name", "created", "source", "recipe", "notes", "share_token"]
+        keys = ["session_id", "name", "created", "source", "recipe", "notes"]
         d = dict(zip(keys, row))
         d["notes"] = json.loads(d["notes"] or "{}")
         return d
@@ -721,23 +745,23 @@ class Store:
                     cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [rid])
             for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
                 cur.execute(f"DELETE FROM {t} WHERE session_id = ?", [sid])
-            self._drop_token(sid, info["name"])
+            self._drop_token(sid)
 
-    def _drop_token(self, session_id: str, name: str) -> None:
-        """A deleted session's link dies with it.  A token file that cannot be written does not stop the
-        delete: a token of a session that no longer exists opens nothing."""
-
-        if self._tokens is not None and self._tokens.exists():
-            try:
-                self._tokens.set(session_id, name, None)
-            except (TokenFileError, OSError):
-                pass
+    def _drop_token(self, session_id: str) -> None:
+        """A session deleted (or a new one given an id a deleted one had) has no link.  A token file that cannot
+        be read or written does not stop that write: a token of a session that no longer exists opens nothing,
+        and a damaged file opens nothing at all."""
+        try:
+            if session_id in (self._tokens.sessions() or {}):
+                self._tokens.set(session_id, "", None)
+        except (TokenFileError, OSError):
+            pass
 
     def _rename_token(self, session_id: str, new_name: str) -> None:
         """Keep the name recorded beside a session's token current (revocation by name uses it)."""
 
         try:
-            if self._tokens is None or session_id not in (self._tokens.sessions() or {}):
+            if session_id not in (self._tokens.sessions() or {}):
                 return
         except TokenFileError:
             return
@@ -748,80 +772,28 @@ class Store:
 
         self._tokens.update(rename)
 
-    # -- share tokens: the token file beside the database is the source of truth (precision_lab.tokens)
+    # -- share links: the token file beside the database is their one record (precision_lab.tokens)
     def set_share_token(self, session: str, token: Optional[str]) -> None:
-        """Give ``session`` the share token ``token`` (None: revoke it), in the token file and the database."""
+        """Give ``session`` the share token ``token`` (None: revoke it)."""
         info = self.session(session)
-        with self.transaction() as cur:
-            cur.execute("UPDATE sessions SET share_token = ? WHERE session_id = ?", [token, info["session_id"]])
-            if self._tokens is not None:  # inside the transaction: a failed file write rolls the column back
-                self._tokens.set(info["session_id"], info["name"], token)
-                self._tokens_used = True
+        self._tokens.set(info["session_id"], info["name"], token)
 
     def session_by_token(self, token: str) -> Optional[dict]:
-        """The session ``token`` opens, or None; read per call, without the database's write lock.
-
-        The token file decides (a revocation written by another process
-        counts from the next call); a token file that cannot be read opens
-        nothing.  Without a token file, the database's column decides.
-        """
+        """The session ``token`` opens, or None: the token file is read per call (a revocation written by
+        another process counts from the next call), without the database's lock; a token file that cannot be
+        read opens nothing."""
         if not token:
             return None
-
-        if self._tokens is not None:
-            try:
-                recorded = self._tokens.sessions()
-                sid = self._tokens.lookup(token) if recorded is not None else None
-            except TokenFileError:
-                return None
-            if recorded is not None or self._tokens_used:
-                if sid is None:
-                    return None
-                try:
-                    return self.session(sid)
-                except SessionNotFound:
-                    return None
-        row = self.sql("SELECT name FROM sessions WHERE share_token = ?", [token]).fetchone()
-        return self.session(row[0]) if row else None
-
-    def _sync_tokens(self) -> None:
-        """On opening: write the token file from the database's tokens when there is none; otherwise
-        the file wins (a revocation made while another process held the database reaches the column),
-        and entries of sessions no longer here are dropped."""
-
-        tf = self._tokens
-        if tf is None:
-            return
         try:
-            recorded = tf.sessions()
+            sid = self._tokens.lookup(token)
         except TokenFileError:
-            self._tokens_used = True  # fail closed; the file is left for its owner to look at
-            return
-        sessions = {sid: (name, tok) for sid, name, tok in
-                    self.sql("SELECT session_id, name, share_token FROM sessions").fetchall()}
+            return None
+        if sid is None:
+            return None
         try:
-            if recorded is None:
-                held = {sid: {"name": n, "token": t} for sid, (n, t) in sessions.items() if t}
-                if held:
-                    tf.update(lambda s: s.update(held))
-                    self._tokens_used = True
-                return
-            self._tokens_used = True
-            if any(sid not in sessions or sessions[sid][0] != e["name"] for sid, e in recorded.items()):
-                def refresh(s: dict) -> None:
-                    for sid in list(s):
-                        if sid not in sessions:
-                            del s[sid]
-                        else:
-                            s[sid]["name"] = sessions[sid][0]
-                recorded = tf.update(refresh)
-        except OSError:  # the folder is not writable: lookups still read what is there
-            return
-        stale = [(recorded.get(sid, {}).get("token"), sid) for sid, (_n, tok) in sessions.items()
-                 if tok != recorded.get(sid, {}).get("token")]
-        if stale:
-            with self.transaction() as cur:
-                cur.executemany("UPDATE sessions SET share_token = ? WHERE session_id = ?", stale)
+            return self.session(sid)
+        except SessionNotFound:
+            return None
 
     def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """Dense histogram counts of one record, or None (stats-only record)."""
