@@ -14,7 +14,6 @@ whatever the server mode; a read-only server never allows writes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass
@@ -326,8 +325,3 @@ def resolve_access(query_params: Mapping[str, Any], store, config: Optional[Serv
     return Access(session=session, read_only=False, can_upload=True, can_delete=True, can_rerun=True,
                   can_list=can_list)
 
-
-def settings_table() -> list[dict]:
-    """Rows for documentation and ``precision-lab config``: name, variable, default, meaning."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
-    return [{"name": s.name, "env": s.env, "default": defaults[s.name], "doc": s.doc} for s in SETTINGS]

@@ -1,10 +1,11 @@
-"""Share tokens in a small file beside the database, readable without its lock.
+"""Share tokens: the one record of which token opens which session, kept in a small file beside the
+database and readable without its lock.
 
-DuckDB lets one process hold a database file for writing, and while a server
-holds it no other process can even read it.  Share links must still be
-revocable then, and a server must notice at once.  So the tokens live in
-``<database>.tokens.json`` (mode 0600), the source of truth for which token
-opens which session::
+DuckDB lets one process hold a database file for writing, and while it does
+no other process can even read it.  Share links must still be revocable then
+(a server, a long job or a shared team server holding the file), by any
+process, and a read-only server must notice at once.  So the tokens live in
+``<database>.tokens.json`` (mode 0600), never in the database::
 
     {"format": "precision-lab-share-tokens", "version": 1,
      "sessions": {"<session_id>": {"name": "<session name>", "token": "<token>"}}}
@@ -16,10 +17,9 @@ never lose each other's change.  Readers take no lock; a server re-reads the
 file whenever its size, time or inode changed, i.e. on the next request after
 a change.
 
-A file that exists but cannot be read or parsed opens no session at all
-(share links fail closed).  No file: the database's own ``share_token``
-column is used, as before this file existed; ``Store`` writes the file as
-soon as a token exists.
+No file: no links.  A file that exists but cannot be read or parsed opens no
+session at all (share links fail closed).  A database ``:memory:`` keeps its
+tokens in memory (``MemoryTokens``), as long as the database lasts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
-__all__ = ["TokenFile", "TokenFileError", "token_file_for", "SUFFIX", "file_lock", "write_private_json"]
+__all__ = ["TokenFile", "MemoryTokens", "TokenFileError", "token_file_for", "SUFFIX", "file_lock", "write_private_json"]
 
 SUFFIX = ".tokens.json"
 _LOCK_SUFFIX = ".tokens.lock"
@@ -53,7 +53,72 @@ def token_file_for(db_path) -> Optional["TokenFile"]:
     return TokenFile(Path(str(db_path) + SUFFIX))
 
 
-class TokenFile:
+class _Tokens:
+    """Session id -> {name, token}: lookups and changes made of ``sessions`` and ``update``."""
+
+    def sessions(self) -> Optional[dict]:
+        raise NotImplementedError
+
+    def update(self, change) -> dict:
+        raise NotImplementedError
+
+    def lookup(self, token: str) -> Optional[str]:
+        """The session id ``token`` opens, or None.  Raises ``TokenFileError`` (see ``sessions``)."""
+        if not token:
+            return None
+        sessions = self.sessions() or {}
+        found = None
+        for sid, entry in sessions.items():
+            # compare every entry in constant time: no early exit reveals a prefix
+            if hmac.compare_digest(str(entry["token"]).encode(), str(token).encode()):
+                found = sid
+        return found
+
+    def set(self, session_id: str, name: str, token: Optional[str]) -> None:
+        """Give session ``session_id`` the token ``token`` (None: revoke it)."""
+        def change(sessions: dict) -> None:
+            if token is None:
+                sessions.pop(session_id, None)
+            else:
+                sessions[session_id] = {"name": name, "token": token}
+
+        self.update(change)
+
+    def revoke(self, session: str) -> list[dict]:
+        """Revoke the links of the sessions recorded under name or id ``session``; returns what was removed."""
+        removed: list[dict] = []
+
+        def change(sessions: dict) -> None:
+            for sid in [s for s, e in sessions.items() if s == session or e.get("name") == session]:
+                removed.append({"session_id": sid, **sessions.pop(sid)})
+
+        self.update(change)
+        return removed
+
+
+class MemoryTokens(_Tokens):
+    """The tokens of a database ``:memory:``, which lasts as long as its process: a dict."""
+
+    def __init__(self):
+        self._sessions: dict = {}
+        self._mutex = threading.Lock()
+
+    def exists(self) -> bool:
+        return True
+
+    def sessions(self) -> dict:
+        with self._mutex:
+            return _copy(self._sessions)
+
+    def update(self, change) -> dict:
+        with self._mutex:
+            sessions = _copy(self._sessions)
+            change(sessions)
+            self._sessions = sessions
+            return _copy(sessions)
+
+
+class TokenFile(_Tokens):
     """``<database>.tokens.json``: session id -> {name, token}."""
 
     def __init__(self, path: os.PathLike | str):
@@ -107,23 +172,6 @@ class TokenFile:
             raise TokenFileError(f"{self.path}: not valid JSON ({type(e).__name__})") from None
         return _validate(doc, self.path)
 
-    def lookup(self, token: str) -> Optional[str]:
-        """The session id ``token`` opens, or None.  Raises ``TokenFileError`` (see ``sessions``)."""
-        if not token:
-            return None
-        sessions = self.sessions() or {}
-        found = None
-        for sid, entry in sessions.items():
-            # compare every entry in constant time: no early exit reveals a prefix
-            if hmac.compare_digest(str(entry["token"]).encode(), str(token).encode()):
-                found = sid
-        return found
-
-    def find(self, session: str) -> list[str]:
-        """Session ids whose recorded name or id is ``session``."""
-        sessions = self.sessions() or {}
-        return sorted(sid for sid, e in sessions.items() if sid == session or e.get("name") == session)
-
     # ---- writing -------------------------------------------------------------------
 
     def _locked(self):
@@ -151,27 +199,6 @@ class TokenFile:
         write_private_json(self.path, doc)
         with self._mutex:
             self._cache = (None, None)
-
-    def set(self, session_id: str, name: str, token: Optional[str]) -> None:
-        """Give session ``session_id`` the token ``token`` (None: revoke it)."""
-        def change(sessions: dict) -> None:
-            if token is None:
-                sessions.pop(session_id, None)
-            else:
-                sessions[session_id] = {"name": name, "token": token}
-
-        self.update(change)
-
-    def revoke(self, session: str) -> list[dict]:
-        """Revoke the links of the sessions recorded under name or id ``session``; returns what was removed."""
-        removed: list[dict] = []
-
-        def change(sessions: dict) -> None:
-            for sid in [s for s, e in sessions.items() if s == session or e.get("name") == session]:
-                removed.append({"session_id": sid, **sessions.pop(sid)})
-
-        self.update(change)
-        return removed
 
 
 @contextlib.contextmanager

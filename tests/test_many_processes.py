@@ -327,13 +327,12 @@ def test_an_open_retries_until_the_holder_lets_go_and_names_it_when_it_does_not(
 
 
 def test_lock_wait_is_a_server_setting_checked_in_one_sentence(monkeypatch, tmp_path):
-    from precision_lab.config import ConfigError, load_config, settings_table
-    from precision_lab.store import LOCK_WAIT_ENV, default_lock_wait
+    from precision_lab.config import SETTINGS, ConfigError, env_lock_wait, load_config
+    from precision_lab.store import LOCK_WAIT_ENV
 
-    assert {"name": "lock_wait", "env": LOCK_WAIT_ENV} .items() <= next(
-        r for r in settings_table() if r["name"] == "lock_wait").items()
+    assert [s.env for s in SETTINGS if s.name == "lock_wait"] == [LOCK_WAIT_ENV]
     monkeypatch.setenv(LOCK_WAIT_ENV, "2.5")
-    assert default_lock_wait() == 2.5 and load_config(env={LOCK_WAIT_ENV: "2.5"}).lock_wait == 2.5
+    assert env_lock_wait() == 2.5 and load_config(env={LOCK_WAIT_ENV: "2.5"}).lock_wait == 2.5
     assert Store(tmp_path / "w.duckdb").lock_wait == 2.5
     toml = tmp_path / "s.toml"
     toml.write_text("[server]\nlock_wait = 0\n")
@@ -341,7 +340,7 @@ def test_lock_wait_is_a_server_setting_checked_in_one_sentence(monkeypatch, tmp_
     for bad in ("soon", "-1", "inf", "nan"):
         monkeypatch.setenv(LOCK_WAIT_ENV, bad)
         with pytest.raises(ConfigError, match=LOCK_WAIT_ENV) as e:
-            default_lock_wait()
+            env_lock_wait()
         assert "\n" not in str(e.value) and "lock_wait must be a number" in str(e.value)
         with pytest.raises(ConfigError, match=LOCK_WAIT_ENV):
             load_config(env={LOCK_WAIT_ENV: bad})

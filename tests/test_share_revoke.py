@@ -30,6 +30,7 @@ def _cli(*args: str, env_db: str) -> subprocess.CompletedProcess:
 def test_revoke_while_a_server_holds_the_database(store):
     from precision_lab.config import ServerConfig, resolve_access
     from precision_lab.services.share import create_share_token
+    from precision_lab.tokens import token_file_for
 
     _session(store, "demo")
     _session(store, "other")
@@ -54,7 +55,8 @@ def test_revoke_while_a_server_holds_the_database(store):
     assert fresh != token and resolve_access({"share": fresh}, store, cfg).session == "demo"
     out = _cli("share-link", "--session", "nope", "--revoke", env_db=store.path)
     assert out.returncode == 2 and "no session named 'nope'" in out.stderr
-    assert store.session("demo")["share_token"] == fresh and store.session("other")["share_token"] == keep
+    recorded = {e["name"]: e["token"] for e in token_file_for(store.path).sessions().values()}
+    assert recorded == {"demo": fresh, "other": keep}
 
 
 def _raw_holder(db) -> subprocess.Popen:
@@ -186,23 +188,94 @@ def test_a_damaged_token_file_opens_nothing(store):
     assert store.sessions().empty
 
 
+def _as_schema_6(s, tokens: dict) -> None:
+    """The database as schema 6 left it: each session's token also in a share_token column."""
+    s.sql("ALTER TABLE sessions ADD COLUMN share_token VARCHAR")
+    for name, token in tokens.items():
+        s.sql("UPDATE sessions SET share_token = ? WHERE name = ?", [token, name])
+    s.sql("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+
+
 def test_tokens_of_an_older_database_move_into_the_file(tmp_path):
-    """A database whose tokens were only in its column gets a token file when it is opened."""
+    """A schema-6 database whose tokens were only in its column gets a token file when it is opened, and the
+    column goes."""
+    from precision_lab.store import SCHEMA_VERSION, Store, close_all
+
+    db = tmp_path / "old.duckdb"
+    s = Store(db)
+    _session(s, "demo")
+    _session(s, "plain")
+    _as_schema_6(s, {"demo": "legacy-token"})
+    assert not Path(s.path + ".tokens.json").exists()
+    close_all()
+    s = Store(db)
+    assert s.schema_version() == SCHEMA_VERSION == 7
+    entries = json.loads(Path(s.path + ".tokens.json").read_text())["sessions"]
+    assert [(e["name"], e["token"]) for e in entries.values()] == [("demo", "legacy-token")]
+    assert s.session_by_token("legacy-token")["name"] == "demo"
+    assert "share_token" not in [c[0] for c in s.sql("DESCRIBE sessions").fetchall()]
+
+
+def test_an_older_database_with_a_token_file_keeps_the_file(tmp_path):
+    """Where schema 6 had a token file, the file was already the truth (the column a copy that could lag
+    behind a revocation): the upgrade keeps the file and forgets the column."""
+    from precision_lab.services.share import create_share_token, revoke_recorded_token
     from precision_lab.store import Store, close_all
 
     db = tmp_path / "old.duckdb"
     s = Store(db)
     _session(s, "demo")
-    s.sql("UPDATE sessions SET share_token = 'legacy-token'")
-    Path(str(s.path) + ".tokens.json").unlink(missing_ok=True)
+    _session(s, "other")
+    kept = create_share_token(s, "other")
+    revoked = create_share_token(s, "demo")
+    revoke_recorded_token(db, "demo")  # made while a server held the database: the column still had it
+    _as_schema_6(s, {"demo": revoked, "other": kept})
     close_all()
     s = Store(db)
-    entries = json.loads(Path(s.path + ".tokens.json").read_text())["sessions"]
-    assert [e["token"] for e in entries.values()] == ["legacy-token"]
-    assert s.session_by_token("legacy-token")["name"] == "demo"
+    assert s.session_by_token(revoked) is None and s.session_by_token(kept)["name"] == "other"
 
 
-def test_memory_store_keeps_tokens_in_the_database():
+def test_no_copy_of_a_token_is_kept_in_the_database(store, tmp_path):
+    """The token file is the one record of the links: nothing in the database can disagree with it, whatever
+    process changed it (a revocation through the file alone, as while a server holds the database)."""
+    from precision_lab.services.share import create_share_token, export_session, import_session, revoke_recorded_token
+    from precision_lab.store import Store
+    from precision_lab.tokens import token_file_for
+
+    _session(store, "demo")
+    token = create_share_token(store, "demo")
+    revoke_recorded_token(store.path, "demo")
+    fresh = create_share_token(store, "demo")
+    export_session(store, "demo", tmp_path / "demo.zip")
+    other = Store(tmp_path / "other.duckdb")
+    import_session(other, tmp_path / "demo.zip", name="copy")
+    for s in (store, other):
+        columns = s.sql("SELECT table_name, column_name FROM information_schema.columns "
+                        "WHERE data_type = 'VARCHAR'").fetchall()
+        assert not [c for c in columns if "token" in c[1]]
+        for table, column in columns:  # neither the old nor the new token is anywhere in the database
+            got = s.sql(f'SELECT count(*) FROM "{table}" WHERE "{column}" IN (?, ?)', [token, fresh]).fetchone()
+            assert got == (0,), (table, column)
+    assert list(token_file_for(store.path).sessions().values()) == [{"name": "demo", "token": fresh}]
+    assert store.session_by_token(token) is None and store.session_by_token(fresh)["name"] == "demo"
+    assert other.session_by_token(fresh) is None and token_file_for(other.path).sessions() is None
+
+
+def test_an_archive_from_before_schema_7_imports_without_its_token_column(store, tmp_path):
+    """Archives written before schema 7 carry an always-empty share_token column in sessions.parquet."""
+    import pyarrow as pa
+
+    from precision_lab.services.share import export_bytes, import_session
+    from test_share import with_table
+
+    _session(store, "demo")
+    v6 = with_table(export_bytes(store, "demo"), "sessions",
+                    lambda t: t.append_column("share_token", pa.array([None], pa.string())), 6)
+    res = import_session(store, v6, filename="v6.zip")
+    assert res.session == "demo-2" and store.session("demo-2")["source"] == "capture"
+
+
+def test_memory_store_keeps_tokens_in_memory():
     from precision_lab.services.share import create_share_token, revoke_share_token
     from precision_lab.store import Store
 
@@ -210,6 +283,7 @@ def test_memory_store_keeps_tokens_in_the_database():
     _session(s, "m")
     t = create_share_token(s, "m")
     assert s.session_by_token(t)["name"] == "m"
+    assert Store(":memory:").session_by_token(t)["name"] == "m"  # the same database, the same links
     revoke_share_token(s, "m")
     assert s.session_by_token(t) is None
 

@@ -19,7 +19,9 @@ imports too: the tables and columns it lacks read as empty, and rows whose
 meaning changed since are brought up to this version (a statistics-only
 comparison's errors move to their summary columns, schema 5).
 
-Share tokens are not exported: a token is a capability on one server.
+Share tokens are not exported: a token is a capability on one server (an
+archive written before schema 7 has a ``share_token`` column in
+sessions.parquet, always empty; it is dropped on import).
 """
 
 from __future__ import annotations
@@ -347,6 +349,8 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
     if t.num_rows != entry["rows"]:
         raise ShareError(f"{where}: {MANIFEST} says {fname} holds {entry['rows']} rows, the file holds "
                          f"{t.num_rows}; refusing a manifest that does not describe its files")
+    if table == "sessions" and "share_token" in t.column_names and "share_token" not in store_cols:
+        t = t.drop_columns(["share_token"])  # exported before schema 7, always empty: tokens are not exported
     cols = list(t.column_names)
     if len(set(cols)) != len(cols):
         raise ShareError(f"{where}: {fname} repeats a column name")
@@ -563,8 +567,7 @@ def revoke_recorded_token(db_path, session: str) -> list[dict]:
     ``session``: the name or id recorded with the token.  Returns the
     entries removed (``session_id``, ``name``, ``token``); empty when no link
     of that session is recorded.  A server reading the same file refuses the
-    token from its next request; the database's own copy follows the next
-    time a process opens it.
+    token from its next request.
     """
     tf = token_file_for(resolve_db_path(db_path))
     if tf is None or not tf.exists():

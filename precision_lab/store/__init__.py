@@ -18,7 +18,7 @@ import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -27,17 +27,17 @@ from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow
                        record_columns, stats_columns)
 from ..enums import Verdict
 from ..metrics import Comparison
-from ..tokens import TokenFileError, token_file_for
+from ..tokens import MemoryTokens, TokenFileError, token_file_for
 from ..config import LOCK_WAIT_ENV, env_lock_wait
 from ..scratch import scratch_dir, sweep
 from .transfer import insert_staged_session, move_summary_errors_sql
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 from .queries import run_order
 
-__all__ = ["Store", "Result", "held", "is_open", "close_all", "default_lock_wait", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
+__all__ = ["Store", "Result", "held", "is_open", "close_all", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
            "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class SessionNotFound(KeyError):
@@ -92,7 +92,7 @@ def _schema_sql() -> list[str]:
     return [
         "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         "CREATE TABLE IF NOT EXISTS sessions (session_id VARCHAR PRIMARY KEY, name VARCHAR UNIQUE, "
-        "created VARCHAR, source VARCHAR, recipe VARCHAR, notes VARCHAR, share_token VARCHAR)",
+        "created VARCHAR, source VARCHAR, recipe VARCHAR, notes VARCHAR)",
         f"CREATE TABLE IF NOT EXISTS runs ({cols(rcols)})",
         f"CREATE TABLE IF NOT EXISTS tensors ({cols(tcols)})",
         "CREATE TABLE IF NOT EXISTS histograms (run_id VARCHAR, rid BIGINT, edges_id VARCHAR, "
@@ -107,8 +107,27 @@ def _schema_sql() -> list[str]:
     ]
 
 
-# Migrations from version N-1 to N, applied in order by _migrate().
-MIGRATIONS: dict[int, list[str]] = {
+def _move_share_tokens_out(store: "Store", cur) -> None:
+    """Before schema 7 the sessions table kept a copy of each share token beside the token file; the file is
+    now their one record.  A database that has no token file yet gets one from its column (a file that
+    exists was already the source of truth, and stays as it is)."""
+    tokens = store._tokens
+    columns = [r[0] for r in cur.execute("DESCRIBE sessions").fetchall()]
+    if "share_token" not in columns or tokens.exists():
+        return
+    held = {sid: {"name": name, "token": tok} for sid, name, tok in
+            cur.execute("SELECT session_id, name, share_token FROM sessions WHERE share_token IS NOT NULL "
+                        "AND share_token <> ''").fetchall()}
+    if held:
+        try:
+            tokens.update(lambda s: s.update(held))
+        except OSError as e:  # the upgrade is rolled back: the database keeps its tokens and schema 6
+            raise RuntimeError(f"cannot upgrade database {store.path}: its share links could not be written "
+                               f"to {tokens.path} ({e.strerror or e})") from None
+
+
+# Migrations from version N-1 to N, applied in order by _migrate(): SQL, or a function of (store, cursor).
+MIGRATIONS: dict[int, list] = {
     2: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "neg_inf_count" BIGINT'],  # signed inf counts
     3: ['ALTER TABLE tensors ADD COLUMN IF NOT EXISTS "parent" VARCHAR'],  # the module call an op ran inside
     # the user code that called an op; the timeline tables are created by _schema_sql()
@@ -119,6 +138,8 @@ MIGRATIONS: dict[int, list[str]] = {
         move_summary_errors_sql()],
     # positions masked in both runs, compared as equal (metrics.Comparison.masked)
     6: ['ALTER TABLE comparisons ADD COLUMN IF NOT EXISTS "masked" BIGINT'],
+    # share tokens in the token file only (precision_lab.tokens)
+    7: [_move_share_tokens_out, "ALTER TABLE sessions DROP COLUMN IF EXISTS share_token"],
 }
 
 
@@ -129,19 +150,13 @@ MIGRATIONS: dict[int, list[str]] = {
 # file's connection, and the connection is closed again as soon as no operation of this process uses it.
 # Reads open the file read-only, so dashboards and `report`s read side by side; a write opens it read-write
 # for its transaction only.  An open that meets another process's lock is retried with backoff for up to
-# ``default_lock_wait()`` seconds, then refused in one sentence naming the process that holds it.  ``Store.held()``
+# ``config.env_lock_wait()`` seconds, then refused in one sentence naming the process that holds it.  ``Store.held()``
 # keeps a read-only connection between operations for a bounded stretch (one dashboard page run), since an
 # open costs ~10 ms and a page asks dozens of questions.
 
 _WRITER_FIRST_S = 1.0  # how long a new read waits for a write of its own process that is waiting to start
 _READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZE|EXPLAIN)\b", re.I)
 _HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
-
-
-def default_lock_wait() -> float:
-    """Seconds an open of the database waits for another process to let go of it: the ``lock_wait`` setting
-    (``$PRECISION_LAB_LOCK_WAIT``); a bad value is a ``ConfigError`` naming the variable."""
-    return env_lock_wait()
 
 
 def _holder(message: str) -> str:
@@ -171,11 +186,12 @@ def _is_lock_error(e: BaseException) -> bool:
     return "lock" in str(e).lower()
 
 
-def _connect(path: str, read_only: bool, wait: float):
-    """``duckdb.connect``, retried with backoff while another process holds the file (up to ``wait`` s)."""
+def _connect(path: str, read_only: bool, wait: float, deadline: Optional[float] = None):
+    """``duckdb.connect``, retried with backoff while another process holds the file (up to ``wait`` s, or until
+    ``deadline`` on ``time.monotonic()``'s clock where the wait began earlier)."""
     import duckdb
 
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + wait if deadline is None else deadline
     delay = 0.002
     while True:
         try:
@@ -218,14 +234,16 @@ class _File:
         self.active = 0  # operations using the connection now
         self.holds = 0  # Store.held() blocks: keep a read-only connection between operations
         self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
+        self.memory_tokens = MemoryTokens() if self.memory else None  # share tokens of a database in memory
+        self.opening = False  # a thread is opening the file (outside the lock, retrying while another process holds it)
         self.tx = threading.local()  # the cursor of this thread's open transaction
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
         self.write_held_s = 0.0  # seconds this process has held the file read-write (benches)
         self._rw_since: Optional[float] = None
 
     def acquire(self, write: bool, wait: float):
+        deadline = time.monotonic() + wait
         with self.cond:
-            deadline = time.monotonic() + wait
             polite = time.monotonic() + _WRITER_FIRST_S
             while True:
                 if self.con is not None and (self.memory or not write or not self.read_only):
@@ -234,13 +252,16 @@ class _File:
                         continue  # a write of this process is waiting for the reads to end: let it go first
                     self.active += 1
                     return self.con
-                if self.con is not None and self.active:  # read-only now, a write must wait for the reads
+                if self.opening or (self.con is not None and self.active):
+                    # another thread is opening the file, or it is read-only now and a write waits for the reads
                     left = deadline - time.monotonic()
-                    self.writers_waiting += 1
+                    self.writers_waiting += write
                     try:
                         woke = left > 0 and self.cond.wait(left)
                     finally:
-                        self.writers_waiting -= 1
+                        self.writers_waiting -= write
+                    if not woke and self.opening:
+                        raise DatabaseLocked(locked_message(self.path, "", wait))
                     if not woke:
                         raise DatabaseLocked(f"database {self.path} is being read by this process for longer "
                                              f"than {wait:g} s; a write could not start")
@@ -250,16 +271,28 @@ class _File:
                     import duckdb
 
                     self.con, self.read_only = duckdb.connect(":memory:"), False
-                else:
-                    exists = os.path.exists(self.path)
-                    if not exists:
-                        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-                    ro = exists and not write
-                    self.con, self.read_only = _connect(self.path, ro, wait), ro
-                    self._rw_since = None if ro else time.monotonic()
+                    self.active += 1
+                    return self.con
+                exists = os.path.exists(self.path)
+                ro = exists and not write
+                self.opening = True  # the open (and its retries) runs outside the lock: other threads go on
                 self.active += 1
-                self.cond.notify_all()  # reads that let a waiting write go first may use this connection
-                return self.con
+                break
+        con = None
+        try:
+            if not exists:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            con = _connect(self.path, ro, wait, deadline)
+        finally:
+            with self.cond:
+                self.opening = False
+                if con is None:
+                    self.active -= 1
+                else:
+                    self.con, self.read_only = con, ro
+                    self._rw_since = None if ro else time.monotonic()
+                self.cond.notify_all()  # waiting threads may use this connection (or try the open themselves)
+        return con
 
     def release(self) -> None:
         with self.cond:
@@ -300,55 +333,58 @@ class _File:
 
 
 class Result:
-    """A query's result, read once: ``fetchall``, ``fetchone``, ``df``, ``fetchnumpy``.
-    The connection it came from is let go as soon as it is read (or dropped), never held for later."""
+    """A query's result, read once: ``fetchall``, ``fetchone``, ``df``, ``fetchnumpy``, ``description``.
 
-    def __init__(self, cur, done):
-        self._cur, self._done = cur, done
-        self.description = cur.description
+    Outside a transaction a read runs when it is read: the connection is taken, the query run, its rows
+    converted and the connection let go, all in that call.  An unread ``Result`` holds nothing (a traceback
+    that keeps one alive keeps no file open), and there is nothing to let go when it is dropped.  Inside a
+    transaction the query ran on the transaction's cursor and is read from it."""
+
+    def __init__(self, run):
+        self._run = run  # how -> (description, value): runs the query (or reads the transaction's cursor)
+        self._description: Optional[list] = None
         self._rows: Optional[list] = None
 
-    def _finish(self) -> None:
-        done, self._done = self._done, None
-        if done is not None:
-            done()
+    def _get(self, how: str):
+        self._description, value = self._run(how)
+        return value
 
-    def _all(self, how: str):
-        try:
-            return getattr(self._cur, how)()
-        finally:
-            self._finish()
+    @property
+    def description(self):
+        if self._description is None and self._rows is None:
+            self._rows = self._get("fetchall")
+        return self._description
 
     def fetchall(self) -> list:
         if self._rows is None:
-            self._rows = self._all("fetchall")
+            self._rows = self._get("fetchall")
         rows, self._rows = self._rows, []
         return rows
 
     def fetchone(self):
         if self._rows is None:
-            self._rows = self._all("fetchall")
+            self._rows = self._get("fetchall")
         return self._rows.pop(0) if self._rows else None
-
-    def fetchmany(self, size: int = 1) -> list:
-        if self._rows is None:
-            self._rows = self._all("fetchall")
-        out, self._rows = self._rows[:size], self._rows[size:]
-        return out
 
     def __iter__(self):
         return iter(self.fetchall())
 
     def df(self):
-        return self._all("df")
-
-    fetchdf = df
+        return self._get("df")
 
     def fetchnumpy(self):
-        return self._all("fetchnumpy")
+        return self._get("fetchnumpy")
 
-    def __del__(self):
-        self._finish()
+
+def _written(rows: list, how: str) -> list:
+    if how != "fetchall":
+        raise TypeError("a statement that writes returns its rows to fetchall or fetchone only")
+    return rows
+
+
+def _read_cursor(cur):
+    """``Result``'s reader of a cursor that has run its query (a transaction's)."""
+    return lambda how: (cur.description, getattr(cur, how)())
 
 
 _FILES: dict[str, _File] = {}
@@ -383,10 +419,11 @@ def is_open(path: Optional[os.PathLike | str]) -> bool:
 
 
 def close_all() -> None:
-    """Close every connection no operation is using (tests, shutdown)."""
+    """Close every connection no operation is using (tests, shutdown).  A file in use stays open for its
+    operations; every file stays known, so a ``Store`` made afterwards shares its connection and locks with
+    the ``Store``s made before (two per file in one process would open it twice)."""
     with _GLOBAL:
         files = list(_FILES.values())
-        _FILES.clear()
     for f in files:
         f.close()
 
@@ -409,17 +446,15 @@ class Store:
         baseline of bench/concurrency.py --staging); see ``new_session``."""
         self.path = resolve_db_path(path)
         self.staged = staged
-        self.lock_wait = default_lock_wait() if lock_wait is None else float(lock_wait)
+        self.lock_wait = env_lock_wait() if lock_wait is None else float(lock_wait)
         self._file = _file(self.path)
         self._lock = self._file.write_lock
-        global TENSOR_COLUMNS
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
+        # share links: the token file beside the database (precision_lab.tokens), or the in-memory database's own
+        self._tokens = token_file_for(self.path) or self._file.memory_tokens
         with self.held():
             self._init_schema()
-            self._tokens = token_file_for(self.path)
-            self._tokens_used = False  # the token file existed or was written: its absence then means "no links"
-            self._sync_tokens()
 
     def close(self) -> None:
         """Let go of the file now if no operation of this process is using it (it is let go after each
@@ -467,15 +502,21 @@ class Store:
         if tx is not None:
             yield tx
             return
-        con = self._file.acquire(False, self.lock_wait)
-        cur = None
-        try:  # the connection is given back whatever fails, the cursor's creation included
-            cur = con.cursor()
+        with self._cursor() as cur:
             cur.execute("BEGIN TRANSACTION")
             try:
                 yield cur
             finally:
                 _rollback(cur)
+
+    @contextmanager
+    def _cursor(self):
+        """A cursor of the file's connection, taken read-only for this block and given back after it."""
+        con = self._file.acquire(False, self.lock_wait)
+        cur = None
+        try:  # the connection is given back whatever fails, the cursor's creation included
+            cur = con.cursor()
+            yield cur
         finally:
             if cur is not None:
                 cur.close()
@@ -486,31 +527,20 @@ class Store:
         a transaction of this thread, the query runs in it (it sees what the transaction wrote)."""
         tx = getattr(self._file.tx, "cur", None)
         if tx is not None:
-            return Result(tx.execute(query, params or []), None)
-        if not _READ.match(query):  # a statement that writes: a transaction of its own
+            return Result(_read_cursor(tx.execute(query, params or [])))
+        if not _READ.match(query):  # a statement that writes: a transaction of its own, run now
             with self.transaction() as cur:
-                res = Result(cur.execute(query, params or []), None)
-                res._rows = res._cur.fetchall()
-            return res
-        con = self._file.acquire(False, self.lock_wait)
-        try:
-            cur = con.cursor()
-        except BaseException:
-            self._file.release()
-            raise
+                rows = cur.execute(query, params or []).fetchall()
+                description = cur.description
+            return Result(lambda how: (description, _written(rows, how)))
+        params = list(params or [])
 
-        def done():
-            try:
-                cur.close()
-            finally:
-                self._file.release()
+        def run(how: str):
+            with self._cursor() as cur:
+                cur.execute(query, params)
+                return cur.description, getattr(cur, how)()
 
-        try:
-            cur.execute(query, params or [])
-        except BaseException:
-            done()
-            raise
-        return Result(cur, done)
+        return Result(run)
 
     def df(self, query: str, params: Optional[list] = None):
         return self.sql(query, params).df()
@@ -546,7 +576,10 @@ class Store:
             )
         for v in range(version + 1, SCHEMA_VERSION + 1):
             for stmt in MIGRATIONS.get(v, []):
-                cur.execute(stmt)
+                if callable(stmt):
+                    stmt(self, cur)
+                else:
+                    cur.execute(stmt)
             cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
 
     def schema_version(self) -> int:
@@ -606,7 +639,7 @@ class Store:
             name = self._unique_name(cur, name or _default_session_name(source), rename=exist_ok_rename)
             sid = uuid.uuid4().hex[:12]
             cur.execute(
-                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
                 [sid, name, _now(), source, recipe, json.dumps(notes or {})],
             )
             w = SessionWriter(self, cur, sid, name)
@@ -630,7 +663,7 @@ class Store:
                 cur = con.cursor()
                 cur.execute("BEGIN TRANSACTION")
                 sid = uuid.uuid4().hex[:12]
-                cur.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                cur.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
                             [sid, name, _now(), source, recipe, json.dumps(notes or {})])
                 w = SessionWriter(self, cur, sid, name)
                 yield w
@@ -669,14 +702,14 @@ class Store:
     def session(self, session: str) -> dict:
         """A session by name or id; raises SessionNotFound with the known names."""
         row = self.sql(
-            "SELECT session_id, name, created, source, recipe, notes, share_token FROM sessions "
+            "SELECT session_id, name, created, source, recipe, notes FROM sessions "
             "WHERE name = ? OR session_id = ?", [session, session]
         ).fetchone()
         if row is None:
             names = [r[0] for r in self.sql("SELECT name FROM sessions ORDER BY name").fetchall()]
             known = ", ".join(names[:20]) if names else "none yet"
             raise SessionNotFound(f"no session named {session!r} (known sessions: {known})")
-        keys = ["session_id", "name", "created", "source", "recipe", "notes", "share_token"]
+        keys = ["session_id", "name", "created", "source", "recipe", "notes"]
         d = dict(zip(keys, row))
         d["notes"] = json.loads(d["notes"] or "{}")
         return d
@@ -712,23 +745,23 @@ class Store:
                     cur.execute(f"DELETE FROM {t} WHERE run_id = ?", [rid])
             for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
                 cur.execute(f"DELETE FROM {t} WHERE session_id = ?", [sid])
-            self._drop_token(sid, info["name"])
+            self._drop_token(sid)
 
-    def _drop_token(self, session_id: str, name: str) -> None:
-        """A deleted session's link dies with it.  A token file that cannot be written does not stop the
-        delete: a token of a session that no longer exists opens nothing."""
-
-        if self._tokens is not None and self._tokens.exists():
-            try:
-                self._tokens.set(session_id, name, None)
-            except (TokenFileError, OSError):
-                pass
+    def _drop_token(self, session_id: str) -> None:
+        """A session deleted (or a new one given an id a deleted one had) has no link.  A token file that cannot
+        be read or written does not stop that write: a token of a session that no longer exists opens nothing,
+        and a damaged file opens nothing at all."""
+        try:
+            if session_id in (self._tokens.sessions() or {}):
+                self._tokens.set(session_id, "", None)
+        except (TokenFileError, OSError):
+            pass
 
     def _rename_token(self, session_id: str, new_name: str) -> None:
         """Keep the name recorded beside a session's token current (revocation by name uses it)."""
 
         try:
-            if self._tokens is None or session_id not in (self._tokens.sessions() or {}):
+            if session_id not in (self._tokens.sessions() or {}):
                 return
         except TokenFileError:
             return
@@ -739,80 +772,28 @@ class Store:
 
         self._tokens.update(rename)
 
-    # -- share tokens: the token file beside the database is the source of truth (precision_lab.tokens)
+    # -- share links: the token file beside the database is their one record (precision_lab.tokens)
     def set_share_token(self, session: str, token: Optional[str]) -> None:
-        """Give ``session`` the share token ``token`` (None: revoke it), in the token file and the database."""
+        """Give ``session`` the share token ``token`` (None: revoke it)."""
         info = self.session(session)
-        with self.transaction() as cur:
-            cur.execute("UPDATE sessions SET share_token = ? WHERE session_id = ?", [token, info["session_id"]])
-            if self._tokens is not None:  # inside the transaction: a failed file write rolls the column back
-                self._tokens.set(info["session_id"], info["name"], token)
-                self._tokens_used = True
+        self._tokens.set(info["session_id"], info["name"], token)
 
     def session_by_token(self, token: str) -> Optional[dict]:
-        """The session ``token`` opens, or None; read per call, without the database's write lock.
-
-        The token file decides (a revocation written by another process
-        counts from the next call); a token file that cannot be read opens
-        nothing.  Without a token file, the database's column decides.
-        """
+        """The session ``token`` opens, or None: the token file is read per call (a revocation written by
+        another process counts from the next call), without the database's lock; a token file that cannot be
+        read opens nothing."""
         if not token:
             return None
-
-        if self._tokens is not None:
-            try:
-                recorded = self._tokens.sessions()
-                sid = self._tokens.lookup(token) if recorded is not None else None
-            except TokenFileError:
-                return None
-            if recorded is not None or self._tokens_used:
-                if sid is None:
-                    return None
-                try:
-                    return self.session(sid)
-                except SessionNotFound:
-                    return None
-        row = self.sql("SELECT name FROM sessions WHERE share_token = ?", [token]).fetchone()
-        return self.session(row[0]) if row else None
-
-    def _sync_tokens(self) -> None:
-        """On opening: write the token file from the database's tokens when there is none; otherwise
-        the file wins (a revocation made while another process held the database reaches the column),
-        and entries of sessions no longer here are dropped."""
-
-        tf = self._tokens
-        if tf is None:
-            return
         try:
-            recorded = tf.sessions()
+            sid = self._tokens.lookup(token)
         except TokenFileError:
-            self._tokens_used = True  # fail closed; the file is left for its owner to look at
-            return
-        sessions = {sid: (name, tok) for sid, name, tok in
-                    self.sql("SELECT session_id, name, share_token FROM sessions").fetchall()}
+            return None
+        if sid is None:
+            return None
         try:
-            if recorded is None:
-                held = {sid: {"name": n, "token": t} for sid, (n, t) in sessions.items() if t}
-                if held:
-                    tf.update(lambda s: s.update(held))
-                    self._tokens_used = True
-                return
-            self._tokens_used = True
-            if any(sid not in sessions or sessions[sid][0] != e["name"] for sid, e in recorded.items()):
-                def refresh(s: dict) -> None:
-                    for sid in list(s):
-                        if sid not in sessions:
-                            del s[sid]
-                        else:
-                            s[sid]["name"] = sessions[sid][0]
-                recorded = tf.update(refresh)
-        except OSError:  # the folder is not writable: lookups still read what is there
-            return
-        stale = [(recorded.get(sid, {}).get("token"), sid) for sid, (_n, tok) in sessions.items()
-                 if tok != recorded.get(sid, {}).get("token")]
-        if stale:
-            with self.transaction() as cur:
-                cur.executemany("UPDATE sessions SET share_token = ? WHERE session_id = ?", stale)
+            return self.session(sid)
+        except SessionNotFound:
+            return None
 
     def histogram(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """Dense histogram counts of one record, or None (stats-only record)."""
@@ -906,9 +887,6 @@ class SessionWriter:
         if len(self._rows) >= self.BATCH:
             self.flush()
         return rid
-
-    def add_records(self, recs: Iterable[TensorRecord]) -> list[int]:
-        return [self.add_record(r) for r in recs]
 
     def flush(self) -> None:
         import pyarrow as pa

@@ -11,8 +11,6 @@ import uuid
 from typing import Optional
 from pathlib import Path
 
-import duckdb
-
 from ..stats import HIST_EDGES_ID
 
 __all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
@@ -42,7 +40,7 @@ ROW_UPGRADES = {5: move_summary_errors_sql("session_id = ?")}
 # How each table's rows are selected for one session (parameter: session_id).
 _RUNS_OF = "SELECT run_id FROM runs WHERE session_id = $sid"
 _SELECT = {
-    "sessions": "SELECT * REPLACE (NULL::VARCHAR AS share_token) FROM sessions WHERE session_id = $sid",
+    "sessions": "SELECT * FROM sessions WHERE session_id = $sid",
     "runs": "SELECT * FROM runs WHERE session_id = $sid",
     "tensors": f"SELECT * FROM tensors WHERE run_id IN ({_RUNS_OF})",
     "histograms": f"SELECT * FROM histograms WHERE run_id IN ({_RUNS_OF})",
@@ -107,8 +105,8 @@ def _quoted(c: str) -> str:
 
 
 def _select_list(table: str, columns: list, *, session_id: str, name: str, run_map: dict) -> tuple[str, list]:
-    """What an imported table's rows become: the session id and (sessions) name this database gives them, no
-    share token, run ids through ``run_map``; the rest as archived.  SQL, not Arrow: building Arrow arrays
+    """What an imported table's rows become: the session id and (sessions) name this database gives them, run
+    ids through ``run_map``; the rest as archived.  SQL, not Arrow: building Arrow arrays
     from Python values imports pandas, which an import does not otherwise need."""
     exprs, params = [], []
     for c in columns:
@@ -119,8 +117,6 @@ def _select_list(table: str, columns: list, *, session_id: str, name: str, run_m
         elif table == "sessions" and c == "name":
             exprs.append("?")
             params.append(name)
-        elif table == "sessions" and c == "share_token":
-            exprs.append("NULL")
         elif c in RUN_ID_COLUMNS.get(table, ()) and run_map:
             whens = " ".join("WHEN ? THEN ?" for _ in run_map)
             exprs.append(f"CASE CAST({q} AS VARCHAR) {whens} ELSE CAST({q} AS VARCHAR) END")
@@ -136,8 +132,9 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
     """Insert one session's checked Arrow tables in one transaction.
 
     Ids the database already holds are replaced by fresh ones, the name is
-    made unique (``rename`` false: a taken name is a ``ValueError``), share
-    tokens are dropped.  A table is an Arrow table or, read as it is inserted,
+    made unique (``rename`` false: a taken name is a ``ValueError``); the
+    session has no share link (one a deleted session of the same id left
+    behind is dropped).  A table is an Arrow table or, read as it is inserted,
     an Arrow record batch reader (``runs`` must be a table).  Rows written at an older
     ``schema_version`` are brought up to this one (``ROW_UPGRADES``).
     Returns (name, session id, run id map, notes).  ``ImportRefused`` names a
@@ -155,6 +152,7 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
         ).fetchall()} & set(run_ids)
         run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
         final_name = store._unique_name(cur, name, rename=rename)
+        store._drop_token(new_sid)
         for table in TABLES:
             t = tables.get(table)
             if t is None:  # an archive older than the table
@@ -209,6 +207,9 @@ class ArchiveQueries:
     file."""
 
     def __init__(self, store, tables: dict):
+        import duckdb  # here, not at the top: ``import precision_lab.store`` then loads no DuckDB (commands that
+        # never open a database start faster)
+
         self._con = duckdb.connect()  # in memory: the archive's tables only, never the database
         self._views = {}
         try:
