@@ -136,7 +136,15 @@ class StatsEngine:
         the same gradient seen by the next hook is recognised.  ``histogram``:
         for a CPU tensor, take the histogram (True) or not (False) whatever the
         engine's setting, skipping ``refine``'s check.
+
+        Torch-function handling is off meanwhile: the statistics' own tensor calls (``detach``, ``view``,
+        ``numpy``...) would each go through every active torch-function mode -- the capture's own, which
+        returns at once, cost some 100 us per measured tensor.
         """
+        with torch._C.DisableTorchFunction():
+            return self._measure(t, where, hold, histogram)
+
+    def _measure(self, t, where: str, hold: bool, histogram: Optional[bool]) -> Optional[Handle]:
         if not isinstance(t, torch.Tensor):
             return None
         key = id(t)

@@ -26,7 +26,7 @@ within half a float32 ulp of a rounding tie can be cast differently by them.
 
 Performance: on CPU, float32 (and anything converted exactly to float32 per
 chunk: fp16, bf16, fp8, fp6, fp4, e8m0, 8/16-bit ints, bool) goes through a
-one-pass numba kernel (``parallel=True``) that reads each element once;
+one-pass numba kernel (a large tensor in parts, on several threads) that reads each element once;
 everything else, every CUDA tensor and every CPU run without numba uses a
 pure-torch path in float64 (``backend="torch"``; numpy arrays a float64 numpy
 one, ``backend="numpy"``, that never imports torch) that gives the same counts,
