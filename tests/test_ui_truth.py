@@ -17,7 +17,8 @@ import pytest
 from precision_lab.formats import FORMATS
 from precision_lab.stats import tensor_stats
 from precision_lab.ui import detail
-from precision_lab.ui.common import MISSING, num_text, text_columns
+from precision_lab.display import MISSING
+from precision_lab.ui.common import num_text, text_columns
 
 from ui_fixtures import (STAT_CAND, STAT_SESSION, assert_clean, frames, open_page, serve_db,  # noqa: F401
                          ui_db, ui_template)

@@ -14,7 +14,8 @@ from precision_lab.origin import OpRef
 from precision_lab.formats import FORMATS
 from precision_lab.stats import tensor_stats
 from precision_lab.ui import detail, diff, ops, overview
-from precision_lab.ui.common import MISSING, escape_md, num_text
+from precision_lab.display import MISSING
+from precision_lab.ui.common import escape_md, num_text
 from precision_lab.ui.sessions import sessions_table
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, TENSOR_SESSION, WIDE_OP,  # noqa: F401

@@ -20,7 +20,6 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
-from ..store import views
 from .tree import build_tree
 
 __all__ = ["run_format", "run_alerts", "session_alerts",
@@ -138,7 +137,7 @@ def timeline_report(store, session_id: str) -> dict:
     for r in tl.timeline_runs(store, session_id):
         out[r["name"]] = {
             "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]),
-            "full_steps": views.full_steps(store, r["run_id"]),
+            "full_steps": tl.full_steps(store, r["run_id"]),
             "steps": tl.step_rows(store, r["run_id"]),
         }
     return out
@@ -176,7 +175,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
 
 def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
-    steps = views.full_steps(store, run_id, op)
+    steps = tl.full_steps(store, run_id, op)
     if not steps:
         return None
     before = [s for s in steps if s <= step]

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from .queries import rows, run_order
 
-__all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
+__all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "full_steps", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
            "op_worst", "timeline_ops"]
 
 _KEY = "op, role, \"index\""
@@ -47,6 +47,13 @@ def series_rows(store, run_id: str, fmt_of_dtype: dict, roles: Sequence[str] = (
         WHERE t.run_id = ? AND t.role IN ({marks})
         GROUP BY t.op, t.role, t."index", t.step ORDER BY t.op, t.role, t."index", t.step""",
                      [list(fmt_of_dtype), list(fmt_of_dtype.values()), run_id, *roles]).fetchnumpy()
+
+
+def full_steps(store, run_id: str, op: Optional[str] = None) -> list[int]:
+    """The steps a run (or one ``op`` of it) has full records of, ascending."""
+    where, args = ("AND op = ?", [run_id, op]) if op is not None else ("", [run_id])
+    return [r[0] for r in store.sql(f"SELECT DISTINCT step FROM tensors WHERE run_id = ? {where} ORDER BY step",
+                                    args).fetchall()]
 
 
 def op_steps_at(store, run_id: str, step: int) -> list[dict]:

@@ -691,13 +691,6 @@ def has_record(store, run_id: str, rid) -> bool:
     return bool(rows(store, "SELECT 1 AS x FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(text)]))
 
 
-def full_steps(store, run_id: str, op: Optional[str] = None) -> list[int]:
-    """The steps a run (or one ``op`` of it) has full records of, ascending."""
-    where, args = ("AND op = ?", [run_id, op]) if op is not None else ("", [run_id])
-    return [r[0] for r in store.sql(f"SELECT DISTINCT step FROM tensors WHERE run_id = ? {where} ORDER BY step",
-                                    args).fetchall()]
-
-
 def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None,
                  step: Optional[int] = None) -> list[dict]:
     """Records of a run whose name contains ``text`` (execution order), of one ``step`` when given, for

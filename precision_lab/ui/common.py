@@ -6,15 +6,15 @@ import html
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pandas as pd
 
-from ..display import MISSING, num_text
+from ..display import num_text
 from ..enums import Verdict, worst_first
 
-__all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md", "code_md",
-           "message_md", "run_label", "style_severity", "text_columns", "public_source", "public_text"]
+__all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md",
+           "code_md", "message_md", "run_label", "style_severity", "text_columns", "public_source", "public_text"]
 
 # A record's severity as the tables show it, worst first: "nonfinite" (NaN/inf in the record or
 # introduced against the reference), then the comparisons' verdicts ("ok" = expected).

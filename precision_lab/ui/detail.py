@@ -16,9 +16,12 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..store import views
-from ..store.queries import session_runs  # the page reads these here
-from ..store.views import counterparts, find_records, full_steps, has_record, record
-from .common import MISSING, cosine_text, num_text, plot_text
+# the page reads these here: pages never import the store
+from ..store.queries import session_runs  # noqa: F401
+from ..store.timeline import full_steps  # noqa: F401
+from ..store.views import counterparts, find_records, has_record, record  # noqa: F401
+from ..display import MISSING
+from .common import cosine_text, num_text, plot_text
 from ..stats import HIST_EDGES
 
 __all__ = ["op_label", "load_stats", "default_formats", "binade_counts",

@@ -10,7 +10,8 @@ from ..services.report import first_nonfinite
 from ..store import queries as q
 from ..store import views
 from ..store.queries import session_runs
-from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
+# the page reads these here: pages never import the store
+from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts  # noqa: F401
 from ..metrics import SUMMARY_ERRORS
 from .common import Page, cosine_text, paged, severity_label
 
@@ -20,8 +21,9 @@ __all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card"]
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
               pattern: str = "", page: int = 0, page_size: int = 50) -> Page:
     """Page ``page`` (0-based; past the end: the last) of the reference | candidate | metrics table
-    (``store.views.diff_rows``), severity in words, cosine shown as text with 1 - cos; the decisive columns (verdict, max_rel_err, SQNR, reason) come right after the op,
-    so they are on screen at 1400 px, before the two sides' statistics.  A pair compared on summary
+    (``store.views.diff_rows``), severity in words, cosine shown as text with 1 - cos; the decisive columns
+    (verdict, max_rel_err, SQNR, reason) come right after the op, so they are on screen at 1400 px, before the
+    two sides' statistics.  A pair compared on summary
     statistics has their errors in their own columns (summary_rel_err beside max_rel_err); a pair compared
     element-wise only is shown without them."""
     got = paged(lambda offset, limit: views.diff_rows(store, session_id, ref_run_id, cand_run_id, show=show,

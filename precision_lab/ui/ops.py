@@ -8,8 +8,9 @@ from typing import Optional
 
 import pandas as pd
 
-from ..store.queries import session_runs
-from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows
+# session_runs, OpsFilter and filter_options are read by the page here: pages never import the store
+from ..store.queries import session_runs  # noqa: F401
+from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
 from .common import Page, cosine_text, paged, severity_label, text_columns
 
 __all__ = ["ops_page", "SORT_OPTIONS", "display_frame"]

@@ -13,8 +13,9 @@ from ..services import timeline as _timeline
 from ..services.tree import run_tree
 from ..store import timeline as tl
 from ..store import views
-from ..store.queries import op_output_rid, session_runs
-from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders
+# op_output_rid, ACCUMULATED_KINDS, LOCAL_KINDS and error_series are read by the page here: pages never import the store
+from ..store.queries import op_output_rid, session_runs  # noqa: F401
+from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders  # noqa: F401
 from .common import num_text, plot_text, public_source
 from ..metrics import ELEMENTWISE, relative_error
 

@@ -13,7 +13,8 @@ from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, tree_modules_of
-from ..store.timeline import first_nonfinite_step, step_rows, timeline_runs  # the page reads these here
+# the page reads these here: pages never import the store
+from ..store.timeline import first_nonfinite_step, step_rows, timeline_runs  # noqa: F401
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
