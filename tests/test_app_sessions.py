@@ -6,6 +6,8 @@ import io
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, TENSOR_SESSION,  # noqa: F401
@@ -177,6 +179,7 @@ def test_unexpected_library_error_is_a_sentence_not_a_traceback(empty_db, monkey
     assert at.error[0].value == escape_md("This page could not be shown: database is locked by another process")
 
 
+@pytest.mark.slow
 def test_the_dashboard_does_not_import_torch():
     import subprocess
     import sys

@@ -784,6 +784,7 @@ def _other_process_reads(db) -> "subprocess.CompletedProcess":
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_capture_to_a_path_releases_the_database_for_other_processes(tmp_path):
     from precision_lab.store import is_open
 
@@ -797,6 +798,7 @@ def test_a_capture_to_a_path_releases_the_database_for_other_processes(tmp_path)
     assert got.stdout.strip() == "1"
 
 
+@pytest.mark.slow
 def test_a_store_holds_its_file_only_while_an_operation_runs(tmp_path):
     """A Store in a notebook does not keep other processes out: between operations the file is free, a new
     session is staged apart from it until it is inserted whole, and ``held()`` keeps it (read-only) only for its

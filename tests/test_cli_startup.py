@@ -60,6 +60,7 @@ def _run(*args):
     (("share-link", "-s", "ovf"), 0, "?share="),
     (("import", "{archive}", "--db", "{tmp}/other.duckdb"), 0, "imported session 'ovf'"),
 ])
+@pytest.mark.slow
 def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, archive, tmp_path, args, code, says):
     args = [a.replace("{tmp}", str(tmp_path)).replace("{archive}", str(archive)) for a in args]
     if args[0] in ("report", "db", "export", "share-link"):
@@ -72,6 +73,7 @@ def test_no_tensor_commands_import_no_torch_numba_or_pandas(db, archive, tmp_pat
     assert (code == 1) == ("FAIL nonfinite" in got.stderr), got.stderr
 
 
+@pytest.mark.slow
 def test_one_loaded_command_still_runs_as_a_subcommand(db):
     got = _run("report", "-s", "ovf", "--db", db, "--json")
     assert got.returncode == 0 and got.stdout.lstrip().startswith("{")

@@ -153,6 +153,7 @@ def test_every_policy_casts_the_same_input_trees():
         assert torch.equal(out["b"].x, tree["b"].x.to(want))
 
 
+@pytest.mark.slow
 def test_eps_raises_every_normalisations_epsilon_on_any_model():
     """``eps:V`` reaches torch's and transformers' own normalisations, as a floor: a larger epsilon stays, a
     missing one (torch's RMSNorm, which then uses its format's machine epsilon) becomes at least that."""

@@ -178,6 +178,7 @@ def test_tensor_mode_pair_compares_element_wise(store):
     assert loss["cand_format"] == "fp16" and loss["verdict"] == "expected"
 
 
+@pytest.mark.slow
 def test_zip_equals_folder_and_no_cache_equals_cache(store, tmp_path):
     base = ingest(FIXTURES / "tensor_mix_fp16", reference=FIXTURES / "tensor_mix_fp32", store=store)
     zips = []

@@ -6,11 +6,14 @@ import os
 import socket
 
 import duckdb
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
 from precision_lab.readers.shards import read_manifest, read_shards, shard_glob
+
+pytestmark = pytest.mark.slow  # ranks in their own processes
 
 
 class TwoLayer(nn.Module):

@@ -156,6 +156,7 @@ def test_a_pickle_that_calls_code_never_runs_it(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_compare_of_a_tensor_mode_msprobe_pair_does_not_import_torch(tmp_path):
     """The recorded msprobe tensor-mode dumps compare without torch (it is imported only where a file is not
     one plain tensor)."""

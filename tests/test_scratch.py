@@ -67,6 +67,7 @@ with scratch_dir("upload", root=sys.argv[1]) as d:
 """
 
 
+@pytest.mark.slow
 def test_a_folder_left_by_a_killed_process_is_swept(tmp_path):
     root = tmp_path / "root"
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(root)], stdout=subprocess.PIPE, text=True,

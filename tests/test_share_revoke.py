@@ -27,6 +27,7 @@ def _cli(*args: str, env_db: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_revoke_while_a_server_holds_the_database(store):
     from precision_lab.config import ServerConfig, resolve_access
     from precision_lab.services.share import create_share_token
@@ -68,6 +69,7 @@ def _raw_holder(db) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 def test_a_lock_held_too_long_is_one_sentence_and_revoking_still_works(tmp_path):
     """A process that holds the file past the wait: creating a link fails in one sentence naming that process
     (by its pid), never DuckDB's message; revoking goes through the token file the server reads."""
@@ -102,6 +104,7 @@ def test_a_lock_held_too_long_is_one_sentence_and_revoking_still_works(tmp_path)
     assert resolve_access({"share": token}, Store(db), ServerConfig()).error
 
 
+@pytest.mark.slow
 def test_revoke_through_the_cli_in_process_with_the_database_held_elsewhere(tmp_path):
     """The same with typer's CliRunner: the database is held by another process (a child holding it open)."""
     from typer.testing import CliRunner

@@ -170,6 +170,7 @@ def test_locations_name_the_calling_line():
     assert inner.location is not None and "torch" not in inner.location.split(":")[0]
 
 
+@pytest.mark.slow
 def test_an_installed_librarys_op_is_located_in_the_library_not_at_the_model_call():
     """A ``transformers`` model lives in site-packages, inside Python's own folder: its ops are located in its
     modeling file (where the user can read the line), not all at the line that called the model."""
@@ -441,6 +442,7 @@ def test_live_alerts_fire_at_the_step_the_stored_run_names(tmp_path):
         CaptureOptions(on_alert=print)
 
 
+@pytest.mark.slow
 def test_a_long_runs_memory_per_step_is_what_the_options_state():
     """The timeline is held until the capture ends: measured per summarised tensor per step, it stays within the
     1.1 KB the options document (with the four default watched formats)."""

@@ -29,6 +29,7 @@ def test_e5m2_quantisation_noise_is_expected_for_e5m2_but_not_for_fp16():
     assert FORMATS["fp8_e5m2"].eps > FORMATS["fp16"].eps
 
 
+@pytest.mark.slow
 def test_rerun_of_an_fp8_recipe_judges_its_output_against_fp8(store):
     from precision_lab.fixes.recipes import get_recipe
     from precision_lab.services.rerun import capture_recipe, rerun_session

@@ -15,6 +15,8 @@ from precision_lab.services.rerun import capture_recipe
 from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 
+pytestmark = pytest.mark.slow  # each job runs the model in a worker process
+
 MODEL = str(Path(__file__).parent / "models" / "worker_probe.py")
 
 
