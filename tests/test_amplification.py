@@ -4,6 +4,7 @@ variance in bf16 cancels in its subtraction, which has no local error of its own
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -48,6 +49,7 @@ def _rel(ref, got):
     return float(((got - ref).norm() / ref.norm()))
 
 
+@pytest.mark.slow
 def test_the_cancelling_subtraction_is_named_with_the_bits_it_loses(store):
     ref, low = _variance_terms(torch.float32), _variance_terms(torch.bfloat16)
     rel_in = max(_rel(ref[0], low[0]), _rel(ref[1], low[1]))

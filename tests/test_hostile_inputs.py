@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PEAK_LIMIT_KIB = 1536 * 1024  # 1.5 GiB: the README's target for any single ingest at the default limits
 
 SPECS = list(H.SPECS.values())
-# in-process cases first: the worker runs the others meanwhile (those are slow: a process each, bombs among them)
-ORDER = [s.id for s in SPECS if not s.subprocess] + [pytest.param(s.id, marks=pytest.mark.slow)
-                                                     for s in SPECS if s.subprocess]
-TWINS = [pytest.param(t, marks=pytest.mark.slow) if any(s.subprocess for s in SPECS if s.twin == t) else t
-         for t in sorted({s.twin for s in SPECS if s.twin})]
+# in-process cases first: the worker runs the others meanwhile
+ORDER = [s.id for s in SPECS if not s.subprocess] + [s.id for s in SPECS if s.subprocess]
+TWINS = sorted({s.twin for s in SPECS if s.twin})
+
+pytestmark = pytest.mark.slow  # 281 cases, a worker process for the bombs (the fast set keeps test_malformed_inputs)
 
 
 def _hermetic_env(root: Path) -> dict:
@@ -333,7 +333,6 @@ def test_hostile_input(world, case_id):
     assert not bad, f"{case_id} ({case.category}){extra}: " + " | ".join(bad)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case_id", ["zip-traversal", "name-newline-injection", "fifo-npy"])
 def test_entry_point(world, tmp_path, case_id):
     """The installed command (not the test runner's in-process call): exit 2, one line on stderr, nothing else."""
@@ -369,7 +368,6 @@ def test_outside_targets_read_alike(world, group):
         f"  {ids}: {m!r}" for m, ids in distinct.items())
 
 
-@pytest.mark.slow
 def test_summary(world, capsys):
     """Counts over every case (runs any not run yet): tried, refused clearly, accepted, failing; worst memory."""
     per = collections.defaultdict(collections.Counter)

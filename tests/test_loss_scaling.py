@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from precision_lab.fixes.catalogue import apply_fixes, parse_fix
@@ -118,6 +119,7 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-3, eps=1e-4)
 
 
+@pytest.mark.slow
 def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(store):
     x = X.repeat(1, 2).abs()
     build = LC._with(LC.BackwardOverflow, LC._bo_edit)

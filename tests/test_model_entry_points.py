@@ -114,6 +114,7 @@ def test_an_fp32_island_keeps_every_other_name_aligned(tmp_path):
     assert first_nonfinite(store, run_id) is None  # the island fixes the overflow
 
 
+@pytest.mark.slow
 def test_dashboard_verifies_the_suggestions_on_the_users_model(captured, monkeypatch):
     """A Qwen2 model from config, captured by entry point and allowed by the server: Overview's "Verify the
     suggestions" re-runs the proposed fixes; at least one leaves the run finite, and its button says so with the
@@ -197,6 +198,7 @@ def test_verify_grows_an_island_along_the_data_flow_when_no_suggestion_works(cap
     assert len({r["fix"] for r in runs if r["kind"] == "rerun"}) >= 2  # the growth itself was stored
 
 
+@pytest.mark.slow
 def test_dashboard_grows_an_island_on_the_users_model(captured, monkeypatch):
     """Overview's "Grow an fp32 island" runs the growth in the server's worker processes and opens the island's
     run, which is finite; once a run of the session works, the button is gone."""

@@ -245,6 +245,7 @@ def test_cli_capture_with_fix_then_report_diagnoses(tmp_path):
     assert "first non-finite" not in res.output and res.output.count("no NaN/Inf") == 2
 
 
+@pytest.mark.slow
 def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
     """calibration-nan: eps works; sanitising the norm or calibrating on finite values leaves NaN (both are
     proposed, neither is a cure); the verdicts come from the re-runs, checked independently."""
