@@ -395,3 +395,24 @@ def test_cli_replay_reads_within_the_configured_limits(tmp_path, monkeypatch):
     assert res.output.strip().splitlines() == [
         "error: relu.input.0.npy: a tensor of shape [600, 1000] needs 1200000 bytes, more than the limit of 1048576 "
         "bytes (max_tensor_mb)"]
+
+
+def test_imported_session_never_reads_its_source_folder(lab, tmp_path):
+    """A shared archive's run sources name folders of the machine that exported it.  Imported, replay reads
+    none of them, even where that folder exists here: a crafted archive could name any local dump."""
+    from precision_lab.services.share import export_session, import_session
+    from precision_lab.store import Store
+    from precision_lab.store.queries import rows
+
+    store, _, _, _ = lab
+    op = "Functional.linear.0.forward"
+    assert replay_op(store, "from-files", op).reproduces_dump  # the dump folder is here and readable
+    export_session(store, "from-files", tmp_path / "s.zip")
+    other = Store(tmp_path / "other.duckdb")
+    imp = import_session(other, tmp_path / "s.zip")
+    before = rows(store, "SELECT r.source FROM runs r JOIN sessions s USING (session_id) WHERE s.name = ?",
+                  ["from-files"])
+    after = rows(other, "SELECT source FROM runs WHERE session_id = ?", [imp.session_id])
+    assert sorted(r["source"] for r in after) == sorted("shared archive: " + r["source"] for r in before)
+    with pytest.raises(ReplayError, match="not available"):
+        replay_op(other, imp.session, op)

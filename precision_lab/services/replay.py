@@ -35,6 +35,7 @@ from ..readers.safeio import ReadLimits, contained, limits_in_force, read_json
 from ..readers.tensorfile import SUFFIXES, load_source
 from ..stats import tensor_stats
 from ..store import queries as q
+from .share import SHARED_SOURCE
 
 __all__ = ["ReplayResult", "replay_op", "replayable_ops", "REPRODUCE_ULPS"]
 
@@ -56,7 +57,9 @@ def _is_tensor(x) -> bool:
 def _dump_root(run: dict) -> Optional[Path]:
     """The run's dump folder when it is still on disk (an imported or uploaded session's is not)."""
     root = Path(run.get("source") or "")
-    return root if str(root) not in ("", ".") and root.is_dir() else None
+    if str(root) in ("", ".") or str(root).startswith(SHARED_SOURCE):
+        return None  # an imported session's source names a folder of the machine that exported it
+    return root if root.is_dir() else None
 
 
 # ---- result ------------------------------------------------------------------------------

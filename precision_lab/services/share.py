@@ -508,6 +508,23 @@ def import_session(store, source: Union[os.PathLike, str, bytes], *, name: Optio
     return _import_path(store, p, name=name, config=config, where=str(p))
 
 
+SHARED_SOURCE = "shared archive: "
+
+
+def _sources_as_text(tables: dict) -> dict:
+    """An archive's run sources name folders on the machine that exported it, and replay reads a run's tensors
+    from its source folder.  Imported, each becomes ``shared archive: <source>``: kept as text to show, never a
+    folder this machine reads (a crafted archive could otherwise point replay at any local dump)."""
+    import pyarrow.compute as pc
+
+    runs = tables.get("runs")
+    if runs is None or "source" not in runs.column_names:
+        return tables
+    i = runs.column_names.index("source")
+    col = pc.utf8_replace_slice(runs.column(i).cast("string"), start=0, stop=0, replacement=SHARED_SOURCE)
+    return {**tables, "runs": runs.set_column(i, "source", col)}
+
+
 def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult:
     if name is not None:
         name = name.strip()
@@ -529,6 +546,7 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
                 raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
         columns = table_columns(store, held)
         tables = {t: _read_table(zf, where, t, m["tables"][t], columns[t]) for t in held}
+    tables = _sources_as_text(tables)
     sid, orig_name = m["session"]["session_id"], m["session"]["name"]
     _check_consistency(store, where, sid, orig_name, tables)
 
