@@ -60,6 +60,7 @@ def test_the_cancelling_subtraction_is_named_with_the_bits_it_loses(store):
     assert d.op == "sub.0" and "of the 8 significant bits bf16 holds" in d.message and "cancellation" in d.message
 
 
+@pytest.mark.slow
 def test_no_amplification_named_in_a_healthy_run(store):
     class Plain(nn.Module):
         def __init__(self):
@@ -73,6 +74,7 @@ def test_no_amplification_named_in_a_healthy_run(store):
     assert not [d for d in diagnose(store, name) if d.rule == "error-amplified"]
 
 
+@pytest.mark.slow
 def test_the_amplifying_op_ranks_ahead_of_its_consumers(store):
     name = capture_pair(_build, _x(), torch.bfloat16, store=store)
     # Top offenders (both tabs) and the worst-comparison table: the subtraction that cancels first, not the ops

@@ -3,6 +3,8 @@ the summary-only overlay, metrics, and the view's state in the URL."""
 
 from __future__ import annotations
 
+import pytest
+
 from precision_lab.ui.common import escape_md
 
 import math
@@ -42,6 +44,7 @@ def _repr_table(at):
     return next(f for f in frames(at) if "overflow %" in f.columns).set_index("format")
 
 
+@pytest.mark.slow
 def test_format_choice_changes_the_overlay_counts(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "reference", f"{WIDE_OP}.output.0")
     at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid), fmt="fp16")
@@ -136,6 +139,7 @@ def test_norm_artefact_is_explained(ui_db):
     assert "not a non-finite tensor" in shown and "norm-arithmetic artefact" in shown
 
 
+@pytest.mark.slow
 def test_op_picker_filter(ui_db):
     at = open_page("op_detail", session=STAT_SESSION, run=STAT_CAND.name)
     assert_clean(at)
@@ -145,6 +149,7 @@ def test_op_picker_filter(ui_db):
     assert len(opts) > 1 and all("fc2" in o or STAT_FIRST_NONFINITE in o for o in opts)
 
 
+@pytest.mark.slow
 def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_chosen(ui_db):
     from precision_lab.services.report import first_nonfinite
     from precision_lab.store import Store
@@ -188,6 +193,7 @@ def test_opened_without_an_op_it_lands_on_the_first_failure_and_a_step_can_be_ch
     assert at.selectbox(key="pick_step@op_detail").value == first_step
 
 
+@pytest.mark.slow
 def test_an_op_chosen_in_one_run_is_not_opened_by_its_record_number_in_another(ui_db):
     """A record number means nothing in another run: Op detail on another session's run (the session picker
     changed) opens that run's first failure, never the record that happens to carry the number last chosen."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, assert_clean,  # noqa: F401
@@ -10,6 +12,7 @@ from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION
 CAND_JSON = next(STAT_CAND.rglob("dump.json"))
 
 
+@pytest.mark.slow
 def test_pair_diff_rows_and_problems(ui_db):
     at = open_page("diff", session=STAT_SESSION)
     n = len(msprobe_tensor_entries(CAND_JSON))
@@ -49,6 +52,7 @@ def _rows_caption(at) -> str:
     return next(c.value for c in at.caption if "row(s)" in c.value)
 
 
+@pytest.mark.slow
 def test_settings_come_from_the_url(ui_db):
     pair = f"{STAT_CAND.name} vs {STAT_REF.name}"
     at = open_page("diff", session=STAT_SESSION, view="pair", pair=pair, show="problems")
@@ -67,6 +71,7 @@ def test_settings_come_from_the_url(ui_db):
     assert _rows_caption(at).split("; ")[1].startswith("page 2 of ")
 
 
+@pytest.mark.slow
 def test_runs_view_from_the_url_and_the_url_follows_the_widgets(ui_db):
     at = open_page("diff", session=STAT_SESSION, view="runs")
     assert_clean(at)
@@ -84,6 +89,7 @@ def test_runs_view_from_the_url_and_the_url_follows_the_widgets(ui_db):
     assert frame_with(colleague, "ref absmax").equals(frame_with(at, "ref absmax"))
 
 
+@pytest.mark.slow
 def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
     at = open_page("diff", session=STAT_SESSION, view="everything", pair="nope vs nothing", show="<b>x</b>",
                    page="-3")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_SESSION, assert_clean, frame_with, link,  # noqa: F401
@@ -14,6 +16,7 @@ def _caption(at) -> str:
     return next(c.value for c in at.caption if "record(s) match" in c.value)
 
 
+@pytest.mark.slow
 def test_table_has_every_record_and_filters(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
     n = len(msprobe_tensor_entries(CAND_JSON))
@@ -35,6 +38,7 @@ def test_table_has_every_record_and_filters(ui_db):
     assert set(frame_with(at, "severity")["role"]) == {"output"}
 
 
+@pytest.mark.slow
 def test_sort_and_paging(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
     at.selectbox(key="sort").set_value("absmax")
@@ -48,6 +52,7 @@ def test_sort_and_paging(ui_db):
     assert _caption(at).endswith("page 11 of 11.")
 
 
+@pytest.mark.slow
 def test_selecting_a_row_opens_the_op(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
     at.toggle(key="problems").set_value(True).run()
@@ -58,6 +63,7 @@ def test_selecting_a_row_opens_the_op(ui_db):
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
 
 
+@pytest.mark.slow
 def test_a_selection_left_past_the_end_of_a_shrunk_table_opens_nothing(ui_db):
     """A row chosen on a full page stays selected while the table shrinks below it (the last, shorter page): the
     page shows that page (no IndexError) and opens no op."""
@@ -83,6 +89,7 @@ def _filters(at) -> dict:
             "desc": at.toggle(key="desc").value, "page": at.pagination(key="page").value}
 
 
+@pytest.mark.slow
 def test_filters_come_from_the_url(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, role=["output"], problems="true", q="fc1",
                    sort="absmax", desc="true")
@@ -113,6 +120,7 @@ def test_problems_only_from_the_url_shows_only_problem_rows(ui_db):
     assert set(table["severity"]) == {"nonfinite"} and table["op"].iloc[0] == STAT_FIRST_NONFINITE
 
 
+@pytest.mark.slow
 def test_a_copied_url_opens_the_same_view(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name)
     at.selectbox(key="sort").set_value("absmax")
@@ -147,6 +155,7 @@ def _tensors(x) -> list:
     return []
 
 
+@pytest.mark.slow
 def test_garbage_in_the_url_falls_back_to_the_defaults(ui_db):
     at = open_page("ops", session=STAT_SESSION, run=STAT_CAND.name, sort="absmax; DROP TABLE tensors",
                    desc="maybe", problems="yes please", page="abc", role=["nope"], step=["x"], rank=["-1"])

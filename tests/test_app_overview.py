@@ -27,6 +27,7 @@ def _store(db):
     return Store(db)
 
 
+@pytest.mark.slow
 def test_overview_names_the_first_nonfinite_producer_and_its_path(ui_db):
     at = open_page("overview", session=STAT_SESSION)
     body = texts(at)
@@ -41,6 +42,7 @@ def test_overview_names_the_first_nonfinite_producer_and_its_path(ui_db):
     assert at.get("plotly_chart"), "error-vs-order plot missing"
 
 
+@pytest.mark.slow
 def test_top_offenders_table_and_open_buttons(ui_db):
     at = open_page("overview", session=STAT_SESSION)
     top = frame_with(at, "rounding_units")
@@ -55,6 +57,7 @@ def test_top_offenders_table_and_open_buttons(ui_db):
     assert at.query_params["run"] == cand["name"]
 
 
+@pytest.mark.slow
 def test_diagnosis_cards_render_as_text(ui_db):
     from precision_lab.records import Diagnosis
 
@@ -71,6 +74,7 @@ def test_diagnosis_cards_render_as_text(ui_db):
     assert escape_md(WIDE_OP) in body
 
 
+@pytest.mark.slow
 def test_session_comes_from_the_url_and_metric_switch(ui_db):
     at = open_page("overview", session=TENSOR_SESSION)
     assert TENSOR_SESSION in at.title[0].value.replace("\\", "")
@@ -80,6 +84,7 @@ def test_session_comes_from_the_url_and_metric_switch(ui_db):
     assert "SQNR" in fig.proto.spec
 
 
+@pytest.mark.slow
 def test_a_statistics_only_session_draws_its_summaries_error(ui_db):
     """No element-wise error in a statistics-only session: the error plot opens on the summaries' relative
     error, labelled so, and the top offenders show it in a column of its own."""
@@ -118,6 +123,7 @@ def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
     assert not [b for b in at.button if b.label.startswith("Re-run with")]
 
 
+@pytest.mark.slow
 def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch):
     import os
 
@@ -153,6 +159,7 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
         assert str(tmp_path) not in " ".join(warns["file"])  # no server path
 
 
+@pytest.mark.slow
 def test_overview_tree_outlines_the_path_to_the_first_producer(ui_db):
     """The msprobe sample: the failing functional op sits in block 2's fc1 by the dump's construct.json; the
     tree outlines (model) -> blocks -> 2 -> fc1, and its module opens on Op detail."""
@@ -188,6 +195,7 @@ def test_overview_tree_outlines_the_path_to_the_first_producer(ui_db):
     assert at.subheader[0].value.startswith(escape_md(first_module))
 
 
+@pytest.mark.slow
 def test_overview_view_models_are_cached_until_the_session_changes(ui_db, monkeypatch):
     """A second run of the page (any click) reuses the session's view-models; a new run or a changed
     diagnosis computes them again."""
@@ -225,6 +233,7 @@ def test_overview_view_models_are_cached_until_the_session_changes(ui_db, monkey
     assert "fp16-again" in set(frame_with(at, "nonfinite_records")["run"])
 
 
+@pytest.mark.slow
 def test_a_training_capture_with_no_model_is_not_offered_an_island_it_cannot_grow(ui_db):
     from precision_lab.services.jobs import rerun_blocker
     from precision_lab.services.report import first_nonfinite
@@ -240,6 +249,7 @@ def test_a_training_capture_with_no_model_is_not_offered_an_island_it_cannot_gro
     assert not [b for b in at.button if b.key == "grow_island"]
 
 
+@pytest.mark.slow
 def test_error_along_the_run_plots_a_generic_dump_whose_records_are_free_tensors(tmp_path, monkeypatch):
     import json
 

@@ -55,6 +55,7 @@ def test_a_read_only_server_visited_without_a_token_never_invites_an_upload(empt
             assert not at.file_uploader and not [b for b in at.button if (b.key or "").startswith("sample_")]
 
 
+@pytest.mark.slow
 def test_open_sample_in_one_click_lands_on_its_overview(empty_db):
     at = app_test()
     at.run()
@@ -66,6 +67,7 @@ def test_open_sample_in_one_click_lands_on_its_overview(empty_db):
     assert list(sessions["runs"]) == [2]
 
 
+@pytest.mark.slow
 def test_directory_upload_with_reference(empty_db):
     at = app_test()
     at.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import math
 
@@ -76,6 +77,7 @@ def test_timeline_shows_the_first_nonfinite_step_alerts_heatmap_and_tree(ui_db):
     assert "(model)" in icicle["ids"] and set(icicle["parents"]) >= {"", "(model)"}
 
 
+@pytest.mark.slow
 def test_timeline_underflow_view_and_format_in_the_url(ui_db):
     at = open_page("timeline", session=TIMELINE_SESSION, tfmt="fp8_e4m3fn")
     assert at.query_params["tfmt"] == "fp8_e4m3fn"
@@ -93,6 +95,7 @@ def test_timeline_on_a_session_without_one_says_how_to_record_it(ui_db):
     assert "has no timeline" in texts(at) and "every=" in texts(at)
 
 
+@pytest.mark.slow
 def test_overview_lists_the_alerts_and_opens_the_timeline(ui_db):
     store, run_id, first, alerts = _facts(ui_db)
     at = open_page("overview", session=TIMELINE_SESSION)
@@ -106,6 +109,7 @@ def test_overview_lists_the_alerts_and_opens_the_timeline(ui_db):
     assert at.title[0].value == "Timeline"
 
 
+@pytest.mark.slow
 def test_tree_module_opens_op_detail_at_the_first_nonfinite_step(ui_db):
     store, run_id, first, _ = _facts(ui_db)
     at = open_page("timeline", session=TIMELINE_SESSION)
@@ -121,6 +125,7 @@ def test_tree_module_opens_op_detail_at_the_first_nonfinite_step(ui_db):
     assert store.sql("SELECT step FROM tensors WHERE run_id = ? AND rid = ?", [run_id, rid]).fetchone()[0] == first
 
 
+@pytest.mark.slow
 def test_heatmap_cells_carry_what_a_click_opens(ui_db):
     """Every drawn cell has a clickable point whose customdata names its op and step (the browser test clicks
     one); a cell at a summary step opens the full step before it."""
@@ -145,6 +150,7 @@ def test_heatmap_cells_carry_what_a_click_opens(ui_db):
     assert tv.cell_target({"customdata": None}, ops) is None and tv.cell_target({"customdata": [99, 1]}, ops) is None
 
 
+@pytest.mark.slow
 def test_op_detail_shows_where_the_op_was_called(ui_db):
     """A captured op and an msprobe op (from the dump's stack.json) both name their line of user code."""
     from ui_fixtures import STAT_FIRST_NONFINITE

@@ -57,6 +57,7 @@ def test_buffer_role_is_vocabulary():
     assert split_tensor_name("bn.forward.0.buffer.running_mean") == ("bn.forward.0", "buffer", "running_mean")
 
 
+@pytest.mark.slow
 def test_capture_pair_records_buffers_with_the_reference_absmax(store):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     name = precision_lab.capture_pair(build_bn, x, torch.float16, store=store)
@@ -144,6 +145,7 @@ def _lm_head_io(model, ids):
     return seen["wte"], seen["head"][0], seen["head"][1], logits
 
 
+@pytest.mark.slow
 def test_tied_embedding_is_detected():
     m = _gpt2()
     assert m.lm_head.weight is m.transformer.wte.weight
@@ -160,6 +162,7 @@ def test_tie_through_shared_storage_is_detected():
     assert [p for p, _, _ in eff.partners] == ["2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("island,partner", [("lm_head", "transformer.wte"), ("wte", "lm_head")])
 def test_island_on_a_tied_module_moves_its_partner_and_computes_in_fp32(island, partner):
     m = _gpt2()

@@ -542,6 +542,7 @@ def test_session_extension_and_store_path(tmp_path, store):
     assert Store().session(c3.session)["name"] == "default-db"
 
 
+@pytest.mark.slow
 def test_memory_holds_no_activations():
     torch.manual_seed(0)
     model = build_tiny()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sys
 
 from typer.testing import CliRunner
@@ -9,6 +10,7 @@ from typer.testing import CliRunner
 from precision_lab.cli import app
 
 
+@pytest.mark.slow
 def test_capture_recipe_names_the_first_nonfinite_op(tmp_path):
     from precision_lab.services.report import first_nonfinite
     from precision_lab.store import Store
@@ -28,6 +30,7 @@ def test_capture_recipe_names_the_first_nonfinite_op(tmp_path):
     assert sorted(kinds) == ["accumulated", "local"]
 
 
+@pytest.mark.slow
 def test_capture_dtype_and_fix_options(tmp_path):
     db = tmp_path / "cli.duckdb"
     res = CliRunner().invoke(app, ["capture", "--recipe", "softmax-fp16-overflow", "--db", str(db),

@@ -116,6 +116,7 @@ def test_pair_numbers_equal_an_independent_computation(store):
     assert row["rmse"] == pytest.approx(exp["rmse"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_pair_with_injected_overflow_local_vs_accumulated(store):
     name = precision_lab.capture_pair(lambda: build_tiny(overflow_scale=2e5), tiny_input(), torch.float16,
                                       store=store, loss_fn=loss_fn)
@@ -153,6 +154,7 @@ def test_pair_spills_reference_to_disk_with_the_same_results(store, tmp_path, mo
     assert not store.df("SELECT * FROM comparisons WHERE kind = 'local'").shape[0]
 
 
+@pytest.mark.slow
 def test_pair_with_a_precision_policy_and_into_an_existing_session(store):
     from precision_lab.fixes.policy import POLICIES
 
@@ -180,6 +182,7 @@ def test_pair_input_errors(store):
     assert store.sessions().empty  # nothing half-written
 
 
+@pytest.mark.slow
 def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op(store):
     """The issue's acceptance check: fp32 and fp16 runs of a small transformer with an injected overflow."""
     import json
@@ -256,6 +259,7 @@ class _CastToFloat(torch.nn.Module):
         return torch.tanh(self.fc(x)).float() * 3.0
 
 
+@pytest.mark.slow
 def test_pair_judges_an_fp32_tensor_in_an_fp16_run_like_run_pairing(store):
     from precision_lab.records import TensorRecord
     from precision_lab.services.pairing import Item, compare_runs
@@ -355,6 +359,7 @@ def test_cuda_pair_keeps_references_on_the_device_and_matches_a_cpu_pair(store):
     assert worst[name]["m"] == pytest.approx(worst[cpu]["m"], rel=0.5)  # fp16 rounding on two devices
 
 
+@pytest.mark.slow
 def test_device_comparisons_are_finished_together_with_the_numbers_of_immediate_ones(store, monkeypatch):
     """GPU tensors are compared on their device and finished together when the candidate run ends (one
     transfer); run here on CPU tensors through the same path, the session holds the numbers the immediate

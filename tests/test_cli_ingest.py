@@ -19,6 +19,7 @@ def _run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
+@pytest.mark.slow
 def test_ingest_prints_the_session_name_and_report_reads_it(tmp_path):
     db = tmp_path / "cli.duckdb"
     r = _run("ingest", FIXTURES / "stat_mix_fp16_inner_ovf", "--reference", FIXTURES / "stat_mix_fp32_inner_ovf",
@@ -36,6 +37,7 @@ def test_ingest_prints_the_session_name_and_report_reads_it(tmp_path):
     assert doc["first_nonfinite"]["stat_mix_fp16_inner_ovf"]["op"] == "Functional.linear.10.forward"
 
 
+@pytest.mark.slow
 def test_ingest_default_db_and_name(tmp_path, monkeypatch):
     r = _run("ingest", FIXTURES / "tensor_mix_fp32")
     assert r.exit_code == 0, r.output
@@ -148,6 +150,7 @@ def test_compare_unusable_input_exits_2(tmp_path):
     assert r.exit_code == 2 and "expected nonfinite" in r.output
 
 
+@pytest.mark.slow
 def test_compare_keeps_the_session_only_with_db(tmp_path):
     db = tmp_path / "ci.duckdb"
     r = _run("compare", FIXTURES / "tensor_mix_fp32", FIXTURES / "tensor_mix_fp16", "--db", db, "--session", "ci",

@@ -42,6 +42,7 @@ def _point_data_name(d, data_name):
     p.write_text(json.dumps(doc))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("escape", ["../../../../{secret}", "../../../../{missing}", "{abs_secret}", "{abs_missing}"])
 def test_data_name_outside_the_dump_is_refused_alike_whether_or_not_it_exists(store, tmp_path, escape):
     secret = tmp_path / "secret.pt"
@@ -133,6 +134,7 @@ def test_safetensors_with_more_tensors_than_the_file_limit_is_refused_from_its_h
     assert "m.safetensors: holds 50 tensors, more than the limit of 49" in msg
 
 
+@pytest.mark.slow
 def test_msprobe_shape_beyond_any_tensor_and_huge_statistic(store, tmp_path):
     d = tmp_path / "stat"
     shutil.copytree(FIXTURES / "stat_mix_fp16_inner_ovf", d)

@@ -56,6 +56,7 @@ def _stat(store, session, op_like, role="output", run_kind="candidate"):
     return df.iloc[0]
 
 
+@pytest.mark.slow
 def test_fp8_zero_scale_explains_subnormal_scale(lab):
     store, s = lab
     d, fixes = _one(store, s["fp8-zero-scale"])
@@ -150,6 +151,7 @@ def test_calibration_nan_points_at_the_producer(lab):
     assert fixes == ["eps:1e-6", "sanitize-nonfinite:norm", "calibrate-finite-only"]
 
 
+@pytest.mark.slow
 def test_diagnose_is_idempotent_and_in_the_report(lab):
     from precision_lab.services.report import build_report
 
@@ -173,6 +175,7 @@ def test_thresholds_come_from_formats():
     assert fmt_num(78450.0) == "78,450" and fmt_num(1.7e-6) == "1.7e-06" and fmt_num(float("inf")) == "inf"
 
 
+@pytest.mark.slow
 def test_dump_session_without_recipe(lab):
     """An msprobe statistics dump: the overflowing op is found from the reference's Max/Min."""
     from tests.conftest import SAMPLES

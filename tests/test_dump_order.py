@@ -188,6 +188,7 @@ def test_mtimes_that_put_containers_first(store, tmp_path):
     assert first_nonfinite(store, info["run_id"]).op == ORIGIN
 
 
+@pytest.mark.slow
 def test_equal_mtimes_fall_back_to_names(store, tmp_path):
     d = tmp_path / "dump"
     saved, _ = _record(ORIGIN, d, linked=False)
@@ -298,6 +299,7 @@ def _seqs(store):
     return dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("times", ["equal", "reverse"])
 def test_order_recovered_from_the_data(store, tmp_path, times):
     """No order list: outputs bit-identical to later inputs give the order, ahead of file times and names."""
@@ -408,6 +410,7 @@ def test_one_pt_per_module_holding_its_input_and_output(store, tmp_path, layout)
     assert info["order"] == "data"  # fc's output is act's input
 
 
+@pytest.mark.slow
 def test_the_order_used_and_its_certainty_are_in_every_report_and_on_the_overview(store, tmp_path):
     """Coarse file times (four files per tick): the note says the times are certain between ticks and the ties
     were broken by the data, in the JSON, text and HTML reports and the Overview's runs table."""

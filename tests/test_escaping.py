@@ -38,6 +38,7 @@ def _hostile_session(store):
 
 # ---- HTML report -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_html_report_escapes_every_name(store):
     from precision_lab.ui.html_report import render_html
 
@@ -148,6 +149,7 @@ def test_sessions_page_shows_names_as_text(hostile_db):
     assert any(SESSION in set(t["session"]) for t in tables if "session" in t.columns)
 
 
+@pytest.mark.slow
 def test_overview_page_shows_names_as_text(hostile_db):
     at = open_page("overview", session=SESSION)
     text = _check_page(at)
@@ -168,6 +170,7 @@ def test_detail_page_shows_names_as_text(hostile_db):
     assert f"{OP_PREFIX}.5.fc.output.0" in text
 
 
+@pytest.mark.slow
 def test_diff_page_shows_names_as_text(hostile_db):
     at = open_page("diff", session=SESSION)
     _check_page(at)

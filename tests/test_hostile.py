@@ -341,6 +341,7 @@ def test_import_zip_symlink(store, exported):
             "link.zip", "'link'", "symbolic link")
 
 
+@pytest.mark.slow
 def test_import_zip_bomb_size_and_count(store, exported):
     data, _ = exported
     zeros = zipfile.ZipInfo("zeros.bin")

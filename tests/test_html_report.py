@@ -21,6 +21,7 @@ def _body(page: str) -> str:
     return page[head_end:]
 
 
+@pytest.mark.slow
 def test_page_is_self_contained(store, tmp_path):
     make_session(store, "demo")
     path = write_html(store, "demo", tmp_path / "r.html")
@@ -36,6 +37,7 @@ def test_page_is_self_contained(store, tmp_path):
     assert 'id="plot-error"' in page and 'id="plot-focus"' in page
 
 
+@pytest.mark.slow
 def test_tables_hold_the_numbers(store, tmp_path):
     made = make_session(store, "demo")
     page = _body(render_html(store, "demo"))
@@ -57,6 +59,7 @@ def test_tables_hold_the_numbers(store, tmp_path):
     assert "Warnings (2)" in page
 
 
+@pytest.mark.slow
 def test_focus_plot_uses_the_format_of_the_failing_op(store):
     make_session(store, "demo")
     page = render_html(store, "demo")
@@ -69,6 +72,7 @@ def test_focus_plot_uses_the_format_of_the_failing_op(store):
     assert "blocks.5.fc.output.0 (first non-finite producer)" in div
 
 
+@pytest.mark.slow
 def test_statistics_only_session(store, tmp_path):
     from precision_lab.services.ingest import ingest
 
@@ -112,6 +116,7 @@ def test_session_without_comparisons(store):
     assert "none: every recorded value is finite" in page
 
 
+@pytest.mark.slow
 def test_cli_report_html(store, tmp_path):
     from typer.testing import CliRunner
 
@@ -159,6 +164,7 @@ def test_report_opens_offline_in_browser(store, tmp_path):
             browser.close()
 
 
+@pytest.mark.slow
 def test_a_long_run_has_its_timeline_and_alerts_as_report_lists_them(store):
     import html
 

@@ -328,6 +328,7 @@ class _GivenShards:
                 yield meta, r
 
 
+@pytest.mark.slow
 def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkeypatch):
     import precision_lab.readers.native as native
     from precision_lab.stats import tensor_stats
@@ -370,6 +371,7 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
     assert rep["notes"]["ingest"]["runs"]["fp16"]["order"] == "execution"
 
 
+@pytest.mark.slow
 def test_native_shards_written_by_capture_code(store, tmp_path):
     """Shards written with precision_lab.readers.shards (two ranks), local comparisons included."""
     import precision_lab.readers.shards as shards

@@ -48,6 +48,7 @@ def _param_grad_sqnr(store, run_id: str, op: str, index: str) -> float:
                         AND t.op = ? AND t."index" = ?""", [run_id, op, index]).fetchone()[0]
 
 
+@pytest.mark.slow
 def test_a_loss_scale_brings_back_gradients_fp16_flushes_to_zero(store):
     ref, flushed = _grads(None)
     assert not np.any(flushed) and np.all(ref)  # independently: every a.weight gradient is 0 in fp16
@@ -77,6 +78,7 @@ def test_a_loss_scale_brings_back_gradients_fp16_flushes_to_zero(store):
     assert zeros == int(np.count_nonzero(by_hand == 0))
 
 
+@pytest.mark.slow
 def test_a_dynamic_loss_scale_backs_off_until_the_gradients_are_finite(store):
     register_recipe(Recipe("test-grad-overflow", "fp16 grad_input past 65504 under a loss scale of 64",
                            lambda: (LC._with(LC.BackwardOverflow, LC._bo_edit)(), X.repeat(1, 2).abs()),

@@ -252,6 +252,7 @@ def test_missing_path_and_single_file(store, tmp_path):
     ingest_refused(store, tmp_path / "x.npy", "x.npy", "single file")
 
 
+@pytest.mark.slow
 def test_folder_of_ten_thousand_tiny_unreadable_files(store, tmp_path):
     d = tmp_path / "junk"
     d.mkdir()
@@ -434,6 +435,7 @@ def test_msprobe_json_not_utf8(store, tmp_path):
             "not UTF-8")
 
 
+@pytest.mark.slow
 def test_msprobe_entry_not_an_object_and_bad_shape(store, tmp_path):
     def null_entry(p):
         j = json.loads(p.read_text())

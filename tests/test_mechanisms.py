@@ -4,6 +4,7 @@ is never offered; a quantise op's verdict from its own input; the op that introd
 
 from __future__ import annotations
 
+import pytest
 import importlib.util
 import math
 import sys
@@ -85,6 +86,7 @@ def test_integer_limits_come_from_the_mantissa():
     assert (FORMATS["fp16"].integer_limit, FORMATS["bf16"].integer_limit) == (2048, 256)
 
 
+@pytest.mark.slow
 def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     stuck, lost = _count(np.float16)
     reach, _ = _count(np.float32)
@@ -190,6 +192,7 @@ class PadAttention(nn.Module):
         return torch.softmax(s + bias, -1) @ x
 
 
+@pytest.mark.slow
 def test_a_fix_whose_format_cannot_hold_the_value_is_not_offered(store):
     lowest = torch.finfo(torch.float32).min
     assert torch.tensor(lowest).to(torch.bfloat16).item() == -math.inf  # -inf in bf16 as in fp16
@@ -253,6 +256,7 @@ def test_zeros_count_as_flushed_only_where_the_reference_holds_values_the_format
     assert flushed_by_underflow(zeros(ref), zeros(got), float(ref[1]), FORMATS["bf16"]) == 0
 
 
+@pytest.mark.slow
 def test_the_fixes_listing_and_the_card_leave_out_the_same_fix_whose_format_cannot_hold_the_value(store):
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
     register_recipe(Recipe("test-pad-attention", "finfo(float32).min mask in fp16", lambda: (PadAttention(), x),

@@ -44,6 +44,7 @@ def test_capture_names_the_overflow_in_the_users_model(captured):
     assert info["recipe"].startswith("model:model=") and "qwen2_overflow.py:build" in info["recipe"]
 
 
+@pytest.mark.slow
 def test_rerun_needs_the_entry_points_again_and_then_fixes_it(captured, monkeypatch):
     monkeypatch.delenv(MODELS_ENV, raising=False)
     res = _cli("rerun", "--session", "build", "--fix", "use-bf16", "--db", captured)
@@ -62,6 +63,7 @@ def test_rerun_needs_the_entry_points_again_and_then_fixes_it(captured, monkeypa
     assert rerun["fix"] == "use-bf16" and first_nonfinite(store, rerun["run_id"]) is None
 
 
+@pytest.mark.slow
 def test_a_server_may_allow_a_model_for_re_runs(captured, monkeypatch):
     # the model alone is not enough: a session also names the inputs function, which would run too
     monkeypatch.setenv(MODELS_ENV, f"{MODEL}:build")
@@ -96,6 +98,7 @@ def test_bad_entry_points_are_one_sentence(tmp_path):
         assert "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_an_fp32_island_keeps_every_other_name_aligned(tmp_path):
     """keep-fp32 islands cast at their boundary: those casts are recorded under the island's (or its consumer's)
     own name, so every other record of the re-run pairs exactly with the reference."""
@@ -180,6 +183,7 @@ def test_fixes_on_a_session_without_a_model_is_one_sentence(captured):
     assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_verify_grows_an_island_along_the_data_flow_when_no_suggestion_works(captured):
     """With no suggestion tried (--top 0), --grow keeps modules in fp32 from the first non-finite producer
     onwards until the run is finite, then drops those it does not need; the island it reports was verified by
@@ -223,6 +227,7 @@ def test_dashboard_grows_an_island_on_the_users_model(captured, monkeypatch):
 MASKED = str(Path(__file__).parent / "models" / "masked_overflow.py")
 
 
+@pytest.mark.slow
 def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
     """The model masks its scores with masked_fill(-inf) in every run: that -inf is intended, so the island
     search counts only the overflow and stops at the module that makes it, not at the whole model."""
@@ -251,6 +256,7 @@ def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
     assert q.count_records(store, final["run_id"], nonfinite=True) > 0  # the mask is still there
 
 
+@pytest.mark.slow
 def test_a_partial_island_names_the_cast_into_fp16_not_a_square_computed_in_fp32(tmp_path):
     """Keeping only the down projection in fp32 sends a value past fp16's max into the final norm, still in fp32:
     the first failure is its cast to fp16 there (Qwen2's RMSNorm squares in fp32), and the diagnosis says so."""
@@ -287,6 +293,7 @@ def test_a_partial_island_names_the_cast_into_fp16_not_a_square_computed_in_fp32
     assert "keep-fp32:model.norm" in cards[0].fixes and "stats-fp32" not in cards[0].fixes
 
 
+@pytest.mark.slow
 def test_a_fixed_run_is_judged_in_its_own_format_not_fp32s(tmp_path):
     """With the island that fixes it, the model's module calls output fp32 (the island's end) but compute in fp16:
     their local error is measured in fp16's unit roundoff, so the fixed run gets no precision-loss warning

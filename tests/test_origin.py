@@ -69,6 +69,7 @@ class TwoAttentions(nn.Module):
 X = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)) * 3
 
 
+@pytest.mark.slow
 def test_a_healthy_masked_attention_is_clean_and_its_masks_are_listed_quietly(store):
     name = capture_pair(lambda: TwoAttentions(), X, torch.float16, store=store)
     rep = report.build_report(store, name)
@@ -81,6 +82,7 @@ def test_a_healthy_masked_attention_is_clean_and_its_masks_are_listed_quietly(st
     assert "a mask, or log(0)" in report.render_text(rep)
 
 
+@pytest.mark.slow
 def test_the_real_overflow_after_a_mask_is_named_not_the_mask(store):
     torch.manual_seed(0)
     probe = TwoAttentions(out_scale=30000.0)
@@ -133,6 +135,7 @@ class Blocks(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
     assert torch.isinf(torch.tensor(1e5).half())  # independent: 1e5 is beyond fp16
     name = capture_pair(Blocks, torch.randn(4, 8), torch.float16, store=store)
@@ -146,6 +149,7 @@ def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
     assert "keep-fp32:blocks.1.fc" in d.fixes and "use-bf16" in d.fixes
 
 
+@pytest.mark.slow
 def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store):
     import transformers  # a test dependency (requirements-test.txt)
 
@@ -174,6 +178,7 @@ def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store
     assert f.first_nan.op != f.op
 
 
+@pytest.mark.slow
 def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store, tmp_path):
     def ingest_copy(name, mutate=None):
         d = tmp_path / name
@@ -243,6 +248,7 @@ def _stat(dtype="torch.float16", shape=(2, 4), mx=1.0, mn=-1.0):
             "Norm": 1.0, "requires_grad": False}
 
 
+@pytest.mark.slow
 def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store, tmp_path):
     """msprobe names functional ops by counter (Functional.linear.0.forward), not by module: its construct.json
     says which module each ran in, so the parameter the module records is found and named."""

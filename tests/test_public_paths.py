@@ -108,6 +108,7 @@ def test_upload_errors_are_one_sentence_naming_the_upload(store, monkeypatch):
     assert store.sessions().empty
 
 
+@pytest.mark.slow
 def test_browser_sees_no_server_path(empty_db, monkeypatch):
     """Upload through the page: the Runs table and the Sessions table show the upload's name; an
     upload error is one sentence naming the file, never 'This page could not be shown'."""

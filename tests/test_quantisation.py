@@ -67,6 +67,7 @@ def _build():
     return TwoLayers()
 
 
+@pytest.mark.slow
 def test_an_outlier_under_fp8_tensor_scaling_is_diagnosed_and_row_scaling_clears_it(store):
     x = _x(1e4)
     name = capture_pair(_build, x, get_policy("fp8-e4m3-tensor"), store=store)

@@ -82,6 +82,7 @@ def _final_output(store, run_id):
     return row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_capture_pair_shows_failure_and_fix(name, store):
     from precision_lab import capture_pair

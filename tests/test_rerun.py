@@ -38,6 +38,7 @@ def _plain_output_sqnr(recipe, policy):
         return compare(ref_m(x), m(policy.prepare_inputs(x2))).sqnr_db
 
 
+@pytest.mark.slow
 def test_rerun_adds_a_child_run_that_fixes_the_failure(lab):
     store, s, _ = lab
     name = s["fp8-zero-scale"]
@@ -76,6 +77,7 @@ def test_rerun_adds_a_child_run_that_fixes_the_failure(lab):
     assert (diags[diags.rule == "fix-verified"].run_id == run_id).all()
 
 
+@pytest.mark.slow
 def test_rerun_chains_from_a_rerun(lab):
     store, s, _ = lab
     name = s["fp8-zero-scale"]
@@ -112,6 +114,7 @@ def test_rerun_of_a_dump_session_says_to_replay(lab):
         rerun_session(store, name, "use-bf16")
 
 
+@pytest.mark.slow
 def test_reruns_from_two_threads(lab):
     store, s, _ = lab
     results, errors = {}, []
@@ -135,6 +138,7 @@ def test_reruns_from_two_threads(lab):
         assert run["session_id"] == store.session(session)["session_id"]
 
 
+@pytest.mark.slow
 def test_bisect_finds_the_fp32_island(lab):
     store, s, _ = lab
     name = s["fp16-mlp-overflow"]
@@ -177,6 +181,7 @@ def test_bisect_finds_the_fp32_island(lab):
             assert not torch.isfinite(model(pol.prepare_inputs(x))).all() or m == "layers.0.residual"
 
 
+@pytest.mark.slow
 def test_bisect_budget(lab):
     store, s, _ = lab
     res = bisect_fp32_islands(store, s["fp16-mlp-overflow"], tolerance=30.0, max_runs=2)
@@ -197,6 +202,7 @@ def test_parse_tolerance_error():
         parse_tolerance("loose")
 
 
+@pytest.mark.slow
 def test_cli_rerun_bisect_recipes(lab):
     from precision_lab.cli import app
 
@@ -224,6 +230,7 @@ def test_cli_rerun_bisect_recipes(lab):
     assert res.exit_code == 0 and "keep-fp32:layers.0.mlp.down_proj" in res.output
 
 
+@pytest.mark.slow
 def test_cli_capture_with_fix_then_report_diagnoses(tmp_path):
     """`capture --recipe R` shows the failure; the diagnosis's first fix, passed as --fix, removes it."""
     from precision_lab.cli import app

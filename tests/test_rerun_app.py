@@ -19,6 +19,7 @@ def recipe_db(tmp_path, monkeypatch):
         yield store, name
 
 
+@pytest.mark.slow
 def test_rerun_button_runs_the_fix_and_opens_the_n_run_diff(recipe_db):
     store, name = recipe_db
     sid = store.session(name)["session_id"]
@@ -54,6 +55,7 @@ def test_read_only_server_offers_no_rerun(recipe_db, monkeypatch):
     assert not [b for b in at.button if b.key and b.key.startswith("rerun_")]
 
 
+@pytest.mark.slow
 def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
     from precision_lab.services.rerun import rerun_session
 
@@ -71,6 +73,7 @@ def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
     assert n == 1  # no "fix: stable-softmax (2)"
 
 
+@pytest.mark.slow
 def test_diff_shows_the_re_run_before_and_after(recipe_db):
     from precision_lab.services.rerun import rerun_session
 
@@ -94,6 +97,7 @@ def test_diff_shows_the_re_run_before_and_after(recipe_db):
     assert "stable-softmax" in texts(at)
 
 
+@pytest.mark.slow
 def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_finite_values(recipe_db):
     import numpy as np
     import torch
@@ -130,6 +134,7 @@ def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_
     assert any("re-run with `keep-fp32:attn.o_proj`" in m.value for m in at.markdown)
 
 
+@pytest.mark.slow
 def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe_db):
     from precision_lab.services.verify import suggestions, verification
 
@@ -153,6 +158,7 @@ def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe
     assert not [b for b in at.button if b.key == "verify_fixes"]  # nothing left to verify
 
 
+@pytest.mark.slow
 def test_overview_asks_for_the_fixes_verification_once_per_session_version(recipe_db, monkeypatch):
     """Which suggested fixes were verified (a query per re-run) is a view of the session like the others: a
     second run of the page reuses it, a new re-run computes it again."""

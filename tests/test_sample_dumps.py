@@ -41,6 +41,7 @@ def _signature(store, session):
     return cur.fetchall()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_regenerated_sample_reproduces_the_failure(regenerated, name, tmp_path):
     from precision_lab.services.ingest import ingest
@@ -94,6 +95,7 @@ def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
     assert not res.outputs["candidate"].isfinite().all() and res.fixed_is_finite
 
 
+@pytest.mark.slow
 def test_ingested_sample_is_diagnosed_and_rerun(regenerated, tmp_path):
     """The manifest names the recipe: the dump session gets module-level diagnoses and can be re-run."""
     from precision_lab.services.diagnose import diagnose_session

@@ -129,6 +129,7 @@ def other_store(tmp_path):
 
 # ---- round trip ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_round_trip_into_empty_database_keeps_every_row(store, other_store, tmp_path):
     made = make_session(store, "demo")
     sid = store.session("demo")["session_id"]
@@ -153,6 +154,7 @@ def test_round_trip_into_empty_database_keeps_every_row(store, other_store, tmp_
             assert np.array_equal(h, tensor_stats(want).hist)
 
 
+@pytest.mark.slow
 def test_round_trip_report_json_identical(store, other_store, tmp_path):
     from precision_lab.services.report import build_report, to_json
 
@@ -166,6 +168,7 @@ def test_round_trip_report_json_identical(store, other_store, tmp_path):
     assert before["first_nonfinite"]["fp16"]["op"] == "blocks.5.fc"  # the report is not empty
 
 
+@pytest.mark.slow
 def test_round_trip_of_real_msprobe_ingest(store, other_store, tmp_path):
     from conftest import SAMPLES
     from precision_lab.services.report import build_report, to_json
@@ -290,6 +293,7 @@ def test_a_schema_4_archive_imports_with_its_summary_errors_moved(store, other_s
 
 # ---- never overwrite ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_import_into_same_database_renames_and_gives_fresh_ids(store, tmp_path):
     made = make_session(store, "demo")
     before = dump_tables(store, store.session("demo")["session_id"])
@@ -499,6 +503,7 @@ def test_resolve_access(store):
 
 # ---- CLI ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_export_import_share_link(store, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
@@ -602,6 +607,7 @@ def test_dashboard_import_refuses_a_bad_file(app_db):
     assert snapshot(Store(app_db)) == before
 
 
+@pytest.mark.slow
 def test_dashboard_share_link_opens_one_session_read_only(app_db):
     from precision_lab.store import Store
     from ui_fixtures import assert_clean, open_page
@@ -642,6 +648,7 @@ def test_read_only_server(app_db, monkeypatch):
     assert "private" not in " ".join(t.value for t in at.title)
 
 
+@pytest.mark.slow
 def test_no_rerun_button_for_read_only_visitors(tmp_path, monkeypatch):
     """A recipe session offers re-runs to a writer, never through a share link or on a read-only server."""
     import streamlit as st

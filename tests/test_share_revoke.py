@@ -238,6 +238,7 @@ def test_an_older_database_with_a_token_file_keeps_the_file(tmp_path):
     assert s.session_by_token(revoked) is None and s.session_by_token(kept)["name"] == "other"
 
 
+@pytest.mark.slow
 def test_no_copy_of_a_token_is_kept_in_the_database(store, tmp_path):
     """The token file is the one record of the links: nothing in the database can disagree with it, whatever
     process changed it (a revocation through the file alone, as while a server holds the database)."""

@@ -274,6 +274,7 @@ def _random_f32(fmt, n: int, seed: int) -> np.ndarray:
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL)
 def test_exactness_small_formats_10M_random(name):
     """10 million random float32 values plus every value within 3 ulps of every threshold."""
@@ -778,6 +779,7 @@ def test_summary_records_infer_the_sign_from_min_and_max():
     assert both.negative_inf_only is False
 
 
+@pytest.mark.slow
 def test_narrow_floats_widened_piece_by_piece_match_float64():
     """fp16/bf16 tensors are widened a 1M-element piece at a time into one reused buffer: values at the
     piece boundaries, specials in several pieces and a ragged last piece are all counted exactly."""

@@ -343,6 +343,7 @@ def test_module_tree_and_record_at(grown):
 
 # ---- where in the code: msprobe's stack.json ----------------------------------------------------
 
+@pytest.mark.slow
 def test_msprobe_stack_json_gives_each_op_its_line_of_user_code(tmp_path):
     import re
     import shutil

@@ -146,7 +146,8 @@ def run_kernel(t: torch.Tensor, *, histogram: bool = True, block: int = TEST_BLO
 # ---- the kernel through the interpreter -------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("n", [1, TEST_BLOCK - 1, TEST_BLOCK + 1, 5 * TEST_BLOCK + 3])
+@pytest.mark.parametrize("n", [1, TEST_BLOCK + 1, pytest.param(TEST_BLOCK - 1, marks=pytest.mark.slow),
+                               pytest.param(5 * TEST_BLOCK + 3, marks=pytest.mark.slow)])
 def test_kernel_matches_float64_reference(interpret, dtype, n):
     t = hostile(max(n, 1), seed=n).to(dtype)
     for programs in ((1, 3) if n > TEST_BLOCK else (None,)):
@@ -181,6 +182,7 @@ def test_the_kernel_agrees_with_the_cpu_kernel(interpret):
         assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_layouts_views_and_empty(interpret):
     base = hostile(6 * 10, seed=2).to(torch.float32).reshape(6, 10)
     for t in (base.t(), base[:, ::3], base[1:4, 2:9], torch._neg_view(base), base[2, 3]):
@@ -200,6 +202,7 @@ def test_values_only_past_the_formats(interpret):
     assert s.zero_count == 40 and s.absmax == 0.0 and math.isnan(s.min_abs_nonzero)
 
 
+@pytest.mark.slow
 def test_every_code_of_the_8_bit_formats(interpret):
     """Each of the 256 codes of every fp8 dtype, decoded by the kernel, against torch's own cast."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -271,6 +274,7 @@ def test_the_package_works_without_triton(tmp_path):
     assert out.stdout.split() == ["False", "True", "3.0"]
 
 
+@pytest.mark.slow
 def test_capture_takes_the_kernel_where_it_applies(interpret, monkeypatch):
     """The engine's hook on the CPU: with the kernel made to take CPU tensors (the interpreter runs it), every
     tensor the capture measures goes to it (none to the torch device path), and the records match float64."""

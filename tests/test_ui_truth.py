@@ -185,6 +185,7 @@ def test_num_text_spells_every_case_once():
     assert list(out["a"]) == [MISSING, "nan", "inf", "1.5"] and list(out["b"]) == list("wxyz")
 
 
+@pytest.mark.slow
 def test_tables_never_print_none_or_infinity(truth_db):
     run = _cand_run(truth_db)
     for at in (open_page("ops", session=SESSION, run=run), open_page("diff", session=SESSION),
@@ -193,6 +194,7 @@ def test_tables_never_print_none_or_infinity(truth_db):
         assert not _bad_cells(at)
 
 
+@pytest.mark.slow
 def test_summary_only_session_shows_missing_not_none(ui_db):
     # msprobe statistics carry no elements: SQNR and rounding units were never computed
     for at in (open_page("overview", session=STAT_SESSION), open_page("ops", session=STAT_SESSION, run=STAT_CAND.name),

@@ -459,6 +459,7 @@ def test_element_wise_and_summary_errors_are_never_ranked_as_one_number(store):
     assert ranks == sorted(ranks, reverse=True)
 
 
+@pytest.mark.slow
 def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
     from precision_lab.services.ingest import ingest
 
