@@ -68,6 +68,7 @@ def test_format_choice_changes_the_overlay_counts(ui_db):
     assert "fp8_e4m3fn" in fig and "log2 |x|" in fig
 
 
+@pytest.mark.slow
 def test_fp32_record_shows_what_if_for_every_format(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "reference", f"{WIDE_OP}.output.0")
     at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("reference"), op=str(rid))
@@ -79,6 +80,7 @@ def test_fp32_record_shows_what_if_for_every_format(ui_db):
     assert sum("overflow %" in f.columns and "smallest normal" not in f.columns for f in frames(at)) == 2
 
 
+@pytest.mark.slow
 def test_candidate_metrics_and_side_by_side_stats(ui_db):
     rid = _rid(ui_db, TENSOR_SESSION, "candidate", "blocks.1.proj.output.0")
     at = open_page("op_detail", session=TENSOR_SESSION, run=_run_name("candidate"), op=str(rid), fmt="fp16")
@@ -97,6 +99,7 @@ def test_candidate_metrics_and_side_by_side_stats(ui_db):
     assert stats.loc["dtype", "wide_fp32 (reference)"] == "float32"
 
 
+@pytest.mark.slow
 def test_stats_only_record_gets_the_summary_overlay(ui_db):
     at = open_page("op_detail", session=STAT_SESSION, run=STAT_CAND.name, fmt="fp16")
     # no op in the URL: the run's first non-finite producer is shown
@@ -126,6 +129,7 @@ def test_stats_only_record_gets_the_summary_overlay(ui_db):
     assert f"{STAT_CAND.name} (this): NaN/Inf" in names  # the infinite Max/Min drawn as crosses
 
 
+@pytest.mark.slow
 def test_norm_artefact_is_explained(ui_db):
     from precision_lab.services.report import norm_artefacts
     from precision_lab.store import Store

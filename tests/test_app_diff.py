@@ -31,6 +31,7 @@ def test_pair_diff_rows_and_problems(ui_db):
     assert at.title[0].value == "Op detail" and at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
 
 
+@pytest.mark.slow
 def test_nrun_mode_has_a_column_group_per_run(ui_db):
     at = open_page("diff", session=STAT_SESSION)
     at.radio(key="view").set_value("runs").run()

@@ -112,6 +112,7 @@ def test_unknown_session_in_url_says_so_and_opens_nothing(ui_db):
     assert not at.dataframe and not at.get("plotly_chart")  # no other session's data
 
 
+@pytest.mark.slow
 def test_a_dump_session_says_why_its_fixes_have_no_re_run_button(ui_db):
     at = open_page("overview", session=STAT_SESSION)
     body = texts(at)

@@ -83,6 +83,7 @@ def test_directory_upload_with_reference(empty_db):
     assert sorted(runs["kind"]) == ["candidate", "reference"]
 
 
+@pytest.mark.slow
 def test_zip_upload(empty_db):
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
@@ -116,6 +117,7 @@ def test_bad_uploads_give_a_sentence_and_no_session(empty_db):
     assert _store(empty_db).sessions().empty
 
 
+@pytest.mark.slow
 def test_list_select_rename_and_delete_with_confirmation(ui_db):
     at = app_test()
     at.run()
@@ -196,6 +198,7 @@ def test_the_dashboard_does_not_import_torch():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
+@pytest.mark.slow
 def test_session_headlines_are_cached_until_a_run_is_added(ui_db):
     """The Sessions list caches each session's headline on its runs: a second render reuses it, and a run added
     to the session (a re-run) shows at once."""

@@ -51,6 +51,7 @@ def _figures(at) -> list[dict]:
     return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
 
 
+@pytest.mark.slow
 def test_timeline_shows_the_first_nonfinite_step_alerts_heatmap_and_tree(ui_db):
     store, run_id, first, alerts = _facts(ui_db)
     at = open_page("timeline", session=TIMELINE_SESSION)

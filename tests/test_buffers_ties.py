@@ -93,6 +93,7 @@ def test_capture_pair_records_buffers_with_the_reference_absmax(store):
     assert {r["match"] for r in cmp} == {"exact"}
 
 
+@pytest.mark.slow
 def test_buffer_recorded_as_read_before_the_module_updates_it():
     """In training, BatchNorm updates its running statistics in place during its call: the record (statistics and
     kept tensor) is the buffer the call read, and buffers get no gradient records."""

@@ -37,6 +37,7 @@ def _np_compare(ref, cand):
             "cosine": float(r @ c / (np.linalg.norm(r) * np.linalg.norm(c)))}
 
 
+@pytest.mark.slow
 def test_pair_compares_every_op_accumulated_and_local(store):
     name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn)
     runs = _runs(store, name)
@@ -67,6 +68,7 @@ def test_pair_compares_every_op_accumulated_and_local(store):
     assert {r["verdict"] for r in local} <= {"expected", "warn"}
 
 
+@pytest.mark.slow
 def test_pair_numbers_equal_an_independent_computation(store):
     name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store)
     cand_id = _runs(store, name)["candidate"]["run_id"]
@@ -140,6 +142,7 @@ def test_pair_with_injected_overflow_local_vs_accumulated(store):
     assert verdict("accumulated", "blocks.1.ln2.layer_norm.0")["verdict"] in ("expected", "warn")
 
 
+@pytest.mark.slow
 def test_pair_spills_reference_to_disk_with_the_same_results(store, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     a = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, local_error=False)

@@ -61,6 +61,7 @@ def test_ingest_bad_input_exits_2_naming_the_file(tmp_path):
     assert "t.npy" in r.output and "error:" in r.output
 
 
+@pytest.mark.slow
 def test_compare_fail_on_nonfinite():
     r = _run("compare", FIXTURES / "stat_mix_fp32_inner_ovf", FIXTURES / "stat_mix_fp16_inner_ovf",
              "--fail-on", "nonfinite")

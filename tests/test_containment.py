@@ -115,6 +115,7 @@ def test_npz_member_header_claiming_more_than_it_holds(store, tmp_path):
     assert "x.npz: member 'a.npy'" in msg and "holds 64 bytes of data" in msg
 
 
+@pytest.mark.slow
 def test_tensor_limit_is_checked_from_the_header(store, tmp_path):
     d = tmp_path / "big"
     d.mkdir()

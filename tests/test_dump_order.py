@@ -122,6 +122,7 @@ def _run(store, name):
     return info, store.run(info["run_id"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ORDER_KEYS)
 @pytest.mark.parametrize("which", ["save", "call"])
 def test_manifest_order_under_each_key(store, tmp_path, key, which):

@@ -164,6 +164,7 @@ def test_ops_page_shows_names_as_text(hostile_db):
     assert f"{OP_PREFIX}.3.fc" in _frames_text(at)
 
 
+@pytest.mark.slow
 def test_detail_page_shows_names_as_text(hostile_db):
     at = open_page("op_detail", session=SESSION, run="fp16", op="5")
     text = _check_page(at)

@@ -323,6 +323,7 @@ def test_import_extra_unlisted_file(store, exported):
     refused(store, imp(store, bad, "extra.zip"), ShareError, "extra.zip", "'run_me.py' is not listed")
 
 
+@pytest.mark.slow
 def test_import_zip_slip(store, exported, tmp_path):
     data, _ = exported
     bad = rezip(data, extra=[("../../evil.parquet", b"x")])

@@ -121,6 +121,7 @@ def test_statistics_pair_comparisons(stat_session):
     assert all(c["verdict"] != "nonfinite" for c in comps if c["seq"] < first_seq)
 
 
+@pytest.mark.slow
 def test_report_json_is_strict_and_stable(stat_session):
     store, name = stat_session
     text = to_json(build_report(store, name))
@@ -149,6 +150,7 @@ def _pt(proc, name):
     return torch.load(proc / "dump_tensor_data" / name, weights_only=True)
 
 
+@pytest.mark.slow
 def test_tensor_mode_pair_compares_element_wise(store):
     name = ingest(FIXTURES / "tensor_mix_fp16", reference=FIXTURES / "tensor_mix_fp32", store=store)
     rep = build_report(store, name)
@@ -304,6 +306,7 @@ def _generic_pair(tmp_path):
     return ref, cand, acts
 
 
+@pytest.mark.slow
 def test_generic_pair_flags_introduced_nan(store, tmp_path):
     ref, cand, acts = _generic_pair(tmp_path)
     name = ingest(cand, reference=ref, store=store)

@@ -135,6 +135,7 @@ def test_sidecar_shape_mismatch(store, tmp_path):
     assert "z.json" in msg
 
 
+@pytest.mark.slow
 def test_sidecar_invalid_json_and_unknown_dtype(store, tmp_path):
     d = tmp_path / "dump"
     _good(d)
@@ -246,6 +247,7 @@ def test_unsupported_file_beside_tensors_is_a_warning(store, tmp_path):
     assert store.sql("SELECT count(*) FROM tensors").fetchone()[0] == 2
 
 
+@pytest.mark.slow
 def test_missing_path_and_single_file(store, tmp_path):
     ingest_refused(store, tmp_path / "nope", "nope", "no such file or folder")
     np.save(tmp_path / "x.npy", np.ones(3))
@@ -284,6 +286,7 @@ def test_zip_slip(store, tmp_path):
     assert not (tmp_path.parent / "evil.npy").exists()
 
 
+@pytest.mark.slow
 def test_zip_absolute_path(store, tmp_path):
     z = _zip(tmp_path / "abs.zip", [("/tmp/abs_evil.npy", _npy_bytes(np.ones(3)))])
     ingest_refused(store, z, "abs.zip", "absolute path")
@@ -310,6 +313,7 @@ def test_zip_bomb_ratio(store, tmp_path):
     assert ingest(z, store=store, zip_limits=ZipLimits(max_ratio=1e6))
 
 
+@pytest.mark.slow
 def test_zip_bomb_count_and_size(store, tmp_path):
     entries = [(f"t{i}.npy", _npy_bytes(np.ones(2, np.float32))) for i in range(30)]
     z = _zip(tmp_path / "many.zip", entries)
@@ -382,6 +386,7 @@ def test_empty_npy_file(store, tmp_path):
     ingest_refused(store, d, "e.output.0.npy", "not a .npy file")
 
 
+@pytest.mark.slow
 def test_safetensors_data_truncated_and_offsets_past_end(store, tmp_path):
     from safetensors.numpy import save
 
@@ -513,6 +518,7 @@ def test_unusual_arrays_are_read_exactly(store, tmp_path, arr):
         assert row["min"] is None or np.isnan(row["min"])
 
 
+@pytest.mark.slow
 def test_all_nan_tensor_is_the_first_nonfinite_producer(store, tmp_path):
     from precision_lab.services.report import build_report
 

@@ -119,6 +119,7 @@ def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
 TinyGrad, _tiny_loss = LC.TinyGrad, LC._tiny_loss
 
 
+@pytest.mark.slow
 def test_gradients_flushed_to_zero_raise_the_alert_and_a_loss_scaling_diagnosis(store):
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

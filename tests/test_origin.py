@@ -102,6 +102,7 @@ def test_the_real_overflow_after_a_mask_is_named_not_the_mask(store):
     assert shown == pytest.approx(ref, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_torch_transformer_layer_with_a_float_causal_mask_is_not_blamed(store):
     def build():
         return nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
@@ -290,6 +291,7 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
     ("seed-attention", "activation", "live"), ("seed-blocks", "weight", "dump-unordered"),
     ("gpt2", "weight", "live"), ("bert", "activation", "dump-unordered"),
 ])
+@pytest.mark.slow
 def test_localization_corpus_subset(store, tmp_path, model, kind, how):
     LOC = _bench()
     base, template, inputs = LOC._model(model)
@@ -330,6 +332,7 @@ def test_a_dump_gets_the_format_story_of_a_square_that_overflows(store, tmp_path
     ("Torch.rsqrt.0.forward", [_stat(shape=(2, 1), mn=0.0, mx=0.5)], ["rsqrt(0) = inf", "1e-8"]),
     ("Tensor.reciprocal.0.forward", [_stat(mn=1e-6, mx=3e-6)], ["1e-06 < 1/65,504"]),
 ])
+@pytest.mark.slow
 def test_a_dump_gets_the_format_story_of_a_division(store, tmp_path, op, args, words):
     out_nan = "truediv" in op
     out = _stat(mx=float("nan") if out_nan else float("inf"), mn=float("nan") if out_nan else 0.0)
@@ -343,6 +346,7 @@ def test_a_dump_gets_the_format_story_of_a_division(store, tmp_path, op, args, w
     assert np.float16(1e-8) == 0 and np.isinf(np.float16(1) / np.float16(0))
 
 
+@pytest.mark.slow
 def test_a_captured_rsqrt_of_a_padding_row_is_explained(store):
     base, _t, x = _bench()._model("seed-tiny-eps")
     name = capture_pair(base, x, torch.float16, store=store)

@@ -182,6 +182,7 @@ NAMES = st.dictionaries(
     min_size=1, max_size=4)
 
 
+@pytest.mark.slow
 @READER_SETTINGS
 @given(arrays=NAMES, fmt=st.sampled_from(["npy", "npz", "safetensors", "pt"]))
 def test_generic_reader_round_trips_arrays(tmp_path_factory, arrays, fmt):

@@ -268,6 +268,7 @@ def _flip_data_byte(path):
     path.write_bytes(bytes(raw))
 
 
+@pytest.mark.slow
 def test_replay_refuses_a_tensor_file_damaged_after_ingest(tmp_path):
     """A byte flipped in an ingested msprobe tensor: replay names the file (CLI: one error line, exit 2)."""
     from precision_lab.cli import app

@@ -81,6 +81,7 @@ def test_samples_are_small():
         assert [r["kind"] for r in doc["runs"]] == ["reference", "candidate"]
 
 
+@pytest.mark.slow
 def test_sample_ops_replay_under_a_fix(regenerated, tmp_path):
     """A sample is a dump-only session: its fake-quant op replays from the kept tensors under a fix."""
     from precision_lab.services.replay import replay_op

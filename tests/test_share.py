@@ -320,6 +320,7 @@ def test_import_into_same_database_renames_and_gives_fresh_ids(store, tmp_path):
     assert import_session(store, tmp_path / "demo.zip").session == "demo-3"
 
 
+@pytest.mark.slow
 def test_import_as_name_and_name_clash(store, tmp_path):
     make_session(store, "demo")
     export_session(store, "demo", tmp_path / "demo.zip")
@@ -593,6 +594,7 @@ def test_dashboard_import_says_when_it_renamed(app_db, tmp_path):
     assert "demo-2" in set(Store(app_db).sessions()["name"])
 
 
+@pytest.mark.slow
 def test_dashboard_import_refuses_a_bad_file(app_db):
     from precision_lab.store import Store
     from conftest import snapshot
@@ -636,6 +638,7 @@ def test_dashboard_share_link_opens_one_session_read_only(app_db):
     assert "not valid" in bad.error[0].value and not bad.dataframe
 
 
+@pytest.mark.slow
 def test_read_only_server(app_db, monkeypatch):
     from ui_fixtures import assert_clean
 

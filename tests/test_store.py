@@ -119,6 +119,7 @@ def test_default_path_honours_env(tmp_path, monkeypatch):
     assert default_db_path() == tmp_path / "data" / "precision-lab" / "precision_lab.duckdb"
 
 
+@pytest.mark.slow
 def test_threads_get_their_own_cursor(store):
     import threading
 

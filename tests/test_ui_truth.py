@@ -143,6 +143,7 @@ def test_stats_table_of_only_nan_says_no_finite_value():
     assert "no finite value" in table["min"] and "no finite value" in table["max"]
 
 
+@pytest.mark.slow
 def test_op_detail_of_a_tensor_holding_inf(truth_db):
     rid = _rid(truth_db, "candidate", INF_OP)
     at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
@@ -162,6 +163,7 @@ def test_op_detail_of_a_tensor_holding_inf(truth_db):
     assert stats.loc["min", col] == num_text(float(np.nanmin(cand)))
 
 
+@pytest.mark.slow
 def test_op_detail_of_a_scalar_inf(truth_db):
     rid = _rid(truth_db, "candidate", SCALAR_OP)
     at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid), fmt="fp16")
@@ -272,6 +274,7 @@ def test_plain_rounding_stays_expected():
 
 # ---- (d) unknown session or op: say so, open nothing else -------------------------------
 
+@pytest.mark.slow
 def test_unknown_session_says_not_found(truth_db):
     for page in ("overview", "ops", "diff", "op_detail"):
         at = open_page(page, session="nope")
@@ -288,6 +291,7 @@ def test_unknown_op_says_not_found(truth_db, op):
     assert not at.subheader and not at.dataframe and not at.get("plotly_chart")
 
 
+@pytest.mark.slow
 def test_known_op_still_opens(truth_db):
     rid = _rid(truth_db, "candidate", NEAR0_OP)
     at = open_page("op_detail", session=SESSION, run=_cand_run(truth_db), op=str(rid))

@@ -244,6 +244,7 @@ def test_sessions_table_headlines(db):
 
 # ---- ops table --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ops_page_counts_filters_and_pages(db):
     _, runs = _runs(db, STAT_SESSION)
     run_id = runs["candidate"]["run_id"]

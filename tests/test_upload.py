@@ -111,6 +111,7 @@ def test_ingest_upload_failure_is_a_sentence_and_writes_nothing(store):
     assert store.sessions().empty
 
 
+@pytest.mark.slow
 def test_open_sample_reuses_its_session(store):
     sample = next(s for s in list_samples() if s.name == STAT_CAND.name)
     first = open_sample(store, sample)
