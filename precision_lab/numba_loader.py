@@ -41,7 +41,7 @@ except ImportError:  # Windows: no background compiler (see start_compiler)
     fcntl = None
 
 __all__ = ["DISABLE_ENV", "COMPILE_ENV", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
-           "ParallelChoice", "run_parts", "load_numba", "njit", "limit_threads", "restore_threads", "readonly", "note_fallback",
+           "ParallelChoice", "run_parts", "load_numba", "njit", "prefetch_intrinsic", "limit_threads", "restore_threads", "readonly", "note_fallback",
            "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
@@ -79,6 +79,35 @@ def load_numba() -> Optional[Any]:
 def njit(numba: Any, fn: Callable, **options: Any) -> Callable:
     """``fn`` compiled by ``numba.njit`` with the project's defaults: cached on disk, GIL released."""
     return numba.njit(cache=True, nogil=True, **options)(fn)
+
+
+def prefetch_intrinsic(numba: Any) -> Callable:
+    """``prefetch(arr, i)`` for compiled kernels: asks for the cache line holding ``arr[i]`` (LLVM's
+    ``llvm.prefetch``, a read kept in every cache level) and goes on without waiting for it, where a load would
+    hold the instructions after it until the line came.  A kernel that computes on one block while the next is
+    read spreads these through its work: the next block is in cache when it starts on it."""
+    from llvmlite import ir  # deferred with numba (llvmlite comes with it)
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, arr, idx):
+        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            aryty = signature.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data
+            return context.get_dummy_value()
+
+        return types.void(arr, idx), codegen
+
+    return prefetch
 
 
 def readonly(a):

@@ -30,9 +30,10 @@ one-pass numba kernel (a large tensor in parts, on several threads) that reads e
 everything else, every CUDA tensor and every CPU run without numba uses a
 pure-torch path in float64 (``backend="torch"``; numpy arrays a float64 numpy
 one, ``backend="numpy"``, that never imports torch) that gives the same counts,
-extrema and histogram and moments equal to rounding.  Inputs are processed in
-chunks of ``chunk_elems`` elements, so a memory-mapped file larger than RAM
-works in bounded memory.  numba is imported and the kernel loaded from numba's
+extrema and histogram and moments equal to rounding.  Inputs that need a
+conversion are processed in chunks of ``chunk_elems`` elements, so a memory-mapped
+file larger than RAM works in bounded memory; a dense float32/bf16/fp16 input is
+read where it lies.  numba is imported and the kernel loaded from numba's
 cache on first use; while the cache is empty (the first command after an
 install) the float64 paths run and the kernel compiles in a background process
 (``numba_loader``); ``PRECISION_LAB_NO_NUMBA=1`` forces the float64 paths
