@@ -30,10 +30,14 @@ the writer's ``flush``.  The split (enter / step / exit and write) is printed
 beside each.  Two ratios are printed: wall-clock time, and the process's CPU
 time (all threads).  ``--busy N`` runs N busy-looping processes beside every
 variant for the whole measurement (a machine shared with data-loader workers or
-other jobs).
+other jobs).  ``--omp-passive`` runs everything with ``OMP_WAIT_POLICY=PASSIVE``:
+torch's OpenMP threads then sleep between ops instead of spinning, which is what
+decides a step's time when other processes hold the cores (the plain step
+itself, beside 2 busy processes on 2 cores: 537 ms spinning, 362 ms passive).
 
     python bench/capture_overhead.py                  # both models, 9 rounds
     python bench/capture_overhead.py --busy 1         # the same with one core taken
+    python bench/capture_overhead.py --busy 2 --omp-passive
     python bench/capture_overhead.py --models transformer --rounds 15
     python bench/capture_overhead.py --more            # + forward-only, modules-only
     python bench/capture_overhead.py --breakdown       # hooks vs statistics, in one process
@@ -199,6 +203,7 @@ class _Timer:
         return end - self.wall, time.process_time() - self.cpu, tuple(b - a for a, b in zip(marks, marks[1:]))
 
 
+OMP_ENV = "OMP_WAIT_POLICY"
 SPLIT = ("enter", "step", "exit")  # the three parts of a capture's window (msprobe: start / step / stop+step)
 
 
@@ -439,22 +444,24 @@ def _breakdown(model_kind: str, args) -> None:
 
     rows = {"plain": [], "hooks (statistics a constant)": [], "full": [], "  its statistics calls": [],
             "  same tensors, replayed after the step": []}
-    for r in range(args.warmup + args.rounds):
-        plain = step()
-        hooks = step(lambda t, **kw: const)
-        spent[0] = 0.0
-        seen.clear()
-        full = step(timed_stats)
-        t0 = time.perf_counter()
-        for t, kw in seen:
-            real(t, **kw)
-        replay = time.perf_counter() - t0
-        if r >= args.warmup:
-            for k, v in zip(rows, (plain, hooks, full, spent[0], replay)):
-                rows[k].append(v)
+    with busy(args.busy):
+        for r in range(args.warmup + args.rounds):
+            plain = step()
+            hooks = step(lambda t, **kw: const)
+            spent[0] = 0.0
+            seen.clear()
+            full = step(timed_stats)
+            t0 = time.perf_counter()
+            for t, kw in seen:
+                real(t, **kw)
+            replay = time.perf_counter() - t0
+            if r >= args.warmup:
+                for k, v in zip(rows, (plain, hooks, full, spent[0], replay)):
+                    rows[k].append(v)
     base = statistics.median(rows["plain"])
     n_el = sum(t.numel() for t, _ in seen)
-    print(f"\nmodel: {MODELS[model_kind][0]}: where a full capture's time goes (one process, interleaved)")
+    print(f"\nmodel: {MODELS[model_kind][0]}: where a full capture's time goes (one process, interleaved); "
+          f"{describe(args.busy)}")
     for k, v in rows.items():
         m = statistics.median(v)
         extra = f"   +{(m - base) * 1e3:.1f} ms" if k in ("hooks (statistics a constant)", "full") else ""
@@ -470,17 +477,26 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--stats-threads", type=int, default=0,
-                    help="CaptureOptions.stats_threads (default 0: numba's own setting, every core)")
+                    help="CaptureOptions.stats_threads (default 0: the capture's default, the cores torch's "
+                         "threads leave free, at least one)")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside every variant (default 0)")
+    ap.add_argument("--omp-passive", action="store_true",
+                    help="run with OMP_WAIT_POLICY=PASSIVE (torch's threads sleep between ops, no spinning)")
     ap.add_argument("--more", action="store_true",
                     help="also time lighter capture settings (forward only; modules only)")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: where a full capture's time goes (hooks, statistics in the step, replayed)")
     args = ap.parse_args(argv)
+    if args.omp_passive and os.environ.get(OMP_ENV) != "PASSIVE":
+        # OpenMP reads the policy when it starts: this process again, with it set (the variants' processes
+        # inherit it)
+        os.environ[OMP_ENV] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     os.environ.setdefault("PRECISION_LAB_COMPILE", "now")  # the kernels compile in the warm-up, not in the rounds
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
           f"torch threads {args.threads or torch.get_num_threads()}  stats threads "
-          f"{args.stats_threads or 'numba default'}  cpu {_cpu_name()}")
+          f"{args.stats_threads or 'default'}  cpu {_cpu_name()}  "
+          f"{OMP_ENV} {os.environ.get(OMP_ENV, '(not set: spinning)')}")
     for kind in args.models:
         (_breakdown if args.breakdown else _run_model)(kind, args)
     return 0

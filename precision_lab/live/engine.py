@@ -20,6 +20,7 @@ have the same statistics, whatever their shape.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import weakref
 from collections import deque
@@ -31,7 +32,7 @@ from .. import stats as _stats  # module attributes, so tests can patch them
 from ..stats import triton_stats as _triton_stats
 from ..numba_loader import limit_threads, restore_threads
 
-__all__ = ["StatsEngine", "Handle", "skip_reason"]
+__all__ = ["StatsEngine", "Handle", "skip_reason", "stats_threads_default"]
 
 _RECENT = 16
 
@@ -80,6 +81,19 @@ def skip_reason(t: torch.Tensor) -> Optional[str]:
     return None
 
 
+def stats_threads_default() -> int:
+    """Threads for the CPU statistics kernel inside a step: the cores torch's intra-op threads leave free, at
+    least one.  Between two ops of a step torch's OpenMP threads keep spinning on their cores for a while, so a
+    second statistics thread on those cores waits for them: on 2 cores with torch's 2 threads, one statistics
+    thread made a full capture of the benchmark transformer 1.68x the plain step against 1.79x with two
+    (``bench/capture_overhead.py --stats-threads 1``, one run each)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - torch.get_num_threads() + 1)
+
+
 class StatsEngine:
     def __init__(self, options, warn: Callable[[str, str], None], *, deferred_cpu: bool = False,
                  histogram: Optional[bool] = None, device_histogram: Optional[bool] = None,
@@ -104,10 +118,13 @@ class StatsEngine:
         self._recent: deque = deque(maxlen=_RECENT)
 
     def enter(self, threads: Optional[int]) -> None:
-        """Limit the CPU kernel to ``threads`` in this thread while the capture runs."""
+        """Limit the CPU kernel to ``threads`` in this thread while the capture runs (None: the cores torch's
+        intra-op threads leave free, at least one; see ``stats_threads_default``)."""
         self._saved_threads = None
-        if threads is None or not _stats.numba_available():
+        if not _stats.numba_available():
             return
+        if threads is None:
+            threads = stats_threads_default()
         try:
             self._saved_threads = limit_threads(threads)
         except Exception as e:  # a threading layer that cannot start: keep numba's default

@@ -43,10 +43,10 @@ class CaptureOptions:
       gradients, and its non-empty floating-point buffers (role ``buffer``,
       once per step, no gradient).
     - ``stats_threads``: threads the CPU statistics kernel may use while the
-      capture runs; None (the default) leaves numba's setting (every core).
-      The kernel runs between torch ops, when torch's own threads are idle;
-      on a machine already oversubscribed by other jobs, 1 avoids two thread
-      pools spinning against each other.
+      capture runs; None (the default): the cores torch's intra-op threads
+      leave free, at least one (one where torch uses every core: its OpenMP
+      threads keep spinning between ops, so a second statistics thread would
+      wait for them).
     - ``max_warnings``: stop recording distinct hook warnings after this many.
     - ``locations``: record the user code that called each op (the first
       frame outside torch, Python and Precision Lab), cached per call site.
