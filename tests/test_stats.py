@@ -898,3 +898,31 @@ def test_numpy_path_against_reference_and_kernel(kind):
             assert getattr(s, f) == pytest.approx(getattr(k, f), rel=1e-10), f
     with pytest.raises(ValueError, match="numpy arrays"):
         tensor_stats(torch.zeros(3), backend="numpy")
+
+
+@pytest.mark.slow
+def test_summary_stats_counts_at_edges_equal_the_histograms_tail():
+    """``summary_stats``: the statistics without the histogram, and the nonzero finite magnitudes at or above
+    chosen edges -- against float64 numpy, on the compiled kernel (float32/bf16/fp16, in parts on several
+    threads, strided) and on the histogram path it falls back to (float64, fp8); edge 0 (which would count
+    zeros) and edges past the last are refused."""
+    from precision_lab.stats import HIST_EDGES, N_BINS, summary_stats
+
+    rng = np.random.default_rng(21)
+    x = _mixture(300_001, seed=21)
+    edges = np.unique(np.concatenate([[1, N_BINS], rng.integers(1, N_BINS + 1, 40)]))
+    ties = np.asarray(HIST_EDGES[edges[(HIST_EDGES[edges] > 0) & np.isfinite(HIST_EDGES[edges])]], np.float32)
+    x[:ties.size] = ties  # values exactly at edges count as at or above them
+    cases = [x, torch.from_numpy(x), torch.from_numpy(x).to(torch.bfloat16), torch.from_numpy(x).to(torch.float16),
+             torch.from_numpy(x[:300_000]).reshape(300, 1000).t(), torch.from_numpy(x)[::3],
+             x.astype(np.float64), torch.from_numpy(x[:5000]).to(torch.float8_e5m2), x[:0]]
+    for c in cases:
+        s, above = summary_stats(c, edges)
+        v = (c.float().numpy() if isinstance(c, torch.Tensor) else c).astype(np.float64).ravel()
+        mag = np.abs(v[np.isfinite(v) & (v != 0)])
+        want = np.array([(mag >= HIST_EDGES[e]).sum() for e in edges])
+        assert s.hist is None and np.array_equal(above, want), getattr(c, "dtype", None)
+        assert_matches(s, ref_stats(v))
+    for bad in ([0], [N_BINS + 1]):
+        with pytest.raises(ValueError, match="edge"):
+            summary_stats(x, bad)

@@ -103,18 +103,35 @@ def test_summary_rows_match_numpy_and_real_casts():
         assert (s.finite, s.overflow, s.underflow, s.subnormal) == (x.size, over, under, sub), name
 
 
-def test_summary_step_without_histogram_is_exact_when_extremes_stay_inside():
-    """A second pass with the histogram runs only where the extremes cross a watched threshold; elsewhere
-    the counts are exactly zero, as the cast says."""
-    eng = StatsEngine(CaptureOptions(every=2, watch=("bf16",)), warn=lambda *a: None, histogram=False,
-                      refine=lambda s: s.min_abs_nonzero < get_format("bf16").normal_threshold)
-    inside = torch.linspace(0.5, 3.0, 1000)
-    h = eng.measure(inside, "x")
-    assert h.stats.hist is None  # no second pass: bf16 holds every value as a normal number
-    y = inside.numpy().astype(ml_dtypes.bfloat16).astype(np.float64)
-    assert np.all(np.abs(y) >= get_format("bf16").smallest_normal)
-    crossing = torch.tensor([1e-40, 1.0, 2.0])
-    assert eng.measure(crossing, "y").stats.hist is not None  # 1e-40 is subnormal in bf16: counted exactly
+def test_summary_engine_counts_the_watched_thresholds_without_the_histogram():
+    """CPU tensors of a summary step take no histogram: the scan counts the magnitudes at or above each watched
+    format's thresholds, and those counts give every format's overflow / underflow / subnormal exactly (a real
+    cast through ml_dtypes as the reference); a view of a measured tensor keeps them."""
+    from precision_lab.stats import format_counts_above, format_edges
+
+    fmts = [get_format(n) for n in ("fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")]
+    edges = {i for f in fmts for i in format_edges(f) if i is not None}
+    eng = StatsEngine(CaptureOptions(every=2), warn=lambda *a: None, histogram=False, above_edges=edges)
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(300_001) * np.exp(rng.uniform(-30, 14, 300_001))).astype(np.float32)
+    x[::97] = 0.0
+    x[5], x[6], x[7] = np.inf, np.nan, 1e-40  # a non-finite block, and a float32 subnormal
+    for t in (torch.from_numpy(x), torch.from_numpy(x).to(torch.bfloat16), torch.from_numpy(x).to(torch.float16),
+              torch.from_numpy(x[:4096].copy()).to(torch.float8_e4m3fn)):
+        h = eng.measure(t, "x")
+        assert h.stats.hist is None and set(h.above) == edges
+        v = t.float().numpy().astype(np.float64)
+        nz = np.isfinite(v) & (v != 0)
+        for f, dt in zip(fmts, (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)):
+            with np.errstate(over="ignore", invalid="ignore"):
+                y = v[nz].astype(np.float32).astype(dt).astype(np.float64)
+            want = (int((~np.isfinite(y) | (np.abs(y) > float(ml_dtypes.finfo(dt).max))).sum()),
+                    int((y == 0).sum()), int(((np.abs(y) < f.smallest_normal) & (y != 0) & np.isfinite(y)).sum()))
+            assert format_counts_above(h.above, int(nz.sum()), f) == want, (t.dtype, f.name)
+    base = torch.from_numpy(x.copy())
+    h = eng.measure(base, "b")
+    v = eng.measure(base.view(1, -1), "v")  # the same memory: the same counts, no second scan
+    assert v.above == h.above and v.stats.shape == (1, x.size)
 
 
 def test_summary_device_path_takes_the_histogram_and_one_transfer():

@@ -38,12 +38,14 @@ _RECENT = 16
 
 
 class Handle:
-    """Statistics of one tensor: ``stats`` is set at once (CPU) or on resolve (CUDA)."""
+    """Statistics of one tensor: ``stats`` is set at once (CPU) or on resolve (CUDA); ``above``, where the engine
+    counts edges instead of the histogram (``above_edges``), the counts at or above them."""
 
-    __slots__ = ("stats", "dtype", "shape", "numel", "parts", "__weakref__")
+    __slots__ = ("stats", "above", "dtype", "shape", "numel", "parts", "__weakref__")
 
     def __init__(self, dtype: str, shape: tuple, numel: int):
         self.stats = None
+        self.above = None
         self.dtype, self.shape, self.numel = dtype, shape, numel
         self.parts = None
 
@@ -97,12 +99,13 @@ def stats_threads_default() -> int:
 class StatsEngine:
     def __init__(self, options, warn: Callable[[str, str], None], *, deferred_cpu: bool = False,
                  histogram: Optional[bool] = None, device_histogram: Optional[bool] = None,
-                 refine: Optional[Callable] = None):
-        """``histogram``/``device_histogram`` override the options for CPU/device tensors; ``refine(stats)``
-        says when CPU statistics taken without a histogram are worth a second pass with one."""
+                 above_edges=None):
+        """``histogram``/``device_histogram`` override the options for CPU/device tensors; ``above_edges``
+        (histogram edge indices): CPU tensors take ``summary_stats`` instead, the counts at or above those
+        edges without the histogram (``Handle.above``, keyed by edge)."""
         self.histogram = bool(options.histogram and not options.moments_only) if histogram is None else histogram
         self.device_histogram = self.histogram if device_histogram is None else device_histogram
-        self.refine = refine
+        self.above_edges = None if above_edges is None else sorted(above_edges)
         # run the device path (deferred, one transfer per step) for CPU tensors too:
         # how the CUDA bookkeeping is exercised on machines without a GPU
         self.deferred_cpu = deferred_cpu
@@ -152,7 +155,7 @@ class StatsEngine:
         ``hold``: keep ``t`` alive for a few more measurements (gradients), so
         the same gradient seen by the next hook is recognised.  ``histogram``:
         for a CPU tensor, take the histogram (True) or not (False) whatever the
-        engine's setting, skipping ``refine``'s check.
+        engine's setting.
 
         Torch-function handling is off meanwhile: the statistics' own tensor calls (``detach``, ``view``,
         ``numpy``...) would each go through every active torch-function mode -- the capture's own, which
@@ -195,9 +198,11 @@ class StatsEngine:
                         self._recent.append(t)
                     return h
                 h = Handle(dtype, shape, d.numel())
-                h.stats = _stats.tensor_stats(d, histogram=want)
-                if not want and histogram is None and self.refine is not None and self.refine(h.stats):
-                    h.stats = _stats.tensor_stats(d, histogram=True)
+                if self.above_edges is not None and histogram is None and d.layout == torch.strided:
+                    h.stats, above = _stats.summary_stats(d, self.above_edges)
+                    h.above = dict(zip(self.above_edges, above.tolist()))
+                else:
+                    h.stats = _stats.tensor_stats(d, histogram=want)
             else:
                 h = self._device_measure(d, dtype, shape)
         except Exception as e:
@@ -235,6 +240,7 @@ class StatsEngine:
             return h
         out = Handle(h.dtype, shape, h.numel)
         out.stats = dataclasses.replace(h.stats, shape=shape)
+        out.above = h.above
         return out
 
     # ---- device path -----------------------------------------------------------

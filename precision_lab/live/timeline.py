@@ -23,7 +23,7 @@ from ..alerts import RULES_BY_NAME, grad_spike_alerts, loss_scale_alerts, op_ale
 from ..formats import get_format
 from ..ops import MASKING_OPS, canonical
 from ..records import StepScalar, TimelineRow, TimelineShare, tensor_name
-from ..stats import format_counts
+from ..stats import format_counts, format_counts_above, format_edges
 from .engine import StatsEngine
 
 __all__ = ["Timeline", "unexpected_nonfinite", "NONFINITE_SCALAR"]
@@ -72,7 +72,6 @@ class Timeline:
         self._warn = warn
         self._items: list = []
         self._tid = 0
-        self._hist: dict = {}  # (op, role, index) -> whether its last summary took the histogram
         self._ring: Optional[deque] = deque(maxlen=options.keep_last) if options.keep_last else None
         self._watch = [get_format(w) for w in options.watch]
         self._live: dict = {}  # (op, role, index) -> the last points of its series, for the live rules
@@ -81,9 +80,11 @@ class Timeline:
         self._peak: Optional[tuple] = None  # (step, scale): the loss scale's largest so far
         self._summary_engine = None
         if options.timeline:
-            fmts = self._watch
+            # CPU tensors: the watched formats' thresholds counted in the scan, no histogram; device tensors:
+            # the histogram, on the device
+            edges = {i for f in self._watch for i in format_edges(f) if i is not None}
             self._summary_engine = StatsEngine(options, warn=warn, histogram=False, device_histogram=True,
-                                               refine=lambda s: any(_crosses(s, f) for f in fmts))
+                                               above_edges=edges)
 
     # ---- during a step ----------------------------------------------------------------------
     def summarise(self, seq, op, op_type, role, index, direction, t, location, *, full: bool) -> None:
@@ -93,12 +94,7 @@ class Timeline:
         if full:
             h = self._engine.measure(t, op, hold=hold)
         else:
-            # an op's values stay alike from step to step: where its last summary needed the histogram, take
-            # it in the first pass instead of a second one
-            key = (op, role, index)
-            h = self._summary_engine.measure(t, op, hold=hold, histogram=True if self._hist.get(key) else None)
-            if h is not None and h.stats is not None:
-                self._hist[key] = h.stats.hist is not None
+            h = self._summary_engine.measure(t, op, hold=hold)
         if h is not None:
             with self._lock:
                 self._items.append((seq, op, op_type, role, str(index), direction, location, h))
@@ -154,6 +150,11 @@ class Timeline:
             finite = s.numel - int(s.nan_count or 0) - int(s.inf_count or 0)
             if s.hist is not None:
                 with_hist.append((tid, finite, s.hist))
+            elif h.above is not None:
+                nonzero = finite - int(s.zero_count or 0)
+                for fmt in self._watch:
+                    self.shares.append(TimelineShare(self.run_id, tid, fmt.name, finite,
+                                                     *format_counts_above(h.above, nonzero, fmt)))
             else:
                 for fmt in self._watch:
                     if not _crosses(s, fmt):  # exactly none past either end; otherwise unknown, no row

@@ -45,9 +45,9 @@ from __future__ import annotations
 from .accumulate import merge_stats
 from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES, HIST_EDGES_ID, N_BINS, histogram_counts
-from .kernels import DevicePartial, device_partials, finish_partials, numba_available, tensor_stats
-from .records import (Representability, SummaryHeadroom, TensorStats, canonical_dtype, format_counts, from_json_float,
-                      json_float)
+from .kernels import DevicePartial, device_partials, finish_partials, numba_available, summary_stats, tensor_stats
+from .records import (Representability, SummaryHeadroom, TensorStats, canonical_dtype, format_counts,
+                      format_counts_above, format_edges, from_json_float, json_float)
 
 __all__ = [
     "HIST_EDGES",
@@ -55,9 +55,12 @@ __all__ = [
     "N_BINS",
     "Representability",
     "format_counts",
+    "format_counts_above",
+    "format_edges",
     "SummaryHeadroom",
     "TensorStats",
     "tensor_stats",
+    "summary_stats",
     "histogram_counts",
     "merge_stats",
     "numba_available",

@@ -20,15 +20,19 @@ class _Acc:
     ``ssqs * 4**k`` so float64 inputs near 1e308 do not overflow."""
 
     __slots__ = ("nan", "inf", "neginf", "zero", "nfin", "vmin", "vmax", "absmax", "minabs",
-                 "mean", "m2s", "ssqs", "k", "hist")
+                 "mean", "m2s", "ssqs", "k", "hist", "thr", "above")
 
-    def __init__(self, histogram: bool) -> None:
+    def __init__(self, histogram: bool, thr=None) -> None:
+        """``thr``: float32 bit patterns (uint32, read-only) whose counts at or above the compiled scan keeps in
+        ``above``, without the histogram."""
         self.nan = self.inf = self.neginf = self.zero = self.nfin = 0
         self.vmin, self.vmax = math.inf, -math.inf
         self.absmax, self.minabs = -math.inf, math.inf
         self.mean = self.m2s = self.ssqs = 0.0
         self.k = 0
         self.hist = np.zeros(N_BINS, dtype=np.int64) if histogram else None
+        self.thr = thr
+        self.above = np.zeros(len(thr), dtype=np.int64) if thr is not None else None
 
     def add_extrema(self, vmin, vmax, absmax, minabs) -> None:
         self.vmin = min(self.vmin, vmin)

@@ -344,19 +344,36 @@ class TensorStats:
 builtins_max = max  # TensorStats.summary_only shadows max with a parameter
 
 
+def format_edges(fmt: Format) -> tuple[int, Optional[int], Optional[int]]:
+    """The ``HIST_EDGES`` indices ``fmt``'s counts are read at: its overflow threshold, its underflow threshold
+    (None where it has none) and its smallest normal (None where it has no subnormals)."""
+    i_unf = _edge_index(fmt.underflow_threshold) if fmt.underflow_threshold > 0 else None
+    i_norm = _edge_index(fmt.normal_threshold) if fmt.normal_threshold > fmt.underflow_threshold else None
+    return _edge_index(fmt.overflow_threshold), i_unf, i_norm
+
+
+def _format_counts(below, total, fmt: Format):
+    """``(overflow, underflow, subnormal)`` from ``below(i)``, the nonzero finite magnitudes under edge i, and
+    ``total``, all of them."""
+    i_ovf, i_unf, i_norm = format_edges(fmt)
+    overflow = total - below(i_ovf)
+    underflow = below(i_unf) if i_unf is not None else total * 0
+    subnormal = below(i_norm) - underflow if i_norm is not None else total * 0
+    return overflow, underflow, subnormal
+
+
 def format_counts(hists: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(overflow, underflow, subnormal)`` in ``fmt`` of each row of ``hists`` (histograms over HIST_EDGES,
     one per row): nonzero finite magnitudes that round past the max, to zero, and to a subnormal."""
     c = np.zeros((hists.shape[0], hists.shape[1] + 1), dtype=np.int64)
     np.cumsum(hists, axis=1, out=c[:, 1:])
-    overflow = c[:, -1] - c[:, _edge_index(fmt.overflow_threshold)]
-    i_unf = _edge_index(fmt.underflow_threshold) if fmt.underflow_threshold > 0 else 0
-    underflow = c[:, i_unf]
-    if fmt.normal_threshold > fmt.underflow_threshold:
-        subnormal = c[:, _edge_index(fmt.normal_threshold)] - underflow
-    else:
-        subnormal = np.zeros_like(underflow)
-    return overflow, underflow, subnormal
+    return _format_counts(lambda i: c[:, i], c[:, -1], fmt)
+
+
+def format_counts_above(above: dict, total: int, fmt: Format) -> tuple[int, int, int]:
+    """``format_counts`` of one tensor from ``above[i]``, its nonzero finite magnitudes at or above edge i
+    (``summary_stats``' counts, keyed by the edges of ``format_edges``), and ``total``, all of them."""
+    return _format_counts(lambda i: total - above[i], total, fmt)
 
 
 def _representability(hist: np.ndarray, fmt: Format, total: int, nan, inf, zero) -> Representability:
