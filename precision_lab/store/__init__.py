@@ -432,6 +432,9 @@ def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+_DERIVED = ("nonfinite", "has_hist")  # tensors columns worked out from a record's statistics
+
+
 def _shape_json(shape) -> str:
     return json.dumps([int(s) for s in shape]) if shape is not None else "null"
 
@@ -837,14 +840,20 @@ class SessionWriter:
 
     def __init__(self, store: Store, cur, session_id: str, name: str):
         self.store, self.cur, self.session_id, self.name = store, cur, session_id, name
-        self._rows: list[dict] = []
+        self._rows: list[list] = []  # tensors rows, in self._cols order
         self._hists: list[tuple] = []
         self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
         # warning rows, batched too: a dump can warn once per record (one INSERT per row costs ~0.6 ms)
         self._warns: list[tuple] = []
         self._timeline: dict[str, list] = {"timeline": [], "timeline_formats": [], "step_scalars": []}
         self._next_rid: dict[str, int] = {}
-        self._stat_cols = [n for n, _ in _stats_fields()]
+        # each tensors column's source, worked out once: the record's field, the statistics' field, or derived
+        rec_fields = {f.name for f in dataclasses.fields(TensorRecord)} - {"stats", "tensor"}
+        stat_cols = {n for n, _ in _stats_fields()}
+        self._cols = [n for n, _ in tensor_columns()]
+        self._sources = [("rid" if c == "rid" else "name" if c == "name" else "derived" if c in _DERIVED
+                          else "stats" if c in stat_cols else "record" if c in rec_fields else "none", c)
+                         for c in self._cols]
 
     def add_run(self, run: RunInfo | None = None, **kw) -> str:
         if run is None:
@@ -867,16 +876,22 @@ class SessionWriter:
         rid = self._next_rid[rec.run_id]
         self._next_rid[rec.run_id] = rid + 1
         s = rec.stats
-        row = {"rid": rid}
-        for f in dataclasses.fields(TensorRecord):
-            if f.name not in ("stats", "tensor"):
-                row[f.name] = getattr(rec, f.name)
-        for c in self._stat_cols:
-            v = getattr(s, c)
-            row[c] = _shape_json(v) if c == "shape" else v
-        row["name"] = rec.name
-        row["nonfinite"] = s.has_nonfinite
-        row["has_hist"] = s.hist is not None
+        derived = {"nonfinite": s.has_nonfinite, "has_hist": s.hist is not None}
+        row = []
+        for kind, c in self._sources:
+            if kind == "record":
+                row.append(getattr(rec, c))
+            elif kind == "stats":
+                v = getattr(s, c)
+                row.append(_shape_json(v) if c == "shape" else v)
+            elif kind == "rid":
+                row.append(rid)
+            elif kind == "name":
+                row.append(rec.name)
+            elif kind == "derived":
+                row.append(derived[c])
+            else:
+                row.append(None)
         self._rows.append(row)
         if s.hist is not None:
             self._hists.append((rec.run_id, rid, HIST_EDGES_ID, *encode_hist(s.hist)))
@@ -892,8 +907,8 @@ class SessionWriter:
         import pyarrow as pa
 
         if self._rows:
-            cols = [n for n, _ in tensor_columns()]
-            table = pa.table({c: [r.get(c) for r in self._rows] for c in cols})
+            cols = self._cols
+            table = pa.table({c: list(v) for c, v in zip(cols, zip(*self._rows))})
             self.cur.register("_pl_rows", table)
             names = ', '.join(chr(34) + c + chr(34) for c in cols)
             self.cur.execute(f"INSERT INTO tensors ({names}) SELECT {names} FROM _pl_rows")
