@@ -384,7 +384,8 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
 def answer(folder: Path, reference: Optional[Path] = None, floats: Optional[str] = None):
     """The tool's answer for a dump folder (compared with ``reference`` if given): ``(first_nonfinite, order,
     seconds, why wrong whatever it names)``: tensors saved as float32 that do not come back in the dtype they
-    were saved from (``manifest.json``'s ``dtypes``, or ``floats`` for every floating tensor) make it wrong."""
+    were saved from (``manifest.json``'s ``dtypes``, or ``floats`` for every floating tensor), or a float32
+    reference run read in another dtype, make it wrong."""
     t = time.perf_counter()
     store = Store(":memory:")
     try:
@@ -397,6 +398,10 @@ def answer(folder: Path, reference: Optional[Path] = None, floats: Optional[str]
         bad = sorted({f"{got.get(n)} for {d}" for n, d in want.items() if got.get(n) != d})
         if floats is not None:  # tensors saved as float32 without dtypes must be told from their values
             bad += sorted({f"{d} for {floats}" for d in got.values() if "float" in d and d != floats})
+        if reference is not None:  # the fp32 reference run is float32 data: never relabelled
+            ref = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "reference")
+            ref_got = store.df("SELECT DISTINCT dtype FROM tensors WHERE run_id = ?", [ref["run_id"]])["dtype"]
+            bad += sorted({f"{d} for float32 (reference)" for d in ref_got if "float" in d and d != "float32"})
         why = f"tensors read as {', '.join(bad)}; " if bad else ""
         return f, run["order"], time.perf_counter() - t, why
     finally:
