@@ -36,7 +36,10 @@ Writers (``WRITERS``):
   path with ``/`` between names (``model/layers/1/mlp``), as ``save_file({name.replace(".", "/"): o})`` writes it;
   the file's keys come back sorted, so nothing in it gives the order;
 - ``float32-dtypes``: inputs and outputs saved as ``t.float().numpy()`` with ``manifest.json``
-  ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype.
+  ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype;
+- ``numbered-npz``: ``np.savez(f"{n:03d}-{name}.npz", input=x.float().numpy(), output=y.float().numpy())`` per
+  module, ``n`` counting the hook's calls (completion order), no order list, no dtypes, all file times equal;
+  right only when the floating tensors also come back as fp16 (told from their values alone).
 
 The judge is strict: a failure is right when the named op is the failing module under the writer's own name
 (origin "op"), or its weight (origin "parameter"); a cast-gap case when that module is named for its input
@@ -275,11 +278,17 @@ class Writer:
     layout: str  # "outputs" | "outputs-st" (one safetensors, "/" keys) | "io" | "io-float32" (t.float().numpy(), manifest "dtypes") | "dict-pt" | "tuple-pt"
     times: str  # "equal" | "coarse" | "distinct"
     order: Optional[str] = None  # "module-call" | "module-done" | "tensor"
+    numbered: bool = False  # file names begin with the hook's call number: "000-<module>"
 
-    def module_name(self, path: str, cls: str) -> str:
+    def module_name(self, path: str, cls: str, calls: Optional[list[Call]] = None) -> str:
         if path == "":
-            return {"model": "model", "prefixed": "model", "empty": "", "class": cls}[self.root]
-        return f"model.{path}" if self.root == "prefixed" else path
+            name = {"model": "model", "prefixed": "model", "empty": "", "class": cls}[self.root]
+        else:
+            name = f"model.{path}" if self.root == "prefixed" else path
+        if self.numbered:  # the number of the call among the calls in completion order
+            done = sorted(calls, key=lambda c: c.post)
+            name = f"{next(i for i, c in enumerate(done) if c.path == path):03d}-{name}"
+        return name
 
 
 WRITERS = {w.name: w for w in (
@@ -296,6 +305,7 @@ WRITERS = {w.name: w for w in (
     Writer("prefixed-mtime", "prefixed", "io", "distinct"),
     Writer("float32-dtypes", "model", "io-float32", "coarse"),
     Writer("safetensors-slash", "model", "outputs-st", "equal"),
+    Writer("numbered-npz", "model", "npz-float32", "equal", numbered=True),
 )}
 
 
@@ -318,7 +328,7 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         saved.extend(names)
 
     for c in sorted(calls, key=lambda c: c.post):
-        name = w.module_name(c.path, cls)
+        name = w.module_name(c.path, cls, calls)
         if w.layout == "outputs":
             put(f"{name}.npy", c.output, [name])
         elif w.layout == "outputs-st":
@@ -330,6 +340,10 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
                         dtypes[_join(name, role)] = a.dtype.name
                         a = a.astype(np.float32)
                     put(f"{_join(name, role)}.npy", a, [_join(name, role)])
+        elif w.layout == "npz-float32":
+            d = {k: a.astype(np.float32) if a.dtype.kind == "f" else a
+                 for k, a in (("input", c.input), ("output", c.output)) if a is not None}
+            put(f"{name}.npz", d, [])
         elif w.layout == "dict-pt":
             d = {"output": torch.from_numpy(c.output)}
             if c.input is not None:
@@ -343,6 +357,8 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
     for fn, content in files.items():
         if fn.endswith(".safetensors"):
             save_file(content, folder / fn)
+        elif fn.endswith(".npz"):
+            np.savez(folder / fn, **content)
         elif isinstance(content, np.ndarray):
             np.save(folder / fn, content)
         else:
@@ -352,10 +368,10 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
              "distinct": BASE_NS + i * 1_000}[w.times]
         os.utime(folder / fn, ns=(t, t))
     if w.order == "module-call":
-        names = [w.module_name(c.path, cls) for c in sorted(calls, key=lambda c: c.pre)]
+        names = [w.module_name(c.path, cls, calls) for c in sorted(calls, key=lambda c: c.pre)]
         (folder / "manifest.json").write_text(json.dumps({"module_order": list(dict.fromkeys(names))}))
     elif w.order == "module-done":
-        names = [w.module_name(c.path, cls) for c in sorted(calls, key=lambda c: c.post)]
+        names = [w.module_name(c.path, cls, calls) for c in sorted(calls, key=lambda c: c.post)]
         (folder / "order.json").write_text(json.dumps(list(dict.fromkeys(reversed(names)))[::-1]))
     elif w.order == "tensor":
         (folder / "manifest.json").write_text(json.dumps({"execution_order": [f"{n}.npy" for n in saved]}))
@@ -365,9 +381,11 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
 
 # ---- answers and the judge -------------------------------------------------------------------------
 
-def answer(folder: Path, reference: Optional[Path] = None):
+def answer(folder: Path, reference: Optional[Path] = None, floats: Optional[str] = None):
     """The tool's answer for a dump folder (compared with ``reference`` if given): ``(first_nonfinite, order,
-    seconds)``."""
+    seconds, why wrong whatever it names)``: tensors saved as float32 that do not come back in the dtype they
+    were saved from (``manifest.json``'s ``dtypes``, or ``floats`` for every floating tensor), or a float32
+    reference run read in another dtype, make it wrong."""
     t = time.perf_counter()
     store = Store(":memory:")
     try:
@@ -376,11 +394,16 @@ def answer(folder: Path, reference: Optional[Path] = None):
         f = first_nonfinite(store, run["run_id"])
         manifest = folder / "manifest.json"
         want = json.loads(manifest.read_text()).get("dtypes", {}) if manifest.exists() else {}
-        if want:  # tensors saved as float32 must come back in the dtype they were saved from, else wrong
-            got = dict(store.df("SELECT name, dtype FROM tensors WHERE run_id = ?", [run["run_id"]]).values)
-            if any(got.get(n) != d for n, d in want.items()):
-                f = None
-        return f, run["order"], time.perf_counter() - t
+        got = dict(store.df("SELECT name, dtype FROM tensors WHERE run_id = ?", [run["run_id"]]).values)
+        bad = sorted({f"{got.get(n)} for {d}" for n, d in want.items() if got.get(n) != d})
+        if floats is not None:  # tensors saved as float32 without dtypes must be told from their values
+            bad += sorted({f"{d} for {floats}" for d in got.values() if "float" in d and d != floats})
+        if reference is not None:  # the fp32 reference run is float32 data: never relabelled
+            ref = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "reference")
+            ref_got = store.df("SELECT DISTINCT dtype FROM tensors WHERE run_id = ?", [ref["run_id"]])["dtype"]
+            bad += sorted({f"{d} for float32 (reference)" for d in ref_got if "float" in d and d != "float32"})
+        why = f"tensors read as {', '.join(bad)}; " if bad else ""
+        return f, run["order"], time.perf_counter() - t, why
     finally:
         close_all()
 
@@ -424,7 +447,7 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
         for c in cs:
             w = WRITERS[c.writer]
             folder = tmp / f"{a}-{kind}-{c.writer}"
-            expected = None if path is None else w.module_name(path, cls)
+            expected = None if path is None else w.module_name(path, cls, calls)
             write(w, calls, cls, folder)
             ref = None
             if ref_calls is not None:
@@ -432,9 +455,10 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
                 write(w, ref_calls, cls, ref)
             (tmp / f"{folder.name}.truth.json").write_text(json.dumps({"expected": expected, "target": path}))
             try:
-                f, order, secs = answer(folder, ref)
-                ok = right(f, expected, kind, not w.layout.startswith("outputs"))
+                f, order, secs, why = answer(folder, ref, "float16" if w.layout == "npz-float32" else None)
+                ok = right(f, expected, kind, not w.layout.startswith("outputs")) and not why
                 named, reason = (None if f is None else f"{f.op} ({f.origin})"), (None if f is None else f.reason)
+                reason = why + str(reason) if why else reason
             except Exception as e:  # noqa: BLE001 - a case that raises is counted wrong, with why
                 f, order, secs, ok, named, reason = None, "?", 0.0, False, "raised", f"{type(e).__name__}: {e}"
             rows.append({"arch": a, "kind": kind, "writer": c.writer, "expected": expected, "right": ok,
@@ -450,9 +474,14 @@ def table(rows: list[dict], by: str) -> list[str]:
     out = [f"| {by} | right | wrong | false alarms | total | share |", "|---|---|---|---|---|---|"]
     for k, rs in groups.items():
         ok = sum(r["right"] for r in rs)
-        alarms = sum(not r["right"] for r in rs if r["kind"] == "healthy")
+        alarms = sum(_alarm(r) for r in rs)
         out.append(f"| {k} | {ok} | {len(rs) - ok} | {alarms} | {len(rs)} | {100 * ok / len(rs):.0f}% |")
     return out
+
+
+def _alarm(r: dict) -> bool:
+    """A healthy dump in which something was named (or that raised)."""
+    return r["kind"] == "healthy" and r["named"] is not None
 
 
 def summary(rows: list[dict]) -> str:
@@ -460,7 +489,7 @@ def summary(rows: list[dict]) -> str:
     healthy = [r for r in rows if r["kind"] == "healthy"]
     ok = sum(r["right"] for r in failing)
     return (f"{len(failing)} failing dumps: {ok} right ({100 * ok / max(len(failing), 1):.0f}%); "
-            f"{len(healthy)} healthy dumps: {sum(not r['right'] for r in healthy)} false alarms")
+            f"{len(healthy)} healthy dumps: {sum(map(_alarm, healthy))} false alarms")
 
 
 def main() -> None:
@@ -478,7 +507,7 @@ def main() -> None:
     print("\n".join(table(rows, "arch")) + "\n")
     for r in rows:
         if not r["right"]:
-            what = "false alarm" if r["kind"] == "healthy" else "miss"
+            what = "false alarm" if _alarm(r) else "miss"
             print(f"{what}: {r['arch']} {r['kind']} [{r['writer']}, order {r['order']}]: expected "
                   f"{r['expected'] or 'nothing'}; named {r['named']}; reason: {r['reason']}")
 

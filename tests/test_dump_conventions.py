@@ -47,6 +47,7 @@ def test_the_writers_lay_out_what_they_say(tmp_path):
     """The corpus itself: names, layouts and file times as described, so the conventions stay covered."""
     import os
 
+    import numpy as np
     import torch
 
     model, target, inputs = D._built("mlp", "activation")
@@ -72,6 +73,15 @@ def test_the_writers_lay_out_what_they_say(tmp_path):
     done = json.loads((tmp_path / "module-order-done" / "order.json").read_text())
     assert call[0] == "model" and done[-1] == "model" and call.index("layers.1") < call.index("layers.1.0")
     assert done.index("layers.1") > done.index("layers.1.0")
+    # numbered-npz: "<call number>-<module>.npz" in completion order, keys input/output, fp16 values as float32
+    done = [c.path for c in sorted(calls, key=lambda c: c.post)]
+    numbered = files("numbered-npz")
+    assert numbered == [f"{i:03d}-{p or 'model'}.npz" for i, p in enumerate(done)]
+    z = np.load(tmp_path / "numbered-npz" / f"{done.index('layers.1.0'):03d}-layers.1.0.npz")
+    assert set(z.files) == {"input", "output"} and z["output"].dtype == np.float32
+    fp16 = next(c for c in calls if c.path == "layers.1.0").output
+    assert fp16.dtype == np.float16 and np.array_equal(z["output"], fp16.astype(np.float32), equal_nan=True)
+    assert len({os.stat(tmp_path / "numbered-npz" / f).st_mtime_ns for f in numbered}) == 1
 
 
 def test_a_cast_between_two_recorded_modules_is_named_as_a_gap_end_to_end(tmp_path):

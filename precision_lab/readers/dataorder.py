@@ -17,8 +17,9 @@ give no edge; a module is called before the ops inside it, and an op that
 reads a module's output runs after every op inside that module.
 
 ``settle`` puts every source of order together for a dump (``Hint`` per
-tensor): the dump's own list (tensor or module names; ops it leaves out are
-placed by what follows, never by name), file times (ties broken by the
+tensor): the dump's own list (tensor or module names, or the call numbers its
+file names begin with; ops it leaves out are placed by what follows, never by
+name), file times (ties broken by the
 data), the output -> input links, and containers found from the data (a
 record whose output is bit-identical to another's and whose input is a third
 op's input encloses them: the root under any name); what is still tied goes

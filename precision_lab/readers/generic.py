@@ -13,10 +13,12 @@ BatchNorm's ``running_mean``, read like a parameter), ``grad_input``,
 ``grad_output``, ``param_grad``) fill op, role and index; any other name
 becomes op ``<name>`` with role ``tensor``.
 
-Layouts of one ``.pt`` per module: ``torch.save({"input": x, "output": y})``
-(keys ``input``/``inputs``/``args`` and ``output``/``outputs``/``out``) and
-``torch.save((args, out))`` give ``<module>.input.<i>`` and
-``<module>.output.<j>``.  A root saved as ``input.0``/``output.0`` (no module
+Layouts of one file per module call: a container whose keys are all role names as hook writers spell them
+(``CALL_KEYS``: ``input``/``inputs``/``args``/``x``, ``output``/``outputs``/``out``/``y``, ``grad_input``,
+``grad_output``; a position after ``_`` or ``.``: ``input_0``, ``args.1``), one of them not an input:
+``np.savez(f, input=x, output=y)``, ``torch.save({"input": x, "output": y})``, a ``.safetensors``; and
+``torch.save((args, out))`` give ``<module>.input.<i>`` and ``<module>.output.<j>``.  A key that is no role
+name keeps every key of its file a tensor name.  A root saved as ``input.0``/``output.0`` (no module
 name) is op ``""``, which holds every other op.
 
 Order.  Every source the dump has, put together by
@@ -29,7 +31,10 @@ tensor of that op, inputs before outputs); a list of modules in call order
 (pre-order) or completion order (post-order) is recognised and said; ops it
 leaves out are placed by the sources below, not by name.  A list that is not a
 list of names, names nothing in the dump, or names an entry twice gets one
-warning; the run then uses the rest.  2. File modification times: files
+warning; the run then uses the rest.  Without a list, call numbers that begin the file names
+(``000-fc.npz``, ``001_act.npy``, ``12.head.npy``: a hook counting its calls) are the order when every data
+file of their folder (all but one in ten) carries one and each number names one op (``call_numbers``).
+2. File modification times: files
 oldest first; files sharing a time are ordered by the data.  3. The data:
 an output bit-identical to a later input (``dataorder``), and containers (an
 output bit-identical to another op's output).  What stays tied goes by the
@@ -45,7 +50,9 @@ Original dtypes.  bf16/fp8 tensors saved as float32 (numpy has no bf16;
 over the manifest for that file): the record's dtype, statistics and format
 overlays are then the original's.  Every value must be exactly representable in that dtype;
 where one is not, the sidecar is wrong and the tensor is kept as saved, with
-one warning naming it.
+one warning naming it.  With no dtype given, float32 tensors whose values are all fp16 (or bf16) values, with
+enough of them that it is not by chance (``_Evidence``), are read as fp16 (bf16) the same way, and one warning
+says the values look like fp16 saved as float32.
 
 Raw ``.bin``: ``x.bin`` needs ``x.json`` or ``x.bin.json`` holding
 ``{"dtype": "float16", "shape": [4, 8]}`` (optional ``"byteorder"``:
@@ -64,15 +71,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from ..formats import numpy_dtype_named
+from ..display import num_text
+from ..formats import canonical_dtype, format_for_dtype, numpy_dtype_named
 from ..ops import is_msprobe_key, op_type_of, parse_op
-from ..records import GRAD_ROLES, ROLES, TensorRecord, split_tensor_name
+from ..records import GRAD_ROLES, INPUT_ROLES, ROLES, TensorRecord, split_tensor_name
 from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .safeio import limits, open_regular, read_json, relname
@@ -135,23 +144,64 @@ def scan(root: Path) -> Scan:
     return Scan(data, sidecars, order_file, other, special, dtype_sidecars)
 
 
-_PT_IN, _PT_OUT = ("input", "inputs", "args"), ("output", "outputs", "out")
+# how hook writers name the tensors of one module call in one file (a key, ``_<i>`` or ``.<i>`` after it for
+# the position): the role each name stands for
+CALL_KEYS = {"input": "input", "inputs": "input", "args": "input", "x": "input",
+             "output": "output", "outputs": "output", "out": "output", "y": "output",
+             "grad_input": "grad_input", "grad_inputs": "grad_input",
+             "grad_output": "grad_output", "grad_outputs": "grad_output"}
+_CALL_KEY = re.compile(r"(?P<head>[A-Za-z_]+?)(?:_(?P<i>\d+))?(?:\.(?P<rest>.+))?$")
 
 
-def _pt_layout(keys: list[str]) -> Optional[dict[str, str]]:
-    """key -> ``input.<i>``/``output.<j>`` for a ``.pt`` holding one module call: ``{"input": x, "output": y}``
-    or ``(args, out)``; None for any other content."""
+def _call_layout(keys: list[str], positions: bool = False) -> Optional[dict[str, str]]:
+    """key -> ``<role>.<i>`` for a file holding one module call: ``{"input": x, "output": y}`` and the other
+    names of ``CALL_KEYS`` (``np.savez``, ``torch.save`` of a dict, ``safetensors``), or with ``positions`` (a
+    ``.pt``) ``torch.save((args, out))``; None for any other content.  It needs a key of a role other than
+    ``input`` (an output, or a gradient)."""
+    found = {k: _CALL_KEY.match(k) for k in keys}
+    if keys and all(m and m["head"].lower() in CALL_KEYS for m in found.values()):
+        roles = {k: CALL_KEYS[m["head"].lower()] for k, m in found.items()}
+        named = {k: f"{roles[k]}.{'.'.join(x for x in (m['i'], m['rest']) if x) or 0}" for k, m in found.items()}
+        if any(r != "input" for r in roles.values()) and len(set(named.values())) == len(named):
+            return named
+    if not positions:
+        return None
     heads = {k: k.split(".", 1) for k in keys}
-    if heads and all(h[0] in _PT_IN + _PT_OUT for h in heads.values()) and any(
-            h[0] in _PT_OUT for h in heads.values()):
-        return {k: f"{'input' if h[0] in _PT_IN else 'output'}.{h[1] if len(h) > 1 else 0}"
-                for k, h in heads.items()}
     # (args, out): positions only ("0.<i>", "1" or "1.<j>"), never a Sequential's state dict ("0.weight")
     if heads and all(h[0] in ("0", "1") and (h[0] == "1" or len(h) > 1)
                      and (len(h) == 1 or h[1].split(".")[0].isdigit()) for h in heads.values()) and any(
             h[0] == "1" for h in heads.values()):
         return {k: f"{'input' if h[0] == '0' else 'output'}.{h[1] if len(h) > 1 else 0}" for k, h in heads.items()}
     return None
+
+
+# a call number at the start of a file's name ("000-", "001_", "12.") before the rest of it
+_CALL_NUMBER = re.compile(r"(\d+)[-_.](?=.)")
+UNNUMBERED_SHARE = 0.1  # of a folder's data files that may lack a call number when the others give the order
+
+
+def call_numbers(files: list[Path]) -> dict[Path, int]:
+    """file -> the call number its name begins with, for the folders whose data files (every one, or all but
+    ``UNNUMBERED_SHARE`` of them) begin with one, each number naming one op and each op one number: a hook
+    that counts its calls (``f"{n:03d}-{name}.npz"``).  ``layer10`` or a Sequential's ``0.weight`` beside
+    ``0.bias`` (two names, one number) are no call numbers."""
+    by_dir: dict[Path, list[Path]] = {}
+    for p in files:
+        by_dir.setdefault(p.parent, []).append(p)
+    out: dict[Path, int] = {}
+    for group in by_dir.values():
+        found = {p: m for p in group if (m := _CALL_NUMBER.match(p.name[: -len(p.suffix)]))}
+        if len(found) < 2 or len(group) - len(found) > int(UNNUMBERED_SHARE * len(group)):
+            continue
+        ops: dict[int, set] = {}
+        numbers: dict[str, set] = {}
+        for p, m in found.items():
+            op = _record_fields(p.name[: -len(p.suffix)])["op"]  # "000-fc.output.0.npy" and "000-fc.npz": "000-fc"
+            ops.setdefault(int(m[1]), set()).add(op)
+            numbers.setdefault(op, set()).add(int(m[1]))
+        if all(len(v) == 1 for v in ops.values()) and all(len(v) == 1 for v in numbers.values()):
+            out.update({p: int(m[1]) for p, m in found.items()})
+    return out
 
 
 _ROOT_ROLE = frozenset(ROLES) - {"tensor"}
@@ -170,7 +220,8 @@ def _record_fields(name: str) -> dict:
     backward = role in GRAD_ROLES or "backward" in parts
     if is_msprobe_key(op):
         backward = parse_op(op)[1] == "backward" or role in GRAD_ROLES
-    return {"op": op, "role": role, "index": index, "op_type": op_type_of(op),
+    numbered = _CALL_NUMBER.match(op)  # a call number the name begins with is no part of its type: "005-softmax"
+    return {"op": op, "role": role, "index": index, "op_type": op_type_of(op[numbered.end():] if numbered else op),
             "direction": "backward" if backward else "forward"}
 
 
@@ -199,10 +250,67 @@ def _as_dtype(t, dt):
     if dt is None or t is None:
         return t
     a = t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t)
-    b = a.astype(dt)
+    with np.errstate(over="ignore", invalid="ignore"):  # a value past the dtype's range is simply not one of its
+        b = a.astype(dt)
     if not np.array_equal(b.astype(a.dtype), a, equal_nan=True):
         return None
     return b
+
+
+# fp16/bf16 tensors saved as float32 with no dtype given, told from their values (``_Evidence``); tried in this
+# order: a bf16 value within fp16's range is often an fp16 value too, an fp16 value seldom a bf16 one
+SAVED_FROM = ("bfloat16", "float16")
+TELLING_VALUES = 32  # distinct values, across the dump, that float32 data would not give by chance
+
+
+@dataclasses.dataclass
+class _Evidence:
+    """What a dump's float32 tensors say about a narrower dtype they may have been saved from.  Every finite
+    value must be one of its values (``_as_dtype``), and that must not be by chance: ``TELLING_VALUES``
+    distinct values that are no integers and need one of the last three bits of the format's mantissa (a
+    format three bits coarser holds none of them), spread over more binades than the format has digits (a fixed-point grid,
+    ``arange(n) / 256``, is exact in every format that holds its digits).  Genuine float32 values fill all
+    23 bits: each one is a value of fp16 with a chance of about 2^-13."""
+
+    dtype: np.dtype
+    telling: set = dataclasses.field(default_factory=set)
+    low: int = 1 << 30  # exponent of the finest bit any value uses
+    high: int = -(1 << 30)  # exponent of the largest magnitude
+    tensors: int = 0
+
+    @property
+    def fmt(self):
+        return format_for_dtype(self.dtype)
+
+    def add(self, a: np.ndarray) -> bool:
+        """Read one float32 array; False when one of its finite values is not a value of ``dtype``."""
+        if _as_dtype(a, self.dtype) is None:
+            return False
+        self.tensors += 1
+        v = a[np.isfinite(a)].ravel()
+        bits = v.view(np.uint32)
+        expo = ((bits >> 23) & 0xFF).astype(np.int64)
+        v, bits, expo = v[expo > 0], bits[expo > 0], expo[expo > 0]  # zeros and float32's subnormals tell nothing
+        if not v.size:
+            return True
+        sig = (bits & 0x7FFFFF) | 0x800000
+        zeros = np.log2((sig & (~sig + np.uint32(1))).astype(np.float64)).astype(np.int64)  # trailing zero bits
+        self.low = min(self.low, int((expo - 150 + zeros).min()))
+        self.high = max(self.high, int(expo.max()) - 127)
+        if len(self.telling) < TELLING_VALUES:
+            tell = v[(23 - zeros >= self.fmt.man_bits - 2) & (v != np.trunc(v))]
+            self.telling.update(np.unique(tell[: 4 * TELLING_VALUES]).tolist())
+        return True
+
+    def holds(self) -> bool:
+        return len(self.telling) >= TELLING_VALUES and self.high - self.low + 1 > self.fmt.man_bits + 1
+
+
+def _float32(t) -> Optional[np.ndarray]:
+    """A float32 tensor as a numpy array; None for any other dtype."""
+    if canonical_dtype(getattr(t, "dtype", "")) != "float32":
+        return None
+    return t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)
 
 
 class GenericReader:
@@ -221,7 +329,7 @@ class GenericReader:
     def iter_runs(self, root: Path, tick: Tick) -> Iterator[RunSource]:
         sc = scan(root)
         doc, warnings = self._read_order_file(root, sc)  # read once: the order and the original dtypes
-        order, kind, note, warnings, data, ticks = self._order(root, sc, doc, warnings)
+        order, kind, note, warnings, data, ticks, numbers = self._order(root, sc, doc, warnings)
         originals, dt_warnings = self._original_dtypes(root, sc, doc)
         sc = dataclasses.replace(sc, data=data)
         cast: dict[str, np.dtype] = {}  # source -> the original dtype its values were read back in
@@ -240,7 +348,11 @@ class GenericReader:
             else:
                 why = f"unsupported file type {p.suffix or '(no extension)'!r}"
             src.warnings.append((rel, f"{why}; skipped (readable types: {', '.join(SUFFIXES)})"))
-        src.records = self._records(root, sc, order, ticks, src, tick, originals, cast)
+        saved_from = None
+        if not originals and not dt_warnings:  # no dtype given: the values may say
+            saved_from, said = self._saved_from(root, sc)
+            src.warnings.extend(said)
+        src.records = self._records(root, sc, order, ticks, src, tick, originals, cast, numbers, saved_from)
         yield src
 
     def _original_dtypes(self, root: Path, sc: Scan, doc) -> tuple[dict[str, np.dtype], list]:
@@ -274,12 +386,42 @@ class GenericReader:
                                        f"({shown} is not one); the file is read as saved"))
         return out, warnings
 
+    def _saved_from(self, root: Path, sc: Scan) -> tuple[Optional[np.dtype], list]:
+        """``(dtype, warnings)``: the narrower dtype (``SAVED_FROM``) every float32 tensor of the dump holds the
+        values of, with enough of them that it is not by chance (``_Evidence``), and one warning saying so; None
+        when one value is not, the evidence is thin, or the dump keeps floats in another dtype (float16,
+        float64: saved as computed).  Reading stops at the first tensor that rules every dtype out: a float32
+        run reads its first float32 tensor twice, a dump of float16 files its first one; a dump that does hold
+        fp16 values saved as float32 is read twice."""
+        alive = [_Evidence(numpy_dtype_named(n)) for n in SAVED_FROM]
+        for p in sc.data:
+            for _key, t in self._load(root, sc, p):
+                a = _float32(_native(t))
+                if a is None:
+                    if "float" in canonical_dtype(getattr(t, "dtype", "")):
+                        return None, []
+                    continue
+                alive = [e for e in alive if e.add(a)]
+                if not alive:
+                    return None, []
+        e = next((e for e in alive if e.holds()), None)
+        if e is None:
+            return None, []
+        f = e.fmt
+        return e.dtype, [(".", f"the values look like {f.name} saved as float32: every finite value of the "
+                               f"{e.tensors} float32 tensors is exactly representable in {f.name}, and at least "
+                               f"{TELLING_VALUES} distinct ones need the last bits of {f.name}'s mantissa, as float32 "
+                               f"data would not by chance; they are "
+                               f"read as {f.name} (largest finite value {num_text(f.max, 4, grouped=True)}). "
+                               f'manifest.json {{"{DTYPES_KEY}": {{...}}}} says otherwise if they are not')]
+
     # -- order
     def _order(self, root: Path, sc: Scan, doc, warnings: list) -> tuple[Optional[dict[str, int]], str, str, list,
-                                                                         list[Path], dict]:
-        """``(listed, kind, note, warnings, data files in reading order, file -> time rank)``; ``listed`` maps the
-        names of an order list to their place (None without a usable one), ``kind`` is RunSource.order until
-        ingest settles it.  ``doc``: the order file as ``_read_order_file`` read it."""
+                                                                         list[Path], dict, dict[Path, int]]:
+        """``(listed, kind, note, warnings, data files in reading order, file -> time rank, file -> call
+        number)``; ``listed`` maps the names of an order list to their place (None without a usable one; call
+        numbers in the file names, ``call_numbers``, are the order only without one), ``kind`` is
+        RunSource.order until ingest settles it.  ``doc``: the order file as ``_read_order_file`` read it."""
         names, where, more = self._order_list(root, sc, doc)
         warnings = warnings + more
         times = {p: os.lstat(p).st_mtime_ns for p in sc.data}
@@ -303,11 +445,17 @@ class GenericReader:
                 warnings.append((relname(root, sc.order_file),
                                  f"names {len(dups)} entr{'y' if len(dups) == 1 else 'ies'} more than once "
                                  f"({', '.join(dups[:3])}{', ...' if len(dups) > 3 else ''}); the first place is used"))
-            return listed, "execution", f"execution order from {where}", warnings, data, ticks
+            return listed, "execution", f"execution order from {where}", warnings, data, ticks, {}
+        numbers = call_numbers(sc.data)
+        if numbers:
+            first = sorted(numbers, key=numbers.__getitem__)[:2]
+            said = ", ".join(relname(root, p) for p in first)
+            return None, "execution", (f"execution order from the call numbers the file names begin with ({said}, "
+                                       "...)"), warnings, data, ticks, numbers
         if ticks:
-            return None, "mtime", f"order from file modification times ({where})", warnings, data, ticks
+            return None, "mtime", f"order from file modification times ({where})", warnings, data, ticks, {}
         return None, "name", f"order unknown: by name ({where}; file modification times not distinct)", warnings, \
-            data, ticks
+            data, ticks, {}
 
     def _read_order_file(self, root: Path, sc: Scan) -> tuple[Any, list]:
         """``(doc, warnings)``: the order file, read once: parsed JSON, the lines of ``order.txt`` (a list of
@@ -369,8 +517,9 @@ class GenericReader:
         return read_tensors(p, relname(root, p), root, want, sc.sidecars.get(p))
 
     def _records(self, root: Path, sc: Scan, order, ticks, src: RunSource, tick: Tick, originals=None,
-                 cast=None) -> Iterator[TensorRecord]:
-        """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle``."""
+                 cast=None, numbers=None, saved_from=None) -> Iterator[TensorRecord]:
+        """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle`` (an order list's
+        place, else the file's call number, and its time rank)."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
         seen: dict[tuple, str] = {}
         used: set[str] = set()
@@ -381,10 +530,10 @@ class GenericReader:
             rel = relname(root, p)
             prefix, step, rank = self._prefix(root, p)
             items = list(self._load(root, sc, p))
-            layout = _pt_layout([k for k, _ in items]) if p.suffix.lower() in (".pt", ".pth") and not \
-                lone_container else None
-            if layout is not None:
-                items.sort(key=lambda kv: (layout[kv[0]].startswith("output"), natural_key(layout[kv[0]])))
+            layout = _call_layout([k for k, _ in items], p.suffix.lower() in (".pt", ".pth")) if \
+                p.suffix.lower() in CONTAINERS and not lone_container else None
+            if layout is not None:  # inputs first, as the call received them
+                items.sort(key=lambda kv: (layout[kv[0]].split(".")[0] not in INPUT_ROLES, natural_key(layout[kv[0]])))
             for key, t in items:
                 t = _native(t)
                 if key == "":
@@ -400,6 +549,8 @@ class GenericReader:
                 seen[(step, rank, name)] = rel
                 source = rel if key == "" else f"{rel}#{key}"
                 want = _original_for(originals or {}, name, prefix, p)
+                if want is None and saved_from is not None and _float32(t) is not None:
+                    want = saved_from  # every value is one of its values (_saved_from read them all)
                 if want is not None:
                     back = _as_dtype(t, want)
                     if back is None:
@@ -416,7 +567,7 @@ class GenericReader:
                     raise ReadError(f"{rel}: cannot compute statistics of {name!r} "
                                     f"(dtype {getattr(t, 'dtype', '?')}): {first_line(e)}") from None
                 f = _record_fields(name)
-                listed = None
+                listed = (numbers or {}).get(p)
                 if order is not None:
                     hit = name if name in order else f["op"] if f["op"] in order else None
                     if hit is not None:
