@@ -235,7 +235,7 @@ def test_call_numbers_are_the_order_over_the_ties_of_an_outputs_only_dump(store,
     rep = _report(store, tmp_path / "d")
     run = rep["runs"][0]
     assert run["order"] == "execution"
-    assert run["order_note"] == ("execution order from the call numbers the file names begin with (000-a.npy, "
+    assert run["order_note"] == ("execution order from the call numbers the file (or folder) names begin with (000-a.npy, "
                                  "001-b.npy, ...)")
     assert rep["first_nonfinite"]["d"]["op"] == "001-b"
     # and without the numbers the same dump goes by the fewest non-finite values
@@ -354,3 +354,34 @@ def test_the_evidence_counts_against_real_casts():
     # non-finite values say nothing either way
     e = _Evidence(np.dtype(np.float16))
     assert e.add(np.float32([np.inf, -np.inf, np.nan, 1.5])) and not e.holds()
+
+
+@pytest.mark.slow
+def test_a_folder_per_call_is_the_module_its_files_the_roles_and_its_number_the_order(store, tmp_path):
+    """``003_fc/input.npy`` and ``003_fc/output.npy`` (a hook that makes a folder per call): the folder is the
+    module, the files its input and output, the number its name begins with the order.  A folder holding only
+    ``output.npy`` beside modules of its own (``attention/output``) stays a module named ``output``."""
+    y = hook_dump(tmp_path / "flat")  # the same model and overflow, one npz per call
+    assert not torch.isfinite(y).all()
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    for fn in sorted((tmp_path / "flat").glob("*.npz")):
+        d = calls / fn.stem.replace("-", "_")
+        d.mkdir()
+        with np.load(fn) as z:
+            for key in ("input", "output"):
+                np.save(d / f"{key}.npy", z[key])
+                os.utime(d / f"{key}.npy", ns=(BASE_NS, BASE_NS))
+    rep = _report(store, calls)
+    run = rep["runs"][0]
+    f = rep["first_nonfinite"][run["name"]]
+    assert (f["op"], f["role"], f["origin"]) == ("002_2", "output", "op")
+    assert {(t["op"], t["role"]) for t in rep["tensors"]} == {
+        (f"{i:03d}_{i}", r) for i in range(5) for r in ("input", "output")}
+    assert run["order"] == "execution" and "000_0/input.npy" in run["order_note"]
+    nested = tmp_path / "nested"
+    (nested / "attention").mkdir(parents=True)
+    np.save(nested / "attention" / "output.npy", np.full(4, np.inf, np.float32))
+    np.save(nested / "embed.npy", np.ones(4, np.float32))
+    rep = _report(store, nested)
+    assert {(t["op"], t["role"]) for t in rep["tensors"]} == {("attention.output", "tensor"), ("embed", "tensor")}

@@ -180,23 +180,50 @@ _CALL_NUMBER = re.compile(r"(\d+)[-_.](?=.)")
 UNNUMBERED_SHARE = 0.1  # of a folder's data files that may lack a call number when the others give the order
 
 
-def call_numbers(files: list[Path]) -> dict[Path, int]:
-    """file -> the call number its name begins with, for the folders whose data files (every one, or all but
-    ``UNNUMBERED_SHARE`` of them) begin with one, each number naming one op and each op one number: a hook
-    that counts its calls (``f"{n:03d}-{name}.npz"``).  ``layer10`` or a Sequential's ``0.weight`` beside
-    ``0.bias`` (two names, one number) are no call numbers."""
+def call_folders(files: list[Path]) -> dict[Path, str]:
+    """file -> ``<role>.<i>`` for the files of a folder that holds one module call: every data file in it named
+    as a role (``CALL_KEYS``), an input and an output among them (``003_fc/input.npy``, ``003_fc/output.npy``:
+    the folder is the module).  A folder holding ``output.npy`` alone may be a module named ``output``
+    (``attention/output.npy``): not taken."""
     by_dir: dict[Path, list[Path]] = {}
     for p in files:
         by_dir.setdefault(p.parent, []).append(p)
+    out: dict[Path, str] = {}
+    for group in by_dir.values():
+        if any(p.suffix.lower() in CONTAINERS for p in group):
+            continue
+        stems = [p.name[: -len(p.suffix)] for p in group]
+        layout = _call_layout(stems)
+        roles = {v.split(".")[0] for v in (layout or {}).values()}
+        if layout and roles & set(INPUT_ROLES) and "output" in roles:
+            out.update({p: layout[stem] for p, stem in zip(group, stems)})
+    return out
+
+
+def call_numbers(files: list[Path], folders: Optional[dict[Path, str]] = None) -> dict[Path, int]:
+    """file -> the call number its name begins with, for the folders whose data files (every one, or all but
+    ``UNNUMBERED_SHARE`` of them) begin with one, each number naming one op and each op one number: a hook
+    that counts its calls (``f"{n:03d}-{name}.npz"``).  A file of a folder holding one call (``folders``,
+    ``call_folders``) takes the number its folder's name begins with (``003_fc/output.npy``).  ``layer10`` or
+    a Sequential's ``0.weight`` beside ``0.bias`` (two names, one number) are no call numbers."""
+    folders = folders or {}
+    by_dir: dict[Path, list[Path]] = {}
+    named: dict[Path, str] = {}  # file -> the name its number is read from
+    for p in files:
+        unit = p.parent if p in folders else p
+        named[p] = unit.name if p in folders else p.name[: -len(p.suffix)]
+        by_dir.setdefault(unit.parent, []).append(p)
     out: dict[Path, int] = {}
     for group in by_dir.values():
-        found = {p: m for p in group if (m := _CALL_NUMBER.match(p.name[: -len(p.suffix)]))}
-        if len(found) < 2 or len(group) - len(found) > int(UNNUMBERED_SHARE * len(group)):
+        found = {p: m for p in group if (m := _CALL_NUMBER.match(named[p]))}
+        units = {p.parent if p in folders else p for p in group}
+        if len(found) < 2 or len(units) - len({p.parent if p in folders else p for p in found}) > int(
+                UNNUMBERED_SHARE * len(units)):
             continue
         ops: dict[int, set] = {}
         numbers: dict[str, set] = {}
         for p, m in found.items():
-            op = _record_fields(p.name[: -len(p.suffix)])["op"]  # "000-fc.output.0.npy" and "000-fc.npz": "000-fc"
+            op = named[p] if p in folders else _record_fields(named[p])["op"]  # "000-fc.output.0", "000-fc": "000-fc"
             ops.setdefault(int(m[1]), set()).add(op)
             numbers.setdefault(op, set()).add(int(m[1]))
         if all(len(v) == 1 for v in ops.values()) and all(len(v) == 1 for v in numbers.values()):
@@ -446,11 +473,11 @@ class GenericReader:
                                  f"names {len(dups)} entr{'y' if len(dups) == 1 else 'ies'} more than once "
                                  f"({', '.join(dups[:3])}{', ...' if len(dups) > 3 else ''}); the first place is used"))
             return listed, "execution", f"execution order from {where}", warnings, data, ticks, {}
-        numbers = call_numbers(sc.data)
+        numbers = call_numbers(sc.data, call_folders(sc.data))
         if numbers:
             first = sorted(numbers, key=numbers.__getitem__)[:2]
             said = ", ".join(relname(root, p) for p in first)
-            return None, "execution", (f"execution order from the call numbers the file names begin with ({said}, "
+            return None, "execution", (f"execution order from the call numbers the file (or folder) names begin with ({said}, "
                                        "...)"), warnings, data, ticks, numbers
         if ticks:
             return None, "mtime", f"order from file modification times ({where})", warnings, data, ticks, {}
@@ -521,6 +548,7 @@ class GenericReader:
         """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle`` (an order list's
         place, else the file's call number, and its time rank)."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
+        folders = call_folders(sc.data)
         seen: dict[tuple, str] = {}
         used: set[str] = set()
         seen_names: list[str] = []
@@ -536,7 +564,11 @@ class GenericReader:
                 items.sort(key=lambda kv: (layout[kv[0]].split(".")[0] not in INPUT_ROLES, natural_key(layout[kv[0]])))
             for key, t in items:
                 t = _native(t)
-                if key == "":
+                if key == "" and p in folders:  # "003_fc/output.npy": the output of the call "003_fc"
+                    stem = p.name[: -len(p.suffix)]
+                    parent = prefix[: -len(stem)].rstrip(".")
+                    name = f"{parent}.{folders[p]}" if parent else folders[p]
+                elif key == "":
                     name = prefix
                 elif layout is not None:
                     name = f"{prefix}.{layout[key]}"
