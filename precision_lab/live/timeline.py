@@ -2,11 +2,11 @@
 and the last K steps' full records kept when a step goes non-finite (the frames that led to it).
 
 The summary covers each module's output and each parameter's gradient:
-statistics without a histogram (one pass), and a second pass with the
-magnitude histogram only where the extremes reach past a watched format's
-overflow or normal threshold (otherwise its overflow, underflow and subnormal
-counts are exactly 0).  CUDA tensors take the histogram on the device, where
-it is cheap, and reach the host with the step's one transfer.
+statistics without a histogram and, in the same pass, the magnitudes at or
+above each watched format's overflow, underflow and normal thresholds
+(``stats.summary_stats``), which give its overflow, underflow and subnormal
+counts exactly.  CUDA tensors take the histogram on the device, where it is
+cheap, and reach the host with the step's one transfer.
 """
 
 from __future__ import annotations
