@@ -3,6 +3,7 @@ and the chunking that feeds them."""
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
@@ -898,9 +899,7 @@ def summary_stats(x, edges) -> tuple[TensorStats, np.ndarray]:
     float32, bf16 or fp16 takes one pass of the compiled kernel that compares its elements with those edges
     instead of counting them into the histogram (only where a block's extremes straddle an edge: 0.6x the time of
     the scan with the histogram on 0.26-16M-element tensors); anything else takes the histogram."""
-    edges = np.asarray(edges, dtype=np.int64)
-    if edges.size and (edges.min() < 1 or edges.max() > N_BINS):
-        raise ValueError(f"summary_stats: edges must be histogram edge indices 1..{N_BINS}")
+    thr = _edge_bits(tuple(int(e) for e in edges))
     torch = sys.modules.get("torch")
     flat, dtype = None, None
     if torch is not None and isinstance(x, torch.Tensor):
@@ -916,13 +915,22 @@ def summary_stats(x, edges) -> tuple[TensorStats, np.ndarray]:
             dtype = x.dtype.name
             flat = d if dtype == "float32" else d.view(np.uint16)
     if flat is not None and KERNELS.ready() is not None:
-        acc = _Acc(False, readonly(_CBITS[edges]))
+        acc = _Acc(False, thr)
         if flat.size:
             _numba_chunk(acc, np.ascontiguousarray(flat), False, _SCAN_KIND.get(dtype, 0))
         return acc.result(numel=flat.size, dtype=dtype, shape=tuple(x.shape)), acc.above
     s = tensor_stats(x, histogram=True)
     tail = np.concatenate([np.cumsum(s.hist[::-1])[::-1], [0]])  # tail[i]: the magnitudes in bins i and above
-    return replace(s, hist=None), tail[edges]
+    return replace(s, hist=None), tail[np.asarray(edges, dtype=np.int64)]
+
+
+@functools.lru_cache(maxsize=64)
+def _edge_bits(edges: tuple) -> np.ndarray:
+    """The float32 patterns the scan compares with for ``HIST_EDGES[edges]`` (read-only; the same edges are asked
+    for on every summarised tensor)."""
+    if edges and (min(edges) < 1 or max(edges) > N_BINS):
+        raise ValueError(f"summary_stats: edges must be histogram edge indices 1..{N_BINS}")
+    return readonly(_CBITS[list(edges)].astype(np.uint32))
 
 
 def _tensor_stats(x, histogram: bool, chunk_elems: int, use_numba: bool, backend: str) -> TensorStats:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -344,6 +345,7 @@ class TensorStats:
 builtins_max = max  # TensorStats.summary_only shadows max with a parameter
 
 
+@functools.cache  # formats are frozen: read for every summarised tensor and format, worked out once each
 def format_edges(fmt: Format) -> tuple[int, Optional[int], Optional[int]]:
     """The ``HIST_EDGES`` indices ``fmt``'s counts are read at: its overflow threshold, its underflow threshold
     (None where it has none) and its smallest normal (None where it has no subnormals)."""
