@@ -105,6 +105,9 @@ def _walk(pg, server, tmp_path, want_op, want_absmax):
     # Op detail of the first failure: its values drawn against fp16, overflowing
     pg.get_by_role("button", name="Open this op").first.click()
     pg.get_by_role("heading", name="Op detail").wait_for()
+    # the page's own run may not have begun when the heading shows (the navigation draws it): wait for its
+    # content to name the op, or time out
+    pg.get_by_text(op).first.wait_for()
     _idle(pg)
     assert "/op_detail" in pg.url
     assert op in pg.inner_text("body")
