@@ -105,6 +105,7 @@ class Scan:
     other: list[Path]  # files we do not read
     special: list[Path] = dataclasses.field(default_factory=list)  # links, pipes, devices: refused
     dtype_sidecars: dict[Path, Path] = dataclasses.field(default_factory=dict)  # other data file -> its sidecar
+    folders: dict[Path, str] = dataclasses.field(default_factory=dict)  # a file of a folder per call -> its role
 
 
 def _hidden(name: str) -> bool:
@@ -141,7 +142,7 @@ def scan(root: Path) -> Scan:
             (sidecars if p.suffix.lower() == ".bin" else dtype_sidecars)[p] = cand
     used = set(data) | set(sidecars.values()) | set(dtype_sidecars.values()) | ({order_file} if order_file else set())
     other = [p for p in files if p not in used]
-    return Scan(data, sidecars, order_file, other, special, dtype_sidecars)
+    return Scan(data, sidecars, order_file, other, special, dtype_sidecars, call_folders(data))
 
 
 # how hook writers name the tensors of one module call in one file (a key, ``_<i>`` or ``.<i>`` after it for
@@ -473,7 +474,7 @@ class GenericReader:
                                  f"names {len(dups)} entr{'y' if len(dups) == 1 else 'ies'} more than once "
                                  f"({', '.join(dups[:3])}{', ...' if len(dups) > 3 else ''}); the first place is used"))
             return listed, "execution", f"execution order from {where}", warnings, data, ticks, {}
-        numbers = call_numbers(sc.data, call_folders(sc.data))
+        numbers = call_numbers(sc.data, sc.folders)
         if numbers:
             first = sorted(numbers, key=numbers.__getitem__)[:2]
             said = ", ".join(relname(root, p) for p in first)
@@ -548,7 +549,7 @@ class GenericReader:
         """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle`` (an order list's
         place, else the file's call number, and its time rank)."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
-        folders = call_folders(sc.data)
+        folders = sc.folders
         seen: dict[tuple, str] = {}
         used: set[str] = set()
         seen_names: list[str] = []
