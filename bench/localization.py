@@ -94,7 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from precision_lab import capture_pair  # noqa: E402
-from precision_lab.enums import Direction, OriginKind  # noqa: E402
+from precision_lab.enums import Certainty, Direction, OriginKind  # noqa: E402
 from precision_lab.fixes.policy import call_model  # noqa: E402
 from precision_lab.ops import canonical, module_path  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
@@ -382,10 +382,14 @@ def _msprobe(root: Path):
         return None
 
 
+_LAST_RUN: dict = {}  # the run _from_dump read last (for _held)
+
+
 def _from_dump(store, folder: Path):
     t = time.perf_counter()
     name = ingest(folder, store=store)
     run = q.session_runs(store, store.session(name)["session_id"])[0]
+    _LAST_RUN["run_id"] = run["run_id"]
     return first_nonfinite(store, run["run_id"]), time.perf_counter() - t
 
 
@@ -496,16 +500,27 @@ def _cause_named(store, session: str, run_id: str, cause: dict) -> tuple[bool, s
 
 MODELS = ("qwen2", "llama", "gpt2", "bert", "t5", "seed-attention", "seed-blocks")
 KINDS = ("activation", "weight")  # injected into MODELS; SEED_FAILURES fail by themselves
-HEALTHY = ("healthy", "mask-constant")
+HEALTHY = ("healthy", "mask-constant", "intended-nonfinite")
 
 
 def _dtype_name(d) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(d, getattr(d, "name", str(d)))
 
 
-def _row(kind, case, how, right, f, secs, expected="", source="", named=None):
+def _held(store, kind: Optional[str] = None, last: bool = False) -> bool:
+    """Whether the runs of ``store`` of run kind ``kind`` (reference or candidate), or the run made last, hold any
+    NaN or inf: a healthy control that does holds intended non-finite values."""
+    where = "r.run_id = ?" if last else "r.kind = ?"
+    got = store.sql("SELECT coalesce(bool_or(t.nonfinite), false) FROM tensors t JOIN runs r USING (run_id) "
+                    f"WHERE {where}", [_LAST_RUN.get("run_id") if last else kind]).fetchone()
+    return bool(got and got[0])
+
+
+def _row(kind, case, how, right, f, secs, expected="", source="", named=None, held=False):
     return {"kind": kind, "case": case, "how": how, "right": right, "secs": secs, "expected": expected,
-            "source": source, "named": named if named is not None else (
+            "held": held,
+            "source": source, "certain": f is not None and f.certainty is Certainty.CERTAIN,
+            "named": named if named is not None else (
                 None if f is None else f"{f.op} ({f.op_type}, origin {f.origin}"
                 + (f", parameter {f.parameter.name}" if f.parameter else "") + ")"),
             "reason": None if f is None else f.reason}
@@ -559,10 +574,12 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                 if right and c.expect and c.expect.get("cause"):
                     right, why = _cause_named(store, session, run_id, c.expect["cause"])
                     named = None if right else f"{f.op}; {why}"
-                rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
+                rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named,
+                                 held=_held(store, "candidate")))
                 if healthy and c.fp32_control:
                     fp32 = c.name.replace(f"/{dname}", "/fp32")
-                    rows.append(_row(c.kind, fp32, how, fref is None, fref, secs, "nothing"))
+                    rows.append(_row(c.kind, fp32, how, fref is None, fref, secs, "nothing",
+                                     held=_held(store, "reference")))
                 elif healthy and fref is not None:
                     rows.append(_row(c.kind, c.name + " (its fp32 reference)", how, False, fref, secs, "nothing"))
             else:
@@ -573,7 +590,7 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                     f, secs = _from_dump(store, folder)
                     name = c.name if d is c.dtype else c.name.replace(f"/{dname}", "/fp32")
                     rows.append(_row(c.kind, name, how, _judge(f, c.expect, how), f, secs, _describe(c.expect),
-                                     c.source))
+                                     c.source, held=_held(store, last=True)))
         except Exception as e:  # a case the tool (or the dump) cannot run is a miss, and says why
             rows.append(_row(c.kind, c.name, how, False, None, 0.0, _describe(c.expect), c.source,
                              named=f"ERROR {type(e).__name__}: {str(e)[:200]}"))
@@ -586,11 +603,14 @@ def _table(rows, title):
     groups = defaultdict(list)
     for r in rows:
         groups[(r["kind"], r["how"])].append(r)
-    print(f"| {title} | input | right | wrong | total | share | median seconds |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| {title} | input | right | wrong | total | share | stated certain | certain and wrong | "
+          f"runs holding NaN/inf | median seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (k, h), rs in sorted(groups.items()):
         right = sum(r["right"] for r in rs)
-        print(f"| {k} | {h} | {right} | {len(rs) - right} | {len(rs)} | {100 * right / len(rs):.0f}% | "
+        certain = sum(r["certain"] for r in rs)
+        print(f"| {k} | {h} | {right} | {len(rs) - right} | {len(rs)} | {100 * right / len(rs):.0f}% | {certain} | "
+              f"{sum(r['certain'] and not r['right'] for r in rs)} | {sum(r['held'] for r in rs)} | "
               f"{sorted(r['secs'] for r in rs)[len(rs) // 2]:.2f} |")
     print()
 
@@ -598,6 +618,7 @@ def _table(rows, title):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one layer per model, fewer healthy dumps")
+    ap.add_argument("--kinds", nargs="*", help="only these kinds of the extended corpus (and no injected corpus)")
     ap.add_argument("--no-msprobe", action="store_true", help="leave out msprobe dumps even when it is installed")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -609,6 +630,8 @@ def main() -> None:
     rows = []
     cases = [(m, layer, kind) for m in MODELS for layer in layers for kind in KINDS]
     cases += [(m, None, m.removeprefix("seed-")) for m in SEED_FAILURES]
+    if args.kinds:
+        cases = []
     with tempfile.TemporaryDirectory() as tmp:
         ms = _msprobe(Path(tmp) / "msprobe") if not args.no_msprobe else None
         kinds = INPUT_KINDS + (("msprobe",) if ms is not None else ())
@@ -633,13 +656,19 @@ def main() -> None:
                                  _right(f, path, kind, how, folder), f, secs, _describe(exp)))
                 close_all()
         for c in LC.corpus(args.quick):
+            if args.kinds and c.kind not in args.kinds:
+                continue
             rows.extend(_run_case(c, Path(tmp), args.quick))
     failing = [r for r in rows if r["kind"] not in HEALTHY]
     healthy = [r for r in rows if r["kind"] in HEALTHY]
     right = sum(r["right"] for r in failing)
+    certain = [r for r in rows if r["certain"]]
     print(f"{len(failing)} failing answers: {right} right ({100 * right / max(len(failing), 1):.0f}%); "
           f"{len(healthy)} healthy answers: {sum(not r['right'] for r in healthy)} false alarms "
-          f"({100 * sum(not r['right'] for r in healthy) / max(len(healthy), 1):.0f}%); "
+          f"({100 * sum(not r['right'] for r in healthy) / max(len(healthy), 1):.0f}%), on "
+          f"{sum(r['held'] for r in healthy)} runs holding intended NaN/inf: "
+          f"{sum(r['held'] and not r['right'] for r in healthy)} false alarms; "
+          f"{len(certain)} answers stated certain: {sum(not r['right'] for r in certain)} of them wrong; "
           f"{time.perf_counter() - started:.0f} s\n")
     _table(failing, "kind")
     print("Healthy controls (right = nothing named; wrong = a false alarm):\n")

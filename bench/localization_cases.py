@@ -720,6 +720,259 @@ def reports(quick: bool) -> list[Case]:
     return out
 
 
+# ---- healthy runs that hold intended non-finite values, and failures that must not be excused ----------
+
+class NearestNeighbour(nn.Module):
+    """Nearest-neighbour search: a point's distance to itself excluded with ``+inf`` (``masked_fill``), then
+    ``min`` and ``argmin`` over the row; the result is finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        dist = (h[:, None, :] - h[None, :, :]).pow(2).sum(-1)
+        eye = torch.eye(h.shape[0], dtype=torch.bool, device=h.device)
+        masked = dist.masked_fill(eye, float("inf"))
+        nearest = masked.min(-1).values
+        j = masked.argmin(-1)
+        return self.out(h + h[j] * 0.1) * (1 + 0.01 * nearest[:, None])
+
+
+class MaskedMaxPool(nn.Module):
+    """Max-pooling over a sequence whose padding positions are ``-inf`` (``masked_fill``), ``amax`` and ``argmax``;
+    every sequence has a real token, so the pooled values are finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        pad = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+        pad[:, -3:] = True
+        filled = h.masked_fill(pad[..., None], float("-inf"))
+        pooled = filled.amax(1) + 0.0 * filled.argmax(1).to(h.dtype)
+        return self.out(pooled)
+
+
+class LogZeroEntropy(nn.Module):
+    """The entropy of a distribution with exact zeros: ``log(0)`` is ``-inf`` and ``0 x -inf`` NaN, both dropped
+    by ``where``; the result is finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        p = torch.relu(h)
+        p = p / (p.sum(-1, keepdim=True) + 1)
+        ent = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1, keepdim=True)
+        return self.out(h) + ent
+
+
+class NanToNum(nn.Module):
+    """Normalises rows, two of which are all zero (``0 / 0`` = NaN), then ``nan_to_num``: finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = h * (torch.arange(h.shape[0], device=h.device) >= 2).to(h.dtype)[:, None]
+        n = h / h.abs().amax(-1, keepdim=True)
+        return self.out(torch.nan_to_num(n, nan=0.0))
+
+
+class InfPadSliced(nn.Module):
+    """Pads a sequence with ``+inf`` (``F.pad``), takes a running minimum over it and drops the padding by
+    indexing before it is used: finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        padded = torch.nn.functional.pad(h, (0, 0, 0, 2), value=float("inf"))
+        run = padded.cummin(1).values
+        return self.out(run[:, : h.shape[1]])
+
+
+class HookPoint(nn.Identity):
+    """TransformerLens's ``HookPoint``: an identity module that exists to be hooked."""
+
+
+class HookPointAttention(nn.Module):
+    """A TransformerLens-style causal attention: scores masked with an ``IGNORE`` buffer of ``-inf`` by
+    ``where``, recorded by the hook points ``hook_attn_scores`` and ``hook_pattern``."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
+        self.register_buffer("IGNORE", torch.tensor(float("-inf")))
+
+    def forward(self, x):
+        t = x.shape[1]
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
+        future = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
+        s = self.hook_attn_scores(torch.where(future, self.IGNORE.to(s.dtype), s))
+        p = self.hook_pattern(torch.softmax(s, -1))
+        return self.o(self.hook_z(p @ self.v(x)))
+
+
+class LogMask(nn.Module):
+    """An additive mask made by the user's own arithmetic: ``log`` of a 0/1 keep mask (0 where masked -> ``-inf``)."""
+
+    def forward(self, keep, dtype):
+        return torch.log(keep.to(dtype))
+
+
+class LogMaskAttention(nn.Module):
+    """A causal attention whose additive mask is ``log(keep)``: ``-inf`` above the diagonal, never a full row."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.mask = LogMask()
+
+    def forward(self, x):
+        t = x.shape[1]
+        keep = torch.tril(torch.ones(t, t, device=x.device))
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1]) + self.mask(keep, x.dtype)
+        return self.o(torch.softmax(s, -1) @ self.v(x))
+
+
+class Stack(nn.Module):
+    """``first`` then ``then`` (a Linear, scaled to overflow in the failing cases)."""
+
+    def __init__(self, first: nn.Module, d: int):
+        super().__init__()
+        self.first, self.fc = first, nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc(x + self.first(x))
+
+
+class PadMask(nn.Module):
+    """``transformers``' additive padding mask: ``(1 - keep) * finfo(float32).min`` in the compute dtype: finite in
+    fp32, ``-inf`` in fp16."""
+
+    def forward(self, keep, dtype):
+        return (1.0 - keep[:, None, None, :].to(dtype)) * torch.finfo(torch.float32).min
+
+
+class PaddedAttention(nn.Module):
+    """A bidirectional attention over a batch with a padding mask; sequence 1 is padded throughout (its keep mask
+    is all zeros), so in fp16 its every score is ``-inf`` and its softmax row NaN; the fp32 run is finite."""
+
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.pad_mask, self.heads = PadMask(), heads
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        keep = torch.ones(b, t, dtype=torch.long, device=x.device)
+        keep[0, -3:] = 0
+        keep[1] = 0
+        bias = self.pad_mask(keep, x.dtype)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        s = split(self.q(x)) @ split(self.k(x)).transpose(-1, -2) / math.sqrt(d // self.heads) + bias
+        a = (torch.softmax(s, -1) @ split(self.v(x))).transpose(1, 2).reshape(b, t, d)
+        return self.norm(x + self.o(a))
+
+
+class LogProbs(nn.Module):
+    """``log(softmax(x))`` computed as two ops: a probability below fp16's smallest subnormal is 0 in fp16 and its
+    log ``-inf``; in fp32 it is about 1e-12 and its log finite."""
+
+    def forward(self, h):
+        return torch.log(torch.softmax(h * 6.0, -1))
+
+
+class LogUnderflow(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.logp, self.out = nn.Linear(d, d), LogProbs(), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out(self.logp(self.proj(x)))
+
+
+class InfFill(nn.Module):
+    """Fills the padding positions with ``+inf``, meant for a ``min`` that never comes."""
+
+    def forward(self, h):
+        pad = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+        pad[:, -2:] = True
+        return h.masked_fill(pad[..., None], float("inf"))
+
+
+class PlusInfReachesOutput(nn.Module):
+    """A ``+inf`` fill that is averaged into the output (in fp32 as much as in fp16): a failure, not a mask."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.proj, self.fill, self.out = nn.Linear(d, d), InfFill(), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out(self.fill(self.proj(x)).mean(1))
+
+
+# the healthy models that hold intended non-finite values, and the input each runs on
+INTENDED = {
+    "nearest-neighbour-plus-inf-min": (NearestNeighbour, lambda: _x(12, 16)),
+    "masked-max-pool-minus-inf-amax": (MaskedMaxPool, lambda: _x(2, 8, 16)),
+    "entropy-log-zero-where": (LogZeroEntropy, lambda: _x(4, 16)),
+    "nan-to-num-zero-rows": (NanToNum, lambda: _x(6, 16)),
+    "inf-padding-dropped-by-index": (InfPadSliced, lambda: _x(2, 8, 16)),
+    "hook-point-attn-scores": (HookPointAttention, lambda: _x(2, 8, 32)),
+    "log-keep-mask-softmax": (LogMaskAttention, lambda: _x(2, 8, 32)),
+}
+
+
+def intended(quick: bool) -> list[Case]:
+    """Healthy controls whose runs hold non-finite values on purpose (of 8 kinds, with the ``finfo.min``
+    padding masks of the ``healthy`` kind), each in fp16 and bf16, the fp16 one's fp32 reference a control of
+    its own; and the same intended values before a real overflow, where the overflow is the answer."""
+    out = []
+    for name, (build, inputs) in INTENDED.items():
+        for dt, dname in ((torch.float16, "fp16"),) + (() if quick else ((torch.bfloat16, "bf16"),)):
+            out.append(Case(f"{name}/{dname}", "intended-nonfinite", build, inputs(), dt,
+                            fp32_control=dname == "fp16"))
+    d = {"nearest-neighbour-plus-inf-min": 16, "hook-point-attn-scores": 32, "log-keep-mask-softmax": 32,
+         "inf-padding-dropped-by-index": 16, "entropy-log-zero-where": 16}
+    for name, width in d.items():
+        build, inputs = INTENDED[name]
+        x = inputs()
+        b = _scale_output(lambda bb=build, w=width: Stack(bb(), w), x, "fc")
+        out.append(Case(f"{name}-then-overflow", "not-first", b, x,
+                        expect={"origin": "op", "module": "fc", "types": {"linear", "Linear"}},
+                        note="intended non-finite values first, then an fp16 overflow"))
+    return out
+
+
+def not_excused(quick: bool) -> list[Case]:
+    """Failures written by ops that often write intended values: the answer is the op that wrote them."""
+    return [
+        Case("fully-padded-row-finfo32-mask-fp16", "not-excused", PaddedAttention, _x(2, 8, 32),
+             expect={"origin": "op", "module": "pad_mask", "types": {"mul"}},
+             note="finfo(fp32).min is -inf in fp16; a fully padded row is all -inf and its softmax NaN"),
+        Case("log-softmax-underflow-fp16", "not-excused", LogUnderflow, _x(4, 16, scale=3.0),
+             expect={"origin": "op", "module": "logp", "types": {"log"}},
+             note="softmax underflows to 0 in fp16, its log is -inf, the next Linear NaN"),
+        Case("plus-inf-fill-reaches-output", "not-excused", PlusInfReachesOutput, _x(2, 8, 16),
+             expect={"origin": "op", "module": "fill", "types": {"masked_fill"}},
+             note="+inf written for a min that never comes is averaged into the output, in fp32 too"),
+    ]
+
+
 def corpus(quick: bool) -> list[Case]:
     return controls(quick) + not_first(quick) + quiet(quick) + fp8(quick) + buffers(quick) + tied(quick) \
-        + backward(quick) + reports(quick)
+        + backward(quick) + reports(quick) + intended(quick) + not_excused(quick)

@@ -55,7 +55,8 @@ for item in firsts:
              + ", ".join(plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
         st.success(f"{plain(run['name'])}: every recorded value is finite"
-                   + (" apart from intended -inf masks." if masks else "."))
+                   + (" apart from intended values (masks, log(0), fills) that never reach its output, "
+                      "gradients or parameters." if masks else "."))
         if quiet:
             st.caption(quiet)
         continue
@@ -70,6 +71,7 @@ for item in firsts:
                         f"**{plain(first.op)}** ({plain(first.role)} {plain(first.index)}, "
                         f"{first.where})")
         st.caption(message_md(first.reason))
+        st.caption(("" if first.certainty == "certain" else ":orange[**likely**] ") + plain(first.certainty_text))
         if first.first_nan:
             st.caption(f"The first NaN is made later, at {plain(first.first_nan.op)} "
                        f"(seq {first.first_nan.seq}), from that inf.")

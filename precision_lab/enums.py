@@ -87,10 +87,11 @@ class OriginKind(StrEnum):
 
 
 class Certainty(StrEnum):
-    """How sure an origin is of being first (``origin.Origin.certainty``)."""
+    """How sure an origin is (``origin.Origin.certainty``): from the evidence, per answer."""
 
-    CERTAIN = "certain"  # the run's order says which op ran first
-    ORDER_UNKNOWN = "order unknown"  # the dump gave no order: the op named is first by name among equals
+    CERTAIN = "certain"  # nothing was guessed: inputs seen, the order to every other candidate known
+    LIKELY = "likely"  # something was guessed (``Origin.guessed`` says what, ``Origin.decide`` what would settle it)
+    ORDER_UNKNOWN = "order unknown"  # an older row's word: the dump gave no order (read as a guess)
 
 
 class RunOrder(StrEnum):

@@ -1,39 +1,37 @@
-"""Where a run's first unexpected non-finite value came from: facts in, a frozen ``Origin`` out.
+"""Where a run's failure started: facts in, a frozen ``Origin`` out.
 
 The analysis is pure: it reads a run's non-finite op calls and records (``RunFacts``, what the store
 answers) and returns typed values; it never touches a database, so it is tested on hand-made facts.
 ``services.report`` reads the facts and renders the result; the Overview, the CLI, the diagnosis rules,
 ``bisect``/``verify`` and the localization bench all read the same ``Origin``.
 
-The producer is the first op call, in execution order (``step``, then ``seq``, then ``rank``), whose input
-records (``records.INPUT_ROLES``: inputs, keyword inputs, parameters, buffers, incoming gradients) hold no
-unexpected non-finite value and one of whose output records does.  An op call is the group of records
-sharing ``(step, rank, op)``.
+Start from the failure, not from a list of suspicious ops.  A failure is a non-finite value the run was not
+meant to have in what matters: the model's output (the root module's, or the last op's in a dump without one,
+``model_outputs``), a gradient, a parameter.  A run whose failures hold none is healthy, whatever NaN or inf it
+holds on the way (a ``+inf`` fill that ``min`` consumes, a ``finfo.min`` mask that became ``-inf`` in fp16 and
+met real scores, ``log(0)`` dropped by ``where``): those are listed as intended, never blamed.  With an fp32
+reference, what the reference holds too is no failure of the lower precision.
 
-Intended and unexpected (``intended_output``, the one rule): without a reference record to compare with, an
-output whose every non-finite value is ``-inf`` is *intended* when
+From the failure the walk goes back (``_walk``): a module call's value came from the last op inside it that
+wrote one; an op that received a value that explains its own (NaN or inf in, anything out; ``-inf`` in,
+``-inf`` or NaN out) came from the nearest op before it that wrote what it received; an op whose inputs were
+finite (or, with a reference, held only what the reference holds) made it, and is the answer, whatever its
+type: a mask whose ``-inf`` fills a whole row that a softmax turns into NaN is named, not the softmax.  A
+parameter or buffer already non-finite is itself the origin, named with its value.  An op list only orders
+where the order says nothing.
 
-- a masking op wrote it (``ops.MASKING_OPS``: ``masked_fill``, ``where``, ``full``/``full_like``/
-  ``new_full``, ``fill``, ``triu``/``tril``, and ``log``'s exact ``log(0)``);
-- a constant wrote it (``ops.CONSTANT_OPS``: ``torch.tensor(float("-inf"))``, ``scalar_tensor``; or any op
-  call that read no tensor in a run that records inputs);
-- it is an additive mask: its finite values are all 0 (a 0/1 mask times ``finfo.min`` that became
-  ``-inf`` in a narrower format);
-- the op received ``-inf`` itself (softmax's input, a mask added to scores), or an op inside the module
-  wrote it.
-
-With a reference, a record is unexpected where it holds non-finite values the reference does not (the
-comparison's ``nonfinite_introduced``, which counts positions masked in both runs as equal: see
-``metrics``).  A parameter or buffer already non-finite before any op ran is itself the origin, named with
-its value.  Containers pass values on: the innermost candidate is named.  When the order is unknown
-(``order == "name"``) the first innermost candidate by name is named, ``certainty`` says so and ``others``
-lists the rest.
+Each answer says what it saw and what it inferred (``guessed``): inputs not recorded, an order recovered from
+the data or from names, more than one earlier op that could have written what an op received.  It is
+``certain`` only when nothing was guessed, else ``likely``, with the other candidates (``others``) and what
+would settle it (``decide``).  Without the model's output (hand-made facts), the first op in order whose
+inputs are finite and whose output is not is named, as before: ``_pick``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Mapping, Optional, Sequence
@@ -172,6 +170,10 @@ class Origin:
     """The ops that wrote ``-inf`` that is no error by itself (masks), not blamed."""
     path: tuple[PathStep, ...] = field(default=())
     """The op calls before ``op`` in its step and rank, then ``op`` (``services.report.nonfinite_origin``)."""
+    guessed: tuple[str, ...] = ()
+    """What the answer inferred rather than saw, in words (empty when ``certainty`` is certain)."""
+    decide: Optional[str] = None
+    """What would settle it, when something was guessed."""
 
     def __post_init__(self) -> None:
         # the words a caller or an older row gives become the enums (an unknown word is refused here)
@@ -183,6 +185,7 @@ class Origin:
         object.__setattr__(self, "others", tuple(self.others))
         object.__setattr__(self, "intended", tuple(self.intended))
         object.__setattr__(self, "path", tuple(self.path))
+        object.__setattr__(self, "guessed", tuple(self.guessed))
 
     @property
     def producer(self) -> bool:
@@ -193,6 +196,16 @@ class Origin:
     def where(self) -> str:
         return f"step {self.step}, rank {self.rank}, seq {self.seq}"
 
+    @property
+    def certainty_text(self) -> str:
+        """The certainty in words, as every report and the Overview show it: what was guessed and what would
+        settle it."""
+        if self.certainty is Certainty.CERTAIN:
+            return ("certain: nothing was guessed (its inputs are recorded, and the order to every other op that "
+                    "could have started it is known)")
+        said = "; ".join(self.guessed) or "the run's order is unknown"
+        return f"likely, not certain: {said}" + (f". What would decide: {self.decide}" if self.decide else "")
+
     def with_path(self, path: Sequence[PathStep]) -> "Origin":
         return replace(self, path=tuple(path))
 
@@ -201,6 +214,7 @@ class Origin:
         their words, tuples as lists."""
         d = dataclasses.asdict(self, dict_factory=_plain)
         d["producer"] = self.producer
+        d["certainty_text"] = self.certainty_text
         return d
 
 
@@ -235,6 +249,16 @@ class ComparedRecord(StoredRecord):
     ref_nonfinite: Optional[bool] = None
     """The paired reference record holds NaN or inf."""
     match: Optional[str] = None
+    masked: Optional[int] = None
+    """The comparison's ``masked``: positions where the reference holds a mask's most negative value and this
+    record ``-inf`` (or its own format's most negative value), compared as equal."""
+
+    @property
+    def newly_nonfinite(self) -> bool:
+        """It holds non-finite values where the reference's are finite: introduced ones, or ``-inf`` where the
+        reference holds a finite ``finfo.min`` (masked in both runs, but no longer a number here)."""
+        return (self.introduced or 0) > 0 or ((self.masked or 0) > 0 and (self.stats.neg_inf_count or 0) > 0
+                                              and not self.ref_nonfinite)
 
 
 @dataclass(frozen=True)
@@ -252,6 +276,10 @@ class RunFacts:
     inputs_recorded: bool = True
     """The run records op inputs at all (an outputs-only dump does not, and there an op without input records
     is no constant)."""
+    outputs: Mapping[tuple, tuple] = field(default_factory=dict)
+    """(step, rank) -> ``(op, root)``: the op call that returned the model's output and whether it is the root
+    (``model_outputs``); empty when not known: then every unexpected non-finite value counts as a failure and
+    the first one in order is named."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", RunOrder.of(self.order))
@@ -282,6 +310,13 @@ class _Event(NonfiniteCall):
     """Its first unexpected input record."""
     params: tuple[ComparedRecord, ...] = ()
     """Its unexpected parameter and buffer records."""
+    in_kinds: frozenset = frozenset()
+    """The kinds (``nan``, ``+inf``, ``-inf``) of the non-finite values it received that can carry a failure: every
+    one without a reference; with one, those the reference does not hold (``newly_nonfinite``)."""
+    out_kinds: frozenset = frozenset()
+    """The same for what it wrote."""
+    out_rec: Optional[ComparedRecord] = None
+    """Its first output record that carries a failure (``out_kinds``)."""
 
 
 # ---- which non-finite values are intended -----------------------------------------------------------
@@ -308,13 +343,47 @@ def intended_output(op_type: Optional[str], st: TensorStats, *, received_mask: b
                 or inside_intended or is_additive_mask(st))
 
 
+def _kinds(st: TensorStats) -> frozenset:
+    """The kinds of non-finite value a tensor holds: ``nan``, ``+inf``, ``-inf``; from the counts where known,
+    else from a summary's Min and Max; a non-finite value of no known kind counts as ``nan`` (anything)."""
+    k = set()
+    if (st.nan_count or 0) > 0:
+        k.add("nan")
+    inf = st.inf_count or 0
+    if inf and st.neg_inf_count is not None:
+        if st.neg_inf_count:
+            k.add("-inf")
+        if inf > st.neg_inf_count:
+            k.add("+inf")
+    elif inf or st.nan_count is None:
+        for v, word in ((st.min, "-inf"), (st.max, "+inf")):
+            if v is not None and math.isinf(v) and (v < 0) == (word == "-inf"):
+                k.add(word)
+            elif v is not None and math.isnan(v):
+                k.add("nan")
+    if not k and st.has_nonfinite:
+        k.add("nan")
+    return frozenset(k)
+
+
+def _backward(op: str) -> bool:
+    """Whether an op's name says it ran in the backward pass (``x.backward``, ``Functional.linear.3.backward``,
+    ``Module.fc.Linear.backward.0``)."""
+    return "backward" in op.split(".")
+
+
+_NUMBERED = re.compile(r"^\d+[-_]")
+
+
 def _inside(op: str, container: str, parents: Optional[Mapping] = None) -> bool:
     """Whether ``op`` ran inside ``container``: by the dump's own nesting (``parents``: op -> enclosing module
-    call, msprobe's construct.json) or by name (``container``'s module path is a prefix of ``op``)."""
-    if op == container:
+    call, msprobe's construct.json) or by name (``container``'s module path followed by a dot begins ``op``).
+    A backward op never ran inside a forward one (``softmax.0.backward`` is not inside ``softmax.0``)."""
+    if op == container or _backward(op) != _backward(container):
         return False
-    scope = module_path(container)
-    if scope == "" or op.startswith(scope + "."):
+    # a call number a dump's file names begin with (003-layers.1.0, 009_layers.1) is no part of the module path
+    bare, scope = _NUMBERED.sub("", op), module_path(_NUMBERED.sub("", container))
+    if bare != _NUMBERED.sub("", container) and (scope == "" or bare.startswith(scope + ".")):
         return True
     seen = 0
     p = (parents or {}).get(op)
@@ -382,7 +451,18 @@ def _classify(facts: RunFacts, *, use_reference: bool) -> list[_Event]:
         # the reference's own NaN arriving and only NaN leaving is their spread (a calibration poisoned by a NaN
         # row); an inf where the reference is finite is this op's own overflow, whatever else it received
         spread = shared_in and bool(bad_out) and all((r.stats.inf_count or 0) == 0 for r in bad_out)
+        def carries(r: ComparedRecord) -> bool:
+            """Whether ``r``'s non-finite values can carry a failure: any without a reference; with one, those it
+            does not hold (the reference's own are not this run's doing, a mask's ``-inf`` where the reference
+            is finite is)."""
+            return not use_reference or unexpected(r) or r.newly_nonfinite
+
+        in_kinds = frozenset().union(*(_kinds(r.stats) for r in ins if carries(r)))
+        carried_out = [r for r in outs if carries(r)]
         out.append(_Event(**{f.name: getattr(g, f.name) for f in dataclasses.fields(NonfiniteCall)},
+                          in_kinds=in_kinds | ({"nan"} if spread and not bad_in else frozenset()),
+                          out_kinds=frozenset().union(*(_kinds(r.stats) for r in carried_out)),
+                          out_rec=carried_out[0] if carried_out else None,
                           nf_in=bool(bad_in) or spread, nf_out=bool(bad_out), shared_in=shared_in,
                           mask_in=mask_in, spread=spread and not bad_in,
                           nan_in=any((r.stats.nan_count or 0) > 0 for r in bad_in),
@@ -488,6 +568,225 @@ def _intended_of(calls: list[_Event]) -> list[Intended]:
             for c in calls if c.intended_out and not c.nf_out]
 
 
+# ---- following a failure back --------------------------------------------------------------------------
+
+def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = None) -> dict[tuple, tuple]:
+    """(step, rank) -> ``(op, root)``: the op call that returned the model's output, from
+    ``store.queries.forward_ends`` rows (the forward op calls that start first and last), and whether it is
+    known to be the root.  The first when it holds the last (a root recorded in call order) or the last when it
+    holds the first (a root recorded as it completes): the root; else the last op of a dump without a root,
+    taken as the output (``root`` False); with the order unknown only a root is known."""
+    known = RunOrder.of(order).known
+    out = {}
+    for e in ends:
+        first, last = e.get("first"), e.get("last")
+        key = (int(e["step"]), int(e["rank"]))
+        if first is None or last is None:
+            continue
+        if first == last or _inside(last, first, parents):
+            out[key] = (first, True)
+        elif _inside(first, last, parents):
+            out[key] = (last, True)
+        elif known:
+            out[key] = (last, False)
+    return out
+
+
+def _explained(e: _Event) -> bool:
+    """Whether what ``e`` wrote can have come from what it received: NaN or ``+inf`` received explains anything;
+    ``-inf`` received explains ``-inf`` passed on and NaN (``-inf - -inf``, ``0 x -inf``, a softmax row of
+    ``-inf``), never a ``+inf``: that is new (``exp`` overflowing beside a mask)."""
+    if not e.in_kinds:
+        return False
+    return bool(e.in_kinds - {"-inf"}) or "+inf" not in e.out_kinds
+
+
+def _could_feed(src: _Event, dst: _Event) -> bool:
+    """Whether ``src``'s output can be what ``dst`` received: each sign of inf ``dst`` received, ``src`` wrote."""
+    return all(k in src.out_kinds for k in ("+inf", "-inf") if k in dst.in_kinds)
+
+
+@dataclass
+class _Walk:
+    """The walk back from a failure over one step and rank: its answer and what it had to guess."""
+    kind: str = "in"
+    """``op`` (made there), ``param`` (a non-finite parameter of it) or ``in`` (it arrived through its inputs)."""
+    event: Optional[_Event] = None
+    guessed: list = field(default_factory=list)
+    """What was inferred, in words."""
+    others: list = field(default_factory=list)
+    """Other ops the failure may have started at."""
+
+
+def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs_recorded: bool) -> _Walk:
+    """Follow the failure that ``start`` (the model's output, or the last op writing a value that carries it)
+    shows back through ``local`` (the op calls of one step and rank, in execution order).
+
+    An op call's non-finite output came from the last op call inside it that wrote one (its children, by
+    nesting); an op that received a value that explains its own came from the nearest earlier op call beside
+    it that wrote what it received; one that received nothing of the kind made it.  Where more than one earlier
+    op could have written what an op received and they lead to different answers, the nearest is followed and
+    the others are listed: a guess."""
+    chain = [e for e in local if e.out_kinds or e.params]
+    by_op = {e.op: e for e in chain}
+    if start.op not in by_op:
+        chain.append(start)
+        by_op[start.op] = start
+    # each op call's innermost enclosing op call among the chain (by the dump's nesting, else by name)
+    holder: dict[str, Optional[str]] = {}
+    scopes = {}
+    for e in chain:
+        scopes.setdefault(module_path(_NUMBERED.sub("", e.op)), []).append(e.op)
+    for e in chain:
+        by_parent = None
+        p, seen = (parents or {}).get(e.op), 0
+        while p is not None and seen < 256:
+            if p in by_op and p != e.op:
+                by_parent = p
+                break
+            p, seen = parents.get(p), seen + 1
+        by_name = None
+        parts = _NUMBERED.sub("", e.op).split(".")
+        for n in range(len(parts) - 1, -1, -1):
+            cands = [c for c in scopes.get(".".join(parts[:n]), ()) if c != e.op and _inside(e.op, c)]
+            if cands:
+                # calls of one module path (a module called twice, or two modules named alike): the one that
+                # completed first after this op, else the last one called before it
+                later = [c for c in cands if by_op[c].seq >= e.seq]
+                by_name = (min(later, key=lambda c: by_op[c].seq) if later
+                           else max(cands, key=lambda c: by_op[c].seq))
+                break
+        # the deeper of the two (a dump's nesting found from the data can be coarser than its names)
+        h = by_name if by_parent is None or (by_name is not None and _inside(by_name, by_parent, parents)) \
+            else by_parent
+        holder[e.op] = h
+    kids: dict[Optional[str], list[_Event]] = {}
+    for e in sorted(chain, key=lambda e: (e.seq, e.op)):
+        kids.setdefault(holder[e.op], []).append(e)
+    guessed: list[str] = []
+    done: dict[str, _Walk] = {}
+
+    first_at = {}
+    for e in chain:
+        for k in e.out_kinds:
+            first_at.setdefault(k, e.seq)
+
+    def received(e: _Event) -> bool:
+        if e.no_inputs and not inputs_recorded and not e.in_kinds:
+            # an outputs-only dump: what it received is not recorded; it is taken to have received a value when an
+            # op before it (not one holding it) wrote one (inferred, said in ``trace``)
+            return any(o.seq < e.seq and o.out_kinds and not _inside(e.op, o.op, parents) for o in chain)
+        if e.no_inputs and e.out_kinds - {"-inf"} and any(first_at.get(k, e.seq) < e.seq for k in e.out_kinds):
+            # a constant holding NaN or +inf after an op wrote such values: passed through Python
+            # (torch.tensor(x.item())), not made here
+            return True
+        return _explained(e)
+
+    def explain(e: _Event, depth: int = 0) -> _Walk:
+        """Where the value ``e`` wrote came from: an op, a parameter, or ``e``'s inputs (``in``)."""
+        if e.op in done:
+            return done[e.op]
+        w = _Walk("in", e)
+        inner = kids.get(e.op, [])
+        if inner and depth < 64:
+            # the op inside it that wrote its output: the last one that wrote each sign of inf its output holds
+            fits = [i for i in range(len(inner) - 1, -1, -1)
+                    if all(k in inner[i].out_kinds for k in ("+inf", "-inf") if k in e.out_kinds)]
+            last = fits[0] if fits else len(inner) - 1
+            w = trace(inner, last, depth + 1)
+            for i in fits[1:8]:
+                # another op inside it whose value no recorded op read may be what reached its output
+                a = explain(inner[i], depth + 1)
+                if a.kind != "in" and a.event is not None and not readers(inner[i]):
+                    alternatives.setdefault(a.event.op, e.op)
+            if w.kind != "in":
+                done[e.op] = w
+                return w
+        if e.params:
+            w = _Walk("param", e)
+        elif not received(e):
+            src = _outside(e, w.event) if inner and w.kind == "in" and w.event is not None else None
+            if src is not None:
+                # what an op inside ``e`` received came from no op inside it, and ``e``'s own inputs are finite: an
+                # op the dump does not place inside ``e`` (nesting found from names or data can miss one) wrote it
+                guessed.append(f"{w.event.op} is taken to have received its value from {src.op}, which the dump does "
+                               f"not place inside {e.op}")
+                sibs = kids[holder[src.op]]
+                w = trace(sibs, sibs.index(src), depth)
+                done[e.op] = w
+                return w
+            w = _Walk("op", e)
+        else:
+            w = _Walk("in", w.event if inner else e)
+        done[e.op] = w
+        return w
+
+    alternatives: dict[str, str] = {}  # an op that may have written what another received -> that other op
+
+    def readers(p: _Event) -> list[_Event]:
+        """The later op calls that received what ``p`` wrote (each sign of inf they received, ``p`` wrote), not ops
+        holding it."""
+        return [o for o in local if o.seq > p.seq and o.in_kinds and _could_feed(p, o)
+                and not _inside(p.op, o.op, parents)]
+
+    def _outside(e: _Event, x: _Event) -> Optional[_Event]:
+        """The nearest op before ``x``, outside ``e`` and not holding it, that wrote what ``x`` received."""
+        return next((o for o in sorted(chain, key=lambda o: -o.seq) if o.seq < x.seq and o.op not in (e.op, x.op)
+                     and not _inside(o.op, e.op, parents) and not _inside(e.op, o.op, parents)
+                     and o.out_kinds and _could_feed(o, x)), None)
+
+    def trace(sibs: list[_Event], i: int, depth: int) -> _Walk:
+        """Where the value ``sibs[i]`` wrote came from, stepping back over its earlier siblings."""
+        while True:
+            w = explain(sibs[i], depth)
+            e = sibs[i]
+            if w.kind == "op" and w.event is e and e.op not in kids and i > 0:
+                # an op that made its value from finite inputs, right after one whose non-finite output no recorded
+                # op read: that value went somewhere unrecorded, most likely into this op (a module the dump does
+                # not show holding it: a root named apart from its children)
+                s = next((j for j in range(i - 1, -1, -1) if sibs[j].out_kinds
+                          and all(k in sibs[j].out_kinds for k in ("+inf", "-inf") if k in e.out_kinds)), None)
+                if s is not None and not readers(sibs[s]):
+                    guessed.append(f"{e.op} is taken to hold {sibs[s].op}, whose non-finite output no recorded op read "
+                                   f"(the dump does not say what {e.op} holds)")
+                    alternatives.setdefault(e.op, sibs[s].op)
+                    i = s
+                    continue
+            if w.kind != "in" or i == 0:
+                return w
+            fits = []
+            for j in range(i - 1, -1, -1):
+                if _could_feed(sibs[j], e):
+                    fits.append(j)
+                    if len(fits) == 8:
+                        break
+            j = fits[0] if fits else i - 1
+            if e.no_inputs and not inputs_recorded and not e.in_kinds:
+                guessed.append(f"{e.op}'s inputs are not recorded: it is taken to have received its value from "
+                               f"{sibs[j].op}, the op before it that wrote one")
+            for k in fits[1:]:
+                a = explain(sibs[k], depth)
+                took = readers(sibs[k])
+                # an op whose every reader wrote nothing non-finite (a softmax over a mask) had its value absorbed
+                if a.kind != "in" and a.event is not None and (not took or any(t.out_kinds for t in took)):
+                    alternatives.setdefault(a.event.op, e.op)
+            i = j
+
+    top = start
+    while holder.get(top.op) is not None:
+        top = by_op[holder[top.op]]
+    sibs = kids.get(None, [])
+    w = trace(sibs, sibs.index(top), 0) if top in sibs else explain(top)
+    mine = w.event.op if w.event is not None else None
+    others = [op for op in alternatives if op != mine]
+    if others:
+        guessed.append(f"which earlier op wrote what {alternatives[others[0]]} received is taken from the order (the "
+                       f"nearest one that wrote such values); {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} "
+                       f"wrote such values too, and the failure may have started there")
+    w.guessed, w.others = guessed, others
+    return w
+
+
 def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     """``(origin, intended)`` of a run: the first unexpected non-finite value's origin (None when the run
     holds none: a run whose only NaN/inf are a mask's ``-inf`` is clean) and the op calls that wrote
@@ -514,9 +813,57 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     order = facts.order
     known = order.known
     outputs_only = not facts.inputs_recorded
-    hit, others, kind = _pick(events, known, facts.parents)
+    guessed: list[str] = []
+    failure = _failure(calls, facts) if facts.outputs else None
+    walked = failure is not None and failure is not False
+    if failure is False:
+        # nothing unexpected reaches the model's output, a gradient or a parameter: every non-finite value was
+        # intended, whatever wrote it
+        return None, _writers(calls)
+    if walked:
+        key, start, failed = failure
+        local = [c for c in calls if (c.step, c.rank) == key]
+        w = _walk(local, start, facts.parents, facts.inputs_recorded)
+        hit, others, guessed = w.event, list(w.others), list(w.guessed)
+        kind = {"op": OriginKind.OP, "param": OriginKind.PARAMETER}.get(w.kind, OriginKind.INPUT)
+        if kind is OriginKind.OP:
+            gap = _gap_inside(local, hit, facts.parents)
+            if gap is not None:
+                hit, kind = gap, OriginKind.INPUT
+        if order is not RunOrder.EXECUTION:
+            rivals = [c.op for c in local if c.out_kinds and not _explained(c) and c.op != hit.op
+                      and not _inside(c.op, hit.op, facts.parents) and not _inside(hit.op, c.op, facts.parents)
+                      and c.op not in others and not any(_inside(o.op, c.op, facts.parents) for o in local
+                                                         if o.out_kinds and not _explained(o))]
+            others += rivals
+            if not known:
+                guessed.append(f"the run's order is unknown: the ops are placed by name and by how many non-finite "
+                               f"values they hold, so which op wrote what {hit.op} is blamed for is inferred")
+            elif others:
+                guessed.append(f"the run's order is {order_text(order)}: that {hit.op} ran before "
+                               f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''} (which also wrote "
+                               "non-finite values from finite inputs) is inferred")
+        if kind is OriginKind.OP and hit.no_inputs and outputs_only:
+            guessed.append(f"{hit.op}'s inputs are not recorded: that they were finite is inferred")
+    else:
+        hit, others, kind = _pick(events, known, facts.parents)
+        failed = None
+        if not known and others:
+            guessed.append(f"the run's order is unknown: {hit.op} is first by name; {', '.join(others[:3])}"
+                           f"{', ...' if len(others) > 3 else ''} may have run first")
+        if kind is OriginKind.OP and hit.no_inputs and outputs_only:
+            guessed.append(f"{hit.op}'s inputs are not recorded: that they were finite is inferred")
     param = _parameter(hit) if kind is OriginKind.PARAMETER else None
-    rec = hit.first_rec if kind is OriginKind.OP else (hit.params[0] if param else hit.first_in)
+    by_call = [r for r in facts.records if (r.step, r.rank, r.op) == (hit.step, hit.rank, hit.op)]
+    if kind is OriginKind.OP:
+        rec = hit.first_rec or hit.out_rec
+    elif param:
+        rec = hit.params[0]
+    else:
+        rec = hit.first_in or next((r for r in by_call if r.role in INPUT_ROLES), None)
+    rec = rec or hit.first_rec or hit.out_rec or by_call[0]
+    if walked:
+        intended = tuple(m.op for m in masks if m.op != hit.op)
     if kind is OriginKind.PARAMETER:
         reason = param.reason
     elif kind is OriginKind.OP and outputs_only:
@@ -525,6 +872,16 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
         if not known:
             reason += (f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
                        f"{', ...' if len(others) > 5 else ''})" if others else ")")
+    elif kind is OriginKind.OP and walked:
+        reason = f"{hit.op} is where the failure starts: its inputs are all finite and its {rec.role} {rec.index} is not"
+        if rec.stats.negative_inf_only:
+            reason += _mask_words(rec, failed)
+        elif failed:
+            reason += f"; that value reaches {failed}"
+        if not known:
+            reason += f" ({order_text(order)}" + (
+                f"; {len(others)} other(s) also qualify and may have run first: {', '.join(others[:5])}"
+                f"{', ...' if len(others) > 5 else ''})" if others else ")")
     elif kind is OriginKind.OP and known:
         reason = (f"{hit.op} is the first op whose inputs are all finite and whose {rec.role} "
                   f"{rec.index} is not")
@@ -554,10 +911,71 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
                         and (c.step, c.rank, c.seq) >= (hit.step, hit.rank, hit.seq)), None)
         if nan_hit is not None and nan_hit.op != hit.op:
             first_nan = OpRef(nan_hit.op, nan_hit.op_type, nan_hit.step, nan_hit.rank, nan_hit.seq)
-    certainty = Certainty.CERTAIN if known else Certainty.ORDER_UNKNOWN
+    certainty = Certainty.LIKELY if guessed else Certainty.CERTAIN
     return Origin(
         run=facts.run, run_id=facts.run_id, op=hit.op, op_type=hit.op_type, direction=hit.direction,
         seq=hit.seq, step=hit.step, rank=hit.rank, rid=rec.rid, role=rec.role,
         index=rec.index, origin=kind, reason=reason, order=order, order_known=known, certainty=certainty,
         location=rec.location, parent=rec.parent, parameter=param, others=tuple(others),
-        in_reference=in_reference, first_nan=first_nan, intended=intended), masks
+        in_reference=in_reference, first_nan=first_nan, intended=intended, guessed=tuple(guessed),
+        decide=_decide(guessed, known, outputs_only, compared) if guessed else None), masks
+
+
+def _failure(calls: list[_Event], facts: RunFacts):
+    """What failed first: ``(step and rank, the op call to walk back from, the failure in words)``; False when
+    nothing unexpected reaches the model's output, a gradient or a parameter (the run is healthy)."""
+    keys = list(dict.fromkeys((c.step, c.rank) for c in calls))
+    for key in keys:
+        local = [c for c in calls if (c.step, c.rank) == key]
+        out, root = facts.outputs.get(key, (None, False))
+        sink = next((c for c in local if c.op == out), None)
+        if sink is not None and sink.nf_out:
+            return key, sink, f"the model's output ({sink.op})" if root else f"the last op's output ({sink.op})"
+        grads = [c for c in local if c.direction is Direction.BACKWARD and c.nf_out]
+        if grads:
+            return key, grads[-1], f"the gradients ({grads[-1].op})"
+        held = [c for c in local if c.params]
+        if held:
+            return key, held[0], f"a parameter of {held[0].op}"
+        if out is None or (not root and any(c.first_rec is not None and (c.first_rec.introduced or 0) > 0
+                                            for c in local)):
+            # this step and rank's output is not known, or only guessed (a dump without a root, which may leave
+            # the model's output out) while the reference shows values newly non-finite: those are the failure
+            bad = [c for c in local if c.nf_out]
+            if bad:
+                return key, bad[-1], f"{bad[-1].op}'s output"
+    return False
+
+
+def _writers(calls: list[_Event]) -> list[Intended]:
+    """Every op call that wrote a non-finite value it did not receive, in execution order: in a run whose
+    failures hold none, each of them was intended."""
+    return [Intended(c.op, c.op_type, c.step, c.rank, c.seq,
+                     sum(int((r.stats.nan_count or 0) + (r.stats.inf_count or 0)) for r in (c.out_rec,) if r))
+            for c in calls if (c.out_kinds or c.intended_out) and not _explained(c) and not c.mask_in] or \
+        _intended_of(calls)
+
+
+def _mask_words(rec: ComparedRecord, failed: Optional[str]) -> str:
+    """Why a ``-inf`` that looks like a mask's is blamed: it reaches the failure (a fully masked row becomes NaN),
+    and, where the reference holds a finite ``finfo.min`` there, the cast is what made it ``-inf``."""
+    words = "; its -inf looks like a mask's, but it reaches " + (failed or "the failure")
+    if rec.newly_nonfinite and (rec.masked or 0) > 0:
+        fmt = format_for_dtype(rec.dtype)
+        words += (f" (where the reference holds a finite mask value, below -{num_text(fmt.max, grouped=True)}, "
+                  f"{fmt.name}'s most negative number: it became -inf in the cast)" if fmt is not None and
+                  fmt.kind == "float" else " (the reference holds a finite value there)")
+    return words + ": a row masked throughout turns into NaN where -inf meets -inf (softmax, 0 x -inf, -inf - -inf)"
+
+
+def _decide(guessed: list[str], known: bool, outputs_only: bool, compared: bool) -> str:
+    """What would settle an answer that guessed: the evidence it lacked."""
+    need = []
+    if not known or any("order is" in g for g in guessed):
+        need.append("the order the ops ran in (an order list, such as a manifest's call order, or a capture)")
+    if outputs_only or any("not recorded" in g for g in guessed):
+        need.append("each op's inputs (a dump that records inputs as well as outputs)")
+    if any("taken from the order" in g for g in guessed):
+        need.append("which op's output each op read (tensor dumps, whose values link outputs to inputs)"
+                    + ("" if compared else ", or an fp32 reference run, which shows which non-finite values are new"))
+    return "; ".join(need) or "a capture of the run (order, inputs and a reference recorded)"

@@ -113,7 +113,8 @@ def test_order_unknown_names_the_first_innermost_by_name_and_says_so():
     calls = [call("model.b", 0, op_type="Linear"), call("model.a", 1, op_type="Linear")]
     recs = [rec("model.b", "output", [INF], seq=0), rec("model.a", "output", [INF], seq=1)]
     first, _ = analyse(facts(calls, recs, order="name"))
-    assert first.certainty == "order unknown" and not first.order_known
+    assert first.certainty == "likely" and not first.order_known
+    assert first.guessed and "order" in first.decide
     assert {first.op, *first.others} == {"model.a", "model.b"}
 
 

@@ -28,7 +28,7 @@ from typing import Optional
 from ..display import cosine_brief, num_text
 from ..enums import Verdict
 from ..formats import format_for_dtype
-from ..origin import (ORDER_TEXT, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
+from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
                       order_text)
 from ..records import ATTRIBUTING_RULES, INPUT_ROLES
 from ..store import queries as q
@@ -49,9 +49,10 @@ def run_facts(store, run_id: str) -> RunFacts:
         raise KeyError(f"no run {run_id!r}")
     calls = tuple(NonfiniteCall.from_row(c) for c in q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
     recs = tuple(ComparedRecord.from_row(r) for r in q.nonfinite_records(store, run_id)) if calls else ()
-    return RunFacts(run["name"], run_id, run["order"], calls, recs,
-                    q.op_parents(store, run_id) if calls else {},
-                    inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES))
+    parents = q.op_parents(store, run_id) if calls else {}
+    return RunFacts(run["name"], run_id, run["order"], calls, recs, parents,
+                    inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
+                    outputs=model_outputs(q.forward_ends(store, run_id), run["order"], parents) if calls else {})
 
 
 def order_notes(store, session: str) -> dict[str, str]:
@@ -230,11 +231,14 @@ def render_text(report: dict, *, top: int = 15) -> str:
         masks = intended.get(run) or []
         if f is None:
             out.append(f"  {run}: none (every recorded value is finite)" if not masks else
-                       f"  {run}: none (the only non-finite values are -inf written on purpose by "
-                       f"{len(masks)} op(s) (a mask, or log(0)), e.g. {masks[0]['op']})")
+                       f"  {run}: none (its non-finite values never reach the model's output, a gradient or a "
+                       f"parameter: written on purpose by {len(masks)} op(s) (a mask, log(0), a fill), e.g. "
+                       f"{masks[0]['op']})")
             continue
         out.append(f"  {run}: {f['op']}  (step {f['step']}, rank {f['rank']}, seq {f['seq']}, {f['role']} {f['index']})")
         out.append(f"    {f['reason']}")
+        if f.get("certainty_text"):
+            out.append(f"    {f['certainty_text']}")
         if f.get("location"):
             out.append(f"    called from {f['location']}")
         chain = " -> ".join(p["op"] for p in f["path"])

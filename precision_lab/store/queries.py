@@ -14,6 +14,7 @@ __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "worst_gradient_sqnr", "session_data_version",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
+    "forward_ends",
 ]
 
 
@@ -294,7 +295,7 @@ def nonfinite_records(store, run_id: str) -> list[dict]:
     """Every non-finite record of a run with its stored comparison against a reference, in execution order:
     the tensors columns plus ``introduced`` (the comparison's ``nonfinite_introduced``; None without one),
     ``ref_absmax``/``ref_nonfinite`` (the paired reference record's) and ``match``."""
-    return rows(store, """SELECT t.*, c.nonfinite_introduced AS introduced, c.match AS match,
+    return rows(store, """SELECT t.*, c.nonfinite_introduced AS introduced, c.masked AS masked, c.match AS match,
                                  rt.absmax AS ref_absmax, rt.nonfinite AS ref_nonfinite
                           FROM tensors t
                           LEFT JOIN comparisons c ON c.cand_run_id = t.run_id AND c.cand_rid = t.rid
@@ -302,6 +303,16 @@ def nonfinite_records(store, run_id: str) -> list[dict]:
                           LEFT JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
                           WHERE t.run_id = ? AND t.nonfinite
                           ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
+
+
+def forward_ends(store, run_id: str) -> list[dict]:
+    """Per step and rank, the forward op calls that start first and last in execution order: ``{step, rank,
+    first, last}`` (op names); one of them returned the model's output (the one holding the other, else the
+    last)."""
+    return rows(store, """SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last FROM tensors
+                          WHERE run_id = ? AND coalesce(direction, 'forward') <> 'backward'
+                            AND role NOT IN ('grad_input', 'grad_output', 'param_grad')
+                          GROUP BY step, rank ORDER BY step, rank""", [run_id])
 
 
 def op_parents(store, run_id: str) -> dict[str, str]:

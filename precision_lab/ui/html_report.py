@@ -257,17 +257,19 @@ def render_html(store, session: str, *, public: bool = False) -> str:
         masks = f.get("intended") or []
         if first is None:
             nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"
-                            + (f" apart from -inf that is no error by itself (a mask, a constant, or log(0)), written by "
-                               f"{len(masks)} op(s)" if masks else "")})
+                            + (f" apart from values that never reach the model's output, a gradient or a parameter "
+                               f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")})
             continue
         op = first.op if first.origin != "parameter" else \
             f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
         nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first.op_type, "where": first.where,
                         "tensor": f"{first.role} {first.index}", "reason": first.reason,
+                        "certainty": first.certainty_text,
                         "path": " → ".join(p.op for p in first.path)})
     parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
                                   ("where", "where", "text"), ("tensor", "tensor", "text"),
-                                  ("reason", "why", "text"), ("path", "ops before it", "name")],
+                                  ("reason", "why", "text"), ("certainty", "how sure", "text"),
+                                  ("path", "ops before it", "name")],
                         empty="no runs"))
 
     parts += _long_runs(store, sid)
