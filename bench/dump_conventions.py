@@ -7,7 +7,8 @@ writer then lays the same calls out as a folder the way people write them, and t
 next to the folder (``<case>.truth.json``) before the tool reads it.
 
 Architectures: ``transformers`` Qwen2, GPT-2 and BERT built from config, a conv net (Conv2d, BatchNorm, ReLU,
-a Linear head), a hand-written causal attention (``masked_fill(-inf)``) and a stack of Linear+GELU blocks.
+a Linear head), a hand-written causal attention (``masked_fill(-inf)``), a TransformerLens-style attention with
+hook points and a stack of Linear+GELU blocks.
 
 Failure kinds: ``activation`` (one Linear-like module's weight and bias scaled so its fp32 output reaches twice
 fp16's max, the weight itself finite in fp16), ``weight`` (one weight element set to 1e5: inf once cast to
@@ -39,7 +40,28 @@ Writers (``WRITERS``):
   ``{"dtypes": {name: "float16"}}``, coarse times; right only when every tensor also comes back in its own dtype;
 - ``numbered-npz``: ``np.savez(f"{n:03d}-{name}.npz", input=x.float().numpy(), output=y.float().numpy())`` per
   module, ``n`` counting the hook's calls (completion order), no order list, no dtypes, all file times equal;
-  right only when the floating tensors also come back as fp16 (told from their values alone).
+  right only when the floating tensors also come back as fp16 (told from their values alone);
+
+and as other people's scripts and libraries write them:
+
+- ``one-pt-dict``: ``torch.save({name: out for each module}, "activations.pt")``: one file, outputs only, the
+  keys in completion order;
+- ``one-pt-nested``: ``torch.save({name: {"input": x, "output": y}}, "activations.pt")``;
+- ``one-npz-keys``: ``np.savez("activations.npz", **{f"{name}.input.0": x, f"{name}.output.0": y})``;
+- ``one-safetensors-io``: the same keys in one ``activations.safetensors`` (read back sorted: no order);
+- ``folder-per-module-pt``: ``<name>/input.pt`` and ``<name>/output.pt``, one folder per module;
+- ``step-folders``: inputs and outputs under ``step_000/`` and again under ``step_001/`` (two steps);
+- ``rank-step-folders``: ``torch.save(out, f"rank0/step0/{name}.pt")``, outputs only, coarse times;
+- ``outputs-pt-distinct``: ``torch.save(out, f"{name}.pt")``, distinct file times;
+- ``order-txt``: inputs and outputs with ``order.txt``, one module name per line in call order;
+- ``numbered-dict-pt``: ``torch.save({"input": x, "output": y}, f"{n:03d}_{name}.pt")``;
+- ``float32-sidecars``: ``t.float().numpy()`` saved with a ``<file>.npy.json`` sidecar ``{"dtype": "float16"}``;
+- ``inputs-only``: forward pre-hooks only (``<name>.input.0.npy``): the failing module's output is never seen,
+  so the first module receiving it is right (origin "input").
+
+``hooked-attention`` is a TransformerLens-style model whose ``hook_attn_scores`` modules output causal scores
+with ``-inf`` above the diagonal in every run: its healthy dumps hold intended non-finite values, and its
+failures come after them.
 
 The judge is strict: a failure is right when the named op is the failing module under the writer's own name
 (origin "op"), or its weight (origin "parameter"); a cast-gap case when that module is named for its input
@@ -49,8 +71,8 @@ named.
     python bench/dump_conventions.py            # every architecture x kind x writer
     python bench/dump_conventions.py --quick    # three small architectures and Qwen2
 
-It prints one line per writer and per architecture (right, wrong, total, share), the false alarms, and every
-miss with what was named instead.  ``tests/test_dump_conventions.py`` runs the small architectures as tests.
+It prints one line per writer and per architecture (right, wrong, false alarms, total, share, answers stated
+certain and how many of them were wrong), the false alarms, and every miss with what was named instead.  ``tests/test_dump_conventions.py`` runs the small architectures as tests.
 """
 
 from __future__ import annotations
@@ -74,12 +96,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from precision_lab.enums import OriginKind  # noqa: E402
+from precision_lab.enums import Certainty, OriginKind  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
 from precision_lab.store import queries as q  # noqa: E402
-from localization_cases import SeedAttention, SeedBlocks  # noqa: E402
+from localization_cases import HookPointAttention, SeedAttention, SeedBlocks  # noqa: E402
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 KINDS = ("activation", "weight", "cast-gap", "healthy")
@@ -122,7 +144,21 @@ def _hf(name: str):
 # a target whose own weight cannot carry the whole scale shares it with the module feeding it (its output is
 # linear in that module's weight: Qwen2's down_proj(act(gate_proj(x)) * up_proj(x)))
 FEEDS = {"model.layers.1.mlp.down_proj": "model.layers.1.mlp.up_proj"}
-SMALL_ARCHS = ("mlp", "attention", "convnet")
+class HookedAttention(nn.Module):
+    """Two TransformerLens-style attention layers: each ``hook_attn_scores`` module outputs causal scores with
+    ``-inf`` above the diagonal in every run (intended), ``hook_pattern`` the softmax over them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([HookPointAttention(), HookPointAttention()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+SMALL_ARCHS = ("mlp", "attention", "convnet", "hooked-attention")
 ARCHS = SMALL_ARCHS + ("qwen2", "gpt2", "bert")
 
 
@@ -135,6 +171,8 @@ def arch(name: str):
         return SeedAttention, "layers.1.v", torch.randn(2, 16, 32, generator=g)
     if name == "convnet":
         return ConvNet, "features.3", torch.randn(2, 3, 8, 8, generator=g)
+    if name == "hooked-attention":
+        return HookedAttention, "layers.1.v", torch.randn(2, 16, 32, generator=g)
     build, target = _hf(name)
     return build, target, {"input_ids": torch.randint(0, 128, (2, 16), generator=g)}
 
@@ -250,7 +288,19 @@ def capture(model: nn.Module, inputs) -> tuple[list[Call], str]:
 
 
 def _bad(a: Optional[np.ndarray]) -> bool:
-    return a is not None and a.dtype.kind == "f" and not np.isfinite(a.astype(np.float32)).all()
+    """Whether a tensor holds a NaN or inf that is no causal mask's ``-inf`` (those are intended)."""
+    if a is None or a.dtype.kind != "f":
+        return False
+    a = a.astype(np.float32)
+    return bool(np.isnan(a).any() or np.isposinf(a).any()) or (bool(np.isneginf(a).any()) and not _mask(a))
+
+
+def _mask(a: np.ndarray) -> bool:
+    """Whether ``a``'s ``-inf`` values are exactly a causal mask's (above the diagonal of its last two axes)."""
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        return False
+    upper = np.triu(np.ones(a.shape[-2:], bool), 1)
+    return bool((np.isneginf(a) == upper).all())
 
 
 def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
@@ -277,8 +327,10 @@ class Writer:
     root: str  # "model" | "prefixed" | "empty" | "class"
     layout: str  # "outputs" | "outputs-st" (one safetensors, "/" keys) | "io" | "io-float32" (t.float().numpy(), manifest "dtypes") | "dict-pt" | "tuple-pt"
     times: str  # "equal" | "coarse" | "distinct"
-    order: Optional[str] = None  # "module-call" | "module-done" | "tensor"
+    order: Optional[str] = None  # "module-call" | "module-done" | "tensor" | "txt" (order.txt, call order)
     numbered: bool = False  # file names begin with the hook's call number: "000-<module>"
+    folders: tuple = ()  # the same files written under each of these folders ("step_000", "rank0/step0")
+    sep: str = "-"  # between a call number and the module name
 
     def module_name(self, path: str, cls: str, calls: Optional[list[Call]] = None) -> str:
         if path == "":
@@ -287,7 +339,7 @@ class Writer:
             name = f"model.{path}" if self.root == "prefixed" else path
         if self.numbered:  # the number of the call among the calls in completion order
             done = sorted(calls, key=lambda c: c.post)
-            name = f"{next(i for i, c in enumerate(done) if c.path == path):03d}-{name}"
+            name = f"{next(i for i, c in enumerate(done) if c.path == path):03d}{self.sep}{name}"
         return name
 
 
@@ -306,7 +358,24 @@ WRITERS = {w.name: w for w in (
     Writer("float32-dtypes", "model", "io-float32", "coarse"),
     Writer("safetensors-slash", "model", "outputs-st", "equal"),
     Writer("numbered-npz", "model", "npz-float32", "equal", numbered=True),
+    # conventions of other people's scripts and libraries
+    Writer("one-pt-dict", "model", "one-pt-dict", "equal"),
+    Writer("one-pt-nested", "model", "one-pt-nested", "equal"),
+    Writer("one-npz-keys", "model", "one-npz", "equal"),
+    Writer("one-safetensors-io", "model", "one-st-io", "equal"),
+    Writer("folder-per-module-pt", "model", "folders-pt", "equal"),
+    Writer("step-folders", "model", "io", "equal", folders=("step_000", "step_001")),
+    Writer("rank-step-folders", "model", "outputs-pt", "coarse", folders=("rank0/step0",)),
+    Writer("outputs-pt-distinct", "model", "outputs-pt", "distinct"),
+    Writer("order-txt", "model", "io", "equal", "txt"),
+    Writer("numbered-dict-pt", "model", "dict-pt", "equal", numbered=True, sep="_"),
+    Writer("float32-sidecars", "model", "io-sidecar", "coarse"),
+    Writer("inputs-only", "model", "inputs", "distinct"),
 )}
+
+
+# the layouts that record module outputs only
+OUTPUTS_ONLY = frozenset({"outputs", "outputs-st", "outputs-pt", "one-pt-dict"})
 
 
 def _join(name: str, rest: str) -> str:
@@ -327,10 +396,37 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         files[fn] = content
         saved.extend(names)
 
+    one: dict[str, object] = {}  # key -> value of the one container file (one-pt-*, one-npz, one-st-io)
     for c in sorted(calls, key=lambda c: c.post):
         name = w.module_name(c.path, cls, calls)
         if w.layout == "outputs":
             put(f"{name}.npy", c.output, [name])
+        elif w.layout == "outputs-pt":
+            put(f"{name}.pt", torch.from_numpy(c.output), [name])
+        elif w.layout == "inputs":
+            if c.input is not None:
+                put(f"{_join(name, 'input.0')}.npy", c.input, [_join(name, "input.0")])
+        elif w.layout == "one-pt-dict":
+            one[name] = torch.from_numpy(c.output)
+        elif w.layout == "one-pt-nested":
+            one[name] = {**({"input": torch.from_numpy(c.input)} if c.input is not None else {}),
+                         "output": torch.from_numpy(c.output)}
+        elif w.layout in ("one-npz", "one-st-io"):
+            for role, a in (("input.0", c.input), ("output.0", c.output)):
+                if a is not None:
+                    one[_join(name, role)] = np.ascontiguousarray(a)
+        elif w.layout == "folders-pt":
+            for role, a in (("input", c.input), ("output", c.output)):
+                if a is not None:
+                    put(f"{name or 'model'}/{role}.pt", torch.from_numpy(a), [])
+        elif w.layout == "io-sidecar":
+            for role, a in (("input.0", c.input), ("output.0", c.output)):
+                if a is not None:
+                    fn = f"{_join(name, role)}.npy"
+                    if a.dtype.kind == "f":
+                        put(f"{fn}.json", {"dtype": a.dtype.name}, [])
+                        a = a.astype(np.float32)
+                    put(fn, a, [_join(name, role)])
         elif w.layout == "outputs-st":
             keyed[name.replace(".", "/")] = np.ascontiguousarray(c.output)
         elif w.layout in ("io", "io-float32"):
@@ -354,19 +450,27 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
             put(f"{name}.pt", (args, torch.from_numpy(c.output)), [])
     if keyed:
         files["activations.safetensors"] = keyed
-    for fn, content in files.items():
-        if fn.endswith(".safetensors"):
-            save_file(content, folder / fn)
-        elif fn.endswith(".npz"):
-            np.savez(folder / fn, **content)
-        elif isinstance(content, np.ndarray):
-            np.save(folder / fn, content)
-        else:
-            torch.save(content, folder / fn)
-    for i, fn in enumerate(files):
-        t = {"equal": BASE_NS, "coarse": BASE_NS + (i // TICK) * 1_000_000_000,
-             "distinct": BASE_NS + i * 1_000}[w.times]
-        os.utime(folder / fn, ns=(t, t))
+    if one:
+        files[{"one-pt-dict": "activations.pt", "one-pt-nested": "activations.pt", "one-npz": "activations.npz",
+               "one-st-io": "activations.safetensors"}[w.layout]] = one
+    for sub in w.folders or ("",):
+        base = folder / sub
+        for fn, content in files.items():
+            (base / fn).parent.mkdir(parents=True, exist_ok=True)
+            if fn.endswith(".safetensors"):
+                save_file(content, base / fn)
+            elif fn.endswith(".npz"):
+                np.savez(base / fn, **content)
+            elif fn.endswith(".json"):
+                (base / fn).write_text(json.dumps(content))
+            elif isinstance(content, np.ndarray):
+                np.save(base / fn, content)
+            else:
+                torch.save(content, base / fn)
+        for i, fn in enumerate(files):
+            t = {"equal": BASE_NS, "coarse": BASE_NS + (i // TICK) * 1_000_000_000,
+                 "distinct": BASE_NS + i * 1_000}[w.times]
+            os.utime(base / fn, ns=(t, t))
     if w.order == "module-call":
         names = [w.module_name(c.path, cls, calls) for c in sorted(calls, key=lambda c: c.pre)]
         (folder / "manifest.json").write_text(json.dumps({"module_order": list(dict.fromkeys(names))}))
@@ -375,6 +479,9 @@ def write(w: Writer, calls: list[Call], cls: str, folder: Path) -> None:
         (folder / "order.json").write_text(json.dumps(list(dict.fromkeys(reversed(names)))[::-1]))
     elif w.order == "tensor":
         (folder / "manifest.json").write_text(json.dumps({"execution_order": [f"{n}.npy" for n in saved]}))
+    elif w.order == "txt":
+        names = [w.module_name(c.path, cls, calls) for c in sorted(calls, key=lambda c: c.pre)]
+        (folder / "order.txt").write_text("\n".join(dict.fromkeys(names)) + "\n")
     if dtypes:
         (folder / "manifest.json").write_text(json.dumps({"dtypes": dtypes}))
 
@@ -408,11 +515,13 @@ def answer(folder: Path, reference: Optional[Path] = None, floats: Optional[str]
         close_all()
 
 
-def right(f, expected: Optional[str], kind: str = "", inputs: bool = True) -> bool:
+def right(f, expected: Optional[str], kind: str = "", inputs: bool = True, inputs_only: bool = False) -> bool:
     if expected is None:
         return f is None
     if f is None:
         return False
+    if inputs_only:  # the first module to receive the value, which no recorded op produced
+        return f.origin is OriginKind.INPUT and f.op == expected
     if kind == "cast-gap":  # the consumer named, its producer said not recorded; outputs only: the first output
         if not inputs:
             return f.origin is OriginKind.OP and f.op == expected
@@ -448,6 +557,11 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
             w = WRITERS[c.writer]
             folder = tmp / f"{a}-{kind}-{c.writer}"
             expected = None if path is None else w.module_name(path, cls, calls)
+            if w.layout == "inputs" and path is not None:
+                # inputs only: the failing module's output is never seen; the first module to receive it is named,
+                # origin "input"
+                first = min((o for o in calls if _bad(o.input)), key=lambda o: o.pre)
+                expected = w.module_name(first.path, cls, calls)
             write(w, calls, cls, folder)
             ref = None
             if ref_calls is not None:
@@ -456,13 +570,17 @@ def run(case_list: list[Case], tmp: Path, progress: Callable[[str], None] = lamb
             (tmp / f"{folder.name}.truth.json").write_text(json.dumps({"expected": expected, "target": path}))
             try:
                 f, order, secs, why = answer(folder, ref, "float16" if w.layout == "npz-float32" else None)
-                ok = right(f, expected, kind, not w.layout.startswith("outputs")) and not why
+                ok = right(f, expected, kind, w.layout not in OUTPUTS_ONLY, w.layout == "inputs") and not why
                 named, reason = (None if f is None else f"{f.op} ({f.origin})"), (None if f is None else f.reason)
                 reason = why + str(reason) if why else reason
             except Exception as e:  # noqa: BLE001 - a case that raises is counted wrong, with why
                 f, order, secs, ok, named, reason = None, "?", 0.0, False, "raised", f"{type(e).__name__}: {e}"
+                f = None
+            held = any(o is not None and o.dtype.kind == "f" and not np.isfinite(o.astype(np.float32)).all()
+                       for c2 in calls for o in ((c2.output,) if w.layout != "inputs" else (c2.input,)))
             rows.append({"arch": a, "kind": kind, "writer": c.writer, "expected": expected, "right": ok,
-                         "named": named, "reason": reason, "order": order, "secs": secs})
+                         "named": named, "reason": reason, "order": order, "secs": secs, "held": held,
+                         "certain": f is not None and f.certainty is Certainty.CERTAIN})
             progress(f"{a} {kind} {c.writer}: {'right' if ok else 'WRONG'}")
     return rows
 
@@ -471,11 +589,14 @@ def table(rows: list[dict], by: str) -> list[str]:
     groups = defaultdict(list)
     for r in rows:
         groups[r[by]].append(r)
-    out = [f"| {by} | right | wrong | false alarms | total | share |", "|---|---|---|---|---|---|"]
+    out = [f"| {by} | right | wrong | false alarms | total | share | stated certain | certain and wrong |",
+           "|---|---|---|---|---|---|---|---|"]
     for k, rs in groups.items():
         ok = sum(r["right"] for r in rs)
         alarms = sum(_alarm(r) for r in rs)
-        out.append(f"| {k} | {ok} | {len(rs) - ok} | {alarms} | {len(rs)} | {100 * ok / len(rs):.0f}% |")
+        certain = sum(r["certain"] for r in rs)
+        out.append(f"| {k} | {ok} | {len(rs) - ok} | {alarms} | {len(rs)} | {100 * ok / len(rs):.0f}% | {certain} | "
+                   f"{sum(r['certain'] and not r['right'] for r in rs)} |")
     return out
 
 
@@ -488,20 +609,27 @@ def summary(rows: list[dict]) -> str:
     failing = [r for r in rows if r["kind"] != "healthy"]
     healthy = [r for r in rows if r["kind"] == "healthy"]
     ok = sum(r["right"] for r in failing)
+    held = [r for r in healthy if r["held"]]
+    certain = [r for r in rows if r["certain"]]
     return (f"{len(failing)} failing dumps: {ok} right ({100 * ok / max(len(failing), 1):.0f}%); "
-            f"{len(healthy)} healthy dumps: {sum(map(_alarm, healthy))} false alarms")
+            f"{len(healthy)} healthy dumps: {sum(map(_alarm, healthy))} false alarms, {len(held)} of them holding "
+            f"intended NaN/inf: {sum(map(_alarm, held))} false alarms; {len(certain)} answers stated certain: "
+            f"{sum(not r['right'] for r in certain)} of them wrong")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the three small architectures and Qwen2")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each case as it is scored")
+    ap.add_argument("--writers", nargs="*", help="only these writers")
+    ap.add_argument("--archs", nargs="*", help="only these architectures")
     args = ap.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    archs = SMALL_ARCHS + ("qwen2",) if args.quick else ARCHS
+    archs = args.archs or (SMALL_ARCHS + ("qwen2",) if args.quick else ARCHS)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(cases(archs), Path(tmp), progress=print if args.verbose else (lambda s: None))
+        rows = run(cases(archs, writers=tuple(args.writers or WRITERS)), Path(tmp),
+                   progress=print if args.verbose else (lambda s: None))
     print(f"{summary(rows)}; {time.perf_counter() - started:.0f} s\n")
     print("\n".join(table(rows, "writer")) + "\n")
     print("\n".join(table(rows, "arch")) + "\n")

@@ -592,13 +592,18 @@ def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = N
     return out
 
 
-def _explained(e: _Event) -> bool:
-    """Whether what ``e`` wrote can have come from what it received: NaN or ``+inf`` received explains anything;
-    ``-inf`` received explains ``-inf`` passed on and NaN (``-inf - -inf``, ``0 x -inf``, a softmax row of
+def _explains(received: frozenset, wrote: frozenset) -> bool:
+    """Whether values of the kinds ``received`` can become values of the kinds ``wrote``: NaN or ``+inf`` explains
+    anything; ``-inf`` explains ``-inf`` passed on and NaN (``-inf - -inf``, ``0 x -inf``, a softmax row of
     ``-inf``), never a ``+inf``: that is new (``exp`` overflowing beside a mask)."""
-    if not e.in_kinds:
+    if not received:
         return False
-    return bool(e.in_kinds - {"-inf"}) or "+inf" not in e.out_kinds
+    return bool(received - {"-inf"}) or "+inf" not in wrote
+
+
+def _explained(e: _Event) -> bool:
+    """Whether what ``e`` wrote can have come from what it received (``_explains``)."""
+    return _explains(e.in_kinds, e.out_kinds)
 
 
 def _could_feed(src: _Event, dst: _Event) -> bool:
@@ -666,16 +671,21 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
     guessed: list[str] = []
     done: dict[str, _Walk] = {}
 
+    def unseen(e: _Event) -> bool:
+        """What ``e`` received is not recorded (an outputs-only dump)."""
+        return e.no_inputs and not inputs_recorded and not e.in_kinds
+
     first_at = {}
     for e in chain:
         for k in e.out_kinds:
             first_at.setdefault(k, e.seq)
 
     def received(e: _Event) -> bool:
-        if e.no_inputs and not inputs_recorded and not e.in_kinds:
+        if unseen(e):
             # an outputs-only dump: what it received is not recorded; it is taken to have received a value when an
-            # op before it (not one holding it) wrote one (inferred, said in ``trace``)
-            return any(o.seq < e.seq and o.out_kinds and not _inside(e.op, o.op, parents) for o in chain)
+            # op before it (not one holding it) wrote one that explains its own (inferred, said in ``trace``)
+            return any(o.seq < e.seq and _explains(o.out_kinds, e.out_kinds) and not _inside(e.op, o.op, parents)
+                       for o in chain)
         if e.no_inputs and e.out_kinds - {"-inf"} and any(first_at.get(k, e.seq) < e.seq for k in e.out_kinds):
             # a constant holding NaN or +inf after an op wrote such values: passed through Python
             # (torch.tensor(x.item())), not made here
@@ -756,12 +766,12 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
                 return w
             fits = []
             for j in range(i - 1, -1, -1):
-                if _could_feed(sibs[j], e):
+                if (_explains(sibs[j].out_kinds, e.out_kinds) if unseen(e) else _could_feed(sibs[j], e)):
                     fits.append(j)
                     if len(fits) == 8:
                         break
             j = fits[0] if fits else i - 1
-            if e.no_inputs and not inputs_recorded and not e.in_kinds:
+            if unseen(e):
                 guessed.append(f"{e.op}'s inputs are not recorded: it is taken to have received its value from "
                                f"{sibs[j].op}, the op before it that wrote one")
             for k in fits[1:]:
@@ -816,6 +826,10 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     guessed: list[str] = []
     failure = _failure(calls, facts) if facts.outputs else None
     walked = failure is not None and failure is not False
+    if failure is None and not known and not any((c.out_kinds | c.in_kinds) - {"-inf"} for c in calls):
+        # neither the order nor the model's output is known, and every non-finite value is -inf: nothing became
+        # NaN or +inf, as a failure that passes through a layer does (-inf times weights of both signs is NaN)
+        return None, _writers(calls)
     if failure is False:
         # nothing unexpected reaches the model's output, a gradient or a parameter: every non-finite value was
         # intended, whatever wrote it
@@ -928,6 +942,8 @@ def _failure(calls: list[_Event], facts: RunFacts):
     for key in keys:
         local = [c for c in calls if (c.step, c.rank) == key]
         out, root = facts.outputs.get(key, (None, False))
+        if root and any(c.nf_out and c.op != out and not _inside(c.op, out, facts.parents) for c in local):
+            root = False  # an op not inside it wrote a failure: it is no root (a nesting found from the data)
         sink = next((c for c in local if c.op == out), None)
         if sink is not None and sink.nf_out:
             return key, sink, f"the model's output ({sink.op})" if root else f"the last op's output ({sink.op})"

@@ -12,9 +12,9 @@ from ..records import TensorRecord
 __all__ = ["Reader", "RunSource", "ReadError", "Tick", "natural_key", "dominant_dtype", "first_line", "STEP_RE",
            "RANK_RE"]
 
-# folder names that carry a step / rank (msprobe and generic layouts)
-STEP_RE = re.compile(r"^step(\d+)$")
-RANK_RE = re.compile(r"^rank(\d+)$")
+# folder names that carry a step / rank (msprobe and generic layouts): step3, step_000, step-3, rank0, rank_1
+STEP_RE = re.compile(r"^step[_-]?(\d+)$")
+RANK_RE = re.compile(r"^rank[_-]?(\d+)$")
 
 
 class ReadError(ValueError):

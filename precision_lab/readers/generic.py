@@ -6,7 +6,8 @@ the extension, ``/`` written as ``.``, followed by ``.<key>`` for each entry
 of a container file (``.npz``, ``.safetensors``, a ``.pt`` holding a dict or
 list; nested keys are joined with ``.``).  A folder whose only data file is
 one container contributes just the keys.  Folders named ``step<N>`` and
-``rank<R>`` set the record's step and rank and are left out of the name.
+``rank<R>`` (also ``step_000``, ``step-3``, ``rank_1``) set the record's step and rank and are left out of the
+name.
 Names of the form ``<op>.<role>.<index>`` (role ``input``, ``output``,
 ``kwarg``, ``param``, ``buffer`` (a module's floating buffer, e.g.
 BatchNorm's ``running_mean``, read like a parameter), ``grad_input``,
@@ -17,7 +18,9 @@ Layouts of one file per module call: a container whose keys are all role names a
 (``CALL_KEYS``: ``input``/``inputs``/``args``/``x``, ``output``/``outputs``/``out``/``y``, ``grad_input``,
 ``grad_output``; a position after ``_`` or ``.``: ``input_0``, ``args.1``), one of them not an input:
 ``np.savez(f, input=x, output=y)``, ``torch.save({"input": x, "output": y})``, a ``.safetensors``; and
-``torch.save((args, out))`` give ``<module>.input.<i>`` and ``<module>.output.<j>``.  A key that is no role
+``torch.save((args, out))`` give ``<module>.input.<i>`` and ``<module>.output.<j>``; so do the calls one level
+down in one file (``torch.save({name: {"input": x, "output": y}})``: ``nested_calls``) and a folder per call
+whose files are named as roles (``fc/input.pt``, ``fc/output.pt``: ``call_folders``).  A key that is no role
 name keeps every key of its file a tensor name.  A root saved as ``input.0``/``output.0`` (no module
 name) is op ``""``, which holds every other op.
 
@@ -191,13 +194,34 @@ def call_folders(files: list[Path]) -> dict[Path, str]:
         by_dir.setdefault(p.parent, []).append(p)
     out: dict[Path, str] = {}
     for group in by_dir.values():
-        if any(p.suffix.lower() in CONTAINERS for p in group):
+        # a .pt is a container only when it holds one; named as a role, it holds that role's tensor
+        if any(p.suffix.lower() in CONTAINERS and p.suffix.lower() not in (".pt", ".pth") for p in group):
             continue
         stems = [p.name[: -len(p.suffix)] for p in group]
         layout = _call_layout(stems)
         roles = {v.split(".")[0] for v in (layout or {}).values()}
         if layout and roles & set(INPUT_ROLES) and "output" in roles:
             out.update({p: layout[stem] for p, stem in zip(group, stems)})
+    return out
+
+
+def nested_calls(keys: list[str]) -> dict[str, str]:
+    """key -> ``<module>.<role>.<i>`` for the keys of one container that hold module calls one level down:
+    ``torch.save({name: {"input": x, "output": y}})`` flattens to ``<name>.input`` and ``<name>.output``.  Only
+    a module whose keys are all role names (``CALL_KEYS``), an input and an output among them, is taken: a
+    module named ``output`` beside others (BERT's ``attention.output``) is left as it is."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        head, _, last = k.rpartition(".")
+        groups.setdefault(head, []).append(last)
+    out: dict[str, str] = {}
+    for head, lasts in groups.items():
+        if not head:
+            continue
+        layout = _call_layout(lasts)
+        roles = {v.split(".")[0] for v in (layout or {}).values()}
+        if layout and roles & set(INPUT_ROLES) and "output" in roles:
+            out.update({f"{head}.{k}": f"{head}.{v}" for k, v in layout.items()})
     return out
 
 
@@ -563,6 +587,7 @@ class GenericReader:
                 p.suffix.lower() in CONTAINERS and not lone_container else None
             if layout is not None:  # inputs first, as the call received them
                 items.sort(key=lambda kv: (layout[kv[0]].split(".")[0] not in INPUT_ROLES, natural_key(layout[kv[0]])))
+            nested = nested_calls([k for k, _ in items]) if layout is None and p.suffix.lower() in CONTAINERS else {}
             for key, t in items:
                 t = _native(t)
                 if key == "" and p in folders:  # "003_fc/output.npy": the output of the call "003_fc"
@@ -574,7 +599,7 @@ class GenericReader:
                 elif layout is not None:
                     name = f"{prefix}.{layout[key]}"
                 else:  # a key's "/" separates module names as a folder's does ("model/layers/1/mlp")
-                    dotted = key.replace("/", ".")
+                    dotted = nested.get(key, key).replace("/", ".")
                     name = dotted if lone_container else f"{prefix}.{dotted}"
                 dup = seen.get((step, rank, name))
                 if dup is not None:

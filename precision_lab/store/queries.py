@@ -306,12 +306,12 @@ def nonfinite_records(store, run_id: str) -> list[dict]:
 
 
 def forward_ends(store, run_id: str) -> list[dict]:
-    """Per step and rank, the forward op calls that start first and last in execution order: ``{step, rank,
-    first, last}`` (op names); one of them returned the model's output (the one holding the other, else the
-    last)."""
+    """Per step and rank, the forward op calls with an output record that start first and last in execution
+    order: ``{step, rank, first, last}`` (op names); one of them returned the model's output (the one holding
+    the other, else the last).  A run that records no outputs has no row."""
     return rows(store, """SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last FROM tensors
                           WHERE run_id = ? AND coalesce(direction, 'forward') <> 'backward'
-                            AND role NOT IN ('grad_input', 'grad_output', 'param_grad')
+                            AND role IN ('output', 'tensor')
                           GROUP BY step, rank ORDER BY step, rank""", [run_id])
 
 
