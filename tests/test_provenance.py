@@ -209,3 +209,35 @@ def test_bench_cases_live_and_dumped(bench, tmp_path, name):
     assert not bad, "\n".join(bad)
     # an answer stated certain is never wrong (the healthy ones name nothing and state nothing)
     assert not any(r["certain"] and not r["right"] for r in rows)
+
+
+@pytest.mark.slow
+def test_a_finfo_min_padding_mask_in_fp16_gets_a_fix_that_works_and_grow_does_not_crash(tmp_path):
+    """The mask is named, the fix offered is a mask value fp16 holds (sanitize: -inf -> -65504), verified by a
+    re-run; growing fp32 islands, whose outputs meet fp16 in the model's own matmuls, never raises: such an
+    island is a failed try that says why."""
+    from typer.testing import CliRunner
+
+    from precision_lab.cli import app
+    from precision_lab.store import Store, close_all
+    from precision_lab.store import queries as q
+    from precision_lab.services.report import first_nonfinite
+
+    model = str(Path(__file__).parent / "models" / "padded_mask.py")
+    db = tmp_path / "pad.duckdb"
+    run = lambda *a: CliRunner().invoke(app, [str(x) for x in a])  # noqa: E731
+    res = run("capture", "--model", f"{model}:build", "--inputs", f"{model}:inputs", "--dtype", "fp16", "--db", db,
+              "--no-local", "--session", "pad")
+    assert res.exit_code == 0, res.output
+    assert "first non-finite at pad_mask.mul.0" in res.output and "sanitize-nonfinite:pad_mask" in res.output
+    res = run("verify", "--session", "pad", "--db", db, "--model", f"{model}:build", "--inputs", f"{model}:inputs")
+    assert res.exit_code == 0, res.output
+    assert any(ln.split()[:2] == ["works", "sanitize-nonfinite:pad_mask"] for ln in res.output.splitlines()), res.output
+    res = run("bisect", "--session", "pad", "--db", db, "--model", f"{model}:build", "--inputs", f"{model}:inputs")
+    assert res.exit_code in (0, 1) and "Traceback" not in res.output, res.output
+    assert "the model does not run with it" in res.output
+    store = Store(db)
+    runs = {r["fix"]: r for r in q.session_runs(store, store.session("pad")["session_id"])}
+    fixed = runs["sanitize-nonfinite:pad_mask"]
+    assert first_nonfinite(store, fixed["run_id"]) is None
+    close_all()

@@ -254,8 +254,9 @@ def test_cli_capture_with_fix_then_report_diagnoses(tmp_path):
 
 @pytest.mark.slow
 def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
-    """calibration-nan: eps works; sanitising the norm or calibrating on finite values leaves NaN (both are
-    proposed, neither is a cure); the verdicts come from the re-runs, checked independently."""
+    """calibration-nan: eps works; sanitising the norm works too (its 0/0 NaN stays inside the norm, replaced at
+    its output, and never reaches the model's output); calibrating on finite values leaves NaN; the verdicts come
+    from the re-runs, checked independently."""
     from typer.testing import CliRunner
 
     from precision_lab.cli import app
@@ -271,7 +272,11 @@ def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
     assert got.exit_code == 0, got.output
     lines = [ln.split() for ln in got.output.splitlines() if ln.strip()]
     verdicts = {ln[1]: ln[0] for ln in lines if ln[0] in ("works", "fails")}
-    assert verdicts == {"eps:1e-6": "works", "sanitize-nonfinite:norm": "fails", "calibrate-finite-only": "fails"}
+    assert verdicts == {"eps:1e-6": "works", "sanitize-nonfinite:norm": "works", "calibrate-finite-only": "fails"}
+    sanitized = next(v for (_, fix), v in verification(store, name).items() if fix == "sanitize-nonfinite:norm")
+    inside = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite AND op LIKE 'norm.%'",
+                       [sanitized["run_id"]]).fetchone()[0]
+    assert inside > 0  # the NaN is still made inside the norm: intended now, since nothing after it sees it
     for (parent, fix), v in verification(store, name).items():
         assert v["works"] == (first_nonfinite(store, v["run_id"]) is None)
         assert (verdicts[fix] == "works") == v["works"]

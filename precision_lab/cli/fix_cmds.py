@@ -153,6 +153,9 @@ def bisect_cmd(
     typer.echo(f"tolerance: {res.tolerance.describe()}")
     for a in res.attempts:
         sq = f"{a.sqnr_db:.1f} dB" if a.sqnr_db is not None else "-"
+        if not a.run_id:  # the model could not run with this island (res.message says why)
+            typer.echo(f"  fail  {a.fix}  the model does not run with it")
+            continue
         typer.echo(f"  {'pass' if a.passed else 'fail'}  {a.fix or '(no fp32 island)'}  non-finite records "
                    f"{a.nonfinite}, output SQNR {sq}  [run {a.run_id}]")
     typer.echo(res.message)

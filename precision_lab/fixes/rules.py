@@ -558,6 +558,24 @@ def _rule_division(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     return _diag(ev, "division", msg, fixes)
 
 
+@register_rule("mask-overflow")
+def _rule_mask_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
+    """A mask value beyond the format's range (``finfo(float32).min`` in fp16): finite in the reference, ``-inf``
+    here, and a row masked throughout is all ``-inf``, which a softmax turns into NaN."""
+    outs = [r for r in ev.outputs(ev.records) if r.stats.negative_inf_only]
+    refs = _ref_records(ctx, ev, outs)
+    f = ev.fmt
+    ref_min = min((r.stats.min for r in refs.values() if r.stats.min is not None and math.isfinite(r.stats.min)),
+                  default=None)
+    if not outs or ref_min is None or ref_min >= -f.max:
+        return None
+    msg = (f"`{ev.where}` writes a mask value {fmt_num(ref_min)} (finite in the fp32 reference) below {f.name}'s most "
+           f"negative number -{fmt_num(f.max)}: it becomes -inf, and a row masked throughout (a sequence that is all "
+           f"padding) is then all -inf, which a softmax turns into NaN (-inf - -inf). Use a mask value {f.name} "
+           f"holds (torch.finfo of the compute dtype: -{fmt_num(f.max)}), or clamp the scores before the softmax")
+    return _diag(ev, "mask-overflow", msg, [f"sanitize-nonfinite:{ev.module}" if ev.module else None])
+
+
 @register_rule("overflow")
 def _rule_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
     recs = ev.module_records or ev.records

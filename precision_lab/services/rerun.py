@@ -27,6 +27,7 @@ from ..fixes.recipes import (BUILD_LOCK, MODEL_PREFIX, MODELS_ENV, RECIPES_ENV, 
                              allowed_models, get_recipe)
 from ..metrics import compare
 from ..ops import innermost_module
+from ..readers.base import first_line
 from ..records import free_name
 from ..store import queries as q
 from .diagnose import diagnose_session
@@ -336,6 +337,8 @@ class BisectResult:
     tolerance: Tolerance
     attempts: list[Attempt] = field(default_factory=list)
     message: str = ""
+    notes: list[str] = field(default_factory=list)
+    """Islands the model could not run with, each with why."""
 
     @property
     def fix(self) -> str:
@@ -385,14 +388,18 @@ def _module_names(recipe: Recipe) -> list[str]:
 
 
 def _ranked_modules(store, run_id: str, names: Sequence[str]) -> list[str]:
-    """Modules to try keeping in fp32, best first: the first non-finite producer's module, then local error."""
+    """Modules to try keeping in fp32, best first: the module where the failure started (the first non-finite
+    producer's), then the modules around it outward (an island that holds the value's whole path), then by local
+    error."""
 
     ranked: list[str] = []
     fn = first_nonfinite(store, run_id)
     if fn is not None:
         m = innermost_module(fn.op, names)
-        if m:
-            ranked.append(m)
+        while m:
+            if m not in ranked:
+                ranked.append(m)
+            m = innermost_module(m.rpartition(".")[0], names) if "." in m else ""
     for op in q.ops_by_local_error(store, run_id):
         m = innermost_module(op, names)
         if m and m not in ranked:
@@ -461,7 +468,16 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
         policy = apply_fixes(base, label)
         name = _unique_run_name(_runs(store, info["session_id"]), f"bisect: {label}")
         _tick(progress, len(tried), max_runs, f"model run {len(tried)} of at most {max_runs}: {name}")
-        run = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
+        try:
+            run = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
+        except (RuntimeError, TypeError) as e:
+            # the model cannot run with this island (an fp32 output meeting fp16 in a matmul of the model's own
+            # code): a failed try, said once; the search goes on from the last run that ran
+            result.notes.append(f"{label}: the model does not run with it ({first_line(str(e))})")
+            a = Attempt("", island, label, -1, None, False)
+            tried[island] = a
+            result.attempts.append(a)
+            return a
         with store.extend_session(info["name"]) as w:
             run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
                                parent_run_id=par["run_id"], fix=label, kind="rerun")
@@ -470,8 +486,10 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     island: list[str] = []
     try:
         a = attempt(())
+        ran = a
         while not a.passed:
-            nxt = next((m for m in _ranked_modules(store, a.run_id, names) if m not in island
+            ran = a if a.run_id else ran
+            nxt = next((m for m in _ranked_modules(store, ran.run_id, names) if m not in island
                         and not any(m.startswith(i + ".") for i in island)), None)
             if nxt is None:
                 result.message = (f"no further module to keep in fp32: {tol.describe()} is not reachable with "
@@ -488,6 +506,8 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
     except _Budget:
         result.message = f"stopped after {max_runs} runs without meeting {tol.describe()}"
     result.modules = island
+    if result.notes and not result.passed:
+        result.message += "; " + "; ".join(result.notes)
     if result.passed:
         result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
                           + (", ".join(island) if island else "(none needed)"))
