@@ -736,7 +736,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
     def readers(p: _Event) -> list[_Event]:
         """The later op calls that received what ``p`` wrote (each sign of inf they received, ``p`` wrote), not ops
         holding it."""
-        return [o for o in local if o.seq > p.seq and o.in_kinds and _could_feed(p, o)
+        return [o for o in local if o.seq > p.seq and o.in_kinds & p.out_kinds and _could_feed(p, o)
                 and not _inside(p.op, o.op, parents)]
 
     def _outside(e: _Event, x: _Event) -> Optional[_Event]:
@@ -840,6 +840,14 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
         w = _walk(local, start, facts.parents, facts.inputs_recorded)
         hit, others, guessed = w.event, list(w.others), list(w.guessed)
         kind = {"op": OriginKind.OP, "param": OriginKind.PARAMETER}.get(w.kind, OriginKind.INPUT)
+        if kind is OriginKind.OP and others:
+            # several ops made values that may each have reached the failure (q, k and v of one attention, each
+            # quantised with a zero row's scale): the first of them in order is where it started
+            pool = [hit] + [c for c in local if c.op in others and not c.params and c.out_kinds >= hit.out_kinds]
+            earliest = min(pool, key=lambda c: (c.seq, c.op))
+            if earliest is not hit:
+                others = [hit.op] + [o for o in others if o != earliest.op]
+                hit = earliest
         if kind is OriginKind.OP:
             gap = _gap_inside(local, hit, facts.parents)
             if gap is not None:
@@ -876,8 +884,9 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     else:
         rec = hit.first_in or next((r for r in by_call if r.role in INPUT_ROLES), None)
     rec = rec or hit.first_rec or hit.out_rec or by_call[0]
-    if walked:
-        intended = tuple(m.op for m in masks if m.op != hit.op)
+    if walked:  # the module holding the origin (or an op inside it) wrote its value: not listed as intended
+        intended = tuple(m.op for m in masks if m.op != hit.op and not _inside(hit.op, m.op, facts.parents)
+                         and not _inside(m.op, hit.op, facts.parents))
     if kind is OriginKind.PARAMETER:
         reason = param.reason
     elif kind is OriginKind.OP and outputs_only:

@@ -344,12 +344,12 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
         out = []
         for i, op in enumerate(["blocks.0.fc1", "blocks.0.act", "blocks.0.fc2"]):
             x = torch.full((4,), float(i + 1), dtype=dtype)
-            if bad and op == "blocks.0.act":
+            if bad and op != "blocks.0.fc1":  # act makes an inf, fc2 receives it and passes it on to the output
                 x[0] = float("inf")
             for j, role in enumerate(("input", "output")):
+                seen = x if role == "output" or op == "blocks.0.fc2" else x.abs().clamp(max=9)
                 out.append(TensorRecord(run_id=run_id, seq=2 * i + j, op=op, op_type=op.split(".")[-1], role=role,
-                                        index="0", stats=tensor_stats(x if role == "output" else x.abs().clamp(max=9)),
-                                        source="cand/rank0/step0.parquet"))
+                                        index="0", stats=tensor_stats(seen), source="cand/rank0/step0.parquet"))
         return out
 
     runs = [({"run_id": "c1", "name": "fp16", "dtype": "float16", "kind": "candidate", "parent_run_id": None,
