@@ -722,19 +722,29 @@ def reports(quick: bool) -> list[Case]:
 
 # ---- healthy runs that hold intended non-finite values, and failures that must not be excused ----------
 
+class Fill(nn.Module):
+    """``masked_fill`` of a mask with ``value``, as its own module (so a hook dump records what it writes)."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x, mask):
+        return x.masked_fill(mask, self.value)
+
+
 class NearestNeighbour(nn.Module):
     """Nearest-neighbour search: a point's distance to itself excluded with ``+inf`` (``masked_fill``), then
     ``min`` and ``argmin`` over the row; the result is finite."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.proj, self.out, self.exclude_self = nn.Linear(d, d), nn.Linear(d, d), Fill(float("inf"))
 
     def forward(self, x):
         h = self.proj(x)
         dist = (h[:, None, :] - h[None, :, :]).pow(2).sum(-1)
-        eye = torch.eye(h.shape[0], dtype=torch.bool, device=h.device)
-        masked = dist.masked_fill(eye, float("inf"))
+        masked = self.exclude_self(dist, torch.eye(h.shape[0], dtype=torch.bool, device=h.device))
         nearest = masked.min(-1).values
         j = masked.argmin(-1)
         return self.out(h + h[j] * 0.1) * (1 + 0.01 * nearest[:, None])
@@ -746,59 +756,78 @@ class MaskedMaxPool(nn.Module):
 
     def __init__(self, d=16):
         super().__init__()
-        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.proj, self.out, self.pad = nn.Linear(d, d), nn.Linear(d, d), Fill(float("-inf"))
 
     def forward(self, x):
         h = self.proj(x)
         pad = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
         pad[:, -3:] = True
-        filled = h.masked_fill(pad[..., None], float("-inf"))
+        filled = self.pad(h, pad[..., None])
         pooled = filled.amax(1) + 0.0 * filled.argmax(1).to(h.dtype)
         return self.out(pooled)
 
 
+class PLogP(nn.Module):
+    """``p * log(p)``: ``log(0)`` is ``-inf`` and ``0 x -inf`` NaN where p is 0."""
+
+    def forward(self, p):
+        return p * torch.log(p)
+
+
 class LogZeroEntropy(nn.Module):
-    """The entropy of a distribution with exact zeros: ``log(0)`` is ``-inf`` and ``0 x -inf`` NaN, both dropped
-    by ``where``; the result is finite."""
+    """The entropy of a distribution with exact zeros: ``p log p`` is NaN where p is 0, dropped by ``where``; the
+    result is finite."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.proj, self.out, self.plogp = nn.Linear(d, d), nn.Linear(d, d), PLogP()
 
     def forward(self, x):
         h = self.proj(x)
         p = torch.relu(h)
         p = p / (p.sum(-1, keepdim=True) + 1)
-        ent = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1, keepdim=True)
+        ent = -torch.where(p > 0, self.plogp(p), torch.zeros_like(p)).sum(-1, keepdim=True)
         return self.out(h) + ent
 
 
+class RowScale(nn.Module):
+    """Each row divided by its largest magnitude: ``0 / 0`` = NaN on an all-zero row."""
+
+    def forward(self, h):
+        return h / h.abs().amax(-1, keepdim=True)
+
+
 class NanToNum(nn.Module):
-    """Normalises rows, two of which are all zero (``0 / 0`` = NaN), then ``nan_to_num``: finite."""
+    """Scales rows, two of which are all zero (NaN), then ``nan_to_num``: finite."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.proj, self.out, self.scale = nn.Linear(d, d), nn.Linear(d, d), RowScale()
 
     def forward(self, x):
         h = self.proj(x)
         h = h * (torch.arange(h.shape[0], device=h.device) >= 2).to(h.dtype)[:, None]
-        n = h / h.abs().amax(-1, keepdim=True)
-        return self.out(torch.nan_to_num(n, nan=0.0))
+        return self.out(torch.nan_to_num(self.scale(h), nan=0.0))
+
+
+class InfPad(nn.Module):
+    """Pads a sequence with two ``+inf`` steps (``F.pad``)."""
+
+    def forward(self, h):
+        return torch.nn.functional.pad(h, (0, 0, 0, 2), value=float("inf"))
 
 
 class InfPadSliced(nn.Module):
-    """Pads a sequence with ``+inf`` (``F.pad``), takes a running minimum over it and drops the padding by
-    indexing before it is used: finite."""
+    """Pads a sequence with ``+inf``, takes a running minimum over it and drops the padding by indexing before it
+    is used: finite."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.proj, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.proj, self.out, self.pad = nn.Linear(d, d), nn.Linear(d, d), InfPad()
 
     def forward(self, x):
         h = self.proj(x)
-        padded = torch.nn.functional.pad(h, (0, 0, 0, 2), value=float("inf"))
-        run = padded.cummin(1).values
+        run = self.pad(h).cummin(1).values
         return self.out(run[:, : h.shape[1]])
 
 

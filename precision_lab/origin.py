@@ -739,6 +739,11 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
         return [o for o in local if o.seq > p.seq and o.in_kinds & p.out_kinds and _could_feed(p, o)
                 and not _inside(p.op, o.op, parents)]
 
+    def absorbed(p: _Event) -> bool:
+        """Every op that read what ``p`` wrote wrote nothing non-finite: ``p``'s value went no further."""
+        took = readers(p)
+        return bool(took) and not any(t.out_kinds for t in took)
+
     def _outside(e: _Event, x: _Event) -> Optional[_Event]:
         """The nearest op before ``x``, outside ``e`` and not holding it, that wrote what ``x`` received."""
         return next((o for o in sorted(chain, key=lambda o: -o.seq) if o.seq < x.seq and o.op not in (e.op, x.op)
@@ -766,19 +771,26 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
                 return w
             fits = []
             for j in range(i - 1, -1, -1):
+                if absorbed(sibs[j]):
+                    continue  # its value died in the ops that read it (a mask a softmax took, log(0) dropped)
                 if (_explains(sibs[j].out_kinds, e.out_kinds) if unseen(e) else _could_feed(sibs[j], e)):
                     fits.append(j)
                     if len(fits) == 8:
                         break
+            # an op that wrote every kind ``e`` received is a better source than one that wrote only -inf where
+            # ``e`` received NaN; with none, a holder that received those kinds itself is where they came in
+            strong = [j for j in fits if e.in_kinds and e.in_kinds <= sibs[j].out_kinds]
+            held_by = by_op.get(holder.get(e.op) or "")
+            if not strong and held_by is not None and e.in_kinds and e.in_kinds <= held_by.in_kinds:
+                return w
+            fits = strong + [j for j in fits if j not in strong]
             j = fits[0] if fits else i - 1
             if unseen(e):
                 guessed.append(f"{e.op}'s inputs are not recorded: it is taken to have received its value from "
                                f"{sibs[j].op}, the op before it that wrote one")
             for k in fits[1:]:
                 a = explain(sibs[k], depth)
-                took = readers(sibs[k])
-                # an op whose every reader wrote nothing non-finite (a softmax over a mask) had its value absorbed
-                if a.kind != "in" and a.event is not None and (not took or any(t.out_kinds for t in took)):
+                if a.kind != "in" and a.event is not None:
                     alternatives.setdefault(a.event.op, e.op)
             i = j
 
