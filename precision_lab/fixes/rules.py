@@ -573,7 +573,9 @@ def _rule_mask_overflow(ctx: Context, ev: Evidence) -> Optional[Diagnosis]:
            f"negative number -{fmt_num(f.max)}: it becomes -inf, and a row masked throughout (a sequence that is all "
            f"padding) is then all -inf, which a softmax turns into NaN (-inf - -inf). Use a mask value {f.name} "
            f"holds (torch.finfo of the compute dtype: -{fmt_num(f.max)}), or clamp the scores before the softmax")
-    return _diag(ev, "mask-overflow", msg, [f"sanitize-nonfinite:{ev.module}" if ev.module else None])
+    # bf16 is offered only where it holds the value (``unreachable`` drops it, and says so, for finfo(fp32).min)
+    return _diag(ev, "mask-overflow", msg, [f"sanitize-nonfinite:{ev.module}" if ev.module else None,
+                                            "use-bf16" if f.name == "fp16" else None])
 
 
 @register_rule("overflow")
