@@ -46,9 +46,9 @@ The extended corpus (``bench/localization_cases.py``):
   +inf gradient that Adam turns into NaN weights on the next step (two training steps captured).
 
 Each case is answered by the input kinds that apply: ``live`` (``capture_pair`` of the fp32 model against the
-candidate dtype or policy), ``dump-ordered`` (every module's tensor inputs, its own parameters and buffers
-(``param``) and first output, and with a loss every leaf module's gradients as op ``<module>.backward``, saved
-with forward and backward hooks as ``<path>.<input.i|kwarg.name|param.name|output.0>`` ``.npy`` files, ``.pt``
+candidate dtype or policy), ``dump-ordered`` (every module's tensor inputs, its own parameters (``param``) and
+buffers (``buffer``) and first output, and with a loss every leaf module's gradients as op ``<module>.backward``,
+saved with forward and backward hooks as ``<path>.<input.i|kwarg.name|param.name|buffer.name|output.0>`` ``.npy`` files, ``.pt``
 for bf16, with a ``manifest.json`` call-order list), ``dump-unordered`` (the same folder with no list and equal
 file times, so the order must come from the data), and ``msprobe`` (Ascend msprobe's statistics dump, level
 "mix", of the fp16 forward of the injected corpus, when ``mindstudio-probe`` is installed).
@@ -276,7 +276,7 @@ def _live(store, build, inputs):
 
 
 def _dump(build, inputs, folder: Path, ordered: bool, dtype=torch.float16, loss=None) -> None:
-    """Every module's tensor inputs, its own parameters and buffers (``param``) and first output, and with
+    """Every module's tensor inputs, its own parameters (``param``) and buffers (``buffer``) and first output, and with
     ``loss`` every leaf module's gradients (as op ``<module>.backward``), saved in ``dtype``."""
     torch.manual_seed(0)
     model = build().to(dtype)
@@ -303,9 +303,11 @@ def _dump(build, inputs, folder: Path, ordered: bool, dtype=torch.float16, loss=
                 keep(f"{name}.input.{i}", x)
             for k, x in kwargs.items():
                 keep(f"{name}.kwarg.{k}", x)
-            for k, x in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
-                if x.is_floating_point() and x.numel():
-                    keep(f"{name}.param.{k}", x)
+            for role, got in (("param", mod.named_parameters(recurse=False)),
+                              ("buffer", mod.named_buffers(recurse=False))):
+                for k, x in got:
+                    if x.is_floating_point() and x.numel():
+                        keep(f"{name}.{role}.{k}", x)
         return hook
 
     def post(name):

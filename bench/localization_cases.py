@@ -954,6 +954,25 @@ class PlusInfReachesOutput(nn.Module):
         return self.out(self.fill(self.proj(x)).mean(1))
 
 
+class OwnInfConstants(nn.Module):
+    """A model's own +-inf constants: buffers of +inf and -inf as the start of a running min and max, and top-k
+    slots filled with -inf (``torch.full``) of which two are used; the result is finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("HI", torch.tensor(float("inf")))
+        self.register_buffer("LO", torch.tensor(float("-inf")))
+
+    def forward(self, x):
+        h = self.fc(x)
+        lo = torch.minimum(self.HI.to(h.dtype).expand_as(h[:, 0]), h.min(-1).values)
+        hi = torch.maximum(self.LO.to(h.dtype).expand_as(h[:, 0]), h.max(-1).values)
+        slots = torch.full((h.shape[0], 4), float("-inf"), dtype=h.dtype, device=h.device)
+        slots[:, :2] = h.topk(2, -1).values
+        return h * (hi - lo)[:, None] + slots.max(-1).values[:, None]
+
+
 # the healthy models that hold intended non-finite values, and the input each runs on
 INTENDED = {
     "nearest-neighbour-plus-inf-min": (NearestNeighbour, lambda: _x(12, 16)),
@@ -963,6 +982,7 @@ INTENDED = {
     "inf-padding-dropped-by-index": (InfPadSliced, lambda: _x(2, 8, 16)),
     "hook-point-attn-scores": (HookPointAttention, lambda: _x(2, 8, 32)),
     "log-keep-mask-softmax": (LogMaskAttention, lambda: _x(2, 8, 32)),
+    "own-inf-constants-buffers-and-full": (OwnInfConstants, lambda: _x(8, 16)),
 }
 
 

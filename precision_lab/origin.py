@@ -29,6 +29,7 @@ inputs are finite and whose output is not is named, as before: ``_pick``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import re
@@ -432,7 +433,9 @@ def _classify(facts: RunFacts, *, use_reference: bool) -> list[_Event]:
         mask_in = any(r not in bad_in for r in ins)
         # the reference's own NaN/inf arriving here (not a mask): what this op adds to them is not its doing
         shared_in = use_reference and any(r not in bad_in and r.stats.negative_inf_only is not True for r in ins)
-        inside = any(k[:2] == (g.step, g.rank) and _inside(k[2], g.op, parents) for k in intended_scopes)
+        # only a -inf output the reference does not decide asks whether an op inside this one wrote intended -inf
+        inside = any(r.stats.negative_inf_only is True and not by_reference(r) for r in outs) and any(
+            k[:2] == (g.step, g.rank) and _inside(k[2], g.op, parents) for k in intended_scopes)
         bad_out, good_out = [], []
         for r in outs:
             if by_reference(r):
@@ -733,16 +736,38 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
 
     alternatives: dict[str, str] = {}  # an op that may have written what another received -> that other op
 
-    def readers(p: _Event) -> list[_Event]:
-        """The later op calls that received what ``p`` wrote (each sign of inf they received, ``p`` wrote), not ops
-        holding it."""
-        return [o for o in local if o.seq > p.seq and o.in_kinds & p.out_kinds and _could_feed(p, o)
-                and not _inside(p.op, o.op, parents)]
+    # the op calls that received non-finite values, by the kinds they received, in order: who read what an op
+    # wrote is looked up by kind and place (n log n), not by scanning every later op for each
+    receivers: dict[frozenset, tuple[list[int], list[int]]] = {}
+    for kinds in {o.in_kinds for o in local if o.in_kinds}:
+        got = sorted((o.seq, bool(o.out_kinds)) for o in local if o.in_kinds == kinds)
+        seqs = [q for q, _ in got]
+        nxt = [len(got)] * (len(got) + 1)  # index of the next receiver (from here) that wrote something itself
+        for i in range(len(got) - 1, -1, -1):
+            nxt[i] = i if got[i][1] else nxt[i + 1]
+        receivers[kinds] = (seqs, nxt)
+
+    def read(p: _Event) -> tuple[bool, bool]:
+        """(some later op received what ``p`` wrote, one of those wrote a non-finite value itself): each sign of
+        inf a receiver got, ``p`` wrote."""
+        any_reader = passed_on = False
+        for kinds, (seqs, nxt) in receivers.items():
+            if not kinds & p.out_kinds or not all(k in p.out_kinds for k in ("+inf", "-inf") if k in kinds):
+                continue
+            i = bisect.bisect_right(seqs, p.seq)
+            if i < len(seqs):
+                any_reader = True
+                passed_on = passed_on or nxt[i] < len(seqs)
+        return any_reader, passed_on
+
+    def readers(p: _Event) -> bool:
+        """Some later op call received what ``p`` wrote."""
+        return read(p)[0]
 
     def absorbed(p: _Event) -> bool:
         """Every op that read what ``p`` wrote wrote nothing non-finite: ``p``'s value went no further."""
-        took = readers(p)
-        return bool(took) and not any(t.out_kinds for t in took)
+        any_reader, passed_on = read(p)
+        return any_reader and not passed_on
 
     def _outside(e: _Event, x: _Event) -> Optional[_Event]:
         """The nearest op before ``x``, outside ``e`` and not holding it, that wrote what ``x`` received."""
@@ -971,7 +996,7 @@ def _failure(calls: list[_Event], facts: RunFacts):
         grads = [c for c in local if c.direction is Direction.BACKWARD and c.nf_out]
         if grads:
             return key, grads[-1], f"the gradients ({grads[-1].op})"
-        held = [c for c in local if c.params]
+        held = [c for c in local if any(_state_failed(r) for r in c.params)]
         if held:
             return key, held[0], f"a parameter of {held[0].op}"
         if out is None or (not root and any(c.first_rec is not None and (c.first_rec.introduced or 0) > 0
@@ -982,6 +1007,19 @@ def _failure(calls: list[_Event], facts: RunFacts):
             if bad:
                 return key, bad[-1], f"{bad[-1].op}'s output"
     return False
+
+
+def _state_failed(r: ComparedRecord) -> bool:
+    """Whether a non-finite parameter or buffer is a failure by itself: a parameter always; a buffer when the
+    reference holds finite values there (a running variance that overflowed in the cast), or, without a
+    reference, when it holds finite values beside the non-finite ones.  A buffer of nothing but +-inf (the start
+    of a running min, TransformerLens's ``IGNORE``) is a constant, a failure only where its value reaches one."""
+    if r.role != "buffer":
+        return True
+    if r.introduced is not None:
+        return r.newly_nonfinite
+    st = r.stats
+    return not (st.numel and (st.inf_count or 0) + (st.nan_count or 0) == st.numel)
 
 
 def _writers(calls: list[_Event]) -> list[Intended]:

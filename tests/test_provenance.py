@@ -62,6 +62,17 @@ def test_plus_inf_that_min_consumes_is_no_failure():
     assert first.certainty == "certain" and "the model's output (forward.0)" in first.reason
 
 
+def test_a_buffer_of_inf_constants_is_no_failure_unless_its_value_reaches_one():
+    # torch.minimum(self.HI, x) with HI = +inf, the start of a running min: a buffer holding +inf, output finite
+    calls = [call("forward.0", 1), call("minimum.0", 2)]
+    recs = [rec("forward.0", "buffer", [INF], seq=1, index="HI"), rec("minimum.0", "input", [INF, INF], seq=2)]
+    assert analyse(facts(calls, recs))[0] is None
+    # a parameter holding inf is a failure by itself (a weight that overflowed when the model was cast)
+    recs[0] = rec("forward.0", "param", [INF, 1.0], seq=1, index="weight")
+    first, _ = analyse(facts(calls, recs))
+    assert first.origin == "parameter" and first.parameter.name == "weight"
+
+
 def test_a_mask_whose_row_turns_nan_is_the_origin_not_the_softmax():
     # no reference: the mask's -inf fills a whole row; softmax makes it NaN; the output is NaN
     calls = [call("attn.masked_fill.0", 1), call("attn.softmax.0", 2), call("forward.0", 3)]
