@@ -609,9 +609,14 @@ def _explained(e: _Event) -> bool:
     return _explains(e.in_kinds, e.out_kinds)
 
 
+def _signs_in(need: frozenset, have: frozenset) -> bool:
+    """Whether every sign of inf in ``need`` is in ``have`` (NaN goes with anything)."""
+    return all(k in have for k in ("+inf", "-inf") if k in need)
+
+
 def _could_feed(src: _Event, dst: _Event) -> bool:
     """Whether ``src``'s output can be what ``dst`` received: each sign of inf ``dst`` received, ``src`` wrote."""
-    return all(k in src.out_kinds for k in ("+inf", "-inf") if k in dst.in_kinds)
+    return _signs_in(dst.in_kinds, src.out_kinds)
 
 
 @dataclass
@@ -622,6 +627,8 @@ class _Walk:
     event: Optional[_Event] = None
     guessed: list = field(default_factory=list)
     """What was inferred, in words."""
+    needs: set = field(default_factory=set)
+    """What evidence would settle those guesses (``order``, ``inputs``, ``links``: ``_decide``)."""
     others: list = field(default_factory=list)
     """Other ops the failure may have started at."""
 
@@ -672,6 +679,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
     for e in sorted(chain, key=lambda e: (e.seq, e.op)):
         kids.setdefault(holder[e.op], []).append(e)
     guessed: list[str] = []
+    needs: set[str] = set()
     done: dict[str, _Walk] = {}
 
     def unseen(e: _Event) -> bool:
@@ -704,7 +712,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
         if inner and depth < 64:
             # the op inside it that wrote its output: the last one that wrote each sign of inf its output holds
             fits = [i for i in range(len(inner) - 1, -1, -1)
-                    if all(k in inner[i].out_kinds for k in ("+inf", "-inf") if k in e.out_kinds)]
+                    if _signs_in(e.out_kinds, inner[i].out_kinds)]
             last = fits[0] if fits else len(inner) - 1
             w = trace(inner, last, depth + 1)
             for i in fits[1:8]:
@@ -752,7 +760,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
         inf a receiver got, ``p`` wrote."""
         any_reader = passed_on = False
         for kinds, (seqs, nxt) in receivers.items():
-            if not kinds & p.out_kinds or not all(k in p.out_kinds for k in ("+inf", "-inf") if k in kinds):
+            if not kinds & p.out_kinds or not _signs_in(kinds, p.out_kinds):
                 continue
             i = bisect.bisect_right(seqs, p.seq)
             if i < len(seqs):
@@ -769,9 +777,11 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
         any_reader, passed_on = read(p)
         return any_reader and not passed_on
 
+    latest_first = sorted(chain, key=lambda o: -o.seq)
+
     def _outside(e: _Event, x: _Event) -> Optional[_Event]:
         """The nearest op before ``x``, outside ``e`` and not holding it, that wrote what ``x`` received."""
-        return next((o for o in sorted(chain, key=lambda o: -o.seq) if o.seq < x.seq and o.op not in (e.op, x.op)
+        return next((o for o in latest_first if o.seq < x.seq and o.op not in (e.op, x.op)
                      and not _inside(o.op, e.op, parents) and not _inside(e.op, o.op, parents)
                      and o.out_kinds and _could_feed(o, x)), None)
 
@@ -785,7 +795,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
                 # op read: that value went somewhere unrecorded, most likely into this op (a module the dump does
                 # not show holding it: a root named apart from its children)
                 s = next((j for j in range(i - 1, -1, -1) if sibs[j].out_kinds
-                          and all(k in sibs[j].out_kinds for k in ("+inf", "-inf") if k in e.out_kinds)), None)
+                          and _signs_in(e.out_kinds, sibs[j].out_kinds)), None)
                 if s is not None and not readers(sibs[s]):
                     guessed.append(f"{e.op} is taken to hold {sibs[s].op}, whose non-finite output no recorded op read "
                                    f"(the dump does not say what {e.op} holds)")
@@ -811,6 +821,7 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
             fits = strong + [j for j in fits if j not in strong]
             j = fits[0] if fits else i - 1
             if unseen(e):
+                needs.add("inputs")
                 guessed.append(f"{e.op}'s inputs are not recorded: it is taken to have received its value from "
                                f"{sibs[j].op}, the op before it that wrote one")
             for k in fits[1:]:
@@ -827,10 +838,11 @@ def _walk(local: list[_Event], start: _Event, parents: Optional[Mapping], inputs
     mine = w.event.op if w.event is not None else None
     others = [op for op in alternatives if op != mine]
     if others:
+        needs.add("links")
         guessed.append(f"which earlier op wrote what {alternatives[others[0]]} received is taken from the order (the "
                        f"nearest one that wrote such values); {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} "
                        f"wrote such values too, and the failure may have started there")
-    w.guessed, w.others = guessed, others
+    w.guessed, w.needs, w.others = guessed, needs, others
     return w
 
 
@@ -861,6 +873,7 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
     known = order.known
     outputs_only = not facts.inputs_recorded
     guessed: list[str] = []
+    needs: set[str] = set()
     failure = _failure(calls, facts) if facts.outputs else None
     walked = failure is not None and failure is not False
     if failure is None and not known and not any((c.out_kinds | c.in_kinds) - {"-inf"} for c in calls):
@@ -875,7 +888,7 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
         key, start, failed = failure
         local = [c for c in calls if (c.step, c.rank) == key]
         w = _walk(local, start, facts.parents, facts.inputs_recorded)
-        hit, others, guessed = w.event, list(w.others), list(w.guessed)
+        hit, others, guessed, needs = w.event, list(w.others), list(w.guessed), set(w.needs)
         kind = {"op": OriginKind.OP, "param": OriginKind.PARAMETER}.get(w.kind, OriginKind.INPUT)
         if kind is OriginKind.OP and others:
             # several ops made values that may each have reached the failure (q, k and v of one attention, each
@@ -895,6 +908,8 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
                       and c.op not in others and not any(_inside(o.op, c.op, facts.parents) for o in local
                                                          if o.out_kinds and not _explained(o))]
             others += rivals
+            if not known or others:
+                needs.add("order")
             if not known:
                 guessed.append(f"the run's order is unknown: the ops are placed by name and by how many non-finite "
                                f"values they hold, so which op wrote what {hit.op} is blamed for is inferred")
@@ -903,14 +918,17 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
                                f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''} (which also wrote "
                                "non-finite values from finite inputs) is inferred")
         if kind is OriginKind.OP and hit.no_inputs and outputs_only:
+            needs.add("inputs")
             guessed.append(f"{hit.op}'s inputs are not recorded: that they were finite is inferred")
     else:
         hit, others, kind = _pick(events, known, facts.parents)
         failed = None
         if not known and others:
+            needs.add("order")
             guessed.append(f"the run's order is unknown: {hit.op} is first by name; {', '.join(others[:3])}"
                            f"{', ...' if len(others) > 3 else ''} may have run first")
         if kind is OriginKind.OP and hit.no_inputs and outputs_only:
+            needs.add("inputs")
             guessed.append(f"{hit.op}'s inputs are not recorded: that they were finite is inferred")
     param = _parameter(hit) if kind is OriginKind.PARAMETER else None
     by_call = [r for r in facts.records if (r.step, r.rank, r.op) == (hit.step, hit.rank, hit.op)]
@@ -978,7 +996,7 @@ def analyse(facts: RunFacts) -> tuple[Optional[Origin], list[Intended]]:
         index=rec.index, origin=kind, reason=reason, order=order, order_known=known, certainty=certainty,
         location=rec.location, parent=rec.parent, parameter=param, others=tuple(others),
         in_reference=in_reference, first_nan=first_nan, intended=intended, guessed=tuple(guessed),
-        decide=_decide(guessed, known, outputs_only, compared) if guessed else None), masks
+        decide=_decide(needs, known, outputs_only, compared) if guessed else None), masks
 
 
 def _failure(calls: list[_Event], facts: RunFacts):
@@ -1043,14 +1061,15 @@ def _mask_words(rec: ComparedRecord, failed: Optional[str]) -> str:
     return words + ": a row masked throughout turns into NaN where -inf meets -inf (softmax, 0 x -inf, -inf - -inf)"
 
 
-def _decide(guessed: list[str], known: bool, outputs_only: bool, compared: bool) -> str:
-    """What would settle an answer that guessed: the evidence it lacked."""
+def _decide(needs: set[str], known: bool, outputs_only: bool, compared: bool) -> str:
+    """What would settle an answer that guessed: the evidence it lacked (``needs``: ``order``, ``inputs``,
+    ``links``)."""
     need = []
-    if not known or any("order is" in g for g in guessed):
+    if not known or "order" in needs:
         need.append("the order the ops ran in (an order list, such as a manifest's call order, or a capture)")
-    if outputs_only or any("not recorded" in g for g in guessed):
+    if outputs_only or "inputs" in needs:
         need.append("each op's inputs (a dump that records inputs as well as outputs)")
-    if any("taken from the order" in g for g in guessed):
+    if "links" in needs:
         need.append("which op's output each op read (tensor dumps, whose values link outputs to inputs)"
                     + ("" if compared else ", or an fp32 reference run, which shows which non-finite values are new"))
     return "; ".join(need) or "a capture of the run (order, inputs and a reference recorded)"
