@@ -101,10 +101,13 @@ from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
 from precision_lab.store import queries as q  # noqa: E402
-from localization_cases import HookPointAttention, SeedAttention, SeedBlocks  # noqa: E402
+from localization_cases import (ArgmaxPick, HookPointAttention, InfPadSliced, LogMaskAttention,  # noqa: E402
+                                LogZeroEntropy, MaskedMaxPool, NanToNum, NearestNeighbour, SeedAttention,
+                                SeedBlocks, WithIntended)
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
-KINDS = ("activation", "weight", "cast-gap", "healthy")
+KINDS = ("activation", "weight", "cast-gap", "healthy", "healthy-intended")
+HEALTHY_KINDS = ("healthy", "healthy-intended")
 BASE_NS = 1_700_000_000_000_000_000
 TICK = 8  # files per clock tick with coarse file times
 
@@ -162,6 +165,12 @@ SMALL_ARCHS = ("mlp", "attention", "convnet", "hooked-attention")
 ARCHS = SMALL_ARCHS + ("qwen2", "gpt2", "bert")
 
 
+# ``healthy-intended``: each architecture's healthy model with a tail that holds non-finite values on purpose
+# (of 8 kinds, with hooked-attention's own hook points) and keeps the output finite
+TAILS = {"mlp": NearestNeighbour, "attention": MaskedMaxPool, "convnet": LogZeroEntropy,
+         "hooked-attention": NanToNum, "qwen2": InfPadSliced, "gpt2": LogMaskAttention, "bert": ArgmaxPick}
+
+
 def arch(name: str):
     """``(build, target module path, inputs)`` of an architecture."""
     g = torch.Generator().manual_seed(0)
@@ -214,6 +223,9 @@ def _built(name: str, kind: str, dtype=torch.float16):
     torch.manual_seed(0)
     model = base().eval()
     mod = model.get_submodule(target)
+    if kind == "healthy-intended":
+        width = _first_tensor(_forward(model, inputs)).shape[-1]
+        model = WithIntended(model, TAILS[name], width).eval()
     if kind == "cast-gap":
         model = model.to(dtype)
         inputs = inputs if isinstance(inputs, dict) else inputs.to(dtype)
@@ -308,6 +320,12 @@ def truth(calls: list[Call], target: str, kind: str) -> Optional[str]:
     is finite and its output is not, and no module that finished before it holds a non-finite output."""
     if kind == "healthy":
         assert not any(_bad(c.output) for c in calls), "the healthy control is not healthy"
+        return None
+    if kind == "healthy-intended":
+        root = next(c for c in calls if c.path == "")
+        assert not _bad(root.output), "the healthy control's output is not finite"
+        assert any(c.output.dtype.kind == "f" and not np.isfinite(c.output.astype(np.float32)).all()
+                   for c in calls), "the healthy control holds no intended non-finite value"
         return None
     c = next(c for c in calls if c.path == target)
     if kind == "cast-gap":
@@ -602,12 +620,12 @@ def table(rows: list[dict], by: str) -> list[str]:
 
 def _alarm(r: dict) -> bool:
     """A healthy dump in which something was named (or that raised)."""
-    return r["kind"] == "healthy" and r["named"] is not None
+    return r["kind"] in HEALTHY_KINDS and r["named"] is not None
 
 
 def summary(rows: list[dict]) -> str:
-    failing = [r for r in rows if r["kind"] != "healthy"]
-    healthy = [r for r in rows if r["kind"] == "healthy"]
+    failing = [r for r in rows if r["kind"] not in HEALTHY_KINDS]
+    healthy = [r for r in rows if r["kind"] in HEALTHY_KINDS]
     ok = sum(r["right"] for r in failing)
     held = [r for r in healthy if r["held"]]
     certain = [r for r in rows if r["certain"]]

@@ -101,6 +101,7 @@ from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
 from precision_lab.store import Store, close_all  # noqa: E402
 from precision_lab.store import queries as q  # noqa: E402
+from precision_lab.store import views  # noqa: E402
 from localization_cases import MaskedAttention, SeedAttention, SeedBlocks  # noqa: E402
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -464,9 +465,10 @@ def _op_type_of(store, run_id: str, op: str) -> Optional[str]:
     return got[0] if got else None
 
 
-def _judge_quiet(store, session: str, run_id: str, expect: dict) -> tuple[bool, str]:
+def _judge_quiet(store, session: str, run_id: str, expect: dict) -> tuple[bool, str, Optional[bool]]:
     """A quiet loss is found when the op ranked first by local error, or an op a diagnosis names, is an op of
-    the expected module (of the expected type, when given).  Returns (right, what was named)."""
+    the expected module (of the expected type, when given).  Returns (right, what was named, whether the
+    ranked table's first row is such an op)."""
     from precision_lab.services.diagnose import diagnose
 
     def match(op):
@@ -482,9 +484,13 @@ def _judge_quiet(store, session: str, run_id: str, expect: dict) -> tuple[bool, 
     named = f"top local error: {ranked[0] if ranked else None}"
     if diags:
         named += "; diagnoses: " + ", ".join(f"{d.rule}@{d.op}" for d in diags[:3])
+    row = _first_row(store, run_id)
+    first = None if row is None else match(row["op"])
+    if row is not None and not first:
+        named += f"; first row: {row['op']}"
     if expect.get("rule"):  # only that mechanism's diagnosis counts
-        return any(d.rule == expect["rule"] and match(d.op) for d in diags), named
-    return (bool(ranked) and match(ranked[0])) or any(match(d.op) for d in diags), named
+        return any(d.rule == expect["rule"] and match(d.op) for d in diags), named, first
+    return (bool(ranked) and match(ranked[0])) or any(match(d.op) for d in diags), named, first
 
 
 def _cause_named(store, session: str, run_id: str, cause: dict) -> tuple[bool, str]:
@@ -496,6 +502,23 @@ def _cause_named(store, session: str, run_id: str, cause: dict) -> tuple[bool, s
     hit = any(d.rule == cause["rule"] and _type_in(_op_type_of(store, run_id, d.op), cause.get("types"))
               for d in diags)
     return hit, "diagnoses: " + (", ".join(f"{d.rule}@{d.op}" for d in diags[:3]) or "none")
+
+
+def _first_row(store, run_id: str):
+    """The first row of the run's ranked worst comparisons (Top offenders and the report's table, non-finite
+    ones included); None where the run has no comparison (a dump without a reference)."""
+    sid = store.sql("SELECT session_id FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]
+    top = views.top_offenders(store, sid, kinds=views.ACCUMULATED_KINDS + views.LOCAL_KINDS,
+                              include_nonfinite=True, n=1, run_id=run_id)
+    return None if top.empty else top.iloc[0]
+
+
+def _first_row_right(store, f, right: bool) -> Optional[bool]:
+    """Whether the ranked table's first row is the op the (right) answer names: None where there is no table."""
+    if f is None:
+        return None
+    row = _first_row(store, f.run_id)
+    return None if row is None else bool(right and row["op"] == f.op)
 
 
 # ---- the corpus ---------------------------------------------------------------------------------
@@ -518,9 +541,9 @@ def _held(store, kind: Optional[str] = None, last: bool = False) -> bool:
     return bool(got and got[0])
 
 
-def _row(kind, case, how, right, f, secs, expected="", source="", named=None, held=False):
+def _row(kind, case, how, right, f, secs, expected="", source="", named=None, held=False, first=None):
     return {"kind": kind, "case": case, "how": how, "right": right, "secs": secs, "expected": expected,
-            "held": held,
+            "held": held, "first": first,
             "source": source, "certain": f is not None and f.certainty is Certainty.CERTAIN,
             "named": named if named is not None else (
                 None if f is None else f"{f.op} ({f.op_type}, origin {f.origin}"
@@ -567,17 +590,19 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                 f, fref, session, run_id, secs = _live_pair(store, c.build, c.inputs, c.dtype, c.loss,
                                                             local_error=quiet)
                 if quiet:
-                    right, named = _judge_quiet(store, session, run_id, c.expect)
+                    right, named, first = _judge_quiet(store, session, run_id, c.expect)
                     if f is not None and not c.expect.get("any_nonfinite"):
                         named += f"; first_nonfinite {f.op}"
-                    rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named))
+                    rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named,
+                                     first=first))
                     continue
                 right, named = _judge(f, c.expect, how), None
                 if right and c.expect and c.expect.get("cause"):
                     right, why = _cause_named(store, session, run_id, c.expect["cause"])
                     named = None if right else f"{f.op}; {why}"
                 rows.append(_row(c.kind, c.name, how, right, f, secs, _describe(c.expect), c.source, named,
-                                 held=_held(store, "candidate")))
+                                 held=_held(store, "candidate"),
+                                 first=None if healthy else _first_row_right(store, f, right)))
                 if healthy and c.fp32_control:
                     fp32 = c.name.replace(f"/{dname}", "/fp32")
                     rows.append(_row(c.kind, fp32, how, fref is None, fref, secs, "nothing",
@@ -605,13 +630,16 @@ def _table(rows, title):
     groups = defaultdict(list)
     for r in rows:
         groups[(r["kind"], r["how"])].append(r)
-    print(f"| {title} | input | right | wrong | total | share | stated certain | certain and wrong | "
-          f"runs holding NaN/inf | median seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {title} | input | right | wrong | total | share | ranked table's first row right | stated certain | "
+          f"certain and wrong | runs holding NaN/inf | median seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (k, h), rs in sorted(groups.items()):
         right = sum(r["right"] for r in rs)
         certain = sum(r["certain"] for r in rs)
-        print(f"| {k} | {h} | {right} | {len(rs) - right} | {len(rs)} | {100 * right / len(rs):.0f}% | {certain} | "
+        tabled = [r for r in rs if r["first"] is not None]
+        first = (f"{sum(r['first'] for r in tabled)}/{len(tabled)}" if tabled else "-")
+        print(f"| {k} | {h} | {right} | {len(rs) - right} | {len(rs)} | {100 * right / len(rs):.0f}% | {first} | "
+              f"{certain} | "
               f"{sum(r['certain'] and not r['right'] for r in rs)} | {sum(r['held'] for r in rs)} | "
               f"{sorted(r['secs'] for r in rs)[len(rs) // 2]:.2f} |")
     print()
@@ -643,9 +671,10 @@ def main() -> None:
             build = _injector(base, inputs, path, kind) if kind in KINDS else base
             for how in kinds:
                 store = Store(":memory:")
-                folder = None
+                folder, first = None, None
                 if how == "live":
                     f, secs = _live(store, build, inputs)
+                    first = _first_row_right(store, f, _right(f, path, kind, how))
                 elif how == "msprobe":
                     folder = ms.dump(build, inputs)
                     f, secs = _from_dump(store, folder)
@@ -655,7 +684,7 @@ def main() -> None:
                     f, secs = _from_dump(store, folder)
                 exp = _expect(path, kind)
                 rows.append(_row(kind, f"{model}" + (f" layer {layer}" if layer is not None else ""), how,
-                                 _right(f, path, kind, how, folder), f, secs, _describe(exp)))
+                                 _right(f, path, kind, how, folder), f, secs, _describe(exp), first=first))
                 close_all()
         for c in LC.corpus(args.quick):
             if args.kinds and c.kind not in args.kinds:
@@ -665,7 +694,10 @@ def main() -> None:
     healthy = [r for r in rows if r["kind"] in HEALTHY]
     right = sum(r["right"] for r in failing)
     certain = [r for r in rows if r["certain"]]
-    print(f"{len(failing)} failing answers: {right} right ({100 * right / max(len(failing), 1):.0f}%); "
+    tabled = [r for r in failing if r["first"] is not None]
+    print(f"{len(failing)} failing answers: {right} right ({100 * right / max(len(failing), 1):.0f}%), "
+          f"the ranked table's first row right in {sum(r['first'] for r in tabled)} of the {len(tabled)} with a "
+          f"table; "
           f"{len(healthy)} healthy answers: {sum(not r['right'] for r in healthy)} false alarms "
           f"({100 * sum(not r['right'] for r in healthy) / max(len(healthy), 1):.0f}%), on "
           f"{sum(r['held'] for r in healthy)} runs holding intended NaN/inf: "
@@ -692,6 +724,9 @@ def main() -> None:
         if not r["right"]:
             print(f"miss: {r['kind']} {r['case']} [{r['how']}]: expected {r['expected']}; named {r['named']}"
                   + (f"; reason: {r['reason']}" if r["reason"] else ""))
+        elif r["first"] is False:
+            print(f"first row wrong: {r['kind']} {r['case']} [{r['how']}]: expected {r['expected']}; "
+                  f"named {r['named']}")
 
 
 if __name__ == "__main__":

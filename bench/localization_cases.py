@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from precision_lab.fixes.policy import first_tensor
+
 FP16_MAX = float(torch.finfo(torch.float16).max)
 DUMPS = ("dump-ordered", "dump-unordered")
 ALL_HOWS = ("live",) + DUMPS
@@ -54,8 +56,6 @@ class Case:
 
 
 def _loss(out):
-    from precision_lab.fixes.policy import first_tensor
-
     return first_tensor(out).float().pow(2).mean()
 
 
@@ -117,12 +117,15 @@ HF_ARCHS = ("qwen2", "llama", "gpt2", "bert", "t5", "mistral", "gpt_neox", "opt"
 # ---- seed models ---------------------------------------------------------------------------------
 
 class MaskedAttention(nn.Module):
-    """One causal attention whose mask is made by ``how``."""
+    """One causal attention whose mask is made by ``how``; ``hooked``: its masked scores pass a hook point
+    (``hook_scores``, TransformerLens-style), so a hook dump records them."""
 
-    def __init__(self, d=32, how="masked_fill"):
+    def __init__(self, d=32, how="masked_fill", hooked=False):
         super().__init__()
         self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
         self.how = how
+        if hooked:
+            self.hook_scores = HookPoint()
 
     def forward(self, x):
         t = x.shape[1]
@@ -141,13 +144,15 @@ class MaskedAttention(nn.Module):
             s = s + s.new_full((t, t), float("-inf")).triu(1)
         else:
             raise KeyError(self.how)
+        if hasattr(self, "hook_scores"):
+            s = self.hook_scores(s)
         return self.out(torch.softmax(s, -1) @ self.v(x))
 
 
 class SeedAttention(nn.Module):
-    def __init__(self, how="masked_fill"):
+    def __init__(self, how="masked_fill", hooked=False):
         super().__init__()
-        self.layers = nn.ModuleList([MaskedAttention(how=how), MaskedAttention(how=how)])
+        self.layers = nn.ModuleList([MaskedAttention(how=how, hooked=hooked), MaskedAttention(how=how, hooked=hooked)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -228,7 +233,7 @@ def controls(quick: bool) -> list[Case]:
                                 loss=_loss if bwd else None, fp32_control=dname == "fp16"))
     for how in ("masked_fill", "where", "finfo32-add", "full_like", "new_full"):
         for dt, dname in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
-            out.append(Case(f"mask-{how}/{dname}", "mask-constant", (lambda h=how: SeedAttention(h)),
+            out.append(Case(f"mask-{how}/{dname}", "mask-constant", (lambda h=how: SeedAttention(h, hooked=True)),
                             _x(2, 16, 32), dt, fp32_control=dname == "fp16"))
     return out
 
@@ -973,6 +978,43 @@ class OwnInfConstants(nn.Module):
         return h * (hi - lo)[:, None] + slots.max(-1).values[:, None]
 
 
+class ArgmaxPick(nn.Module):
+    """Picks each row's best allowed column: the others are ``-inf`` (``masked_fill``) before ``argmax``; the
+    picked values are finite."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.score, self.block = nn.Linear(d, d), Fill(float("-inf"))
+
+    def forward(self, h):
+        s = self.score(h)
+        banned = torch.zeros_like(s, dtype=torch.bool)
+        banned[..., 1::2] = True
+        j = self.block(s, banned).argmax(-1, keepdim=True)
+        return h * (1 + 0.01 * s.gather(-1, j))
+
+
+TAIL_WIDTH = 16
+ROWS_TAILS = (NearestNeighbour, LogZeroEntropy, NanToNum, ArgmaxPick)  # on (rows, width); the others on
+# (1, rows, width)
+
+
+class WithIntended(nn.Module):
+    """``base`` and then ``tail`` on a projection of its output's rows; the output is ``base``'s plus a small
+    finite share of ``tail``'s."""
+
+    def __init__(self, base: nn.Module, tail_cls, width: int):
+        super().__init__()
+        self.base, self.proj, self.tail = base, nn.Linear(width, TAIL_WIDTH), tail_cls(TAIL_WIDTH)
+        self.rows = tail_cls in ROWS_TAILS
+
+    def forward(self, *args, **kwargs):
+        h = first_tensor(self.base(*args, **kwargs))
+        z = self.proj(h.reshape(-1, h.shape[-1]))
+        side = self.tail(z if self.rows else z[None])
+        return h + 1e-3 * side.mean()
+
+
 # the healthy models that hold intended non-finite values, and the input each runs on
 INTENDED = {
     "nearest-neighbour-plus-inf-min": (NearestNeighbour, lambda: _x(12, 16)),
@@ -986,6 +1028,26 @@ INTENDED = {
 }
 
 
+# transformers models with a tail that holds intended non-finite values (``WithIntended``); the tails whose
+# backward stays finite are run forward and backward too (``p * log(p)`` behind ``where`` is not: its gradient
+# is 0 x -inf)
+HF_TAILS = {"qwen2": (NearestNeighbour, True), "llama": (MaskedMaxPool, True), "gpt2": (InfPadSliced, True),
+            "bert": (ArgmaxPick, True), "t5": (LogZeroEntropy, False)}
+
+
+def _hf_intended(arch: str, tail):
+    build, _, inputs = hf(arch)
+
+    def make():
+        torch.manual_seed(0)
+        base = build()
+        with torch.no_grad():
+            width = first_tensor(_call(base, inputs)).shape[-1]
+        return WithIntended(base, tail, width)
+
+    return make, inputs
+
+
 def intended(quick: bool) -> list[Case]:
     """Healthy controls whose runs hold non-finite values on purpose (of 8 kinds, with the ``finfo.min``
     padding masks of the ``healthy`` kind), each in fp16 and bf16, the fp16 one's fp32 reference a control of
@@ -995,6 +1057,13 @@ def intended(quick: bool) -> list[Case]:
         for dt, dname in ((torch.float16, "fp16"),) + (() if quick else ((torch.bfloat16, "bf16"),)):
             out.append(Case(f"{name}/{dname}", "intended-nonfinite", build, inputs(), dt,
                             fp32_control=dname == "fp16"))
+    for arch, (tail, backward) in HF_TAILS.items():
+        build, inputs = _hf_intended(arch, tail)
+        for dt, dname in ((torch.float16, "fp16"),) + (() if quick else ((torch.bfloat16, "bf16"),)):
+            for bwd in (False, True) if backward else (False,):
+                out.append(Case(f"{arch}+{tail.__name__}/{dname}/{'fwd+bwd' if bwd else 'fwd'}",
+                                "intended-nonfinite", build, inputs, dt, loss=_loss if bwd else None,
+                                fp32_control=dname == "fp16"))
     d = {"nearest-neighbour-plus-inf-min": 16, "hook-point-attn-scores": 32, "log-keep-mask-softmax": 32,
          "inf-padding-dropped-by-index": 16, "entropy-log-zero-where": 16}
     for name, width in d.items():

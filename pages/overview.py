@@ -127,7 +127,8 @@ def _offenders(kinds, key: str, empty: str) -> None:
 
 
 st.subheader("Top offenders")
-st.caption("Largest finite errors, worst verdict first; select a row to open the op.")
+st.caption("What a diagnosis names first, then the largest finite errors, worst verdict first (an error carried "
+           "on ranks where it first appears); select a row to open the op.")
 tab_acc, tab_loc = st.tabs(["Accumulated (vs reference)", "Local (op re-run in fp32)"])
 with tab_acc:
     _offenders(ov.ACCUMULATED_KINDS, "top_accumulated", "No comparison with a reference in this session.")

@@ -37,6 +37,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "mul": ("__mul__", "__rmul__", "Mul", "multiply"),
     "div": ("__truediv__", "truediv", "divide", "true_divide"),
     "quantise": ("FakeQuant", "quantize", "fake_quant"),
+    "cumsum": ("cumsum_",),
     # ops that write a mask's -inf (or finfo.min) on purpose
     "masked_fill": ("MaskedFill", "masked_fill_"),
     "where": (),

@@ -577,8 +577,9 @@ def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = N
     """(step, rank) -> ``(op, root)``: the op call that returned the model's output, from
     ``store.queries.forward_ends`` rows (the forward op calls that start first and last), and whether it is
     known to be the root.  The first when it holds the last (a root recorded in call order) or the last when it
-    holds the first (a root recorded as it completes): the root; else the last op of a dump without a root,
-    taken as the output (``root`` False); with the order unknown only a root is known."""
+    holds the first (a root recorded as it completes): the root; else a record named as a model's output is
+    (``named_root``: ``model.npy`` beside ``layers.0.npy``), or, in a known order, the last op of a dump
+    without a root, taken as the output (``root`` False)."""
     known = RunOrder.of(order).known
     out = {}
     for e in ends:
@@ -590,6 +591,8 @@ def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = N
             out[key] = (first, True)
         elif _inside(first, last, parents):
             out[key] = (last, True)
+        elif e.get("named_root"):
+            out[key] = (e["named_root"], False)
         elif known:
             out[key] = (last, False)
     return out

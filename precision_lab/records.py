@@ -14,7 +14,7 @@ import numpy as np
 
 from .stats import TensorStats
 
-__all__ = ["code_location", "TensorRecord", "StoredRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "ATTRIBUTING_RULES", "split_tensor_name", "free_name", "to_numpy",
+__all__ = ["code_location", "TensorRecord", "StoredRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "NAMING_SEVERITIES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
            "stats_columns", "dataclass_columns"]
 
@@ -164,9 +164,10 @@ class RunInfo:
         return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
 
 
-# diagnoses that name the op where an error was introduced or amplified (not where it shows): the rankings
-# (Top offenders, the worst comparisons) put that op's outputs ahead of the ops that only carry the error on
-ATTRIBUTING_RULES = ("error-amplified", "absorption", "integer-limit", "gradient-underflow")
+# a diagnosis of these severities names the op where its failure was introduced or amplified, not where it
+# shows (an ``info`` one reports on the run: a fix verified, a compiled graph): the ranking of the worst
+# comparisons (``store.views.top_offenders``) puts that op's outputs ahead of the ops that only carry it on
+NAMING_SEVERITIES = ("error", "warn")
 
 
 @dataclass(frozen=True)

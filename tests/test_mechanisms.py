@@ -87,6 +87,22 @@ def test_integer_limits_come_from_the_mantissa():
 
 
 @pytest.mark.slow
+def test_positions_counted_by_cumsum_past_2048_are_named_there_and_ranked_first(store):
+    """``ones.cumsum(-1)`` in fp16 (position ids): past 2048 only even integers exist, so the counts round (2049 ->
+    2048, 2051 -> 2052); cos after it amplifies the error, but the count is where it first appears."""
+    x = torch.randn(1, 3000, 16, generator=torch.Generator().manual_seed(0))
+    pos = torch.ones(1, 3000, dtype=torch.float16).cumsum(-1).double()
+    off = float((pos - torch.arange(1, 3001, dtype=torch.float64)).abs().max())
+    assert off == 1.0  # independently: odd counts past 2048 are rounded by one
+    name = capture_pair(LC.PositionsByCumsum, x, torch.float16, store=store, local_error=True)
+    d = next(d for d in diagnose(store, name) if d.rule == "integer-limit")
+    assert d.op == "cumsum.0" and "counts to 3,000" in d.message and "by up to 1)" in d.message
+    assert "only multiples of 2 exist" in d.message
+    first = top_offenders(store, store.session(name)["session_id"], n=1).iloc[0]
+    assert first["op"] == "cumsum.0"  # not cos.0, whose error is larger
+
+
+@pytest.mark.slow
 def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     stuck, lost = _count(np.float16)
     reach, _ = _count(np.float32)

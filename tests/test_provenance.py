@@ -190,6 +190,41 @@ def test_the_model_output_is_the_root_or_else_the_last_op():
     assert model_outputs(ends, "execution") == {(0, 0): ("forward.0", True), (1, 0): ("forward.0", True),
                                                 (2, 0): ("blocks.1.hook_resid_post", False)}
     assert (2, 0) not in model_outputs(ends, "name")  # with the order unknown, the last op says nothing
+    # a record named as a model's output is, where nothing nests it (``model.npy`` beside ``layers.0.npy``),
+    # whatever the order: the last file by time or name may be any module's
+    named = [{"step": 0, "rank": 0, "first": "base", "last": "tail.fill", "named_root": "model"}]
+    assert model_outputs(named, "name") == model_outputs(named, "mtime") == {(0, 0): ("model", False)}
+
+
+@pytest.mark.parametrize("root", ["model", "SeedBlocks", "logits"])
+def test_an_outputs_only_dump_whose_root_is_finite_is_healthy_whatever_it_holds(tmp_path, root):
+    """Files saved per module with the root under a name of its own: the +inf a tail writes for a ``min`` never
+    reaches ``<root>.npy``; the same dump with a NaN in the root is a failure, its origin a guess."""
+    import os
+
+    import numpy as np
+
+    from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.store import Store
+    from precision_lab.store import queries as q
+
+    def dump(folder, out):
+        folder.mkdir()
+        files = {root: out, "layers.0": np.ones((2, 4), np.float16), "tail": np.ones((2,), np.float16),
+                 "tail.fill": np.array([[1.0, np.inf], [np.inf, 2.0]], np.float16)}
+        for i, (name, a) in enumerate(files.items()):  # the root's file first, the +inf fill's last
+            np.save(folder / f"{name}.npy", a)
+            os.utime(folder / f"{name}.npy", ns=(1_700_000_000_000_000_000 + i * 10**9,) * 2)
+        s = Store(":memory:")
+        name = ingest(folder, store=s)
+        run = q.session_runs(s, s.session(name)["session_id"])[0]
+        return run, first_nonfinite(s, run["run_id"])
+
+    run, f = dump(tmp_path / "healthy", np.ones((2, 4), np.float16))
+    assert run["order"] == "mtime" and f is None  # not the last file (tail.fill) taken as the output
+    run, f = dump(tmp_path / "failing", np.array([[np.nan, 1.0, 1.0, 1.0]] * 2, np.float16))
+    assert f is not None and f.certainty == "likely" and "order" in f.decide
 
 
 # ---- real models, captured live and dumped by hooks, judged by the bench's own rule ------------------

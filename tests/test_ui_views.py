@@ -450,9 +450,10 @@ def test_element_wise_and_summary_errors_are_never_ranked_as_one_number(store):
     assert list(asc["seq"]) == [0, 2, 1, 3]
     assert list(ops.ops_page(store, ops.OpsFilter(cand, sort="summary_rel_err", descending=True)).rows["seq"]) \
         == [3, 1, 0, 2]
-    # worst verdict first; among the warnings element-wise first, then on summaries
+    # worst verdict first; among the warnings element-wise first (the errors of seq 0 and 2 within a factor 2
+    # of each other: one error carried on, the first in order first), then on summaries
     top = overview.top_offenders(store, sid, n=10)
-    assert list(zip(top["verdict"], top["seq"])) == [("error", 3), ("warn", 2), ("warn", 0), ("warn", 1)]
+    assert list(zip(top["verdict"], top["seq"])) == [("error", 3), ("warn", 0), ("warn", 2), ("warn", 1)]
     # severity still sorts by verdict, worst first
     rank = {"nonfinite": 3, "error": 2, "warn": 1}
     sev = ops.ops_page(store, ops.OpsFilter(cand, sort="severity", descending=True)).rows
@@ -534,3 +535,72 @@ def test_histogram_axis_stays_near_the_data_and_names_limits_off_it():
     assert "bf16 max 2^128 \u2192" in names and "fp32 max 2^128 \u2192" in names
     assert "\u2190 fp32 smallest subnormal 2^-149" in names
     assert not any(n.startswith("fp16") or "fp16 " in n for n in names)
+
+
+def test_one_error_carried_on_ranks_where_it_first_appears_and_a_named_op_ranks_first(store):
+    """Errors within a factor 2 of the largest of their verdict are one error carried on: the first in order
+    ranks first, not the largest later op; a larger error apart from them ranks by its size; what a diagnosis
+    names (by its place in the order) ranks ahead of all of them; an ``info`` diagnosis names nothing."""
+    from precision_lab.metrics import compare
+    from precision_lab.records import Diagnosis, TensorRecord
+
+    x = np.linspace(0.5, 3.0, 64, dtype=np.float32)
+    ks = (1.006, 1.008, 1.01, 1.0005)  # seq 0..3: 0 and 1 and 2 one error (within 2x), 3 far smaller
+    with store.new_session("carried") as w:
+        ref = w.add_run(name="fp32", dtype="float32", kind="reference")
+        cand = w.add_run(name="fp16", dtype="float16", kind="candidate")
+        for i, k in enumerate(ks):
+            c = (x * k).astype(np.float16)
+            for run, arr in ((ref, x), (cand, c)):
+                w.add_record(TensorRecord(run_id=run, seq=i, op=f"op{i}", op_type="Linear", role="output",
+                                          index="0", stats=tensor_stats(arr)))
+            w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=i, cand_run_id=cand, cand_rid=i, step=0,
+                             rank=0, seq=i, op=f"op{i}", role="output", index="0", match="exact",
+                             comparison=compare(x, c))
+    sid = store.session("carried")["session_id"]
+    got = store.df("SELECT seq, verdict, rounding_units FROM comparisons ORDER BY seq")
+    ru = list(got["rounding_units"])
+    assert len(set(got["verdict"][:3])) == 1 and max(ru[:3]) < 2 * min(ru[:3]) and ru[2] > ru[1] > ru[0]
+    top = overview.top_offenders(store, sid, n=10)
+    assert list(top["seq"])[:3] == [0, 1, 2]  # not 2 (the largest) first
+    # a diagnosis naming op3's call (by seq, under its module's name) puts it first; an info one does not
+    with store.extend_session("carried") as w:
+        w.add_diagnosis(Diagnosis("", cand, "layer3", "precision-loss", "m", (), "warn", 3))
+        w.add_diagnosis(Diagnosis("", cand, "op2", "fix-verified", "m", (), "info", 2))
+    assert list(overview.top_offenders(store, sid, n=10)["seq"]) == [3, 0, 1, 2]
+
+
+def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finite_counts(store):
+    """The op a diagnosis names holds NaN/inf but the reference has no record of it (a quantiser's own reciprocal):
+    with non-finite rows asked for it is still the first row, of kind ``uncompared``, in Top offenders and in the
+    report's table; without them it is left out like every non-finite row."""
+    from precision_lab.metrics import compare
+    from precision_lab.records import Diagnosis, TensorRecord
+    from precision_lab.services.report import build_report, render_text
+
+    x = np.linspace(0.5, 3.0, 16, dtype=np.float32)
+    bad = x.copy()
+    bad[3] = np.inf
+    with store.new_session("lone") as w:
+        ref = w.add_run(name="fp32", dtype="float32", kind="reference")
+        cand = w.add_run(name="fp16", dtype="float16", kind="candidate")
+        w.add_record(TensorRecord(run_id=cand, seq=0, op="q.reciprocal.0", op_type="reciprocal", role="output",
+                                  index="0", stats=tensor_stats(bad.astype(np.float16))))
+        for run, arr in ((ref, x), (cand, bad.astype(np.float16))):
+            w.add_record(TensorRecord(run_id=run, seq=1, op="fc.linear.0", op_type="linear", role="output",
+                                      index="0", stats=tensor_stats(arr)))
+        w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=0, cand_run_id=cand, cand_rid=1, step=0,
+                         rank=0, seq=1, op="fc.linear.0", role="output", index="0", match="exact",
+                         comparison=compare(x, bad.astype(np.float16)))
+        w.add_diagnosis(Diagnosis("", cand, "q.reciprocal.0", "division", "1/0", (), "error", 0))
+    sid = store.session("lone")["session_id"]
+    got = store.df("SELECT rid, op FROM tensors WHERE run_id = ? ORDER BY rid", [cand])
+    assert list(zip(got["rid"], got["op"])) == [(0, "q.reciprocal.0"), (1, "fc.linear.0")]
+    top = overview.top_offenders(store, sid, n=5, include_nonfinite=True)
+    assert list(zip(top["op"], top["kind"], top["verdict"])) == [("q.reciprocal.0", "uncompared", "nonfinite"),
+                                                                ("fc.linear.0", "accumulated", "nonfinite")]
+    assert overview.top_offenders(store, sid, n=5).empty
+    rep = build_report(store, "lone")
+    assert [w["op"] for w in rep["worst_comparisons"]] == ["q.reciprocal.0", "fc.linear.0"]
+    table = render_text(rep).split("Worst 2 comparisons:")[1].splitlines()
+    assert table[3].split()[1] == "q.reciprocal.0" and "uncompared" in table[3]

@@ -783,8 +783,10 @@ def _quantisation(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     return out
 
 
-# ops that count: an increment lost above a format's contiguous-integer limit
+# ops that count: an increment lost above a format's contiguous-integer limit; a running sum of ones
+# (``mask.cumsum(-1)``: position ids counted in the compute dtype) counts by itself
 COUNTING_OPS = ("add", "sub")
+RUNNING_COUNTS = ("cumsum",)
 
 
 def _integer_limit(ctx: Context, run: RunInfo) -> list[Diagnosis]:
@@ -796,14 +798,29 @@ def _integer_limit(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     if run.kind == "reference" or paired is None:
         return []
     calls: dict[tuple, list] = {}
-    for r in paired(run.run_id, ("input", "output"), tuple(t for k in COUNTING_OPS for t in (k,) + aliases_of(k))):
+    kinds = tuple(t for k in COUNTING_OPS + RUNNING_COUNTS for t in (k,) + aliases_of(k))
+    for r in paired(run.run_id, ("input", "output"), kinds):
         calls.setdefault((r.step, r.rank, r.op), []).append(r)
-    lost = []
+    lost, counted = [], []
+    growth = getattr(ctx.facts, "error_growth", None)
+    # a running count's largest error against the reference: whole integers it could not hold
+    off = {(g.step, g.rank, g.op): g.out_abs_err for g in (growth(run.run_id) if growth else ())
+           if canonical(g.op_type or "") in RUNNING_COUNTS}
     for rs in calls.values():
         out = next((r for r in rs if r.role == "output"), None)
         ins = [r for r in rs if r.role == "input" and _finite(r.ref_max) and _finite(r.ref_min)]
         fmt = format_for_dtype(out.dtype) if out else None
-        if not ins or fmt is None or fmt.kind != "float" or fmt.bits >= 32:
+        if fmt is None or fmt.kind != "float" or fmt.bits >= 32:
+            continue
+        if canonical(out.op_type or "") in RUNNING_COUNTS:
+            vals = (out.min, out.max, out.ref_min, out.ref_max)
+            # a running count of integers that passes the limit in the reference and ends elsewhere in the run
+            if all(_finite(v) and float(v).is_integer() for v in vals) and \
+                    max(abs(out.ref_max), abs(out.ref_min)) > fmt.integer_limit and \
+                    (out.max != out.ref_max or (off.get((out.step, out.rank, out.op)) or 0.0) >= 1.0):
+                counted.append((out, fmt))
+            continue
+        if not ins:
             continue
         acc = max(ins, key=lambda r: max(abs(r.ref_max), abs(r.ref_min)))  # the count: the larger operand
         vals = (out.min, out.max, out.ref_min, out.ref_max, acc.min, acc.max, acc.ref_min,
@@ -815,6 +832,18 @@ def _integer_limit(ctx: Context, run: RunInfo) -> list[Diagnosis]:
         if step and (out.min, out.max) == (acc.min, acc.max) and \
                 max(abs(acc.max), abs(acc.min)) >= fmt.integer_limit:
             lost.append((out, acc, step, fmt))
+    if counted and (not lost or counted[0][0].seq < lost[0][0].seq):
+        out, fmt = counted[0]
+        reach, got = max(abs(out.ref_max), abs(out.ref_min)), max(abs(out.max), abs(out.min))
+        err = off.get((out.step, out.rank, out.op))
+        msg = (f"`{out.op}` counts to {reach:,.0f}"
+               + (f" (in {fmt.name} it ends at {got:,.0f})" if got != reach else "")
+               + f": integers above {fmt.integer_limit} are not all representable in {fmt.name} (from "
+               f"{fmt.integer_limit:,} on only multiples of {fmt.spacing_at(fmt.integer_limit):g} exist), so the "
+               "counts past it are rounded" + (f" (by up to {err:g})" if err else "")
+               + ". Count in fp32 or an integer dtype (torch.long)")
+        fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], integers_to=reach)
+        return [Diagnosis("", run.run_id, out.op, "integer-limit", msg, tuple(fixes), "warn", out.seq)]
     if not lost:
         return []
     out, acc, step, fmt = lost[0]

@@ -30,8 +30,9 @@ from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
                       order_text)
-from ..records import ATTRIBUTING_RULES, INPUT_ROLES
+from ..records import INPUT_ROLES
 from ..store import queries as q
+from ..store import views as _views
 from ..jsoncodec import dumps
 from . import timeline as _timeline
 
@@ -130,6 +131,17 @@ _CMP_COLS = ("kind", "match", "basis", "step", "rank", "seq", "op", "role", "ind
              "reason", "ref_rid", "cand_rid")
 
 
+WORST_KEPT = 50  # the worst comparisons a report keeps, ranked
+_WORST_COLS = ("kind", "seq", "op", "role", "index", "match", "basis", "verdict", "max_abs_err", "max_rel_err",
+               "summary_abs_err", "summary_rel_err", "cosine", "cosine_deficit", "sqnr_db", "rounding_units",
+               "nonfinite_introduced", "reason")
+
+
+def _plain(v):
+    """A frame's value as JSON holds it (numpy scalars as Python numbers)."""
+    return v.item() if hasattr(v, "item") else v
+
+
 def build_report(store, session: str) -> dict:
     """The session as one JSON-ready dict (see the module doc for its keys)."""
     info = store.session(session)
@@ -162,6 +174,11 @@ def build_report(store, session: str) -> dict:
     warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
+    # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
+    worst = _views.top_offenders(store, sid, kinds=_views.ACCUMULATED_KINDS + _views.LOCAL_KINDS,
+                                 include_nonfinite=True, n=WORST_KEPT)
+    worst = worst.astype(object).where(worst.notna(), None)
+    worst_comparisons = [{"cand_run": w["run"], **{k: _plain(w[k]) for k in _WORST_COLS}} for _, w in worst.iterrows()]
     return {
         "session": info["name"],
         "created": info["created"],
@@ -175,6 +192,7 @@ def build_report(store, session: str) -> dict:
         "norm_artefacts": norm_artefacts(store, sid),
         "tensors": tensors,
         "comparisons": comparisons,
+        "worst_comparisons": worst_comparisons,
         "diagnoses": diagnoses,
         "warnings": warnings,
         "alerts": alerts,
@@ -192,21 +210,6 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
     line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
     return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
-
-
-def _worst_key(c: dict) -> tuple:
-    try:
-        rank = -Verdict(c.get("verdict")).rank
-    except ValueError:  # no verdict: after every judged comparison
-        rank = 1
-    # by error in unit roundoffs, then element-wise relative error, then the summary statistics' relative error:
-    # each after the one before, never ranked as one number (as ``top_offenders`` orders them)
-    keys = []
-    for k in ("rounding_units", "max_rel_err", "summary_rel_err"):
-        v = c.get(k)
-        v = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-        keys.append((v is None, -(v or 0.0)))
-    return (rank, *keys, c.get("seq") or 0)
 
 
 def _listing(title: str, top: int, lines: list[str]) -> list[str]:
@@ -259,18 +262,16 @@ def render_text(report: dict, *, top: int = 15) -> str:
             # a local comparison sets each op of a run against its own fp32 re-run: not a second run
             out.append(f"  {cand}: local error (each op against its fp32 re-run): {summary}" if local
                        else f"  {cand} vs {ref}: {summary}")
-        # the ops a diagnosis names as where the error was introduced or amplified first, with what they wrote
-        # (as ``top_offenders`` ranks them)
-        named = {(d["run"], d["op"]) for d in report.get("diagnoses") or () if d["rule"] in ATTRIBUTING_RULES}
-        worst = sorted((c for c in comps if c["verdict"]), key=lambda c: (
-            not ((c["cand_run"], c["op"]) in named and c["role"] not in INPUT_ROLES), *_worst_key(c)))[:top]
+        # in the order ``build_report`` kept (Top offenders' ranking)
+        worst = (report.get("worst_comparisons") or [])[:top]
         # a comparison on summary statistics has no element-wise error: its own columns, where there is one
         by_summary = any(c.get("basis") == "stats" for c in worst)
-        rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"], c["basis"] or "-",
+        rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"] or c["kind"], c["basis"] or "-",
                  num_text(c["max_abs_err"]), num_text(c["max_rel_err"])]
                 + ([num_text(c.get("summary_abs_err")), num_text(c.get("summary_rel_err"))] if by_summary else [])
                 + [cosine_brief(c["cosine"], c["cosine_deficit"]),
-                   num_text(c["sqnr_db"]), str(c["nonfinite_introduced"]), c["verdict"]] for c in worst]
+                   num_text(c["sqnr_db"]), "-" if c["nonfinite_introduced"] is None else str(c["nonfinite_introduced"]),
+                   c["verdict"]] for c in worst]
         if rows:
             out += ["", f"Worst {len(rows)} comparisons:"]
             out += ["  " + ln for ln in _table(rows, ["run", "op", "tensor", "match", "basis", "max_abs", "max_rel"]

@@ -305,14 +305,25 @@ def nonfinite_records(store, run_id: str) -> list[dict]:
                           ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
 
 
+# what a dump calls the model's own output when its records do not nest by name (``model.npy`` beside
+# ``layers.0.npy``); a record named like a class (``GPT2Model``) is a root too (``forward_ends``)
+ROOT_NAMES = ("model", "root", "output", "outputs", "logits", "net", "network", "module")
+
+
 def forward_ends(store, run_id: str) -> list[dict]:
     """Per step and rank, the forward op calls with an output record that start first and last in execution
-    order: ``{step, rank, first, last}`` (op names); one of them returned the model's output (the one holding
-    the other, else the last).  A run that records no outputs has no row."""
-    return rows(store, """SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last FROM tensors
-                          WHERE run_id = ? AND coalesce(direction, 'forward') <> 'backward'
-                            AND role IN ('output', 'tensor')
-                          GROUP BY step, rank ORDER BY step, rank""", [run_id])
+    order: ``{step, rank, first, last, named_root}`` (op names); one of them returned the model's output (the
+    one holding the other, else the last).  ``named_root`` is a record named as a model's output is
+    (``ROOT_NAMES``, or a class name: a dotless name that begins with a capital), for a dump whose records
+    neither nest nor come in a known order.  A run that records no outputs has no row."""
+    names = ", ".join("?" * len(ROOT_NAMES))
+    return rows(store, f"""SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last,
+                                  min(op) FILTER (WHERE lower(op) IN ({names})
+                                                  OR regexp_full_match(op, '[A-Z][A-Za-z0-9_]*')) AS named_root
+                           FROM tensors
+                           WHERE run_id = ? AND coalesce(direction, 'forward') <> 'backward'
+                             AND role IN ('output', 'tensor')
+                           GROUP BY step, rank ORDER BY step, rank""", [*ROOT_NAMES, run_id])
 
 
 def op_parents(store, run_id: str) -> dict[str, str]:
