@@ -183,3 +183,35 @@ def test_eps_raises_every_normalisations_epsilon_on_any_model():
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     loose = torch.nn.functional.layer_norm(x.float(), (8,), eps=1e-5)
     assert (got - loose).abs().max() > 0.5  # the old epsilon gives a different answer
+
+
+class _QK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.q(x) @ self.k(x).transpose(-1, -2)
+
+
+def test_an_fp32_island_meeting_fp16_in_a_matmul_is_cast_to_the_wider_dtype_not_an_error():
+    """keep-fp32:k under fp16: k's fp32 output meets q's fp16 one in a plain ``@`` (which mixes no dtypes); the
+    operands are brought to fp32 there, as an elementwise op would promote them, and only while the model runs."""
+    from precision_lab.fixes.catalogue import apply_fixes
+
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _QK()
+    policy = apply_fixes(get_policy("fp16"), "keep-fp32:k")
+    policy.prepare(model)
+    assert model.q.weight.dtype == torch.float16 and model.k.weight.dtype == torch.float32
+    out = model(policy.prepare_inputs(x))
+    # independently: q in fp16 from fp16 inputs, k in fp32 from the fp16 inputs cast up, the product in fp32
+    torch.manual_seed(0)
+    ref = _QK()
+    q16 = torch.nn.functional.linear(x.half(), ref.q.weight.half(), ref.q.bias.half())
+    k32 = torch.nn.functional.linear(x.half().float(), ref.k.weight, ref.k.bias)
+    assert out.dtype == torch.float32 and torch.equal(out, q16.float() @ k32.transpose(-1, -2))
+    # outside the model's forward nothing is cast: torch refuses the mix
+    with pytest.raises(RuntimeError):
+        q16 @ k32.transpose(-1, -2)

@@ -38,7 +38,7 @@ __all__ = [
     "SwiGLU", "Attention",
     "flush_subnormals", "sanitize_nonfinite", "rms_norm", "layer_norm", "l2_normalize", "softmax",
     "amax_dynamic", "histogram_amax", "scale_from_amax", "quant_dequant", "fake_quant",
-    "install_cast_hook", "install_sanitize_hook",
+    "install_cast_hook", "install_sanitize_hook", "install_island_boundary", "ISLAND_MEETING_OPS",
 ]
 
 
@@ -536,6 +536,58 @@ def install_cast_hook(mod: nn.Module, dtype) -> None:
         return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
     mod._precision_lab_cast_hook = mod.register_forward_pre_hook(cast, with_kwargs=True)
+
+
+# ops that take no operands of two floating dtypes (``expected scalar type Float but found Half``), where an fp32
+# island's output meets the compute format: their operands are brought to the wider of the two first, as
+# elementwise ops promote by themselves (an island's values go on in fp32 until a module casts them)
+ISLAND_MEETING_OPS = frozenset({
+    torch.matmul, torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.addbmm, torch.einsum, torch.bilinear,
+    torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm,
+    F.linear, F.scaled_dot_product_attention, F.conv1d, F.conv2d, F.conv3d, F.layer_norm, F.group_norm,
+    F.embedding,
+})
+
+
+class _IslandBoundary(torch.overrides.TorchFunctionMode):
+    """Operands of an ``ISLAND_MEETING_OPS`` op in two floating dtypes are cast to their promoted dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in ISLAND_MEETING_OPS:
+            from torch.utils._pytree import tree_leaves
+
+            dts = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            if len(dts) > 1:
+                wide = dts.pop()
+                for d in dts:
+                    wide = torch.promote_types(wide, d)
+                args, kwargs = cast_floating((args, kwargs), wide)
+        return func(*args, **kwargs)
+
+
+def install_island_boundary(model: nn.Module) -> None:
+    """While ``model`` runs, where an fp32 island's output meets the compute format in an op that cannot mix them
+    (a matmul of an fp32 key with an fp16 query), the operands are cast to the wider dtype
+    (``ISLAND_MEETING_OPS``) instead of the run failing.  Once per model."""
+    if getattr(model, "_precision_lab_island_boundary", None) is not None:
+        return
+    state = {"depth": 0, "mode": None}
+
+    def enter(m, args, kwargs):
+        if state["depth"] == 0:
+            state["mode"] = _IslandBoundary()
+            state["mode"].__enter__()
+        state["depth"] += 1
+
+    def leave(m, args, kwargs, out):
+        state["depth"] -= 1
+        if state["depth"] == 0 and state["mode"] is not None:
+            mode, state["mode"] = state["mode"], None
+            mode.__exit__(None, None, None)
+
+    model._precision_lab_island_boundary = (model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                                            model.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
 
 def install_sanitize_hook(mod: nn.Module) -> None:

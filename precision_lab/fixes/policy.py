@@ -253,7 +253,8 @@ class PrecisionPolicy:
         module, so a fix aimed at the wrong name fails loudly instead of
         changing nothing.
         """
-        from .modules import PolicyModule, install_cast_hook, install_sanitize_hook  # deferred: loads torch
+        from .modules import (PolicyModule, install_cast_hook, install_island_boundary,  # deferred: loads torch
+                              install_sanitize_hook)
 
         if self.quant is not None:
             _quantise_linears(model, self.quant)
@@ -280,6 +281,9 @@ class PrecisionPolicy:
                     install_cast_hook(mod, tdtype)
             if name and self.sanitizes(name) and not isinstance(mod, PolicyModule):
                 install_sanitize_hook(mod)
+        if fmts is not None and len(set(fmts.values())) > 1:
+            # islands in another format than the rest: where their outputs meet it, the operands are cast
+            install_island_boundary(model)
         if self.compile is not None:
             # the outermost matches: a block's own children run inside its compiled graph
             matched = [n for n, _ in named if n and module_matches(n, self.compile)]
