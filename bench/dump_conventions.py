@@ -13,8 +13,10 @@ hook points and a stack of Linear+GELU blocks.
 Failure kinds: ``activation`` (one Linear-like module's weight and bias scaled so its fp32 output reaches twice
 fp16's max, the weight itself finite in fp16), ``weight`` (one weight element set to 1e5: inf once cast to
 fp16), ``cast-gap`` (the same module's input scaled to twice fp16's max and cast with ``.to(torch.float16)``
-where no module hook sees it; the dump is compared with the same writer's dump of the fp32 run) and
-``healthy`` (no failure: right when nothing is named, wrong = a false alarm).
+where no module hook sees it; the dump is compared with the same writer's dump of the fp32 run), ``healthy``
+(no failure: right when nothing is named, wrong = a false alarm) and ``healthy-intended`` (the healthy model
+followed by a tail that holds NaN/inf on purpose and keeps the output finite, one kind per architecture:
+``TAILS``; judged as ``healthy``).
 
 Writers (``WRITERS``):
 

@@ -68,7 +68,12 @@ why.
     python bench/localization.py            # everything: two layers per injected model, every control dump
     python bench/localization.py --quick    # one layer per injected model; forward+backward controls live only
 
-It prints a table per kind and input kind (right, wrong, total, share, median seconds), the same for the
+The ranked table is scored too: where a live capture has comparisons, the first row of its ranked worst
+comparisons (``store.views.top_offenders``, non-finite rows included) must be the op the answer names (for a
+quiet loss, an op the judge accepts).
+
+It prints a table per kind and input kind (right, wrong, total, share, the ranked table's first row, answers
+stated certain and how many of them were wrong, runs holding NaN/inf, median seconds), the same for the
 healthy controls (wrong = false alarm), the rebuilt failures with their sources, every false alarm (case, input
 kind, what was named, the reason given) and every miss with what was named instead.  Not part of CI's
 pass/fail; ``tests/test_origin.py`` runs a few of the same cases as tests.
