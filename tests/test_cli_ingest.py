@@ -95,6 +95,20 @@ def test_compare_generic_nan_and_clean(tmp_path):
     assert _run("compare", ref, cand, "--fail-on", "nonfinite").exit_code == 0
 
 
+def test_an_error_gate_fails_on_a_nan_output_whatever_the_finite_values_say(tmp_path):
+    """One NaN where the reference is finite: the SQNR over the finite values stays high, but no error bound holds
+    for that output, so ``sqnr<`` and ``max_rel_err>`` trip with any threshold."""
+    ref, cand = _pair(tmp_path, nan=True)
+    rep = json.loads(_run("compare", ref, cand, "--json").stdout)
+    act = next(c for c in rep["comparisons"] if c["op"] == "act" and c["role"] == "output")
+    assert act["nonfinite_introduced"] == 1 and (act["sqnr_db"] is None or act["sqnr_db"] > 20)
+    for cond in ("sqnr<-1000", "max_rel_err>1e30"):
+        r = _run("compare", ref, cand, "--fail-on", cond)
+        assert r.exit_code == 1 and "non-finite in the candidate but not the reference" in r.output, (cond, r.output)
+    ref, cand = _pair(tmp_path, nan=False)
+    assert _run("compare", ref, cand, "--fail-on", "sqnr<-1000").exit_code == 0
+
+
 def test_compare_sqnr_and_rel_err_thresholds(tmp_path):
     ref, cand = _pair(tmp_path, nan=False)
     x = np.load(ref / "lin.output.0.npy").astype(np.float64)
@@ -118,7 +132,10 @@ def test_rel_err_threshold_on_statistics_only_dumps_uses_the_summaries(tmp_path)
     worst = max(c["summary_rel_err"] for c in judged if isinstance(c["summary_rel_err"], float))
     r = _run("compare", ref, cand, "--fail-on", f"max_rel_err>{worst / 2:.6g}")
     assert r.exit_code == 1 and "(on summary statistics)" in r.output and "element-wise" not in r.output
-    assert _run("compare", ref, cand, "--fail-on", f"max_rel_err>{worst * 2:.6g}").exit_code == 0
+    # above every finite error, the gate still trips on what overflowed in the candidate alone
+    r = _run("compare", ref, cand, "--fail-on", f"max_rel_err>{worst * 2:.6g}")
+    assert r.exit_code == 1 and "(on summary statistics)" not in r.output
+    assert "non-finite in the candidate but not the reference" in r.output
 
 
 def test_rel_err_condition_names_an_element_wise_error_before_a_summary_one():

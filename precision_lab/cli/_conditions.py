@@ -86,11 +86,14 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
     - ``nonfinite``: a matched pair where the candidate is NaN/Inf where the
       reference is finite, or a candidate record with no reference
       counterpart that is non-finite.
-    - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB.
+    - ``sqnr<DB``: an element-wise comparison with SQNR below DB dB, or any
+      tensor that ``nonfinite`` would name (an SQNR over the finite values
+      alone says nothing of a NaN output).
     - ``max_rel_err>X``: a comparison (element-wise or on summary statistics)
       whose max relative error exceeds X: ``max_rel_err`` where the
       comparison is element-wise, else ``summary_rel_err`` (the largest
-      relative difference of the summaries); the message says which.
+      relative difference of the summaries); the message says which; or any
+      tensor that ``nonfinite`` would name.
     - ``alert`` / ``alert:RULE``: a long run's alert (of that rule); a session
       without a timeline cannot answer it, except ``underflow`` (and
       ``alert``, which then means it) where element-wise comparisons with a
@@ -98,20 +101,22 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
     """
     comps = [c for c in report["comparisons"] if c["verdict"] is not None]
     tripped, unusable = [], []
+    bad_nf = [c for c in comps if (c.get("nonfinite_introduced") or 0) > 0]
+    cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
+    unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c.get("match") == "unmatched_cand"}
+    extra_nf = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
+                and (t["run"], t["rid"]) in unmatched]
+    if not report["comparisons"]:
+        extra_nf = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
+    newly = ""  # NaN/inf where the reference is finite: no error bound holds there, whatever the finite values say
+    if bad_nf or extra_nf:
+        first = bad_nf[0] if bad_nf else extra_nf[0]
+        newly = (f"{len(bad_nf) + len(extra_nf)} tensor(s) non-finite in the candidate but not the reference, first "
+                 f"{first['op']} {first['role']} {first['index']}")
     for cond in conditions:
         if cond.kind == "nonfinite":
-            bad = [c for c in comps if (c["nonfinite_introduced"] or 0) > 0]
-            cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
-            unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c["match"] == "unmatched_cand"}
-            extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
-                     and (t["run"], t["rid"]) in unmatched]
-            if not report["comparisons"]:
-                extra = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
-            if bad or extra:
-                first = bad[0] if bad else extra[0]
-                where = f"{first['op']} {first['role']} {first['index']}"
-                tripped.append(f"nonfinite: {len(bad) + len(extra)} tensor(s) non-finite in the candidate but not "
-                               f"the reference, first {where}")
+            if newly:
+                tripped.append(f"nonfinite: {newly}")
         elif cond.kind == "alert":
             flushed = cond.rule in (None, "underflow") and any(c["basis"] == "tensor" for c in comps)
             if not report.get("timeline") and not flushed:
@@ -128,6 +133,8 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 unusable.append(f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)")
                 continue
             bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
+            if newly:  # an SQNR over the finite values alone says nothing of a NaN output
+                tripped.append(f"{cond}: {newly} (no SQNR holds there)")
             if bad:
                 worst = min(bad, key=lambda c: c["sqnr_db"])
                 tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
@@ -135,7 +142,11 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
         else:
             vals = [(c, *relative_error(c)) for c in comps]
             vals = [v for v in vals if v[1] is not None]
+            if newly:
+                tripped.append(f"{cond}: {newly} (no relative error bound holds there)")
             if not vals:
+                if newly:
+                    continue
                 unusable.append(f"{cond}: no comparisons with a relative error")
                 continue
             bad: dict[str, list] = {}
