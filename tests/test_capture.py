@@ -520,6 +520,29 @@ def test_dtype_policy_torch_dtype_and_duck_typed(store):
     assert pol.prepared and "0.blocks.0.fc1.linear.0" in {r.op for r in cap.records}
 
 
+def test_a_capture_under_a_policy_leaves_the_users_model_as_it_found_it(store):
+    """``capture(model, dtype_policy=torch.float16)`` casts the model while it records (cast hooks, fp16 tensors, an
+    eps floor, a training step that updates the fp16 copy); afterwards the model is the user's again: the same
+    parameter objects with their fp32 values, no hook, no attribute, its mode and its own eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-12), nn.Linear(8, 2)).train()
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    before = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks), sorted(vars(m))) for n, m in model.named_modules()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture(model, run="fp16", store=store, dtype_policy=torch.float16) as cap:
+        assert model[0].weight.dtype == torch.float16 and model[0]._forward_pre_hooks
+        out = model(cap.prepare_inputs(torch.randn(4, 8)))
+        out.float().pow(2).mean().backward()
+        opt.step()
+    assert cap.records and out.dtype == torch.float16
+    for n, p in model.named_parameters():
+        same, value = params[n]
+        assert p is same and p.dtype == torch.float32 and torch.equal(p.detach(), value), n
+    after = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks), sorted(vars(m))) for n, m in model.named_modules()}
+    assert after == before and model.training and model[1].eps == 1e-12
+    assert model(torch.randn(4, 8)).dtype == torch.float32
+
+
 def test_session_extension_and_store_path(tmp_path, store):
     torch.manual_seed(0)
     model = build_tiny()

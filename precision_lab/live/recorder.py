@@ -142,6 +142,33 @@ def _name_path(path: str) -> str:
     return ".".join(p for p in path.split(".") if p != _ORIG) if _ORIG in path else path
 
 
+class ModelState:
+    """What a precision policy changes in a model, kept to be put back: every module's attributes (its dicts of
+    parameters, buffers, children and hooks, its ``eps``, its mode), each parameter's tensor and gradient.  A
+    capture under a policy leaves the user's model as it found it: its dtypes, values, modules, hooks and modes."""
+
+    _DICTS = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+              "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = []
+        for mod in model.modules():
+            attrs = dict(mod.__dict__)
+            for key in self._DICTS:
+                if isinstance(attrs.get(key), dict):
+                    attrs[key] = type(attrs[key])(attrs[key])
+            params = [(p, p.data, p.grad) for p in mod._parameters.values() if p is not None]
+            self.modules.append((mod, attrs, params))
+
+    def restore(self) -> None:
+        for mod, attrs, params in self.modules:
+            for key in [k for k in mod.__dict__ if k not in attrs]:
+                del mod.__dict__[key]
+            mod.__dict__.update(attrs)
+            for p, data, grad in params:
+                p.data, p.grad = data, grad
+
+
 class Capture:
     """A live capture of ``model``: hooks while the ``with`` block runs, the records written when it ends.
 
@@ -197,6 +224,7 @@ class Capture:
                 run_id = uuid.uuid4().hex[:12]
         self.run_id = run_id
         self.model = model
+        self._user_model = None  # (model, ModelState) while a policy has changed it
         self.records: list[TensorRecord] = []
         self.local_comparisons: list[tuple[int, Any]] = []  # (record index, Comparison)
         self.warnings: list[tuple[str, str]] = []
@@ -322,6 +350,7 @@ class Capture:
                         self.warn("policy", note)
                 except Exception as e:
                     self.hook_error("policy", e)
+            self._user_model = (self.model, ModelState(self.model))
             prepared = self.policy.prepare(self.model)
             if prepared is not None:
                 self.model = prepared
@@ -343,6 +372,10 @@ class Capture:
             self._active = False
             self.recording = False
             self._engine.exit()
+            if self._user_model is not None:  # the user's model as it was before the policy
+                self.model, state = self._user_model
+                self._user_model = None
+                state.restore()
         if et is not None and not issubclass(et, Exception):
             return False  # KeyboardInterrupt and friends: leave at once
         if et is not None:
