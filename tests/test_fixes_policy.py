@@ -215,3 +215,43 @@ def test_an_fp32_island_meeting_fp16_in_a_matmul_is_cast_to_the_wider_dtype_not_
     # outside the model's forward nothing is cast: torch refuses the mix
     with pytest.raises(RuntimeError):
         q16 @ k32.transpose(-1, -2)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_an_autocast_policy_runs_the_model_as_torch_autocast_does(fmt):
+    """``autocast-fp16``/``autocast-bf16``: the parameters stay fp32, the inputs are left alone, and the output is
+    bit for bit what the same model gives inside ``torch.autocast``; ``keep-fp32:2`` takes the head out of
+    autocast (its input cast to fp32), ``use-bf16`` switches autocast's format."""
+    from precision_lab.fixes.catalogue import apply_fixes
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
+    policy = get_policy(f"autocast-{fmt}")
+    model = policy.prepare(_mlp())
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and policy.prepare_inputs(x) is x
+    ref = _mlp()
+    with torch.autocast("cpu", dtype=dtype):
+        want = ref(x)
+    got = model(x)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert not torch.is_autocast_enabled("cpu")  # nothing left switched on after the forward
+    island = apply_fixes(policy, "keep-fp32:2")
+    assert "2=fp32 (out of autocast)" in island.describe()
+    m = island.prepare(_mlp())
+    with torch.autocast("cpu", dtype=dtype):
+        h = ref[1](ref[0](x))
+    assert torch.equal(m(x), torch.nn.functional.linear(h.float(), ref[2].weight, ref[2].bias))
+    if fmt == "fp16":
+        bf = apply_fixes(policy, "use-bf16")
+        assert bf.autocast == "bf16" and bf.dtype == "fp32"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(bf.prepare(_mlp())(x), ref(x))
+    with pytest.raises(PolicyError):
+        PrecisionPolicy("bad", "fp16", autocast="fp16")  # autocast keeps the parameters in fp32
+    with pytest.raises(PolicyError):
+        PrecisionPolicy("bad", "fp32", autocast="fp8")

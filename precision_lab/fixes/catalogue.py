@@ -194,8 +194,10 @@ def _use_bf16(p: PrecisionPolicy, _) -> PrecisionPolicy:
         return "bf16" if f == "fp16" else f
 
     q = p.quant
+    # under autocast: autocast in bf16 (the parameters stay fp32)
     new = replace(p, dtype=sw(p.dtype), overrides=tuple((pat, sw(f)) for pat, f in p.overrides),
-                  quant=replace(q, scale_format=sw(q.scale_format)) if q is not None else None)
+                  quant=replace(q, scale_format=sw(q.scale_format)) if q is not None else None,
+                  autocast=sw(p.autocast) if p.autocast else None)
     if new == p:
         raise FixError(f"fix 'use-bf16' replaces fp16 by bf16, but policy {p.name!r} ({p.describe()}) uses no fp16")
     return new

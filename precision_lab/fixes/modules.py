@@ -39,6 +39,7 @@ __all__ = [
     "flush_subnormals", "sanitize_nonfinite", "rms_norm", "layer_norm", "l2_normalize", "softmax",
     "amax_dynamic", "histogram_amax", "scale_from_amax", "quant_dequant", "fake_quant",
     "install_cast_hook", "install_sanitize_hook", "install_island_boundary", "ISLAND_MEETING_OPS",
+    "install_autocast",
 ]
 
 
@@ -588,6 +589,43 @@ def install_island_boundary(model: nn.Module) -> None:
 
     model._precision_lab_island_boundary = (model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
                                             model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+
+
+def install_autocast(mod: nn.Module, fmt: str) -> None:
+    """``torch.autocast`` in format ``fmt`` (``fp16``, ``bf16``) around ``mod``'s forward, on the device of its
+    first floating tensor (of its parameters, else of its inputs); ``fp32``: autocast off there, and the
+    module's floating inputs cast to fp32 (an autocast island).  Replaces an earlier one."""
+    old = getattr(mod, "_precision_lab_autocast", None)
+    if old is not None:
+        for h in old:
+            h.remove()
+    dtype = FORMATS[fmt].torch_dtype()
+    stack: list = []
+
+    def device_of(args, kwargs) -> str:
+        from torch.utils._pytree import tree_leaves
+
+        for t in list(mod.parameters()) + [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]:
+            if t.is_floating_point():
+                return t.device.type
+        return "cpu"
+
+    def enter(m, args, kwargs):
+        ctx = torch.autocast(device_of(args, kwargs), dtype=dtype, enabled=fmt != "fp32")
+        ctx.__enter__()
+        stack.append(ctx)
+        if fmt == "fp32":
+            return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
+        return None
+
+    def leave(m, args, kwargs, out):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    mod._precision_lab_autocast = (mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                                   mod.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    # what a capture's hooks (which may run before these) read as the dtype the module computes in
+    mod._precision_lab_autocast_dtype = None if fmt == "fp32" else dtype
 
 
 def install_sanitize_hook(mod: nn.Module) -> None:

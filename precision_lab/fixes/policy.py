@@ -49,6 +49,7 @@ from typing import Optional
 from ..formats import FORMATS
 
 __all__ = [
+    "AUTOCAST_FORMATS",
     "DYNAMIC_INIT_SCALE",
     "PrecisionPolicy",
     "QuantConfig",
@@ -144,6 +145,9 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+AUTOCAST_FORMATS = ("fp16", "bf16")  # what torch.autocast computes in
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     name: str = "fp32"
@@ -164,6 +168,10 @@ class PrecisionPolicy:
     # skipped and the scale halved)
     loss_scale: Optional[object] = None
     skip_nonfinite_step: bool = False  # an optimizer step whose gradients hold NaN/inf is skipped (GradScaler's)
+    # torch.autocast in this format (fp16 or bf16) around the model's forward, the parameters left in ``dtype``
+    # (fp32): each op runs in the dtype autocast gives it; an override is an autocast island (``fp32``: autocast
+    # off and the module's floating inputs cast to fp32; another format: autocast in that one)
+    autocast: Optional[str] = None
     fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +189,12 @@ class PrecisionPolicy:
             raise PolicyError(f"loss scale {self.loss_scale!r} must be a finite number > 0 or 'dynamic'")
         if self.emulate_precision_casts and self.compile is None:
             raise PolicyError("emulate_precision_casts applies to compiled code; the policy compiles nothing")
+        if self.autocast is not None:
+            if self.autocast not in AUTOCAST_FORMATS:
+                raise PolicyError(f"autocast format {self.autocast!r}: autocast runs in "
+                                  f"{' or '.join(AUTOCAST_FORMATS)}")
+            if self.dtype != "fp32" or self.quant is not None:
+                raise PolicyError("an autocast policy keeps the parameters in fp32 (dtype fp32) and quantises nothing")
 
     # ---- which format where ------------------------------------------------
     def override_for(self, module_name: str) -> Optional[str]:
@@ -253,8 +267,11 @@ class PrecisionPolicy:
         module, so a fix aimed at the wrong name fails loudly instead of
         changing nothing.
         """
-        from .modules import (PolicyModule, install_cast_hook, install_island_boundary,  # deferred: loads torch
-                              install_sanitize_hook)
+        from .modules import (PolicyModule, install_autocast, install_cast_hook,  # deferred: loads torch
+                              install_island_boundary, install_sanitize_hook)
+
+        if self.autocast is not None:
+            return self._prepare_autocast(model, install_autocast, install_sanitize_hook)
 
         if self.quant is not None:
             _quantise_linears(model, self.quant)
@@ -297,17 +314,40 @@ class PrecisionPolicy:
                 m.compile(options=options)
         return model
 
+    def _prepare_autocast(self, model, install_autocast, install_sanitize_hook):
+        """``torch.autocast`` in ``self.autocast`` around the model's forward; each override an autocast island."""
+        names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+        for pattern, _ in self.overrides:
+            if not any(module_matches(n, pattern) for n in names):
+                raise PolicyError(_no_match(pattern, names, "keep-fp32"))
+        for pattern in self.sanitize:
+            if not any(module_matches(n, pattern) for n in names):
+                raise PolicyError(_no_match(pattern, names, "sanitize-nonfinite"))
+        install_autocast(model, self.autocast)
+        for name, mod in model.named_modules():
+            if not name:
+                continue
+            fmt, parent = self.override_for(name), self.override_for(name.rpartition(".")[0])
+            if fmt is not None and fmt != parent:  # the outermost module of an island
+                install_autocast(mod, fmt)
+            if self.sanitizes(name):
+                install_sanitize_hook(mod)
+        return model
+
     def prepare_inputs(self, inputs):
-        """Floating tensors (in tuples, lists, dicts) cast to the default compute format."""
+        """Floating tensors (in tuples, lists, dicts) cast to the default compute format (under autocast the
+        inputs stay as they are: autocast casts per op)."""
+        if self.autocast is not None:
+            return inputs
         tdtype = FORMATS[self.dtype].torch_dtype()
         return cast_floating(inputs, tdtype)
 
     # ---- text ---------------------------------------------------------------
     def describe(self) -> str:
         """One line a person can read: ``fp16, fp8_e5m2 per-tensor (scale fp16), FTZ``."""
-        parts = [self.dtype]
+        parts = [f"autocast {self.autocast} (parameters {self.dtype})" if self.autocast else self.dtype]
         for pattern, f in self.overrides:
-            parts.append(f"{pattern}={f}")
+            parts.append(f"{pattern}={f}" + (" (out of autocast)" if self.autocast and f == "fp32" else ""))
         q = self.quant
         if q is not None:
             s = f"{q.format} per-{q.granularity} (scale {q.scale_format}"
@@ -730,6 +770,9 @@ POLICIES: dict[str, PrecisionPolicy] = {
         PrecisionPolicy("fp8-e5m2-tensor-fp16-scale", "fp16",
                         quant=QuantConfig("fp8_e5m2", "tensor", "fp16", weights=False)),
         PrecisionPolicy("fp8-e4m3-row-fp16-scale", "fp16", quant=QuantConfig("fp8_e4m3fn", "row", "fp16")),
+        # torch.autocast as a training job runs it: fp32 parameters, each op in the dtype autocast picks
+        PrecisionPolicy("autocast-fp16", "fp32", autocast="fp16"),
+        PrecisionPolicy("autocast-bf16", "fp32", autocast="bf16"),
     )
 }
 

@@ -90,7 +90,7 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwar
 
 class _Frame:
     __slots__ = ("module", "path", "op", "op_type", "scope_ok", "record", "inputs", "shadow_in", "start_seq",
-                 "rng", "location")
+                 "rng", "location", "autocast")
 
     def __init__(self, module, path, op, op_type, scope_ok, record, start_seq):
         self.module, self.path, self.op, self.op_type = module, path, op, op_type
@@ -99,6 +99,7 @@ class _Frame:
         self.shadow_in = None
         self.rng = None
         self.location = None
+        self.autocast = None  # the dtype torch.autocast computed in when the module was called, if it was on
 
 
 def remove_handles(handles: list) -> None:

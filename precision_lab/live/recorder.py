@@ -142,6 +142,11 @@ def _name_path(path: str) -> str:
     return ".".join(p for p in path.split(".") if p != _ORIG) if _ORIG in path else path
 
 
+def _autocast_dtype(device: str):
+    """The dtype ``torch.autocast`` computes in on ``device`` now, None where it is off."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 class ModelState:
     """What a precision policy changes in a model, kept to be put back: every module's attributes (its dicts of
     parameters, buffers, children and hooks, its ``eps``, its mode), each parameter's tensor and gradient.  A
@@ -807,6 +812,8 @@ class Capture:
                 devs = _cuda_devices((args, kwargs))
                 devs.update(_cuda_devices(list(module.parameters())))
                 frame.rng = _rng_state_of(devs)
+                frame.autocast = getattr(module, "_precision_lab_autocast_dtype",  # a policy's, entered after this
+                                         _autocast_dtype("cuda" if devs else "cpu"))
         except Exception as e:
             self.hook_error(self._module_paths.get(id(module), "?"), e)
         finally:

@@ -193,10 +193,13 @@ class ShadowRuns:
                          for n, b in module.named_buffers())
             with _exact_fp32():
                 ref_out = with_rng(frame.rng, lambda: functional_call(skeleton, state, sargs, skwargs))
-        # a module computes in the coarsest format of its parameters: an fp32 output (an fp32 island inside it,
-        # a cast at its end) does not make its fp16 arithmetic fp32's
-        self._compare(frame.op, dict(_flatten(ref_out)), out_recs,
-                      compute_dtypes={p.dtype for p in params.values() if p.is_floating_point()})
+        # a module computes in the coarsest format of its parameters, or of the autocast it was called under: an
+        # fp32 output (an fp32 island inside it, a cast at its end, autocast's fp32 ops) does not make its fp16
+        # arithmetic fp32's
+        dtypes = {p.dtype for p in params.values() if p.is_floating_point()}
+        if frame.autocast is not None:
+            dtypes.add(frame.autocast)
+        self._compare(frame.op, dict(_flatten(ref_out)), out_recs, compute_dtypes=dtypes)
 
     def _skeleton(self, frame: _Frame):
         """A copy of the module's structure for its fp32 re-run: parameters and buffers on the meta device (the

@@ -135,9 +135,10 @@ class _ReferenceKeeper:
 def _declared_dtype(policy) -> Optional[str]:
     """The narrowest format a policy says its values pass through (a torch dtype name), if it says one.
 
-    That is its compute dtype, or its fake-quantisation format when that is
-    coarser (fp8 inside an fp16 run): quantisation noise is the rounding the
-    candidate is entitled to, not an error.
+    That is its compute dtype (its autocast format under autocast), or its
+    fake-quantisation format when that is coarser (fp8 inside an fp16 run):
+    quantisation noise is the rounding the candidate is entitled to, not an
+    error.
     """
 
     def fmt_of(d):
@@ -149,6 +150,9 @@ def _declared_dtype(policy) -> Optional[str]:
             return None
 
     fmt = fmt_of(getattr(policy, "dtype", None))
+    auto = fmt_of(getattr(policy, "autocast", None))
+    if auto is not None:  # under autocast the values pass through its format, whatever the parameters hold
+        fmt = auto
     quant = getattr(policy, "quant", None)
     qfmt = fmt_of(getattr(quant, "format", None)) if quant is not None else None
     if qfmt is not None and qfmt.torch_name and (fmt is None or qfmt.eps > fmt.eps):
