@@ -277,14 +277,8 @@ class PrecisionPolicy:
             _quantise_linears(model, self.quant)
         named = list(model.named_modules())
         # every path a module is registered at (a module used twice is named twice)
-        names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
         fmts = _module_formats(self, model)[0] if self.overrides else None
-        for pattern, _ in self.overrides:
-            if not any(module_matches(n, pattern) for n in names):
-                raise PolicyError(_no_match(pattern, names, "keep-fp32"))
-        for pattern in self.sanitize:
-            if not any(module_matches(n, pattern) for n in names):
-                raise PolicyError(_no_match(pattern, names, "sanitize-nonfinite"))
+        self._check_patterns(model)
         for name, mod in named:
             fmt = fmts[name] if fmts is not None else self.dtype
             tdtype = FORMATS[fmt].torch_dtype()
@@ -307,6 +301,7 @@ class PrecisionPolicy:
             outer = [n for n in matched if not any(n.startswith(o + ".") for o in matched)]
             targets = [model] if self.compile == "model" else [model.get_submodule(n) for n in outer]
             if not targets:
+                names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
                 raise PolicyError(_no_match(self.compile, names, "compile"))
             # in place (Module.compile): module paths, and so op names, stay those of the eager model
             options = {"emulate_precision_casts": True} if self.emulate_precision_casts else None
@@ -314,8 +309,9 @@ class PrecisionPolicy:
                 m.compile(options=options)
         return model
 
-    def _prepare_autocast(self, model, install_autocast, install_sanitize_hook):
-        """``torch.autocast`` in ``self.autocast`` around the model's forward; each override an autocast island."""
+    def _check_patterns(self, model) -> None:
+        """PolicyError when an override or sanitize pattern names no module of ``model`` (every path a module is
+        registered at: a module used twice is named twice)."""
         names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
         for pattern, _ in self.overrides:
             if not any(module_matches(n, pattern) for n in names):
@@ -323,6 +319,10 @@ class PrecisionPolicy:
         for pattern in self.sanitize:
             if not any(module_matches(n, pattern) for n in names):
                 raise PolicyError(_no_match(pattern, names, "sanitize-nonfinite"))
+
+    def _prepare_autocast(self, model, install_autocast, install_sanitize_hook):
+        """``torch.autocast`` in ``self.autocast`` around the model's forward; each override an autocast island."""
+        self._check_patterns(model)
         install_autocast(model, self.autocast)
         for name, mod in model.named_modules():
             if not name:
