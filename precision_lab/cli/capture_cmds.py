@@ -55,8 +55,8 @@ def capture_cmd(
     inputs: Optional[str] = typer.Option(None, "--inputs", help=INPUTS_HELP),
     loss: Optional[str] = typer.Option(None, "--loss", help=LOSS_HELP),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="candidate format or policy preset: fp16, bf16, fp8_e4m3fn, fp8_e5m2, fp8-e4m3-row, "
-                              "... (default: the recipe's own failing policy)"),
+        None, "--dtype", help="candidate format or policy preset: fp16, bf16, autocast-fp16, autocast-bf16, fp8_e4m3fn, "
+                              "fp8_e5m2, fp8-e4m3-row, ... (default: the recipe's own failing policy)"),
     fix: Optional[List[str]] = typer.Option(None, "--fix", help="fix spec applied to the candidate policy "
                                                                 "(repeatable; see `precision-lab fixes`)"),
     session: Optional[str] = typer.Option(None, "--session", help="name of the new session (default: the recipe's; a suffix is added if taken)"),
