@@ -502,3 +502,36 @@ def test_two_files_identical_functions_are_located_each_in_its_own_file(tmp_path
         found.append(ns["f"]())
     assert ns["f"].__code__ == compile(src, "elsewhere.py", "exec").co_consts[0]  # equal whatever the file
     assert "modeling_a.py:2" in found[0] and "modeling_b.py:2" in found[1], found
+
+
+def test_a_capture_given_the_grad_scaler_records_each_step_unscaled_with_the_scale_it_used():
+    """A real ``torch.amp.GradScaler`` under fp16 autocast, growing its scale after every step: each step's
+    loss scale is the one its backward used (not the one ``update()`` set for the next), and the recorded
+    gradients are divided by it, so the gradient norm is the model's, not the scaled one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    used, norms = [], []
+    with capture(model, run="amp", store=Store(":memory:"), options=CaptureOptions(every=1),
+                 grad_scaler=scaler) as cap:
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            used.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # independently: the true gradients, as the optimizer sees them
+            norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            cap.step(loss=loss)
+    assert used == [1024.0, 2048.0, 4096.0]
+    assert [s.value for s in cap.step_scalars if s.name == "loss_scale"] == used
+    grads = [r for r in cap.records if r.role == "param_grad"]
+    assert grads
+    for step, want in enumerate(norms):
+        got = math.sqrt(sum(r.stats.l2norm ** 2 for r in grads if r.step == step))
+        assert got == pytest.approx(want, rel=1e-3), step
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -192,7 +192,7 @@ class Capture:
     def __init__(self, model, *, run: str = "capture", store=None, session: Optional[str] = None,
                  dtype_policy=None, options: Optional[CaptureOptions] = None, shard_dir=None,
                  kind: Optional[str] = None, source: str = "capture", observer=None, write: bool = True,
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, grad_scaler=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
         _compiled_regions(model)  # refuses what cannot be captured, before anything is set up
@@ -230,6 +230,10 @@ class Capture:
         self.run_id = run_id
         self.model = model
         self._user_model = None  # (model, ModelState) while a policy has changed it
+        # the job's GradScaler: the scale each step's backward uses is read as the step begins (update() changes
+        # it only at the step's end), its gradients recorded divided by it
+        self._scaler = grad_scaler
+        self._step_scale: Optional[float] = None
         self.records: list[TensorRecord] = []
         self.local_comparisons: list[tuple[int, Any]] = []  # (record index, Comparison)
         self.warnings: list[tuple[str, str]] = []
@@ -278,7 +282,9 @@ class Capture:
         go to the run's timeline as the step's scalars; reading them costs one host sync each.
         """
         with self._lock:
-            if loss is not None or grad_scaler is not None:
+            if self._step_scale is not None:  # the scale this step used, not the one update() set for the next
+                self.timeline.add_scalars(self.step_no, loss, None, scale=self._step_scale)
+            elif loss is not None or grad_scaler is not None:
                 self.timeline.add_scalars(self.step_no, loss, grad_scaler)
             self._end_step()
             self.step_no += 1
@@ -537,6 +543,14 @@ class Capture:
 
     # ---- steps -------------------------------------------------------------------------
     def _begin_step(self) -> None:
+        if self._scaler is not None and self._active:
+            self._step_scale = None
+            try:
+                if self._scaler.is_enabled():
+                    self._step_scale = float(self._scaler.get_scale())
+            except Exception as e:
+                self.hook_error("grad_scaler", e)
+            self._backward.grad_scale = self._step_scale
         self.recording = self._active and self.options.step_selected(self.step_no)
         self.summarising = self._active and self.options.timeline and not self.recording
         self._seq = 0

@@ -99,7 +99,9 @@ class Timeline:
             with self._lock:
                 self._items.append((seq, op, op_type, role, str(index), direction, location, h))
 
-    def add_scalars(self, step: int, loss, grad_scaler) -> None:
+    def add_scalars(self, step: int, loss, grad_scaler, *, scale: Optional[float] = None) -> None:
+        """The step's loss and loss scale: ``scale`` where the capture knows the one the step used, else the
+        ``grad_scaler``'s now."""
         if loss is not None:
             try:
                 v = float(loss.detach().float().item()) if hasattr(loss, "detach") else float(loss)
@@ -107,7 +109,9 @@ class Timeline:
                 self._warn("timeline", f"loss of step {step} is not a number ({e})")
             else:
                 self.scalars.append(StepScalar(self.run_id, step, self.rank, "loss", v))
-        if grad_scaler is not None:
+        if scale is not None:
+            self.scalars.append(StepScalar(self.run_id, step, self.rank, "loss_scale", float(scale)))
+        elif grad_scaler is not None:
             try:
                 if grad_scaler.is_enabled():
                     self.scalars.append(StepScalar(self.run_id, step, self.rank, "loss_scale",

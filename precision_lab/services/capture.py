@@ -343,7 +343,7 @@ class _StoreAt:
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
-            options: Optional[CaptureOptions] = None, shard_dir=None) -> Capture:
+            options: Optional[CaptureOptions] = None, shard_dir=None, grad_scaler=None) -> Capture:
     """Record per-op statistics of ``model`` while the ``with`` block runs (``precision_lab.capture``).
 
     ``with precision_lab.capture(model, run="fp16", dtype_policy=torch.float16) as cap:``
@@ -363,11 +363,14 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
     object with ``prepare(model) -> model`` and ``prepare_inputs(inputs)``.
     Use ``cap.model``: a policy may return a new module.  Returns the
     ``live.Capture`` that records.
+
+    ``grad_scaler``: the job's ``torch.amp.GradScaler``: each step's gradients are recorded divided by the
+    scale that step's backward used (as its ``unscale_`` does), and that scale is the step's ``loss_scale``.
     """
     if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
         store = _StoreAt(store)
     return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
-                   shard_dir=shard_dir)
+                   shard_dir=shard_dir, grad_scaler=grad_scaler)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
