@@ -223,7 +223,12 @@ def grad_spike_alerts(run: str, steps: Sequence[int], norms: Sequence[float],
     i = _first(fire)
     if i is None:
         return []
-    shown = "non-finite" if not np.isfinite(g[i]) else num_text(g[i])
-    return [Alert(run, None, int(steps[i]), "grad_spike",
-                  f"gradient norm {shown} at step {steps[i]} is {ratio[i]:.3g}x the median of the previous "
-                  f"{min(w, i)} steps", float(ratio[i]), float(p["factor"]), int(fire.sum()))]
+    n = min(w, i)
+    if np.isfinite(ratio[i]):
+        msg = f"gradient norm {num_text(g[i])} at step {steps[i]} is {ratio[i]:.3g}x the median of the previous {n} steps"
+    else:  # a non-finite norm is no multiple of anything
+        prev = g[max(0, i - w):i]
+        msg = (f"gradient norm at step {steps[i]} is not finite (the median of the previous {n} steps: "
+               f"{num_text(float(np.median(prev[np.isfinite(prev)])))})")
+    return [Alert(run, None, int(steps[i]), "grad_spike", msg,
+                  float(ratio[i]), float(p["factor"]), int(fire.sum()))]

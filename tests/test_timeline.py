@@ -269,6 +269,15 @@ def test_grad_spike_against_running_median():
     norms = [1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 9.0, 12.0, float("inf")]
     got = grad_spike_alerts("r", list(range(len(norms))), norms)
     assert got[0].step == 7 and got[0].value == pytest.approx(12.0 / np.median(norms[:7]))
+    assert "x the median" in got[0].message
+    # a norm that is inf at once: no "infx the median", the median it left said as a number
+    calm = [1.0, 1.1, 0.9, 1.0, 1.05, 1.0, float("inf")]
+    got = grad_spike_alerts("r", list(range(len(calm))), calm)
+    assert got[0].step == 6 and "infx" not in got[0].message
+    from precision_lab.display import num_text
+
+    assert got[0].message == ("gradient norm at step 6 is not finite (the median of the previous 6 steps: "
+                              f"{num_text(float(np.median(calm[:6])))})")
 
 
 def test_op_format_judges_low_precision_dtypes_only():
