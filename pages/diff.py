@@ -19,10 +19,12 @@ for card in dv.rerun_cards(store, sid):
         st.markdown(f"**{plain(card['run'])}**: {plain(card['parent'])} re-run with "
                     f"{code_md(card['fix'])}")
         c = st.columns(3)
-        c[0].metric("forward records with NaN/Inf", card["nonfinite_after"],
+        c[0].metric("forward records with unexpected NaN/Inf", card["nonfinite_after"],
                     delta=card["nonfinite_after"] - card["nonfinite_before"], delta_color="inverse",
-                    help=f"Records of the forward pass holding NaN/Inf (the Runs table's nonfinite_records counts "
-                         f"the backward pass's too). Before: {card['nonfinite_before']} in {card['parent']}.")
+                    help=f"Records of the forward pass holding NaN/Inf in a run where they reach the output, a "
+                         f"gradient or a parameter; a run whose NaN/Inf are all intended (masks) counts 0 (the "
+                         f"Runs table's nonfinite_records counts every one, the backward pass's too). Before: "
+                         f"{card['nonfinite_before']} in {card['parent']}.")
         value, delta, why = dv.sqnr_card(card)
         c[1].metric("output SQNR vs fp32 (dB)", value, delta=delta, help=why)
         c[2].metric("first non-finite op", plain(card["first_after"] or "none"),

@@ -90,7 +90,7 @@ def test_diff_shows_the_re_run_before_and_after(recipe_db):
     at = open_page("diff", session=name)
     assert_clean(at)
     metrics = {m.label: m for m in at.metric}
-    m = metrics["forward records with NaN/Inf"]
+    m = metrics["forward records with unexpected NaN/Inf"]
     assert "backward" in m.help  # says which count, beside the Runs table's
     assert int(m.value) == after and int(float(str(m.delta))) == after - before
     assert metrics["first non-finite op"].value == "none"

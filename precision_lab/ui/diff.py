@@ -56,7 +56,8 @@ DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "ver
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
     """Before and after of the latest re-runs, newest first: ``{run, fix, parent, nonfinite_before,
     nonfinite_after, sqnr_before, sqnr_after, broken_before, broken_after, first_before, first_after}`` (forward
-    records holding NaN/Inf; the output SQNR against the fp32 reference, None without one or when the output
+    records holding NaN/Inf, none in a run whose NaN/Inf are all intended: they reach no output, gradient or
+    parameter; the output SQNR against the fp32 reference, None without one or when the output
     holds NaN/Inf the reference does not -- ``broken`` -- so a broken output is never credited with the SQNR of
     its finite values; the op named first non-finite)."""
     runs = session_runs(store, session_id)
@@ -68,7 +69,9 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
         def facts(run_id):
             last = q.last_accumulated_output(store, run_id)
             first = first_nonfinite(store, run_id)
-            return (q.count_records(store, run_id, nonfinite=True, direction="forward"),
+            # NaN/inf that reach nothing (a mask's -inf, a fill a min consumes) are intended: a run without a
+            # failure counts none
+            return (q.count_records(store, run_id, nonfinite=True, direction="forward") if first else 0,
                     last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
                     first.op if first else None)
 
