@@ -32,7 +32,6 @@ from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, Nonfi
                       order_text)
 from ..records import INPUT_ROLES
 from ..store import queries as q
-from ..store import views as _views
 from ..jsoncodec import dumps
 from . import timeline as _timeline
 
@@ -137,11 +136,6 @@ _WORST_COLS = ("kind", "seq", "op", "role", "index", "match", "basis", "verdict"
                "nonfinite_introduced", "reason")
 
 
-def _plain(v):
-    """A frame's value as JSON holds it (numpy scalars as Python numbers)."""
-    return v.item() if hasattr(v, "item") else v
-
-
 def build_report(store, session: str) -> dict:
     """The session as one JSON-ready dict (see the module doc for its keys)."""
     info = store.session(session)
@@ -175,10 +169,9 @@ def build_report(store, session: str) -> dict:
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
-    worst = _views.top_offenders(store, sid, kinds=_views.ACCUMULATED_KINDS + _views.LOCAL_KINDS,
-                                 include_nonfinite=True, n=WORST_KEPT)
-    worst = worst.astype(object).where(worst.notna(), None)
-    worst_comparisons = [{"cand_run": w["run"], **{k: _plain(w[k]) for k in _WORST_COLS}} for _, w in worst.iterrows()]
+    worst = q.rows(store, *q.ranked_comparisons_sql(sid, q.ACCUMULATED_KINDS + q.LOCAL_KINDS, n=WORST_KEPT,
+                                                     include_nonfinite=True))
+    worst_comparisons = [{"cand_run": w["run"], **{k: w[k] for k in _WORST_COLS}} for w in worst]
     return {
         "session": info["name"],
         "created": info["created"],

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
-from ..records import INPUT_ROLES, NAMING_SEVERITIES
-from .queries import rows, run_order, session_runs
+from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
+                      rows, run_order, session_runs)
 
 # column -> SQL expression; the only columns a visitor may sort by
 SORTABLE = {
@@ -31,14 +31,6 @@ SORTABLE = {
 
 # what "only problems" keeps: these verdicts, or NaN/Inf in the record
 PROBLEM_VERDICTS = tuple(v.value for v in worst_first(Verdict) if v.problem)
-
-
-def _rank_case(column: str, kind, *, worst_first_order: bool = False) -> str:
-    """SQL ``CASE`` giving each member of ``kind`` (Verdict, Severity) its rank (worse is higher; with
-    ``worst_first_order`` worse is lower, and unknown values or NULL rank with the best)."""
-    n = len(kind)
-    whens = " ".join(f"WHEN '{m.value}' THEN {n - 1 - m.rank if worst_first_order else m.rank}" for m in kind)
-    return f"CASE {column} {whens} {'ELSE ' + str(n - 1) + ' ' if worst_first_order else ''}END"
 
 
 _VERDICT_RANK = _rank_case("verdict", Verdict)
@@ -83,16 +75,6 @@ SHOW_OPTIONS = ("all", "problems", "unmatched")
 _STAT_COLS = ("dtype", "shape", "min", "max", "absmax", "mean", "l2norm", "nan_count", "inf_count")
 
 
-# comparison kinds: candidate vs reference run (element-wise, or on summary
-# statistics where a dump holds only those), and the op re-computed in fp32
-# from the candidate's own inputs
-ACCUMULATED_KINDS = ("accumulated", "stats")
-
-
-LOCAL_KINDS = ("local",)
-# an error within this factor of the largest of its run and verdict is the same error carried on: the
-# ranking puts the first of them first (``top_offenders``)
-CARRIED_WITHIN = 2.0
 
 
 # metric -> (axis title, log axis, worse is larger)
@@ -580,7 +562,7 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
        an op call by its place in the order (``seq``), or by name.
     2. Then by verdict.  Within a verdict, an error carried on is not a new one: the comparisons whose
        error (in units of the candidate format's rounding) is within a factor 2 of the largest of their
-       run and verdict (``CARRIED_WITHIN``) rank by where they come in the order, the first first; the
+       run and verdict (``queries.CARRIED_WITHIN``) rank by where they come in the order, the first first; the
        others by error in rounding units, max relative error (element-wise comparisons), then by the
        summary statistics' relative error (``summary_rel_err``; statistics-only comparisons, ranked
        after the element-wise ones of their verdict, never as the same number).
@@ -589,70 +571,8 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     ops that pass NaN on.  Asked for, a named op call that holds NaN/inf with no record to compare with
     (the reference runs no such op) is a row of kind ``uncompared``, whatever ``kinds`` says.
     """
-    kinds = tuple(kinds)
-    where = ["c.session_id = ?", f"c.kind IN ({', '.join('?' * len(kinds))})", "c.verdict IS NOT NULL"]
-    roles = ", ".join("?" * len(INPUT_ROLES))
-    params: list = [session_id, *NAMING_SEVERITIES, *INPUT_ROLES, session_id, *kinds]
-    if not include_nonfinite:
-        where.append("c.verdict <> 'nonfinite'")
-    if run_id:
-        where.append("c.cand_run_id = ?")
-        params.append(run_id)
-    # a named op call that holds NaN/inf and has no judged comparison (the reference runs no such op: a
-    # quantiser's own reciprocal) is a row of its own, ``uncompared``
-    lone = ["t.run_id IN (SELECT run_id FROM runs WHERE session_id = ?)", "t.nonfinite",
-            f"t.role NOT IN ({roles})", "NOT EXISTS (SELECT 1 FROM comparisons c2 WHERE c2.cand_run_id = t.run_id "
-            "AND c2.cand_rid = t.rid AND c2.verdict IS NOT NULL)", "true" if include_nonfinite else "false"]
-    params += [session_id, *INPUT_ROLES]
-    if run_id:
-        lone.append("t.run_id = ?")
-        params.append(run_id)
-    params.append(int(n))
-    cols = ("seq, op, role, \"index\", kind, basis, verdict, \"match\", nonfinite_introduced, max_abs_err, "
-            "max_rel_err, summary_abs_err, summary_rel_err, cosine, cosine_deficit, sqnr_db, rounding_units, reason, "
-            "cand_run_id, cand_rid, ref_run_id, ref_rid")
-    return frame(
-        store,
-        f"""WITH each AS (SELECT run_id, op, seq, {_rank_case("severity", Severity, worst_first_order=True)} AS sev,
-                                 row_number() OVER (PARTITION BY run_id, rule ORDER BY rowid) AS nth
-                          FROM diagnoses WHERE session_id = ?
-                          AND severity IN ({', '.join('?' * len(NAMING_SEVERITIES))})),
-                 d AS (SELECT run_id, op, seq, min(sev) AS sev, min(nth) AS nth FROM each GROUP BY run_id, op, seq),
-                 named AS (SELECT {', '.join('c.' + x.strip() for x in cols.split(','))},
-                                  min(d.sev) AS d_sev, min(d.nth) AS d_nth
-                           FROM comparisons c LEFT JOIN d ON d.run_id = c.cand_run_id
-                                AND c.role NOT IN ({roles})
-                                AND (d.op = c.op OR (d.seq >= 0 AND d.seq = c.seq))
-                           WHERE {' AND '.join(where)}
-                           GROUP BY ALL
-                           UNION ALL
-                           SELECT t.seq, t.op, t.role, t."index", 'uncompared', NULL, 'nonfinite', NULL, NULL, NULL,
-                                  NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                  'holds NaN/inf; the reference has no record to compare it with',
-                                  t.run_id, t.rid, NULL, NULL, min(d.sev), min(d.nth)
-                           FROM tensors t JOIN d ON d.run_id = t.run_id
-                                AND (d.op = t.op OR (d.seq >= 0 AND d.seq = t.seq))
-                           WHERE {' AND '.join(lone)}
-                           GROUP BY ALL),
-                 ranked AS (SELECT *, CASE WHEN isfinite(rounding_units) THEN rounding_units END AS ru,
-                                   max(CASE WHEN isfinite(rounding_units) THEN rounding_units END)
-                                       OVER (PARTITION BY cand_run_id, verdict) AS ru_max
-                            FROM named)
-            SELECT r.name AS run, c.seq, c.op, c.role, c."index", c.kind, c.basis, c.verdict, c."match",
-                   c.nonfinite_introduced, c.max_abs_err, c.max_rel_err, c.summary_abs_err, c.summary_rel_err,
-                   c.cosine, c.cosine_deficit, c.sqnr_db, c.rounding_units, c.reason, c.cand_run_id AS run_id,
-                   c.cand_rid AS rid, c.ref_run_id, c.ref_rid
-            FROM ranked c JOIN runs r ON r.run_id = c.cand_run_id
-            ORDER BY c.d_sev NULLS LAST, c.d_sev IS NOT NULL AND c.verdict = 'nonfinite' DESC, c.d_nth NULLS LAST,
-                     CASE WHEN c.d_sev IS NOT NULL THEN c.seq END, {_VERDICT_WORST_FIRST},
-                     CASE WHEN c.ru >= c.ru_max / {CARRIED_WITHIN} THEN c.seq END NULLS LAST,
-                     c.ru DESC NULLS LAST,
-                     CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
-                     CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,
-                     c.seq, c.op
-            LIMIT ?""",
-        params,
-    )
+    return frame(store, *ranked_comparisons_sql(session_id, kinds, n=n, include_nonfinite=include_nonfinite,
+                                                run_id=run_id))
 
 
 def diagnoses_worst_first(store, session_id: str) -> list[dict]:
