@@ -49,6 +49,7 @@ whatever else runs on it (the load average is printed with the results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -116,12 +117,19 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+AUTOCAST_ENV = "PRECISION_LAB_BENCH_AUTOCAST"  # --autocast, for the variants' processes too
+
+
 def _step(model, x):
     model.zero_grad(set_to_none=True)
-    if isinstance(x, dict):  # a transformers model: keyword inputs, a ModelOutput
-        model(**x).logits.pow(2).mean().backward()
-    else:
-        model(x).pow(2).mean().backward()
+    fmt = os.environ.get(AUTOCAST_ENV)
+    # --autocast: the forward and loss inside torch.autocast, as a mixed-precision job runs them, in every variant
+    ctx = (torch.autocast("cpu", dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]) if fmt
+           else contextlib.nullcontext())
+    with ctx:
+        out = model(**x).logits if isinstance(x, dict) else model(x)
+        loss = (out.float() if fmt else out).pow(2).mean()
+    loss.backward()
 
 
 def _qwen2():
@@ -484,6 +492,8 @@ def main(argv=None) -> int:
                     help="run with OMP_WAIT_POLICY=PASSIVE (torch's threads sleep between ops, no spinning)")
     ap.add_argument("--more", action="store_true",
                     help="also time lighter capture settings (forward only; modules only)")
+    ap.add_argument("--autocast", choices=("fp16", "bf16"),
+                    help="every variant's step under torch.autocast in this format (the plain step too)")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: where a full capture's time goes (hooks, statistics in the step, replayed)")
     args = ap.parse_args(argv)
@@ -492,11 +502,14 @@ def main(argv=None) -> int:
         # inherit it)
         os.environ[OMP_ENV] = "PASSIVE"
         os.execv(sys.executable, [sys.executable, *sys.argv])
+    if args.autocast:
+        os.environ[AUTOCAST_ENV] = args.autocast
     os.environ.setdefault("PRECISION_LAB_COMPILE", "now")  # the kernels compile in the warm-up, not in the rounds
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
           f"torch threads {args.threads or torch.get_num_threads()}  stats threads "
           f"{args.stats_threads or 'default'}  cpu {_cpu_name()}  "
-          f"{OMP_ENV} {os.environ.get(OMP_ENV, '(not set: spinning)')}")
+          f"{OMP_ENV} {os.environ.get(OMP_ENV, '(not set: spinning)')}"
+          + (f"  autocast {args.autocast}" if args.autocast else ""))
     for kind in args.models:
         (_breakdown if args.breakdown else _run_model)(kind, args)
     return 0
