@@ -27,16 +27,19 @@ with st.container(border=True):
     c = st.columns([3, 2, 2, 2])
     pattern = c[0].text_input("Name contains (or glob with * ?)", key="q", bind="query-params")
     only_problems = c[1].toggle("Problems only", key="problems", bind="query-params",
-                                help="Records with NaN/Inf, or whose comparison verdict is error or nonfinite.")
+                                help="Records with NaN/Inf that reach a failure (not a mask's, written on "
+                                     "purpose), or whose comparison verdict is error or nonfinite.")
     sort = c[2].selectbox("Sort by", ov.SORT_OPTIONS, key="sort", bind="query-params")
     descending = c[3].toggle("Descending", key="desc", bind="query-params")
 
 page_size = 50
 current = page.bound_value("page", int, 1)  # the pager is drawn below the table it pages
 with page.guard("The op table could not be queried"):
+    failed, intended = ov.intended_nonfinite(store, run["run_id"]) if only_problems else (True, ())
     result = ov.ops_page(store, ov.OpsFilter(
         run_id=run["run_id"], steps=tuple(steps), ranks=tuple(ranks), roles=tuple(roles), op_types=tuple(op_types),
-        pattern=pattern, only_problems=only_problems, sort=sort, descending=descending,
+        pattern=pattern, only_problems=only_problems, intended=intended, failed=failed, sort=sort,
+        descending=descending,
     ), page=max(0, current - 1), page_size=page_size)
 
 shown = ov.display_frame(result.rows, summary=result.stats_basis)

@@ -142,6 +142,10 @@ class OpsFilter:
     op_types: tuple[str, ...] = ()
     pattern: str = ""  # substring of the record name, or a glob with * and ?
     only_problems: bool = False
+    # what "only problems" leaves out: the ops whose NaN/Inf were written on purpose, and, where the run has no
+    # failure (``failed`` False), NaN/Inf by themselves (a record is then a problem only by its verdict)
+    intended: tuple[str, ...] = ()
+    failed: bool = True
     sort: str = "seq"
     descending: bool = False
 
@@ -186,11 +190,16 @@ def _where(f: OpsFilter) -> tuple[list[str], list]:
 
 
 def _problem_sql(f: OpsFilter) -> tuple[str, list]:
-    """Records with NaN/Inf or a verdict in PROBLEM_VERDICTS, as a semi-join on the
-    (few) problem comparisons rather than a join of every record."""
+    """Records with NaN/Inf (not of an intended op, and only in a run with a failure) or a verdict in
+    PROBLEM_VERDICTS, as a semi-join on the (few) problem comparisons rather than a join of every record."""
     verdicts = ", ".join(repr(v) for v in PROBLEM_VERDICTS)
-    return (f"(coalesce(t.nonfinite, false) OR t.rid IN (SELECT cand_rid FROM comparisons "
-            f"WHERE cand_run_id = ? AND verdict IN ({verdicts})))", [f.run_id])
+    by_verdict = f"t.rid IN (SELECT cand_rid FROM comparisons WHERE cand_run_id = ? AND verdict IN ({verdicts}))"
+    if not f.failed:
+        return f"({by_verdict})", [f.run_id]
+    if f.intended:
+        return (f"((coalesce(t.nonfinite, false) AND t.op NOT IN ({', '.join('?' * len(f.intended))})) "
+                f"OR {by_verdict})", [*f.intended, f.run_id])
+    return f"(coalesce(t.nonfinite, false) OR {by_verdict})", [f.run_id]
 
 
 def _keys_sql(f: OpsFilter) -> tuple[str, list, str, list]:

@@ -13,10 +13,20 @@ from ..store.queries import session_runs  # noqa: F401
 from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
 from .common import Page, cosine_text, paged, severity_label, text_columns
 
-__all__ = ["ops_page", "SORT_OPTIONS", "display_frame"]
+__all__ = ["ops_page", "SORT_OPTIONS", "display_frame", "intended_nonfinite"]
 
 # what the table may be sorted by (the read model's SORTABLE)
 SORT_OPTIONS = tuple(SORTABLE)
+
+
+def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:
+    """``(failed, intended ops)`` of a run, what "Problems only" leaves out (``OpsFilter.intended``/``failed``):
+    whether a NaN/Inf of the run reaches a failure (``services.report.nonfinite_origin``), and the ops that
+    wrote NaN/Inf on purpose."""
+    from ..services.report import nonfinite_origin  # deferred: the analysis is only needed with the filter on
+
+    first, masks = nonfinite_origin(store, run_id)
+    return first is not None, tuple(dict.fromkeys(m.op for m in masks))
 
 
 def ops_page(store, f: OpsFilter, *, page: int = 0, page_size: int = 50) -> Page:
