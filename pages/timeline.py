@@ -84,5 +84,10 @@ with page.guard("The tree could not be drawn"):
             else:
                 page.navigate("op_detail", session=info["name"], run=run["name"], op=rec["rid"])
 
+st.subheader("Loss and gradient norm", anchor=False)
+if any(r.get("loss") is not None or r.get("grad_norm") is not None for r in steps):
+    st.plotly_chart(tv.step_figure(steps, first), key="tl_steps_plot", width="stretch")
+else:
+    st.caption("No loss or gradient recorded: pass `loss=` to `cap.step()` and run backward inside the capture.")
 with st.expander("Steps"):
     st.dataframe(tv.steps_frame(steps), hide_index=True, width="stretch", key="tl_steps")

@@ -29,6 +29,7 @@ from ..services import timeline as _timeline
 from ..services.report import norm_artefacts, order_text
 from .common import cosine_text, num_text, plot_text, public_source
 from ..store.views import counterparts, record
+from .timeline import step_figure
 from .detail import default_formats, histogram_figure, load_stats, summary_figure
 from .overview import (diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, long_runs, runs_table,
                        top_offenders)
@@ -171,25 +172,6 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
     return _figure_div(fig, "plot-focus"), caption
 
 
-def _step_figure(steps: list[dict], first: Optional[int]):
-    """Loss, gradient norm and non-finite values per step (log y), the first non-finite step marked."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    x = [r["step"] for r in steps]
-    for key, label in (("loss", "loss"), ("grad_norm", "gradient norm"), ("nonfinite_values", "NaN/Inf values")):
-        y = [None if r.get(key) is None or _isnan(r[key]) else abs(r[key]) for r in steps]
-        if any(v is not None for v in y):
-            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label,
-                                     hovertemplate=f"step %{{x}}<br>{label} %{{y:.4g}}<extra></extra>"))
-    if first is not None:
-        fig.add_vline(x=first, line_color="#dc2626", line_dash="dash",
-                      annotation_text=f"first non-finite value: step {first}", annotation_position="top left")
-    fig.update_layout(height=340, margin={"l": 60, "r": 20, "t": 40, "b": 50}, xaxis_title="step",
-                      yaxis={"type": "log", "title": "|value|"}, legend={"orientation": "h", "y": -0.25})
-    return fig
-
-
 def _long_runs(store, sid: str) -> list[str]:
     """Per long run (a timeline): its steps in a line, a plot and a table of the per-step values, and its
     alerts -- what ``report`` lists."""
@@ -202,7 +184,7 @@ def _long_runs(store, sid: str) -> list[str]:
                    + (f"first non-finite value at step {first}" if first is not None else "every step finite")
                    + "</p>")
         if len(steps) > 1:  # a line needs two steps
-            out.append(_figure_div(_step_figure(steps, first), f"plot-timeline-{i}"))
+            out.append(_figure_div(step_figure(steps, first), f"plot-timeline-{i}"))
         table = _records(alerts.get(run)) if run in alerts else []
         out.append(f"<h3>Alerts of {_e(run)} ({len(table)})</h3>")
         out.append(_table(table, [("step", "step", "num"), ("rule", "rule", "text"), ("message", "message", "text")],

@@ -18,7 +18,7 @@ from ..store.timeline import first_nonfinite_step, step_rows, timeline_runs  # n
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
-           "steps_frame", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
+           "steps_frame", "step_figure", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
 
 METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
@@ -196,6 +196,26 @@ def alerts_frame(alerts: Sequence) -> pd.DataFrame:
     return pd.DataFrame([{"step": a.step, "rule": a.rule, "op": a.op or "(whole step)", "message": a.message,
                           "steps firing": a.steps_firing} for a in alerts],
                         columns=["step", "rule", "op", "message", "steps firing"])
+
+
+def step_figure(steps: list[dict], first: Optional[int]):
+    """Loss, gradient norm (with a GradScaler given to the capture: unscaled) and non-finite values per step
+    (log y), the first non-finite step marked: the Timeline page's curves and the HTML report's."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    x = [r["step"] for r in steps]
+    for key, label in (("loss", "loss"), ("grad_norm", "gradient norm"), ("nonfinite_values", "NaN/Inf values")):
+        y = [None if r.get(key) is None or (isinstance(r[key], float) and math.isnan(r[key])) else abs(r[key]) for r in steps]
+        if any(v is not None for v in y):
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label,
+                                     hovertemplate=f"step %{{x}}<br>{label} %{{y:.4g}}<extra></extra>"))
+    if first is not None:
+        fig.add_vline(x=first, line_color="#dc2626", line_dash="dash",
+                      annotation_text=f"first non-finite value: step {first}", annotation_position="top left")
+    fig.update_layout(height=340, margin={"l": 60, "r": 20, "t": 40, "b": 50}, xaxis_title="step",
+                      yaxis={"type": "log", "title": "|value|"}, legend={"orientation": "h", "y": -0.25})
+    return fig
 
 
 def steps_frame(steps: list[dict]) -> pd.DataFrame:
