@@ -129,7 +129,7 @@ def _walk(pg, server, tmp_path, want_op, want_absmax):
     # the Diff card: the fixed run finite, credited with a finite SQNR, and no delta against a NaN output
     pg.get_by_text("fix: use-bf16").first.wait_for()
     card = pg  # the session's one re-run: one card
-    assert _metric(pg, card, "records with NaN/Inf").locator("[data-testid='stMetricValue']").inner_text() == "0"
+    assert _metric(pg, card, "records with unexpected NaN/Inf").locator("[data-testid='stMetricValue']").inner_text() == "0"
     assert _metric(pg, card, "first non-finite op").locator("[data-testid='stMetricValue']").inner_text() == "none"
     sqnr = _metric(pg, card, "output SQNR")
     value = float(sqnr.locator("[data-testid='stMetricValue']").inner_text())
