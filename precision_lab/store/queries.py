@@ -537,6 +537,6 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
                      c.ru DESC NULLS LAST,
                      CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
                      CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,
-                     c.seq, c.op
+                     c.seq, c.op, c.role, c."index", c.kind, r.name
             LIMIT ?""")
     return sql, params
