@@ -8,6 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..services.report import nonfinite_origin
 # session_runs, OpsFilter and filter_options are read by the page here: pages never import the store
 from ..store.queries import session_runs  # noqa: F401
 from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
@@ -23,8 +24,6 @@ def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:
     """``(failed, intended ops)`` of a run, what "Problems only" leaves out (``OpsFilter.intended``/``failed``):
     whether a NaN/Inf of the run reaches a failure (``services.report.nonfinite_origin``), and the ops that
     wrote NaN/Inf on purpose."""
-    from ..services.report import nonfinite_origin  # deferred: the analysis is only needed with the filter on
-
     first, masks = nonfinite_origin(store, run_id)
     return first is not None, tuple(dict.fromkeys(m.op for m in masks))
 
