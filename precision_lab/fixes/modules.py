@@ -567,63 +567,52 @@ class _IslandBoundary(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _around_forward(mod: nn.Module, attr: str, make, cast_to=None) -> None:
+    """The context ``make(args, kwargs)`` gives entered as ``mod``'s forward starts and left as it ends (an error
+    raised in it too), nested calls nested; ``cast_to``: the floating inputs cast to that dtype on entry.  The
+    hooks are kept in ``mod.<attr>``, and replace earlier ones there."""
+    for h in getattr(mod, attr, None) or ():
+        h.remove()
+    stack: list = []
+
+    def enter(m, args, kwargs):
+        ctx = make(args, kwargs)
+        ctx.__enter__()
+        stack.append(ctx)
+        return None if cast_to is None else (cast_floating(args, cast_to), cast_floating(kwargs, cast_to))
+
+    def leave(m, args, kwargs, out):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    setattr(mod, attr, (mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                        mod.register_forward_hook(leave, with_kwargs=True, always_call=True)))
+
+
 def install_island_boundary(model: nn.Module) -> None:
     """While ``model`` runs, where an fp32 island's output meets the compute format in an op that cannot mix them
     (a matmul of an fp32 key with an fp16 query), the operands are cast to the wider dtype
-    (``ISLAND_MEETING_OPS``) instead of the run failing.  Once per model."""
-    if getattr(model, "_precision_lab_island_boundary", None) is not None:
-        return
-    state = {"depth": 0, "mode": None}
-
-    def enter(m, args, kwargs):
-        if state["depth"] == 0:
-            state["mode"] = _IslandBoundary()
-            state["mode"].__enter__()
-        state["depth"] += 1
-
-    def leave(m, args, kwargs, out):
-        state["depth"] -= 1
-        if state["depth"] == 0 and state["mode"] is not None:
-            mode, state["mode"] = state["mode"], None
-            mode.__exit__(None, None, None)
-
-    model._precision_lab_island_boundary = (model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-                                            model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    (``ISLAND_MEETING_OPS``) instead of the run failing."""
+    _around_forward(model, "_precision_lab_island_boundary", lambda args, kwargs: _IslandBoundary())
 
 
 def install_autocast(mod: nn.Module, fmt: str) -> None:
     """``torch.autocast`` in format ``fmt`` (``fp16``, ``bf16``) around ``mod``'s forward, on the device of its
     first floating tensor (of its parameters, else of its inputs); ``fp32``: autocast off there, and the
     module's floating inputs cast to fp32 (an autocast island).  Replaces an earlier one."""
-    old = getattr(mod, "_precision_lab_autocast", None)
-    if old is not None:
-        for h in old:
-            h.remove()
+    from torch.utils._pytree import tree_leaves
+
     dtype = FORMATS[fmt].torch_dtype()
-    stack: list = []
 
     def device_of(args, kwargs) -> str:
-        from torch.utils._pytree import tree_leaves
-
         for t in list(mod.parameters()) + [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]:
             if t.is_floating_point():
                 return t.device.type
         return "cpu"
 
-    def enter(m, args, kwargs):
-        ctx = torch.autocast(device_of(args, kwargs), dtype=dtype, enabled=fmt != "fp32")
-        ctx.__enter__()
-        stack.append(ctx)
-        if fmt == "fp32":
-            return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
-        return None
-
-    def leave(m, args, kwargs, out):
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    mod._precision_lab_autocast = (mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-                                   mod.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    _around_forward(mod, "_precision_lab_autocast",
+                    lambda args, kwargs: torch.autocast(device_of(args, kwargs), dtype=dtype, enabled=fmt != "fp32"),
+                    cast_to=torch.float32 if fmt == "fp32" else None)
     # what a capture's hooks (which may run before these) read as the dtype the module computes in
     mod._precision_lab_autocast_dtype = None if fmt == "fp32" else dtype
 
