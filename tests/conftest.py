@@ -90,3 +90,18 @@ def pytest_runtest_setup(item):
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(reason + "; CI must run them", pytrace=False)
     pytest.skip(reason)
+
+
+def add_masked_softmax(w, run_id: str, out) -> None:
+    """Hand-made records of one run: a ``masked_fill`` writing a mask's -inf, a softmax reading it and writing
+    ``out`` (finite in a healthy run, NaN in a failing one)."""
+    import numpy as np
+
+    from precision_lab.records import TensorRecord
+    from precision_lab.stats import tensor_stats
+
+    mask = np.array([[0.0, -np.inf], [0.0, 0.0]], np.float16)
+    for seq, op, role, values in ((0, "attn.masked_fill.0", "output", mask), (1, "attn.softmax.0", "input", mask),
+                                  (1, "attn.softmax.0", "output", np.asarray(out, np.float16))):
+        w.add_record(TensorRecord(run_id=run_id, seq=seq, op=op, op_type=op.split(".")[1], role=role, index="0",
+                                  stats=tensor_stats(values)))

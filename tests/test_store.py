@@ -321,23 +321,15 @@ def test_a_fixed_run_whose_nan_inf_are_all_intended_counts_none_on_its_card(stor
     """The before/after card counts forward records with NaN/Inf only in a run where they reach a failure: the
     fixed run still holds its mask's -inf (written on purpose, its output finite) and counts 0; the run before it,
     whose output is NaN, counts every one."""
-    import numpy as np
 
-    from precision_lab.records import TensorRecord
-    from precision_lab.stats import tensor_stats
+    from conftest import add_masked_softmax
     from precision_lab.ui.diff import rerun_cards
 
-    mask = np.array([[0.0, -np.inf], [0.0, 0.0]], np.float16)
     with store.new_session("masks") as w:
         base = w.add_run(name="fp16", dtype="float16", kind="candidate")
         fixed = w.add_run(name="fixed", dtype="float16", kind="rerun", parent_run_id=base, fix="stable-softmax")
-        for run, out in ((base, np.array([np.nan, 1.0], np.float16)), (fixed, np.array([0.5, 1.0], np.float16))):
-            w.add_record(TensorRecord(run_id=run, seq=0, op="attn.masked_fill.0", op_type="masked_fill",
-                                      role="output", index="0", stats=tensor_stats(mask)))
-            w.add_record(TensorRecord(run_id=run, seq=1, op="attn.softmax.0", op_type="softmax", role="input",
-                                      index="0", stats=tensor_stats(mask)))
-            w.add_record(TensorRecord(run_id=run, seq=1, op="attn.softmax.0", op_type="softmax", role="output",
-                                      index="0", stats=tensor_stats(out)))
+        add_masked_softmax(w, base, [np.nan, 1.0])
+        add_masked_softmax(w, fixed, [0.5, 1.0])
     card = rerun_cards(store, store.session("masks")["session_id"])[0]
     assert (card["nonfinite_before"], card["nonfinite_after"]) == (3, 0)
     assert card["first_after"] is None and card["first_before"] is not None

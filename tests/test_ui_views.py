@@ -609,19 +609,13 @@ def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finit
 def test_problems_only_leaves_out_what_was_written_on_purpose(store):
     """A healthy run whose mask holds -inf: "Problems only" shows none of its records; a failing run: its NaN
     records, not the mask that a NaN-free reading would have excused anyway."""
-    from precision_lab.records import TensorRecord
+    from conftest import add_masked_softmax
 
-    mask = np.array([[0.0, -np.inf], [0.0, 0.0]], np.float16)
     with store.new_session("probs") as w:
         runs = {}
-        for name, out in (("healthy", np.array([0.5, 1.0], np.float16)), ("failing", np.array([np.nan, 1.0], np.float16))):
-            runs[name] = r = w.add_run(name=name, dtype="float16", kind="candidate")
-            w.add_record(TensorRecord(run_id=r, seq=0, op="attn.masked_fill.0", op_type="masked_fill",
-                                      role="output", index="0", stats=tensor_stats(mask)))
-            w.add_record(TensorRecord(run_id=r, seq=1, op="attn.softmax.0", op_type="softmax", role="input",
-                                      index="0", stats=tensor_stats(mask)))
-            w.add_record(TensorRecord(run_id=r, seq=1, op="attn.softmax.0", op_type="softmax", role="output",
-                                      index="0", stats=tensor_stats(out)))
+        for name, out in (("healthy", [0.5, 1.0]), ("failing", [np.nan, 1.0])):
+            runs[name] = w.add_run(name=name, dtype="float16", kind="candidate")
+            add_masked_softmax(w, runs[name], out)
 
     def shown(run):
         failed, intended = ops.intended_nonfinite(store, runs[run])

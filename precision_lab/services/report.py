@@ -10,7 +10,7 @@ norm in the tensor's own dtype and the sum of squares overflowed; such records a
 The JSON document (``build_report``) has the keys ``session``, ``runs``,
 ``first_nonfinite`` (per run, ``origin.Origin.as_dict()`` or null), ``intended_nonfinite`` (per run,
 the ops that wrote a mask's ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
-``diagnoses``, ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
+``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses``, ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
 threshold, steps_firing; see ``precision_lab.alerts``), ``timeline`` (per run with a timeline: the first
 non-finite step, the steps with full records, and one row per step: loss, loss_scale, nonfinite_values,
 grad_norm) and ``notes``.  Non-finite numbers are written
