@@ -321,7 +321,6 @@ def test_a_fixed_run_whose_nan_inf_are_all_intended_counts_none_on_its_card(stor
     """The before/after card counts forward records with NaN/Inf only in a run where they reach a failure: the
     fixed run still holds its mask's -inf (written on purpose, its output finite) and counts 0; the run before it,
     whose output is NaN, counts every one."""
-
     from conftest import add_masked_softmax
     from precision_lab.ui.diff import rerun_cards
 
