@@ -842,8 +842,8 @@ def _integer_limit(ctx: Context, run: RunInfo) -> list[Diagnosis]:
                f"{fmt.integer_limit:,} on only multiples of {fmt.spacing_at(fmt.integer_limit):g} exist), so the "
                "counts past it are rounded" + (f" (by up to {err:g})" if err else "")
                + ". Count in fp32 or an integer dtype (torch.long)")
-        fixes = _reachable(["use-bf16" if fmt.name == "fp16" else None], integers_to=reach)
-        return [Diagnosis("", run.run_id, out.op, "integer-limit", msg, tuple(fixes), "warn", out.seq)]
+        # no format switch helps: past fp16's limit, bf16's (256) is passed too; the fix is in the user's code
+        return [Diagnosis("", run.run_id, out.op, "integer-limit", msg, (), "warn", out.seq)]
     if not lost:
         return []
     out, acc, step, fmt = lost[0]
