@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["ENV_DB", "default_data_dir", "default_db_path", "resolve_db_path", "samples_dir"]
+__all__ = ["ENV_DB", "default_data_dir", "default_db_path", "resolve_db_path", "samples_dir", "replay_kit_path"]
 
 ENV_DB = "PRECISION_LAB_DB"
 
@@ -39,3 +40,16 @@ def resolve_db_path(path: Optional[os.PathLike | str] = None) -> str:
     """The absolute path ``Store(path)`` opens (``:memory:`` stays as is)."""
     p = str(path) if path is not None else str(default_db_path())
     return p if p == ":memory:" else str(Path(p).expanduser().resolve())
+
+
+_RUN_ID = re.compile(r"^[0-9a-f]{6,64}$")
+
+
+def replay_kit_path(db_path: os.PathLike | str, run_id: str) -> Optional[Path]:
+    """Where the replay kit of run ``run_id`` lives: ``<database>.replay/<run_id>.pt`` beside the database file
+    (None for an in-memory database).  Made from the run's id, never read from a session; ``ValueError`` for an
+    id that is not one."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise ValueError(f"run id {run_id!r} does not name a replay kit")
+    db = resolve_db_path(db_path)
+    return None if db == ":memory:" else Path(db + ".replay") / f"{run_id}.pt"

@@ -283,6 +283,31 @@ def _loss_scale(value):
     return edit
 
 
+def _scaler(entry: str, fix: str, check=None):
+    """A fix that sets one of the job's GradScaler state entries (``PrecisionPolicy.grad_scaler``)."""
+
+    def edit(p, v):
+        if not p.grad_scaler:
+            raise FixError(f"fix {fix!r}: policy {p.name!r} trains without a torch.amp.GradScaler")
+        if check is not None:
+            check(v)
+        kept = tuple(kv for kv in p.grad_scaler if kv[0] not in (entry, "enabled"))
+        return replace(p, grad_scaler=kept + ((entry, v),))
+
+    return edit
+
+
+def _backoff_below_one(v) -> None:
+    if not v < 1:
+        raise FixError(f"fix 'scaler-backoff': the backoff factor multiplies the scale after an overflow and must "
+                       f"be below 1, got {v:g}")
+
+
+def _whole(v) -> None:
+    if v != int(v):
+        raise FixError(f"fix 'scaler-growth-interval': a number of steps, got {v:g}")
+
+
 _F32, _F16, _B16 = FORMATS["fp32"], FORMATS["fp16"], FORMATS["bf16"]
 
 for _d in (
@@ -370,6 +395,19 @@ for _d in (
                      "Adam's exp_avg_sq = g^2 = inf and its update inf / inf = NaN never reach the weights; "
                      "clipping cannot do it (the norm of an inf gradient is inf, the clipped gradient NaN)",
            _flag("skip_nonfinite_step", "skip-nonfinite-step"), "skip-nonfinite-step"),
+    FixDef("scaler-init", "value",
+           lambda v: f"start the GradScaler's loss scale at {v:g}: the scaled loss's gradients stay below fp16's max "
+                     f"({num_text(_F16.max, grouped=True)}) where the job's scale made them inf, while staying "
+                     f"above its smallest subnormal ({num_text(_F16.smallest_subnormal, 3)})",
+           _scaler("scale", "scaler-init"), "scaler-init:1024"),
+    FixDef("scaler-growth-interval", "value",
+           lambda v: f"let the GradScaler double its scale only after {v:g} steps without inf/NaN gradients: a scale "
+                     "that grows less often overflows fp16 less often (each overflow skips a step)",
+           _scaler("growth_interval", "scaler-growth-interval", _whole), "scaler-growth-interval:2000"),
+    FixDef("scaler-backoff", "value",
+           lambda v: f"multiply the GradScaler's scale by {v:g} after a step with inf/NaN gradients: a smaller "
+                     "factor brings gradients back under fp16's max in fewer skipped steps",
+           _scaler("backoff_factor", "scaler-backoff", _backoff_below_one), "scaler-backoff:0.25"),
     FixDef("eager", None,
            lambda _: "run without torch.compile: tells apart what compilation changes (fused kernels, fp32 "
                      "intermediates, reordered reductions) from what the format does",

@@ -51,6 +51,7 @@ from ..formats import FORMATS
 __all__ = [
     "AUTOCAST_FORMATS",
     "DYNAMIC_INIT_SCALE",
+    "GRAD_SCALER_SETTINGS",
     "PrecisionPolicy",
     "QuantConfig",
     "PolicyError",
@@ -146,6 +147,8 @@ def _ancestors(name: str) -> list[str]:
 
 
 AUTOCAST_FORMATS = ("fp16", "bf16")  # what torch.autocast computes in
+# what a policy's grad_scaler may set: torch.amp.GradScaler's state-dict entries ("enabled": the job's own, as is)
+GRAD_SCALER_SETTINGS = ("enabled", "scale", "growth_interval", "backoff_factor", "growth_factor")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,10 @@ class PrecisionPolicy:
     # (fp32): each op runs in the dtype autocast gives it; an override is an autocast island (``fp32``: autocast
     # off and the module's floating inputs cast to fp32; another format: autocast in that one)
     autocast: Optional[str] = None
+    # the job's torch.amp.GradScaler, where it has one: ``(name, value)`` pairs of its state dict put over the
+    # state a replay starts from (``scale``, ``growth_interval``, ``backoff_factor``, ``growth_factor``); ``()``
+    # for none, ``(("enabled", 1),)`` for one used as the job left it
+    grad_scaler: tuple[tuple[str, float], ...] = ()
     fixes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -195,6 +202,11 @@ class PrecisionPolicy:
                                   f"{' or '.join(AUTOCAST_FORMATS)}")
             if self.dtype != "fp32" or self.quant is not None:
                 raise PolicyError("an autocast policy keeps the parameters in fp32 (dtype fp32) and quantises nothing")
+        for kv in self.grad_scaler:
+            if not (isinstance(kv, tuple) and len(kv) == 2 and kv[0] in GRAD_SCALER_SETTINGS
+                    and isinstance(kv[1], (int, float)) and 0 < kv[1] < float("inf")):
+                raise PolicyError(f"GradScaler setting {kv!r} must be one of {', '.join(GRAD_SCALER_SETTINGS)} "
+                                  "with a finite value > 0")
 
     # ---- which format where ------------------------------------------------
     def override_for(self, module_name: str) -> Optional[str]:
@@ -374,13 +386,23 @@ class PrecisionPolicy:
             parts.append("skips non-finite steps")
         if self.loss_scale is not None:
             parts.append("dynamic loss scale" if self.loss_scale == "dynamic" else f"loss scale {self.loss_scale:g}")
+        if self.grad_scaler:
+            set_ = [f"{k.replace('_', ' ')} {v:g}" for k, v in self.grad_scaler if k != "enabled"]
+            parts.append("GradScaler" + (f" ({', '.join(set_)})" if set_ else ""))
         return ", ".join(parts)
+
+    def scaler_settings(self) -> dict:
+        """The GradScaler state entries this policy sets over the job's (none for ``enabled``)."""
+        return {k: (int(v) if k == "growth_interval" else float(v)) for k, v in self.grad_scaler if k != "enabled"}
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["overrides"] = [list(o) for o in self.overrides]
         d["sanitize"] = list(self.sanitize)
         d["fixes"] = list(self.fixes)
+        d["grad_scaler"] = [list(kv) for kv in self.grad_scaler]
+        if not self.grad_scaler:
+            del d["grad_scaler"]  # policies stored before GradScaler settings read the same
         return d
 
     def to_json(self) -> str:
@@ -398,6 +420,7 @@ class PrecisionPolicy:
         d["overrides"] = tuple(tuple(o) for o in d.get("overrides", ()))
         d["sanitize"] = tuple(d.get("sanitize", ()))
         d["fixes"] = tuple(d.get("fixes", ()))
+        d["grad_scaler"] = tuple(tuple(kv) for kv in d.get("grad_scaler", ()))
         return cls(**d)
 
     @classmethod

@@ -46,6 +46,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
+from ..fixes.policy import PrecisionPolicy
+from ..formats import format_for_dtype
 from ..records import TensorRecord
 from ..stats import TensorStats
 from .backward import BackwardHooks
@@ -53,6 +55,7 @@ from .engine import StatsEngine
 from .naming import _Frame, _OpInfo, _backward_name, _flatten, _func_info, remove_handles
 from .output import CapturedRun, RunOutput, _rank, _world_size
 from .policies import as_policy
+from .replaykit import KitKeeper, kit_path
 from .shadow import ShadowRuns, _cuda_devices, _rng_state_of, with_rng
 from .options import CaptureOptions
 from .timeline import Timeline
@@ -192,7 +195,8 @@ class Capture:
     def __init__(self, model, *, run: str = "capture", store=None, session: Optional[str] = None,
                  dtype_policy=None, options: Optional[CaptureOptions] = None, shard_dir=None,
                  kind: Optional[str] = None, source: str = "capture", observer=None, write: bool = True,
-                 run_id: Optional[str] = None, grad_scaler=None):
+                 run_id: Optional[str] = None, grad_scaler=None, optimizer=None, recipe: Optional[str] = None,
+                 on_written=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
         _compiled_regions(model)  # refuses what cannot be captured, before anything is set up
@@ -234,6 +238,15 @@ class Capture:
         # it only at the step's end), its gradients recorded divided by it
         self._scaler = grad_scaler
         self._step_scale: Optional[float] = None
+        # the job's optimizer: with keep_last, what a replay of the failing steps starts from is kept (ReplayKit)
+        if optimizer is not None and not options.keep_last:
+            raise ValueError("capture(optimizer=...) keeps what a replay of the failing steps needs, from the last "
+                             "steps a long capture holds: give options=CaptureOptions(every=N, keep_last=K)")
+        self._kit = KitKeeper(optimizer, grad_scaler, self.warn) if optimizer is not None else None
+        self.recipe = recipe  # what builds this model again (a recipe's name): a replay needs it
+        self._on_written = on_written  # called with the session's name once the run is written
+        self.autocast_seen: Optional[str] = None  # the format torch.autocast ran the model's forward in
+        self.skipped_steps: list[int] = []  # steps the job's GradScaler skipped (inf/NaN in scaled gradients)
         self.records: list[TensorRecord] = []
         self.local_comparisons: list[tuple[int, Any]] = []  # (record index, Comparison)
         self.warnings: list[tuple[str, str]] = []
@@ -330,9 +343,24 @@ class Capture:
         """What this capture recorded, without its model, hooks or store: picklable, so a worker process can
         send it back to be written."""
         tl = self.timeline
-        return CapturedRun(run_id=self.run_id, run=self.run, kind=self.kind, source=self.source, policy=self.policy,
+        return CapturedRun(run_id=self.run_id, run=self.run, kind=self.kind, source=self.source,
+                           policy=self.policy if self.policy is not None else self.observed_policy(),
                            records=self.records, local_comparisons=self.local_comparisons, warnings=self.warnings,
                            timeline_rows=tl.rows, timeline_shares=tl.shares, step_scalars=tl.scalars)
+
+    def observed_policy(self) -> Optional[PrecisionPolicy]:
+        """The configuration a capture without a policy saw the job run in: ``torch.autocast`` in a format around
+        the model's forward, and the job's GradScaler (None where the model ran as it is)."""
+        if self.autocast_seen is None:
+            return None
+        scaler = ()
+        try:
+            if self._scaler is not None and self._scaler.is_enabled():
+                scaler = (("enabled", 1),)
+        except Exception:
+            pass
+        return PrecisionPolicy(f"autocast-{self.autocast_seen}", "fp32", autocast=self.autocast_seen,
+                               grad_scaler=scaler)
 
     def run_meta(self) -> dict:
         return self.detached().run_meta()
@@ -408,7 +436,30 @@ class Capture:
         notes = {"capture": {"run": self.run, "steps": self.step_no + 1, "options": repr(self.options)}}
         if self.options.timeline:
             notes["capture"].update(frames=self.frames, first_nonfinite_step=self.first_nonfinite_step)
+        if self.recipe:
+            notes["recipe"] = self.recipe
+        if self.skipped_steps:
+            notes["capture"]["scaler_skipped_steps"] = self.skipped_steps
+        kit = self._kit.kit if self._kit is not None else None
+        if kit is not None:
+            db = getattr(self._output.store, "path", None)
+            if self._output.sharded or self._output.session or not hasattr(self._output.store, "path"):
+                self.warn("replay", "a replay kit is kept for a run written to a new session in a database only")
+            else:
+                path = kit_path(db, self.run_id)
+                try:
+                    if path is None:
+                        raise OSError("an in-memory database keeps no files")
+                    kit.save(path)
+                except Exception as e:
+                    self.warn("replay", f"could not write the replay kit {path}: {type(e).__name__}: {e}")
+                else:
+                    notes["replay"] = {"from_step": kit.from_step, "failed_step": kit.failed_step,
+                                       "steps": len(kit.steps), "autocast": kit.autocast,
+                                       "grad_scaler": kit.scaler is not None, "run_id": self.run_id}
         self.session = self._output.finish(self.detached(), notes)
+        if self.session and self._on_written is not None:
+            self._on_written(self.session)
 
     # ---- installing hooks --------------------------------------------------------
     def _install(self) -> None:
@@ -435,6 +486,11 @@ class Capture:
                 op = f"{named}.backward.0" if named else "backward.0"
                 for pname, p in mod.named_parameters(recurse=False):
                     self._backward.watch_param(p, op, type(mod).__name__, pname)
+        if id(self.model) not in unhooked:
+            self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True,
+                                                                      prepend=True))
+        elif self._kit is not None:
+            self.warn("replay", "the model itself is compiled: no replay kit is kept (its forward's start is not seen)")
         for key, (mod, attr) in regions.items():
             compiled = getattr(mod, attr)
             self._regions[key] = (mod, attr, compiled)
@@ -565,6 +621,17 @@ class Capture:
         tls.stack = []
         tls.busy = False
 
+    def _scaler_skipped(self) -> bool:
+        """Whether the job's GradScaler skipped this step: its scale is below the one the step's backward used
+        (``update()`` backs off after finding inf/NaN gradients)."""
+        if self._scaler is None or self._step_scale is None:
+            return False
+        try:
+            return float(self._scaler.get_scale()) < self._step_scale
+        except Exception as e:
+            self.hook_error("grad_scaler", e)
+            return False
+
     def _end_step(self) -> None:
         if not self._pending and not self.timeline.pending(self.step_no):
             self._engine.new_step()
@@ -575,6 +642,18 @@ class Capture:
         except Exception as e:
             self.hook_error("statistics", e)
         step_records = []
+        skipped = self._scaler_skipped()
+        if skipped:
+            # the GradScaler found inf/NaN in this step's scaled gradients and skipped the step, as it is made to:
+            # those gradients never reached the weights and are not the run's failure (as a loss-scale search's
+            # tries are not recorded); the forward's records stay
+            kept = [i for i, item in enumerate(self._pending) if item[5] != "backward"]
+            base = len(self.records)
+            at = {base + old: base + new for new, old in enumerate(kept)}
+            self._pending = [self._pending[i] for i in kept]
+            self.local_comparisons = [(at[p], c) if p >= base else (p, c) for p, c in self.local_comparisons
+                                      if p < base or p in at]
+            self.skipped_steps.append(self.step_no)
         for item in self._pending:
             handle = item[-1]
             stats = handle.stats
@@ -599,7 +678,9 @@ class Capture:
         if not self.options.timeline:
             groups = [(self.step_no, step_records, local)] if step_records else []
         else:
-            groups = self.timeline.end_step(self.step_no, step_records, local)
+            groups = self.timeline.end_step(self.step_no, step_records, local, scaler_skipped=skipped)
+            if self._kit is not None and self.timeline.first_nonfinite_step == self.step_no:
+                self._kit.failed(self.step_no)
         for step, recs, group_local in groups:
             at = len(self.records)
             self.records.extend(recs)
@@ -781,6 +862,24 @@ class Capture:
             return s
 
     # -- modules
+    def _root_pre_hook(self, module, args, kwargs):
+        """The model's own forward begins: the autocast it runs under and, for a replay, the state it starts
+        from."""
+        if torch.compiler.is_compiling() or not self._active or getattr(self._tls, "busy", False):
+            return None
+        try:
+            p = next(module.parameters(), None)
+            device = p.device.type if p is not None else "cpu"
+            fmt = format_for_dtype(_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+            if fmt is not None and self.autocast_seen is None:
+                self.autocast_seen = fmt.name
+            if self._kit is not None:
+                model = self._user_model[0] if self._user_model is not None else self.model
+                self._kit.begin(self.step_no, model, args, kwargs, fmt.name if fmt is not None else None)
+        except Exception as e:
+            self.hook_error("replay", e)
+        return None
+
     def _pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():  # a module inside a compiled region, being traced: nothing to do
             return None

@@ -26,10 +26,12 @@ from ..records import StepScalar, TimelineRow, TimelineShare, tensor_name
 from ..stats import format_counts, format_counts_above, format_edges
 from .engine import StatsEngine
 
-__all__ = ["Timeline", "unexpected_nonfinite", "NONFINITE_SCALAR"]
+__all__ = ["Timeline", "unexpected_nonfinite", "NONFINITE_SCALAR", "SKIPPED_SCALAR"]
 
 # the step scalar that counts a step's unexpected non-finite values (the timeline's failure marker)
 NONFINITE_SCALAR = "nonfinite_values"
+# the step scalar that marks a step the job's GradScaler skipped (inf/NaN in its scaled gradients)
+SKIPPED_SCALAR = "scaler_skipped"
 
 
 def unexpected_nonfinite(op_type: str, nan: Optional[int], inf: Optional[int], neg_inf: Optional[int]) -> int:
@@ -132,10 +134,11 @@ class Timeline:
         if self._summary_engine is not None:
             self._summary_engine.resolve()
 
-    def end_step(self, step: int, step_records: list, local: list) -> list:
+    def end_step(self, step: int, step_records: list, local: list, *, scaler_skipped: bool = False) -> list:
         """Make the step's timeline rows and decide which full records stay: ``[(step, records, local)]`` to
         keep now, ``local`` being the group's local comparisons by position in it (``local`` given: this
-        step's)."""
+        step's).  ``scaler_skipped``: the job's GradScaler skipped the step, so its gradients' inf/NaN are the
+        scaler's overflow check at work, not a failure (its ``scaler_skipped`` scalar says so)."""
         bad = 0
         first_row, first_share = len(self.rows), len(self.shares)
         items, self._items = self._items, []
@@ -163,7 +166,8 @@ class Timeline:
                 for fmt in self._watch:
                     if not _crosses(s, fmt):  # exactly none past either end; otherwise unknown, no row
                         self.shares.append(TimelineShare(self.run_id, tid, fmt.name, finite, 0, 0, 0))
-            bad += unexpected_nonfinite(op_type, s.nan_count, s.inf_count, s.neg_inf_count)
+            if not (scaler_skipped and direction == "backward"):
+                bad += unexpected_nonfinite(op_type, s.nan_count, s.inf_count, s.neg_inf_count)
         if with_hist:
             hists = np.stack([x[2] for x in with_hist])
             for fmt in self._watch:
@@ -177,6 +181,8 @@ class Timeline:
             if loss is not None and not math.isfinite(loss):
                 bad += 1
             self.scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
+        if scaler_skipped:
+            self.scalars.append(StepScalar(self.run_id, step, self.rank, SKIPPED_SCALAR, 1.0))
         keep = self.options.full_step(step)
         groups = []  # (step, records, local comparisons relative to the group)
         if self._ring is not None and step_records and not keep:

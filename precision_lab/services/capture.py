@@ -21,19 +21,21 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..fixes.policy import DYNAMIC_INIT_SCALE, call_model
 from ..formats import format_for_dtype, get_format
 from ..live.options import CaptureOptions
 from ..live.policies import as_policy, policy_description
 from ..live.recorder import Capture
+from ..live.replaykit import load_kit
 from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
 from ..store import Store
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "replay_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
@@ -285,6 +287,38 @@ def run_steps(cap: Capture, inputs, loss_fn, seed: int, optimizer_fn: Optional[C
     return out
 
 
+def replay_steps(cap: Capture, kit, loss_fn: Callable, optimizer_fn: Callable, scaler=None):
+    """Replay a kept training run's steps (``live.replaykit.ReplayKit``) under ``cap``: the optimizer built by
+    ``optimizer_fn`` and loaded with the kept state, each step's random state and batch as the job had them,
+    ``scaler`` (a GradScaler in the kept state, or None) scaling the loss and stepping; the last output."""
+    if loss_fn is None or optimizer_fn is None:
+        raise ValueError("replaying training steps needs the recipe's loss_fn and optimizer_fn")
+    out = None
+    cap.step_no = kit.from_step
+    with cap:
+        opt = optimizer_fn([p for p in cap.model.parameters() if p.requires_grad])
+        kit.restore_optimizer(opt)
+        p = next(cap.model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+        for i, st in enumerate(kit.steps):
+            if i:
+                cap.step()
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(device), (st.args, st.kwargs))
+            st.set_groups(opt)
+            st.set_rng()
+            out = cap.model(*args, **kwargs)
+            loss = loss_fn(out)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    return out
+
+
 def optimizer_step(cap: Capture, opt) -> None:
     """``opt.step()`` on the gradients unscaled in place (``Capture.grad_scale``), then ``zero_grad``; skipped
     (and said in a warning) where the policy skips non-finite steps and a gradient holds NaN/inf, as
@@ -343,7 +377,8 @@ class _StoreAt:
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
-            options: Optional[CaptureOptions] = None, shard_dir=None, grad_scaler=None) -> Capture:
+            options: Optional[CaptureOptions] = None, shard_dir=None, grad_scaler=None, optimizer=None,
+            recipe=None) -> Capture:
     """Record per-op statistics of ``model`` while the ``with`` block runs (``precision_lab.capture``).
 
     ``with precision_lab.capture(model, run="fp16", dtype_policy=torch.float16) as cap:``
@@ -366,11 +401,26 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
 
     ``grad_scaler``: the job's ``torch.amp.GradScaler``: each step's gradients are recorded divided by the
     scale that step's backward used (as its ``unscale_`` does), and that scale is the step's ``loss_scale``.
+
+    ``optimizer`` (with ``options=CaptureOptions(every=N, keep_last=K)``): the job's optimizer; when a step
+    first holds an unexpected NaN/Inf, the state the step before it started from (model, optimizer, GradScaler,
+    random state) and the batches of both are kept beside the database (``live.replaykit``), and ``recipe`` (a
+    ``Recipe`` or a registered recipe's name: what builds this model and its loss and optimizer again) lets
+    ``precision-lab rerun`` and the dashboard replay those steps under a fix.  A new session is diagnosed as it
+    is written.
     """
+    recipe_name = getattr(recipe, "name", recipe)
+    if recipe_name is not None and not isinstance(recipe_name, str):
+        raise TypeError(f"capture(recipe=...) needs a Recipe or a recipe's name, got {type(recipe).__name__}")
+    on_written = None
     if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
         store = _StoreAt(store)
+    if shard_dir is None and isinstance(store, (Store, _StoreAt)):
+        def on_written(name, store=store):
+            _diagnose(Store(store.path) if isinstance(store, _StoreAt) else store, name)
     return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
-                   shard_dir=shard_dir, grad_scaler=grad_scaler)
+                   shard_dir=shard_dir, grad_scaler=grad_scaler, optimizer=optimizer, recipe=recipe_name,
+                   on_written=on_written)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,

@@ -27,6 +27,7 @@ from ..fixes.recipes import (BUILD_LOCK, MODEL_PREFIX, MODELS_ENV, RECIPES_ENV, 
                              allowed_models, get_recipe)
 from ..metrics import compare
 from ..ops import innermost_module
+from ..paths import replay_kit_path
 from ..readers.base import first_line
 from ..records import free_name
 from ..store import queries as q
@@ -37,7 +38,7 @@ from .sessions import recipe_name, run_policy
 from .worker import WorkerCrashed, run_in_worker
 
 __all__ = ["RerunError", "capture_recipe", "rerun_session", "bisect_fp32_islands", "BisectResult", "Tolerance",
-           "parse_tolerance", "session_recipe"]
+           "parse_tolerance", "session_recipe", "replay_kit"]
 
 Progress = Optional[Callable[[int, int, str], None]]
 
@@ -60,7 +61,9 @@ class _Run:
 
 
 def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str, kind: str,
-             local_error: bool) -> _Run:
+             local_error: bool, kit: Optional[str] = None) -> _Run:
+    """Run ``recipe`` under ``policy`` with every tensor kept; ``kit``: the path of a replay kit, whose steps are
+    replayed from their kept state instead of training the recipe from its start."""
     import torch  # deferred: importing the re-run use case (dashboard, CLI help) must not load torch
 
     pair = _pairing_capture()
@@ -69,10 +72,20 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
     opts = CaptureOptions(local_error=local_error, keep_tensors=("*",), backward=backward)
     with _RUN_LOCK:
         model, inputs = recipe.build()
-        cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
-                      source=f"recipe:{recipe.name}")
-        with torch.set_grad_enabled(backward):
-            out = pair.run_steps(cap, inputs, recipe.loss_fn, recipe.seed, recipe.optimizer_fn, recipe.steps)
+        if kit is not None:
+            k = pair.load_kit(kit)
+            k.restore_model(model)
+            device = next(model.parameters()).device.type if next(model.parameters(), None) is not None else "cpu"
+            scaler = k.grad_scaler(device, tuple(policy.scaler_settings().items()) if policy else (),
+                                   enabled=policy is not None and bool(policy.grad_scaler))
+            cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
+                          source=f"replay:{recipe.name}", grad_scaler=scaler)
+            out = pair.replay_steps(cap, k, recipe.loss_fn, recipe.optimizer_fn, scaler)
+        else:
+            cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
+                          source=f"recipe:{recipe.name}")
+            with torch.set_grad_enabled(backward):
+                out = pair.run_steps(cap, inputs, recipe.loss_fn, recipe.seed, recipe.optimizer_fn, recipe.steps)
     tensors = {}
     for rec in cap.records:
         if rec.tensor is not None:
@@ -245,9 +258,18 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     if not specs:
         raise RerunError("a re-run needs at least one fix (e.g. scale-fp32, keep-fp32:<module>)")
     info, recipe = session_recipe(store, session)
+    kit = replay_kit(store, info)
+    if kit is not None:
+        return _rerun_replay(store, info, recipe, kit, specs, progress, parent=parent, diagnose=diagnose,
+                             isolated=isolated)
     runs = _runs(store, info["session_id"])
     ref_run = next((r for r in runs if r["kind"] == "reference"), None)
     if ref_run is None:
+        if "capture" in (info.get("notes") or {}):  # a training job's own capture
+            raise RerunError(
+                f"session {info['name']!r} has no fp32 reference run to compare a re-run with, and its capture kept "
+                "no replay kit: pass capture(..., optimizer=opt, recipe=...) with "
+                "CaptureOptions(every=N, keep_last=K) so the steps before a failure are kept and replayed")
         raise RerunError(f"session {info['name']!r} has no fp32 reference run to compare a re-run with")
     par = _resolve_parent(runs, parent, info["name"])
     label = fix_label(specs)
@@ -264,6 +286,72 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     with store.extend_session(info["name"]) as w:
         run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
                            parent_run_id=par["run_id"], fix=label, kind="rerun")
+    _tick(progress, 3, 4, f"{name}: diagnosing")
+    if diagnose:
+        diagnose_session(store, info["name"])
+    _tick(progress, 4, 4, f"{name}: done")
+    return run_id
+
+
+# ---- a training run's failing steps, replayed from the state the capture kept ---------------------
+
+def replay_kit(store, info: dict) -> Optional[str]:
+    """The path of the replay kit a session's capture kept (``live.replaykit``), None where it kept none.  The
+    path is made from the database's and the captured run's, never read from the session."""
+    note = (info.get("notes") or {}).get("replay")
+    if not isinstance(note, dict) or not isinstance(note.get("run_id"), str):
+        return None
+    runs = {r["run_id"] for r in _runs(store, info["session_id"])}
+    if note["run_id"] not in runs:  # an imported session's runs have new ids: its kit stayed where it was made
+        return None
+    try:
+        path = replay_kit_path(store.path, note["run_id"])
+    except ValueError:
+        return None
+    return str(path) if path is not None and path.is_file() else None
+
+
+REPLAY_SOURCE = "replay:"
+
+
+def _rerun_replay(store, info: dict, recipe: Recipe, kit: str, specs: list, progress: Progress, *,
+                  parent: Optional[str], diagnose: bool, isolated: bool) -> str:
+    """``rerun_session`` for a session whose capture kept a replay kit: the kept steps are replayed in fp32 (the
+    reference, stored with the first re-run) and under the fix, from the state the first of them started from;
+    the fix edits the configuration the capture saw the job run in (its autocast and GradScaler)."""
+    if recipe.loss_fn is None or recipe.optimizer_fn is None:
+        raise RerunError(f"session {info['name']!r}: recipe {recipe.name!r} has no loss_fn and optimizer_fn, "
+                         "and replaying training steps needs both")
+    runs = _runs(store, info["session_id"])
+    replayed = [r for r in runs if (r.get("source") or "").startswith(REPLAY_SOURCE)]
+    captured = next((r for r in runs if r not in replayed), None)
+    par = _resolve_parent(runs, parent, info["name"]) if parent is not None else captured
+    base = run_policy(par) if par is not None else None
+    if base is None:
+        raise RerunError(f"session {info['name']!r}: its capture saw the model run as it is (no torch.autocast, "
+                         "no policy), so no fix of a low-precision configuration applies; capture inside the "
+                         "job's torch.autocast")
+    policy = apply_fixes(base, specs)
+    _check_policy(recipe, policy)
+    note = info["notes"]["replay"]
+    span = f"steps {note['from_step']}-{note['failed_step']}" if note["failed_step"] != note["from_step"] \
+        else f"step {note['failed_step']}"
+    ref_run = next((r for r in replayed if r["kind"] == "reference"), None)
+    label = fix_label(specs)
+    name = _unique_run_name(runs, f"fix: {label}")
+    _tick(progress, 0, 4, f"{name}: replaying {span} in fp32, the reference")
+    ref = _run_model(recipe, None, isolated=isolated, run_name=ref_run["name"] if ref_run else f"fp32 replay ({span})",
+                     kind="reference", local_error=False, kit=kit)
+    _tick(progress, 1, 4, f"{name}: replaying {span} under {policy.describe()}")
+    cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True, kit=kit)
+    _tick(progress, 2, 4, f"{name}: comparing with the fp32 reference")
+    with store.extend_session(info["name"]) as w:
+        if ref_run is None:
+            ref_run_id, ref_rids = _write(w, ref, ref=None, ref_run_id=None, ref_rids=None, kind="reference")
+        else:
+            ref_run_id, ref_rids = ref_run["run_id"], _reference_rids(store, ref_run["run_id"])
+        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run_id, ref_rids=ref_rids, parent_run_id=par["run_id"],
+                           fix=label, kind="rerun")
     _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
         diagnose_session(store, info["name"])

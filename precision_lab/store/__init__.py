@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from ..paths import default_data_dir, default_db_path, resolve_db_path
+from ..paths import default_data_dir, default_db_path, replay_kit_path, resolve_db_path
 from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
 from ..enums import Verdict
@@ -749,6 +749,13 @@ class Store:
             for t in ("comparisons", "diagnoses", "warnings", "runs", "sessions"):
                 cur.execute(f"DELETE FROM {t} WHERE session_id = ?", [sid])
             self._drop_token(sid)
+        for rid in run_ids:  # a training capture's replay kit goes with its run
+            try:
+                kit = replay_kit_path(self.path, rid)
+                if kit is not None:
+                    kit.unlink(missing_ok=True)
+            except (ValueError, OSError):
+                pass
 
     def _drop_token(self, session_id: str) -> None:
         """A session deleted (or a new one given an id a deleted one had) has no link.  A token file that cannot

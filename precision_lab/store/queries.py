@@ -155,10 +155,12 @@ def last_accumulated_output(store, run_id: str) -> Optional[dict]:
     """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict,
     nonfinite_introduced}``): its ``sqnr_db`` is None when that output holds NaN/Inf the reference does not, never
     the SQNR of its finite values nor an earlier op's standing in for it."""
-    return _one(store, """SELECT op, seq, CASE WHEN nonfinite_introduced > 0 THEN NULL ELSE sqnr_db END AS sqnr_db,
-                          verdict, nonfinite_introduced FROM comparisons WHERE cand_run_id = ?
-                          AND kind = 'accumulated' AND role = 'output' AND ref_rid IS NOT NULL AND cand_rid IS NOT NULL
-                          ORDER BY step DESC, seq DESC LIMIT 1""", [run_id])
+    # a model with several outputs (a loss and its logits): the largest, then the first returned
+    return _one(store, """SELECT c.op, c.seq, CASE WHEN c.nonfinite_introduced > 0 THEN NULL ELSE c.sqnr_db END AS sqnr_db,
+                          c.verdict, c.nonfinite_introduced FROM comparisons c JOIN tensors t ON t.rid = c.cand_rid
+                          WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.role = 'output'
+                          AND c.ref_rid IS NOT NULL AND c.cand_rid IS NOT NULL
+                          ORDER BY c.step DESC, c.seq DESC, t.numel DESC, c.cand_rid LIMIT 1""", [run_id])
 
 
 def worst_gradient_sqnr(store, run_id: str) -> Optional[float]:
