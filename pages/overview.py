@@ -1,6 +1,7 @@
 import streamlit as st
 
-from precision_lab.services.jobs import rerun_actions, rerun_blocker, start_grow, start_rerun, start_verify
+from precision_lab.services.jobs import (rerun_actions, rerun_blocker, running_jobs, start_grow, start_rerun,
+                                        start_verify)
 from precision_lab.services.verify import untried, verification
 from precision_lab.origin import order_text
 from precision_lab.records import OUTPUT_ROLES
@@ -188,7 +189,10 @@ for i, card in enumerate(cards):
             if blocked and card["rule"] != "fix-verified":
                 st.caption("No re-run button: " + message_md(blocked))
         for j, action in enumerate(offers[i]):
-            if action["existing"]:  # already made from this run: open it, do not make a copy
+            if action["running"] is not None:  # started here or in another tab: its progress, not a second one
+                st.button(plain(action["label"][:200]), key=f"rerun_{i}_{j}", icon=":material/hourglass_top:",
+                          disabled=True, help="a re-run with this fix is in progress; the page updates when it ends")
+            elif action["existing"]:  # already made from this run: open it, do not make a copy
                 icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
                 if st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
                              help=f"this fix was already run from this run: {action['reason']}"):
@@ -200,6 +204,8 @@ for i, card in enumerate(cards):
                 st.rerun()
 
 _job = st.session_state.get("_pl_rerun")
+# re-runs of this session started from another tab (or by another user of this server)
+_elsewhere = [j for j in running_jobs(store, info["name"]) if j is not _job]
 if _job is not None and _job.session == info["name"] and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
@@ -215,6 +221,16 @@ elif _job is not None and _job.session == info["name"]:
         st.progress(job.fraction, text=plain(f"Re-running with {job.fix}: {job.status}"[:200]))
 
     _rerun_progress()
+if _elsewhere:
+    @st.fragment(run_every=1.0)
+    def _elsewhere_progress():
+        jobs = [j for j in running_jobs(store, info["name"]) if j is not st.session_state.get("_pl_rerun")]
+        if not jobs:
+            st.rerun()  # they ended: the cards show their runs
+        for j in jobs:
+            st.progress(j.fraction, text=plain(f"Re-running with {j.fix} (started in another tab): {j.status}"[:200]))
+
+    _elsewhere_progress()
 
 st.subheader("Error along the run")
 c1, c2 = st.columns([2, 1])

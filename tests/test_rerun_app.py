@@ -186,3 +186,37 @@ def test_overview_asks_for_the_fixes_verification_once_per_session_version(recip
     at.run()
     assert_clean(at)
     assert len(calls) > first
+
+
+def test_a_rerun_in_progress_shows_in_every_tab_and_offers_no_second_one(recipe_db, monkeypatch):
+    import threading
+
+    from precision_lab.services import jobs
+
+    store, name = recipe_db
+    sid = store.session(name)["session_id"]
+    cand = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).fetchone()[0]
+    release, started = threading.Event(), threading.Event()
+
+    def held(store, session, fix, progress, parent=None, isolated=False):
+        progress(1, 4, "fix: stable-softmax: model run 2 of 2")
+        started.set()
+        release.wait(60)
+        return "run-x"
+
+    monkeypatch.setattr(jobs, "rerun_session", held)
+    job = jobs.start_rerun(store, name, "stable-softmax", parent=cand)  # clicked in another tab
+    try:
+        assert started.wait(30)
+        at = open_page("overview", session=name)  # this tab never clicked
+        assert_clean(at)
+        button = at.button(key="rerun_0_0")
+        assert button.disabled and button.label.startswith("Re-running with stable-softmax"), button.label
+        bars = [p for p in at.get("progress") if "started in another tab" in str(p.proto.text)]
+        assert bars and "model run 2 of 2" in str(bars[0].proto.text)
+        assert "_pl_rerun" not in at.session_state
+    finally:
+        release.set()
+        assert job.wait(30)
+    at = open_page("overview", session=name)
+    assert not at.button(key="rerun_0_0").disabled  # over: the button is back (the fake made no run)

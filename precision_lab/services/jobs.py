@@ -193,7 +193,9 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
     diagnosis is about, ``reason`` joins the catalogue's one-line reasons of
     the fix's parts, and ``existing`` names the run this fix already made from
     the same parent (a re-run is deterministic: the page opens that run
-    instead of making a copy), else None; with it come ``works`` (the re-run
+    instead of making a copy), else None; ``running`` the ``RerunJob`` making
+    it now, from this tab or any other (the button says so and makes no second
+    one), else None; with ``existing`` come ``works`` (the re-run
     holds no unexpected NaN/Inf), ``sqnr_db`` (its output against fp32) and
     ``first_nonfinite``, and the label says which (a fix known to leave the run
     non-finite is never offered as a cure).  The session is looked up once for
@@ -204,6 +206,8 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
         return blocker, [[] for _ in cards]
     if made is None:  # ``verification(store, session)``, when the caller has it already
         made = verification(store, session)
+    # a re-run queued or running, from any tab or user of this server, offers no second button
+    running = {(j.fix, j.parent): j for j in running_jobs(store, session)}
     out = []
     for card in cards:
         actions = []
@@ -215,8 +219,11 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
                 continue
             tried = made.get((card.get("run_id"), fix_label(specs)))
             action = {"label": f"Re-run with {f}", "fix": f, "reason": reason, "parent": card.get("run_id"),
-                      "existing": None, "works": None, "sqnr_db": None, "first_nonfinite": None}
-            if tried is not None:
+                      "existing": None, "works": None, "sqnr_db": None, "first_nonfinite": None, "running": None}
+            job = running.get((f, card.get("run_id")))
+            if job is not None:
+                action.update(running=job, label=f"Re-running with {f}: {job.status}")
+            elif tried is not None:
                 action.update(existing=tried["run"], works=tried["works"], sqnr_db=tried["sqnr_db"],
                               first_nonfinite=tried["first_nonfinite"])
                 action["label"] = f"Open {tried['run']}: " + (
