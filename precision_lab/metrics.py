@@ -489,11 +489,23 @@ def _finish(acc: dict, n: int, rel_floor: float, fmt: Format) -> Comparison:
     else:
         rounding_units = 0.0 if rmse == 0 else math.inf
     verdict, reason = verdict_for(nonfinite_introduced=nf_intro, rounding_units=rounding_units,
-                                  max_rel_err=acc["max_rel"], unit_roundoff=unit_roundoff)
+                                  max_rel_err=scaled_worst(acc["max_rel"], acc["max_ad"], rms_ref),
+                                  unit_roundoff=unit_roundoff)
     return Comparison(
         "tensor", n, cnt, acc["max_ad"], acc["s_ad"] / cnt, rmse, acc["max_rel"], rel_floor, cosine, deficit, sqnr,
         rounding_units, acc["max_ulp"], nf_intro, nf_ref, fmt.name, verdict, reason + said, masked=masked,
     )
+
+
+def scaled_worst(max_rel_err: Optional[float], max_abs_err: Optional[float], rms_ref: float) -> Optional[float]:
+    """The worst element's error relative to max(|its reference value|, the reference's RMS), bounded from the
+    pass's own sums: ``min(max_rel_err, max_abs_err / rms)`` (each is at least that error for every element).  A
+    value near zero in a sum of large terms carries the absolute rounding of those terms (a near-zero attention
+    score of a 64-wide dot product), so below the tensor's RMS an element is judged against the RMS: its error
+    is what it does to the tensor, not a percentage of a value that is rounding noise."""
+    if max_rel_err is None or max_abs_err is None or not rms_ref > 0:
+        return max_rel_err
+    return min(max_rel_err, max_abs_err / rms_ref)
 
 
 def verdict_for(*, nonfinite_introduced: int, rounding_units: Optional[float],
@@ -507,10 +519,11 @@ def verdict_for(*, nonfinite_introduced: int, rounding_units: Optional[float],
       ``VERDICT_THRESHOLDS["warn"]`` (64 u), ``error`` above.
     * An RMS inside rounding can hide a few elements that are far off (values
       near zero, a sign flip): "expected" is withdrawn (``warn``) when the
-      worst element's relative error ``max_rel_err`` (against
-      max(|r|, smallest normal)) exceeds ``WORST_ELEMENT_UNITS`` (64) unit
-      roundoffs of the format at that value, or ``WORST_ELEMENT_REL`` (100 %)
-      whatever the format: no rounding of the values involved explains it.
+      worst element's relative error (``max_rel_err``: tensor comparisons pass
+      ``scaled_worst``, against max(|r|, the reference's RMS)) exceeds
+      ``WORST_ELEMENT_UNITS`` (64) unit roundoffs of the format, or
+      ``WORST_ELEMENT_REL`` (100 %) whatever the format: no rounding of the
+      values involved explains it.
       Summary-statistics comparisons pass ``summary_rel_err / u`` as
       ``rounding_units`` and are judged by it alone.
     """
@@ -535,8 +548,8 @@ def _worst_element(max_rel_err: Optional[float], unit_roundoff: Optional[float])
         return None
     units = max_rel_err / unit_roundoff if unit_roundoff else math.inf
     if max_rel_err > WORST_ELEMENT_REL or units > WORST_ELEMENT_UNITS:
-        return (f"one element is off by {100.0 * max_rel_err:.3g}% of its value "
-                f"({units:.3g}x the unit roundoff)")
+        return (f"one element is off by {100.0 * max_rel_err:.3g}% of its value (or of the tensor's RMS, where "
+                f"it is smaller) ({units:.3g}x the unit roundoff)")
     return None
 
 

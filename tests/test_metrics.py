@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from precision_lab.formats import FORMATS
-from precision_lab.metrics import compare, compare_stats
+from precision_lab.metrics import compare, compare_stats, scaled_worst
 from precision_lab.stats import tensor_stats
 
 
@@ -298,3 +298,30 @@ def test_cuda_comparison_synchronises_once():
     assert len(syncs) <= 1, [str(x.message) for x in syncs]
     want = compare(r.cpu().numpy(), c.float().cpu().numpy(), cand_format="fp16")
     assert got.compared == want.compared and got.max_abs_err == pytest.approx(want.max_abs_err, rel=1e-12)
+
+
+def test_a_near_zero_element_is_judged_against_the_tensor_scale():
+    """A bf16 attention score that is near zero carries the absolute rounding of its 64-wide dot product: judged
+    against its own value it is "off by" thousands of percent, against max(|value|, the tensor's RMS) it is
+    rounding.  The worst-element bound is at least the exact float64 figure and at most max_rel_err; one large
+    element really off still withdraws "expected"."""
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((64, 64)), rng.standard_normal((64, 64))
+    ref = (q @ k.T).astype(np.float32)
+    ref[0, 0] = 1e-6  # a score that is zero up to rounding noise
+    cand = (q.astype(ml_dtypes.bfloat16).astype(np.float32) @ k.astype(ml_dtypes.bfloat16).astype(np.float32).T)
+    cand[0, 0] = ref[0, 0] + 0.05  # what a bf16 product of 64 terms of size ~1 leaves at a zero
+    cand = cand.astype(ml_dtypes.bfloat16)
+    got = compare(torch.from_numpy(ref), torch.from_numpy(cand.astype(np.float32)), cand_format="bf16")
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    rms = np.sqrt(np.mean(r * r))
+    exact = np.max(np.abs(c - r) / np.maximum(np.abs(r), rms))
+    bound = scaled_worst(got.max_rel_err, got.max_abs_err, rms)
+    assert exact <= bound * (1 + 1e-12) and bound <= got.max_rel_err
+    assert got.max_rel_err > 1000  # the old reading: "off by 1e5 %"
+    assert got.verdict == "expected", got.reason
+    big = cand.astype(np.float32)
+    i = np.unravel_index(np.argmax(np.abs(ref)), ref.shape)
+    big[i] = ref[i] * 1.1  # the largest score 10 % off: no rounding explains it
+    worse = compare(torch.from_numpy(ref), torch.from_numpy(big), cand_format="bf16")
+    assert worse.verdict == "warn" and "one element is off by" in worse.reason
