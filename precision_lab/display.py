@@ -1,4 +1,5 @@
-"""How a number is written for a person: one rule for the CLI, the dashboard, the HTML report and diagnoses.
+"""How a number (and a string from data) is written for a person: one rule for the CLI, the dashboard, the HTML
+report and diagnoses.
 
 - no value (None, a missing cell): ``MISSING``, never "None" or "nan";
 - NaN: ``nan``; infinities: ``inf`` and ``-inf``;
@@ -9,12 +10,23 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
-__all__ = ["MISSING", "num_text", "cosine_brief"]
+__all__ = ["MISSING", "num_text", "cosine_brief", "visible"]
 
 # what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
 MISSING = "—"
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters (escape, carriage return, bell, C1 controls, line and bidi overrides;
+    not newline or tab) shown as escapes (``\\x1b``): a name from a file cannot move a terminal's cursor, retitle
+    it, hide what follows or fake a line of output."""
+    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), str(text))
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def num_text(v: Any, digits: int = 6, *, grouped: bool = False) -> str:

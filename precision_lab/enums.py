@@ -114,8 +114,12 @@ class RunOrder(StrEnum):
 
     @classmethod
     def of(cls, word) -> "RunOrder":
-        """The order a stored word names; no word (an older row) is ``execution``."""
-        return cls(word or cls.EXECUTION)
+        """The order a stored word names; no word (an older row) is ``execution``; a word that names no order
+        (a row no check of this version wrote) is ``name``: nothing says which op ran first."""
+        try:
+            return cls(word or cls.EXECUTION)
+        except ValueError:
+            return cls.NAME
 
 
 _ORDER_TEXT = {RunOrder.EXECUTION: "execution order",

@@ -57,13 +57,13 @@ KINDS = tuple(OriginKind)
 
 
 def order_text(order: Optional[str]) -> str:
-    """A run's ``order`` in words, as the reports and the Overview show it."""
-    return ORDER_TEXT.get(order or "execution", order or "")
+    """A run's ``order`` in words, as the reports and the Overview show it (a word that names no order: unknown)."""
+    return RunOrder.of(order).text
 
 
 def order_known(order: Optional[str]) -> bool:
     """Whether a run's ``order`` says which op ran first."""
-    return (order or "execution") not in UNKNOWN_ORDERS
+    return RunOrder.of(order).known
 
 
 def _plain(pairs) -> dict:

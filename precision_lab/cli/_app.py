@@ -8,7 +8,15 @@ from typing import NoReturn
 import typer
 from typer.core import TyperGroup
 
+from ..display import visible
+
 EXIT_UNUSABLE = 2  # the request cannot be carried out
+
+
+def echo(text: object = "", *, err: bool = False, nl: bool = True) -> None:
+    """``typer.echo`` of text that may carry names from files: control characters shown escaped
+    (``display.visible``), so a session or op name cannot drive the terminal."""
+    typer.echo(visible(str(text)), err=err, nl=nl)
 
 
 def fail(msg: str, code: int = EXIT_UNUSABLE) -> NoReturn:
@@ -25,16 +33,24 @@ def fail(msg: str, code: int = EXIT_UNUSABLE) -> NoReturn:
 class _Commands(TyperGroup):
     """The command group: a store opens its file for each operation, so any command may meet another
     process's lock held past the wait; that ends it in one sentence naming the holder, exit 2, whether the
-    command runs from the console script or in-process (``typer.testing.CliRunner``, an embedding)."""
+    command runs from the console script or in-process (``typer.testing.CliRunner``, an embedding).  So do a
+    database another program made (``ForeignDatabase``) and a file that fails as it is read (cut short)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except RuntimeError as e:
             store = sys.modules.get("precision_lab.store")  # loaded when it raised: none is imported here
-            if store is None or not isinstance(e, store.DatabaseLocked):
+            if store is None or not isinstance(e, (store.DatabaseLocked, store.ForeignDatabase)):
                 raise
             fail(str(e))
+        except Exception as e:
+            duckdb = sys.modules.get("duckdb")
+            if duckdb is None or not isinstance(e, duckdb.IOException):
+                raise
+            # a truncated or damaged database file fails when a page of it is read, not when it opens
+            reason = str(e).split("\n")[0].removeprefix("IO Error: ")
+            fail(f"the database file could not be read (damaged or cut short?): {reason}")
 
 
 app = typer.Typer(

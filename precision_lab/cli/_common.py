@@ -6,10 +6,10 @@ import io
 import sys
 from typing import Optional
 
-import typer
 from ..store import Store
 from ..config import ConfigError, load_config
-from ._app import EXIT_UNUSABLE, fail
+from ._app import EXIT_UNUSABLE, fail, echo
+from ..display import visible
 
 DB_HELP = "database file (default: $PRECISION_LAB_DB or the user data directory)"
 
@@ -79,13 +79,14 @@ def print_table(columns, rows, *, right=()) -> None:
     split); ``right``: the columns aligned right (numbers)."""
     from rich.console import Console  # deferred: commands that print no table start without it
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
     for c in columns:
         table.add_column(c, justify="right" if c in right else "left", no_wrap=True)
-    for r in rows:
-        table.add_row(*(str(v) for v in r))
+    for r in rows:  # cells are text, never rich markup: a name "[bold]x" prints as itself
+        table.add_row(*(Text(visible(str(v))) for v in r))
     out = Console(width=100_000, highlight=False, no_color=True, file=io.StringIO())
     out.print(table)
     for line in out.file.getvalue().splitlines():
-        typer.echo(line.rstrip())
+        echo(line.rstrip())

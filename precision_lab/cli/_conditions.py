@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from ._app import echo
 from ._common import EXIT_UNUSABLE
 from ..alerts import RULES_BY_NAME
 from ..metrics import ELEMENTWISE, ON_SUMMARIES, relative_error
@@ -25,15 +26,15 @@ def exit_on(rep: dict, conditions: list) -> None:
     """Say which ``--fail-on`` conditions tripped and exit 1 (2 when the data cannot answer one)."""
     tripped, unusable = check_conditions(rep, conditions)
     for line in tripped:
-        typer.echo(f"FAIL {line}", err=True)
+        echo(f"FAIL {line}", err=True)
     for line in unusable:
-        typer.echo(f"error: {line}", err=True)
+        echo(f"error: {line}", err=True)
     if unusable:
         raise typer.Exit(EXIT_UNUSABLE)
     if tripped:
         raise typer.Exit(EXIT_TRIPPED)
     if conditions:
-        typer.echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
+        echo("ok: " + ", ".join(str(c) for c in conditions) + " did not trip", err=True)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import DB_HELP, open_store
 from ._common import fail as _fail
 from ._models import INPUTS_HELP, LOSS_HELP, MODEL_HELP, resolve_recipe
@@ -108,18 +108,18 @@ def capture_cmd(
 def _summary(store, name: str) -> None:
     info = store.session(name)
     runs = store.runs(info["session_id"])
-    typer.echo(f"session {name!r} in {store.path}")
+    echo(f"session {name!r} in {store.path}")
     for _, r in runs.iterrows():
         n = count_records(store, r["run_id"])
-        typer.echo(f"  {r['kind']:<10} {r['name']}: {n} records, dtype {r['dtype']}")
+        echo(f"  {r['kind']:<10} {r['name']}: {n} records, dtype {r['dtype']}")
     for _, r in runs.iterrows():
         hit = first_nonfinite(store, r["run_id"])
         if hit is None:
-            typer.echo(f"  {r['name']}: no NaN/Inf")
+            echo(f"  {r['name']}: no NaN/Inf")
         else:
-            typer.echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
+            echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
                        f"rank {hit.rank}): {hit.reason}")
     for d in diagnosis_cards(store, info["session_id"]):
-        typer.echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
+        echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
         if d["fixes"]:
-            typer.echo(f"    fixes (best first): {', '.join(d['fixes'])}")
+            echo(f"    fixes (best first): {', '.join(d['fixes'])}")

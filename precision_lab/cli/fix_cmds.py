@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import DB_HELP, end_progress, open_store, print_table, tty_progress
 from ._common import fail as _fail
 from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTION as _MODEL
@@ -39,20 +39,20 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
 
     run = store.run(run_id)
     fn = first_nonfinite(store, run_id)
-    typer.echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
+    echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
                f"fix {run.get('fix') or '-'}")
     last = q.last_accumulated_output(store, run_id)
     if fn is None:
-        typer.echo("  no NaN or inf anywhere in the run")
+        echo("  no NaN or inf anywhere in the run")
     else:
-        typer.echo(f"  first non-finite: {fn.op} ({fn.reason})")
+        echo(f"  first non-finite: {fn.op} ({fn.reason})")
     if last is not None:
         sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
-        typer.echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
+        echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
     for d in q.run_diagnoses(store, run_id):
-        typer.echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
+        echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
         if d["fixes"] and d["fixes"] != "[]":
-            typer.echo(f"      fixes: {d['fixes']}")
+            echo(f"      fixes: {d['fixes']}")
     return fn is None
 
 
@@ -113,17 +113,17 @@ def verify_cmd(
         _fail(str(e))
     end_progress(progress)
     if not rows:
-        typer.echo("no fix is suggested for this session")
+        echo("no fix is suggested for this session")
         return
     for r in rows:
         if r["error"]:
-            typer.echo(f"  cannot  {r['label']}: {r['error']}")
+            echo(f"  cannot  {r['label']}: {r['error']}")
             continue
         sq = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "-"
         state = "works " if r["works"] else "fails "
         where = f" ({r['why']})" if r.get("why") else ""
         grown = " (grown along the data flow)" if r.get("grown") else ""
-        typer.echo(f"  {state}  {r['label']}{grown}  output SQNR {sq}{where}  [run {r['run']}]")
+        echo(f"  {state}  {r['label']}{grown}  output SQNR {sq}{where}  [run {r['run']}]")
     if not any(r["works"] for r in rows):
         raise typer.Exit(EXIT_FAILED)
 
@@ -150,18 +150,18 @@ def bisect_cmd(
         end_progress(progress)
         _fail(str(e))
     end_progress(progress)
-    typer.echo(f"tolerance: {res.tolerance.describe()}")
+    echo(f"tolerance: {res.tolerance.describe()}")
     for a in res.attempts:
         sq = f"{a.sqnr_db:.1f} dB" if a.sqnr_db is not None else "-"
         if not a.run_id:  # the model could not run with this island (res.message says why)
-            typer.echo(f"  fail  {a.fix}  the model does not run with it")
+            echo(f"  fail  {a.fix}  the model does not run with it")
             continue
-        typer.echo(f"  {'pass' if a.passed else 'fail'}  {a.fix or '(no fp32 island)'}  non-finite records "
+        echo(f"  {'pass' if a.passed else 'fail'}  {a.fix or '(no fp32 island)'}  non-finite records "
                    f"{a.nonfinite}, output SQNR {sq}  [run {a.run_id}]")
-    typer.echo(res.message)
+    echo(res.message)
     if res.passed:
-        typer.echo("fp32 island: " + (", ".join(res.modules) if res.modules else "(none needed)"))
-        typer.echo(f"fix: {res.fix}" if res.modules else "fix: none needed")
+        echo("fp32 island: " + (", ".join(res.modules) if res.modules else "(none needed)"))
+        echo(f"fix: {res.fix}" if res.modules else "fix: none needed")
     else:
         raise typer.Exit(EXIT_FAILED)
 
@@ -180,16 +180,16 @@ def replay_cmd(
     try:
         if op is None:
             for o in replayable_ops(store, session, run):
-                typer.echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
+                echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
             return
         # a dump file is read within the limits ingest used (`precision-lab config`); ConfigError is a ValueError
         res = replay_op(store, session, op, fixes=list(fix or []), run=run, read_limits=load_config().read_limits())
     except (SessionNotFound, ValueError) as e:
         _fail(str(e))
-    typer.echo(f"{res.op}: {res.op_type} replayed as {res.replay_as}; candidate {res.cand_format} "
+    echo(f"{res.op}: {res.op_type} replayed as {res.replay_as}; candidate {res.cand_format} "
                f"({res.policy})" + (f"; fix {res.fix}" if res.fix else ""))
     for n in res.notes:
-        typer.echo(f"  note: {n}")
+        echo(f"  note: {n}")
     print_table(("output", "dtype", "NaN", "inf", "absmax", "SQNR vs fp32", "verdict"),
                 [(r["output"], r["dtype"], r["nan"], r["inf"], fmt_num(r["absmax"]),
                   "-" if r["sqnr_db_vs_fp32"] is None else f"{r['sqnr_db_vs_fp32']:.1f} dB",
@@ -197,9 +197,9 @@ def replay_cmd(
                 right=("NaN", "inf", "absmax", "SQNR vs fp32"))
     c = res.comparisons.get("candidate vs dumped")
     if res.reproduces_dump:
-        typer.echo(f"  replay reproduces the dumped output {res.dump_match}")
+        echo(f"  replay reproduces the dumped output {res.dump_match}")
     elif c is not None:
-        typer.echo(f"  replay differs from the dumped output: max abs difference {fmt_num(c.max_abs_err)}, "
+        echo(f"  replay differs from the dumped output: max abs difference {fmt_num(c.max_abs_err)}, "
                    f"{c.nonfinite_introduced} non-finite where the dump is finite")
     if res.fix and not res.fixed_is_finite:
         raise typer.Exit(EXIT_FAILED)

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import DB_HELP, end_progress, open_store, tty_progress
 from ._common import fail as _fail
 from ..config import ConfigError, load_config
@@ -48,7 +48,7 @@ def ingest_cmd(
 ) -> None:
     """Ingest dump folders (msprobe, precision-lab shards, .npy/.npz/.pt/.safetensors/.bin); print the session name."""
     store = open_store(db)
-    typer.echo(_ingest(paths, reference or None, session, store, keep_tensors))
+    echo(_ingest(paths, reference or None, session, store, keep_tensors))
 
 
 @app.command("compare")
@@ -66,5 +66,5 @@ def compare_cmd(
     store = open_store(db) if db else Store(":memory:")
     name = _ingest([cand], [ref], session, store)
     rep = build_report(store, name)
-    typer.echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)
+    echo(to_json(rep) if as_json else render_text(rep), nl=not as_json)
     exit_on(rep, conditions)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import DB_HELP, open_store, print_table
 from ._common import fail as _fail
 from ..display import num_text
@@ -34,9 +34,23 @@ def formats_cmd() -> None:
 def db_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
     """Print the database path in use and its sessions."""
     store = open_store(db)
-    typer.echo(store.path)
+    echo(store.path)
     for row in session_list(store):
-        typer.echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")
+        echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")
+
+
+@app.command("delete")
+def delete_cmd(session: str = typer.Option(..., "--session", "-s", help="the session to delete (name or id)"),
+               db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """Delete a session: its runs, records, comparisons, diagnoses, timeline, share link and replay kits, in one
+    transaction."""
+    store = open_store(db)
+    try:
+        name = store.session(session)["name"]
+        store.delete_session(session)
+    except SessionNotFound as e:
+        _fail(str(e))
+    echo(f"deleted session {name!r} from {store.path}")
 
 
 @app.command("recipes")
@@ -48,11 +62,11 @@ def recipes_cmd() -> None:
     except RecipeError as e:
         _fail(str(e))
     for r in recipes:
-        typer.echo(r.name)
-        typer.echo(f"  {r.description}")
-        typer.echo(f"  fails under: {r.default_policy.name} ({r.default_policy.describe()})")
+        echo(r.name)
+        echo(f"  {r.description}")
+        echo(f"  fails under: {r.default_policy.name} ({r.default_policy.describe()})")
         if r.fixes:
-            typer.echo(f"  fixed by:    {', '.join(r.fixes)}")
+            echo(f"  fixed by:    {', '.join(r.fixes)}")
 
 
 @app.command("fixes")

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import open_store
 from ._common import fail as _fail
 from ._conditions import CONDITIONS, exit_on, parse_condition
@@ -38,11 +38,11 @@ def report_cmd(
             rep = build_report(store, session)
     except SessionNotFound as e:
         _fail(str(e))
-    typer.echo(to_json(rep) if as_json else render_text(rep), nl=False)
+    echo(to_json(rep) if as_json else render_text(rep), nl=False)
     if as_json:
-        typer.echo()
+        echo()
     if html_file:
         from ..ui.html_report import write_html  # its figures need pandas and plotly: only for --html
 
-        typer.echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
+        echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
     exit_on(rep, conditions)

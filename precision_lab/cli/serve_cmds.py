@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Sequence
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import fail
 from ..config import CONFIG_ENV, ConfigError, DEFAULT_CONFIG_FILE, load_config
 
@@ -148,5 +148,5 @@ def serve_cmd(
     except ValueError as e:
         fail(str(e))
     if cmd.warning:
-        typer.echo(f"warning: {cmd.warning}", err=True)
+        echo(f"warning: {cmd.warning}", err=True)
     _exec(cmd)

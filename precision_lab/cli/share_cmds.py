@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ._app import app
+from ._app import app, echo
 from ._common import db_setting, fail, open_store
 from ..services.share import ShareError, create_share_token, export_session, import_session, revoke_recorded_token, revoke_share_token, share_url
 from ..store import DatabaseLocked, SessionNotFound, Store
@@ -38,7 +38,7 @@ def export_cmd(
         fail(str(e))
     except OSError as e:  # the output folder cannot be created or written
         fail(f"{output}: cannot write the export ({e.strerror or e})")
-    typer.echo(f"exported session {res.session!r} to {res.path} ({res.rows['runs']} runs, "
+    echo(f"exported session {res.session!r} to {res.path} ({res.rows['runs']} runs, "
                f"{res.rows['tensors']} tensor records, {res.bytes} bytes)")
 
 
@@ -62,7 +62,7 @@ def import_cmd(
         res = import_session(store, file, name=as_name, config=config)
     except ShareError as e:
         fail(str(e))
-    typer.echo(res.message)
+    echo(res.message)
 
 
 @app.command("share-link")
@@ -92,7 +92,7 @@ def share_link_cmd(
             fail(f"no share link of a session named {session!r} is recorded; nothing was revoked (the database is "
                  "held by another process, so only recorded links can be looked up)")
         for r in removed:
-            typer.echo(f"share link of session {r['name']!r} revoked; the server refuses it from its next "
+            echo(f"share link of session {r['name']!r} revoked; the server refuses it from its next "
                        "request")
         return
     except RuntimeError as e:
@@ -100,14 +100,14 @@ def share_link_cmd(
     try:
         if revoke:
             revoke_share_token(store, session)
-            typer.echo(f"share link of session {session!r} revoked; a server refuses it from its next request")
+            echo(f"share link of session {session!r} revoked; a server refuses it from its next request")
             return
         token = create_share_token(store, session)
     except SessionNotFound as e:
         fail(str(e))
     except (TokenFileError, OSError) as e:
         fail(f"cannot {'revoke' if revoke else 'create'} the link: {e}")
-    typer.echo(share_url(base_url, token))
+    echo(share_url(base_url, token))
 
 
 @app.command("config")
@@ -120,9 +120,9 @@ def config_cmd(
         cfg = load_config(config_file)
     except ConfigError as e:
         fail(str(e))
-    typer.echo(f"settings from: {cfg.source}")
+    echo(f"settings from: {cfg.source}")
     for s in SETTINGS:
         v = getattr(cfg, s.name)
         if s.name == "list_sessions":
             v = cfg.can_list_sessions
-        typer.echo(f"  {s.name:<18} {str(v):<12} ({s.env})")
+        echo(f"  {s.name:<18} {str(v):<12} ({s.env})")

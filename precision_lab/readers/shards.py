@@ -42,6 +42,8 @@ from .base import ReadError, natural_key
 from .safeio import check_regular, contained, limits, npy_header, read_json, relname
 from ..records import StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, npy_bytes, record_columns
 from ..jsoncodec import decode_nonfinite, dumps
+from ..display import visible
+from ..enums import RunOrder
 from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_hist, encode_hist
 from ..metrics import Comparison
 
@@ -53,6 +55,7 @@ SHARD_FORMAT = "precision-lab-shards"
 SHARD_VERSION = 1
 MANIFEST = "manifest.json"
 _RUN_KEYS = ("run_id", "name", "dtype", "kind", "parent_run_id", "fix", "policy", "source", "order")
+_ORDERS = tuple(o.value for o in RunOrder)
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.+=@-][A-Za-z0-9 _.+=@-]*$")
 _SHARD_RE = re.compile(r"^rank(\d+)$"), re.compile(r"^step(\d+)\.parquet$")
 
@@ -287,6 +290,12 @@ def read_manifest(root) -> dict:
         if r["name"] in seen:
             raise ShardError(f"{path}: run {r['name']!r} is listed twice")
         seen.add(r["name"])
+        for key in _RUN_KEYS:  # what is stored as text is text (a policy may be an object)
+            if key != "policy" and r.get(key) is not None and not isinstance(r[key], str):
+                raise ShardError(f"{path}: runs[{i}] \"{key}\" must be a string, got {type(r[key]).__name__}")
+        if r.get("order") and r["order"] not in _ORDERS:
+            raise ShardError(f"{path}: runs[{i}] \"order\" is {visible(r['order'])[:40]!r}, not one of "
+                             f"{', '.join(_ORDERS)}")
         files = r.get("files") or []
         if not isinstance(files, list):
             raise ShardError(f"{path}: runs[{i}] \"files\" must be a list")

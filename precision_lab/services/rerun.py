@@ -127,10 +127,13 @@ def _run_model(recipe: Recipe, policy: Optional[PrecisionPolicy], *, isolated: b
 
 def _write(w, run: _Run, *, ref: Optional[_Run], ref_run_id: Optional[str], ref_rids: Optional[dict],
            parent_run_id: Optional[str] = None, fix: Optional[str] = None, kind: Optional[str] = None,
-           progress: Progress = None) -> tuple[str, dict]:
-    """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons."""
+           progress: Progress = None, name: Optional[str] = None) -> tuple[str, dict]:
+    """Add a captured run (records, local comparisons, warnings) and its accumulated comparisons; ``name``: the
+    name it is given, made free among the session's runs inside this transaction."""
     judged_run_dtype = _pairing_capture().judged_run_dtype
     cap = run.cap
+    if name is not None:
+        cap.run = w.free_run_name(name)
     rids = cap.write_run(w)
     run_id = cap.run_id
     if parent_run_id is not None or fix is not None or kind is not None:
@@ -285,7 +288,7 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     ref_rids = _reference_rids(store, ref_run["run_id"])
     with store.extend_session(info["name"]) as w:
         run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
-                           parent_run_id=par["run_id"], fix=label, kind="rerun")
+                           parent_run_id=par["run_id"], fix=label, kind="rerun", name=f"fix: {label}")
     _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
         diagnose_session(store, info["name"])
@@ -351,7 +354,7 @@ def _rerun_replay(store, info: dict, recipe: Recipe, kit: str, specs: list, prog
         else:
             ref_run_id, ref_rids = ref_run["run_id"], _reference_rids(store, ref_run["run_id"])
         run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run_id, ref_rids=ref_rids, parent_run_id=par["run_id"],
-                           fix=label, kind="rerun")
+                           fix=label, kind="rerun", name=f"fix: {label}")
     _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
         diagnose_session(store, info["name"])
@@ -568,7 +571,7 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
             return a
         with store.extend_session(info["name"]) as w:
             run_id, _ = _write(w, run, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
-                               parent_run_id=par["run_id"], fix=label, kind="rerun")
+                               parent_run_id=par["run_id"], fix=label, kind="rerun", name=f"bisect: {label}")
         return judge(run_id, island, label, run.output)
 
     island: list[str] = []

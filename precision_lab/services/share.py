@@ -41,6 +41,8 @@ from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
 from ..readers import first_line
 from ..scratch import scratch_dir
+from ..display import visible
+from ..enums import RunOrder
 from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ArchiveQueries, ImportRefused, copy_session_tables,
                               insert_session_tables, table_columns)
 from .. import __version__
@@ -410,6 +412,11 @@ def _check_consistency(store, where: str, sid: str, name: str, tables: dict) -> 
         raise ShareError(f"{where}: runs.parquet has a run without a run_id")
     if len(set(run_ids)) != len(run_ids):
         raise ShareError(f"{where}: runs.parquet lists a run_id more than once")
+    if "order" in runs.column_names:  # the words the pages read back as an enum: no other is stored
+        bad = sorted({str(o) for o in _col(runs, "order") if o is not None and o not in RUN_ORDERS})
+        if bad:
+            raise ShareError(f"{where}: runs.parquet gives a run the order {visible(bad[0])[:40]!r}, not one of "
+                             f"{', '.join(RUN_ORDERS)}")
     if tables["tensors"].column("rid").null_count:
         raise ShareError(f"{where}: tensors.parquet has a record without a rid")
     try:
@@ -562,6 +569,9 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
     rows = {t: tables[t].num_rows if t in tables else 0 for t in TABLES}
     return ImportResult(session=final_name, session_id=new_sid, original_name=wanted, rows=rows,
                         renamed=final_name != wanted, new_ids=bool(new_sid != sid or run_map), notes=tuple(notes))
+
+
+RUN_ORDERS = tuple(o.value for o in RunOrder)
 
 
 # ---- share links ------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from ..fixes.catalogue import FixError, fix_label, split_specs
 from ..origin import Origin
+from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
 from .rerun import bisect_fp32_islands, rerun_session
@@ -150,6 +151,8 @@ def verify_session(store, session: str, *, top: int = 3, progress: Progress = No
                 progress(i, len(todo), f"verifying {s['label']}")
             try:
                 rerun_session(store, session, s["fix"], parent=s["parent"])
+            except DatabaseLocked:  # another process holds the database: no verdict on the fix, the caller says so
+                raise
             except Exception as e:  # a fix that cannot apply to this model is a verdict too
                 row["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             done = verification(store, session)

@@ -22,10 +22,11 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from ..display import visible
 from ..paths import default_data_dir, default_db_path, replay_kit_path, resolve_db_path
 from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
-from ..enums import Verdict
+from ..enums import RunOrder, Verdict
 from ..metrics import Comparison
 from ..tokens import MemoryTokens, TokenFileError, token_file_for
 from ..config import LOCK_WAIT_ENV, env_lock_wait
@@ -35,7 +36,7 @@ from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, enc
 from .queries import run_order
 
 __all__ = ["Store", "Result", "held", "is_open", "close_all", "locked_message", "LOCK_WAIT_ENV", "default_db_path", "default_data_dir", "resolve_db_path", "open_store", "SessionNotFound",
-           "DatabaseLocked", "SCHEMA_VERSION", "TENSOR_COLUMNS"]
+           "DatabaseLocked", "ForeignDatabase", "SCHEMA_VERSION", "TENSOR_COLUMNS", "SAFE_CONFIG", "connect_duckdb"]
 
 SCHEMA_VERSION = 7
 
@@ -47,6 +48,26 @@ class SessionNotFound(KeyError):
 
 class DatabaseLocked(RuntimeError):
     """Another process holds the database file (DuckDB allows one per file)."""
+
+
+_ORDERS = tuple(o.value for o in RunOrder)
+
+
+class ForeignDatabase(RuntimeError):
+    """A database file this package did not make: it holds views or macros (code that would run as it is read) or
+    another program's tables.  The message names the file and what it holds."""
+
+
+# what a database holds beside tables: views and macros run when they are read, so a file holding them is refused
+_FOREIGN_SQL = """SELECT (SELECT list(view_name ORDER BY view_name) FROM duckdb_views() WHERE NOT internal),
+                         (SELECT list(function_name ORDER BY function_name) FROM duckdb_functions()
+                          WHERE function_type IN ('macro', 'table_macro') AND NOT internal),
+                         (SELECT list(table_name ORDER BY table_name) FROM duckdb_tables() WHERE NOT internal)"""
+
+
+def _names(found) -> str:
+    shown = ", ".join(visible(str(n))[:60] for n in found[:5])
+    return shown + (f" and {len(found) - 5} more" if len(found) > 5 else "")
 
 
 # ---- schema derived from the dataclasses ---------------------------------
@@ -186,16 +207,44 @@ def _is_lock_error(e: BaseException) -> bool:
     return "lock" in str(e).lower()
 
 
+# every DuckDB connection this package opens: the database reads and writes its own file only (no read_text,
+# glob, read_csv, COPY or ATTACH of other files, no extension fetched or loaded), so a database file someone
+# hands over cannot make a query read this machine's files or reach the network
+SAFE_CONFIG = {"enable_external_access": False, "autoload_known_extensions": False,
+               "autoinstall_known_extensions": False, "lock_configuration": True}
+
+
+def connect_duckdb(path: str = ":memory:", read_only: bool = False):
+    """``duckdb.connect`` with ``SAFE_CONFIG``."""
+    import duckdb
+
+    return duckdb.connect(path, read_only=read_only, config=dict(SAFE_CONFIG))
+
+
+def _check_header(path: str) -> None:
+    """Refuse an existing file that is not a DuckDB database (DuckDB's files say ``DUCK`` at byte 8) before
+    DuckDB reads it: a SQLite file would make it look for an extension."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return  # a new file, or one DuckDB will name the problem of
+    if head and head[8:12] != b"DUCK":
+        kind = " (it is a SQLite database)" if head.startswith(b"SQLite format 3") else ""
+        raise RuntimeError(f"cannot open database {path}: not a DuckDB database file{kind}")
+
+
 def _connect(path: str, read_only: bool, wait: float, deadline: Optional[float] = None):
     """``duckdb.connect``, retried with backoff while another process holds the file (up to ``wait`` s, or until
     ``deadline`` on ``time.monotonic()``'s clock where the wait began earlier)."""
     import duckdb
 
     deadline = time.monotonic() + wait if deadline is None else deadline
+    _check_header(path)
     delay = 0.002
     while True:
         try:
-            return duckdb.connect(path, read_only=read_only)
+            return connect_duckdb(path, read_only=read_only)
         except duckdb.IOException as e:
             if not _is_lock_error(e):
                 reason = str(e).split("\n")[0].removeprefix("IO Error: ")
@@ -268,9 +317,7 @@ class _File:
                     continue
                 self._close()
                 if self.memory:
-                    import duckdb
-
-                    self.con, self.read_only = duckdb.connect(":memory:"), False
+                    self.con, self.read_only = connect_duckdb(), False
                     self.active += 1
                     return self.con
                 exists = os.path.exists(self.path)
@@ -548,7 +595,31 @@ class Store:
     def df(self, query: str, params: Optional[list] = None):
         return self.sql(query, params).df()
 
+    def _refuse_foreign(self) -> None:
+        """Refuse a file that holds views or macros, or tables but none of ours (``ForeignDatabase``)."""
+        if self._file.memory:
+            return
+        views, macros, tables = self.sql(_FOREIGN_SQL).fetchone()
+        held = []
+        if views:
+            held.append(f"views ({_names(views)})")
+        if macros:
+            held.append(f"macros ({_names(macros)})")
+        if tables and "meta" not in tables:
+            held.append(f"another program's tables ({_names(tables)})")
+        if held:
+            raise ForeignDatabase(f"database {self.path} was not made by Precision Lab: it holds {' and '.join(held)}; "
+                                  "a database is opened as data only, and one holding code or another "
+                                  "program's tables is refused")
+
     def _init_schema(self) -> None:
+        try:
+            self._refuse_foreign()
+        except (DatabaseLocked, ForeignDatabase):
+            raise
+        except RuntimeError as e:
+            if "cannot open database" in str(e):
+                raise
         try:  # a database at this version has every table: one query instead of a dozen CREATEs
             row = self.sql("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is not None and row[0] == str(SCHEMA_VERSION):
@@ -652,14 +723,12 @@ class Store:
     @contextmanager
     def _staged_session(self, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
                         rename: bool) -> Iterator["SessionWriter"]:
-        import duckdb
-
         if not rename:  # a taken name fails before the work, not only at the insert
             with self.reading() as cur:
                 self._unique_name(cur, name, rename=False)
         sweep()
         with scratch_dir("stage") as folder:
-            con = duckdb.connect(str(folder / "session.duckdb"))
+            con = connect_duckdb(str(folder / "session.duckdb"))
             try:
                 for stmt in _schema_sql():
                     con.execute(stmt)
@@ -862,10 +931,20 @@ class SessionWriter:
                           else "stats" if c in stat_cols else "record" if c in rec_fields else "none", c)
                          for c in self._cols]
 
+    def free_run_name(self, base: str) -> str:
+        """``base``, or ``base (2)``, ``(3)``... when a run of this session has it: read inside this write's
+        transaction, so two writers that ran the same fix at once still get two names."""
+        taken = {r[0] for r in self.cur.execute("SELECT name FROM runs WHERE session_id = ?",
+                                                [self.session_id]).fetchall()}
+        return free_name(base, taken, "{base} ({i})")
+
     def add_run(self, run: RunInfo | None = None, **kw) -> str:
         if run is None:
             run = RunInfo(run_id=kw.pop("run_id", None) or uuid.uuid4().hex[:12], session_id=self.session_id, **kw)
         run = dataclasses.replace(run, session_id=self.session_id, created=run.created or _now())
+        if run.order is not None and run.order not in _ORDERS:  # every reader checks; the store holds no other
+            raise ValueError(f"run {visible(str(run.name))[:80]!r}: order {visible(str(run.order))[:40]!r} is not one "
+                             f"of {', '.join(_ORDERS)}")
         cols = [f.name for f in dataclasses.fields(RunInfo)]
         self.cur.execute(
             f"INSERT INTO runs ({', '.join(chr(34) + c + chr(34) for c in cols)}) VALUES ({', '.join('?' * len(cols))})",

@@ -78,14 +78,21 @@ def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple
 
     ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
     """
+    import pyarrow.parquet as pq  # deferred with DuckDB (see ArchiveQueries)
+
     out = {}
     with store.reading() as cur:
         for table in TABLES:
             path = Path(folder) / f"{table}.parquet"
-            target = str(path).replace("'", "''")
-            got = cur.execute(f"COPY ({_SELECT[table]} ORDER BY rowid) TO '{target}' (FORMAT parquet, "
-                              "COMPRESSION zstd)", {"sid": session_id}).fetchall()
-            out[table] = (int(got[0][0]), path)
+            # streamed as Arrow batches and written here: the database's connection reads and writes no file
+            # but its own (external access is off, see store._connect)
+            reader = cur.execute(f"{_SELECT[table]} ORDER BY rowid", {"sid": session_id}).to_arrow_reader()
+            rows = 0
+            with pq.ParquetWriter(path, reader.schema, compression="zstd") as w:
+                for batch in reader:
+                    w.write_batch(batch)
+                    rows += batch.num_rows
+            out[table] = (rows, path)
     return out
 
 
@@ -207,10 +214,9 @@ class ArchiveQueries:
     file."""
 
     def __init__(self, store, tables: dict):
-        import duckdb  # here, not at the top: ``import precision_lab.store`` then loads no DuckDB (commands that
-        # never open a database start faster)
+        from . import connect_duckdb  # the package's one way to connect (loads DuckDB here, not at import)
 
-        self._con = duckdb.connect()  # in memory: the archive's tables only, never the database
+        self._con = connect_duckdb()  # in memory: the archive's tables only, never the database
         self._views = {}
         try:
             for name, t in tables.items():

@@ -1,0 +1,165 @@
+"""Files someone else made: a database file handed over is opened as data, never as code; a file that is not a
+database, or is cut short, is one sentence; names from files cannot drive the terminal."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import duckdb
+import pytest
+from typer.testing import CliRunner
+
+from precision_lab.cli import app
+from precision_lab.display import visible
+from precision_lab.store import ForeignDatabase, Store
+
+runner = CliRunner()
+
+
+def _secret(tmp_path):
+    p = tmp_path / "secret.txt"
+    p.write_text("the-secret-content-42")
+    return p
+
+
+def _one_sentence(res, *needles):
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert "Traceback" not in res.output
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("code, held", [
+    ("CREATE VIEW sessions AS SELECT content AS name FROM read_text('{secret}')", "views (sessions)"),
+    ("CREATE MACRO leak() AS TABLE SELECT * FROM read_text('{secret}')", "macros (leak)"),
+])
+def test_a_database_holding_views_or_macros_is_refused_unread(tmp_path, code, held):
+    secret = _secret(tmp_path)
+    db = tmp_path / "given.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE meta (key VARCHAR, value VARCHAR); INSERT INTO meta VALUES ('schema_version', '7')")
+    con.execute(code.format(secret=secret))
+    con.close()
+    with pytest.raises(ForeignDatabase, match="was not made by Precision Lab"):
+        Store(db)
+    for cmd in (["db", "--db", str(db)], ["report", "--db", str(db), "--session", "x"]):
+        res = runner.invoke(app, cmd)
+        line = _one_sentence(res, str(db), held)
+        assert "the-secret-content-42" not in res.output, line
+
+
+def test_another_programs_tables_are_refused(tmp_path):
+    db = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE customers (name VARCHAR)")
+    con.close()
+    _one_sentence(runner.invoke(app, ["db", "--db", str(db)]), "another program's tables (customers)")
+
+
+def test_the_stores_own_connection_reads_no_other_file(tmp_path, store):
+    secret = _secret(tmp_path)
+    for q in (f"SELECT * FROM read_text('{secret}')", f"SELECT * FROM glob('{tmp_path}/*')",
+              f"SELECT * FROM read_csv('{secret}')"):
+        with pytest.raises(duckdb.Error, match="disabled by configuration"):
+            store.sql(q).fetchall()
+    with pytest.raises(duckdb.Error):
+        store.sql("INSTALL sqlite").fetchall()
+
+
+def test_a_sqlite_file_is_named_not_loaded(tmp_path):
+    db = tmp_path / "given.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    _one_sentence(runner.invoke(app, ["db", "--db", str(db)]), "not a DuckDB database file (it is a SQLite database)")
+
+
+def test_a_database_cut_short_is_one_sentence(tmp_path):
+    db = tmp_path / "cut.duckdb"
+    s = Store(db)
+    with s.new_session("big") as w:  # enough rows to span several blocks
+        from precision_lab.records import RunInfo
+
+        w.add_run(RunInfo(session_id=w.session_id, run_id="r1", name="r", dtype="float16", kind="candidate",
+                          parent_run_id=None, fix=None, policy=None, source="t", order="execution"))
+        for i in range(3000):
+            w.add_warning("w", "x" * 200 + str(i), run_id="r1")
+    s.close()
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 2])
+    for cmd in (["db", "--db", str(db)], ["report", "--db", str(db), "--session", "big"]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert "error: " in res.output
+
+
+def test_names_from_files_cannot_drive_the_terminal(store):
+    evil = "run\x1b]0;owned\x07\x1b[2J\u202e"
+    with store.new_session(evil):
+        pass
+    res = runner.invoke(app, ["db", "--db", store.path])
+    assert res.exit_code == 0 and "\x1b" not in res.output and "\x07" not in res.output
+    assert "\u202e" not in res.output and visible(evil) in res.output
+    assert visible("a\nb\tc") == "a\nb\tc"  # layout characters of a message stay
+
+
+# ---- a run's order: the word is checked where it is read, and a stored word that names none still renders -----
+
+def test_a_shard_manifest_giving_a_run_any_order_is_refused(tmp_path):
+    import json
+
+    import torch
+
+    import precision_lab
+
+    shards = tmp_path / "shards"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with precision_lab.capture(model, run="r", shard_dir=shards) as cap:
+        cap.model(torch.randn(2, 4))
+    m = json.loads((shards / "manifest.json").read_text())
+    m["runs"][0]["order"] = "bogus\x1b[31m"
+    (shards / "manifest.json").write_text(json.dumps(m))
+    res = runner.invoke(app, ["ingest", str(shards), "--db", str(tmp_path / "x.duckdb")])
+    line = _one_sentence(res, "manifest.json", "\"order\"", "not one of execution, data, mtime, name")
+    assert "\x1b" not in line
+
+
+def test_an_archive_giving_a_run_any_order_is_refused(store, tmp_path):
+    import pyarrow as pa
+
+    from precision_lab.services.share import ShareError, export_bytes, import_session
+    from test_share import make_session, with_table
+
+    make_session(store, "demo")
+    archive = export_bytes(store, "demo")
+
+    def bogus(t):
+        i = t.column_names.index("order")
+        return t.set_column(i, "order", pa.array(["bogus"] * t.num_rows, pa.string()))
+
+    from precision_lab.store import SCHEMA_VERSION
+
+    other_store = Store(tmp_path / "other.duckdb")
+    with pytest.raises(ShareError, match="gives a run the order 'bogus'"):
+        import_session(other_store, with_table(archive, "runs", bogus, SCHEMA_VERSION))
+    assert other_store.df("SELECT * FROM sessions").empty
+
+
+def test_a_stored_order_naming_none_still_lists_reports_and_deletes(store):
+    from precision_lab.services.report import build_report, render_text
+    from test_share import make_session
+
+    make_session(store, "demo")
+    store.sql("UPDATE runs SET \"order\" = 'bogus'").fetchall()  # what an older version could store
+    rep = build_report(store, "demo")
+    assert {r["order"] for r in rep["runs"]} == {"bogus"} and "order unknown" in render_text(rep)
+    res = runner.invoke(app, ["db", "--db", store.path])
+    assert res.exit_code == 0 and "demo" in res.output
+    res = runner.invoke(app, ["delete", "--session", "demo", "--db", store.path])
+    assert res.exit_code == 0 and "deleted session 'demo'" in res.output, res.output
+    assert store.df("SELECT * FROM runs").empty and store.df("SELECT * FROM tensors").empty
+    _one_sentence(runner.invoke(app, ["delete", "--session", "demo", "--db", store.path]), "no session named 'demo'")
