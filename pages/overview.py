@@ -195,10 +195,10 @@ for i, card in enumerate(cards):
             elif action["existing"]:  # already made from this run: open it, do not make a copy
                 icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
                 if st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
-                             help=f"this fix was already run from this run: {action['reason']}"):
+                             help=f"this fix was already run from this run: {plain(action['reason'])}"):
                     page.navigate("diff", session=info["name"], view="runs")
             elif st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
-                           help=action["reason"]):
+                           help=plain(action["reason"])):
                 st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
                                                             parent=action["parent"])
                 st.rerun()

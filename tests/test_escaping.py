@@ -17,7 +17,8 @@ import pytest
 from test_share import make_session
 from ui_fixtures import CHROMIUM, CHROMIUM_ARGS, assert_clean, open_page, serve_db
 
-EVIL = "<script>alert(1)</script>[click](http://evil.example)*x*"
+EVIL = ("<script>alert(1)</script>[click](http://evil.example)*x* ![i](http://evil.example/i.png) "
+        "https://evil.example/bare www.evil.example mail@evil.example")
 OP_PREFIX = "blk<img src=x onerror=alert(2)>[a](http://evil.example)"
 SESSION = "sess<script>alert(3)</script>[s](http://evil.example)"
 RUN_FILE = "dump/<b>bold</b>[f](http://evil.example).npy"
@@ -27,10 +28,16 @@ def _hostile_session(store):
     """A session whose session name, op names, warning file and diagnosis message are hostile."""
     from precision_lab.records import Diagnosis
 
+    from precision_lab.records import RunInfo
+
     made = make_session(store, SESSION, op_prefix=OP_PREFIX)
     sid = store.session(SESSION)["session_id"]
     with store.extend_session(SESSION) as w:
         w.add_warning(RUN_FILE, f"skipped {EVIL}", run_id=made["cand"])
+        # a re-run of the candidate whose name and fix come from data: the Diff page's card and its tooltips
+        w.add_run(RunInfo(session_id=sid, run_id="evilrerun01", name=f"fix {EVIL}", dtype="float16", kind="rerun",
+                          parent_run_id=made["cand"], fix=f"keep-fp32:{OP_PREFIX}", policy=None, source="t",
+                          order="execution"))
         w.add_diagnosis(Diagnosis(sid, made["cand"], f"{OP_PREFIX}.5.fc", "overflow", f"message {EVIL}",
                                   (EVIL,), "error", 5))
     return made
@@ -118,6 +125,24 @@ def _render(src: str) -> str:
 _MD_KINDS = ("title", "header", "subheader", "markdown", "caption", "info", "error", "warning", "success")
 
 
+# GFM's autolink-literal pass (remark-gfm, which Streamlit's markdown uses) over text after escapes are resolved:
+# a URL, a www. host and an e-mail address become links whatever escaping surrounds them
+_GFM_URL = re.compile(r"(https?://|www(?=\.))([-.\w]+)", re.IGNORECASE)
+_GFM_EMAIL = re.compile(r"([-.\w+]+)@([-\w]+(?:\.[-\w]+)+)")
+_HELP_KINDS = ("button", "metric", "checkbox", "toggle", "radio", "selectbox", "text_input", "number_input")
+
+
+def _check_markdown(kind, src) -> str:
+    out = _render(str(src))
+    assert "evil.example" not in " ".join(re.findall(r'(?:href|src)="([^"]*)"', out)), (kind, src)
+    assert not re.search(r"<(script|img|b)[ >]", out.replace("&lt;", "«")), (kind, src)
+    text = html.unescape(re.sub(r"<[^>]+>", "", out))
+    prose = html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"<code>.*?</code>", " ", out, flags=re.S)))
+    for m in list(_GFM_URL.finditer(prose)) + list(_GFM_EMAIL.finditer(prose)):  # code spans are never linked
+        assert "evil" not in m.group(0), (kind, "autolinked", m.group(0), src)
+    return text.replace("\u2060", "")  # the word joiners that keep a URL from linking read as nothing
+
+
 def _check_page(at):
     assert_clean(at)
     assert not at.get("html"), "st.html renders raw HTML"
@@ -126,10 +151,13 @@ def _check_page(at):
         for el in getattr(at, kind):
             if getattr(el.proto, "allow_html", False):
                 raise AssertionError(f"{kind} uses unsafe_allow_html: {el.value[:80]!r}")
-            out = _render(str(el.value))
-            assert "evil.example" not in " ".join(re.findall(r'href="([^"]*)"', out)), (kind, el.value)
-            assert not re.search(r"<(script|img|b)[ >]", out.replace("&lt;", "«")), (kind, el.value)
-            shown.append(html.unescape(re.sub(r"<[^>]+>", "", out)))
+            shown.append(_check_markdown(kind, el.value))
+    for kind in _HELP_KINDS:  # labels and tooltips are markdown too
+        for el in at.get(kind):
+            for field in ("label", "help"):
+                value = getattr(el.proto, field, "")
+                if value:
+                    shown.append(_check_markdown(f"{kind} {field}", value))
     for chart in at.get("plotly_chart"):
         spec = json.loads(chart.proto.spec) if chart.proto.spec else {}
         strings = json.dumps(spec)
@@ -193,7 +221,9 @@ def test_message_md_shows_quoted_names_as_code(op):
     # CommonMark strips one leading and trailing space of a padded code span
     assert codes[0] == op and codes[1] == f"{op}.1"
     text = html.unescape(re.sub(r"<[^>]+>", "", out)).strip()
-    assert text == f"{op} overflows fp16 *here* [x](http://evil.example) at {op}.1"
+    prose = html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"<code>.*?</code>", " ", out, flags=re.S)))
+    assert not _GFM_URL.search(prose)  # GFM would not link the bare URL either
+    assert text.replace("\u2060", "") == f"{op} overflows fp16 *here* [x](http://evil.example) at {op}.1"
 
 
 def test_message_md_without_quotes_is_plain_escaping():

@@ -76,6 +76,10 @@ _MD_SPECIAL = set("\\`*_{}[]()#!|<>~$:&")
 # characters that start markup only at the beginning of a line (lists, rules)
 _MD_LEADING = set("-+=")
 _MD_ORDERED = re.compile(r"^(\d+)([.)])")
+# what GFM turns into a link in plain text, whatever is escaped around it (its autolink-literal pass reads the text
+# after escapes are resolved): "http://", "https://", "www." and "name@host"; a word joiner (U+2060, invisible)
+# after the scheme's colon, after "www" and after "@" leaves the text as it reads and no link
+_AUTOLINK = re.compile(r"((?:https?|ftp|mailto|xmpp):|\bwww(?=\.)|@)", re.IGNORECASE)
 
 
 def plot_text(text: Any) -> str:
@@ -88,7 +92,7 @@ def plot_text(text: Any) -> str:
 def escape_md(text: Any) -> str:
     """Text for ``st.markdown`` shown literally: op and file names come from
     uploaded dumps and must never render as links, HTML or formatting."""
-    s = str(text).replace("\r", " ").replace("\n", " ")
+    s = _AUTOLINK.sub("\\1\u2060", str(text).replace("\r", " ").replace("\n", " "))
     out = "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in s)
     if out[:1] in _MD_LEADING:
         out = "\\" + out

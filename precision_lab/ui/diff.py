@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 from ..services.report import first_nonfinite
 from ..store import queries as q
+from .common import escape_md
 from ..store import views
 from ..store.queries import session_runs
 # the page reads these here: pages never import the store
@@ -90,7 +91,7 @@ def sqnr_card(card: dict) -> tuple[str, Optional[float], str]:
     before = ("NaN/Inf in its output" if card["broken_before"] else "—" if sb is None else f"{sb:.1f} dB")
     return (value, None if sa is None or sb is None else round(sa - sb, 1),
             f"The model's output against the fp32 reference; an output holding NaN/Inf has no SQNR. Before: "
-            f"{before} in {card['parent']}.")
+            f"{before} in {escape_md(card['parent'])}.")
 
 
 def landing_op(store, run_id: str) -> Optional[str]:
