@@ -163,3 +163,26 @@ def test_a_stored_order_naming_none_still_lists_reports_and_deletes(store):
     assert res.exit_code == 0 and "deleted session 'demo'" in res.output, res.output
     assert store.df("SELECT * FROM runs").empty and store.df("SELECT * FROM tensors").empty
     _one_sentence(runner.invoke(app, ["delete", "--session", "demo", "--db", store.path]), "no session named 'demo'")
+
+
+@pytest.mark.parametrize("column, values", [("max", ["x", "y"]), ("nan_count", [0.5, 1.5]), ("op", [1, 2])])
+def test_a_shard_column_of_another_type_is_refused_before_the_insert(tmp_path, column, values):
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    import precision_lab
+
+    shards = tmp_path / "shards"
+    with precision_lab.capture(torch.nn.Sequential(torch.nn.Linear(4, 4)), run="r", shard_dir=shards) as cap:
+        cap.model(torch.randn(2, 4))
+    f = sorted(glob.glob(str(shards / "**" / "*.parquet"), recursive=True))[0]
+    t = pq.read_table(f)
+    t = t.set_column(t.column_names.index(column), column, pa.array((values * t.num_rows)[: t.num_rows]))
+    pq.write_table(t, f)
+    db = tmp_path / "x.duckdb"
+    res = runner.invoke(app, ["ingest", str(shards), "--db", str(db)])
+    _one_sentence(res, "step0.parquet", f"column {column} holds")
+    assert Store(db).df("SELECT * FROM sessions").empty  # nothing half-stored

@@ -394,7 +394,31 @@ def _open_shard(path: Path, shown: str):
     missing = [n for n in need if n not in schema.names]
     if missing:
         raise ShardError(f"{shown}: shard lacks column(s) {', '.join(missing)}")
+    for name, kind in _columns():  # each column of the type the store's column has: nothing fails at insert
+        if name in schema.names and not _TYPE_OK[kind](schema.field(name).type):
+            raise ShardError(f"{shown}: column {name} holds {schema.field(name).type}, not {_TYPE_WORD[kind]}")
     return pf
+
+
+def _text_type(t) -> bool:
+    import pyarrow as pa
+
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+
+
+def _type_check(*preds):
+    def ok(t) -> bool:
+        import pyarrow as pa
+
+        return pa.types.is_null(t) or any(getattr(pa.types, p)(t) for p in preds)
+
+    return ok
+
+
+_TYPE_OK = {"int": _type_check("is_integer"), "float": _type_check("is_floating", "is_integer"),
+            "str": _text_type, "bool": _type_check("is_boolean")}
+_TYPE_WORD = {"int": "integers", "float": "numbers", "str": "text", "bool": "true/false values"}
 
 
 def _value_lengths(col):
