@@ -75,14 +75,17 @@ class _Tokens:
         return found
 
     def set(self, session_id: str, name: str, token: Optional[str]) -> None:
-        """Give session ``session_id`` the token ``token`` (None: revoke it)."""
+        """Give session ``session_id`` the token ``token`` (None: revoke it, failing closed)."""
         def change(sessions: dict) -> None:
             if token is None:
                 sessions.pop(session_id, None)
             else:
                 sessions[session_id] = {"name": name, "token": token}
 
-        self.update(change)
+        self._update(change, token is None)
+
+    def _update(self, change, fail_closed: bool) -> dict:
+        return self.update(change)
 
     def revoke(self, session: str) -> list[dict]:
         """Revoke the links of the sessions recorded under name or id ``session``; returns what was removed."""
@@ -92,7 +95,7 @@ class _Tokens:
             for sid in [s for s, e in sessions.items() if s == session or e.get("name") == session]:
                 removed.append({"session_id": sid, **sessions.pop(sid)})
 
-        self.update(change)
+        self._update(change, True)
         return removed
 
 
@@ -177,12 +180,18 @@ class TokenFile(_Tokens):
     def _locked(self):
         return file_lock(self._lock_path)
 
-    def update(self, change) -> dict:
+    def _update(self, change, fail_closed: bool) -> dict:
+        return self.update(change, fail_closed=fail_closed)
+
+    def update(self, change, *, fail_closed: bool = False) -> dict:
         """Apply ``change(sessions) -> None`` (it edits the dict) and write the result atomically.
 
         A file that exists but cannot be parsed is refused (``TokenFileError``)
         rather than replaced: replacing it would silently bring back or drop
-        links.  Returns the sessions written.
+        links.  Returns the sessions written.  ``fail_closed`` (a revocation):
+        when the new file cannot be written (a full disk), the file is removed
+        instead -- which needs no space -- so no link of the database opens
+        anything, and ``TokenFileError`` says so.
         """
         with self._locked():
             with self._mutex:
@@ -190,7 +199,20 @@ class TokenFile(_Tokens):
             sessions = self.sessions()
             sessions = {} if sessions is None else sessions
             change(sessions)
-            self._write(sessions)
+            try:
+                self._write(sessions)
+            except OSError as e:
+                if not fail_closed:
+                    raise
+                try:
+                    os.remove(self.path)
+                except FileNotFoundError:
+                    pass
+                with self._mutex:
+                    self._cache = (None, None)
+                raise TokenFileError(f"{self.path} could not be rewritten ({e.strerror or e}), so it was removed: "
+                                     "every share link of this database is revoked, not only this one; make "
+                                     "new links once the disk has room") from None
             return sessions
 
     def _write(self, sessions: dict) -> None:

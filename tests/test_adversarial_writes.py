@@ -52,3 +52,48 @@ def test_verify_that_meets_a_lock_exits_2_with_the_lock_sentence(store, recipe_s
     res = CliRunner().invoke(app, ["verify", "--session", recipe_session, "--db", store.path])
     assert res.exit_code == 2, res.output
     assert "locked by another process" in res.output and "works" not in res.output and "cannot" not in res.output
+
+
+# ---- a full disk: one sentence, exit 2, nothing half-stored; a revocation still takes effect ---------------
+
+def test_a_full_disk_during_ingest_is_one_sentence_and_stores_nothing(tmp_path, monkeypatch):
+    import duckdb
+
+    from precision_lab import store as store_mod
+    from precision_lab.paths import samples_dir
+
+    dump = next(p for p in sorted(samples_dir().iterdir()) if p.is_dir())
+
+    def full(self):
+        raise duckdb.IOException(f'IO Error: Could not write file "{tmp_path}/x.wal": No space left on device')
+
+    monkeypatch.setattr(store_mod.SessionWriter, "flush", full)
+    db = tmp_path / "full.duckdb"
+    res = CliRunner().invoke(app, ["ingest", str(dump), "--db", str(db)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: the disk is full, so nothing of this command was stored")
+    monkeypatch.undo()
+    assert store_mod.Store(db).df("SELECT * FROM sessions").empty
+
+
+def test_a_revocation_that_cannot_be_written_still_takes_effect(store, monkeypatch):
+    import errno
+
+    from precision_lab import tokens
+    from precision_lab.services.share import create_share_token
+    from test_share import make_session
+
+    make_session(store, "a")
+    make_session(store, "b")
+    ta, tb = create_share_token(store, "a"), create_share_token(store, "b")
+    assert store.session_by_token(ta)["name"] == "a"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tokens, "write_private_json", full)
+    res = CliRunner().invoke(app, ["share-link", "--session", "a", "--revoke", "--db", store.path])
+    assert res.exit_code == 2, res.output
+    assert "every share link of this database is revoked" in res.output
+    assert store.session_by_token(ta) is None and store.session_by_token(tb) is None  # closed, not left open

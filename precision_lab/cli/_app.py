@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import NoReturn
 
@@ -46,11 +47,15 @@ class _Commands(TyperGroup):
             fail(str(e))
         except Exception as e:
             duckdb = sys.modules.get("duckdb")
+            reason = str(e).split("\n")[0]
+            if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (
+                    duckdb is not None and isinstance(e, duckdb.Error) and "No space left on device" in reason):
+                # a write is one transaction: what the database held before this command is what it holds now
+                fail(f"the disk is full, so nothing of this command was stored ({reason[:300]})")
             if duckdb is None or not isinstance(e, duckdb.IOException):
                 raise
             # a truncated or damaged database file fails when a page of it is read, not when it opens
-            reason = str(e).split("\n")[0].removeprefix("IO Error: ")
-            fail(f"the database file could not be read (damaged or cut short?): {reason}")
+            fail(f"the database file could not be read (damaged or cut short?): {reason.removeprefix('IO Error: ')}")
 
 
 app = typer.Typer(
