@@ -97,3 +97,16 @@ def test_a_revocation_that_cannot_be_written_still_takes_effect(store, monkeypat
     assert res.exit_code == 2, res.output
     assert "every share link of this database is revoked" in res.output
     assert store.session_by_token(ta) is None and store.session_by_token(tb) is None  # closed, not left open
+
+
+def test_a_session_cut_off_before_its_diagnosis_is_found_and_repaired_by_check(store):
+    from precision_lab.services.report import build_report
+    from test_share import make_session
+
+    make_session(store, "cut")  # written, never diagnosed: what a writer killed after its insert leaves
+    assert store.undiagnosed_sessions() == ["cut"]
+    res = CliRunner().invoke(app, ["check", "--db", store.path])
+    assert res.exit_code == 0 and "cut: diagnosed: " in res.output, res.output
+    assert store.undiagnosed_sessions() == [] and build_report(store, "cut")["diagnoses"]
+    res = CliRunner().invoke(app, ["check", "--db", store.path])
+    assert "nothing to repair" in res.output

@@ -21,7 +21,7 @@ COMMANDS = {
     "ingest": "ingest_cmds", "compare": "ingest_cmds", "report": "report_cmds", "capture": "capture_cmds",
     "recipes": "misc_cmds", "fixes": "misc_cmds", "rerun": "fix_cmds", "verify": "fix_cmds", "bisect": "fix_cmds", "replay": "fix_cmds",
     "export": "share_cmds", "import": "share_cmds", "share-link": "share_cmds", "config": "share_cmds",
-    "serve": "serve_cmds", "formats": "misc_cmds", "db": "misc_cmds", "delete": "misc_cmds",
+    "serve": "serve_cmds", "formats": "misc_cmds", "db": "misc_cmds", "delete": "misc_cmds", "check": "misc_cmds",
     "samples": "samples_cmds",
 }
 

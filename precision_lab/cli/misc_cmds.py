@@ -13,6 +13,7 @@ from ..display import num_text
 from ._models import INPUTS_OPTION, LOSS_OPTION, MODEL_OPTION, model_entry_points
 from ..fixes.catalogue import FIXES, parse_fix
 from ..services.applicable import applicable_fixes
+from ..services.diagnose import check_sessions
 from ..store.queries import session_list
 from ..services.rerun import RerunError
 from ..store import SessionNotFound
@@ -51,6 +52,17 @@ def delete_cmd(session: str = typer.Option(..., "--session", "-s", help="the ses
     except SessionNotFound as e:
         _fail(str(e))
     echo(f"deleted session {name!r} from {store.path}")
+
+
+@app.command("check")
+def check_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None:
+    """Find and repair what an interrupted write left: a session stored without its diagnoses gets them (or a
+    warning saying why the rules failed)."""
+    store = open_store(db)
+    done = check_sessions(store)
+    for name, what in done:
+        echo(f"  {name}: {what}")
+    echo(f"{store.path}: {len(done)} session(s) repaired" if done else f"{store.path}: nothing to repair")
 
 
 @app.command("recipes")

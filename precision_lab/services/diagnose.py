@@ -22,7 +22,7 @@ from ..store import queries as q
 from .report import first_nonfinite
 from .sessions import recipe_name, run_policy
 
-__all__ = ["diagnose", "diagnose_session", "StoreFacts"]
+__all__ = ["check_sessions", "diagnose", "diagnose_session", "StoreFacts"]
 
 
 class StoreFacts:
@@ -141,5 +141,25 @@ def diagnose_session(store, session: str) -> list[Diagnosis]:
             w.add_diagnosis(d)
         for j in judged:
             w.worsen_verdicts(*j)
+        w.mark_diagnosed()
     sid = store.session(session)["session_id"]
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
+
+
+def check_sessions(store) -> list[tuple[str, str]]:
+    """Diagnose every session a write left undiagnosed (a process killed between storing a session and
+    diagnosing it); ``[(session, what was done)]``.  Where the rules fail, the session gets a warning saying why,
+    so it is never left without a word."""
+    out = []
+    for name in store.undiagnosed_sessions():
+        try:
+            found = diagnose_session(store, name)
+        except Exception as e:  # noqa: BLE001 - said on the session and here
+            why = f"diagnosis rules failed: {type(e).__name__}: {str(e)[:300]}"
+            with store.extend_session(name) as w:
+                w.add_warning("diagnose", why)
+                w.mark_diagnosed()
+            out.append((name, why))
+        else:
+            out.append((name, f"diagnosed: {len(found)} diagnoses"))
+    return out

@@ -763,6 +763,18 @@ class Store:
         return free_name(name, existing)
 
     # -- reading
+    def undiagnosed_sessions(self) -> list[str]:
+        """Names of the sessions whose diagnoses were never computed (no ``diagnosed`` mark in their notes)."""
+        out = []
+        for name, notes in self.sql("SELECT name, notes FROM sessions ORDER BY created, name").fetchall():
+            try:
+                doc = json.loads(notes or "{}")
+            except ValueError:
+                doc = {}
+            if not (isinstance(doc, dict) and doc.get("diagnosed")):
+                out.append(name)
+        return out
+
     def sessions(self):
         """All sessions with run counts, newest first (DataFrame)."""
         return self.df(
@@ -1133,6 +1145,18 @@ class SessionWriter:
 
     def set_notes(self, notes: dict) -> None:
         self.cur.execute("UPDATE sessions SET notes = ? WHERE session_id = ?", [json.dumps(notes), self.session_id])
+
+    def mark_diagnosed(self) -> None:
+        """Note in the session's notes (``diagnosed``: when) that its diagnoses were computed, in this
+        transaction: a session without the mark was cut off between its write and its diagnosis."""
+        row = self.cur.execute("SELECT notes FROM sessions WHERE session_id = ?", [self.session_id]).fetchone()
+        try:
+            notes = json.loads(row[0] or "{}") if row else {}
+        except ValueError:
+            notes = {}
+        notes = notes if isinstance(notes, dict) else {}
+        notes["diagnosed"] = _now()
+        self.set_notes(notes)
 
 
 def open_store(db: Optional[os.PathLike | str] = None) -> Store:
