@@ -186,3 +186,77 @@ def test_a_shard_column_of_another_type_is_refused_before_the_insert(tmp_path, c
     res = runner.invoke(app, ["ingest", str(shards), "--db", str(db)])
     _one_sentence(res, "step0.parquet", f"column {column} holds")
     assert Store(db).df("SELECT * FROM sessions").empty  # nothing half-stored
+
+
+# ---- archives: bounded before a value is decoded, refusals of bounded length -----------------------------
+
+def _archive_with(archive: bytes, table: str, t, rows: int, **write) -> bytes:
+    import hashlib
+    import io
+    import json
+    import zipfile
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="zstd", **write)
+    data = buf.getvalue()
+    src = zipfile.ZipFile(io.BytesIO(archive))
+    m = json.loads(src.read("manifest.json"))
+    m["tables"][table].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=rows)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            if info.filename == "manifest.json":
+                dst.writestr(info.filename, json.dumps(m))
+            else:
+                dst.writestr(info.filename, data if info.filename == f"{table}.parquet" else src.read(info))
+    return out.getvalue()
+
+
+def test_a_dictionary_encoded_bomb_is_refused_before_it_is_decoded(store, tmp_path):
+    import resource
+    import time
+
+    import pyarrow as pa
+
+    from precision_lab.services.share import ShareError, export_bytes, import_session
+    from test_share import make_session
+
+    make_session(store, "demo")
+    archive = export_bytes(store, "demo")
+    sid = store.session("demo")["session_id"]
+    run = store.df("SELECT run_id FROM runs LIMIT 1").run_id[0]
+    n = 4000  # one 1 MiB message repeated: 4 GiB once decoded, a few KiB stored
+    big = pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array(["x" * (1 << 20)]))
+    t = pa.table({"session_id": [sid] * n, "run_id": [run] * n, "file": ["f"] * n, "message": big})
+    # written as any Parquet writer does, without Arrow's schema: the column reads back as plain strings
+    bomb = _archive_with(archive, "warnings", t, n, store_schema=False)
+    assert len(bomb) < 200_000
+    other = Store(tmp_path / "other.duckdb")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(ShareError, match="compression bomb protection"):
+        import_session(other, bomb)
+    assert time.monotonic() - t0 < 30
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 1024, grown_mib  # far from the 4 GiB it decodes to
+    assert other.df("SELECT * FROM sessions").empty
+
+
+def test_an_archive_with_thousands_of_unknown_columns_is_one_short_sentence(store, tmp_path):
+    import pyarrow as pa
+
+    from precision_lab.services.share import ShareError, export_bytes, import_session
+    from test_share import make_session
+
+    make_session(store, "demo")
+    archive = export_bytes(store, "demo")
+    sid = store.session("demo")["session_id"]
+    run = store.df("SELECT run_id FROM runs LIMIT 1").run_id[0]
+    cols = {"session_id": [sid], "run_id": [run], "file": ["f"], "message": ["m"]}
+    cols.update({f"junk_column_{i:05d}_" + "y" * 20: [1] for i in range(20_000)})
+    bad = _archive_with(archive, "warnings", pa.table(cols), 1)
+    with pytest.raises(ShareError) as e:
+        import_session(Store(tmp_path / "other.duckdb"), bad)
+    assert len(str(e.value)) < 400 and "warnings.parquet" in str(e.value), str(e.value)[:500]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from precision_lab.ui.common import escape_md, public_source, public_text
+from precision_lab.public import public_source, public_text
+from precision_lab.ui.common import escape_md
 
 from ui_fixtures import app_test, assert_clean, empty_db, texts  # noqa: F401  (empty_db: a fixture)
 
@@ -180,3 +181,32 @@ def test_import_failure_is_a_sentence_naming_the_file(empty_db, monkeypatch):
     assert_clean(at)
     assert at.error[0].value == escape_md("The file could not be imported: team.zip: disk I/O error while "
                                           "writing session.zip")
+
+
+def test_an_export_and_a_report_carry_no_path_of_the_sharers_machine(store):
+    import io
+    import zipfile
+
+    import pyarrow.parquet as pq
+
+    from precision_lab.services.share import export_bytes
+    from precision_lab.ui.html_report import render_html
+    from test_share import make_session
+
+    make_session(store, "demo")
+    home = "/home/zqxuser/secret-project"
+    store.sql(f"UPDATE runs SET source = '{home}/dumps/fp16'").fetchall()
+    store.sql(f"UPDATE sessions SET source = 'candidate: {home}/dumps/fp16; reference: {home}/dumps/fp32', "
+              f"recipe = 'model:{home}/m.py:build,{home}/m.py:inputs'").fetchall()
+    zf = zipfile.ZipFile(io.BytesIO(export_bytes(store, "demo")))
+    texts = []
+    for name in zf.namelist():
+        if name.endswith(".parquet"):
+            t = pq.read_table(io.BytesIO(zf.read(name)))
+            texts += [str(v) for c in t.columns for v in c.to_pylist() if isinstance(v, str)]
+    assert texts and not [t for t in texts if "zqxuser" in t]
+    runs = pq.read_table(io.BytesIO(zf.read("runs.parquet"))).to_pylist()
+    assert {r["source"] for r in runs} == {"fp16"}  # the folder by its name: enough to tell runs apart
+    sessions = pq.read_table(io.BytesIO(zf.read("sessions.parquet"))).to_pylist()
+    assert sessions[0]["recipe"] == "model:m.py:build,m.py:inputs"
+    assert "zqxuser" not in render_html(store, "demo") and "secret-project" not in render_html(store, "demo")

@@ -512,7 +512,8 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
 
 
 def test_escape_md_neutralises_markup():
-    assert escape_md("[x](http://evil)") == "\\[x\\]\\(http\\://evil\\)"
+    # the word joiner after the scheme keeps GFM from linking the bare URL
+    assert escape_md("[x](http://evil)") == "\\[x\\]\\(http\\:\u2060//evil\\)"
     assert escape_md("<script>alert(1)</script>") == "\\<script\\>alert\\(1\\)\\</script\\>"
     assert escape_md("1. item") == "1\\. item" and escape_md("- item") == "\\- item"
     assert escape_md("a_b*c") == "a\\_b\\*c"

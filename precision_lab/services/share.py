@@ -42,6 +42,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 from ..readers import first_line
 from ..scratch import scratch_dir
 from ..display import visible
+from ..public import public_source
 from ..enums import RunOrder
 from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ArchiveQueries, ImportRefused, copy_session_tables,
                               insert_session_tables, table_columns)
@@ -164,7 +165,9 @@ def _export(store, session: str, out) -> dict:
     sid = info["session_id"]
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
-        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp)).items():
+        # what the file carries of the sharer's machine: no path, each file or folder by its name
+        public = {"runs": {"source": public_source}, "sessions": {"source": public_source, "recipe": public_source}}
+        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp), rewrite=public).items():
             digest, size = _file_digest(path)
             tables[table] = {"file": path.name, "rows": rows, "sha256": digest, "bytes": size}
         manifest = {
@@ -336,40 +339,99 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
                          "after export or the manifest lies")
     try:
         pf = pq.ParquetFile(io.BytesIO(b))
-        inflated = sum(pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups))
+        md, schema = pf.metadata, pf.schema_arrow
+        inflated = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({e})") from None
-    # Parquet compresses inside the zip too: bound what it may expand to before reading it
-    budget = max(_PARQUET_RATIO * len(b), _PARQUET_FREE_BYTES)
-    if inflated > budget:
-        raise ShareError(f"{where}: {fname} declares {inflated} bytes of data in {len(b)} bytes, more than "
-                         f"{_PARQUET_RATIO}x; refusing it (compression bomb protection)")
-    try:
-        t = pf.read()
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({e})") from None
-    if t.num_rows != entry["rows"]:
-        raise ShareError(f"{where}: {MANIFEST} says {fname} holds {entry['rows']} rows, the file holds "
-                         f"{t.num_rows}; refusing a manifest that does not describe its files")
-    if table == "sessions" and "share_token" in t.column_names and "share_token" not in store_cols:
-        t = t.drop_columns(["share_token"])  # exported before schema 7, always empty: tokens are not exported
-    cols = list(t.column_names)
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({_brief(e)})") from None
+    # what the file declares is checked before a value is read: columns, rows, sizes
+    cols = list(schema.names)
+    if len(cols) > len(store_cols) + 1:
+        raise ShareError(f"{where}: {fname} has {len(cols)} columns; table {table} has {len(store_cols)}")
+    if table == "sessions" and "share_token" in cols and "share_token" not in store_cols:
+        cols.remove("share_token")  # exported before schema 7, always empty: tokens are not exported
     if len(set(cols)) != len(cols):
         raise ShareError(f"{where}: {fname} repeats a column name")
     unknown = [c for c in cols if c not in store_cols]
     if unknown:
-        raise ShareError(f"{where}: {fname} has column(s) {', '.join(map(repr, unknown))} that table {table} "
-                         "does not have (exported by a newer or different program?)")
+        raise ShareError(f"{where}: {fname} has column(s) {_few(unknown)} that table {table} does not have "
+                         "(exported by a newer or different program?)")
     missing = [c for c in _REQUIRED[table] if c not in cols]
     if missing:
         raise ShareError(f"{where}: {fname} lacks required column(s) {', '.join(missing)}")
     # the checks read values as archived and the database as its own types ('0' and '00' are one rid once
     # stored): each column must already be of its table's type
-    for col in t.schema:
-        kind = store_cols[col.name]
-        if not _arrow_fits(col.type, kind):
+    for col in schema:
+        if col.name in store_cols and not _arrow_fits(col.type, store_cols[col.name]):
             raise ShareError(f"{where}: {fname} column {col.name!r} holds {col.type} where table {table} keeps "
-                             f"{kind}; refusing it")
+                             f"{store_cols[col.name]}; refusing it")
+    if md.num_rows != entry["rows"]:
+        raise ShareError(f"{where}: {MANIFEST} says {fname} holds {entry['rows']} rows, the file holds "
+                         f"{md.num_rows}; refusing a manifest that does not describe its files")
+    # Parquet compresses inside the zip too: bound what it may expand to before reading it, and again as it is
+    # decoded (dictionary and run-length encoding pack repeated values below what the metadata counts)
+    budget = max(_PARQUET_RATIO * len(b), _PARQUET_FREE_BYTES)
+    if inflated > budget:
+        raise ShareError(f"{where}: {fname} declares {inflated} bytes of data in {len(b)} bytes, more than "
+                         f"{_PARQUET_RATIO}x; refusing it (compression bomb protection)")
+    per_row = {f.name: (N_BINS if pa.types.is_list(f.type) or pa.types.is_large_list(f.type) else 1)
+               for f in schema}
+    for i in range(md.num_row_groups):
+        g = md.row_group(i)
+        for j in range(g.num_columns):
+            c = g.column(j)
+            top = c.path_in_schema.split(".")[0]
+            if c.num_values > per_row.get(top, 1) * max(g.num_rows, 1):
+                raise ShareError(f"{where}: {fname} column {top!r} packs {c.num_values} values into {g.num_rows} "
+                                 "rows; refusing it (compression bomb protection)")
+    t = _bounded_read(b, schema, where, fname, budget)
+    if table == "sessions" and "share_token" in t.column_names and "share_token" not in store_cols:
+        t = t.drop_columns(["share_token"])
+    return t
+
+
+def _brief(e, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _few(names, shown: int = 5) -> str:
+    """Names for a message: the first few, each cut short, and how many more."""
+    out = ", ".join(repr(str(n)[:60]) for n in names[:shown])
+    return out + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _bounded_read(data: bytes, schema, where: str, fname: str, budget: int):
+    """The table, read a batch at a time with text and binary columns kept dictionary-encoded until what they
+    decode to is measured: refused (``ShareError``) as soon as the decoded bytes pass ``budget``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    text = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_binary(f.type)
+            or pa.types.is_large_string(f.type) or pa.types.is_large_binary(f.type)]
+    used, batches = 0, []
+    try:
+        pf = pq.ParquetFile(io.BytesIO(data), read_dictionary=text)
+        for batch in pf.iter_batches(batch_size=16_384):
+            for name, col in zip(batch.schema.names, batch.columns):
+                if pa.types.is_dictionary(col.type):
+                    n = pc.sum(pc.binary_length(col.dictionary).take(col.indices)).as_py() or 0
+                    used += int(n) + 8 * len(col)
+                else:
+                    used += col.nbytes
+            if used > budget:
+                raise ShareError(f"{where}: {fname} expands to more than {budget} bytes when read; refusing it "
+                                 "(compression bomb protection)")
+            batches.append(batch)
+        t = pa.Table.from_batches(batches, schema=pf.schema_arrow) if not batches else pa.Table.from_batches(batches)
+    except ShareError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({_brief(e)})") from None
+    # decoded now that their size is known: the checks and the insert read plain columns
+    for i, f in enumerate(t.schema):
+        if pa.types.is_dictionary(f.type):
+            t = t.set_column(i, f.name, pc.cast(t.column(i), f.type.value_type))
     return t
 
 
@@ -379,6 +441,8 @@ def _arrow_fits(arrow_type, duck_type: str) -> bool:
 
     if pt.is_null(arrow_type):
         return True
+    if pt.is_dictionary(arrow_type):  # a dictionary-encoded column is its values (decoded once measured)
+        return _arrow_fits(arrow_type.value_type, duck_type)
     if duck_type.endswith("[]"):
         return ((pt.is_list(arrow_type) or pt.is_large_list(arrow_type))
                 and _arrow_fits(arrow_type.value_type, duck_type[:-2]))

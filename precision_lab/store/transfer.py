@@ -72,13 +72,15 @@ class ImportRefused(ValueError):
     """The database cannot take a table as given; the message names the table."""
 
 
-def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple[int, Path]]:
+def copy_session_tables(store, session_id: str, folder: Path, rewrite=None) -> dict[str, tuple[int, Path]]:
     """Each table's rows of the session as ``<folder>/<table>.parquet``, written by DuckDB (streaming) in one
     read transaction, so a re-run committing meanwhile cannot make them disagree; ``{table: (rows, path)}``.
 
     ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
+    ``rewrite``: ``{table: {text column: function}}`` applied to each value as it is written.
     """
-    import pyarrow.parquet as pq  # deferred with DuckDB (see ArchiveQueries)
+    import pyarrow as pa  # deferred with DuckDB (see ArchiveQueries)
+    import pyarrow.parquet as pq
 
     out = {}
     with store.reading() as cur:
@@ -86,10 +88,15 @@ def copy_session_tables(store, session_id: str, folder: Path) -> dict[str, tuple
             path = Path(folder) / f"{table}.parquet"
             # streamed as Arrow batches and written here: the database's connection reads and writes no file
             # but its own (external access is off, see store._connect)
-            reader = cur.execute(f"{_SELECT[table]} ORDER BY rowid", {"sid": session_id}).to_arrow_reader()
+            reader = cur.sql(f"{_SELECT[table]} ORDER BY rowid", params={"sid": session_id}).to_arrow_reader()
             rows = 0
             with pq.ParquetWriter(path, reader.schema, compression="zstd") as w:
                 for batch in reader:
+                    for col, fn in ((rewrite or {}).get(table) or {}).items():  # text columns, rewritten as written
+                        i = batch.schema.get_field_index(col)
+                        if i >= 0:
+                            values = [None if v is None else fn(v) for v in batch.column(i).to_pylist()]
+                            batch = batch.set_column(i, batch.schema.field(i), pa.array(values, pa.string()))
                     w.write_batch(batch)
                     rows += batch.num_rows
             out[table] = (rows, path)

@@ -27,7 +27,8 @@ from .. import __version__
 from ..store import views
 from ..services import timeline as _timeline
 from ..services.report import norm_artefacts, order_text
-from .common import cosine_text, num_text, plot_text, public_source
+from ..public import public_source
+from .common import cosine_text, num_text, plot_text
 from ..store.views import counterparts, record
 from .timeline import step_figure
 from .detail import default_formats, histogram_figure, load_stats, summary_figure
@@ -199,11 +200,12 @@ def _long_runs(store, sid: str) -> list[str]:
     return out
 
 
-def render_html(store, session: str, *, public: bool = False) -> str:
+def render_html(store, session: str, *, public: bool = True) -> str:
     """The page as a string (see the module doc).
 
-    ``public``: for a browser download; sources name files relative to the
-    upload, never a folder of the server (``ui.common.public_source``).
+    ``public`` (the default: a report is made to be passed on): sources name
+    files relative to the upload or by their name, never a folder of the
+    server or the sharer (``public.public_source``).
     """
     import plotly.offline
 

@@ -16,7 +16,8 @@ from ..store import views
 # op_output_rid, ACCUMULATED_KINDS, LOCAL_KINDS and error_series are read by the page here: pages never import the store
 from ..store.queries import op_output_rid, session_runs  # noqa: F401
 from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders  # noqa: F401
-from .common import num_text, plot_text, public_source
+from ..public import public_source
+from .common import num_text, plot_text
 from ..metrics import ELEMENTWISE, relative_error
 
 __all__ = ["long_runs", "model_tree", "runs_table", "first_nonfinite_by_run", "diagnosis_cards", "error_figure",

@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import streamlit as st
 
 from ..formats import FORMAT_NAMES
-from .common import escape_md, public_text, run_label
+from ..public import public_text
+from .common import escape_md, run_label
 from .overview import session_headline
 from . import sessions as sessions_view
 from ..store.queries import session_data_version

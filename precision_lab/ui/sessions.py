@@ -11,7 +11,8 @@ import pandas as pd
 
 from ..store import queries as q
 from ..store import views
-from .common import public_source, public_text, run_label
+from ..public import public_source, public_text
+from .common import run_label
 from .overview import session_headline
 from ..services.samples import Sample
 from ..services.upload import UploadError, write_upload
