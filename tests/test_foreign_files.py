@@ -191,27 +191,10 @@ def test_a_shard_column_of_another_type_is_refused_before_the_insert(tmp_path, c
 # ---- archives: bounded before a value is decoded, refusals of bounded length -----------------------------
 
 def _archive_with(archive: bytes, table: str, t, rows: int, **write) -> bytes:
-    import hashlib
-    import io
-    import json
-    import zipfile
+    """The archive with ``table`` replaced by ``t``, its manifest saying ``rows``."""
+    from test_share import with_table
 
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(t, buf, compression="zstd", **write)
-    data = buf.getvalue()
-    src = zipfile.ZipFile(io.BytesIO(archive))
-    m = json.loads(src.read("manifest.json"))
-    m["tables"][table].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=rows)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as dst:
-        for info in src.infolist():
-            if info.filename == "manifest.json":
-                dst.writestr(info.filename, json.dumps(m))
-            else:
-                dst.writestr(info.filename, data if info.filename == f"{table}.parquet" else src.read(info))
-    return out.getvalue()
+    return with_table(archive, table, lambda _: t, rows=rows, compression="zstd", **write)
 
 
 def test_a_dictionary_encoded_bomb_is_refused_before_it_is_decoded(store, tmp_path):

@@ -8,6 +8,7 @@ other test files reuse.
 import hashlib
 import io
 import json
+from typing import Optional
 import zipfile
 from pathlib import Path
 
@@ -239,19 +240,23 @@ def test_stats_only_session_round_trips(store, other_store, tmp_path):
     assert other_store.histogram(run_id, 0) is None and other_store.tensor(run_id, 0) is None
 
 
-def with_table(archive: bytes, table: str, change, schema_version: int) -> bytes:
-    """The archive with ``table`` replaced by ``change(table)`` (Arrow) and the manifest saying
-    ``schema_version``; the manifest's checksums made true again."""
+def with_table(archive: bytes, table: str, change, schema_version: Optional[int] = None, *,
+               rows: Optional[int] = None, **write) -> bytes:
+    """The archive with ``table`` replaced by ``change(table)`` (Arrow, written with ``write``) and the manifest
+    saying ``schema_version`` and ``rows`` where given; the manifest's checksums made true again."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     src = zipfile.ZipFile(io.BytesIO(archive))
     m = json.loads(src.read("manifest.json"))
     buf = pa.BufferOutputStream()
-    pq.write_table(change(pq.read_table(io.BytesIO(src.read(f"{table}.parquet")))), buf)
+    pq.write_table(change(pq.read_table(io.BytesIO(src.read(f"{table}.parquet")))), buf, **write)
     data = buf.getvalue().to_pybytes()
-    m["schema_version"] = schema_version
+    if schema_version is not None:
+        m["schema_version"] = schema_version
     m["tables"][table].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    if rows is not None:
+        m["tables"][table]["rows"] = rows
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
