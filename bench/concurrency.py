@@ -5,13 +5,16 @@ running its Sessions page over Streamlit's websocket (as an open browser tab
 whose page is rerun), then starts ``--writers`` processes of ``--ops``
 operations each, cycling through: ingest a small dump pair (a new session),
 capture a small model from Python (a new session), build a session's report
-(a read), and make a share link (a write).  Prints
+(a read), make a share link (a write), and re-run a fix into one session all
+writers share (a new run there).  Prints
 
   * lock errors: operations that failed on another process's lock (target 0),
   * lost or half sessions: a session a writer committed that is missing, or whose
     runs or records are not all there, and any session nobody committed (target 0),
   * time until visible: from a writer's commit until the open tab lists the new
     session (median, 95th percentile, max; target <= 2 s),
+  * duplicate run names: runs of the shared session whose name another run there
+    has too (target 0),
 
 and, as the baseline of the same run, the writers' throughput with no
 dashboard serving against their throughput beside it.
@@ -48,7 +51,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import numpy as np  # noqa: E402
 
 N_OPS_IN_DUMP = 5
-KINDS = ("ingest", "capture", "report", "share")
+KINDS = ("ingest", "capture", "report", "share", "rerun")
+SHARED = "shared"  # the recipe session every writer re-runs a fix into (run names must stay distinct)
 
 
 def _dump_pair(root: Path) -> tuple[Path, Path]:
@@ -70,6 +74,7 @@ def writer(me: int, db: str, ops: int, dumps: str) -> None:
     import precision_lab
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import build_report
+    from precision_lab.services.rerun import rerun_session
     from precision_lab.services.share import create_share_token
     from precision_lab.store import Store
 
@@ -94,6 +99,8 @@ def writer(me: int, db: str, ops: int, dumps: str) -> None:
                 build_report(store, mine[-1])
             elif kind == "share" and mine:
                 create_share_token(store, mine[-1])
+            elif kind == "rerun":
+                line["rerun"] = rerun_session(store, SHARED, "stable-softmax")
         except Exception as e:  # counted, never fatal: the bench reports what failed
             line["error"] = f"{type(e).__name__}: {e}"
         line["committed"] = time.time()
@@ -182,7 +189,26 @@ def staging_bench(reps: int) -> None:
           f"{med(True, 0) / med(False, 0):.2f}")
 
 
+def shared_session(db: Path) -> None:
+    """The recipe session the writers re-run fixes into."""
+    from precision_lab.services.rerun import capture_recipe
+    from precision_lab.store import Store, close_all
+
+    capture_recipe(Store(db), "softmax-fp16-overflow", session=SHARED)
+    close_all()
+
+
+def duplicate_names(db: Path) -> int:
+    """Runs of the shared session whose name another of its runs has too."""
+    from precision_lab.store import Store
+
+    names = [r[0] for r in Store(db).sql("SELECT r.name FROM runs r JOIN sessions s USING (session_id) "
+                                         "WHERE s.name = ?", [SHARED]).fetchall()]
+    return len(names) - len(set(names))
+
+
 def run_writers(db: Path, n: int, ops: int, dumps: Path) -> tuple[list[dict], float]:
+    shared_session(db)
     t0 = time.time()
     procs = [subprocess.Popen([sys.executable, __file__, "--writer", str(i), "--db", str(db), "--ops", str(ops),
                                "--dumps", str(dumps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -214,7 +240,7 @@ def check(db: Path, lines: list[dict]) -> tuple[int, list[str]]:
                          [sid]).fetchone()[0]
         if runs != ln["runs"] or recs != ln["records"]:
             problems.append(f"{name}: {runs} runs, {recs} records, committed {ln['runs']} and {ln['records']}")
-    problems += [f"{name}: nobody committed it" for name in have if name not in want]
+    problems += [f"{name}: nobody committed it" for name in have if name not in want and name != SHARED]
     return len(want), problems
 
 
@@ -282,6 +308,8 @@ def main() -> None:
             stop.set()
             reader.join(timeout=120)
         n_sessions, problems = check(Path(env["PRECISION_LAB_DB"]), lines)
+        dupes = duplicate_names(Path(env["PRECISION_LAB_DB"]))
+        reruns = sum(1 for ln in lines if ln.get("rerun"))
 
     lock_errors = [ln for ln in lines if ln["error"] and "lock" in ln["error"].lower()]
     other_errors = [ln for ln in lines if ln["error"] and ln not in lock_errors]
@@ -296,6 +324,8 @@ def main() -> None:
                                                                  if other_errors else ""))
     print(f"lost or half sessions:       {len(problems)} of {n_sessions} committed (target 0)"
           + (f": {problems[:3]}" if problems else ""))
+    print(f"duplicate run names:         {dupes} among the shared session's runs after {reruns} concurrent "
+          "re-runs into it (target 0)")
     if delays:
         p95 = delays[min(len(delays) - 1, int(round(0.95 * (len(delays) - 1))))]
         print(f"time until visible:          median {statistics.median(delays):.2f} s, p95 {p95:.2f} s, "

@@ -110,3 +110,31 @@ def test_a_session_cut_off_before_its_diagnosis_is_found_and_repaired_by_check(s
     assert store.undiagnosed_sessions() == [] and build_report(store, "cut")["diagnoses"]
     res = CliRunner().invoke(app, ["check", "--db", store.path])
     assert "nothing to repair" in res.output
+
+
+def test_the_lock_sentence_keeps_a_holder_command_holding_slashes(tmp_path):
+    import subprocess
+    import sys
+
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "h.duckdb"
+    Store(db)
+    close_all()
+    script = tmp_path / "holder.py"
+    script.write_text("import sys, duckdb\ncon = duckdb.connect(sys.argv[-1])\nprint('ready', flush=True)\n"
+                      "sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, str(script), "--db=/srv/x/given.duckdb", "1/2\x1b[2J", str(db)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DatabaseLocked) as e:
+            Store(db, lock_wait=0.2)
+        msg = str(e.value)
+        assert "\x1b" not in msg and "\n" not in msg
+        # the command's own words, an absolute path by its last name, a slash inside a word kept
+        assert f"process {holder.pid} (python" in msg and "holder.py --db=given.duckdb 1/2\\x1b[2J)" in msg, msg
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()

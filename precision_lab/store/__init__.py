@@ -180,6 +180,9 @@ _READ = re.compile(r"\s*(\(|SELECT|WITH|FROM|VALUES|TABLE|DESCRIBE|SHOW|SUMMARIZ
 _HOLDER = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
 
 
+_ABS_DIRS = re.compile(r"(?:(?<=^)|(?<=[=:,\s]))/(?:[^/\s]*/)+")
+
+
 def _holder(message: str) -> str:
     """Who holds the file, from DuckDB's lock message: ``process 123 (streamlit run app.py)``."""
     m = _HOLDER.search(message)
@@ -191,8 +194,9 @@ def _holder(message: str) -> str:
             argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
     except OSError:
         argv = [m.group("exe")]
-    words = [Path(argv[0]).name] + [Path(a).name if "/" in a else a for a in argv[1:4]] if argv else []
-    what = " ".join(" ".join(w.split()) for w in words)  # one line, whatever the command line held
+    # an absolute path by its last name (where it starts a word or follows "=", ":" or ","); other slashes stay
+    words = [_ABS_DIRS.sub("", a) for a in argv[:4]]
+    what = visible(" ".join(" ".join(w.split()) for w in words))  # one line, whatever the command line held
     what = what if len(what) <= 80 else what[:79] + "…"
     return f"process {pid}" + (f" ({what})" if what else "")
 
