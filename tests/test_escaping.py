@@ -15,7 +15,7 @@ import re
 import pytest
 
 from test_share import make_session
-from ui_fixtures import CHROMIUM, CHROMIUM_ARGS, assert_clean, open_page, serve_db
+from ui_fixtures import CHROMIUM, CHROMIUM_ARGS, assert_clean, free_port, open_page, serve_db, serving
 
 EVIL = ("<script>alert(1)</script>[click](http://evil.example)*x* ![i](http://evil.example/i.png) "
         "https://evil.example/bare www.evil.example mail@evil.example")
@@ -203,6 +203,67 @@ def test_detail_page_shows_names_as_text(hostile_db):
 def test_diff_page_shows_names_as_text(hostile_db):
     at = open_page("diff", session=SESSION)
     _check_page(at)
+
+
+# a link or image the data chose: to its host, or mail (the pages' own links may carry a name in their query)
+_EVIL_TARGET = ("a[href*='//evil.example'], a[href*='//www.evil'], a[href^='www.'], a[href^='mailto:'], "
+                "img[src*='evil']")
+
+
+def _hrefs(page) -> list:
+    return page.evaluate("Array.from(document.querySelectorAll('a, img')).map(e => e.href || e.src)")[:20]
+
+
+@pytest.mark.browser
+def test_the_served_dashboard_shows_names_as_text_in_chromium(tmp_path):
+    """Overview and Diff of the hostile session in Chromium, every tooltip hovered: no link or image the data
+    chose, no request to its host, no script run."""
+    import os
+    import sys
+    from urllib.parse import quote
+
+    from playwright.sync_api import sync_playwright
+
+    from precision_lab.store import Store, close_all
+
+    db = tmp_path / "hostile.duckdb"
+    _hostile_session(Store(db))
+    close_all()
+    port = free_port()
+    env = dict(os.environ, PRECISION_LAB_DB=str(db))
+    for k in ("PRECISION_LAB_CONFIG", "PRECISION_LAB_READ_ONLY"):
+        env.pop(k, None)
+    argv = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+            "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"]
+    with serving(argv, port=port, env=env, log_path=tmp_path / "streamlit.log") as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context().new_page()
+            dialogs, asked = [], []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: asked.append(r.url))
+            for where in ("overview", "diff"):
+                page.goto(f"{url}/{where}?session={quote(SESSION)}")
+                page.wait_for_selector("[data-testid='stMetric'], [data-testid='stButton']", timeout=60_000)
+                page.wait_for_timeout(1500)
+                targets = page.locator("[data-testid='stTooltipHoverTarget'], [data-testid='stTooltipIcon']")
+                hovered = 0
+                for i in range(min(targets.count(), 40)):
+                    try:
+                        targets.nth(i).hover(timeout=2000)
+                    except Exception:  # noqa: BLE001 - one off-screen target: the others still count
+                        continue
+                    hovered += 1
+                    page.wait_for_timeout(100)
+                    assert page.locator(_EVIL_TARGET).count() == 0, (where, _hrefs(page))
+                assert hovered, f"no tooltip on {where}"
+                assert page.locator(_EVIL_TARGET).count() == 0, (where, _hrefs(page))
+                assert "www.evil.example" in page.inner_text("body").replace("\u2060", ""), where
+            from urllib.parse import urlsplit
+
+            assert not [u for u in asked if "evil" in (urlsplit(u).hostname or "")] and dialogs == []
+        finally:
+            browser.close()
 
 
 # ---- diagnosis messages: quoted op names as code, never as markup ------------------------------
