@@ -243,3 +243,43 @@ def test_an_archive_with_thousands_of_unknown_columns_is_one_short_sentence(stor
     with pytest.raises(ShareError) as e:
         import_session(Store(tmp_path / "other.duckdb"), bad)
     assert len(str(e.value)) < 400 and "warnings.parquet" in str(e.value), str(e.value)[:500]
+
+
+# ---- a capture killed mid-run: its shards ingest, and the session says what is missing ---------------------
+
+_KILLED = """
+import os, sys, torch, precision_lab
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+with precision_lab.capture(m, run="train", shard_dir=sys.argv[1]) as cap:
+    for step in range(5):
+        m(torch.randn(3, 4)).sum().backward()
+        if step == 2:
+            os._exit(9)  # killed in step 2: steps 0 and 1 are written
+        cap.step()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("manifest", ["as written", "lost"])
+def test_a_killed_captures_shards_ingest_and_say_what_is_missing(tmp_path, manifest):
+    import subprocess
+    import sys
+
+    from precision_lab.services.report import build_report
+
+    shards = tmp_path / "shards"
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(shards)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr
+    assert sorted(p.name for p in (shards / "train" / "rank0").iterdir()) == ["step0.parquet", "step1.parquet"]
+    if manifest == "lost":
+        (shards / "manifest.json").unlink()
+    db = tmp_path / "k.duckdb"
+    res = runner.invoke(app, ["ingest", str(shards), "--db", str(db)])
+    assert res.exit_code == 0, res.output
+    rep = build_report(Store(db), res.output.strip())
+    assert sorted({t["step"] for t in rep["tensors"]}) == [0, 1]
+    said = " ".join(w["message"] for w in rep["warnings"])
+    if manifest == "lost":
+        assert "had no manifest.json (its capture was cut off): rebuilt from the shards" in said
+    else:
+        assert "rank 0 of run 'train' did not finish" in said and "2 written step(s) (0, 1)" in said

@@ -142,8 +142,16 @@ def _manifest_edit(tmp_path, fn):
 
 
 def test_malformed_manifests(tmp_path):
+    # no manifest beside shards (a capture killed before it wrote one): rebuilt from them, said; none at all: refused
+    d = tmp_path / "lost"
+    d.mkdir()
+    _good(d).unlink()
+    got = list(read_shards(d))
+    assert got and "rebuilt from the shards" in str(got[0][0]["warnings"])
+    with pytest.raises(ShardError, match="no manifest.json") as e:
+        list(read_shards(tmp_path / "lost" / "fp16 run" / "rank0"))
+    assert str(tmp_path / "lost" / "fp16 run" / "rank0" / "manifest.json") in str(e.value)
     cases = [
-        ("missing", lambda p: p.unlink(), "no manifest.json"),
         ("invalid", lambda p: p.write_text("{not json"), "invalid JSON"),
         ("format", lambda p: p.write_text(json.dumps({"format": "other", "version": 1, "runs": []})),
          "expected 'precision-lab-shards'"),
@@ -158,11 +166,8 @@ def test_malformed_manifests(tmp_path):
         breaker(_good(d))
         with pytest.raises(ShardError, match=message) as e:
             list(read_shards(d))
-        if label == "missing":  # no dump to be relative to: the folder asked for is named
-            assert str(d / "manifest.json") in str(e.value)
-        else:
-            assert str(e.value).startswith("manifest.json: "), label
-            assert str(tmp_path) not in str(e.value), label  # names relative to the dump, no server path
+        assert str(e.value).startswith("manifest.json: "), label
+        assert str(tmp_path) not in str(e.value), label  # names relative to the dump, no server path
 
 
 def test_malformed_runs_and_files(tmp_path):

@@ -119,9 +119,12 @@ class RunOutput:
 
     def write_step(self, run: CapturedRun, step_records: list, local: dict, step: int) -> None:
         """One step's records as a shard; ``local``: its local comparisons by position in ``step_records``."""
-        path = write_shard(self.shard_dir, run.run_meta(), step_records, rank=self.rank, step=step,
-                           local_comparisons=local)
+        meta = run.run_meta()
+        path = write_shard(self.shard_dir, meta, step_records, rank=self.rank, step=step, local_comparisons=local)
         self.shard_files.append(path)
+        # the manifest follows the steps as they are written: a capture killed mid-run leaves a folder that
+        # ingests (its rank listed as not finished)
+        write_manifest(self.shard_dir, [meta], running_rank=self.rank)
 
     def finish(self, run: CapturedRun, notes: dict) -> Optional[str]:
         """Write the run; the session it went to (None for shards).  ``notes``: a new session's notes."""
@@ -131,7 +134,7 @@ class RunOutput:
             if run.timeline_rows or run.step_scalars:
                 write_timeline(self.shard_dir, meta, rank=self.rank, rows=run.timeline_rows,
                                shares=run.timeline_shares, scalars=run.step_scalars)
-            write_manifest(self.shard_dir, [meta])
+            write_manifest(self.shard_dir, [meta], finished_rank=self.rank)
             return None
         if self.session:
             with self.store.extend_session(self.session) as w:

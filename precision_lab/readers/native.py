@@ -1,7 +1,8 @@
 """Our own format: Parquet shards written by live capture, plus ``manifest.json``.
 
 A folder is ours when its ``manifest.json`` says ``"format":
-"precision-lab-shards"``.  Reading is delegated to
+"precision-lab-shards"``, or, with no manifest (a capture killed before it
+wrote one), when it holds ``<run>/rank<R>/step<S>.parquet`` shards.  Reading is delegated to
 ``precision_lab.readers.shards.read_shards(root)``, which yields ``(run_meta,
 TensorRecord)`` pairs; each distinct ``run_meta["run_id"]`` becomes one run,
 keeping the kind (reference/candidate/rerun), parent, fix, policy and
@@ -29,7 +30,8 @@ FORMAT_NAME = "precision-lab-shards"
 def _manifest(root: Path):
     p = root / "manifest.json"
     if not os.path.lexists(p):
-        return None
+        # a capture killed before its first manifest: the shards say what it is (read_manifest rebuilds one)
+        return {} if any(root.glob("*/rank*/step*.parquet")) else None
     if p.is_symlink() or not p.is_file():
         # claimed, so that reading it refuses the link or pipe by name instead of skipping the file
         return {} if any(root.glob("*/rank*/step*.parquet")) else None

@@ -212,12 +212,15 @@ def _scan_run(root: Path, name: str) -> tuple[list[int], list[int], list[str]]:
     return sorted(ranks), sorted(steps), files
 
 
-def write_manifest(root, runs) -> Path:
+def write_manifest(root, runs, *, running_rank: Optional[int] = None, finished_rank: Optional[int] = None) -> Path:
     """Merge ``runs`` (run-meta dicts) into ``<root>/manifest.json``; returns its path.
 
     Runs are keyed by name: an entry already there (another rank's) keeps
     its fields and gains this call's ranks, steps and files, which are read
-    from the folder itself.
+    from the folder itself.  A capture writes it as each step's shard is
+    written (``running_rank``: listed in ``running_ranks``) and once more as
+    it ends (``finished_rank``: taken off that list); a rank still listed
+    when the folder is read was cut off.
     """
 
     root = Path(root)
@@ -246,6 +249,12 @@ def write_manifest(root, runs) -> Path:
                     entry["warnings"].append(w)
             entry["ranks"], entry["steps"], entry["files"] = _scan_run(root, name)
             entry["hist_edges_id"] = HIST_EDGES_ID
+            running = set(entry.get("running_ranks") or [])
+            if running_rank is not None:
+                running.add(int(running_rank))
+            if finished_rank is not None:
+                running.discard(int(finished_rank))
+            entry["running_ranks"] = sorted(running)
         doc["created"] = doc.get("created") or datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         tmp = path.with_name(f"{MANIFEST}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(doc, indent=1))
@@ -262,11 +271,14 @@ def read_manifest(root) -> dict:
     root = Path(root)
     path = Path(MANIFEST)  # as named in messages
     if not os.path.lexists(root / MANIFEST):
-        raise ShardError(f"{root / MANIFEST}: no manifest.json; not a Precision Lab shard folder")
-    try:
-        doc = read_json(root / MANIFEST, MANIFEST, root, what="manifest")
-    except ReadError as e:
-        raise ShardError(str(e)) from None
+        doc = _rebuilt_manifest(root)
+        if doc is None:
+            raise ShardError(f"{root / MANIFEST}: no manifest.json; not a Precision Lab shard folder")
+    else:
+        try:
+            doc = read_json(root / MANIFEST, MANIFEST, root, what="manifest")
+        except ReadError as e:
+            raise ShardError(str(e)) from None
     if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT:
         raise ShardError(f"{path}: \"format\" is {doc.get('format') if isinstance(doc, dict) else doc!r}, "
                          f"expected {SHARD_FORMAT!r}")
@@ -305,6 +317,21 @@ def read_manifest(root) -> dict:
     return doc
 
 
+def _rebuilt_manifest(root: Path) -> Optional[dict]:
+    """A manifest for a shard folder that has none (its capture was killed before a step's manifest was
+    written, or by a version that wrote it only at the end): each folder holding ``rank<R>/step<S>.parquet`` is
+    a run of that name, none of its ranks finished.  None where no folder holds shards."""
+    runs = []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if d.is_dir() and not d.is_symlink() and _NAME_OK.match(d.name) and any(d.glob("rank*/step*.parquet")):
+            runs.append({"name": d.name, "warnings": [
+                ["manifest.json", "the folder had no manifest.json (its capture was cut off): rebuilt from the "
+                                  "shards, with the run's name from its folder and no kind, policy or order"]]})
+    if not runs:
+        return None
+    return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "runs": runs}
+
+
 def _run_meta(entry: dict) -> dict:
     meta = {k: entry.get(k) for k in _RUN_KEYS}
     meta["run_id"] = meta["run_id"] or entry["name"]
@@ -313,7 +340,21 @@ def _run_meta(entry: dict) -> dict:
     meta["source"] = meta["source"] or "capture"
     meta["dtype"] = meta["dtype"] or ""
     meta["warnings"] = list(entry.get("warnings") or [])
+    running = entry.get("running_ranks")
+    if isinstance(running, list):  # a rank whose capture wrote steps and never ended was cut off
+        for r in sorted({x for x in running if isinstance(x, int) and not isinstance(x, bool)}):
+            steps = sorted({int(m.group(1)) for f in entry.get("files") or []
+                            if f.split("/")[1:2] == [f"rank{r}"] and (m := re.search(r"step(\d+)\.parquet$", f))})
+            meta["warnings"].append(["manifest.json", f"rank {r} of run {entry['name']!r} did not finish (its "
+                                     f"capture was cut off): its {len(steps)} written step(s) {_steps_text(steps)} "
+                                     "are read; its timeline, warnings and any later step are missing"])
     return meta
+
+
+def _steps_text(steps: list) -> str:
+    if not steps:
+        return ""
+    return f"({steps[0]}-{steps[-1]})" if len(steps) > 2 else "(" + ", ".join(map(str, steps)) + ")"
 
 
 def _run_files(root: Path, entry: dict) -> list[Path]:
