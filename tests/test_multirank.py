@@ -35,15 +35,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
+def join_gloo(rank: int, world: int, port: int):
+    """This process as ``rank`` of a gloo group of ``world`` on localhost ``port`` (one torch thread each: the
+    ranks share the machine's cores); returns ``torch.distributed``."""
     import torch.distributed as dist
-
-    from precision_lab import capture
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    return dist
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    from precision_lab import capture
+
+    dist = join_gloo(rank, world, port)
     try:
         torch.manual_seed(0)
         model = TwoLayer().half()

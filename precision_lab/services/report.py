@@ -30,7 +30,8 @@ from ..enums import Verdict
 from ..formats import format_for_dtype
 from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
                       order_text)
-from ..records import INPUT_ROLES
+from ..enums import OriginKind
+from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 from ..jsoncodec import dumps
 from . import timeline as _timeline
@@ -86,6 +87,40 @@ def nonfinite_origin(store, run_id: str) -> tuple[Optional[Origin], list[Intende
     path = [PathStep(p["op"], p["op_type"], int(p["seq"]), bool(p["nonfinite_in"]), bool(p["nonfinite_out"]))
             for p in path if not (p["seq"] == first.seq and p["op"] != first.op)][::-1]
     return first.with_path(path), masks
+
+
+def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
+    """With several ranks: where each rank other than the origin's first holds an unexpected non-finite value,
+    and whether it made that value or received it.  Each rank is analysed on its own records (``origin.analyse``
+    over its share of ``run_facts``); a rank whose own first value comes after the origin's step, or at that step
+    in a parameter's gradient or a parameter (what a collective writes: DDP's gradient all-reduce, an FSDP
+    all-gather, and the optimizer step after them), received it; one that made its own in that step's forward
+    or from its own finite inputs before it is a producer too.  ``[]`` for a run of one rank."""
+    if first is None:
+        return []
+    facts = run_facts(store, run_id)
+    ranks = sorted({c.rank for c in facts.calls} | {r.rank for r in facts.records} | set(q.run_ranks(store, run_id)))
+    out = []
+    for r in ranks:
+        if r == first.rank:
+            continue
+        mine = dataclasses.replace(facts, calls=tuple(c for c in facts.calls if c.rank == r),
+                                   records=tuple(x for x in facts.records if x.rank == r),
+                                   outputs={k: v for k, v in facts.outputs.items() if k[1] == r})
+        o = analyse(mine)[0] if mine.calls else None
+        if o is None:
+            out.append({"rank": r, "state": "finite", "text": f"rank {r}: every value it recorded is finite"})
+            continue
+        via_state = o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
+        received = (o.step, o.rank) != (first.step, first.rank) and (
+            o.step > first.step or (o.step == first.step and via_state))
+        where = f"{o.op} (step {o.step}, {o.role} {o.index})"
+        text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
+                "through a collective (DDP's gradient all-reduce, an all-gather) and the optimizer step after it"
+                if received else f"rank {r}: produced its own, at {where}")
+        out.append({"rank": r, "state": "received" if received else "produced", "step": o.step, "op": o.op,
+                    "role": o.role, "index": o.index, "text": text})
+    return out
 
 
 def norm_artefacts(store, session_id: str) -> list[dict]:
@@ -144,11 +179,12 @@ def build_report(store, session: str) -> dict:
     runs = q.session_runs(store, sid, references_first=True)
     names = {r["run_id"]: r["name"] for r in runs}
     notes = order_notes(store, sid)
-    first, intended = {}, {}
+    first, intended, spread = {}, {}, {}
     for r in runs:
         f, masks = nonfinite_origin(store, r["run_id"])
         first[r["name"]] = None if f is None else f.as_dict()
         intended[r["name"]] = [dataclasses.asdict(m) for m in masks]
+        spread[r["name"]] = rank_spread(store, r["run_id"], f)
     tensors = []
     for r in runs:
         for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
@@ -181,6 +217,7 @@ def build_report(store, session: str) -> dict:
                   "source": r["source"], "order": r["order"], "order_text": order_text(r["order"]),
                   "order_note": notes.get(r["run_id"])} for r in runs],
         "first_nonfinite": first,
+        "ranks": spread,
         "intended_nonfinite": intended,
         "norm_artefacts": norm_artefacts(store, sid),
         "tensors": tensors,
@@ -239,6 +276,8 @@ def render_text(report: dict, *, top: int = 15) -> str:
             out.append(f"    called from {f['location']}")
         chain = " -> ".join(p["op"] for p in f["path"])
         out.append(f"    path ({order_text(f.get('order'))}): {chain}")
+        for r in (report.get("ranks") or {}).get(run) or []:
+            out.append(f"    {r['text']}")
     arts = report.get("norm_artefacts") or []
     out += _listing(f"Norm artefacts ({len(arts)}): not non-finite values", top,
                     [f"{a['run']}: {a['op']} {a['role']} {a['index']}: {a['reason']}" for a in arts])

@@ -31,6 +31,7 @@ from ..metrics import Comparison
 from ..tokens import MemoryTokens, TokenFileError, token_file_for
 from ..config import LOCK_WAIT_ENV, env_lock_wait
 from ..scratch import scratch_dir, sweep
+from .connect import SAFE_CONFIG, connect_duckdb
 from .transfer import insert_staged_session, move_summary_errors_sql
 from ..stats import HIST_EDGES_ID, HistogramError, TensorStats, decode_hist, encode_hist
 from .queries import run_order
@@ -209,20 +210,6 @@ def locked_message(path: str, message: str, waited: float) -> str:
 
 def _is_lock_error(e: BaseException) -> bool:
     return "lock" in str(e).lower()
-
-
-# every DuckDB connection this package opens: the database reads and writes its own file only (no read_text,
-# glob, read_csv, COPY or ATTACH of other files, no extension fetched or loaded), so a database file someone
-# hands over cannot make a query read this machine's files or reach the network
-SAFE_CONFIG = {"enable_external_access": False, "autoload_known_extensions": False,
-               "autoinstall_known_extensions": False, "lock_configuration": True}
-
-
-def connect_duckdb(path: str = ":memory:", read_only: bool = False):
-    """``duckdb.connect`` with ``SAFE_CONFIG``."""
-    import duckdb
-
-    return duckdb.connect(path, read_only=read_only, config=dict(SAFE_CONFIG))
 
 
 def _check_header(path: str) -> None:

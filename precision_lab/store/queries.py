@@ -402,6 +402,12 @@ def session_warning_rows(store, session_id: str) -> list[dict]:
     return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
 
 
+def run_ranks(store, run_id: str) -> list[int]:
+    """The ranks a run recorded, in order."""
+    return [int(r["rank"]) for r in rows(store, "SELECT DISTINCT rank FROM tensors WHERE run_id = ? ORDER BY rank",
+                                         [run_id])]
+
+
 def record_ids_by_name(store, run_id: str) -> dict[tuple[int, int, str], int]:
     """``(step, rank, name) -> rid`` of every record of a run."""
     return {(int(r["step"]), int(r["rank"]), r["name"]): int(r["rid"])

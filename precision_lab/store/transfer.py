@@ -12,6 +12,7 @@ from typing import Optional
 from pathlib import Path
 
 from ..stats import HIST_EDGES_ID
+from .connect import connect_duckdb
 
 __all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
            "table_columns", "insert_session_tables", "ArchiveQueries"]
@@ -221,8 +222,6 @@ class ArchiveQueries:
     file."""
 
     def __init__(self, store, tables: dict):
-        from . import connect_duckdb  # the package's one way to connect (loads DuckDB here, not at import)
-
         self._con = connect_duckdb()  # in memory: the archive's tables only, never the database
         self._views = {}
         try:

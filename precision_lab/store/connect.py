@@ -1,0 +1,20 @@
+"""The one way this package connects to DuckDB.
+
+Every connection reads and writes its own database file only: no ``read_text``, ``glob``, ``read_csv``,
+``COPY`` or ``ATTACH`` of other files, no extension fetched or loaded, the settings locked.  So a database file
+someone hands over cannot make a query read this machine's files or reach the network.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SAFE_CONFIG", "connect_duckdb"]
+
+SAFE_CONFIG = {"enable_external_access": False, "autoload_known_extensions": False,
+               "autoinstall_known_extensions": False, "lock_configuration": True}
+
+
+def connect_duckdb(path: str = ":memory:", read_only: bool = False):
+    """``duckdb.connect`` with ``SAFE_CONFIG`` (DuckDB is imported here: importing the store loads none)."""
+    import duckdb
+
+    return duckdb.connect(path, read_only=read_only, config=dict(SAFE_CONFIG))
