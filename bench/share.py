@@ -71,17 +71,32 @@ _WHERE = {
 }
 
 
+# the baseline is DuckDB doing its own file I/O, on a connection of its own: the store's connections read and
+# write their database file only (store.connect)
 def copy_out(store: Store, sid: str, folder: Path) -> None:
-    for t in TABLES:
-        where = _WHERE.get(t, "run_id IN (SELECT run_id FROM runs WHERE session_id = $sid)")
-        store.sql(f"COPY (SELECT * FROM {t} WHERE {where}) TO '{folder / t}.parquet' (FORMAT parquet)",
-                  {"sid": sid})
+    import duckdb
+
+    con = duckdb.connect(store.path, read_only=True)
+    try:
+        for t in TABLES:
+            where = _WHERE.get(t, "run_id IN (SELECT run_id FROM runs WHERE session_id = $sid)")
+            con.execute(f"COPY (SELECT * FROM {t} WHERE {where}) TO '{folder / t}.parquet' (FORMAT parquet)",
+                        {"sid": sid})
+    finally:
+        con.close()
 
 
 def copy_in(store: Store, folder: Path) -> None:
-    with store.transaction() as cur:
+    import duckdb
+
+    con = duckdb.connect(store.path)
+    try:
+        con.execute("BEGIN TRANSACTION")
         for t in TABLES:
-            cur.execute(f"INSERT INTO {t} SELECT * FROM read_parquet('{folder / t}.parquet')")
+            con.execute(f"INSERT INTO {t} SELECT * FROM read_parquet('{folder / t}.parquet')")
+        con.execute("COMMIT")
+    finally:
+        con.close()
 
 
 def timed(fn) -> float:

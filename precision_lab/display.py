@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-__all__ = ["MISSING", "num_text", "cosine_brief", "visible"]
+__all__ = ["MISSING", "num_text", "cosine_brief", "visible", "few"]
 
 # what a table or card shows where there is no value (SQL NULL, None): not "nan", not "None"
 MISSING = "—"
@@ -24,6 +24,15 @@ def visible(text: str) -> str:
     not newline or tab) shown as escapes (``\\x1b``): a name from a file cannot move a terminal's cursor, retitle
     it, hide what follows or fake a line of output."""
     return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), str(text))
+
+
+def few(names, shown: int = 5, width: int = 60, *, quoted: bool = False) -> str:
+    """Names from a file for a message: the first ``shown``, each cut to ``width`` characters and its control
+    characters escaped (``quoted``: in quotes), then how many more (a message naming 20,000 columns stays one
+    short line)."""
+    names = list(names)
+    out = ", ".join((repr if quoted else str)(visible(str(n))[:width]) for n in names[:shown])
+    return out + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")

@@ -113,6 +113,11 @@ class RunOrder(StrEnum):
         return self is not RunOrder.NAME
 
     @classmethod
+    def words(cls) -> tuple[str, ...]:
+        """The words a stored run's ``order`` may hold."""
+        return tuple(o.value for o in cls)
+
+    @classmethod
     def of(cls, word) -> "RunOrder":
         """The order a stored word names; no word (an older row) is ``execution``; a word that names no order
         (a row no check of this version wrote) is ``name``: nothing says which op ran first."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["public_source", "public_text"]
+__all__ = ["public_source", "public_text", "paths_by_name"]
 
 
 # ---- server paths never reach a browser -----------------------------------------------
@@ -90,3 +90,16 @@ def public_text(text, folders=()) -> str:
                        reverse=True):
         s = re.sub(re.escape(base) + r"[\\/]+[^\\/\s'\"]+" + _ROLE_DIR + r"(?:[\\/]+|(?=[\s'\"),;:]|$))", "", s)
     return _SERVER_PATH_RE.sub("", s)
+
+
+# an absolute path inside a message: from its root to the end of the token (no spaces, quotes or brackets)
+_ABS_IN_TEXT = re.compile(r"(?<![\w.~])(?:~|/|[A-Za-z]:\\)[^\s'\"()\[\],;]*")
+
+
+def paths_by_name(text) -> str:
+    """``text`` with every absolute path in it replaced by its last name (``could not write
+    /home/me/x.duckdb.replay/ab12.pt`` -> ``could not write ab12.pt``): what a file passed on says of a path."""
+    if text is None:
+        return text
+    return _ABS_IN_TEXT.sub(lambda m: next((c for c in reversed(_SEP.split(m.group(0))) if c), m.group(0)),
+                            str(text))

@@ -122,9 +122,10 @@ class RunOutput:
         meta = run.run_meta()
         path = write_shard(self.shard_dir, meta, step_records, rank=self.rank, step=step, local_comparisons=local)
         self.shard_files.append(path)
-        # the manifest follows the steps as they are written: a capture killed mid-run leaves a folder that
-        # ingests (its rank listed as not finished)
-        write_manifest(self.shard_dir, [meta], running_rank=self.rank)
+        if len(self.shard_files) == 1:
+            # the manifest is there from the first step, this rank listed as running until it ends: a capture
+            # killed mid-run leaves a folder that ingests (the reader finds the later steps' files itself)
+            write_manifest(self.shard_dir, [meta], running_rank=self.rank)
 
     def finish(self, run: CapturedRun, notes: dict) -> Optional[str]:
         """Write the run; the session it went to (None for shards).  ``notes``: a new session's notes."""

@@ -441,25 +441,36 @@ class Capture:
         if self.skipped_steps:
             notes["capture"]["scaler_skipped_steps"] = self.skipped_steps
         kit = self._kit.kit if self._kit is not None else None
+        saved = None
         if kit is not None:
             db = getattr(self._output.store, "path", None)
             if self._output.sharded or self._output.session or not hasattr(self._output.store, "path"):
                 self.warn("replay", "a replay kit is kept for a run written to a new session in a database only")
             else:
-                path = kit_path(db, self.run_id)
                 try:
-                    if path is None:
+                    saved = kit_path(db, self.run_id)
+                    if saved is None:
                         raise OSError("an in-memory database keeps no files")
-                    kit.save(path)
+                    kit.save(saved)
                 except Exception as e:
-                    self.warn("replay", f"could not write the replay kit {path}: {type(e).__name__}: {e}")
+                    self.warn("replay", f"could not write the replay kit ({type(e).__name__}: {e})")
+                    saved = None
                 else:
                     notes["replay"] = {"from_step": kit.from_step, "failed_step": kit.failed_step,
                                        "steps": len(kit.steps), "autocast": kit.autocast,
                                        "grad_scaler": kit.scaler is not None, "run_id": self.run_id}
-        self.session = self._output.finish(self.detached(), notes)
+        try:
+            self.session = self._output.finish(self.detached(), notes)
+        except BaseException:
+            if saved is not None:  # no run names it: nothing would ever delete it
+                saved.unlink(missing_ok=True)
+            raise
         if self.session and self._on_written is not None:
-            self._on_written(self.session)
+            try:
+                self._on_written(self.session)
+            except Exception as e:  # the run is stored; its diagnosis is left to `precision-lab check`
+                self.warn("diagnose", f"the stored session was not diagnosed ({type(e).__name__}: {e}); "
+                                      "`precision-lab check` diagnoses it")
 
     # ---- installing hooks --------------------------------------------------------
     def _install(self) -> None:
@@ -865,7 +876,8 @@ class Capture:
     def _root_pre_hook(self, module, args, kwargs):
         """The model's own forward begins: the autocast it runs under and, for a replay, the state it starts
         from."""
-        if torch.compiler.is_compiling() or not self._active or getattr(self._tls, "busy", False):
+        if torch.compiler.is_compiling() or not self._active or getattr(self._tls, "busy", False) \
+                or module is not self.model:  # a copy an fp32 re-run made carries this hook too
             return None
         try:
             p = next(module.parameters(), None)

@@ -106,11 +106,6 @@ class ReplayKit:
     def from_step(self) -> int:
         return self.steps[0].step
 
-    def describe(self) -> str:
-        n = len(self.steps)
-        return (f"step {self.from_step}" if n == 1 else f"steps {self.from_step}-{self.steps[-1].step}") + \
-            f" from the state before step {self.from_step}"
-
     def save(self, path: os.PathLike | str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         doc = {"version": KIT_VERSION, "failed_step": self.failed_step, "model": self.model,
@@ -119,8 +114,11 @@ class ReplayKit:
                "steps": [{"step": s.step, "rng": s.rng, "args": list(s.args), "kwargs": s.kwargs, "groups": s.groups}
                          for s in self.steps]}
         tmp = Path(f"{path}.part")
-        torch.save(doc, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save(doc, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     # ---- restoring --------------------------------------------------------------------
     def restore_model(self, model: torch.nn.Module) -> None:
@@ -190,8 +188,16 @@ class KitKeeper:
         self._step: Optional[int] = None
 
     def begin(self, step: int, model: torch.nn.Module, args, kwargs, autocast: Optional[str]) -> None:
-        """The first forward of ``step`` begins: copy the state it starts from and its batch."""
-        if self.kit is not None or self._step == step:
+        """The first forward of ``step`` begins: copy the state it starts from and its batch.  A second forward in
+        the same step (gradient accumulation, a second model call) is more than a replay runs: the step is
+        dropped, and said once."""
+        if self.kit is not None:
+            return
+        if self._step == step:
+            if self._held and self._held[-1][1].step == step:
+                self._held.pop()
+                self._warn("replay", "a step calls the model more than once (gradient accumulation?): a replay "
+                                     "runs one forward per step, so no replay kit is kept for such steps")
             return
         self._step = step
         if not _plain((args, kwargs)):

@@ -55,7 +55,7 @@ SHARD_FORMAT = "precision-lab-shards"
 SHARD_VERSION = 1
 MANIFEST = "manifest.json"
 _RUN_KEYS = ("run_id", "name", "dtype", "kind", "parent_run_id", "fix", "policy", "source", "order")
-_ORDERS = tuple(o.value for o in RunOrder)
+_ORDERS = RunOrder.words()
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.+=@-][A-Za-z0-9 _.+=@-]*$")
 _SHARD_RE = re.compile(r"^rank(\d+)$"), re.compile(r"^step(\d+)\.parquet$")
 
@@ -343,18 +343,10 @@ def _run_meta(entry: dict) -> dict:
     running = entry.get("running_ranks")
     if isinstance(running, list):  # a rank whose capture wrote steps and never ended was cut off
         for r in sorted({x for x in running if isinstance(x, int) and not isinstance(x, bool)}):
-            steps = sorted({int(m.group(1)) for f in entry.get("files") or []
-                            if f.split("/")[1:2] == [f"rank{r}"] and (m := re.search(r"step(\d+)\.parquet$", f))})
             meta["warnings"].append(["manifest.json", f"rank {r} of run {entry['name']!r} did not finish (its "
-                                     f"capture was cut off): its {len(steps)} written step(s) {_steps_text(steps)} "
-                                     "are read; its timeline, warnings and any later step are missing"])
+                                     "capture was cut off): the steps it wrote are read; its timeline, warnings "
+                                     "and any later step are missing"])
     return meta
-
-
-def _steps_text(steps: list) -> str:
-    if not steps:
-        return ""
-    return f"({steps[0]}-{steps[-1]})" if len(steps) > 2 else "(" + ", ".join(map(str, steps)) + ")"
 
 
 def _run_files(root: Path, entry: dict) -> list[Path]:

@@ -13,6 +13,7 @@ reference copies are deleted when the pair is written.
 from __future__ import annotations
 
 import os
+from functools import partial
 import shutil
 import tempfile
 import weakref
@@ -35,7 +36,7 @@ from ..store import Store
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "replay_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
+__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "replay_capture", "replay_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 # reference copies held in memory before spilling to disk
 DEFAULT_KEEP_BYTES = 1 << 30
@@ -287,6 +288,22 @@ def run_steps(cap: Capture, inputs, loss_fn, seed: int, optimizer_fn: Optional[C
     return out
 
 
+def replay_capture(model, kit_file: str, policy, *, loss_fn: Callable, optimizer_fn: Callable, run_name: str,
+                   kind: str, source: str, options: CaptureOptions) -> tuple[Capture, object]:
+    """Replay the steps a training capture kept (the replay kit at ``kit_file``) on ``model`` (built as the
+    job's, fp32) under ``policy`` (None: fp32, no GradScaler): the kept state loaded, the job's GradScaler with
+    the policy's settings over it; ``(capture, the last output)``."""
+    kit = load_kit(kit_file)
+    kit.restore_model(model)
+    p = next(model.parameters(), None)
+    scaler = kit.grad_scaler(p.device.type if p is not None else "cpu",
+                             tuple(policy.scaler_settings().items()) if policy is not None else (),
+                             enabled=policy is not None and bool(policy.grad_scaler))
+    cap = Capture(model, run=run_name, dtype_policy=policy, options=options, write=False, kind=kind, source=source,
+                  grad_scaler=scaler)
+    return cap, replay_steps(cap, kit, loss_fn, optimizer_fn, scaler)
+
+
 def replay_steps(cap: Capture, kit, loss_fn: Callable, optimizer_fn: Callable, scaler=None):
     """Replay a kept training run's steps (``live.replaykit.ReplayKit``) under ``cap``: the optimizer built by
     ``optimizer_fn`` and loaded with the kept state, each step's random state and batch as the job had them,
@@ -312,10 +329,10 @@ def replay_steps(cap: Capture, kit, loss_fn: Callable, optimizer_fn: Callable, s
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=True)
+            else:  # the policy's own loss scale and skipped steps, as a recipe's training runs them
+                scaled_backward(cap, loss)
+                optimizer_step(cap, opt)
     return out
 
 
@@ -412,15 +429,17 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
     recipe_name = getattr(recipe, "name", recipe)
     if recipe_name is not None and not isinstance(recipe_name, str):
         raise TypeError(f"capture(recipe=...) needs a Recipe or a recipe's name, got {type(recipe).__name__}")
-    on_written = None
     if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
         store = _StoreAt(store)
-    if shard_dir is None and isinstance(store, (Store, _StoreAt)):
-        def on_written(name, store=store):
-            _diagnose(Store(store.path) if isinstance(store, _StoreAt) else store, name)
+    diagnosed = isinstance(store, (Store, _StoreAt)) and shard_dir is None
     return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
                    shard_dir=shard_dir, grad_scaler=grad_scaler, optimizer=optimizer, recipe=recipe_name,
-                   on_written=on_written)
+                   on_written=partial(_diagnose_written, store) if diagnosed else None)
+
+
+def _diagnose_written(store, name: str) -> None:
+    """A captured session, diagnosed as it is written (``store``: a Store, or a database path's sink)."""
+    _diagnose(Store(store.path) if isinstance(store, _StoreAt) else store, name)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,

@@ -18,6 +18,7 @@ from ..fixes.facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedVa
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
 from ..records import Diagnosis, RunInfo, StoredRecord
+from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
 from .sessions import recipe_name, run_policy
@@ -154,6 +155,8 @@ def check_sessions(store) -> list[tuple[str, str]]:
     for name in store.undiagnosed_sessions():
         try:
             found = diagnose_session(store, name)
+        except (DatabaseLocked, OSError):  # not the rules: the session stays unmarked for the next check
+            raise
         except Exception as e:  # noqa: BLE001 - said on the session and here
             why = f"diagnosis rules failed: {type(e).__name__}: {str(e)[:300]}"
             with store.extend_session(name) as w:

@@ -26,11 +26,10 @@ import math
 from typing import Optional
 
 from ..display import cosine_brief, num_text
-from ..enums import Verdict
+from ..enums import OriginKind, Verdict
 from ..formats import format_for_dtype
 from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
                       order_text)
-from ..enums import OriginKind
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 from ..jsoncodec import dumps
@@ -96,10 +95,10 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
     in a parameter's gradient or a parameter (what a collective writes: DDP's gradient all-reduce, an FSDP
     all-gather, and the optimizer step after them), received it; one that made its own in that step's forward
     or from its own finite inputs before it is a producer too.  ``[]`` for a run of one rank."""
-    if first is None:
+    ranks = q.run_ranks(store, run_id) if first is not None else []
+    if len(ranks) < 2:
         return []
     facts = run_facts(store, run_id)
-    ranks = sorted({c.rank for c in facts.calls} | {r.rank for r in facts.records} | set(q.run_ranks(store, run_id)))
     out = []
     for r in ranks:
         if r == first.rank:
@@ -112,8 +111,7 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
             out.append({"rank": r, "state": "finite", "text": f"rank {r}: every value it recorded is finite"})
             continue
         via_state = o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
-        received = (o.step, o.rank) != (first.step, first.rank) and (
-            o.step > first.step or (o.step == first.step and via_state))
+        received = o.step > first.step or (o.step == first.step and via_state)
         where = f"{o.op} (step {o.step}, {o.role} {o.index})"
         text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
                 "through a collective (DDP's gradient all-reduce, an all-gather) and the optimizer step after it"

@@ -73,14 +73,8 @@ def _forward(recipe: Recipe, policy: Optional[PrecisionPolicy], *, run_name: str
     with _RUN_LOCK:
         model, inputs = recipe.build()
         if kit is not None:
-            k = pair.load_kit(kit)
-            k.restore_model(model)
-            device = next(model.parameters()).device.type if next(model.parameters(), None) is not None else "cpu"
-            scaler = k.grad_scaler(device, tuple(policy.scaler_settings().items()) if policy else (),
-                                   enabled=policy is not None and bool(policy.grad_scaler))
-            cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
-                          source=f"replay:{recipe.name}", grad_scaler=scaler)
-            out = pair.replay_steps(cap, k, recipe.loss_fn, recipe.optimizer_fn, scaler)
+            cap, out = pair.replay_capture(model, kit, policy, loss_fn=recipe.loss_fn, optimizer_fn=recipe.optimizer_fn,
+                                           run_name=run_name, kind=kind, source=f"replay:{recipe.name}", options=opts)
         else:
             cap = Capture(model, run=run_name, dtype_policy=policy, options=opts, write=False, kind=kind,
                           source=f"recipe:{recipe.name}")
@@ -349,8 +343,12 @@ def _rerun_replay(store, info: dict, recipe: Recipe, kit: str, specs: list, prog
     cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True, kit=kit)
     _tick(progress, 2, 4, f"{name}: comparing with the fp32 reference")
     with store.extend_session(info["name"]) as w:
+        # read again inside the write: a re-run from another tab may have stored the reference meanwhile
+        ref_run = next((r for r in _runs(store, info["session_id"]) if r["kind"] == "reference"
+                        and (r.get("source") or "").startswith(REPLAY_SOURCE)), None)
         if ref_run is None:
-            ref_run_id, ref_rids = _write(w, ref, ref=None, ref_run_id=None, ref_rids=None, kind="reference")
+            ref_run_id, ref_rids = _write(w, ref, ref=None, ref_run_id=None, ref_rids=None, kind="reference",
+                                          name=ref.cap.run)
         else:
             ref_run_id, ref_rids = ref_run["run_id"], _reference_rids(store, ref_run["run_id"])
         run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run_id, ref_rids=ref_rids, parent_run_id=par["run_id"],

@@ -41,8 +41,8 @@ from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
 from ..readers import first_line
 from ..scratch import scratch_dir
-from ..display import visible
-from ..public import public_source
+from ..display import few, visible
+from ..public import paths_by_name, public_source
 from ..enums import RunOrder
 from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ArchiveQueries, ImportRefused, copy_session_tables,
                               insert_session_tables, table_columns)
@@ -166,7 +166,8 @@ def _export(store, session: str, out) -> dict:
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
         # what the file carries of the sharer's machine: no path, each file or folder by its name
-        public = {"runs": {"source": public_source}, "sessions": {"source": public_source, "recipe": public_source}}
+        public = {"runs": {"source": public_source}, "sessions": {"source": public_source, "recipe": public_source},
+                  "warnings": {"file": paths_by_name, "message": paths_by_name}}
         for table, (rows, path) in copy_session_tables(store, sid, Path(tmp), rewrite=public).items():
             digest, size = _file_digest(path)
             tables[table] = {"file": path.name, "rows": rows, "sha256": digest, "bytes": size}
@@ -342,7 +343,7 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
         md, schema = pf.metadata, pf.schema_arrow
         inflated = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({_brief(e)})") from None
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({first_line(e)[:300]})") from None
     # what the file declares is checked before a value is read: columns, rows, sizes
     cols = list(schema.names)
     if len(cols) > len(store_cols) + 1:
@@ -353,7 +354,7 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
         raise ShareError(f"{where}: {fname} repeats a column name")
     unknown = [c for c in cols if c not in store_cols]
     if unknown:
-        raise ShareError(f"{where}: {fname} has column(s) {_few(unknown)} that table {table} does not have "
+        raise ShareError(f"{where}: {fname} has column(s) {few(unknown, quoted=True)} that table {table} does not have "
                          "(exported by a newer or different program?)")
     missing = [c for c in _REQUIRED[table] if c not in cols]
     if missing:
@@ -389,17 +390,6 @@ def _read_table(zf: zipfile.ZipFile, where: str, table: str, entry: dict, store_
     return t
 
 
-def _brief(e, limit: int = 300) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _few(names, shown: int = 5) -> str:
-    """Names for a message: the first few, each cut short, and how many more."""
-    out = ", ".join(repr(str(n)[:60]) for n in names[:shown])
-    return out + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
 def _bounded_read(data: bytes, schema, where: str, fname: str, budget: int):
     """The table, read a batch at a time with text and binary columns kept dictionary-encoded until what they
     decode to is measured: refused (``ShareError``) as soon as the decoded bytes pass ``budget``."""
@@ -412,22 +402,22 @@ def _bounded_read(data: bytes, schema, where: str, fname: str, budget: int):
     used, batches = 0, []
     try:
         pf = pq.ParquetFile(io.BytesIO(data), read_dictionary=text)
-        for batch in pf.iter_batches(batch_size=16_384):
+        for batch in pf.iter_batches(batch_size=1024):  # small: what one batch decodes to stays small too
             for name, col in zip(batch.schema.names, batch.columns):
                 if pa.types.is_dictionary(col.type):
                     n = pc.sum(pc.binary_length(col.dictionary).take(col.indices)).as_py() or 0
                     used += int(n) + 8 * len(col)
                 else:
                     used += col.nbytes
-            if used > budget:
-                raise ShareError(f"{where}: {fname} expands to more than {budget} bytes when read; refusing it "
-                                 "(compression bomb protection)")
+                if used > budget:
+                    raise ShareError(f"{where}: {fname} expands to more than {budget} bytes when read; refusing "
+                                     "it (compression bomb protection)")
             batches.append(batch)
         t = pa.Table.from_batches(batches, schema=pf.schema_arrow) if not batches else pa.Table.from_batches(batches)
     except ShareError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({_brief(e)})") from None
+        raise ShareError(f"{where}: {fname} is not a readable Parquet file ({first_line(e)[:300]})") from None
     # decoded now that their size is known: the checks and the insert read plain columns
     for i, f in enumerate(t.schema):
         if pa.types.is_dictionary(f.type):
@@ -635,7 +625,7 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
                         renamed=final_name != wanted, new_ids=bool(new_sid != sid or run_map), notes=tuple(notes))
 
 
-RUN_ORDERS = tuple(o.value for o in RunOrder)
+RUN_ORDERS = RunOrder.words()
 
 
 # ---- share links ------------------------------------------------------------

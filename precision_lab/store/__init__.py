@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from ..display import visible
+from ..display import few, visible
 from ..paths import default_data_dir, default_db_path, replay_kit_path, resolve_db_path
 from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns, free_name, npy_bytes, npy_load,
                        record_columns, stats_columns)
@@ -51,7 +51,7 @@ class DatabaseLocked(RuntimeError):
     """Another process holds the database file (DuckDB allows one per file)."""
 
 
-_ORDERS = tuple(o.value for o in RunOrder)
+_ORDERS = RunOrder.words()
 
 
 class ForeignDatabase(RuntimeError):
@@ -64,11 +64,6 @@ _FOREIGN_SQL = """SELECT (SELECT list(view_name ORDER BY view_name) FROM duckdb_
                          (SELECT list(function_name ORDER BY function_name) FROM duckdb_functions()
                           WHERE function_type IN ('macro', 'table_macro') AND NOT internal),
                          (SELECT list(table_name ORDER BY table_name) FROM duckdb_tables() WHERE NOT internal)"""
-
-
-def _names(found) -> str:
-    shown = ", ".join(visible(str(n))[:60] for n in found[:5])
-    return shown + (f" and {len(found) - 5} more" if len(found) > 5 else "")
 
 
 # ---- schema derived from the dataclasses ---------------------------------
@@ -593,11 +588,11 @@ class Store:
         views, macros, tables = self.sql(_FOREIGN_SQL).fetchone()
         held = []
         if views:
-            held.append(f"views ({_names(views)})")
+            held.append(f"views ({few(views)})")
         if macros:
-            held.append(f"macros ({_names(macros)})")
+            held.append(f"macros ({few(macros)})")
         if tables and "meta" not in tables:
-            held.append(f"another program's tables ({_names(tables)})")
+            held.append(f"another program's tables ({few(tables)})")
         if held:
             raise ForeignDatabase(f"database {self.path} was not made by Precision Lab: it holds {' and '.join(held)}; "
                                   "a database is opened as data only, and one holding code or another "
@@ -948,6 +943,7 @@ class SessionWriter:
         if run.order is not None and run.order not in _ORDERS:  # every reader checks; the store holds no other
             raise ValueError(f"run {visible(str(run.name))[:80]!r}: order {visible(str(run.order))[:40]!r} is not one "
                              f"of {', '.join(_ORDERS)}")
+        self._undiagnosed()
         cols = [f.name for f in dataclasses.fields(RunInfo)]
         self.cur.execute(
             f"INSERT INTO runs ({', '.join(chr(34) + c + chr(34) for c in cols)}) VALUES ({', '.join('?' * len(cols))})",
@@ -1137,15 +1133,24 @@ class SessionWriter:
     def set_notes(self, notes: dict) -> None:
         self.cur.execute("UPDATE sessions SET notes = ? WHERE session_id = ?", [json.dumps(notes), self.session_id])
 
-    def mark_diagnosed(self) -> None:
-        """Note in the session's notes (``diagnosed``: when) that its diagnoses were computed, in this
-        transaction: a session without the mark was cut off between its write and its diagnosis."""
+    def _notes(self) -> dict:
         row = self.cur.execute("SELECT notes FROM sessions WHERE session_id = ?", [self.session_id]).fetchone()
         try:
             notes = json.loads(row[0] or "{}") if row else {}
         except ValueError:
             notes = {}
-        notes = notes if isinstance(notes, dict) else {}
+        return notes if isinstance(notes, dict) else {}
+
+    def _undiagnosed(self) -> None:
+        """A new run takes the session's ``diagnosed`` mark away until its diagnoses are computed again."""
+        notes = self._notes()
+        if notes.pop("diagnosed", None) is not None:
+            self.set_notes(notes)
+
+    def mark_diagnosed(self) -> None:
+        """Note in the session's notes (``diagnosed``: when) that its diagnoses were computed, in this
+        transaction: a session without the mark was cut off between its write and its diagnosis."""
+        notes = self._notes()
         notes["diagnosed"] = _now()
         self.set_notes(notes)
 
