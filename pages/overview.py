@@ -78,6 +78,11 @@ for item in firsts:
                        f"(seq {first.first_nan.seq}), from that inf.")
         if quiet:
             st.caption(quiet)
+        if item["ranks"]:  # a distributed run: where the other ranks' NaN/Inf came from
+            st.markdown(f"Rank {first.rank} made it; the other ranks:")
+            st.dataframe([{"rank": r["rank"], "how": r["state"], "first non-finite": r.get("op") or "—",
+                           "step": r.get("step"), "role": r.get("role") or "—"} for r in item["ranks"]],
+                         hide_index=True, width="stretch", key=f"ranks_{run['run_id']}")
         st.markdown(f"Path of ops leading to it ({order_text(first.order)}):")
         st.dataframe(
             [{"seq": p.seq, "op": p.op, "type": p.op_type,

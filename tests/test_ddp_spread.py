@@ -75,3 +75,11 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
         assert r["state"] == "received" and r["step"] == K + 1 and r["role"] == "param", r
     text = render_text(rep)
     assert f"rank {BAD}" in text and "received it" in text and "all-reduce" in text
+    # the dashboard's Overview and the HTML report say it too
+    from precision_lab.ui.html_report import render_html
+    from precision_lab.ui.overview import first_nonfinite_by_run
+
+    sid = store.session(name)["session_id"]
+    (item,) = first_nonfinite_by_run(store, sid)
+    assert {r["rank"]: r["state"] for r in item["ranks"]} == {r: "received" for r in spread}
+    assert "received it" in render_html(store, name)

@@ -248,7 +248,8 @@ def render_html(store, session: str, *, public: bool = True) -> str:
             f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
         nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first.op_type, "where": first.where,
                         "tensor": f"{first.role} {first.index}", "reason": first.reason,
-                        "certainty": first.certainty_text,
+                        "certainty": first.certainty_text
+                        + "".join(f"; {r['text']}" for r in f.get("ranks") or []),  # a distributed run's other ranks
                         "path": " → ".join(p.op for p in first.path)})
     parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
                                   ("where", "where", "text"), ("tensor", "tensor", "text"),

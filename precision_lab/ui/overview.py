@@ -8,7 +8,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, nonfinite_origin, order_notes, order_text
+from ..services.report import first_nonfinite, nonfinite_origin, order_notes, order_text, rank_spread
 from ..services import timeline as _timeline
 from ..services.tree import run_tree
 from ..store import timeline as tl
@@ -67,12 +67,14 @@ def order_caveat(store, session_id: str) -> Optional[str]:
 
 def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
     """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None,
-    "intended": services.report.intended_nonfinite(...)}`` (the masks' -inf, shown quietly)."""
+    "intended": services.report.intended_nonfinite(...)`` (the masks' -inf, shown quietly), ``"ranks":
+    services.report.rank_spread(...)}`` (with several ranks: which made their own NaN/Inf, which received it)."""
 
     out = []
     for r in session_runs(store, session_id):
         first, intended = nonfinite_origin(store, r["run_id"])  # one pass gives both
-        out.append({"run": r, "first": first, "intended": intended})
+        out.append({"run": r, "first": first, "intended": intended,
+                    "ranks": rank_spread(store, r["run_id"], first)})
     return out
 
 
