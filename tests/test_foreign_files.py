@@ -283,3 +283,27 @@ def test_a_killed_captures_shards_ingest_and_say_what_is_missing(tmp_path, manif
         assert "had no manifest.json (its capture was cut off): rebuilt from the shards" in said
     else:
         assert "rank 0 of run 'train' did not finish" in said and "the steps it wrote are read" in said
+
+
+def test_a_timeline_file_of_other_types_is_refused_in_one_sentence(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    import precision_lab
+    from precision_lab.live import CaptureOptions
+
+    shards = tmp_path / "shards"
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with precision_lab.capture(m, run="r", shard_dir=shards, options=CaptureOptions(every=2)) as cap:
+        for _ in range(3):
+            m(torch.randn(2, 4)).sum().backward()
+            cap.step()
+    f = shards / "r" / "rank0" / "timeline.parquet"
+    t = pq.read_table(f)
+    t = t.set_column(t.column_names.index("absmax"), "absmax", pa.array(["big"] * t.num_rows))
+    pq.write_table(t, f)
+    db = tmp_path / "x.duckdb"
+    _one_sentence(runner.invoke(app, ["ingest", str(shards), "--db", str(db)]), "timeline.parquet",
+                  "column absmax holds string, not numbers")
+    assert Store(db).df("SELECT * FROM sessions").empty

@@ -113,7 +113,8 @@ class NativeReader:
             raise ReadError(f"manifest.json: cannot read the shards' local comparisons ({e})") from None
 
     def timeline(self, root: Path):
-        """``(run key, rank, rows, shares, scalars)``: a long run's per-step summaries, per rank."""
+        """``(run key, rank, rows, shares, scalars)``: a long run's per-step summaries, per rank (Arrow tables of
+        ``TimelineRow``, ``TimelineShare`` and ``StepScalar`` columns)."""
         try:
             for meta, rank, rows, shares, scalars in read_timeline(root):
                 yield str(meta.get("run_id") or meta.get("name") or "run"), rank, rows, shares, scalars

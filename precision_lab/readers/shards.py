@@ -467,7 +467,13 @@ def _value_lengths(col):
 
 
 def _rows(pf, shown: str) -> Iterator[dict]:
-    """Rows of a shard, a few at a time: memory bounded by one slice of rows, not the file.
+    """Rows of a shard as dicts (``_batches``)."""
+    for batch in _batches(pf, shown):
+        yield from batch.to_pylist()
+
+
+def _batches(pf, shown: str):
+    """Record batches of a shard, a few rows at a time: memory bounded by one slice of rows, not the file.
 
     Before rows become Python objects, every text value is measured: names
     over 64 KiB, a local comparison over 1 MiB or a kept tensor over
@@ -500,7 +506,7 @@ def _rows(pf, shown: str) -> Iterator[dict]:
             if int(sizes.sum()) > lim.max_tensor_bytes:  # repeated dictionary values, decoded
                 raise ShardError(f"{shown}: {batch.num_rows} records expand to {int(sizes.sum())} bytes when read, "
                                  f"more than the limit of {lim.max_tensor_bytes} bytes (max_tensor_mb)")
-            yield from batch.to_pylist()
+            yield batch
     except ShardError:
         raise
     except Exception as e:
@@ -622,7 +628,13 @@ def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:
 # ---- a long run's timeline: one file per table, rank and run -------------------------------------------
 
 _TIMELINE = {"timeline": TimelineRow, "timeline_formats": TimelineShare, "step_scalars": StepScalar}
-_KINDS = {"int": (int,), "float": (float, int), "str": (str,), "bool": (bool,)}
+
+
+def _arrow_type(kind: str):
+    """The Arrow type a column of this kind is stored as."""
+    import pyarrow as pa
+
+    return {"int": pa.int64(), "float": pa.float64(), "str": pa.string(), "bool": pa.bool_()}[kind]
 
 
 def _timeline_schema(cls):
@@ -652,7 +664,11 @@ def write_timeline(root, run_meta: dict, *, rank: int, rows, shares, scalars) ->
     return out
 
 
-def _timeline_items(root: Path, path: Path, cls) -> list:
+def _timeline_table(root: Path, path: Path, cls):
+    """A timeline file as an Arrow table of ``cls``'s columns, each of the store's type: checked as a record
+    shard is (a regular file, rows and text sizes within the limits, every column of its type), never turned
+    into Python objects (a long run of 64 ranks holds millions of rows)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     shown = relname(root, path)
@@ -662,31 +678,35 @@ def _timeline_items(root: Path, path: Path, cls) -> list:
         raise ShardError(str(e)) from None
     cols = dataclass_columns(cls)
     try:
-        pf = pq.ParquetFile(path)
+        schema = pq.read_schema(path)
+        text = [f.name for f in schema if _text_type(f.type) and not pa.types.is_null(f.type)]
+        pf = pq.ParquetFile(path, read_dictionary=text)
         md = pf.metadata
-        names = pf.schema_arrow.names
     except Exception as e:
         raise ShardError(f"{shown}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     if md.num_rows > limits().max_file_records:
         raise ShardError(f"{shown}: {md.num_rows} rows, more than the limit of {limits().max_file_records} "
                          "records per file (max_file_records)")
-    missing = [n for n, _ in cols if n not in names]
+    missing = [n for n, _ in cols if n not in schema.names]
     if missing:
         raise ShardError(f"{shown}: lacks column(s) {', '.join(missing)}")
-    out = []
-    for row in _rows(pf, shown):
-        kw = {}
-        for n, k in cols:
-            v = row.get(n)
-            if v is not None and (not isinstance(v, _KINDS[k]) or (k != "bool" and isinstance(v, bool))):
-                raise ShardError(f"{shown}: column {n} holds {type(v).__name__} {v!r}, expected {k}")
-            kw[n] = float(v) if k == "float" and v is not None else v
-        out.append(cls(**kw))
-    return out
+    for n, k in cols:
+        if not _TYPE_OK[k](schema.field(n).type):
+            raise ShardError(f"{shown}: column {n} holds {schema.field(n).type}, not {_TYPE_WORD[k]}")
+    batches = list(_batches(pf, shown))
+    t = pa.Table.from_batches(batches) if batches else pf.schema_arrow.empty_table()
+    return pa.table({n: t.column(n).cast(_arrow_type(k)) for n, k in cols})
 
 
-def read_timeline(root) -> Iterator[tuple[dict, int, list, list, list]]:
-    """``(run_meta, rank, rows, shares, scalars)`` of every rank folder holding a timeline."""
+def _empty_timeline(cls):
+    import pyarrow as pa
+
+    return pa.table({n: pa.array([], _arrow_type(k)) for n, k in dataclass_columns(cls)})
+
+
+def read_timeline(root) -> Iterator[tuple[dict, int, object, object, object]]:
+    """``(run_meta, rank, rows, shares, scalars)`` of every rank folder holding a timeline: Arrow tables of the
+    ``TimelineRow``, ``TimelineShare`` and ``StepScalar`` columns."""
     root = Path(root)
     doc = read_manifest(root)
     for entry in doc["runs"]:
@@ -698,7 +718,7 @@ def read_timeline(root) -> Iterator[tuple[dict, int, list, list, list]]:
             m = _SHARD_RE[0].match(rdir.name)
             if not m or rdir.is_symlink() or not rdir.is_dir():
                 continue
-            got = {t: (_timeline_items(root, rdir / f"{t}.parquet", cls) if os.path.lexists(rdir / f"{t}.parquet")
-                       else []) for t, cls in _TIMELINE.items()}
-            if any(got.values()):
+            got = {t: (_timeline_table(root, rdir / f"{t}.parquet", cls) if os.path.lexists(rdir / f"{t}.parquet")
+                       else _empty_timeline(cls)) for t, cls in _TIMELINE.items()}
+            if any(g.num_rows for g in got.values()):
                 yield meta, int(m.group(1)), got["timeline"], got["timeline_formats"], got["step_scalars"]

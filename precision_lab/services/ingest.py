@@ -469,18 +469,28 @@ class _Ingestion:
                                   index=r.index, match="exact", comparison=cmp)
 
     def _timeline(self, si: int, parts) -> None:
-        """Store a long run's per-step summaries, each rank's ``tid`` numbers moved past the run's others."""
+        """Store a long run's per-step summaries (Arrow tables, as read), each rank's ``tid`` numbers moved past
+        the run's others and every row given the stored run's id."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        def moved(t, rid: str, base: Optional[int]):
+            t = t.set_column(t.column_names.index("run_id"), "run_id", pa.array([rid] * t.num_rows, pa.string()))
+            if base is not None:
+                t = t.set_column(t.column_names.index("tid"), "tid", pc.add(t.column("tid"), base))
+            return t
+
         next_tid: dict[str, int] = {}
         for key, _rank, rows, shares, scalars in parts:
             run = self.runs.get((si, key))
             if run is None:
                 continue
-            base = next_tid.get(run.run_id, 0)
             rid = run.run_id
-            self.w.add_timeline([dataclasses.replace(r, run_id=rid, tid=r.tid + base) for r in rows],
-                                [dataclasses.replace(x, run_id=rid, tid=x.tid + base) for x in shares],
-                                [dataclasses.replace(x, run_id=rid) for x in scalars])
-            next_tid[rid] = base + max((r.tid for r in rows), default=-1) + 1
+            base = next_tid.get(rid, 0)
+            self.w.add_timeline_tables(timeline=moved(rows, rid, base), timeline_formats=moved(shares, rid, base),
+                                       step_scalars=moved(scalars, rid, None))
+            top = pc.max(rows.column("tid")).as_py() if rows.num_rows else None
+            next_tid[rid] = base + (-1 if top is None else top) + 1
 
     def _run_name(self, name: str) -> str:
         return free_name(name, {r.name for r in self.order})

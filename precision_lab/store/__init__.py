@@ -1036,6 +1036,21 @@ class SessionWriter:
         if sum(len(v) for v in self._timeline.values()) >= self.BATCH:
             self.flush()
 
+    def add_timeline_tables(self, **tables) -> None:
+        """Append a long run's per-step summaries given as Arrow tables (``timeline``, ``timeline_formats``,
+        ``step_scalars``: each with its dataclass's columns), inserted as they are: a run of many ranks holds
+        millions of rows, never made into objects."""
+        self._flush_timeline()  # rows added as objects before these go first
+        for table, cls in (("timeline", TimelineRow), ("timeline_formats", TimelineShare),
+                           ("step_scalars", StepScalar)):
+            t = tables.get(table)
+            if t is None or not t.num_rows:
+                continue
+            names = ", ".join(chr(34) + n + chr(34) for n, _ in dataclass_columns(cls))
+            self.cur.register("_pl_tl", t)
+            self.cur.execute(f"INSERT INTO {table} ({names}) SELECT {names} FROM _pl_tl")
+            self.cur.unregister("_pl_tl")
+
     def _flush_timeline(self) -> None:
         import pyarrow as pa
 
