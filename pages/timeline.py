@@ -32,6 +32,12 @@ early = [a for a in alerts if first is None or a.step < first]
 c3.metric("Alerts", len(alerts), help="Alerts before the first non-finite step: "
           f"{len(early)}" + (f", the first at step {min(a.step for a in early)}" if early else ""))
 
+with page.guard("The ranks could not be drawn"):
+    by_rank = tv.rank_step_figure(tv.rank_step_cells(store, run["run_id"]), first)
+if by_rank is not None:  # a distributed run: which rank went non-finite at which step
+    st.subheader("Ranks × steps", anchor=False)
+    st.plotly_chart(by_rank, key="tl_ranks", width="stretch")
+
 st.subheader("Alerts", anchor=False)
 if alerts:
     st.dataframe(tv.alerts_frame(alerts), hide_index=True, width="stretch", key="tl_alerts",

@@ -179,3 +179,35 @@ def test_op_detail_shows_where_the_op_was_called(ui_db):
     assert at.subheader[0].value.startswith(escape_md(STAT_FIRST_NONFINITE))
     line = next(ln for ln in texts(at).splitlines() if ln.startswith("Called from"))
     assert line.replace("\\", "").startswith("Called from user/model/model.py:")
+
+
+def test_a_distributed_runs_ranks_by_steps(tmp_path, monkeypatch):
+    """Four ranks, rank 2 non-finite at step 3, the others from step 4 (what the gradient all-reduce spreads):
+    the Timeline page draws ranks x steps with each cell the count the rank's summaries gave."""
+    from precision_lab.records import RunInfo, StepScalar, TimelineRow
+    from precision_lab.store import Store
+    from ui_fixtures import serve_db
+
+    db = tmp_path / "ranks.duckdb"
+    store = Store(db)
+    bad = {(2, 3): 5.0, (0, 4): 7.0, (1, 4): 7.0, (2, 4): 9.0, (3, 4): 7.0}
+    with store.new_session("ddp") as w:
+        w.add_run(RunInfo(session_id=w.session_id, run_id="ddprun000001", name="ddp", dtype="float16",
+                          kind="candidate", parent_run_id=None, fix=None, policy=None, source="t", order="execution"))
+        rows, scalars = [], []
+        for rank in range(4):
+            for step in range(6):
+                rows.append(TimelineRow("ddprun000001", len(rows), step, rank, 0, "fc", "Linear", "output", "0",
+                                        "forward", "float16", 4, 0, 0, 0, 0, 1.0, 0.5, 1.0))
+                scalars.append(StepScalar("ddprun000001", step, rank, "nonfinite_values", bad.get((rank, step), 0.0)))
+        w.add_timeline(rows, [], scalars)
+    with serve_db(db, monkeypatch):
+        at = open_page("timeline", session="ddp")
+        assert_clean(at)
+        assert "Ranks × steps" in [s.value for s in at.subheader]
+        fig = next(f for f in _figures(at) if f["data"][0].get("type") == "heatmap"
+                   and f["data"][0].get("y") == ["rank 0", "rank 1", "rank 2", "rank 3"])
+        z = _arr(fig["data"][0]["z"])
+        for (rank, step), n in bad.items():
+            assert z[rank][step] == pytest.approx(math.log10(1 + n))
+        assert z.sum() == pytest.approx(sum(math.log10(1 + n) for n in bad.values()))

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from .queries import rows, run_order
 
 __all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "full_steps", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
-           "op_worst", "timeline_ops"]
+           "op_worst", "timeline_ops", "rank_step_cells"]
 
 _KEY = "op, role, \"index\""
 # the low end of a format: values that round to zero or to a subnormal
@@ -88,6 +88,16 @@ def step_rows(store, run_id: str) -> list[dict]:
         SELECT coalesce(s.step, g.step) AS step, s.loss, s.loss_scale, s.nonfinite_values, g.grad_norm,
                coalesce(g.tensors, 0) AS tensors
         FROM s FULL OUTER JOIN g ON s.step = g.step ORDER BY step""", [run_id, run_id])
+
+
+def rank_step_cells(store, run_id: str) -> list[dict]:
+    """``{rank, step, nonfinite, skipped}`` per rank and step of a run's timeline: the unexpected NaN/Inf values
+    its summaries counted there and whether the job's GradScaler skipped that step on that rank."""
+    return rows(store, """
+        SELECT rank, step, sum(CASE WHEN name = 'nonfinite_values' THEN value ELSE 0 END) AS nonfinite,
+               bool_or(name = 'scaler_skipped') AS skipped
+        FROM step_scalars WHERE run_id = ? AND name IN ('nonfinite_values', 'scaler_skipped')
+        GROUP BY rank, step ORDER BY rank, step""", [run_id])
 
 
 def first_nonfinite_step(store, run_id: str) -> Optional[int]:

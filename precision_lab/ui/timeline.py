@@ -14,11 +14,11 @@ from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, tree_modules_of
 # the page reads these here: pages never import the store
-from ..store.timeline import first_nonfinite_step, step_rows, timeline_runs  # noqa: F401
+from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs  # noqa: F401
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
-           "steps_frame", "step_figure", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
+           "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
 
 METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
@@ -215,6 +215,34 @@ def step_figure(steps: list[dict], first: Optional[int]):
                       annotation_text=f"first non-finite value: step {first}", annotation_position="top left")
     fig.update_layout(height=340, margin={"l": 60, "r": 20, "t": 40, "b": 50}, xaxis_title="step",
                       yaxis={"type": "log", "title": "|value|"}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def rank_step_figure(cells: list[dict], first: Optional[int]):
+    """A distributed run's ranks x steps: each cell the unexpected NaN/Inf values that rank's summaries counted at
+    that step (white where none; GradScaler-skipped steps outlined), the first non-finite step marked; None for a
+    run of one rank."""
+    import plotly.graph_objects as go
+
+    ranks = sorted({int(c["rank"]) for c in cells})
+    steps = sorted({int(c["step"]) for c in cells})
+    if len(ranks) < 2:
+        return None
+    at = {(int(c["rank"]), int(c["step"])): c for c in cells}
+    z = [[(at.get((r, s)) or {}).get("nonfinite") or 0 for s in steps] for r in ranks]
+    text = [[f"rank {r}, step {s}: {int((at.get((r, s)) or {}).get('nonfinite') or 0)} unexpected NaN/Inf values"
+             + (" (GradScaler skipped it)" if (at.get((r, s)) or {}).get("skipped") else "") for s in steps]
+            for r in ranks]
+    fig = go.Figure(go.Heatmap(x=steps, y=[f"rank {r}" for r in ranks], z=[[math.log10(1 + v) for v in row]
+                                                                            for row in z],
+                               text=text, hovertemplate="%{text}<extra></extra>", zmin=0,
+                               colorscale=[[0, "#ffffff"], [1e-9, "#fecaca"], [1, "#991b1b"]],
+                               colorbar={"title": "log10(1+n)"}))
+    if first is not None:
+        fig.add_vline(x=first, line_color="#dc2626", line_dash="dash",
+                      annotation_text=f"first non-finite value: step {first}", annotation_position="top left")
+    fig.update_layout(height=max(200, 40 + 28 * len(ranks)), margin={"l": 70, "r": 20, "t": 40, "b": 40},
+                      xaxis_title="step")
     return fig
 
 
