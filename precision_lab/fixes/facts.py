@@ -14,7 +14,8 @@ import numpy as np
 
 from ..records import StoredRecord
 
-__all__ = ["OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues", "StateAfter", "QuantiseCall"]
+__all__ = ["OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues", "StateAfter", "QuantiseCall",
+           "ZeroGradient"]
 
 
 class _Row:
@@ -22,6 +23,20 @@ class _Row:
     def from_row(cls, row: Mapping):
         """The row's columns of the same names as the fields."""
         return cls(**{f.name: row.get(f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ZeroGradient(_Row):
+    """A parameter gradient that is 0 in every element, beside the gradient that arrived at its backward op."""
+    op: str
+    step: int
+    rank: int
+    seq: int
+    index: str
+    dtype: str
+    numel: int
+    arriving_absmax: Optional[float]
+    arriving_smallest: Optional[float]
 
 
 @dataclass(frozen=True)

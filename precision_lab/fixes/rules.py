@@ -911,6 +911,39 @@ def _gradient_underflow(ctx: Context, run: RunInfo) -> list[Diagnosis]:
     return [Diagnosis("", run.run_id, r.op, "gradient-underflow", msg, tuple(fixes), "warn", r.seq)]
 
 
+def _zero_gradients(ctx: Context, run: RunInfo) -> list[Diagnosis]:
+    """``gradient-underflow`` without a reference: a parameter gradient that is 0 in every element while the
+    gradient arriving at its backward op was not, and arrived below the format's smallest normal (so every
+    product with it lands in the subnormal range or under it): the optimizer never updates that parameter.  A
+    gradient that is zero because nothing arrived (an unused parameter, a dead ReLU) is no finding."""
+    zero = getattr(ctx.facts, "zero_gradients", None)
+    if zero is None or run.kind == "reference" or getattr(ctx.facts, "paired_values", None) and \
+            ctx.facts.paired_values(run.run_id, ("param_grad",)):
+        return []  # compared with a reference: the paired rule counts the values flushed to zero exactly
+    hit = []
+    for g in zero(run.run_id):
+        fmt = format_for_dtype(g.dtype)
+        if fmt is None or fmt.kind != "float" or not _finite(g.arriving_absmax) or not g.arriving_absmax:
+            continue
+        if g.arriving_absmax < fmt.smallest_normal:
+            hit.append((g, fmt))
+    if not hit:
+        return []
+    g, fmt = hit[0]
+    need = 2.0 ** math.ceil(math.log2(fmt.smallest_normal / g.arriving_absmax))
+    msg = (f"`{g.op}` (step {g.step}) writes a parameter gradient ({g.index}) that is 0 in all {g.numel:,} values "
+           f"in {fmt.name}, while the gradient arriving there reached only {g.arriving_absmax:.2g}, below "
+           f"{fmt.name}'s smallest normal {fmt.smallest_normal:.3g}: its products with the inputs round to 0 "
+           f"(every magnitude below {fmt.underflow_threshold:.2g}), so the optimizer never updates this "
+           f"parameter" + (f" ({len(hit)} parameter gradients like it)" if len(hit) > 1 else "")
+           + f". Scale the loss before backward and unscale the gradients before the optimizer step: by at least "
+           f"{need:.3g} to bring the arriving gradient to normal numbers, more where the inputs are small "
+           "(torch.amp.GradScaler finds the largest scale that stays finite)")
+    fixes = _reachable(["dynamic-loss-scale", "use-bf16" if fmt.name == "fp16" else None],
+                       smallest=g.arriving_smallest)
+    return [Diagnosis("", run.run_id, g.op, "gradient-underflow", msg, tuple(fixes), "warn", g.seq)]
+
+
 def _optimizer_state(ctx: Context, run: RunInfo, fn: Origin) -> list[Diagnosis]:
     """``optimizer-nonfinite``: a backward op's NaN/inf gradient reached the optimizer, whose step made the
     weights non-finite (Adam: exp_avg_sq = g^2 = inf, the update inf / inf = NaN)."""
@@ -971,7 +1004,8 @@ def diagnose_run(ctx: Context, run: RunInfo, first_nonfinite: Optional[Origin]) 
     policy = ctx.policies.get(run.run_id)
     if first_nonfinite is None:
         return (_fix_verified(ctx, run) + _quantisation(ctx, run) + _integer_limit(ctx, run) + _amplified(ctx, run)
-                + _gradient_underflow(ctx, run) + _precision_loss(ctx, run) + _compiled(ctx, run))
+                + (_gradient_underflow(ctx, run) or _zero_gradients(ctx, run)) + _precision_loss(ctx, run)
+                + _compiled(ctx, run))
     found = _producer_diagnosis(ctx, run, first_nonfinite, policy)
     if found and first_nonfinite.producer:
         found += _amplified(ctx, run, before=first_nonfinite)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
-from ..fixes.facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter
+from ..fixes.facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter, ZeroGradient
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
 from ..records import Diagnosis, RunInfo, StoredRecord
@@ -32,6 +32,9 @@ class StoreFacts:
     def __init__(self, store):
         self.store = store
         self._quantise: dict[str, list] = {}  # run_id -> its quantise calls (read once per diagnosis pass)
+
+    def zero_gradients(self, run_id):
+        return [ZeroGradient.from_row(r) for r in q.zero_gradients(self.store, run_id)]
 
     def op_records(self, run_id, op, step, rank):
         return [StoredRecord.from_row(r) for r in q.op_records(self.store, run_id, op, step, rank)]

@@ -402,6 +402,20 @@ def session_warning_rows(store, session_id: str) -> list[dict]:
     return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
 
 
+def zero_gradients(store, run_id: str) -> list[dict]:
+    """Parameter gradients of a run that are 0 in every element, in execution order, each with the gradient that
+    arrived at the same backward op call (its ``grad_output``): ``arriving_absmax`` and ``arriving_smallest``,
+    its largest and smallest nonzero magnitudes (NULL where none arrived or it was all zero)."""
+    return rows(store, """
+        SELECT p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel,
+               max(g.absmax) AS arriving_absmax, min(g.min_abs_nonzero) AS arriving_smallest
+        FROM tensors p LEFT JOIN tensors g ON g.run_id = p.run_id AND g.op = p.op AND g.step = p.step
+             AND g.rank = p.rank AND g.role = 'grad_output' AND g.zero_count < g.numel
+        WHERE p.run_id = ? AND p.role = 'param_grad' AND p.numel > 0 AND p.zero_count = p.numel
+        GROUP BY p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel
+        ORDER BY p.step, p.rank, p.seq, p.rid""", [run_id])
+
+
 def run_ranks(store, run_id: str) -> list[int]:
     """The ranks a run recorded, in order."""
     return [int(r["rank"]) for r in rows(store, "SELECT DISTINCT rank FROM tensors WHERE run_id = ? ORDER BY rank",
