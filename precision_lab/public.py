@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["public_source", "public_text", "paths_by_name"]
+__all__ = ["public_source", "public_text", "paths_by_name", "PATH_DIRS", "PATH_DIRS_KEEP"]
 
 
 # ---- server paths never reach a browser -----------------------------------------------
@@ -92,14 +92,18 @@ def public_text(text, folders=()) -> str:
     return _SERVER_PATH_RE.sub("", s)
 
 
-# an absolute path inside a message: from its root to the end of the token (no spaces, quotes or brackets)
-_ABS_IN_TEXT = re.compile(r"(?<![\w.~])(?:~|/|[A-Za-z]:\\)[^\s'\"()\[\],;]*")
+# an absolute path inside a text, up to its last name: its directories, after the start or a separator (a space,
+# ":", ";", ",", "=", "("), which stays.  Written for RE2 too (no look-behind): an export applies it with
+# pyarrow.compute, ``paths_by_name`` with ``re``
+PATH_DIRS = r"(^|[\s:;,=(])(?:/|~/|[A-Za-z]:\\)(?:[^\s/\\:;,]*[/\\])+"
+PATH_DIRS_KEEP = r"\1"
+_PATH_DIRS = re.compile(PATH_DIRS)
 
 
 def paths_by_name(text) -> str:
-    """``text`` with every absolute path in it replaced by its last name (``could not write
-    /home/me/x.duckdb.replay/ab12.pt`` -> ``could not write ab12.pt``): what a file passed on says of a path."""
+    """``text`` with every absolute path in it cut to its last name (``could not write
+    /home/me/x.duckdb.replay/ab12.pt`` -> ``could not write ab12.pt``, ``model:/home/me/m.py:build`` ->
+    ``model:m.py:build``): what a file passed on says of a path."""
     if text is None:
         return text
-    return _ABS_IN_TEXT.sub(lambda m: next((c for c in reversed(_SEP.split(m.group(0))) if c), m.group(0)),
-                            str(text))
+    return _PATH_DIRS.sub(lambda m: m.group(1), str(text))

@@ -42,7 +42,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 from ..readers import first_line
 from ..scratch import scratch_dir
 from ..display import few, visible
-from ..public import paths_by_name, public_source
+from ..public import PATH_DIRS, PATH_DIRS_KEEP
 from ..enums import RunOrder
 from ..store.transfer import (RUN_ID_COLUMNS, TABLE_SINCE, TABLES, ArchiveQueries, ImportRefused, copy_session_tables,
                               insert_session_tables, table_columns)
@@ -166,9 +166,9 @@ def _export(store, session: str, out) -> dict:
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
         # what the file carries of the sharer's machine: no path, each file or folder by its name
-        public = {"runs": {"source": public_source}, "sessions": {"source": public_source, "recipe": public_source},
-                  "warnings": {"file": paths_by_name, "message": paths_by_name}}
-        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp), rewrite=public).items():
+        public = {"runs": ("source",), "sessions": ("source", "recipe"), "warnings": ("file", "message")}
+        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp), rewrite=public, pattern=PATH_DIRS,
+                                                        replacement=PATH_DIRS_KEEP).items():
             digest, size = _file_digest(path)
             tables[table] = {"file": path.name, "rows": rows, "sha256": digest, "bytes": size}
         manifest = {

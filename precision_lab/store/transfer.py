@@ -73,14 +73,16 @@ class ImportRefused(ValueError):
     """The database cannot take a table as given; the message names the table."""
 
 
-def copy_session_tables(store, session_id: str, folder: Path, rewrite=None) -> dict[str, tuple[int, Path]]:
+def copy_session_tables(store, session_id: str, folder: Path, rewrite=None,
+                        pattern: str = "", replacement: str = "") -> dict[str, tuple[int, Path]]:
     """Each table's rows of the session as ``<folder>/<table>.parquet``, written by DuckDB (streaming) in one
     read transaction, so a re-run committing meanwhile cannot make them disagree; ``{table: (rows, path)}``.
 
     ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
-    ``rewrite``: ``{table: {text column: function}}`` applied to each value as it is written.
+    ``rewrite``: ``{table: (text column, ...)}`` whose values have the RE2 ``pattern`` replaced by
+    ``replacement`` as they are written (pyarrow.compute: no Python object per value).
     """
-    import pyarrow as pa  # deferred with DuckDB (see ArchiveQueries)
+    import pyarrow.compute as pc  # deferred with DuckDB (see ArchiveQueries)
     import pyarrow.parquet as pq
 
     out = {}
@@ -93,11 +95,11 @@ def copy_session_tables(store, session_id: str, folder: Path, rewrite=None) -> d
             rows = 0
             with pq.ParquetWriter(path, reader.schema, compression="zstd") as w:
                 for batch in reader:
-                    for col, fn in ((rewrite or {}).get(table) or {}).items():  # text columns, rewritten as written
+                    for col in ((rewrite or {}).get(table) or ()):  # text columns, rewritten as written
                         i = batch.schema.get_field_index(col)
                         if i >= 0:
-                            values = [None if v is None else fn(v) for v in batch.column(i).to_pylist()]
-                            batch = batch.set_column(i, batch.schema.field(i), pa.array(values, pa.string()))
+                            batch = batch.set_column(i, batch.schema.field(i), pc.replace_substring_regex(
+                                batch.column(i), pattern, replacement))
                     w.write_batch(batch)
                     rows += batch.num_rows
             out[table] = (rows, path)
