@@ -64,16 +64,15 @@ def public_source(text) -> str:
         if m:
             out.append(f"{m.group(1)}: {_public_path(m.group(2))}")
         elif _ENTRY.match(part):  # a model's entry points: each file by its name
-            out.append(_ENTRY_PATH.sub(lambda e: _public_path(e.group(1)), part))
+            out.append(paths_by_name(part))
         else:
             out.append(_public_path(part))
     return "; ".join(out)
 
 
 # a model named by entry points (``model:/home/me/m.py:build,/home/me/m.py:inputs``, behind ``recipe:`` or
-# ``replay:``): the absolute file paths in it, each up to its ``:function``
+# ``replay:``): its file paths are cut to their names (``paths_by_name``)
 _ENTRY = re.compile(r"^(?:(?:recipe|replay):)?model:")
-_ENTRY_PATH = re.compile(r"(?<=[:,])((?:/|\\|~|[A-Za-z]:[\\/])[^,]*?)(?=:[A-Za-z_][\w.]*(?:,|$))")
 
 
 def public_text(text, folders=()) -> str:

@@ -59,7 +59,7 @@ class _Tokens:
     def sessions(self) -> Optional[dict]:
         raise NotImplementedError
 
-    def update(self, change) -> dict:
+    def update(self, change, *, fail_closed: bool = False) -> dict:
         raise NotImplementedError
 
     def lookup(self, token: str) -> Optional[str]:
@@ -82,10 +82,7 @@ class _Tokens:
             else:
                 sessions[session_id] = {"name": name, "token": token}
 
-        self._update(change, token is None)
-
-    def _update(self, change, fail_closed: bool) -> dict:
-        return self.update(change)
+        self.update(change, fail_closed=token is None)
 
     def revoke(self, session: str) -> list[dict]:
         """Revoke the links of the sessions recorded under name or id ``session``; returns what was removed."""
@@ -95,7 +92,7 @@ class _Tokens:
             for sid in [s for s, e in sessions.items() if s == session or e.get("name") == session]:
                 removed.append({"session_id": sid, **sessions.pop(sid)})
 
-        self._update(change, True)
+        self.update(change, fail_closed=True)
         return removed
 
 
@@ -113,7 +110,7 @@ class MemoryTokens(_Tokens):
         with self._mutex:
             return _copy(self._sessions)
 
-    def update(self, change) -> dict:
+    def update(self, change, *, fail_closed: bool = False) -> dict:  # nothing to fail writing in memory
         with self._mutex:
             sessions = _copy(self._sessions)
             change(sessions)
@@ -179,9 +176,6 @@ class TokenFile(_Tokens):
 
     def _locked(self):
         return file_lock(self._lock_path)
-
-    def _update(self, change, fail_closed: bool) -> dict:
-        return self.update(change, fail_closed=fail_closed)
 
     def update(self, change, *, fail_closed: bool = False) -> dict:
         """Apply ``change(sessions) -> None`` (it edits the dict) and write the result atomically.

@@ -882,7 +882,8 @@ class Capture:
         try:
             p = next(module.parameters(), None)
             device = p.device.type if p is not None else "cpu"
-            fmt = format_for_dtype(_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+            on = _autocast_dtype(device)
+            fmt = format_for_dtype(on) if on is not None else None
             if fmt is not None and self.autocast_seen is None:
                 self.autocast_seen = fmt.name
             if self._kit is not None:
