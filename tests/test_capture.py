@@ -647,7 +647,8 @@ def test_cuda_long_run_summary_steps_have_no_host_sync_per_op():
     with capture(model, run="cuda-long", store=":memory:", options=CaptureOptions(every=10)) as cap:
         run_step(model, x)  # step 0: full records, warm-up
         cap.step()
-        h = model.blocks[0].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.detach().cpu()))
+        # kept on the device: a copy to the host inside the window would be the test's own sync
+        h = model.blocks[0].register_forward_hook(lambda m, a, out: seen.__setitem__("out", out.detach().clone()))
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -658,7 +659,7 @@ def test_cuda_long_run_summary_steps_have_no_host_sync_per_op():
         cap.step()
     assert not cap.warnings, cap.warnings
     row = next(r for r in cap.timeline_rows if r.step == 1 and r.op == "blocks.0.forward.0" and r.role == "output")
-    want = tensor_stats(seen["out"])
+    want = tensor_stats(seen["out"].cpu())
     assert row.absmax == want.absmax and row.nan_count == want.nan_count and row.numel == want.numel
     shares = {s.fmt: s for s in cap.timeline_shares if s.tid == row.tid}
     for fmt in ("fp16", "fp8_e4m3fn"):

@@ -441,13 +441,14 @@ def test_the_kernels_compile_for_a_gpu_without_one():
     stats_k, finish_k = triton_stats._build()
     width = triton_stats._bin_table().shape[1]
     target = GPUTarget("cuda", 90, 32)
-    consts = ("KIND", "EXP", "MAN", "BIAS", "SPECIAL", "SUB_SCALE", "HIST", "BLOCK", "NB", "W", "SUB_ROW")
+    consts = ("KIND", "EXP", "MAN", "BIAS", "SPECIAL", "SUB_SCALE", "HIST", "BLOCK", "NB", "W", "LOGW", "SUB_ROW")
     for dtype, hist in (("float32", True), ("float16", False), ("float8_e4m3fn", True)):
-        view, kind, exp, man, bias, special = triton_stats._DECODE[dtype]
+        view, kind, exp, man, bias, special, sub_scale = triton_stats._DECODE[dtype]
+        assert sub_scale == 2.0 ** (1 - bias - man)
         sig = {"x_ptr": {"int32": "*i32", "int16": "*i16", "uint8": "*u8"}[view], "n": "i64", "ints_ptr": "*i64", "flts_ptr": "*fp64", "hist_ptr": "*i64",
                "table_ptr": "*i32", **{k: "constexpr" for k in consts}}
-        values = dict(zip(consts, (kind, exp, man, bias, special, 2.0 ** (1 - bias - man), hist, triton_stats.BLOCK,
-                                   triton_stats._NB, width, triton_stats._SUB_ROW)))
+        values = dict(zip(consts, (kind, exp, man, bias, special, sub_scale, hist, triton_stats.BLOCK,
+                                   triton_stats._NB, width, width.bit_length() - 1, triton_stats._SUB_ROW)))
         src = ASTSource(fn=stats_k, signature=sig,
                         constexprs={(stats_k.arg_names.index(k),): v for k, v in values.items()})
         compiled = triton.compile(src, target=target, options={"num_warps": triton_stats._NUM_WARPS,
