@@ -45,6 +45,7 @@ from typing import Optional
 import numpy as np
 
 from .formats import FORMATS, Format, format_for_dtype
+from .hostview import host_view
 from .numba_loader import (SMALL_NUMPY, CompiledOnce, ParallelChoice, njit, note_fallback, over_budget, readonly,
                            run_parts)
 
@@ -304,7 +305,7 @@ def _np_flat(x) -> Optional[np.ndarray]:
         t = x.detach()
         if t.dtype not in (torch.float32, torch.float64):
             t = t.to(torch.float32) if t.dtype != torch.complex64 else t
-        a = t.reshape(-1).numpy()
+        a = host_view(t.reshape(-1))
     if a.dtype.kind == "c":
         raise ValueError(f"cannot compare complex tensors (dtype {a.dtype})")
     if a.dtype not in (np.float32, np.float64):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .hostview import host_view
 from .stats import TensorStats
 
 __all__ = ["code_location", "TensorRecord", "StoredRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "NAMING_SEVERITIES", "split_tensor_name", "free_name", "to_numpy",
@@ -249,8 +250,8 @@ def to_numpy(t) -> np.ndarray:
         return t.astype(np.float32) if t.dtype.kind == "V" or t.dtype.type.__module__ == "ml_dtypes" else t
     t = t.detach().cpu()
     if "bfloat16" in str(t.dtype) or "float8" in str(t.dtype):
-        return t.float().numpy()
-    return t.numpy()
+        return t.float().numpy()  # a new tensor: its own storage
+    return host_view(t)
 
 
 def npy_bytes(t) -> bytes:

@@ -1,8 +1,18 @@
-"""Four ranks (gloo, CPU) train a DDP model under fp16 autocast; one rank's batch overflows fp16 at step K.  The
-answer names that rank, step K and the op, and lists the other ranks as receiving the NaN through the gradient
-all-reduce (their own first NaN is a parameter of the next step), not as producers."""
+"""Four ranks (gloo, CPU) train a model in fp16; one rank's batch overflows fp16 at step K.  The answer names that
+rank, step K and the op, and lists the other ranks as receiving the NaN, not as producers:
+
+- DDP under fp16 autocast: they receive it through the gradient all-reduce (their own first NaN is a parameter
+  of the next step);
+- FSDP2 (``fully_shard``) whose mixed-precision policy computes in fp16 (FSDP's own casts; autocast with FSDP2 on
+  CPU aborts torch 2.13 with no capture at all): the overflow is FSDP's cast of that rank's batch, and the others
+  receive it in the same step, in their shard of a weight gradient, through the gradients' reduce-scatter.  The
+  capture runs no collective of its own (a rank's statistics of a sharded tensor are of its own shard), and FSDP's
+  plumbing (the all-gather buffer it fills) is no op of the run.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -26,24 +36,36 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _worker(rank: int, port: int, root: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _model(kind: str):
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
+        return DDP(Net())
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = Net()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for m in (model.fc1, model.fc2, model):
+        fully_shard(m, mp_policy=policy)
+    return model
+
+
+def _worker(rank: int, port: int, root: str, kind: str) -> None:
     import precision_lab
     from test_multirank import join_gloo
 
     dist = join_gloo(rank, WORLD, port)
     try:
         torch.manual_seed(0)
-        model = DDP(Net())
+        model = _model(kind)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + rank)
-        with precision_lab.capture(model, run="ddp", shard_dir=root) as cap:
+        with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
             for step in range(STEPS):
                 x = torch.randn(4, 8, generator=g)
                 if step == K and rank == BAD:
-                    x = x * 1e6  # this rank's batch: fc1's output passes fp16's 65,504
-                with torch.autocast("cpu", dtype=torch.float16):
+                    x = x * 1e6  # this rank's batch: fc1's output (DDP), its cast to fp16 (FSDP) passes 65,504
+                with torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext():
                     y = model(x)
                 y.float().pow(2).mean().backward()
                 opt.step()
@@ -54,17 +76,23 @@ def _worker(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path):
+def _report(tmp_path, kind: str):
     from precision_lab.services.ingest import ingest
-    from precision_lab.services.report import build_report, render_text
+    from precision_lab.services.report import build_report
     from precision_lab.store import Store
 
     port = _free_port()
     shards = tmp_path / "shards"
-    mp.spawn(_worker, args=(port, str(shards)), nprocs=WORLD, join=True)
-    store = Store(tmp_path / "ddp.duckdb")
+    mp.spawn(_worker, args=(port, str(shards), kind), nprocs=WORLD, join=True)
+    store = Store(tmp_path / f"{kind}.duckdb")
     name = ingest(shards, store=store)
-    rep = build_report(store, name)
+    return store, name, build_report(store, name)
+
+
+def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path):
+    from precision_lab.services.report import render_text
+
+    store, name, rep = _report(tmp_path, "ddp")
     first = rep["first_nonfinite"]["ddp"]
     assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
     assert first["op"].startswith("module.fc1.")  # the op that overflows: fc1's linear on that rank's batch
@@ -83,3 +111,23 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
     (item,) = first_nonfinite_by_run(store, sid)
     assert {r["rank"]: r["state"] for r in item["ranks"]} == {r: "received" for r in spread}
     assert "received it" in render_html(store, name)
+
+
+def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path):
+    from precision_lab.services.report import render_text
+
+    store, name, rep = _report(tmp_path, "fsdp")
+    first = rep["first_nonfinite"]["fsdp"]
+    assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
+    # FSDP's cast of that rank's batch to fp16 is the first value past 65,504; fc1 reads it (first NaN there)
+    assert (first["op_type"], first["role"], first["certainty"]) == ("to", "output", "certain"), first
+    assert first["first_nan"]["op"] == "fc1.linear.0" and first["first_nan"]["rank"] == BAD
+    spread = {r["rank"]: r for r in rep["ranks"]["fsdp"]}
+    assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
+    for r in spread.values():
+        # each other rank first holds it in its shard of a weight gradient of the same step: not a value it made
+        assert (r["state"], r["step"], r["role"]) == ("received", K, "param_grad"), r
+    text = render_text(rep)
+    assert f"rank {BAD}" in text and "received it" in text and "reduce-scatter" in text
+    ops = {row[0] for row in store.sql("SELECT DISTINCT op_type FROM tensors").fetchall()}
+    assert "all_gather_copy_in" not in ops and "linear" in ops

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import weakref
 from collections import deque
@@ -80,7 +81,25 @@ def skip_reason(t: torch.Tensor) -> Optional[str]:
         return "quantized tensor skipped: summarise its dequantized values instead"
     if t.is_nested:
         return "nested tensor skipped"
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and _freed(t):
+        return "tensor skipped: its memory was freed (its storage resized below it, as FSDP frees unsharded tensors)"
     return None
+
+
+def _is_dtensor(t) -> bool:
+    dt = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
+    return dt is not None and isinstance(t, getattr(dt, "DTensor", ()))
+
+
+def _freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer covers its elements: reading them would read freed memory."""
+    if t.numel() == 0:
+        return False
+    last = t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    try:
+        return t.untyped_storage().nbytes() < (last + 1) * t.element_size()
+    except (RuntimeError, NotImplementedError):  # no storage to look at (a functional or wrapper tensor)
+        return False
 
 
 def stats_threads_default() -> int:
@@ -167,6 +186,9 @@ class StatsEngine:
     def _measure(self, t, where: str, hold: bool, histogram: Optional[bool]) -> Optional[Handle]:
         if not isinstance(t, torch.Tensor):
             return None
+        if _is_dtensor(t):
+            # a sharded (FSDP, tensor-parallel) tensor: this rank's own shard, with no collective
+            t = t.to_local()
         key = id(t)
         try:
             version = t._version

@@ -28,6 +28,16 @@ class _OpInfo:
 
 _FUNC_INFO: dict = {}
 
+# operator namespaces of sharding plumbing, not numerics: FSDP's copy-in fills its all-gather buffer with this
+# rank's shard and leaves the rest of the buffer as allocated (any bits) until the collective runs, so the buffer
+# it takes and returns would read as a tensor full of NaN that no op made
+_PLUMBING = frozenset({"fsdp"})
+
+
+def _plumbing(func) -> bool:
+    ns = getattr(func, "namespace", None) or str(getattr(func, "_qualified_op_name", "")).partition("::")[0]
+    return ns in _PLUMBING
+
 
 def _func_info(func) -> _OpInfo:
     info = _FUNC_INFO.get(func)
@@ -39,7 +49,7 @@ def _func_info(func) -> _OpInfo:
         full = getattr(func, "__name__", repr(func))
     parts = full.split(".")
     last = parts[-1]
-    skip = last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE
+    skip = last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE or _plumbing(func)
     inplace = last in _INPLACE_DUNDERS or (last.endswith("_") and not last.endswith("__"))
     name = last
     if name.startswith("__") and name.endswith("__"):

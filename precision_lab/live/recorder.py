@@ -836,7 +836,8 @@ class Capture:
             if h is not None:
                 ins.append(("input", idx, t, h))
         if kwargs:
-            for idx, t in _flatten(kwargs):
+            # ``out=`` is where the op writes: what it held before is no input (often uninitialised memory)
+            for idx, t in _flatten({k: v for k, v in kwargs.items() if k != "out"} if "out" in kwargs else kwargs):
                 h = self.measure(op, t)
                 if h is not None:
                     ins.append(("kwarg", idx, t, h))

@@ -113,9 +113,11 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
         via_state = o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
         received = o.step > first.step or (o.step == first.step and via_state)
         where = f"{o.op} (step {o.step}, {o.role} {o.index})"
+        how = ("through a gradient collective in the same step (FSDP's reduce-scatter, an all-reduce)"
+               if o.step == first.step else
+               "through a collective (DDP's gradient all-reduce, FSDP's all-gather) and the optimizer step after it")
         text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
-                "through a collective (DDP's gradient all-reduce, an all-gather) and the optimizer step after it"
-                if received else f"rank {r}: produced its own, at {where}")
+                f"{how}" if received else f"rank {r}: produced its own, at {where}")
         out.append({"rank": r, "state": "received" if received else "produced", "step": o.step, "op": o.op,
                     "role": o.role, "index": o.index, "text": text})
     return out

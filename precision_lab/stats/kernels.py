@@ -17,6 +17,7 @@ import numpy as np
 from ..formats import FORMATS
 from ..numba_loader import (SMALL_NUMPY, CompiledOnce, ParallelChoice, load_numba, njit, note_fallback, over_budget,
                             prefetch_intrinsic, readonly, run_parts)
+from ..hostview import host_view
 from .accumulate import _Acc, merge_stats
 from .edges import HIST_EDGES, N_BINS, histogram_counts
 from .records import TensorStats, canonical_dtype
@@ -908,7 +909,7 @@ def summary_stats(x, edges) -> tuple[TensorStats, np.ndarray]:
             d = _torch_dense_flat(x.detach())
             if d is not None:
                 dtype = canonical_dtype(x.dtype)
-                flat = d.numpy() if dtype == "float32" else d.view(torch.int16).numpy().view(np.uint16)
+                flat = host_view(d) if dtype == "float32" else host_view(d.view(torch.int16)).view(np.uint16)
     elif isinstance(x, np.ndarray) and x.dtype.name in ("float32", "float16", "bfloat16"):
         d = _np_dense_flat(x)
         if d is not None:
@@ -1069,7 +1070,7 @@ def _stats_torch(torch, t, histogram: bool, chunk: Optional[int], use_numba: boo
                 c = _fp4x2_to_f32(torch, c)
             elif c.dtype in (torch.float16, torch.bfloat16):
                 # bf16 / fp16 bits go to the scan as they are and are widened there, block by block
-                _numba_chunk(acc, c.contiguous().view(torch.int16).numpy().view(np.uint16), histogram,
+                _numba_chunk(acc, host_view(c.contiguous().view(torch.int16)).view(np.uint16), histogram,
                              _SCAN_KIND[dtype])
                 continue
             elif c.dtype != torch.float32:
@@ -1082,14 +1083,14 @@ def _stats_torch(torch, t, histogram: bool, chunk: Optional[int], use_numba: boo
                     out.copy_(piece)
                     _numba_chunk(acc, out.numpy(), histogram)
                 continue
-            _numba_chunk(acc, c.contiguous().numpy(), histogram)
+            _numba_chunk(acc, host_view(c.contiguous()), histogram)
     elif cpu and use_numba and dtype.startswith(("int", "uint")):
         # int32/int64 (token ids, indices): chunks within +/-2^24 are exact in float32
         parts = []
         for c in _iter_torch_chunks(t, min(chunk, 1 << 22)):
             lo, hi = torch.aminmax(c)
             if max(abs(int(lo)), abs(int(hi))) <= _F32_EXACT_INT:
-                _numba_chunk(acc, c.to(torch.float32).numpy(), histogram)
+                _numba_chunk(acc, host_view(c.to(torch.float32)), histogram)
             else:
                 parts.append(_torch_chunk_partial(torch, c, histogram))
         _torch_finish(torch, acc, parts)
