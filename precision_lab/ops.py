@@ -55,6 +55,12 @@ MASKING_OPS = frozenset({"masked_fill", "where", "full", "fill", "triu", "tril",
 # canonical op types that make a tensor from Python numbers: a -inf they hold is a constant, no error by itself
 CONSTANT_OPS = frozenset({"tensor"})
 
+# collectives: what one rank gets from the others.  An output that is non-finite from finite inputs is a value
+# another rank made (the capture records torch.distributed's calls and functional collectives under these names)
+COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                            "all_gather", "reduce_scatter", "all_to_all_single", "all_gather_tensor",
+                            "all_to_all", "wait_tensor"})
+
 # calls, by the name capture gives them (a torch function's or a tensor method's), whose output values are a
 # rearrangement or subset of their input's (views, reshapes, indexing, splitting, detaching): they cannot
 # introduce error or a non-finite value, so capture does not record them by default (the data flows through

@@ -1044,3 +1044,17 @@ def test_one_public_capture_over_the_recorder():
     assert importlib.import_module("precision_lab.live.recorder").Capture is live.Capture is Capture
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("precision_lab.live.capture")
+
+
+def test_an_operator_overload_is_named_by_its_operator():
+    """``torch.ops.aten.mul.Tensor(x, 2)`` is the op ``mul``, not its overload's name (``Tensor``, ``default``)."""
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.mul.Tensor(x, 2.0) + torch.ops.aten.relu.default(x)
+
+    model = M()
+    with capture(model, run="ops", store=":memory:") as cap:
+        model(torch.randn(3))
+    names = {r.op for r in cap.records}
+    assert {"mul.0", "relu.0"} <= names, names
+    assert not any(n.startswith(("Tensor.", "default.")) for n in names), names

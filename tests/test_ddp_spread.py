@@ -7,7 +7,10 @@ rank, step K and the op, and lists the other ranks as receiving the NaN, not as 
   CPU aborts torch 2.13 with no capture at all): the overflow is FSDP's cast of that rank's batch, and the others
   receive it in the same step, in their shard of a weight gradient, through the gradients' reduce-scatter.  The
   capture runs no collective of its own (a rank's statistics of a sharded tensor are of its own shard), and FSDP's
-  plumbing (the all-gather buffer it fills) is no op of the run.
+  plumbing (the all-gather buffer it fills) is no op of the run;
+- a tensor-parallel layer in fp16 whose partial results are summed with ``dist.all_reduce`` inside the forward:
+  the collective is recorded as an op on every rank (what each sent, what it got back), and the others receive
+  the overflow through it in the same step.
 """
 
 from __future__ import annotations
@@ -36,7 +39,20 @@ class Net(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class RowParallel(Net):
+    """fc2's partial sums added over the ranks, as a row-parallel linear does (each rank's own batch here)."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        p = self.fc2(torch.relu(self.fc1(x)))
+        dist.all_reduce(p)
+        return p
+
+
 def _model(kind: str):
+    if kind == "tp":
+        return RowParallel().half()
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,7 +78,7 @@ def _worker(rank: int, port: int, root: str, kind: str) -> None:
         g = torch.Generator().manual_seed(100 + rank)
         with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
             for step in range(STEPS):
-                x = torch.randn(4, 8, generator=g)
+                x = torch.randn(4, 8, generator=g).to(torch.float16 if kind == "tp" else torch.float32)
                 if step == K and rank == BAD:
                     x = x * 1e6  # this rank's batch: fc1's output (DDP), its cast to fp16 (FSDP) passes 65,504
                 with torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext():
@@ -131,3 +147,29 @@ def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp
     assert f"rank {BAD}" in text and "received it" in text and "reduce-scatter" in text
     ops = {row[0] for row in store.sql("SELECT DISTINCT op_type FROM tensors").fetchall()}
     assert "all_gather_copy_in" not in ops and "linear" in ops
+
+
+def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path):
+    from precision_lab.services.report import render_text
+
+    store, name, rep = _report(tmp_path, "tp")
+    first = rep["first_nonfinite"]["tp"]
+    assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
+    assert first["op"].startswith("fc1."), first  # fc1's fp16 output on that rank's batch passes 65,504
+    spread = {r["rank"]: r for r in rep["ranks"]["tp"]}
+    assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
+    for r in spread.values():
+        assert (r["state"], r["step"], r["op"]) == ("received", K, "all_reduce.0"), r
+        assert "through the all_reduce" in r["text"]
+    assert "through the all_reduce" in render_text(rep)
+    # the collective's records on every rank: what it sent and what it got back, the sum of what all sent
+    rows = store.sql("SELECT t.rank, t.step, t.role, t.numel, t.mean, t.nan_count + t.inf_count AS bad "
+                     "FROM tensors t JOIN runs r USING (run_id) WHERE r.name = 'tp' AND t.op = 'all_reduce.0'"
+                     ).fetchall()
+    by = {(rk, st, role): (numel, mean, bad) for rk, st, role, numel, mean, bad in rows}
+    assert {k[0] for k in by} == set(range(WORLD))
+    sent = sum(by[(rk, 0, "input")][1] for rk in range(WORLD))
+    for rk in range(WORLD):
+        assert by[(rk, 0, "output")][1] == pytest.approx(sent, rel=2e-3, abs=2e-3)  # fp16 sums
+        if rk != BAD:
+            assert by[(rk, K, "input")][2] == 0 and by[(rk, K, "output")][2] > 0

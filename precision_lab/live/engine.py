@@ -241,6 +241,15 @@ class StatsEngine:
                 self._recent.append(t)
         return h
 
+    def forget(self, t) -> None:
+        """Drop what is known of ``t`` and of the memory it covers: it was written without its version changing
+        (a collective's output), so earlier statistics of it no longer hold."""
+        self._cache.pop(id(t), None)
+        if isinstance(t, torch.Tensor) and not t.is_cuda and t.layout == torch.strided and type(t) is torch.Tensor:
+            region = dense_region(t.detach())
+            if region is not None:
+                self._regions.pop(region, None)
+
     def _same_region(self, t, region, version, shape, histogram) -> Optional[Handle]:
         """The handle of a live tensor measured before over exactly ``region``, unchanged since, re-shaped to
         ``shape``; None when there is none.  Only views of one tensor qualify: they share its version counter,

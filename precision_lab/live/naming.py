@@ -43,8 +43,14 @@ def _func_info(func) -> _OpInfo:
     info = _FUNC_INFO.get(func)
     if info is not None:
         return info
+    schema = getattr(func, "_schema", None)  # a torch.ops overload: its own name, not "default"
+    if schema is not None:
+        full = schema.name.rpartition("::")[2]
+    else:
+        full = None
     try:
-        full = resolve_name(func) or getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        full = full or resolve_name(func) or getattr(func, "__qualname__", None) or getattr(func, "__name__",
+                                                                                            repr(func))
     except Exception:
         full = getattr(func, "__name__", repr(func))
     parts = full.split(".")

@@ -50,6 +50,7 @@ from ..fixes.policy import PrecisionPolicy
 from ..formats import format_for_dtype
 from ..records import TensorRecord
 from ..stats import TensorStats
+from . import collectives as _collectives
 from .backward import BackwardHooks
 from .engine import StatsEngine
 from .naming import _Frame, _OpInfo, _backward_name, _flatten, _func_info, remove_handles
@@ -277,6 +278,8 @@ class Capture:
         self._module_paths: dict = {}
         self._regions: dict = {}  # id(module) -> (module, attribute, the compiled callable it held)
         self._compile_watch = None  # torch._dynamo's compile-start callback, while installed
+        self._collectives_undo = None  # puts torch.distributed's collectives back (collectives.install)
+        self._async_collectives: dict = {}  # name -> calls with async_op=True, run unrecorded
         # decisions that depend only on the options and the op or module, made once per capture
         self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
         self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
@@ -514,6 +517,7 @@ class Capture:
         # code compiled anywhere else (a function given to torch.compile) would be traced with the capture's
         # function mode on the stack: say so on the run rather than record it silently as something it is not
         self._compile_watch = torch._dynamo.callback.callback_handler.register_start_callback(self._on_compile)
+        self._collectives_undo = _collectives.install(self)
         if opts.functional:
             self._mode = _Mode(self)
             self._mode.__enter__()
@@ -596,6 +600,13 @@ class Capture:
         if self._compile_watch is not None:
             torch._dynamo.callback.callback_handler.remove_start_callback(self._compile_watch)
             self._compile_watch = None
+        if self._collectives_undo is not None:
+            self._collectives_undo()
+            self._collectives_undo = None
+        for name, n in self._async_collectives.items():
+            self.warn("collectives", f"{n} call(s) of torch.distributed.{name} with async_op=True ran unrecorded: "
+                                     "their output is written after they return")
+        self._async_collectives.clear()
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
@@ -801,6 +812,49 @@ class Capture:
     def _add_comparison(self, pos: int, cmp) -> None:
         with self._lock:
             self.local_comparisons.append((pos, cmp))
+
+    # -- collectives (collectives.install wraps torch.distributed's functions to call these)
+    def collective_before(self, name: str, sent):
+        """A collective is about to run: its op name and what this rank sends, measured now (an in-place
+        collective overwrites it)."""
+        st = self._tls
+        stack = getattr(st, "stack", None)
+        if stack and not stack[-1].scope_ok:
+            return None
+        st.busy = True
+        try:
+            op = self._next_name(stack[-1].path if stack else "", name)
+            backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward pass
+            ins = [("input", idx, t, h) for idx, t in _flatten(sent) for h in (self.measure(op, t),) if h is not None]
+            return op, name, ins, "backward" if backward else "forward"
+        except Exception as e:
+            self.hook_error(name, e)
+            return None
+        finally:
+            st.busy = False
+
+    def collective_after(self, ctx, written) -> None:
+        """The collective returned: what this rank got back, recorded with what it sent as one op call."""
+        op, name, ins, direction = ctx
+        st = self._tls
+        st.busy = True
+        try:
+            seq = self.take_seq()
+            for role, idx, t, h in ins:
+                self.add_tensor(seq, op, name, role, idx, t, h, direction)
+            for idx, t in _flatten(written):
+                self._engine.forget(t)  # written in place, perhaps without a new version: measured afresh
+                h = self.measure(op, t)
+                if h is not None:
+                    self.add_tensor(seq, op, name, "output", idx, t, h, direction)
+        except Exception as e:
+            self.hook_error(op, e)
+        finally:
+            st.busy = False
+
+    def note_unrecorded_collective(self, name: str) -> None:
+        with self._lock:
+            self._async_collectives[name] = self._async_collectives.get(name, 0) + 1
 
     # -- functional ops
     def _op_before(self, frame: _Frame, info: _OpInfo, args, kwargs):

@@ -26,10 +26,11 @@ import math
 from typing import Optional
 
 from ..display import cosine_brief, num_text
-from ..enums import OriginKind, Verdict
+from ..enums import OriginKind
 from ..formats import format_for_dtype
 from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
                       order_text)
+from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 from ..jsoncodec import dumps
@@ -79,13 +80,45 @@ def intended_nonfinite(store, run_id: str) -> list[Intended]:
 def nonfinite_origin(store, run_id: str) -> tuple[Optional[Origin], list[Intended]]:
     """``(origin, intended)`` of a run (``origin.analyse`` over ``run_facts``), with the origin's ``path``:
     the last ``PATH_LENGTH`` op calls before it in the same step and rank, then the op itself."""
-    first, masks = analyse(run_facts(store, run_id))
+    facts = run_facts(store, run_id)
+    first, masks = analyse(facts)
     if first is None:
         return None, masks
+    first = _producing_rank(facts, first)
     path = q.op_calls_up_to(store, run_id, first.step, first.rank, first.seq, INPUT_ROLES, PATH_LENGTH + 1)
     path = [PathStep(p["op"], p["op_type"], int(p["seq"]), bool(p["nonfinite_in"]), bool(p["nonfinite_out"]))
             for p in path if not (p["seq"] == first.seq and p["op"] != first.op)][::-1]
     return first.with_path(path), masks
+
+
+def _rank_facts(facts: RunFacts, rank: int) -> RunFacts:
+    """``facts`` of one rank only."""
+    return dataclasses.replace(facts, calls=tuple(c for c in facts.calls if c.rank == rank),
+                               records=tuple(x for x in facts.records if x.rank == rank),
+                               outputs={k: v for k, v in facts.outputs.items() if k[1] == rank})
+
+
+def _arrived(o: Origin) -> bool:
+    """Whether a rank's first non-finite value is one that reaches a rank from the others: a collective's output,
+    or a parameter's gradient or a parameter (what DDP's all-reduce, FSDP's reduce-scatter and all-gather and the
+    optimizer step after them write)."""
+    return o.op_type in COLLECTIVE_OPS or o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
+
+
+def _producing_rank(facts: RunFacts, first: Origin) -> Origin:
+    """With several ranks, the first failure found may be one a rank received: in the same step a collective
+    hands every rank the value one rank made (FSDP's reduce-scatter during backward, a tensor-parallel
+    all-reduce), and the receiver that comes first by rank number is no producer.  Where ``first`` arrived so,
+    the earliest origin another rank computed itself (in the same or an earlier step) is the answer."""
+    if not _arrived(first):
+        return first
+    ranks = sorted({c.rank for c in facts.calls})
+    if len(ranks) < 2:
+        return first
+    made = [o for r in ranks if r != first.rank
+            for o in (analyse(_rank_facts(facts, r))[0],) if o is not None and o.step <= first.step
+            and not _arrived(o)]
+    return min(made, key=lambda o: (o.step, o.rank)) if made else first
 
 
 def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
@@ -103,17 +136,15 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
     for r in ranks:
         if r == first.rank:
             continue
-        mine = dataclasses.replace(facts, calls=tuple(c for c in facts.calls if c.rank == r),
-                                   records=tuple(x for x in facts.records if x.rank == r),
-                                   outputs={k: v for k, v in facts.outputs.items() if k[1] == r})
+        mine = _rank_facts(facts, r)
         o = analyse(mine)[0] if mine.calls else None
         if o is None:
             out.append({"rank": r, "state": "finite", "text": f"rank {r}: every value it recorded is finite"})
             continue
-        via_state = o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
-        received = o.step > first.step or (o.step == first.step and via_state)
+        received = o.step > first.step or (o.step == first.step and _arrived(o))
         where = f"{o.op} (step {o.step}, {o.role} {o.index})"
-        how = ("through a gradient collective in the same step (FSDP's reduce-scatter, an all-reduce)"
+        how = (f"through the {o.op_type} it records" if o.op_type in COLLECTIVE_OPS else
+               "through a gradient collective in the same step (FSDP's reduce-scatter, an all-reduce)"
                if o.step == first.step else
                "through a collective (DDP's gradient all-reduce, FSDP's all-gather) and the optimizer step after it")
         text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
