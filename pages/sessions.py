@@ -3,6 +3,7 @@ import streamlit as st
 from precision_lab.ui import page
 from precision_lab.ui.common import escape_md as plain
 from precision_lab.ui.sessions import IngestFailed, ingest_upload, open_sample
+from precision_lab.services.diagnose import check_sessions
 from precision_lab.services.samples import list_samples
 from precision_lab.services.upload import upload_key
 
@@ -47,6 +48,16 @@ def _as_list(x):
 
 if table is not None and not table.empty:
     st.subheader("Sessions")
+    cut = list(table.loc[~table["diagnosed"], "session"])
+    if cut:
+        st.warning(f"{len(cut)} session(s) were stored without their diagnoses (a write stopped before it finished): "
+                   f"{plain(', '.join(cut[:5]))}{', ...' if len(cut) > 5 else ''}. Their findings are incomplete "
+                   "until they are diagnosed (`precision-lab check` does the same).")
+        if acc.can_upload and st.button("Diagnose them now", key="check_sessions"):
+            with page.guard("Diagnosis failed"):
+                done = check_sessions(store)
+                st.session_state["_pl_import_message"] = "; ".join(f"{name}: {what}" for name, what in done)
+            st.rerun()
     st.caption("Select a row to open its overview.")
     event = st.dataframe(
         table.drop(columns=["session_id"]), key="sessions_table", on_select="rerun", selection_mode="single-row",

@@ -250,3 +250,28 @@ def test_the_page_icon_is_served_by_this_server_so_it_shows_offline(empty_db, mo
     assert sent, "the app sets no page icon"
     # this server's media endpoint (a path, no host), never a material icon the browser fetches elsewhere
     assert all("/media/" in s and s.startswith("/") and not s.startswith("//") for s in sent), sent
+
+
+def test_a_session_stored_without_its_diagnoses_is_flagged_and_diagnosed_in_one_click(empty_db):
+    """A writer killed between a session's insert and its diagnosis leaves it unmarked: the list says so, and
+    the button does what ``precision-lab check`` does."""
+    from test_share import make_session
+
+    store = _store(empty_db)
+    make_session(store, "cut")  # written, never diagnosed
+    make_session(store, "whole")
+    from precision_lab.services.diagnose import diagnose_session
+
+    diagnose_session(store, "whole")
+    at = app_test()
+    at.run()
+    assert_clean(at)
+    (table,) = frames(at)
+    assert dict(zip(table["session"], table["diagnosed"])) == {"cut": False, "whole": True}
+    said = " ".join(w.value for w in at.warning)
+    assert "1 session(s) were stored without their diagnoses" in said and "cut" in said and "whole" not in said
+    at.button(key="check_sessions").click().run()
+    assert_clean(at)
+    assert not [w for w in at.warning if "without their diagnoses" in w.value]
+    shown = " ".join(s.value for s in at.success).replace("\\", "")  # markdown-escaped
+    assert store.undiagnosed_sessions() == [] and "cut: diagnosed: " in shown

@@ -50,6 +50,7 @@ def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable
         by_session.setdefault(r["session_id"], []).append(r)
     if headline is None:
         headline = lambda sid, _version: session_headline(store, sid)  # noqa: E731
+    undiagnosed = set(store.undiagnosed_sessions())
     out = []
     for s in sessions:
         version = session_version(by_session.get(s["session_id"], []))
@@ -58,10 +59,11 @@ def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable
             "session": s["name"], "created": s["created"],
             "runs": ", ".join(run_label(r) for r in by_session.get(s["session_id"], [])),
             "first non-finite": head["first_nonfinite"], "largest error": head["worst"],
+            "diagnosed": s["name"] not in undiagnosed,
             "source": s["recipe"] or public_source(s["source"]), "session_id": s["session_id"],
         })
-    return pd.DataFrame(out, columns=["session", "created", "runs", "first non-finite", "largest error", "source",
-                                      "session_id"])
+    return pd.DataFrame(out, columns=["session", "created", "runs", "first non-finite", "largest error", "diagnosed",
+                                      "source", "session_id"])
 
 
 def _ingest(store, cand: Path, ref: Optional[Path], *, session: Optional[str], progress: Optional[Progress],
