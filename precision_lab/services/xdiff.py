@@ -38,10 +38,14 @@ import numpy as np
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..metrics import Comparison, compare, compare_stats
 from ..ops import canonical
-from ..records import TensorRecord
+from ..records import TensorRecord, npy_load
+from ..stats import TensorStats
+from ..store import SessionNotFound
+from ..store.queries import run_records_with_data, session_runs
 from .xpair import OpPair, Pairing, aligned, pair_runs, rel_error, values_of
 
-__all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "SAFETY", "AGREE", "OPAQUE", "BENIGN_FACTOR"]
+__all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "run_records", "resolve_run", "DiffInputError",
+           "diff_rows", "render_diff_text", "SAFETY", "AGREE", "OPAQUE", "BENIGN_FACTOR"]
 
 SAFETY = 4.0
 AGREE = 0.1
@@ -264,3 +268,99 @@ def diff_records(ref: Sequence[TensorRecord], cand: Sequence[TensorRecord], *, r
                       for p in pairing.pairs)
     first = next((j for j in judgments if j.diverges), None)
     return DiffResult(pairing, judgments, first, ref_format, cand_format)
+
+
+# ---- where the two runs come from -----------------------------------------------------------------
+
+class DiffInputError(ValueError):
+    """A ``diff`` input that cannot be used: the sentence says which and why."""
+
+
+def run_records(store, run_id: str) -> list[TensorRecord]:
+    """A stored run's records, each with its kept tensor (``tensor``: numpy) where one was kept."""
+    out = []
+    for row in run_records_with_data(store, run_id):
+        stats = TensorStats.from_row(row)
+        out.append(TensorRecord(run_id=run_id, seq=int(row["seq"]), op=row["op"], op_type=row.get("op_type") or "",
+                                role=row["role"], index=str(row["index"]), stats=stats, step=int(row["step"]),
+                                rank=int(row["rank"]), direction=row.get("direction") or "forward",
+                                parent=row.get("parent"),
+                                tensor=npy_load(row["npy"]) if row.get("npy") is not None else None))
+    return out
+
+
+def resolve_run(store, spec: str, shown: Optional[str] = None) -> tuple[str, str]:
+    """``(run_id, label)`` of ``SESSION`` (a session with one run) or ``SESSION:RUN`` (a run by name or id);
+    ``shown``: what the user gave for the session (a dump's path), for messages."""
+    session, _, run = spec.partition(":")
+    try:
+        info = store.session(session)
+    except SessionNotFound as e:
+        raise DiffInputError(f"{spec}: {e.args[0]}") from None
+    runs = session_runs(store, info["session_id"])
+    if run:
+        hit = [r for r in runs if run in (r["name"], r["run_id"])]
+        if not hit:
+            raise DiffInputError(f"{spec}: session {info['name']!r} has no run {run!r} (its runs: "
+                                 f"{', '.join(r['name'] for r in runs)})")
+        return hit[0]["run_id"], f"{info['name']}:{hit[0]['name']}"
+    if len(runs) != 1:
+        where = shown or info["name"]
+        raise DiffInputError(f"{where}: {len(runs)} runs ({', '.join(r['name'] for r in runs)}); name one as "
+                             f"{where}:RUN")
+    return runs[0]["run_id"], f"{info['name']}:{runs[0]['name']}"
+
+
+# ---- text --------------------------------------------------------------------------------------------
+
+def _num(v: Optional[float], fmt: str = ".3g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def diff_rows(result: DiffResult) -> list[dict]:
+    """One row per pair in the reference's execution order: the pairing and the metrics side by side."""
+    out = []
+    for j in result.judgments:
+        c = j.comparison
+        out.append({"ref": j.pair.ref[0].op, "ref_calls": len(j.pair.ref), "cand": j.pair.cand[0].op,
+                    "cand_calls": len(j.pair.cand), "how": j.pair.how, "confidence": j.pair.confidence,
+                    "basis": j.basis, "out_error": j.out_error, "in_error": j.in_error, "expected": j.expected,
+                    "sqnr_db": c.sqnr_db if c else None, "max_abs_err": c.max_abs_err if c else None,
+                    "max_rel_err": c.max_rel_err if c else None, "cosine": c.cosine if c else None,
+                    "diverges": j.diverges})
+    return out
+
+
+def render_diff_text(result: DiffResult, ref_label: str, cand_label: str, *, limit: int = 40) -> str:
+    """The first divergent pair in a sentence, the pairing's counts, and the pairs around it as a table."""
+    p = result.pairing
+    hows = ", ".join(f"{p.count(h)} by {h}" for h in ("name", "anchor", "data-flow", "fused N:1") if p.count(h))
+    lines = [f"reference {ref_label} vs candidate {cand_label}",
+             f"{len(p.pairs)} pairs ({hows or 'none'}); unpaired: {len(p.unpaired_ref)} reference, "
+             f"{len(p.unpaired_cand)} candidate call(s)"]
+    f = result.first
+    if f is None:
+        lines.append("no pair diverges beyond what the formats explain")
+        start = 0
+    else:
+        lines.append(f"first divergent pair: {f.pair.label} ({f.pair.how}, confidence {f.pair.confidence:.2f}): "
+                     f"output error {_num(f.out_error)} against {_num(f.expected)} expected from inputs that "
+                     f"agree to {_num(f.in_error)} (u = {f.unit_roundoff:.3g}, kappa {f.kappa:.3g}, "
+                     f"n = {f.accumulation})")
+        start = max(0, result.judgments.index(f) - limit // 4)
+    lines.append("")
+    lines.append(f"{'':2}{'reference':48} {'candidate':40} {'how':10} {'conf':>5} {'out err':>9} {'in err':>9} "
+                 f"{'band':>9} {'SQNR dB':>8} {'max abs':>9} {'max rel':>9} {'cosine':>10}")
+    for r in diff_rows(result)[start:start + limit]:
+        mark = "!!" if r["diverges"] else "  "
+        ref = r["ref"] + (f" (+{r['ref_calls'] - 1})" if r["ref_calls"] > 1 else "")
+        cand = r["cand"] + (f" (+{r['cand_calls'] - 1})" if r["cand_calls"] > 1 else "")
+        lines.append(f"{mark}{ref[-48:]:48} {cand[-40:]:40} {r['how']:10} {r['confidence']:5.2f} "
+                     f"{_num(r['out_error']):>9} {_num(r['in_error']):>9} {_num(r['expected']):>9} "
+                     f"{_num(r['sqnr_db'], '.1f'):>8} {_num(r['max_abs_err']):>9} {_num(r['max_rel_err']):>9} "
+                     f"{_num(r['cosine'], '.7f'):>10}")
+    for side, calls in (("reference", p.unpaired_ref), ("candidate", p.unpaired_cand)):
+        if calls:
+            names = ", ".join(c.op for c in calls[:12]) + (f" and {len(calls) - 12} more" if len(calls) > 12 else "")
+            lines.append(f"unpaired {side} calls: {names}")
+    return "\n".join(lines)

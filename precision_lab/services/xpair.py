@@ -61,6 +61,8 @@ _ANCHOR_REL = 0.05
 # calls that compute in one kernel what other code writes as several ops: a fused region's boundary
 _FUSED_KERNELS = frozenset({"scaled_dot_product_attention", "layer_norm", "rms_norm", "group_norm", "batch_norm",
                             "softmax", "log_softmax", "linear", "addmm", "gelu", "silu", "cross_entropy"})
+# how many nodes after the last pair a fused projection's parts may lie
+_FUSE_WINDOW = 12
 # in the data-flow alignment, values this close (relative error) count as the same data whatever the op type
 _SAME_DATA_REL = 0.25
 
@@ -362,7 +364,8 @@ def _name_anchors(A: list[Node], B: list[Node]) -> list[tuple[int, int, float]]:
     for a in A:
         for c in a.calls:
             b = where_b.get(c.op)
-            if b is not None and b.numel == a.numel and any(x.op_type == c.op_type for x in b.calls if x.op == c.op):
+            if b is not None and b.numel == a.numel and any(
+                    x.op_type == c.op_type or (x.is_module_call and c.is_module_call) for x in b.calls if x.op == c.op):
                 out.append((a.idx, b.idx, 2.0))
                 break
     return out
@@ -507,6 +510,25 @@ def _starts_from_same_inputs(first: OpCall, region: OpCall) -> bool:
     return False
 
 
+def _second_values(pairs: list[OpPair], A: list[Node], B: list[Node], free_a: list[Node],
+                   free_b: list[Node]) -> tuple[list[OpPair], list[Node], list[Node]]:
+    calls_a = {c.op: (a, c) for a in A if a not in free_a for c in a.calls}
+    calls_b = {c.op: (b, c) for b in B if b not in free_b for c in b.calls}
+    keep_a, keep_b = [], []
+    for lone, other, keep, ref_side in ((free_a, calls_b, keep_a, True), (free_b, calls_a, keep_b, False)):
+        for n in lone:
+            hit = next((other[c.op] for c in n.calls if c.op in other and other[c.op][0].numel == n.numel), None)
+            if hit is None:
+                keep.append(n)
+                continue
+            m, call = hit
+            a, b = (n, m) if ref_side else (m, n)
+            err = _node_error(a, b)
+            pairs.append(OpPair(n.calls if ref_side else (call,), (call,) if ref_side else n.calls, "name",
+                                _confidence("name", err, True), err, ref_value=a.values, cand_value=b.values))
+    return pairs, keep_a, keep_b
+
+
 def _lone_before(nodes: list[Node], i: int, lone: set) -> list[Node]:
     """The unpaired nodes just before node ``i``, in order."""
     run = []
@@ -551,16 +573,15 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
     fused: list[tuple[list[Node], Node, float]] = []
     used_a: set[int] = set()
     for b in free_b:
+        # the lone reference nodes after the pair before ``b``, a few nodes on (a fused projection runs before
+        # the ops that separate its parts in the reference)
         lo = max([i for j, i in by_b.items() if j < b.idx] + [-1])
-        hi = min([i for j, i in by_b.items() if j > b.idx] + [len(A)])
-        cands = [a for a in free_a if lo < a.idx < hi and a.idx not in used_a]
+        cands = [a for a in free_a if lo < a.idx <= lo + _FUSE_WINDOW and a.idx not in used_a]
         hit = None
         for s in range(len(cands)):
             total = 0
             for e in range(s, len(cands)):
                 total += cands[e].numel
-                if e > s and cands[e].idx != cands[e - 1].idx + 1:
-                    break
                 if total > b.numel:
                     break
                 if total == b.numel and e > s:
@@ -610,6 +631,9 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
         final.append(p)
     free_a = [a for a in free_a if a.idx in lone_a]
     free_b = [b for b in free_b if b.idx in lone_b]
+    # one value of one run held twice by the other (a compiled region's output beside the eager re-run of its
+    # last op): the lone node is paired by name with the call of the other run's node that bears its name
+    final, free_a, free_b = _second_values(final, A, B, free_a, free_b)
     return final, free_a, free_b
 
 
