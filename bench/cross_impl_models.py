@@ -194,6 +194,7 @@ _LLAMA_MODULES = [
     (r"^layers\.(\d+)\.self_attn\.[qkv]_proj", r"blocks.\1.mix.qkv"),
     (r"^layers\.(\d+)\.self_attn\.o_proj", r"blocks.\1.mix.out"),
     (r"^layers\.(\d+)\.self_attn", r"blocks.\1.mix"),
+    (r"^layers\.(\d+)\.mlp\.act_fn\.(?!forward)", r"blocks.\1.ffn."),
     (r"^layers\.(\d+)\.mlp\.gate_proj", r"blocks.\1.ffn.gate"), (r"^layers\.(\d+)\.mlp\.up_proj", r"blocks.\1.ffn.up"),
     (r"^layers\.(\d+)\.mlp\.down_proj", r"blocks.\1.ffn.down"), (r"^layers\.(\d+)\.mlp", r"blocks.\1.ffn"),
     (r"^layers\.(\d+)", r"blocks.\1"),
@@ -207,3 +208,231 @@ def llama_module(ref_op: str) -> str:
         if n:
             return new
     return ref_op
+
+
+# ---- an encoder: transformers BERT built from config ------------------------------------------------------
+
+def bert(attn: str = "sdpa", seed: int = 0, layers: int = 2):
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=64, max_position_embeddings=32, attn_implementation=attn)
+    torch.manual_seed(seed)
+    return BertModel(cfg, add_pooling_layer=False).eval()
+
+
+def _no_residual(self, hidden_states, input_tensor):
+    return self.LayerNorm(self.dropout(self.dense(hidden_states)))
+
+
+def bert_bug(model, bug: str, layer: int = 1):
+    """Switch a silent bug on in one layer of a BERT model (in place); returns the module path it is in."""
+    lay = model.encoder.layer[layer]
+    p = f"encoder.layer.{layer}"
+    if bug == "eps":
+        lay.output.LayerNorm.eps = 1e-1
+        return p + ".output.LayerNorm"
+    if bug == "scale":
+        lay.attention.self.scaling = 1.0
+        return p + ".attention.self"
+    if bug == "transposed":
+        with torch.no_grad():
+            lay.attention.output.dense.weight.copy_(lay.attention.output.dense.weight.T.clone())
+        return p + ".attention.output.dense"
+    if bug == "act":
+        lay.intermediate.intermediate_act_fn = nn.ReLU()
+        return p + ".intermediate"
+    if bug == "residual":
+        import types
+
+        lay.output.forward = types.MethodType(_no_residual, lay.output)
+        return p + ".output"
+    raise ValueError(bug)
+
+
+BERT_BUGS = ("eps", "scale", "transposed", "act", "residual")
+
+
+# ---- a conv net (own) --------------------------------------------------------------------------------------
+
+class ConvBlock(nn.Module):
+    def __init__(self, c, bug=None, fold=False):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=fold)
+        self.bn = nn.BatchNorm2d(c, eps=1e-1 if bug == "eps" else 1e-5)
+        self.bug, self.fold = bug, fold
+
+    def forward(self, x):
+        h = self.conv(x) if self.fold else self.bn(self.conv(x))
+        if self.bug == "scale":
+            h = h * 0.5
+        h = h if self.bug == "relu" else F.relu(h)
+        return h if self.bug == "residual" else x + h
+
+
+class ConvNet(nn.Module):
+    def __init__(self, c=8, n=3, bug=None, bug_block=1, fold=False):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock(c, bug if i == bug_block else None, fold) for i in range(n))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean(dim=(2, 3)))
+
+
+CONV_BUGS = ("eps", "scale", "relu", "residual", "flipped")
+
+
+def conv_net(bug=None, fold=False, seed=0):
+    torch.manual_seed(seed)
+    ref = ConvNet().eval()
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        for b in ref.blocks:
+            b.bn.running_mean.uniform_(-0.5, 0.5)
+            b.bn.running_var.uniform_(0.5, 2.0)
+    if bug is None and not fold:
+        return ref
+    new = ConvNet(bug=None if bug == "flipped" else bug, fold=fold).eval()
+    sd = ref.state_dict()
+    if fold:  # BatchNorm folded into the conv before it: one conv computes what two ops did
+        for i, b in enumerate(new.blocks):
+            rb = ref.blocks[i]
+            s = rb.bn.weight / torch.sqrt(rb.bn.running_var + rb.bn.eps)
+            sd[f"blocks.{i}.conv.weight"] = rb.conv.weight * s[:, None, None, None]
+            sd[f"blocks.{i}.conv.bias"] = rb.bn.bias - rb.bn.running_mean * s
+            for k in list(sd):
+                if k.startswith(f"blocks.{i}.bn."):
+                    sd.pop(k)
+        new.load_state_dict(sd, strict=False)
+    else:
+        new.load_state_dict(sd)
+    if bug == "flipped":  # the kernel read the other way round (a port that mixed up cross-correlation)
+        with torch.no_grad():
+            new.blocks[1].conv.weight.copy_(torch.flip(new.blocks[1].conv.weight, dims=(2, 3)))
+    return new
+
+
+# ---- a mixture-of-experts block (own) ---------------------------------------------------------------------
+
+class Moe(nn.Module):
+    """Top-2 routing over 4 experts, then a residual; ``batched``: every expert on every token with the
+    routing weights as a dense matrix (another op sequence, the same numbers up to rounding)."""
+
+    def __init__(self, d=16, e=4, bug=None, batched=False, reverse=False):
+        super().__init__()
+        self.router = nn.Linear(d, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.SiLU(), nn.Linear(32, d)) for _ in range(e))
+        self.norm = nn.LayerNorm(d)
+        self.bug, self.batched, self.reverse = bug, batched, reverse
+
+    def forward(self, x):
+        h = self.norm(x)
+        logits = self.router(h)
+        probs = torch.softmax(logits * (2.0 if self.bug == "temperature" else 1.0), dim=-1)
+        w, idx = probs.topk(2, dim=-1)
+        if self.bug != "no_renorm":
+            w = w / w.sum(-1, keepdim=True)
+        dense = torch.zeros_like(probs).scatter(-1, idx, w)
+        if self.bug == "wrong_expert":
+            dense = dense.roll(1, dims=-1)
+        if self.batched:  # every expert's output stacked, weighted and summed in one reduction
+            ys = torch.stack([e(h) for e in self.experts], dim=-1)
+            out = (ys * dense[..., None, :]).sum(-1)
+        else:
+            order = range(len(self.experts) - 1, -1, -1) if self.reverse else range(len(self.experts))
+            out = torch.zeros_like(x)
+            for k in order:
+                y = self.experts[k](h)
+                out = out + y * dense[..., k:k + 1]
+        return out if self.bug == "residual" else x + out
+
+
+MOE_BUGS = ("no_renorm", "temperature", "wrong_expert", "residual")
+
+
+class MoeNet(nn.Module):
+    """A projection, the mixture-of-experts block (``moe``), a projection."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.moe = Moe(**kw)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.moe(self.inp(x)))
+
+
+# ---- a model of our own: fp32 against fp8 with quantise ops -----------------------------------------------
+
+class Quant(nn.Module):
+    """Fake fp8 (e4m3) quantisation: scale to the format's range, round through float8, scale back."""
+
+    def __init__(self, per_row=False, bug=None):
+        super().__init__()
+        self.per_row, self.bug = per_row, bug
+
+    def forward(self, x):
+        per_row = self.per_row or self.bug == "transposed_scale"
+        amax = x.abs().amax(dim=-1, keepdim=True) if per_row else x.abs().amax()
+        scale = 448.0 / amax.clamp(min=1e-12)
+        q = (x * scale).to(torch.float8_e4m3fn).float()
+        if self.bug == "missing_scale":
+            return q
+        return q / (scale.T if self.bug == "transposed_scale" else scale)  # a row's scale read as a column's
+
+
+class QLinear(nn.Module):
+    def __init__(self, lin, per_row=False, bug=None):
+        super().__init__()
+        self.lin = lin
+        self.qx, self.qw = Quant(per_row), Quant(per_row, bug)
+
+    def forward(self, x):
+        return F.linear(self.qx(x), self.qw(self.lin.weight), self.lin.bias)
+
+
+class OwnBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.drop_residual = False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(self.norm(x)))
+        return h if self.drop_residual else x + h
+
+
+class Own(nn.Module):
+    def __init__(self, d=32, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(OwnBlock(d) for _ in range(n))
+        self.out = nn.Linear(d, d)
+        with torch.no_grad():  # rows of very different sizes: what per-row fp8 scales are for
+            for layer in self.layers:
+                layer.fc.weight.mul_(torch.logspace(-1, 1, d)[:, None])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+OWN_BUGS = ("transposed_scale", "missing_scale", "residual")
+
+
+def own_fp8(bug=None, per_row=False, quantise=True, seed=0):
+    """The own model, its ``layers.N.fc`` in fake fp8 (with ``bug`` in layer 1) when ``quantise``."""
+    torch.manual_seed(seed)
+    m = Own().eval()
+    if not quantise:
+        return m
+    for i, layer in enumerate(m.layers):
+        layer.fc = QLinear(layer.fc, per_row, bug if i == 1 and bug != "residual" else None)
+    m.layers[1].drop_residual = bug == "residual"
+    return m

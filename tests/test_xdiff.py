@@ -130,7 +130,7 @@ def test_metrics_of_a_pair_match_float64_numpy():
     # the band: fp32's unit roundoff, times the measured conditioning and the accumulation over 16 values
     assert j.unit_roundoff == 2.0 ** -24
     assert j.expected == pytest.approx(4.0 * (j.kappa * (j.in_error or 0.0) + (2 + math.sqrt(j.accumulation))
-                                              * 2.0 ** -24))
+                                              * 2.0 ** -24 + 2.0 ** -24))
 
 
 def test_a_transposed_layout_is_aligned_before_it_is_compared():

@@ -3,16 +3,20 @@
 Given two runs paired by their data (``services.xpair``), each pair is
 judged against the error its formats explain:
 
-    expected = SAFETY * (kappa * input_error + (2 + sqrt(n)) * u)
+    expected = SAFETY * (kappa * (input_error + q) + (2 + sqrt(n)) * u_acc + u)
 
-``u`` is the unit roundoff (eps / 2) of the coarser of the two runs' formats
-at that op, ``n`` the op's accumulation length (the inner dimension of a
+``u_acc`` is the unit roundoff (eps / 2) of the coarser of the two
+tensors' dtypes (what the op rounded to and accumulated in), ``u`` that of
+the coarsest format the computation went through (a declared format such as
+fp8 held in fp32 tensors, else ``u_acc``), ``q`` = ``u / sqrt(3)`` where a declared
+format is coarser than the dtypes (the op's inputs were rounded to it inside
+the op: the RMS of a rounding error spread evenly over +-u is u / sqrt(3)), else 0; ``n`` the op's accumulation length (the inner dimension of a
 matmul, the reduced length of a mean or a norm), ``input_error`` the largest
 norm-wise relative error among the pair's inputs (each reference input
 against the candidate input closest to it), and ``kappa`` the op's
 conditioning measured on the reference's own inputs (``|x| |W|`` against
 ``x W`` for a matmul, ``|a| + |b|`` against ``a + b`` for an add, the
-largest logit for softmax and exp; a call whose function is not known, a
+largest logit for softmax and exp, ``x f'(x)`` against ``f(x)`` for cos and sin; a call whose function is not known, a
 module or a fused region, gets the ratio of its inputs' size to its
 output's, times ``OPAQUE``).  With a benign second run (one that differs
 only in reduction order, or in the attention kernel), the band is also at
@@ -21,7 +25,9 @@ least ``BENIGN_FACTOR`` times the error that run shows at the same op.
 A pair **diverges** when its output's relative error exceeds ``expected``
 (or it holds a non-finite value its reference does not) while its inputs
 agree (input error at most ``AGREE``: beyond it the output's error is no
-longer predicted from the inputs').  The answer is the first diverging pair
+longer predicted from the inputs'; where no input could be compared, only an
+op of integer inputs alone agrees -- a module call's parameters are not
+among its recorded inputs).  The answer is the first diverging pair
 in the reference's execution order.  Each pair also carries the metrics of
 ``metrics.compare`` side by side (SQNR, max abs, max relative, cosine): one
 of them alone can hide a blow-up.
@@ -49,7 +55,7 @@ __all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "run_records",
 
 SAFETY = 4.0
 AGREE = 0.1
-OPAQUE = 8.0
+OPAQUE = 2.0
 BENIGN_FACTOR = 8.0
 
 _MATMUL = {"linear", "matmul", "addmm", "einsum", "baddbmm", "conv1d", "conv2d", "conv3d"}
@@ -172,6 +178,10 @@ def _conditioning(pair: OpPair, call, opaque: bool) -> tuple[float, int]:
     except ValueError:  # shapes not of a plain matmul: judged as an opaque call
         pass
     big = max(float(np.max(np.abs(v[np.isfinite(v)]))) if np.isfinite(v).any() else 0.0 for v in ins)
+    if kind in ("cos", "sin"):  # |x f'(x)| against |f(x)|: large where the value crosses zero
+        x = ins[0]
+        slope = np.sin(x) if kind == "cos" else np.cos(x)
+        return max(1.0, _rms(x * slope) / ro), 1
     if kind in _EXPLIKE:
         return max(1.0, 2.0 * big), last if kind in ("softmax", "log_softmax") else 1
     if kind == "scaled_dot_product_attention" and len(ins) >= 2:
@@ -193,19 +203,12 @@ def _conditioning(pair: OpPair, call, opaque: bool) -> tuple[float, int]:
 
 
 def _levels(pair: OpPair) -> list[tuple]:
-    """(reference call, candidate call, opaque) whose inputs a pair is judged from: the innermost calls, and the
-    outermost where they differ (the module boundary around them, or a fused region's)."""
+    """(reference call, candidate call, opaque) whose inputs a pair is judged from: the innermost calls, and each
+    module boundary around them on either side (a module call, a fused region)."""
     fused = pair.how == "fused N:1"
-    out = [(pair.ref[0], pair.cand[0], fused)]
-    ref, cand = _outermost(pair.ref), _outermost(pair.cand)
-    if ref is not pair.ref[0] or cand is not pair.cand[0]:
-        out.append((ref, cand, True))
-    return out
-
-
-def _outermost(calls):
-    """The last module call among ``calls`` (the outermost boundary of one value), else the last call."""
-    return next((c for c in reversed(calls) if c.is_module_call), calls[-1])
+    refs = [pair.ref[0]] + [c for c in pair.ref[1:] if c.is_module_call]
+    cands = [pair.cand[0]] + [c for c in pair.cand[1:] if c.is_module_call]
+    return [(r, c, fused or r is not pair.ref[0] or c is not pair.cand[0]) for r in refs[:4] for c in cands[:4]]
 
 
 def judge(pair: OpPair, *, ref_format: Optional[str] = None, cand_format: Optional[str] = None,
@@ -213,11 +216,16 @@ def judge(pair: OpPair, *, ref_format: Optional[str] = None, cand_format: Option
     """One pair against the band its formats explain (see the module doc).  A pair is judged at its innermost
     calls and at the boundary around them: it diverges when at either its inputs agree and its output's error is
     beyond the band there."""
-    rd = get_format(ref_format) if ref_format else None
-    cd = get_format(cand_format) if cand_format else None
-    rf = _format_of(pair.ref[-1].out, rd)
-    cf = _format_of(pair.cand[-1].out, cd)
-    u = max(rf.eps, cf.eps) / 2
+    rf = _format_of(pair.ref[-1].out, None)
+    cf = _format_of(pair.cand[-1].out, None)
+    u_acc = max(rf.eps, cf.eps) / 2  # what the tensors' own dtypes round to, and accumulate in
+    declared = [get_format(f) for f in (ref_format, cand_format) if f]
+    u = max([u_acc] + [f.eps / 2 for f in declared])  # the coarsest format the computation went through
+    # inputs rounded to a declared format inside the op (fake quantisation): the RMS of a relative rounding error
+    # spread evenly over +-u is u / sqrt(3)
+    q = u / math.sqrt(3.0) if u > u_acc else 0.0
+    if cand_format:
+        cf = get_format(cand_format)
     cmp = None
     if pair.ref_value is not None and pair.cand_value is not None:
         c = aligned(pair.ref_value, pair.cand_value)
@@ -234,10 +242,16 @@ def judge(pair: OpPair, *, ref_format: Optional[str] = None, cand_format: Option
     for ref_call, cand_call, opaque in _levels(pair):
         in_err, n_in = _input_error(ref_call.inputs, cand_call.inputs)
         kappa, n = _conditioning(pair, ref_call, opaque)
-        expected = safety * (kappa * (in_err or 0.0) + (2.0 + math.sqrt(n)) * u)
+        expected = safety * (kappa * ((in_err or 0.0) + q) + (2.0 + math.sqrt(n)) * u_acc + u)
         if benign is not None and math.isfinite(benign):
             expected = max(expected, BENIGN_FACTOR * benign)
-        agree = in_err is None or in_err <= AGREE
+        if in_err is None:
+            # nothing to compare: agreement is known only for an op of integer inputs alone (a module call's
+            # parameters are not among its inputs)
+            agree = not (_float_inputs(ref_call.inputs) or _float_inputs(cand_call.inputs)
+                         or ref_call.is_module_call or cand_call.is_module_call)
+        else:
+            agree = in_err <= AGREE
         bad = nonfinite or (out_err is not None and (out_err > expected or math.isnan(out_err)))
         views.append((bool(bad and agree), -expected, in_err, n_in, kappa, n, expected, agree))
     # the deciding view: a diverging one, else the widest band

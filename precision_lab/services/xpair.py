@@ -492,11 +492,16 @@ def _same_structure(cand: Node, run: list[Node]) -> bool:
     return all(_kind(a.first) in kinds and tuple(a.shape[:-1]) == lead for a in run)
 
 
-def _starts_from_same_inputs(first: OpCall, region: OpCall) -> bool:
-    """Whether ``region`` can hold ``first`` and the calls after it: it is a module call or a fused kernel, and
-    ``first`` takes one of its inputs (the same values)."""
-    if not (region.is_module_call or _kind(region) in _FUSED_KERNELS):
-        return False
+def _starts_from_same_inputs(first: OpCall, region: Sequence[OpCall]) -> bool:
+    """Whether one of ``region``'s calls can hold ``first`` and the calls after it: it is a module call or a fused
+    kernel, and ``first`` takes one of its inputs (the same values)."""
+    for call in region:
+        if (call.is_module_call or _kind(call) in _FUSED_KERNELS) and _shares_an_input(first, call):
+            return True
+    return False
+
+
+def _shares_an_input(first: OpCall, region: OpCall) -> bool:
     for a in first.inputs:
         av = values_of(a)
         for b in region.inputs:
@@ -510,10 +515,16 @@ def _starts_from_same_inputs(first: OpCall, region: OpCall) -> bool:
     return False
 
 
+def _within(op: str, module: str) -> bool:
+    m = ".".join(op.split(".")[:-2])
+    return not module or m == module or m.startswith(module + ".")
+
+
 def _second_values(pairs: list[OpPair], A: list[Node], B: list[Node], free_a: list[Node],
                    free_b: list[Node]) -> tuple[list[OpPair], list[Node], list[Node]]:
     calls_a = {c.op: (a, c) for a in A if a not in free_a for c in a.calls}
     calls_b = {c.op: (b, c) for b in B if b not in free_b for c in b.calls}
+    pair_of = {id(c): p for p in pairs for c in p.ref + p.cand}
     keep_a, keep_b = [], []
     for lone, other, keep, ref_side in ((free_a, calls_b, keep_a, True), (free_b, calls_a, keep_b, False)):
         for n in lone:
@@ -524,6 +535,15 @@ def _second_values(pairs: list[OpPair], A: list[Node], B: list[Node], free_a: li
             m, call = hit
             a, b = (n, m) if ref_side else (m, n)
             err = _node_error(a, b)
+            if err is not None and err > _SAME_DATA_REL:
+                # a namesake holding other values is the same datum only as a module boundary whose other run
+                # computed less inside it (its output is that of an op inside the module); where the op is
+                # outside it, the other run's module holds more (a fused region) and is left to the next pass
+                p = pair_of.get(id(call))
+                theirs = () if p is None else (p.ref_ops if ref_side else p.cand_ops)
+                if not (call.is_module_call and theirs and all(_within(op, call.module) for op in theirs)):
+                    keep.append(n)
+                    continue
             pairs.append(OpPair(n.calls if ref_side else (call,), (call,) if ref_side else n.calls, "name",
                                 _confidence("name", err, True), err, ref_value=a.values, cand_value=b.values))
     return pairs, keep_a, keep_b
@@ -540,17 +560,33 @@ def _lone_before(nodes: list[Node], i: int, lone: set) -> list[Node]:
 
 
 def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node], list[Node]]:
-    anchors = _name_anchors(A, B)
-    named = {(i, j) for i, j, _ in anchors}
-    anchors = _lis(anchors)
-    taken_a = {i for i, _, _ in anchors}
-    taken_b = {j for _, j, _ in anchors}
-    anchors = _lis(anchors + _data_anchors(A, B, taken_a, taken_b))
-    matched: list[tuple[int, int, str]] = [(i, j, "name" if (i, j) in named else "anchor") for i, j, _ in anchors]
+    named = _name_anchors(A, B)
+    names = {(i, j) for i, j, _ in named}
+    # a namesake whose values disagree weighs less than a match of the values
+    named = [(i, j, w if (e := _node_error(A[i], B[j])) is None or e <= _SAME_DATA_REL else 0.5)
+             for i, j, w in named]
+    agreeing = _lis([x for x in named if x[2] > 1])
+    data = _data_anchors(A, B, {i for i, _, _ in agreeing}, {j for _, j, _ in agreeing})
+    anchors = _lis(named + data)
+    # anchors confirmed by their values stand even out of order (experts run in another order); the others
+    # must keep the order of execution
+    strong = [(i, j, w) for i, j, w in named + data if w >= 1 and (e := _node_error(A[i], B[j])) is not None
+              and e <= _ANCHOR_REL]
+    used_i = {i for i, _, _ in anchors}
+    used_j = {j for _, j, _ in anchors}
+    extra = []
+    for i, j, w in sorted(strong, key=lambda x: -x[2]):
+        if i not in used_i and j not in used_j:
+            extra.append((i, j, w))
+            used_i.add(i)
+            used_j.add(j)
+    matched: list[tuple[int, int, str]] = [(i, j, "name" if (i, j) in names else "anchor")
+                                           for i, j, _ in anchors + extra]
     # data flow between consecutive anchors
     bounds = [(-1, -1)] + [(i, j) for i, j, _ in anchors] + [(len(A), len(B))]
     for (i0, j0), (i1, j1) in zip(bounds, bounds[1:]):
-        ga, gb = A[i0 + 1:i1], B[j0 + 1:j1]
+        ga = [a for a in A[i0 + 1:i1] if a.idx not in used_i]
+        gb = [b for b in B[j0 + 1:j1] if b.idx not in used_j]
         if not ga or not gb:
             continue
         S, _ = _score_matrix(ga, gb)
@@ -606,13 +642,18 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
                           cand_value=b.values.reshape(rows, -1)))
     free_a = [a for a in free_a if a.idx not in used_a]
     free_b = [b for b in free_b if b.idx not in done_b]
+    # one value of one run held twice by the other (a compiled region's output beside the eager re-run of its
+    # last op), or a module boundary whose output the other run computed inside another call (a block that
+    # returns its last op's output where the reference adds a residual): the lone node is paired by name with
+    # the call of the other run's node that bears its name
+    out, free_a, free_b = _second_values(out, A, B, free_a, free_b)
     # fused region: lone calls of one side just before a pair, starting from the inputs of the other side's
     # call (a compiled region recorded at its boundary against the eager ops inside it, one attention kernel
     # against the ops of a written-out attention)
     lone_a = {a.idx for a in free_a}
     lone_b = {b.idx for b in free_b}
-    pos_a = {id(a.calls[0]): a.idx for a in A}
-    pos_b = {id(b.calls[0]): b.idx for b in B}
+    pos_a = {id(c): a.idx for a in A for c in a.calls}
+    pos_b = {id(c): b.idx for b in B for c in b.calls}
     final = []
     for p in out:
         if p.how == "fused N:1":
@@ -620,20 +661,17 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
             continue
         run_a = _lone_before(A, pos_a[id(p.ref[0])], lone_a)
         run_b = _lone_before(B, pos_b[id(p.cand[0])], lone_b)
-        if run_a and not run_b and _starts_from_same_inputs(run_a[0].first, p.cand[0]):
+        if run_a and not run_b and _starts_from_same_inputs(run_a[0].first, p.cand):
             lone_a.difference_update(a.idx for a in run_a)
             p = OpPair(tuple(c for a in run_a for c in a.calls) + p.ref, p.cand, "fused N:1",
                        min(p.confidence, 0.8), p.value_error, ref_value=p.ref_value, cand_value=p.cand_value)
-        elif run_b and not run_a and _starts_from_same_inputs(run_b[0].first, p.ref[0]):
+        elif run_b and not run_a and _starts_from_same_inputs(run_b[0].first, p.ref):
             lone_b.difference_update(b.idx for b in run_b)
             p = OpPair(p.ref, tuple(c for b in run_b for c in b.calls) + p.cand, "fused N:1",
                        min(p.confidence, 0.8), p.value_error, ref_value=p.ref_value, cand_value=p.cand_value)
         final.append(p)
     free_a = [a for a in free_a if a.idx in lone_a]
     free_b = [b for b in free_b if b.idx in lone_b]
-    # one value of one run held twice by the other (a compiled region's output beside the eager re-run of its
-    # last op): the lone node is paired by name with the call of the other run's node that bears its name
-    final, free_a, free_b = _second_values(final, A, B, free_a, free_b)
     return final, free_a, free_b
 
 
