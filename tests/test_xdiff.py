@@ -221,7 +221,7 @@ def test_transformers_llama_against_a_rewrite_with_other_names_and_fused_qkv(bug
 
 
 @pytest.mark.slow
-def test_eager_against_compiled_from_the_cli(tmp_path):
+def test_eager_against_compiled_from_the_cli_and_the_dashboard(tmp_path, monkeypatch):
     import copy
 
     import torch._dynamo
@@ -236,15 +236,45 @@ def test_eager_against_compiled_from_the_cli(tmp_path):
     torch._dynamo.reset()
     try:
         for name, model in (("eager", eager), ("compiled", compiled)):
-            with Capture(model, run=name, store=Store(db), options=CaptureOptions(keep_tensors=("*",),
-                                                                                   backward=False)) as cap:
+            with Capture(model, run=name, store=Store(db), session=None if name == "eager" else "eager",
+                         options=CaptureOptions(keep_tensors=("*",), backward=False)) as cap:
                 with torch.no_grad():
                     cap.model(x)
             close_all()
     finally:
         torch._dynamo.reset()
-    r = runner.invoke(app, ["diff", "--db", str(db), "eager", "compiled", "--fail-on", "diverged"])
+    r = runner.invoke(app, ["diff", "--db", str(db), "eager:eager", "eager:compiled", "--fail-on", "diverged"])
     close_all()
     assert r.exit_code == 0, r.output
     assert "no pair diverges" in r.output
     assert "unpaired: 0 reference, 0 candidate" in r.output
+    from ui_fixtures import frame_with, open_page, serve_db
+
+    with serve_db(db, monkeypatch):  # and on the Diff page
+        at = open_page("diff", session="eager", view="data")
+        assert at.success and at.success[0].value.startswith("No pair diverges")
+        assert len(frame_with(at, "how")) > 5
+
+
+@pytest.mark.slow
+def test_transformers_llama_against_its_rewrite_in_the_dashboard(tmp_path, monkeypatch):
+    from ui_fixtures import frame_with, open_page, serve_db
+
+    m = _load(ROOT / "bench" / "cross_impl_models.py", "cross_impl_models_for_app")
+    cfg = m.llama_config(2)
+    hf = m.hf_llama(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    db = tmp_path / "app.duckdb"
+    for run, model, session in (("hf", hf, None), ("rewrite", m.load_from_hf(m.MyLlama(cfg, bug="eps"), hf),
+                                                    "hf")):
+        with Capture(model, run=run, store=Store(db), session=session,
+                     options=CaptureOptions(keep_tensors=("*",), backward=False)) as cap:
+            with torch.no_grad():
+                cap.model(x)
+        close_all()
+    with serve_db(db, monkeypatch):
+        at = open_page("diff", session="hf", view="data")
+        table = frame_with(at, "how")
+        assert "fused N:1" in set(table["how"])  # q, k and v projections against the fused qkv
+        assert at.error and "layers.0.input_layernorm.add.0 -> blocks.0.norm1.add.0" in at.error[0].value.replace(
+            "\\", "")
