@@ -163,6 +163,17 @@ def test_cli_diff_of_two_dumps_names_the_first_divergent_pair_and_fails_on_it():
     assert "no pair diverges" in r.output
 
 
+def test_cli_diff_writes_a_self_contained_html_page(tmp_path):
+    dump = SAMPLES / "fp16-layernorm"
+    page = tmp_path / "diff.html"
+    r = runner.invoke(app, ["diff", f"{dump}:reference", f"{dump}:candidate", "--html", str(page)])
+    assert r.exit_code == 0, r.output
+    text = page.read_text()
+    assert "First divergent pair: ln.mul.0 -&gt; ln.mul.0" in text
+    assert "<script src" not in text and "http" not in text.split("</head>")[1]
+    assert text.count('<tr class="error">') >= 1
+
+
 def test_cli_diff_refuses_unusable_input_in_one_sentence(tmp_path):
     dump = SAMPLES / "fp16-layernorm"
     r = runner.invoke(app, ["diff", str(tmp_path / "nope"), str(dump)])

@@ -106,6 +106,7 @@ def diff_cmd(
     cand_format: Optional[str] = typer.Option(None, "--cand-format", help="format B computed in (fp8 held in fp32)"),
     rows: int = typer.Option(40, "--rows", help="table rows to print around the first divergent pair"),
     as_json: bool = typer.Option(False, "--json", help="print every pair as JSON"),
+    html_out: Optional[str] = typer.Option(None, "--html", help="also write a self-contained HTML page here"),
 ) -> None:
     """Pair the ops of two implementations by their data and name the first pair that diverges beyond what the
     formats explain (exit 1 when a --fail-on condition holds, 2 for unusable input)."""
@@ -134,6 +135,13 @@ def diff_cmd(
                          "unpaired_candidate": [c.op for c in result.pairing.unpaired_cand]}, default=str))
     else:
         echo(render_diff_text(result, ref_label, cand_label, limit=rows))
+    if html_out:
+        from ..ui.html_report import write_diff_html  # noqa: PLC0415  (only for --html)
+
+        try:
+            write_diff_html(result, ref_label, cand_label, html_out)
+        except OSError as e:
+            _fail(f"--html {html_out}: {e.strerror or e}")
     tripped = [c for c in fail_on or [] if (c == "diverged" and result.diverged)
                or (c == "unpaired" and (result.pairing.unpaired_ref or result.pairing.unpaired_cand))]
     if tripped:
