@@ -113,6 +113,17 @@ def test_an_injected_bug_is_named_at_the_pair_where_it_is(bug, where):
     assert before and not any(j.diverges for j in before)
 
 
+def test_a_benign_run_widens_each_ops_band_to_what_it_shows():
+    ref, new, x = _pair_models("eps")
+    a, b = records(ref, x), records(new, x)
+    plain = diff_records(a, b)
+    # a "benign" run that shows the very same difference: every op's band is at least 8x that difference
+    calibrated = diff_records(a, b, benign=b)
+    assert plain.first is not None and calibrated.first is None
+    j = next(j for j in calibrated.judgments if "norm.layer_norm.0" in j.pair.ref_ops)
+    assert j.expected == pytest.approx(8.0 * j.out_error)
+
+
 def test_metrics_of_a_pair_match_float64_numpy():
     ref, new, x = _pair_models("eps")
     res = diff_records(records(ref, x), records(new, x))
