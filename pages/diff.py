@@ -32,7 +32,8 @@ for card in dv.rerun_cards(store, sid):
 # the view lives in the URL (?view=&pair=&show=&q=&page=; each widget's key is its parameter), so a copied link
 # opens the same rows
 # (a bound widget's URL value is the option as shown, so the options are the URL's words and the captions say them)
-MODES = {"pair": "reference vs candidate", "runs": "all runs side by side"}
+MODES = {"pair": "reference vs candidate", "runs": "all runs side by side",
+         "data": "any two runs, paired by their data"}
 mode = st.radio("View", list(MODES), captions=list(MODES.values()), horizontal=True, key="view", bind="query-params")
 c = st.columns([3, 1])
 pattern = c[0].text_input("Name contains (or glob with * ?)", key="q", bind="query-params")
@@ -66,6 +67,23 @@ if mode == "pair":
             page.navigate("op_detail", session=info["name"], run=names[pair["ref_run_id"]], op=int(row["ref_rid"]))
     with st.expander("Match summary"):
         st.dataframe(dv.unmatched_counts(store, sid), hide_index=True, key="match_summary")
+elif mode == "data":
+    if len(runs) < 2:
+        st.info("This session holds a single run; pairing by data needs two.")
+        st.stop()
+    by_id = {r["run_id"]: r for r in runs}
+    ids = list(by_id)
+    c = st.columns(2)
+    ref_id = c[0].selectbox("Reference run", ids, index=0, key="data_ref", format_func=lambda i: run_label(by_id[i]))
+    cand_id = c[1].selectbox("Candidate run", ids, index=1, key="data_cand", format_func=lambda i: run_label(by_id[i]))
+    with page.guard("The two runs could not be paired"):
+        got = dv.data_diff(store, ref_id, cand_id)
+    (st.error if got.diverged else st.success)(plain(got.sentence))
+    st.dataframe(text_columns(got.rows, digits=4), key="data_table", hide_index=True, width="stretch",
+                 height=page.table_height(len(got.rows)))
+    with st.expander(f"Unpaired calls ({len(got.unpaired)})"):
+        st.dataframe(got.unpaired, hide_index=True, key="data_unpaired")
+    st.stop()
 else:
     if len(runs) < 2:
         st.info("This session holds a single run; N-run mode needs at least two.")

@@ -113,3 +113,16 @@ def test_pair_diff_puts_the_decision_before_the_statistics(ui_db):
     for decisive in ("op", "verdict", "max_rel_err", "summary_rel_err", "sqnr_db", "reason"):
         assert cols.index(decisive) < first_stat, (decisive, cols)
     assert cols.index("summary_rel_err") == cols.index("max_rel_err") + 1
+
+
+@pytest.mark.slow
+def test_data_mode_pairs_two_runs_by_their_data_and_names_the_first_divergent_pair(ui_db):
+    at = open_page("diff", session=STAT_SESSION, view="data")
+    assert_clean(at)
+    table = frame_with(at, "how")
+    assert {"ref", "cand", "how", "confidence", "out_error", "expected", "sqnr_db", "max_rel_err", "cosine"} <= set(
+        table.columns)
+    assert set(table["how"]) <= {"name", "anchor", "data-flow", "fused N:1"} and len(table) > 10
+    # the fp16 run's overflow: its first op with a value the fp32 run does not have, while its inputs agree
+    assert at.error and at.error[0].value.startswith(
+        escape_md(f"First divergent pair: {STAT_FIRST_NONFINITE}"))

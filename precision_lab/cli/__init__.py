@@ -18,7 +18,7 @@ _COMMAND_MODULES = ("ingest_cmds", "report_cmds", "capture_cmds", "fix_cmds", "s
                     "misc_cmds", "samples_cmds")
 # the module each command lives in
 COMMANDS = {
-    "ingest": "ingest_cmds", "compare": "ingest_cmds", "report": "report_cmds", "capture": "capture_cmds",
+    "ingest": "ingest_cmds", "compare": "ingest_cmds", "diff": "ingest_cmds", "report": "report_cmds", "capture": "capture_cmds",
     "recipes": "misc_cmds", "fixes": "misc_cmds", "rerun": "fix_cmds", "verify": "fix_cmds", "bisect": "fix_cmds", "replay": "fix_cmds",
     "export": "share_cmds", "import": "share_cmds", "share-link": "share_cmds", "config": "share_cmds",
     "serve": "serve_cmds", "formats": "misc_cmds", "db": "misc_cmds", "delete": "misc_cmds", "check": "misc_cmds",

@@ -17,7 +17,7 @@ __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "worst_gradient_sqnr", "session_data_version",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
-    "forward_ends",
+    "forward_ends", "run_records_with_data",
 ]
 
 
@@ -373,6 +373,14 @@ def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[dict]:
     """``columns`` of every record of a run, in (step, rank, seq) order."""
     return rows(store, f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
                 [run_id])
+
+
+def run_records_with_data(store, run_id: str) -> list[dict]:
+    """Every record of a run (every column of the tensors table) with its kept tensor's ``.npy`` bytes as
+    ``npy`` (None where none was kept), in (step, rank, seq) order."""
+    return rows(store, """SELECT t.*, d.npy AS npy FROM tensors t LEFT JOIN tensor_data d
+                           ON d.run_id = t.run_id AND d.rid = t.rid
+                           WHERE t.run_id = ? ORDER BY t.step, t.rank, t.seq, t.rid""", [run_id])
 
 
 def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[dict]:

@@ -3,8 +3,10 @@ and the N-run view with one column group per run."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
+
+import pandas as pd
 
 from ..services.report import first_nonfinite
 from ..store import queries as q
@@ -15,8 +17,9 @@ from ..store.queries import session_runs
 from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts  # noqa: F401
 from ..metrics import SUMMARY_ERRORS
 from .common import Page, cosine_text, paged, severity_label
+from ..services.xdiff import diff_records, diff_rows, run_records
 
-__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card"]
+__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff"]
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",
@@ -101,3 +104,40 @@ def landing_op(store, run_id: str) -> Optional[str]:
     parent = run.get("parent_run_id") if run else None
     first = first_nonfinite(store, parent) if parent else None
     return first.op if first else None
+
+
+@dataclass(frozen=True)
+class DataDiff:
+    """Two runs paired by their data (``services.xdiff``): the first divergent pair in a sentence, one row per
+    pair with how it was matched, how sure, and the metrics side by side, and the calls left unpaired."""
+
+    sentence: str
+    diverged: bool
+    rows: pd.DataFrame
+    unpaired: pd.DataFrame
+
+
+def data_diff(store, ref_run_id: str, cand_run_id: str) -> DataDiff:
+    """Any two runs of the store, paired by their data and judged against their formats."""
+    res = diff_records(run_records(store, ref_run_id), run_records(store, cand_run_id))
+    f = res.first
+    if f is None:
+        sentence = (f"No pair diverges beyond what the formats explain ({len(res.pairing.pairs)} pairs, "
+                    f"{len(res.pairing.unpaired_ref)} reference and {len(res.pairing.unpaired_cand)} candidate "
+                    f"calls unpaired).")
+    else:
+        def g(v):
+            return "not measured" if v is None else f"{v:.3g}"
+
+        sentence = (f"First divergent pair: {f.pair.label} ({f.pair.how}, confidence {f.pair.confidence:.2f}): "
+                    f"output error {g(f.out_error)} where {g(f.expected)} is explained by inputs that agree to "
+                    f"{g(f.in_error)}" + (" (it holds NaN/Inf its reference does not)."
+                                          if f.comparison is not None and f.comparison.nonfinite_introduced else "."))
+    rows = pd.DataFrame(diff_rows(res), columns=["ref", "ref_calls", "cand", "cand_calls", "how", "confidence",
+                                                 "basis", "out_error", "in_error", "expected", "sqnr_db",
+                                                 "max_abs_err", "max_rel_err", "cosine", "diverges"])
+    unpaired = pd.DataFrame([{"run": side, "op": c.op, "op_type": c.op_type}
+                             for side, calls in (("reference", res.pairing.unpaired_ref),
+                                                 ("candidate", res.pairing.unpaired_cand)) for c in calls],
+                            columns=["run", "op", "op_type"])
+    return DataDiff(sentence, f is not None, rows, unpaired)

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 from .. import __version__
 from ..store import views
 from ..services import timeline as _timeline
+from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
 from ..public import public_source
 from .common import cosine_text, num_text, plot_text
@@ -35,7 +36,7 @@ from .detail import default_formats, histogram_figure, load_stats, summary_figur
 from .overview import (diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, long_runs, runs_table,
                        top_offenders)
 
-__all__ = ["render_html", "write_html"]
+__all__ = ["render_html", "write_html", "render_diff_html", "write_diff_html"]
 
 TOP_COMPARISONS = 25
 MAX_WARNINGS = 200
@@ -309,12 +310,60 @@ def render_html(store, session: str, *, public: bool = True) -> str:
     return "\n".join(parts)
 
 
+def render_diff_html(result, ref_label: str, cand_label: str) -> str:
+    """Two implementations diffed (``services.xdiff.DiffResult``) as a self-contained page: the first divergent
+    pair in a sentence, every pair with how it was matched, how sure, and the metrics side by side, and the calls
+    left unpaired."""
+    f = result.first
+    rows = diff_rows(result)
+    for r in rows:
+        r["row_class"] = "error" if r["diverges"] else None
+        r["ref_text"] = r["ref"] + (f" (+{r['ref_calls'] - 1})" if r["ref_calls"] > 1 else "")
+        r["cand_text"] = r["cand"] + (f" (+{r['cand_calls'] - 1})" if r["cand_calls"] > 1 else "")
+    if f is None:
+        verdict = "No pair diverges beyond what the formats explain."
+    else:
+        verdict = (f"First divergent pair: {f.pair.label} ({f.pair.how}, confidence {f.pair.confidence:.2f}): "
+                   f"output error {_num(f.out_error)} where {_num(f.expected)} is explained by inputs that agree "
+                   f"to {_num(f.in_error)}.")
+    unpaired = [{"run": side, "op": c.op, "op_type": c.op_type}
+                for side, calls in (("reference", result.pairing.unpaired_ref),
+                                    ("candidate", result.pairing.unpaired_cand)) for c in calls]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
+        f"<title>Precision Lab diff: {_e(ref_label)} vs {_e(cand_label)}</title>", f"<style>{_STYLE}</style>",
+        "</head><body>",
+        f"<h1>Diff <code>{_e(ref_label)}</code> vs <code>{_e(cand_label)}</code></h1>",
+        f'<p class="meta">written {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))} by Precision '
+        f"Lab {_e(__version__)}</p>",
+        f'<p id="verdict">{_e(verdict)}</p>',
+        f"<h2>Pairs ({len(rows)})</h2>",
+        _table(rows, [("ref_text", "reference", "name"), ("cand_text", "candidate", "name"), ("how", "how", "text"),
+                      ("confidence", "confidence", "num"), ("out_error", "output error", "num"),
+                      ("in_error", "input error", "num"), ("expected", "band", "num"),
+                      ("sqnr_db", "SQNR dB", "num"), ("max_abs_err", "max abs", "num"),
+                      ("max_rel_err", "max rel", "num"), ("cosine", "cosine", "num")], row_class="row_class"),
+        f"<h2>Unpaired calls ({len(unpaired)})</h2>",
+        _table(unpaired, [("run", "run", "text"), ("op", "op", "name"), ("op_type", "op type", "text")]),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def write_diff_html(result, ref_label: str, cand_label: str, path: os.PathLike | str) -> Path:
+    """Write ``render_diff_html`` to ``path`` (complete or not at all); returns the path."""
+    return _write_whole(Path(path), render_diff_html(result, ref_label, cand_label))
+
+
 def write_html(store, session: str, path: os.PathLike | str) -> Path:
     """Write the page to ``path`` (complete or not at all); returns the path."""
+    return _write_whole(Path(path), render_html(store, session))
+
+
+def _write_whole(path: Path, text: str) -> Path:
     import tempfile
 
-    path = Path(path)
-    text = render_html(store, session)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=path.parent)
     try:
