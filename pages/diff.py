@@ -68,14 +68,27 @@ if mode == "pair":
     with st.expander("Match summary"):
         st.dataframe(dv.unmatched_counts(store, sid), hide_index=True, key="match_summary")
 elif mode == "data":
-    if len(runs) < 2:
-        st.info("This session holds a single run; pairing by data needs two.")
-        st.stop()
     by_id = {r["run_id"]: r for r in runs}
     ids = list(by_id)
+    other_sid = sid
+    if acc.can_list:  # the candidate may come from any session the visitor may list (a shared link sees its own)
+        table = page.cached_sessions_table(store)
+        names = dict(zip(table["session_id"], table["session"]))
+        other_sid = st.selectbox("Candidate from session", list(names), index=list(names).index(sid),
+                                 key="data_session", format_func=names.get)
+    cand_runs = {r["run_id"]: r for r in (runs if other_sid == sid else dv.session_runs(store, other_sid))}
+    cand_ids = list(cand_runs)
+    if len(ids) < 2 and other_sid == sid:
+        st.info("This session holds a single run; pairing by data needs two: choose a candidate from another "
+                "session." if acc.can_list else "This session holds a single run; pairing by data needs two.")
+        st.stop()
+    if not cand_ids:
+        st.info("That session holds no run.")
+        st.stop()
     c = st.columns(2)
     ref_id = c[0].selectbox("Reference run", ids, index=0, key="data_ref", format_func=lambda i: run_label(by_id[i]))
-    cand_id = c[1].selectbox("Candidate run", ids, index=1, key="data_cand", format_func=lambda i: run_label(by_id[i]))
+    cand_id = c[1].selectbox("Candidate run", cand_ids, index=1 if other_sid == sid else 0, key="data_cand",
+                             format_func=lambda i: run_label(cand_runs[i]))
     with page.guard("The two runs could not be paired"):
         got = dv.data_diff(store, ref_id, cand_id)
     (st.error if got.diverged else st.success)(plain(got.sentence))

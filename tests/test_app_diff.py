@@ -126,3 +126,29 @@ def test_data_mode_pairs_two_runs_by_their_data_and_names_the_first_divergent_pa
     # the fp16 run's overflow: its first op with a value the fp32 run does not have, while its inputs agree
     assert at.error and at.error[0].value.startswith(
         escape_md(f"First divergent pair: {STAT_FIRST_NONFINITE}"))
+
+
+@pytest.mark.slow
+def test_data_mode_takes_its_candidate_from_another_session(ui_db):
+    """The reference from this session, the candidate from any other the visitor may list: the same fp32 dump
+    ingested again into a session of its own pairs call for call and diverges nowhere."""
+    from precision_lab.services.ingest import ingest
+    from precision_lab.store import Store
+
+    from precision_lab.store import queries as q
+
+    store = Store(ui_db)
+    ingest(STAT_REF, store=store, session="fp32-again")
+    other = store.session("fp32-again")["session_id"]
+    ref_run = next(r["run_id"] for r in q.session_runs(store, store.session(STAT_SESSION)["session_id"])
+                   if r["dtype"] == "float32")
+    at = open_page("diff", session=STAT_SESSION, view="data")
+    at.selectbox(key="data_session").set_value(other).run()  # by value: the options show session names
+    assert_clean(at)
+    cand = at.selectbox(key="data_cand")
+    assert len(cand.options) == 1  # the other session's one run
+    at.selectbox(key="data_ref").set_value(ref_run).run()
+    assert_clean(at)
+    assert at.success and at.success[0].value.startswith("No pair diverges"), [e.value for e in at.error]
+    table = frame_with(at, "how")
+    assert len(table) > 10 and set(table["diverges"]) == {False}

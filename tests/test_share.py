@@ -653,6 +653,14 @@ def test_dashboard_share_link_opens_one_session_read_only(app_db):
     assert "private" not in " ".join(str(s.value) for s in shared.sidebar.selectbox)
     # the export buttons are there: a reader may take the session away with them
     assert {d.key for d in shared.get("download_button")} == {"export_zip", "export_html"}
+    # the Diff page pairs by data within the shared session only: no other session to take a candidate from
+    from precision_lab.ui.page import page_script
+
+    shared.switch_page(page_script("diff"))
+    shared.query_params["share"], shared.query_params["view"] = token, "data"
+    shared.run()
+    assert_clean(shared)
+    assert shared.selectbox(key="data_cand") and not [s for s in shared.selectbox if s.key == "data_session"]
 
     bad = _app(share="not-a-real-token")
     assert "not valid" in bad.error[0].value and not bad.dataframe
