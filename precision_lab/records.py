@@ -185,6 +185,20 @@ class Diagnosis:
     def fixes_json(self) -> str:
         return json.dumps(list(self.fixes))
 
+    @staticmethod
+    def decode_fixes(stored) -> tuple[str, ...]:
+        """A stored ``fixes`` column as the tuple ``fixes_json`` encoded, best first (None: none; a value that is
+        not a JSON list of specs, from an older or foreign database, is one fix as written)."""
+        if not stored:
+            return ()
+        try:
+            got = json.loads(stored)
+        except ValueError:
+            return (str(stored),)
+        if isinstance(got, list):
+            return tuple(str(f) for f in got)
+        return (str(got),)
+
 
 @dataclass(frozen=True, slots=True)
 class TimelineRow:

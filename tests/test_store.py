@@ -48,6 +48,21 @@ def test_session_round_trip(store):
     assert st.representability("fp16") == tensor_stats(a).representability("fp16")
     d = store.df("SELECT fixes FROM diagnoses")
     assert json.loads(d["fixes"][0]) == ["use-bf16"]
+    # read back once, as a tuple, wherever diagnoses are read
+    from precision_lab.store import queries as q
+
+    (row,) = q.session_diagnoses(store, store.df("SELECT session_id FROM diagnoses")["session_id"][0])
+    assert row["fixes"] == ("use-bf16",)
+
+
+def test_stored_fixes_decode_to_a_tuple_whatever_was_written():
+    from precision_lab.records import Diagnosis
+
+    d = Diagnosis("s", "r", "op", "rule", "m", ("use-bf16", "scaling:row"))
+    assert Diagnosis.decode_fixes(d.fixes_json()) == d.fixes
+    assert Diagnosis.decode_fixes(None) == () and Diagnosis.decode_fixes("[]") == ()
+    assert Diagnosis.decode_fixes("use-bf16") == ("use-bf16",)  # not JSON: one fix as written
+    assert Diagnosis.decode_fixes('"use-bf16"') == ("use-bf16",)  # JSON, not a list
 
 
 def test_failed_write_leaves_nothing(store):

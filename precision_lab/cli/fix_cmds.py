@@ -51,8 +51,8 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
         echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
     for d in q.run_diagnoses(store, run_id):
         echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
-        if d["fixes"] and d["fixes"] != "[]":
-            echo(f"      fixes: {d['fixes']}")
+        if d["fixes"]:
+            echo(f"      fixes: {', '.join(d['fixes'])}")
     return fn is None
 
 

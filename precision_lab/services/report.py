@@ -231,7 +231,7 @@ def build_report(store, session: str) -> dict:
     diagnoses = []
     for d in q.session_diagnoses(store, sid):
         diagnoses.append({"run": names.get(d["run_id"]), "op": d["op"], "rule": d["rule"], "message": d["message"],
-                          "fixes": json.loads(d["fixes"] or "[]"), "severity": d["severity"], "seq": d["seq"]})
+                          "fixes": list(d["fixes"]), "severity": d["severity"], "seq": d["seq"]})
     warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]

@@ -15,7 +15,6 @@ line or a script counts the same.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Callable, Optional
 
@@ -81,11 +80,7 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]
     for d in q.session_diagnoses(store, info["session_id"]):
         if d["rule"] == "fix-verified" or d["run_id"] not in captured:
             continue
-        try:
-            fixes = json.loads(d["fixes"] or "[]")
-        except ValueError:
-            continue
-        for f in fixes:
+        for f in d["fixes"]:
             try:
                 label = fix_label(split_specs(f))
             except FixError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..enums import Severity, Verdict
-from ..records import INPUT_ROLES, NAMING_SEVERITIES
+from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -400,9 +400,19 @@ def session_data_version(store, session_id: str) -> tuple:
     return tuple(row.values()) if row else ()
 
 
+def diagnosis_rows(store, sql: str, params: list) -> list[dict]:
+    """Rows of diagnoses with ``fixes`` decoded to a tuple, best first (``Diagnosis.decode_fixes``)."""
+    got = rows(store, sql, params)
+    for d in got:
+        if "fixes" in d:
+            d["fixes"] = Diagnosis.decode_fixes(d["fixes"])
+    return got
+
+
 def session_diagnoses(store, session_id: str) -> list[dict]:
-    """Every diagnosis of a session, by run and execution order."""
-    return rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op", [session_id])
+    """Every diagnosis of a session, by run and execution order (``fixes`` a tuple)."""
+    return diagnosis_rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op",
+                          [session_id])
 
 
 def session_warning_rows(store, session_id: str) -> list[dict]:
@@ -460,9 +470,9 @@ def ops_by_local_error(store, run_id: str) -> list[str]:
 
 
 def run_diagnoses(store, run_id: str) -> list[dict]:
-    """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (fixes as JSON text)."""
-    return rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? ORDER BY seq",
-                [run_id])
+    """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (``fixes`` a tuple)."""
+    return diagnosis_rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? "
+                                 "ORDER BY seq", [run_id])
 
 
 def op_extremes(store, run_id: str, fmt_max: float) -> list[dict]:

@@ -17,7 +17,7 @@ import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
 from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
-                      rows, run_order, session_runs)
+                      diagnosis_rows, rows, run_order, session_runs)
 
 # column -> SQL expression; the only columns a visitor may sort by
 SORTABLE = {
@@ -585,9 +585,9 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
 
 
 def diagnoses_worst_first(store, session_id: str) -> list[dict]:
-    """A session's stored diagnoses (every ``diagnoses`` column, ``fixes`` as stored) and their run's name
+    """A session's stored diagnoses (every ``diagnoses`` column, ``fixes`` a tuple) and their run's name
     (``run``), errors first, then by execution order."""
-    return rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+    return diagnosis_rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
                            WHERE d.session_id = ?
                            ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
                 [session_id])

@@ -3,7 +3,6 @@ diagnosis cards, and error against execution order."""
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import pandas as pd
@@ -90,12 +89,8 @@ def diagnosis_cards(store, session_id: str) -> list[dict]:
     stored) and ``seq``."""
     out = []
     for d in views.diagnoses_worst_first(store, session_id):
-        try:
-            fixes = json.loads(d["fixes"] or "[]")
-        except json.JSONDecodeError:
-            fixes = [d["fixes"]]
         out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
-                    "message": d["message"], "fixes": list(fixes), "severity": d["severity"] or "info",
+                    "message": d["message"], "fixes": list(d["fixes"]), "severity": d["severity"] or "info",
                     "seq": d["seq"]})
     return out
 
