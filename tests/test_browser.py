@@ -284,3 +284,35 @@ def _layout_problems(pg) -> list[str]:
         if ys and min(t["x"] for t in ys) < svgs[0]["x"] - 0.5:
             out.append(f"{plot}: y labels clipped")
     return out
+
+
+def test_diff_page_pairs_a_transformers_model_with_its_rewrite_by_their_data(page, tmp_path):
+    """In Chromium: a transformers Llama and a rewrite with other module names and a fused qkv (LayerNorm's eps
+    wrong) in one session; the Diff page's pairing by data shows the fused pairs and names the first divergent
+    pair at the norm."""
+    from test_xdiff import llama_and_rewrite_db
+
+    db = llama_and_rewrite_db(tmp_path / "xdiff.duckdb")
+    port = free_port()
+    env = dict(os.environ, PRECISION_LAB_DB=str(db), CI="true")
+    for var in ("PRECISION_LAB_CONFIG", "PRECISION_LAB_READ_ONLY"):
+        env.pop(var, None)
+    with serving([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless=true",
+                  "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false"],
+                 port=port, env=env, log_path=tmp_path / "streamlit.log") as url:
+        pg = page
+        pg.goto(f"{url}/diff?session=hf&view=data")
+        alert = pg.get_by_text("First divergent pair:")
+        alert.wait_for()
+        said = alert.inner_text()
+        assert "layers.0.input_layernorm.add.0" in said and "blocks.0.norm1.add.0" in said, said
+        pg.locator("[data-testid='stDataFrame'] [role='columnheader']").filter(
+            has_text="how").first.wait_for(state="attached")
+        _shot(pg, "browser-xdiff.png")
+        from test_browser_truth import _grids
+
+        heads, rows = next((h, r) for h, r in _grids(pg) if "how" in h)
+        how = [row[heads.index("how")] for row in rows if len(row) == len(heads)]
+        refs = " ".join(row[heads.index("ref")] for row in rows if len(row) == len(heads))
+        assert "fused N:1" in how and "anchor" in how, how  # q, k and v against the fused qkv; values as anchors
+        assert "layers.0.self_attn.q_proj.linear.0" in refs

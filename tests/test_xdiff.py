@@ -278,15 +278,13 @@ def test_eager_against_compiled_from_the_cli_and_the_dashboard(tmp_path, monkeyp
         assert len(frame_with(at, "how")) > 5
 
 
-@pytest.mark.slow
-def test_transformers_llama_against_its_rewrite_in_the_dashboard(tmp_path, monkeypatch):
-    from ui_fixtures import frame_with, open_page, serve_db
-
+def llama_and_rewrite_db(db: Path) -> Path:
+    """A database whose session ``hf`` holds a transformers Llama (run ``hf``) and a rewrite of it with other
+    module names, a fused qkv and LayerNorm's eps wrong (run ``rewrite``), every tensor kept."""
     m = _load(ROOT / "bench" / "cross_impl_models.py", "cross_impl_models_for_app")
     cfg = m.llama_config(2)
     hf = m.hf_llama(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    db = tmp_path / "app.duckdb"
     for run, model, session in (("hf", hf, None), ("rewrite", m.load_from_hf(m.MyLlama(cfg, bug="eps"), hf),
                                                     "hf")):
         with Capture(model, run=run, store=Store(db), session=session,
@@ -294,6 +292,14 @@ def test_transformers_llama_against_its_rewrite_in_the_dashboard(tmp_path, monke
             with torch.no_grad():
                 cap.model(x)
         close_all()
+    return db
+
+
+@pytest.mark.slow
+def test_transformers_llama_against_its_rewrite_in_the_dashboard(tmp_path, monkeypatch):
+    from ui_fixtures import frame_with, open_page, serve_db
+
+    db = llama_and_rewrite_db(tmp_path / "app.duckdb")
     with serve_db(db, monkeypatch):
         at = open_page("diff", session="hf", view="data")
         table = frame_with(at, "how")
