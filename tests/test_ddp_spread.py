@@ -1,8 +1,8 @@
 """Four ranks (gloo, CPU) train a model in fp16; one rank's batch overflows fp16 at step K.  The answer names that
 rank, step K and the op, and lists the other ranks as receiving the NaN, not as producers:
 
-- DDP under fp16 autocast: they receive it through the gradient all-reduce (their own first NaN is a parameter
-  of the next step);
+- DDP under fp16 autocast: they receive it in the same step through DDP's gradient all-reduce, recorded as an
+  op per parameter (the gradient as accumulated on the rank, and as DDP wrote the average back);
 - FSDP2 (``fully_shard``) whose mixed-precision policy computes in fp16 (FSDP's own casts; autocast with FSDP2 on
   CPU aborts torch 2.13 with no capture at all): the overflow is FSDP's cast of that rank's batch, and the others
   receive it in the same step, in their shard of a weight gradient, through the gradients' reduce-scatter.  The
@@ -115,10 +115,19 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
     spread = {r["rank"]: r for r in rep["ranks"]["ddp"]}
     assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
     for r in spread.values():
-        # every other rank first holds NaN/Inf in a parameter of the next step: the all-reduced gradient applied
-        assert r["state"] == "received" and r["step"] == K + 1 and r["role"] == "param", r
+        # every other rank first holds NaN/Inf in what DDP's all-reduce wrote back into a gradient of step K
+        assert (r["state"], r["step"], r["role"]) == ("received", K, "output"), r
+        assert r["op"].startswith("module.fc") and r["op"].endswith(".all_reduce.0"), r
     text = render_text(rep)
-    assert f"rank {BAD}" in text and "received it" in text and "all-reduce" in text
+    assert f"rank {BAD}" in text and "received it" in text and "through the all_reduce" in text
+    # the recorded reduction is DDP's: on a healthy step each rank gets back the average of what the ranks had
+    got = store.sql("SELECT t.rank, t.role, t.mean FROM tensors t JOIN runs r USING (run_id) WHERE r.name = 'ddp' "
+                    "AND t.step = 0 AND t.op = 'module.fc1.all_reduce.0' AND t.\"index\" = 'weight'").fetchall()
+    local = {rk: m for rk, role, m in got if role == "input"}
+    assert sorted(local) == list(range(WORLD))
+    for rk, role, m in got:
+        if role == "output":
+            assert m == pytest.approx(sum(local.values()) / WORLD, rel=1e-5, abs=1e-9), (rk, m, local)
     # the dashboard's Overview and the HTML report say it too
     from precision_lab.ui.html_report import render_html
     from precision_lab.ui.overview import first_nonfinite_by_run

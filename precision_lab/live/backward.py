@@ -40,6 +40,10 @@ class Recorder(Protocol):
 
     def hook_error(self, where: str, e: BaseException) -> None: ...
 
+    def next_name(self, path: str, opname: str) -> str: ...
+
+    def forget(self, t) -> None: ...
+
 
 class BackwardHooks:
     """A capture's gradient hooks: each op's ``grad_output`` and ``grad_input`` through autograd node hooks
@@ -56,6 +60,11 @@ class BackwardHooks:
         self._param_owner: dict = {}  # id(parameter) -> (op, op_type, name) of the module whose backward owns it
         self._handles: list = []  # parameter hooks, for the whole capture
         self._step_handles: list = []  # node hooks on this step's graph
+        # DDP's gradient all-reduce (watch_ddp): the parameters it reduces, and this backward's local gradients
+        self._ddps: list = []
+        self._ddp_params: set = set()
+        self._ddp_local: dict = {}  # id(parameter) -> (parameter, owner op, name, handle of the local gradient)
+        self._ddp_queued = False
 
     def watch_param(self, p, op: str, op_type: str, pname: str) -> None:
         """Record parameter ``p``'s gradient as ``op``'s ``param_grad`` ``pname`` (once per parameter)."""
@@ -63,6 +72,52 @@ class BackwardHooks:
             return
         self._param_owner[id(p)] = (op, op_type, pname)
         self._handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook))
+
+    def watch_ddp(self, ddps: list) -> None:
+        """Record DDP's gradient all-reduce of these DistributedDataParallel modules' parameters as ops: it runs
+        in DDP's C++ reducer, where no hook of the capture sees it, so each parameter's gradient is read twice --
+        as accumulated on this rank (the op's input, the ``param_grad`` record) and once DDP has written the
+        all-reduced average back (its output), at the end of the backward pass -- as
+        ``<module>.all_reduce.<n>`` with the parameter's name as index.  A backward under ``no_sync()``
+        reduces nothing and records nothing."""
+        self._ddps = list(ddps)
+        self._ddp_params = {id(p) for d in ddps for p in d.parameters()}
+
+    def _note_local_grad(self, p, op, pname, h) -> None:
+        if id(p) not in self._ddp_params or not all(d.require_backward_grad_sync for d in self._ddps):
+            return
+        self._ddp_local[id(p)] = (p, op, pname, h)
+        if not self._ddp_queued:
+            import torch  # already loaded: a backward pass is running
+
+            # DDP queues its write-back when its last bucket is ready, after this hook: a callback queued now
+            # runs before that one, so it queues the reading behind it (callbacks queued while the engine runs
+            # them are run in turn)
+            self._ddp_queued = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._ddp_reduced))
+
+    def _ddp_reduced(self) -> None:
+        rec = self._rec
+        local, self._ddp_local, self._ddp_queued = self._ddp_local, {}, False
+        if not rec.recording:
+            return
+        for p, op, pname, h_local in local.values():
+            try:
+                g = p.grad
+                if g is None:
+                    continue
+                path = op.rpartition(".backward.")[0]
+                red = rec.next_name(path, "all_reduce")
+                rec.forget(g)  # written back in place by DDP
+                g = self._unscaled(g)
+                h = rec.measure(red, g)
+                seq = rec.take_seq()
+                rec.add_tensor(seq, red, "all_reduce", "input", pname, None, h_local, "backward")
+                if h is not None:
+                    rec.add_tensor(seq, red, "all_reduce", "output", pname, g, h, "backward")
+            except Exception as e:
+                rec.hook_error(op, e)
 
     def mark_outputs(self, outs, seq: int) -> None:
         """Note the seq of the op that made these outputs' autograd nodes: the graph walk stops there."""
@@ -225,6 +280,8 @@ class BackwardHooks:
                 if h is not None:
                     seq = rec.take_seq()
                     rec.add_tensor(seq, op, op_type, "param_grad", pname, g, h, "backward")
+                    if self._ddp_params:
+                        self._note_local_grad(p, op, pname, h)
             if self._timeline:
                 rec.summarise(rec.take_seq() if seq is None else seq, op, op_type, "param_grad", pname,
                               "backward", g, None)

@@ -116,6 +116,15 @@ class _Mode(TorchFunctionMode):
 _ORIG = "_orig_mod"  # where torch.compile(module) keeps the module it compiled
 
 
+def _ddp_modules(model) -> list:
+    """The DistributedDataParallel modules in ``model`` (itself included)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+
+
 def _compiled_regions(model) -> dict:
     """id(module) -> (module, attribute) for every region compiled with torch.compile in ``model``: a module
     wrapped by ``torch.compile(module)`` (its ``forward`` is the compiled call) or compiled in place by
@@ -518,6 +527,9 @@ class Capture:
         # function mode on the stack: say so on the run rather than record it silently as something it is not
         self._compile_watch = torch._dynamo.callback.callback_handler.register_start_callback(self._on_compile)
         self._collectives_undo = _collectives.install(self)
+        ddps = _ddp_modules(self.model)
+        if ddps and opts.backward:
+            self._backward.watch_ddp(ddps)
         if opts.functional:
             self._mode = _Mode(self)
             self._mode.__enter__()
@@ -743,6 +755,14 @@ class Capture:
             self._module_info[id(module)] = got
         return got
 
+    def next_name(self, path: str, opname: str) -> str:
+        """``<path>.<opname>.<n>``, n counting this step's calls of ``opname`` in ``path``."""
+        return self._next_name(path, opname)
+
+    def forget(self, t) -> None:
+        """Earlier statistics of ``t`` no longer hold: it was written without its version changing."""
+        self._engine.forget(t)
+
     def _next_name(self, path: str, opname: str) -> str:
         key = (path, opname)
         n = self._counters.get(key, 0)
@@ -800,9 +820,10 @@ class Capture:
     def add_tensor(self, seq, op, op_type, role, index, t, handle, direction="forward", step=None,
                    location=None) -> int:
         """Record tensor ``t`` (its statistics on ``handle``; kept whole where the options say): its position."""
-        pos = self._add(seq, op, op_type, role, index, handle, direction, tensor=self._keep(op, t), step=step,
-                        location=location)
-        self._observe(pos, t, handle)
+        pos = self._add(seq, op, op_type, role, index, handle, direction,
+                        tensor=None if t is None else self._keep(op, t), step=step, location=location)
+        if t is not None:  # None: statistics taken earlier of values no longer there (DDP's local gradient)
+            self._observe(pos, t, handle)
         return pos
 
     def summarise(self, seq, op, op_type, role, index, direction, t, location) -> None:
@@ -843,7 +864,7 @@ class Capture:
             for role, idx, t, h in ins:
                 self.add_tensor(seq, op, name, role, idx, t, h, direction)
             for idx, t in _flatten(written):
-                self._engine.forget(t)  # written in place, perhaps without a new version: measured afresh
+                self.forget(t)  # written in place, perhaps without a new version: measured afresh
                 h = self.measure(op, t)
                 if h is not None:
                     self.add_tensor(seq, op, name, "output", idx, t, h, direction)
