@@ -18,7 +18,9 @@ conditioning measured on the reference's own inputs (``|x| |W|`` against
 ``x W`` for a matmul, ``|a| + |b|`` against ``a + b`` for an add, the
 largest logit for softmax and exp, ``x f'(x)`` against ``f(x)`` for cos and sin; a call whose function is not known, a
 module or a fused region, gets the ratio of its inputs' size to its
-output's, times ``OPAQUE``).  With a benign second run (one that differs
+output's, times ``OPAQUE``; its ``u_acc`` is that of the coarsest format of
+16 bits or more its calls computed in, as bf16 inside an fp32 block under
+autocast).  With a benign second run (one that differs
 only in reduction order, or in the attention kernel), the band is also at
 least ``BENIGN_FACTOR`` times the error that run shows at the same op.
 

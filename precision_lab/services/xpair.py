@@ -8,7 +8,8 @@ hold, in four passes, within each (step, rank):
 
 1. **value nodes**: consecutive calls of one run that hold the very same
    output (a ``Linear`` module call and the ``linear`` op inside it; a block
-   and its last residual ``add``) are one node: a value is paired once.
+   and its last residual ``add``; a module returning its last op's output
+   reshaped) are one node: a value is paired once.
 2. **anchors**: nodes whose op name and output size agree in both runs
    (how ``"name"``), and nodes whose output values match one node of the
    other run and no other (how ``"anchor"``: mutual nearest neighbours of a
@@ -279,8 +280,9 @@ class OpPair:
     ``ref``/``cand``: the calls (several on one side for a fused region or fused projections, and for a
     module call together with the op inside it); ``how``: one of ``HOW``; ``confidence`` in (0, 1];
     ``value_error``: the element-wise relative error of the outputs when both were kept (None otherwise);
-    ``concat``: the candidate's output is the reference outputs concatenated on the last axis;
-    ``ref_value``/``cand_value``: the compared outputs (float64, the reference's concatenated), when kept.
+    ``concat``: one side's output is the other side's outputs concatenated on the last axis (either side may hold
+    the fused call);
+    ``ref_value``/``cand_value``: the compared outputs (float64, the split side's concatenated), when kept.
     """
 
     ref: tuple[OpCall, ...]
