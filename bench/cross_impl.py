@@ -259,11 +259,8 @@ def run_cases(cases: list[Case]) -> None:
         c.result = diff_records(c.ref, c.cand, cand_format=c.cand_format)
 
 
-def main() -> None:
-    t0 = time.perf_counter()
-    compile_ok = "--no-compile" not in sys.argv
-    cases = llama_cases(compile_ok) + bert_cases() + conv_cases(compile_ok) + moe_cases() + own_cases()
-    run_cases(cases)
+def report(cases: list[Case]) -> dict:
+    """Print the per-case table of ``cases`` (each already run) and return the totals the summary lines use."""
     print(f"{'family':8} {'pair':24} {'case':26} {'kind':6} {'pairs':>5} {'prec':>6} {'recall':>6} "
           f"{'unpaired':>9}  first divergent pair")
     tot = [0, 0, 0, 0]
@@ -287,6 +284,25 @@ def main() -> None:
         un = f"{len(r.pairing.unpaired_ref)}/{len(r.pairing.unpaired_cand)}"
         print(f"{c.family:8} {c.pair[:24]:24} {c.name[:26]:26} {c.kind:6} {len(r.pairing.pairs):5d} "
               f"{g / max(pl, 1):6.1%} {fd / max(kn, 1):6.1%} {un:>9}  {verdict}: {first[:70]}")
+    return {"tot": tot, "bugs": bugs, "right": right, "benign": benign, "alarms": alarms}
+
+
+def summary(cases: list[Case], s: dict, seconds: float) -> None:
+    tot, bugs, right, benign, alarms = s["tot"], s["bugs"], s["right"], s["benign"], s["alarms"]
+    print()
+    print(f"cases: {len(cases)} ({bugs} bugs, {benign} benign) in {seconds:.0f} s; families: "
+          f"{len({c.family for c in cases})}")
+    print(f"pairing precision {tot[0] / max(tot[1], 1):.1%}  recall {tot[2] / max(tot[3], 1):.1%}")
+    print(f"first divergent pair right: {right}/{bugs} = {right / max(bugs, 1):.0%}")
+    print(f"false alarms on benign variants: {alarms}/{benign} = {alarms / max(benign, 1):.0%}")
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    compile_ok = "--no-compile" not in sys.argv
+    cases = llama_cases(compile_ok) + bert_cases() + conv_cases(compile_ok) + moe_cases() + own_cases()
+    run_cases(cases)
+    s = report(cases)
     t_cases = time.perf_counter() - t0
     # 32 layers, one step: capture both implementations and diff them
     cfg = M.llama_config(32)
@@ -298,12 +314,7 @@ def main() -> None:
     t2 = time.perf_counter()
     big = diff_records(a, b)
     t3 = time.perf_counter()
-    print()
-    print(f"cases: {len(cases)} ({bugs} bugs, {benign} benign) in {t_cases:.0f} s; families: "
-          f"{len({c.family for c in cases})}")
-    print(f"pairing precision {tot[0] / max(tot[1], 1):.1%}  recall {tot[2] / max(tot[3], 1):.1%}")
-    print(f"first divergent pair right: {right}/{bugs} = {right / max(bugs, 1):.0%}")
-    print(f"false alarms on benign variants: {alarms}/{benign} = {alarms / max(benign, 1):.0%}")
+    summary(cases, s, t_cases)
     print(f"32-layer Llama vs rewrite, 1 step: capture {t2 - t1:.1f} s + diff {t3 - t2:.1f} s = {t3 - t1:.1f} s "
           f"({len(big.pairing.pairs)} pairs, {len(big.pairing.unpaired_ref)}/{len(big.pairing.unpaired_cand)} "
           f"unpaired, first divergent: {big.first.pair.label if big.first else 'none'})")

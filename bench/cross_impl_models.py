@@ -104,10 +104,14 @@ class Mix(nn.Module):
         causal = "mask" not in self.bugs
         if self.variant == "manual_attn":
             rep = self.heads // self.kv
-            kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if "gqa_repeat" in self.bugs:  # the kv heads tiled, not interleaved: queries read another group's keys
+                kk, vv = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
+            else:
+                kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             w = torch.matmul(q, kk.transpose(-1, -2)) * scale
-            if causal:
-                w = w.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            if causal:  # "mask_off_by_one": each query also sees the next key
+                w = w.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(2 if "mask_off_by_one" in self.bugs else 1),
+                                  float("-inf"))
             o = torch.matmul(torch.softmax(w, dim=-1), vv)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)

@@ -113,6 +113,19 @@ def test_an_injected_bug_is_named_at_the_pair_where_it_is(bug, where):
     assert before and not any(j.diverges for j in before)
 
 
+def test_a_reference_that_holds_the_fused_projection_pairs_it_with_the_separate_ones():
+    ref, new, x = _pair_models()
+    # the roles the other way round: the reference computes a and b in one projection
+    res = diff_records(records(new, x), records(ref, x))
+    p = res.pairing
+    fused = next(pair for pair in p.pairs if "ab.linear.0" in pair.ref_ops)
+    assert fused.how == "fused N:1" and fused.concat
+    assert {"a.linear.0", "b.linear.0"} <= set(fused.cand_ops)
+    assert fused.value_error is not None and fused.value_error < 1e-6
+    assert not p.unpaired_ref and not p.unpaired_cand
+    assert res.first is None
+
+
 def test_a_benign_run_widens_each_ops_band_to_what_it_shows():
     ref, new, x = _pair_models("eps")
     a, b = records(ref, x), records(new, x)
@@ -306,3 +319,20 @@ def test_transformers_llama_against_its_rewrite_in_the_dashboard(tmp_path, monke
         assert "fused N:1" in set(table["how"])  # q, k and v projections against the fused qkv
         assert at.error and "layers.0.input_layernorm.add.0 -> blocks.0.norm1.add.0" in at.error[0].value.replace(
             "\\", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, variant, module", [
+    ("softmax_dim", None, "h.1.attn"), ("transposed_weight", None, "h.1.attn"), (None, "autocast", None)])
+def test_transformers_gpt2_that_holds_the_fused_qkv_against_a_rewrite_with_separate_projections(bug, variant, module):
+    h = _load(ROOT / "bench" / "cross_impl_heldout.py", "cross_impl_heldout_for_tests")
+    hf = h.hf_gpt2()
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    res = diff_records(records(hf, x), records(h.gpt2_rewrite(hf, bug, variant), x))
+    qkv = [q for q in res.pairing.pairs if "h.0.attn.c_attn.addmm.0" in q.ref_ops]
+    assert qkv and qkv[0].how == "fused N:1" and "blocks.0.att.qkv.v.linear.0" in qkv[0].cand_ops
+    if module is None:  # a block computed in bf16 under autocast, judged at its fp32 boundary: no alarm
+        assert res.first is None, res.first.pair.label
+        return
+    assert res.first is not None
+    assert any(op.startswith(module + ".") for op in res.first.pair.ref_ops), res.first.pair.label

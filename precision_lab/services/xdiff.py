@@ -18,7 +18,9 @@ conditioning measured on the reference's own inputs (``|x| |W|`` against
 ``x W`` for a matmul, ``|a| + |b|`` against ``a + b`` for an add, the
 largest logit for softmax and exp, ``x f'(x)`` against ``f(x)`` for cos and sin; a call whose function is not known, a
 module or a fused region, gets the ratio of its inputs' size to its
-output's, times ``OPAQUE``).  With a benign second run (one that differs
+output's, times ``OPAQUE``; its ``u_acc`` is that of the coarsest format of
+16 bits or more its calls computed in, as bf16 inside an fp32 block under
+autocast).  With a benign second run (one that differs
 only in reduction order, or in the attention kernel), the band is also at
 least ``BENIGN_FACTOR`` times the error that run shows at the same op.
 
@@ -48,9 +50,9 @@ from ..records import TensorRecord, npy_load
 from ..stats import TensorStats
 from ..store import SessionNotFound
 from ..store.queries import run_records_with_data, session_runs
-from .xpair import OpPair, Pairing, aligned, pair_runs, rel_error, values_of
+from .xpair import OpPair, Pairing, aligned, op_calls, pair_runs, rel_error, values_of
 
-__all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "run_records", "resolve_run", "DiffInputError",
+__all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "inner_roundoff", "run_records", "resolve_run", "DiffInputError",
            "diff_rows", "render_diff_text", "SAFETY", "AGREE", "OPAQUE", "BENIGN_FACTOR"]
 
 SAFETY = 4.0
@@ -135,8 +137,7 @@ def _input_error(ref_in: Sequence[TensorRecord], cand_in: Sequence[TensorRecord]
             if c.stats.numel != r.stats.numel:
                 continue
             if rv is not None and cv is not None:
-                al = aligned(rv, cv)
-                e = rel_error(rv, al) if al is not None else None
+                e = _layout_error(rv, cv)
             else:
                 e = _stats_error(r, c)
             if e is not None and (best is None or e < best):
@@ -145,6 +146,19 @@ def _input_error(ref_in: Sequence[TensorRecord], cand_in: Sequence[TensorRecord]
             n += 1
             worst = best if worst is None else max(worst, best)
     return worst, n
+
+
+def _layout_error(rv: np.ndarray, cv: np.ndarray) -> Optional[float]:
+    """Relative error of an input against the reference's, up to layout: as ``aligned`` lays it out, or with its
+    last two axes swapped where they are of one length (a matmul reads k transposed, a ``Conv1D`` stores its
+    weight (in, out)); None when their sizes differ."""
+    al = aligned(rv, cv)
+    if al is None:
+        return None
+    e = rel_error(rv, al)
+    if e > 0 and al.ndim >= 2 and al.shape[-1] == al.shape[-2]:
+        e = min(e, rel_error(rv, np.swapaxes(al, -1, -2)))
+    return e
 
 
 def _stats_error(r: TensorRecord, c: TensorRecord) -> Optional[float]:
@@ -211,11 +225,55 @@ def _levels(pair: OpPair) -> list[tuple]:
     return [(r, c, fused or r is not pair.ref[0] or c is not pair.cand[0]) for r in refs[:4] for c in cands[:4]]
 
 
+def _region_inputs(pair: OpPair, ref_call, cand_call) -> tuple[tuple, tuple]:
+    """The inputs a view of a pair is judged from: a call's own; at the innermost calls of a fused region, those
+    of every call of each side's region (a written-out attention reads q and k in one matmul, v in the next)."""
+    if pair.how != "fused N:1" or ref_call is not pair.ref[0] or cand_call is not pair.cand[0]:
+        return ref_call.inputs, cand_call.inputs
+    return (tuple(r for c in pair.ref if not c.is_module_call for r in c.inputs),
+            tuple(r for c in pair.cand if not c.is_module_call for r in c.inputs))
+
+
+def _compute_roundoff(call) -> float:
+    """The unit roundoff of a call's output format where ops compute in it (16 bits or more); a cast to an 8-bit
+    format is a quantisation of inputs, which a declared format accounts for (``q``), not a format that is
+    accumulated in."""
+    f = _format_of(call.out, None)
+    return f.eps / 2 if f.bits >= 16 else 0.0
+
+
+def inner_roundoff(records: Sequence[TensorRecord]) -> dict[tuple, float]:
+    """(step, rank, module path) -> the coarsest unit roundoff among the outputs of the calls made in that module
+    or below it, of the formats ops compute in (a block whose boundary is fp32 while it computed in bf16 under
+    autocast)."""
+    out: dict[tuple, float] = {}
+    for c in op_calls(records)[0]:
+        u = _compute_roundoff(c)
+        parts = c.module.split(".") if c.module else []
+        for k in range(len(parts) + 1):
+            key = (c.step, c.rank, ".".join(parts[:k]))
+            if u > out.get(key, 0.0):
+                out[key] = u
+    return out
+
+
+def _view_roundoff(pair: OpPair, ref_call, cand_call, inner: Optional[tuple[dict, dict]]) -> float:
+    """The coarsest unit roundoff inside an opaque view: of every call of a fused region, of the calls inside a
+    module call."""
+    u = max(_compute_roundoff(c) for c in pair.ref + pair.cand) if pair.how == "fused N:1" else 0.0
+    for call, table in zip((ref_call, cand_call), inner or ()):
+        if call.is_module_call:
+            u = max(u, table.get((call.step, call.rank, call.module), 0.0))
+    return u
+
+
 def judge(pair: OpPair, *, ref_format: Optional[str] = None, cand_format: Optional[str] = None,
-          benign: Optional[float] = None, safety: float = SAFETY) -> PairJudgment:
+          benign: Optional[float] = None, safety: float = SAFETY,
+          inner: Optional[tuple[dict, dict]] = None) -> PairJudgment:
     """One pair against the band its formats explain (see the module doc).  A pair is judged at its innermost
     calls and at the boundary around them: it diverges when at either its inputs agree and its output's error is
-    beyond the band there."""
+    beyond the band there.  ``inner``: ``inner_roundoff`` of each run, for the formats used inside a module
+    call."""
     rf = _format_of(pair.ref[-1].out, None)
     cf = _format_of(pair.cand[-1].out, None)
     u_acc = max(rf.eps, cf.eps) / 2  # what the tensors' own dtypes round to, and accumulate in
@@ -240,9 +298,10 @@ def judge(pair: OpPair, *, ref_format: Optional[str] = None, cand_format: Option
     nonfinite = bool(cmp is not None and cmp.nonfinite_introduced)
     views = []
     for ref_call, cand_call, opaque in _levels(pair):
-        in_err, n_in = _input_error(ref_call.inputs, cand_call.inputs)
+        in_err, n_in = _input_error(*_region_inputs(pair, ref_call, cand_call))
         kappa, n = _conditioning(pair, ref_call, opaque)
-        expected = safety * (kappa * ((in_err or 0.0) + q) + (2.0 + math.sqrt(n)) * u_acc + u)
+        u_view = max(u_acc, _view_roundoff(pair, ref_call, cand_call, inner)) if opaque else u_acc
+        expected = safety * (kappa * ((in_err or 0.0) + q) + (2.0 + math.sqrt(n)) * u_view + max(u, u_view))
         if benign is not None and math.isfinite(benign):
             expected = max(expected, BENIGN_FACTOR * benign)
         if in_err is None:
@@ -277,7 +336,8 @@ def diff_records(ref: Sequence[TensorRecord], cand: Sequence[TensorRecord], *, r
             if j.out_error is not None:
                 for c in j.pair.ref:
                     bands[c.op] = max(bands.get(c.op, 0.0), j.out_error)
-    judgments = tuple(judge(p, ref_format=ref_format, cand_format=cand_format, safety=safety,
+    inner = (inner_roundoff(ref), inner_roundoff(cand))
+    judgments = tuple(judge(p, ref_format=ref_format, cand_format=cand_format, safety=safety, inner=inner,
                             benign=max((bands[c.op] for c in p.ref if c.op in bands), default=None))
                       for p in pairing.pairs)
     first = next((j for j in judgments if j.diverges), None)

@@ -8,7 +8,8 @@ hold, in four passes, within each (step, rank):
 
 1. **value nodes**: consecutive calls of one run that hold the very same
    output (a ``Linear`` module call and the ``linear`` op inside it; a block
-   and its last residual ``add``) are one node: a value is paired once.
+   and its last residual ``add``; a module returning its last op's output
+   reshaped) are one node: a value is paired once.
 2. **anchors**: nodes whose op name and output size agree in both runs
    (how ``"name"``), and nodes whose output values match one node of the
    other run and no other (how ``"anchor"``: mutual nearest neighbours of a
@@ -230,8 +231,10 @@ class Node:
 
 
 def _same_value(a: OpCall, av: Optional[np.ndarray], b: OpCall, bv: Optional[np.ndarray]) -> bool:
+    """The very same values in the same element order (a view of another shape, as a module returns its last op's
+    output reshaped, is the same value)."""
     if av is not None and bv is not None:
-        return av.shape == bv.shape and np.array_equal(av, bv, equal_nan=True)
+        return av.size == bv.size and np.array_equal(av.ravel(), bv.ravel(), equal_nan=True)
     sa, sb = a.out.stats, b.out.stats
     return (tuple(sa.shape or ()) == tuple(sb.shape or ()) and sa.numel == sb.numel
             and all(getattr(sa, f) == getattr(sb, f) for f in ("min", "max", "mean", "l2norm"))
@@ -240,7 +243,7 @@ def _same_value(a: OpCall, av: Optional[np.ndarray], b: OpCall, bv: Optional[np.
 
 def _value_key(c: OpCall, v: Optional[np.ndarray]) -> Optional[tuple]:
     if v is not None:
-        return (v.shape, hash(np.ascontiguousarray(v).tobytes()))
+        return (v.size, hash(np.ascontiguousarray(v).tobytes()))
     s = c.out.stats
     if s.l2norm is None:
         return None
@@ -277,8 +280,9 @@ class OpPair:
     ``ref``/``cand``: the calls (several on one side for a fused region or fused projections, and for a
     module call together with the op inside it); ``how``: one of ``HOW``; ``confidence`` in (0, 1];
     ``value_error``: the element-wise relative error of the outputs when both were kept (None otherwise);
-    ``concat``: the candidate's output is the reference outputs concatenated on the last axis;
-    ``ref_value``/``cand_value``: the compared outputs (float64, the reference's concatenated), when kept.
+    ``concat``: one side's output is the other side's outputs concatenated on the last axis (either side may hold
+    the fused call);
+    ``ref_value``/``cand_value``: the compared outputs (float64, the split side's concatenated), when kept.
     """
 
     ref: tuple[OpCall, ...]
@@ -430,9 +434,27 @@ def _score_matrix(A: list[Node], B: list[Node]) -> tuple[np.ndarray, np.ndarray]
                 E[i, j] = err
                 sim = max(0.0, 1.0 - err / _SAME_DATA_REL) if math.isfinite(err) else 0.0
             if sim <= 0.0 and not (same_type and same_shape):
-                continue
+                # values that disagree (a bug between them) at one module boundary: a module at the same depth on
+                # each side whose inputs agree, and an output of one shape, is the same place in the data flow
+                if not _same_boundary(a, b):
+                    continue
             S[i, j] = 1.0 + 2.0 * sim + 0.5 * same_type + 0.25 * same_shape
     return S, E
+
+
+def _outer_module(node: Node) -> Optional[OpCall]:
+    return next((c for c in reversed(node.calls) if c.is_module_call), None)
+
+
+def _same_boundary(a: Node, b: Node) -> bool:
+    """Both nodes end a module call at the same depth of the module tree with outputs of one shape (up to layout),
+    and the calls share an input (the same values)."""
+    ma, mb = _outer_module(a), _outer_module(b)
+    if ma is None or mb is None or ma.op.count(".") != mb.op.count("."):
+        return False
+    if sorted(_squeezed(ma.out.stats.shape or ())) != sorted(_squeezed(mb.out.stats.shape or ())):
+        return False
+    return _shares_an_input(ma, mb)
 
 
 def _align(S: np.ndarray) -> list[tuple[int, int]]:
@@ -490,6 +512,12 @@ def _same_structure(cand: Node, run: list[Node]) -> bool:
     kinds = {_kind(cand.first)}
     lead = tuple(cand.shape[:-1])
     return all(_kind(a.first) in kinds and tuple(a.shape[:-1]) == lead for a in run)
+
+
+def _region_start(run: list[Node]) -> OpCall:
+    """The first call of a run of nodes that reads floating-point data: a constant made inside a region (a scale
+    by ``torch.full``, a table by ``arange``) does not start it."""
+    return next((n.first for n in run if any(_is_float(r) for r in n.first.inputs)), run[0].first)
 
 
 def _starts_from_same_inputs(first: OpCall, region: Sequence[OpCall]) -> bool:
@@ -559,6 +587,37 @@ def _lone_before(nodes: list[Node], i: int, lone: set) -> list[Node]:
     return run
 
 
+def _concats(whole: list[Node], parts: list[Node], partner: dict[int, int],
+             used: set[int]) -> list[tuple[Node, list[Node], float]]:
+    """(node, run, error): each lone node of one run (``whole``) whose output concatenates consecutive lone nodes
+    of the other (``parts``, their indices added to ``used``), a few nodes after the pair before it (a fused
+    projection runs before the ops that separate its parts in the other run); ``partner``: a paired node's index
+    in ``whole``'s run -> its partner's."""
+    out = []
+    for b in whole:
+        lo = max([i for j, i in partner.items() if j < b.idx] + [-1])
+        cands = [a for a in parts if lo < a.idx <= lo + _FUSE_WINDOW and a.idx not in used]
+        hit = None
+        for s in range(len(cands)):
+            total = 0
+            for e in range(s, len(cands)):
+                total += cands[e].numel
+                if total > b.numel:
+                    break
+                if total == b.numel and e > s:
+                    run = cands[s:e + 1]
+                    err = _concat_match(b, run)
+                    if err is not None and (err <= _SAME_DATA_REL or _same_structure(b, run)):
+                        hit = (run, err)
+                    break
+            if hit:
+                break
+        if hit:
+            out.append((b, hit[0], hit[1]))
+            used.update(a.idx for a in hit[0])
+    return out
+
+
 def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node], list[Node]]:
     named = _name_anchors(A, B)
     names = {(i, j) for i, j, _ in named}
@@ -604,42 +663,25 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
         by_b[j] = i
     free_a = [a for a in A if a.idx not in pairs]
     free_b = [b for b in B if b.idx not in by_b]
-    # fused N:1: a lone candidate node whose output concatenates consecutive lone reference nodes
-    done_b: set[int] = set()
-    fused: list[tuple[list[Node], Node, float]] = []
+    # fused N:1: a lone node of either run whose output concatenates consecutive lone nodes of the other (fused
+    # qkv against q, k and v projections, whichever run holds the fused one)
+    by_a = {i: j for j, i in by_b.items()}
     used_a: set[int] = set()
-    for b in free_b:
-        # the lone reference nodes after the pair before ``b``, a few nodes on (a fused projection runs before
-        # the ops that separate its parts in the reference)
-        lo = max([i for j, i in by_b.items() if j < b.idx] + [-1])
-        cands = [a for a in free_a if lo < a.idx <= lo + _FUSE_WINDOW and a.idx not in used_a]
-        hit = None
-        for s in range(len(cands)):
-            total = 0
-            for e in range(s, len(cands)):
-                total += cands[e].numel
-                if total > b.numel:
-                    break
-                if total == b.numel and e > s:
-                    run = cands[s:e + 1]
-                    err = _concat_match(b, run)
-                    if err is not None and (err <= _SAME_DATA_REL or _same_structure(b, run)):
-                        hit = (run, err)
-                    break
-            if hit:
-                break
-        if hit:
-            run, err = hit
-            fused.append((run, b, err))
-            used_a.update(a.idx for a in run)
-            done_b.add(b.idx)
+    used_b: set[int] = set()
     out = [p for _, p in sorted(pairs.items())]
-    for run, b, err in fused:
-        rows = run[0].numel // (run[0].values.shape[-1] if run[0].values.ndim else 1)
-        ref = np.concatenate([a.values.reshape(rows, -1) for a in run], axis=1)
-        out.append(OpPair(tuple(c for a in run for c in a.calls), b.calls, "fused N:1",
-                          _confidence("fused N:1", err, False), err, concat=True, ref_value=ref,
-                          cand_value=b.values.reshape(rows, -1)))
+    for whole, parts, partner, used_whole, used_parts, whole_is_ref in (
+            (free_b, free_a, by_b, used_b, used_a, False), (free_a, free_b, by_a, used_a, used_b, True)):
+        for node, run, err in _concats([n for n in whole if n.idx not in used_whole], parts, partner, used_parts):
+            used_whole.add(node.idx)
+            rows = run[0].numel // (run[0].values.shape[-1] if run[0].values.ndim else 1)
+            cat = np.concatenate([n.values.reshape(rows, -1) for n in run], axis=1)
+            run_calls = tuple(c for n in run for c in n.calls)
+            own = node.values.reshape(rows, -1)
+            ref_calls, cand_calls = (node.calls, run_calls) if whole_is_ref else (run_calls, node.calls)
+            ref_v, cand_v = (own, cat) if whole_is_ref else (cat, own)
+            out.append(OpPair(ref_calls, cand_calls, "fused N:1", _confidence("fused N:1", err, False), err,
+                              concat=True, ref_value=ref_v, cand_value=cand_v))
+    done_b = used_b
     free_a = [a for a in free_a if a.idx not in used_a]
     free_b = [b for b in free_b if b.idx not in done_b]
     # one value of one run held twice by the other (a compiled region's output beside the eager re-run of its
@@ -661,11 +703,11 @@ def _pair_group(A: list[Node], B: list[Node]) -> tuple[list[OpPair], list[Node],
             continue
         run_a = _lone_before(A, pos_a[id(p.ref[0])], lone_a)
         run_b = _lone_before(B, pos_b[id(p.cand[0])], lone_b)
-        if run_a and not run_b and _starts_from_same_inputs(run_a[0].first, p.cand):
+        if run_a and not run_b and _starts_from_same_inputs(_region_start(run_a), p.cand):
             lone_a.difference_update(a.idx for a in run_a)
             p = OpPair(tuple(c for a in run_a for c in a.calls) + p.ref, p.cand, "fused N:1",
                        min(p.confidence, 0.8), p.value_error, ref_value=p.ref_value, cand_value=p.cand_value)
-        elif run_b and not run_a and _starts_from_same_inputs(run_b[0].first, p.ref):
+        elif run_b and not run_a and _starts_from_same_inputs(_region_start(run_b), p.ref):
             lone_b.difference_update(b.idx for b in run_b)
             p = OpPair(p.ref, tuple(c for b in run_b for c in b.calls) + p.cand, "fused N:1",
                        min(p.confidence, 0.8), p.value_error, ref_value=p.ref_value, cand_value=p.cand_value)
