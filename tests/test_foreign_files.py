@@ -307,3 +307,20 @@ def test_a_timeline_file_of_other_types_is_refused_in_one_sentence(tmp_path):
     _one_sentence(runner.invoke(app, ["ingest", str(shards), "--db", str(db)]), "timeline.parquet",
                   "column absmax holds string, not numbers")
     assert Store(db).df("SELECT * FROM sessions").empty
+
+
+def test_a_database_replaced_by_a_foreign_one_is_checked_again(tmp_path):
+    """A process skips the check for a file it already found clean, but not for another file put at its path."""
+    from precision_lab.store import close_all
+
+    db = tmp_path / "mine.duckdb"
+    Store(db)  # made here: found clean
+    Store(db)  # the same file: no second listing of its functions
+    close_all()
+    db.unlink()
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE meta (key VARCHAR, value VARCHAR); INSERT INTO meta VALUES ('schema_version', '7')")
+    con.execute("CREATE MACRO leak() AS 42")
+    con.close()
+    with pytest.raises(ForeignDatabase, match="macros \\(leak\\)"):
+        Store(db)

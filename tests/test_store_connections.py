@@ -143,3 +143,26 @@ def test_close_all_closes_what_is_idle(tmp_path):
     with pytest.raises(Exception):
         s.sql("SELECT * FROM no_such_table").fetchall()
     assert not is_open(s.path)
+
+
+def test_a_capture_writes_and_diagnoses_its_session_through_few_opens(tmp_path, monkeypatch):
+    """A capture's exit writes the session and diagnoses it inside one ``Store.writing()`` block: the file is
+    opened once, read-write, not once per operation (five times on a new database before, nine on one in
+    use), and the session is whole and diagnosed."""
+    import torch
+    import torch.nn as nn
+
+    import precision_lab
+
+    opened = []
+    real = store_mod._connect
+    monkeypatch.setattr(store_mod, "_connect", lambda path, ro, *a, **k: opened.append(ro) or real(path, ro, *a, **k))
+    db = tmp_path / "cap.duckdb"
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with precision_lab.capture(model, run="r", store=str(db)):
+        model(torch.randn(3, 4))
+        opened.clear()  # what the exit opens
+    assert opened == [False], opened  # one read-write open
+    store_mod.close_all()
+    s = store_mod.Store(db)
+    assert s.undiagnosed_sessions() == [] and len(s.sessions()) == 1

@@ -471,18 +471,21 @@ class Capture:
                     notes["replay"] = {"from_step": kit.from_step, "failed_step": kit.failed_step,
                                        "steps": len(kit.steps), "autocast": kit.autocast,
                                        "grad_scaler": kit.scaler is not None, "run_id": self.run_id}
-        try:
-            self.session = self._output.finish(self.detached(), notes)
-        except BaseException:
-            if saved is not None:  # no run names it: nothing would ever delete it
-                saved.unlink(missing_ok=True)
-            raise
-        if self.session and self._on_written is not None:
+        # the write and the diagnosis after it through one read-write open of the database (a sink that can)
+        writing = getattr(self._output.store, "writing", None) if not self._output.sharded else None
+        with writing() if writing is not None else contextlib.nullcontext():
             try:
-                self._on_written(self.session)
-            except Exception as e:  # the run is stored; its diagnosis is left to `precision-lab check`
-                self.warn("diagnose", f"the stored session was not diagnosed ({type(e).__name__}: {e}); "
-                                      "`precision-lab check` diagnoses it")
+                self.session = self._output.finish(self.detached(), notes)
+            except BaseException:
+                if saved is not None:  # no run names it: nothing would ever delete it
+                    saved.unlink(missing_ok=True)
+                raise
+            if self.session and self._on_written is not None:
+                try:
+                    self._on_written(self.session)
+                except Exception as e:  # the run is stored; its diagnosis is left to `precision-lab check`
+                    self.warn("diagnose", f"the stored session was not diagnosed ({type(e).__name__}: {e}); "
+                                          "`precision-lab check` diagnoses it")
 
     # ---- installing hooks --------------------------------------------------------
     def _install(self) -> None:

@@ -32,7 +32,7 @@ from ..live.recorder import Capture
 from ..live.replaykit import load_kit
 from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
-from ..store import Store
+from ..store import Store, writing as store_writing
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
@@ -391,6 +391,10 @@ class _StoreAt:
 
     def extend_session(self, *args, **kwargs):
         return Store(self.path).extend_session(*args, **kwargs)
+
+    def writing(self):
+        """``Store.writing()`` of the database, begun before it is opened."""
+        return store_writing(self.path)
 
 
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,

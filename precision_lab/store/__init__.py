@@ -268,6 +268,7 @@ class _File:
         self.read_only = False
         self.active = 0  # operations using the connection now
         self.holds = 0  # Store.held() blocks: keep a read-only connection between operations
+        self.write_holds = 0  # Store.writing() blocks: keep a read-write connection between operations
         self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
         self.memory_tokens = MemoryTokens() if self.memory else None  # share tokens of a database in memory
         self.opening = False  # a thread is opening the file (outside the lock, retrying while another process holds it)
@@ -275,6 +276,10 @@ class _File:
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
         self.write_held_s = 0.0  # seconds this process has held the file read-write (benches)
         self._rw_since: Optional[float] = None
+        # the file as this process last found it holding no code (Store._refuse_foreign) or left it after its own
+        # write (_identity): another Store of the file, unchanged since, skips the check (a listing of every
+        # function, some 15 ms)
+        self.vetted: Optional[tuple] = None
 
     def acquire(self, write: bool, wait: float):
         deadline = time.monotonic() + wait
@@ -307,7 +312,7 @@ class _File:
                     self.active += 1
                     return self.con
                 exists = os.path.exists(self.path)
-                ro = exists and not write
+                ro = exists and not write and not self.write_holds  # a writing() block opens read-write
                 self.opening = True  # the open (and its retries) runs outside the lock: other threads go on
                 self.active += 1
                 break
@@ -331,15 +336,23 @@ class _File:
         with self.cond:
             self.active -= 1
             if not self.active:
-                # a write's connection goes at once (other processes wait on it); a read's when nothing holds it
-                if not self.memory and (self.holds == 0 or not self.read_only):
+                # a write's connection goes at once (other processes wait on it) unless a writing() block
+                # holds it; a read's when nothing holds it
+                if not self.memory and self.write_holds == 0 and (self.holds == 0 or not self.read_only):
                     self._close()
                 self.cond.notify_all()
 
     def hold(self, delta: int) -> None:
         with self.cond:
             self.holds += delta
-            if not self.holds and not self.active and not self.memory:
+            if not self.holds and not self.write_holds and not self.active and not self.memory:
+                self._close()
+
+    def hold_write(self, delta: int) -> None:
+        with self.cond:
+            self.write_holds += delta
+            if not self.write_holds and not self.active and not self.memory and (self.holds == 0 or
+                                                                                 not self.read_only):
                 self._close()
 
     def close(self) -> bool:
@@ -356,6 +369,8 @@ class _File:
                 con.close()  # a read-write connection checkpoints as it closes: part of the hold
             except Exception:
                 pass
+            if not self.read_only and self.vetted is not None and not self.memory:
+                self.vetted = _identity(self.path)  # this process's own writes hold no code
         if self._rw_since is not None:
             self.write_held_s += time.monotonic() - self._rw_since
             self._rw_since = None
@@ -433,6 +448,18 @@ def _file(path: str) -> _File:
 
 
 @contextmanager
+def writing(path: Optional[os.PathLike | str] = None):
+    """``Store.writing()`` for the database at ``path``, begun before any ``Store`` of it is made (whose
+    schema check is then part of the block)."""
+    f = _file(resolve_db_path(path))
+    f.hold_write(1)
+    try:
+        yield
+    finally:
+        f.hold_write(-1)
+
+
+@contextmanager
 def held(path: Optional[os.PathLike | str] = None):
     """``Store.held()`` for the database at ``path``, before any ``Store`` of it exists (a dashboard page run)."""
     f = _file(resolve_db_path(path))
@@ -459,6 +486,21 @@ def close_all() -> None:
         files = list(_FILES.values())
     for f in files:
         f.close()
+
+
+def _identity(path: str) -> Optional[tuple]:
+    """(device, inode, modification time, size) of a file and its write-ahead log, None when the file is not
+    there: a write, or another file put in its place, changes it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    try:
+        wal = os.stat(path + ".wal")
+        log = (wal.st_mtime_ns, wal.st_size)
+    except OSError:
+        log = None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, log
 
 
 def _now() -> str:
@@ -515,6 +557,15 @@ class Store:
         the file for its transaction only).  For a bounded stretch such as one dashboard page run: other
         processes' writes wait while it lasts."""
         with held(self.path):
+            yield self
+
+    @contextmanager
+    def writing(self):
+        """Keep the database open between the operations of this block, read-write from its first write on (a
+        write and the reads and writes that follow it, such as a capture's session and its diagnosis): one
+        open instead of one per operation.  Other processes wait while it lasts: keep it to one short stretch
+        of work."""
+        with writing(self.path):
             yield self
 
     def data_version(self) -> tuple:
@@ -585,6 +636,9 @@ class Store:
         """Refuse a file that holds views or macros, or tables but none of ours (``ForeignDatabase``)."""
         if self._file.memory:
             return
+        f = self._file
+        if f.vetted is not None and ((f.con is not None and not f.read_only) or f.vetted == _identity(self.path)):
+            return  # unchanged since it was found clean, or open read-write here (no other process writes it)
         views, macros, tables = self.sql(_FOREIGN_SQL).fetchone()
         held = []
         if views:
@@ -597,6 +651,7 @@ class Store:
             raise ForeignDatabase(f"database {self.path} was not made by Precision Lab: it holds {' and '.join(held)}; "
                                   "a database is opened as data only, and one holding code or another "
                                   "program's tables is refused")
+        self._file.vetted = _identity(self.path)
 
     def _init_schema(self) -> None:
         try:
