@@ -90,3 +90,11 @@ def print_table(columns, rows, *, right=()) -> None:
     out.print(table)
     for line in out.file.getvalue().splitlines():
         echo(line.rstrip())
+
+
+def html_report():
+    """The HTML report's module (``ui.html_report``), loaded only for ``--html``: its figures need pandas and
+    plotly, which the other commands start without."""
+    from ..ui import html_report as module  # deferred: pandas and plotly, only for --html
+
+    return module

@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from ._app import app, echo
-from ._common import DB_HELP, end_progress, open_store, tty_progress
+from ._common import DB_HELP, end_progress, html_report, open_store, tty_progress
 from ._common import fail as _fail
 from ..config import ConfigError, load_config
 from ..services.ingest import IngestError, ingest
@@ -136,10 +136,8 @@ def diff_cmd(
     else:
         echo(render_diff_text(result, ref_label, cand_label, limit=rows))
     if html_out:
-        from ..ui.html_report import write_diff_html  # noqa: PLC0415  (only for --html)
-
         try:
-            write_diff_html(result, ref_label, cand_label, html_out)
+            html_report().write_diff_html(result, ref_label, cand_label, html_out)
         except OSError as e:
             _fail(f"--html {html_out}: {e.strerror or e}")
     tripped = [c for c in fail_on or [] if (c == "diverged" and result.diverged)

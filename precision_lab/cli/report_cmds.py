@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from ._app import app, echo
-from ._common import open_store
+from ._common import html_report, open_store
 from ._common import fail as _fail
 from ._conditions import CONDITIONS, exit_on, parse_condition
 from ..services.report import build_report, render_text, to_json
@@ -42,7 +42,5 @@ def report_cmd(
     if as_json:
         echo()
     if html_file:
-        from ..ui.html_report import write_html  # its figures need pandas and plotly: only for --html
-
-        echo(f"wrote {write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
+        echo(f"wrote {html_report().write_html(store, session, html_file)}", err=True)  # stderr keeps --json clean
     exit_on(rep, conditions)

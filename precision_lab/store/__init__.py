@@ -448,26 +448,25 @@ def _file(path: str) -> _File:
 
 
 @contextmanager
+def _holding(path, write: bool):
+    f = _file(resolve_db_path(path))
+    hold = f.hold_write if write else f.hold
+    hold(1)
+    try:
+        yield
+    finally:
+        hold(-1)
+
+
 def writing(path: Optional[os.PathLike | str] = None):
     """``Store.writing()`` for the database at ``path``, begun before any ``Store`` of it is made (whose
     schema check is then part of the block)."""
-    f = _file(resolve_db_path(path))
-    f.hold_write(1)
-    try:
-        yield
-    finally:
-        f.hold_write(-1)
+    return _holding(path, True)
 
 
-@contextmanager
 def held(path: Optional[os.PathLike | str] = None):
     """``Store.held()`` for the database at ``path``, before any ``Store`` of it exists (a dashboard page run)."""
-    f = _file(resolve_db_path(path))
-    f.hold(1)
-    try:
-        yield
-    finally:
-        f.hold(-1)
+    return _holding(path, False)
 
 
 def is_open(path: Optional[os.PathLike | str]) -> bool:
