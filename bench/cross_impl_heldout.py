@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -188,11 +187,7 @@ _GPT2_MODULES = [
 
 def gpt2_module(ref_op: str) -> str:
     """The rewrite's name for a GPT-2 op (its module path, and ``linear`` for a ``Conv1D``'s ``addmm``)."""
-    for pat, rep in _GPT2_MODULES:
-        new, n = re.subn(pat, rep, ref_op)
-        if n:
-            return new
-    return ref_op
+    return M.renamed(ref_op, _GPT2_MODULES)
 
 
 def gpt2_cases(compile_ok: bool) -> list[X.Case]:

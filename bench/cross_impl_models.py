@@ -205,13 +205,19 @@ _LLAMA_MODULES = [
 ]
 
 
-def llama_module(ref_op: str) -> str:
-    """The rewrite's name for a reference op's module path (the op's own suffix kept)."""
-    for pat, rep in _LLAMA_MODULES:
+def renamed(ref_op: str, table) -> str:
+    """A reference op's name in a rewrite: the first ``(pattern, replacement)`` of ``table`` that matches it
+    applied (the op's own suffix kept); the name itself when none does."""
+    for pat, rep in table:
         new, n = re.subn(pat, rep, ref_op)
         if n:
             return new
     return ref_op
+
+
+def llama_module(ref_op: str) -> str:
+    """The rewrite's name for a reference op's module path (the op's own suffix kept)."""
+    return renamed(ref_op, _LLAMA_MODULES)
 
 
 # ---- an encoder: transformers BERT built from config ------------------------------------------------------
