@@ -8,7 +8,9 @@ one block's input is scaled at step ``--fail-step`` so it overflows fp16.  The h
 63 ranks and the failing run's for rank ``--bad-rank`` (each file copied with its ``rank`` column rewritten),
 then, in a fresh process, ``ingest`` reads the 64 ranks into a database and the report answers where the
 failure started.  Prints the shard folder's size, the time to ingest, the time to answer, the answer, and that
-process's peak memory (target: ingest and answer within 60 s on this machine).
+process's peak memory (target: ingest and answer within 60 s on this machine).  Then, in another fresh process,
+the same answer straight from the shards with nothing ingested (``report --shards``: DuckDB reads the Parquet
+files in place) and its time and peak memory.
 
     python bench/scale_ranks.py [--ranks 64] [--layers 32] [--steps 100]
 """
@@ -92,6 +94,39 @@ def measure(shards: str, db: str) -> None:
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
+def measure_in_place(shards: str) -> None:
+    """In its own process: answer straight from the shards (``report --shards``'s path, nothing ingested)."""
+    from precision_lab.services.report import first_nonfinite
+    from precision_lab.services.shards import open_shards
+    from precision_lab.store import queries as q
+
+    t0 = time.perf_counter()
+    store, name = open_shards(Path(shards))
+    t1 = time.perf_counter()
+    run = q.session_runs(store, store.session(name)["session_id"])[0]
+    first = first_nonfinite(store, run["run_id"])
+    t2 = time.perf_counter()
+    print(json.dumps({"open_s": t1 - t0, "answer_s": t2 - t1,
+                      "answer": None if first is None else {"rank": first.rank, "step": first.step, "op": first.op},
+                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def _fresh(*args) -> dict:
+    """The JSON line a fresh process of this script prints for ``args``."""
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ))
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _said(a, args) -> str:
+    right = a is not None and a["rank"] == args.bad_rank and a["step"] == args.fail_step
+    return (f"{a['op'] if a else 'none'} at rank {a['rank'] if a else '-'}, step {a['step'] if a else '-'} "
+            f"({'right' if right else 'WRONG'}: the overflow was injected on rank {args.bad_rank} at step "
+            f"{args.fail_step})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=64)
@@ -100,9 +135,13 @@ def main() -> None:
     ap.add_argument("--fail-step", type=int, default=73)
     ap.add_argument("--bad-rank", type=int, default=37)
     ap.add_argument("--measure", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--measure-in-place", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         measure(*args.measure)
+        return
+    if args.measure_in_place:
+        measure_in_place(args.measure_in_place)
         return
     with tempfile.TemporaryDirectory(prefix="pl-scale-") as tmp:
         tmp = Path(tmp)
@@ -120,22 +159,18 @@ def main() -> None:
         meta = json.loads((shards / "manifest.json").read_text())["runs"][0]
         write_manifest(shards, [meta])  # every rank's files listed
         size = sum(f.stat().st_size for f in shards.rglob("*") if f.is_file())
-        out = subprocess.run([sys.executable, __file__, "--measure", str(shards), str(tmp / "scale.duckdb")],
-                             capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
-        if out.returncode != 0:
-            raise SystemExit(out.stderr[-3000:])
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-    a = got["answer"]
-    right = a is not None and a["rank"] == args.bad_rank and a["step"] == args.fail_step
+        got = _fresh("--measure", str(shards), str(tmp / "scale.duckdb"))
+        direct = _fresh("--measure-in-place", str(shards))
     print(f"{args.ranks} ranks x {args.layers}-layer model x {args.steps} summarised steps (full records on steps 0 "
           f"and 50 and the 2 before the failure); shards {size / 1e6:.1f} MB from two real runs ({t_runs:.0f} s); "
           f"{os.cpu_count()} CPUs")
     print(f"ingest {got['ingest_s']:.1f} s ({got['records']} records, {got['timeline_rows']} timeline rows), "
           f"answer {got['answer_s']:.2f} s, total {got['ingest_s'] + got['answer_s']:.1f} s (target <= 60 s); "
           f"peak memory {got['peak_mib']:.0f} MiB")
-    print(f"answer: {a['op'] if a else 'none'} at rank {a['rank'] if a else '-'}, step {a['step'] if a else '-'} "
-          f"({'right' if right else 'WRONG'}: the overflow was injected on rank {args.bad_rank} at step "
-          f"{args.fail_step})")
+    print(f"answer: {_said(got['answer'], args)}")
+    print(f"straight from the shards, nothing ingested (report --shards): open {direct['open_s']:.1f} s, answer "
+          f"{direct['answer_s']:.2f} s, total {direct['open_s'] + direct['answer_s']:.1f} s; peak memory "
+          f"{direct['peak_mib']:.0f} MiB; answer: {_said(direct['answer'], args)}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,15 @@ from ._common import html_report, open_store
 from ._common import fail as _fail
 from ._conditions import CONDITIONS, exit_on, parse_condition
 from ..services.report import build_report, render_text, to_json
+from ..services.shards import ShardError, open_shards
 from ..store import SessionNotFound
 
 
 @app.command("report")
 def report_cmd(
-    session: str = typer.Option(..., "--session", "-s", help="session name"),
+    session: Optional[str] = typer.Option(None, "--session", "-s", help="session name"),
+    shards: Optional[str] = typer.Option(None, "--shards", help="instead of a session: a capture's shard folder, "
+                                         "answered straight from its Parquet files (nothing ingested)"),
     db: Optional[str] = typer.Option(None, "--db", help="database file"),
     as_json: bool = typer.Option(False, "--json", help="print the stable JSON document instead of a table"),
     html_file: Optional[str] = typer.Option(None, "--html", help="also write a self-contained HTML page (opens "
@@ -32,7 +35,15 @@ def report_cmd(
     """Report a session: first non-finite producer per run, comparisons, diagnoses, alerts (exit 1 when
     --fail-on trips)."""
     conditions = [parse_condition(c) for c in (fail_on or [])]
-    store = open_store(db)
+    if (session is None) == (shards is None):
+        _fail("give a session (--session) or a shard folder (--shards), one of them")
+    if shards is not None:
+        try:
+            store, session = open_shards(shards)
+        except ShardError as e:
+            _fail(str(e))
+    else:
+        store = open_store(db)
     try:
         with store.held():  # one read-only open for the report's questions, let go before printing
             rep = build_report(store, session)

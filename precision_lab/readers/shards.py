@@ -48,7 +48,7 @@ from ..stats import HIST_EDGES_ID, N_BINS, HistogramError, TensorStats, decode_h
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
-           "write_timeline", "read_timeline", "kept_tensor",
+           "write_timeline", "read_timeline", "kept_tensor", "checked_runs",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
 
 SHARD_FORMAT = "precision-lab-shards"
@@ -597,6 +597,23 @@ def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:
         for path in _run_files(root, entry):
             for rec in _iter_file(root, path, meta):
                 yield meta, rec
+
+
+def checked_runs(root) -> list[tuple[dict, list[Path], frozenset]]:
+    """Every run of a shard folder as ``(run_meta, files, columns)``, for readers that query the files where
+    they lie (DuckDB's ``read_parquet``) instead of reading them here: the manifest read (or rebuilt), each
+    file listed or found checked from its metadata as ``read_shards`` checks it (a regular file inside the
+    folder, rows and row-group bytes within the limits, every column of its type) and ``columns`` the
+    record columns any of the run's files holds.  Raises :class:`ShardError` naming the file."""
+    root = Path(root)
+    out = []
+    for entry in read_manifest(root)["runs"]:
+        files = _run_files(root, entry)
+        names: set = set()
+        for path in files:
+            names.update(_open_shard(path, relname(root, path)).schema_arrow.names)
+        out.append((_run_meta(entry), files, frozenset(names)))
+    return out
 
 
 def read_local_comparisons(root) -> Iterator[tuple[dict, TensorRecord, object]]:

@@ -50,7 +50,7 @@ from .pairing import Item, compare_pair, compare_runs, exact_key
 from ..readers.generic import SUFFIXES
 from .diagnose import diagnose_session
 
-__all__ = ["ingest", "IngestError", "DEFAULT_CACHE_BYTES"]
+__all__ = ["ingest", "IngestError", "DEFAULT_CACHE_BYTES", "add_timelines"]
 
 DEFAULT_CACHE_BYTES = 512 << 20
 
@@ -469,28 +469,8 @@ class _Ingestion:
                                   index=r.index, match="exact", comparison=cmp)
 
     def _timeline(self, si: int, parts) -> None:
-        """Store a long run's per-step summaries (Arrow tables, as read), each rank's ``tid`` numbers moved past
-        the run's others and every row given the stored run's id."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        def moved(t, rid: str, base: Optional[int]):
-            t = t.set_column(t.column_names.index("run_id"), "run_id", pa.array([rid] * t.num_rows, pa.string()))
-            if base is not None:
-                t = t.set_column(t.column_names.index("tid"), "tid", pc.add(t.column("tid"), base))
-            return t
-
-        next_tid: dict[str, int] = {}
-        for key, _rank, rows, shares, scalars in parts:
-            run = self.runs.get((si, key))
-            if run is None:
-                continue
-            rid = run.run_id
-            base = next_tid.get(rid, 0)
-            self.w.add_timeline_tables(timeline=moved(rows, rid, base), timeline_formats=moved(shares, rid, base),
-                                       step_scalars=moved(scalars, rid, None))
-            top = pc.max(rows.column("tid")).as_py() if rows.num_rows else None
-            next_tid[rid] = base + (-1 if top is None else top) + 1
+        """Store a long run's per-step summaries (``add_timelines``) on the runs stored for them."""
+        add_timelines(self.w, parts, lambda key: getattr(self.runs.get((si, key)), "run_id", None))
 
     def _run_name(self, name: str) -> str:
         return free_name(name, {r.name for r in self.order})
@@ -524,3 +504,28 @@ class _Ingestion:
         """One reference: every other run against it.  Several: by run name,
         else by position (k-th candidate with k-th reference), else the first."""
         return [(p, c) for c in self.order if c.kind != "reference" for p in [self._partner_for(c)] if p]
+
+
+def add_timelines(w, parts, run_id_of) -> None:
+    """Store a long run's per-step summaries (``(run key, rank, rows, shares, scalars)``, Arrow tables as read)
+    with writer ``w``: each rank's ``tid`` numbers moved past the run's others and every row given the stored
+    run's id (``run_id_of(key)``; None: not stored)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def moved(t, rid: str, base: Optional[int]):
+        t = t.set_column(t.column_names.index("run_id"), "run_id", pa.array([rid] * t.num_rows, pa.string()))
+        if base is not None:
+            t = t.set_column(t.column_names.index("tid"), "tid", pc.add(t.column("tid"), base))
+        return t
+
+    next_tid: dict[str, int] = {}
+    for key, _rank, rows, shares, scalars in parts:
+        rid = run_id_of(key)
+        if rid is None:
+            continue
+        base = next_tid.get(rid, 0)
+        w.add_timeline_tables(timeline=moved(rows, rid, base), timeline_formats=moved(shares, rid, base),
+                              step_scalars=moved(scalars, rid, None))
+        top = pc.max(rows.column("tid")).as_py() if rows.num_rows else None
+        next_tid[rid] = base + (-1 if top is None else top) + 1

@@ -259,9 +259,10 @@ class _File:
     """One database file's connection in this process: opened when an operation needs it, closed when the
     last operation is done (unless held), read-only unless a write needs it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, readable: tuple = ()):
         self.path = path
         self.memory = path == ":memory:"
+        self.readable = readable  # files an in-memory database of its own may read (``Store(readable=...)``)
         self.cond = threading.Condition(threading.Lock())
         self.write_lock = threading.RLock()  # writers of this process, one at a time
         self.con = None
@@ -308,7 +309,7 @@ class _File:
                     continue
                 self._close()
                 if self.memory:
-                    self.con, self.read_only = connect_duckdb(), False
+                    self.con, self.read_only = connect_duckdb(readable=self.readable), False
                     self.active += 1
                     return self.con
                 exists = os.path.exists(self.path)
@@ -518,13 +519,17 @@ class Store:
     runs); a file is opened per operation and let go after it (see "connections" above)."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None,
-                 staged: bool = True):
+                 staged: bool = True, readable: tuple = ()):
         """``staged=False`` writes a new session straight into the file, holding it for the whole write (the
-        baseline of bench/concurrency.py --staging); see ``new_session``."""
+        baseline of bench/concurrency.py --staging); see ``new_session``.  ``readable`` (with
+        ``path=":memory:"``): a database in memory of this ``Store``'s own, not the process's shared one, whose
+        queries may read those files where they lie (``store.parquet``)."""
         self.path = resolve_db_path(path)
         self.staged = staged
         self.lock_wait = env_lock_wait() if lock_wait is None else float(lock_wait)
-        self._file = _file(self.path)
+        if readable and self.path != ":memory:":
+            raise ValueError("Store(readable=...) is a database in memory: give path=':memory:'")
+        self._file = _File(self.path, tuple(str(p) for p in readable)) if readable else _file(self.path)
         self._lock = self._file.write_lock
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]

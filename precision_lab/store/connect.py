@@ -13,8 +13,22 @@ SAFE_CONFIG = {"enable_external_access": False, "autoload_known_extensions": Fal
                "autoinstall_known_extensions": False, "lock_configuration": True}
 
 
-def connect_duckdb(path: str = ":memory:", read_only: bool = False):
-    """``duckdb.connect`` with ``SAFE_CONFIG`` (DuckDB is imported here: importing the store loads none)."""
+def connect_duckdb(path: str = ":memory:", read_only: bool = False, readable: tuple = ()):
+    """``duckdb.connect`` with ``SAFE_CONFIG`` (DuckDB is imported here: importing the store loads none).
+    ``readable``: files (never folders or globs) its queries may read besides its own database, the only
+    exception to ``enable_external_access``, set before the settings are locked."""
     import duckdb
 
-    return duckdb.connect(path, read_only=read_only, config=dict(SAFE_CONFIG))
+    if not readable:
+        return duckdb.connect(path, read_only=read_only, config=dict(SAFE_CONFIG))
+    con = duckdb.connect(path, read_only=read_only, config={k: v for k, v in SAFE_CONFIG.items()
+                                                            if k in ("autoload_known_extensions",
+                                                                     "autoinstall_known_extensions")})
+    try:
+        con.execute("SET allowed_paths = ?", [[str(p) for p in readable]])
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
+    return con
