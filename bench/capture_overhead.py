@@ -328,13 +328,24 @@ def _variants(more: bool, stats_threads) -> list:
     return out
 
 
-def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_threads, warmup: int) -> None:
-    """One variant in its own process: build the model, warm up, then time a step whenever asked."""
+def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_threads, warmup: int,
+            rank: int = 0, ranks: int = 1, rendezvous: str = "") -> None:
+    """One variant in its own process (with ``ranks`` > 1: one rank of it, in a gloo process group with the
+    variant's other ranks, the model wrapped in DDP): build the model, warm up, then time a step whenever
+    asked."""
     os.environ["PRECISION_LAB_DB"] = str(Path(tempfile.mkdtemp(prefix="pl-bench-db-")) / "default.duckdb")
-    if threads:
+    if ranks > 1:
+        import torch.distributed as dist
+
+        # as torchrun does: the cores shared out between the ranks
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // ranks))
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=ranks)
+    elif threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, x = MODELS[model_kind][1]()
+    if ranks > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     v = _variants(more, stats_threads)[index][1]()
     if not v.available():
         conn.send(("skipped", v.note))
@@ -351,25 +362,46 @@ def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_thread
     conn.send(f"{v.records} records/step" if isinstance(v, Ours) else "")
 
 
+def _start(ctx, model_kind: str, index: int, args) -> list:
+    """The processes of one variant (one per rank); their pipes."""
+    ranks = max(1, args.ranks)
+    rendezvous = str(Path(tempfile.mkdtemp(prefix="pl-bench-pg-")) / "store") if ranks > 1 else ""
+    conns = []
+    for rank in range(ranks):
+        parent, child = ctx.Pipe()
+        ctx.Process(target=_worker, args=(child, model_kind, index, args.more, args.threads, args.stats_threads or None,
+                                          args.warmup, rank, ranks, rendezvous), daemon=True).start()
+        conns.append(parent)
+    return conns
+
+
+def _step_all(conns) -> tuple:
+    """One step on every rank of a variant at once: the slowest rank's wall time, the CPU time of all of them,
+    rank 0's split."""
+    for c in conns:
+        c.send("step")
+    got = [c.recv() for c in conns]
+    return max(w for w, _, _ in got), sum(c for _, c, _ in got), got[0][2]
+
+
 def _run_model(model_kind: str, args) -> None:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     names = [name for name, _ in _variants(args.more, args.stats_threads or None)]
-    procs, conns, notes = {}, {}, {}
+    conns, notes = {}, {}
     for i, name in enumerate(names):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(child, model_kind, i, args.more, args.threads,
-                                              args.stats_threads or None, args.warmup), daemon=True)
-        p.start()
-        procs[name], conns[name] = p, parent
+        conns[name] = _start(ctx, model_kind, i, args)
     active = []
     for name in names:
-        status, note = conns[name].recv()
-        if status == "ready":
+        said = [c.recv() for c in conns[name]]
+        if all(status == "ready" for status, _ in said):
             active.append(name)
         else:
-            notes[name] = note
+            notes[name] = next(note for status, note in said if status != "ready")
+            for c, (status, _) in zip(conns[name], said):
+                if status == "ready":
+                    c.send("stop")
     times = {n: [] for n in active}
     with busy(args.busy):
         time.sleep(1.0 if args.busy else 0.0)
@@ -377,16 +409,17 @@ def _run_model(model_kind: str, args) -> None:
         for r in range(args.rounds):
             for name in active[r % len(active):] + active[:r % len(active)]:
                 time.sleep(0.05)  # the previous process's thread pool stops spinning before the next step
-                conns[name].send("step")
-                times[name].append(conns[name].recv())
+                times[name].append(_step_all(conns[name]))
         load1 = os.getloadavg()
     for name in active:
-        conns[name].send("stop")
-        notes[name] = conns[name].recv()
-    for p in procs.values():
+        for c in conns[name]:
+            c.send("stop")
+        notes[name] = [c.recv() for c in conns[name]][0]
+    for p in mp.active_children():
         p.join(timeout=60)
-    print(f"\nmodel: {MODELS[model_kind][0]}, forward+backward, each variant in its own process; "
-          f"{describe(args.busy)}")
+    spread = (f"each variant {args.ranks} gloo ranks in DDP, a process each (the slowest rank's time; CPU time "
+              f"of all ranks)" if args.ranks > 1 else "each variant in its own process")
+    print(f"\nmodel: {MODELS[model_kind][0]}, forward+backward, {spread}; {describe(args.busy)}")
     base = statistics.median(w for w, _, _ in times["plain"])
     base_cpu = statistics.median(c for _, c, _ in times["plain"])
     print(f"{'variant':<18}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}   {' / '.join(SPLIT)} ms (medians)   notes")
@@ -488,6 +521,10 @@ def main(argv=None) -> int:
                     help="CaptureOptions.stats_threads (default 0: the capture's default, the cores torch's "
                          "threads leave free, at least one)")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside every variant (default 0)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="run every variant as this many gloo ranks of a DDP job, a process each, taking their "
+                         "steps together (0: as many as the machine has cores); torch threads shared out as "
+                         "torchrun does")
     ap.add_argument("--omp-passive", action="store_true",
                     help="run with OMP_WAIT_POLICY=PASSIVE (torch's threads sleep between ops, no spinning)")
     ap.add_argument("--more", action="store_true",
@@ -497,6 +534,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: where a full capture's time goes (hooks, statistics in the step, replayed)")
     args = ap.parse_args(argv)
+    if args.ranks == 0:
+        args.ranks = os.cpu_count() or 1
     if args.omp_passive and os.environ.get(OMP_ENV) != "PASSIVE":
         # OpenMP reads the policy when it starts: this process again, with it set (the variants' processes
         # inherit it)

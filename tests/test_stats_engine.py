@@ -48,3 +48,38 @@ def test_measuring_makes_no_torch_function_calls_through_active_modes(dtype):
     assert s.mean == pytest.approx(fin.mean(), rel=1e-12)
     assert s.l2norm == pytest.approx(math.sqrt(math.fsum(fin * fin)), rel=1e-12)
     assert int(s.hist.sum()) == int(np.count_nonzero(fin))
+
+
+@pytest.mark.parametrize("cores, torch_threads, elsewhere, want", [
+    (2, 2, 0, 1),   # torch holds both cores: one statistics thread
+    (2, 1, 0, 2),   # a quiet machine, torch on one core: both
+    (2, 1, 1, 1),   # another rank (or a busy process) runs: one
+    (2, 1, 5, 1),   # more runnable than cores: still one
+    (8, 2, 3, 5),   # 8 cores, 4 taken (this thread and 3 others): the 4 free and this one
+    (8, 4, 1, 5),   # torch's 4 threads are what is taken
+])
+def test_statistics_threads_leave_the_taken_cores_alone(monkeypatch, cores, torch_threads, elsewhere, want):
+    from precision_lab.live import engine
+
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(engine.torch, "get_num_threads", lambda: torch_threads)
+    monkeypatch.setattr(engine, "running_elsewhere", lambda: elsewhere)
+    assert engine.stats_threads_default() == want
+
+
+def test_what_runs_elsewhere_is_read_from_the_kernel():
+    """Two busy-looping processes are runnable whenever they are looked at (scheduled or waiting for a core)."""
+    import subprocess
+    import sys
+    import time
+
+    from precision_lab.live.engine import running_elsewhere
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert min(running_elsewhere() for _ in range(5)) >= 2
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

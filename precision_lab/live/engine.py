@@ -102,17 +102,30 @@ def _freed(t: torch.Tensor) -> bool:
         return False
 
 
+def running_elsewhere() -> int:
+    """Threads other than this one that the kernel has runnable right now, from Linux's ``/proc/loadavg``
+    (its fourth field, ``running/total``; torch's own spinning workers count); 0 where it cannot tell."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def stats_threads_default() -> int:
-    """Threads for the CPU statistics kernel inside a step: the cores torch's intra-op threads leave free, at
-    least one.  Between two ops of a step torch's OpenMP threads keep spinning on their cores for a while, so a
-    second statistics thread on those cores waits for them: on 2 cores with torch's 2 threads, one statistics
-    thread made a full capture of the benchmark transformer 1.68x the plain step against 1.79x with two
-    (``bench/capture_overhead.py --stats-threads 1``, one run each)."""
+    """Threads for the CPU statistics kernel inside a step: the cores left free, at least one.  Taken are the
+    cores torch's intra-op threads use, or, when more is runnable on the machine right now (the other ranks
+    of a job on this host, data-loader workers, another job), that many: between two ops of a step torch's
+    OpenMP threads keep spinning on their cores for a while, and a second statistics thread on a taken core
+    waits for whoever holds it.  On 2 cores with torch's 2 threads one statistics thread made a full capture
+    of the benchmark transformer 1.68x the plain step against 1.79x with two (``bench/capture_overhead.py
+    --stats-threads 1``, one run each)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - torch.get_num_threads() + 1)
+    taken = max(torch.get_num_threads(), 1 + running_elsewhere())
+    return max(1, cores - taken + 1)
 
 
 class StatsEngine:
