@@ -219,12 +219,19 @@ class Ours(Variant):
     def __init__(self, name, options, default_store=False):
         self.name, self.options = name, options
         self.records = 0
+        self.shard_dir = None  # under torch.distributed (--ranks)
         # store=None: the default database, here a file in a temporary folder
         self.store = None if default_store else Store(":memory:")
 
     def run(self, model, x):
         t = _Timer()  # the whole capture: enter, step, exit (which writes the records)
-        cap = precision_lab.capture(model, run=self.name, store=self.store, options=self.options)
+        if torch.distributed.is_initialized():  # every rank writes its own Parquet shards, as a DDP job's capture does
+            if self.shard_dir is None:
+                self.shard_dir = tempfile.mkdtemp(prefix="pl-bench-shards-")
+            cap = precision_lab.capture(model, run=self.name.replace(",", "").replace("=", "-"), shard_dir=self.shard_dir,
+                                        options=self.options)
+        else:
+            cap = precision_lab.capture(model, run=self.name, store=self.store, options=self.options)
         with cap:
             t.lap()
             _step(model, x)
