@@ -22,8 +22,9 @@ from ..display import MISSING, num_text
 from .common import cosine_text, plot_text
 from ..stats import HIST_EDGES, TensorStats
 
-__all__ = ["op_label", "op_choices", "step_choices", "record_named", "op_record", "load_stats", "default_formats", "binade_counts",
-           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "headroom_tables", "shown_absmax",
+__all__ = ["op_label", "op_choices", "step_choices", "record_named", "op_record", "load_stats", "default_formats",
+           "binade_counts", "histogram_figure", "representability_table", "what_if_table", "headroom_table",
+           "headroom_tables", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
 

@@ -24,7 +24,7 @@ __all__ = ["long_runs", "model_tree", "module_link", "runs_table", "first_nonfin
            "error_figure", "error_along_run", "default_error_metric", "worst_error_text", "session_headline",
            "warnings_table", "order_caveat", "offenders_table", "MAX_WARNINGS", "ERROR_METRIC_LABELS"]
 
-# the errors the Overview can draw along the run (the read model's ERROR_METRICS, in its order), as its picker names them
+# the errors the Overview draws along the run (the read model's ERROR_METRICS, in its order), as its picker names them
 ERROR_METRIC_LABELS = {m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB", "rounding_units": "error / roundoff",
                            "max_abs_err": "max abs error", "summary_rel_err": "summary rel error (statistics only)"}[m]
                        for m in ERROR_METRICS}

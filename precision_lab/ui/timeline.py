@@ -17,8 +17,8 @@ from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, t
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
-           "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules",
-           "long_runs_by_name", "run_steps", "ranks_figure"]
+           "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops",
+           "op_series_by_label", "tree_modules", "long_runs_by_name", "run_steps", "ranks_figure"]
 
 METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
