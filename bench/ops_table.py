@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from precision_lab.store import Store, close_all  # noqa: E402
-from precision_lab.ui import diff, ops, overview  # noqa: E402
+from precision_lab.store.views import OpsFilter, error_series, top_offenders  # noqa: E402
+from precision_lab.ui import diff, ops  # noqa: E402
 
 OP_TYPES = ("linear", "matmul", "layer_norm", "gelu", "softmax", "add")
 
@@ -89,20 +90,20 @@ def main() -> None:
         base = timed(lambda: store.df("SELECT * FROM tensors WHERE run_id = ?", [cand]), max(3, args.repeat // 2))
         print(f"baseline: load the candidate run into pandas  {base * 1e3:9.1f} ms")
         cases = {
-            "ops page 1, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand)),
-            "ops page 500, execution order": lambda: ops.ops_page(store, ops.OpsFilter(cand), page=500),
+            "ops page 1, execution order": lambda: ops.ops_page(store, OpsFilter(cand)),
+            "ops page 500, execution order": lambda: ops.ops_page(store, OpsFilter(cand), page=500),
             "ops sorted by max_rel_err desc": lambda: ops.ops_page(
-                store, ops.OpsFilter(cand, sort="max_rel_err", descending=True)),
+                store, OpsFilter(cand, sort="max_rel_err", descending=True)),
             "ops sorted by severity": lambda: ops.ops_page(
-                store, ops.OpsFilter(cand, sort="severity", descending=True)),
-            "ops only problems": lambda: ops.ops_page(store, ops.OpsFilter(cand, only_problems=True)),
+                store, OpsFilter(cand, sort="severity", descending=True)),
+            "ops only problems": lambda: ops.ops_page(store, OpsFilter(cand, only_problems=True)),
             "ops name pattern + role": lambda: ops.ops_page(
-                store, ops.OpsFilter(cand, pattern="blocks.12*", roles=("output",))),
+                store, OpsFilter(cand, pattern="blocks.12*", roles=("output",))),
             "diff pair page 1": lambda: diff.diff_page(store, sid, ref, cand),
             "diff pair, problems only": lambda: diff.diff_page(store, sid, ref, cand, show="problems"),
             "N-run diff page 1": lambda: diff.nrun_page(store, sid, [ref, cand]),
-            "error series (5k points)": lambda: overview.error_series(store, sid, "max_rel_err"),
-            "top offenders": lambda: overview.top_offenders(store, sid),
+            "error series (5k points)": lambda: error_series(store, sid, "max_rel_err"),
+            "top offenders": lambda: top_offenders(store, sid),
         }
         print(f"{'query':<34}{'median ms':>12}{'vs baseline':>14}")
         for name, fn in cases.items():

@@ -13,7 +13,7 @@ st.write(
     "Records without a counterpart are listed as unmatched, never as passing. With several runs (for "
     "example after fixes), compare them all at once against the base run."
 )
-runs = dv.session_runs(store, sid)
+runs = dv.runs_by_id(store, sid)
 for card in dv.rerun_cards(store, sid):
     with st.container(border=True):
         st.markdown(f"**{plain(card['run'])}**: {plain(card['parent'])} re-run with "
@@ -37,19 +37,18 @@ MODES = {"pair": "reference vs candidate", "runs": "all runs side by side",
 mode = st.radio("View", list(MODES), captions=list(MODES.values()), horizontal=True, key="view", bind="query-params")
 c = st.columns([3, 1])
 pattern = c[0].text_input("Name contains (or glob with * ?)", key="q", bind="query-params")
-show = c[1].selectbox("Show", list(dv.SHOW_OPTIONS), key="show", bind="query-params")
+show = c[1].selectbox("Show", list(dv.SHOW_CHOICES), key="show", bind="query-params")
 page_size = 50
 current = page.bound_value("page", int, 1)  # the pager is drawn below the table it pages
 
 if mode == "pair":
-    pairs = dv.pair_options(store, sid)
+    pairs, matched = dv.pair_choices(store, sid)
     if not pairs:
         st.info("This session has no reference/candidate comparison. Ingest a dump together with its fp32 "
                 "reference to get one.")
         st.stop()
-    labels = [p["label"] for p in pairs]
-    label = st.selectbox("Pair", labels, key="pair", bind="query-params")
-    pair = pairs[labels.index(label)]
+    label = st.selectbox("Pair", list(pairs), key="pair", bind="query-params")
+    pair = pairs[label]
     with page.guard("The diff could not be queried"):
         result = dv.diff_page(store, sid, pair["ref_run_id"], pair["cand_run_id"], show=show, pattern=pattern,
                               page=max(0, current - 1), page_size=page_size)
@@ -60,23 +59,23 @@ if mode == "pair":
                          selection_mode="single-row")
     row = page.selected_row(df, event)
     if row is not None:
-        names = {r["run_id"]: r["name"] for r in runs}
         if not pd.isna(row["cand_rid"]):
-            page.navigate("op_detail", session=info["name"], run=names[pair["cand_run_id"]], op=int(row["cand_rid"]))
+            page.navigate("op_detail", session=info["name"], run=runs[pair["cand_run_id"]]["name"],
+                          op=int(row["cand_rid"]))
         else:
-            page.navigate("op_detail", session=info["name"], run=names[pair["ref_run_id"]], op=int(row["ref_rid"]))
+            page.navigate("op_detail", session=info["name"], run=runs[pair["ref_run_id"]]["name"],
+                          op=int(row["ref_rid"]))
     with st.expander("Match summary"):
-        st.dataframe(dv.unmatched_counts(store, sid), hide_index=True, key="match_summary")
+        st.dataframe(matched, hide_index=True, key="match_summary")
 elif mode == "data":
-    by_id = {r["run_id"]: r for r in runs}
-    ids = list(by_id)
+    ids = list(runs)
     other_sid = sid
     if acc.can_list:  # the candidate may come from any session the visitor may list (a shared link sees its own)
         table = page.cached_sessions_table(store)
         names = dict(zip(table["session_id"], table["session"]))
         other_sid = st.selectbox("Candidate from session", list(names), index=list(names).index(sid),
                                  key="data_session", format_func=names.get)
-    cand_runs = {r["run_id"]: r for r in (runs if other_sid == sid else dv.session_runs(store, other_sid))}
+    cand_runs = runs if other_sid == sid else dv.runs_by_id(store, other_sid)
     cand_ids = list(cand_runs)
     if len(ids) < 2 and other_sid == sid:
         st.info("This session holds a single run; pairing by data needs two: choose a candidate from another "
@@ -86,7 +85,7 @@ elif mode == "data":
         st.info("That session holds no run.")
         st.stop()
     c = st.columns(2)
-    ref_id = c[0].selectbox("Reference run", ids, index=0, key="data_ref", format_func=lambda i: run_label(by_id[i]))
+    ref_id = c[0].selectbox("Reference run", ids, index=0, key="data_ref", format_func=lambda i: run_label(runs[i]))
     cand_id = c[1].selectbox("Candidate run", cand_ids, index=1 if other_sid == sid else 0, key="data_cand",
                              format_func=lambda i: run_label(cand_runs[i]))
     with page.guard("The two runs could not be paired"):
@@ -101,14 +100,12 @@ else:
     if len(runs) < 2:
         st.info("This session holds a single run; N-run mode needs at least two.")
         st.stop()
-    base_default = dv.base_run(store, sid)
-    by_id = {r["run_id"]: r for r in runs}
-    ids = list(by_id)
-    base_id = st.selectbox("Base run", ids, index=ids.index(base_default["run_id"]), key="diff_base",
-                           format_func=lambda i: run_label(by_id[i]))
+    ids = list(runs)
+    base_id = st.selectbox("Base run", ids, index=ids.index(dv.base_run_id(store, sid)), key="diff_base",
+                           format_func=lambda i: run_label(runs[i]))
     others = st.multiselect("Runs to compare", [i for i in ids if i != base_id],
                             default=[i for i in ids if i != base_id], key="diff_runs",
-                            format_func=lambda i: run_label(by_id[i]))
+                            format_func=lambda i: run_label(runs[i]))
     if not others:
         st.info("Choose at least one run to compare with the base run.")
         st.stop()

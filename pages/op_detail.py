@@ -8,8 +8,7 @@ from precision_lab.ui.common import message_md, text_columns
 from precision_lab.ui.overview import first_nonfinite_by_run
 
 store, acc, info = page.require_session("op_detail")
-runs = dv.session_runs(store, info["session_id"])
-run = page.choose_run(runs)
+run = page.choose_run(store, info["session_id"])
 if run is None:
     st.info("This session holds no runs.")
     st.stop()
@@ -22,14 +21,13 @@ page.scoped("op", "pick_op", run["run_id"])  # a record number chosen in another
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
 asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None
-if asked is not None and not dv.has_record(store, run["run_id"], asked):
+if asked is not None and dv.record_named(store, run["run_id"], asked) is None:
     page.not_found(f"Run {run['name']} has no op {asked}; open one from the Ops page.")
-current_rec = dv.record(store, run["run_id"], current_rid) if current_rid is not None and dv.has_record(
-    store, run["run_id"], str(current_rid)) else None
-first_rec = dv.record(store, run["run_id"], first.rid) if first else None
-steps = dv.full_steps(store, run["run_id"])
+current_rec = dv.record_named(store, run["run_id"], current_rid) if current_rid is not None else None
+first_rec = dv.record_named(store, run["run_id"], first.rid) if first else None
+steps = dv.step_choices(store, run["run_id"])
 step = None
-if len(steps) > 1:
+if steps:
     landing = current_rec or first_rec
     if asked is not None and current_rec is not None and page.linked("step") is None:
         st.session_state[page.page_key("pick_step")] = current_rec["step"]  # a link to an op opens its step
@@ -39,19 +37,15 @@ if len(steps) > 1:
         current_rid = None  # another step was chosen: pick among its ops
 landing_rid = first_rec["rid"] if first_rec and (step is None or first_rec["step"] == step) else None
 find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
-records = dv.find_records(store, run["run_id"], find, step=step,
-                          include_rid=current_rid if current_rid is not None else landing_rid)
-if not records:
+choices = dv.op_choices(store, run["run_id"], find, step=step,
+                        include_rid=current_rid if current_rid is not None else landing_rid, steps=bool(steps))
+if not choices:
     st.info("No record of this run matches the name filter.")
     st.stop()
-names = {r["rid"]: r for r in records}
-rid = page.url_select("Op", list(names), param="op", key="pick_op", default=landing_rid,
-                      format_func=lambda r: dv.op_label(names[r], steps=len(steps) > 1))
+rid = page.url_select("Op", list(choices), param="op", key="pick_op", default=landing_rid, format_func=choices.get)
 
 with page.guard("This op could not be loaded"):
-    rec = dv.record(store, run["run_id"], rid)
-    stats = dv.load_stats(store, run["run_id"], rid)
-    others = dv.counterparts(store, run["run_id"], rid)
+    rec, stats, others = dv.op_record(store, run["run_id"], rid)
 
 st.subheader(plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
 flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""

@@ -3,15 +3,15 @@ import streamlit as st
 from precision_lab.services.jobs import (rerun_actions, rerun_blocker, running_jobs, start_grow, start_rerun,
                                         start_verify)
 from precision_lab.services.verify import untried, verification
+from precision_lab.display import num_text
 from precision_lab.origin import order_text
-from precision_lab.records import OUTPUT_ROLES
 from precision_lab.services.report import norm_artefacts
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
 from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
 from precision_lab.ui.common import escape_md as plain
-from precision_lab.ui.common import message_md, num_text, text_columns
+from precision_lab.ui.common import message_md
 
 store, acc, info = page.require_session("overview", title=lambda info: f"Overview: {plain(info['name'])}")
 sid = info["session_id"]
@@ -104,9 +104,9 @@ if tree is not None and len(tree[1]) > 1:
         c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
         pick = c1.selectbox("Module", list(mods), format_func=mods.get, key="ov_module")
         if c2.button("Open on Op detail", key="ov_open_module", icon=":material/bar_chart:"):
-            rid = ov.op_output_rid(store, run["run_id"], pick)
-            if rid is not None:
-                page.navigate("op_detail", session=info["name"], run=run["name"], op=rid)
+            link = ov.module_link(store, run, pick)
+            if link is not None:
+                page.navigate("op_detail", session=info["name"], **link)
 
 artefacts = view(norm_artefacts)
 if artefacts:
@@ -117,17 +117,14 @@ if artefacts:
                       for a in artefacts], hide_index=True, width="stretch", key="artefacts")
 
 
-def _offenders(kinds, key: str, empty: str) -> None:
-    df = view(ov.top_offenders, kinds=kinds, n=10)
-    if df.empty:
+def _offenders(local: bool, key: str, empty: str) -> None:
+    table = view(ov.offenders_table, local=local, n=10)
+    if table.empty:
         st.caption(empty)
         return
-    # a comparison on summary statistics has no element-wise error: its summaries' error in a column of its own
-    rel = ["max_rel_err"] + (["summary_rel_err"] if (df["basis"] == "stats").any() else [])
-    shown = df[["run", "seq", "op", "role", "index", "verdict", *rel, "sqnr_db", "rounding_units", "reason"]]
-    ev = st.dataframe(text_columns(shown, (*rel, "sqnr_db", "rounding_units"), 4), hide_index=True,
+    ev = st.dataframe(table.drop(columns=["rid"]), hide_index=True,
                       width="stretch", key=key, on_select="rerun", selection_mode="single-row")
-    row = page.selected_row(df, ev)
+    row = page.selected_row(table, ev)
     if row is not None:
         page.navigate("op_detail", session=info["name"], run=row["run"], op=int(row["rid"]))
 
@@ -137,9 +134,9 @@ st.caption("What a diagnosis names first, then the largest finite errors, worst 
            "on ranks where it first appears); select a row to open the op.")
 tab_acc, tab_loc = st.tabs(["Accumulated (vs reference)", "Local (op re-run in fp32)"])
 with tab_acc:
-    _offenders(ov.ACCUMULATED_KINDS, "top_accumulated", "No comparison with a reference in this session.")
+    _offenders(False, "top_accumulated", "No comparison with a reference in this session.")
 with tab_loc:
-    _offenders(ov.LOCAL_KINDS, "top_local",
+    _offenders(True, "top_local",
                "No local comparisons: they come from live captures, which re-run each op in fp32.")
 
 st.subheader("Diagnosis")
@@ -239,29 +236,25 @@ if _elsewhere:
 
 st.subheader("Error along the run")
 c1, c2 = st.columns([2, 1])
-metrics = list(ov.ERROR_METRICS)
+metrics = list(ov.ERROR_METRIC_LABELS)
 # a statistics-only session has no element-wise error: it opens on its summaries' relative error
 metric = c1.radio("Metric", metrics, horizontal=True, key="err_metric",
                   index=metrics.index(view(ov.default_error_metric)),
-                  format_func=lambda m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB",
-                                         "rounding_units": "error / roundoff", "max_abs_err": "max abs error",
-                                         "summary_rel_err": "summary rel error (statistics only)"}[m])
+                  format_func=ov.ERROR_METRIC_LABELS.get)
 outputs_only = c2.toggle("Outputs only", value=True, key="err_outputs")
-series = view(ov.error_series, metric, roles=OUTPUT_ROLES if outputs_only else ())
+series, note = view(ov.error_along_run, metric, outputs_only=outputs_only)
 if series.empty:
     st.caption("No comparisons to plot: add an fp32 reference to see where the runs diverge.")
 else:
-    if series["value"].isna().all() and metric != "summary_rel_err" \
-            and view(ov.default_error_metric) == "summary_rel_err":
-        st.caption("This error needs element-wise data; this session holds summary statistics only. "
-                   "Choose summary rel error: how far each record's max, min and norm moved.")
+    if note:
+        st.caption(note)
     fig = ov.error_figure(series, metric, first_nonfinite=[f["first"] for f in firsts])
     ev = st.plotly_chart(fig, key="err_plot", on_select="rerun", selection_mode="points", width="stretch")
     pts = (ev or {}).get("selection", {}).get("points", []) if isinstance(ev, dict) else \
         (ev.selection.points if ev is not None else [])
     if pts and pts[0].get("customdata"):
         cd = pts[0]["customdata"]
-        runs = {r["run_id"]: r["name"] for r in ov.session_runs(store, sid)}
+        runs = {f["run"]["run_id"]: f["run"]["name"] for f in firsts}
         page.navigate("op_detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
     if series.attrs.get("bucket", 1) > 1:
         st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")

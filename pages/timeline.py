@@ -6,14 +6,13 @@ from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
 
 store, acc, info = page.require_session("timeline")
-runs = tv.timeline_runs(store, info["session_id"])
-if not runs:
+by_name = tv.long_runs_by_name(store, info["session_id"])
+if not by_name:
     st.info("This session has no timeline. Record a training run over many steps with "
             "`precision_lab.capture(model, options=CaptureOptions(every=50, keep_last=4))` and call "
             "`cap.step(loss=loss)` after each step: every step is summarised, every 50th recorded in full, and "
             "the last 4 steps before a NaN/Inf are kept.")
     st.stop()
-by_name = {r["name"]: r for r in runs}
 name = page.url_select("Run", list(by_name), param="run", key="tl_run",
                        format_func=lambda n: f"{n} ({by_name[n]['steps']} steps, {by_name[n]['ops']} ops)")
 run = by_name[name]
@@ -21,9 +20,7 @@ fmt = st.sidebar.selectbox("Format", list(FORMAT_NAMES), index=list(FORMAT_NAMES
                            key="tfmt", bind="query-params", help="The format headroom and underflow are measured against.")
 
 with page.guard("This run's timeline could not be loaded"):
-    first = tv.first_nonfinite_step(store, run["run_id"])
-    alerts = svc.run_alerts(store, run["run_id"])
-    steps = tv.step_rows(store, run["run_id"])
+    first, alerts, steps = tv.run_steps(store, run["run_id"])
 
 c1, c2, c3 = st.columns(3)
 c1.metric("Steps", run["steps"])
@@ -33,7 +30,7 @@ c3.metric("Alerts", len(alerts), help="Alerts before the first non-finite step: 
           f"{len(early)}" + (f", the first at step {min(a.step for a in early)}" if early else ""))
 
 with page.guard("The ranks could not be drawn"):
-    by_rank = tv.rank_step_figure(tv.rank_step_cells(store, run["run_id"]), first)
+    by_rank = tv.ranks_figure(store, run["run_id"], first)
 if by_rank is not None:  # a distributed run: which rank went non-finite at which step
     st.subheader("Ranks × steps", anchor=False)
     st.plotly_chart(by_rank, key="tl_ranks", width="stretch")

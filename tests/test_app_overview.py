@@ -204,13 +204,13 @@ def test_overview_view_models_are_cached_until_the_session_changes(ui_db, monkey
     from precision_lab.ui import overview as ov
 
     calls = []
-    real = ov.top_offenders
+    real = ov.offenders_table
 
     def counting(store, sid, **kw):
-        calls.append(kw["kinds"])
+        calls.append(kw["local"])
         return real(store, sid, **kw)
 
-    monkeypatch.setattr(ov, "top_offenders", counting)
+    monkeypatch.setattr(ov, "offenders_table", counting)
     at = open_page("overview", session=STAT_SESSION)
     first = len(calls)
     assert first == 2  # accumulated and local tabs

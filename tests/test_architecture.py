@@ -204,6 +204,105 @@ def test_each_name_is_published_in_one_place(path, module, is_pkg):
     assert not published, f"{path.relative_to(ROOT)} publishes names it imports: {published}"
 
 
+UI_PACKAGE = "precision_lab.ui"
+
+
+def _ui_file(module: str):
+    """The file of ``precision_lab.ui.<name>``, or None for anything else."""
+    if not module.startswith(UI_PACKAGE + "."):
+        return None
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    return path if path.exists() else None
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """What a module defines at its top: a def, a class or an assignment, but not ``x = name_it_imported`` (a
+    re-export under another name)."""
+    imported = {(a.asname or a.name).split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names}
+    aliases = {t.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+               and n.value.id in imported for t in n.targets if isinstance(t, ast.Name)}
+    return _defined_names(tree) - aliases
+
+
+def _ui_reads(path: Path, module: str, is_pkg: bool = False):
+    """(line, ui module, name) for every name a file takes from a ui module: ``from precision_lab.ui.x import
+    name`` (or its relative spelling) and ``alias.name`` where the file bound ``alias`` to a ui module at its top."""
+    tree = ast.parse(path.read_text())
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    modules = {}  # alias -> ui module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            for a in node.names:
+                if _ui_file(f"{src}.{a.name}") is not None:
+                    if node in tree.body:
+                        modules[a.asname or a.name] = f"{src}.{a.name}"
+                elif _ui_file(src) is not None:
+                    yield node.lineno, src, a.name
+        elif isinstance(node, ast.Import) and node in tree.body:
+            modules.update({a.asname: a.name for a in node.names if a.asname and _ui_file(a.name) is not None})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            yield node.lineno, modules[node.value.id], node.attr
+
+
+READERS = [(p, p.stem, False) for p in PAGES] + ALL
+
+
+@pytest.mark.parametrize("path, module, is_pkg", READERS, ids=[str(p.relative_to(ROOT)) for p, _, _ in READERS])
+def test_what_is_read_off_a_ui_module_is_defined_there(path, module, is_pkg):
+    """A page (or any module) takes from a ui module only what that module defines (a def, a class, an
+    assignment): a store question it merely imported is not ui's to hand on.  A page that needs what the read
+    model answers calls the ui function that asks it and shapes the answer for the page."""
+    own = {}
+    bad = []
+    for line, ui, name in _ui_reads(path, module, is_pkg):
+        if ui not in own:
+            own[ui] = _own_names(ast.parse(_ui_file(ui).read_text()))
+        if name not in own[ui]:
+            bad.append(f"{path.relative_to(ROOT)}:{line} reads {name} off {ui}, which does not define it")
+    assert not bad, "\n".join(bad)
+
+
+UI_MODULES = [m for m in ALL if _floor_of(m[1]) == "ui"]
+
+
+@pytest.mark.parametrize("path, module, is_pkg", UI_MODULES, ids=[m for _, m, _ in UI_MODULES])
+def test_a_ui_module_uses_every_name_it_imports(path, module, is_pkg):
+    """An import a ui module does not use itself is there to be handed on (a re-export, with the ``noqa: F401``
+    that silences the linter); ui re-exports nothing."""
+    text = path.read_text()
+    assert "noqa: F401" not in text, f"{path.relative_to(ROOT)} silences an unused import"
+    tree = ast.parse(text)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    unused = [f"{path.relative_to(ROOT)}:{node.lineno} {a.asname or a.name}" for node in ast.walk(tree)
+              if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__"
+              for a in node.names if (a.asname or a.name).split(".")[0] not in used]
+    assert not unused, "imported and not used (a re-export):\n" + "\n".join(unused)
+
+
+def test_the_name_checks_see_a_re_export(tmp_path):
+    """The two checks above, on a ui module that hands a store question on and a page that reads it."""
+    ui = PKG / "ui"
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..store.views import record  # noqa: F401\nfrom ..store import views\n"
+                     "lookup = views.find_records\nalias = record\n\ndef shaped(store):\n    return 1\n")
+    tree = ast.parse(probe.read_text())
+    assert _own_names(tree) == {"lookup", "shaped"}  # ``alias = record`` hands an import on
+    page = tmp_path / "page.py"
+    page.write_text("from precision_lab.ui import overview as ov\nfrom precision_lab.ui.detail import record\n"
+                    "ov.top_offenders(1)\nov.runs_table(1)\n")
+    reads = {(m, n) for _, m, n in _ui_reads(page, "page")}
+    assert reads == {("precision_lab.ui.overview", "top_offenders"), ("precision_lab.ui.overview", "runs_table"),
+                     ("precision_lab.ui.detail", "record")}
+    assert "runs_table" in _own_names(ast.parse((ui / "overview.py").read_text()))
+
+
 def _forwards(tree: ast.Module, aliases: set[str]) -> list[str]:
     """Top-level functions whose whole body (past a docstring) is ``return <alias>.<question>(...)``."""
     out = []
@@ -220,12 +319,12 @@ def _forwards(tree: ast.Module, aliases: set[str]) -> list[str]:
     return out
 
 
-def test_no_service_forwards_a_store_question():
-    """A service is a use case with behaviour; a function that only returns a store question's answer is a
-    forward, and its callers ask the read model themselves."""
+def test_no_service_or_view_model_forwards_a_store_question():
+    """A service is a use case with behaviour, a view-model shapes what it reads; a function of either that only
+    returns a store question's answer is a forward, and its callers ask the read model themselves."""
     found = []
     for path, module, is_pkg in ALL:
-        if _floor_of(module) != "services":
+        if _floor_of(module) not in ("services", "ui"):
             continue
         tree = ast.parse(path.read_text())
         package = module if is_pkg else module.rsplit(".", 1)[0]

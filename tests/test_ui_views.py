@@ -13,6 +13,8 @@ from precision_lab.origin import OpRef
 
 from precision_lab.formats import FORMATS
 from precision_lab.stats import tensor_stats
+from precision_lab.store import views
+from precision_lab.store.queries import session_runs
 from precision_lab.ui import detail, diff, ops, overview
 from precision_lab.display import MISSING
 from precision_lab.ui.common import escape_md, num_text
@@ -53,7 +55,7 @@ def db(ui_db):
 
 def _runs(store, session):
     sid = store.session(session)["session_id"]
-    runs = {r["kind"]: r for r in overview.session_runs(store, sid)}
+    runs = {r["kind"]: r for r in session_runs(store, sid)}
     return sid, runs
 
 
@@ -139,7 +141,7 @@ def test_headroom_of_a_stats_only_record(db):
     sid, runs = _runs(db, STAT_SESSION)
     first = overview.first_nonfinite_by_run(db, sid)
     cand_first = next(f["first"] for f in first if f["run"]["kind"] == "candidate")
-    ref = detail.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
+    ref = views.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
     st = detail.load_stats(db, ref["run_id"], ref["rid"])
     assert st.hist is None
     table = detail.headroom_table(st, ["fp16", "bf16"]).set_index("format")
@@ -184,14 +186,14 @@ def test_first_nonfinite_matches_the_dump_json(db):
 
 def test_top_offenders_are_ordered_worst_first(db):
     sid, _ = _runs(db, STAT_SESSION)
-    top = overview.top_offenders(db, sid, n=20)
+    top = views.top_offenders(db, sid, n=20)
     assert len(top) == 20 and "nonfinite" not in set(top["verdict"])
     rank = {"error": 0, "warn": 1, "expected": 2}
     # a statistics-only session: ranked by the summaries' error, and no element-wise error anywhere
     assert set(top["basis"]) == {"stats"} and top["max_rel_err"].isna().all()
     keys = [(rank[v], -e) for v, e in zip(top["verdict"], top["summary_rel_err"])]
     assert keys == sorted(keys)
-    with_nf = overview.top_offenders(db, sid, n=5, include_nonfinite=True)
+    with_nf = views.top_offenders(db, sid, n=5, include_nonfinite=True)
     assert set(with_nf["verdict"]) == {"nonfinite"}
 
 
@@ -199,12 +201,12 @@ def test_error_series_buckets_keep_the_worst_value(db):
     sid, runs = _runs(db, STAT_SESSION)
     # a statistics-only session: its error is the summaries' (summary_rel_err), it has no element-wise one
     assert overview.default_error_metric(db, sid) == "summary_rel_err"
-    assert overview.error_series(db, sid, "max_rel_err", roles=())["value"].isna().all()
-    full = overview.error_series(db, sid, "summary_rel_err", roles=())
+    assert views.error_series(db, sid, "max_rel_err", roles=())["value"].isna().all()
+    full = views.error_series(db, sid, "summary_rel_err", roles=())
     raw = db.df("SELECT seq, summary_rel_err FROM comparisons WHERE session_id = ? AND verdict IS NOT NULL", [sid])
     assert full.attrs["bucket"] == 1
     assert len(full) == raw["seq"].nunique()
-    small = overview.error_series(db, sid, "summary_rel_err", roles=(), max_points=10)
+    small = views.error_series(db, sid, "summary_rel_err", roles=(), max_points=10)
     b = small.attrs["bucket"]
     assert b == math.ceil(len(raw) / 10) and len(small) <= math.ceil((raw["seq"].max() + 1) / b)
     fin = raw[np.isfinite(raw["summary_rel_err"].astype(float))]
@@ -215,7 +217,7 @@ def test_error_series_buckets_keep_the_worst_value(db):
     assert fig.layout.yaxis.type == "log" and fig.layout.xaxis.title.text == "execution order (seq)"
     assert fig.layout.yaxis.title.text.startswith("summary relative error")
     with pytest.raises(ValueError, match="unknown error metric"):
-        overview.error_series(db, sid, "bogus")
+        views.error_series(db, sid, "bogus")
 
 
 def test_diagnosis_cards_come_from_the_store(db):
@@ -249,38 +251,38 @@ def test_ops_page_counts_filters_and_pages(db):
     _, runs = _runs(db, STAT_SESSION)
     run_id = runs["candidate"]["run_id"]
     entries = msprobe_tensor_entries(CAND_JSON)
-    page = ops.ops_page(db, ops.OpsFilter(run_id))
+    page = ops.ops_page(db, views.OpsFilter(run_id))
     assert page.total == len(entries) and len(page.rows) == 50 and page.pages == math.ceil(len(entries) / 50)
     assert page.rows["seq"].is_monotonic_increasing
-    last = ops.ops_page(db, ops.OpsFilter(run_id), page=99)
+    last = ops.ops_page(db, views.OpsFilter(run_id), page=99)
     assert last.page == page.pages - 1 and len(last.rows) == len(entries) - 50 * (page.pages - 1)
-    probs = ops.ops_page(db, ops.OpsFilter(run_id, only_problems=True), page_size=1000)
+    probs = ops.ops_page(db, views.OpsFilter(run_id, only_problems=True), page_size=1000)
     assert probs.total == msprobe_nonfinite_count(CAND_JSON)
     assert set(probs.rows["severity"]) == {"nonfinite"}
     import json
 
     data = json.loads(CAND_JSON.read_text())["data"]
     n_linear10 = sum(len(list(msprobe_tensor_entries_of(v))) for k, v in data.items() if "linear.10." in k)
-    pat = ops.ops_page(db, ops.OpsFilter(run_id, pattern="linear.10."), page_size=1000)
+    pat = ops.ops_page(db, views.OpsFilter(run_id, pattern="linear.10."), page_size=1000)
     assert pat.total == n_linear10 and all("linear.10." in n for n in pat.rows["name"])
-    glob = ops.ops_page(db, ops.OpsFilter(run_id, pattern="Functional.linear.1?.forward.output.*"), page_size=1000)
+    glob = ops.ops_page(db, views.OpsFilter(run_id, pattern="Functional.linear.1?.forward.output.*"), page_size=1000)
     import re
 
     want_ops = sorted(k for k in data if re.fullmatch(r"Functional\.linear\.1.\.forward", k))
     assert len(want_ops) > 1 and sorted(set(glob.rows["op"])) == want_ops
     assert set(glob.rows["role"]) == {"output"}
-    srt = ops.ops_page(db, ops.OpsFilter(run_id, sort="absmax", descending=True), page_size=600)
+    srt = ops.ops_page(db, views.OpsFilter(run_id, sort="absmax", descending=True), page_size=600)
     vals = srt.rows["absmax"].dropna().to_numpy()
     assert all(a >= b for a, b in zip(vals, vals[1:])) and math.isinf(vals[0])
     rank = {"nonfinite": 3, "error": 2, "warn": 1}
-    sev = ops.ops_page(db, ops.OpsFilter(run_id, sort="severity", descending=True), page_size=1000)
+    sev = ops.ops_page(db, views.OpsFilter(run_id, sort="severity", descending=True), page_size=1000)
     ranks = [rank.get(v, 0) for v in sev.rows["severity"]]
     assert ranks == sorted(ranks, reverse=True) and ranks[0] == 3 and sev.total == len(entries)
     assert sev.rows["seq"].iloc[0] == min(probs.rows["seq"])  # ties in execution order
-    roles = ops.ops_page(db, ops.OpsFilter(run_id, roles=("param",)), page_size=1000)
+    roles = ops.ops_page(db, views.OpsFilter(run_id, roles=("param",)), page_size=1000)
     assert roles.total > 0 and set(roles.rows["role"]) == {"param"}
     with pytest.raises(ValueError, match="cannot sort"):
-        ops.OpsFilter(run_id, sort="name; DROP TABLE tensors")
+        views.OpsFilter(run_id, sort="name; DROP TABLE tensors")
 
 
 def msprobe_tensor_entries_of(entry):
@@ -304,7 +306,7 @@ def test_name_pattern_escapes_like_wildcards():
 
 def test_ops_metrics_match_float64_numpy(db):
     _, runs = _runs(db, TENSOR_SESSION)
-    page = ops.ops_page(db, ops.OpsFilter(runs["candidate"]["run_id"], pattern="blocks.1.proj"))
+    page = ops.ops_page(db, views.OpsFilter(runs["candidate"]["run_id"], pattern="blocks.1.proj"))
     row = page.rows.iloc[0]
     r = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float64)
     c = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float16).astype(np.float64)
@@ -345,7 +347,7 @@ def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
     np.save(cand / "m.extra.output.0.npy", a.astype(np.float16))
     ingest([cand], reference=[ref], session="unmatched", store=db)
     sid, runs = _runs(db, "unmatched")
-    pair = diff.pair_options(db, sid)[0]
+    pair = views.pair_options(db, sid)[0]
     page = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"])
     assert page.total == 2
     un = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"], show="unmatched")
@@ -395,7 +397,7 @@ def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
     assert not tpage.stats_basis and "summary_rel_err" not in tpage.rows.columns
     assert tpage.rows["max_rel_err"].notna().any()
     # the Ops table: the same errors, sortable by them
-    opage = ops.ops_page(db, ops.OpsFilter(cand, sort="summary_rel_err", descending=True), page_size=1000)
+    opage = ops.ops_page(db, views.OpsFilter(cand, sort="summary_rel_err", descending=True), page_size=1000)
     assert opage.stats_basis and opage.rows["max_rel_err"].isna().all()
     vals = [v for v in opage.rows["summary_rel_err"] if v is not None and not math.isnan(v)]
     assert len(vals) > 20 and vals == sorted(vals, reverse=True)
@@ -443,20 +445,20 @@ def test_element_wise_and_summary_errors_are_never_ranked_as_one_number(store):
     assert rows["summary_rel_err"][3] > rows["summary_rel_err"][1] > rows["max_rel_err"][2] > rows["max_rel_err"][0]
     assert rows["max_rel_err"][[1, 3]].isna().all() and rows["summary_rel_err"][[0, 2]].isna().all()
     want = [2, 0, 3, 1]  # element-wise, largest first; then on summaries, largest first
-    for f in (ops.OpsFilter(cand, sort="max_rel_err", descending=True),
-              ops.OpsFilter(cand, sort="max_rel_err", descending=True, roles=("output",))):
+    for f in (views.OpsFilter(cand, sort="max_rel_err", descending=True),
+              views.OpsFilter(cand, sort="max_rel_err", descending=True, roles=("output",))):
         assert list(ops.ops_page(store, f).rows["seq"]) == want
-    asc = ops.ops_page(store, ops.OpsFilter(cand, sort="max_rel_err")).rows
+    asc = ops.ops_page(store, views.OpsFilter(cand, sort="max_rel_err")).rows
     assert list(asc["seq"]) == [0, 2, 1, 3]
-    assert list(ops.ops_page(store, ops.OpsFilter(cand, sort="summary_rel_err", descending=True)).rows["seq"]) \
+    assert list(ops.ops_page(store, views.OpsFilter(cand, sort="summary_rel_err", descending=True)).rows["seq"]) \
         == [3, 1, 0, 2]
     # worst verdict first; among the warnings element-wise first (the errors of seq 0 and 2 within a factor 2
     # of each other: one error carried on, the first in order first), then on summaries
-    top = overview.top_offenders(store, sid, n=10)
+    top = views.top_offenders(store, sid, n=10)
     assert list(zip(top["verdict"], top["seq"])) == [("error", 3), ("warn", 0), ("warn", 2), ("warn", 1)]
     # severity still sorts by verdict, worst first
     rank = {"nonfinite": 3, "error": 2, "warn": 1}
-    sev = ops.ops_page(store, ops.OpsFilter(cand, sort="severity", descending=True)).rows
+    sev = ops.ops_page(store, views.OpsFilter(cand, sort="severity", descending=True)).rows
     ranks = [rank.get(v, 0) for v in sev["severity"]]
     assert ranks == sorted(ranks, reverse=True)
 
@@ -476,7 +478,7 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
     ingest([folders["try_fp16"], folders["fix_fp16"]], reference=[folders["base_fp32"]], session="three",
            store=db)
     sid, _ = _runs(db, "three")
-    runs = overview.session_runs(db, sid)
+    runs = session_runs(db, sid)
     assert len(runs) == 3
     page = diff.nrun_page(db, sid, [r["run_id"] for r in runs])
     assert page.rows.attrs["base_run"] == "base_fp32"
@@ -501,7 +503,7 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
         bad[3] = np.nan
         w.add_record(TensorRecord(extra, 0, "layer", "layer", "output", "0", tensor_stats(bad)))
         w.add_record(TensorRecord(extra, 1, "other", "other", "output", "0", tensor_stats(bad)))
-    ids = [r["run_id"] for r in overview.session_runs(db, sid)]
+    ids = [r["run_id"] for r in session_runs(db, sid)]
     page = diff.nrun_page(db, sid, ids)
     row = page.rows.iloc[0]
     assert row["manual: match"] == "name" and bool(row["manual: nonfinite"])
@@ -562,13 +564,13 @@ def test_one_error_carried_on_ranks_where_it_first_appears_and_a_named_op_ranks_
     got = store.df("SELECT seq, verdict, rounding_units FROM comparisons ORDER BY seq")
     ru = list(got["rounding_units"])
     assert len(set(got["verdict"][:3])) == 1 and max(ru[:3]) < 2 * min(ru[:3]) and ru[2] > ru[1] > ru[0]
-    top = overview.top_offenders(store, sid, n=10)
+    top = views.top_offenders(store, sid, n=10)
     assert list(top["seq"])[:3] == [0, 1, 2]  # not 2 (the largest) first
     # a diagnosis naming op3's call (by seq, under its module's name) puts it first; an info one does not
     with store.extend_session("carried") as w:
         w.add_diagnosis(Diagnosis("", cand, "layer3", "precision-loss", "m", (), "warn", 3))
         w.add_diagnosis(Diagnosis("", cand, "op2", "fix-verified", "m", (), "info", 2))
-    assert list(overview.top_offenders(store, sid, n=10)["seq"]) == [3, 0, 1, 2]
+    assert list(views.top_offenders(store, sid, n=10)["seq"]) == [3, 0, 1, 2]
 
 
 def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finite_counts(store):
@@ -597,10 +599,10 @@ def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finit
     sid = store.session("lone")["session_id"]
     got = store.df("SELECT rid, op FROM tensors WHERE run_id = ? ORDER BY rid", [cand])
     assert list(zip(got["rid"], got["op"])) == [(0, "q.reciprocal.0"), (1, "fc.linear.0")]
-    top = overview.top_offenders(store, sid, n=5, include_nonfinite=True)
+    top = views.top_offenders(store, sid, n=5, include_nonfinite=True)
     assert list(zip(top["op"], top["kind"], top["verdict"])) == [("q.reciprocal.0", "uncompared", "nonfinite"),
                                                                 ("fc.linear.0", "accumulated", "nonfinite")]
-    assert overview.top_offenders(store, sid, n=5).empty
+    assert views.top_offenders(store, sid, n=5).empty
     rep = build_report(store, "lone")
     assert [w["op"] for w in rep["worst_comparisons"]] == ["q.reciprocal.0", "fc.linear.0"]
     table = render_text(rep).split("Worst 2 comparisons:")[1].splitlines()
@@ -620,11 +622,32 @@ def test_problems_only_leaves_out_what_was_written_on_purpose(store):
 
     def shown(run):
         failed, intended = ops.intended_nonfinite(store, runs[run])
-        f = ops.OpsFilter(runs[run], only_problems=True, intended=intended, failed=failed)
+        f = views.OpsFilter(runs[run], only_problems=True, intended=intended, failed=failed)
         return failed, intended, list(zip(ops.ops_page(store, f).rows["op"], ops.ops_page(store, f).rows["role"]))
 
     assert shown("healthy") == (False, ("attn.masked_fill.0",), [])
     failed, intended, rows = shown("failing")
     assert failed and ("attn.masked_fill.0", "output") not in rows and ("attn.softmax.0", "output") in rows
     # without the context every record holding NaN/Inf is listed, as before
-    assert len(ops.ops_page(store, ops.OpsFilter(runs["healthy"], only_problems=True)).rows) == 2
+    assert len(ops.ops_page(store, views.OpsFilter(runs["healthy"], only_problems=True)).rows) == 2
+    # the Ops page's own call gives the run's context to "Problems only"
+    assert ops.filtered_page(store, runs["healthy"], only_problems=True).total == 0
+    got = ops.filtered_page(store, runs["failing"], only_problems=True, roles=("output",)).rows
+    assert list(zip(got["op"], got["role"])) == [r for r in rows if r[1] == "output"]
+
+
+def test_the_op_pickers_name_records_a_link_may_give(db):
+    """``record_named`` takes a record id as a link or picker gives it (text) and refuses what names no record;
+    ``op_choices`` labels each matching record once, the one asked for included."""
+    _, runs = _runs(db, STAT_SESSION)
+    run_id = runs["candidate"]["run_id"]
+    first = views.find_records(db, run_id, limit=3)
+    rid = first[0]["rid"]
+    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0]["name"]
+    assert detail.record_named(db, run_id, "12abc") is None
+    assert detail.record_named(db, run_id, 10 ** 9) is None
+    last = views.find_records(db, run_id, limit=10 ** 6)[-1]
+    choices = detail.op_choices(db, run_id, first[0]["name"], include_rid=last["rid"])
+    assert list(choices)[0] == last["rid"] and rid in choices
+    assert choices[rid] == f"{first[0]['name']}  (seq {first[0]['seq']})"
+    assert detail.step_choices(db, run_id) == []  # a dump of one step: no step to choose

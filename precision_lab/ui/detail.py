@@ -16,16 +16,15 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..store import views
-# the page reads these here: pages never import the store
-from ..store.queries import session_runs  # noqa: F401
-from ..store.timeline import full_steps  # noqa: F401
-from ..store.views import counterparts, find_records, has_record, record  # noqa: F401
-from ..display import MISSING
-from .common import cosine_text, num_text, plot_text
-from ..stats import HIST_EDGES
+from ..store.timeline import full_steps
+from ..store.views import counterparts, find_records, has_record, record
+from ..display import MISSING, num_text
+from .common import cosine_text, plot_text
+from ..stats import HIST_EDGES, TensorStats
 
-__all__ = ["op_label", "load_stats", "default_formats", "binade_counts",
-           "histogram_figure", "representability_table", "what_if_table", "headroom_table", "headroom_tables", "shown_absmax",
+__all__ = ["op_label", "op_choices", "step_choices", "record_named", "op_record", "load_stats", "default_formats",
+           "binade_counts", "histogram_figure", "representability_table", "what_if_table", "headroom_table",
+           "headroom_tables", "shown_absmax",
            "summary_values_table", "summary_figure", "metrics_table", "stats_table", "value_region",
            "WHAT_IF_FORMATS", "FORMAT_COLORS"]
 
@@ -52,6 +51,34 @@ def op_label(rec: dict, *, steps: bool) -> str:
 def load_stats(store, run_id: str, rid: int):
     """The record's ``TensorStats`` with its histogram (None for summary-only records)."""
     return store.record_stats(run_id, int(rid))
+
+
+def op_choices(store, run_id: str, text: str = "", *, step: Optional[int] = None, include_rid: Optional[int] = None,
+               steps: bool = False) -> dict[int, str]:
+    """The op picker's entries, ``{rid: op_label}``: the run's records whose name contains ``text`` (or matches it
+    as a glob), of ``step`` when given, ``include_rid`` always among them (``store.views.find_records``); ``steps``:
+    the run has several steps, so each entry names its own."""
+    return {r["rid"]: op_label(r, steps=steps)
+            for r in find_records(store, run_id, text, step=step, include_rid=include_rid)}
+
+
+def step_choices(store, run_id: str) -> list[int]:
+    """What the step picker offers: the run's steps with full records (``store.timeline.full_steps``) when there
+    are several; none for a run of one step, which has no step to choose."""
+    steps = full_steps(store, run_id)
+    return steps if len(steps) > 1 else []
+
+
+def record_named(store, run_id: str, rid) -> Optional[dict]:
+    """The record (``store.views.record``) that ``rid`` names in the run, a record id or its text from a link or
+    a picker; None when it names none (``store.views.has_record``)."""
+    return record(store, run_id, int(str(rid).strip())) if has_record(store, run_id, rid) else None
+
+
+def op_record(store, run_id: str, rid: int) -> tuple[dict, Optional[TensorStats], list[dict]]:
+    """``(record, stats, counterparts)`` of the op the page shows: the stored record (``store.views.record``), its
+    ``load_stats`` and the records it was compared with (``store.views.counterparts``)."""
+    return record(store, run_id, rid), load_stats(store, run_id, rid), counterparts(store, run_id, rid)
 
 
 def default_formats(dtype: Optional[str]) -> list[str]:

@@ -13,13 +13,37 @@ from ..store import queries as q
 from .common import escape_md
 from ..store import views
 from ..store.queries import session_runs
-# the page reads these here: pages never import the store
-from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts  # noqa: F401
+from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
 from ..metrics import SUMMARY_ERRORS
 from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
-__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff"]
+__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff", "runs_by_id",
+           "base_run_id", "pair_choices", "SHOW_CHOICES"]
+
+# what the Diff table may show (the read model's SHOW_OPTIONS), as the "Show" picker lists them
+SHOW_CHOICES = tuple(SHOW_OPTIONS)
+
+
+def runs_by_id(store, session_id: str) -> dict[str, dict]:
+    """The session's runs by run id, in the session's order: the Diff page's run pickers and its links to a run."""
+    return {r["run_id"]: r for r in session_runs(store, session_id)}
+
+
+def base_run_id(store, session_id: str) -> Optional[str]:
+    """The run the N-run view aligns on first (``store.views.base_run``), by id; None for a session with no run."""
+    base = base_run(store, session_id)
+    return base["run_id"] if base else None
+
+
+def pair_choices(store, session_id: str) -> tuple[dict[str, dict], pd.DataFrame]:
+    """What the pair view offers besides its table: the (reference, candidate) pairs by label, in the order they
+    were compared (``store.views.pair_options``; the first of two with one label), and how many records of each
+    pair matched exactly, by alignment or not at all (``store.views.unmatched_counts``)."""
+    pairs: dict[str, dict] = {}
+    for p in pair_options(store, session_id):
+        pairs.setdefault(p["label"], p)
+    return pairs, unmatched_counts(store, session_id)
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",

@@ -29,12 +29,12 @@ from ..services import timeline as _timeline
 from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
 from ..public import public_source
-from .common import cosine_text, num_text, plot_text
-from ..store.views import counterparts, record
+from ..display import num_text
+from .common import cosine_text, plot_text
+from ..store.views import counterparts, error_series, record, top_offenders
 from .timeline import step_figure
 from .detail import default_formats, histogram_figure, load_stats, summary_figure
-from .overview import (diagnosis_cards, error_figure, error_series, first_nonfinite_by_run, long_runs, runs_table,
-                       top_offenders)
+from .overview import diagnosis_cards, error_figure, first_nonfinite_by_run, long_runs, runs_table
 
 __all__ = ["render_html", "write_html", "render_diff_html", "write_diff_html"]
 

@@ -9,15 +9,22 @@ from typing import Optional
 import pandas as pd
 
 from ..services.report import nonfinite_origin
-# session_runs, OpsFilter and filter_options are read by the page here: pages never import the store
-from ..store.queries import session_runs  # noqa: F401
-from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
+from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows
 from .common import Page, cosine_text, paged, severity_label, text_columns
 
-__all__ = ["ops_page", "SORT_OPTIONS", "display_frame", "intended_nonfinite"]
+__all__ = ["ops_page", "filtered_page", "filter_choices", "SORT_OPTIONS", "display_frame", "intended_nonfinite"]
 
 # what the table may be sorted by (the read model's SORTABLE)
 SORT_OPTIONS = tuple(SORTABLE)
+
+
+def filter_choices(store, run_id: str) -> dict[str, list]:
+    """What each filter of the Ops page offers for a run, keyed by the URL parameter its widget is bound to:
+    ``role``, ``type``, ``step`` and ``rank`` (the run's distinct values, ``store.views.filter_options``) and
+    ``sort`` (``SORT_OPTIONS``)."""
+    opts = filter_options(store, run_id)
+    return {"role": opts["roles"], "type": opts["op_types"], "step": opts["steps"], "rank": opts["ranks"],
+            "sort": list(SORT_OPTIONS)}
 
 
 def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:
@@ -31,6 +38,15 @@ def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:
 def ops_page(store, f: OpsFilter, *, page: int = 0, page_size: int = 50) -> Page:
     """Page ``page`` (0-based; past the end: the last) of the op table for the filter ``f``."""
     return paged(lambda offset, limit: ops_rows(store, f, offset=offset, limit=limit), page, page_size)
+
+
+def filtered_page(store, run_id: str, *, only_problems: bool = False, page: int = 0, page_size: int = 50,
+                  **chosen) -> Page:
+    """Page ``page`` of run ``run_id``'s op table as the Ops page's filters chose it (``chosen``: the other
+    ``OpsFilter`` fields); "Problems only" leaves out what the run wrote on purpose (``intended_nonfinite``)."""
+    failed, intended = intended_nonfinite(store, run_id) if only_problems else (True, ())
+    f = OpsFilter(run_id=run_id, only_problems=only_problems, intended=intended, failed=failed, **chosen)
+    return ops_page(store, f, page=page, page_size=page_size)
 
 
 def display_frame(df: pd.DataFrame, *, summary: Optional[bool] = None) -> pd.DataFrame:

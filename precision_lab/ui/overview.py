@@ -12,16 +12,22 @@ from ..services import timeline as _timeline
 from ..services.tree import run_tree
 from ..store import timeline as tl
 from ..store import views
-# op_output_rid, ACCUMULATED_KINDS, LOCAL_KINDS and error_series are read by the page here: pages never import the store
-from ..store.queries import op_output_rid, session_runs  # noqa: F401
-from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders  # noqa: F401
+from ..store.queries import op_output_rid, session_runs
+from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders
 from ..public import public_source
-from .common import num_text, plot_text
+from ..records import OUTPUT_ROLES
+from ..display import num_text
+from .common import plot_text, text_columns
 from ..metrics import ELEMENTWISE, relative_error
 
-__all__ = ["long_runs", "model_tree", "runs_table", "first_nonfinite_by_run", "diagnosis_cards", "error_figure",
-           "default_error_metric", "worst_error_text", "session_headline", "warnings_table", "order_caveat",
-           "MAX_WARNINGS"]
+__all__ = ["long_runs", "model_tree", "module_link", "runs_table", "first_nonfinite_by_run", "diagnosis_cards",
+           "error_figure", "error_along_run", "default_error_metric", "worst_error_text", "session_headline",
+           "warnings_table", "order_caveat", "offenders_table", "MAX_WARNINGS", "ERROR_METRIC_LABELS"]
+
+# the errors the Overview draws along the run (the read model's ERROR_METRICS, in its order), as its picker names them
+ERROR_METRIC_LABELS = {m: {"max_rel_err": "max rel error", "sqnr_db": "SQNR dB", "rounding_units": "error / roundoff",
+                           "max_abs_err": "max abs error", "summary_rel_err": "summary rel error (statistics only)"}[m]
+                       for m in ERROR_METRICS}
 
 
 def runs_table(store, session_id: str, *, public: bool = True) -> pd.DataFrame:
@@ -95,11 +101,36 @@ def diagnosis_cards(store, session_id: str) -> list[dict]:
     return out
 
 
+def offenders_table(store, session_id: str, *, local: bool = False, n: int = 10) -> pd.DataFrame:
+    """The Overview's Top offenders (``store.views.top_offenders``): the comparisons against the reference, or with
+    ``local`` the local ones (each op re-run in fp32), in the columns shown, errors as text; a comparison on summary
+    statistics has no element-wise error, so the summaries' relative error gets a column of its own when one is
+    there.  ``rid`` comes last, to open a selected row."""
+    df = top_offenders(store, session_id, kinds=LOCAL_KINDS if local else ACCUMULATED_KINDS, n=n)
+    if df.empty:
+        return df
+    rel = ["max_rel_err"] + (["summary_rel_err"] if (df["basis"] == "stats").any() else [])
+    shown = df[["run", "seq", "op", "role", "index", "verdict", *rel, "sqnr_db", "rounding_units", "reason", "rid"]]
+    return text_columns(shown, (*rel, "sqnr_db", "rounding_units"), 4)
+
+
 def worst_error_text(row) -> str:
     """A comparison's relative error in words: element-wise ("max rel err"), or for one on summary statistics
     the summaries' ("summary rel err"); ``row`` as ``top_offenders`` gives it."""
     err, how = relative_error(row)
     return f"{'max' if how == ELEMENTWISE else 'summary'} rel err {num_text(err, 3)}"
+
+
+def error_along_run(store, session_id: str, metric: str, *, outputs_only: bool = True
+                    ) -> tuple[pd.DataFrame, Optional[str]]:
+    """``(series, note)`` of the Overview's error plot: ``store.views.error_series`` of ``metric`` over the outputs
+    (``records.OUTPUT_ROLES``) or, without ``outputs_only``, every role; ``note`` says why an element-wise error
+    has nothing to draw in a session of summary statistics only (None otherwise)."""
+    series = error_series(store, session_id, metric, roles=OUTPUT_ROLES if outputs_only else ())
+    stats_only = not series.empty and series["value"].isna().all() and metric != "summary_rel_err" \
+        and default_error_metric(store, session_id) == "summary_rel_err"
+    return series, ("This error needs element-wise data; this session holds summary statistics only. "
+                    "Choose summary rel error: how far each record's max, min and norm moved." if stats_only else None)
 
 
 def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfinite: Optional[list] = None):
@@ -186,3 +217,10 @@ def model_tree(store, firsts: list[dict]) -> Optional[tuple[dict, list[dict]]]:
     first = pick["first"]
     return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.op if first else None,
                                  failing_parent=first.parent if first else None)
+
+
+def module_link(store, run: dict, module: str) -> Optional[dict]:
+    """Where "Open on Op detail" of the model tree goes for ``module`` of ``run``: ``{"run": run name, "op": record
+    id of the module's output}`` for ``page.navigate``, None when the module recorded no output."""
+    rid = op_output_rid(store, run["run_id"], module)
+    return None if rid is None else {"run": run["name"], "op": rid}

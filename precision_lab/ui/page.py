@@ -34,7 +34,7 @@ from ..public import public_text
 from .common import escape_md, run_label
 from .overview import session_headline
 from . import sessions as sessions_view
-from ..store.queries import session_data_version
+from ..store.queries import session_data_version, session_runs
 from ..store import Store, default_db_path, held
 from ..config import SHARE_PARAM, ConfigError, load_config, resolve_access
 from ..scratch import scratch_root, sweep
@@ -387,8 +387,10 @@ def no_session_text(acc) -> str:
     return "This server is read-only: a session opens through its share link."
 
 
-def choose_run(runs: list[dict]) -> Optional[dict]:
-    """The run picker (``?run=<run name>``); the first candidate by default."""
+def choose_run(store, session_id: str) -> Optional[dict]:
+    """The run picker (``?run=<run name>``) over the session's runs; the first candidate by default, None for a
+    session with no run."""
+    runs = session_runs(store, session_id)
     if not runs:
         return None
     names = [r["name"] for r in runs]

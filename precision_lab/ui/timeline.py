@@ -13,15 +13,33 @@ from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, tree_modules_of
-# the page reads these here: pages never import the store
-from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs  # noqa: F401
+from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs
 from .common import plot_text
 
 __all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
-           "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops", "op_series_by_label", "tree_modules"]
+           "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops",
+           "op_series_by_label", "tree_modules", "long_runs_by_name", "run_steps", "ranks_figure"]
 
 METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
+
+
+def long_runs_by_name(store, session_id: str) -> dict[str, dict]:
+    """The session's runs with a timeline (``store.timeline.timeline_runs``) by name: the Timeline page's run
+    picker."""
+    return {r["name"]: r for r in timeline_runs(store, session_id)}
+
+
+def run_steps(store, run_id: str) -> tuple[Optional[int], list, list[dict]]:
+    """``(first non-finite step, alerts, step rows)`` of a long run: the Timeline page's headline numbers, its
+    alerts (``services.timeline.run_alerts``) and the per-step loss, gradient norm and NaN/Inf counts."""
+    return first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id), step_rows(store, run_id)
+
+
+def ranks_figure(store, run_id: str, first: Optional[int]):
+    """``rank_step_figure`` of a run's ranks x steps cells (``store.timeline.rank_step_cells``); None for a run of
+    one rank."""
+    return rank_step_figure(rank_step_cells(store, run_id), first)
 
 
 def series_label(op: str, role: str, index: str) -> str:
