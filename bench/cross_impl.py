@@ -40,7 +40,7 @@ from precision_lab.live import CaptureOptions  # noqa: E402
 from precision_lab.live.recorder import Capture  # noqa: E402
 from precision_lab.services.xdiff import diff_records  # noqa: E402
 from precision_lab.records import to_numpy  # noqa: E402
-from precision_lab.services.xpair import op_calls  # noqa: E402
+from precision_lab.services.xcalls import op_calls  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from precision_lab import stats as S  # noqa: E402
 from precision_lab.numba_loader import run_parts  # noqa: E402
-from precision_lab.stats import kernels as K  # noqa: E402
+from precision_lab.stats import scan  # noqa: E402
 
 from _busy import busy, describe  # noqa: E402  (bench/ is on the path when a bench runs)
 
@@ -58,9 +58,9 @@ def _medians(fns: dict, rounds: int) -> dict:
 
 def _scan_parts(x, threads: int):
     """``tensor_stats``' scan of float32 ``x`` with histogram, its parts taken by ``threads`` threads."""
-    kern = K.KERNELS.get()
+    kern = scan.KERNELS.get()
     n = x.size
-    nparts = max(2, min(threads * K._PARTS_PER_THREAD, n // K._PART_MIN))
+    nparts = max(2, min(threads * scan._PARTS_PER_THREAD, n // scan._PART_MIN))
     b = [(n * p) // nparts for p in range(nparts + 1)]
     return run_parts(lambda p: kern.scan(x[b[p]:b[p + 1]], True), nparts, threads)
 
@@ -69,7 +69,7 @@ def crossover(rounds: int, loads: list) -> None:
     """The compiled scan on one thread against all threads, by size, and what ``tensor_stats`` chose."""
     import numpy as np
 
-    threads = K.KERNELS.get().num_threads()
+    threads = scan.KERNELS.get().num_threads()
     for n_busy in loads:
         with busy(n_busy):
             time.sleep(1.0 if n_busy else 0.0)
@@ -85,7 +85,7 @@ def crossover(rounds: int, loads: list) -> None:
                 t = _medians(fns, max(rounds, 5) * (4 if n < (1 << 20) else 1))
                 print(f"{n:>9} {t['serial'] * 1e6:10.0f} {t['parallel'] * 1e6:11.0f} "
                       f"{t['parallel'] / t['serial']:10.2f} {t['auto'] * 1e6:8.0f} {t['sum'] * 1e6:8.0f}")
-    print(f"tensor_stats goes parallel from {K._PAR_MIN} elements, where it measured faster than serial"
+    print(f"tensor_stats goes parallel from {scan._PAR_MIN} elements, where it measured faster than serial"
           f" (then serial or parallel by what each cost lately)")
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import metrics, numba_loader
-from .stats import kernels
+from . import metric_sums, numba_loader
+from .stats import scan
 
 
 def main(argv: list[str]) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     try:
         if hasattr(os, "nice"):
             os.nice(19)  # the command that started it runs on its own path meanwhile: leave it the cores
-        for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+        for kernel_set in (scan.KERNELS, metric_sums.KERNEL):
             kernel_set.warm()
     finally:
         if held is not None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from precision_lab import metrics, numba_loader
-from precision_lab.stats import kernels, tensor_stats
+from precision_lab.stats import scan, tensor_stats
 
 pytestmark = pytest.mark.slow  # processes that compile the kernels
 
@@ -30,7 +30,7 @@ PROBE = """
 import json, sys
 import numpy as np
 from precision_lab import metrics
-from precision_lab.stats import kernels, tensor_stats
+from precision_lab.stats import scan, tensor_stats
 rng = np.random.default_rng(0)
 x = (rng.standard_normal(300_000) * 40).astype(np.float32)
 x[::1000] = np.nan
@@ -39,7 +39,7 @@ x[7::1001] = 1e5  # beyond fp16: introduced below
 c = x.astype(np.float16)
 s = tensor_stats(x)
 m = metrics.compare(x, c)
-print(json.dumps({"kernel": kernels.KERNELS.ready() is not None, "compare_kernel": metrics.KERNEL.ready() is not None,
+print(json.dumps({"kernel": scan.KERNELS.ready() is not None, "compare_kernel": metrics.KERNEL.ready() is not None,
                   "torch": "torch" in sys.modules, "hist": s.hist.tolist(), "nan": s.nan_count, "inf": s.inf_count,
                   "min": s.min, "max": s.max, "mean": s.mean, "std": s.std, "l2": s.l2norm,
                   "rmse": m.rmse, "max_rel": m.max_rel_err, "introduced": m.nonfinite_introduced}))
@@ -113,7 +113,7 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
     started = []
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
     monkeypatch.setattr(numba_loader, "start_compiler", lambda: started.append(1) or True)
-    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+    for kernel_set in (scan.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_value", None)
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
     rng = np.random.default_rng(4)
@@ -127,7 +127,7 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
     for g in got:
         _same(g, want)
     assert all(c == metrics.compare(x, h, backend="numpy") for c in cmp)
-    assert kernels.KERNELS._value is None and metrics.KERNEL._value is None
+    assert scan.KERNELS._value is None and metrics.KERNEL._value is None
     if numba_loader.load_numba() is not None:
         assert len(started) == 2  # one ask per kernel set; start_compiler itself starts one process
         k = tensor_stats(x, backend="numba")  # an explicit backend compiles here, whatever the cache says
@@ -167,20 +167,20 @@ def test_a_long_command_compiles_after_its_fallback_budget(monkeypatch):
     monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
     monkeypatch.setattr(numba_loader, "start_compiler", lambda: True)
-    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+    for kernel_set in (scan.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_value", None)
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
     monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
     x = np.linspace(-1.0, 1.0, 4097, dtype=np.float32)
     tensor_stats(x)
-    assert kernels.KERNELS._value is None and 0.0 < numba_loader._FALLBACK_SPENT[0] < numba_loader.FALLBACK_BUDGET_S
+    assert scan.KERNELS._value is None and 0.0 < numba_loader._FALLBACK_SPENT[0] < numba_loader.FALLBACK_BUDGET_S
     numba_loader.note_fallback(numba_loader.FALLBACK_BUDGET_S)
     s = tensor_stats(x)
     metrics.compare(x, x)
     if numba_loader.load_numba() is None:
-        assert kernels.KERNELS._value is False
+        assert scan.KERNELS._value is False
         return
-    assert kernels.KERNELS.loaded() and metrics.KERNEL.loaded()
+    assert scan.KERNELS.loaded() and metrics.KERNEL.loaded()
     assert s.zero_count == 1 and s.max == 1.0 and s.min == -1.0
 
 
@@ -211,7 +211,7 @@ def _cold(monkeypatch, tmp_path, code: str) -> _Compilers:
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
     monkeypatch.setattr(numba_loader, "_STARTED", [])
     monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
-    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+    for kernel_set in (scan.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_value", None)
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
     fake = _Compilers(code)
@@ -222,7 +222,7 @@ def _cold(monkeypatch, tmp_path, code: str) -> _Compilers:
 def _another_process(monkeypatch) -> None:
     """What a second process would see: it has started no compiler and asks again at once."""
     monkeypatch.setattr(numba_loader, "_STARTED", [])
-    for kernel_set in (kernels.KERNELS, metrics.KERNEL):
+    for kernel_set in (scan.KERNELS, metrics.KERNEL):
         monkeypatch.setattr(kernel_set, "_next_check", 0.0)
 
 
@@ -232,12 +232,12 @@ def test_one_compiler_at_a_time_for_both_kernel_sets(monkeypatch, tmp_path):
     set starts none, however old the lock file is; once it has ended, the next one starts at once."""
     fake = _cold(monkeypatch, tmp_path, "import time; time.sleep(120)")
     try:
-        assert kernels.KERNELS.ready() is None
+        assert scan.KERNELS.ready() is None
         assert len(fake.procs) == 1
         for path in tmp_path.rglob("precision-lab-compiling*"):
             os.utime(path, (time.time() - 7200, time.time() - 7200))  # old: its age says nothing
         _another_process(monkeypatch)
-        assert metrics.KERNEL.ready() is None and kernels.KERNELS.ready() is None
+        assert metrics.KERNEL.ready() is None and scan.KERNELS.ready() is None
         assert len(fake.procs) == 1, "a second compiler started while the first one was writing the cache"
         fake.procs[0].kill()
         fake.procs[0].wait()
@@ -254,14 +254,14 @@ def test_a_compiler_that_fails_at_once_is_reaped_and_leaves_no_lock(monkeypatch,
     process that started it reaps it without being asked (no zombie in a long-lived server)."""
     fake = _cold(monkeypatch, tmp_path, "raise ImportError('a broken install')")
     try:
-        assert kernels.KERNELS.ready() is None
+        assert scan.KERNELS.ready() is None
         proc = fake.procs[0]
         deadline = time.monotonic() + 60
         while proc.returncode is None and time.monotonic() < deadline:  # set by whoever waits for it; never poll()
             time.sleep(0.05)
         assert proc.returncode == 1, "the compiler that ended was not reaped"
         _another_process(monkeypatch)
-        assert kernels.KERNELS.ready() is None
+        assert scan.KERNELS.ready() is None
         assert len(fake.procs) == 2
     finally:
         fake.end()

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from precision_lab import metrics
+from precision_lab import metric_sums, metrics
 from precision_lab.numba_loader import ParallelChoice, load_numba, run_parts
-from precision_lab.stats import kernels, tensor_stats
+from precision_lab.stats import scan, tensor_stats
 
 
 class _Forced(ParallelChoice):
@@ -67,8 +67,8 @@ def test_stats_identical_on_both_paths(monkeypatch, histogram):
     x[::7] = 0.0
     got = {}
     for parallel in (False, True):
-        for key in list(kernels._CHOICE):
-            monkeypatch.setitem(kernels._CHOICE, key, _Forced(parallel))
+        for key in list(scan._CHOICE):
+            monkeypatch.setitem(scan._CHOICE, key, _Forced(parallel))
         got[parallel] = tensor_stats(x, histogram=histogram, backend="numba")
     a, b = got[False], got[True]
     for f in ("nan_count", "inf_count", "neg_inf_count", "zero_count", "min", "max", "absmax", "min_abs_nonzero",
@@ -90,8 +90,8 @@ def test_compare_identical_on_both_paths(monkeypatch):
     c[::1001] = np.nan
     got = {}
     for parallel in (False, True):
-        for key in list(metrics._CHOICE):
-            monkeypatch.setitem(metrics._CHOICE, key, _Forced(parallel))
+        for key in list(metric_sums._CHOICE):
+            monkeypatch.setitem(metric_sums._CHOICE, key, _Forced(parallel))
         got[parallel] = metrics.compare(r, c, backend="numba")
     a, b = got[False], got[True]
     assert a == b  # the same parts in the same order: bit for bit
@@ -105,7 +105,7 @@ def test_compare_identical_on_both_paths(monkeypatch):
 def test_compare_measures_float32_and_float64_apart(monkeypatch):
     """A float64 element costs about twice a float32 one: float64 comparisons move only their own estimates, so
     a run of them cannot make the float32 ones look slow on the path they took."""
-    monkeypatch.setattr(metrics, "_CHOICE", {k: ParallelChoice() for k in metrics._CHOICE})
+    monkeypatch.setattr(metric_sums, "_CHOICE", {k: ParallelChoice() for k in metric_sums._CHOICE})
     rng = np.random.default_rng(10)
     r = rng.standard_normal(1 << 18)
     c = r * (1 + 1e-6 * rng.standard_normal(r.size))
@@ -113,13 +113,13 @@ def test_compare_measures_float32_and_float64_apart(monkeypatch):
         got = metrics.compare(r, c, backend="numba")
     d = c - r
     assert got.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-12)
-    assert metrics._CHOICE[8].estimates() != (None, None)  # float64 calls measured (after each path's first)
-    assert metrics._CHOICE[4].estimates() == (None, None)  # and nothing credited to float32
-    float64_estimates = metrics._CHOICE[8].estimates()
+    assert metric_sums._CHOICE[8].estimates() != (None, None)  # float64 calls measured (after each path's first)
+    assert metric_sums._CHOICE[4].estimates() == (None, None)  # and nothing credited to float32
+    float64_estimates = metric_sums._CHOICE[8].estimates()
     for _ in range(6):
         metrics.compare(r.astype(np.float32), c.astype(np.float32), backend="numba")
-    assert metrics._CHOICE[4].estimates() != (None, None)
-    assert metrics._CHOICE[8].estimates() == float64_estimates
+    assert metric_sums._CHOICE[4].estimates() != (None, None)
+    assert metric_sums._CHOICE[8].estimates() == float64_estimates
 
 
 def test_a_held_up_thread_delays_its_own_part_not_the_others():

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from precision_lab.origin import ComparedRecord, NonfiniteCall, RunFacts, _inside, analyse, model_outputs
+from precision_lab.origin import ComparedRecord, NonfiniteCall, RunFacts, analyse, model_outputs
+from precision_lab.origin.calls import _inside
 from precision_lab.stats import tensor_stats
 
 INF, NAN = math.inf, math.nan

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from precision_lab.fixes.catalogue import FixError, apply_fixes
 from precision_lab.fixes.policy import PolicyError, PrecisionPolicy
 from precision_lab.fixes.recipes import get_recipe
-from precision_lab.services.rerun import RerunError, Tolerance, bisect_fp32_islands, capture_recipe, parse_tolerance, rerun_session
+from precision_lab.services.islands import Tolerance, bisect_fp32_islands, parse_tolerance
+from precision_lab.services.rerun import RerunError, capture_recipe, rerun_session
 from precision_lab.metrics import compare
 from precision_lab.services.report import first_nonfinite
 

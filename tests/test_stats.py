@@ -783,15 +783,15 @@ def test_summary_records_infer_the_sign_from_min_and_max():
 def test_narrow_floats_widened_piece_by_piece_match_float64():
     """fp16/bf16 tensors are widened a 1M-element piece at a time into one reused buffer: values at the
     piece boundaries, specials in several pieces and a ragged last piece are all counted exactly."""
-    from precision_lab.stats import kernels as K
+    from precision_lab.stats import chunks
 
-    n = 3 * K._WIDEN_ELEMS + 5
+    n = 3 * chunks._WIDEN_ELEMS + 5
     x = torch.from_numpy(_mixture(n, seed=5))
-    for i in (0, K._WIDEN_ELEMS - 1, K._WIDEN_ELEMS, 2 * K._WIDEN_ELEMS + 1, n - 1):
+    for i in (0, chunks._WIDEN_ELEMS - 1, chunks._WIDEN_ELEMS, 2 * chunks._WIDEN_ELEMS + 1, n - 1):
         x[i] = (float("nan"), float("inf"), -float("inf"), 0.0, 7e4)[i % 5]
     for dtype in (torch.float16, torch.bfloat16):
         xc = x.to(dtype)
-        for chunk in (1 << 24, K._WIDEN_ELEMS + 3):  # one torch chunk, or chunks that straddle the pieces
+        for chunk in (1 << 24, chunks._WIDEN_ELEMS + 3):  # one torch chunk, or chunks that straddle the pieces
             assert_matches(tensor_stats(xc, chunk_elems=chunk), ref_stats(xc.double().numpy()))
 
 
@@ -801,7 +801,7 @@ def test_key_counting_scan_is_exact_block_by_block_and_leaves_no_counts_behind()
     subnormal or a value in a range split by a format threshold (fp16's 65504/65520, bf16's overflow): such
     values scattered through a large normal tensor, runs of one value, and a call after a call on other data
     all give numpy's float64 histogram exactly, and the per-thread counters are all zero after each call."""
-    from precision_lab.stats import kernels as K
+    from precision_lab.stats import kernels as K, scan
     from precision_lab.stats.edges import histogram_counts
 
     rng = np.random.default_rng(11)
@@ -831,7 +831,7 @@ def test_key_counting_scan_is_exact_block_by_block_and_leaves_no_counts_behind()
         expect = histogram_counts(x[np.isfinite(x)].astype(np.float64))
         assert np.array_equal(s.hist, expect), np.nonzero(s.hist != expect)
         assert s.zero_count == int((x == 0).sum())
-        table = K._SCRATCH.table
+        table = scan._SCRATCH.table
         assert table is not None and not table.any()
 
 
@@ -861,12 +861,12 @@ def test_sixteen_bit_floats_are_widened_inside_the_scan_exactly(all16, src):
             assert a == b or (a != a and b != b), (f, a, b)
     assert got.dtype == ("float16" if src == "fp16" else "bfloat16")
     # short runs of signalling NaNs (the scalar tail of the widening loop): counted, and no counter left behind
-    from precision_lab.stats import kernels as K
+    from precision_lab.stats import scan
 
     snan = 0x7C01 if src == "fp16" else 0x7F81
     for n in (1, 7, 17, 33):
         got = tensor_stats(narrow[snan:snan + n], backend="numba")
-        assert got.nan_count == n and not K._SCRATCH.table.any()
+        assert got.nan_count == n and not scan._SCRATCH.table.any()
 
 
 @pytest.mark.parametrize("kind", ["float32", "float64-extremes", "float16", "bfloat16", "float8_e4m3fn", "int64",

@@ -18,7 +18,8 @@ from precision_lab.cli import app
 from precision_lab.live import CaptureOptions
 from precision_lab.live.recorder import Capture
 from precision_lab.services.xdiff import diff_records
-from precision_lab.services.xpair import aligned, pair_runs
+from precision_lab.services.xcalls import aligned
+from precision_lab.services.xpair import pair_runs
 from precision_lab.store import Store, close_all
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,8 @@ from ._models import model_entry_points as _model_entry_points
 from ..config import load_config
 from ..store import queries as q
 from ..services.report import first_nonfinite
-from ..services.rerun import bisect_fp32_islands, rerun_session
+from ..services.islands import bisect_fp32_islands
+from ..services.rerun import rerun_session
 from ..store import SessionNotFound
 from ..fixes.rules import fmt_num
 from ..services.jobs import rerun_blocker

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .rerun import RerunError, bisect_fp32_islands, rerun_session, session_recipe
+from .islands import bisect_fp32_islands
+from .rerun import RerunError, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
 from .verify import untried, verification
 

@@ -23,7 +23,8 @@ from ..origin import Origin
 from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
-from .rerun import bisect_fp32_islands, rerun_session
+from .islands import bisect_fp32_islands
+from .rerun import rerun_session
 
 __all__ = ["suggestions", "verification", "untried", "verify_session", "judge_fix", "IMPROVE_DB"]
 

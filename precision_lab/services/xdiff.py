@@ -50,7 +50,8 @@ from ..records import TensorRecord, npy_load
 from ..stats import TensorStats
 from ..store import SessionNotFound
 from ..store.queries import run_records_with_data, session_runs
-from .xpair import OpPair, Pairing, aligned, op_calls, pair_runs, rel_error, values_of
+from .xcalls import OpPair, Pairing, aligned, op_calls, rel_error, values_of
+from .xpair import pair_runs
 
 __all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "inner_roundoff", "run_records", "resolve_run", "DiffInputError",
            "diff_rows", "render_diff_text", "SAFETY", "AGREE", "OPAQUE", "BENIGN_FACTOR"]

@@ -45,9 +45,11 @@ from __future__ import annotations
 from .accumulate import merge_stats
 from .codec import HistogramError, decode_hist, encode_hist
 from .edges import HIST_EDGES, HIST_EDGES_ID, N_BINS, histogram_counts
-from .kernels import DevicePartial, device_partials, finish_partials, numba_available, summary_stats, tensor_stats
+from .float64 import DevicePartial, device_partials, finish_partials
+from .kernels import numba_available
 from .records import (Representability, SummaryHeadroom, TensorStats, canonical_dtype, format_counts,
                       format_counts_above, format_edges, from_json_float, json_float)
+from .tensor import summary_stats, tensor_stats
 
 __all__ = [
     "HIST_EDGES",

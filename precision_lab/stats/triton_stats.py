@@ -40,7 +40,9 @@ import numpy as np
 
 from ..formats import format_for_dtype
 from .edges import N_BINS
-from .kernels import _CBITS, DevicePartial, _torch_dense_flat
+from .chunks import _torch_dense_flat
+from .float64 import DevicePartial
+from .kernels import _CBITS
 from .records import canonical_dtype
 
 __all__ = ["takes", "device_partials", "available", "failure", "give_up", "BLOCK", "MAX_PROGRAMS"]
