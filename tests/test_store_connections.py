@@ -11,6 +11,7 @@ import pytest
 
 from precision_lab import store as store_mod
 from precision_lab.store import DatabaseLocked, Store, close_all, is_open
+from precision_lab.store import files as store_files
 from test_share_revoke import _raw_holder, _session
 
 
@@ -70,7 +71,7 @@ def test_an_open_that_waits_for_another_process_does_not_stop_this_ones_threads(
     s.close()
     assert not is_open(db)
     retrying, gave_up_or_opened = threading.Event(), threading.Event()
-    real = store_mod._connect
+    real = store_files._connect
 
     def connect(*a, **kw):
         retrying.set()
@@ -79,7 +80,7 @@ def test_an_open_that_waits_for_another_process_does_not_stop_this_ones_threads(
         finally:
             gave_up_or_opened.set()
 
-    monkeypatch.setattr(store_mod, "_connect", connect)
+    monkeypatch.setattr(store_files, "_connect", connect)
     holder = _raw_holder(db)
     outcome: list = []
     try:
@@ -155,8 +156,8 @@ def test_a_capture_writes_and_diagnoses_its_session_through_few_opens(tmp_path, 
     import precision_lab
 
     opened = []
-    real = store_mod._connect
-    monkeypatch.setattr(store_mod, "_connect", lambda path, ro, *a, **k: opened.append(ro) or real(path, ro, *a, **k))
+    real = store_files._connect
+    monkeypatch.setattr(store_files, "_connect", lambda path, ro, *a, **k: opened.append(ro) or real(path, ro, *a, **k))
     db = tmp_path / "cap.duckdb"
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with precision_lab.capture(model, run="r", store=str(db)):
