@@ -309,6 +309,27 @@ def test_a_staged_session_gets_a_free_name_when_another_writer_takes_its_name_me
     assert s.sql("SELECT count(*) FROM runs").fetchone()[0] == 2
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_session_staged_in_memory_is_written_whole_or_not_at_all(tmp_path, in_memory):
+    """``stage_in_memory`` (a capture's records, in memory already) stages without any folder or file, and keeps
+    the file's promise: a session appears whole, and one that fails while being written leaves nothing."""
+    from precision_lab.scratch import scratch_root
+
+    db = tmp_path / "m.duckdb"
+    s = Store(db)
+    folders = []
+    with s.new_session("whole", stage_in_memory=in_memory) as w:
+        run = w.add_run(name="r")
+        folders = sorted(p.name for p in scratch_root().glob("stage-*"))
+    assert bool(folders) != in_memory  # a file's staging folder exists during the write; memory's does not
+    assert w.name == "whole" and list(s.runs(s.session("whole")["session_id"])["run_id"]) == [run]
+    with pytest.raises(RuntimeError, match="cut off"):
+        with s.new_session("broken", stage_in_memory=in_memory) as w:
+            w.add_run(name="r")
+            raise RuntimeError("cut off")
+    assert list(s.sessions()["name"]) == ["whole"] and s.sql("SELECT count(*) FROM runs").fetchone()[0] == 1
+
+
 def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(store):
     """``created`` is kept to the second: two re-runs made in it keep the order they were added in everywhere runs
     are listed (never their random ids' order), and the Diff cards list the later one first."""

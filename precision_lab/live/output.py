@@ -141,6 +141,7 @@ class RunOutput:
             with self.store.extend_session(self.session) as w:
                 run.write_run(w)
                 return w.name
-        with self.store.new_session(run.run, source=run.source, notes=notes) as w:
+        # the records are in memory already: so is the staging of their session
+        with self.store.new_session(run.run, source=run.source, notes=notes, stage_in_memory=True) as w:
             run.write_run(w)
         return w.name  # the name it got: made unique as the session is inserted

@@ -3,6 +3,7 @@ shared file is held only for the insert), extended, renamed or deleted, and the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -73,7 +74,8 @@ class StoreWrites:
 
     @contextmanager
     def new_session(self, name: Optional[str] = None, *, source: str = "", recipe: Optional[str] = None,
-                    notes: Optional[dict] = None, exist_ok_rename: bool = True) -> Iterator["SessionWriter"]:
+                    notes: Optional[dict] = None, exist_ok_rename: bool = True,
+                    stage_in_memory: bool = False) -> Iterator["SessionWriter"]:
         """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``; ``w.name`` after
         the block is the name it got (made unique unless ``exist_ok_rename`` is false: then a taken name is a
         ``ValueError``).
@@ -82,10 +84,12 @@ class StoreWrites:
         inserted into the shared file in one short transaction, so a long ingest or capture holds the file (and
         keeps other processes' writes, and dashboards' reads, waiting) only for that insert.  A failure or a
         killed process before it leaves the shared file as it was; the staging folder goes with the block (a
-        killed process's is swept by the next writer)."""
+        killed process's is swept by the next writer).  ``stage_in_memory``: the staging database is kept in
+        memory instead, for a writer whose rows are in memory already (a capture's records): no folder, no file
+        made, written and closed for it, which is most of what the staging costs a small session."""
         if self.staged and not self._file.memory:
             with self._staged_session(name or _default_session_name(source), source=source, recipe=recipe,
-                                      notes=notes, rename=exist_ok_rename) as w:
+                                      notes=notes, rename=exist_ok_rename, in_memory=stage_in_memory) as w:
                 yield w
             return
         with self.transaction() as cur:
@@ -101,13 +105,14 @@ class StoreWrites:
 
     @contextmanager
     def _staged_session(self, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
-                        rename: bool) -> Iterator["SessionWriter"]:
+                        rename: bool, in_memory: bool = False) -> Iterator["SessionWriter"]:
         if not rename:  # a taken name fails before the work, not only at the insert
             with self.reading() as cur:
                 self._unique_name(cur, name, rename=False)
-        sweep()
-        with scratch_dir("stage") as folder:
-            con = connect_duckdb(str(folder / "session.duckdb"))
+        if not in_memory:
+            sweep()
+        with (contextlib.nullcontext(None) if in_memory else scratch_dir("stage")) as folder:
+            con = connect_duckdb() if folder is None else connect_duckdb(str(folder / "session.duckdb"))
             try:
                 for stmt in schema_sql():
                     con.execute(stmt)
