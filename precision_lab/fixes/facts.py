@@ -19,8 +19,8 @@ import numpy as np
 from ..records import StoredRecord
 from ..registry import Registry
 
-__all__ = ["FACTS", "register_fact", "OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues", "StateAfter", "QuantiseCall",
-           "ZeroGradient"]
+__all__ = ["FACTS", "register_fact", "OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues",
+           "StateAfter", "QuantiseCall", "ZeroGradient"]
 
 
 FACTS = Registry("run fact", group="precision_lab.facts")

@@ -7,7 +7,8 @@ one dtype: an override reaching any of them covers its partners too (the latest 
 ``tied_groups`` finds them, ``module_formats`` gives each module its format under a policy, and
 ``island_effect`` says what an override changes (nothing, for modules holding no floating parameter or buffer,
 whose inputs a policy does not cast).  ``PrecisionPolicy`` (``policy``) asks these; they read a policy's
-``dtype`` and ``overrides`` only.
+``dtype`` and ``overrides`` only.  ``PolicyError`` (a pattern that names no module, a format a module cannot
+compute in) is defined here, under both.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Optional, Protocol
 
-__all__ = ["PolicyError", "COMPUTE_FORMATS", "check_compute", "module_matches", "ancestors", "no_match",
-           "holds_floating", "tied_groups", "module_formats", "IslandEffect", "island_effect", "island_effects"]
+__all__ = ["Formats", "PolicyError", "COMPUTE_FORMATS", "check_compute", "module_matches", "ancestors", "override_at",
+           "no_match", "holds_floating", "tied_groups", "module_formats", "IslandEffect", "island_effect",
+           "island_effects"]
 
 
 class Formats(Protocol):
