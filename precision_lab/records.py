@@ -167,7 +167,9 @@ class RunInfo:
 
 # a diagnosis of these severities names the op where its failure was introduced or amplified, not where it
 # shows (an ``info`` one reports on the run: a fix verified, a compiled graph): the ranking of the worst
-# comparisons (``store.views.top_offenders``) puts that op's outputs ahead of the ops that only carry it on
+# comparisons (``store.views.top_offenders``) puts that op's outputs ahead of the ops that only carry it on.
+# Which rules name an op is declared where each is registered (``fixes.rulebook``: ``names_op``), which gives
+# their findings these severities and the others ``info``
 NAMING_SEVERITIES = ("error", "warn")
 
 

@@ -27,8 +27,9 @@ class Registry:
     """An ordered name -> object mapping with one duplicate rule and entry-point plug-ins.
 
     ``group``: the entry point group searched for plug-ins.  An entry point's
-    object is either a registrable object (given ``name_of``) or a callable
-    taking this registry and registering what it brings.
+    object is a registrable object (given ``name_of``), a callable taking this
+    registry and registering what it brings, or a module whose import
+    registered it (``mine = "my_rules"``: its ``@register_rule`` functions).
     """
 
     def __init__(self, kind: str, *, group: Optional[str] = None,
@@ -68,6 +69,8 @@ class Registry:
         for ep in entry_points(group=self.group):
             try:
                 obj = ep.load()
+                if inspect.ismodule(obj):
+                    continue  # importing it registered what it brings
                 if inspect.isfunction(obj):
                     obj(self)  # a function that registers what the package brings
                 elif self._name_of is not None:

@@ -3,6 +3,10 @@
 Each is built once where the store's answer comes out (``services.diagnose.StoreFacts``) with ``from_row``; a
 tensor record is a ``records.StoredRecord`` and a run a ``records.RunInfo``.  A field is None where the store
 holds NULL: the query gave no value (no comparison, a summary-only record).
+
+A fact beyond the built-in ones (``rulebook.RunFacts``) is a function ``fn(store, *args)`` registered with
+``register_fact(name)`` (or through the ``precision_lab.facts`` entry point group): a rule that declares
+``needs=(name,)`` asks it as ``ctx.facts.<name>(*args)``, answered from the store being diagnosed.
 """
 
 from __future__ import annotations
@@ -13,9 +17,23 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ..records import StoredRecord
+from ..registry import Registry
 
-__all__ = ["OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues", "StateAfter", "QuantiseCall",
-           "ZeroGradient"]
+__all__ = ["FACTS", "register_fact", "OpSeen", "LocalError", "FinalOutput", "ErrorGrowth", "PairedValues",
+           "StateAfter", "QuantiseCall", "ZeroGradient"]
+
+
+FACTS = Registry("run fact", group="precision_lab.facts")
+
+
+def register_fact(name: str, *, replace: bool = False):
+    """Register the decorated ``fn(store, *args)`` as the fact ``name`` (see the module's docstring); returns it."""
+
+    def deco(fn):
+        FACTS.register(name, fn, replace=replace)
+        return fn
+
+    return deco
 
 
 class _Row:

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import FORMATS, format_for_dtype
-from .policy import cast_floating
 
 __all__ = [
     "PolicyModule", "Linear", "QuantLinear", "FakeQuant", "Amax", "QuantScale", "Reciprocal",
@@ -38,8 +37,6 @@ __all__ = [
     "SwiGLU", "Attention",
     "flush_subnormals", "sanitize_nonfinite", "rms_norm", "layer_norm", "l2_normalize", "softmax",
     "amax_dynamic", "histogram_amax", "scale_from_amax", "quant_dequant", "fake_quant",
-    "install_cast_hook", "install_sanitize_hook", "install_island_boundary", "ISLAND_MEETING_OPS",
-    "install_autocast",
 ]
 
 
@@ -523,110 +520,3 @@ class Attention(nn.Module):
         c = self.context(p, v)
         b, h, s, dh = c.shape
         return self.o_proj(c.transpose(1, 2).reshape(b, s, h * dh))
-
-
-# ---- hooks for modules that are not policy-aware ---------------------------------
-
-def install_cast_hook(mod: nn.Module, dtype) -> None:
-    """Cast floating inputs to ``dtype`` before ``mod`` runs (autocast-like); replaces an earlier one."""
-    old = getattr(mod, "_precision_lab_cast_hook", None)
-    if old is not None:
-        old.remove()
-
-    def cast(m, args, kwargs):
-        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
-
-    mod._precision_lab_cast_hook = mod.register_forward_pre_hook(cast, with_kwargs=True)
-
-
-# ops that take no operands of two floating dtypes (``expected scalar type Float but found Half``), where an fp32
-# island's output meets the compute format: their operands are brought to the wider of the two first, as
-# elementwise ops promote by themselves (an island's values go on in fp32 until a module casts them)
-ISLAND_MEETING_OPS = frozenset({
-    torch.matmul, torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.addbmm, torch.einsum, torch.bilinear,
-    torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm,
-    F.linear, F.scaled_dot_product_attention, F.conv1d, F.conv2d, F.conv3d, F.layer_norm, F.group_norm,
-    F.embedding,
-})
-
-
-class _IslandBoundary(torch.overrides.TorchFunctionMode):
-    """Operands of an ``ISLAND_MEETING_OPS`` op in two floating dtypes are cast to their promoted dtype."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in ISLAND_MEETING_OPS:
-            from torch.utils._pytree import tree_leaves
-
-            dts = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
-            if len(dts) > 1:
-                wide = dts.pop()
-                for d in dts:
-                    wide = torch.promote_types(wide, d)
-                args, kwargs = cast_floating((args, kwargs), wide)
-        return func(*args, **kwargs)
-
-
-def _around_forward(mod: nn.Module, attr: str, make, cast_to=None) -> None:
-    """The context ``make(args, kwargs)`` gives entered as ``mod``'s forward starts and left as it ends (an error
-    raised in it too), nested calls nested; ``cast_to``: the floating inputs cast to that dtype on entry.  The
-    hooks are kept in ``mod.<attr>``, and replace earlier ones there."""
-    for h in getattr(mod, attr, None) or ():
-        h.remove()
-    stack: list = []
-
-    def enter(m, args, kwargs):
-        ctx = make(args, kwargs)
-        ctx.__enter__()
-        stack.append(ctx)
-        return None if cast_to is None else (cast_floating(args, cast_to), cast_floating(kwargs, cast_to))
-
-    def leave(m, args, kwargs, out):
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    setattr(mod, attr, (mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-                        mod.register_forward_hook(leave, with_kwargs=True, always_call=True)))
-
-
-def install_island_boundary(model: nn.Module) -> None:
-    """While ``model`` runs, where an fp32 island's output meets the compute format in an op that cannot mix them
-    (a matmul of an fp32 key with an fp16 query), the operands are cast to the wider dtype
-    (``ISLAND_MEETING_OPS``) instead of the run failing."""
-    _around_forward(model, "_precision_lab_island_boundary", lambda args, kwargs: _IslandBoundary())
-
-
-def install_autocast(mod: nn.Module, fmt: str) -> None:
-    """``torch.autocast`` in format ``fmt`` (``fp16``, ``bf16``) around ``mod``'s forward, on the device of its
-    first floating tensor (of its parameters, else of its inputs); ``fp32``: autocast off there, and the
-    module's floating inputs cast to fp32 (an autocast island).  Replaces an earlier one."""
-    from torch.utils._pytree import tree_leaves
-
-    dtype = FORMATS[fmt].torch_dtype()
-
-    def device_of(args, kwargs) -> str:
-        for t in list(mod.parameters()) + [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]:
-            if t.is_floating_point():
-                return t.device.type
-        return "cpu"
-
-    _around_forward(mod, "_precision_lab_autocast",
-                    lambda args, kwargs: torch.autocast(device_of(args, kwargs), dtype=dtype, enabled=fmt != "fp32"),
-                    cast_to=torch.float32 if fmt == "fp32" else None)
-    # what a capture's hooks (which may run before these) read as the dtype the module computes in
-    mod._precision_lab_autocast_dtype = None if fmt == "fp32" else dtype
-
-
-def install_sanitize_hook(mod: nn.Module) -> None:
-    """Replace NaN/Inf in ``mod``'s tensor output (registered before capture hooks, which then see it)."""
-    if getattr(mod, "_precision_lab_sanitize_hook", None) is not None:
-        return
-
-    def clean(m, args, out):
-        if isinstance(out, torch.Tensor):
-            return sanitize_nonfinite(out)
-        if isinstance(out, tuple):
-            return tuple(sanitize_nonfinite(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return None
-
-    mod._precision_lab_sanitize_hook = mod.register_forward_hook(clean)

@@ -11,10 +11,11 @@ through ``StoreFacts``, which types each row the store answers once (``records.S
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
-from ..fixes.facts import ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter, ZeroGradient
+from ..fixes.facts import FACTS, ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter, ZeroGradient
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
 from ..records import Diagnosis, RunInfo, StoredRecord
@@ -27,11 +28,18 @@ __all__ = ["check_sessions", "diagnose", "diagnose_session", "StoreFacts"]
 
 
 class StoreFacts:
-    """``fixes.rules.RunFacts`` answered from a store, as typed rows."""
+    """``fixes.rules.RunFacts`` answered from a store, as typed rows; a fact registered with
+    ``fixes.facts.register_fact`` is answered by its function, given this store."""
 
     def __init__(self, store):
         self.store = store
         self._quantise: dict[str, list] = {}  # run_id -> its quantise calls (read once per diagnosis pass)
+
+    def __getattr__(self, name: str):
+        fact = None if name.startswith("_") else FACTS.get(name)
+        if fact is None:
+            raise AttributeError(f"no fact {name!r}: register one with precision_lab.fixes.facts.register_fact")
+        return partial(fact, self.store)
 
     def zero_gradients(self, run_id):
         return [ZeroGradient.from_row(r) for r in q.zero_gradients(self.store, run_id)]
