@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from precision_lab.formats import FORMATS
-from precision_lab.readers.generic import _call_layout, _Evidence, call_numbers
+from precision_lab.readers.calllayout import _call_layout, call_numbers
+from precision_lab.readers.saveddtype import _Evidence
 from precision_lab.services.ingest import ingest
 from precision_lab.services.report import build_report, render_text
 

@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import stat
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -82,12 +81,13 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..display import num_text
-from ..formats import canonical_dtype, format_for_dtype, numpy_dtype_named
-from ..ops import is_msprobe_key, op_type_of, parse_op
-from ..records import GRAD_ROLES, INPUT_ROLES, ROLES, TensorRecord, split_tensor_name
+from ..formats import canonical_dtype, numpy_dtype_named
+from ..records import TensorRecord
+from .calllayout import _file_calls, _record_fields, _tensor_name, call_folders, call_numbers
 from .dataorder import digest
 from .base import RANK_RE, STEP_RE, ReadError, RunSource, Tick, first_line, natural_key
 from .safeio import limits, open_regular, read_json, relname
+from .saveddtype import SAVED_FROM, TELLING_VALUES, _as_dtype, _Evidence, _float32, _native, _read_back
 from .tensorfile import CONTAINERS, SUFFIXES, bin_sidecars, load_source, read_tensors
 from ..stats import tensor_stats
 
@@ -147,222 +147,6 @@ def scan(root: Path) -> Scan:
     other = [p for p in files if p not in used]
     return Scan(data, sidecars, order_file, other, special, dtype_sidecars, call_folders(data))
 
-
-# how hook writers name the tensors of one module call in one file (a key, ``_<i>`` or ``.<i>`` after it for
-# the position): the role each name stands for
-CALL_KEYS = {"input": "input", "inputs": "input", "args": "input", "x": "input",
-             "output": "output", "outputs": "output", "out": "output", "y": "output",
-             "grad_input": "grad_input", "grad_inputs": "grad_input",
-             "grad_output": "grad_output", "grad_outputs": "grad_output"}
-_CALL_KEY = re.compile(r"(?P<head>[A-Za-z_]+?)(?:_(?P<i>\d+))?(?:\.(?P<rest>.+))?$")
-
-
-def _call_layout(keys: list[str], positions: bool = False) -> Optional[dict[str, str]]:
-    """key -> ``<role>.<i>`` for a file holding one module call: ``{"input": x, "output": y}`` and the other
-    names of ``CALL_KEYS`` (``np.savez``, ``torch.save`` of a dict, ``safetensors``), or with ``positions`` (a
-    ``.pt``) ``torch.save((args, out))``; None for any other content.  It needs a key of a role other than
-    ``input`` (an output, or a gradient)."""
-    found = {k: _CALL_KEY.match(k) for k in keys}
-    if keys and all(m and m["head"].lower() in CALL_KEYS for m in found.values()):
-        roles = {k: CALL_KEYS[m["head"].lower()] for k, m in found.items()}
-        named = {k: f"{roles[k]}.{'.'.join(x for x in (m['i'], m['rest']) if x) or 0}" for k, m in found.items()}
-        if any(r != "input" for r in roles.values()) and len(set(named.values())) == len(named):
-            return named
-    if not positions:
-        return None
-    heads = {k: k.split(".", 1) for k in keys}
-    # (args, out): positions only ("0.<i>", "1" or "1.<j>"), never a Sequential's state dict ("0.weight")
-    if heads and all(h[0] in ("0", "1") and (h[0] == "1" or len(h) > 1)
-                     and (len(h) == 1 or h[1].split(".")[0].isdigit()) for h in heads.values()) and any(
-            h[0] == "1" for h in heads.values()):
-        return {k: f"{'input' if h[0] == '0' else 'output'}.{h[1] if len(h) > 1 else 0}" for k, h in heads.items()}
-    return None
-
-
-# a call number at the start of a file's name ("000-", "001_", "12.") before the rest of it
-_CALL_NUMBER = re.compile(r"(\d+)[-_.](?=.)")
-UNNUMBERED_SHARE = 0.1  # of a folder's data files that may lack a call number when the others give the order
-
-
-def call_folders(files: list[Path]) -> dict[Path, str]:
-    """file -> ``<role>.<i>`` for the files of a folder that holds one module call: every data file in it named
-    as a role (``CALL_KEYS``), an input and an output among them (``003_fc/input.npy``, ``003_fc/output.npy``:
-    the folder is the module).  A folder holding ``output.npy`` alone may be a module named ``output``
-    (``attention/output.npy``): not taken."""
-    by_dir: dict[Path, list[Path]] = {}
-    for p in files:
-        by_dir.setdefault(p.parent, []).append(p)
-    out: dict[Path, str] = {}
-    for group in by_dir.values():
-        # a .pt is a container only when it holds one; named as a role, it holds that role's tensor
-        if any(p.suffix.lower() in CONTAINERS and p.suffix.lower() not in (".pt", ".pth") for p in group):
-            continue
-        stems = [p.name[: -len(p.suffix)] for p in group]
-        layout = _call_layout(stems)
-        roles = {v.split(".")[0] for v in (layout or {}).values()}
-        if layout and roles & set(INPUT_ROLES) and "output" in roles:
-            out.update({p: layout[stem] for p, stem in zip(group, stems)})
-    return out
-
-
-def nested_calls(keys: list[str]) -> dict[str, str]:
-    """key -> ``<module>.<role>.<i>`` for the keys of one container that hold module calls one level down:
-    ``torch.save({name: {"input": x, "output": y}})`` flattens to ``<name>.input`` and ``<name>.output``.  Only
-    a module whose keys are all role names (``CALL_KEYS``), an input and an output among them, is taken: a
-    module named ``output`` beside others (BERT's ``attention.output``) is left as it is."""
-    groups: dict[str, list[str]] = {}
-    for k in keys:
-        head, _, last = k.rpartition(".")
-        groups.setdefault(head, []).append(last)
-    out: dict[str, str] = {}
-    for head, lasts in groups.items():
-        if not head:
-            continue
-        layout = _call_layout(lasts)
-        roles = {v.split(".")[0] for v in (layout or {}).values()}
-        if layout and roles & set(INPUT_ROLES) and "output" in roles:
-            out.update({f"{head}.{k}": f"{head}.{v}" for k, v in layout.items()})
-    return out
-
-
-def call_numbers(files: list[Path], folders: Optional[dict[Path, str]] = None) -> dict[Path, int]:
-    """file -> the call number its name begins with, for the folders whose data files (every one, or all but
-    ``UNNUMBERED_SHARE`` of them) begin with one, each number naming one op and each op one number: a hook
-    that counts its calls (``f"{n:03d}-{name}.npz"``).  A file of a folder holding one call (``folders``,
-    ``call_folders``) takes the number its folder's name begins with (``003_fc/output.npy``).  ``layer10`` or
-    a Sequential's ``0.weight`` beside ``0.bias`` (two names, one number) are no call numbers."""
-    folders = folders or {}
-    by_dir: dict[Path, list[Path]] = {}
-    named: dict[Path, str] = {}  # file -> the name its number is read from
-    for p in files:
-        unit = p.parent if p in folders else p
-        named[p] = unit.name if p in folders else p.name[: -len(p.suffix)]
-        by_dir.setdefault(unit.parent, []).append(p)
-    out: dict[Path, int] = {}
-    for group in by_dir.values():
-        found = {p: m for p in group if (m := _CALL_NUMBER.match(named[p]))}
-        units = {p.parent if p in folders else p for p in group}
-        if len(found) < 2 or len(units) - len({p.parent if p in folders else p for p in found}) > int(
-                UNNUMBERED_SHARE * len(units)):
-            continue
-        ops: dict[int, set] = {}
-        numbers: dict[str, set] = {}
-        for p, m in found.items():
-            op = named[p] if p in folders else _record_fields(named[p])["op"]  # "000-fc.output.0", "000-fc": "000-fc"
-            ops.setdefault(int(m[1]), set()).add(op)
-            numbers.setdefault(op, set()).add(int(m[1]))
-        if all(len(v) == 1 for v in ops.values()) and all(len(v) == 1 for v in numbers.values()):
-            out.update({p: int(m[1]) for p, m in found.items()})
-    return out
-
-
-_ROOT_ROLE = frozenset(ROLES) - {"tensor"}
-
-
-def _record_fields(name: str) -> dict:
-    split = split_tensor_name(name)
-    head, _, tail = name.partition(".")
-    if split:
-        op, role, index = split
-    elif head in _ROOT_ROLE and tail and "." not in tail:
-        op, role, index = "", head, tail  # the root module, saved without a name
-    else:
-        op, role, index = name, "tensor", "0"
-    parts = op.split(".")
-    backward = role in GRAD_ROLES or "backward" in parts
-    if is_msprobe_key(op):
-        backward = parse_op(op)[1] == "backward" or role in GRAD_ROLES
-    numbered = _CALL_NUMBER.match(op)  # a call number the name begins with is no part of its type: "005-softmax"
-    return {"op": op, "role": role, "index": index, "op_type": op_type_of(op[numbered.end():] if numbered else op),
-            "direction": "backward" if backward else "forward"}
-
-
-
-def _native(x):
-    """Arrays in foreign byte order cannot be viewed by torch; swap them once."""
-    if isinstance(x, np.ndarray) and not x.dtype.isnative:
-        return x.astype(x.dtype.newbyteorder("="))
-    return x
-
-
-def _original_for(originals: dict, name: str, prefix: str, path: Path):
-    """The original dtype a tensor was saved from: its file's own sidecar says (``originals[path]``), else the
-    manifest, by the tensor's name, its op/module, or its file's name."""
-    if not originals:
-        return None
-    for n in (path, name, _record_fields(name)["op"], prefix):
-        if n in originals:
-            return originals[n]
-    return None
-
-
-def _as_dtype(t, dt):
-    """``t`` read back in dtype ``dt`` (a numpy/ml_dtypes dtype) when every value is exactly representable in
-    it; None when one is not; ``t`` itself for ``dt`` None."""
-    if dt is None or t is None:
-        return t
-    a = t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t)
-    with np.errstate(over="ignore", invalid="ignore"):  # a value past the dtype's range is simply not one of its
-        b = a.astype(dt)
-    if not np.array_equal(b.astype(a.dtype), a, equal_nan=True):
-        return None
-    return b
-
-
-# fp16/bf16 tensors saved as float32 with no dtype given, told from their values (``_Evidence``); tried in this
-# order: a bf16 value within fp16's range is often an fp16 value too, an fp16 value seldom a bf16 one
-SAVED_FROM = ("bfloat16", "float16")
-TELLING_VALUES = 32  # distinct values, across the dump, that float32 data would not give by chance
-
-
-@dataclasses.dataclass
-class _Evidence:
-    """What a dump's float32 tensors say about a narrower dtype they may have been saved from.  Every finite
-    value must be one of its values (``_as_dtype``), and that must not be by chance: ``TELLING_VALUES``
-    distinct values that are no integers and need one of the last three bits of the format's mantissa (a
-    format three bits coarser holds none of them), spread over more binades than the format has digits (a fixed-point grid,
-    ``arange(n) / 256``, is exact in every format that holds its digits).  Genuine float32 values fill all
-    23 bits: each one is a value of fp16 with a chance of about 2^-13."""
-
-    dtype: np.dtype
-    telling: set = dataclasses.field(default_factory=set)
-    low: int = 1 << 30  # exponent of the finest bit any value uses
-    high: int = -(1 << 30)  # exponent of the largest magnitude
-    tensors: int = 0
-
-    @property
-    def fmt(self):
-        return format_for_dtype(self.dtype)
-
-    def add(self, a: np.ndarray) -> bool:
-        """Read one float32 array; False when one of its finite values is not a value of ``dtype``."""
-        if _as_dtype(a, self.dtype) is None:
-            return False
-        self.tensors += 1
-        v = a[np.isfinite(a)].ravel()
-        bits = v.view(np.uint32)
-        expo = ((bits >> 23) & 0xFF).astype(np.int64)
-        v, bits, expo = v[expo > 0], bits[expo > 0], expo[expo > 0]  # zeros and float32's subnormals tell nothing
-        if not v.size:
-            return True
-        sig = (bits & 0x7FFFFF) | 0x800000
-        zeros = np.log2((sig & (~sig + np.uint32(1))).astype(np.float64)).astype(np.int64)  # trailing zero bits
-        self.low = min(self.low, int((expo - 150 + zeros).min()))
-        self.high = max(self.high, int(expo.max()) - 127)
-        if len(self.telling) < TELLING_VALUES:
-            tell = v[(23 - zeros >= self.fmt.man_bits - 2) & (v != np.trunc(v))]
-            self.telling.update(np.unique(tell[: 4 * TELLING_VALUES]).tolist())
-        return True
-
-    def holds(self) -> bool:
-        return len(self.telling) >= TELLING_VALUES and self.high - self.low + 1 > self.fmt.man_bits + 1
-
-
-def _float32(t) -> Optional[np.ndarray]:
-    """A float32 tensor as a numpy array; None for any other dtype."""
-    if canonical_dtype(getattr(t, "dtype", "")) != "float32":
-        return None
-    return t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t)
 
 
 class GenericReader:
@@ -573,7 +357,6 @@ class GenericReader:
         """The records in reading order (``seq``), with a ``Hint`` each for ``dataorder.settle`` (an order list's
         place, else the file's call number, and its time rank)."""
         lone_container = len(sc.data) == 1 and sc.data[0].suffix.lower() in CONTAINERS
-        folders = sc.folders
         seen: dict[tuple, str] = {}
         used: set[str] = set()
         seen_names: list[str] = []
@@ -582,43 +365,16 @@ class GenericReader:
         for p in sc.data:
             rel = relname(root, p)
             prefix, step, rank = self._prefix(root, p)
-            items = list(self._load(root, sc, p))
-            layout = _call_layout([k for k, _ in items], p.suffix.lower() in (".pt", ".pth")) if \
-                p.suffix.lower() in CONTAINERS and not lone_container else None
-            if layout is not None:  # inputs first, as the call received them
-                items.sort(key=lambda kv: (layout[kv[0]].split(".")[0] not in INPUT_ROLES, natural_key(layout[kv[0]])))
-            nested = nested_calls([k for k, _ in items]) if layout is None and p.suffix.lower() in CONTAINERS else {}
+            items, layout, nested = _file_calls(p, list(self._load(root, sc, p)), lone_container)
             for key, t in items:
                 t = _native(t)
-                if key == "" and p in folders:  # "003_fc/output.npy": the output of the call "003_fc"
-                    stem = p.name[: -len(p.suffix)]
-                    parent = prefix[: -len(stem)].rstrip(".")
-                    name = f"{parent}.{folders[p]}" if parent else folders[p]
-                elif key == "":
-                    name = prefix
-                elif layout is not None:
-                    name = f"{prefix}.{layout[key]}"
-                else:  # a key's "/" separates module names as a folder's does ("model/layers/1/mlp")
-                    dotted = nested.get(key, key).replace("/", ".")
-                    name = dotted if lone_container else f"{prefix}.{dotted}"
+                name = _tensor_name(p, key, prefix, sc.folders, layout, nested, lone_container)
                 dup = seen.get((step, rank, name))
                 if dup is not None:
                     raise ReadError(f"{rel}: tensor name {name!r} is also given by {dup}; rename one of them")
                 seen[(step, rank, name)] = rel
                 source = rel if key == "" else f"{rel}#{key}"
-                want = _original_for(originals or {}, name, prefix, p)
-                if want is None and saved_from is not None and _float32(t) is not None:
-                    want = saved_from  # every value is one of its values (_saved_from read them all)
-                if want is not None:
-                    back = _as_dtype(t, want)
-                    if back is None:
-                        said = "its sidecar" if p in originals else "the manifest"
-                        src.warnings.append((rel, f"{name!r} holds values that are not {want.name} values, so it was "
-                                                  f"not saved from {want.name} as {said} says; it is read as saved "
-                                                  f"({getattr(t, 'dtype', '?')})"))
-                    else:
-                        t = back
-                        cast[source] = want
+                t = _read_back(t, name, prefix, p, rel, src, originals, saved_from, cast, source)
                 try:
                     stats = tensor_stats(t)
                 except Exception as e:  # an unusual dtype: say which tensor
@@ -641,20 +397,27 @@ class GenericReader:
                                    source=source, tensor=t)
                 emitted += 1
             tick(os.lstat(p).st_size, rel)
-        if order is not None and used:
-            left = [n for n, (listed, _t) in zip(seen_names, hints_seen) if listed is None]
-            if left:
-                shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
-                src.warnings.append((relname(root, sc.order_file),
-                                     f"{len(left)} tensor(s) not listed in the order file were placed by file "
-                                     f"times and the data, not by name: {shown}"))
-        if order is not None:
-            unknown = [n for n in order if n not in used]
-            if unknown:
-                shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-                what = ("names no tensor or module of the dump; its order is not used" if not used else
-                        f"names {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} that match no tensor or "
-                        "module of the dump (left out)")
-                src.warnings.append((relname(root, sc.order_file), f"{what}: {shown}"))
-                if not used:
-                    src.hints.update({k: (None, t) for k, (_l, t) in src.hints.items()})
+        _order_warnings(root, sc, order, used, seen_names, hints_seen, src)
+
+
+def _order_warnings(root: Path, sc: Scan, order, used: set, seen_names: list, hints_seen: list,
+                    src: RunSource) -> None:
+    """Warnings of an order list once every record is read: the tensors it left out (placed by file times and
+    the data), and the entries that match nothing (no entry matching: the list is not used at all)."""
+    if order is not None and used:
+        left = [n for n, (listed, _t) in zip(seen_names, hints_seen) if listed is None]
+        if left:
+            shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+            src.warnings.append((relname(root, sc.order_file),
+                                 f"{len(left)} tensor(s) not listed in the order file were placed by file "
+                                 f"times and the data, not by name: {shown}"))
+    if order is not None:
+        unknown = [n for n in order if n not in used]
+        if unknown:
+            shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            what = ("names no tensor or module of the dump; its order is not used" if not used else
+                    f"names {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} that match no tensor or "
+                    "module of the dump (left out)")
+            src.warnings.append((relname(root, sc.order_file), f"{what}: {shown}"))
+            if not used:
+                src.hints.update({k: (None, t) for k, (_l, t) in src.hints.items()})
