@@ -323,7 +323,6 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     acc = None
     small = (isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray) and reference.size < SMALL_NUMPY
              and not KERNEL.loaded() and not over_budget())  # loading the kernel would cost more (numba_loader)
-    t0 = time.thread_time()
     if (backend == "numba" and _numba_kernel(wait=True) is not None) or (
             backend == "auto" and not small and _numba_kernel() is not None):
         r, c = _np_flat(reference), _np_flat(candidate)
@@ -332,6 +331,7 @@ def compare(reference, candidate, *, cand_format: Optional[str] = None, chunk: i
     if acc is None:
         if backend == "numba":
             raise RuntimeError("the numba comparison kernel is unavailable for these inputs")
+        t0 = time.thread_time()  # the fallback's time only: a thread's CPU clock is a system call
         numpy_inputs = isinstance(reference, np.ndarray) and isinstance(candidate, np.ndarray)
         if backend == "numpy" and not numpy_inputs:
             raise ValueError("backend='numpy' takes numpy arrays, not torch tensors")

@@ -59,10 +59,13 @@ def tensor_stats(x, *, histogram: bool = True, chunk_elems: Optional[int] = None
         use_numba = backend == "auto" and KERNELS.ready() is not None
     if backend == "numba" and not use_numba:
         raise ValueError("backend='numba' requested but numba is not available (or PRECISION_LAB_NO_NUMBA is set)")
+    if use_numba or backend != "auto":
+        return _tensor_stats(x, histogram, chunk_elems, use_numba, backend)
+    # the fallback's time, counted against numba_loader.FALLBACK_BUDGET_S (read only here: a thread's CPU clock
+    # is a system call, some 0.2 ms in a process whose other threads run, such as a rank's gloo threads)
     t0 = time.thread_time()
     out = _tensor_stats(x, histogram, chunk_elems, use_numba, backend)
-    if backend == "auto" and not use_numba:
-        note_fallback(time.thread_time() - t0)  # counted against numba_loader.FALLBACK_BUDGET_S
+    note_fallback(time.thread_time() - t0)
     return out
 
 
