@@ -4,7 +4,6 @@ ingested: the same first failure, rank, step and op, the same ranks told apart, 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -31,9 +30,11 @@ RANKS, BAD_RANK, FAIL_STEP, STEPS = 3, 1, 4, 6
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ranks")
-    os.environ.setdefault("XDG_DATA_HOME", str(tmp / "xdg"))
-    scale_ranks.real_run(tmp / "healthy", 3, STEPS, None)
-    scale_ranks.real_run(tmp / "failing", 3, STEPS, FAIL_STEP)  # one block's output passes fp16's 65,504
+    with pytest.MonkeyPatch.context() as mp:  # nothing of the user's data folder is touched, nor left set after
+        mp.setenv("XDG_DATA_HOME", str(tmp / "xdg"))
+        mp.setenv("PRECISION_LAB_DB", str(tmp / "default.duckdb"))
+        scale_ranks.real_run(tmp / "healthy", 3, STEPS, None)
+        scale_ranks.real_run(tmp / "failing", 3, STEPS, FAIL_STEP)  # one block's output passes fp16's 65,504
     out = tmp / "shards"
     for r in range(RANKS):  # the healthy run's files stand for the other ranks
         scale_ranks.as_rank(tmp / ("failing" if r == BAD_RANK else "healthy"), out, r)
