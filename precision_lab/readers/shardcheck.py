@@ -21,7 +21,7 @@ from ..stats import N_BINS, HistogramError, TensorStats, decode_hist
 _BATCH_ROWS = 1024
 
 
-_TEXT_MAX = 64 << 10  # longest name, dtype or shape text a record may carry
+TEXT_MAX = 64 << 10  # longest name, dtype or shape text a record may carry
 _LOCAL_JSON_MAX = 1 << 20  # longest local-comparison JSON
 _TEXT_COLUMNS_LARGE = {"tensor_npy": None, "local_json": _LOCAL_JSON_MAX}  # None: bounded by max_tensor_mb
 
@@ -141,7 +141,7 @@ def _batches(pf, shown: str):
                         or pa.types.is_large_binary(t)):
                     continue
                 lengths = _value_lengths(col)
-                bound = _TEXT_COLUMNS_LARGE.get(name, _TEXT_MAX)
+                bound = _TEXT_COLUMNS_LARGE.get(name, TEXT_MAX)
                 bound = lim.max_tensor_bytes if bound is None else bound
                 if lengths.size and lengths.max() > bound:
                     raise ShardError(f"{shown}: a record's {name} holds {int(lengths.max())} bytes, more than the "

@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .shardcheck import _iter_file, _open_shard, kept_tensor
+from .shardcheck import TEXT_MAX, _iter_file, _open_shard, kept_tensor
 from .shardformat import SHARD_FORMAT, SHARD_VERSION, ShardError, _columns, _schema, shard_glob, shard_path
 from .shardmanifest import _run_files, _run_meta, read_manifest, write_manifest
 from .shardtimeline import read_timeline, write_timeline
@@ -44,7 +44,7 @@ from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
            "write_timeline", "read_timeline", "kept_tensor", "checked_runs",
-           "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob"]
+           "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob", "TEXT_MAX"]
 
 
 def write_shard(root, run_meta: dict, records, *, rank: int, step: int,

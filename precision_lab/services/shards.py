@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..readers.shards import ShardError, checked_runs, read_timeline
+from ..readers.shards import TEXT_MAX, ShardError, checked_runs, read_timeline
 from ..records import RunInfo
 from ..store.parquet import ShardRun, over_shards
 from .diagnose import diagnose_session
@@ -56,7 +56,8 @@ def open_shards(root, *, diagnose: bool = True):
         name = w.name
 
     try:
-        store = over_shards(root, [ShardRun(meta["run_id"], files, cols) for meta, files, cols in runs], write)
+        parts = [ShardRun(meta["run_id"], tuple(files), frozenset(cols)) for meta, files, cols in runs]
+        store = over_shards(root, parts, write, text_max=TEXT_MAX)
     except ValueError as e:
         raise ShardError(str(e)) from None
     if diagnose:

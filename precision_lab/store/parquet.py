@@ -11,7 +11,7 @@ sit on object storage, or an engine beside DuckDB (Spark, Trino) once one machin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import NamedTuple, Sequence
 
 from . import Store, tensor_columns
 
@@ -19,14 +19,14 @@ __all__ = ["over_shards", "ShardRun"]
 
 # rid of a row read in place: (step, rank, row in its file) packed in one BIGINT
 _RANK_BITS, _ROW_BITS = 16, 24
-_TEXT_MAX = 64 << 10  # longest name, dtype or shape text a record may carry (as ingest allows)
 
 
-class ShardRun(tuple):
-    """``(run_id, files, columns)``: a run's shard files and the record columns any of them holds."""
+class ShardRun(NamedTuple):
+    """A run's shard files and the record columns any of them holds."""
 
-    def __new__(cls, run_id: str, files: Sequence[Path], columns: Iterable[str]):
-        return super().__new__(cls, (run_id, tuple(Path(f) for f in files), frozenset(columns)))
+    run_id: str
+    files: tuple
+    columns: frozenset
 
 
 def _text(s: str) -> str:
@@ -61,18 +61,19 @@ def _rows(run: ShardRun, root: Path) -> str:
             "union_by_name = true)")
 
 
-def over_shards(root, runs: Sequence[ShardRun], write) -> Store:
+def over_shards(root, runs: Sequence[ShardRun], write, *, text_max: int) -> Store:
     """A ``Store`` in memory whose tensors are ``runs``' shard files, read in place.  ``write(store)`` first
     writes the session and its runs (and anything else kept in tables, such as a timeline) through the store's
-    own writer; the record tables are then replaced by views over the files.  Raises ``ValueError`` where a run
+    own writer; the record tables are then replaced by views over the files.  ``text_max``: the longest
+    name, dtype or shape text a record may carry (the readers' bound).  Raises ``ValueError`` where a run
     has no file (a view over nothing) or a file is not a path."""
     root = Path(root)
-    files = [f for r in runs for f in r[1]]
+    files = [f for r in runs for f in r.files]
     if not files:
         raise ValueError(f"{root}: no shard file to read")
     store = Store(":memory:", readable=tuple(str(f) for f in files))
     write(store)
-    body = " UNION ALL ".join(_rows(r, root) for r in runs if r[1])
+    body = " UNION ALL ".join(_rows(r, root) for r in runs if r.files)
     with store.transaction() as cur:
         for table in ("tensors", "histograms", "tensor_data"):
             cur.execute(f"DROP TABLE {table}")
@@ -84,20 +85,19 @@ def over_shards(root, runs: Sequence[ShardRun], write) -> Store:
                     "FROM _pl_shard_rows WHERE hist_bins IS NOT NULL")
         cur.execute("CREATE VIEW tensor_data AS SELECT run_id, rid, tensor_npy AS npy FROM _pl_shard_rows "
                     "WHERE tensor_npy IS NOT NULL")
-    _check(store, root)
+    _check(store, root, text_max)
     return store
 
 
-def _check(store, root: Path) -> None:
-    """Read every record column once: a file whose rows cannot be decoded, a step or rank outside what a
-    record id packs, or a text longer than a record may carry is refused now, by name, not halfway through a
+def _check(store, root: Path, text_max: int) -> None:
+    """Read every row's texts, step and rank once: a file whose pages cannot be decoded, a step or rank outside
+    what a record id packs, or a text longer than ``text_max`` is refused now, by name, not halfway through a
     report.  ``ValueError`` naming the file."""
     texts = [n for n, t in tensor_columns() if t == "VARCHAR" and n not in ("run_id", "source")]
-    longest = " + ".join(f'(length(coalesce("{n}", \'\')) > {_TEXT_MAX})::INT' for n in texts)
+    longest = " + ".join(f'(length(coalesce("{n}", \'\')) > {text_max})::INT' for n in texts)
     try:
-        bad = store.sql(f"""SELECT source, step, rank, file_row FROM (
-                                SELECT source, step, rank, rid & {(1 << _ROW_BITS) - 1} AS file_row,
-                                       ({longest}) AS long_texts
+        bad = store.sql(f"""SELECT source, step, rank FROM (
+                                SELECT source, step, rank, ({longest}) AS long_texts
                                 FROM tensors)
                             WHERE long_texts > 0 OR step < 0 OR step >= {1 << (63 - _RANK_BITS - _ROW_BITS)}
                                OR rank < 0 OR rank >= {1 << _RANK_BITS} LIMIT 1""").fetchone()
@@ -107,4 +107,4 @@ def _check(store, root: Path) -> None:
     if bad is not None:
         raise ValueError(f"{bad[0]}: a record (step {bad[1]}, rank {bad[2]}) has a step or rank outside "
                          f"0..{(1 << (63 - _RANK_BITS - _ROW_BITS)) - 1} and 0..{(1 << _RANK_BITS) - 1}, or a "
-                         f"text longer than {_TEXT_MAX} bytes")
+                         f"text longer than {text_max} bytes")
