@@ -1,0 +1,312 @@
+"""Results cross a layer typed: a function another layer calls says what it returns, and it is not a bare dict.
+
+A layer is a floor of tests/test_architecture.py (vocabulary, producers, settings, store, services, ui, cli) or
+the pages.  A function "crosses" when a module of another layer imports it (by name, or through its module:
+``from ..store import queries as q`` then ``q.session_runs``), and so do the public methods of the classes
+``Store`` is made of.  Its return annotation must be present and must name no ``dict``, ``Mapping`` or ``Any``
+(a frozen record, a named tuple, a DataFrame, a figure or a plain value says what the caller gets).
+
+``PENDING`` lists the functions that still return dicts across a layer; it may only shrink: a new crossing
+dict fails, and so does a listed name that no longer crosses or no longer returns a dict.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from test_architecture import ALL, PAGES, ROOT, _floor_of
+
+UNTYPED = re.compile(r"\b(dict|Dict|Mapping|MutableMapping|Any)\b")
+STORE_CLASS = ("precision_lab.store", "Store")
+
+PENDING = frozenset("""
+precision_lab.alerts.headroom_bits
+precision_lab.fixes.islands.island_effects
+precision_lab.fixes.recipes.parse_entry_point_recipe
+precision_lab.fixes.replay.replay
+precision_lab.fixes.rules.module_facts
+precision_lab.fixes.trees.call_model
+precision_lab.fixes.trees.first_tensor
+precision_lab.jsoncodec.decode_nonfinite
+precision_lab.live.policies.as_policy
+precision_lab.origin.walk.model_outputs
+precision_lab.readers.detect
+precision_lab.readers.safeio.limits_in_force
+precision_lab.readers.safeio.read_json
+precision_lab.readers.shards.checked_runs
+precision_lab.readers.shardtimeline.read_timeline
+precision_lab.readers.tensorfile.load_source
+precision_lab.services.applicable.applicable_fixes
+precision_lab.services.jobs.rerun_actions
+precision_lab.services.replay.replayable_ops
+precision_lab.services.report.build_report
+precision_lab.services.report.norm_artefacts
+precision_lab.services.report.order_notes
+precision_lab.services.report.rank_spread
+precision_lab.services.shards.open_shards
+precision_lab.services.share.revoke_recorded_token
+precision_lab.services.timeline.heatmap
+precision_lab.services.timeline.module_tree
+precision_lab.services.timeline.op_series
+precision_lab.services.timeline.record_at
+precision_lab.services.timeline.timeline_report
+precision_lab.services.tree.run_tree
+precision_lab.services.tree.tree_modules_of
+precision_lab.services.verify.untried
+precision_lab.services.verify.verification
+precision_lab.services.verify.verify_session
+precision_lab.services.xdiff.diff_rows
+precision_lab.store.diffs.base_run
+precision_lab.store.diffs.pair_options
+precision_lab.store.files.held
+precision_lab.store.files.writing
+precision_lab.store.optable.filter_options
+precision_lab.store.queries.error_growth
+precision_lab.store.queries.first_nonfinite_state_after
+precision_lab.store.queries.forward_ends
+precision_lab.store.queries.forward_ops
+precision_lab.store.queries.last_accumulated_output
+precision_lab.store.queries.module_call
+precision_lab.store.queries.nonfinite_norms_of_finite_values
+precision_lab.store.queries.nonfinite_op_calls
+precision_lab.store.queries.nonfinite_records
+precision_lab.store.queries.op_calls_up_to
+precision_lab.store.queries.op_extremes
+precision_lab.store.queries.op_parents
+precision_lab.store.queries.op_records
+precision_lab.store.queries.ops_above
+precision_lab.store.queries.paired_values
+precision_lab.store.queries.quantise_calls
+precision_lab.store.queries.record_ids_by_name
+precision_lab.store.queries.reference_of
+precision_lab.store.queries.rows
+precision_lab.store.queries.run_diagnoses
+precision_lab.store.queries.run_records_with_data
+precision_lab.store.queries.run_row
+precision_lab.store.queries.run_tensors
+precision_lab.store.queries.session_comparisons
+precision_lab.store.queries.session_diagnoses
+precision_lab.store.queries.session_list
+precision_lab.store.queries.session_runs
+precision_lab.store.queries.session_warning_rows
+precision_lab.store.queries.worst_local_errors
+precision_lab.store.queries.zero_gradients
+precision_lab.store.reader.df
+precision_lab.store.reader.held
+precision_lab.store.reader.reading
+precision_lab.store.reader.record_stats
+precision_lab.store.reader.run
+precision_lab.store.reader.runs
+precision_lab.store.reader.session
+precision_lab.store.reader.session_by_token
+precision_lab.store.reader.sessions
+precision_lab.store.reader.tensor
+precision_lab.store.timeline.heatmap_cells
+precision_lab.store.timeline.op_steps
+precision_lab.store.timeline.op_steps_at
+precision_lab.store.timeline.op_worst
+precision_lab.store.timeline.output_record
+precision_lab.store.timeline.rank_step_cells
+precision_lab.store.timeline.series_rows
+precision_lab.store.timeline.step_rows
+precision_lab.store.timeline.timeline_ops
+precision_lab.store.timeline.timeline_runs
+precision_lab.store.transfer.copy_session_tables
+precision_lab.store.transfer.insert_session_tables
+precision_lab.store.transfer.table_columns
+precision_lab.store.views.all_runs
+precision_lab.store.views.counterparts
+precision_lab.store.views.diagnoses_worst_first
+precision_lab.store.views.find_records
+precision_lab.store.views.record
+precision_lab.store.views.record_comparisons
+precision_lab.store.views.session_warnings
+precision_lab.store.writer.transaction
+precision_lab.store.writer.writing
+precision_lab.ui.common.style_severity
+precision_lab.ui.common.text_columns
+precision_lab.ui.detail.histogram_figure
+precision_lab.ui.detail.load_stats
+precision_lab.ui.detail.op_choices
+precision_lab.ui.detail.op_record
+precision_lab.ui.detail.record_named
+precision_lab.ui.detail.summary_figure
+precision_lab.ui.diff.pair_choices
+precision_lab.ui.diff.rerun_cards
+precision_lab.ui.diff.runs_by_id
+precision_lab.ui.ops.filter_choices
+precision_lab.ui.overview.diagnosis_cards
+precision_lab.ui.overview.error_figure
+precision_lab.ui.overview.first_nonfinite_by_run
+precision_lab.ui.overview.long_runs
+precision_lab.ui.overview.model_tree
+precision_lab.ui.overview.module_link
+precision_lab.ui.page.bound_value
+precision_lab.ui.page.cached_sessions_table
+precision_lab.ui.page.choose_run
+precision_lab.ui.page.get_config
+precision_lab.ui.page.guard
+precision_lab.ui.page.navigation
+precision_lab.ui.page.page_run
+precision_lab.ui.page.require_session
+precision_lab.ui.page.selected_row
+precision_lab.ui.page.session_views
+precision_lab.ui.page.start
+precision_lab.ui.page.url_select
+precision_lab.ui.page.while_allowed
+precision_lab.ui.timeline.heatmap_figure
+precision_lab.ui.timeline.long_runs_by_name
+precision_lab.ui.timeline.op_series_by_label
+precision_lab.ui.timeline.ranks_figure
+precision_lab.ui.timeline.run_steps
+precision_lab.ui.timeline.series_figure
+precision_lab.ui.timeline.step_figure
+precision_lab.ui.timeline.tree_figure
+precision_lab.ui.timeline.tree_modules
+""".split())
+
+
+def _module_of(path: Path) -> tuple[str, bool]:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    is_pkg = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_pkg else parts), is_pkg
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = (module if is_pkg else module.rsplit(".", 1)[0]).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+class Source:
+    """Every module of the package and the pages, parsed once: what each defines and imports."""
+
+    def __init__(self, files: list[Path], root: Path):
+        self.root = root
+        self.trees: dict[str, tuple[ast.Module, bool, Path]] = {}
+        for path in files:
+            rel = path.relative_to(root).with_suffix("")
+            parts = list(rel.parts)
+            is_pkg = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_pkg else parts)
+            self.trees[name] = (ast.parse(path.read_text()), is_pkg, path)
+
+    def layer(self, module: str) -> str:
+        return _floor_of(module) if module.startswith("precision_lab") else "pages"
+
+    def functions(self, module: str) -> dict[str, ast.FunctionDef]:
+        tree = self.trees[module][0]
+        return {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def definition(self, module: str, name: str, seen: int = 0):
+        """(defining module, function) of ``module.name``, following a package's re-exports."""
+        if module not in self.trees or seen > 8:
+            return None
+        fns = self.functions(module)
+        if name in fns:
+            return module, fns[name]
+        tree, is_pkg, _ = self.trees[module]
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if (a.asname or a.name) == name:
+                        return self.definition(_resolve(module, is_pkg, node), a.name, seen + 1)
+        return None
+
+    def crossings(self):
+        """(defining module, function name, calling layer) for every function used from another layer."""
+        for module, (tree, is_pkg, _) in self.trees.items():
+            here = self.layer(module)
+            aliases: dict[str, str] = {}
+            named: list[tuple[str, str]] = []
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    target = _resolve(module, is_pkg, node)
+                    for a in node.names:
+                        if f"{target}.{a.name}" in self.trees:
+                            aliases[a.asname or a.name] = f"{target}.{a.name}"
+                        else:
+                            named.append((target, a.name))
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name in self.trees and a.asname:
+                            aliases[a.asname] = a.name
+            used = list(named)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                    used.append((aliases[node.value.id], node.attr))
+            for target, name in used:
+                found = self.definition(target, name)
+                if found and self.layer(found[0]) != here:
+                    yield found[0], found[1], here
+        yield from self._store_methods()
+
+    def _store_methods(self):
+        module, name = STORE_CLASS
+        if module not in self.trees:
+            return
+        tree, is_pkg, _ = self.trees[module]
+        classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        if name not in classes:
+            return
+        bases = [b.id for b in classes[name].bases if isinstance(b, ast.Name)]
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, is_pkg, node)
+                for a in node.names:
+                    if a.name in bases and target in self.trees:
+                        for cls in self.trees[target][0].body:
+                            if isinstance(cls, ast.ClassDef) and cls.name == a.name:
+                                for fn in cls.body:
+                                    if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_"):
+                                        yield target, fn, "services"
+
+    def untyped_crossings(self) -> dict[str, str]:
+        """``module.function`` -> its return annotation ("" when none) for each crossing that is not typed."""
+        out = {}
+        for module, fn, _ in self.crossings():
+            shown = ast.unparse(fn.returns) if fn.returns is not None else ""
+            if not shown or UNTYPED.search(shown):
+                out[f"{module}.{fn.name}"] = shown
+        return out
+
+
+def _project() -> Source:
+    return Source([p for p, _, _ in ALL] + list(PAGES), ROOT)
+
+
+def test_no_new_function_returns_a_dict_across_a_layer():
+    untyped = _project().untyped_crossings()
+    new = {k: v or "(no annotation)" for k, v in untyped.items() if k not in PENDING}
+    assert not new, f"functions another layer calls return a bare dict or say nothing: {new}"
+
+
+def test_the_pending_list_only_shrinks():
+    untyped = _project().untyped_crossings()
+    done = sorted(PENDING - set(untyped))
+    assert not done, f"typed now (or no longer crossing a layer), take them off PENDING: {done}"
+
+
+def test_the_check_sees_a_dict_crossing_a_layer(tmp_path):
+    pkg = tmp_path / "precision_lab"
+    (pkg / "store").mkdir(parents=True)
+    (pkg / "services").mkdir()
+    for d in (pkg, pkg / "store", pkg / "services"):
+        (d / "__init__.py").write_text("")
+    (pkg / "store" / "queries.py").write_text(
+        "def runs(store) -> list[dict]:\n    return []\n"
+        "def count(store) -> int:\n    return 0\n"
+        "def rows(store):\n    return []\n"
+        "def own(store) -> dict:\n    return {}\n")
+    (pkg / "store" / "inside.py").write_text("from .queries import own\n")
+    (pkg / "services" / "use.py").write_text(
+        "from ..store import queries as q\nfrom ..store.queries import rows\n"
+        "def f(s):\n    return q.runs(s), q.count(s), rows(s)\n")
+    files = sorted(tmp_path.rglob("*.py"))
+    found = Source(files, tmp_path).untyped_crossings()
+    assert found == {"precision_lab.store.queries.runs": "list[dict]", "precision_lab.store.queries.rows": ""}
