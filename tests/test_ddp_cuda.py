@@ -12,24 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn as nn
 
+from test_ddp_spread import Net
 from test_multirank import _free_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 K, BAD, STEPS = 2, 1, 4
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def _worker(rank: int, world: int, port: int, backend: str, root: str) -> None:
