@@ -113,7 +113,7 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits(), *, shown
     """
     path = Path(path)
     shown = str(path) if shown is None else shown
-    total_s, files_s, ratio_s, depth_s, entry_s = limits.settings
+    total_s, files_s = limits.settings[:2]
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
@@ -130,57 +130,69 @@ def check_zip(path: os.PathLike | str, limits: ZipLimits = ZipLimits(), *, shown
         seen: set[tuple[str, ...]] = set()
         total = 0
         for info in infos:
-            parts = entry_parts(info.filename)
-            if parts is None:
-                kind = "an absolute path" if info.filename.replace("\\", "/").startswith("/") or \
-                    info.filename[1:2] == ":" else "a path that leaves the extraction folder"
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} has {kind}; refusing the archive")
-            special = _special(info)
-            if special:
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} is {special}; refusing the archive")
-            if info.flag_bits & 0x1:
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} is encrypted; cannot read it")
-            if info.compress_type not in _METHODS:
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} uses compression method {info.compress_type}, "
-                                "which cannot be read (stored, deflate, bzip2 and lzma can)")
+            parts = _checked_entry(info, limits, shown)
             if parts and not info.is_dir():
                 if parts in seen:
                     raise UnsafeZip(f"{shown}: entry {info.filename!r} appears more than once")
                 seen.add(parts)
-            depth = len(parts) - (0 if info.is_dir() else 1)
-            if depth > limits.max_depth:
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} is nested {depth} folders deep, more than "
-                                f"the limit of {limits.max_depth} ({depth_s})")
-            if limits.max_entry_bytes is not None and info.file_size > limits.max_entry_bytes:
-                raise UnsafeZip(f"{shown}: entry {info.filename!r} expands to {info.file_size} bytes, more than "
-                                f"the limit of {limits.max_entry_bytes} bytes ({entry_s})")
-            if (info.file_size > limits.ratio_min_entry_bytes
-                    and info.file_size > limits.max_ratio * max(info.compress_size, 1)):
-                raise UnsafeZip(
-                    f"{shown}: entry {info.filename!r} expands {info.file_size / max(info.compress_size, 1):.0f}x "
-                    f"({info.compress_size} -> {info.file_size} bytes), more than the limit of "
-                    f"{limits.max_ratio:g}x (zip bomb protection; raise {ratio_s} if the archive is trusted)"
-                )
             total += info.file_size
             if total > limits.max_total_bytes:
                 raise UnsafeZip(
                     f"{shown}: uncompressed size exceeds the limit of {limits.max_total_bytes} bytes "
                     f"(zip bomb protection; raise {total_s} if the archive is trusted)"
                 )
-        size = path.stat().st_size
-        if total > limits.ratio_free_total_bytes and total > limits.max_ratio * max(size, 1):
-            raise UnsafeZip(
-                f"{shown}: {len(infos)} entries expand {total / max(size, 1):.0f}x in all ({size} -> {total} "
-                f"bytes), more than the limit of {limits.max_ratio:g}x (zip bomb protection; raise {ratio_s} if "
-                "the archive is trusted)"
-            )
-        dirs = {parts[:i] for parts in seen for i in range(1, len(parts))}
-        clash = next((p for p in sorted(seen) if p in dirs), None)
-        if clash is not None:
-            raise UnsafeZip(f"{shown}: entry {'/'.join(clash)!r} is both a file and a folder; refusing the archive")
+        _check_whole(path, len(infos), total, seen, limits, shown)
         if crcs:
             _check_crcs(zf, path, infos, shown, what)
     return infos
+
+
+def _checked_entry(info: zipfile.ZipInfo, limits: ZipLimits, shown: str) -> tuple[str, ...]:
+    """One entry's path components, once its name, kind, encryption, method, depth, size and ratio pass."""
+    ratio_s, depth_s, entry_s = limits.settings[2:]
+    parts = entry_parts(info.filename)
+    if parts is None:
+        kind = "an absolute path" if info.filename.replace("\\", "/").startswith("/") or \
+            info.filename[1:2] == ":" else "a path that leaves the extraction folder"
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} has {kind}; refusing the archive")
+    special = _special(info)
+    if special:
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} is {special}; refusing the archive")
+    if info.flag_bits & 0x1:
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} is encrypted; cannot read it")
+    if info.compress_type not in _METHODS:
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} uses compression method {info.compress_type}, "
+                        "which cannot be read (stored, deflate, bzip2 and lzma can)")
+    depth = len(parts) - (0 if info.is_dir() else 1)
+    if depth > limits.max_depth:
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} is nested {depth} folders deep, more than "
+                        f"the limit of {limits.max_depth} ({depth_s})")
+    if limits.max_entry_bytes is not None and info.file_size > limits.max_entry_bytes:
+        raise UnsafeZip(f"{shown}: entry {info.filename!r} expands to {info.file_size} bytes, more than "
+                        f"the limit of {limits.max_entry_bytes} bytes ({entry_s})")
+    if (info.file_size > limits.ratio_min_entry_bytes
+            and info.file_size > limits.max_ratio * max(info.compress_size, 1)):
+        raise UnsafeZip(
+            f"{shown}: entry {info.filename!r} expands {info.file_size / max(info.compress_size, 1):.0f}x "
+            f"({info.compress_size} -> {info.file_size} bytes), more than the limit of "
+            f"{limits.max_ratio:g}x (zip bomb protection; raise {ratio_s} if the archive is trusted)"
+        )
+    return parts
+
+
+def _check_whole(path: Path, count: int, total: int, seen: set, limits: ZipLimits, shown: str) -> None:
+    """The archive as a whole: its expansion ratio, and no path both a file and a folder."""
+    size = path.stat().st_size
+    if total > limits.ratio_free_total_bytes and total > limits.max_ratio * max(size, 1):
+        raise UnsafeZip(
+            f"{shown}: {count} entries expand {total / max(size, 1):.0f}x in all ({size} -> {total} "
+            f"bytes), more than the limit of {limits.max_ratio:g}x (zip bomb protection; raise {limits.settings[2]} "
+            "if the archive is trusted)"
+        )
+    dirs = {parts[:i] for parts in seen for i in range(1, len(parts))}
+    clash = next((p for p in sorted(seen) if p in dirs), None)
+    if clash is not None:
+        raise UnsafeZip(f"{shown}: entry {'/'.join(clash)!r} is both a file and a folder; refusing the archive")
 
 
 def _check_crcs(zf: zipfile.ZipFile, path: Path, infos: list[zipfile.ZipInfo], shown: str, what: str) -> None:

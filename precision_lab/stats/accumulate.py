@@ -86,6 +86,42 @@ def _ldexp(m: float, k: int) -> float:
         return math.inf
 
 
+def _extreme(fn, x, y, nx, ny):
+    """``fn`` (min or max) of two sides' extrema; a side with no finite values carries nan and is ignored."""
+    if x is None or y is None:
+        if nx == 0 and y is not None:
+            return y
+        if ny == 0 and x is not None:
+            return x
+        return None
+    xs = [v for v, n in ((x, nx), (y, ny)) if not (isinstance(v, float) and math.isnan(v)) and n != 0]
+    if not xs:
+        return float("nan")
+    return float(fn(xs))
+
+
+def _merged_moments(a: TensorStats, b: TensorStats, na, nb) -> tuple:
+    """(mean, std, l2norm) of both sides' finite values by Chan's formula, each side scaled by a power of two
+    first (a norm of float64 values can exceed float64's range); None where a side's are unknown."""
+    mean = std = l2 = None
+    if None not in (na, nb, a.mean, b.mean, a.std, b.std, a.l2norm, b.l2norm):
+        acc = _Acc(False)
+        for s, n in ((a, na), (b, nb)):
+            if n:
+                scale = max(abs(s.mean), s.std, s.l2norm)
+                k = math.frexp(scale)[1] if scale > 0 and math.isfinite(scale) else 0
+                acc.add_moments(n, s.mean, math.ldexp(s.std, -k) ** 2 * n, math.ldexp(s.l2norm, -k) ** 2, k)
+        if acc.nfin:
+            mean = acc.mean
+            std = _ldexp(math.sqrt(max(acc.m2s, 0.0) / acc.nfin), acc.k)
+            l2 = _ldexp(math.sqrt(acc.ssqs), acc.k)
+        else:
+            mean = std = l2 = float("nan")
+    elif na is not None and nb is not None and na + nb == 0:
+        mean = std = l2 = float("nan")
+    return mean, std, l2
+
+
 def merge_stats(a: TensorStats, b: TensorStats) -> TensorStats:
     """Statistics of the concatenation of the tensors behind ``a`` and ``b``.
 
@@ -108,40 +144,12 @@ def merge_stats(a: TensorStats, b: TensorStats) -> TensorStats:
     nan_c, inf_c, zero_c = add(a.nan_count, b.nan_count), add(a.inf_count, b.inf_count), add(a.zero_count, b.zero_count)
     na, nb = a.finite_count, b.finite_count
 
-    def ext(fn, x, y, nx, ny):
-        # a side with no finite values carries nan: ignore it
-        if x is None or y is None:
-            if nx == 0 and y is not None:
-                return y
-            if ny == 0 and x is not None:
-                return x
-            return None
-        xs = [v for v, n in ((x, nx), (y, ny)) if not (isinstance(v, float) and math.isnan(v)) and n != 0]
-        if not xs:
-            return float("nan")
-        return float(fn(xs))
+    vmin = _extreme(min, a.min, b.min, na, nb)
+    vmax = _extreme(max, a.max, b.max, na, nb)
+    amax = _extreme(max, a.absmax, b.absmax, na, nb)
+    minabs = _extreme(min, a.min_abs_nonzero, b.min_abs_nonzero, na, nb)
 
-    vmin = ext(min, a.min, b.min, na, nb)
-    vmax = ext(max, a.max, b.max, na, nb)
-    amax = ext(max, a.absmax, b.absmax, na, nb)
-    minabs = ext(min, a.min_abs_nonzero, b.min_abs_nonzero, na, nb)
-
-    mean = std = l2 = None
-    if None not in (na, nb, a.mean, b.mean, a.std, b.std, a.l2norm, b.l2norm):
-        acc = _Acc(False)
-        for s, n in ((a, na), (b, nb)):
-            if n:
-                scale = max(abs(s.mean), s.std, s.l2norm)
-                k = math.frexp(scale)[1] if scale > 0 and math.isfinite(scale) else 0
-                acc.add_moments(n, s.mean, math.ldexp(s.std, -k) ** 2 * n, math.ldexp(s.l2norm, -k) ** 2, k)
-        if acc.nfin:
-            mean = acc.mean
-            std = _ldexp(math.sqrt(max(acc.m2s, 0.0) / acc.nfin), acc.k)
-            l2 = _ldexp(math.sqrt(acc.ssqs), acc.k)
-        else:
-            mean = std = l2 = float("nan")
-    elif na is not None and nb is not None and na + nb == 0:
-        mean = std = l2 = float("nan")
+    mean, std, l2 = _merged_moments(a, b, na, nb)
 
     hist = None if a.hist is None or b.hist is None else a.hist + b.hist
     return TensorStats(
