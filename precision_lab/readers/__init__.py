@@ -85,8 +85,13 @@ def detect(path) -> Optional[Any]:
     """The first registered reader that recognises ``path`` (a folder), or None."""
     root = Path(path)
     for reader in ordered():
-        if reader.detect(root):
-            return reader
+        try:
+            if reader.detect(root):
+                return reader
+        except (ReadError, OSError, ValueError, RecursionError):
+            raise
+        except Exception as e:  # a plug-in's bug: a sentence naming the reader, never a traceback
+            raise ReadError(f"the {reader.name!r} reader failed on it: {type(e).__name__}: {first_line(e)}") from None
     return None
 
 
