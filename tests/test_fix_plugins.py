@@ -1,12 +1,12 @@
 """A fix added from outside the package, the way a plug-in adds one: one module, named by entry points, that
 registers a fix with what it does to the model (``FixDef.prepare``) and the rule whose diagnosis proposes it; a
-session's one-click re-run (the ``rerun`` command, ``services.rerun.rerun_session``) applies it."""
+session's one-click re-run (the ``rerun`` command over ``services.rerun.rerun_session``, which the dashboard's
+button calls) applies it."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -15,41 +15,14 @@ from typer.testing import CliRunner
 from precision_lab.fixes.catalogue import FIXES
 from precision_lab.fixes.rulebook import RULES
 
+from plugin_kit import doc_examples, install
+
 runner = CliRunner()
 
-# a LayerNorm gives the same result for x / s (up to its epsilon): dividing its input by a power of two first keeps
-# x^2 inside fp16's range where rows of magnitude ~300 overflow it
-PLUGIN = '''
-import math
-
-from precision_lab.fixes.catalogue import FixDef, register_fix
-from precision_lab.fixes.rulebook import finding, register_rule
-
-
-def divide_norm_inputs(model, s):
-    for module in model.modules():
-        if type(module).__name__ in ("LayerNorm", "RMSNorm"):
-            module.register_forward_pre_hook(lambda m, args: (args[0] / s, *args[1:]))
-
-
-register_fix(FixDef(
-    "prescale-norm", "value",
-    lambda s: f"divide every normalisation's input by {s:g} first: the norm of x / {s:g} is the norm of x "
-              "(up to epsilon), and x^2 stays within range",
-    None, "prescale-norm:8", prepare=divide_norm_inputs))
-
-
-@register_rule("norm-input-squares", before="norm-statistics")
-def norm_input_squares(ctx, ev):
-    if "norm" not in (ev.module_facts.get("class") or "").lower() or "prescale-norm" in str(ev.policy.fixes):
-        return None
-    x = max((r.magnitude for r in ev.inputs(ev.module_records) if r.role == "input"), default=0.0)
-    if not x * x > ev.fmt.max >= x:
-        return None
-    s = 2 ** math.ceil(math.log2(x / math.sqrt(ev.fmt.max)) + 2)
-    return finding(ev, "norm-input-squares", f"`{ev.where}` squares inputs up to {x:g}, past {ev.fmt.name} max",
-                   [f"prescale-norm:{s}"])
-'''
+# the worked example of docs/architecture.md's "Adding a fix": a LayerNorm gives the same result for x / s (up to its
+# epsilon), so dividing its input by a power of two first keeps x^2 inside fp16's range where rows of magnitude
+# ~300 overflow it
+EXAMPLE = doc_examples("Adding a fix")
 
 
 @pytest.fixture
@@ -57,16 +30,9 @@ def plugin(tmp_path, monkeypatch):
     """The plug-in installed (a module and a distribution naming it in two entry point groups), as in a process
     that has not read either registry yet; what it registered is taken out again afterwards."""
     fixes_before, rules_before = set(FIXES.names()), set(RULES.names())
-    (tmp_path / "pl_norm_fix.py").write_text(PLUGIN)
-    dist = tmp_path / "pl_norm_fix-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pl-norm-fix\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[precision_lab.fixes]\nmine = pl_norm_fix\n"
-                                           "[precision_lab.rules]\nmine = pl_norm_fix\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "pl_norm_fix", raising=False)
-    monkeypatch.setattr(FIXES, "_plugins_loaded", False)
-    monkeypatch.setattr(RULES, "_plugins_loaded", False)
+    assert list(EXAMPLE) == ["my_fix.py"]
+    install(tmp_path, monkeypatch, EXAMPLE, {"precision_lab.fixes": ["mine = my_fix"],
+                                             "precision_lab.rules": ["mine = my_fix"]}, (FIXES, RULES))
     yield tmp_path
     for name in set(FIXES.names()) - fixes_before:
         FIXES.unregister(name)

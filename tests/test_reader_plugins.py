@@ -1,10 +1,10 @@
 """A dump reader added from outside the package, the way a plug-in adds one: one module named by an entry point in
 the ``precision_lab.readers`` group (and, for a file type the package does not read, a loader registered with
-``register_file_type``), then a folder in its format ingested through the command line."""
+``register_file_type``), then a folder in its format ingested through the command line.  The modules are the worked
+example of docs/architecture.md's "Adding a reader"."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,78 +14,15 @@ from typer.testing import CliRunner
 from precision_lab import readers
 from precision_lab.readers import tensorfile
 
+from plugin_kit import doc_examples, install
+
 runner = CliRunner()
 
-# a made-up format: ``trace.tsv`` lists the ops in the order they ran (op, its type, role, tensor file), the tensors
-# are .npy files beside it
-TRACE_READER = '''
-from pathlib import Path
-
-from precision_lab.readers import ReadError, RunSource
-from precision_lab.readers.tensorfile import read_tensors
-from precision_lab.records import TensorRecord
-from precision_lab.stats import tensor_stats
-
-
-class TraceReader:
-    name = "trace-tsv"
-    priority = 60
-
-    def detect(self, root: Path) -> bool:
-        return (root / "trace.tsv").is_file()
-
-    def iter_runs(self, root: Path, tick):
-        lines = (root / "trace.tsv").read_text().splitlines()
-        src = RunSource(key=root.name, name=root.name, root=root, reader=self.name, records=iter(()),
-                        loader=lambda source: next(t for _, t in read_tensors(root / source, source, root)))
-
-        def records():
-            for seq, line in enumerate(lines):
-                fields = line.split("\\t")
-                if len(fields) != 4:
-                    raise ReadError(f"trace.tsv: line {seq + 1} has {len(fields)} fields, not 4")
-                op, op_type, role, file = fields
-                for _key, t in read_tensors(root / file, file, root):
-                    yield TensorRecord(run_id="", seq=seq, op=op, op_type=op_type, role=role, index="0",
-                                       stats=tensor_stats(t), source=file, tensor=t)
-                tick((root / file).stat().st_size, file)
-
-        src.records = records()
-        yield src
-
-
-READER = TraceReader()
-'''
-
-# the same format with the tensors as text: a file type of its own, whose loader is a second module
-TEXT_TENSORS = '''
-import numpy as np
-
-from precision_lab.readers.tensorfile import register_file_type
-
-
-@register_file_type(".tens")
-def read_text_tensor(path, rel):
-    """``dtype shape...`` on the first line, the numbers on the next ones."""
-    head, *rows = path.read_text().splitlines()
-    dtype, *shape = head.split()
-    yield "", np.array([float(v) for row in rows for v in row.split()], dtype=dtype).reshape([int(s) for s in shape])
-'''
-
-
-def _install(tmp_path, monkeypatch, modules: dict[str, str], entry_points: str) -> None:
-    """Write plug-in modules and an installed distribution with these entry points; the registries read their
-    entry points again, as in a process that has not read them yet."""
-    for name, body in modules.items():
-        (tmp_path / f"{name}.py").write_text(body)
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    dist = tmp_path / "pl_reader_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pl-reader-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(entry_points)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(readers.READERS, "_plugins_loaded", False)
-    monkeypatch.setattr(tensorfile.FILE_TYPES, "_plugins_loaded", False)
+# the made-up format of the worked example: ``trace.tsv`` lists the ops in the order they ran (op, its type, role,
+# tensor file), the tensors are files beside it; ``my_file_type.py`` reads them as text (``.tens``)
+EXAMPLE = doc_examples("Adding a reader")
+READER_ONLY = {"precision_lab.readers": ["trace = my_reader:READER"]}
+REGISTRIES = (readers.READERS, tensorfile.FILE_TYPES)
 
 
 @pytest.fixture
@@ -185,8 +122,8 @@ def _ingest_and_check(tmp_path, suffix: str) -> None:
 
 
 def test_a_reader_from_an_entry_point_ingests_its_format_through_the_cli(tmp_path, monkeypatch, added):
-    _install(tmp_path, monkeypatch, {"pl_trace_reader": TRACE_READER},
-             "[precision_lab.readers]\ntrace = pl_trace_reader:READER\n")
+    assert sorted(EXAMPLE) == ["my_file_type.py", "my_reader.py"]
+    install(tmp_path, monkeypatch, {"my_reader.py": EXAMPLE["my_reader.py"]}, READER_ONLY, REGISTRIES)
     assert readers.READERS.names()[-1] == "trace-tsv"
     # ahead of the generic reader, which would otherwise take a folder of .npy files
     names = [r.name for r in readers.ordered()]
@@ -195,9 +132,8 @@ def test_a_reader_from_an_entry_point_ingests_its_format_through_the_cli(tmp_pat
 
 
 def test_a_reader_of_a_new_file_type_is_two_modules(tmp_path, monkeypatch, added):
-    _install(tmp_path, monkeypatch, {"pl_trace_reader": TRACE_READER, "pl_text_tensors": TEXT_TENSORS},
-             "[precision_lab.readers]\ntrace = pl_trace_reader:READER\n"
-             "[precision_lab.file_types]\ntens = pl_text_tensors\n")
+    install(tmp_path, monkeypatch, EXAMPLE,
+            {**READER_ONLY, "precision_lab.file_types": ["tens = my_file_type"]}, REGISTRIES)
     assert "trace-tsv" in readers.READERS and ".tens" in tensorfile.FILE_TYPES
     _ingest_and_check(tmp_path, ".tens")
     # every path that re-reads a stored record's tensor (comparison, replay) opens the new type with its loader
@@ -234,8 +170,8 @@ READER = Broken()
     ("boom-detect", "cannot be read (the 'broken' reader failed on it: KeyError: 'boom-detect')"),
 ])
 def test_a_reader_that_raises_is_one_sentence_naming_the_folder(tmp_path, monkeypatch, added, marker, said):
-    _install(tmp_path, monkeypatch, {"pl_broken_reader": BROKEN},
-             "[precision_lab.readers]\nbroken = pl_broken_reader:READER\n")
+    install(tmp_path, monkeypatch, {"pl_broken_reader.py": BROKEN},
+            {"precision_lab.readers": ["broken = pl_broken_reader:READER"]}, REGISTRIES)
     dump = tmp_path / "dumps" / "cand"
     _write_dump(dump, np.float16, ".npy")
     if marker:
