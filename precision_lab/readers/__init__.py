@@ -14,6 +14,13 @@ user plug-in would::
 
     register(MyReader())
 
+or, from a package of its own, an entry point naming the reader object
+(``[project.entry-points."precision_lab.readers"]``), read the first time the
+readers are listed; docs/architecture.md ("Adding a reader") has a worked
+example.  A ``detect`` that fails otherwise than a file can make it fail
+(``ReadError``, ``OSError``, ``ValueError``, ``RecursionError``), a plug-in's
+bug, becomes a ``ReadError`` naming the reader.
+
 ``iter_runs(root, tick)`` yields one ``RunSource`` per run found under
 ``root``.  Its ``records`` is an iterator of ``TensorRecord``s with stats
 filled in and, where the dump holds the data, ``record.tensor`` set; the
