@@ -1,5 +1,6 @@
-"""One registry type for everything that can be added by name: dump readers, fixes, recipes, diagnosis rules,
-replayable ops.  The built-ins register through it exactly as a plug-in does.
+"""One registry type for everything that can be added by name: dump readers, tensor file types, fixes, recipes,
+diagnosis rules and the facts they read, replayable ops, dashboard pages.  The built-ins register through it exactly
+as a plug-in does.
 
 The rule is the same everywhere: a name is registered once; registering it
 again raises unless ``replace=True``.  ``before=`` places an entry ahead of

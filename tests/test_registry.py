@@ -67,3 +67,17 @@ def test_entry_point_plugins_load_and_a_broken_one_is_skipped_with_a_warning(tmp
     assert names == ["builtin", "from-plugin", "also"] and reg["also"] == 42
     assert [str(w.message) for w in caught if "broken" in str(w.message)] and \
         "pl_fake_plugin:MISSING" in str(caught[-1].message)
+
+
+def test_every_entry_point_group_is_in_the_architecture_notes():
+    """A plug-in author finds every group a registry reads in the table of what a newcomer adds."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    groups = {g for p in (root / "precision_lab").rglob("*.py")
+              for g in re.findall(r'Registry\([^)]*group="([\w.]+)"', p.read_text())}
+    notes = (root / "docs" / "architecture.md").read_text()
+    table = notes[notes.index("## Where a newcomer adds"):notes.index("## Adding a rule")]
+    assert {"precision_lab.readers", "precision_lab.file_types", "precision_lab.pages"} <= groups
+    assert sorted(g for g in groups if f"`{g}`" not in table) == []

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,8 @@ import pytest
 from precision_lab.fixes.facts import FACTS, register_fact
 from precision_lab.fixes.rulebook import EXPLAINED, FINITE, RULES, UNEXPLAINED, finding, register_rule, rules_of
 from precision_lab.records import Diagnosis
+
+from plugin_kit import doc_examples, install
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_dumps" / "fp16-layernorm"
 
@@ -122,18 +123,11 @@ def test_a_rule_that_names_an_op_may_not_report_info(lab, added):
 
 def test_a_rule_from_an_entry_point_is_registered_on_first_read(tmp_path, monkeypatch, added):
     # the entry point names the module: importing it registers its rules
-    (tmp_path / "pl_rule_plugin.py").write_text(
-        "from precision_lab.fixes.rules import register_rule\n"
-        "@register_rule('from-entry-point', kind='run')\n"
-        "def found(ctx, run, origin):\n"
-        "    return []\n")
-    dist = tmp_path / "pl_rule_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pl-rule-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[precision_lab.rules]\nmine = pl_rule_plugin\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "pl_rule_plugin", raising=False)
-    monkeypatch.setattr(RULES, "_plugins_loaded", False)  # as in a process that has not read the rules yet
+    install(tmp_path, monkeypatch, {"pl_rule_plugin.py": "from precision_lab.fixes.rules import register_rule\n"
+                                                         "@register_rule('from-entry-point', kind='run')\n"
+                                                         "def found(ctx, run, origin):\n"
+                                                         "    return []\n"},
+            {"precision_lab.rules": ["mine = pl_rule_plugin"]}, (RULES,))
     assert "from-entry-point" in RULES.names()
     assert RULES["from-entry-point"].kind == "run" and RULES.names()[-1] == "from-entry-point"
 
@@ -149,20 +143,14 @@ def test_every_built_in_rule_declares_facts_the_store_answers():
 
 def test_the_worked_example_in_the_architecture_notes_registers_as_it_says(lab, added, tmp_path, monkeypatch):
     import importlib
-    import re
 
     from precision_lab.services.diagnose import StoreFacts
 
     store, session = lab
-    notes = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
-    section = notes[notes.index("## Adding a rule"):notes.index("## Deferred imports")]
-    blocks = re.findall(r"```python\n# (\w+\.py)\n(.*?)```", section, re.S)
-    assert [name for name, _ in blocks] == ["my_rules.py", "my_facts.py"]
-    for name, body in blocks:
-        (tmp_path / name).write_text(body)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name, _ in blocks:
-        monkeypatch.delitem(sys.modules, name[:-3], raising=False)
+    blocks = doc_examples("Adding a rule")
+    assert list(blocks) == ["my_rules.py", "my_facts.py"]
+    install(tmp_path, monkeypatch, blocks, {})
+    for name in blocks:
         importlib.import_module(name[:-3])
     rule = RULES["large-local-error"]
     names = RULES.names()

@@ -20,8 +20,8 @@ from ..formats import FORMATS
 from ..registry import Registry
 from .policy import PolicyError, PrecisionPolicy, QuantConfig
 
-__all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "split_specs",
-           "fix_label", "unreachable"]
+__all__ = ["FixDef", "Fix", "FixError", "FIXES", "register_fix", "parse_fix", "apply_fixes", "model_edits",
+           "split_specs", "fix_label", "unreachable"]
 
 
 class FixError(PolicyError):
@@ -38,14 +38,18 @@ class FixDef:
     ``edit(policy, value)`` returns the edited policy or raises FixError.
     ``target(value)``: the format the fix computes in instead (``use-bf16``: bf16), None where it changes no
     format; a fix whose target cannot hold the values at stake is never offered (``unreachable``).
+    ``prepare(model, value)``: what the fix does to the model that no policy field says (a hook, a module
+    swapped), done to the model the policy has prepared; ``edit`` may then be None (the policy is left as it is
+    and records the fix in ``fixes``, so a re-run made from this one keeps it).
     """
 
     name: str
     param: Optional[str]
     reason: Callable[[Any], str]
-    edit: Callable[[PrecisionPolicy, Any], PrecisionPolicy]
+    edit: Optional[Callable[[PrecisionPolicy, Any], PrecisionPolicy]]
     example: str
     target: Optional[Callable[[Any], Optional[str]]] = None
+    prepare: Optional[Callable[[Any, Any], None]] = None
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,9 @@ class Fix:
         return self.definition.reason(self.value)
 
     def apply(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        edit = self.definition.edit
         try:
-            new = self.definition.edit(policy, self.value)
+            new = edit(policy, self.value) if edit is not None else policy
         except FixError:
             raise
         except PolicyError as e:
@@ -156,6 +161,11 @@ def apply_fixes(policy: PrecisionPolicy, specs) -> PrecisionPolicy:
     for s in split_specs(specs):
         policy = parse_fix(s).apply(policy)
     return policy
+
+
+def model_edits(policy: PrecisionPolicy) -> list[Fix]:
+    """The fixes of ``policy.fixes`` that do something to the model itself (``FixDef.prepare``), in order."""
+    return [f for f in map(parse_fix, policy.fixes) if f.definition.prepare is not None]
 
 
 # ---- the built-in catalogue ------------------------------------------------------

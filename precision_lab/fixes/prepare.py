@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import FORMATS
+from .catalogue import model_edits
 from .islands import PolicyError, holds_floating, module_formats, module_matches, no_match
 from .modules import PolicyModule, QuantLinear, sanitize_nonfinite
 from .trees import cast_floating
@@ -25,10 +26,16 @@ __all__ = ["prepare_model", "check_patterns", "EPS_ATTRS", "eps_attrs", "install
 
 
 def prepare_model(policy, model):
-    """Cast and configure ``model`` in place for ``policy`` (a ``PrecisionPolicy``); returns it.  PolicyError when
-    an override or sanitize pattern names no module."""
-    if policy.autocast is not None:
-        return _prepare_autocast(policy, model)
+    """Cast and configure ``model`` in place for ``policy`` (a ``PrecisionPolicy``), then let each of its fixes
+    that edits the model itself (``catalogue.model_edits``) do so; returns it.  PolicyError when an override or
+    sanitize pattern names no module."""
+    model = _prepare_autocast(policy, model) if policy.autocast is not None else _prepare(policy, model)
+    for fix in model_edits(policy):
+        fix.definition.prepare(model, fix.value)
+    return model
+
+
+def _prepare(policy, model):
     if policy.quant is not None:
         _quantise_linears(model, policy.quant)
     named = list(model.named_modules())

@@ -14,6 +14,13 @@ user plug-in would::
 
     register(MyReader())
 
+or, from a package of its own, an entry point naming the reader object
+(``[project.entry-points."precision_lab.readers"]``), read the first time the
+readers are listed; docs/architecture.md ("Adding a reader") has a worked
+example.  A ``detect`` that fails otherwise than a file can make it fail
+(``ReadError``, ``OSError``, ``ValueError``, ``RecursionError``), a plug-in's
+bug, becomes a ``ReadError`` naming the reader.
+
 ``iter_runs(root, tick)`` yields one ``RunSource`` per run found under
 ``root``.  Its ``records`` is an iterator of ``TensorRecord``s with stats
 filled in and, where the dump holds the data, ``record.tensor`` set; the
@@ -85,8 +92,13 @@ def detect(path) -> Optional[Any]:
     """The first registered reader that recognises ``path`` (a folder), or None."""
     root = Path(path)
     for reader in ordered():
-        if reader.detect(root):
-            return reader
+        try:
+            if reader.detect(root):
+                return reader
+        except (ReadError, OSError, ValueError, RecursionError):
+            raise
+        except Exception as e:  # a plug-in's bug: a sentence naming the reader, never a traceback
+            raise ReadError(f"the {reader.name!r} reader failed on it: {type(e).__name__}: {first_line(e)}") from None
     return None
 
 

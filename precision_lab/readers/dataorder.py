@@ -211,68 +211,98 @@ def settle(hints: Sequence[Hint], *, listed_from: str = "") -> Settled:
     """The order of the ops in ``hints`` (given in the reader's order: by file time, then name) from every
     source the dump has; ``listed_from`` names the order list (for the note)."""
     ops, succ, weak, n_edges = _links((h.op, h.role, h.digest) for h in hints)
-    ins: dict[str, set] = {o: set() for o in ops}
-    outs: dict[str, set] = {o: set() for o in ops}
-    tick: dict[str, int] = {}
-    listed: dict[str, int] = {}
-    spread: dict[str, float] = {o: 0.0 for o in ops}
-    nan: dict[str, float] = {o: 0.0 for o in ops}
-    for h in hints:
-        if h.tick is not None:
-            tick[h.op] = min(tick.get(h.op, h.tick), h.tick)
-        if h.listed is not None:
-            listed[h.op] = min(listed.get(h.op, h.listed), h.listed)
-        if h.role in DATA_OUT_ROLES or h.role == "tensor":
-            spread[h.op] = max(spread[h.op], h.spread)
-            nan[h.op] = max(nan[h.op], h.nan)
-        if _strong(h.digest):
-            if h.role in DATA_OUT_ROLES or h.role == "tensor":
-                outs[h.op].add(h.digest)
-            elif h.role in DATA_IN_ROLES:
-                ins[h.op].add(h.digest)
+    seen = _Seen.of(ops, hints)
+    times, tied = _time_ties(seen.tick)
+    inside = _names(ops)
+    back = _backward_ops(hints)
+    encl = _enclosing(ops, hints, seen, inside, succ, weak, back)
+    by_time = times > 1 and not tied and not n_edges
+    order = _data_order(ops, seen, inside, encl, succ, weak, back, by_time)
+    list_order = None
+    if seen.listed:
+        slots = [i for i, o in enumerate(order) if o in seen.listed]
+        for i, o in zip(slots, sorted(seen.listed, key=seen.listed.__getitem__)):
+            order[i] = o
+        list_order = _list_order(seen.listed, inside, encl)
+    rank = {o: i for i, o in enumerate(order)}
+    parents = _parents(encl, rank)
+    kind, note = _say(ops, seen.listed, listed_from, list_order, n_edges, times, tied, bool(encl))
+    if back and not seen.listed and not by_time:
+        note += "; backward ops after the forward pass, in its reverse order (as autograd runs them)"
+    return Settled(rank, parents, kind, note, n_edges, list_order)
+
+
+@dataclass
+class _Seen:
+    """What the hints say of each op: the digests of the values it read (``ins``) and wrote (``outs``), its
+    earliest file time and place in the order list, and the largest non-finite and NaN shares of its outputs."""
+
+    ins: dict[str, set]
+    outs: dict[str, set]
+    tick: dict[str, int]
+    listed: dict[str, int]
+    spread: dict[str, float]
+    nan: dict[str, float]
+
+    @classmethod
+    def of(cls, ops: Sequence[str], hints: Sequence[Hint]) -> "_Seen":
+        seen = cls({o: set() for o in ops}, {o: set() for o in ops}, {}, {}, {o: 0.0 for o in ops},
+                   {o: 0.0 for o in ops})
+        for h in hints:
+            if h.tick is not None:
+                seen.tick[h.op] = min(seen.tick.get(h.op, h.tick), h.tick)
+            if h.listed is not None:
+                seen.listed[h.op] = min(seen.listed.get(h.op, h.listed), h.listed)
+            wrote = h.role in DATA_OUT_ROLES or h.role == "tensor"
+            if wrote:
+                seen.spread[h.op] = max(seen.spread[h.op], h.spread)
+                seen.nan[h.op] = max(seen.nan[h.op], h.nan)
+            if _strong(h.digest):
+                if wrote:
+                    seen.outs[h.op].add(h.digest)
+                elif h.role in DATA_IN_ROLES:
+                    seen.ins[h.op].add(h.digest)
+        return seen
+
+
+def _time_ties(tick: dict[str, int]) -> tuple[int, int]:
+    """How many distinct file times the ops have, and how many ops share one with another (0 for one time)."""
     times = len(set(tick.values()))
     per_tick: dict[int, int] = {}
     for t in tick.values():
         per_tick[t] = per_tick.get(t, 0) + 1
-    tied = sum(n for n in per_tick.values() if n > 1) if times > 1 else 0
-    inside = _names(ops)
-    encl = _data_containers(ops, ins, outs, inside)
+    return times, (sum(n for n in per_tick.values() if n > 1) if times > 1 else 0)
+
+
+def _enclosing(ops, hints, seen: _Seen, inside, succ, weak, back) -> dict[str, tuple[set, set]]:
+    """The containers found from the data and the root, each with the ops it holds; links each container ahead
+    of what it holds (``succ``), as it is called before them."""
+    encl = _data_containers(ops, seen.ins, seen.outs, inside)
     root = _root(ops, hints, inside)
     if root is not None:
         encl[root] = ({o for o in ops if o != root and not _nested(o, root)}, set())
-    back = _backward_ops(hints)
     _container_links(ops, succ, weak, inside, back)
-    for b, (inner, first) in encl.items():  # a container found from the data is called before what it holds
+    for b, (inner, first) in encl.items():
         for o in inner | first:
             if b not in succ[o]:
                 succ[b].add(o)
+    return encl
+
+
+def _data_order(ops, seen: _Seen, inside, encl, succ, weak, back, by_time: bool) -> list[str]:
+    """The ops in the order file times (``by_time``: distinct for every op, with no data link to say otherwise)
+    or the data links give, ties broken by file time, then the fewest non-finite values, the fewest NaN and the
+    reader's order; a container goes where the first op it holds would go (it is called right before it)."""
+    if by_time:  # hooks save as each module finishes: distinct times are the order itself
+        return list(ops)
     given = {o: i for i, o in enumerate(ops)}
-    own = {o: (tick.get(o, 0), spread[o], nan[o], given[o]) for o in ops}
-    # a container goes where the first op it holds would go (it is called right before it)
+    own = {o: (seen.tick.get(o, 0), seen.spread[o], seen.nan[o], given[o]) for o in ops}
     key = {o: min([own[o]] + [own[i] for i in inside(o)] + [own[i] for i in encl.get(o, (set(), set()))[0]])
            for o in ops}
-    keyed = sorted(ops, key=key.__getitem__)
-    # distinct file times for every op are the order itself (hooks save as each module finishes), unless the data
-    # links say otherwise (files copied or touched later)
-    if times > 1 and not tied and not n_edges:
-        rank = {o: i for i, o in enumerate(ops)}
-    else:
-        rank = _toposort(keyed, succ, weak)
-        if back:  # the backward ops in the reverse of the forward order just found
-            rank = _toposort(_backward_last(sorted(ops, key=rank.__getitem__), back), succ, weak)
-    order = sorted(ops, key=rank.__getitem__)
-    list_order = None
-    if listed:
-        slots = [i for i, o in enumerate(order) if o in listed]
-        for i, o in zip(slots, sorted(listed, key=listed.__getitem__)):
-            order[i] = o
-        list_order = _list_order(listed, inside, encl)
-    rank = {o: i for i, o in enumerate(order)}
-    parents = _parents(encl, rank)
-    kind, note = _say(ops, listed, listed_from, list_order, n_edges, times, tied, bool(encl))
-    if back and not listed and not (times > 1 and not tied and not n_edges):
-        note += "; backward ops after the forward pass, in its reverse order (as autograd runs them)"
-    return Settled(rank, parents, kind, note, n_edges, list_order)
+    rank = _toposort(sorted(ops, key=key.__getitem__), succ, weak)
+    if back:  # the backward ops in the reverse of the forward order just found
+        rank = _toposort(_backward_last(sorted(ops, key=rank.__getitem__), back), succ, weak)
+    return sorted(ops, key=rank.__getitem__)
 
 
 def _backward_ops(hints: Sequence[Hint]) -> set[str]:

@@ -22,7 +22,7 @@ import pickle
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -122,50 +122,68 @@ def read_plain_tensor(path: Path, rel: str, infos: list[zipfile.ZipInfo]) -> np.
     prefix = pkl[0].filename[: -len("data.pkl")]
     members = {i.filename: i for i in infos}
     order = members.get(prefix + "byteorder")
-    storages: dict[str, _Storage] = {}
     with open(path, "rb") as f:
-        def member(info: zipfile.ZipInfo) -> bytes:
-            data = _stored_member(f, info)
-            if data is None:  # compressed, or headers that disagree: zipfile reads it (and checks its CRC-32)
-                try:
-                    with zipfile.ZipFile(path) as zf:
-                        return zf.read(info)
-                except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError) as e:
-                    raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check "
-                                    f"({first_line(e)}); refusing to read numbers from it") from None
-            if zlib.crc32(data) != info.CRC:
-                raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check (Bad CRC-32); "
-                                "refusing to read numbers from it")
-            return data
-
+        member = _member_reader(f, path, rel)
         if order is not None and member(order).strip() != b"little":
             raise NotPlain("not little-endian")
-
-        def load_storage(key: str, dtype: np.dtype, numel: int) -> _Storage:
-            if key in storages:
-                return storages[key]
-            info = members.get(f"{prefix}data/{key}")
-            if info is None:
-                raise ReadError(f"{rel}: the tensor's storage {key!r} is missing from the archive")
-            if info.file_size != numel * dtype.itemsize:
-                raise ReadError(f"{rel}: storage {key!r} holds {info.file_size} bytes, not the {numel} elements "
-                                f"of {dtype} its pickle declares")
-            storages[key] = _Storage(np.frombuffer(member(info), dtype=dtype))
-            return storages[key]
-
-        try:
-            obj = _Unpickler(member(pkl[0]), load_storage).load()
-        except (NotPlain, ReadError):
-            raise
-        except Exception as e:  # a damaged pickle: any unpickling error means the same to a user
-            raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first_line(e)})") from None
+        obj = _unpickle(member, pkl[0], _storage_loader(member, members, prefix, rel), rel)
     if not (isinstance(obj, tuple) and len(obj) == 5 and obj[0] == "tensor" and isinstance(obj[1], _Storage)):
         raise NotPlain("not one tensor")
     _, storage, offset, size, stride = obj
-    size, stride = _ints(size, "size"), _ints(stride, "stride")
+    return _view(storage.data, offset, _ints(size, "size"), _ints(stride, "stride"), rel)
+
+
+def _member_reader(f, path: Path, rel: str) -> Callable[[zipfile.ZipInfo], bytes]:
+    """Reads a member of the open archive ``f`` with its CRC-32 checked; a damaged one is a ``ReadError``."""
+    def member(info: zipfile.ZipInfo) -> bytes:
+        data = _stored_member(f, info)
+        if data is None:  # compressed, or headers that disagree: zipfile reads it (and checks its CRC-32)
+            try:
+                with zipfile.ZipFile(path) as zf:
+                    return zf.read(info)
+            except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError) as e:
+                raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check "
+                                f"({first_line(e)}); refusing to read numbers from it") from None
+        if zlib.crc32(data) != info.CRC:
+            raise ReadError(f"{rel}: damaged .pt archive: entry {info.filename!r} fails its check (Bad CRC-32); "
+                            "refusing to read numbers from it")
+        return data
+
+    return member
+
+
+def _storage_loader(member, members: dict[str, zipfile.ZipInfo], prefix: str, rel: str):
+    """What the unpickler calls for a storage: its member read once, with the size its pickle declares."""
+    storages: dict[str, _Storage] = {}
+
+    def load_storage(key: str, dtype: np.dtype, numel: int) -> _Storage:
+        if key in storages:
+            return storages[key]
+        info = members.get(f"{prefix}data/{key}")
+        if info is None:
+            raise ReadError(f"{rel}: the tensor's storage {key!r} is missing from the archive")
+        if info.file_size != numel * dtype.itemsize:
+            raise ReadError(f"{rel}: storage {key!r} holds {info.file_size} bytes, not the {numel} elements "
+                            f"of {dtype} its pickle declares")
+        storages[key] = _Storage(np.frombuffer(member(info), dtype=dtype))
+        return storages[key]
+
+    return load_storage
+
+
+def _unpickle(member, pkl: zipfile.ZipInfo, load_storage, rel: str):
+    try:
+        return _Unpickler(member(pkl), load_storage).load()
+    except (NotPlain, ReadError):
+        raise
+    except Exception as e:  # a damaged pickle: any unpickling error means the same to a user
+        raise ReadError(f"{rel}: not a readable torch file, truncated or corrupt ({first_line(e)})") from None
+
+
+def _view(data: np.ndarray, offset, size: tuple[int, ...], stride: tuple[int, ...], rel: str) -> np.ndarray:
+    """The read-only strided view of storage ``data`` the tensor is, after its layout is checked against it."""
     if type(offset) is not int or offset < 0 or len(size) != len(stride) or len(size) > 32:
         raise NotPlain("an unusual offset, stride or number of dimensions")
-    data = storage.data
     item = data.dtype.itemsize
     numel = check_numel(size, item, rel)
     if any(s > 1 and st * item >= 1 << 62 for s, st in zip(size, stride)) or any(s >= 1 << 62 for s in size):

@@ -18,7 +18,11 @@ Formats: ``.npy``, ``.npz``, ``.pt``/``.pth`` (a tensor or containers of
 tensors), ``.safetensors`` and raw ``.bin`` with a JSON sidecar
 (``x.json`` or ``x.bin.json``: ``{"dtype", "shape"}``, optional
 ``"byteorder"`` and ``"offset"``).  A container's tensors have keys (nested
-keys joined with ``.``); a lone tensor's key is ``""``.
+keys joined with ``.``); a lone tensor's key is ``""``.  A file type of a
+plug-in's is one more loader: ``@register_file_type(".ext")`` over a function
+``(path, rel) -> (key, array or tensor) pairs``, found by the
+``precision_lab.file_types`` entry point group; its files are opened after the
+same regular-file checks and read on every path.
 """
 
 from __future__ import annotations
@@ -30,18 +34,35 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..formats import numpy_dtype_named
+from ..registry import Registry
 from .base import ReadError, first_line, natural_key
 from .ptfile import NotPlain, read_plain_tensor
 from .safeio import (NPY_MAX_HEADER, check_member_zip, check_numel, check_regular, check_tensor, contained, limits,
                      npy_header, open_regular, parse_json, plain_error, read_json, reading, relname)
 from .shards import ShardError, kept_tensor
 
-__all__ = ["SUFFIXES", "CONTAINERS", "read_tensors", "load_source", "load_tensor_file", "bin_sidecars",
-           "safetensors_header"]
+__all__ = ["SUFFIXES", "CONTAINERS", "FILE_TYPES", "register_file_type", "read_tensors", "load_source",
+           "load_tensor_file", "bin_sidecars", "safetensors_header"]
 
 SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".bin")
 CONTAINERS = (".npz", ".pt", ".pth", ".safetensors")
 _NPY_MAGIC = b"\x93NUMPY"
+
+# a plug-in's file types: suffix -> loader ``(path, rel) -> (key, tensor) pairs``
+FILE_TYPES = Registry("tensor file type", group="precision_lab.file_types")
+
+
+def register_file_type(suffix: str, *, replace: bool = False):
+    """Decorator: read files ending in ``suffix`` (``".tens"``) with the decorated loader, which yields ``(key,
+    array or tensor)`` pairs (key ``""`` for a lone tensor) and raises on anything it cannot read."""
+    suffix = suffix.lower()
+    if not suffix.startswith(".") or suffix in SUFFIXES:
+        raise ValueError(f"a file type is a suffix the package does not read yet (like '.tens'), not {suffix!r}")
+
+    def add(loader):
+        return FILE_TYPES.register(suffix, loader, replace=replace)
+
+    return add
 
 
 def bin_sidecars(path: Path) -> tuple[Path, Path]:
@@ -81,6 +102,9 @@ def _open(path: Path, rel: str, root: Optional[Path], want, sidecar):
         if sidecar is None:
             sidecar = next((p for p in bin_sidecars(path) if os.path.lexists(p)), None)
         return _load_bin(path, rel, sidecar, root if root is not None else path.parent)
+    loader = FILE_TYPES.get(suf)
+    if loader is not None:
+        return ((k, t) for k, t in loader(path, rel) if want is None or k == want)
     raise ReadError(f"{rel}: not a tensor file this reader knows (readable types: {', '.join(SUFFIXES)})")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,33 +40,65 @@ from ..store import Store, default_db_path, held
 from ..config import SHARE_PARAM, ConfigError, load_config, resolve_access
 from ..scratch import scratch_root, sweep
 from ..fixes.recipes import trust_user_models
+from ..registry import Registry
 
-__all__ = ["PAGES", "page_script", "navigation", "routed", "page_run", "require_session", "start", "session_views",
-           "cached_sessions_table", "get_config", "get_store", "access", "while_allowed", "sweep_scratch",
-           "choose_session", "choose_run", "choose_formats", "url_select", "no_session_text", "bound_value",
-           "linked", "not_found", "scoped", "peek", "page_key", "navigate", "show_error", "guard", "selected_row",
-           "table_height", "progress_callback", "PAGE_ICON"]
+__all__ = ["DashboardPage", "PAGES", "register_page", "page_script", "navigation", "routed", "page_run",
+           "require_session", "start", "session_views", "cached_sessions_table", "get_config", "get_store", "access",
+           "while_allowed", "sweep_scratch", "choose_session", "choose_run", "choose_formats", "url_select",
+           "no_session_text", "bound_value", "linked", "not_found", "scoped", "peek", "page_key", "navigate",
+           "show_error", "guard", "selected_row", "table_height", "progress_callback", "PAGE_ICON"]
 
-# the dashboard's pages, each under one name: its script ``pages/<name>.py`` and its URL path; the first opens at /
-PAGES = {
-    "sessions": ("Sessions", ":material/folder_open:"),
-    "overview": ("Overview", ":material/monitoring:"),
-    "ops": ("Ops", ":material/table_rows:"),
-    "op_detail": ("Op detail", ":material/bar_chart:"),
-    "diff": ("Diff", ":material/compare_arrows:"),
-    "timeline": ("Timeline", ":material/timeline:"),
-}
+
+@dataclass(frozen=True)
+class DashboardPage:
+    """One page of the dashboard under one name: its URL path and the name ``start``/``require_session`` take.
+    ``render``: a plug-in's page function; None for a built-in page, whose script is ``pages/<name>.py``."""
+
+    name: str
+    title: str
+    icon: str = ":material/extension:"
+    render: Optional[Callable[[], None]] = None
+
+
+# the dashboard's pages in menu order (the first opens at /); a plug-in adds one with ``register_page``, named by
+# the ``precision_lab.pages`` entry point group
+PAGES = Registry("dashboard page", group="precision_lab.pages", name_of=lambda p: p.name)
+for _p in (DashboardPage("sessions", "Sessions", ":material/folder_open:"),
+           DashboardPage("overview", "Overview", ":material/monitoring:"),
+           DashboardPage("ops", "Ops", ":material/table_rows:"),
+           DashboardPage("op_detail", "Op detail", ":material/bar_chart:"),
+           DashboardPage("diff", "Diff", ":material/compare_arrows:"),
+           DashboardPage("timeline", "Timeline", ":material/timeline:")):
+    PAGES.register(_p.name, _p)
+del _p
+
+
+def register_page(name: str, title: str, icon: str = DashboardPage.icon, *, before: Optional[str] = None,
+                  replace: bool = False):
+    """Decorator: the decorated function is the dashboard page ``name`` (in the menu as ``title``, after the
+    built-in pages or ahead of page ``before``).  It begins with ``require_session(name)`` or ``start(name)`` and
+    renders what ``precision_lab.ui`` returns, as a built-in page does."""
+    def add(render: Callable[[], None]) -> Callable[[], None]:
+        PAGES.register(name, DashboardPage(name, title, icon, render), replace=replace, before=before)
+        return render
+
+    return add
 
 
 def page_script(name: str) -> str:
-    """The script of page ``name``, relative to app.py."""
+    """The script of built-in page ``name``, relative to app.py."""
     return f"pages/{name}.py"
+
+
+def _st_page(p: DashboardPage, default: bool = False):
+    if p.render is None:
+        return st.Page(page_script(p.name), title=p.title, icon=p.icon, default=default)
+    return st.Page(p.render, title=p.title, icon=p.icon, url_path=p.name, default=default)
 
 
 def navigation():
     """The one registration of the pages (``st.navigation``), in ``PAGES`` order."""
-    return st.navigation([st.Page(page_script(name), title=title, icon=icon, default=i == 0)
-                          for i, (name, (title, icon)) in enumerate(PAGES.items())])
+    return st.navigation([_st_page(p, default=i == 0) for i, p in enumerate(PAGES.values())])
 
 # the browser tab's icon: a file shipped with the package, served by this server (a material icon would be
 # fetched from a font CDN, which an offline or air-gapped server cannot reach)
@@ -291,10 +324,10 @@ def require_session(name: str, title: Optional[Callable[[dict], str]] = None):
     store, acc = start(name)
     info = choose_session(store, acc)
     if info is None:
-        st.title(PAGES[name][0])
+        st.title(PAGES[name].title)
         st.info(no_session_text(acc))
         st.stop()
-    st.title(title(info) if title else PAGES[name][0])
+    st.title(title(info) if title else PAGES[name].title)
     return store, acc, info
 
 
@@ -431,7 +464,8 @@ def navigate(page: str, **params: Any) -> None:
     qp = {k: ([str(x) for x in v] if isinstance(v, list) else str(v)) for k, v in clean.items()}
     if token:
         qp["share"] = token
-    st.switch_page(page_script(page), query_params=qp)
+    to = PAGES[page]
+    st.switch_page(page_script(page) if to.render is None else _st_page(to), query_params=qp)
 
 
 # ---- errors and progress -------------------------------------------------------------
