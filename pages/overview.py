@@ -2,6 +2,7 @@ import streamlit as st
 
 from precision_lab.services.jobs import (rerun_actions, rerun_blocker, running_jobs, start_grow, start_rerun,
                                         start_verify)
+from precision_lab.services.cards import diagnosis_cards
 from precision_lab.services.verify import untried, verification
 from precision_lab.display import num_text
 from precision_lab.origin import order_text
@@ -140,7 +141,7 @@ with tab_loc:
                "No local comparisons: they come from live captures, which re-run each op in fp32.")
 
 st.subheader("Diagnosis")
-cards = view(ov.diagnosis_cards)
+cards = view(diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
 # which fixes were tried is a view of the session (cached); whether the model can be re-run is the server's
@@ -156,7 +157,7 @@ if to_verify:
         st.rerun()
 if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
-        and not any(v["works"] for v in view(verification).values()) \
+        and not view(verification).any_works() \
         and rerun_blocker(store, info["name"]) is None:  # no card with fixes asked: a dump or a capture, no model
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
@@ -182,27 +183,27 @@ elif _verifying:
     _verify_progress()
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
-        icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
-        st.markdown(f"{icon} · {plain(card['run'] or '')} · **{plain(card['op'])}** "
-                    f"· rule {plain(card['rule'])}")
-        st.markdown(message_md(card["message"]))
-        if card["fixes"]:
-            st.markdown("Proposed fixes: " + ", ".join(plain(f) for f in card["fixes"]))
-            if blocked and card["rule"] != "fix-verified":
+        icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card.severity, "**note**")
+        st.markdown(f"{icon} · {plain(card.run or '')} · **{plain(card.op)}** "
+                    f"· rule {plain(card.rule)}")
+        st.markdown(message_md(card.message))
+        if card.fixes:
+            st.markdown("Proposed fixes: " + ", ".join(plain(f) for f in card.fixes))
+            if blocked and card.rule != "fix-verified":
                 st.caption("No re-run button: " + message_md(blocked))
         for j, action in enumerate(offers[i]):
-            if action["running"] is not None:  # started here or in another tab: its progress, not a second one
-                st.button(plain(action["label"][:200]), key=f"rerun_{i}_{j}", icon=":material/hourglass_top:",
+            if action.running is not None:  # started here or in another tab: its progress, not a second one
+                st.button(plain(action.label[:200]), key=f"rerun_{i}_{j}", icon=":material/hourglass_top:",
                           disabled=True, help="a re-run with this fix is in progress; the page updates when it ends")
-            elif action["existing"]:  # already made from this run: open it, do not make a copy
-                icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
-                if st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
-                             help=f"this fix was already run from this run: {plain(action['reason'])}"):
+            elif action.existing:  # already made from this run: open it, do not make a copy
+                icon = ":material/check_circle:" if action.works else ":material/cancel:"
+                if st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=icon,
+                             help=f"this fix was already run from this run: {plain(action.reason)}"):
                     page.navigate("diff", session=info["name"], view="runs")
-            elif st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
-                           help=plain(action["reason"])):
-                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
-                                                            parent=action["parent"])
+            elif st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                           help=plain(action.reason)):
+                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action.fix,
+                                                            parent=action.parent)
                 st.rerun()
 
 _job = st.session_state.get("_pl_rerun")

@@ -39,7 +39,6 @@ precision_lab.readers.shards.checked_runs
 precision_lab.readers.shardtimeline.read_timeline
 precision_lab.readers.tensorfile.load_source
 precision_lab.services.applicable.applicable_fixes
-precision_lab.services.jobs.rerun_actions
 precision_lab.services.replay.replayable_ops
 precision_lab.services.report.build_report
 precision_lab.services.report.norm_artefacts
@@ -54,9 +53,6 @@ precision_lab.services.timeline.record_at
 precision_lab.services.timeline.timeline_report
 precision_lab.services.tree.run_tree
 precision_lab.services.tree.tree_modules_of
-precision_lab.services.verify.untried
-precision_lab.services.verify.verification
-precision_lab.services.verify.verify_session
 precision_lab.services.xdiff.diff_rows
 precision_lab.store.diffs.base_run
 precision_lab.store.diffs.pair_options
@@ -137,7 +133,6 @@ precision_lab.ui.diff.pair_choices
 precision_lab.ui.diff.rerun_cards
 precision_lab.ui.diff.runs_by_id
 precision_lab.ui.ops.filter_choices
-precision_lab.ui.overview.diagnosis_cards
 precision_lab.ui.overview.error_figure
 precision_lab.ui.overview.first_nonfinite_by_run
 precision_lab.ui.overview.long_runs

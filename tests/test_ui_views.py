@@ -222,6 +222,7 @@ def test_error_series_buckets_keep_the_worst_value(db):
 
 def test_diagnosis_cards_come_from_the_store(db):
     from precision_lab.records import Diagnosis
+    from precision_lab.services.cards import DiagnosisCard, diagnosis_cards
 
     sid, runs = _runs(db, STAT_SESSION)
     with db.extend_session(STAT_SESSION) as w:
@@ -229,12 +230,11 @@ def test_diagnosis_cards_come_from_the_store(db):
                                   "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"),
                                   "error", 53))
     before = db.df("SELECT count(*) AS n FROM diagnoses WHERE session_id = ?", [sid]).n[0]
-    cards = overview.diagnosis_cards(db, sid)
+    cards = diagnosis_cards(db, sid)
     assert len(cards) == before
-    assert [c for c in cards if c["message"] == "output absmax 81078 > fp16 max 65504"] == [{"run": runs["candidate"]["name"], "run_id": runs["candidate"]["run_id"],
-                      "op": STAT_FIRST_NONFINITE, "rule": "overflow",
-                      "message": "output absmax 81078 > fp16 max 65504",
-                      "fixes": ["keep-fp32:blocks.2.fc1", "use-bf16"], "severity": "error", "seq": 53}]
+    assert [c for c in cards if c.message == "output absmax 81078 > fp16 max 65504"] == [DiagnosisCard(
+        runs["candidate"]["name"], runs["candidate"]["run_id"], STAT_FIRST_NONFINITE, "overflow",
+        "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"), "error", 53)]
 
 
 def test_sessions_table_headlines(db):

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 from .. import __version__
 from ..store import views
 from ..services import timeline as _timeline
+from ..services.cards import diagnosis_cards
 from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
 from ..public import public_source
@@ -34,7 +35,7 @@ from .common import cosine_text, plot_text
 from ..store.views import counterparts, error_series, record, top_offenders
 from .timeline import step_figure
 from .detail import default_formats, histogram_figure, load_stats, summary_figure
-from .overview import diagnosis_cards, error_figure, first_nonfinite_by_run, long_runs, runs_table
+from .overview import error_figure, first_nonfinite_by_run, long_runs, runs_table
 
 __all__ = ["render_html", "write_html", "render_diff_html", "write_diff_html"]
 
@@ -294,9 +295,8 @@ def render_html(store, session: str, *, public: bool = True) -> str:
                                    ("index", "index", "text"), ("reason", "why this is not a non-finite value",
                                                                  "text")]))
 
-    cards = diagnosis_cards(store, sid)
-    for c in cards:
-        c["fixes_text"] = ", ".join(c["fixes"])
+    cards = [{"severity": c.severity, "run": c.run, "op": c.op, "rule": c.rule, "message": c.message,
+              "fixes_text": ", ".join(c.fixes)} for c in diagnosis_cards(store, sid)]
     parts.append("<h2>Diagnoses</h2>")
     parts.append(_table(cards, [("severity", "severity", "text"), ("run", "run", "name"), ("op", "op", "name"),
                                 ("rule", "rule", "text"), ("message", "message", "text"),

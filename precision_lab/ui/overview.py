@@ -20,7 +20,7 @@ from ..display import num_text
 from .common import plot_text, text_columns
 from ..metrics import ELEMENTWISE, relative_error
 
-__all__ = ["long_runs", "model_tree", "module_link", "runs_table", "first_nonfinite_by_run", "diagnosis_cards",
+__all__ = ["long_runs", "model_tree", "module_link", "runs_table", "first_nonfinite_by_run",
            "error_figure", "error_along_run", "default_error_metric", "worst_error_text", "session_headline",
            "warnings_table", "order_caveat", "offenders_table", "MAX_WARNINGS", "ERROR_METRIC_LABELS"]
 
@@ -87,18 +87,6 @@ def default_error_metric(store, session_id: str) -> str:
     """The error to draw first: ``max_rel_err``, or ``summary_rel_err`` for a session whose comparisons are all
     on summary statistics (it has no element-wise error to draw)."""
     return "summary_rel_err" if views.comparison_bases(store, session_id) == {"stats"} else "max_rel_err"
-
-
-def diagnosis_cards(store, session_id: str) -> list[dict]:
-    """The session's diagnoses as cards, errors first, then by execution order: ``run, run_id, op, rule, message,
-    fixes`` (a list, best first; a value that is not a JSON list is one fix), ``severity`` (``info`` when none was
-    stored) and ``seq``."""
-    out = []
-    for d in views.diagnoses_worst_first(store, session_id):
-        out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
-                    "message": d["message"], "fixes": list(d["fixes"]), "severity": d["severity"] or "info",
-                    "seq": d["seq"]})
-    return out
 
 
 def offenders_table(store, session_id: str, *, local: bool = False, n: int = 10) -> pd.DataFrame:
