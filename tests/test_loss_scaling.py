@@ -132,8 +132,8 @@ def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(
     name = capture_recipe(store, "test-adam-inf")
     card = next(d for d in diagnose(store, name) if d.rule == "optimizer-nonfinite")
     assert card.fixes[0] == "skip-nonfinite-step" and "from step 1 on" in card.message
-    listed = {r["fix"]: r for r in applicable_fixes(store, name)}
-    assert listed["skip-nonfinite-step"]["applies"] and listed["dynamic-loss-scale"]["applies"]
+    listed = {r.fix: r for r in applicable_fixes(store, name)}
+    assert listed["skip-nonfinite-step"].applies and listed["dynamic-loss-scale"].applies
     rows = {r.label: r.result for r in verify_session(store, name, top=4)}
     skip = rows["skip-nonfinite-step"]
     assert skip.works and "no longer reaches the weights" in skip.why, skip

@@ -140,7 +140,7 @@ def test_value_region_agrees_with_fp16_casts():
 def test_headroom_of_a_stats_only_record(db):
     sid, runs = _runs(db, STAT_SESSION)
     first = overview.first_nonfinite_by_run(db, sid)
-    cand_first = next(f["first"] for f in first if f["run"]["kind"] == "candidate")
+    cand_first = next(f.first for f in first if f.run["kind"] == "candidate")
     ref = views.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
     st = detail.load_stats(db, ref["run_id"], ref["rid"])
     assert st.hist is None
@@ -178,7 +178,7 @@ def test_figures_carry_the_format_lines():
 def test_first_nonfinite_matches_the_dump_json(db):
     sid, _ = _runs(db, STAT_SESSION)
     assert _first_nonfinite_from_json(CAND_JSON) == STAT_FIRST_NONFINITE
-    got = {f["run"]["kind"]: f["first"] for f in overview.first_nonfinite_by_run(db, sid)}
+    got = {f.run["kind"]: f.first for f in overview.first_nonfinite_by_run(db, sid)}
     assert got["reference"] is None
     assert got["candidate"].op == STAT_FIRST_NONFINITE
     assert got["candidate"].path[-1].op == STAT_FIRST_NONFINITE
@@ -648,6 +648,6 @@ def test_the_op_pickers_name_records_a_link_may_give(db):
     assert detail.record_named(db, run_id, 10 ** 9) is None
     last = views.find_records(db, run_id, limit=10 ** 6)[-1]
     choices = detail.op_choices(db, run_id, first[0]["name"], include_rid=last["rid"])
-    assert list(choices)[0] == last["rid"] and rid in choices
-    assert choices[rid] == f"{first[0]['name']}  (seq {first[0]['seq']})"
+    assert choices.options[0] == last["rid"] and rid in choices.options
+    assert choices.label(rid) == f"{first[0]['name']}  (seq {first[0]['seq']})"
     assert detail.step_choices(db, run_id) == []  # a dump of one step: no step to choose

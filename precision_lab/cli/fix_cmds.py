@@ -182,7 +182,7 @@ def replay_cmd(
     try:
         if op is None:
             for o in replayable_ops(store, session, run):
-                echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
+                echo(f"{o.op}  ({o.op_type} -> {o.replay_as})" + ("  non-finite" if o.nonfinite else ""))
             return
         # a dump file is read within the limits ingest used (`precision-lab config`); ConfigError is a ValueError
         res = replay_op(store, session, op, fixes=list(fix or []), run=run, read_limits=load_config().read_limits())
