@@ -6,13 +6,15 @@ import html
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
 
 import pandas as pd
-from pandas.io.formats.style import Styler
 
 from ..display import num_text
 from ..enums import Verdict, worst_first
+
+if TYPE_CHECKING:
+    from pandas.io.formats.style import Styler
 
 __all__ = ["Choices", "Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md",
            "code_md", "message_md", "run_label", "style_severity", "text_columns"]
