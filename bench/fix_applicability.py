@@ -89,7 +89,7 @@ def main() -> int:
         for i, (label, (build, policy)) in enumerate(MODELS.items()):
             recipe = register_recipe(Recipe(f"bench-fixes-{i}", label, build, policy), replace=True)
             name = capture_recipe(store, recipe, local_error=False, session=f"m{i}")
-            columns[label] = {r["fix"].split(":")[0]: r["applies"] for r in applicable_fixes(store, name)}
+            columns[label] = {r.fix.split(":")[0]: r.applies for r in applicable_fixes(store, name)}
             print(f"{label}: captured", file=sys.stderr)
         close_all()
     labels = list(columns)

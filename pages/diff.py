@@ -16,19 +16,19 @@ st.write(
 runs = dv.runs_by_id(store, sid)
 for card in dv.rerun_cards(store, sid):
     with st.container(border=True):
-        st.markdown(f"**{plain(card['run'])}**: {plain(card['parent'])} re-run with "
-                    f"{code_md(card['fix'])}")
+        st.markdown(f"**{plain(card.run)}**: {plain(card.parent)} re-run with "
+                    f"{code_md(card.fix)}")
         c = st.columns(3)
-        c[0].metric("forward records with unexpected NaN/Inf", card["nonfinite_after"],
-                    delta=card["nonfinite_after"] - card["nonfinite_before"], delta_color="inverse",
+        c[0].metric("forward records with unexpected NaN/Inf", card.nonfinite_after,
+                    delta=card.nonfinite_after - card.nonfinite_before, delta_color="inverse",
                     help=f"Records of the forward pass holding NaN/Inf in a run where they reach the output, a "
                          f"gradient or a parameter; a run whose NaN/Inf are all intended (masks) counts 0 (the "
                          f"Runs table's nonfinite_records counts every one, the backward pass's too). Before: "
-                         f"{card['nonfinite_before']} in {plain(card['parent'])}.")
+                         f"{card.nonfinite_before} in {plain(card.parent)}.")
         value, delta, why = dv.sqnr_card(card)
         c[1].metric("output SQNR vs fp32 (dB)", value, delta=delta, help=why)
-        c[2].metric("first non-finite op", plain(card["first_after"] or "none"),
-                    help=f"before: {plain(card['first_before'] or 'none')}")
+        c[2].metric("first non-finite op", plain(card.first_after or "none"),
+                    help=f"before: {plain(card.first_before or 'none')}")
 # the view lives in the URL (?view=&pair=&show=&q=&page=; each widget's key is its parameter), so a copied link
 # opens the same rows
 # (a bound widget's URL value is the option as shown, so the options are the URL's words and the captions say them)

@@ -15,8 +15,8 @@ if run is None:
 
 # the op picker: a step (when the run has several), a name filter, then the matching records of that step (the
 # current one among them when it is of that step); opened without an op, it lands on the first non-finite producer
-first = next((f["first"] for f in first_nonfinite_by_run(store, info["session_id"])
-              if f["run"]["run_id"] == run["run_id"] and f["first"]), None)
+first = next((f.first for f in first_nonfinite_by_run(store, info["session_id"])
+              if f.run["run_id"] == run["run_id"] and f.first), None)
 page.scoped("op", "pick_op", run["run_id"])  # a record number chosen in another run is no op of this one
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
@@ -42,7 +42,8 @@ choices = dv.op_choices(store, run["run_id"], find, step=step,
 if not choices:
     st.info("No record of this run matches the name filter.")
     st.stop()
-rid = page.url_select("Op", list(choices), param="op", key="pick_op", default=landing_rid, format_func=choices.get)
+rid = page.url_select("Op", choices.options, param="op", key="pick_op", default=landing_rid,
+                      format_func=choices.label)
 
 with page.guard("This op could not be loaded"):
     rec, stats, others = dv.op_record(store, run["run_id"], rid)
@@ -70,9 +71,9 @@ if others:
 formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 
 art = next((a for a in norm_artefacts(store, info["session_id"])
-            if a["run_id"] == run["run_id"] and a["rid"] == rid), None)
+            if a.run_id == run["run_id"] and a.rid == rid), None)
 if art:
-    st.info(message_md(art["reason"]))
+    st.info(message_md(art.reason))
 
 with_hist = [(label, s) for label, s in series if s is not None and s.hist is not None]
 if with_hist:

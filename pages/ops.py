@@ -20,16 +20,16 @@ opts = ov.filter_choices(store, run["run_id"])
 # parameter), so a copied link opens the same table; values the run does not have are dropped
 with st.container(border=True):
     c = st.columns([2, 2, 1, 1])
-    roles = c[0].multiselect("Role", opts["role"], key="role", bind="query-params")
-    op_types = c[1].multiselect("Op type", opts["type"], key="type", bind="query-params")
-    steps = c[2].multiselect("Step", opts["step"], key="step", bind="query-params")
-    ranks = c[3].multiselect("Rank", opts["rank"], key="rank", bind="query-params")
+    roles = c[0].multiselect("Role", opts.roles, key="role", bind="query-params")
+    op_types = c[1].multiselect("Op type", opts.op_types, key="type", bind="query-params")
+    steps = c[2].multiselect("Step", opts.steps, key="step", bind="query-params")
+    ranks = c[3].multiselect("Rank", opts.ranks, key="rank", bind="query-params")
     c = st.columns([3, 2, 2, 2])
     pattern = c[0].text_input("Name contains (or glob with * ?)", key="q", bind="query-params")
     only_problems = c[1].toggle("Problems only", key="problems", bind="query-params",
                                 help="Records with NaN/Inf that reach a failure (not a mask's, written on "
                                      "purpose), or whose comparison verdict is error or nonfinite.")
-    sort = c[2].selectbox("Sort by", opts["sort"], key="sort", bind="query-params")
+    sort = c[2].selectbox("Sort by", opts.sort, key="sort", bind="query-params")
     descending = c[3].toggle("Descending", key="desc", bind="query-params")
 
 page_size = 50

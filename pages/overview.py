@@ -2,6 +2,7 @@ import streamlit as st
 
 from precision_lab.services.jobs import (rerun_actions, rerun_blocker, running_jobs, start_grow, start_rerun,
                                         start_verify)
+from precision_lab.services.cards import diagnosis_cards
 from precision_lab.services.verify import untried, verification
 from precision_lab.display import num_text
 from precision_lab.origin import order_text
@@ -37,21 +38,21 @@ if len(warns):
 
 for lr in view(ov.long_runs):
     with st.container(border=True):
-        first = lr["first_nonfinite_step"]
-        alerts = lr["alerts"]
-        st.markdown(f"**{plain(lr['run'])}**: a long run of {lr['steps']} steps; "
+        first = lr.first_nonfinite_step
+        alerts = lr.alerts
+        st.markdown(f"**{plain(lr.run)}**: a long run of {lr.steps} steps; "
                     + ("every step finite" if first is None else f":red[first non-finite value at step {first}]")
                     + f"; {len(alerts)} alert(s)"
                     + (f", the first at step {int(alerts['step'].min())}" if len(alerts) else ""))
         if len(alerts):
-            st.dataframe(alerts.head(5), hide_index=True, width="stretch", key=f"alerts_{lr['run']}")
-        if st.button("Open the Timeline", key=f"timeline_{lr['run']}", icon=":material/timeline:"):
-            page.navigate("timeline", session=info["name"], run=lr["run"])
+            st.dataframe(alerts.head(5), hide_index=True, width="stretch", key=f"alerts_{lr.run}")
+        if st.button("Open the Timeline", key=f"timeline_{lr.run}", icon=":material/timeline:"):
+            page.navigate("timeline", session=info["name"], run=lr.run)
 
 st.subheader("First non-finite producer")
 firsts = view(ov.first_nonfinite_by_run)
 for item in firsts:
-    run, first, masks = item["run"], item["first"], item["intended"]
+    run, first, masks = item.run, item.first, item.intended
     quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)); not blamed: "
              + ", ".join(plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
@@ -78,10 +79,10 @@ for item in firsts:
                        f"(seq {first.first_nan.seq}), from that inf.")
         if quiet:
             st.caption(quiet)
-        if item["ranks"]:  # a distributed run: where the other ranks' NaN/Inf came from
+        if item.ranks:  # a distributed run: where the other ranks' NaN/Inf came from
             st.markdown(f"Rank {first.rank} made it; the other ranks:")
-            st.dataframe([{"rank": r["rank"], "how": r["state"], "first non-finite": r.get("op") or "—",
-                           "step": r.get("step"), "role": r.get("role") or "—"} for r in item["ranks"]],
+            st.dataframe([{"rank": r.rank, "how": r.state, "first non-finite": r.op or "—",
+                           "step": r.step, "role": r.role or "—"} for r in item.ranks],
                          hide_index=True, width="stretch", key=f"ranks_{run['run_id']}")
         st.markdown(f"Path of ops leading to it ({order_text(first.order)}):")
         st.dataframe(
@@ -94,26 +95,26 @@ for item in firsts:
             page.navigate("op_detail", session=info["name"], run=run["name"], op=first.rid)
 
 tree = ov.model_tree(store, firsts)
-if tree is not None and len(tree[1]) > 1:
-    run, nodes = tree
+if tree is not None and len(tree.nodes) > 1:
+    run, nodes = tree.run, tree.nodes
     with st.expander(f"The model as a tree: {plain(run['name'])}", expanded=False):
         st.caption("Each module coloured by its worst headroom in bits below the run's format's max, the path "
                    "to the first non-finite producer outlined in red; click a module to zoom into it.")
         st.plotly_chart(tv.tree_figure(nodes), key="ov_tree", width="stretch")
         mods = tv.tree_modules(nodes)
         c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
-        pick = c1.selectbox("Module", list(mods), format_func=mods.get, key="ov_module")
+        pick = c1.selectbox("Module", mods.options, format_func=mods.label, key="ov_module")
         if c2.button("Open on Op detail", key="ov_open_module", icon=":material/bar_chart:"):
             link = ov.module_link(store, run, pick)
             if link is not None:
-                page.navigate("op_detail", session=info["name"], **link)
+                page.navigate("op_detail", session=info["name"], run=link.run, op=link.op)
 
 artefacts = view(norm_artefacts)
 if artefacts:
     with st.expander(f"{len(artefacts)} norm artefact(s): Norm/Mean non-finite while the values are finite"):
-        st.dataframe([{"run": a["run"], "op": a["op"], "tensor": f"{a['role']} {a['index']}",
-                       "Max": num_text(a["max"]), "Min": num_text(a["min"]), "Norm": num_text(a["l2norm"]),
-                       "why": a["reason"]}
+        st.dataframe([{"run": a.run, "op": a.op, "tensor": f"{a.role} {a.index}",
+                       "Max": num_text(a.max), "Min": num_text(a.min), "Norm": num_text(a.l2norm),
+                       "why": a.reason}
                       for a in artefacts], hide_index=True, width="stretch", key="artefacts")
 
 
@@ -140,7 +141,7 @@ with tab_loc:
                "No local comparisons: they come from live captures, which re-run each op in fp32.")
 
 st.subheader("Diagnosis")
-cards = view(ov.diagnosis_cards)
+cards = view(diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
 # which fixes were tried is a view of the session (cached); whether the model can be re-run is the server's
@@ -154,9 +155,9 @@ if to_verify:
                       "the run finite, and its output SQNR against fp32."):
         st.session_state["_pl_verify"] = start_verify(store, info["name"])
         st.rerun()
-if acc.can_rerun and not blocked and any(f["first"] is not None for f in firsts) \
+if acc.can_rerun and not blocked and any(f.first is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
-        and not any(v["works"] for v in view(verification).values()) \
+        and not view(verification).any_works() \
         and rerun_blocker(store, info["name"]) is None:  # no card with fixes asked: a dump or a capture, no model
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
@@ -182,27 +183,27 @@ elif _verifying:
     _verify_progress()
 for i, card in enumerate(cards):
     with st.container(border=True, key=f"card_{i}"):
-        icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card["severity"], "**note**")
-        st.markdown(f"{icon} · {plain(card['run'] or '')} · **{plain(card['op'])}** "
-                    f"· rule {plain(card['rule'])}")
-        st.markdown(message_md(card["message"]))
-        if card["fixes"]:
-            st.markdown("Proposed fixes: " + ", ".join(plain(f) for f in card["fixes"]))
-            if blocked and card["rule"] != "fix-verified":
+        icon = {"error": ":red[**error**]", "warn": ":orange[**warning**]"}.get(card.severity, "**note**")
+        st.markdown(f"{icon} · {plain(card.run or '')} · **{plain(card.op)}** "
+                    f"· rule {plain(card.rule)}")
+        st.markdown(message_md(card.message))
+        if card.fixes:
+            st.markdown("Proposed fixes: " + ", ".join(plain(f) for f in card.fixes))
+            if blocked and card.rule != "fix-verified":
                 st.caption("No re-run button: " + message_md(blocked))
         for j, action in enumerate(offers[i]):
-            if action["running"] is not None:  # started here or in another tab: its progress, not a second one
-                st.button(plain(action["label"][:200]), key=f"rerun_{i}_{j}", icon=":material/hourglass_top:",
+            if action.running is not None:  # started here or in another tab: its progress, not a second one
+                st.button(plain(action.label[:200]), key=f"rerun_{i}_{j}", icon=":material/hourglass_top:",
                           disabled=True, help="a re-run with this fix is in progress; the page updates when it ends")
-            elif action["existing"]:  # already made from this run: open it, do not make a copy
-                icon = ":material/check_circle:" if action["works"] else ":material/cancel:"
-                if st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=icon,
-                             help=f"this fix was already run from this run: {plain(action['reason'])}"):
+            elif action.existing:  # already made from this run: open it, do not make a copy
+                icon = ":material/check_circle:" if action.works else ":material/cancel:"
+                if st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=icon,
+                             help=f"this fix was already run from this run: {plain(action.reason)}"):
                     page.navigate("diff", session=info["name"], view="runs")
-            elif st.button(plain(action["label"]), key=f"rerun_{i}_{j}", icon=":material/replay:",
-                           help=plain(action["reason"])):
-                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action["fix"],
-                                                            parent=action["parent"])
+            elif st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=":material/replay:",
+                           help=plain(action.reason)):
+                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action.fix,
+                                                            parent=action.parent)
                 st.rerun()
 
 _job = st.session_state.get("_pl_rerun")
@@ -248,13 +249,13 @@ if series.empty:
 else:
     if note:
         st.caption(note)
-    fig = ov.error_figure(series, metric, first_nonfinite=[f["first"] for f in firsts])
+    fig = ov.error_figure(series, metric, first_nonfinite=[f.first for f in firsts])
     ev = st.plotly_chart(fig, key="err_plot", on_select="rerun", selection_mode="points", width="stretch")
     pts = (ev or {}).get("selection", {}).get("points", []) if isinstance(ev, dict) else \
         (ev.selection.points if ev is not None else [])
     if pts and pts[0].get("customdata"):
         cd = pts[0]["customdata"]
-        runs = {f["run"]["run_id"]: f["run"]["name"] for f in firsts}
+        runs = {f.run["run_id"]: f.run["name"] for f in firsts}
         page.navigate("op_detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
     if series.attrs.get("bucket", 1) > 1:
         st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")

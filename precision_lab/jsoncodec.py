@@ -1,13 +1,18 @@
 """JSON with non-finite floats: strict JSON has no NaN or Infinity, so they travel as the strings
-``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder."""
+``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder.
+
+A frozen result (a dataclass) travels as the object of its fields, in the order they are declared
+(``fields_tree``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Optional
 
-__all__ = ["NONFINITE_WORDS", "json_float", "from_json_float", "jsonable", "decode_nonfinite", "dumps"]
+__all__ = ["NONFINITE_WORDS", "json_float", "from_json_float", "fields_tree", "jsonable", "decode_nonfinite",
+           "dumps"]
 
 NONFINITE_WORDS = frozenset({"nan", "inf", "-inf"})
 
@@ -36,8 +41,25 @@ def decode_nonfinite(v: Any) -> Any:
     return float(v) if isinstance(v, str) and v in NONFINITE_WORDS else v
 
 
+def fields_tree(v: object) -> object:
+    """``v`` with every dataclass in it (in lists, tuples and dict values too) turned into the dict of its fields,
+    in declaration order; every other value as it is."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: fields_tree(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {k: fields_tree(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [fields_tree(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(fields_tree(x) for x in v)
+    return v
+
+
 def jsonable(v: Any) -> Any:
-    """A tree of dicts, lists, tuples and numbers (numpy scalars included) with every float ready for strict JSON."""
+    """A tree of dicts, lists, tuples, dataclasses (``fields_tree``) and numbers (numpy scalars included) with every
+    float ready for strict JSON."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return jsonable(fields_tree(v))
     if isinstance(v, float):
         return json_float(v)
     if isinstance(v, dict):

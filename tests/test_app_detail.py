@@ -138,7 +138,7 @@ def test_norm_artefact_is_explained(ui_db):
     arts = norm_artefacts(s, s.session(STAT_SESSION)["session_id"])
     assert arts, "the fp16 sample holds records whose fp16 Norm overflowed"
     a = arts[0]
-    at = open_page("op_detail", session=STAT_SESSION, run=a["run"], op=str(a["rid"]))
+    at = open_page("op_detail", session=STAT_SESSION, run=a.run, op=str(a.rid))
     shown = " ".join(i.value for i in at.info).replace("\\", "")
     assert "not a non-finite tensor" in shown and "norm-arithmetic artefact" in shown
 

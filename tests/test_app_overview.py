@@ -147,7 +147,7 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
     store = Store(db)
     name = ingest(d, store=store, session="unordered")
     sid = store.session(name)["session_id"]
-    note = order_notes(store, sid)[session_runs(store, sid)[0]["run_id"]]  # what ingest recorded for the run
+    note = order_notes(store, sid).get(session_runs(store, sid)[0]["run_id"])  # what ingest recorded for the run
     assert "no order list" in note and "fewest non-finite" in note
     store.close()
     with serve_db(db, monkeypatch):

@@ -153,11 +153,11 @@ def test_heatmap_cells_carry_what_a_click_opens(ui_db):
     assert len(cd) == int((~np.isnan(z)).sum())  # one point per drawn cell
     row = fig["layout"]["yaxis"]["ticktext"].index("1.forward.0")
     point = {"customdata": list(next(c for c in cd if c[0] == row and c[1] == 13))}
-    ops = svc.heatmap(store, run_id, metric="headroom", fmt="fp16")["ops"]
+    ops = svc.heatmap(store, run_id, metric="headroom", fmt="fp16").ops
     op, step = tv.cell_target(point, ops)
     assert (op, step) == ("1.forward.0", 13)
     rec = svc.record_at(store, run_id, op, step)
-    assert rec["step"] == 10 and rec["name"] == "1.forward.0.output.0"
+    assert rec.step == 10 and rec.name == "1.forward.0.output.0"
     assert tv.cell_target({"customdata": {"0": row, "1": 13, "2": 1.5}}, ops) == ("1.forward.0", 13)  # browser
     assert tv.cell_target({"customdata": None}, ops) is None and tv.cell_target({"customdata": [99, 1]}, ops) is None
 

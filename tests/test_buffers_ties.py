@@ -245,9 +245,9 @@ def test_island_changes_nothing_exactly_when_the_model_computes_the_same():
         assert eff.changes == differs, (path, eff)
         assert (path in targets) == differs
         got = _try(model, FP16, _fingerprint(FP16.prepare(copy.deepcopy(model))), f"keep-fp32:{path}")
-        assert got["applies"] == differs, got
+        assert got.applies == differs, got
         if not differs:
-            assert "changes nothing" in got["reason"]
+            assert "changes nothing" in got.reason
     assert set(targets) == {"fc", "norm", "block", "block.1"}
     # no parameter, no buffer: nothing an island could cast; its inputs are not cast
     assert not island_effect(model, "pool", FP16).changes and not island_effect(model, "count", FP16).changes

@@ -134,7 +134,7 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
 
     sid = store.session(name)["session_id"]
     (item,) = first_nonfinite_by_run(store, sid)
-    assert {r["rank"]: r["state"] for r in item["ranks"]} == {r: "received" for r in spread}
+    assert {r.rank: r.state for r in item.ranks} == {r: "received" for r in spread}
     assert "received it" in render_html(store, name)
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from precision_lab.jsoncodec import decode_nonfinite, dumps, from_json_float, json_float
+from precision_lab.jsoncodec import decode_nonfinite, dumps, fields_tree, from_json_float, json_float
 from precision_lab.metrics import compare
 from precision_lab.stats import tensor_stats
 
@@ -42,3 +42,24 @@ def test_stats_and_comparisons_survive_the_codec():
             assert math.isnan(d[k])
         else:
             assert d[k] == v, k
+
+
+def test_a_frozen_result_travels_as_its_fields_in_declared_order():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True, slots=True)
+    class Inner:
+        b: float
+        a: str
+
+    @dataclass(frozen=True, slots=True)
+    class Outer:
+        z: int
+        rows: list
+        pair: tuple
+
+    v = Outer(1, [Inner(math.inf, "x")], (Inner(np.float32(0.5), "y"), None))
+    assert dumps(v) == '{"z": 1, "rows": [{"b": "inf", "a": "x"}], "pair": [{"b": 0.5, "a": "y"}, null]}'
+    tree = fields_tree({"k": v})
+    assert list(tree["k"]) == ["z", "rows", "pair"] and tree["k"]["rows"][0] == {"b": math.inf, "a": "x"}
+    assert isinstance(tree["k"]["pair"], tuple) and fields_tree(Inner) is Inner  # a class is no result

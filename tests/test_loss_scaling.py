@@ -59,22 +59,23 @@ def test_a_loss_scale_brings_back_gradients_fp16_flushes_to_zero(store):
     static = next(f for f in d.fixes if f.startswith("loss-scale:"))
     scale = parse_fix(static).value
     assert math.log2(scale).is_integer() and "dynamic-loss-scale" in d.fixes
-    rows = {r["label"]: r for r in verify_session(store, name, top=3)}
+    verdicts = {r.label: r for r in verify_session(store, name, top=3)}
+    rows = {label: r.result for label, r in verdicts.items()}
     for fix in (static, "dynamic-loss-scale"):
-        assert rows[fix]["works"], rows[fix]
-        assert rows[fix]["sqnr_db"] == rows[fix]["parent_sqnr_db"]  # the output is the same: the gradients differ
-        assert "parameter gradients' worst SQNR" in rows[fix]["why"]
-        assert rows[fix]["grad_sqnr_db"] > rows[fix]["parent_grad_sqnr_db"] + 20
+        assert rows[fix].works, rows[fix]
+        assert rows[fix].sqnr_db == rows[fix].parent_sqnr_db  # the output is the same: the gradients differ
+        assert "parameter gradients' worst SQNR" in rows[fix].why
+        assert rows[fix].grad_sqnr_db > rows[fix].parent_grad_sqnr_db + 20
     # the re-run's a.weight gradient is the one a hand-made fp16 backward under that scale gives, against fp32
     _, by_hand = _grads(scale)
     want = _sqnr(ref, by_hand)
     assert want > 30
-    got = _param_grad_sqnr(store, rows[static]["run_id"], "a.backward.0", "weight")
+    got = _param_grad_sqnr(store, rows[static].run_id, "a.backward.0", "weight")
     assert abs(got - want) < 0.05
-    parent = _param_grad_sqnr(store, rows[static]["parent"], "a.backward.0", "weight")
+    parent = _param_grad_sqnr(store, verdicts[static].parent, "a.backward.0", "weight")
     assert abs(parent - _sqnr(ref, flushed)) < 0.05  # 0 dB: all zeros
     zeros = store.sql("""SELECT zero_count FROM tensors WHERE run_id = ? AND role = 'param_grad'
-                         AND op = 'a.backward.0' AND "index" = 'weight'""", [rows[static]["run_id"]]).fetchone()[0]
+                         AND op = 'a.backward.0' AND "index" = 'weight'""", [rows[static].run_id]).fetchone()[0]
     assert zeros == int(np.count_nonzero(by_hand == 0))
 
 
@@ -131,13 +132,13 @@ def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(
     name = capture_recipe(store, "test-adam-inf")
     card = next(d for d in diagnose(store, name) if d.rule == "optimizer-nonfinite")
     assert card.fixes[0] == "skip-nonfinite-step" and "from step 1 on" in card.message
-    listed = {r["fix"]: r for r in applicable_fixes(store, name)}
-    assert listed["skip-nonfinite-step"]["applies"] and listed["dynamic-loss-scale"]["applies"]
-    rows = {r["label"]: r for r in verify_session(store, name, top=4)}
+    listed = {r.fix: r for r in applicable_fixes(store, name)}
+    assert listed["skip-nonfinite-step"].applies and listed["dynamic-loss-scale"].applies
+    rows = {r.label: r.result for r in verify_session(store, name, top=4)}
     skip = rows["skip-nonfinite-step"]
-    assert skip["works"] and "no longer reaches the weights" in skip["why"], skip
+    assert skip.works and "no longer reaches the weights" in skip.why, skip
     states = store.sql("""SELECT count(*), sum(CASE WHEN nonfinite THEN 1 ELSE 0 END) FROM tensors
-                          WHERE run_id = ? AND role = 'param' AND step = 1""", [skip["run_id"]]).fetchone()
+                          WHERE run_id = ? AND role = 'param' AND step = 1""", [skip.run_id]).fetchone()
     assert states[0] >= 6 and states[1] == 0
     # independently: the fp16 model's step-0 gradient is inf; Adam on it makes NaN weights, a skipped step none
     half = build().half()
@@ -151,5 +152,5 @@ def test_skipping_a_step_with_an_inf_gradient_keeps_adam_and_the_weights_finite(
     same = store.sql("""SELECT count(*) FROM tensors a JOIN tensors b ON a.run_id = b.run_id AND a.op = b.op
                         AND a."index" = b."index" AND a.role = b.role WHERE a.run_id = ? AND a.role = 'param'
                         AND a.step = 0 AND b.step = 1 AND a.absmax = b.absmax AND a.l2norm = b.l2norm""",
-                     [skip["run_id"]]).fetchone()[0]
+                     [skip.run_id]).fetchone()[0]
     assert same == states[0] and float(before[2].abs().max()) == 3000.0

@@ -281,14 +281,14 @@ def test_the_fixes_listing_and_the_card_leave_out_the_same_fix_whose_format_cann
                            get_policy("fp16")), replace=True)
     name = capture_recipe(store, "test-pad-attention")
     card = next(d for d in diagnose(store, name) if d.rule != "compiled")
-    listed = {r["fix"]: r for r in applicable_fixes(store, name)}
+    listed = {r.fix: r for r in applicable_fixes(store, name)}
     bf16 = listed["use-bf16"]
-    assert not bf16["applies"] and "beyond bf16's range" in bf16["reason"]
+    assert not bf16.applies and "beyond bf16's range" in bf16.reason
     assert "use-bf16" not in card.fixes and "not offered: use-bf16" in card.message
     # the value at stake is finfo(float32).min, which a real bf16 cast cannot hold
     assert torch.tensor(torch.finfo(torch.float32).min).to(torch.bfloat16).item() == -math.inf
     # the fixes the card offers are listed as applying (an island on the softmax's module, if offered)
-    assert all(listed[f]["applies"] for f in card.fixes if f in listed)
+    assert all(listed[f].applies for f in card.fixes if f in listed)
     loss = next(r for f, r in listed.items() if f.startswith("loss-scale"))
-    assert not loss["applies"] and "no backward pass" in loss["reason"]
-    assert not listed["skip-nonfinite-step"]["applies"] and "no optimizer" in listed["skip-nonfinite-step"]["reason"]
+    assert not loss.applies and "no backward pass" in loss.reason
+    assert not listed["skip-nonfinite-step"].applies and "no optimizer" in listed["skip-nonfinite-step"].reason

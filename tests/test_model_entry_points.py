@@ -134,18 +134,18 @@ def test_dashboard_verifies_the_suggestions_on_the_users_model(captured, monkeyp
         at.button(key="verify_fixes").click().run()
         assert_clean(at)
         jobs = at.session_state["_pl_verify"]
-        assert [j.fix for j in jobs] == [s["fix"] for s in want]
+        assert [j.fix for j in jobs] == [s.fix for s in want]
         assert all(j.wait(600) and j.error is None for j in jobs), [j.error for j in jobs]
         at.run()
         assert_clean(at)
         got = verification(store, "build")
-        works = [s for s in want if got[(s["parent"], s["label"])]["works"]]
+        works = [s for s in want if got.get(s.parent, s.label).works]
         assert works, got
         for s in works:
-            run_id = got[(s["parent"], s["label"])]["run_id"]
+            run_id = got.get(s.parent, s.label).run_id
             assert first_nonfinite(store, run_id) is None
         labels = [b.label.replace("\\", "") for b in at.button if b.key and b.key.startswith("rerun_")]
-        assert any(lab.startswith(f"Open fix: {works[0]['label']}: works") for lab in labels), labels
+        assert any(lab.startswith(f"Open fix: {works[0].label}: works") for lab in labels), labels
 
 
 def test_fixes_lists_what_applies_to_the_users_model(captured):

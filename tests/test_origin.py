@@ -220,7 +220,7 @@ def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
     np.save(d / "model.big.output.0.npy", big)
     name = ingest(d, store=store)
     arts = report.norm_artefacts(store, store.session(name)["session_id"])
-    assert [a["op"] for a in arts] == []  # our own statistics are float64: neither is an artefact
+    assert [a.op for a in arts] == []  # our own statistics are float64: neither is an artefact
     rec = store.sql("SELECT numel, l2norm FROM tensors WHERE op = 'model.empty'").fetchone()
     assert rec[0] == 0 and (rec[1] is None or math.isnan(rec[1]))
     assert report.first_nonfinite(store, q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]) is None

@@ -189,7 +189,7 @@ def test_replay_errors(lab, tmp_path):
     with pytest.raises(ReplayError, match=r"has type 'pow', which replay does not know"):
         replay_op(store, kept, "Tensor.pow.0.forward")
     stats_only = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], store=store, session="stats-only")
-    op = replayable_ops(store, stats_only)[0]["op"]
+    op = replayable_ops(store, stats_only)[0].op
     with pytest.raises(ReplayError, match=r"only its statistics were dumped or kept"):
         replay_op(store, stats_only, op)
     with pytest.raises(ReplayError, match=r"cannot be replayed; replayable: linear"):

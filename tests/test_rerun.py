@@ -274,13 +274,13 @@ def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
     lines = [ln.split() for ln in got.output.splitlines() if ln.strip()]
     verdicts = {ln[1]: ln[0] for ln in lines if ln[0] in ("works", "fails")}
     assert verdicts == {"eps:1e-6": "works", "sanitize-nonfinite:norm": "works", "calibrate-finite-only": "fails"}
-    sanitized = next(v for (_, fix), v in verification(store, name).items() if fix == "sanitize-nonfinite:norm")
+    sanitized = next(v for (_, fix), v in verification(store, name).by_fix.items() if fix == "sanitize-nonfinite:norm")
     inside = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite AND op LIKE 'norm.%'",
-                       [sanitized["run_id"]]).fetchone()[0]
+                       [sanitized.run_id]).fetchone()[0]
     assert inside > 0  # the NaN is still made inside the norm: intended now, since nothing after it sees it
-    for (parent, fix), v in verification(store, name).items():
-        assert v["works"] == (first_nonfinite(store, v["run_id"]) is None)
-        assert (verdicts[fix] == "works") == v["works"]
+    for (parent, fix), v in verification(store, name).by_fix.items():
+        assert v.works == (first_nonfinite(store, v.run_id) is None)
+        assert (verdicts[fix] == "works") == v.works
     # a second verify re-runs nothing: the verdicts are already in the re-runs
     n = store.sql("SELECT count(*) FROM runs").fetchone()[0]
     assert CliRunner().invoke(app, ["verify", "-s", name, "--db", str(db)]).exit_code == 0

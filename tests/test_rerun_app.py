@@ -144,16 +144,16 @@ def test_verify_button_tries_the_suggestions_and_the_cards_say_which_work(recipe
     at.button(key="verify_fixes").click().run()
     assert_clean(at)
     jobs = at.session_state["_pl_verify"]
-    assert [j.fix for j in jobs] == [s["fix"] for s in want]
+    assert [j.fix for j in jobs] == [s.fix for s in want]
     assert all(j.wait(300) and j.error is None for j in jobs)
     at.run()
     assert_clean(at)
     got = verification(store, name)
     labels = [b.label.replace("\\", "") for b in at.button if b.key and b.key.startswith("rerun_0_")]
     for s in want:
-        v = got[(s["parent"], s["label"])]
-        assert v["works"] and first_nonfinite(store, v["run_id"]) is None
-        assert any(lab.startswith(f"Open fix: {s['label']}: works, output SQNR {v['sqnr_db']:.1f} dB")
+        v = got.get(s.parent, s.label)
+        assert v.works and first_nonfinite(store, v.run_id) is None
+        assert any(lab.startswith(f"Open fix: {s.label}: works, output SQNR {v.sqnr_db:.1f} dB")
                    for lab in labels), labels
     assert not [b for b in at.button if b.key == "verify_fixes"]  # nothing left to verify
 

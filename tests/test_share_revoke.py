@@ -165,7 +165,7 @@ def test_token_file_is_private_and_follows_renames_and_deletes(store):
     # revoking by the file alone (as the CLI does when a server holds the database), by the current name
     assert revoke_recorded_token(store.path, "demo") == []
     removed = revoke_recorded_token(store.path, "renamed")
-    assert [r["token"] for r in removed] == [token]
+    assert [r.token for r in removed] == [token]
     assert store.session_by_token(token) is None
     assert token_file_for(store.path).sessions() == {}
 

@@ -350,7 +350,7 @@ def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(st
     assert store.runs(sid).name.tolist() == added
     assert views.runs_table(store, sid).run.tolist() == added
     assert [r["name"] for r in views.all_runs(store) if r["session_id"] == sid] == added
-    assert [c["run"] for c in rerun_cards(store, sid)] == ["second fix", "first fix"]  # newest first
+    assert [c.run for c in rerun_cards(store, sid)] == ["second fix", "first fix"]  # newest first
 
 
 def test_a_fixed_run_whose_nan_inf_are_all_intended_counts_none_on_its_card(store):
@@ -366,5 +366,5 @@ def test_a_fixed_run_whose_nan_inf_are_all_intended_counts_none_on_its_card(stor
         add_masked_softmax(w, base, [np.nan, 1.0])
         add_masked_softmax(w, fixed, [0.5, 1.0])
     card = rerun_cards(store, store.session("masks")["session_id"])[0]
-    assert (card["nonfinite_before"], card["nonfinite_after"]) == (3, 0)
-    assert card["first_after"] is None and card["first_before"] is not None
+    assert (card.nonfinite_before, card.nonfinite_after) == (3, 0)
+    assert card.first_after is None and card.first_before is not None

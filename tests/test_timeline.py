@@ -41,7 +41,7 @@ def test_growing_fp16_training_alerts_before_the_first_nonfinite_step(grown):
     first = cap.first_nonfinite_step
     assert first is not None and first >= 12  # dozens of steps of healthy-looking training first
     sid = store.session(cap.session)["session_id"]
-    assert svc.timeline_report(store, sid)["fp16"]["first_nonfinite_step"] == first
+    assert {t.run: t.first_nonfinite_step for t in svc.timeline_report(store, sid)}["fp16"] == first
     alerts = svc.run_alerts(store, cap.run_id)
     assert alerts, "no alert on a run whose activations grow until fp16 overflows"
     assert min(a.step for a in alerts) < first
@@ -333,38 +333,38 @@ def test_fail_on_alert_without_a_timeline_is_unusable(tmp_path):
 def test_heatmap_buckets_aggregate_like_numpy(grown):
     db, store, cap, _ = grown
     got = svc.heatmap(store, cap.run_id, metric="headroom", fmt="fp16", max_steps=7)
-    width = got["width"]
+    width = got.width
     assert width == math.ceil(40 / 7)
     rows = [r for r in cap.timeline_rows if r.op == "2.forward.0" and r.role == "output"]
-    for cell in (c for c in got["cells"] if c["op"] == "2.forward.0"):
+    for cell in (c for c in got.cells if c["op"] == "2.forward.0"):
         vals = [math.log2(65504 / r.absmax) for r in rows
                 if cell["bucket"] <= r.step < cell["bucket"] + width and r.absmax and math.isfinite(r.absmax)]
         if vals:
             assert cell["value"] == pytest.approx(min(vals), rel=1e-12)
-    assert [o["op"] for o in got["ops"]][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"]
+    assert [o["op"] for o in got.ops][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"]
     low = svc.heatmap(store, cap.run_id, metric="low", fmt="fp8_e4m3fn", max_steps=400)
-    assert low["width"] == 1
+    assert low.width == 1
     shares = {s.tid: s for s in cap.timeline_shares if s.fmt == "fp8_e4m3fn"}
     row = next(r for r in rows if r.step == 5)
-    cell = next(c for c in low["cells"] if c["op"] == "2.forward.0" and c["bucket"] == 5)
+    cell = next(c for c in low.cells if c["op"] == "2.forward.0" and c["bucket"] == 5)
     s = shares[row.tid]
     assert cell["value"] == pytest.approx((s.underflow + s.subnormal) / s.finite)
 
 
 def test_module_tree_and_record_at(grown):
     db, store, cap, _ = grown
-    nodes = {n["id"]: n for n in svc.module_tree(store, cap.run_id, fmt="fp16")}
+    nodes = {n.id: n for n in svc.module_tree(store, cap.run_id, fmt="fp16")}
     assert {"(model)", "0", "1", "2"} <= set(nodes)
-    assert nodes["0"]["parent"] == "(model)"
+    assert nodes["0"].parent == "(model)"
     worst = min(math.log2(65504 / r.absmax) for r in cap.timeline_rows
                 if r.op == "2.forward.0" and r.role == "output" and r.absmax and math.isfinite(r.absmax))
-    assert nodes["2"]["headroom"] == pytest.approx(worst)
-    assert any(n["on_path"] for k, n in nodes.items() if k != "(model)") and nodes["(model)"]["on_path"]
+    assert nodes["2"].headroom == pytest.approx(worst)
+    assert any(n.on_path for k, n in nodes.items() if k != "(model)") and nodes["(model)"].on_path
     first = cap.first_nonfinite_step
     rec = svc.record_at(store, cap.run_id, "2.forward.0", first - 1)
-    assert rec["step"] == first - 1 and rec["name"] == "2.forward.0.output.0"
+    assert rec.step == first - 1 and rec.name == "2.forward.0.output.0"
     rec = svc.record_at(store, cap.run_id, "2.forward.0", 3)  # a summary step: the full step before it
-    assert rec["step"] == 0
+    assert rec.step == 0
 
 
 # ---- where in the code: msprobe's stack.json ----------------------------------------------------
@@ -434,7 +434,7 @@ def test_timeline_of_two_ranks_through_shards(tmp_path, monkeypatch):
     for step in range(6):
         want = max(r.absmax for c in caps.values() for r in c.timeline_rows
                    if r.step == step and r.op == "0.forward.0" and r.role == "output")
-        assert series[step]["absmax"] == want
+        assert series[step].absmax == want
     orphans = store.sql("SELECT count(*) FROM timeline_formats f LEFT JOIN timeline t ON t.run_id = f.run_id "
                         "AND t.tid = f.tid WHERE f.run_id = ? AND t.tid IS NULL", [run_id]).fetchone()[0]
     assert orphans == 0

@@ -183,13 +183,13 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
 
     # one click: the card's re-run, from the kept step, in the job's configuration with the fix
     rid = rerun_session(store, cap.session, "use-bf16", parent=run["run_id"])
-    verdict = verification(store, cap.session)[(run["run_id"], "use-bf16")]
-    assert verdict["run_id"] == rid and verdict["works"], verdict
+    verdict = verification(store, cap.session).get(run["run_id"], "use-bf16")
+    assert verdict.run_id == rid and verdict.works, verdict
     ref = _independent(snap, None, SPIKE, fail)
     fixed = _independent(snap, torch.bfloat16, SPIKE, fail)
     assert np.isfinite(fixed).all()
     sqnr = 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - fixed) ** 2))
-    assert abs(verdict["sqnr_db"] - sqnr) < 0.1, (verdict["sqnr_db"], sqnr)
+    assert abs(verdict.sqnr_db - sqnr) < 0.1, (verdict.sqnr_db, sqnr)
     # the replay started from the kept step: its records are steps SPIKE..fail only, the reference's too
     runs = {r["name"]: r for r in q.session_runs(store, info["session_id"])}
     steps = {r["step"] for r in q.rows(store, "SELECT DISTINCT step FROM tensors WHERE run_id = ?", [rid])}

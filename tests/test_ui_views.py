@@ -140,7 +140,7 @@ def test_value_region_agrees_with_fp16_casts():
 def test_headroom_of_a_stats_only_record(db):
     sid, runs = _runs(db, STAT_SESSION)
     first = overview.first_nonfinite_by_run(db, sid)
-    cand_first = next(f["first"] for f in first if f["run"]["kind"] == "candidate")
+    cand_first = next(f.first for f in first if f.run["kind"] == "candidate")
     ref = views.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
     st = detail.load_stats(db, ref["run_id"], ref["rid"])
     assert st.hist is None
@@ -178,7 +178,7 @@ def test_figures_carry_the_format_lines():
 def test_first_nonfinite_matches_the_dump_json(db):
     sid, _ = _runs(db, STAT_SESSION)
     assert _first_nonfinite_from_json(CAND_JSON) == STAT_FIRST_NONFINITE
-    got = {f["run"]["kind"]: f["first"] for f in overview.first_nonfinite_by_run(db, sid)}
+    got = {f.run["kind"]: f.first for f in overview.first_nonfinite_by_run(db, sid)}
     assert got["reference"] is None
     assert got["candidate"].op == STAT_FIRST_NONFINITE
     assert got["candidate"].path[-1].op == STAT_FIRST_NONFINITE
@@ -222,6 +222,7 @@ def test_error_series_buckets_keep_the_worst_value(db):
 
 def test_diagnosis_cards_come_from_the_store(db):
     from precision_lab.records import Diagnosis
+    from precision_lab.services.cards import DiagnosisCard, diagnosis_cards
 
     sid, runs = _runs(db, STAT_SESSION)
     with db.extend_session(STAT_SESSION) as w:
@@ -229,12 +230,11 @@ def test_diagnosis_cards_come_from_the_store(db):
                                   "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"),
                                   "error", 53))
     before = db.df("SELECT count(*) AS n FROM diagnoses WHERE session_id = ?", [sid]).n[0]
-    cards = overview.diagnosis_cards(db, sid)
+    cards = diagnosis_cards(db, sid)
     assert len(cards) == before
-    assert [c for c in cards if c["message"] == "output absmax 81078 > fp16 max 65504"] == [{"run": runs["candidate"]["name"], "run_id": runs["candidate"]["run_id"],
-                      "op": STAT_FIRST_NONFINITE, "rule": "overflow",
-                      "message": "output absmax 81078 > fp16 max 65504",
-                      "fixes": ["keep-fp32:blocks.2.fc1", "use-bf16"], "severity": "error", "seq": 53}]
+    assert [c for c in cards if c.message == "output absmax 81078 > fp16 max 65504"] == [DiagnosisCard(
+        runs["candidate"]["name"], runs["candidate"]["run_id"], STAT_FIRST_NONFINITE, "overflow",
+        "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"), "error", 53)]
 
 
 def test_sessions_table_headlines(db):
@@ -648,6 +648,6 @@ def test_the_op_pickers_name_records_a_link_may_give(db):
     assert detail.record_named(db, run_id, 10 ** 9) is None
     last = views.find_records(db, run_id, limit=10 ** 6)[-1]
     choices = detail.op_choices(db, run_id, first[0]["name"], include_rid=last["rid"])
-    assert list(choices)[0] == last["rid"] and rid in choices
-    assert choices[rid] == f"{first[0]['name']}  (seq {first[0]['seq']})"
+    assert choices.options[0] == last["rid"] and rid in choices.options
+    assert choices.label(rid) == f"{first[0]['name']}  (seq {first[0]['seq']})"
     assert detail.step_choices(db, run_id) == []  # a dump of one step: no step to choose

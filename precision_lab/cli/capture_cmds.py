@@ -22,7 +22,7 @@ from ..fixes.recipes import RecipeNotFound
 from ..fixes.catalogue import apply_fixes
 from ..store.queries import count_records
 from ..services.report import first_nonfinite
-from ..ui.overview import diagnosis_cards
+from ..services.cards import diagnosis_cards
 
 
 def candidate_policy(recipe, dtype: Optional[str]):
@@ -120,6 +120,6 @@ def _summary(store, name: str) -> None:
             echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
                        f"rank {hit.rank}): {hit.reason}")
     for d in diagnosis_cards(store, info["session_id"]):
-        echo(f"  diagnosis [{d['severity']}] {d['run']}: {d['op']}: {d['message']}")
-        if d["fixes"]:
-            echo(f"    fixes (best first): {', '.join(d['fixes'])}")
+        echo(f"  diagnosis [{d.severity}] {d.run}: {d.op}: {d.message}")
+        if d.fixes:
+            echo(f"    fixes (best first): {', '.join(d.fixes)}")

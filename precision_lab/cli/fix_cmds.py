@@ -117,15 +117,16 @@ def verify_cmd(
         echo("no fix is suggested for this session")
         return
     for r in rows:
-        if r["error"]:
-            echo(f"  cannot  {r['label']}: {r['error']}")
+        if r.error:
+            echo(f"  cannot  {r.label}: {r.error}")
             continue
-        sq = f"{r['sqnr_db']:.1f} dB" if r["sqnr_db"] is not None else "-"
-        state = "works " if r["works"] else "fails "
-        where = f" ({r['why']})" if r.get("why") else ""
-        grown = " (grown along the data flow)" if r.get("grown") else ""
-        echo(f"  {state}  {r['label']}{grown}  output SQNR {sq}{where}  [run {r['run']}]")
-    if not any(r["works"] for r in rows):
+        v = r.result
+        sq = f"{v.sqnr_db:.1f} dB" if v.sqnr_db is not None else "-"
+        state = "works " if v.works else "fails "
+        where = f" ({v.why})" if v.why else ""
+        grown = " (grown along the data flow)" if r.grown else ""
+        echo(f"  {state}  {r.label}{grown}  output SQNR {sq}{where}  [run {v.run}]")
+    if not any(r.result.works for r in rows):
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -181,7 +182,7 @@ def replay_cmd(
     try:
         if op is None:
             for o in replayable_ops(store, session, run):
-                echo(f"{o['op']}  ({o['op_type']} -> {o['replay_as']})" + ("  non-finite" if o["nonfinite"] else ""))
+                echo(f"{o.op}  ({o.op_type} -> {o.replay_as})" + ("  non-finite" if o.nonfinite else ""))
             return
         # a dump file is read within the limits ingest used (`precision-lab config`); ConfigError is a ValueError
         res = replay_op(store, session, op, fixes=list(fix or []), run=run, read_limits=load_config().read_limits())

@@ -20,6 +20,7 @@ from ..services.report import build_report, render_text, to_json
 from ..store import Store
 from ._conditions import CONDITIONS, exit_on, parse_condition
 from ..services.xdiff import DiffInputError, diff_records, diff_rows, render_diff_text, resolve_run, run_records
+from ..jsoncodec import fields_tree
 
 
 def _ingest(paths, reference, session, store, keep_tensors=False) -> str:
@@ -130,7 +131,7 @@ def diff_cmd(
                          "first_divergent_ops": ({"reference": list(result.first.pair.ref_ops),
                                                   "candidate": list(result.first.pair.cand_ops)}
                                                  if result.first else None),
-                         "pairs": diff_rows(result),
+                         "pairs": fields_tree(diff_rows(result)),
                          "unpaired_reference": [c.op for c in result.pairing.unpaired_ref],
                          "unpaired_candidate": [c.op for c in result.pairing.unpaired_cand]}, default=str))
     else:

@@ -105,4 +105,4 @@ def fixes_cmd(
     except (SessionNotFound, RerunError) as e:
         _fail(str(e))
     print_table(("applies", "fix", "what it does, or why not"),
-                [("applies" if r["applies"] else "no", r["fix"], r["reason"]) for r in rows])
+                [("applies" if r.applies else "no", r.fix, r.reason) for r in rows])

@@ -92,7 +92,7 @@ def share_link_cmd(
             fail(f"no share link of a session named {session!r} is recorded; nothing was revoked (the database is "
                  "held by another process, so only recorded links can be looked up)")
         for r in removed:
-            echo(f"share link of session {r['name']!r} revoked; the server refuses it from its next "
+            echo(f"share link of session {r.name!r} revoked; the server refuses it from its next "
                        "request")
         return
     except RuntimeError as e:

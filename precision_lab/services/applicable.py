@@ -22,7 +22,7 @@ modules with it says which.
 from __future__ import annotations
 
 import copy
-from dataclasses import is_dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Optional
 
 from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix, unreachable
@@ -35,9 +35,19 @@ from .report import first_nonfinite
 from .rerun import session_recipe
 from .sessions import run_policy
 
-__all__ = ["applicable_fixes", "island_targets"]
+__all__ = ["FixApplicability", "applicable_fixes", "island_targets"]
 
 _SIMPLE = (int, float, bool, str, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class FixApplicability:
+    """A fix of the catalogue tried on a session's model: the spec tried, whether it applies, and what it would do
+    or why it does not apply."""
+
+    fix: str
+    applies: bool
+    reason: str
 
 
 def _fingerprint(model) -> tuple:
@@ -92,45 +102,41 @@ def _stake(store, runs: list[dict], cand: Optional[dict]) -> Optional[float]:
 
 
 def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False,
-         trains: bool = False) -> dict:
+         trains: bool = False) -> FixApplicability:
     why = unreachable(spec, absmax=stake) if stake is not None else None
     if why:
-        return {"fix": spec, "applies": False, "reason": f"cannot help: {why}"}
+        return FixApplicability(spec, False, f"cannot help: {why}")
     pattern = _island_pattern(spec)
     effect = None
     if pattern is not None:
         try:
             effect = island_effect(model, pattern, policy)
         except PolicyError as e:
-            return {"fix": spec, "applies": False, "reason": str(e)}
+            return FixApplicability(spec, False, str(e))
         if not effect.changes:
-            return {"fix": spec, "applies": False,
-                    "reason": f"changes nothing in this model under {policy.describe()}: {effect.reason}"}
+            return FixApplicability(spec, False, f"changes nothing in this model under {policy.describe()}: {effect.reason}")
     try:
         fixed = apply_fixes(policy, spec)
         prepared = fixed.prepare(copy.deepcopy(model))
     except (FixError, PolicyError) as e:
-        return {"fix": spec, "applies": False, "reason": str(e)}
+        return FixApplicability(spec, False, str(e))
     if fixed.loss_scale != policy.loss_scale and not backward:
-        return {"fix": spec, "applies": False,
-                "reason": "scales the loss, but this model runs no backward pass (its recipe has no loss)"}
+        return FixApplicability(spec, False, "scales the loss, but this model runs no backward pass (its recipe has no loss)")
     if fixed.skip_nonfinite_step != policy.skip_nonfinite_step and not trains:
-        return {"fix": spec, "applies": False,
-                "reason": "skips optimizer steps, but this model takes none (its recipe has no optimizer)"}
+        return FixApplicability(spec, False, "skips optimizer steps, but this model takes none (its recipe has no optimizer)")
     if effect is None and _fingerprint(prepared) == base and (
             fixed.compile, fixed.emulate_precision_casts, fixed.loss_scale, fixed.skip_nonfinite_step) == (
             policy.compile, policy.emulate_precision_casts, policy.loss_scale, policy.skip_nonfinite_step):
-        return {"fix": spec, "applies": False,
-                "reason": f"changes nothing in this model under {policy.describe()} (no module it reaches)"}
+        return FixApplicability(spec, False, f"changes nothing in this model under {policy.describe()} (no module it reaches)")
     reason = parse_fix(spec).reason
     if effect is not None and effect.note:
         reason += f"; {effect.note}"
-    return {"fix": spec, "applies": True, "reason": reason}
+    return FixApplicability(spec, True, reason)
 
 
-def applicable_fixes(store, session: str) -> list[dict]:
-    """Every fix of the catalogue for the session's model: ``{fix, applies, reason}`` -- ``fix`` the spec tried,
-    ``reason`` what it would do, or why it does not apply.  Builds the model (fp32) once; runs nothing."""
+def applicable_fixes(store, session: str) -> list[FixApplicability]:
+    """Every fix of the catalogue for the session's model, as tried on it.  Builds the model (fp32) once; runs
+    nothing."""
     info, recipe = session_recipe(store, session)
     runs = q.session_runs(store, info["session_id"])
     cand = next((r for r in runs if r["kind"] == "candidate"), None)
@@ -153,7 +159,7 @@ def applicable_fixes(store, session: str) -> list[dict]:
             specs = [d.example]
         for spec in specs:
             got = _try(model, policy, base, spec, stake=stake, backward=backward, trains=trains)
-            if got["applies"]:
+            if got.applies:
                 break
         out.append(got)
     return out

@@ -24,9 +24,10 @@ from typing import Callable, Optional
 from .islands import bisect_fp32_islands
 from .rerun import RerunError, rerun_session, session_recipe
 from ..fixes.catalogue import FixError, fix_label, parse_fix, split_specs
-from .verify import untried, verification
+from .cards import DiagnosisCard
+from .verify import Verifications, untried, verification
 
-__all__ = ["RerunJob", "start_rerun", "start_grow", "start_verify", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
+__all__ = ["RerunJob", "RerunAction", "start_rerun", "start_grow", "start_verify", "running_jobs", "rerun_actions", "rerun_blocker", "MAX_WORKERS", "MAX_QUEUED",
            "MAX_FINISHED"]
 
 MAX_WORKERS = 2  # re-runs at once: each holds a model and its activations in memory
@@ -184,25 +185,35 @@ def rerun_blocker(store, session: str) -> Optional[str]:
     return None
 
 
-def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict] = None
-                  ) -> tuple[Optional[str], list[list[dict]]]:
+@dataclass(frozen=True, slots=True)
+class RerunAction:
+    """What a diagnosis card offers for one fix it proposes: the button's ``label``, the ``fix`` spec, ``reason``
+    (the catalogue's one-line reasons of the fix's parts, joined) and ``parent`` (the run the diagnosis is about).
+    ``running``: the ``RerunJob`` making it now, from this tab or any other (the button says so and makes no second
+    one).  ``existing``: the run this fix already made from the same parent (a re-run is deterministic: the page
+    opens that run instead of making a copy), with ``works`` (the re-run holds no unexpected NaN/Inf),
+    ``sqnr_db`` (its output against fp32) and ``first_nonfinite``; the label says which (a fix known to leave
+    the run non-finite is never offered as a cure)."""
+
+    label: str
+    fix: str
+    reason: str
+    parent: Optional[str]
+    existing: Optional[str] = None
+    works: Optional[bool] = None
+    sqnr_db: Optional[float] = None
+    first_nonfinite: Optional[str] = None
+    running: Optional[RerunJob] = None
+
+
+def rerun_actions(store, session: str, cards: list[DiagnosisCard], *, made: Optional[Verifications] = None
+                  ) -> tuple[Optional[str], list[list[RerunAction]]]:
     """What the diagnosis cards offer: ``(blocker, actions per card)``.
 
-    ``blocker`` is ``rerun_blocker``'s sentence (then no card offers
-    anything), else None.  Each action is ``{"label", "fix", "reason",
-    "parent", "existing"}`` per proposed fix: the parent is the run the
-    diagnosis is about, ``reason`` joins the catalogue's one-line reasons of
-    the fix's parts, and ``existing`` names the run this fix already made from
-    the same parent (a re-run is deterministic: the page opens that run
-    instead of making a copy), else None; ``running`` the ``RerunJob`` making
-    it now, from this tab or any other (the button says so and makes no second
-    one), else None; with ``existing`` come ``works`` (the re-run
-    holds no unexpected NaN/Inf), ``sqnr_db`` (its output against fp32) and
-    ``first_nonfinite``, and the label says which (a fix known to leave the run
-    non-finite is never offered as a cure).  The session is looked up once for
-    all cards.
+    ``blocker`` is ``rerun_blocker``'s sentence (then no card offers anything), else None.  Each card offers a
+    ``RerunAction`` per proposed fix whose spec parses.  The session is looked up once for all cards.
     """
-    blocker = rerun_blocker(store, session) if any(c.get("fixes") for c in cards) else None
+    blocker = rerun_blocker(store, session) if any(c.fixes for c in cards) else None
     if blocker is not None or not cards:
         return blocker, [[] for _ in cards]
     if made is None:  # ``verification(store, session)``, when the caller has it already
@@ -212,25 +223,25 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
     out = []
     for card in cards:
         actions = []
-        for f in (card.get("fixes") or []) if card.get("rule") != "fix-verified" else []:
+        for f in card.fixes if card.rule != "fix-verified" else ():
             try:
                 specs = split_specs(f)
                 reason = " / ".join(parse_fix(s).reason for s in specs)
             except FixError:
                 continue
-            tried = made.get((card.get("run_id"), fix_label(specs)))
-            action = {"label": f"Re-run with {f}", "fix": f, "reason": reason, "parent": card.get("run_id"),
-                      "existing": None, "works": None, "sqnr_db": None, "first_nonfinite": None, "running": None}
-            job = running.get((f, card.get("run_id")))
+            tried = made.get(card.run_id, fix_label(specs))
+            job = running.get((f, card.run_id))
             if job is not None:
-                action.update(running=job, label=f"Re-running with {f}: {job.status}")
+                actions.append(RerunAction(f"Re-running with {f}: {job.status}", f, reason, card.run_id,
+                                           running=job))
             elif tried is not None:
-                action.update(existing=tried["run"], works=tried["works"], sqnr_db=tried["sqnr_db"],
-                              first_nonfinite=tried["first_nonfinite"])
-                action["label"] = f"Open {tried['run']}: " + (
-                    ("works" + (f", output SQNR {tried['sqnr_db']:.1f} dB" if tried["sqnr_db"] is not None else ""))
-                    if tried["works"] else (tried.get("why") or f"still NaN/Inf ({tried['first_nonfinite']})"))
-            actions.append(action)
+                label = f"Open {tried.run}: " + (
+                    ("works" + (f", output SQNR {tried.sqnr_db:.1f} dB" if tried.sqnr_db is not None else ""))
+                    if tried.works else (tried.why or f"still NaN/Inf ({tried.first_nonfinite})"))
+                actions.append(RerunAction(label, f, reason, card.run_id, tried.run, tried.works, tried.sqnr_db,
+                                           tried.first_nonfinite))
+            else:
+                actions.append(RerunAction(f"Re-run with {f}", f, reason, card.run_id))
         out.append(actions)
     return blocker, out
 
@@ -238,4 +249,4 @@ def rerun_actions(store, session: str, cards: list[dict], *, made: Optional[dict
 def start_verify(store, session: str, *, top: int = 3) -> list[RerunJob]:
     """Queue a re-run of each of the session's first ``top`` suggested fixes not tried yet (the verdicts are
     then read from the re-runs: ``verify.verification``)."""
-    return [start_rerun(store, session, s["fix"], parent=s["parent"]) for s in untried(store, session, top=top)]
+    return [start_rerun(store, session, s.fix, parent=s.parent) for s in untried(store, session, top=top)]

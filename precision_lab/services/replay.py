@@ -37,7 +37,7 @@ from ..stats import tensor_stats
 from ..store import queries as q
 from .share import SHARED_SOURCE
 
-__all__ = ["ReplayResult", "replay_op", "replayable_ops", "REPRODUCE_ULPS"]
+__all__ = ["ReplayResult", "ReplayableOp", "replay_op", "replayable_ops", "REPRODUCE_ULPS"]
 
 # A replay "reproduces" a dumped output within this many units in the last place: the same fp16 kernel
 # on another CPU (other vector width, fused multiply-add) may round an accumulation differently.
@@ -240,13 +240,25 @@ def _json_value(a):
     return v
 
 
-def replayable_ops(store, session: str, run: Optional[str] = None) -> list[dict]:
-    """Forward ops of a session's candidate run that replay can handle: ``{op, op_type, replay_as, seq, nonfinite}``."""
+@dataclass(frozen=True, slots=True)
+class ReplayableOp:
+    """A forward op replay can handle: its name, its type as dumped, the op it replays as, its place in execution
+    order and whether it holds NaN/Inf."""
+
+    op: str
+    op_type: Optional[str]
+    replay_as: str
+    seq: int
+    nonfinite: bool
+
+
+def replayable_ops(store, session: str, run: Optional[str] = None) -> list[ReplayableOp]:
+    """Forward ops of a session's candidate run that replay can handle."""
     info = store.session(session)
     r = _pick_run(store, info, run)
     rows = q.forward_ops(store, r["run_id"])
-    return [{"op": x["op"], "op_type": x["op_type"], "replay_as": canonical_op(x["op_type"] or ""),
-             "seq": x["seq"], "nonfinite": bool(x["nf"])} for x in rows if canonical_op(x["op_type"] or "")]
+    return [ReplayableOp(x["op"], x["op_type"], canonical_op(x["op_type"] or ""), x["seq"], bool(x["nf"]))
+            for x in rows if canonical_op(x["op_type"] or "")]
 
 
 def _pick_run(store, info: dict, run: Optional[str]) -> dict:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from ..display import cosine_brief, num_text
 from ..enums import OriginKind
@@ -33,14 +34,76 @@ from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, Nonfi
 from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
-from ..jsoncodec import dumps
+from ..jsoncodec import dumps, fields_tree
 from . import timeline as _timeline
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
-           "order_notes",
+           "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState",
            "render_text", "to_json", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 PATH_LENGTH = 5  # ops shown before the producer
+
+
+@dataclass(frozen=True, slots=True)
+class OrderNotes:
+    """The order each run's dump gave, in words, with which parts are certain, by run id (runs ingest did not say
+    for are left out)."""
+
+    by_run: dict[str, str]
+
+    def get(self, run_id: Optional[str], default: Optional[str] = None) -> Optional[str]:
+        return self.by_run.get(run_id, default)
+
+
+@dataclass(frozen=True, slots=True)
+class FiniteRank:
+    """A rank of a distributed run whose every recorded value is finite."""
+
+    rank: int
+    state: str
+    text: str
+
+    step = op = role = index = None  # no first non-finite value: read like a ``RankOrigin``'s, these are None
+
+
+@dataclass(frozen=True, slots=True)
+class RankOrigin:
+    """A rank of a distributed run that holds an unexpected non-finite value: ``state`` says whether it
+    ``produced`` its own or ``received`` it, where it first holds one, and a sentence saying so."""
+
+    rank: int
+    state: str
+    step: int
+    op: str
+    role: str
+    index: str
+    text: str
+
+
+RankState = Union[FiniteRank, RankOrigin]
+
+
+@dataclass(frozen=True, slots=True)
+class NormArtefact:
+    """A record whose Norm or Mean is NaN/Inf while its values are finite: where it is, its statistics, the
+    float64 bound ``sqrt(numel) * absmax`` on its true norm, and why it is no non-finite value."""
+
+    run: str
+    run_id: str
+    rid: int
+    step: int
+    rank: int
+    seq: int
+    op: str
+    role: str
+    index: str
+    dtype: Optional[str]
+    min: float
+    max: float
+    mean: Optional[float]
+    l2norm: Optional[float]
+    norm_bound_f64: float
+    reason: str
 
 
 def run_facts(store, run_id: str) -> RunFacts:
@@ -56,13 +119,13 @@ def run_facts(store, run_id: str) -> RunFacts:
                     outputs=model_outputs(q.forward_ends(store, run_id), run["order"], parents) if calls else {})
 
 
-def order_notes(store, session: str) -> dict[str, str]:
+def order_notes(store, session: str) -> OrderNotes:
     """run_id -> the order its dump gave, in words, with which parts are certain (what ingest recorded in the
     session's notes: an order list and whether it is call or completion order, file times and their ties, links
     found in the data); runs it did not say for are left out."""
     runs = (store.session(session)["notes"].get("ingest") or {}).get("runs") or {}
-    return {v["run_id"]: v["order_from"] for v in runs.values()
-            if isinstance(v, dict) and v.get("run_id") and v.get("order_from")}
+    return OrderNotes({v["run_id"]: v["order_from"] for v in runs.values()
+                       if isinstance(v, dict) and v.get("run_id") and v.get("order_from")})
 
 
 def first_nonfinite(store, run_id: str) -> Optional[Origin]:
@@ -121,7 +184,7 @@ def _producing_rank(facts: RunFacts, first: Origin) -> Origin:
     return min(made, key=lambda o: (o.step, o.rank)) if made else first
 
 
-def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
+def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[RankState]:
     """With several ranks: where each rank other than the origin's first holds an unexpected non-finite value,
     and whether it made that value or received it.  Each rank is analysed on its own records (``origin.analyse``
     over its share of ``run_facts``); a rank whose own first value comes after the origin's step, or at that step
@@ -139,7 +202,7 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
         mine = _rank_facts(facts, r)
         o = analyse(mine)[0] if mine.calls else None
         if o is None:
-            out.append({"rank": r, "state": "finite", "text": f"rank {r}: every value it recorded is finite"})
+            out.append(FiniteRank(r, "finite", f"rank {r}: every value it recorded is finite"))
             continue
         received = o.step > first.step or (o.step == first.step and _arrived(o))
         where = f"{o.op} (step {o.step}, {o.role} {o.index})"
@@ -149,12 +212,11 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[dict]:
                "through a collective (DDP's gradient all-reduce, FSDP's all-gather) and the optimizer step after it")
         text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
                 f"{how}" if received else f"rank {r}: produced its own, at {where}")
-        out.append({"rank": r, "state": "received" if received else "produced", "step": o.step, "op": o.op,
-                    "role": o.role, "index": o.index, "text": text})
+        out.append(RankOrigin(r, "received" if received else "produced", o.step, o.op, o.role, o.index, text))
     return out
 
 
-def norm_artefacts(store, session_id: str) -> list[dict]:
+def norm_artefacts(store, session_id: str) -> list[NormArtefact]:
     """Records whose Norm or Mean is NaN/Inf while their values are finite.
 
     That happens when a dump computed the norm (or mean) in the tensor's own
@@ -179,9 +241,8 @@ def norm_artefacts(store, session_id: str) -> list[dict]:
             reason += (f", whose largest finite value is {num_text(fmt.max, grouped=True)}; the float64 norm is at most "
                        f"sqrt(numel) x absmax = {bound:.6g}")
         reason += ". The values did not overflow; this is not a non-finite tensor."
-        out.append({**{k: r[k] for k in ("run", "run_id", "rid", "step", "rank", "seq", "op", "role", "index",
-                                          "dtype", "min", "max", "mean", "l2norm")},
-                    "norm_bound_f64": bound, "reason": reason})
+        out.append(NormArtefact(*(r[k] for k in ("run", "run_id", "rid", "step", "rank", "seq", "op", "role", "index",
+                                                  "dtype", "min", "max", "mean", "l2norm")), bound, reason))
     return out
 
 
@@ -215,7 +276,7 @@ def build_report(store, session: str) -> dict:
         f, masks = nonfinite_origin(store, r["run_id"])
         first[r["name"]] = None if f is None else f.as_dict()
         intended[r["name"]] = [dataclasses.asdict(m) for m in masks]
-        spread[r["name"]] = rank_spread(store, r["run_id"], f)
+        spread[r["name"]] = fields_tree(rank_spread(store, r["run_id"], f))
     tensors = []
     for r in runs:
         for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
@@ -250,14 +311,15 @@ def build_report(store, session: str) -> dict:
         "first_nonfinite": first,
         "ranks": spread,
         "intended_nonfinite": intended,
-        "norm_artefacts": norm_artefacts(store, sid),
+        "norm_artefacts": fields_tree(norm_artefacts(store, sid)),
         "tensors": tensors,
         "comparisons": comparisons,
         "worst_comparisons": worst_comparisons,
         "diagnoses": diagnoses,
         "warnings": warnings,
         "alerts": alerts,
-        "timeline": _timeline.timeline_report(store, sid),
+        "timeline": {t.run: {"first_nonfinite_step": t.first_nonfinite_step, "full_steps": t.full_steps,
+                             "steps": t.steps} for t in _timeline.timeline_report(store, sid)},
         "notes": info["notes"],
     }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..readers.shards import TEXT_MAX, ShardError, checked_runs, read_timeline
 from ..records import RunInfo
+from ..store import Store
 from ..store.parquet import ShardRun, over_shards
 from .diagnose import diagnose_session
 from .ingest import add_timelines
@@ -30,7 +31,7 @@ def _run_info(meta: dict, root: Path) -> RunInfo:
                    policy=policy if policy is None or isinstance(policy, str) else json.dumps(policy))
 
 
-def open_shards(root, *, diagnose: bool = True):
+def open_shards(root, *, diagnose: bool = True) -> tuple[Store, str]:
     """``(store, session name)``: the shard folder ``root`` as one session of a ``Store`` in memory that reads
     its records from the files in place.  ``diagnose``: run the diagnosis rules over it, as ingest does.
     Raises ``ShardError`` naming the file and the problem."""

@@ -63,6 +63,7 @@ __all__ = [
     "create_share_token",
     "revoke_share_token",
     "revoke_recorded_token",
+    "RevokedLink",
     "share_url",
 ]
 
@@ -279,19 +280,27 @@ def revoke_share_token(store, session: str) -> None:
     store.set_share_token(session, None)
 
 
-def revoke_recorded_token(db_path, session: str) -> list[dict]:
+@dataclass(frozen=True, slots=True)
+class RevokedLink:
+    """A share link revoked: the session's id and name as recorded with it, and its token."""
+
+    session_id: str
+    name: str
+    token: str
+
+
+def revoke_recorded_token(db_path, session: str) -> list[RevokedLink]:
     """Revoke ``session``'s link in the token file beside the database at ``db_path``,
     without opening the database (a running server holds it).
 
-    ``session``: the name or id recorded with the token.  Returns the
-    entries removed (``session_id``, ``name``, ``token``); empty when no link
-    of that session is recorded.  A server reading the same file refuses the
-    token from its next request.
+    ``session``: the name or id recorded with the token.  Returns the links
+    removed; empty when no link of that session is recorded.  A server
+    reading the same file refuses the token from its next request.
     """
     tf = token_file_for(resolve_db_path(db_path))
     if tf is None or not tf.exists():
         return []
-    return tf.revoke(session)
+    return [RevokedLink(e["session_id"], e.get("name"), e.get("token")) for e in tf.revoke(session)]
 
 
 def share_url(base_url: str, token: str) -> str:

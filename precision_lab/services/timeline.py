@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -20,10 +21,72 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
-from .tree import build_tree
+from .tree import ModuleNode, build_tree
 
-__all__ = ["run_format", "run_alerts", "session_alerts",
-           "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op", "pair_alerts"]
+__all__ = ["run_format", "run_alerts", "session_alerts", "RunTimeline", "TimelineHeatmap", "OpStep", "OpSeries",
+           "FullRecord", "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op",
+           "pair_alerts"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunTimeline:
+    """A long run in brief: its name, its first non-finite step (None: every step finite), the steps it holds
+    full records of, and one row per step (``store.timeline.step_rows``)."""
+
+    run: str
+    first_nonfinite_step: Optional[int]
+    full_steps: list[int]
+    steps: list
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineHeatmap:
+    """The ops x steps heatmap of a long run: ``width`` steps per bucket, the cells
+    (``store.timeline.heatmap_cells``: op, role, index, bucket, value) and the rows, the ops in execution order
+    (``store.timeline.timeline_ops``)."""
+
+    width: int
+    cells: list
+    ops: list
+
+
+@dataclass(frozen=True, slots=True)
+class OpStep:
+    """One op's values at one step, ranks merged (``store.timeline.op_steps``), with its headroom below the
+    format's max (bits; None without a finite nonzero max) and the share of its finite values at the format's
+    low end (None without a count)."""
+
+    step: int
+    absmax: Optional[float]
+    min_abs_nonzero: Optional[float]
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    numel: Optional[int]
+    finite: Optional[int]
+    overflow: Optional[int]
+    low: Optional[int]
+    dtype: Optional[str]
+    location: Optional[str]
+    headroom_bits: Optional[float]
+    low_share: Optional[float]
+
+
+@dataclass(frozen=True, slots=True)
+class OpSeries:
+    """A chosen series of the Timeline: its label and its values step by step."""
+
+    label: str
+    points: list[OpStep]
+
+
+@dataclass(frozen=True, slots=True)
+class FullRecord:
+    """An op's output record at a step of full records: its record id, step, rank and name."""
+
+    rid: int
+    step: int
+    rank: int
+    name: str
 
 # op alerts judge forward outputs; gradients of parameters are judged for underflow only
 # (a GradScaler overflows them on purpose, and skips those steps)
@@ -131,40 +194,35 @@ def first_failing_op(store, run_id: str) -> Optional[dict]:
     return {"step": step, **got[0]} if got else {"step": step, "op": None}
 
 
-def timeline_report(store, session_id: str) -> dict:
+def timeline_report(store, session_id: str) -> list[RunTimeline]:
     """Per timeline run: the first non-finite step, the steps with full records, and one row per step."""
-    out = {}
-    for r in tl.timeline_runs(store, session_id):
-        out[r["name"]] = {
-            "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]),
-            "full_steps": tl.full_steps(store, r["run_id"]),
-            "steps": tl.step_rows(store, r["run_id"]),
-        }
-    return out
+    return [RunTimeline(r["name"], tl.first_nonfinite_step(store, r["run_id"]), tl.full_steps(store, r["run_id"]),
+                        tl.step_rows(store, r["run_id"]))
+            for r in tl.timeline_runs(store, session_id)]
 
 
-def heatmap(store, run_id: str, *, metric: str, fmt: str, roles=_OUTPUT, max_steps: int = 400) -> dict:
+def heatmap(store, run_id: str, *, metric: str, fmt: str, roles=_OUTPUT, max_steps: int = 400) -> TimelineHeatmap:
     """Cells of the ops x steps heatmap (see ``store.timeline.heatmap_cells``) and the ops in execution order."""
     f = get_format(fmt)
     got = tl.heatmap_cells(store, run_id, metric=metric, fmt=f.name, fmt_max=f.max, roles=roles,
                            max_steps=max_steps)
-    got["ops"] = tl.timeline_ops(store, run_id, roles)
-    return got
+    return TimelineHeatmap(got["width"], got["cells"], tl.timeline_ops(store, run_id, roles))
 
 
-def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0", *, fmt: str) -> list[dict]:
+def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0", *, fmt: str) -> list[OpStep]:
     """One op's values step by step, with its headroom below ``fmt``'s max and its low-end share."""
     f = get_format(fmt)
     out = []
     for r in tl.op_steps(store, run_id, op, role, index, f.name):
         a = r["absmax"]
-        r["headroom_bits"] = float(headroom_bits(a, f)) if a and a > 0 and math.isfinite(a) else None
-        r["low_share"] = r["low"] / r["finite"] if r["low"] is not None and r["finite"] else None
-        out.append(r)
+        out.append(OpStep(r["step"], a, r["min_abs_nonzero"], r["nan_count"], r["inf_count"], r["numel"],
+                          r["finite"], r["overflow"], r["low"], r["dtype"], r["location"],
+                          float(headroom_bits(a, f)) if a and a > 0 and math.isfinite(a) else None,
+                          r["low"] / r["finite"] if r["low"] is not None and r["finite"] else None))
     return out
 
 
-def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
+def module_tree(store, run_id: str, *, fmt: str) -> list[ModuleNode]:
     """The module hierarchy of a long run (see ``services.tree``): each module's worst headroom below
     ``fmt``'s max over every step; the path to the first op that went non-finite marked."""
     first = first_failing_op(store, run_id)
@@ -173,11 +231,12 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
     return build_tree(worst, failing)
 
 
-def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
+def record_at(store, run_id: str, op: str, step: int) -> Optional[FullRecord]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
     steps = tl.full_steps(store, run_id, op)
     if not steps:
         return None
     before = [s for s in steps if s <= step]
     at = before[-1] if before else steps[0]
-    return tl.output_record(store, run_id, op, at)
+    got = tl.output_record(store, run_id, op, at)
+    return None if got is None else FullRecord(int(got["rid"]), got["step"], got["rank"], got["name"])

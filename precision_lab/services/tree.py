@@ -10,6 +10,7 @@ capture's name); dumps without a hierarchy are grouped by dotted name prefix.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 from ..alerts import op_format
@@ -17,13 +18,28 @@ from ..formats import get_format
 from ..ops import enclosing_module, module_path
 from ..store import queries as q
 
-__all__ = ["ROOT", "build_tree", "run_tree", "tree_modules_of"]
+__all__ = ["ROOT", "ModuleNode", "build_tree", "run_tree", "tree_modules_of"]
 
 ROOT = "(model)"
 
 
-def build_tree(entries: list[dict], failing: Optional[str] = None) -> list[dict]:
-    """Nodes ``{id, parent, label, headroom, nonfinite, on_path, op}`` from ``entries`` (``op``, ``headroom``,
+@dataclass(frozen=True, slots=True)
+class ModuleNode:
+    """A module of the tree: its path (``id``; ``ROOT`` for the model), its parent's path (``""`` for the root),
+    the last part of its path, its worst headroom (None: no finite one), whether it held NaN/Inf, whether it lies
+    on the path to the first failure, and the op it opens (its own call where recorded, else its worst op)."""
+
+    id: str
+    parent: str
+    label: str
+    headroom: Optional[float]
+    nonfinite: bool
+    on_path: bool
+    op: Optional[str]
+
+
+def build_tree(entries: list[dict], failing: Optional[str] = None) -> list[ModuleNode]:
+    """The modules' nodes from ``entries`` (``op``, ``headroom``,
     ``nonfinite`` and optionally ``parent``: the op's enclosing call); ``failing`` is the module path of the
     first failure.  ``op`` of a node is the module's own call where recorded, else its worst op."""
     nodes: dict = {"": {"id": ROOT, "parent": "", "label": ROOT, "headroom": None, "nonfinite": False,
@@ -49,13 +65,12 @@ def build_tree(entries: list[dict], failing: Optional[str] = None) -> list[dict]
         score = -1.0 if own else (h if h is not None else math.inf)  # the module's own call first
         if leaf["op"] is None or score < leaf["_worst"]:
             leaf["op"], leaf["_worst"] = e["op"], score
-    for n in nodes.values():
-        del n["_worst"]
-    return list(nodes.values())
+    return [ModuleNode(n["id"], n["parent"], n["label"], n["headroom"], n["nonfinite"], n["on_path"], n["op"])
+            for n in nodes.values()]
 
 
 def run_tree(store, run_id: str, *, fmt: Optional[str] = None, failing_op: Optional[str] = None,
-             failing_parent: Optional[str] = None) -> list[dict]:
+             failing_parent: Optional[str] = None) -> list[ModuleNode]:
     """The tree of a run's stored records, against ``fmt`` (default: the run's own low-precision format,
     else fp16); ``failing_op`` (and its ``failing_parent``) marks the path to the first producer."""
     run = q.run_row(store, run_id) or {}
@@ -64,10 +79,10 @@ def run_tree(store, run_id: str, *, fmt: Optional[str] = None, failing_op: Optio
     return build_tree(q.op_extremes(store, run_id, f.max), failing)
 
 
-def tree_modules_of(nodes: list[dict]) -> list[dict]:
+def tree_modules_of(nodes: list[ModuleNode]) -> list[ModuleNode]:
     """The nodes that open an op, the path to the failure first (innermost first), then by worst headroom."""
-    depth = lambda n: 0 if n["parent"] == "" else n["id"].count(".") + 1  # noqa: E731  (the root has no parent)
-    with_op = [n for n in nodes if n["op"]]
-    with_op.sort(key=lambda n: (not n["on_path"], -depth(n) if n["on_path"] else 0,
-                                n["headroom"] if n["headroom"] is not None else math.inf))
+    depth = lambda n: 0 if n.parent == "" else n.id.count(".") + 1  # noqa: E731  (the root has no parent)
+    with_op = [n for n in nodes if n.op]
+    with_op.sort(key=lambda n: (not n.on_path, -depth(n) if n.on_path else 0,
+                                n.headroom if n.headroom is not None else math.inf))
     return with_op

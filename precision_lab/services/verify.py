@@ -16,6 +16,7 @@ line or a script counts the same.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..fixes.catalogue import FixError, fix_label, split_specs
@@ -26,11 +27,76 @@ from .report import first_nonfinite
 from .islands import bisect_fp32_islands
 from .rerun import rerun_session
 
-__all__ = ["suggestions", "verification", "untried", "verify_session", "judge_fix", "IMPROVE_DB"]
+__all__ = ["Suggestion", "Verification", "Verifications", "Verdict", "NOT_RUN", "suggestions", "verification", "untried",
+           "verify_session", "judge_fix", "IMPROVE_DB"]
 
 Progress = Optional[Callable[[int, int, str], None]]
 # how much a fix of a run without NaN/Inf must raise its output SQNR (dB) to count as working
 IMPROVE_DB = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Suggestion:
+    """A fix a diagnosis proposes: the spec as proposed, its label (``fix_label``) and the run it fixes."""
+
+    fix: str
+    label: str
+    parent: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """What trying a fix from a run gave (``judge_fix``): the re-run (name and id), whether the fix works and why,
+    the output SQNR (dB, against the fp32 reference) of the re-run and of the run it fixes, the worst SQNR of their
+    parameter gradients where both ran backward, and the re-run's first unexpected non-finite op.  ``NOT_RUN``:
+    no re-run to judge."""
+
+    run: Optional[str] = None
+    run_id: Optional[str] = None
+    works: bool = False
+    why: Optional[str] = None
+    sqnr_db: Optional[float] = None
+    parent_sqnr_db: Optional[float] = None
+    grad_sqnr_db: Optional[float] = None
+    parent_grad_sqnr_db: Optional[float] = None
+    first_nonfinite: Optional[str] = None
+
+
+NOT_RUN = Verification()
+
+
+@dataclass(frozen=True, slots=True)
+class Verifications:
+    """Every re-run of a session judged: ``by_fix`` maps ``(parent run id, fix label)`` to its ``Verification``."""
+
+    by_fix: dict[tuple[str, str], Verification]
+
+    def get(self, parent: Optional[str], label: str) -> Optional[Verification]:
+        """What trying ``label`` from run ``parent`` gave; None when no re-run tried it."""
+        return self.by_fix.get((parent, label))
+
+    def tried(self, parent: Optional[str], label: str) -> bool:
+        return (parent, label) in self.by_fix
+
+    def all(self) -> tuple[Verification, ...]:
+        return tuple(self.by_fix.values())
+
+    def any_works(self) -> bool:
+        return any(v.works for v in self.by_fix.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A suggestion verified: the fix, its label and the run it fixes, what its re-run gave (``result``;
+    ``NOT_RUN`` when none was made), ``error`` when the fix could not apply to the model, and ``grown`` for an
+    fp32 island grown along the data flow."""
+
+    fix: str
+    label: str
+    parent: str
+    result: Verification = NOT_RUN
+    error: Optional[str] = None
+    grown: bool = False
 
 
 def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: Optional[Origin],
@@ -71,10 +137,9 @@ def _db(v: float) -> str:
     return f"{v:.1f} dB" if math.isfinite(v) else ("exact" if v > 0 else "-inf dB")
 
 
-def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]:
+def suggestions(store, session: str, *, top: Optional[int] = None) -> list[Suggestion]:
     """The distinct fixes the session's diagnoses of its captured runs propose (a re-run's own diagnoses are
-    about that attempt, not the session), in the order proposed: ``{fix, label, parent}`` -- ``parent`` the
-    run the diagnosis is about."""
+    about that attempt, not the session), in the order proposed, each with the run the diagnosis is about."""
     info = store.session(session)
     captured = {r["run_id"] for r in q.session_runs(store, info["session_id"]) if r["kind"] == "candidate"}
     seen, out = set(), []
@@ -90,13 +155,12 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]
             if key in seen:
                 continue
             seen.add(key)
-            out.append({"fix": f, "label": label, "parent": d["run_id"]})
+            out.append(Suggestion(f, label, d["run_id"]))
     return out[:top] if top is not None else out
 
 
-def verification(store, session: str) -> dict[tuple[str, str], dict]:
-    """``(parent run id, fix label) -> {run, run_id, works, why, sqnr_db, parent_sqnr_db, first_nonfinite}`` for
-    every re-run of the session: what trying that fix from that run gave, judged by ``judge_fix``."""
+def verification(store, session: str) -> Verifications:
+    """Every re-run of the session: what trying that fix from that run gave, judged by ``judge_fix``."""
     info = store.session(session)
     out = {}
     parents: dict[str, tuple] = {}
@@ -115,23 +179,21 @@ def verification(store, session: str) -> dict[tuple[str, str], dict]:
         first, sqnr, grad, state = quality(r["run_id"])
         parent_first, parent_sqnr, parent_grad, parent_state = quality(r["parent_run_id"])
         works, why = judge_fix(first, sqnr, parent_first, parent_sqnr, grad, parent_grad, state, parent_state)
-        out[(r["parent_run_id"], r["fix"])] = {
-            "run": r["name"], "run_id": r["run_id"], "works": works, "why": why, "sqnr_db": sqnr,
-            "parent_sqnr_db": parent_sqnr, "grad_sqnr_db": grad, "parent_grad_sqnr_db": parent_grad,
-            "first_nonfinite": None if first is None else first.op}
-    return out
+        out[(r["parent_run_id"], r["fix"])] = Verification(
+            r["name"], r["run_id"], works, why, sqnr, parent_sqnr, grad, parent_grad,
+            None if first is None else first.op)
+    return Verifications(out)
 
 
-def untried(store, session: str, *, top: int = 3) -> list[dict]:
+def untried(store, session: str, *, top: int = 3) -> list[Suggestion]:
     """The first ``top`` suggestions (``suggestions``) that no re-run has tried yet."""
     tried = verification(store, session)
-    return [s for s in suggestions(store, session, top=top) if (s["parent"], s["label"]) not in tried]
+    return [s for s in suggestions(store, session, top=top) if not tried.tried(s.parent, s.label)]
 
 
 def verify_session(store, session: str, *, top: int = 3, progress: Progress = None, grow: bool = False,
-                   tolerance=None) -> list[dict]:
-    """Re-run the first ``top`` suggestions not tried yet; every suggestion's verdict, in order:
-    ``{fix, label, parent, run, works, sqnr_db, first_nonfinite, error}``.
+                   tolerance=None) -> list[Verdict]:
+    """Re-run the first ``top`` suggestions not tried yet; every suggestion's verdict, in order.
 
     With ``grow``, when none of them works, an fp32 island is grown along the data flow from the first
     non-finite producer until the run meets ``tolerance`` (``bisect_fp32_islands``: every try is stored) and
@@ -140,37 +202,30 @@ def verify_session(store, session: str, *, top: int = 3, progress: Progress = No
     done = verification(store, session)
     out = []
     for i, s in enumerate(todo):
-        key = (s["parent"], s["label"])
-        row = dict(s, error=None)
-        if key not in done:
+        error = None
+        if not done.tried(s.parent, s.label):
             if progress is not None:
-                progress(i, len(todo), f"verifying {s['label']}")
+                progress(i, len(todo), f"verifying {s.label}")
             try:
-                rerun_session(store, session, s["fix"], parent=s["parent"])
+                rerun_session(store, session, s.fix, parent=s.parent)
             except DatabaseLocked:  # another process holds the database: no verdict on the fix, the caller says so
                 raise
             except Exception as e:  # a fix that cannot apply to this model is a verdict too
-                row["error"] = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+                error = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
             done = verification(store, session)
-        row.update(done.get(key, {"run": None, "run_id": None, "works": False, "why": None, "sqnr_db": None,
-                                  "parent_sqnr_db": None, "first_nonfinite": None}))
-        out.append(row)
-    if grow and not any(r["works"] for r in out):
+        out.append(Verdict(s.fix, s.label, s.parent, done.get(s.parent, s.label) or NOT_RUN, error))
+    if grow and not any(r.result.works for r in out):
         out.extend(_grown(store, session, tolerance, progress))
     if progress is not None:
         progress(len(todo), len(todo), "verified")
     return out
 
 
-def _grown(store, session: str, tolerance, progress: Progress) -> list[dict]:
+def _grown(store, session: str, tolerance, progress: Progress) -> list[Verdict]:
     res = bisect_fp32_islands(store, session, tolerance=tolerance, progress=progress)
     if not res.modules or not res.attempts:
         return []
-    row = {"fix": res.fix, "label": res.fix, "parent": res.attempts[0].run_id, "grown": True,
-           "error": None if res.passed else res.message}
-    done = {v["run_id"]: v for v in verification(store, session).values()}
+    done = {v.run_id: v for v in verification(store, session).all()}
     last = next((a.run_id for a in reversed(res.attempts) if list(a.modules) == res.modules), None)
-    row.update(done.get(res.final_run_id or last) or {"run": None, "run_id": None, "works": False, "why": None,
-                                                      "sqnr_db": None, "parent_sqnr_db": None,
-                                                      "first_nonfinite": None})
-    return [row]
+    return [Verdict(res.fix, res.fix, res.attempts[0].run_id, done.get(res.final_run_id or last) or NOT_RUN,
+                    None if res.passed else res.message, grown=True)]

@@ -53,7 +53,7 @@ from ..store.queries import run_records_with_data, session_runs
 from .xcalls import OpPair, Pairing, aligned, op_calls, rel_error, values_of
 from .xpair import pair_runs
 
-__all__ = ["PairJudgment", "DiffResult", "diff_records", "judge", "inner_roundoff", "run_records", "resolve_run", "DiffInputError",
+__all__ = ["PairJudgment", "DiffResult", "DiffRow", "diff_records", "judge", "inner_roundoff", "run_records", "resolve_run", "DiffInputError",
            "diff_rows", "render_diff_text", "SAFETY", "AGREE", "OPAQUE", "BENIGN_FACTOR"]
 
 SAFETY = 4.0
@@ -392,17 +392,47 @@ def _num(v: Optional[float], fmt: str = ".3g") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def diff_rows(result: DiffResult) -> list[dict]:
+@dataclass(frozen=True, slots=True)
+class DiffRow:
+    """One pair of a diff: the first op of each side and how many calls it stands for, how it was paired and how
+    sure, the basis of its comparison, the output error beside the input error and the band the formats explain
+    (``expected``), the metrics of the comparison (None without one), and whether it diverges."""
+
+    ref: str
+    ref_calls: int
+    cand: str
+    cand_calls: int
+    how: str
+    confidence: float
+    basis: Optional[str]
+    out_error: Optional[float]
+    in_error: Optional[float]
+    expected: Optional[float]
+    sqnr_db: Optional[float]
+    max_abs_err: Optional[float]
+    max_rel_err: Optional[float]
+    cosine: Optional[float]
+    diverges: bool
+
+    @property
+    def ref_text(self) -> str:
+        """The reference side as the tables write it: its op, and how many calls more it stands for."""
+        return self.ref + (f" (+{self.ref_calls - 1})" if self.ref_calls > 1 else "")
+
+    @property
+    def cand_text(self) -> str:
+        return self.cand + (f" (+{self.cand_calls - 1})" if self.cand_calls > 1 else "")
+
+
+def diff_rows(result: DiffResult) -> list[DiffRow]:
     """One row per pair in the reference's execution order: the pairing and the metrics side by side."""
     out = []
     for j in result.judgments:
         c = j.comparison
-        out.append({"ref": j.pair.ref[0].op, "ref_calls": len(j.pair.ref), "cand": j.pair.cand[0].op,
-                    "cand_calls": len(j.pair.cand), "how": j.pair.how, "confidence": j.pair.confidence,
-                    "basis": j.basis, "out_error": j.out_error, "in_error": j.in_error, "expected": j.expected,
-                    "sqnr_db": c.sqnr_db if c else None, "max_abs_err": c.max_abs_err if c else None,
-                    "max_rel_err": c.max_rel_err if c else None, "cosine": c.cosine if c else None,
-                    "diverges": j.diverges})
+        out.append(DiffRow(j.pair.ref[0].op, len(j.pair.ref), j.pair.cand[0].op, len(j.pair.cand), j.pair.how,
+                           j.pair.confidence, j.basis, j.out_error, j.in_error, j.expected,
+                           c.sqnr_db if c else None, c.max_abs_err if c else None, c.max_rel_err if c else None,
+                           c.cosine if c else None, j.diverges))
     return out
 
 
@@ -427,13 +457,12 @@ def render_diff_text(result: DiffResult, ref_label: str, cand_label: str, *, lim
     lines.append(f"{'':2}{'reference':48} {'candidate':40} {'how':10} {'conf':>5} {'out err':>9} {'in err':>9} "
                  f"{'band':>9} {'SQNR dB':>8} {'max abs':>9} {'max rel':>9} {'cosine':>10}")
     for r in diff_rows(result)[start:start + limit]:
-        mark = "!!" if r["diverges"] else "  "
-        ref = r["ref"] + (f" (+{r['ref_calls'] - 1})" if r["ref_calls"] > 1 else "")
-        cand = r["cand"] + (f" (+{r['cand_calls'] - 1})" if r["cand_calls"] > 1 else "")
-        lines.append(f"{mark}{ref[-48:]:48} {cand[-40:]:40} {r['how']:10} {r['confidence']:5.2f} "
-                     f"{_num(r['out_error']):>9} {_num(r['in_error']):>9} {_num(r['expected']):>9} "
-                     f"{_num(r['sqnr_db'], '.1f'):>8} {_num(r['max_abs_err']):>9} {_num(r['max_rel_err']):>9} "
-                     f"{_num(r['cosine'], '.7f'):>10}")
+        mark = "!!" if r.diverges else "  "
+        ref, cand = r.ref_text, r.cand_text
+        lines.append(f"{mark}{ref[-48:]:48} {cand[-40:]:40} {r.how:10} {r.confidence:5.2f} "
+                     f"{_num(r.out_error):>9} {_num(r.in_error):>9} {_num(r.expected):>9} "
+                     f"{_num(r.sqnr_db, '.1f'):>8} {_num(r.max_abs_err):>9} {_num(r.max_rel_err):>9} "
+                     f"{_num(r.cosine, '.7f'):>10}")
     for side, calls in (("reference", p.unpaired_ref), ("candidate", p.unpaired_cand)):
         if calls:
             names = ", ".join(c.op for c in calls[:12]) + (f" and {len(calls) - 12} more" if len(calls) > 12 else "")

@@ -6,14 +6,17 @@ import html
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional
 
 import pandas as pd
 
 from ..display import num_text
 from ..enums import Verdict, worst_first
 
-__all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md",
+if TYPE_CHECKING:
+    from pandas.io.formats.style import Styler
+
+__all__ = ["Choices", "Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md",
            "code_md", "message_md", "run_label", "style_severity", "text_columns"]
 
 # A record's severity as the tables show it, worst first: "nonfinite" (NaN/inf in the record or
@@ -25,6 +28,33 @@ SEVERITY_COLORS = {v.label: v.colour for v in Verdict}
 def severity_label(value: Any) -> str:
     """A record's severity (a ``Verdict`` value, as the read model gives it) as the tables write it; "" for none."""
     return Verdict(value).label if isinstance(value, str) and value else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Choices:
+    """What a picker offers: its options in order and the label each one is shown with."""
+
+    options: tuple
+    labels: tuple[str, ...]
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Hashable, str]]) -> "Choices":
+        """From ``(option, label)`` pairs, in order; a repeated option keeps its last label, in its first place."""
+        by_option = dict(pairs)
+        return cls(tuple(by_option), tuple(by_option.values()))
+
+    def label(self, option: Hashable) -> Optional[str]:
+        """The label of ``option`` (a picker's ``format_func``); None for an option not offered."""
+        try:
+            return self.labels[self.options.index(option)]
+        except ValueError:
+            return None
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __bool__(self) -> bool:
+        return bool(self.options)
 
 
 @dataclass(frozen=True)
@@ -151,7 +181,7 @@ def run_label(run: dict) -> str:
     return f"{run['name']} ({', '.join(bits)})" if bits else str(run["name"])
 
 
-def style_severity(df, column: str = "severity"):
+def style_severity(df: pd.DataFrame, column: str = "severity") -> Styler:
     """A pandas Styler colouring each row by its severity (nonfinite, error, warn, ok)."""
     def paint(row):
         color = SEVERITY_COLORS.get(row.get(column) or "", "")
@@ -166,7 +196,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Number) and not isinstance(v, bool)
 
 
-def text_columns(df, columns=None, digits: int = 6):
+def text_columns(df: pd.DataFrame, columns=None, digits: int = 6) -> pd.DataFrame:
     """A copy of ``df`` with ``columns`` as short text (``num_text``): format
     limits span 1e-45..3e38, which no single fixed-width number format shows,
     and a table widget would print NaN as "None" and inf as "Infinity".

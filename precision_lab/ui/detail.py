@@ -9,7 +9,7 @@ module only arranges them.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,8 +19,11 @@ from ..store import views
 from ..store.timeline import full_steps
 from ..store.views import counterparts, find_records, has_record, record
 from ..display import MISSING, num_text
-from .common import cosine_text, plot_text
+from .common import Choices, cosine_text, plot_text
 from ..stats import HIST_EDGES, TensorStats
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 __all__ = ["op_label", "op_choices", "step_choices", "record_named", "op_record", "load_stats", "default_formats",
            "binade_counts", "histogram_figure", "representability_table", "what_if_table", "headroom_table",
@@ -48,18 +51,18 @@ def op_label(rec: dict, *, steps: bool) -> str:
     return f"{rec['name']}  (" + (f"step {rec['step']}, " if steps else "") + f"seq {rec['seq']})"
 
 
-def load_stats(store, run_id: str, rid: int):
+def load_stats(store, run_id: str, rid: int) -> Optional[TensorStats]:
     """The record's ``TensorStats`` with its histogram (None for summary-only records)."""
     return store.record_stats(run_id, int(rid))
 
 
 def op_choices(store, run_id: str, text: str = "", *, step: Optional[int] = None, include_rid: Optional[int] = None,
-               steps: bool = False) -> dict[int, str]:
-    """The op picker's entries, ``{rid: op_label}``: the run's records whose name contains ``text`` (or matches it
+               steps: bool = False) -> Choices:
+    """The op picker's entries, record ids labelled by ``op_label``: the run's records whose name contains ``text`` (or matches it
     as a glob), of ``step`` when given, ``include_rid`` always among them (``store.views.find_records``); ``steps``:
     the run has several steps, so each entry names its own."""
-    return {r["rid"]: op_label(r, steps=steps)
-            for r in find_records(store, run_id, text, step=step, include_rid=include_rid)}
+    return Choices.of((r["rid"], op_label(r, steps=steps))
+                      for r in find_records(store, run_id, text, step=step, include_rid=include_rid))
 
 
 def step_choices(store, run_id: str) -> list[int]:
@@ -204,7 +207,8 @@ def _x_range(exps: Iterable[float], formats: Sequence[str]) -> tuple[float, floa
     return (math.floor(min(pts)) - 2.0, math.ceil(max(pts)) + 2.0)
 
 
-def histogram_figure(series: Sequence[tuple[str, object]], formats: Sequence[str], *, log_y: bool = True):
+def histogram_figure(series: Sequence[tuple[str, object]], formats: Sequence[str], *, log_y: bool = True
+                     ) -> go.Figure:
     """Magnitude histogram(s) on a log2 |x| axis with format overlays.
 
     ``series``: ``(label, TensorStats)`` pairs with histograms (e.g. the
@@ -368,7 +372,7 @@ def summary_values_table(stats, formats: Sequence[str]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def summary_figure(series: Sequence[tuple[str, object]], formats: Sequence[str]):
+def summary_figure(series: Sequence[tuple[str, object]], formats: Sequence[str]) -> go.Figure:
     """Summary statistics (|Max|, |Min|, absmax, |Mean|, Norm) as points on the
     log2 |x| axis against the formats' limits: the overlay for records that
     carry no histogram.  A NaN/Inf statistic is drawn as a cross at the

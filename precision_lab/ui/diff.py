@@ -18,7 +18,7 @@ from ..metrics import SUMMARY_ERRORS
 from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
-__all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff", "runs_by_id",
+__all__ = ["RerunCard", "landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff", "runs_by_id",
            "base_run_id", "pair_choices", "SHOW_CHOICES"]
 
 # what the Diff table may show (the read model's SHOW_OPTIONS), as the "Show" picker lists them
@@ -81,13 +81,29 @@ DECISIVE_FIRST = ("severity", "seq", "step", "rank", "op", "role", "index", "ver
                   "summary_rel_err", "sqnr_db", "reason")
 
 
-def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
-    """Before and after of the latest re-runs, newest first: ``{run, fix, parent, nonfinite_before,
-    nonfinite_after, sqnr_before, sqnr_after, broken_before, broken_after, first_before, first_after}`` (forward
-    records holding NaN/Inf, none in a run whose NaN/Inf are all intended: they reach no output, gradient or
-    parameter; the output SQNR against the fp32 reference, None without one or when the output
-    holds NaN/Inf the reference does not -- ``broken`` -- so a broken output is never credited with the SQNR of
-    its finite values; the op named first non-finite)."""
+@dataclass(frozen=True, slots=True)
+class RerunCard:
+    """A re-run before and after: its name, fix and the parent run's name; per side the forward records holding
+    NaN/Inf (none in a run whose NaN/Inf are all intended: they reach no output, gradient or parameter), the
+    output SQNR against the fp32 reference (None without one or when the output holds NaN/Inf the reference does
+    not -- ``broken`` -- so a broken output is never credited with the SQNR of its finite values) and the op
+    named first non-finite."""
+
+    run: str
+    fix: str
+    parent: str
+    nonfinite_before: int
+    nonfinite_after: int
+    sqnr_before: Optional[float]
+    sqnr_after: Optional[float]
+    broken_before: bool
+    broken_after: bool
+    first_before: Optional[str]
+    first_after: Optional[str]
+
+
+def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[RerunCard]:
+    """Before and after of the latest re-runs, newest first."""
     runs = session_runs(store, session_id)
     by_id = {r["run_id"]: r for r in runs}
     out = []
@@ -104,21 +120,19 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
                     first.op if first else None)
 
         (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent["run_id"]), facts(r["run_id"])
-        out.append({"run": r["name"], "fix": r.get("fix") or "", "parent": parent["name"], "nonfinite_before": nb,
-                    "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "broken_before": bb,
-                    "broken_after": ba, "first_before": fb, "first_after": fa})
+        out.append(RerunCard(r["name"], r.get("fix") or "", parent["name"], nb, na, sb, sa, bb, ba, fb, fa))
     return out
 
 
-def sqnr_card(card: dict) -> tuple[str, Optional[float], str]:
+def sqnr_card(card: RerunCard) -> tuple[str, Optional[float], str]:
     """The re-run card's output SQNR as ``(value, delta, help)``: "NaN/Inf" for an output holding NaN/Inf (the
     worst result, never a number), a delta only between two finite outputs."""
-    sa, sb = card["sqnr_after"], card["sqnr_before"]
-    value = "NaN/Inf" if card["broken_after"] else ("—" if sa is None else f"{sa:.1f}")
-    before = ("NaN/Inf in its output" if card["broken_before"] else "—" if sb is None else f"{sb:.1f} dB")
+    sa, sb = card.sqnr_after, card.sqnr_before
+    value = "NaN/Inf" if card.broken_after else ("—" if sa is None else f"{sa:.1f}")
+    before = ("NaN/Inf in its output" if card.broken_before else "—" if sb is None else f"{sb:.1f} dB")
     return (value, None if sa is None or sb is None else round(sa - sb, 1),
             f"The model's output against the fp32 reference; an output holding NaN/Inf has no SQNR. Before: "
-            f"{before} in {escape_md(card['parent'])}.")
+            f"{before} in {escape_md(card.parent)}.")
 
 
 def landing_op(store, run_id: str) -> Optional[str]:

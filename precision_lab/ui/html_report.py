@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import __version__
+from ..jsoncodec import fields_tree
 from ..store import views
 from ..services import timeline as _timeline
+from ..services.cards import diagnosis_cards
 from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
 from ..public import public_source
@@ -34,7 +36,7 @@ from .common import cosine_text, plot_text
 from ..store.views import counterparts, error_series, record, top_offenders
 from .timeline import step_figure
 from .detail import default_formats, histogram_figure, load_stats, summary_figure
-from .overview import diagnosis_cards, error_figure, first_nonfinite_by_run, long_runs, runs_table
+from .overview import RunOrigin, error_figure, first_nonfinite_by_run, long_runs, runs_table
 
 __all__ = ["render_html", "write_html", "render_diff_html", "write_diff_html"]
 
@@ -117,7 +119,7 @@ def _figure_div(fig, div_id: str) -> str:
                        config={"displaylogo": False, "responsive": True})
 
 
-def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
+def _error_plot(store, sid: str, firsts: list[RunOrigin]) -> Optional[str]:
     metric = "rounding_units"
     df = error_series(store, sid, metric)
     if df["value"].notna().sum() == 0:
@@ -127,19 +129,19 @@ def _error_plot(store, sid: str, firsts: list[dict]) -> Optional[str]:
     if df.empty:
         return None
     # error_figure escapes the names it draws
-    marks = [f["first"] for f in firsts if f["first"] is not None and f["run"]["kind"] != "reference"]
+    marks = [f.first for f in firsts if f.first is not None and f.run["kind"] != "reference"]
     fig = error_figure(df, metric, first_nonfinite=marks)
     fig.update_layout(title={"text": "Error along execution order"})
     return _figure_div(fig, "plot-error")
 
 
-def _focus_record(store, sid: str, firsts: list[dict]) -> Optional[tuple[str, int, str]]:
+def _focus_record(store, sid: str, firsts: list[RunOrigin]) -> Optional[tuple[str, int, str]]:
     """The record to show against its format: the first non-finite producer's
     output in a non-reference run, else the worst comparison."""
 
     for f in firsts:
-        if f["first"] is not None and f["run"]["kind"] != "reference":
-            return f["run"]["run_id"], f["first"].rid, "first non-finite producer"
+        if f.first is not None and f.run["kind"] != "reference":
+            return f.run["run_id"], f.first.rid, "first non-finite producer"
     worst = top_offenders(store, sid, n=1)
     if len(worst) and worst.iloc[0]["rid"] is not None and not _isnan(worst.iloc[0]["rid"]):
         return str(worst.iloc[0]["run_id"]), int(worst.iloc[0]["rid"]), "largest error"
@@ -150,7 +152,7 @@ def _isnan(v) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
-def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str]:
+def _focus_plot(store, sid: str, firsts: list[RunOrigin]) -> tuple[Optional[str], str]:
     focus = _focus_record(store, sid, firsts)
     if focus is None:
         return None, ""
@@ -178,11 +180,11 @@ def _long_runs(store, sid: str) -> list[str]:
     """Per long run (a timeline): its steps in a line, a plot and a table of the per-step values, and its
     alerts -- what ``report`` lists."""
     out = []
-    alerts = {r["run"]: r["alerts"] for r in long_runs(store, sid)}
-    for i, (run, t) in enumerate(_timeline.timeline_report(store, sid).items()):
-        first, steps = t["first_nonfinite_step"], t["steps"]
+    alerts = {r.run: r.alerts for r in long_runs(store, sid)}
+    for i, t in enumerate(_timeline.timeline_report(store, sid)):
+        run, first, steps = t.run, t.first_nonfinite_step, t.steps
         out.append(f"<h2>Timeline of <code>{_e(run)}</code></h2>")
-        out.append(f"<p>{len(steps)} steps, full records at {len(t['full_steps'])}; "
+        out.append(f"<p>{len(steps)} steps, full records at {len(t.full_steps)}; "
                    + (f"first non-finite value at step {first}" if first is not None else "every step finite")
                    + "</p>")
         if len(steps) > 1:  # a line needs two steps
@@ -238,19 +240,19 @@ def render_html(store, session: str, *, public: bool = True) -> str:
     ]
     nf_rows = []
     for f in firsts:
-        first = f["first"]
-        masks = f.get("intended") or []
+        first = f.first
+        masks = f.intended
         if first is None:
-            nf_rows.append({"run": f["run"]["name"], "op": "none: every recorded value is finite"
+            nf_rows.append({"run": f.run["name"], "op": "none: every recorded value is finite"
                             + (f" apart from values that never reach the model's output, a gradient or a parameter "
                                f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")})
             continue
         op = first.op if first.origin != "parameter" else \
             f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
-        nf_rows.append({"run": f["run"]["name"], "op": op, "op_type": first.op_type, "where": first.where,
+        nf_rows.append({"run": f.run["name"], "op": op, "op_type": first.op_type, "where": first.where,
                         "tensor": f"{first.role} {first.index}", "reason": first.reason,
                         "certainty": first.certainty_text
-                        + "".join(f"; {r['text']}" for r in f.get("ranks") or []),  # a distributed run's other ranks
+                        + "".join(f"; {r.text}" for r in f.ranks),  # a distributed run's other ranks
                         "path": " → ".join(p.op for p in first.path)})
     parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
                                   ("where", "where", "text"), ("tensor", "tensor", "text"),
@@ -287,16 +289,15 @@ def render_html(store, session: str, *, public: bool = True) -> str:
                                 ("sqnr_db", "SQNR dB", "num"), ("rounding_units", "err / unit roundoff", "num"),
                                 ("reason", "reason", "text")], row_class="verdict", empty="no comparisons"))
 
-    arts = norm_artefacts(store, sid)
+    arts = fields_tree(norm_artefacts(store, sid))
     if arts:
         parts.append(f"<h2>Norm artefacts ({len(arts)})</h2>")
         parts.append(_table(arts, [("run", "run", "name"), ("op", "op", "name"), ("role", "role", "text"),
                                    ("index", "index", "text"), ("reason", "why this is not a non-finite value",
                                                                  "text")]))
 
-    cards = diagnosis_cards(store, sid)
-    for c in cards:
-        c["fixes_text"] = ", ".join(c["fixes"])
+    cards = [{"severity": c.severity, "run": c.run, "op": c.op, "rule": c.rule, "message": c.message,
+              "fixes_text": ", ".join(c.fixes)} for c in diagnosis_cards(store, sid)]
     parts.append("<h2>Diagnoses</h2>")
     parts.append(_table(cards, [("severity", "severity", "text"), ("run", "run", "name"), ("op", "op", "name"),
                                 ("rule", "rule", "text"), ("message", "message", "text"),
@@ -315,11 +316,8 @@ def render_diff_html(result, ref_label: str, cand_label: str) -> str:
     pair in a sentence, every pair with how it was matched, how sure, and the metrics side by side, and the calls
     left unpaired."""
     f = result.first
-    rows = diff_rows(result)
-    for r in rows:
-        r["row_class"] = "error" if r["diverges"] else None
-        r["ref_text"] = r["ref"] + (f" (+{r['ref_calls'] - 1})" if r["ref_calls"] > 1 else "")
-        r["cand_text"] = r["cand"] + (f" (+{r['cand_calls'] - 1})" if r["cand_calls"] > 1 else "")
+    rows = [{**fields_tree(r), "row_class": "error" if r.diverges else None, "ref_text": r.ref_text,
+             "cand_text": r.cand_text} for r in diff_rows(result)]
     if f is None:
         verdict = "No pair diverges beyond what the formats explain."
     else:

@@ -4,6 +4,7 @@ records costs one page of rows in pandas, not the whole table."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import pandas as pd
@@ -12,19 +13,28 @@ from ..services.report import nonfinite_origin
 from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows
 from .common import Page, cosine_text, paged, severity_label, text_columns
 
-__all__ = ["ops_page", "filtered_page", "filter_choices", "SORT_OPTIONS", "display_frame", "intended_nonfinite"]
+__all__ = ["FilterChoices", "ops_page", "filtered_page", "filter_choices", "SORT_OPTIONS", "display_frame", "intended_nonfinite"]
 
 # what the table may be sorted by (the read model's SORTABLE)
 SORT_OPTIONS = tuple(SORTABLE)
 
 
-def filter_choices(store, run_id: str) -> dict[str, list]:
-    """What each filter of the Ops page offers for a run, keyed by the URL parameter its widget is bound to:
-    ``role``, ``type``, ``step`` and ``rank`` (the run's distinct values, ``store.views.filter_options``) and
-    ``sort`` (``SORT_OPTIONS``)."""
+@dataclass(frozen=True, slots=True)
+class FilterChoices:
+    """What each filter of the Ops page offers for a run: its roles, op types, steps and ranks (the run's
+    distinct values, ``store.views.filter_options``) and the columns to sort by (``SORT_OPTIONS``)."""
+
+    roles: list
+    op_types: list
+    steps: list
+    ranks: list
+    sort: list
+
+
+def filter_choices(store, run_id: str) -> FilterChoices:
+    """The Ops page's filters' options for a run."""
     opts = filter_options(store, run_id)
-    return {"role": opts["roles"], "type": opts["op_types"], "step": opts["steps"], "rank": opts["ranks"],
-            "sort": list(SORT_OPTIONS)}
+    return FilterChoices(opts["roles"], opts["op_types"], opts["steps"], opts["ranks"], list(SORT_OPTIONS))
 
 
 def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:

@@ -3,13 +3,14 @@ diagnosis cards, and error against execution order."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import pandas as pd
 
-from ..services.report import first_nonfinite, nonfinite_origin, order_notes, order_text, rank_spread
+from ..services.report import RankState, first_nonfinite, nonfinite_origin, order_notes, order_text, rank_spread
 from ..services import timeline as _timeline
-from ..services.tree import run_tree
+from ..services.tree import ModuleNode, run_tree
 from ..store import timeline as tl
 from ..store import views
 from ..store.queries import op_output_rid, session_runs
@@ -19,8 +20,12 @@ from ..records import OUTPUT_ROLES
 from ..display import num_text
 from .common import plot_text, text_columns
 from ..metrics import ELEMENTWISE, relative_error
+from ..origin import Intended, Origin
 
-__all__ = ["long_runs", "model_tree", "module_link", "runs_table", "first_nonfinite_by_run", "diagnosis_cards",
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+__all__ = ["LongRun", "RunOrigin", "ModelTree", "ModuleLink", "long_runs", "model_tree", "module_link", "runs_table", "first_nonfinite_by_run",
            "error_figure", "error_along_run", "default_error_metric", "worst_error_text", "session_headline",
            "warnings_table", "order_caveat", "offenders_table", "MAX_WARNINGS", "ERROR_METRIC_LABELS"]
 
@@ -70,16 +75,24 @@ def order_caveat(store, session_id: str) -> Optional[str]:
             "later may have run earlier.")
 
 
-def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
-    """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None,
-    "intended": services.report.intended_nonfinite(...)`` (the masks' -inf, shown quietly), ``"ranks":
-    services.report.rank_spread(...)}`` (with several ranks: which made their own NaN/Inf, which received it)."""
+@dataclass(frozen=True, slots=True)
+class RunOrigin:
+    """Where a run first went non-finite: the run (a ``session_runs`` row), its first unexpected non-finite
+    origin (None: none), the ops that wrote -inf that is no error by itself (masks, shown quietly), and with
+    several ranks which made their own NaN/Inf and which received it (``services.report.rank_spread``)."""
 
+    run: object
+    first: Optional[Origin]
+    intended: list[Intended]
+    ranks: list[RankState]
+
+
+def first_nonfinite_by_run(store, session_id: str) -> list[RunOrigin]:
+    """Each run's first non-finite origin, in the session's order of runs."""
     out = []
     for r in session_runs(store, session_id):
         first, intended = nonfinite_origin(store, r["run_id"])  # one pass gives both
-        out.append({"run": r, "first": first, "intended": intended,
-                    "ranks": rank_spread(store, r["run_id"], first)})
+        out.append(RunOrigin(r, first, intended, rank_spread(store, r["run_id"], first)))
     return out
 
 
@@ -87,18 +100,6 @@ def default_error_metric(store, session_id: str) -> str:
     """The error to draw first: ``max_rel_err``, or ``summary_rel_err`` for a session whose comparisons are all
     on summary statistics (it has no element-wise error to draw)."""
     return "summary_rel_err" if views.comparison_bases(store, session_id) == {"stats"} else "max_rel_err"
-
-
-def diagnosis_cards(store, session_id: str) -> list[dict]:
-    """The session's diagnoses as cards, errors first, then by execution order: ``run, run_id, op, rule, message,
-    fixes`` (a list, best first; a value that is not a JSON list is one fix), ``severity`` (``info`` when none was
-    stored) and ``seq``."""
-    out = []
-    for d in views.diagnoses_worst_first(store, session_id):
-        out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
-                    "message": d["message"], "fixes": list(d["fixes"]), "severity": d["severity"] or "info",
-                    "seq": d["seq"]})
-    return out
 
 
 def offenders_table(store, session_id: str, *, local: bool = False, n: int = 10) -> pd.DataFrame:
@@ -133,7 +134,8 @@ def error_along_run(store, session_id: str, metric: str, *, outputs_only: bool =
                     "Choose summary rel error: how far each record's max, min and norm moved." if stats_only else None)
 
 
-def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfinite: Optional[list] = None):
+def error_figure(df: pd.DataFrame, metric: str = "max_rel_err", *, first_nonfinite: Optional[list] = None
+                 ) -> go.Figure:
     """Plotly figure of ``error_series``: one line per series, non-finite
     comparisons as red crosses along the top, the first non-finite producer
     of each run as a dashed vertical line."""
@@ -195,32 +197,58 @@ def session_headline(store, session_id: str) -> dict:
     return {"first_nonfinite": "; ".join(firsts) or "none", "worst": worst_text or "-"}
 
 
-def long_runs(store, session_id: str) -> list[dict]:
-    """The session's runs with a timeline: ``{run, steps, first_nonfinite_step, alerts}`` (alerts as a table)."""
+@dataclass(frozen=True, slots=True)
+class LongRun:
+    """A run with a timeline as the Overview and the HTML report show it: its name, how many steps, its first
+    non-finite step (None: every step finite) and its alerts as a table (step, rule, message)."""
+
+    run: str
+    steps: int
+    first_nonfinite_step: Optional[int]
+    alerts: pd.DataFrame
+
+
+def long_runs(store, session_id: str) -> list[LongRun]:
+    """The session's runs with a timeline, each with its alerts."""
     out = []
     for r in tl.timeline_runs(store, session_id):
         alerts = _timeline.run_alerts(store, r["run_id"])
         table = pd.DataFrame([{"step": a.step, "rule": a.rule, "message": a.message} for a in alerts],
                              columns=["step", "rule", "message"])
-        out.append({"run": r["name"], "steps": r["steps"],
-                    "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]), "alerts": table})
+        out.append(LongRun(r["name"], r["steps"], tl.first_nonfinite_step(store, r["run_id"]), table))
     return out
 
 
-def model_tree(store, firsts: list[dict]) -> Optional[tuple[dict, list[dict]]]:
-    """``(run, tree nodes)`` of the run to draw as a tree: the first run with a non-finite producer, else the
-    first candidate; None for a session with no run."""
-    pick = next((f for f in firsts if f["first"] is not None), None) or next(
-        (f for f in firsts if f["run"]["kind"] != "reference"), None) or (firsts[0] if firsts else None)
+@dataclass(frozen=True, slots=True)
+class ModelTree:
+    """The run drawn as a tree (a ``session_runs`` row) and its modules' nodes."""
+
+    run: object
+    nodes: list[ModuleNode]
+
+
+def model_tree(store, firsts: list[RunOrigin]) -> Optional[ModelTree]:
+    """The run to draw as a tree: the first run with a non-finite producer, else the first candidate; None for a
+    session with no run."""
+    pick = next((f for f in firsts if f.first is not None), None) or next(
+        (f for f in firsts if f.run["kind"] != "reference"), None) or (firsts[0] if firsts else None)
     if pick is None:
         return None
-    first = pick["first"]
-    return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.op if first else None,
-                                 failing_parent=first.parent if first else None)
+    first = pick.first
+    return ModelTree(pick.run, run_tree(store, pick.run["run_id"], failing_op=first.op if first else None,
+                                        failing_parent=first.parent if first else None))
 
 
-def module_link(store, run: dict, module: str) -> Optional[dict]:
-    """Where "Open on Op detail" of the model tree goes for ``module`` of ``run``: ``{"run": run name, "op": record
-    id of the module's output}`` for ``page.navigate``, None when the module recorded no output."""
+@dataclass(frozen=True, slots=True)
+class ModuleLink:
+    """Where "Open on Op detail" of the model tree goes: the run's name and the record id of the module's
+    output (``page.navigate``'s ``run`` and ``op``)."""
+
+    run: str
+    op: int
+
+
+def module_link(store, run, module: str) -> Optional[ModuleLink]:
+    """The link of ``module`` of ``run`` (a ``session_runs`` row); None when the module recorded no output."""
     rid = op_output_rid(store, run["run_id"], module)
-    return None if rid is None else {"run": run["name"], "op": rid}
+    return None if rid is None else ModuleLink(run["name"], rid)

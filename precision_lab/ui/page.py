@@ -26,9 +26,11 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
+import pandas as pd
 import streamlit as st
+from streamlit.navigation.page import StreamlitPage
 
 from ..formats import FORMAT_NAMES
 from ..public import public_text
@@ -37,7 +39,7 @@ from .overview import session_headline
 from . import sessions as sessions_view
 from ..store.queries import session_data_version, session_runs
 from ..store import Store, default_db_path, held
-from ..config import SHARE_PARAM, ConfigError, load_config, resolve_access
+from ..config import SHARE_PARAM, Access, ConfigError, ServerConfig, load_config, resolve_access
 from ..scratch import scratch_root, sweep
 from ..fixes.recipes import trust_user_models
 from ..registry import Registry
@@ -90,15 +92,25 @@ def page_script(name: str) -> str:
     return f"pages/{name}.py"
 
 
-def _st_page(p: DashboardPage, default: bool = False):
+def _st_page(p: DashboardPage, default: bool = False) -> StreamlitPage:
     if p.render is None:
         return st.Page(page_script(p.name), title=p.title, icon=p.icon, default=default)
     return st.Page(p.render, title=p.title, icon=p.icon, url_path=p.name, default=default)
 
 
-def navigation():
+T = TypeVar("T")
+
+
+class SessionView(Protocol):
+    """``view(fn, *args, **kwargs)`` of ``session_views``: what ``fn(store, session_id, *args, **kwargs)`` gives."""
+
+    def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+
+
+def navigation() -> StreamlitPage:
     """The one registration of the pages (``st.navigation``), in ``PAGES`` order."""
     return st.navigation([_st_page(p, default=i == 0) for i, p in enumerate(PAGES.values())])
+
 
 # the browser tab's icon: a file shipped with the package, served by this server (a material icon would be
 # fetched from a font CDN, which an offline or air-gapped server cannot reach)
@@ -122,14 +134,14 @@ def _view(name: str, db_path: str, session_id: str, version: tuple, args: tuple,
     return _fn(_store, session_id, *args, **dict(kwargs))
 
 
-def session_views(store, session_id: str) -> Callable[..., Any]:
+def session_views(store, session_id: str) -> SessionView:
     """``view(fn, *args, **kwargs)``: ``fn(store, session_id, *args, **kwargs)``, a view-model of one session,
     cached per (function, database, session, data version, arguments).  The version is read once here (one
     query), so a page run costs one query for everything it shows that did not change since the last run;
     a re-run or a refreshed diagnosis changes the version and every view is computed again."""
     version = session_data_version(store, session_id)
 
-    def view(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def view(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return _view(f"{fn.__module__}.{fn.__qualname__}", store.path, session_id, version, args,
                      tuple(sorted(kwargs.items())), fn, store)
 
@@ -157,7 +169,7 @@ def local_server(cfg) -> bool:
 
 
 @contextlib.contextmanager
-def page_run():
+def page_run() -> Iterator[None]:
     """One page run: the database stays open (read-only) between the page's questions and is let go when the
     run ends, so terminals, notebooks and training jobs write between runs (app.py wraps every run).  A local
     dashboard also re-runs the models this user captured from the command line (``precision_lab.allowed``)."""
@@ -168,17 +180,17 @@ def page_run():
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def _sessions_table(db_path: str, version: tuple, _store) -> Any:
+def _sessions_table(db_path: str, version: tuple, _store) -> pd.DataFrame:
     return sessions_view.sessions_table(_store, headline=cached_headline(_store))
 
 
-def cached_sessions_table(store):
+def cached_sessions_table(store) -> pd.DataFrame:
     """The Sessions list, cached on the database's version (``Store.data_version``: no query): a session
     written by another process shows on the next page run, and a run with nothing new asks nothing."""
     return _sessions_table(store.path, store.data_version(), store)
 
 
-def get_config():
+def get_config() -> ServerConfig:
     """The server configuration; a bad setting stops the page with its message."""
 
     try:
@@ -188,7 +200,7 @@ def get_config():
         st.stop()
 
 
-def get_store():
+def get_store() -> Store:
     """The process-wide Store (one DuckDB connection; a cursor per thread)."""
 
     cfg = get_config()
@@ -225,7 +237,7 @@ def server_folders() -> tuple:
     return (str(root), str(root.resolve()), str(tmp), str(tmp.resolve()))
 
 
-def access(store):
+def access(store) -> Access:
     """What this visitor may do (``precision_lab.config.resolve_access``).
 
     A ``?share=`` token is remembered for the browser session, so moving
@@ -245,7 +257,7 @@ def access(store):
     return acc
 
 
-def while_allowed(fn: Callable[[], Any]) -> Callable[[], Any]:
+def while_allowed(fn: Callable[[], T]) -> Callable[[], T]:
     """``fn`` for a download made when clicked: a visitor who came by a share link
     gets nothing once the link is revoked, though the page is still open."""
     token = st.session_state.get(_SHARE)
@@ -253,7 +265,7 @@ def while_allowed(fn: Callable[[], Any]) -> Callable[[], Any]:
         return fn
     store = get_store()
 
-    def run():
+    def run() -> T:
         if store.session_by_token(token) is None:
             raise PermissionError("this share link is not valid: the token is unknown or was revoked")
         return fn()
@@ -302,7 +314,7 @@ def _ensure_routed() -> None:
             st.rerun()
 
 
-def start(name: str):
+def start(name: str) -> tuple[Store, Access]:
     """Begin page ``name`` (a key of ``PAGES``): record which page runs (picker keys are per page), drop
     values handed over by ``navigate`` to an earlier page, and return ``(store, access)``."""
     _ensure_routed()
@@ -331,7 +343,7 @@ def require_session(name: str, title: Optional[Callable[[dict], str]] = None):
     return store, acc, info
 
 
-def bound_value(key: str, parse: Callable[[str], Any], default: Any) -> Any:
+def bound_value(key: str, parse: Callable[[str], T], default: T) -> T:
     """The value a widget bound to the URL (``bind="query-params"``, key ``key``) is about to show, for a page that
     needs it before drawing the widget: the table's page number, read before the table and its pager are drawn.
     Streamlit seeds a bound widget from the URL only when the widget is drawn, so before that the URL is read
@@ -356,8 +368,8 @@ def page_key(key: str) -> str:
     return f"{key}@{st.session_state.get(_PAGE, '')}"
 
 
-def url_select(label: str, options: Sequence, *, param: str, key: str, default: Any = None,
-               format_func: Callable = str) -> Any:
+def url_select(label: str, options: Sequence[T], *, param: str, key: str, default: Optional[T] = None,
+               format_func: Callable = str) -> T:
     """A sidebar selectbox whose value is the URL parameter ``param`` (widget key ``page_key(key)``)."""
     key = page_key(key)
     options = list(options)
@@ -483,7 +495,7 @@ def show_error(e: BaseException, what: str = "") -> None:
 
 
 @contextlib.contextmanager
-def guard(what: str = ""):
+def guard(what: str = "") -> Iterator[None]:
     """Show an error from the library as a sentence and stop the page."""
     try:
         yield
@@ -492,7 +504,7 @@ def guard(what: str = ""):
         st.stop()
 
 
-def selected_row(frame, event):
+def selected_row(frame: pd.DataFrame, event) -> Optional[pd.Series]:
     """The row of ``frame`` that a single-row table selection ``event`` points at, or None: nothing selected, or a
     selection kept from before the table shrank (a filter, another page) that points past its end."""
     picked = event.selection.rows if event is not None else []

@@ -4,19 +4,23 @@ and the model as a tree.  Figures are plotly; the numbers come from ``services.t
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import pandas as pd
 
-from ..alerts import ALERT_RULES
+from ..alerts import ALERT_RULES, Alert
 from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
-from ..services.tree import ROOT, tree_modules_of
+from ..services.tree import ROOT, ModuleNode, tree_modules_of
 from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs
-from .common import plot_text
+from .common import Choices, plot_text
 
-__all__ = ["METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+__all__ = ["LongRuns", "RunSteps", "METRICS", "series_label", "heatmap_figure", "series_figure", "tree_figure", "alerts_frame",
            "steps_frame", "step_figure", "rank_step_figure", "rules_frame", "cell_target", "default_ops",
            "op_series_by_label", "tree_modules", "long_runs_by_name", "run_steps", "ranks_figure"]
 
@@ -24,19 +28,49 @@ METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
 
 
-def long_runs_by_name(store, session_id: str) -> dict[str, dict]:
-    """The session's runs with a timeline (``store.timeline.timeline_runs``) by name: the Timeline page's run
-    picker."""
-    return {r["name"]: r for r in timeline_runs(store, session_id)}
+@dataclass(frozen=True, slots=True)
+class LongRuns:
+    """The session's runs with a timeline (``store.timeline.timeline_runs`` rows), picked by name: the Timeline
+    page's run picker."""
+
+    runs: tuple
+
+    @property
+    def names(self) -> list[str]:
+        return [r["name"] for r in self.runs]
+
+    def run(self, name: str):
+        """The run named ``name`` (a ``timeline_runs`` row)."""
+        return next(r for r in self.runs if r["name"] == name)
+
+    def label(self, name: str) -> str:
+        """How the picker shows a run: its name, steps and ops."""
+        r = self.run(name)
+        return f"{name} ({r['steps']} steps, {r['ops']} ops)"
 
 
-def run_steps(store, run_id: str) -> tuple[Optional[int], list, list[dict]]:
-    """``(first non-finite step, alerts, step rows)`` of a long run: the Timeline page's headline numbers, its
-    alerts (``services.timeline.run_alerts``) and the per-step loss, gradient norm and NaN/Inf counts."""
-    return first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id), step_rows(store, run_id)
+def long_runs_by_name(store, session_id: str) -> LongRuns:
+    """The session's runs with a timeline, by name."""
+    return LongRuns(tuple(timeline_runs(store, session_id)))
 
 
-def ranks_figure(store, run_id: str, first: Optional[int]):
+@dataclass(frozen=True, slots=True)
+class RunSteps:
+    """A long run's headline numbers: its first non-finite step (None: every step finite), its alerts
+    (``services.timeline.run_alerts``) and one row per step (``store.timeline.step_rows``: loss, gradient norm,
+    NaN/Inf counts)."""
+
+    first_nonfinite_step: Optional[int]
+    alerts: list[Alert]
+    steps: list
+
+
+def run_steps(store, run_id: str) -> RunSteps:
+    """The Timeline page's headline numbers of a long run."""
+    return RunSteps(first_nonfinite_step(store, run_id), svc.run_alerts(store, run_id), step_rows(store, run_id))
+
+
+def ranks_figure(store, run_id: str, first: Optional[int]) -> Optional[go.Figure]:
     """``rank_step_figure`` of a run's ranks x steps cells (``store.timeline.rank_step_cells``); None for a run of
     one rank."""
     return rank_step_figure(rank_step_cells(store, run_id), first)
@@ -47,8 +81,8 @@ def series_label(op: str, role: str, index: str) -> str:
     return op if (role, str(index)) == ("output", "0") else tensor_name(op, role, index)
 
 
-def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional[int] = None,
-                   alerts: Sequence = ()):
+def heatmap_figure(hm: svc.TimelineHeatmap, *, metric: str, fmt: str, first_nonfinite: Optional[int] = None,
+                   alerts: Sequence = ()) -> go.Figure:
     """Ops (rows, execution order) x step buckets (columns); red is little headroom / much underflow.
 
     Rows are numbered (labelled with the op), so every array is numeric and travels compactly; a click on a
@@ -57,13 +91,13 @@ def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional
     import numpy as np
     import plotly.graph_objects as go
 
-    ops = hm["ops"]
+    ops = hm.ops
     labels = [series_label(o["op"], o["role"], o["index"]) for o in ops]
     row_of = {(o["op"], o["role"], str(o["index"])): i for i, o in enumerate(ops)}
-    buckets = sorted({c["bucket"] for c in hm["cells"]})
+    buckets = sorted({c["bucket"] for c in hm.cells})
     col_of = {b: j for j, b in enumerate(buckets)}
     z = np.full((len(ops), len(buckets)), np.nan)
-    for c in hm["cells"]:
+    for c in hm.cells:
         i = row_of.get((c["op"], c["role"], str(c["index"])))
         v = c["value"]
         if i is not None and v is not None and math.isfinite(v):
@@ -81,7 +115,7 @@ def heatmap_figure(hm: dict, *, metric: str, fmt: str, first_nonfinite: Optional
     # Streamlit reports clicks on scatter points only (not on heatmap cells): one invisible point per cell
     # carries the hover text and what a click opens; WebGL draws them when there are many
     ii, jj = np.nonzero(np.isfinite(z))
-    width = hm.get("width", 1)
+    width = hm.width
     step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
     names = np.asarray([plot_text(x) for x in labels], dtype=object)
     many = len(ii) > 5000  # then WebGL, and no per-point names (the row's label is beside it)
@@ -129,9 +163,9 @@ def cell_target(point: dict, ops: list[dict]) -> Optional[tuple[str, int]]:
     return (ops[row]["op"], step) if 0 <= row < len(ops) else None
 
 
-def default_ops(hm: dict, alerts: Sequence, limit: int = 3) -> list[str]:
+def default_ops(hm: svc.TimelineHeatmap, alerts: Sequence, limit: int = 3) -> list[str]:
     """Series labels to plot first: the ops with alerts, else the ones with the least headroom."""
-    labels = [series_label(o["op"], o["role"], o["index"]) for o in hm["ops"]]
+    labels = [series_label(o["op"], o["role"], o["index"]) for o in hm.ops]
     chosen = []
     for a in alerts:
         if a.op is not None:
@@ -140,7 +174,7 @@ def default_ops(hm: dict, alerts: Sequence, limit: int = 3) -> list[str]:
                 chosen.append(lab)
     if not chosen:
         worst: dict = {}
-        for c in hm["cells"]:
+        for c in hm.cells:
             lab = series_label(c["op"], c["role"], c["index"])
             v = c["value"]
             if v is not None and math.isfinite(v):
@@ -149,19 +183,20 @@ def default_ops(hm: dict, alerts: Sequence, limit: int = 3) -> list[str]:
     return chosen[:limit]
 
 
-def series_figure(series: dict, *, fmt: str, first_nonfinite: Optional[int] = None, alerts: Sequence = ()):
+def series_figure(series: list[svc.OpSeries], *, fmt: str, first_nonfinite: Optional[int] = None,
+                  alerts: Sequence = ()) -> go.Figure:
     """log2 |x| max of each chosen op against the step, with the format's max and the alerts' steps."""
     import plotly.graph_objects as go
 
     f = get_format(fmt)
     fig = go.Figure()
-    for label, pts in series.items():
-        xs = [p["step"] for p in pts]
-        ys = [math.log2(p["absmax"]) if p["absmax"] and p["absmax"] > 0 and math.isfinite(p["absmax"]) else None
-              for p in pts]
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=plot_text(label),
+    for one in series:
+        pts = one.points
+        xs = [p.step for p in pts]
+        ys = [math.log2(p.absmax) if p.absmax and p.absmax > 0 and math.isfinite(p.absmax) else None for p in pts]
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=plot_text(one.label),
                                  hovertemplate="step %{x}: log2 |x| max %{y:.2f}<extra></extra>"))
-        bad = [p["step"] for p in pts if (p["nan_count"] or 0) + (p["inf_count"] or 0) > 0]
+        bad = [p.step for p in pts if (p.nan_count or 0) + (p.inf_count or 0) > 0]
         if bad:
             fig.add_trace(go.Scatter(x=bad, y=[math.log2(f.max)] * len(bad), mode="markers", showlegend=False,
                                      marker={"symbol": "x", "color": "crimson", "size": 9},
@@ -172,29 +207,30 @@ def series_figure(series: dict, *, fmt: str, first_nonfinite: Optional[int] = No
                   annotation_text=f"{f.name} smallest normal", annotation_position="top right")
     if first_nonfinite is not None:
         fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"})
+    shown = {one.label for one in series}
     for a in alerts:
-        if a.op is not None and series_label(*_alert_key(a)) in series:
+        if a.op is not None and series_label(*_alert_key(a)) in shown:
             fig.add_vline(x=a.step, line={"color": "orange", "width": 1})
     fig.update_layout(height=360, margin={"l": 10, "r": 10, "t": 30, "b": 40}, xaxis_title="step",
                       yaxis_title="log2 |x| max", legend={"orientation": "h"})
     return fig
 
 
-def tree_figure(nodes: list[dict]):
+def tree_figure(nodes: list[ModuleNode]) -> go.Figure:
     """The module hierarchy as an icicle, coloured by worst headroom; the path to the first failure outlined."""
     import plotly.graph_objects as go
 
-    heads = [n["headroom"] for n in nodes]
+    heads = [n.headroom for n in nodes]
     finite = [h for h in heads if h is not None]
     top = max(8.0, max(finite, default=8.0))
     colors = [h if h is not None else top for h in heads]
-    line_w = [3 if n["on_path"] else 0.5 for n in nodes]
-    line_c = ["crimson" if n["on_path"] else "white" for n in nodes]
-    text = [("NaN/Inf · " if n["nonfinite"] else "") + (f"{n['headroom']:.1f} bits" if n["headroom"] is not None
-                                                        else "-") for n in nodes]
+    line_w = [3 if n.on_path else 0.5 for n in nodes]
+    line_c = ["crimson" if n.on_path else "white" for n in nodes]
+    text = [("NaN/Inf · " if n.nonfinite else "") + (f"{n.headroom:.1f} bits" if n.headroom is not None
+                                                     else "-") for n in nodes]
     fig = go.Figure(go.Icicle(
-        ids=[plot_text(n["id"]) for n in nodes], labels=[plot_text(n["label"]) for n in nodes],
-        parents=[plot_text(n["parent"]) for n in nodes], text=text,
+        ids=[plot_text(n.id) for n in nodes], labels=[plot_text(n.label) for n in nodes],
+        parents=[plot_text(n.parent) for n in nodes], text=text,
         marker={"colors": colors, "colorscale": "RdYlGn", "cmin": 0, "cmax": top,
                 "line": {"width": line_w, "color": line_c}, "colorbar": {"title": {"text": "worst headroom (bits)"}}},
         texttemplate="%{label}<br>%{text}", hovertemplate="%{id}<br>%{text}<extra></extra>", branchvalues="remainder",
@@ -203,11 +239,12 @@ def tree_figure(nodes: list[dict]):
     return fig
 
 
-def tree_modules(nodes: list[dict]) -> dict:
-    """``{op: label}`` of the tree's modules, the path to the first failure first, then by worst headroom."""
-    return {n["op"]: f"{n['id'] if n['parent'] else ROOT}  ({'NaN/Inf, ' if n['nonfinite'] else ''}"
-                     f"{'-' if n['headroom'] is None else format(n['headroom'], '.1f')} bits)"
-            for n in tree_modules_of(nodes)}
+def tree_modules(nodes: list[ModuleNode]) -> Choices:
+    """The tree's modules as a picker offers them, by the op each opens: the path to the first failure first,
+    then by worst headroom."""
+    return Choices.of((n.op, f"{n.id if n.parent else ROOT}  ({'NaN/Inf, ' if n.nonfinite else ''}"
+                             f"{'-' if n.headroom is None else format(n.headroom, '.1f')} bits)")
+                      for n in tree_modules_of(nodes))
 
 
 def alerts_frame(alerts: Sequence) -> pd.DataFrame:
@@ -216,7 +253,7 @@ def alerts_frame(alerts: Sequence) -> pd.DataFrame:
                         columns=["step", "rule", "op", "message", "steps firing"])
 
 
-def step_figure(steps: list[dict], first: Optional[int]):
+def step_figure(steps: list, first: Optional[int]) -> go.Figure:
     """Loss, gradient norm (with a GradScaler given to the capture: unscaled) and non-finite values per step
     (log y), the first non-finite step marked: the Timeline page's curves and the HTML report's."""
     import plotly.graph_objects as go
@@ -236,7 +273,7 @@ def step_figure(steps: list[dict], first: Optional[int]):
     return fig
 
 
-def rank_step_figure(cells: list[dict], first: Optional[int]):
+def rank_step_figure(cells: list, first: Optional[int]) -> Optional[go.Figure]:
     """A distributed run's ranks x steps: each cell the unexpected NaN/Inf values that rank's summaries counted at
     that step (white where none; GradScaler-skipped steps outlined), the first non-finite step marked; None for a
     run of one rank."""
@@ -274,8 +311,9 @@ def rules_frame() -> pd.DataFrame:
                           "applies to": "each op" if r.scope == "op" else "each step"} for r in ALERT_RULES])
 
 
-def op_series_by_label(store, run_id: str, labels: Sequence[str], ops: list[dict], fmt: str) -> dict:
-    """``{label: op_series rows}`` of the chosen labels."""
+def op_series_by_label(store, run_id: str, labels: Sequence[str], ops: list, fmt: str) -> list[svc.OpSeries]:
+    """The series of the chosen labels (``ops``: the heatmap's rows), in the order chosen."""
     by_label = {series_label(o["op"], o["role"], o["index"]): o for o in ops}
-    return {lab: svc.op_series(store, run_id, by_label[lab]["op"], by_label[lab]["role"], str(by_label[lab]["index"]),
-                               fmt=fmt) for lab in labels if lab in by_label}
+    return [svc.OpSeries(lab, svc.op_series(store, run_id, by_label[lab]["op"], by_label[lab]["role"],
+                                            str(by_label[lab]["index"]), fmt=fmt))
+            for lab in dict.fromkeys(labels) if lab in by_label]
