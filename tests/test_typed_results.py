@@ -22,22 +22,13 @@ UNTYPED = re.compile(r"\b(dict|Dict|Mapping|MutableMapping|Any)\b")
 STORE_CLASS = ("precision_lab.store", "Store")
 
 PENDING = frozenset("""
-precision_lab.alerts.headroom_bits
 precision_lab.fixes.islands.island_effects
 precision_lab.fixes.recipes.parse_entry_point_recipe
 precision_lab.fixes.replay.replay
 precision_lab.fixes.rules.module_facts
-precision_lab.fixes.trees.call_model
-precision_lab.fixes.trees.first_tensor
-precision_lab.jsoncodec.decode_nonfinite
-precision_lab.live.policies.as_policy
 precision_lab.origin.walk.model_outputs
-precision_lab.readers.detect
-precision_lab.readers.safeio.limits_in_force
-precision_lab.readers.safeio.read_json
 precision_lab.readers.shards.checked_runs
 precision_lab.readers.shardtimeline.read_timeline
-precision_lab.readers.tensorfile.load_source
 precision_lab.services.applicable.applicable_fixes
 precision_lab.services.jobs.rerun_actions
 precision_lab.services.replay.replayable_ops
@@ -60,8 +51,6 @@ precision_lab.services.verify.verify_session
 precision_lab.services.xdiff.diff_rows
 precision_lab.store.diffs.base_run
 precision_lab.store.diffs.pair_options
-precision_lab.store.files.held
-precision_lab.store.files.writing
 precision_lab.store.optable.filter_options
 precision_lab.store.queries.error_growth
 precision_lab.store.queries.first_nonfinite_state_after
@@ -93,16 +82,9 @@ precision_lab.store.queries.session_runs
 precision_lab.store.queries.session_warning_rows
 precision_lab.store.queries.worst_local_errors
 precision_lab.store.queries.zero_gradients
-precision_lab.store.reader.df
-precision_lab.store.reader.held
-precision_lab.store.reader.reading
-precision_lab.store.reader.record_stats
 precision_lab.store.reader.run
-precision_lab.store.reader.runs
 precision_lab.store.reader.session
 precision_lab.store.reader.session_by_token
-precision_lab.store.reader.sessions
-precision_lab.store.reader.tensor
 precision_lab.store.timeline.heatmap_cells
 precision_lab.store.timeline.op_steps
 precision_lab.store.timeline.op_steps_at
@@ -123,8 +105,6 @@ precision_lab.store.views.find_records
 precision_lab.store.views.record
 precision_lab.store.views.record_comparisons
 precision_lab.store.views.session_warnings
-precision_lab.store.writer.transaction
-precision_lab.store.writer.writing
 precision_lab.ui.common.style_severity
 precision_lab.ui.common.text_columns
 precision_lab.ui.detail.histogram_figure

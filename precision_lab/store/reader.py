@@ -8,7 +8,7 @@ import json
 import os
 import re
 from contextlib import contextmanager
-from typing import Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
@@ -17,6 +17,10 @@ from ..stats import HistogramError, TensorStats, decode_hist
 from ..tokens import TokenFileError
 from .files import held, rollback
 from .queries import run_order
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from duckdb import DuckDBPyConnection
 
 
 class SessionNotFound(KeyError):
@@ -87,7 +91,7 @@ class StoreReads:
     """``Store``'s reads: a query runs on the file's connection, taken for it and let go after it (see ``files``)."""
 
     @contextmanager
-    def held(self):
+    def held(self) -> Iterator["StoreReads"]:
         """Keep the database open between the operations of this block (read-only; a write in it still takes
         the file for its transaction only).  For a bounded stretch such as one dashboard page run: other
         processes' writes wait while it lasts."""
@@ -109,7 +113,7 @@ class StoreReads:
         return tuple(out)
 
     @contextmanager
-    def reading(self):
+    def reading(self) -> Iterator[DuckDBPyConnection]:
         """A cursor for several reads that must see one state of the database (one read transaction)."""
         tx = getattr(self._file.tx, "cur", None)
         if tx is not None:
@@ -123,7 +127,7 @@ class StoreReads:
                 rollback(cur)
 
     @contextmanager
-    def _cursor(self):
+    def _cursor(self) -> Iterator[DuckDBPyConnection]:
         """A cursor of the file's connection, taken read-only for this block and given back after it."""
         con = self._file.acquire(False, self.lock_wait)
         cur = None
@@ -155,7 +159,7 @@ class StoreReads:
 
         return Result(run)
 
-    def df(self, query: str, params: Optional[list] = None):
+    def df(self, query: str, params: Optional[list] = None) -> pd.DataFrame:
         return self.sql(query, params).df()
 
     def undiagnosed_sessions(self) -> list[str]:
@@ -170,7 +174,7 @@ class StoreReads:
                 out.append(name)
         return out
 
-    def sessions(self):
+    def sessions(self) -> pd.DataFrame:
         """All sessions with run counts, newest first (DataFrame)."""
         return self.df(
             "SELECT s.session_id, s.name, s.created, s.source, s.recipe, "
@@ -193,7 +197,7 @@ class StoreReads:
         d["notes"] = json.loads(d["notes"] or "{}")
         return d
 
-    def runs(self, session_id: str):
+    def runs(self, session_id: str) -> pd.DataFrame:
         return self.df(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
     def run(self, run_id: str) -> dict:
@@ -232,14 +236,14 @@ class StoreReads:
         except HistogramError as e:
             raise ValueError(f"histogram of run {run_id} record {rid}: {e}; re-ingest the dump") from None
 
-    def tensor(self, run_id: str, rid: int):
+    def tensor(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """A kept tensor as a numpy array, or None."""
         row = self.sql("SELECT npy FROM tensor_data WHERE run_id = ? AND rid = ?", [run_id, int(rid)]).fetchone()
         if row is None:
             return None
         return npy_load(row[0])
 
-    def record_stats(self, run_id: str, rid: int):
+    def record_stats(self, run_id: str, rid: int) -> TensorStats:
         """Rebuild the TensorStats (with histogram) of one stored record."""
 
         df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])

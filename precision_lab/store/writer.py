@@ -9,7 +9,7 @@ import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ..paths import replay_kit_path
 from ..records import free_name
@@ -20,6 +20,9 @@ from .files import rollback, writing
 from .schema import schema_sql
 from .session_writer import SessionWriter, now_text
 from .transfer import insert_staged_session
+
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection
 
 
 def _default_session_name(source: str) -> str:
@@ -32,7 +35,7 @@ class StoreWrites:
     """``Store``'s writes: each in one transaction, the file opened read-write for it only (see ``files``)."""
 
     @contextmanager
-    def writing(self):
+    def writing(self) -> Iterator["StoreWrites"]:
         """Keep the database open between the operations of this block, read-write from its first write on (a
         write and the reads and writes that follow it, such as a capture's session and its diagnosis): one
         open instead of one per operation.  Other processes wait while it lasts: keep it to one short stretch
@@ -41,7 +44,7 @@ class StoreWrites:
             yield self
 
     @contextmanager
-    def transaction(self):
+    def transaction(self) -> Iterator[DuckDBPyConnection]:
         """One atomic write: the file is opened read-write for it (waiting, within ``lock_wait``, for other
         processes to let go), writers of this process take turns, and the file is let go when it commits.
         A failure or a killed process leaves nothing of it."""
