@@ -6,7 +6,7 @@ from precision_lab.ui import page
 from precision_lab.ui import timeline as tv
 
 store, acc, info = page.require_session("timeline")
-by_name = tv.long_runs_by_name(store, info["session_id"])
+by_name = tv.long_runs_by_name(store, info.session_id)
 if not by_name:
     st.info("This session has no timeline. Record a training run over many steps with "
             "`precision_lab.capture(model, options=CaptureOptions(every=50, keep_last=4))` and call "
@@ -61,7 +61,7 @@ with page.guard("The heatmap could not be drawn"):
             if rec is None:
                 st.warning(f"{target[0]} has no full records in this run.")
             else:
-                page.navigate("op_detail", session=info["name"], run=run["name"], op=rec["rid"])
+                page.navigate("op_detail", session=info.name, run=run["name"], op=rec["rid"])
 
     labels = [tv.series_label(o["op"], o["role"], o["index"]) for o in hm["ops"]]
     chosen = st.multiselect("Ops to plot", labels, default=tv.default_ops(hm, alerts), key="tl_ops")
@@ -85,7 +85,7 @@ with page.guard("The tree could not be drawn"):
             if rec is None:
                 st.warning(f"{pick} has no full records in this run.")
             else:
-                page.navigate("op_detail", session=info["name"], run=run["name"], op=rec["rid"])
+                page.navigate("op_detail", session=info.name, run=run["name"], op=rec["rid"])
 
 st.subheader("Loss and gradient norm", anchor=False)
 if any(r.get("loss") is not None or r.get("grad_norm") is not None for r in steps):

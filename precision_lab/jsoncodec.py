@@ -1,8 +1,11 @@
 """JSON with non-finite floats: strict JSON has no NaN or Infinity, so they travel as the strings
-``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder."""
+``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder.
+
+A typed row or record (a dataclass instance) is written as the object of its fields, in their order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Optional
@@ -37,11 +40,14 @@ def decode_nonfinite(v: object) -> object:
 
 
 def jsonable(v: Any) -> Any:
-    """A tree of dicts, lists, tuples and numbers (numpy scalars included) with every float ready for strict JSON."""
+    """A tree of dicts, dataclass instances, lists, tuples and numbers (numpy scalars included) with every float
+    ready for strict JSON."""
     if isinstance(v, float):
         return json_float(v)
     if isinstance(v, dict):
         return {str(k): jsonable(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, (list, tuple)):
         return [jsonable(x) for x in v]
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):  # numpy scalars

@@ -61,7 +61,7 @@ def test_buffer_role_is_vocabulary():
 def test_capture_pair_records_buffers_with_the_reference_absmax(store):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     name = precision_lab.capture_pair(build_bn, x, torch.float16, store=store)
-    runs = {r["kind"]: r for _, r in store.runs(store.session(name)["session_id"]).iterrows()}
+    runs = {r["kind"]: r for _, r in store.runs(store.session(name).session_id).iterrows()}
     ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
     want = build_bn()
     for run_id, dtype in ((ref_id, "float32"), (cand_id, "float16")):

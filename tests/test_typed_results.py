@@ -49,7 +49,6 @@ precision_lab.services.verify.untried
 precision_lab.services.verify.verification
 precision_lab.services.verify.verify_session
 precision_lab.services.xdiff.diff_rows
-precision_lab.store.diffs.base_run
 precision_lab.store.diffs.pair_options
 precision_lab.store.optable.filter_options
 precision_lab.store.queries.error_growth
@@ -73,18 +72,12 @@ precision_lab.store.queries.reference_of
 precision_lab.store.queries.rows
 precision_lab.store.queries.run_diagnoses
 precision_lab.store.queries.run_records_with_data
-precision_lab.store.queries.run_row
 precision_lab.store.queries.run_tensors
 precision_lab.store.queries.session_comparisons
 precision_lab.store.queries.session_diagnoses
-precision_lab.store.queries.session_list
-precision_lab.store.queries.session_runs
 precision_lab.store.queries.session_warning_rows
 precision_lab.store.queries.worst_local_errors
 precision_lab.store.queries.zero_gradients
-precision_lab.store.reader.run
-precision_lab.store.reader.session
-precision_lab.store.reader.session_by_token
 precision_lab.store.timeline.heatmap_cells
 precision_lab.store.timeline.op_steps
 precision_lab.store.timeline.op_steps_at
@@ -98,7 +91,6 @@ precision_lab.store.timeline.timeline_runs
 precision_lab.store.transfer.copy_session_tables
 precision_lab.store.transfer.insert_session_tables
 precision_lab.store.transfer.table_columns
-precision_lab.store.views.all_runs
 precision_lab.store.views.counterparts
 precision_lab.store.views.diagnoses_worst_first
 precision_lab.store.views.find_records
@@ -125,7 +117,6 @@ precision_lab.ui.overview.model_tree
 precision_lab.ui.overview.module_link
 precision_lab.ui.page.bound_value
 precision_lab.ui.page.cached_sessions_table
-precision_lab.ui.page.choose_run
 precision_lab.ui.page.get_config
 precision_lab.ui.page.guard
 precision_lab.ui.page.navigation

@@ -18,7 +18,7 @@ from ..fixes.recipes import RecipeNotFound, get_recipe
 from ..fixes.facts import FACTS, ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter, ZeroGradient
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
-from ..records import Diagnosis, RunInfo, StoredRecord
+from ..records import Diagnosis, StoredRecord
 from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
@@ -118,12 +118,11 @@ def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
     """``(diagnoses, judgements)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict, reason)``
     for each quantise op call whose output is worse than expected against its own input."""
     info = store.session(session)
-    rows = q.session_runs(store, info["session_id"])
-    runs = [RunInfo.from_row(r) for r in rows]
+    runs = q.session_runs(store, info.session_id)
     ref = next((r for r in runs if r.kind == "reference"), None)
     ctx = Context(StoreFacts(store), info, runs, ref)
-    for r in rows:
-        ctx.policies[r["run_id"]] = run_policy(r)
+    for r in runs:
+        ctx.policies[r.run_id] = run_policy(r)
     recipe = recipe_name(store, info)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []
@@ -154,7 +153,7 @@ def diagnose_session(store, session: str) -> list[Diagnosis]:
         for j in judged:
             w.worsen_verdicts(*j)
         w.mark_diagnosed()
-    sid = store.session(session)["session_id"]
+    sid = store.session(session).session_id
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
 
 

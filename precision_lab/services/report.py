@@ -51,16 +51,16 @@ def run_facts(store, run_id: str) -> RunFacts:
     calls = tuple(NonfiniteCall.from_row(c) for c in q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
     recs = tuple(ComparedRecord.from_row(r) for r in q.nonfinite_records(store, run_id)) if calls else ()
     parents = q.op_parents(store, run_id) if calls else {}
-    return RunFacts(run["name"], run_id, run["order"], calls, recs, parents,
+    return RunFacts(run.name, run_id, run.order, calls, recs, parents,
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
-                    outputs=model_outputs(q.forward_ends(store, run_id), run["order"], parents) if calls else {})
+                    outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents) if calls else {})
 
 
 def order_notes(store, session: str) -> dict[str, str]:
     """run_id -> the order its dump gave, in words, with which parts are certain (what ingest recorded in the
     session's notes: an order list and whether it is call or completion order, file times and their ties, links
     found in the data); runs it did not say for are left out."""
-    runs = (store.session(session)["notes"].get("ingest") or {}).get("runs") or {}
+    runs = (store.session(session).notes.get("ingest") or {}).get("runs") or {}
     return {v["run_id"]: v["order_from"] for v in runs.values()
             if isinstance(v, dict) and v.get("run_id") and v.get("order_from")}
 
@@ -205,21 +205,21 @@ _WORST_COLS = ("kind", "seq", "op", "role", "index", "match", "basis", "verdict"
 def build_report(store, session: str) -> dict:
     """The session as one JSON-ready dict (see the module doc for its keys)."""
     info = store.session(session)
-    sid = info["session_id"]
+    sid = info.session_id
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
-    names = {r["run_id"]: r["name"] for r in runs}
+    names = {r.run_id: r.name for r in runs}
     notes = order_notes(store, sid)
     first, intended, spread = {}, {}, {}
     for r in runs:
-        f, masks = nonfinite_origin(store, r["run_id"])
-        first[r["name"]] = None if f is None else f.as_dict()
-        intended[r["name"]] = [dataclasses.asdict(m) for m in masks]
-        spread[r["name"]] = rank_spread(store, r["run_id"], f)
+        f, masks = nonfinite_origin(store, r.run_id)
+        first[r.name] = None if f is None else f.as_dict()
+        intended[r.name] = [dataclasses.asdict(m) for m in masks]
+        spread[r.name] = rank_spread(store, r.run_id, f)
     tensors = []
     for r in runs:
-        for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
-            d = {"run": r["name"]}
+        for t in q.run_tensors(store, r.run_id, _TENSOR_COLS):
+            d = {"run": r.name}
             for c in _TENSOR_COLS:
                 d[_RENAME.get(c, c)] = json.loads(t[c]) if c == "shape" and t[c] is not None else t[c]
             tensors.append(d)
@@ -240,13 +240,13 @@ def build_report(store, session: str) -> dict:
                                                      include_nonfinite=True))
     worst_comparisons = [{"cand_run": w["run"], **{k: w[k] for k in _WORST_COLS}} for w in worst]
     return {
-        "session": info["name"],
-        "created": info["created"],
-        "source": info["source"],
-        "runs": [{"name": r["name"], "run_id": r["run_id"], "kind": r["kind"], "dtype": r["dtype"],
-                  "parent": names.get(r["parent_run_id"]) if r["parent_run_id"] else None, "fix": r["fix"],
-                  "source": r["source"], "order": r["order"], "order_text": order_text(r["order"]),
-                  "order_note": notes.get(r["run_id"])} for r in runs],
+        "session": info.name,
+        "created": info.created,
+        "source": info.source,
+        "runs": [{"name": r.name, "run_id": r.run_id, "kind": r.kind, "dtype": r.dtype,
+                  "parent": names.get(r.parent_run_id) if r.parent_run_id else None, "fix": r.fix,
+                  "source": r.source, "order": r.order, "order_text": order_text(r.order),
+                  "order_note": notes.get(r.run_id)} for r in runs],
         "first_nonfinite": first,
         "ranks": spread,
         "intended_nonfinite": intended,
@@ -258,7 +258,7 @@ def build_report(store, session: str) -> dict:
         "warnings": warnings,
         "alerts": alerts,
         "timeline": _timeline.timeline_report(store, sid),
-        "notes": info["notes"],
+        "notes": info.notes,
     }
 
 

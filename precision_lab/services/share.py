@@ -129,7 +129,7 @@ def _export(store, session: str, out) -> dict:
     which needs their checksums, is the zip's last entry.
     """
     info = store.session(session)
-    sid = info["session_id"]
+    sid = info.session_id
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
         # what the file carries of the sharer's machine: no path, each file or folder by its name
@@ -144,7 +144,7 @@ def _export(store, session: str, out) -> dict:
             "schema_version": SCHEMA_VERSION,
             "precision_lab_version": __version__,
             "hist_edges_id": HIST_EDGES_ID,
-            "session": {"session_id": sid, "name": info["name"]},
+            "session": {"session_id": sid, "name": info.name},
             "tables": tables,
         }
         with zipfile.ZipFile(out, "w", allowZip64=True) as zf:
@@ -172,7 +172,7 @@ def export_session(store, session: str, path: os.PathLike | str) -> ExportResult
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return ExportResult(path=str(path), session=store.session(session)["name"], rows=rows,
+    return ExportResult(path=str(path), session=store.session(session).name, rows=rows,
                         bytes=path.stat().st_size)
 
 

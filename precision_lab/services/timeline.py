@@ -40,7 +40,7 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
     run = q.run_row(store, run_id)
     if run is None:
         raise KeyError(f"no run {run_id!r}")
-    name = run["name"]
+    name = run.name
     out: list[Alert] = []
     fmts = {d: op_format(d, target) for d in tl.timeline_dtypes(store, run_id)}
     cols = tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
@@ -98,7 +98,7 @@ def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list
         share = [flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt)
                  / r["numel"] if r["numel"] else np.nan for r in rs]
         shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
-        got = op_alerts(run["name"], shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
+        got = op_alerts(run.name, shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
                         overrides=overrides, flushed_share=share)
         out.extend(dataclasses.replace(x, op=op) for x in got if x.rule == "underflow")
     out.sort(key=lambda a: (a.step, a.op or "", a.rule))
@@ -112,12 +112,12 @@ def session_alerts(store, session: str, *, target: Optional[str] = None,
     info = store.session(session)
     out: list[Alert] = []
     timed = set()
-    for r in tl.timeline_runs(store, info["session_id"]):
+    for r in tl.timeline_runs(store, info.session_id):
         timed.add(r["run_id"])
         out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
-    for r in q.session_runs(store, info["session_id"]):
-        if r["kind"] != "reference" and r["run_id"] not in timed:
-            out.extend(pair_alerts(store, r["run_id"], overrides=overrides))
+    for r in q.session_runs(store, info.session_id):
+        if r.kind != "reference" and r.run_id not in timed:
+            out.extend(pair_alerts(store, r.run_id, overrides=overrides))
     return out
 
 

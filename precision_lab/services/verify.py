@@ -76,9 +76,9 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]
     about that attempt, not the session), in the order proposed: ``{fix, label, parent}`` -- ``parent`` the
     run the diagnosis is about."""
     info = store.session(session)
-    captured = {r["run_id"] for r in q.session_runs(store, info["session_id"]) if r["kind"] == "candidate"}
+    captured = {r.run_id for r in q.session_runs(store, info.session_id) if r.kind == "candidate"}
     seen, out = set(), []
-    for d in q.session_diagnoses(store, info["session_id"]):
+    for d in q.session_diagnoses(store, info.session_id):
         if d["rule"] == "fix-verified" or d["run_id"] not in captured:
             continue
         for f in d["fixes"]:
@@ -109,14 +109,14 @@ def verification(store, session: str) -> dict[tuple[str, str], dict]:
                                q.first_nonfinite_state_after(store, run_id, fn.step) if fn is not None else None)
         return parents[run_id]
 
-    for r in q.session_runs(store, info["session_id"]):
-        if r["kind"] != "rerun" or not r["parent_run_id"] or not r["fix"]:
+    for r in q.session_runs(store, info.session_id):
+        if r.kind != "rerun" or not r.parent_run_id or not r.fix:
             continue
-        first, sqnr, grad, state = quality(r["run_id"])
-        parent_first, parent_sqnr, parent_grad, parent_state = quality(r["parent_run_id"])
+        first, sqnr, grad, state = quality(r.run_id)
+        parent_first, parent_sqnr, parent_grad, parent_state = quality(r.parent_run_id)
         works, why = judge_fix(first, sqnr, parent_first, parent_sqnr, grad, parent_grad, state, parent_state)
-        out[(r["parent_run_id"], r["fix"])] = {
-            "run": r["name"], "run_id": r["run_id"], "works": works, "why": why, "sqnr_db": sqnr,
+        out[(r.parent_run_id, r.fix)] = {
+            "run": r.name, "run_id": r.run_id, "works": works, "why": why, "sqnr_db": sqnr,
             "parent_sqnr_db": parent_sqnr, "grad_sqnr_db": grad, "parent_grad_sqnr_db": parent_grad,
             "first_nonfinite": None if first is None else first.op}
     return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..enums import Severity, Verdict
-from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis
+from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo
+from .rows import SessionListRow, one_as, rows_as
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -48,24 +49,23 @@ def run_order(alias: str = "") -> str:
     return f"{a}created, {a}rowid"
 
 
-def session_list(store) -> list[dict]:
-    """Every session, newest first: ``{session_id, name, created, source, recipe, runs}`` (runs: how many)."""
-    return rows(store, "SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
-                       "WHERE r.session_id = s.session_id) AS runs FROM sessions s ORDER BY s.created DESC, s.name")
+def session_list(store) -> list[SessionListRow]:
+    """Every session, newest first, with how many runs each holds."""
+    return rows_as(SessionListRow, store.sql("SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
+                       "WHERE r.session_id = s.session_id) AS runs FROM sessions s ORDER BY s.created DESC, s.name"))
 
 
-def session_runs(store, session_id: str, *, references_first: bool = False) -> list[dict]:
+def session_runs(store, session_id: str, *, references_first: bool = False) -> list[RunInfo]:
     """The runs of a session, oldest first (with ``references_first``: reference runs, then the rest in the
     order they were added)."""
-    if references_first:
-        return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY kind <> 'reference', {run_order()}",
-                    [session_id])
-    return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
+    first = "kind <> 'reference', " if references_first else ""
+    return rows_as(RunInfo, store.sql(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {first}{run_order()}",
+                                      [session_id]))
 
 
-def run_row(store, run_id: str) -> Optional[dict]:
+def run_row(store, run_id: str) -> Optional[RunInfo]:
     """One run's row, or None."""
-    return _one(store, "SELECT * FROM runs WHERE run_id = ?", [run_id])
+    return one_as(RunInfo, store.sql("SELECT * FROM runs WHERE run_id = ?", [run_id]))
 
 
 def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[dict]:

@@ -4,6 +4,7 @@ model: ``views``, ``queries``, ``timeline``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -12,11 +13,12 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
-from ..records import npy_load
+from ..records import RunInfo, npy_load
 from ..stats import HistogramError, TensorStats, decode_hist
 from ..tokens import TokenFileError
 from .files import held, rollback
 from .queries import run_order
+from .rows import SessionRow, one_as
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -182,31 +184,28 @@ class StoreReads:
             "FROM sessions s ORDER BY s.created DESC, s.name"
         )
 
-    def session(self, session: str) -> dict:
+    def session(self, session: str) -> SessionRow:
         """A session by name or id; raises SessionNotFound with the known names."""
-        row = self.sql(
+        row = one_as(SessionRow, self.sql(
             "SELECT session_id, name, created, source, recipe, notes FROM sessions "
-            "WHERE name = ? OR session_id = ?", [session, session]
-        ).fetchone()
+            "WHERE name = ? OR session_id = ?", [session, session]))
         if row is None:
             names = [r[0] for r in self.sql("SELECT name FROM sessions ORDER BY name").fetchall()]
             known = ", ".join(names[:20]) if names else "none yet"
             raise SessionNotFound(f"no session named {session!r} (known sessions: {known})")
-        keys = ["session_id", "name", "created", "source", "recipe", "notes"]
-        d = dict(zip(keys, row))
-        d["notes"] = json.loads(d["notes"] or "{}")
-        return d
+        return dataclasses.replace(row, notes=json.loads(row.notes or "{}"))
 
     def runs(self, session_id: str) -> pd.DataFrame:
         return self.df(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
-    def run(self, run_id: str) -> dict:
-        df = self.df("SELECT * FROM runs WHERE run_id = ?", [run_id])
-        if df.empty:
+    def run(self, run_id: str) -> RunInfo:
+        """A run by id; raises KeyError."""
+        row = one_as(RunInfo, self.sql("SELECT * FROM runs WHERE run_id = ?", [run_id]))
+        if row is None:
             raise KeyError(f"no run {run_id!r}")
-        return df.iloc[0].to_dict()
+        return row
 
-    def session_by_token(self, token: str) -> Optional[dict]:
+    def session_by_token(self, token: str) -> Optional[SessionRow]:
         """The session ``token`` opens, or None: the token file is read per call (a revocation written by
         another process counts from the next call), without the database's lock; a token file that cannot be
         read opens nothing."""

@@ -18,11 +18,13 @@ from typing import Optional
 import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
+from ..records import RunInfo
 from .diffs import SHOW_OPTIONS, base_run, diff_rows, nrun_rows, pair_options  # noqa: F401
 from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
 from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
                       diagnosis_rows, rows, run_order, session_runs)
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
+from .rows import rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -231,9 +233,9 @@ def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
                 [run_id, int(rid), run_id, int(rid)])
 
 
-def all_runs(store) -> list[dict]:
-    """Every run of every session, oldest first: ``{session_id, run_id, name, dtype, kind, fix, created}``."""
-    return rows(store, f"SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY {run_order()}")
+def all_runs(store) -> list[RunInfo]:
+    """Every run of every session, oldest first."""
+    return rows_as(RunInfo, store.sql(f"SELECT * FROM runs ORDER BY {run_order()}"))
 
 
 def session_exists(store, name: str) -> bool:

@@ -137,7 +137,7 @@ class StoreWrites:
         """Add runs/records to an existing session atomically (re-runs)."""
         info = self.session(session)
         with self.transaction() as cur:
-            w = SessionWriter(self, cur, info["session_id"], info["name"])
+            w = SessionWriter(self, cur, info.session_id, info.name)
             yield w
             w.flush()
 
@@ -156,14 +156,14 @@ class StoreWrites:
         info = self.session(session)
         with self.transaction() as cur:
             if cur.execute("SELECT 1 FROM sessions WHERE name = ? AND session_id <> ?",
-                           [new_name, info["session_id"]]).fetchone():
+                           [new_name, info.session_id]).fetchone():
                 raise ValueError(f"a session named {new_name!r} already exists")
-            cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info["session_id"]])
-            self._rename_token(info["session_id"], new_name)
+            cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info.session_id])
+            self._rename_token(info.session_id, new_name)
 
     def delete_session(self, session: str) -> None:
         info = self.session(session)
-        sid = info["session_id"]
+        sid = info.session_id
         with self.transaction() as cur:
             run_ids = [r[0] for r in cur.execute("SELECT run_id FROM runs WHERE session_id = ?", [sid]).fetchall()]
             for t in ("tensors", "histograms", "tensor_data", "timeline", "timeline_formats", "step_scalars"):
@@ -209,4 +209,4 @@ class StoreWrites:
     def set_share_token(self, session: str, token: Optional[str]) -> None:
         """Give ``session`` the share token ``token`` (None: revoke it)."""
         info = self.session(session)
-        self._tokens.set(info["session_id"], info["name"], token)
+        self._tokens.set(info.session_id, info.name, token)

@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..display import num_text
 from ..enums import Verdict, worst_first
+from ..records import RunInfo
 
 __all__ = ["Page", "paged", "severity_label", "plot_text", "SEVERITIES", "SEVERITY_COLORS", "cosine_text", "escape_md",
            "code_md", "message_md", "run_label", "style_severity", "text_columns"]
@@ -143,12 +144,12 @@ def message_md(text: Any) -> str:
     return "".join(out)
 
 
-def run_label(run: dict) -> str:
+def run_label(run: RunInfo) -> str:
     """``name (float16, candidate)``"""
-    bits = [b for b in (run.get("dtype"), run.get("kind")) if b]
-    if run.get("fix"):
-        bits.append(f"fix {run['fix']}")
-    return f"{run['name']} ({', '.join(bits)})" if bits else str(run["name"])
+    bits = [b for b in (run.dtype, run.kind) if b]
+    if run.fix:
+        bits.append(f"fix {run.fix}")
+    return f"{run.name} ({', '.join(bits)})" if bits else str(run.name)
 
 
 def style_severity(df, column: str = "severity"):

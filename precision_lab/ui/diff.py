@@ -15,6 +15,7 @@ from ..store import views
 from ..store.queries import session_runs
 from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
 from ..metrics import SUMMARY_ERRORS
+from ..records import RunInfo
 from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
@@ -25,15 +26,15 @@ __all__ = ["landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "
 SHOW_CHOICES = tuple(SHOW_OPTIONS)
 
 
-def runs_by_id(store, session_id: str) -> dict[str, dict]:
+def runs_by_id(store, session_id: str) -> dict[str, RunInfo]:
     """The session's runs by run id, in the session's order: the Diff page's run pickers and its links to a run."""
-    return {r["run_id"]: r for r in session_runs(store, session_id)}
+    return {r.run_id: r for r in session_runs(store, session_id)}
 
 
 def base_run_id(store, session_id: str) -> Optional[str]:
     """The run the N-run view aligns on first (``store.views.base_run``), by id; None for a session with no run."""
     base = base_run(store, session_id)
-    return base["run_id"] if base else None
+    return base.run_id if base else None
 
 
 def pair_choices(store, session_id: str) -> tuple[dict[str, dict], pd.DataFrame]:
@@ -89,10 +90,10 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
     holds NaN/Inf the reference does not -- ``broken`` -- so a broken output is never credited with the SQNR of
     its finite values; the op named first non-finite)."""
     runs = session_runs(store, session_id)
-    by_id = {r["run_id"]: r for r in runs}
+    by_id = {r.run_id: r for r in runs}
     out = []
-    for r in [r for r in runs if r["kind"] == "rerun" and r.get("parent_run_id") in by_id][::-1][:limit]:
-        parent = by_id[r["parent_run_id"]]
+    for r in [r for r in runs if r.kind == "rerun" and r.parent_run_id in by_id][::-1][:limit]:
+        parent = by_id[r.parent_run_id]
 
         def facts(run_id):
             last = q.last_accumulated_output(store, run_id)
@@ -103,8 +104,8 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
                     last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
                     first.op if first else None)
 
-        (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent["run_id"]), facts(r["run_id"])
-        out.append({"run": r["name"], "fix": r.get("fix") or "", "parent": parent["name"], "nonfinite_before": nb,
+        (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent.run_id), facts(r.run_id)
+        out.append({"run": r.name, "fix": r.fix or "", "parent": parent.name, "nonfinite_before": nb,
                     "nonfinite_after": na, "sqnr_before": sb, "sqnr_after": sa, "broken_before": bb,
                     "broken_after": ba, "first_before": fb, "first_after": fa})
     return out
@@ -125,7 +126,7 @@ def landing_op(store, run_id: str) -> Optional[str]:
     """The op a finished re-run opens on: where its parent first went non-finite (the op the fix was for), or
     None when the parent had no non-finite value."""
     run = q.run_row(store, run_id)
-    parent = run.get("parent_run_id") if run else None
+    parent = run.parent_run_id if run else None
     first = first_nonfinite(store, parent) if parent else None
     return first.op if first else None
 

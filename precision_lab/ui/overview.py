@@ -15,7 +15,7 @@ from ..store import views
 from ..store.queries import op_output_rid, session_runs
 from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders
 from ..public import public_source
-from ..records import OUTPUT_ROLES
+from ..records import OUTPUT_ROLES, RunInfo
 from ..display import num_text
 from .common import plot_text, text_columns
 from ..metrics import ELEMENTWISE, relative_error
@@ -61,25 +61,25 @@ def warnings_table(store, session_id: str) -> pd.DataFrame:
 def order_caveat(store, session_id: str) -> Optional[str]:
     """A sentence when some run's order is unknown (numbered by name): the order it used and which parts are
     certain, as ingest recorded (``order_notes``), else None."""
-    unknown = [r for r in session_runs(store, session_id) if (r.get("order") or "") == "name"]
+    unknown = [r for r in session_runs(store, session_id) if (r.order or "") == "name"]
     if not unknown:
         return None
     notes = order_notes(store, session_id)
-    said = "; ".join(f"{r['name']}: {notes.get(r['run_id']) or order_text('name')}" for r in unknown)
+    said = "; ".join(f"{r.name}: {notes.get(r.run_id) or order_text('name')}" for r in unknown)
     return (f"Order used for {said}. 'First' means first in that order: where it is not certain, an op placed "
             "later may have run earlier.")
 
 
 def first_nonfinite_by_run(store, session_id: str) -> list[dict]:
-    """For each run: ``{"run": RunInfo dict, "first": services.report.first_nonfinite(...) or None,
+    """For each run: ``{"run": RunInfo, "first": services.report.first_nonfinite(...) or None,
     "intended": services.report.intended_nonfinite(...)`` (the masks' -inf, shown quietly), ``"ranks":
     services.report.rank_spread(...)}`` (with several ranks: which made their own NaN/Inf, which received it)."""
 
     out = []
     for r in session_runs(store, session_id):
-        first, intended = nonfinite_origin(store, r["run_id"])  # one pass gives both
+        first, intended = nonfinite_origin(store, r.run_id)  # one pass gives both
         out.append({"run": r, "first": first, "intended": intended,
-                    "ranks": rank_spread(store, r["run_id"], first)})
+                    "ranks": rank_spread(store, r.run_id, first)})
     return out
 
 
@@ -184,9 +184,9 @@ def session_headline(store, session_id: str) -> dict:
     """One line per session for the Sessions list: first non-finite op and worst op."""
     firsts = []
     for run in session_runs(store, session_id):
-        f = first_nonfinite(store, run["run_id"])
+        f = first_nonfinite(store, run.run_id)
         if f is not None:
-            firsts.append(f"{run['name']}: {f.op}")
+            firsts.append(f"{run.name}: {f.op}")
     worst = top_offenders(store, session_id, n=1)
     worst_text = ""
     if len(worst):
@@ -211,16 +211,16 @@ def model_tree(store, firsts: list[dict]) -> Optional[tuple[dict, list[dict]]]:
     """``(run, tree nodes)`` of the run to draw as a tree: the first run with a non-finite producer, else the
     first candidate; None for a session with no run."""
     pick = next((f for f in firsts if f["first"] is not None), None) or next(
-        (f for f in firsts if f["run"]["kind"] != "reference"), None) or (firsts[0] if firsts else None)
+        (f for f in firsts if f["run"].kind != "reference"), None) or (firsts[0] if firsts else None)
     if pick is None:
         return None
     first = pick["first"]
-    return pick["run"], run_tree(store, pick["run"]["run_id"], failing_op=first.op if first else None,
+    return pick["run"], run_tree(store, pick["run"].run_id, failing_op=first.op if first else None,
                                  failing_parent=first.parent if first else None)
 
 
-def module_link(store, run: dict, module: str) -> Optional[dict]:
+def module_link(store, run: RunInfo, module: str) -> Optional[dict]:
     """Where "Open on Op detail" of the model tree goes for ``module`` of ``run``: ``{"run": run name, "op": record
     id of the module's output}`` for ``page.navigate``, None when the module recorded no output."""
-    rid = op_output_rid(store, run["run_id"], module)
-    return None if rid is None else {"run": run["name"], "op": rid}
+    rid = op_output_rid(store, run.run_id, module)
+    return None if rid is None else {"run": run.name, "op": rid}

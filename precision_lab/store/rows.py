@@ -1,0 +1,65 @@
+"""The rows the read model answers, typed, and the one place a query's result becomes them.
+
+A row is a frozen dataclass with slots, as the records the producers exchange are (``records.RunInfo``,
+``records.StoredRecord``, ``fixes.facts``): it is read by field name only (a named tuple would also unpack and
+index by position, and ``jsoncodec`` would write it as a JSON list), it cannot be changed by the page or use
+case that reads it, and ``jsoncodec.jsonable`` writes it as the object of its fields in order, the keys the
+query's columns had.  A run's row is ``records.RunInfo``, the dataclass the runs table is made from.
+
+``rows_as(cls, result)`` builds them from a query's result by its description: each column fills the field of
+the same name, and a column the type does not name (or a field no column fills) is an error where the query
+is, not a missing key where a page reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, TypeVar
+
+__all__ = ["rows_as", "one_as", "SessionRow", "SessionListRow"]
+
+T = TypeVar("T")
+
+
+def _names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def rows_as(cls: type[T], result) -> list[T]:
+    """Every row of ``result`` (a cursor or ``reader.Result`` that ran its query) as a ``cls``; its columns must
+    be ``cls``'s fields, in any order."""
+    got = result.fetchall()
+    columns = [d[0] for d in result.description]
+    if sorted(columns) != sorted(_names(cls)):
+        raise TypeError(f"{cls.__name__} has fields {list(_names(cls))}; the query answered columns {columns}")
+    return [cls(**dict(zip(columns, r))) for r in got]
+
+
+def one_as(cls: type[T], result) -> Optional[T]:
+    """The first row of ``result`` as a ``cls`` (see ``rows_as``), or None."""
+    got = rows_as(cls, result)
+    return got[0] if got else None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """A session: ``notes`` is what ingest, capture and the rules noted on it (its stored JSON, decoded)."""
+
+    session_id: str
+    name: str
+    created: Optional[str]
+    source: Optional[str]
+    recipe: Optional[str]
+    notes: dict
+
+
+@dataclass(frozen=True, slots=True)
+class SessionListRow:
+    """A session as the list of sessions shows it, with how many runs it holds."""
+
+    session_id: str
+    name: str
+    created: Optional[str]
+    source: Optional[str]
+    recipe: Optional[str]
+    runs: int
