@@ -54,7 +54,7 @@ def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
                                [cand.run_id]).df().to_dict("records")}
         assert quantised == (set(linears) if preset != "fp16" else set())
         assert first_nonfinite(store, cand.run_id) is None
-        sqnr[preset] = q.last_accumulated_output(store, cand.run_id)["sqnr_db"]
+        sqnr[preset] = q.last_accumulated_output(store, cand.run_id).sqnr_db
     # e4m3 keeps 3 mantissa bits against fp16's 10: the output is further from fp32
     assert sqnr["fp8-e4m3-row"] < sqnr["fp16"] - 20
 

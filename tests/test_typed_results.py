@@ -51,11 +51,8 @@ precision_lab.services.verify.verify_session
 precision_lab.services.xdiff.diff_rows
 precision_lab.store.diffs.pair_options
 precision_lab.store.optable.filter_options
-precision_lab.store.queries.error_growth
-precision_lab.store.queries.first_nonfinite_state_after
 precision_lab.store.queries.forward_ends
 precision_lab.store.queries.forward_ops
-precision_lab.store.queries.last_accumulated_output
 precision_lab.store.queries.module_call
 precision_lab.store.queries.nonfinite_norms_of_finite_values
 precision_lab.store.queries.nonfinite_op_calls
@@ -64,9 +61,6 @@ precision_lab.store.queries.op_calls_up_to
 precision_lab.store.queries.op_extremes
 precision_lab.store.queries.op_parents
 precision_lab.store.queries.op_records
-precision_lab.store.queries.ops_above
-precision_lab.store.queries.paired_values
-precision_lab.store.queries.quantise_calls
 precision_lab.store.queries.record_ids_by_name
 precision_lab.store.queries.reference_of
 precision_lab.store.queries.rows
@@ -76,8 +70,6 @@ precision_lab.store.queries.run_tensors
 precision_lab.store.queries.session_comparisons
 precision_lab.store.queries.session_diagnoses
 precision_lab.store.queries.session_warning_rows
-precision_lab.store.queries.worst_local_errors
-precision_lab.store.queries.zero_gradients
 precision_lab.store.timeline.heatmap_cells
 precision_lab.store.timeline.op_steps
 precision_lab.store.timeline.op_steps_at

@@ -49,7 +49,7 @@ def test_a_dashboard_rerun_runs_the_model_in_another_process_and_fixes_it(probe,
     assert first_nonfinite(store, cand.run_id) is not None  # fp16 overflows in `up`
     # the model's output holds inf: it has no SQNR, and no earlier op's SQNR stands in for it
     last = q.last_accumulated_output(store, cand.run_id)
-    assert last["op"] == "forward.0" and last["sqnr_db"] is None
+    assert last.op == "forward.0" and last.sqnr_db is None
     here = {int(p) for p in probe.read_text().split()}
     assert here == {os.getpid()}
 

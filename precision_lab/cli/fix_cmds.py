@@ -48,8 +48,8 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
     else:
         echo(f"  first non-finite: {fn.op} ({fn.reason})")
     if last is not None:
-        sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
-        echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
+        sqnr = "none (the output holds NaN/Inf)" if last.sqnr_db is None else f"{last.sqnr_db:.1f} dB"
+        echo(f"  output SQNR against the fp32 reference: {sqnr} ({last.verdict})")
     for d in q.run_diagnoses(store, run_id):
         echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
         if d["fixes"]:

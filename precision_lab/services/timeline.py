@@ -88,17 +88,17 @@ def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list
     run = q.run_row(store, run_id)
     series: dict[tuple, list] = {}
     for r in q.paired_values(store, run_id, _FLUSH_ROLES):
-        series.setdefault((r["op"], r["role"], r["index"], r["dtype"]), []).append(r)
+        series.setdefault((r.op, r.role, r.index, r.dtype), []).append(r)
     out: list[Alert] = []
     for (op, role, index, dtype), rs in series.items():
         fmt = op_format(dtype)
         if fmt is None:
             continue
-        rs.sort(key=lambda r: r["step"])
-        share = [flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt)
-                 / r["numel"] if r["numel"] else np.nan for r in rs]
+        rs.sort(key=lambda r: r.step)
+        share = [flushed_by_underflow(r.ref_zero_count, r.zero_count, r.ref_min_abs_nonzero, fmt)
+                 / r.numel if r.numel else np.nan for r in rs]
         shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
-        got = op_alerts(run.name, shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
+        got = op_alerts(run.name, shown, [r.step for r in rs], [r.absmax for r in rs], fmt,
                         overrides=overrides, flushed_share=share)
         out.extend(dataclasses.replace(x, op=op) for x in got if x.rule == "underflow")
     out.sort(key=lambda a: (a.step, a.op or "", a.rule))

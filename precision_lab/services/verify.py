@@ -19,6 +19,7 @@ import math
 from typing import Callable, Optional
 
 from ..fixes.catalogue import FixError, fix_label, split_specs
+from ..fixes.facts import StateAfter
 from ..origin import Origin
 from ..store import DatabaseLocked
 from ..store import queries as q
@@ -35,8 +36,8 @@ IMPROVE_DB = 1.0
 
 def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: Optional[Origin],
               parent_sqnr_db: Optional[float], grad_db: Optional[float] = None,
-              parent_grad_db: Optional[float] = None, weights_after: Optional[dict] = None,
-              parent_weights_after: Optional[dict] = None) -> tuple[bool, str]:
+              parent_grad_db: Optional[float] = None, weights_after: Optional[StateAfter] = None,
+              parent_weights_after: Optional[StateAfter] = None) -> tuple[bool, str]:
     """``(works, why)`` of a re-run against the run it fixes: its first unexpected non-finite origin and output
     SQNR (dB, against the fp32 reference) beside the parent's, and where both ran backward the worst SQNR of
     their parameter gradients (``worst_gradient_sqnr``): a fix of the gradients (a loss scale) leaves the output
@@ -46,7 +47,7 @@ def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: O
     if (first is not None and first.direction == "backward" and weights_after is None
             and parent_weights_after is not None and sqnr_db is not None):
         return True, (f"the NaN/Inf gradient at {first.op} no longer reaches the weights (the run it fixes has "
-                      f"non-finite weights from step {parent_weights_after['step']} on), output SQNR {_db(sqnr_db)}")
+                      f"non-finite weights from step {parent_weights_after.step} on), output SQNR {_db(sqnr_db)}")
     if first is not None:
         return False, f"still NaN/Inf at {first.op}"
     if parent_first is not None:
@@ -105,7 +106,7 @@ def verification(store, session: str) -> dict[tuple[str, str], dict]:
         if run_id not in parents:
             last = q.last_accumulated_output(store, run_id)
             fn = first_nonfinite(store, run_id)
-            parents[run_id] = (fn, None if last is None else last["sqnr_db"], q.worst_gradient_sqnr(store, run_id),
+            parents[run_id] = (fn, None if last is None else last.sqnr_db, q.worst_gradient_sqnr(store, run_id),
                                q.first_nonfinite_state_after(store, run_id, fn.step) if fn is not None else None)
         return parents[run_id]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..enums import Severity, Verdict
-from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo
+from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter,
+                           ZeroGradient)
+from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo, StoredRecord
 from .rows import SessionListRow, one_as, rows_as
 
 __all__ = [
@@ -134,34 +136,36 @@ def warning_starting(store, run_id: str, prefix: str) -> Optional[str]:
     return hit["message"] if hit else None
 
 
-def ops_above(store, run_id: str, absmax: float) -> list[dict]:
-    """``{op, seq}`` of ops whose inputs or outputs exceed ``absmax``, in execution order."""
-    return rows(store, """SELECT op, min(seq) AS seq FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
-                          AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax])
+def ops_above(store, run_id: str, absmax: float) -> list[OpSeen]:
+    """The ops whose inputs or outputs exceed ``absmax``, in execution order."""
+    return rows_as(OpSeen, store.sql("""SELECT op, min(seq) AS seq FROM tensors
+                          WHERE run_id = ? AND role IN ('input', 'output')
+                          AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax]))
 
 
 # a capture's module call (``<path>.forward.<n>``, the root's ``forward.<n>``): true sorts after false
 _MODULE_CALL = r"regexp_matches(op, '(^|\.)(forward|backward)\.[0-9]+$')"
 
 
-def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
+def worst_local_errors(store, run_id: str, limit: int) -> list[LocalError]:
     """Outputs whose local (shadow) error is judged an error, worst first; an op before the module calls that
     hold it (a module's local error adds up its ops')."""
-    return rows(store, f"""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
+    return rows_as(LocalError, store.sql(f"""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
                            WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
-                           ORDER BY {_MODULE_CALL}, rounding_units DESC LIMIT ?""", [run_id, int(limit)])
+                           ORDER BY {_MODULE_CALL}, rounding_units DESC LIMIT ?""", [run_id, int(limit)]))
 
 
-def last_accumulated_output(store, run_id: str) -> Optional[dict]:
-    """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict,
-    nonfinite_introduced}``): its ``sqnr_db`` is None when that output holds NaN/Inf the reference does not, never
-    the SQNR of its finite values nor an earlier op's standing in for it."""
+def last_accumulated_output(store, run_id: str) -> Optional[FinalOutput]:
+    """The run's last output compared with the reference, the model's output: its ``sqnr_db`` is None when that
+    output holds NaN/Inf the reference does not, never the SQNR of its finite values nor an earlier op's standing
+    in for it."""
     # a model with several outputs (a loss and its logits): the largest, then the first returned
-    return _one(store, """SELECT c.op, c.seq, CASE WHEN c.nonfinite_introduced > 0 THEN NULL ELSE c.sqnr_db END AS sqnr_db,
+    return one_as(FinalOutput, store.sql("""SELECT c.op, c.seq,
+                          CASE WHEN c.nonfinite_introduced > 0 THEN NULL ELSE c.sqnr_db END AS sqnr_db,
                           c.verdict, c.nonfinite_introduced FROM comparisons c JOIN tensors t ON t.rid = c.cand_rid
                           WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.role = 'output'
                           AND c.ref_rid IS NOT NULL AND c.cand_rid IS NOT NULL
-                          ORDER BY c.step DESC, c.seq DESC, t.numel DESC, c.cand_rid LIMIT 1""", [run_id])
+                          ORDER BY c.step DESC, c.seq DESC, t.numel DESC, c.cand_rid LIMIT 1""", [run_id]))
 
 
 def worst_gradient_sqnr(store, run_id: str) -> Optional[float]:
@@ -215,10 +219,10 @@ def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[d
                            ORDER BY step, seq, rank, op""", [run_id])
 
 
-def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
-    """Each call of a quantise op (``op_types``: the names it goes by) with its first input and first output
-    record: ``{op, step, rank, seq, input, output, amax}`` (records as dicts of the tensors columns; ``amax``:
-    the max of the output of the ``<path>.amax`` call it made, where recorded), in execution order."""
+def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[QuantiseCall]:
+    """Each call of a quantise op (``op_types``: the names it goes by) with its first input (and that input's
+    histogram) and first output record, and the max of the output of the ``<path>.amax`` call it made, where
+    recorded, in execution order."""
     recs = rows(store, f"""SELECT * FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
                              AND op IN (SELECT op FROM tensors WHERE run_id = ? AND op_type IN {_in(op_types)})
                            ORDER BY step, rank, seq, role, "index" """, [run_id, run_id])
@@ -240,17 +244,18 @@ def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
         prefix = c["op"].rsplit(".forward.", 1)[0] + ".amax.forward."
         amax = next((a["max"] for a in amaxes if (a["step"], a["rank"]) == (c["step"], c["rank"])
                      and a["seq"] >= c["seq"] and a["op"].startswith(prefix)), None)
-        out.append({**c, "amax": amax})
+        out.append(QuantiseCall(c["op"], int(c["step"]), int(c["rank"]), int(c["seq"]),
+                                StoredRecord.from_row(c["input"], store.histogram(run_id, c["input"]["rid"])),
+                                StoredRecord.from_row(c["output"]), amax))
     return out
 
 
-def error_growth(store, run_id: str) -> list[dict]:
+def error_growth(store, run_id: str) -> list[ErrorGrowth]:
     """Per op call of a run, its output's accumulated error against the reference beside its inputs', both in
-    unit roundoffs of the candidate format (element-wise comparisons only): ``{op, op_type, step, rank, seq,
-    out_units, in_units, out_abs_err, out_absmax, in_absmax, cand_format}`` (the output's largest absolute
-    error and magnitude, the smallest magnitude among the inputs), in execution order; module calls left out
-    (their error is their ops')."""
-    return rows(store, f"""SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
+    unit roundoffs of the candidate format (element-wise comparisons only), in execution order; module calls
+    left out (their error is their ops')."""
+    return rows_as(ErrorGrowth, store.sql(f"""
+                           SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
                                   max(c.rounding_units) FILTER (WHERE c.role = 'output') AS out_units,
                                   max(c.rounding_units) FILTER (WHERE c.role IN ('input', 'kwarg')) AS in_units,
                                   max(c.max_abs_err) FILTER (WHERE c.role = 'output') AS out_abs_err,
@@ -262,16 +267,16 @@ def error_growth(store, run_id: str) -> list[dict]:
                              AND c.rounding_units IS NOT NULL AND NOT {_MODULE_CALL.replace("op", "c.op", 1)}
                            GROUP BY c.op, c.step, c.rank
                            HAVING out_units IS NOT NULL AND in_units IS NOT NULL
-                           ORDER BY c.step, seq, c.rank""", [run_id])
+                           ORDER BY c.step, seq, c.rank""", [run_id]))
 
 
-def paired_values(store, run_id: str, roles: Sequence[str], op_types: Optional[Sequence[str]] = None) -> list[dict]:
+def paired_values(store, run_id: str, roles: Sequence[str],
+                  op_types: Optional[Sequence[str]] = None) -> list[PairedValues]:
     """The run's records of ``roles`` (of ops of ``op_types`` when given) compared element-wise with the
-    reference, beside the reference's: ``{op, op_type, step, rank, seq, role, index, dtype, numel, min, max,
-    absmax, zero_count, ref_min, ref_max, ref_absmax, ref_zero_count, ref_min_abs_nonzero}``, in execution
-    order."""
+    reference, beside the reference's, in execution order."""
     types = f"AND t.op_type IN {_in(op_types)}" if op_types else ""
-    return rows(store, f"""SELECT c.op, t.op_type, c.step, c.rank, c.seq, c.role, c."index", t.dtype, t.numel,
+    return rows_as(PairedValues, store.sql(f"""
+                           SELECT c.op, t.op_type, c.step, c.rank, c.seq, c.role, c."index", t.dtype, t.numel,
                                   t.min, t.max, t.absmax, t.zero_count, rt.min AS ref_min, rt.max AS ref_max,
                                   rt.absmax AS ref_absmax, rt.zero_count AS ref_zero_count,
                                   rt.min_abs_nonzero AS ref_min_abs_nonzero
@@ -279,16 +284,15 @@ def paired_values(store, run_id: str, roles: Sequence[str], op_types: Optional[S
                            JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
                            WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.basis = 'tensor'
                              AND c.role IN {_in(roles)} {types}
-                           ORDER BY c.step, c.seq, c.rank, c.op, c.role, c."index" """, [run_id])
+                           ORDER BY c.step, c.seq, c.rank, c.op, c.role, c."index" """, [run_id]))
 
 
-def first_nonfinite_state_after(store, run_id: str, step: int) -> Optional[dict]:
-    """The first parameter or buffer record holding NaN/inf at a step after ``step``: ``{op, index, step,
-    nan_count, inf_count, count}`` (``count``: how many such records that step holds), or None."""
-    return _one(store, """SELECT op, "index", step, nan_count, inf_count,
+def first_nonfinite_state_after(store, run_id: str, step: int) -> Optional[StateAfter]:
+    """The first parameter or buffer record holding NaN/inf at a step after ``step``, or None."""
+    return one_as(StateAfter, store.sql("""SELECT op, "index", step, nan_count, inf_count,
                                  count(*) OVER (PARTITION BY step) AS count
                           FROM tensors WHERE run_id = ? AND step > ? AND role IN ('param', 'buffer') AND nonfinite
-                          ORDER BY step, seq, rid LIMIT 1""", [run_id, int(step)])
+                          ORDER BY step, seq, rid LIMIT 1""", [run_id, int(step)]))
 
 
 def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
@@ -421,18 +425,18 @@ def session_warning_rows(store, session_id: str) -> list[dict]:
     return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
 
 
-def zero_gradients(store, run_id: str) -> list[dict]:
+def zero_gradients(store, run_id: str) -> list[ZeroGradient]:
     """Parameter gradients of a run that are 0 in every element, in execution order, each with the gradient that
     arrived at the same backward op call (its ``grad_output``): ``arriving_absmax`` and ``arriving_smallest``,
     its largest and smallest nonzero magnitudes (NULL where none arrived or it was all zero)."""
-    return rows(store, """
-        SELECT p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel,
+    return rows_as(ZeroGradient, store.sql("""
+        SELECT p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel,
                max(g.absmax) AS arriving_absmax, min(g.min_abs_nonzero) AS arriving_smallest
         FROM tensors p LEFT JOIN tensors g ON g.run_id = p.run_id AND g.op = p.op AND g.step = p.step
              AND g.rank = p.rank AND g.role = 'grad_output' AND g.zero_count < g.numel
         WHERE p.run_id = ? AND p.role = 'param_grad' AND p.numel > 0 AND p.zero_count = p.numel
         GROUP BY p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel
-        ORDER BY p.step, p.rank, p.seq, p.rid""", [run_id])
+        ORDER BY p.step, p.rank, p.seq, p.rid""", [run_id]))
 
 
 def run_ranks(store, run_id: str) -> list[int]:

@@ -101,7 +101,7 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[dict]:
             # NaN/inf that reach nothing (a mask's -inf, a fill a min consumes) are intended: a run without a
             # failure counts none
             return (q.count_records(store, run_id, nonfinite=True, direction="forward") if first else 0,
-                    last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
+                    last.sqnr_db if last else None, bool(last and last.nonfinite_introduced),
                     first.op if first else None)
 
         (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent.run_id), facts(r.run_id)
