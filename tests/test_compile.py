@@ -258,8 +258,8 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
         assert boundary and boundary[0] > 0  # compilation alone changes the block's output
 
         diags = q.session_diagnoses(store, store.session("build").session_id)
-        comp = [d for d in diags if d["rule"] == "compiled"]
-        assert [d["run_id"] for d in comp] == [runs["candidate"].run_id]
+        comp = [d for d in diags if d.rule == "compiled"]
+        assert [d.run_id for d in comp] == [runs["candidate"].run_id]
         assert "emulate-precision-casts" in comp[0]["fixes"] and "eager" in comp[0]["fixes"]
 
         listed = _cli("fixes", "--session", "build", "--db", db, "--model", f"{MODEL}:build", "--inputs",
@@ -278,7 +278,7 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
         assert "emulating precision casts" in fixed.policy or "emulate_precision_casts" in fixed.policy
         diags = q.session_diagnoses(store, store.session("build").session_id)
         # rounding as eager code does, the re-run no longer carries the compiler's note
-        assert fixed.run_id not in {d["run_id"] for d in diags if d["rule"] == "compiled"}
+        assert fixed.run_id not in {d.run_id for d in diags if d.rule == "compiled"}
         rows = _accumulated(store, fixed.run_id)
         outs = [e for op, role, e, _ in rows if op.endswith(".forward.0") and role == "output"]
         assert outs and max(outs) == 0.0  # every module output now equals the eager one, bit for bit

@@ -52,7 +52,7 @@ def test_session_round_trip(store):
     from precision_lab.store import queries as q
 
     (row,) = q.session_diagnoses(store, store.df("SELECT session_id FROM diagnoses")["session_id"][0])
-    assert row["fixes"] == ("use-bf16",)
+    assert row.fixes == ("use-bf16",)
 
 
 def test_stored_fixes_decode_to_a_tuple_whatever_was_written():

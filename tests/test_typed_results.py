@@ -64,12 +64,7 @@ precision_lab.store.queries.op_records
 precision_lab.store.queries.record_ids_by_name
 precision_lab.store.queries.reference_of
 precision_lab.store.queries.rows
-precision_lab.store.queries.run_diagnoses
 precision_lab.store.queries.run_records_with_data
-precision_lab.store.queries.run_tensors
-precision_lab.store.queries.session_comparisons
-precision_lab.store.queries.session_diagnoses
-precision_lab.store.queries.session_warning_rows
 precision_lab.store.timeline.heatmap_cells
 precision_lab.store.timeline.op_steps
 precision_lab.store.timeline.op_steps_at
@@ -84,11 +79,9 @@ precision_lab.store.transfer.copy_session_tables
 precision_lab.store.transfer.insert_session_tables
 precision_lab.store.transfer.table_columns
 precision_lab.store.views.counterparts
-precision_lab.store.views.diagnoses_worst_first
 precision_lab.store.views.find_records
 precision_lab.store.views.record
 precision_lab.store.views.record_comparisons
-precision_lab.store.views.session_warnings
 precision_lab.ui.common.style_severity
 precision_lab.ui.common.text_columns
 precision_lab.ui.detail.histogram_figure

@@ -51,9 +51,9 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
         sqnr = "none (the output holds NaN/Inf)" if last.sqnr_db is None else f"{last.sqnr_db:.1f} dB"
         echo(f"  output SQNR against the fp32 reference: {sqnr} ({last.verdict})")
     for d in q.run_diagnoses(store, run_id):
-        echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
-        if d["fixes"]:
-            echo(f"      fixes: {', '.join(d['fixes'])}")
+        echo(f"  [{d.severity}] {d.rule} at {d.op}: {d.message}")
+        if d.fixes:
+            echo(f"      fixes: {', '.join(d.fixes)}")
     return fn is None
 
 

@@ -220,19 +220,20 @@ def build_report(store, session: str) -> dict:
     for r in runs:
         for t in q.run_tensors(store, r.run_id, _TENSOR_COLS):
             d = {"run": r.name}
-            for c in _TENSOR_COLS:
-                d[_RENAME.get(c, c)] = json.loads(t[c]) if c == "shape" and t[c] is not None else t[c]
+            for c, v in zip(_TENSOR_COLS, t):
+                d[_RENAME.get(c, c)] = json.loads(v) if c == "shape" and v is not None else v
             tensors.append(d)
     comparisons = []
-    for c in q.session_comparisons(store, sid, ("ref_run_id", "cand_run_id") + _CMP_COLS):
-        d = {"ref_run": names.get(c.pop("ref_run_id")), "cand_run": names.get(c.pop("cand_run_id"))}
-        d.update(c)
+    paired = ("ref_run_id", "cand_run_id") + _CMP_COLS
+    for ref_run_id, cand_run_id, *values in q.session_comparisons(store, sid, paired):
+        d = {"ref_run": names.get(ref_run_id), "cand_run": names.get(cand_run_id)}
+        d.update(zip(_CMP_COLS, values))
         comparisons.append(d)
     diagnoses = []
     for d in q.session_diagnoses(store, sid):
-        diagnoses.append({"run": names.get(d["run_id"]), "op": d["op"], "rule": d["rule"], "message": d["message"],
-                          "fixes": list(d["fixes"]), "severity": d["severity"], "seq": d["seq"]})
-    warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
+        diagnoses.append({"run": names.get(d.run_id), "op": d.op, "rule": d.rule, "message": d.message,
+                          "fixes": list(d.fixes), "severity": d.severity, "seq": d.seq})
+    warnings = [{"run": names.get(w.run_id), "file": w.file, "message": w.message}
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too

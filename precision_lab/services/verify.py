@@ -80,18 +80,18 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[dict]
     captured = {r.run_id for r in q.session_runs(store, info.session_id) if r.kind == "candidate"}
     seen, out = set(), []
     for d in q.session_diagnoses(store, info.session_id):
-        if d["rule"] == "fix-verified" or d["run_id"] not in captured:
+        if d.rule == "fix-verified" or d.run_id not in captured:
             continue
-        for f in d["fixes"]:
+        for f in d.fixes:
             try:
                 label = fix_label(split_specs(f))
             except FixError:
                 continue
-            key = (d["run_id"], label)
+            key = (d.run_id, label)
             if key in seen:
                 continue
             seen.add(key)
-            out.append({"fix": f, "label": label, "parent": d["run_id"]})
+            out.append({"fix": f, "label": label, "parent": d.run_id})
     return out[:top] if top is not None else out
 
 

@@ -8,13 +8,14 @@ adds a function here.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Optional, Sequence, TypeVar
 
 from ..enums import Severity, Verdict
 from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter,
                            ZeroGradient)
 from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo, StoredRecord
-from .rows import SessionListRow, one_as, rows_as
+from .rows import SessionListRow, WarningRow, one_as, rows_as
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -22,6 +23,9 @@ __all__ = [
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
     "forward_ends", "run_records_with_data",
 ]
+
+
+D = TypeVar("D", bound=Diagnosis)
 
 
 def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
@@ -374,10 +378,10 @@ def _columns(names: Sequence[str]) -> str:
     return ", ".join(f'"{n}"' for n in names)
 
 
-def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[dict]:
-    """``columns`` of every record of a run, in (step, rank, seq) order."""
-    return rows(store, f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
-                [run_id])
+def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[tuple]:
+    """Every record of a run, in (step, rank, seq) order, as a tuple of the values of ``columns`` in their order."""
+    return store.sql(f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
+                     [run_id]).fetchall()
 
 
 def run_records_with_data(store, run_id: str) -> list[dict]:
@@ -388,10 +392,11 @@ def run_records_with_data(store, run_id: str) -> list[dict]:
                            WHERE t.run_id = ? ORDER BY t.step, t.rank, t.seq, t.rid""", [run_id])
 
 
-def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[dict]:
-    """``columns`` of every comparison of a session, by candidate run and execution order."""
-    return rows(store, f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
-                           ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id])
+def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[tuple]:
+    """Every comparison of a session, by candidate run and execution order, as a tuple of the values of ``columns``
+    in their order."""
+    return store.sql(f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
+                         ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id]).fetchall()
 
 
 def session_data_version(store, session_id: str) -> tuple:
@@ -405,24 +410,22 @@ def session_data_version(store, session_id: str) -> tuple:
     return tuple(row.values()) if row else ()
 
 
-def diagnosis_rows(store, sql: str, params: list) -> list[dict]:
-    """Rows of diagnoses with ``fixes`` decoded to a tuple, best first (``Diagnosis.decode_fixes``)."""
-    got = rows(store, sql, params)
-    for d in got:
-        if "fixes" in d:
-            d["fixes"] = Diagnosis.decode_fixes(d["fixes"])
-    return got
+def diagnosis_rows(store, cls: type[D], sql: str, params: list) -> list[D]:
+    """Rows of diagnoses as ``cls`` (``Diagnosis`` or a subclass) with ``fixes`` decoded to a tuple, best first
+    (``Diagnosis.decode_fixes``)."""
+    return [dataclasses.replace(d, fixes=Diagnosis.decode_fixes(d.fixes))
+            for d in rows_as(cls, store.sql(sql, params))]
 
 
-def session_diagnoses(store, session_id: str) -> list[dict]:
-    """Every diagnosis of a session, by run and execution order (``fixes`` a tuple)."""
-    return diagnosis_rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op",
+def session_diagnoses(store, session_id: str) -> list[Diagnosis]:
+    """Every diagnosis of a session, by run and execution order."""
+    return diagnosis_rows(store, Diagnosis, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op",
                           [session_id])
 
 
-def session_warning_rows(store, session_id: str) -> list[dict]:
+def session_warning_rows(store, session_id: str) -> list[WarningRow]:
     """Every warning of a session, by file."""
-    return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
+    return rows_as(WarningRow, store.sql("SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id]))
 
 
 def zero_gradients(store, run_id: str) -> list[ZeroGradient]:
@@ -474,10 +477,9 @@ def ops_by_local_error(store, run_id: str) -> list[str]:
                                   [run_id])]
 
 
-def run_diagnoses(store, run_id: str) -> list[dict]:
-    """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (``fixes`` a tuple)."""
-    return diagnosis_rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? "
-                                 "ORDER BY seq", [run_id])
+def run_diagnoses(store, run_id: str) -> list[Diagnosis]:
+    """A run's diagnoses in execution order."""
+    return diagnosis_rows(store, Diagnosis, "SELECT * FROM diagnoses WHERE run_id = ? ORDER BY seq", [run_id])
 
 
 def op_extremes(store, run_id: str, fmt_max: float) -> list[dict]:

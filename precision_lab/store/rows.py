@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional, TypeVar
 
-__all__ = ["rows_as", "one_as", "SessionRow", "SessionListRow"]
+from ..records import Diagnosis
+
+__all__ = ["rows_as", "one_as", "SessionRow", "SessionListRow", "WarningRow", "RunWarning", "DiagnosisRow"]
 
 T = TypeVar("T")
 
@@ -63,3 +65,29 @@ class SessionListRow:
     source: Optional[str]
     recipe: Optional[str]
     runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarningRow:
+    """A warning a session's ingest or capture stored: the file it is about and what was wrong."""
+
+    session_id: str
+    run_id: Optional[str]
+    file: Optional[str]
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunWarning:
+    """A warning as a page lists it: its run's name (None for a warning of no run), its file and message."""
+
+    run: Optional[str]
+    file: Optional[str]
+    message: str
+
+
+@dataclass(frozen=True)
+class DiagnosisRow(Diagnosis):
+    """A stored diagnosis with its run's name, as the pages list them."""
+
+    run: Optional[str] = None

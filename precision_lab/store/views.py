@@ -24,7 +24,7 @@ from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_
 from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
                       diagnosis_rows, rows, run_order, session_runs)
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
-from .rows import rows_as
+from .rows import DiagnosisRow, RunWarning, rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -94,10 +94,9 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
                                                 run_id=run_id))
 
 
-def diagnoses_worst_first(store, session_id: str) -> list[dict]:
-    """A session's stored diagnoses (every ``diagnoses`` column, ``fixes`` a tuple) and their run's name
-    (``run``), errors first, then by execution order."""
-    return diagnosis_rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+def diagnoses_worst_first(store, session_id: str) -> list[DiagnosisRow]:
+    """A session's stored diagnoses with their run's name, errors first, then by execution order."""
+    return diagnosis_rows(store, DiagnosisRow, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
                            WHERE d.session_id = ?
                            ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
                 [session_id])
@@ -243,8 +242,8 @@ def session_exists(store, name: str) -> bool:
     return bool(rows(store, "SELECT 1 FROM sessions WHERE name = ?", [name]))
 
 
-def session_warnings(store, session_id: str, *, limit: int) -> list[dict]:
-    """Up to ``limit`` warnings of a session, by file: ``{run, file, message}``."""
-    return rows(store, """SELECT r.name AS run, w.file, w.message FROM warnings w
+def session_warnings(store, session_id: str, *, limit: int) -> list[RunWarning]:
+    """Up to ``limit`` warnings of a session, by file."""
+    return rows_as(RunWarning, store.sql("""SELECT r.name AS run, w.file, w.message FROM warnings w
                           LEFT JOIN runs r ON r.run_id = w.run_id WHERE w.session_id = ?
-                          ORDER BY w.file, w.message LIMIT ?""", [session_id, int(limit)])
+                          ORDER BY w.file, w.message LIMIT ?""", [session_id, int(limit)]))

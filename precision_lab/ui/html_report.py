@@ -16,6 +16,7 @@ bold) in hover text and annotations.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import os
@@ -304,8 +305,9 @@ def render_html(store, session: str, *, public: bool = True) -> str:
 
     warns = views.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
     parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
-    parts.append(_table(warns[:MAX_WARNINGS], [("run", "run", "name"), ("file", "file", "name"),
-                                               ("message", "message", "text")], empty="no warnings"))
+    shown = [dataclasses.asdict(w) for w in warns[:MAX_WARNINGS]]
+    parts.append(_table(shown, [("run", "run", "name"), ("file", "file", "name"), ("message", "message", "text")],
+                        empty="no warnings"))
     parts.append("</body></html>")
     return "\n".join(parts)
 

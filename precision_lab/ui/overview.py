@@ -54,7 +54,7 @@ def warnings_table(store, session_id: str) -> pd.DataFrame:
     """The session's warnings (from reading its dumps or capturing it): run, file as a browser may see it,
     message; at most ``MAX_WARNINGS`` rows."""
     rows = views.session_warnings(store, session_id, limit=MAX_WARNINGS)
-    return pd.DataFrame([{"run": r["run"] or "", "file": public_source(r["file"]), "message": r["message"]}
+    return pd.DataFrame([{"run": r.run or "", "file": public_source(r.file), "message": r.message}
                          for r in rows], columns=["run", "file", "message"])
 
 
@@ -95,9 +95,9 @@ def diagnosis_cards(store, session_id: str) -> list[dict]:
     stored) and ``seq``."""
     out = []
     for d in views.diagnoses_worst_first(store, session_id):
-        out.append({"run": d["run"], "run_id": d["run_id"], "op": d["op"], "rule": d["rule"],
-                    "message": d["message"], "fixes": list(d["fixes"]), "severity": d["severity"] or "info",
-                    "seq": d["seq"]})
+        out.append({"run": d.run, "run_id": d.run_id, "op": d.op, "rule": d.rule,
+                    "message": d.message, "fixes": list(d.fixes), "severity": d.severity or "info",
+                    "seq": d.seq})
     return out
 
 
