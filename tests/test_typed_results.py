@@ -52,12 +52,8 @@ precision_lab.services.xdiff.diff_rows
 precision_lab.store.diffs.pair_options
 precision_lab.store.optable.filter_options
 precision_lab.store.queries.forward_ends
-precision_lab.store.queries.forward_ops
 precision_lab.store.queries.module_call
 precision_lab.store.queries.nonfinite_norms_of_finite_values
-precision_lab.store.queries.nonfinite_op_calls
-precision_lab.store.queries.nonfinite_records
-precision_lab.store.queries.op_calls_up_to
 precision_lab.store.queries.op_extremes
 precision_lab.store.queries.op_parents
 precision_lab.store.queries.op_records

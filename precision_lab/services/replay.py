@@ -247,8 +247,8 @@ def replayable_ops(store, session: str, run: Optional[str] = None) -> list[dict]
     info = store.session(session)
     r = _pick_run(store, info, run)
     rows = q.forward_ops(store, r.run_id)
-    return [{"op": x["op"], "op_type": x["op_type"], "replay_as": canonical_op(x["op_type"] or ""),
-             "seq": x["seq"], "nonfinite": bool(x["nf"])} for x in rows if canonical_op(x["op_type"] or "")]
+    return [{"op": x.op, "op_type": x.op_type, "replay_as": canonical_op(x.op_type or ""),
+             "seq": x.seq, "nonfinite": bool(x.nonfinite)} for x in rows if canonical_op(x.op_type or "")]
 
 
 def _pick_run(store, info: SessionRow, run: Optional[str]) -> RunInfo:

@@ -28,7 +28,7 @@ from typing import Optional
 from ..display import cosine_brief, num_text
 from ..enums import OriginKind
 from ..formats import format_for_dtype
-from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
+from ..origin import (ORDER_TEXT, model_outputs, Intended, Origin, RunFacts, analyse,
                       order_text)
 from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
@@ -48,8 +48,8 @@ def run_facts(store, run_id: str) -> RunFacts:
     run = q.run_row(store, run_id)
     if run is None:
         raise KeyError(f"no run {run_id!r}")
-    calls = tuple(NonfiniteCall.from_row(c) for c in q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
-    recs = tuple(ComparedRecord.from_row(r) for r in q.nonfinite_records(store, run_id)) if calls else ()
+    calls = tuple(q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
+    recs = tuple(q.nonfinite_records(store, run_id)) if calls else ()
     parents = q.op_parents(store, run_id) if calls else {}
     return RunFacts(run.name, run_id, run.order, calls, recs, parents,
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
@@ -86,8 +86,7 @@ def nonfinite_origin(store, run_id: str) -> tuple[Optional[Origin], list[Intende
         return None, masks
     first = _producing_rank(facts, first)
     path = q.op_calls_up_to(store, run_id, first.step, first.rank, first.seq, INPUT_ROLES, PATH_LENGTH + 1)
-    path = [PathStep(p["op"], p["op_type"], int(p["seq"]), bool(p["nonfinite_in"]), bool(p["nonfinite_out"]))
-            for p in path if not (p["seq"] == first.seq and p["op"] != first.op)][::-1]
+    path = [p for p in path if not (p.seq == first.seq and p.op != first.op)][::-1]
     return first.with_path(path), masks
 
 

@@ -15,7 +15,8 @@ from ..enums import Severity, Verdict
 from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter,
                            ZeroGradient)
 from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo, StoredRecord
-from .rows import SessionListRow, WarningRow, one_as, rows_as
+from ..origin.values import ComparedRecord, NonfiniteCall, PathStep
+from .rows import ForwardOpCall, SessionListRow, WarningRow, one_as, records_as, rows_as
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -195,11 +196,12 @@ def run_sources(store, session_id: str) -> list[str]:
             if r["source"]]
 
 
-def forward_ops(store, run_id: str) -> list[dict]:
-    """One row per forward op call of a run, in execution order: ``{op, op_type, seq, nf}``."""
-    return rows(store, """SELECT op, any_value(op_type) AS op_type, min(seq) AS seq, bool_or(nonfinite) AS nf
-                          FROM tensors WHERE run_id = ? AND direction = 'forward'
-                          GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id])
+def forward_ops(store, run_id: str) -> list[ForwardOpCall]:
+    """Every forward op call of a run, in execution order."""
+    return rows_as(ForwardOpCall, store.sql("""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
+                                                      bool_or(nonfinite) AS nonfinite
+                                               FROM tensors WHERE run_id = ? AND direction = 'forward'
+                                               GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id]))
 
 
 def _in(roles: Sequence[str]) -> str:
@@ -207,20 +209,18 @@ def _in(roles: Sequence[str]) -> str:
     return "(" + ", ".join("'" + r.replace("'", "''") + "'" for r in roles) + ")"
 
 
-def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[dict]:
-    """Op calls holding any NaN/inf, in execution order: ``{step, rank, op, seq, op_type, direction, nf_in,
-    nf_out, no_inputs}`` (whether an input role, or any other role, is non-finite; whether the call has no
-    input record at all)."""
+def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[NonfiniteCall]:
+    """Op calls holding any NaN/inf, in execution order (``no_inputs``: the call has no record of
+    ``input_roles``)."""
     ins = _in(input_roles)
-    return rows(store, f"""SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
+    return records_as(NonfiniteCall, store.sql(f"""
+                           SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
                                   any_value(direction) AS direction,
-                                  NOT bool_or(role IN {ins}) AS no_inputs,
-                                  coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nf_in,
-                                  coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nf_out
+                                  NOT bool_or(role IN {ins}) AS no_inputs
                            FROM tensors WHERE run_id = ?
                            GROUP BY step, rank, op
                            HAVING bool_or(nonfinite)
-                           ORDER BY step, seq, rank, op""", [run_id])
+                           ORDER BY step, seq, rank, op""", [run_id]))
 
 
 def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[QuantiseCall]:
@@ -305,18 +305,17 @@ def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
                 [run_id]) is not None
 
 
-def nonfinite_records(store, run_id: str) -> list[dict]:
-    """Every non-finite record of a run with its stored comparison against a reference, in execution order:
-    the tensors columns plus ``introduced`` (the comparison's ``nonfinite_introduced``; None without one),
-    ``ref_absmax``/``ref_nonfinite`` (the paired reference record's) and ``match``."""
-    return rows(store, """SELECT t.*, c.nonfinite_introduced AS introduced, c.masked AS masked, c.match AS match,
+def nonfinite_records(store, run_id: str) -> list[ComparedRecord]:
+    """Every non-finite record of a run with its stored comparison against a reference, in execution order."""
+    return records_as(ComparedRecord, store.sql("""
+                          SELECT t.*, c.nonfinite_introduced AS introduced, c.masked AS masked, c.match AS match,
                                  rt.absmax AS ref_absmax, rt.nonfinite AS ref_nonfinite
                           FROM tensors t
                           LEFT JOIN comparisons c ON c.cand_run_id = t.run_id AND c.cand_rid = t.rid
                                AND c.kind = 'accumulated' AND c.ref_rid IS NOT NULL
                           LEFT JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
                           WHERE t.run_id = ? AND t.nonfinite
-                          ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
+                          ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id]))
 
 
 # what a dump calls the model's own output when its records do not nest by name (``model.npy`` beside
@@ -348,16 +347,15 @@ def op_parents(store, run_id: str) -> dict[str, str]:
 
 
 def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_roles: Sequence[str],
-                   limit: int) -> list[dict]:
-    """The last ``limit`` op calls starting at or before ``seq``, latest first: ``{op, op_type, seq,
-    nonfinite_in, nonfinite_out}``."""
+                   limit: int) -> list[PathStep]:
+    """The last ``limit`` op calls starting at or before ``seq``, latest first."""
     ins = _in(input_roles)
-    return rows(store, f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
+    return rows_as(PathStep, store.sql(f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
                                   coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nonfinite_in,
                                   coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nonfinite_out
                            FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
                            GROUP BY op HAVING min(seq) <= ?
-                           ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)])
+                           ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)]))
 
 
 def nonfinite_norms_of_finite_values(store, session_id: str) -> list[dict]:

@@ -18,7 +18,8 @@ from typing import Optional, TypeVar
 
 from ..records import Diagnosis
 
-__all__ = ["rows_as", "one_as", "SessionRow", "SessionListRow", "WarningRow", "RunWarning", "DiagnosisRow"]
+__all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow", "RunWarning",
+           "DiagnosisRow"]
 
 T = TypeVar("T")
 
@@ -35,6 +36,13 @@ def rows_as(cls: type[T], result) -> list[T]:
     if sorted(columns) != sorted(_names(cls)):
         raise TypeError(f"{cls.__name__} has fields {list(_names(cls))}; the query answered columns {columns}")
     return [cls(**dict(zip(columns, r))) for r in got]
+
+
+def records_as(cls: type[T], result) -> list[T]:
+    """Every row of ``result`` as a ``cls`` whose ``from_row`` reads a mapping of the columns (a record that nests
+    its statistics: ``records.StoredRecord`` and the types made from it)."""
+    columns = [d[0] for d in result.description]
+    return [cls.from_row(dict(zip(columns, r))) for r in result.fetchall()]
 
 
 def one_as(cls: type[T], result) -> Optional[T]:
@@ -91,3 +99,13 @@ class DiagnosisRow(Diagnosis):
     """A stored diagnosis with its run's name, as the pages list them."""
 
     run: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOpCall:
+    """A forward op call of a run: its type, where it starts in execution order, whether it holds NaN or inf."""
+
+    op: str
+    op_type: Optional[str]
+    seq: int
+    nonfinite: bool
