@@ -157,7 +157,7 @@ def test_heatmap_cells_carry_what_a_click_opens(ui_db):
     op, step = tv.cell_target(point, ops)
     assert (op, step) == ("1.forward.0", 13)
     rec = svc.record_at(store, run_id, op, step)
-    assert rec["step"] == 10 and rec["name"] == "1.forward.0.output.0"
+    assert rec.step == 10 and rec.name == "1.forward.0.output.0"
     assert tv.cell_target({"customdata": {"0": row, "1": 13, "2": 1.5}}, ops) == ("1.forward.0", 13)  # browser
     assert tv.cell_target({"customdata": None}, ops) is None and tv.cell_target({"customdata": [99, 1]}, ops) is None
 

@@ -362,9 +362,9 @@ def test_module_tree_and_record_at(grown):
     assert any(n["on_path"] for k, n in nodes.items() if k != "(model)") and nodes["(model)"]["on_path"]
     first = cap.first_nonfinite_step
     rec = svc.record_at(store, cap.run_id, "2.forward.0", first - 1)
-    assert rec["step"] == first - 1 and rec["name"] == "2.forward.0.output.0"
+    assert rec.step == first - 1 and rec.name == "2.forward.0.output.0"
     rec = svc.record_at(store, cap.run_id, "2.forward.0", 3)  # a summary step: the full step before it
-    assert rec["step"] == 0
+    assert rec.step == 0
 
 
 # ---- where in the code: msprobe's stack.json ----------------------------------------------------

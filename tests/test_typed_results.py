@@ -41,7 +41,6 @@ precision_lab.services.share.revoke_recorded_token
 precision_lab.services.timeline.heatmap
 precision_lab.services.timeline.module_tree
 precision_lab.services.timeline.op_series
-precision_lab.services.timeline.record_at
 precision_lab.services.timeline.timeline_report
 precision_lab.services.tree.run_tree
 precision_lab.services.tree.tree_modules_of
@@ -63,14 +62,10 @@ precision_lab.store.queries.rows
 precision_lab.store.queries.run_records_with_data
 precision_lab.store.timeline.heatmap_cells
 precision_lab.store.timeline.op_steps
-precision_lab.store.timeline.op_steps_at
 precision_lab.store.timeline.op_worst
-precision_lab.store.timeline.output_record
-precision_lab.store.timeline.rank_step_cells
 precision_lab.store.timeline.series_rows
 precision_lab.store.timeline.step_rows
 precision_lab.store.timeline.timeline_ops
-precision_lab.store.timeline.timeline_runs
 precision_lab.store.transfer.copy_session_tables
 precision_lab.store.transfer.insert_session_tables
 precision_lab.store.transfer.table_columns

@@ -20,6 +20,7 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
+from ..store.rows import OutputRecord, TimelineRun
 from .tree import build_tree
 
 __all__ = ["run_format", "run_alerts", "session_alerts",
@@ -30,9 +31,9 @@ __all__ = ["run_format", "run_alerts", "session_alerts",
 _OUTPUT = ("output",)
 
 
-def run_format(run: dict, target: Optional[str] = None) -> Format:
+def run_format(run: TimelineRun, target: Optional[str] = None) -> Format:
     """The format a run's heatmaps are drawn against: its own low-precision dtype, else ``target``, else fp16."""
-    return op_format(run.get("dtype"), target) or get_format(target or "fp16")
+    return op_format(run.dtype, target) or get_format(target or "fp16")
 
 
 def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: Optional[dict] = None) -> list[Alert]:
@@ -113,8 +114,8 @@ def session_alerts(store, session: str, *, target: Optional[str] = None,
     out: list[Alert] = []
     timed = set()
     for r in tl.timeline_runs(store, info.session_id):
-        timed.add(r["run_id"])
-        out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
+        timed.add(r.run_id)
+        out.extend(run_alerts(store, r.run_id, target=target, overrides=overrides))
     for r in q.session_runs(store, info.session_id):
         if r.kind != "reference" and r.run_id not in timed:
             out.extend(pair_alerts(store, r.run_id, overrides=overrides))
@@ -127,18 +128,18 @@ def first_failing_op(store, run_id: str) -> Optional[dict]:
     step = tl.first_nonfinite_step(store, run_id)
     if step is None:
         return None
-    got = [r for r in tl.op_steps_at(store, run_id, step) if (r["nan_count"] or 0) + (r["inf_count"] or 0) > 0]
-    return {"step": step, **got[0]} if got else {"step": step, "op": None}
+    got = [r for r in tl.op_steps_at(store, run_id, step) if (r.nan_count or 0) + (r.inf_count or 0) > 0]
+    return {"step": step, **dataclasses.asdict(got[0])} if got else {"step": step, "op": None}
 
 
 def timeline_report(store, session_id: str) -> dict:
     """Per timeline run: the first non-finite step, the steps with full records, and one row per step."""
     out = {}
     for r in tl.timeline_runs(store, session_id):
-        out[r["name"]] = {
-            "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]),
-            "full_steps": tl.full_steps(store, r["run_id"]),
-            "steps": tl.step_rows(store, r["run_id"]),
+        out[r.name] = {
+            "first_nonfinite_step": tl.first_nonfinite_step(store, r.run_id),
+            "full_steps": tl.full_steps(store, r.run_id),
+            "steps": tl.step_rows(store, r.run_id),
         }
     return out
 
@@ -173,7 +174,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[dict]:
     return build_tree(worst, failing)
 
 
-def record_at(store, run_id: str, op: str, step: int) -> Optional[dict]:
+def record_at(store, run_id: str, op: str, step: int) -> Optional[OutputRecord]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
     steps = tl.full_steps(store, run_id, op)
     if not steps:

@@ -19,7 +19,7 @@ from typing import Optional, TypeVar
 from ..records import Diagnosis
 
 __all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow", "RunWarning",
-           "DiagnosisRow"]
+           "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord"]
 
 T = TypeVar("T")
 
@@ -109,3 +109,49 @@ class ForwardOpCall:
     op_type: Optional[str]
     seq: int
     nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineRun:
+    """A run with a timeline: its steps (how many, the first and last) and how many ops they summarise."""
+
+    run_id: str
+    name: str
+    dtype: Optional[str]
+    steps: int
+    first_step: int
+    last_step: int
+    ops: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankStepCell:
+    """One rank at one step of a timeline: the unexpected NaN/Inf values its summaries counted, and whether the
+    job's GradScaler skipped that step there."""
+
+    rank: int
+    step: int
+    nonfinite: float
+    skipped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepOp:
+    """A timeline op at one step, ranks merged: its NaN and Inf counts, its largest magnitude, its first seq."""
+
+    op: str
+    role: str
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    absmax: Optional[float]
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRecord:
+    """A stored output record of an op at a step: its record id, rank and name."""
+
+    rid: int
+    step: int
+    rank: int
+    name: str

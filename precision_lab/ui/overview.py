@@ -199,11 +199,11 @@ def long_runs(store, session_id: str) -> list[dict]:
     """The session's runs with a timeline: ``{run, steps, first_nonfinite_step, alerts}`` (alerts as a table)."""
     out = []
     for r in tl.timeline_runs(store, session_id):
-        alerts = _timeline.run_alerts(store, r["run_id"])
+        alerts = _timeline.run_alerts(store, r.run_id)
         table = pd.DataFrame([{"step": a.step, "rule": a.rule, "message": a.message} for a in alerts],
                              columns=["step", "rule", "message"])
-        out.append({"run": r["name"], "steps": r["steps"],
-                    "first_nonfinite_step": tl.first_nonfinite_step(store, r["run_id"]), "alerts": table})
+        out.append({"run": r.name, "steps": r.steps,
+                    "first_nonfinite_step": tl.first_nonfinite_step(store, r.run_id), "alerts": table})
     return out
 
 

@@ -13,6 +13,7 @@ from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, tree_modules_of
+from ..store.rows import RankStepCell, TimelineRun
 from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs
 from .common import plot_text
 
@@ -24,10 +25,10 @@ METRICS = {"headroom": "headroom (bits below the format's max)",
            "low": "low end (share rounding to zero or a subnormal)"}
 
 
-def long_runs_by_name(store, session_id: str) -> dict[str, dict]:
+def long_runs_by_name(store, session_id: str) -> dict[str, TimelineRun]:
     """The session's runs with a timeline (``store.timeline.timeline_runs``) by name: the Timeline page's run
     picker."""
-    return {r["name"]: r for r in timeline_runs(store, session_id)}
+    return {r.name: r for r in timeline_runs(store, session_id)}
 
 
 def run_steps(store, run_id: str) -> tuple[Optional[int], list, list[dict]]:
@@ -236,20 +237,21 @@ def step_figure(steps: list[dict], first: Optional[int]):
     return fig
 
 
-def rank_step_figure(cells: list[dict], first: Optional[int]):
+def rank_step_figure(cells: list[RankStepCell], first: Optional[int]):
     """A distributed run's ranks x steps: each cell the unexpected NaN/Inf values that rank's summaries counted at
     that step (white where none; GradScaler-skipped steps outlined), the first non-finite step marked; None for a
     run of one rank."""
     import plotly.graph_objects as go
 
-    ranks = sorted({int(c["rank"]) for c in cells})
-    steps = sorted({int(c["step"]) for c in cells})
+    ranks = sorted({int(c.rank) for c in cells})
+    steps = sorted({int(c.step) for c in cells})
     if len(ranks) < 2:
         return None
-    at = {(int(c["rank"]), int(c["step"])): c for c in cells}
-    z = [[(at.get((r, s)) or {}).get("nonfinite") or 0 for s in steps] for r in ranks]
-    text = [[f"rank {r}, step {s}: {int((at.get((r, s)) or {}).get('nonfinite') or 0)} unexpected NaN/Inf values"
-             + (" (GradScaler skipped it)" if (at.get((r, s)) or {}).get("skipped") else "") for s in steps]
+    at = {(int(c.rank), int(c.step)): c for c in cells}
+    nonfinite = {k: c.nonfinite or 0 for k, c in at.items()}
+    z = [[nonfinite.get((r, s), 0) for s in steps] for r in ranks]
+    text = [[f"rank {r}, step {s}: {int(nonfinite.get((r, s), 0))} unexpected NaN/Inf values"
+             + (" (GradScaler skipped it)" if (r, s) in at and at[r, s].skipped else "") for s in steps]
             for r in ranks]
     fig = go.Figure(go.Heatmap(x=steps, y=[f"rank {r}" for r in ranks], z=[[math.log10(1 + v) for v in row]
                                                                             for row in z],
