@@ -66,8 +66,6 @@ precision_lab.store.timeline.op_worst
 precision_lab.store.timeline.series_rows
 precision_lab.store.timeline.step_rows
 precision_lab.store.timeline.timeline_ops
-precision_lab.store.transfer.copy_session_tables
-precision_lab.store.transfer.insert_session_tables
 precision_lab.store.transfer.table_columns
 precision_lab.store.views.counterparts
 precision_lab.store.views.find_records
