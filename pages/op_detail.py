@@ -61,11 +61,11 @@ st.write(
 
 series = [(f"{run.name} (this)", stats)]
 for o in others[:3]:
-    with page.guard(f"The {o['side']} record could not be loaded"):
-        series.append((f"{o['run']} ({o['side']})", dv.load_stats(store, o["run_id"], o["rid"])))
+    with page.guard(f"The {o.side} record could not be loaded"):
+        series.append((f"{o.run} ({o.side})", dv.load_stats(store, o.run_id, o.rid)))
 if others:
-    st.caption("Compared with: " + "; ".join(f"{plain(o['run'])} ({o['side']}, {o['match']} match): "
-                                              f"{plain(o['name'] or '-')}" for o in others))
+    st.caption("Compared with: " + "; ".join(f"{plain(o.run)} ({o.side}, {o.match} match): "
+                                              f"{plain(o.name or '-')}" for o in others))
 
 formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 

@@ -67,8 +67,6 @@ precision_lab.store.timeline.series_rows
 precision_lab.store.timeline.step_rows
 precision_lab.store.timeline.timeline_ops
 precision_lab.store.transfer.table_columns
-precision_lab.store.views.counterparts
-precision_lab.store.views.find_records
 precision_lab.store.views.record
 precision_lab.store.views.record_comparisons
 precision_lab.ui.common.style_severity

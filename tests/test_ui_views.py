@@ -142,7 +142,7 @@ def test_headroom_of_a_stats_only_record(db):
     first = overview.first_nonfinite_by_run(db, sid)
     cand_first = next(f["first"] for f in first if f["run"].kind == "candidate")
     ref = views.counterparts(db, runs["candidate"].run_id, cand_first.rid)[0]
-    st = detail.load_stats(db, ref["run_id"], ref["rid"])
+    st = detail.load_stats(db, ref.run_id, ref.rid)
     assert st.hist is None
     table = detail.headroom_table(st, ["fp16", "bf16"]).set_index("format")
     # the fp32 reference's Max/Min from its dump.json, independently
@@ -642,12 +642,12 @@ def test_the_op_pickers_name_records_a_link_may_give(db):
     _, runs = _runs(db, STAT_SESSION)
     run_id = runs["candidate"].run_id
     first = views.find_records(db, run_id, limit=3)
-    rid = first[0]["rid"]
-    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0]["name"]
+    rid = first[0].rid
+    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0].name
     assert detail.record_named(db, run_id, "12abc") is None
     assert detail.record_named(db, run_id, 10 ** 9) is None
     last = views.find_records(db, run_id, limit=10 ** 6)[-1]
-    choices = detail.op_choices(db, run_id, first[0]["name"], include_rid=last["rid"])
-    assert list(choices)[0] == last["rid"] and rid in choices
-    assert choices[rid] == f"{first[0]['name']}  (seq {first[0]['seq']})"
+    choices = detail.op_choices(db, run_id, first[0].name, include_rid=last.rid)
+    assert list(choices)[0] == last.rid and rid in choices
+    assert choices[rid] == f"{first[0].name}  (seq {first[0].seq})"
     assert detail.step_choices(db, run_id) == []  # a dump of one step: no step to choose

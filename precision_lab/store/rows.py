@@ -19,7 +19,8 @@ from typing import Optional, TypeVar
 from ..records import Diagnosis
 
 __all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow", "RunWarning",
-           "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord"]
+           "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
+           "Counterpart"]
 
 T = TypeVar("T")
 
@@ -155,3 +156,29 @@ class OutputRecord:
     step: int
     rank: int
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordChoice:
+    """A record as the op picker offers it: its id, name, where it ran and whether it holds NaN or inf."""
+
+    rid: int
+    name: str
+    seq: int
+    step: int
+    rank: int
+    nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Counterpart:
+    """A record another was compared with: which ``side`` it is (``reference`` or ``candidate``), the comparison's
+    kind and match, and the record's run (id and name), id and name."""
+
+    side: str
+    kind: str
+    match: Optional[str]
+    run_id: str
+    rid: int
+    run: str
+    name: Optional[str]

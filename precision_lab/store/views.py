@@ -24,7 +24,7 @@ from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_
 from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
                       diagnosis_rows, rows, run_order, session_runs)
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
-from .rows import DiagnosisRow, RunWarning, rows_as
+from .rows import Counterpart, DiagnosisRow, RecordChoice, RunWarning, rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -176,7 +176,7 @@ def has_record(store, run_id: str, rid) -> bool:
 
 
 def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None,
-                 step: Optional[int] = None) -> list[dict]:
+                 step: Optional[int] = None) -> list[RecordChoice]:
     """Records of a run whose name contains ``text`` (execution order), of one ``step`` when given, for
     the op picker; ``include_rid`` is always among them."""
     where, params = ["run_id = ?"], [run_id]
@@ -186,37 +186,33 @@ def find_records(store, run_id: str, text: str = "", *, limit: int = 200, includ
     if text.strip():
         where.append("name ILIKE ? ESCAPE '\\'")
         params.append(name_pattern_sql(text.strip()))
-    got = rows(store, f"""SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE {' AND '.join(where)}
-                          ORDER BY step, rank, seq, rid LIMIT ?""", params + [int(limit)])
-    if include_rid is not None and not any(r["rid"] == include_rid for r in got):
-        extra = rows(store, "SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE run_id = ? AND rid = ?",
-                     [run_id, int(include_rid)])
+    got = rows_as(RecordChoice, store.sql(f"""SELECT rid, name, seq, step, rank, nonfinite FROM tensors
+                                              WHERE {' AND '.join(where)}
+                                              ORDER BY step, rank, seq, rid LIMIT ?""", params + [int(limit)]))
+    if include_rid is not None and not any(r.rid == include_rid for r in got):
+        extra = rows_as(RecordChoice, store.sql("SELECT rid, name, seq, step, rank, nonfinite FROM tensors "
+                                                "WHERE run_id = ? AND rid = ?", [run_id, int(include_rid)]))
         got = extra + got
     return got
 
 
-def counterparts(store, run_id: str, rid: int) -> list[dict]:
-    """The records this one was compared with: its reference (if it is a
-    candidate) and its candidates (if it is a reference).  Keys: ``side``
-    (what the other record is), ``run_id``, ``run``, ``rid``, ``name``,
-    ``kind``, ``match``."""
-    out = []
-    for r in rows(store, """SELECT c.kind, c."match", c.ref_run_id AS run_id, c.ref_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.ref_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.ref_run_id AND t.rid = c.ref_rid
-                            WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]):
-        out.append({"side": "reference", **r})
-    for r in rows(store, f"""SELECT c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
-                            WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')
-                            ORDER BY {run_order("r")}""", [run_id, int(rid)]):
-        out.append({"side": "candidate", **r})
-    return out
+def counterparts(store, run_id: str, rid: int) -> list[Counterpart]:
+    """The records this one was compared with: its reference (if it is a candidate) and its candidates (if it is
+    a reference)."""
+    references = rows_as(Counterpart, store.sql("""
+        SELECT 'reference' AS side, c.kind, c."match", c.ref_run_id AS run_id, c.ref_rid AS rid, r.name AS run, t.name
+        FROM comparisons c JOIN runs r ON r.run_id = c.ref_run_id
+        LEFT JOIN tensors t ON t.run_id = c.ref_run_id AND t.rid = c.ref_rid
+        WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
+          AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]))
+    candidates = rows_as(Counterpart, store.sql(f"""
+        SELECT 'candidate' AS side, c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run, t.name
+        FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
+        LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+        WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
+          AND c.kind IN ('accumulated', 'stats')
+        ORDER BY {run_order("r")}""", [run_id, int(rid)]))
+    return references + candidates
 
 
 def record_comparisons(store, run_id: str, rid: int) -> list[dict]:

@@ -159,8 +159,8 @@ def _focus_plot(store, sid: str, firsts: list[dict]) -> tuple[Optional[str], str
     rec = record(store, run_id, rid)
     series = [(str(rec["run"]), load_stats(store, run_id, rid))]
     for c in counterparts(store, run_id, rid)[:1]:
-        if c.get("run_id") and c.get("rid") is not None:
-            series.insert(0, (str(c.get("run") or "reference"), load_stats(store, c["run_id"], c["rid"])))
+        if c.run_id and c.rid is not None:
+            series.insert(0, (str(c.run or "reference"), load_stats(store, c.run_id, c.rid)))
     formats = default_formats(rec.get("dtype") or rec.get("run_dtype"))
     if any(s is not None and s.hist is not None for _, s in series):
         fig = histogram_figure(series, formats)
