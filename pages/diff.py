@@ -50,7 +50,7 @@ if mode == "pair":
     label = st.selectbox("Pair", list(pairs), key="pair", bind="query-params")
     pair = pairs[label]
     with page.guard("The diff could not be queried"):
-        result = dv.diff_page(store, sid, pair["ref_run_id"], pair["cand_run_id"], show=show, pattern=pattern,
+        result = dv.diff_page(store, sid, pair.ref_run_id, pair.cand_run_id, show=show, pattern=pattern,
                               page=max(0, current - 1), page_size=page_size)
     df = result.rows
     shown = df.drop(columns=["ref_rid", "cand_rid", "ref_nonfinite", "cand_nonfinite"])
@@ -60,10 +60,10 @@ if mode == "pair":
     row = page.selected_row(df, event)
     if row is not None:
         if not pd.isna(row["cand_rid"]):
-            page.navigate("op_detail", session=info.name, run=runs[pair["cand_run_id"]].name,
+            page.navigate("op_detail", session=info.name, run=runs[pair.cand_run_id].name,
                           op=int(row["cand_rid"]))
         else:
-            page.navigate("op_detail", session=info.name, run=runs[pair["ref_run_id"]].name,
+            page.navigate("op_detail", session=info.name, run=runs[pair.ref_run_id].name,
                           op=int(row["ref_rid"]))
     with st.expander("Match summary"):
         st.dataframe(matched, hide_index=True, key="match_summary")

@@ -48,8 +48,6 @@ precision_lab.services.verify.untried
 precision_lab.services.verify.verification
 precision_lab.services.verify.verify_session
 precision_lab.services.xdiff.diff_rows
-precision_lab.store.diffs.pair_options
-precision_lab.store.optable.filter_options
 precision_lab.store.queries.forward_ends
 precision_lab.store.queries.module_call
 precision_lab.store.queries.nonfinite_norms_of_finite_values

@@ -348,9 +348,9 @@ def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
     ingest([cand], reference=[ref], session="unmatched", store=db)
     sid, runs = _runs(db, "unmatched")
     pair = views.pair_options(db, sid)[0]
-    page = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"])
+    page = diff.diff_page(db, sid, pair.ref_run_id, pair.cand_run_id)
     assert page.total == 2
-    un = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"], show="unmatched")
+    un = diff.diff_page(db, sid, pair.ref_run_id, pair.cand_run_id, show="unmatched")
     assert un.total == 1
     row = un.rows.iloc[0]
     assert row["op"] == "m.extra" and row["match"] == "unmatched_cand"

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from ..records import RunInfo
 from .queries import ACCUMULATED_KINDS, rows, session_runs
+from .rows import ComparedPair
 from .viewparts import Clause, Window, absmax_sql, check_window, frame, has_stats_basis, name_pattern_sql, severity_sql
 
 # which rows a diff shows
@@ -39,14 +40,14 @@ def _stat_sql(table: str, column: str) -> str:
     return absmax_sql(table) if column == "absmax" else f'{table}."{column}"'
 
 
-def pair_options(store, session_id: str) -> list[dict]:
+def pair_options(store, session_id: str) -> list[ComparedPair]:
     """(reference, candidate) run pairs that have comparisons, with labels."""
     names = {r.run_id: r.name for r in session_runs(store, session_id)}
     pairs = rows(store, """SELECT ref_run_id, cand_run_id, count(*) AS n FROM comparisons
                            WHERE session_id = ? AND kind IN ('accumulated', 'stats')
                            GROUP BY ref_run_id, cand_run_id ORDER BY min(rowid)""", [session_id])
-    return [{"ref_run_id": p["ref_run_id"], "cand_run_id": p["cand_run_id"], "rows": p["n"],
-             "label": f"{names.get(p['cand_run_id'], p['cand_run_id'])} vs {names.get(p['ref_run_id'], p['ref_run_id'])}"}
+    label = lambda run_id: names.get(run_id, run_id)  # noqa: E731
+    return [ComparedPair(p["ref_run_id"], p["cand_run_id"], p["n"], f"{label(p['cand_run_id'])} vs {label(p['ref_run_id'])}")
             for p in pairs]
 
 

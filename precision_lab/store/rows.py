@@ -18,9 +18,9 @@ from typing import Optional, TypeVar
 
 from ..records import Diagnosis
 
-__all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow", "RunWarning",
-           "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
-           "Counterpart"]
+__all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow",
+           "RunWarning", "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
+           "Counterpart", "ComparedPair", "RunValues"]
 
 T = TypeVar("T")
 
@@ -182,3 +182,24 @@ class Counterpart:
     rid: int
     run: str
     name: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ComparedPair:
+    """A reference and a candidate run that were compared: how many comparisons, and how the pair is labelled
+    (``candidate vs reference``, by run name)."""
+
+    ref_run_id: str
+    cand_run_id: str
+    rows: int
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunValues:
+    """The distinct steps, ranks, roles and op types a run's records hold, ascending: what its filters offer."""
+
+    steps: list
+    ranks: list
+    roles: list
+    op_types: list

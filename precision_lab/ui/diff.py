@@ -16,6 +16,7 @@ from ..store.queries import session_runs
 from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
 from ..metrics import SUMMARY_ERRORS
 from ..records import RunInfo
+from ..store.rows import ComparedPair
 from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
@@ -37,13 +38,13 @@ def base_run_id(store, session_id: str) -> Optional[str]:
     return base.run_id if base else None
 
 
-def pair_choices(store, session_id: str) -> tuple[dict[str, dict], pd.DataFrame]:
+def pair_choices(store, session_id: str) -> tuple[dict[str, ComparedPair], pd.DataFrame]:
     """What the pair view offers besides its table: the (reference, candidate) pairs by label, in the order they
     were compared (``store.views.pair_options``; the first of two with one label), and how many records of each
     pair matched exactly, by alignment or not at all (``store.views.unmatched_counts``)."""
-    pairs: dict[str, dict] = {}
+    pairs: dict[str, ComparedPair] = {}
     for p in pair_options(store, session_id):
-        pairs.setdefault(p["label"], p)
+        pairs.setdefault(p.label, p)
     return pairs, unmatched_counts(store, session_id)
 
 

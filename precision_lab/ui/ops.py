@@ -23,7 +23,7 @@ def filter_choices(store, run_id: str) -> dict[str, list]:
     ``role``, ``type``, ``step`` and ``rank`` (the run's distinct values, ``store.views.filter_options``) and
     ``sort`` (``SORT_OPTIONS``)."""
     opts = filter_options(store, run_id)
-    return {"role": opts["roles"], "type": opts["op_types"], "step": opts["steps"], "rank": opts["ranks"],
+    return {"role": opts.roles, "type": opts.op_types, "step": opts.steps, "rank": opts.ranks,
             "sort": list(SORT_OPTIONS)}
 
 
