@@ -1,9 +1,9 @@
 """Every read the project makes of the database, as named functions.
 
-Each function takes a ``Store`` first and returns plain Python (dicts,
-lists, scalars) or a DataFrame where a page wants one.  Nothing outside
-``precision_lab.store`` writes SQL; a use case that needs a new question
-adds a function here.
+Each function takes a ``Store`` first and returns typed rows (``store.rows``,
+``records``, ``fixes.facts``, the origin's records), plain values, or a
+DataFrame where a page wants one.  Nothing outside ``precision_lab.store``
+writes SQL; a use case that needs a new question adds a function here.
 """
 
 from __future__ import annotations
