@@ -517,20 +517,20 @@ def answer(folder: Path, reference: Optional[Path] = None, floats: Optional[str]
     store = Store(":memory:")
     try:
         name = ingest(folder, reference=reference, store=store)
-        run = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] != "reference")
-        f = first_nonfinite(store, run["run_id"])
+        run = next(r for r in q.session_runs(store, store.session(name).session_id) if r.kind != "reference")
+        f = first_nonfinite(store, run.run_id)
         manifest = folder / "manifest.json"
         want = json.loads(manifest.read_text()).get("dtypes", {}) if manifest.exists() else {}
-        got = dict(store.df("SELECT name, dtype FROM tensors WHERE run_id = ?", [run["run_id"]]).values)
+        got = dict(store.df("SELECT name, dtype FROM tensors WHERE run_id = ?", [run.run_id]).values)
         bad = sorted({f"{got.get(n)} for {d}" for n, d in want.items() if got.get(n) != d})
         if floats is not None:  # tensors saved as float32 without dtypes must be told from their values
             bad += sorted({f"{d} for {floats}" for d in got.values() if "float" in d and d != floats})
         if reference is not None:  # the fp32 reference run is float32 data: never relabelled
-            ref = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "reference")
-            ref_got = store.df("SELECT DISTINCT dtype FROM tensors WHERE run_id = ?", [ref["run_id"]])["dtype"]
+            ref = next(r for r in q.session_runs(store, store.session(name).session_id) if r.kind == "reference")
+            ref_got = store.df("SELECT DISTINCT dtype FROM tensors WHERE run_id = ?", [ref.run_id])["dtype"]
             bad += sorted({f"{d} for float32 (reference)" for d in ref_got if "float" in d and d != "float32"})
         why = f"tensors read as {', '.join(bad)}; " if bad else ""
-        return f, run["order"], time.perf_counter() - t, why
+        return f, run.order, time.perf_counter() - t, why
     finally:
         close_all()
 

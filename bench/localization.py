@@ -268,12 +268,12 @@ def _live_pair(store, build, inputs, dtype=torch.float16, loss=None, local_error
     reference's answer, session name, candidate run id, seconds)."""
     t = time.perf_counter()
     name = capture_pair(build, inputs, dtype, store=store, local_error=local_error, loss_fn=loss)
-    runs = q.session_runs(store, store.session(name)["session_id"])
-    cand = next(r for r in runs if r["kind"] == "candidate")
-    ref = next(r for r in runs if r["kind"] == "reference")
-    f = first_nonfinite(store, cand["run_id"])
+    runs = q.session_runs(store, store.session(name).session_id)
+    cand = next(r for r in runs if r.kind == "candidate")
+    ref = next(r for r in runs if r.kind == "reference")
+    f = first_nonfinite(store, cand.run_id)
     secs = time.perf_counter() - t
-    return f, first_nonfinite(store, ref["run_id"]), name, cand["run_id"], secs
+    return f, first_nonfinite(store, ref.run_id), name, cand.run_id, secs
 
 
 def _live(store, build, inputs):
@@ -396,9 +396,9 @@ _LAST_RUN: dict = {}  # the run _from_dump read last (for _held)
 def _from_dump(store, folder: Path):
     t = time.perf_counter()
     name = ingest(folder, store=store)
-    run = q.session_runs(store, store.session(name)["session_id"])[0]
-    _LAST_RUN["run_id"] = run["run_id"]
-    return first_nonfinite(store, run["run_id"]), time.perf_counter() - t
+    run = q.session_runs(store, store.session(name).session_id)[0]
+    _LAST_RUN["run_id"] = run.run_id
+    return first_nonfinite(store, run.run_id), time.perf_counter() - t
 
 
 # the op inside a seed failure that makes the first non-finite value, as a live capture names its type
@@ -586,7 +586,7 @@ def _run_case(c, tmp: Path, quick: bool) -> list[dict]:
                     f = c.runner(store)
                     right, named = _judge(f, c.expect, how), None
                     if right and c.expect.get("cause"):
-                        right, why = _cause_named(store, q.session_list(store)[0]["name"], f.run_id,
+                        right, why = _cause_named(store, q.session_list(store)[0].name, f.run_id,
                                                   c.expect["cause"])
                         named = None if right else f"{f.op}; {why}"
                     rows.append(_row(c.kind, c.name, how, right, f, time.perf_counter() - t,

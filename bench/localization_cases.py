@@ -631,8 +631,8 @@ def _adam_runner(build, inputs):
                 _scaled_sum(out).backward()
                 opt.step()
                 cap.step()
-        run_row = q.session_runs(store, store.session(cap.session)["session_id"])[0]
-        return first_nonfinite(store, run_row["run_id"])
+        run_row = q.session_runs(store, store.session(cap.session).session_id)[0]
+        return first_nonfinite(store, run_row.run_id)
     return run
 
 

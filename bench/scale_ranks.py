@@ -84,8 +84,8 @@ def measure(shards: str, db: str) -> None:
     t0 = time.perf_counter()
     name = ingest(Path(shards), store=store)
     t1 = time.perf_counter()
-    run = q.session_runs(store, store.session(name)["session_id"])[0]
-    first = first_nonfinite(store, run["run_id"])
+    run = q.session_runs(store, store.session(name).session_id)[0]
+    first = first_nonfinite(store, run.run_id)
     t2 = time.perf_counter()
     records = store.sql("SELECT count(*) FROM tensors").fetchone()[0]
     rows = store.sql("SELECT count(*) FROM timeline").fetchone()[0]
@@ -103,8 +103,8 @@ def measure_in_place(shards: str) -> None:
     t0 = time.perf_counter()
     store, name = open_shards(Path(shards))
     t1 = time.perf_counter()
-    run = q.session_runs(store, store.session(name)["session_id"])[0]
-    first = first_nonfinite(store, run["run_id"])
+    run = q.session_runs(store, store.session(name).session_id)[0]
+    first = first_nonfinite(store, run.run_id)
     t2 = time.perf_counter()
     print(json.dumps({"open_s": t1 - t0, "answer_s": t2 - t1,
                       "answer": None if first is None else {"rank": first.rank, "step": first.step, "op": first.op},

@@ -62,7 +62,7 @@ def build(db: Path, n: int) -> str:
                                       stats=stats16[k]))
             w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=i, cand_run_id=cand, cand_rid=i, step=0,
                              rank=0, seq=i, op=op, role="output", index="0", match="exact", comparison=cmps[k])
-    return store.session("big")["session_id"]
+    return store.session("big").session_id
 
 
 _WHERE = {
@@ -113,7 +113,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-share-"))
     t_build = timed(lambda: build(tmp / "src.duckdb", args.records))
     src = Store(tmp / "src.duckdb")
-    sid = src.session("big")["session_id"]
+    sid = src.session("big").session_id
     times: dict[str, list[float]] = {k: [] for k in ("copy out", "export", "copy in", "import")}
     size = 0
     for r in range(args.rounds):

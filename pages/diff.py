@@ -7,7 +7,7 @@ from precision_lab.ui.common import code_md, run_label, style_severity, text_col
 from precision_lab.ui.common import escape_md as plain
 
 store, acc, info = page.require_session("diff")
-sid = info["session_id"]
+sid = info.session_id
 st.write(
     "Reference statistics, candidate statistics and the metrics between them, op by op in execution order. "
     "Records without a counterpart are listed as unmatched, never as passing. With several runs (for "
@@ -50,7 +50,7 @@ if mode == "pair":
     label = st.selectbox("Pair", list(pairs), key="pair", bind="query-params")
     pair = pairs[label]
     with page.guard("The diff could not be queried"):
-        result = dv.diff_page(store, sid, pair["ref_run_id"], pair["cand_run_id"], show=show, pattern=pattern,
+        result = dv.diff_page(store, sid, pair.ref_run_id, pair.cand_run_id, show=show, pattern=pattern,
                               page=max(0, current - 1), page_size=page_size)
     df = result.rows
     shown = df.drop(columns=["ref_rid", "cand_rid", "ref_nonfinite", "cand_nonfinite"])
@@ -60,10 +60,10 @@ if mode == "pair":
     row = page.selected_row(df, event)
     if row is not None:
         if not pd.isna(row["cand_rid"]):
-            page.navigate("op_detail", session=info["name"], run=runs[pair["cand_run_id"]]["name"],
+            page.navigate("op_detail", session=info.name, run=runs[pair.cand_run_id].name,
                           op=int(row["cand_rid"]))
         else:
-            page.navigate("op_detail", session=info["name"], run=runs[pair["ref_run_id"]]["name"],
+            page.navigate("op_detail", session=info.name, run=runs[pair.ref_run_id].name,
                           op=int(row["ref_rid"]))
     with st.expander("Match summary"):
         st.dataframe(matched, hide_index=True, key="match_summary")

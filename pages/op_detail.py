@@ -8,24 +8,24 @@ from precision_lab.ui.common import message_md, text_columns
 from precision_lab.ui.overview import first_nonfinite_by_run
 
 store, acc, info = page.require_session("op_detail")
-run = page.choose_run(store, info["session_id"])
+run = page.choose_run(store, info.session_id)
 if run is None:
     st.info("This session holds no runs.")
     st.stop()
 
 # the op picker: a step (when the run has several), a name filter, then the matching records of that step (the
 # current one among them when it is of that step); opened without an op, it lands on the first non-finite producer
-first = next((f.first for f in first_nonfinite_by_run(store, info["session_id"])
-              if f.run["run_id"] == run["run_id"] and f.first), None)
-page.scoped("op", "pick_op", run["run_id"])  # a record number chosen in another run is no op of this one
+first = next((f.first for f in first_nonfinite_by_run(store, info.session_id)
+              if f.run.run_id == run.run_id and f.first), None)
+page.scoped("op", "pick_op", run.run_id)  # a record number chosen in another run is no op of this one
 current = page.peek("op", "pick_op")
 current_rid = int(current) if current is not None and str(current).isdigit() else None
 asked = page.linked("op") if page.page_key("pick_op") not in st.session_state else None
-if asked is not None and dv.record_named(store, run["run_id"], asked) is None:
-    page.not_found(f"Run {run['name']} has no op {asked}; open one from the Ops page.")
-current_rec = dv.record_named(store, run["run_id"], current_rid) if current_rid is not None else None
-first_rec = dv.record_named(store, run["run_id"], first.rid) if first else None
-steps = dv.step_choices(store, run["run_id"])
+if asked is not None and dv.record_named(store, run.run_id, asked) is None:
+    page.not_found(f"Run {run.name} has no op {asked}; open one from the Ops page.")
+current_rec = dv.record_named(store, run.run_id, current_rid) if current_rid is not None else None
+first_rec = dv.record_named(store, run.run_id, first.rid) if first else None
+steps = dv.step_choices(store, run.run_id)
 step = None
 if steps:
     landing = current_rec or first_rec
@@ -37,7 +37,7 @@ if steps:
         current_rid = None  # another step was chosen: pick among its ops
 landing_rid = first_rec["rid"] if first_rec and (step is None or first_rec["step"] == step) else None
 find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
-choices = dv.op_choices(store, run["run_id"], find, step=step,
+choices = dv.op_choices(store, run.run_id, find, step=step,
                         include_rid=current_rid if current_rid is not None else landing_rid, steps=bool(steps))
 if not choices:
     st.info("No record of this run matches the name filter.")
@@ -46,11 +46,11 @@ rid = page.url_select("Op", choices.options, param="op", key="pick_op", default=
                       format_func=choices.label)
 
 with page.guard("This op could not be loaded"):
-    rec, stats, others = dv.op_record(store, run["run_id"], rid)
+    rec, stats, others = dv.op_record(store, run.run_id, rid)
 
 st.subheader(plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
 flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
-st.markdown(f"run **{plain(run['name'])}** · {plain(rec['op_type'])} · {plain(rec['direction'])} · "
+st.markdown(f"run **{plain(run.name)}** · {plain(rec['op_type'])} · {plain(rec['direction'])} · "
             f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {plain(rec['dtype'])} "
             f"{plain(rec['shape'])}{flag}")
 if rec.get("location"):
@@ -60,18 +60,18 @@ st.write(
     "counts exactly how many values would overflow, become subnormal or round to zero in each."
 )
 
-series = [(f"{run['name']} (this)", stats)]
+series = [(f"{run.name} (this)", stats)]
 for o in others[:3]:
-    with page.guard(f"The {o['side']} record could not be loaded"):
-        series.append((f"{o['run']} ({o['side']})", dv.load_stats(store, o["run_id"], o["rid"])))
+    with page.guard(f"The {o.side} record could not be loaded"):
+        series.append((f"{o.run} ({o.side})", dv.load_stats(store, o.run_id, o.rid)))
 if others:
-    st.caption("Compared with: " + "; ".join(f"{plain(o['run'])} ({o['side']}, {o['match']} match): "
-                                              f"{plain(o['name'] or '-')}" for o in others))
+    st.caption("Compared with: " + "; ".join(f"{plain(o.run)} ({o.side}, {o.match} match): "
+                                              f"{plain(o.name or '-')}" for o in others))
 
 formats = page.choose_formats(dv.default_formats(rec["dtype"]))
 
-art = next((a for a in norm_artefacts(store, info["session_id"])
-            if a.run_id == run["run_id"] and a.rid == rid), None)
+art = next((a for a in norm_artefacts(store, info.session_id)
+            if a.run_id == run.run_id and a.rid == rid), None)
 if art:
     st.info(message_md(art.reason))
 
@@ -117,7 +117,7 @@ if stats.hist is not None:
                                                    for c in what_if.columns if c.endswith("%")})
 
 st.markdown("**Comparison metrics**")
-metrics = dv.metrics_table(store, run["run_id"], rid)
+metrics = dv.metrics_table(store, run.run_id, rid)
 if metrics.empty:
     st.caption("This record was not compared with another run.")
 else:

@@ -6,16 +6,16 @@ from precision_lab.ui.common import escape_md as plain
 from precision_lab.ui.common import style_severity
 
 store, acc, info = page.require_session("ops")
-run = page.choose_run(store, info["session_id"])
+run = page.choose_run(store, info.session_id)
 if run is None:
     st.info("This session holds no runs.")
     st.stop()
 st.write(
-    f"Every record of run {plain(run['name'])}: its statistics and, where it was compared with the "
+    f"Every record of run {plain(run.name)}: its statistics and, where it was compared with the "
     "reference, the error and verdict. Rows are coloured by severity; select one to open its detail."
 )
 
-opts = ov.filter_choices(store, run["run_id"])
+opts = ov.filter_choices(store, run.run_id)
 # the filters live in the URL (?role=&type=&step=&rank=&q=&problems=&sort=&desc=&page=; each widget's key is its
 # parameter), so a copied link opens the same table; values the run does not have are dropped
 with st.container(border=True):
@@ -36,7 +36,7 @@ page_size = 50
 current = page.bound_value("page", int, 1)  # the pager is drawn below the table it pages
 with page.guard("The op table could not be queried"):
     result = ov.filtered_page(
-        store, run["run_id"], steps=tuple(steps), ranks=tuple(ranks), roles=tuple(roles), op_types=tuple(op_types),
+        store, run.run_id, steps=tuple(steps), ranks=tuple(ranks), roles=tuple(roles), op_types=tuple(op_types),
         pattern=pattern, only_problems=only_problems, sort=sort, descending=descending,
         page=max(0, current - 1), page_size=page_size)
 
@@ -52,4 +52,4 @@ if current != result.page + 1:  # a page past the end shows the last one (a filt
 right.pagination(result.pages, key="page", bind="query-params")
 picked = page.selected_row(shown, event)
 if picked is not None:
-    page.navigate("op_detail", session=info["name"], run=run["name"], op=int(picked["rid"]))
+    page.navigate("op_detail", session=info.name, run=run.name, op=int(picked["rid"]))

@@ -14,8 +14,8 @@ from precision_lab.ui import timeline as tv
 from precision_lab.ui.common import escape_md as plain
 from precision_lab.ui.common import message_md
 
-store, acc, info = page.require_session("overview", title=lambda info: f"Overview: {plain(info['name'])}")
-sid = info["session_id"]
+store, acc, info = page.require_session("overview", title=lambda info: f"Overview: {plain(info.name)}")
+sid = info.session_id
 view = page.session_views(store, sid)  # the session's view-models, cached until it changes
 
 st.write(
@@ -47,7 +47,7 @@ for lr in view(ov.long_runs):
         if len(alerts):
             st.dataframe(alerts.head(5), hide_index=True, width="stretch", key=f"alerts_{lr.run}")
         if st.button("Open the Timeline", key=f"timeline_{lr.run}", icon=":material/timeline:"):
-            page.navigate("timeline", session=info["name"], run=lr.run)
+            page.navigate("timeline", session=info.name, run=lr.run)
 
 st.subheader("First non-finite producer")
 firsts = view(ov.first_nonfinite_by_run)
@@ -56,7 +56,7 @@ for item in firsts:
     quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)); not blamed: "
              + ", ".join(plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
-        st.success(f"{plain(run['name'])}: every recorded value is finite"
+        st.success(f"{plain(run.name)}: every recorded value is finite"
                    + (" apart from intended values (masks, log(0), fills) that never reach its output, "
                       "gradients or parameters." if masks else "."))
         if quiet:
@@ -64,12 +64,12 @@ for item in firsts:
         continue
     with st.container(border=True):
         if first.origin == "parameter":
-            st.markdown(f":red[**{plain(run['name'])}**] first non-finite value: "
+            st.markdown(f":red[**{plain(run.name)}**] first non-finite value: "
                         f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} "
                         f"**{plain(first.parameter.name)}**, read by {plain(first.op)} "
                         f"({first.where})")
         else:
-            st.markdown(f":red[**{plain(run['name'])}**] first non-finite producer: "
+            st.markdown(f":red[**{plain(run.name)}**] first non-finite producer: "
                         f"**{plain(first.op)}** ({plain(first.role)} {plain(first.index)}, "
                         f"{first.where})")
         st.caption(message_md(first.reason))
@@ -83,21 +83,21 @@ for item in firsts:
             st.markdown(f"Rank {first.rank} made it; the other ranks:")
             st.dataframe([{"rank": r.rank, "how": r.state, "first non-finite": r.op or "—",
                            "step": r.step, "role": r.role or "—"} for r in item.ranks],
-                         hide_index=True, width="stretch", key=f"ranks_{run['run_id']}")
+                         hide_index=True, width="stretch", key=f"ranks_{run.run_id}")
         st.markdown(f"Path of ops leading to it ({order_text(first.order)}):")
         st.dataframe(
             [{"seq": p.seq, "op": p.op, "type": p.op_type,
               "NaN/Inf in inputs": p.nonfinite_in, "NaN/Inf in outputs": p.nonfinite_out}
              for p in first.path],
-            hide_index=True, width="stretch", key=f"path_{run['run_id']}",
+            hide_index=True, width="stretch", key=f"path_{run.run_id}",
         )
-        if st.button("Open this op", key=f"open_first_{run['run_id']}", icon=":material/bar_chart:"):
-            page.navigate("op_detail", session=info["name"], run=run["name"], op=first.rid)
+        if st.button("Open this op", key=f"open_first_{run.run_id}", icon=":material/bar_chart:"):
+            page.navigate("op_detail", session=info.name, run=run.name, op=first.rid)
 
 tree = ov.model_tree(store, firsts)
 if tree is not None and len(tree.nodes) > 1:
     run, nodes = tree.run, tree.nodes
-    with st.expander(f"The model as a tree: {plain(run['name'])}", expanded=False):
+    with st.expander(f"The model as a tree: {plain(run.name)}", expanded=False):
         st.caption("Each module coloured by its worst headroom in bits below the run's format's max, the path "
                    "to the first non-finite producer outlined in red; click a module to zoom into it.")
         st.plotly_chart(tv.tree_figure(nodes), key="ov_tree", width="stretch")
@@ -107,7 +107,7 @@ if tree is not None and len(tree.nodes) > 1:
         if c2.button("Open on Op detail", key="ov_open_module", icon=":material/bar_chart:"):
             link = ov.module_link(store, run, pick)
             if link is not None:
-                page.navigate("op_detail", session=info["name"], run=link.run, op=link.op)
+                page.navigate("op_detail", session=info.name, run=link.run, op=link.op)
 
 artefacts = view(norm_artefacts)
 if artefacts:
@@ -127,7 +127,7 @@ def _offenders(local: bool, key: str, empty: str) -> None:
                       width="stretch", key=key, on_select="rerun", selection_mode="single-row")
     row = page.selected_row(table, ev)
     if row is not None:
-        page.navigate("op_detail", session=info["name"], run=row["run"], op=int(row["rid"]))
+        page.navigate("op_detail", session=info.name, run=row["run"], op=int(row["rid"]))
 
 
 st.subheader("Top offenders")
@@ -145,7 +145,7 @@ cards = view(diagnosis_cards)
 if not cards:
     st.caption("No diagnosis recorded for this session.")
 # which fixes were tried is a view of the session (cached); whether the model can be re-run is the server's
-blocked, offers = (rerun_actions(store, info["name"], cards, made=view(verification)) if acc.can_rerun
+blocked, offers = (rerun_actions(store, info.name, cards, made=view(verification)) if acc.can_rerun
                    else (None, [[] for _ in cards]))
 to_verify = view(untried) if acc.can_rerun and not blocked and cards else []
 if to_verify:
@@ -153,19 +153,19 @@ if to_verify:
                  icon=":material/fact_check:",
                  help="Re-run the first suggested fixes not tried yet; each card then says which of them leave "
                       "the run finite, and its output SQNR against fp32."):
-        st.session_state["_pl_verify"] = start_verify(store, info["name"])
+        st.session_state["_pl_verify"] = start_verify(store, info.name)
         st.rerun()
 if acc.can_rerun and not blocked and any(f.first is not None for f in firsts) \
         and st.session_state.get("_pl_rerun") is None \
         and not view(verification).any_works() \
-        and rerun_blocker(store, info["name"]) is None:  # no card with fixes asked: a dump or a capture, no model
+        and rerun_blocker(store, info.name) is None:  # no card with fixes asked: a dump or a capture, no model
     if st.button("Grow an fp32 island", key="grow_island", icon=":material/account_tree:",
                  help="Keep modules in fp32 from the first non-finite producer along the data flow until the run is "
                       "finite and meets the recipe's tolerance, then drop those not needed; every try is stored "
                       "as a re-run and the page opens the island's run."):
-        st.session_state["_pl_rerun"] = start_grow(store, info["name"])
+        st.session_state["_pl_rerun"] = start_grow(store, info.name)
         st.rerun()
-_verifying = [j for j in st.session_state.get("_pl_verify", []) if j.session == info["name"]]
+_verifying = [j for j in st.session_state.get("_pl_verify", []) if j.session == info.name]
 if _verifying and all(j.finished for j in _verifying):
     st.session_state.pop("_pl_verify")
     for j in _verifying:
@@ -199,23 +199,23 @@ for i, card in enumerate(cards):
                 icon = ":material/check_circle:" if action.works else ":material/cancel:"
                 if st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=icon,
                              help=f"this fix was already run from this run: {plain(action.reason)}"):
-                    page.navigate("diff", session=info["name"], view="runs")
+                    page.navigate("diff", session=info.name, view="runs")
             elif st.button(plain(action.label), key=f"rerun_{i}_{j}", icon=":material/replay:",
                            help=plain(action.reason)):
-                st.session_state["_pl_rerun"] = start_rerun(store, info["name"], action.fix,
+                st.session_state["_pl_rerun"] = start_rerun(store, info.name, action.fix,
                                                             parent=action.parent)
                 st.rerun()
 
 _job = st.session_state.get("_pl_rerun")
 # re-runs of this session started from another tab (or by another user of this server)
-_elsewhere = [j for j in running_jobs(store, info["name"]) if j is not _job]
-if _job is not None and _job.session == info["name"] and _job.finished:
+_elsewhere = [j for j in running_jobs(store, info.name) if j is not _job]
+if _job is not None and _job.session == info.name and _job.finished:
     st.session_state.pop("_pl_rerun")
     if _job.error:
         st.error(f"The re-run with {plain(_job.fix)} failed: {message_md(_job.error)}")
     else:  # every run of the session side by side, the new one included, at the op the fix was for
-        page.navigate("diff", session=info["name"], view="runs", q=dv.landing_op(store, _job.run_id))
-elif _job is not None and _job.session == info["name"]:
+        page.navigate("diff", session=info.name, view="runs", q=dv.landing_op(store, _job.run_id))
+elif _job is not None and _job.session == info.name:
     @st.fragment(run_every=1.0)
     def _rerun_progress():
         job = st.session_state.get("_pl_rerun")
@@ -227,7 +227,7 @@ elif _job is not None and _job.session == info["name"]:
 if _elsewhere:
     @st.fragment(run_every=1.0)
     def _elsewhere_progress():
-        jobs = [j for j in running_jobs(store, info["name"]) if j is not st.session_state.get("_pl_rerun")]
+        jobs = [j for j in running_jobs(store, info.name) if j is not st.session_state.get("_pl_rerun")]
         if not jobs:
             st.rerun()  # they ended: the cards show their runs
         for j in jobs:
@@ -255,8 +255,8 @@ else:
         (ev.selection.points if ev is not None else [])
     if pts and pts[0].get("customdata"):
         cd = pts[0]["customdata"]
-        runs = {f.run["run_id"]: f.run["name"] for f in firsts}
-        page.navigate("op_detail", session=info["name"], run=runs.get(cd[2], cd[2]), op=int(cd[3]))
+        runs = {f.run.run_id: f.run.name for f in firsts}
+        page.navigate("op_detail", session=info.name, run=runs.get(cd[2], cd[2]), op=int(cd[3]))
     if series.attrs.get("bucket", 1) > 1:
         st.caption(f"{series.attrs['bucket']} consecutive records per point (worst kept).")
 
@@ -264,19 +264,19 @@ else:
 st.subheader("Share")
 st.caption("Export the whole session as one file another Precision Lab imports, download a static HTML page "
            "that opens offline (for an issue tracker), or make a read-only link to this server.")
-_file = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in info["name"]).strip("-") or "session"
+_file = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in info.name).strip("-") or "session"
 c_zip, c_html = st.columns(2)
 with c_zip:
     from precision_lab.services.share import export_bytes
 
     # callables run only when clicked (in their own thread, with their own cursor)
     st.download_button("Export session (.zip)",
-                       data=page.while_allowed(lambda: export_bytes(store, info["name"])), file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
+                       data=page.while_allowed(lambda: export_bytes(store, info.name)), file_name=f"{_file}.zip", mime="application/zip", key="export_zip", on_click="ignore",
                        icon=":material/download:")
 with c_html:
     from precision_lab.ui.html_report import render_html
 
-    st.download_button("HTML report", data=page.while_allowed(lambda: render_html(store, info["name"], public=True)),
+    st.download_button("HTML report", data=page.while_allowed(lambda: render_html(store, info.name, public=True)),
                        file_name=f"{_file}.html", mime="text/html", key="export_html", on_click="ignore",
                        icon=":material/description:")
 if not acc.read_only:
@@ -285,7 +285,7 @@ if not acc.read_only:
     if st.button("Create a read-only share link", key="share_link", icon=":material/link:",
                  help="Anyone with the link sees this session, read-only; a new link replaces the old one."):
         links = st.session_state.setdefault("_pl_share_urls", {})
-        links[info["name"]] = share_url(st.context.url or "/", create_share_token(store, info["name"]))
-    link = st.session_state.get("_pl_share_urls", {}).get(info["name"])
+        links[info.name] = share_url(st.context.url or "/", create_share_token(store, info.name))
+    link = st.session_state.get("_pl_share_urls", {}).get(info.name)
     if link:
         st.code(link, language=None)

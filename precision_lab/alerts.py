@@ -85,7 +85,7 @@ def op_format(dtype: Optional[str], target: Optional[str] = None) -> Optional[Fo
     return get_format(target) if target else None
 
 
-def headroom_bits(absmax, fmt: Format):
+def headroom_bits(absmax, fmt: Format) -> np.ndarray | np.floating:
     """log2(fmt.max / absmax): how many doublings the largest magnitude has left (numpy-aware)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.log2(fmt.max / np.asarray(absmax, dtype=np.float64))

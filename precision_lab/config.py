@@ -309,14 +309,14 @@ def resolve_access(query_params: Mapping[str, Any], store, config: Optional[Serv
             return Access(session=None, read_only=True, can_upload=False, can_delete=False, can_rerun=False,
                           can_list=False, shared=True,
                           error="This share link is not valid: the token is unknown or was revoked.")
-        return Access(session=info["name"], read_only=True, can_upload=False, can_delete=False,
+        return Access(session=info.name, read_only=True, can_upload=False, can_delete=False,
                       can_rerun=False, can_list=False, shared=True)
     can_list = config.can_list_sessions
     wanted = _param(query_params, SESSION_PARAM)
     session = None
     if wanted is not None and can_list:
         try:
-            session = store.session(wanted)["name"]
+            session = store.session(wanted).name
         except KeyError:
             session = None
     if config.read_only:

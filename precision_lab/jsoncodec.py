@@ -36,7 +36,7 @@ def from_json_float(v) -> Optional[float]:
     return float(v)  # float("nan") / float("inf") / float("-inf") parse the words
 
 
-def decode_nonfinite(v: Any) -> Any:
+def decode_nonfinite(v: object) -> object:
     """``v`` with a non-finite word turned back into its float; every other value as it is."""
     return float(v) if isinstance(v, str) and v in NONFINITE_WORDS else v
 

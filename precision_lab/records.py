@@ -147,6 +147,8 @@ class StoredRecord:
 
 @dataclass(frozen=True)
 class RunInfo:
+    """A run: a row of the runs table (which is made from these fields), as the store answers it."""
+
     run_id: str
     session_id: str
     name: str
@@ -158,11 +160,6 @@ class RunInfo:
     source: str = ""  # folder/zip path, recipe name, or "capture"
     order: str = "execution"  # execution | name (when a dump carries no order)
     created: Optional[str] = None
-
-    @classmethod
-    def from_row(cls, row) -> "RunInfo":
-        """A row of the runs table (a mapping of its columns)."""
-        return cls(**{f.name: row.get(f.name) for f in dataclasses.fields(cls)})
 
 
 # a diagnosis of these severities names the op where its failure was introduced or amplified, not where it

@@ -36,8 +36,8 @@ def test_two_reruns_of_one_fix_at_once_get_two_names(store, recipe_session):
     for t in threads:
         t.join(300)
     assert not errors and len(got) == 2
-    runs = q.session_runs(store, store.session(recipe_session)["session_id"])
-    names = sorted(r["name"] for r in runs if r["kind"] == "rerun")
+    runs = q.session_runs(store, store.session(recipe_session).session_id)
+    names = sorted(r.name for r in runs if r.kind == "rerun")
     assert names == ["fix: stable-softmax", "fix: stable-softmax (2)"]
 
 
@@ -87,7 +87,7 @@ def test_a_revocation_that_cannot_be_written_still_takes_effect(store, monkeypat
     make_session(store, "a")
     make_session(store, "b")
     ta, tb = create_share_token(store, "a"), create_share_token(store, "b")
-    assert store.session_by_token(ta)["name"] == "a"
+    assert store.session_by_token(ta).name == "a"
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")

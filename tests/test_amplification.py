@@ -79,7 +79,7 @@ def test_the_amplifying_op_ranks_ahead_of_its_consumers(store):
     name = capture_pair(_build, _x(), torch.bfloat16, store=store)
     # Top offenders (both tabs) and the worst-comparison table: the subtraction that cancels first, not the ops
     # after it, though its own local error is nil (it rounds nothing: its inputs' rounding is what it amplifies)
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     for kinds in (ACCUMULATED_KINDS, LOCAL_KINDS):
         assert top_offenders(store, sid, kinds=kinds, n=1).iloc[0]["op"] == "sub.0", kinds
     worst = render_text(build_report(store, name)).split("Worst")[1].splitlines()[3]
@@ -111,7 +111,7 @@ def test_absorption_is_named_at_the_add_not_at_the_exact_subtraction(store):
     assert d.op == "add.0" and f"loses {lost:.1f} of the 11 significant bits of its smaller operand" in d.message
     assert "`sub.0` after it rounds nothing" in d.message
     assert not [d for d in diags if d.rule == "error-amplified"]
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     for kinds in (ACCUMULATED_KINDS, LOCAL_KINDS):
         assert top_offenders(store, sid, kinds=kinds, n=1).iloc[0]["op"] == "add.0", kinds
 

@@ -135,7 +135,7 @@ def test_norm_artefact_is_explained(ui_db):
     from precision_lab.store import Store
 
     s = Store(ui_db)
-    arts = norm_artefacts(s, s.session(STAT_SESSION)["session_id"])
+    arts = norm_artefacts(s, s.session(STAT_SESSION).session_id)
     assert arts, "the fp16 sample holds records whose fp16 Norm overflowed"
     a = arts[0]
     at = open_page("op_detail", session=STAT_SESSION, run=a.run, op=str(a.rid))

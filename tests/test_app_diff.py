@@ -139,9 +139,9 @@ def test_data_mode_takes_its_candidate_from_another_session(ui_db):
 
     store = Store(ui_db)
     ingest(STAT_REF, store=store, session="fp32-again")
-    other = store.session("fp32-again")["session_id"]
-    ref_run = next(r["run_id"] for r in q.session_runs(store, store.session(STAT_SESSION)["session_id"])
-                   if r["dtype"] == "float32")
+    other = store.session("fp32-again").session_id
+    ref_run = next(r.run_id for r in q.session_runs(store, store.session(STAT_SESSION).session_id)
+                   if r.dtype == "float32")
     at = open_page("diff", session=STAT_SESSION, view="data")
     at.selectbox(key="data_session").set_value(other).run()  # by value: the options show session names
     assert_clean(at)

@@ -62,7 +62,7 @@ def test_diagnosis_cards_render_as_text(ui_db):
     from precision_lab.records import Diagnosis
 
     store = _store(ui_db)
-    sid = store.session(TENSOR_SESSION)["session_id"]
+    sid = store.session(TENSOR_SESSION).session_id
     run_id = store.df("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).run_id[0]
     with store.extend_session(TENSOR_SESSION) as w:
         w.add_diagnosis(Diagnosis(sid, run_id, WIDE_OP, "fp16-overflow",
@@ -146,8 +146,8 @@ def test_warnings_and_an_unknown_order_are_on_the_overview(tmp_path, monkeypatch
     db = tmp_path / "w.duckdb"
     store = Store(db)
     name = ingest(d, store=store, session="unordered")
-    sid = store.session(name)["session_id"]
-    note = order_notes(store, sid).get(session_runs(store, sid)[0]["run_id"])  # what ingest recorded for the run
+    sid = store.session(name).session_id
+    note = order_notes(store, sid).get(session_runs(store, sid)[0].run_id)  # what ingest recorded for the run
     assert "no order list" in note and "fewest non-finite" in note
     store.close()
     with serve_db(db, monkeypatch):

@@ -79,7 +79,7 @@ def test_directory_upload_with_reference(empty_db):
     name = f"{STAT_CAND.name}-vs-{STAT_REF.name}"
     assert at.query_params["session"] == name
     assert escape_md(STAT_FIRST_NONFINITE) in texts(at)
-    runs = _store(empty_db).runs(_store(empty_db).session(name)["session_id"])
+    runs = _store(empty_db).runs(_store(empty_db).session(name).session_id)
     assert sorted(runs["kind"]) == ["candidate", "reference"]
 
 

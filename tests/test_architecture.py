@@ -120,8 +120,9 @@ def test_imports_point_down(path, module, is_pkg):
 
 
 # the read model: the store's named questions (the dashboard's views, the questions use cases share, a long run's
-# timeline), which ui and cli read directly; no service forwards them
-READ_MODEL = ("precision_lab.store.views", "precision_lab.store.queries", "precision_lab.store.timeline")
+# timeline) and the typed rows they answer with, which ui and cli read directly; no service forwards them
+READ_MODEL = ("precision_lab.store.views", "precision_lab.store.queries", "precision_lab.store.timeline",
+              "precision_lab.store.rows")
 
 
 def test_ui_and_cli_read_the_store_through_the_read_model_only():

@@ -78,9 +78,9 @@ def test_an_overflow_under_autocast_is_named_and_the_fixes_offered_work_under_au
     with torch.no_grad():
         assert _overflow().fc(x).abs().max() > 65504  # independently: fp32 holds it, fp16 cannot
     name = capture_pair(_overflow, x, get_policy("autocast-fp16"), store=store)
-    runs = {r["kind"]: r for r in q.session_runs(store, store.session(name)["session_id"])}
-    f = first_nonfinite(store, runs["candidate"]["run_id"])
-    assert f is not None and f.op.startswith("fc.") and first_nonfinite(store, runs["reference"]["run_id"]) is None
+    runs = {r.kind: r for r in q.session_runs(store, store.session(name).session_id)}
+    f = first_nonfinite(store, runs["candidate"].run_id)
+    assert f is not None and f.op.startswith("fc.") and first_nonfinite(store, runs["reference"].run_id) is None
     rep = build_report(store, name)
     d = next(d for d in rep["diagnoses"] if d["severity"] == "error")
     assert "keep-fp32:fc" in d["fixes"] or "use-bf16" in d["fixes"], d
@@ -88,5 +88,5 @@ def test_an_overflow_under_autocast_is_named_and_the_fixes_offered_work_under_au
         fixed = apply_fixes(get_policy("autocast-fp16"), fix)
         assert fixed.autocast in ("fp16", "bf16") and fixed.dtype == "fp32"  # still an autocast run
         again = capture_pair(_overflow, x, fixed, store=store, name=f"fixed-{fix}")
-        cand = next(r for r in q.session_runs(store, store.session(again)["session_id"]) if r["kind"] == "candidate")
-        assert first_nonfinite(store, cand["run_id"]) is None, fix
+        cand = next(r for r in q.session_runs(store, store.session(again).session_id) if r.kind == "candidate")
+        assert first_nonfinite(store, cand.run_id) is None, fix

@@ -61,7 +61,7 @@ def test_buffer_role_is_vocabulary():
 def test_capture_pair_records_buffers_with_the_reference_absmax(store):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     name = precision_lab.capture_pair(build_bn, x, torch.float16, store=store)
-    runs = {r["kind"]: r for _, r in store.runs(store.session(name)["session_id"]).iterrows()}
+    runs = {r["kind"]: r for _, r in store.runs(store.session(name).session_id).iterrows()}
     ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
     want = build_bn()
     for run_id, dtype in ((ref_id, "float32"), (cand_id, "float16")):
@@ -83,9 +83,9 @@ def test_capture_pair_records_buffers_with_the_reference_absmax(store):
     ref_mean = _rows(store, "SELECT * FROM tensors WHERE run_id = ? AND role = 'buffer' AND \"index\" = "
                             "'running_mean'", [ref_id])[0]
     assert ref_mean["absmax"] == 1e5 and not ref_mean["nonfinite"]
-    bad = [r for r in q.nonfinite_records(store, cand_id) if r["role"] == "buffer"]
-    assert len(bad) == 1 and bad[0]["index"] == "running_mean" and bad[0]["inf_count"] == 1
-    assert bad[0]["ref_absmax"] == 1e5 and bad[0]["introduced"] == 1 and not bad[0]["ref_nonfinite"]
+    bad = [r for r in q.nonfinite_records(store, cand_id) if r.role == "buffer"]
+    assert len(bad) == 1 and bad[0].index == "running_mean" and bad[0].stats.inf_count == 1
+    assert bad[0].ref_absmax == 1e5 and bad[0].introduced == 1 and not bad[0].ref_nonfinite
     # each buffer compared with the reference's, by name, element-wise
     cmp = _rows(store, """SELECT c.* FROM comparisons c WHERE c.kind = 'accumulated' AND c.cand_run_id = ?
                           AND c.role = 'buffer'""", [cand_id])

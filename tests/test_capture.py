@@ -173,7 +173,7 @@ def test_every_called_module_and_functional_op_is_recorded(store):
     assert ("blocks.0.fc1.backward.0", "param_grad") in bw
     # the session is in the store, one run, every record
     info = store.session(cap.session)
-    runs = store.runs(info["session_id"])
+    runs = store.runs(info.session_id)
     assert len(runs) == 1 and runs.iloc[0]["run_id"] == cap.run_id and runs.iloc[0]["kind"] == "reference"
     n = store.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [cap.run_id]).fetchone()[0]
     assert n == len(cap.records)
@@ -513,7 +513,7 @@ def test_dtype_policy_torch_dtype_and_duck_typed(store):
     from precision_lab.fixes.policy import PrecisionPolicy
     from precision_lab.services.sessions import run_policy
 
-    assert run["kind"] == "candidate" and run_policy(run) == PrecisionPolicy("bfloat16", "bf16")
+    assert run.kind == "candidate" and run_policy(run) == PrecisionPolicy("bfloat16", "bf16")
     pol = ToyPolicy()
     with capture(build_tiny(), run="toy", store=store, dtype_policy=pol) as cap:
         cap.model(cap.prepare_inputs(tiny_input()))
@@ -551,7 +551,7 @@ def test_session_extension_and_store_path(tmp_path, store):
     with capture(model, run="second", store=store, session=c1.session) as c2:
         run_step(model, tiny_input())
     assert c2.session == c1.session
-    assert len(store.runs(store.session(c1.session)["session_id"])) == 2
+    assert len(store.runs(store.session(c1.session).session_id)) == 2
     from precision_lab.store import SessionNotFound
 
     with pytest.raises(SessionNotFound):
@@ -563,7 +563,7 @@ def test_session_extension_and_store_path(tmp_path, store):
         run_step(model, tiny_input(), backward=False)
     from precision_lab.store import Store
 
-    assert Store().session(c3.session)["name"] == "default-db"
+    assert Store().session(c3.session).name == "default-db"
 
 
 @pytest.mark.slow
@@ -928,7 +928,7 @@ def test_a_float64_reference_is_cast_and_recorded_as_float64(store):
     with capture(build_tiny(), run="f64", store=store, dtype_policy=torch.float64) as cap:
         y = cap.model(cap.prepare_inputs(tiny_input()))
     assert y.dtype == torch.float64 and cap.dominant_dtype() == "float64"
-    assert json.loads(store.run(cap.run_id)["policy"]) == {"dtype": "float64"}
+    assert json.loads(store.run(cap.run_id).policy) == {"dtype": "float64"}
 
 
 def _np_summary(t: torch.Tensor) -> tuple:

@@ -22,7 +22,7 @@ def test_capture_recipe_names_the_first_nonfinite_op(tmp_path):
     assert "session 'sm'" in res.output
     assert "first non-finite at attn.softmax.exp.0" in res.output
     store = Store(db)
-    runs = store.runs(store.session("sm")["session_id"])
+    runs = store.runs(store.session("sm").session_id)
     assert sorted(runs["kind"]) == ["candidate", "reference"]
     cand = runs[runs["kind"] == "candidate"].iloc[0]
     assert first_nonfinite(store, cand["run_id"]).op == "attn.softmax.exp.0"

@@ -19,7 +19,7 @@ from test_capture import build_tiny, loss_fn, tiny_input
 
 
 def _runs(store, name):
-    runs = store.runs(store.session(name)["session_id"])
+    runs = store.runs(store.session(name).session_id)
     return {r["kind"]: r for _, r in runs.iterrows()}
 
 
@@ -168,7 +168,7 @@ def test_pair_with_a_precision_policy_and_into_an_existing_session(store):
     again = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, session=first,
                                        options=CaptureOptions(backward=False), local_error=False)
     assert again == first
-    assert len(store.runs(store.session(first)["session_id"])) == 4
+    assert len(store.runs(store.session(first).session_id)) == 4
 
 
 def test_pair_input_errors(store):

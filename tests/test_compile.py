@@ -250,16 +250,16 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
                    "--compile", "blocks.*", "--reference", "eager", "--no-local", "--db", db)
         assert res.exit_code == 0, res.output
         store = Store(db)
-        runs = {r["kind"]: r for r in q.session_runs(store, store.session("build")["session_id"])}
-        assert runs["reference"]["name"] == "eager reference" and "compiled" in runs["candidate"]["name"]
-        rows = _accumulated(store, runs["candidate"]["run_id"])
+        runs = {r.kind: r for r in q.session_runs(store, store.session("build").session_id)}
+        assert runs["reference"].name == "eager reference" and "compiled" in runs["candidate"].name
+        rows = _accumulated(store, runs["candidate"].run_id)
         assert rows and all(m == "exact" for *_, m in rows)  # compiled and eager runs name every op alike
         boundary = [e for op, role, e, _ in rows if op == "blocks.1.forward.0" and role == "output"]
         assert boundary and boundary[0] > 0  # compilation alone changes the block's output
 
-        diags = q.session_diagnoses(store, store.session("build")["session_id"])
-        comp = [d for d in diags if d["rule"] == "compiled"]
-        assert [d["run_id"] for d in comp] == [runs["candidate"]["run_id"]]
+        diags = q.session_diagnoses(store, store.session("build").session_id)
+        comp = [d for d in diags if d.rule == "compiled"]
+        assert [d.run_id for d in comp] == [runs["candidate"].run_id]
         assert "emulate-precision-casts" in comp[0]["fixes"] and "eager" in comp[0]["fixes"]
 
         listed = _cli("fixes", "--session", "build", "--db", db, "--model", f"{MODEL}:build", "--inputs",
@@ -273,13 +273,13 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
         res = _cli("rerun", "--session", "build", "--fix", "emulate-precision-casts", "--db", db,
                    "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs")
         assert res.exit_code == 0, res.output
-        runs = q.session_runs(store, store.session("build")["session_id"])
-        fixed = next(r for r in runs if r["kind"] == "rerun")
-        assert "emulating precision casts" in fixed["policy"] or "emulate_precision_casts" in fixed["policy"]
-        diags = q.session_diagnoses(store, store.session("build")["session_id"])
+        runs = q.session_runs(store, store.session("build").session_id)
+        fixed = next(r for r in runs if r.kind == "rerun")
+        assert "emulating precision casts" in fixed.policy or "emulate_precision_casts" in fixed.policy
+        diags = q.session_diagnoses(store, store.session("build").session_id)
         # rounding as eager code does, the re-run no longer carries the compiler's note
-        assert fixed["run_id"] not in {d["run_id"] for d in diags if d["rule"] == "compiled"}
-        rows = _accumulated(store, fixed["run_id"])
+        assert fixed.run_id not in {d.run_id for d in diags if d.rule == "compiled"}
+        rows = _accumulated(store, fixed.run_id)
         outs = [e for op, role, e, _ in rows if op.endswith(".forward.0") and role == "output"]
         assert outs and max(outs) == 0.0  # every module output now equals the eager one, bit for bit
 

@@ -72,7 +72,7 @@ def _worker(store_for, i, root, barrier, results):
         with precision_lab.capture(_model(i), run=f"cap-{i}", store=store, session=name) as cap:
             cap.model(_inputs(i))
         # 3. re-run under a fix: a child run of the candidate with its comparisons
-        sid = store.session(name)["session_id"]
+        sid = store.session(name).session_id
         runs = store.runs(sid).set_index("name")
         ref_id, cand_id = runs.loc["ref" + str(i), "run_id"], runs.loc["cand" + str(i), "run_id"]
         with store.extend_session(name) as w:
@@ -135,7 +135,7 @@ def test_eight_sessions_write_at_once(store, tmp_path, stores):
 
     for i in range(N_THREADS):
         arrays = _arrays(i)
-        sid = store.session(f"upload-{i}")["session_id"]
+        sid = store.session(f"upload-{i}").session_id
         runs = store.runs(sid).set_index("name")
         assert set(runs.index) == {f"ref{i}", f"cand{i}", f"cap-{i}", f"rerun-{i}"}
         # uploaded records hold this thread's values, computed here in float64
@@ -175,7 +175,7 @@ def test_eight_sessions_write_at_once(store, tmp_path, stores):
     # records as every other thread's (the recipe is seeded), so nothing was lost or mixed in
     ledgers = []
     for i in range(N_THREADS):
-        sid = store.session(f"recipe-{i}")["session_id"]
+        sid = store.session(f"recipe-{i}").session_id
         runs = store.runs(sid).set_index("kind")
         assert sorted(runs.index) == ["candidate", "reference", "rerun"]
         assert runs.loc["rerun", "parent_run_id"] == runs.loc["candidate", "run_id"]

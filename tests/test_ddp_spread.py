@@ -132,7 +132,7 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
     from precision_lab.ui.html_report import render_html
     from precision_lab.ui.overview import first_nonfinite_by_run
 
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     (item,) = first_nonfinite_by_run(store, sid)
     assert {r.rank: r.state for r in item.ranks} == {r: "received" for r in spread}
     assert "received it" in render_html(store, name)

@@ -29,7 +29,7 @@ def lab(tmp_path_factory):
 
 
 def _errors(store, session):
-    sid = store.session(session)["session_id"]
+    sid = store.session(session).session_id
     df = store.df("SELECT d.*, r.kind FROM diagnoses d JOIN runs r ON r.run_id = d.run_id "
                   "WHERE d.session_id = ? AND d.severity = 'error'", [sid])
     return [row for _, row in df.iterrows()]
@@ -48,7 +48,7 @@ def _numbers(text):
 
 
 def _stat(store, session, op_like, role="output", run_kind="candidate"):
-    sid = store.session(session)["session_id"]
+    sid = store.session(session).session_id
     df = store.df("""SELECT t.* FROM tensors t JOIN runs r ON r.run_id = t.run_id WHERE r.session_id = ?
                      AND r.kind = ? AND t.op LIKE ? AND t.role = ? ORDER BY t.seq LIMIT 1""",
                   [sid, run_kind, op_like, role])
@@ -160,7 +160,7 @@ def test_diagnose_is_idempotent_and_in_the_report(lab):
     first = diagnose_session(store, name)
     second = diagnose_session(store, name)
     assert [(d.rule, d.op, d.message, d.fixes) for d in first] == [(d.rule, d.op, d.message, d.fixes) for d in second]
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     assert store.sql("SELECT count(*) FROM diagnoses WHERE session_id = ?", [sid]).fetchone()[0] == len(first)
     rep = build_report(store, name)
     assert {"op", "rule", "message", "fixes"} <= set(rep["diagnoses"][0])
@@ -184,13 +184,13 @@ def test_dump_session_without_recipe(lab):
     store = lab[0]
     name = ingest([SAMPLES / "stat_mix_fp16_inner_ovf"], reference=[SAMPLES / "stat_mix_fp32_inner_ovf"],
                   store=store)
-    stored = store.df("SELECT rule FROM diagnoses WHERE session_id = ?", [store.session(name)["session_id"]])
+    stored = store.df("SELECT rule FROM diagnoses WHERE session_id = ?", [store.session(name).session_id])
     assert list(stored.rule) == ["overflow"]  # ingest diagnosed the new session
     found = diagnose(store, name)
     errs = [d for d in found if d.severity == "error"]
     assert len(errs) == 1 and errs[0].rule == "overflow"
     op = errs[0].op
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     ref_max = store.sql("""SELECT max(greatest(abs(t.max), abs(t.min))) FROM tensors t JOIN runs r
                            ON r.run_id = t.run_id WHERE r.session_id = ? AND r.kind = 'reference' AND t.op = ?
                            AND t.role = 'output'""", [sid, op]).fetchone()[0]

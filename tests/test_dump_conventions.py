@@ -142,9 +142,9 @@ def test_a_cast_between_two_recorded_modules_is_named_as_a_gap_end_to_end(tmp_pa
     store = Store(tmp_path / "w.duckdb")
     try:
         name = ingest(cand, reference=ref, store=store)
-        runs = q.session_runs(store, store.session(name)["session_id"])
-        run = next(r for r in runs if r["kind"] != "reference")
-        f = first_nonfinite(store, run["run_id"])
+        runs = q.session_runs(store, store.session(name).session_id)
+        run = next(r for r in runs if r.kind != "reference")
+        f = first_nonfinite(store, run.run_id)
         assert f.op == "down" and f.origin == "input"
         assert "newly non-finite" in f.reason and "producer was not recorded" in f.reason and "cast" in f.reason
     finally:

@@ -118,7 +118,7 @@ def _times(d, files, *, equal: bool, reverse: bool = False):
 
 def _run(store, name):
     sess = store.session(name)
-    (info,) = sess["notes"]["ingest"]["runs"].values()
+    (info,) = sess.notes["ingest"]["runs"].values()
     return info, store.run(info["run_id"])
 
 
@@ -134,7 +134,7 @@ def test_manifest_order_under_each_key(store, tmp_path, key, which):
     _times(d, saved, equal=True)
     name = ingest(d, store=store)
     info, run = _run(store, name)
-    assert info["order"] == "execution" and run["order"] == "execution"
+    assert info["order"] == "execution" and run.order == "execution"
     assert f'manifest.json ("{key}")' in info["order_from"]
     f = first_nonfinite(store, info["run_id"])
     assert f.op == ORIGIN and f.producer and f.order_known
@@ -171,7 +171,7 @@ def test_distinct_mtimes_give_the_order(store, tmp_path):
     saved, _ = _record(ORIGIN, d, linked=False)
     _times(d, saved, equal=False)
     info, run = _run(store, ingest(d, store=store))
-    assert info["order"] == "mtime" and run["order"] == "mtime"
+    assert info["order"] == "mtime" and run.order == "mtime"
     assert "order from file modification times" in info["order_from"]
     seq = dict(store.df("SELECT op || '.' || role || '.' || \"index\" AS n, seq FROM tensors").values.tolist())
     assert [seq[fn[:-4]] for fn in saved] == list(range(len(saved)))  # the save order, not the names'
@@ -196,7 +196,7 @@ def test_equal_mtimes_fall_back_to_names(store, tmp_path):
     _times(d, saved, equal=True)
     name = ingest(d, store=store)
     info, run = _run(store, name)
-    assert info["order"] == "name" and run["order"] == "name"
+    assert info["order"] == "name" and run.order == "name"
     assert "order unknown: by name" in info["order_from"]
     f = first_nonfinite(store, info["run_id"])
     assert f.op == ORIGIN and f.producer and not f.order_known
@@ -205,10 +205,10 @@ def test_equal_mtimes_fall_back_to_names(store, tmp_path):
 
     rep = build_report(store, name)
     assert rep["runs"][0]["order"] == "name" and rep["runs"][0]["order_text"] == "order unknown: by name"
-    assert rep["first_nonfinite"][run["name"]]["op"] == ORIGIN
+    assert rep["first_nonfinite"][run.name]["op"] == ORIGIN
     text = render_text(rep)
     assert "order unknown: by name" in text and "execution order" not in text
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     assert list(runs_table(store, sid)["order"]) == ["order unknown: by name"]
     page = render_html(store, name)
     assert "order unknown: by name" in page
@@ -309,7 +309,7 @@ def test_order_recovered_from_the_data(store, tmp_path, times):
     _times(d, saved, equal=times == "equal", reverse=times == "reverse")
     name = ingest(d, store=store)
     info, run = _run(store, name)
-    assert info["order"] == "data" and run["order"] == "data"
+    assert info["order"] == "data" and run.order == "data"
     assert "order recovered from the data" in info["order_from"]
     seq = _seqs(store)
     # every module that feeds another (its output is the next one's input in the real call order) comes first
@@ -429,7 +429,7 @@ def test_the_order_used_and_its_certainty_are_in_every_report_and_on_the_overvie
     assert rep["first_nonfinite"][rep["runs"][0]["name"]]["op"] == ORIGIN
     text = render_text(rep)
     assert "Order used:" in text and note in text
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     assert list(runs_table(store, sid)["order_used"]) == [note]
     page = render_html(store, name)
     assert "order used" in page and f"certain between the {ticks} distinct times" in page

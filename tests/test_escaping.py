@@ -31,7 +31,7 @@ def _hostile_session(store):
     from precision_lab.records import RunInfo
 
     made = make_session(store, SESSION, op_prefix=OP_PREFIX)
-    sid = store.session(SESSION)["session_id"]
+    sid = store.session(SESSION).session_id
     with store.extend_session(SESSION) as w:
         w.add_warning(RUN_FILE, f"skipped {EVIL}", run_id=made["cand"])
         # a re-run of the candidate whose name and fix come from data: the Diff page's card and its tooltips

@@ -208,7 +208,7 @@ def test_a_dictionary_encoded_bomb_is_refused_before_it_is_decoded(store, tmp_pa
 
     make_session(store, "demo")
     archive = export_bytes(store, "demo")
-    sid = store.session("demo")["session_id"]
+    sid = store.session("demo").session_id
     run = store.df("SELECT run_id FROM runs LIMIT 1").run_id[0]
     n = 4000  # one 1 MiB message repeated: 4 GiB once decoded, a few KiB stored
     big = pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array(["x" * (1 << 20)]))
@@ -235,7 +235,7 @@ def test_an_archive_with_thousands_of_unknown_columns_is_one_short_sentence(stor
 
     make_session(store, "demo")
     archive = export_bytes(store, "demo")
-    sid = store.session("demo")["session_id"]
+    sid = store.session("demo").session_id
     run = store.df("SELECT run_id FROM runs LIMIT 1").run_id[0]
     cols = {"session_id": [sid], "run_id": [run], "file": ["f"], "message": ["m"]}
     cols.update({f"junk_column_{i:05d}_" + "y" * 20: [1] for i in range(20_000)})

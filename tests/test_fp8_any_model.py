@@ -38,7 +38,7 @@ PADDED[0, 3] = 0
 
 
 def _candidate(store, name):
-    return next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "candidate")
+    return next(r for r in q.session_runs(store, store.session(name).session_id) if r.kind == "candidate")
 
 
 def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
@@ -51,10 +51,10 @@ def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
         cand = _candidate(store, name)
         quantised = {r["op"].split(".act_quant.")[0] for r in
                      store.sql("SELECT DISTINCT op FROM tensors WHERE run_id = ? AND op LIKE '%.act_quant.amax.%'",
-                               [cand["run_id"]]).df().to_dict("records")}
+                               [cand.run_id]).df().to_dict("records")}
         assert quantised == (set(linears) if preset != "fp16" else set())
-        assert first_nonfinite(store, cand["run_id"]) is None
-        sqnr[preset] = q.last_accumulated_output(store, cand["run_id"])["sqnr_db"]
+        assert first_nonfinite(store, cand.run_id) is None
+        sqnr[preset] = q.last_accumulated_output(store, cand.run_id).sqnr_db
     # e4m3 keeps 3 mantissa bits against fp16's 10: the output is further from fp32
     assert sqnr["fp8-e4m3-row"] < sqnr["fp16"] - 20
 

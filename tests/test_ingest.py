@@ -18,7 +18,7 @@ from conftest import FIXTURES
 
 
 def _run_ids(store, name):
-    runs = store.runs(store.session(name)["session_id"])
+    runs = store.runs(store.session(name).session_id)
     return {r["name"]: r["run_id"] for r in runs.to_dict("records")}
 
 
@@ -195,7 +195,7 @@ def test_zip_equals_folder_and_no_cache_equals_cache(store, tmp_path):
     cols = "op, role, \"index\", match, basis, max_abs_err, sqnr_db, cosine, verdict"
 
     def comps(name):
-        sid = store.session(name)["session_id"]
+        sid = store.session(name).session_id
         return store.df(f"SELECT {cols} FROM comparisons WHERE session_id = ? ORDER BY op, role, \"index\"", [sid])
 
     a, b = comps(base), comps(from_zip)

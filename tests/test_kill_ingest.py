@@ -189,7 +189,7 @@ def test_sigkill_during_back_to_back_commits(tmp_path):
     names = [n for n in store.sessions()["name"] if n != "keep"]
     assert len(names) >= 8
     for name in names:
-        sid = store.session(name)["session_id"]
+        sid = store.session(name).session_id
         (run_id,), = store.sql("SELECT run_id FROM runs WHERE session_id = ?", [sid]).fetchall()
         k = int(name[1:])
         got = store.df("SELECT seq, max FROM tensors WHERE run_id = ? ORDER BY seq", [run_id])

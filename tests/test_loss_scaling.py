@@ -85,8 +85,8 @@ def test_a_dynamic_loss_scale_backs_off_until_the_gradients_are_finite(store):
                            lambda: (LC._with(LC.BackwardOverflow, LC._bo_edit)(), X.repeat(1, 2).abs()),
                            get_policy("fp16"), loss_fn=LC._scaled_sum), replace=True)
     name = capture_recipe(store, "test-grad-overflow")
-    cand = next(r for r in q.session_runs(store, store.session(name)["session_id"]) if r["kind"] == "candidate")
-    assert q.worst_gradient_sqnr(store, cand["run_id"]) == -math.inf  # an inf gradient would reach the optimizer
+    cand = next(r for r in q.session_runs(store, store.session(name).session_id) if r.kind == "candidate")
+    assert q.worst_gradient_sqnr(store, cand.run_id) == -math.inf  # an inf gradient would reach the optimizer
     run_id = rerun_session(store, name, "dynamic-loss-scale")
     grads = store.sql("""SELECT count(*), sum(nan_count + inf_count), min(dtype) FROM tensors WHERE run_id = ?
                          AND role = 'param_grad'""", [run_id]).fetchone()

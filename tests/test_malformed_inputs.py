@@ -198,7 +198,7 @@ def test_msprobe_missing_tensor_file_is_a_warning(store, tmp_path):
     assert len(row) == 1 and not row.has_hist[0]
     doc = json.loads((proc / "dump.json").read_text())
     assert row["max"][0] == doc["data"]["Functional.linear.0.forward"]["output"][0]["Max"]
-    assert store.session(name)["name"] == name
+    assert store.session(name).name == name
 
 
 

@@ -142,10 +142,10 @@ def test_the_command_line_and_a_notebook_work_while_a_dashboard_serves(tmp_path)
 
     store = Store(db)
     info = store.session("mine")
-    runs = {r["kind"]: r for r in store.runs(info["session_id"]).to_dict("records")}
+    runs = {r["kind"]: r for r in store.runs(info.session_id).to_dict("records")}
     assert runs["rerun"]["fix"] == "use-bf16" and runs["rerun"]["parent_run_id"] == runs["candidate"]["run_id"]
     # the ingested records hold the dumps' values (computed here in float64)
-    sid = store.session("dumps")["session_id"]
+    sid = store.session("dumps").session_id
     cand_run = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND name = 'cand'", [sid]).fetchone()[0]
     got = store.df("SELECT max, min FROM tensors WHERE run_id = ? ORDER BY seq", [cand_run])
     want = [a.astype(np.float16).astype(np.float64) for a in values]
@@ -213,7 +213,7 @@ def test_a_sample_opened_on_the_sessions_page_can_be_re_run(store):
     name = open_sample(store, sample)
     assert rerun_blocker(store, name) is None
     rerun_session(store, name, "use-bf16")
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     kinds = sorted(store.runs(sid)["kind"])
     assert kinds == ["candidate", "reference", "rerun"]
     rerun = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'rerun'", [sid]).fetchone()[0]
@@ -290,7 +290,7 @@ def test_two_writers_to_one_session_take_turns(tmp_path):
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
-    sid = store.session("shared")["session_id"]
+    sid = store.session("shared").session_id
     runs = store.runs(sid)
     assert sorted(runs["name"]) == sorted(f"p{i}-{k}" for i in range(2) for k in range(8))
     for r in runs.to_dict("records"):

@@ -98,7 +98,7 @@ def test_positions_counted_by_cumsum_past_2048_are_named_there_and_ranked_first(
     d = next(d for d in diagnose(store, name) if d.rule == "integer-limit")
     assert d.op == "cumsum.0" and "counts to 3,000" in d.message and "by up to 1)" in d.message
     assert "only multiples of 2 exist" in d.message
-    first = top_offenders(store, store.session(name)["session_id"], n=1).iloc[0]
+    first = top_offenders(store, store.session(name).session_id, n=1).iloc[0]
     assert first["op"] == "cumsum.0"  # not cos.0, whose error is larger
 
 
@@ -126,7 +126,7 @@ def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     assert err["keep-fp32:pool"] < base / 4 < base < err["use-bf16"]
     assert unreachable("use-bf16", integers_to=reach) and not unreachable("keep-fp32:pool", integers_to=reach)
     # the add that lost the count ranks first, ahead of the ops that carry its error on
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     assert top_offenders(store, sid, n=1).iloc[0]["op"] == d.op
     worst = render_text(build_report(store, name)).split("Worst")[1].splitlines()[3]
     assert worst.split()[1] == d.op
@@ -186,8 +186,8 @@ def test_an_inf_gradient_that_adam_turns_into_nan_weights_is_explained(store):
             (cap.model(cap.prepare_inputs(x)).float().sum() * 64.0).backward()
             opt.step()
             cap.step()
-    run = q.session_runs(store, store.session(cap.session)["session_id"])[0]
-    origin = first_nonfinite(store, run["run_id"])
+    run = q.session_runs(store, store.session(cap.session).session_id)[0]
+    origin = first_nonfinite(store, run.run_id)
     assert origin.direction == "backward" and origin.step == 0
     d = next(d for d in diagnose(store, cap.session) if d.rule == "optimizer-nonfinite")
     assert d.op == origin.op and "(step 0)" in d.message and "inf / inf = NaN" in d.message
@@ -246,7 +246,7 @@ def test_a_quantise_op_that_flushes_values_is_judged_by_them(store):
                         AND role = 'output' AND verdict IS NOT NULL""").fetchall()
     assert rows and all(v == "error" for v, _ in rows)
     assert all(f"{flushed:,} of {w.numel():,}" in r and "round to 0" in r for _, r in rows)
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     assert top_offenders(store, sid, n=1).iloc[0]["op"] == "layers.1.weight_quant.forward.0"
 
 

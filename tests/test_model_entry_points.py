@@ -37,11 +37,11 @@ def captured(tmp_path):
 def test_capture_names_the_overflow_in_the_users_model(captured):
     store = Store(captured)
     info = store.session("build")
-    runs = {r["kind"]: r for r in q.session_runs(store, info["session_id"])}
-    assert first_nonfinite(store, runs["reference"]["run_id"]) is None
-    f = first_nonfinite(store, runs["candidate"]["run_id"])
+    runs = {r.kind: r for r in q.session_runs(store, info.session_id)}
+    assert first_nonfinite(store, runs["reference"].run_id) is None
+    f = first_nonfinite(store, runs["candidate"].run_id)
     assert f.op.startswith("model.layers.1.mlp.down_proj.")
-    assert info["recipe"].startswith("model:model=") and "qwen2_overflow.py:build" in info["recipe"]
+    assert info.recipe.startswith("model:model=") and "qwen2_overflow.py:build" in info.recipe
 
 
 @pytest.mark.slow
@@ -58,9 +58,9 @@ def test_rerun_needs_the_entry_points_again_and_then_fixes_it(captured, monkeypa
     assert res.exit_code == 0, res.output
     assert "no NaN or inf anywhere in the run" in res.output
     store = Store(captured)
-    runs = q.session_runs(store, store.session("build")["session_id"])
-    rerun = next(r for r in runs if r["kind"] == "rerun")
-    assert rerun["fix"] == "use-bf16" and first_nonfinite(store, rerun["run_id"]) is None
+    runs = q.session_runs(store, store.session("build").session_id)
+    rerun = next(r for r in runs if r.kind == "rerun")
+    assert rerun.fix == "use-bf16" and first_nonfinite(store, rerun.run_id) is None
 
 
 @pytest.mark.slow
@@ -196,10 +196,10 @@ def test_verify_grows_an_island_along_the_data_flow_when_no_suggestion_works(cap
     island = line.split()[1]
     assert island.startswith("keep-fp32:model.layers.1.mlp.down_proj")  # from the producer onwards
     store = Store(captured)
-    runs = q.session_runs(store, store.session("build")["session_id"])
-    final = next(r for r in runs if r["fix"] == island)
-    assert first_nonfinite(store, final["run_id"]) is None
-    assert len({r["fix"] for r in runs if r["kind"] == "rerun"}) >= 2  # the growth itself was stored
+    runs = q.session_runs(store, store.session("build").session_id)
+    final = next(r for r in runs if r.fix == island)
+    assert first_nonfinite(store, final.run_id) is None
+    assert len({r.fix for r in runs if r.kind == "rerun"}) >= 2  # the growth itself was stored
 
 
 @pytest.mark.slow
@@ -236,10 +236,10 @@ def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
                "--db", db, "--no-local")
     assert res.exit_code == 0, res.output
     store = Store(db)
-    runs = {r["kind"]: r for r in q.session_runs(store, store.session("build")["session_id"])}
-    assert first_nonfinite(store, runs["reference"]["run_id"]) is None  # fp32 holds only the mask's -inf
-    assert q.count_records(store, runs["reference"]["run_id"], nonfinite=True) > 0
-    f = first_nonfinite(store, runs["candidate"]["run_id"])
+    runs = {r.kind: r for r in q.session_runs(store, store.session("build").session_id)}
+    assert first_nonfinite(store, runs["reference"].run_id) is None  # fp32 holds only the mask's -inf
+    assert q.count_records(store, runs["reference"].run_id, nonfinite=True) > 0
+    f = first_nonfinite(store, runs["candidate"].run_id)
     assert f.op.startswith("blocks.1.down.") and f.origin == "op"
     close_all()
     res = _cli("verify", "--session", "build", "--top", "0", "--grow", "--tolerance", "nonfinite", "--db", db,
@@ -251,9 +251,9 @@ def test_grow_finds_a_finite_island_on_a_model_with_a_minus_inf_mask(tmp_path):
     # the overflow and what reads it; never the whole model (keep-fp32 of the root)
     assert island.startswith("keep-fp32:blocks.1.down") and "keep-fp32:+" not in island + "+"
     store = Store(db)
-    final = next(r for r in q.session_runs(store, store.session("build")["session_id"]) if r["fix"] == island)
-    assert first_nonfinite(store, final["run_id"]) is None
-    assert q.count_records(store, final["run_id"], nonfinite=True) > 0  # the mask is still there
+    final = next(r for r in q.session_runs(store, store.session("build").session_id) if r.fix == island)
+    assert first_nonfinite(store, final.run_id) is None
+    assert q.count_records(store, final.run_id, nonfinite=True) > 0  # the mask is still there
 
 
 @pytest.mark.slow

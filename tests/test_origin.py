@@ -40,7 +40,7 @@ def _bench():
 
 
 def _runs(store, name):
-    return {r["kind"]: r for r in q.session_runs(store, store.session(name)["session_id"])}
+    return {r.kind: r for r in q.session_runs(store, store.session(name).session_id)}
 
 
 def _fp32_absmax(model, inputs, names):
@@ -91,8 +91,8 @@ def test_the_real_overflow_after_a_mask_is_named_not_the_mask(store):
     torch.manual_seed(0)
     name = capture_pair(lambda: TwoAttentions(out_scale=30000.0), X, torch.float16, store=store)
     runs = _runs(store, name)
-    assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
-    f = report.first_nonfinite(store, runs["candidate"]["run_id"])
+    assert report.first_nonfinite(store, runs["reference"].run_id) is None
+    f = report.first_nonfinite(store, runs["candidate"].run_id)
     assert f.op == "a2.out.linear.0" and f.origin == "op"
     assert set(f.intended) >= {"a1.masked_fill.0", "a2.masked_fill.0"}
     d = [x for x in diagnose(store, name) if x.severity in ("error", "warn")]
@@ -171,8 +171,8 @@ def test_qwen2_mlp_overflow_is_named_at_down_proj_with_the_first_nan_apart(store
     assert absmax["model.layers.1.mlp.down_proj"] > FP16_MAX > absmax["model.layers.0.mlp.down_proj"]
     name = capture_pair(build, ids, torch.float16, store=store)
     runs = _runs(store, name)
-    assert report.first_nonfinite(store, runs["reference"]["run_id"]) is None
-    f = report.first_nonfinite(store, runs["candidate"]["run_id"])
+    assert report.first_nonfinite(store, runs["reference"].run_id) is None
+    f = report.first_nonfinite(store, runs["candidate"].run_id)
     assert f.op.startswith("model.layers.1.mlp.down_proj.") and f.origin == "op"
     # the overflow makes inf; the NaN is made later, where the inf is combined (the final RMSNorm)
     assert f.first_nan is not None and f.first_nan.seq > f.seq
@@ -190,7 +190,7 @@ def test_an_msprobe_dump_with_a_mask_keeps_its_producer_and_lists_the_mask(store
             j["data"] = mutate(j["data"])
             p.write_text(json.dumps(j))
         sess = ingest(d, store=store, session=name)
-        rid = q.session_runs(store, store.session(sess)["session_id"])[0]["run_id"]
+        rid = q.session_runs(store, store.session(sess).session_id)[0].run_id
         return rid
 
     def add_mask(data):
@@ -219,11 +219,11 @@ def test_an_empty_tensor_is_not_a_norm_artefact(store, tmp_path):
     big = np.full(70000, 300.0, np.float16)  # finite values whose fp16 sum of squares would overflow
     np.save(d / "model.big.output.0.npy", big)
     name = ingest(d, store=store)
-    arts = report.norm_artefacts(store, store.session(name)["session_id"])
+    arts = report.norm_artefacts(store, store.session(name).session_id)
     assert [a.op for a in arts] == []  # our own statistics are float64: neither is an artefact
     rec = store.sql("SELECT numel, l2norm FROM tensors WHERE op = 'model.empty'").fetchone()
     assert rec[0] == 0 and (rec[1] is None or math.isnan(rec[1]))
-    assert report.first_nonfinite(store, q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]) is None
+    assert report.first_nonfinite(store, q.session_runs(store, store.session(name).session_id)[0].run_id) is None
 
 
 def test_an_overflow_to_minus_inf_is_not_taken_for_a_mask(store, tmp_path):
@@ -238,7 +238,7 @@ def test_an_overflow_to_minus_inf_is_not_taken_for_a_mask(store, tmp_path):
     np.save(d / "model.act.input.0.npy", y)
     np.save(d / "model.act.output.0.npy", np.where(np.isneginf(y), np.nan, y).astype(np.float16))
     name = ingest(d, store=store)
-    run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
+    run_id = q.session_runs(store, store.session(name).session_id)[0].run_id
     f = report.first_nonfinite(store, run_id)
     assert f.op == "model.fc" and f.producer and f.order_known  # the order came from the data
     assert report.intended_nonfinite(store, run_id) == []
@@ -271,7 +271,7 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
                                                   "Module.block.fc.Linear.forward.0": None,
                                                   "Functional.gelu.0.forward": None}))
     name = ingest(tmp_path / "ms", store=store)
-    run_id = q.session_runs(store, store.session(name)["session_id"])[0]["run_id"]
+    run_id = q.session_runs(store, store.session(name).session_id)[0].run_id
     assert q.op_parents(store, run_id) == {"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0"}
     f = report.first_nonfinite(store, run_id)
     assert f.origin == "parameter" and f.parameter.name == "block.fc.weight"
@@ -280,7 +280,7 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
     # nearest op that wrote +inf is the module whose weight holds it
     (d / "construct.json").unlink()
     name2 = ingest(tmp_path / "ms", store=store)
-    run2 = q.session_runs(store, store.session(name2)["session_id"])[0]["run_id"]
+    run2 = q.session_runs(store, store.session(name2).session_id)[0].run_id
     f2 = report.first_nonfinite(store, run2)
     print(f2)
     assert f2.origin == "parameter" and f2.parameter.name == "block.fc.weight"

@@ -219,11 +219,11 @@ def test_an_outputs_only_dump_whose_root_is_finite_is_healthy_whatever_it_holds(
             os.utime(folder / f"{name}.npy", ns=(1_700_000_000_000_000_000 + i * 10**9,) * 2)
         s = Store(":memory:")
         name = ingest(folder, store=s)
-        run = q.session_runs(s, s.session(name)["session_id"])[0]
-        return run, first_nonfinite(s, run["run_id"])
+        run = q.session_runs(s, s.session(name).session_id)[0]
+        return run, first_nonfinite(s, run.run_id)
 
     run, f = dump(tmp_path / "healthy", np.ones((2, 4), np.float16))
-    assert run["order"] == "mtime" and f is None  # not the last file (tail.fill) taken as the output
+    assert run.order == "mtime" and f is None  # not the last file (tail.fill) taken as the output
     run, f = dump(tmp_path / "failing", np.array([[np.nan, 1.0, 1.0, 1.0]] * 2, np.float16))
     assert f is not None and f.certainty == "likely" and "order" in f.decide
 
@@ -288,7 +288,7 @@ def test_a_finfo_min_padding_mask_in_fp16_gets_a_fix_that_works_and_grow_finds_a
     island = next(ln.split(": ", 1)[1] for ln in res.output.splitlines() if ln.startswith("fix: "))
     assert island == "keep-fp32:embed", res.output
     store = Store(db)
-    runs = {r["fix"]: r for r in q.session_runs(store, store.session("pad")["session_id"])}
+    runs = {r.fix: r for r in q.session_runs(store, store.session("pad").session_id)}
     for fix in ("sanitize-nonfinite:layer.pad_mask", "keep-fp32:embed"):
-        assert first_nonfinite(store, runs[fix]["run_id"]) is None, fix
+        assert first_nonfinite(store, runs[fix].run_id) is None, fix
     close_all()

@@ -75,9 +75,9 @@ def test_upload_sources_name_the_upload(store):
 
     name = ingest_upload(store, [("my_dump.zip", _zip({"dump/x.npy": _npy(np.ones(4, np.float16))}))])
     info = store.session(name)
-    assert info["source"] == "candidate: my_dump.zip"  # stored as the visitor named it
+    assert info.source == "candidate: my_dump.zip"  # stored as the visitor named it
     assert list(sessions_table(store)["source"]) == ["candidate: my_dump.zip"]
-    assert list(runs_table(store, info["session_id"])["source"]) == ["my_dump.zip"]
+    assert list(runs_table(store, info.session_id)["source"]) == ["my_dump.zip"]
 
 
 def test_upload_errors_are_one_sentence_naming_the_upload(store, monkeypatch):

@@ -77,7 +77,7 @@ def test_an_outlier_under_fp8_tensor_scaling_is_diagnosed_and_row_scaling_clears
     assert d["op"] == "fc1.act_quant" and d["severity"] == "error"
     # one ranking: the quantiser the diagnosis names is the first row of Top offenders and of the report's table
     from precision_lab.store.views import top_offenders
-    first = top_offenders(store, store.session(name)["session_id"], n=1).iloc[0]
+    first = top_offenders(store, store.session(name).session_id, n=1).iloc[0]
     assert first["op"].startswith("fc1.act_quant.") and first["seq"] == d["seq"]
     assert rep["worst_comparisons"][0]["op"] == first["op"]
     assert "scaling:row" in d["fixes"] and "amax-percentile:99.9" in d["fixes"]

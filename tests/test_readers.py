@@ -41,7 +41,7 @@ def _check_stats(row, x):
 
 
 def _rows(store, name):
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     df = store.df("SELECT t.* FROM tensors t JOIN runs r USING (run_id) WHERE r.session_id = ? ORDER BY seq, rid",
                   [sid])
     return {r["name"]: r for r in df.to_dict("records")}
@@ -184,9 +184,9 @@ def test_order_from_manifest(store, tmp_path):
     seq = {r["name"]: r["seq"] for r in _rows(store, name).values()}
     assert seq == {"c.output.0": 0, "a.output.0": 1, "b.output.0": 2, "z.output.0": 3}
     info = store.session(name)
-    run = next(iter(info["notes"]["ingest"]["runs"].values()))
+    run = next(iter(info.notes["ingest"]["runs"].values()))
     assert run["order"] == "execution" and "manifest.json" in run["order_from"]
-    assert store.run(run["run_id"])["order"] == "execution"
+    assert store.run(run["run_id"]).order == "execution"
     w = store.df("SELECT file, message FROM warnings")
     assert list(w.file) == ["manifest.json"] and "z.output.0" in w.message[0]
 
@@ -200,9 +200,9 @@ def test_order_by_name_is_said(store, tmp_path):
     name = ingest(d, store=store)
     seq = {r["op"]: r["seq"] for r in _rows(store, name).values()}
     assert seq == {"layer1": 0, "layer9": 1, "layer10": 2}  # natural order, not 1, 10, 9
-    run = next(iter(store.session(name)["notes"]["ingest"]["runs"].values()))
+    run = next(iter(store.session(name).notes["ingest"]["runs"].values()))
     assert run["order"] == "name" and "order unknown: by name" in run["order_from"]
-    assert store.run(run["run_id"])["order"] == "name"
+    assert store.run(run["run_id"]).order == "name"
 
 
 def test_order_txt_and_step_rank_folders(store, tmp_path):
@@ -380,7 +380,7 @@ def test_registry_plugin_is_used_like_a_builtin(store, tmp_path):
         name = ingest(d, store=store)
         df = store.df("SELECT op, max, min FROM tensors ORDER BY seq")
         assert list(df.op) == ["a", "b"] and list(df["max"]) == [3.0, 4.0] and list(df["min"]) == [1.0, -5.0]
-        assert store.session(name)["notes"]["ingest"]["runs"]["csvs"]["reader"] == "csv-test"
+        assert store.session(name).notes["ingest"]["runs"]["csvs"]["reader"] == "csv-test"
     finally:
         readers.unregister("csv-test")
     assert readers.detect(d) is None

@@ -93,7 +93,7 @@ def test_capture_pair_shows_failure_and_fix(name, store):
         policy = apply_fixes(r.default_policy, fixes) if fixes else r.default_policy
         sess = capture_pair(r.build_model, r.inputs(), policy, store=store, seed=r.seed, recipe=r.name,
                             name=f"{name}-{'fixed' if fixes else 'default'}")
-        runs = store.runs(store.session(sess)["session_id"])
+        runs = store.runs(store.session(sess).session_id)
         ref_id = runs[runs.kind == "reference"].run_id.iloc[0]
         cand_id = runs[runs.kind == "candidate"].run_id.iloc[0]
         fn_ref, fn = first_nonfinite(store, ref_id), first_nonfinite(store, cand_id)

@@ -106,7 +106,7 @@ def _args_of(store, session, op):
 
     info = store.session(session)
     run = _pick_run(store, info, None)
-    recs = rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run["run_id"], op])
+    recs = rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run.run_id, op])
     tensors = {(r["role"], str(r["index"])): _load_tensor(store, run, r) for r in recs}
     pos, kw, _ = _scalar_args(run, op, recs)
     return _assemble(canonical_op(recs[0]["op_type"]), tensors, pos, kw)

@@ -32,8 +32,8 @@ def _plain(v) -> bool:
 def test_first_nonfinite_json_names_the_stored_record_in_plain_values(store, sample):
     name = ingest([str(SAMPLES / sample)], store=store)
     report = build_report(store, name)
-    sid = store.session(name)["session_id"]
-    runs = {r["name"]: r for r in q.session_runs(store, sid)}
+    sid = store.session(name).session_id
+    runs = {r.name: r for r in q.session_runs(store, sid)}
     doc = json.loads(to_json(report))
     named = {run: f for run, f in doc["first_nonfinite"].items() if f is not None}
     assert named, f"{sample} names no origin"
@@ -45,7 +45,7 @@ def test_first_nonfinite_json_names_the_stored_record_in_plain_values(store, sam
         rec = q.rows(store, "SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [f["run_id"], f["rid"]])[0]
         assert {k: f[k] for k in ("op", "op_type", "direction", "step", "rank", "role", "index", "location")} \
             == {k: rec[k] for k in ("op", "op_type", "direction", "step", "rank", "role", "index", "location")}
-        assert f["run"] == run and f["run_id"] == runs[run]["run_id"] and f["order"] == runs[run]["order"]
+        assert f["run"] == run and f["run_id"] == runs[run].run_id and f["order"] == runs[run].order
         assert f["origin"] == "op" and f["producer"] is True and f["certainty"] == "certain" and f["order_known"]
         # the path ends at the op, each step a stored op call at or before it
         assert f["path"][-1]["op"] == f["op"] and [p["seq"] for p in f["path"]] == sorted(p["seq"] for p in f["path"])

@@ -28,7 +28,7 @@ def lab(tmp_path_factory):
 
 
 def _runs(store, session):
-    return store.runs(store.session(session)["session_id"])
+    return store.runs(store.session(session).session_id)
 
 
 def _plain_output_sqnr(recipe, policy):
@@ -73,7 +73,7 @@ def test_rerun_adds_a_child_run_that_fixes_the_failure(lab):
     r = get_recipe("fp8-zero-scale")
     assert sqnr == pytest.approx(_plain_output_sqnr(r, apply_fixes(r.default_policy, "scale-fp32")), abs=1e-6)
     diags = store.df("SELECT rule, severity, run_id FROM diagnoses WHERE session_id = ?",
-                     [store.session(name)["session_id"]])
+                     [store.session(name).session_id])
     assert {"fp8-scale", "fix-verified"} <= set(diags.rule)
     assert (diags[diags.rule == "fix-verified"].run_id == run_id).all()
 
@@ -85,9 +85,9 @@ def test_rerun_chains_from_a_rerun(lab):
     first = rerun_session(store, name, ["scale-fp32"])
     second = rerun_session(store, name, "amax-floor:1e-12", parent=first)
     run = store.run(second)
-    assert run["parent_run_id"] == first and run["fix"] == "amax-floor:1e-12"
-    assert PrecisionPolicy.from_json(run["policy"]).fixes == ("scale-fp32", "amax-floor:1e-12")
-    assert run["name"].startswith("fix: amax-floor:1e-12")
+    assert run.parent_run_id == first and run.fix == "amax-floor:1e-12"
+    assert PrecisionPolicy.from_json(run.policy).fixes == ("scale-fp32", "amax-floor:1e-12")
+    assert run.name.startswith("fix: amax-floor:1e-12")
 
 
 @pytest.mark.parametrize("kwargs, exc, msg", [
@@ -135,8 +135,8 @@ def test_reruns_from_two_threads(lab):
     assert not errors
     for session, fix in jobs:
         run = store.run(results[session])
-        assert run["fix"] == fix and first_nonfinite(store, results[session]) is None
-        assert run["session_id"] == store.session(session)["session_id"]
+        assert run.fix == fix and first_nonfinite(store, results[session]) is None
+        assert run.session_id == store.session(session).session_id
 
 
 @pytest.mark.slow

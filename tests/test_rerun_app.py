@@ -22,7 +22,7 @@ def recipe_db(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_rerun_button_runs_the_fix_and_opens_the_n_run_diff(recipe_db):
     store, name = recipe_db
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     cand = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).fetchone()[0]
     at = open_page("overview", session=name)
     body = texts(at)
@@ -60,7 +60,7 @@ def test_a_fix_already_run_opens_that_run_instead_of_a_copy(recipe_db):
     from precision_lab.services.rerun import rerun_session
 
     store, name = recipe_db
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     rerun_session(store, name, "stable-softmax")
     at = open_page("overview", session=name)
     assert_clean(at)
@@ -78,7 +78,7 @@ def test_diff_shows_the_re_run_before_and_after(recipe_db):
     from precision_lab.services.rerun import rerun_session
 
     store, name = recipe_db
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     rerun_session(store, name, "stable-softmax")
 
     def nonfinite(kind):
@@ -106,7 +106,7 @@ def test_a_re_run_whose_output_holds_nan_is_never_credited_with_the_sqnr_of_its_
     from precision_lab.services.rerun import rerun_session
 
     store, name = recipe_db
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     # independent: the candidate's output (fp16 softmax overflow) holds NaN, and the SQNR of its finite values is high
     model, inputs = get_recipe("softmax-fp16-overflow").build()
     with torch.no_grad():
@@ -194,7 +194,7 @@ def test_a_rerun_in_progress_shows_in_every_tab_and_offers_no_second_one(recipe_
     from precision_lab.services import jobs
 
     store, name = recipe_db
-    sid = store.session(name)["session_id"]
+    sid = store.session(name).session_id
     cand = store.sql("SELECT run_id FROM runs WHERE session_id = ? AND kind = 'candidate'", [sid]).fetchone()[0]
     release, started = threading.Event(), threading.Event()
 

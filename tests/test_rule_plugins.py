@@ -62,7 +62,7 @@ def test_a_run_rule_with_a_new_fact_shows_up_in_the_diagnosis(lab, added):
         return [Diagnosis("", run.run_id, "", "record-count", f"{n} records", (), "error", -1)]
 
     found = _diagnose(store, session)
-    cand = next(r for r in store.runs(store.session(session)["session_id"]).to_dict("records")
+    cand = next(r for r in store.runs(store.session(session).session_id).to_dict("records")
                 if r["kind"] == "candidate")
     mine = [d for d in found if d.rule == "record-count"]
     # counted here by a query of its own; a rule that names no op reports at info, whatever it wrote
@@ -156,7 +156,7 @@ def test_the_worked_example_in_the_architecture_notes_registers_as_it_says(lab, 
     names = RULES.names()
     assert rule.kind == "run" and rule.needs == ("worst_local_errors",) and rule.when == (FINITE,)
     assert names.index("large-local-error") == names.index("precision-loss") - 1
-    sid = store.session(session)["session_id"]
+    sid = store.session(session).session_id
     with store.extend_session(session) as w:
         w.add_warning("dump.json", "step 3: a tensor file is missing")
     assert StoreFacts(store).reader_warnings(sid) == ["step 3: a tensor file is missing"]

@@ -28,7 +28,7 @@ def _runs_nonfinite(store, session):
     from precision_lab.services.report import first_nonfinite
 
     out = {}
-    for _, r in store.runs(store.session(session)["session_id"]).iterrows():
+    for _, r in store.runs(store.session(session).session_id).iterrows():
         n = store.sql("SELECT count(*) FROM tensors WHERE run_id = ? AND nonfinite", [r["run_id"]]).fetchone()[0]
         out[r["name"]] = (r["kind"], n, first_nonfinite(store, r["run_id"]))
     return out
@@ -37,7 +37,7 @@ def _runs_nonfinite(store, session):
 def _signature(store, session):
     cur = store.sql("""SELECT r.name, t.op, t.role, t."index", t.numel, t.nonfinite, t.nan_count, t.inf_count
                        FROM tensors t JOIN runs r ON r.run_id = t.run_id WHERE r.session_id = ?
-                       ORDER BY 1, 2, 3, 4""", [store.session(session)["session_id"]])
+                       ORDER BY 1, 2, 3, 4""", [store.session(session).session_id])
     return cur.fetchall()
 
 
@@ -62,7 +62,7 @@ def test_regenerated_sample_reproduces_the_failure(regenerated, name, tmp_path):
         assert fn_ref is None and n_ref == 0
     # paired op by op with the reference, with the candidate's local errors
     kinds = dict(store.sql("SELECT kind, count(*) FROM comparisons WHERE session_id = ? GROUP BY kind",
-                           [store.session(sess)["session_id"]]).fetchall())
+                           [store.session(sess).session_id]).fetchall())
     assert kinds.get("accumulated", 0) > 0 and kinds.get("local", 0) > 0
     # the committed folder holds the same records as a fresh regeneration
     committed = DEFAULT_ROOT / name

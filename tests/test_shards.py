@@ -120,7 +120,7 @@ def test_ingest_reads_a_capture_shard_folder(tmp_path, store):
     with capture(model, run="fp16", shard_dir=root):
         run_step(model, tiny_input().half())
     name = ingest([root], store=store)
-    run_id = store.runs(store.session(name)["session_id"]).iloc[0]["run_id"]
+    run_id = store.runs(store.session(name).session_id).iloc[0]["run_id"]
     hit = first_nonfinite(store, run_id)
     assert hit.op == "blocks.1.fc1.linear.0" and hit.producer
 

@@ -148,7 +148,7 @@ def other_store(tmp_path):
 @pytest.mark.slow
 def test_round_trip_into_empty_database_keeps_every_row(store, other_store, tmp_path):
     made = make_session(store, "demo")
-    sid = store.session("demo")["session_id"]
+    sid = store.session("demo").session_id
     res = export_session(store, "demo", tmp_path / "demo.zip")
     assert res.rows["tensors"] == 18 and res.rows["runs"] == 3 and res.rows["comparisons"] == 7
 
@@ -234,7 +234,7 @@ def test_stats_only_session_round_trips(store, other_store, tmp_path):
                                                                  mean=0.5, l2norm=float("inf"))))
     export_session(store, "stats", tmp_path / "s.zip")
     import_session(other_store, tmp_path / "s.zip")
-    run_id = other_store.runs(other_store.session("stats")["session_id"]).iloc[0]["run_id"]
+    run_id = other_store.runs(other_store.session("stats").session_id).iloc[0]["run_id"]
     s = other_store.record_stats(run_id, 0)
     assert s.hist is None and s.nan_count is None and s.max == 2.0 and s.l2norm == float("inf")
     assert other_store.histogram(run_id, 0) is None and other_store.tensor(run_id, 0) is None
@@ -288,14 +288,14 @@ def test_a_schema_4_archive_imports_with_its_summary_errors_moved(store, other_s
     from precision_lab.metrics import compare_stats
 
     make_session(store, "demo")
-    cand, ref = (store.runs(store.session("demo")["session_id"]).set_index("name").loc[n, "run_id"]
+    cand, ref = (store.runs(store.session("demo").session_id).set_index("name").loc[n, "run_id"]
                  for n in ("fp16", "fp32"))
     x = np.linspace(-3.0, 3.0, 64)
     by_stats = compare_stats(tensor_stats(x.astype(np.float32)), tensor_stats((x * 1.01).astype(np.float16)))
     with store.extend_session("demo") as w:
         w.add_comparison(kind="stats", ref_run_id=ref, ref_rid=0, cand_run_id=cand, cand_rid=0, step=0, rank=0,
                          seq=50, op="by.summary", role="output", index="0", match="aligned", comparison=by_stats)
-    sid = store.session("demo")["session_id"]
+    sid = store.session("demo").session_id
     v4 = _as_schema_4(export_bytes(store, "demo"))
     assert json.loads(zipfile.ZipFile(io.BytesIO(v4)).read("manifest.json"))["schema_version"] == 4
     res = import_session(other_store, v4, filename="old.zip")
@@ -316,18 +316,18 @@ def test_a_schema_4_archive_imports_with_its_summary_errors_moved(store, other_s
 @pytest.mark.slow
 def test_import_into_same_database_renames_and_gives_fresh_ids(store, tmp_path):
     made = make_session(store, "demo")
-    before = dump_tables(store, store.session("demo")["session_id"])
+    before = dump_tables(store, store.session("demo").session_id)
     export_session(store, "demo", tmp_path / "demo.zip")
     res = import_session(store, tmp_path / "demo.zip")
     assert res.session == "demo-2" and res.renamed and res.new_ids
     assert "already exists" in res.message and "'demo-2'" in res.message
     # the original is untouched
-    after = dump_tables(store, store.session("demo")["session_id"])
+    after = dump_tables(store, store.session("demo").session_id)
     for t in TABLES:
         _same(before[t], after[t])
     # the copy has its own ids and the same data
     new = dump_tables(store, res.session_id)
-    assert res.session_id != store.session("demo")["session_id"]
+    assert res.session_id != store.session("demo").session_id
     assert not {r["run_id"] for r in new["runs"]} & {made["ref"], made["cand"], made["rerun"]}
     assert len(new["tensors"]) == 18 and len(new["comparisons"]) == 7
     # the parent link and comparison run ids follow the new ids
@@ -389,7 +389,7 @@ def test_share_tokens_are_random_and_revocable(store):
     t2 = create_share_token(store, "demo")
     assert t1 != t2 and len(t1) >= 22  # 16 random bytes in url-safe base64
     assert store.session_by_token(t1) is None  # replaced
-    assert store.session_by_token(t2)["name"] == "demo"
+    assert store.session_by_token(t2).name == "demo"
     revoke_share_token(store, "demo")
     assert store.session_by_token(t2) is None
 
@@ -552,7 +552,7 @@ def test_cli_export_import_share_link(store, tmp_path, monkeypatch):
     out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--base-url", "https://lab.example.org/"])
     assert out.exit_code == 0
     token = out.output.strip().split("share=")[1]
-    assert store.session_by_token(token)["name"] == "demo"
+    assert store.session_by_token(token).name == "demo"
     out = r.invoke(app, ["share-link", "--session", "demo", "--db", db, "--revoke"])
     assert out.exit_code == 0 and store.session_by_token(token) is None
     out = r.invoke(app, ["share-link", "--session", "nope", "--db", db])
@@ -640,7 +640,7 @@ def test_dashboard_share_link_opens_one_session_read_only(app_db):
     assert_clean(at)
     link = next(c.value for c in at.code if "share=" in c.value)
     token = link.split("share=")[1].split("&")[0]
-    assert Store(app_db).session_by_token(token)["name"] == "demo"
+    assert Store(app_db).session_by_token(token).name == "demo"
 
     # a visitor with the link: the shared session only, nothing to write with, no list of the others
     shared = _app(share=token)

@@ -215,7 +215,7 @@ def test_tokens_of_an_older_database_move_into_the_file(tmp_path):
     assert s.schema_version() == SCHEMA_VERSION == 7
     entries = json.loads(Path(s.path + ".tokens.json").read_text())["sessions"]
     assert [(e["name"], e["token"]) for e in entries.values()] == [("demo", "legacy-token")]
-    assert s.session_by_token("legacy-token")["name"] == "demo"
+    assert s.session_by_token("legacy-token").name == "demo"
     assert "share_token" not in [c[0] for c in s.sql("DESCRIBE sessions").fetchall()]
 
 
@@ -235,7 +235,7 @@ def test_an_older_database_with_a_token_file_keeps_the_file(tmp_path):
     _as_schema_6(s, {"demo": revoked, "other": kept})
     close_all()
     s = Store(db)
-    assert s.session_by_token(revoked) is None and s.session_by_token(kept)["name"] == "other"
+    assert s.session_by_token(revoked) is None and s.session_by_token(kept).name == "other"
 
 
 @pytest.mark.slow
@@ -261,7 +261,7 @@ def test_no_copy_of_a_token_is_kept_in_the_database(store, tmp_path):
             got = s.sql(f'SELECT count(*) FROM "{table}" WHERE "{column}" IN (?, ?)', [token, fresh]).fetchone()
             assert got == (0,), (table, column)
     assert list(token_file_for(store.path).sessions().values()) == [{"name": "demo", "token": fresh}]
-    assert store.session_by_token(token) is None and store.session_by_token(fresh)["name"] == "demo"
+    assert store.session_by_token(token) is None and store.session_by_token(fresh).name == "demo"
     assert other.session_by_token(fresh) is None and token_file_for(other.path).sessions() is None
 
 
@@ -276,7 +276,7 @@ def test_an_archive_from_before_schema_7_imports_without_its_token_column(store,
     v6 = with_table(export_bytes(store, "demo"), "sessions",
                     lambda t: t.append_column("share_token", pa.array([None], pa.string())), 6)
     res = import_session(store, v6, filename="v6.zip")
-    assert res.session == "demo-2" and store.session("demo-2")["source"] == "capture"
+    assert res.session == "demo-2" and store.session("demo-2").source == "capture"
 
 
 def test_memory_store_keeps_tokens_in_memory():
@@ -286,8 +286,8 @@ def test_memory_store_keeps_tokens_in_memory():
     s = Store(":memory:")
     _session(s, "m")
     t = create_share_token(s, "m")
-    assert s.session_by_token(t)["name"] == "m"
-    assert Store(":memory:").session_by_token(t)["name"] == "m"  # the same database, the same links
+    assert s.session_by_token(t).name == "m"
+    assert Store(":memory:").session_by_token(t).name == "m"  # the same database, the same links
     revoke_share_token(s, "m")
     assert s.session_by_token(t) is None
 

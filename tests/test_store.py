@@ -36,7 +36,7 @@ def test_session_round_trip(store):
         rid = w.add_record(_rec(run, 0, "fc1", a))
         w.add_diagnosis(Diagnosis(session_id="", run_id=run, op="fc1", rule="r", message="m", fixes=("use-bf16",)))
     info = store.session("s1")
-    runs = store.runs(info["session_id"])
+    runs = store.runs(info.session_id)
     assert list(runs["name"]) == ["fp32"]
     st = store.record_stats(run, rid)
     exp = a.astype(np.float64)
@@ -52,7 +52,7 @@ def test_session_round_trip(store):
     from precision_lab.store import queries as q
 
     (row,) = q.session_diagnoses(store, store.df("SELECT session_id FROM diagnoses")["session_id"][0])
-    assert row["fixes"] == ("use-bf16",)
+    assert row.fixes == ("use-bf16",)
 
 
 def test_stored_fixes_decode_to_a_tuple_whatever_was_written():
@@ -296,7 +296,7 @@ def test_a_staged_session_gets_a_free_name_when_another_writer_takes_its_name_me
     assert w2.name == "x" and w.name != "x"
     got = {r["name"]: r["source"] for r in s.sessions().to_dict("records")}
     assert got == {"x": "b", w.name: "a"}
-    assert len(s.runs(s.session(w.name)["session_id"])) == 1
+    assert len(s.runs(s.session(w.name).session_id)) == 1
     with pytest.raises(ValueError, match="already exists"):
         with s.new_session("x", exist_ok_rename=False):
             raise AssertionError("a taken name is refused before the work")
@@ -322,7 +322,7 @@ def test_a_session_staged_in_memory_is_written_whole_or_not_at_all(tmp_path, in_
         run = w.add_run(name="r")
         folders = sorted(p.name for p in scratch_root().glob("stage-*"))
     assert bool(folders) != in_memory  # a file's staging folder exists during the write; memory's does not
-    assert w.name == "whole" and list(s.runs(s.session("whole")["session_id"])["run_id"]) == [run]
+    assert w.name == "whole" and list(s.runs(s.session("whole").session_id)["run_id"]) == [run]
     with pytest.raises(RuntimeError, match="cut off"):
         with s.new_session("broken", stage_in_memory=in_memory) as w:
             w.add_run(name="r")
@@ -344,12 +344,12 @@ def test_runs_made_in_the_same_second_are_listed_in_the_order_they_were_added(st
     with store.extend_session("s") as w:  # a later transaction, the same second
         w.add_run(run_id="a-second", name="second fix", kind="rerun", parent_run_id=base, fix="keep-fp32:x",
                   created=same)
-    sid = store.session("s")["session_id"]
+    sid = store.session("s").session_id
     added = ["base", "first fix", "second fix"]
-    assert [r["name"] for r in q.session_runs(store, sid)] == added
+    assert [r.name for r in q.session_runs(store, sid)] == added
     assert store.runs(sid).name.tolist() == added
     assert views.runs_table(store, sid).run.tolist() == added
-    assert [r["name"] for r in views.all_runs(store) if r["session_id"] == sid] == added
+    assert [r.name for r in views.all_runs(store) if r.session_id == sid] == added
     assert [c.run for c in rerun_cards(store, sid)] == ["second fix", "first fix"]  # newest first
 
 
@@ -365,6 +365,6 @@ def test_a_fixed_run_whose_nan_inf_are_all_intended_counts_none_on_its_card(stor
         fixed = w.add_run(name="fixed", dtype="float16", kind="rerun", parent_run_id=base, fix="stable-softmax")
         add_masked_softmax(w, base, [np.nan, 1.0])
         add_masked_softmax(w, fixed, [0.5, 1.0])
-    card = rerun_cards(store, store.session("masks")["session_id"])[0]
+    card = rerun_cards(store, store.session("masks").session_id)[0]
     assert (card.nonfinite_before, card.nonfinite_after) == (3, 0)
     assert card.first_after is None and card.first_before is not None

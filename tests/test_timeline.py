@@ -40,7 +40,7 @@ def test_growing_fp16_training_alerts_before_the_first_nonfinite_step(grown):
     db, store, cap, _ = grown
     first = cap.first_nonfinite_step
     assert first is not None and first >= 12  # dozens of steps of healthy-looking training first
-    sid = store.session(cap.session)["session_id"]
+    sid = store.session(cap.session).session_id
     assert {t.run: t.first_nonfinite_step for t in svc.timeline_report(store, sid)}["fp16"] == first
     alerts = svc.run_alerts(store, cap.run_id)
     assert alerts, "no alert on a run whose activations grow until fp16 overflows"
@@ -65,7 +65,7 @@ def test_frames_before_the_failure_are_stored(grown):
     assert stored == kept
     # nothing else in between: steps that are neither every-10th nor frames have no full records
     assert all(s % 10 == 0 or s in want for s in stored)
-    notes = store.session(cap.session)["notes"]["capture"]
+    notes = store.session(cap.session).notes["capture"]
     assert notes["first_nonfinite_step"] == first and notes["frames"] == cap.frames
 
 

@@ -162,14 +162,14 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
     assert _model_fingerprint(model) == before
     assert cap.first_nonfinite_step == fail
     info = store.session(cap.session)
-    note = info["notes"]["replay"]
+    note = info.notes["replay"]
     assert (note["from_step"], note["failed_step"], note["autocast"], note["grad_scaler"]) == (SPIKE, fail, "fp16", True)
-    run = q.session_runs(store, info["session_id"])[0]
+    run = q.session_runs(store, info.session_id)[0]
     policy = run_policy(run)
     assert policy.autocast == "fp16" and policy.grad_scaler  # the configuration the job ran in, seen, not declared
 
     # the step and op: where the first overflow happens, found independently with plain hooks
-    origin = first_nonfinite(store, run["run_id"])
+    origin = first_nonfinite(store, run.run_id)
     assert origin.step == fail and origin.direction == "forward"
     names = [n for n, _ in model.named_modules() if n]
     assert innermost_module(origin.op, names) == _first_overflowing_module(snap, fail)
@@ -182,8 +182,8 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
         assert apply_fixes(policy, f).autocast is not None, f
 
     # one click: the card's re-run, from the kept step, in the job's configuration with the fix
-    rid = rerun_session(store, cap.session, "use-bf16", parent=run["run_id"])
-    verdict = verification(store, cap.session).get(run["run_id"], "use-bf16")
+    rid = rerun_session(store, cap.session, "use-bf16", parent=run.run_id)
+    verdict = verification(store, cap.session).get(run.run_id, "use-bf16")
     assert verdict.run_id == rid and verdict.works, verdict
     ref = _independent(snap, None, SPIKE, fail)
     fixed = _independent(snap, torch.bfloat16, SPIKE, fail)
@@ -191,14 +191,14 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
     sqnr = 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - fixed) ** 2))
     assert abs(verdict.sqnr_db - sqnr) < 0.1, (verdict.sqnr_db, sqnr)
     # the replay started from the kept step: its records are steps SPIKE..fail only, the reference's too
-    runs = {r["name"]: r for r in q.session_runs(store, info["session_id"])}
+    runs = {r.name: r for r in q.session_runs(store, info.session_id)}
     steps = {r["step"] for r in q.rows(store, "SELECT DISTINCT step FROM tensors WHERE run_id = ?", [rid])}
     assert steps == {SPIKE, fail}
-    assert {r["kind"] for r in runs.values()} == {"candidate", "reference", "rerun"}
+    assert {r.kind for r in runs.values()} == {"candidate", "reference", "rerun"}
 
     # a GradScaler fix edits the scaler the replay starts from
-    rid2 = rerun_session(store, cap.session, "scaler-init:64", parent=run["run_id"])
-    fixed_run = next(r for r in q.session_runs(store, info["session_id"]) if r["run_id"] == rid2)
+    rid2 = rerun_session(store, cap.session, "scaler-init:64", parent=run.run_id)
+    fixed_run = next(r for r in q.session_runs(store, info.session_id) if r.run_id == rid2)
     assert dict(run_policy(fixed_run).grad_scaler)["scale"] == 64
     scales = q.rows(store, "SELECT step, value FROM step_scalars WHERE run_id = ? AND name = 'loss_scale'", [rid2])
     assert {(int(r["step"]), r["value"]) for r in scales} >= {(SPIKE, 64.0)}
@@ -210,7 +210,7 @@ def test_a_healthy_amp_job_whose_scaler_backs_off_is_no_failure(store, recipe):
     cap, _, _, _ = _train(store, recipe, init_scale=2.0 ** 24)
     assert cap.first_nonfinite_step is None
     info = store.session(cap.session)
-    assert "replay" not in info["notes"] and info["notes"]["capture"]["scaler_skipped_steps"]
+    assert "replay" not in info.notes and info.notes["capture"]["scaler_skipped_steps"]
     rep = build_report(store, cap.session)
     assert not [d for d in rep["diagnoses"] if d["severity"] == "error"], rep["diagnoses"]
     with pytest.raises(RerunError, match="replay kit"):

@@ -54,8 +54,8 @@ def db(ui_db):
 
 
 def _runs(store, session):
-    sid = store.session(session)["session_id"]
-    runs = {r["kind"]: r for r in session_runs(store, sid)}
+    sid = store.session(session).session_id
+    runs = {r.kind: r for r in session_runs(store, sid)}
     return sid, runs
 
 
@@ -140,9 +140,9 @@ def test_value_region_agrees_with_fp16_casts():
 def test_headroom_of_a_stats_only_record(db):
     sid, runs = _runs(db, STAT_SESSION)
     first = overview.first_nonfinite_by_run(db, sid)
-    cand_first = next(f.first for f in first if f.run["kind"] == "candidate")
-    ref = views.counterparts(db, runs["candidate"]["run_id"], cand_first.rid)[0]
-    st = detail.load_stats(db, ref["run_id"], ref["rid"])
+    cand_first = next(f.first for f in first if f.run.kind == "candidate")
+    ref = views.counterparts(db, runs["candidate"].run_id, cand_first.rid)[0]
+    st = detail.load_stats(db, ref.run_id, ref.rid)
     assert st.hist is None
     table = detail.headroom_table(st, ["fp16", "bf16"]).set_index("format")
     # the fp32 reference's Max/Min from its dump.json, independently
@@ -153,7 +153,7 @@ def test_headroom_of_a_stats_only_record(db):
     absmax = max(abs(entry["Max"]), abs(entry["Min"]))
     assert table.loc["fp16", "headroom (bits)"] == pytest.approx(math.log2(65504.0 / absmax))
     assert table.loc["fp16", "overflows"] == "yes" and table.loc["bf16", "overflows"] == "no"
-    cand = detail.load_stats(db, runs["candidate"]["run_id"], cand_first.rid)
+    cand = detail.load_stats(db, runs["candidate"].run_id, cand_first.rid)
     assert detail.headroom_table(cand, ["fp16"]).loc[0, "overflows"] == "yes: already inf"
     vals = detail.summary_values_table(st, ["fp16"]).set_index("statistic")
     assert vals.loc["absmax", "fp16"] == "overflow" and vals.loc["Mean", "fp16"] == "normal"
@@ -178,7 +178,7 @@ def test_figures_carry_the_format_lines():
 def test_first_nonfinite_matches_the_dump_json(db):
     sid, _ = _runs(db, STAT_SESSION)
     assert _first_nonfinite_from_json(CAND_JSON) == STAT_FIRST_NONFINITE
-    got = {f.run["kind"]: f.first for f in overview.first_nonfinite_by_run(db, sid)}
+    got = {f.run.kind: f.first for f in overview.first_nonfinite_by_run(db, sid)}
     assert got["reference"] is None
     assert got["candidate"].op == STAT_FIRST_NONFINITE
     assert got["candidate"].path[-1].op == STAT_FIRST_NONFINITE
@@ -226,14 +226,14 @@ def test_diagnosis_cards_come_from_the_store(db):
 
     sid, runs = _runs(db, STAT_SESSION)
     with db.extend_session(STAT_SESSION) as w:
-        w.add_diagnosis(Diagnosis(sid, runs["candidate"]["run_id"], STAT_FIRST_NONFINITE, "overflow",
+        w.add_diagnosis(Diagnosis(sid, runs["candidate"].run_id, STAT_FIRST_NONFINITE, "overflow",
                                   "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"),
                                   "error", 53))
     before = db.df("SELECT count(*) AS n FROM diagnoses WHERE session_id = ?", [sid]).n[0]
     cards = diagnosis_cards(db, sid)
     assert len(cards) == before
     assert [c for c in cards if c.message == "output absmax 81078 > fp16 max 65504"] == [DiagnosisCard(
-        runs["candidate"]["name"], runs["candidate"]["run_id"], STAT_FIRST_NONFINITE, "overflow",
+        runs["candidate"].name, runs["candidate"].run_id, STAT_FIRST_NONFINITE, "overflow",
         "output absmax 81078 > fp16 max 65504", ("keep-fp32:blocks.2.fc1", "use-bf16"), "error", 53)]
 
 
@@ -249,7 +249,7 @@ def test_sessions_table_headlines(db):
 @pytest.mark.slow
 def test_ops_page_counts_filters_and_pages(db):
     _, runs = _runs(db, STAT_SESSION)
-    run_id = runs["candidate"]["run_id"]
+    run_id = runs["candidate"].run_id
     entries = msprobe_tensor_entries(CAND_JSON)
     page = ops.ops_page(db, views.OpsFilter(run_id))
     assert page.total == len(entries) and len(page.rows) == 50 and page.pages == math.ceil(len(entries) / 50)
@@ -306,7 +306,7 @@ def test_name_pattern_escapes_like_wildcards():
 
 def test_ops_metrics_match_float64_numpy(db):
     _, runs = _runs(db, TENSOR_SESSION)
-    page = ops.ops_page(db, views.OpsFilter(runs["candidate"]["run_id"], pattern="blocks.1.proj"))
+    page = ops.ops_page(db, views.OpsFilter(runs["candidate"].run_id, pattern="blocks.1.proj"))
     row = page.rows.iloc[0]
     r = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float64)
     c = (np.linspace(-1.0, 1.0, 64, dtype=np.float32).reshape(8, 8) * 3).astype(np.float16).astype(np.float64)
@@ -323,16 +323,16 @@ def test_ops_metrics_match_float64_numpy(db):
 def test_metrics_table_shows_both_sides(db):
     _, runs = _runs(db, TENSOR_SESSION)
     rid = db.df("SELECT rid FROM tensors WHERE run_id = ? AND name = ?",
-                [runs["candidate"]["run_id"], f"{WIDE_OP}.output.0"]).rid[0]
-    t = detail.metrics_table(db, runs["candidate"]["run_id"], rid)
-    col = f"accumulated vs reference {runs['reference']['name']}"
+                [runs["candidate"].run_id, f"{WIDE_OP}.output.0"]).rid[0]
+    t = detail.metrics_table(db, runs["candidate"].run_id, rid)
+    col = f"accumulated vs reference {runs['reference'].name}"
     assert list(t.columns) == [col]
     x = wide_values()
     with np.errstate(over="ignore"):
         introduced = int((np.isfinite(x) & ~np.isfinite(x.astype(np.float16))).sum())
     assert t.loc["verdict", col] == "nonfinite" and t.loc["NaN/Inf introduced", col] == str(introduced)
-    back = detail.metrics_table(db, runs["reference"]["run_id"], rid)
-    assert list(back.columns) == [f"candidate {runs['candidate']['name']} vs this"]
+    back = detail.metrics_table(db, runs["reference"].run_id, rid)
+    assert list(back.columns) == [f"candidate {runs['candidate'].name} vs this"]
 
 
 def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
@@ -348,9 +348,9 @@ def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
     ingest([cand], reference=[ref], session="unmatched", store=db)
     sid, runs = _runs(db, "unmatched")
     pair = views.pair_options(db, sid)[0]
-    page = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"])
+    page = diff.diff_page(db, sid, pair.ref_run_id, pair.cand_run_id)
     assert page.total == 2
-    un = diff.diff_page(db, sid, pair["ref_run_id"], pair["cand_run_id"], show="unmatched")
+    un = diff.diff_page(db, sid, pair.ref_run_id, pair.cand_run_id, show="unmatched")
     assert un.total == 1
     row = un.rows.iloc[0]
     assert row["op"] == "m.extra" and row["match"] == "unmatched_cand"
@@ -361,7 +361,7 @@ def test_diff_pair_aligns_and_lists_unmatched(db, tmp_path):
 
 def test_diff_problems_start_at_the_first_nonfinite_op(db):
     sid, runs = _runs(db, STAT_SESSION)
-    page = diff.diff_page(db, sid, runs["reference"]["run_id"], runs["candidate"]["run_id"], show="problems",
+    page = diff.diff_page(db, sid, runs["reference"].run_id, runs["candidate"].run_id, show="problems",
                           page_size=5)
     assert page.total == msprobe_nonfinite_count(CAND_JSON)
     assert page.rows.iloc[0]["op"] == STAT_FIRST_NONFINITE
@@ -372,7 +372,7 @@ def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
     """The msprobe statistics sample: its Diff and Ops rows carry summary_rel_err (the relative change of the
     summaries, recomputed here from the two sides' stored Max, Min and Norm) and no element-wise max_rel_err."""
     sid, runs = _runs(db, STAT_SESSION)
-    ref, cand = runs["reference"]["run_id"], runs["candidate"]["run_id"]
+    ref, cand = runs["reference"].run_id, runs["candidate"].run_id
     page = diff.diff_page(db, sid, ref, cand, page_size=1000)
     df = page.rows
     assert page.stats_basis and set(df["basis"].dropna()) == {"stats"}
@@ -393,7 +393,7 @@ def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
     assert checked > 20
     # a pair compared element-wise shows no summary columns
     tsid, truns = _runs(db, TENSOR_SESSION)
-    tpage = diff.diff_page(db, tsid, truns["reference"]["run_id"], truns["candidate"]["run_id"])
+    tpage = diff.diff_page(db, tsid, truns["reference"].run_id, truns["candidate"].run_id)
     assert not tpage.stats_basis and "summary_rel_err" not in tpage.rows.columns
     assert tpage.rows["max_rel_err"].notna().any()
     # the Ops table: the same errors, sortable by them
@@ -411,7 +411,7 @@ def test_a_stats_only_pair_shows_its_summary_errors_apart(db):
     # Op detail: the summaries' errors in rows of their own, the element-wise ones missing
     row = df[df["summary_rel_err"].map(lambda v: v is not None and np.isfinite(v))].iloc[0]
     t = detail.metrics_table(db, cand, int(row["cand_rid"]))
-    col = f"accumulated vs reference {runs['reference']['name']}"
+    col = f"accumulated vs reference {runs['reference'].name}"
     assert t.loc["summary rel error", col] == num_text(row["summary_rel_err"], 8)
     assert t.loc["summary abs error", col] == num_text(row["summary_abs_err"], 8)
     assert t.loc["max rel error", col] == MISSING and t.loc["basis", col] == "stats"
@@ -439,7 +439,7 @@ def test_element_wise_and_summary_errors_are_never_ranked_as_one_number(store):
             w.add_comparison(kind="stats" if by_stats else "accumulated", ref_run_id=ref, ref_rid=i,
                              cand_run_id=cand, cand_rid=i, step=0, rank=0, seq=i, op=f"op{i}", role="output",
                              index="0", match="exact", comparison=cmp)
-    sid = store.session("mixed")["session_id"]
+    sid = store.session("mixed").session_id
     rows = store.df("SELECT seq, max_rel_err, summary_rel_err FROM comparisons ORDER BY seq")
     # the summaries moved more than any element-wise error: one number would put them first
     assert rows["summary_rel_err"][3] > rows["summary_rel_err"][1] > rows["max_rel_err"][2] > rows["max_rel_err"][0]
@@ -480,19 +480,19 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
     sid, _ = _runs(db, "three")
     runs = session_runs(db, sid)
     assert len(runs) == 3
-    page = diff.nrun_page(db, sid, [r["run_id"] for r in runs])
+    page = diff.nrun_page(db, sid, [r.run_id for r in runs])
     assert page.rows.attrs["base_run"] == "base_fp32"
     row = page.rows.iloc[0]
     assert row["try_fp16: absmax"] == pytest.approx(float(np.abs(x.astype(np.float16)).max()))
     assert row["fix_fp16: absmax"] == pytest.approx(float(np.abs((x * 0.5).astype(np.float16)).max()))
     assert row["fix_fp16: max_rel_err"] > row["try_fp16: max_rel_err"]
     with pytest.raises(ValueError, match="at least one run"):
-        diff.nrun_page(db, sid, [runs[0]["run_id"]], base_run_id=runs[0]["run_id"])
-    probs = diff.nrun_page(db, sid, [r["run_id"] for r in runs], show="problems")
+        diff.nrun_page(db, sid, [runs[0].run_id], base_run_id=runs[0].run_id)
+    probs = diff.nrun_page(db, sid, [r.run_id for r in runs], show="problems")
     assert probs.total == 1 and probs.rows.iloc[0]["fix_fp16: verdict"] == "error"  # halved values
-    by_name = {r["name"]: r["run_id"] for r in runs}
+    by_name = {r.name: r.run_id for r in runs}
     assert diff.nrun_page(db, sid, [by_name["base_fp32"], by_name["try_fp16"]], show="problems").total == 0
-    assert diff.nrun_page(db, sid, [r["run_id"] for r in runs], show="unmatched").total == 0
+    assert diff.nrun_page(db, sid, [r.run_id for r in runs], show="unmatched").total == 0
 
     # a run stored without comparisons is matched by name; its NaN shows as a problem
     from precision_lab.records import TensorRecord
@@ -503,7 +503,7 @@ def test_nrun_view_has_a_column_group_per_run(db, tmp_path):
         bad[3] = np.nan
         w.add_record(TensorRecord(extra, 0, "layer", "layer", "output", "0", tensor_stats(bad)))
         w.add_record(TensorRecord(extra, 1, "other", "other", "output", "0", tensor_stats(bad)))
-    ids = [r["run_id"] for r in session_runs(db, sid)]
+    ids = [r.run_id for r in session_runs(db, sid)]
     page = diff.nrun_page(db, sid, ids)
     row = page.rows.iloc[0]
     assert row["manual: match"] == "name" and bool(row["manual: nonfinite"])
@@ -560,7 +560,7 @@ def test_one_error_carried_on_ranks_where_it_first_appears_and_a_named_op_ranks_
             w.add_comparison(kind="accumulated", ref_run_id=ref, ref_rid=i, cand_run_id=cand, cand_rid=i, step=0,
                              rank=0, seq=i, op=f"op{i}", role="output", index="0", match="exact",
                              comparison=compare(x, c))
-    sid = store.session("carried")["session_id"]
+    sid = store.session("carried").session_id
     got = store.df("SELECT seq, verdict, rounding_units FROM comparisons ORDER BY seq")
     ru = list(got["rounding_units"])
     assert len(set(got["verdict"][:3])) == 1 and max(ru[:3]) < 2 * min(ru[:3]) and ru[2] > ru[1] > ru[0]
@@ -596,7 +596,7 @@ def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finit
                          rank=0, seq=1, op="fc.linear.0", role="output", index="0", match="exact",
                          comparison=compare(x, bad.astype(np.float16)))
         w.add_diagnosis(Diagnosis("", cand, "q.reciprocal.0", "division", "1/0", (), "error", 0))
-    sid = store.session("lone")["session_id"]
+    sid = store.session("lone").session_id
     got = store.df("SELECT rid, op FROM tensors WHERE run_id = ? ORDER BY rid", [cand])
     assert list(zip(got["rid"], got["op"])) == [(0, "q.reciprocal.0"), (1, "fc.linear.0")]
     top = views.top_offenders(store, sid, n=5, include_nonfinite=True)
@@ -640,14 +640,14 @@ def test_the_op_pickers_name_records_a_link_may_give(db):
     """``record_named`` takes a record id as a link or picker gives it (text) and refuses what names no record;
     ``op_choices`` labels each matching record once, the one asked for included."""
     _, runs = _runs(db, STAT_SESSION)
-    run_id = runs["candidate"]["run_id"]
+    run_id = runs["candidate"].run_id
     first = views.find_records(db, run_id, limit=3)
-    rid = first[0]["rid"]
-    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0]["name"]
+    rid = first[0].rid
+    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0].name
     assert detail.record_named(db, run_id, "12abc") is None
     assert detail.record_named(db, run_id, 10 ** 9) is None
     last = views.find_records(db, run_id, limit=10 ** 6)[-1]
-    choices = detail.op_choices(db, run_id, first[0]["name"], include_rid=last["rid"])
-    assert choices.options[0] == last["rid"] and rid in choices.options
-    assert choices.label(rid) == f"{first[0]['name']}  (seq {first[0]['seq']})"
+    choices = detail.op_choices(db, run_id, first[0].name, include_rid=last.rid)
+    assert choices.options[0] == last.rid and rid in choices.options
+    assert choices.label(rid) == f"{first[0].name}  (seq {first[0].seq})"
     assert detail.step_choices(db, run_id) == []  # a dump of one step: no step to choose

@@ -92,7 +92,7 @@ def test_samples_pair_low_precision_with_fp32_reference(tmp_path):
 def test_ingest_upload_builds_the_pair_session(store, tmp_path):
     name = ingest_upload(store, _folder_items(STAT_CAND), _folder_items(STAT_REF), session="up")
     assert name == "up"
-    sid = store.session("up")["session_id"]
+    sid = store.session("up").session_id
     runs = store.runs(sid)
     assert sorted(runs["kind"]) == ["candidate", "reference"]
     # one record per tensor entry in each dump.json, counted independently of the reader

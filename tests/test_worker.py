@@ -39,17 +39,17 @@ def _session(store, build: str) -> str:
 
 
 def _runs(store, name):
-    return q.session_runs(store, store.session(name)["session_id"])
+    return q.session_runs(store, store.session(name).session_id)
 
 
 def test_a_dashboard_rerun_runs_the_model_in_another_process_and_fixes_it(probe, tmp_path):
     store = Store(tmp_path / "w.duckdb")
     name = _session(store, "build")
-    cand = next(r for r in _runs(store, name) if r["kind"] == "candidate")
-    assert first_nonfinite(store, cand["run_id"]) is not None  # fp16 overflows in `up`
+    cand = next(r for r in _runs(store, name) if r.kind == "candidate")
+    assert first_nonfinite(store, cand.run_id) is not None  # fp16 overflows in `up`
     # the model's output holds inf: it has no SQNR, and no earlier op's SQNR stands in for it
-    last = q.last_accumulated_output(store, cand["run_id"])
-    assert last["op"] == "forward.0" and last["sqnr_db"] is None
+    last = q.last_accumulated_output(store, cand.run_id)
+    assert last.op == "forward.0" and last.sqnr_db is None
     here = {int(p) for p in probe.read_text().split()}
     assert here == {os.getpid()}
 
@@ -57,8 +57,8 @@ def test_a_dashboard_rerun_runs_the_model_in_another_process_and_fixes_it(probe,
     assert job.wait(300) and job.ok, job.error
     there = {int(p) for p in probe.read_text().split()} - here
     assert there and os.getpid() not in there  # both forward passes of the re-run were built elsewhere
-    rerun = next(r for r in _runs(store, name) if r["run_id"] == job.run_id)
-    assert rerun["kind"] == "rerun" and rerun["fix"] == "use-bf16"
+    rerun = next(r for r in _runs(store, name) if r.run_id == job.run_id)
+    assert rerun.kind == "rerun" and rerun.fix == "use-bf16"
     assert first_nonfinite(store, job.run_id) is None
     n = store.sql("SELECT count(*) FROM comparisons WHERE cand_run_id = ? AND kind = 'accumulated'",
                   [job.run_id]).fetchone()[0]

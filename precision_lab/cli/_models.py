@@ -65,5 +65,5 @@ def model_entry_points(store, session: str, model: Optional[str], inputs: Option
     if recorded != rec.name:
         what = (f"the model entry points {parse_entry_point_recipe(recorded)}" if recorded and
                 recorded.startswith(MODEL_PREFIX) else f"recipe {recorded!r}" if recorded else "dumps, not a model")
-        _fail(f"session {info['name']!r} was captured from {what}; --model/--inputs/--loss name "
+        _fail(f"session {info.name!r} was captured from {what}; --model/--inputs/--loss name "
               f"{parse_entry_point_recipe(rec.name)}")

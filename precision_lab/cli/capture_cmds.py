@@ -107,7 +107,7 @@ def capture_cmd(
 
 def _summary(store, name: str) -> None:
     info = store.session(name)
-    runs = store.runs(info["session_id"])
+    runs = store.runs(info.session_id)
     echo(f"session {name!r} in {store.path}")
     for _, r in runs.iterrows():
         n = count_records(store, r["run_id"])
@@ -119,7 +119,7 @@ def _summary(store, name: str) -> None:
         else:
             echo(f"  {r['name']}: first non-finite at {hit.op} ({hit.direction}, step {hit.step}, "
                        f"rank {hit.rank}): {hit.reason}")
-    for d in diagnosis_cards(store, info["session_id"]):
+    for d in diagnosis_cards(store, info.session_id):
         echo(f"  diagnosis [{d.severity}] {d.run}: {d.op}: {d.message}")
         if d.fixes:
             echo(f"    fixes (best first): {', '.join(d.fixes)}")

@@ -40,20 +40,20 @@ def _print_run_summary(store, session: str, run_id: str) -> bool:
 
     run = store.run(run_id)
     fn = first_nonfinite(store, run_id)
-    echo(f"run {run['name']} ({run_id}) in session {session}: parent {run.get('parent_run_id') or '-'}, "
-               f"fix {run.get('fix') or '-'}")
+    echo(f"run {run.name} ({run_id}) in session {session}: parent {run.parent_run_id or '-'}, "
+               f"fix {run.fix or '-'}")
     last = q.last_accumulated_output(store, run_id)
     if fn is None:
         echo("  no NaN or inf anywhere in the run")
     else:
         echo(f"  first non-finite: {fn.op} ({fn.reason})")
     if last is not None:
-        sqnr = "none (the output holds NaN/Inf)" if last["sqnr_db"] is None else f"{last['sqnr_db']:.1f} dB"
-        echo(f"  output SQNR against the fp32 reference: {sqnr} ({last['verdict']})")
+        sqnr = "none (the output holds NaN/Inf)" if last.sqnr_db is None else f"{last.sqnr_db:.1f} dB"
+        echo(f"  output SQNR against the fp32 reference: {sqnr} ({last.verdict})")
     for d in q.run_diagnoses(store, run_id):
-        echo(f"  [{d['severity']}] {d['rule']} at {d['op']}: {d['message']}")
-        if d["fixes"]:
-            echo(f"      fixes: {', '.join(d['fixes'])}")
+        echo(f"  [{d.severity}] {d.rule} at {d.op}: {d.message}")
+        if d.fixes:
+            echo(f"      fixes: {', '.join(d.fixes)}")
     return fn is None
 
 
@@ -79,7 +79,7 @@ def rerun_cmd(
         end_progress(progress)
         _fail(str(e))
     end_progress(progress)
-    name = store.session(session)["name"]
+    name = store.session(session).name
     if not _print_run_summary(store, name, run_id):
         raise typer.Exit(EXIT_FAILED)
 

@@ -37,7 +37,7 @@ def db_cmd(db: Optional[str] = typer.Option(None, "--db", help=DB_HELP)) -> None
     store = open_store(db)
     echo(store.path)
     for row in session_list(store):
-        echo(f"  {row['name']}  ({row['runs']} runs, {row['created']})")
+        echo(f"  {row.name}  ({row.runs} runs, {row.created})")
 
 
 @app.command("delete")
@@ -47,7 +47,7 @@ def delete_cmd(session: str = typer.Option(..., "--session", "-s", help="the ses
     transaction."""
     store = open_store(db)
     try:
-        name = store.session(session)["name"]
+        name = store.session(session).name
         store.delete_session(session)
     except SessionNotFound as e:
         _fail(str(e))

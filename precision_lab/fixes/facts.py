@@ -1,8 +1,9 @@
 """The rows a diagnosis rule reads about recorded runs, typed (``rules.RunFacts`` answers them).
 
-Each is built once where the store's answer comes out (``services.diagnose.StoreFacts``) with ``from_row``; a
-tensor record is a ``records.StoredRecord`` and a run a ``records.RunInfo``.  A field is None where the store
-holds NULL: the query gave no value (no comparison, a summary-only record).
+The store's queries answer them (``store.queries``, built from each query's columns by ``store.rows.rows_as``:
+a field is named as the column that fills it); a tensor record is a ``records.StoredRecord`` and a run a
+``records.RunInfo``.  A field is None where the store holds NULL: the query gave no value (no comparison, a
+summary-only record).
 
 A fact beyond the built-in ones (``rulebook.RunFacts``) is a function ``fn(store, *args)`` registered with
 ``register_fact(name)`` (or through the ``precision_lab.facts`` entry point group): a rule that declares
@@ -11,10 +12,8 @@ A fact beyond the built-in ones (``rulebook.RunFacts``) is a function ``fn(store
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Mapping, Optional
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Optional
 
 from ..records import StoredRecord
 from ..registry import Registry
@@ -36,15 +35,8 @@ def register_fact(name: str, *, replace: bool = False):
     return deco
 
 
-class _Row:
-    @classmethod
-    def from_row(cls, row: Mapping):
-        """The row's columns of the same names as the fields."""
-        return cls(**{f.name: row.get(f.name) for f in fields(cls)})
-
-
 @dataclass(frozen=True)
-class ZeroGradient(_Row):
+class ZeroGradient:
     """A parameter gradient that is 0 in every element, beside the gradient that arrived at its backward op."""
     op: str
     step: int
@@ -58,14 +50,14 @@ class ZeroGradient(_Row):
 
 
 @dataclass(frozen=True)
-class OpSeen(_Row):
+class OpSeen:
     """An op and where it first appears in execution order."""
     op: str
     seq: int
 
 
 @dataclass(frozen=True)
-class LocalError(_Row):
+class LocalError:
     """An output whose local error (against fp32 recomputed from its own inputs) is judged an error."""
     op: str
     seq: int
@@ -77,7 +69,7 @@ class LocalError(_Row):
 
 
 @dataclass(frozen=True)
-class FinalOutput(_Row):
+class FinalOutput:
     """The run's last output compared with the reference: the model's output."""
     op: str
     seq: int
@@ -88,7 +80,7 @@ class FinalOutput(_Row):
 
 
 @dataclass(frozen=True)
-class ErrorGrowth(_Row):
+class ErrorGrowth:
     """One op call's accumulated error against the reference, its output's beside its inputs'."""
     op: str
     op_type: Optional[str]
@@ -109,7 +101,7 @@ class ErrorGrowth(_Row):
 
 
 @dataclass(frozen=True)
-class PairedValues(_Row):
+class PairedValues:
     """A record compared element-wise with the reference, beside the reference record's values."""
     op: str
     op_type: Optional[str]
@@ -132,7 +124,7 @@ class PairedValues(_Row):
 
 
 @dataclass(frozen=True)
-class StateAfter(_Row):
+class StateAfter:
     """The first non-finite parameter or buffer record after a step."""
     op: str
     index: str
@@ -155,9 +147,3 @@ class QuantiseCall:
     output: StoredRecord
     amax: Optional[float]
     """The max of the ``<path>.amax`` output its scale was built from, where recorded."""
-
-    @classmethod
-    def from_row(cls, row: Mapping, input_hist: Optional[np.ndarray] = None) -> "QuantiseCall":
-        return cls(row["op"], int(row["step"]), int(row["rank"]), int(row["seq"]),
-                   StoredRecord.from_row(row["input"], input_hist), StoredRecord.from_row(row["output"]),
-                   row.get("amax"))

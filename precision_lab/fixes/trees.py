@@ -5,6 +5,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["cast_floating", "call_model", "first_tensor"]
 
 
@@ -19,7 +24,7 @@ def cast_floating(tree, tdtype):
                          tree)
 
 
-def call_model(model, inputs):
+def call_model(model, inputs) -> object:
     """``model`` called on ``inputs`` as recipes and captures give them: a dict is keyword arguments, a tuple or
     list positional ones, anything else the one argument."""
     if isinstance(inputs, dict):
@@ -29,7 +34,7 @@ def call_model(model, inputs):
     return model(inputs)
 
 
-def first_tensor(output):
+def first_tensor(output) -> Optional["torch.Tensor"]:
     """The first tensor of a model's output (the output itself, a tuple's first, a Hugging Face ModelOutput's
     logits or last hidden state), or None."""
     import torch  # deferred: see cast_floating

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from ..fixes.policy import COMPUTE_FORMATS, PrecisionPolicy, cast_floating
 from ..formats import format_for_dtype, get_format
+
+
+class CapturePolicy(Protocol):
+    """What a capture runs a model under: it casts the model and its inputs."""
+
+    def prepare(self, model): ...
+
+    def prepare_inputs(self, inputs): ...
 
 
 def policy_description(policy) -> Optional[str]:
@@ -50,7 +58,7 @@ class Float64Policy:
         return cast_floating(inputs, torch.float64)
 
 
-def as_policy(dtype_policy):
+def as_policy(dtype_policy) -> Optional[CapturePolicy]:
     """The policy a capture runs under: a bare torch dtype or format name is the ``PrecisionPolicy`` of that
     compute format (so the run records, and re-runs read back, one kind of policy); float64 is
     ``Float64Policy``; an object with ``prepare`` and ``prepare_inputs`` is used as it is."""

@@ -44,7 +44,7 @@ as ``kind="local"`` comparisons of the record with the same name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from .base import RANK_RE, STEP_RE, ReadError, Reader, RunSource, Tick, dominant_dtype, first_line, natural_key
 from .generic import GenericReader
@@ -88,7 +88,7 @@ def ordered() -> list:
     return sorted((_checked(r) for r in READERS.values()), key=lambda r: -r.priority)
 
 
-def detect(path) -> Optional[Any]:
+def detect(path) -> Optional[Reader]:
     """The first registered reader that recognises ``path`` (a folder), or None."""
     root = Path(path)
     for reader in ordered():

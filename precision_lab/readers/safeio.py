@@ -87,7 +87,7 @@ def limits() -> ReadLimits:
 
 
 @contextlib.contextmanager
-def limits_in_force(lim: Optional[ReadLimits]):
+def limits_in_force(lim: Optional[ReadLimits]) -> Iterator[ReadLimits]:
     """Make ``lim`` the limits readers see until the block ends (None: keep the current ones)."""
     if lim is None:
         yield limits()
@@ -202,7 +202,7 @@ def open_regular(path: Path, rel: str, root: Optional[Path] = None):
 JSON_CONTAINERS_PER_RECORD = 32
 
 
-def parse_json(raw: bytes, rel: str, *, what: str = "JSON file") -> Any:
+def parse_json(raw: bytes, rel: str, *, what: str = "JSON file") -> object:
     """Parse JSON bytes from a dump, its container count bounded first; bare NaN/Infinity are accepted."""
     cap = JSON_CONTAINERS_PER_RECORD * limits().max_file_records
     opened = raw.count(b"{") + raw.count(b"[")  # an over-count (brackets inside strings) only errs on the safe side
@@ -223,7 +223,7 @@ def parse_json(raw: bytes, rel: str, *, what: str = "JSON file") -> Any:
         raise ReadError(f"{rel}: holds a value that cannot be read ({first_line(e)})") from None
 
 
-def read_json(path: Path, rel: str, root: Optional[Path] = None, *, what: str = "JSON file") -> Any:
+def read_json(path: Path, rel: str, root: Optional[Path] = None, *, what: str = "JSON file") -> object:
     """Parse a JSON file from a dump within the size and container limits (see ``parse_json``)."""
     lim = limits()
     with open_regular(path, rel, root) as f:

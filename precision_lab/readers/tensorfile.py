@@ -108,7 +108,7 @@ def _open(path: Path, rel: str, root: Optional[Path], want, sidecar):
     raise ReadError(f"{rel}: not a tensor file this reader knows (readable types: {', '.join(SUFFIXES)})")
 
 
-def load_source(root: Path, source: str, *, name: str = "", step: int = 0, rank: int = 0):
+def load_source(root: Path, source: str, *, name: str = "", step: int = 0, rank: int = 0) -> Optional[object]:
     """The tensor a stored record's ``source`` names inside dump folder ``root``, read as ingest read it.
 
     ``source`` is a file relative to ``root`` (``step0/rank0/dump_tensor_data/x.pt``), a container's file and

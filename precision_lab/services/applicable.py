@@ -29,6 +29,7 @@ from ..fixes.catalogue import FIXES, FixError, apply_fixes, parse_fix, unreachab
 from ..fixes.policy import PolicyError, island_effect, island_effects
 from ..fixes.rules import at_stake
 from ..ops import innermost_module
+from ..records import RunInfo
 from ..store import queries as q
 from .diagnose import StoreFacts
 from .report import first_nonfinite
@@ -64,10 +65,10 @@ def _fingerprint(model) -> tuple:
     return tuple(out)
 
 
-def _target(store, run: dict, names: list[str]) -> Optional[str]:
+def _target(store, run: RunInfo, names: list[str]) -> Optional[str]:
     """The module a pattern fix is tried on: the first non-finite producer's, else the worst local error's."""
-    fn = first_nonfinite(store, run["run_id"])
-    ops = ([fn.op] if fn else []) + list(q.ops_by_local_error(store, run["run_id"]))
+    fn = first_nonfinite(store, run.run_id)
+    ops = ([fn.op] if fn else []) + list(q.ops_by_local_error(store, run.run_id))
     for op in ops:
         m = innermost_module(op, names)
         if m:
@@ -89,16 +90,16 @@ def _island_pattern(spec: str) -> Optional[str]:
     return arg if name == "keep-fp32" and arg and "+" not in spec else None
 
 
-def _stake(store, runs: list[dict], cand: Optional[dict]) -> Optional[float]:
+def _stake(store, runs: list[RunInfo], cand: Optional[RunInfo]) -> Optional[float]:
     """The largest finite magnitude the reference holds where the candidate's first non-finite value is made
     (``rules.at_stake``, as its diagnosis card asks): what a fix's target format must hold; None without one."""
-    ref = next((r for r in runs if r["kind"] == "reference"), None)
-    fn = first_nonfinite(store, cand["run_id"]) if cand and ref else None
+    ref = next((r for r in runs if r.kind == "reference"), None)
+    fn = first_nonfinite(store, cand.run_id) if cand and ref else None
     if fn is None:
         return None
     facts = StoreFacts(store)  # the typed rows the rules read
-    recs = facts.op_records(cand["run_id"], fn.op, fn.step, fn.rank)
-    return at_stake(facts.reference_of(cand["run_id"], recs, ref["run_id"]).values())
+    recs = facts.op_records(cand.run_id, fn.op, fn.step, fn.rank)
+    return at_stake(facts.reference_of(cand.run_id, recs, ref.run_id).values())
 
 
 def _try(model, policy, base: tuple, spec: str, *, stake: Optional[float] = None, backward: bool = False,
@@ -138,8 +139,8 @@ def applicable_fixes(store, session: str) -> list[FixApplicability]:
     """Every fix of the catalogue for the session's model, as tried on it.  Builds the model (fp32) once; runs
     nothing."""
     info, recipe = session_recipe(store, session)
-    runs = q.session_runs(store, info["session_id"])
-    cand = next((r for r in runs if r["kind"] == "candidate"), None)
+    runs = q.session_runs(store, info.session_id)
+    cand = next((r for r in runs if r.kind == "candidate"), None)
     policy = (run_policy(cand) if cand else None) or recipe.default_policy
     model, _ = recipe.build()
     # an island changes something only where island_effect says so: the modules it is offered on

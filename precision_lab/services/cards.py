@@ -28,6 +28,6 @@ class DiagnosisCard:
 
 def diagnosis_cards(store, session_id: str) -> list[DiagnosisCard]:
     """The session's diagnoses as cards, errors first, then by execution order."""
-    return [DiagnosisCard(d["run"], d["run_id"], d["op"], d["rule"], d["message"], tuple(d["fixes"]),
-                          d["severity"] or "info", d["seq"])
+    return [DiagnosisCard(d.run, d.run_id, d.op, d.rule, d.message, tuple(d.fixes),
+                          d.severity or "info", d.seq)
             for d in views.diagnoses_worst_first(store, session_id)]

@@ -5,7 +5,7 @@ comparisons of every candidate and re-run in a session and writes one
 ``Diagnosis`` row per finding, replacing the session's earlier diagnoses in
 one transaction (running it twice gives the same rows).  The rules
 themselves live in ``precision_lab.fixes.rules`` and see the store only
-through ``StoreFacts``, which types each row the store answers once (``records.StoredRecord``, ``records.RunInfo``,
+through ``StoreFacts``, which answers with the store's typed rows (``records.StoredRecord``, ``records.RunInfo``,
 ``fixes.facts``).
 """
 
@@ -15,10 +15,10 @@ from functools import partial
 from typing import Optional
 
 from ..fixes.recipes import RecipeNotFound, get_recipe
-from ..fixes.facts import FACTS, ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter, ZeroGradient
+from ..fixes.facts import FACTS
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
-from ..records import Diagnosis, RunInfo, StoredRecord
+from ..records import Diagnosis, StoredRecord
 from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
@@ -42,7 +42,7 @@ class StoreFacts:
         return partial(fact, self.store)
 
     def zero_gradients(self, run_id):
-        return [ZeroGradient.from_row(r) for r in q.zero_gradients(self.store, run_id)]
+        return q.zero_gradients(self.store, run_id)
 
     def op_records(self, run_id, op, step, rank):
         return [StoredRecord.from_row(r) for r in q.op_records(self.store, run_id, op, step, rank)]
@@ -62,33 +62,29 @@ class StoreFacts:
         return q.warning_starting(self.store, run_id, prefix)
 
     def ops_above(self, run_id, absmax):
-        return [OpSeen.from_row(r) for r in q.ops_above(self.store, run_id, absmax)]
+        return q.ops_above(self.store, run_id, absmax)
 
     def worst_local_errors(self, run_id, limit):
-        return [LocalError.from_row(r) for r in q.worst_local_errors(self.store, run_id, limit)]
+        return q.worst_local_errors(self.store, run_id, limit)
 
     def last_accumulated_output(self, run_id):
-        row = q.last_accumulated_output(self.store, run_id)
-        return None if row is None else FinalOutput.from_row(row)
+        return q.last_accumulated_output(self.store, run_id)
 
     def last_forward_output_finite(self, run_id):
         return q.last_forward_output_finite(self.store, run_id)
 
     def error_growth(self, run_id):
-        return [ErrorGrowth.from_row(r) for r in q.error_growth(self.store, run_id)]
+        return q.error_growth(self.store, run_id)
 
     def paired_values(self, run_id, roles, op_types=None):
-        return [PairedValues.from_row(r) for r in q.paired_values(self.store, run_id, roles, op_types)]
+        return q.paired_values(self.store, run_id, roles, op_types)
 
     def first_nonfinite_state_after(self, run_id, step):
-        row = q.first_nonfinite_state_after(self.store, run_id, step)
-        return None if row is None else StateAfter.from_row(row)
+        return q.first_nonfinite_state_after(self.store, run_id, step)
 
     def quantise_calls(self, run_id):
         if run_id not in self._quantise:
-            self._quantise[run_id] = [
-                QuantiseCall.from_row(c, self.store.histogram(run_id, c["input"]["rid"]))
-                for c in q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise"))]
+            self._quantise[run_id] = q.quantise_calls(self.store, run_id, ("quantise",) + aliases_of("quantise"))
         return self._quantise[run_id]
 
 
@@ -118,12 +114,11 @@ def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
     """``(diagnoses, judgements)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict, reason)``
     for each quantise op call whose output is worse than expected against its own input."""
     info = store.session(session)
-    rows = q.session_runs(store, info["session_id"])
-    runs = [RunInfo.from_row(r) for r in rows]
+    runs = q.session_runs(store, info.session_id)
     ref = next((r for r in runs if r.kind == "reference"), None)
     ctx = Context(StoreFacts(store), info, runs, ref)
-    for r in rows:
-        ctx.policies[r["run_id"]] = run_policy(r)
+    for r in runs:
+        ctx.policies[r.run_id] = run_policy(r)
     recipe = recipe_name(store, info)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []
@@ -154,7 +149,7 @@ def diagnose_session(store, session: str) -> list[Diagnosis]:
         for j in judged:
             w.worsen_verdicts(*j)
         w.mark_diagnosed()
-    sid = store.session(session)["session_id"]
+    sid = store.session(session).session_id
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
 
 

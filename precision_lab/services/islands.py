@@ -13,6 +13,7 @@ from ..metrics import compare
 from ..ops import innermost_module
 from ..readers.base import first_line
 from ..store import queries as q
+from ..store.rows import SessionRow
 from .diagnose import diagnose_session
 from .report import first_nonfinite
 from .rerun import (Progress, RerunError, _isolate, _module_names, _plain_output, _reference_rids, _resolve_parent,
@@ -145,20 +146,20 @@ def _tolerance_of(tolerance: Tolerance | str | float | None, recipe) -> Toleranc
 class _Search:
     """One island search: the runs it started from, each island tried (``attempt``) and judged once."""
 
-    def __init__(self, store, info: dict, recipe, tol: Tolerance, *, max_runs: int, parent: Optional[str],
+    def __init__(self, store, info: SessionRow, recipe, tol: Tolerance, *, max_runs: int, parent: Optional[str],
                  progress: Progress, isolated: bool):
         self.store, self.info, self.recipe, self.tol = store, info, recipe, tol
         self.max_runs, self.progress, self.isolated = max_runs, progress, isolated
-        runs = _runs(store, info["session_id"])
-        self.ref_run = next((r for r in runs if r["kind"] == "reference"), None)
+        runs = _runs(store, info.session_id)
+        self.ref_run = next((r for r in runs if r.kind == "reference"), None)
         if self.ref_run is None:
-            raise RerunError(f"session {info['name']!r} has no fp32 reference run")
-        self.par = _resolve_parent(runs, parent, info["name"])
+            raise RerunError(f"session {info.name!r} has no fp32 reference run")
+        self.par = _resolve_parent(runs, parent, info.name)
         self.base = run_policy(self.par) or recipe.default_policy
         self.names = _isolate(_module_names, recipe, isolated=isolated)
-        self.ref = _run_model(recipe, run_policy(self.ref_run), isolated=isolated, run_name=self.ref_run["name"],
+        self.ref = _run_model(recipe, run_policy(self.ref_run), isolated=isolated, run_name=self.ref_run.name,
                               kind="reference", local_error=False)
-        self.ref_rids = _reference_rids(store, self.ref_run["run_id"])
+        self.ref_rids = _reference_rids(store, self.ref_run.run_id)
         self.result = BisectResult([], False, tol)
         self.tried: dict[tuple, Attempt] = {}
 
@@ -181,12 +182,12 @@ class _Search:
         recipe, isolated, max_runs = self.recipe, self.isolated, self.max_runs
         if not island:
             # the starting point is the parent run itself, already stored
-            return self.judge(self.par["run_id"], (), "", _isolate(_plain_output, recipe, self.base, isolated=isolated))
+            return self.judge(self.par.run_id, (), "", _isolate(_plain_output, recipe, self.base, isolated=isolated))
         if len(self.result.attempts) > max_runs:
             raise _Budget()
         label = "+".join(f"keep-fp32:{m}" for m in island)
         policy = apply_fixes(self.base, label)
-        name = _unique_run_name(_runs(self.store, self.info["session_id"]), f"bisect: {label}")
+        name = _unique_run_name(_runs(self.store, self.info.session_id), f"bisect: {label}")
         _tick(self.progress, len(self.tried), max_runs, f"model run {len(self.tried)} of at most {max_runs}: {name}")
         try:
             run = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
@@ -195,9 +196,9 @@ class _Search:
             # code): a failed try, said once; the search goes on from the last run that ran
             self.result.notes.append(f"{label}: the model does not run with it ({first_line(str(e))})")
             return self.record(Attempt("", island, label, -1, None, False))
-        with self.store.extend_session(self.info["name"]) as w:
-            run_id, _ = _write(w, run, ref=self.ref, ref_run_id=self.ref_run["run_id"], ref_rids=self.ref_rids,
-                               parent_run_id=self.par["run_id"], fix=label, kind="rerun", name=f"bisect: {label}")
+        with self.store.extend_session(self.info.name) as w:
+            run_id, _ = _write(w, run, ref=self.ref, ref_run_id=self.ref_run.run_id, ref_rids=self.ref_rids,
+                               parent_run_id=self.par.run_id, fix=label, kind="rerun", name=f"bisect: {label}")
         return self.judge(run_id, island, label, run.output)
 
     def grow_and_prune(self) -> list[str]:
@@ -258,7 +259,7 @@ def bisect_fp32_islands(store, session: str, *, tolerance: Tolerance | str | flo
         result.message = (f"keeping {len(island)} module(s) in fp32 meets {tol.describe()}: "
                           + (", ".join(island) if island else "(none needed)"))
 
-    diagnose_session(store, info["name"])
+    diagnose_session(store, info.name)
     _tick(progress, max_runs, max_runs, "done")
     return result
 

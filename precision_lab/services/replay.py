@@ -33,8 +33,10 @@ from ..metrics import compare
 from ..readers import ReadError
 from ..readers.safeio import ReadLimits, contained, limits_in_force, read_json
 from ..readers.tensorfile import SUFFIXES, load_source
+from ..records import RunInfo
 from ..stats import tensor_stats
 from ..store import queries as q
+from ..store.rows import SessionRow
 from .share import SHARED_SOURCE
 
 __all__ = ["ReplayResult", "ReplayableOp", "replay_op", "replayable_ops", "REPRODUCE_ULPS"]
@@ -54,9 +56,9 @@ def _is_tensor(x) -> bool:
     return isinstance(x, _torch().Tensor)
 
 
-def _dump_root(run: dict) -> Optional[Path]:
+def _dump_root(run: RunInfo) -> Optional[Path]:
     """The run's dump folder when it is still on disk (an imported or uploaded session's is not)."""
-    root = Path(run.get("source") or "")
+    root = Path(run.source or "")
     if str(root) in ("", ".") or str(root).startswith(SHARED_SOURCE):
         return None  # an imported session's source names a folder of the machine that exported it
     return root if root.is_dir() else None
@@ -144,10 +146,10 @@ def _as_dtype(t, dtype_name: Optional[str]):
     return t
 
 
-def _load_tensor(store, run: dict, rec: dict):
+def _load_tensor(store, run: RunInfo, rec: dict):
     """The record's tensor: kept in the store, else read from the dump folder (a tensor file or a shard)."""
     torch = _torch()
-    arr = store.tensor(run["run_id"], rec["rid"])
+    arr = store.tensor(run.run_id, rec["rid"])
     if arr is not None:
         return _as_dtype(torch.from_numpy(arr), rec.get("dtype"))
     src = rec.get("source") or ""
@@ -197,7 +199,7 @@ def _as_torch(t):
         return torch.from_numpy(a.astype(np.float32))
 
 
-def _scalar_args(run: dict, op: str, records: list[dict]) -> tuple[dict, dict, Optional[str]]:
+def _scalar_args(run: RunInfo, op: str, records: list[dict]) -> tuple[dict, dict, Optional[str]]:
     """Non-tensor positional and keyword arguments of an msprobe entry: ({pos: value}, {name: value}, note).
     The ``dump.json`` is read within the limits ingest used; one that cannot be read is a ``ReadError``."""
     root = _dump_root(run)
@@ -256,22 +258,22 @@ def replayable_ops(store, session: str, run: Optional[str] = None) -> list[Repla
     """Forward ops of a session's candidate run that replay can handle."""
     info = store.session(session)
     r = _pick_run(store, info, run)
-    rows = q.forward_ops(store, r["run_id"])
-    return [ReplayableOp(x["op"], x["op_type"], canonical_op(x["op_type"] or ""), x["seq"], bool(x["nf"]))
-            for x in rows if canonical_op(x["op_type"] or "")]
+    rows = q.forward_ops(store, r.run_id)
+    return [ReplayableOp(x.op, x.op_type, canonical_op(x.op_type or ""), x.seq, bool(x.nonfinite))
+            for x in rows if canonical_op(x.op_type or "")]
 
 
-def _pick_run(store, info: dict, run: Optional[str]) -> dict:
-    runs = q.session_runs(store, info["session_id"])
+def _pick_run(store, info: SessionRow, run: Optional[str]) -> RunInfo:
+    runs = q.session_runs(store, info.session_id)
     if run is not None:
-        hit = [r for r in runs if run in (r["run_id"], r["name"])]
+        hit = [r for r in runs if run in (r.run_id, r.name)]
         if not hit:
-            raise ReplayError(f"session {info['name']!r} has no run {run!r} "
-                              f"(runs: {', '.join(r['name'] for r in runs)})")
+            raise ReplayError(f"session {info.name!r} has no run {run!r} "
+                              f"(runs: {', '.join(r.name for r in runs)})")
         return hit[0]
-    cands = [r for r in runs if r["kind"] != "reference"] or runs
+    cands = [r for r in runs if r.kind != "reference"] or runs
     if not cands:
-        raise ReplayError(f"session {info['name']!r} has no runs")
+        raise ReplayError(f"session {info.name!r} has no runs")
     return cands[0]
 
 
@@ -288,9 +290,9 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
     torch = _torch()
     info = store.session(session)
     r = _pick_run(store, info, run)
-    recs = [x for x in q.op_records(store, r["run_id"], op, step, rank) if x["direction"] == "forward"]
+    recs = [x for x in q.op_records(store, r.run_id, op, step, rank) if x["direction"] == "forward"]
     if not recs:
-        raise ReplayError(f"run {r['name']!r} of session {info['name']!r} has no forward op {op!r} "
+        raise ReplayError(f"run {r.name!r} of session {info.name!r} has no forward op {op!r} "
                           f"at step {step}, rank {rank}")
     op_type = recs[0]["op_type"] or ""
     name = canonical_op(op_type)
@@ -317,11 +319,11 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
     out_rec = next((x for x in recs if x["role"] == "output"), None)
     fmt = format_for_dtype(out_rec["dtype"]) if out_rec else None
     if fmt is None or fmt.name not in ("fp32", "fp16", "bf16"):
-        fmt = format_for_dtype(r.get("dtype")) or FORMATS["fp32"]
+        fmt = format_for_dtype(r.dtype) or FORMATS["fp32"]
     policy = None
-    if r.get("policy"):
+    if r.policy:
         try:
-            policy = PrecisionPolicy.from_json(r["policy"])
+            policy = PrecisionPolicy.from_json(r.policy)
         except ValueError:
             policy = None
     if policy is None:
@@ -330,7 +332,7 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
         notes.append("epsilon and normalized shape were not in the dump: used eps 1e-5 and the weight's shape")
     label = fix_label(fixes) if fixes else None
     outs = replay(op_type, args, kwargs, cand_format=fmt.name, policy=policy, fixes=fixes, op_name=op)
-    result = ReplayResult(op=op, op_type=op_type, replay_as=name, run_id=r["run_id"], cand_format=fmt.name,
+    result = ReplayResult(op=op, op_type=op_type, replay_as=name, run_id=r.run_id, cand_format=fmt.name,
                           fix=label, policy=policy.describe(), notes=notes)
     if dumped is not None:
         result.outputs["dumped"] = dumped

@@ -29,7 +29,7 @@ from typing import Optional, Union
 from ..display import cosine_brief, num_text
 from ..enums import OriginKind
 from ..formats import format_for_dtype
-from ..origin import (ORDER_TEXT, model_outputs, ComparedRecord, Intended, NonfiniteCall, Origin, PathStep, RunFacts, analyse,
+from ..origin import (ORDER_TEXT, model_outputs, Intended, Origin, RunFacts, analyse,
                       order_text)
 from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
@@ -111,19 +111,19 @@ def run_facts(store, run_id: str) -> RunFacts:
     run = q.run_row(store, run_id)
     if run is None:
         raise KeyError(f"no run {run_id!r}")
-    calls = tuple(NonfiniteCall.from_row(c) for c in q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
-    recs = tuple(ComparedRecord.from_row(r) for r in q.nonfinite_records(store, run_id)) if calls else ()
+    calls = tuple(q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
+    recs = tuple(q.nonfinite_records(store, run_id)) if calls else ()
     parents = q.op_parents(store, run_id) if calls else {}
-    return RunFacts(run["name"], run_id, run["order"], calls, recs, parents,
+    return RunFacts(run.name, run_id, run.order, calls, recs, parents,
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
-                    outputs=model_outputs(q.forward_ends(store, run_id), run["order"], parents) if calls else {})
+                    outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents) if calls else {})
 
 
 def order_notes(store, session: str) -> OrderNotes:
     """run_id -> the order its dump gave, in words, with which parts are certain (what ingest recorded in the
     session's notes: an order list and whether it is call or completion order, file times and their ties, links
     found in the data); runs it did not say for are left out."""
-    runs = (store.session(session)["notes"].get("ingest") or {}).get("runs") or {}
+    runs = (store.session(session).notes.get("ingest") or {}).get("runs") or {}
     return OrderNotes({v["run_id"]: v["order_from"] for v in runs.values()
                        if isinstance(v, dict) and v.get("run_id") and v.get("order_from")})
 
@@ -149,8 +149,7 @@ def nonfinite_origin(store, run_id: str) -> tuple[Optional[Origin], list[Intende
         return None, masks
     first = _producing_rank(facts, first)
     path = q.op_calls_up_to(store, run_id, first.step, first.rank, first.seq, INPUT_ROLES, PATH_LENGTH + 1)
-    path = [PathStep(p["op"], p["op_type"], int(p["seq"]), bool(p["nonfinite_in"]), bool(p["nonfinite_out"]))
-            for p in path if not (p["seq"] == first.seq and p["op"] != first.op)][::-1]
+    path = [p for p in path if not (p.seq == first.seq and p.op != first.op)][::-1]
     return first.with_path(path), masks
 
 
@@ -266,34 +265,35 @@ _WORST_COLS = ("kind", "seq", "op", "role", "index", "match", "basis", "verdict"
 def build_report(store, session: str) -> dict:
     """The session as one JSON-ready dict (see the module doc for its keys)."""
     info = store.session(session)
-    sid = info["session_id"]
+    sid = info.session_id
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
-    names = {r["run_id"]: r["name"] for r in runs}
+    names = {r.run_id: r.name for r in runs}
     notes = order_notes(store, sid)
     first, intended, spread = {}, {}, {}
     for r in runs:
-        f, masks = nonfinite_origin(store, r["run_id"])
-        first[r["name"]] = None if f is None else f.as_dict()
-        intended[r["name"]] = [dataclasses.asdict(m) for m in masks]
-        spread[r["name"]] = fields_tree(rank_spread(store, r["run_id"], f))
+        f, masks = nonfinite_origin(store, r.run_id)
+        first[r.name] = None if f is None else f.as_dict()
+        intended[r.name] = [dataclasses.asdict(m) for m in masks]
+        spread[r.name] = fields_tree(rank_spread(store, r.run_id, f))
     tensors = []
     for r in runs:
-        for t in q.run_tensors(store, r["run_id"], _TENSOR_COLS):
-            d = {"run": r["name"]}
-            for c in _TENSOR_COLS:
-                d[_RENAME.get(c, c)] = json.loads(t[c]) if c == "shape" and t[c] is not None else t[c]
+        for t in q.run_tensors(store, r.run_id, _TENSOR_COLS):
+            d = {"run": r.name}
+            for c, v in zip(_TENSOR_COLS, t):
+                d[_RENAME.get(c, c)] = json.loads(v) if c == "shape" and v is not None else v
             tensors.append(d)
     comparisons = []
-    for c in q.session_comparisons(store, sid, ("ref_run_id", "cand_run_id") + _CMP_COLS):
-        d = {"ref_run": names.get(c.pop("ref_run_id")), "cand_run": names.get(c.pop("cand_run_id"))}
-        d.update(c)
+    paired = ("ref_run_id", "cand_run_id") + _CMP_COLS
+    for ref_run_id, cand_run_id, *values in q.session_comparisons(store, sid, paired):
+        d = {"ref_run": names.get(ref_run_id), "cand_run": names.get(cand_run_id)}
+        d.update(zip(_CMP_COLS, values))
         comparisons.append(d)
     diagnoses = []
     for d in q.session_diagnoses(store, sid):
-        diagnoses.append({"run": names.get(d["run_id"]), "op": d["op"], "rule": d["rule"], "message": d["message"],
-                          "fixes": list(d["fixes"]), "severity": d["severity"], "seq": d["seq"]})
-    warnings = [{"run": names.get(w["run_id"]), "file": w["file"], "message": w["message"]}
+        diagnoses.append({"run": names.get(d.run_id), "op": d.op, "rule": d.rule, "message": d.message,
+                          "fixes": list(d.fixes), "severity": d.severity, "seq": d.seq})
+    warnings = [{"run": names.get(w.run_id), "file": w.file, "message": w.message}
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
@@ -301,13 +301,13 @@ def build_report(store, session: str) -> dict:
                                                      include_nonfinite=True))
     worst_comparisons = [{"cand_run": w["run"], **{k: w[k] for k in _WORST_COLS}} for w in worst]
     return {
-        "session": info["name"],
-        "created": info["created"],
-        "source": info["source"],
-        "runs": [{"name": r["name"], "run_id": r["run_id"], "kind": r["kind"], "dtype": r["dtype"],
-                  "parent": names.get(r["parent_run_id"]) if r["parent_run_id"] else None, "fix": r["fix"],
-                  "source": r["source"], "order": r["order"], "order_text": order_text(r["order"]),
-                  "order_note": notes.get(r["run_id"])} for r in runs],
+        "session": info.name,
+        "created": info.created,
+        "source": info.source,
+        "runs": [{"name": r.name, "run_id": r.run_id, "kind": r.kind, "dtype": r.dtype,
+                  "parent": names.get(r.parent_run_id) if r.parent_run_id else None, "fix": r.fix,
+                  "source": r.source, "order": r.order, "order_text": order_text(r.order),
+                  "order_note": notes.get(r.run_id)} for r in runs],
         "first_nonfinite": first,
         "ranks": spread,
         "intended_nonfinite": intended,
@@ -320,7 +320,7 @@ def build_report(store, session: str) -> dict:
         "alerts": alerts,
         "timeline": {t.run: {"first_nonfinite_step": t.first_nonfinite_step, "full_steps": t.full_steps,
                              "steps": t.steps} for t in _timeline.timeline_report(store, sid)},
-        "notes": info["notes"],
+        "notes": info.notes,
     }
 
 

@@ -25,8 +25,9 @@ from ..fixes.policy import PrecisionPolicy, call_model, first_tensor
 from ..fixes.recipes import (BUILD_LOCK, MODEL_PREFIX, MODELS_ENV, RECIPES_ENV, Recipe, RecipeError, RecipeNotFound,
                              allowed_models, get_recipe)
 from ..paths import replay_kit_path
-from ..records import free_name
+from ..records import RunInfo, free_name
 from ..store import queries as q
+from ..store.rows import SessionRow
 from .diagnose import diagnose_session
 from .pairing import Item, compare_runs
 from .sessions import recipe_name, run_policy
@@ -189,33 +190,33 @@ def session_recipe(store, session: str) -> tuple[dict, Recipe]:
     name = recipe_name(store, info)
     if not name:
         raise RerunError(
-            f"session {info['name']!r} holds dumps, not a model: re-running needs the model. Capture it with "
+            f"session {info.name!r} holds dumps, not a model: re-running needs the model. Capture it with "
             "`precision-lab capture --model FILE.py:FUNCTION --inputs FILE.py:FUNCTION` (or --recipe NAME), or "
             "replay single ops from a tensor-mode dump (precision_lab.services.replay.replay_op)")
     try:
         return info, get_recipe(name)
     except RecipeNotFound as e:
         if name.startswith(MODEL_PREFIX):
-            raise RerunError(f"session {info['name']!r}: {e}") from None
-        raise RerunError(f"session {info['name']!r} was made from recipe {name!r}, which this server does not "
+            raise RerunError(f"session {info.name!r}: {e}") from None
+        raise RerunError(f"session {info.name!r} was made from recipe {name!r}, which this server does not "
                          f"have ({e}); register it with PRECISION_LAB_RECIPES") from None
     except RecipeError as e:  # an allowed entry point that no longer imports
-        raise RerunError(f"session {info['name']!r}: {e}") from None
+        raise RerunError(f"session {info.name!r}: {e}") from None
 
 
-def _runs(store, sid: str) -> list[dict]:
+def _runs(store, sid: str) -> list[RunInfo]:
     return q.session_runs(store, sid)
 
 
-def _resolve_parent(runs: list[dict], parent: Optional[str], session: str) -> dict:
+def _resolve_parent(runs: list[RunInfo], parent: Optional[str], session: str) -> RunInfo:
     if parent is not None:
-        hit = [r for r in runs if parent in (r["run_id"], r["name"])]
+        hit = [r for r in runs if parent in (r.run_id, r.name)]
         if not hit:
-            raise RerunError(f"session {session!r} has no run {parent!r} (runs: {', '.join(r['name'] for r in runs)})")
-        if hit[0]["kind"] == "reference":
+            raise RerunError(f"session {session!r} has no run {parent!r} (runs: {', '.join(r.name for r in runs)})")
+        if hit[0].kind == "reference":
             raise RerunError(f"run {parent!r} is the fp32 reference; re-run a low-precision run")
         return hit[0]
-    cands = [r for r in runs if r["kind"] == "candidate"] or [r for r in runs if r["kind"] != "reference"]
+    cands = [r for r in runs if r.kind == "candidate"] or [r for r in runs if r.kind != "reference"]
     if not cands:
         raise RerunError(f"session {session!r} has no low-precision run to re-run")
     return cands[0]
@@ -225,8 +226,8 @@ def _reference_rids(store, ref_run_id: str) -> dict:
     return q.record_ids_by_name(store, ref_run_id)
 
 
-def _unique_run_name(runs: list[dict], base: str) -> str:
-    return free_name(base, {r["name"] for r in runs}, "{base} ({i})")
+def _unique_run_name(runs: list[RunInfo], base: str) -> str:
+    return free_name(base, {r.name for r in runs}, "{base} ({i})")
 
 
 def rerun_session(store, session: str, fixes, progress: Progress = None, *, parent: Optional[str] = None,
@@ -253,46 +254,46 @@ def rerun_session(store, session: str, fixes, progress: Progress = None, *, pare
     if kit is not None:
         return _rerun_replay(store, info, recipe, kit, specs, progress, parent=parent, diagnose=diagnose,
                              isolated=isolated)
-    runs = _runs(store, info["session_id"])
-    ref_run = next((r for r in runs if r["kind"] == "reference"), None)
+    runs = _runs(store, info.session_id)
+    ref_run = next((r for r in runs if r.kind == "reference"), None)
     if ref_run is None:
-        if "capture" in (info.get("notes") or {}):  # a training job's own capture
+        if "capture" in info.notes:  # a training job's own capture
             raise RerunError(
-                f"session {info['name']!r} has no fp32 reference run to compare a re-run with, and its capture kept "
+                f"session {info.name!r} has no fp32 reference run to compare a re-run with, and its capture kept "
                 "no replay kit: pass capture(..., optimizer=opt, recipe=...) with "
                 "CaptureOptions(every=N, keep_last=K) so the steps before a failure are kept and replayed")
-        raise RerunError(f"session {info['name']!r} has no fp32 reference run to compare a re-run with")
-    par = _resolve_parent(runs, parent, info["name"])
+        raise RerunError(f"session {info.name!r} has no fp32 reference run to compare a re-run with")
+    par = _resolve_parent(runs, parent, info.name)
     label = fix_label(specs)
     policy = apply_fixes(run_policy(par) or recipe.default_policy, specs)
     _check_policy(recipe, policy)
     name = _unique_run_name(runs, f"fix: {label}")
     _tick(progress, 0, 4, f"{name}: model run 1 of 2, the fp32 reference")
-    ref = _run_model(recipe, run_policy(ref_run), isolated=isolated, run_name=ref_run["name"],
+    ref = _run_model(recipe, run_policy(ref_run), isolated=isolated, run_name=ref_run.name,
                      kind="reference", local_error=False)
     _tick(progress, 1, 4, f"{name}: model run 2 of 2, {policy.describe()}")
     cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True)
     _tick(progress, 2, 4, f"{name}: comparing with the fp32 reference")
-    ref_rids = _reference_rids(store, ref_run["run_id"])
-    with store.extend_session(info["name"]) as w:
-        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run["run_id"], ref_rids=ref_rids,
-                           parent_run_id=par["run_id"], fix=label, kind="rerun", name=f"fix: {label}")
+    ref_rids = _reference_rids(store, ref_run.run_id)
+    with store.extend_session(info.name) as w:
+        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run.run_id, ref_rids=ref_rids,
+                           parent_run_id=par.run_id, fix=label, kind="rerun", name=f"fix: {label}")
     _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
-        diagnose_session(store, info["name"])
+        diagnose_session(store, info.name)
     _tick(progress, 4, 4, f"{name}: done")
     return run_id
 
 
 # ---- a training run's failing steps, replayed from the state the capture kept ---------------------
 
-def replay_kit(store, info: dict) -> Optional[str]:
+def replay_kit(store, info: SessionRow) -> Optional[str]:
     """The path of the replay kit a session's capture kept (``live.replaykit``), None where it kept none.  The
     path is made from the database's and the captured run's, never read from the session."""
-    note = (info.get("notes") or {}).get("replay")
+    note = info.notes.get("replay")
     if not isinstance(note, dict) or not isinstance(note.get("run_id"), str):
         return None
-    runs = {r["run_id"] for r in _runs(store, info["session_id"])}
+    runs = {r.run_id for r in _runs(store, info.session_id)}
     if note["run_id"] not in runs:  # an imported session's runs have new ids: its kit stayed where it was made
         return None
     try:
@@ -305,51 +306,51 @@ def replay_kit(store, info: dict) -> Optional[str]:
 REPLAY_SOURCE = "replay:"
 
 
-def _rerun_replay(store, info: dict, recipe: Recipe, kit: str, specs: list, progress: Progress, *,
+def _rerun_replay(store, info: SessionRow, recipe: Recipe, kit: str, specs: list, progress: Progress, *,
                   parent: Optional[str], diagnose: bool, isolated: bool) -> str:
     """``rerun_session`` for a session whose capture kept a replay kit: the kept steps are replayed in fp32 (the
     reference, stored with the first re-run) and under the fix, from the state the first of them started from;
     the fix edits the configuration the capture saw the job run in (its autocast and GradScaler)."""
     if recipe.loss_fn is None or recipe.optimizer_fn is None:
-        raise RerunError(f"session {info['name']!r}: recipe {recipe.name!r} has no loss_fn and optimizer_fn, "
+        raise RerunError(f"session {info.name!r}: recipe {recipe.name!r} has no loss_fn and optimizer_fn, "
                          "and replaying training steps needs both")
-    runs = _runs(store, info["session_id"])
-    replayed = [r for r in runs if (r.get("source") or "").startswith(REPLAY_SOURCE)]
+    runs = _runs(store, info.session_id)
+    replayed = [r for r in runs if (r.source or "").startswith(REPLAY_SOURCE)]
     captured = next((r for r in runs if r not in replayed), None)
-    par = _resolve_parent(runs, parent, info["name"]) if parent is not None else captured
+    par = _resolve_parent(runs, parent, info.name) if parent is not None else captured
     base = run_policy(par) if par is not None else None
     if base is None:
-        raise RerunError(f"session {info['name']!r}: its capture saw the model run as it is (no torch.autocast, "
+        raise RerunError(f"session {info.name!r}: its capture saw the model run as it is (no torch.autocast, "
                          "no policy), so no fix of a low-precision configuration applies; capture inside the "
                          "job's torch.autocast")
     policy = apply_fixes(base, specs)
     _check_policy(recipe, policy)
-    note = info["notes"]["replay"]
+    note = info.notes["replay"]
     span = f"steps {note['from_step']}-{note['failed_step']}" if note["failed_step"] != note["from_step"] \
         else f"step {note['failed_step']}"
-    ref_run = next((r for r in replayed if r["kind"] == "reference"), None)
+    ref_run = next((r for r in replayed if r.kind == "reference"), None)
     label = fix_label(specs)
     name = _unique_run_name(runs, f"fix: {label}")
     _tick(progress, 0, 4, f"{name}: replaying {span} in fp32, the reference")
-    ref = _run_model(recipe, None, isolated=isolated, run_name=ref_run["name"] if ref_run else f"fp32 replay ({span})",
+    ref = _run_model(recipe, None, isolated=isolated, run_name=ref_run.name if ref_run else f"fp32 replay ({span})",
                      kind="reference", local_error=False, kit=kit)
     _tick(progress, 1, 4, f"{name}: replaying {span} under {policy.describe()}")
     cand = _run_model(recipe, policy, isolated=isolated, run_name=name, kind="rerun", local_error=True, kit=kit)
     _tick(progress, 2, 4, f"{name}: comparing with the fp32 reference")
-    with store.extend_session(info["name"]) as w:
+    with store.extend_session(info.name) as w:
         # read again inside the write: a re-run from another tab may have stored the reference meanwhile
-        ref_run = next((r for r in _runs(store, info["session_id"]) if r["kind"] == "reference"
-                        and (r.get("source") or "").startswith(REPLAY_SOURCE)), None)
+        ref_run = next((r for r in _runs(store, info.session_id) if r.kind == "reference"
+                        and (r.source or "").startswith(REPLAY_SOURCE)), None)
         if ref_run is None:
             ref_run_id, ref_rids = _write(w, ref, ref=None, ref_run_id=None, ref_rids=None, kind="reference",
                                           name=ref.cap.run)
         else:
-            ref_run_id, ref_rids = ref_run["run_id"], _reference_rids(store, ref_run["run_id"])
-        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run_id, ref_rids=ref_rids, parent_run_id=par["run_id"],
+            ref_run_id, ref_rids = ref_run.run_id, _reference_rids(store, ref_run.run_id)
+        run_id, _ = _write(w, cand, ref=ref, ref_run_id=ref_run_id, ref_rids=ref_rids, parent_run_id=par.run_id,
                            fix=label, kind="rerun", name=f"fix: {label}")
     _tick(progress, 3, 4, f"{name}: diagnosing")
     if diagnose:
-        diagnose_session(store, info["name"])
+        diagnose_session(store, info.name)
     _tick(progress, 4, 4, f"{name}: done")
     return run_id
 

@@ -7,15 +7,17 @@ from pathlib import Path
 from typing import Optional
 
 from ..fixes.policy import PrecisionPolicy
+from ..records import RunInfo
 from ..store import queries as q
+from ..store.rows import SessionRow
 
 __all__ = ["recipe_name", "run_policy"]
 
 
-def run_policy(run: dict) -> Optional[PrecisionPolicy]:
+def run_policy(run: RunInfo) -> Optional[PrecisionPolicy]:
     """The precision policy a run recorded (its ``policy`` column); None for a run as built (an fp32
     reference, a dump) or one whose policy was not a PrecisionPolicy."""
-    text = run.get("policy")
+    text = run.policy
     if not text:
         return None
     try:
@@ -24,17 +26,17 @@ def run_policy(run: dict) -> Optional[PrecisionPolicy]:
         return None
 
 
-def recipe_name(store, info: dict) -> Optional[str]:
+def recipe_name(store, info: SessionRow) -> Optional[str]:
     """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
 
     A sample dump written by ``precision_lab.services.samples`` names its recipe
     in its ``manifest.json``, so a session ingested from it (while the
     folder is there) can be re-run too.
     """
-    name = info.get("recipe") or (info.get("notes") or {}).get("recipe")
+    name = info.recipe or info.notes.get("recipe")
     if name:
         return name
-    srcs = set(q.run_sources(store, info["session_id"]))
+    srcs = set(q.run_sources(store, info.session_id))
     names = {s.split(":", 1)[1] for s in srcs if s.startswith("recipe:")}
     for s in srcs - {f"recipe:{n}" for n in names}:
         manifest = Path(s) / "manifest.json"

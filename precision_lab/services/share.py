@@ -130,22 +130,22 @@ def _export(store, session: str, out) -> dict:
     which needs their checksums, is the zip's last entry.
     """
     info = store.session(session)
-    sid = info["session_id"]
+    sid = info.session_id
     tables: dict[str, dict] = {}
     with scratch_dir("export") as tmp:
         # what the file carries of the sharer's machine: no path, each file or folder by its name
         public = {"runs": ("source",), "sessions": ("source", "recipe"), "warnings": ("file", "message")}
-        for table, (rows, path) in copy_session_tables(store, sid, Path(tmp), rewrite=public, pattern=PATH_DIRS,
-                                                        replacement=PATH_DIRS_KEEP).items():
-            digest, size = _file_digest(path)
-            tables[table] = {"file": path.name, "rows": rows, "sha256": digest, "bytes": size}
+        for t in copy_session_tables(store, sid, Path(tmp), rewrite=public, pattern=PATH_DIRS,
+                                     replacement=PATH_DIRS_KEEP):
+            digest, size = _file_digest(t.path)
+            tables[t.table] = {"file": t.path.name, "rows": t.rows, "sha256": digest, "bytes": size}
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "schema_version": SCHEMA_VERSION,
             "precision_lab_version": __version__,
             "hist_edges_id": HIST_EDGES_ID,
-            "session": {"session_id": sid, "name": info["name"]},
+            "session": {"session_id": sid, "name": info.name},
             "tables": tables,
         }
         with zipfile.ZipFile(out, "w", allowZip64=True) as zf:
@@ -173,7 +173,7 @@ def export_session(store, session: str, path: os.PathLike | str) -> ExportResult
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return ExportResult(path=str(path), session=store.session(session)["name"], rows=rows,
+    return ExportResult(path=str(path), session=store.session(session).name, rows=rows,
                         bytes=path.stat().st_size)
 
 
@@ -254,11 +254,12 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
 
     wanted = name or orig_name
     try:
-        final_name, new_sid, run_map, notes = insert_session_tables(
+        got = insert_session_tables(
             store, tables, session_id=sid, name=wanted, where=where, hist_edges_id=m.get("hist_edges_id"),
             schema_version=m["schema_version"])
     except ImportRefused as e:
         raise ShareError(str(e)) from None
+    final_name, new_sid, run_map, notes = got.name, got.session_id, got.run_map, got.notes
     if new_sid != sid or run_map:
         notes.append("its ids already existed in this database, so fresh ones were given")
     rows = {t: tables[t].num_rows if t in tables else 0 for t in TABLES}

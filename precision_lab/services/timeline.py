@@ -21,10 +21,11 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
+from ..store.rows import OutputRecord, TimelineRun
 from .tree import ModuleNode, build_tree
 
 __all__ = ["run_format", "run_alerts", "session_alerts", "RunTimeline", "TimelineHeatmap", "OpStep", "OpSeries",
-           "FullRecord", "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op",
+           "timeline_report", "heatmap", "op_series", "module_tree", "record_at", "first_failing_op",
            "pair_alerts"]
 
 
@@ -79,23 +80,14 @@ class OpSeries:
     points: list[OpStep]
 
 
-@dataclass(frozen=True, slots=True)
-class FullRecord:
-    """An op's output record at a step of full records: its record id, step, rank and name."""
-
-    rid: int
-    step: int
-    rank: int
-    name: str
-
 # op alerts judge forward outputs; gradients of parameters are judged for underflow only
 # (a GradScaler overflows them on purpose, and skips those steps)
 _OUTPUT = ("output",)
 
 
-def run_format(run: dict, target: Optional[str] = None) -> Format:
+def run_format(run: TimelineRun, target: Optional[str] = None) -> Format:
     """The format a run's heatmaps are drawn against: its own low-precision dtype, else ``target``, else fp16."""
-    return op_format(run.get("dtype"), target) or get_format(target or "fp16")
+    return op_format(run.dtype, target) or get_format(target or "fp16")
 
 
 def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: Optional[dict] = None) -> list[Alert]:
@@ -103,7 +95,7 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
     run = q.run_row(store, run_id)
     if run is None:
         raise KeyError(f"no run {run_id!r}")
-    name = run["name"]
+    name = run.name
     out: list[Alert] = []
     fmts = {d: op_format(d, target) for d in tl.timeline_dtypes(store, run_id)}
     cols = tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
@@ -151,17 +143,17 @@ def pair_alerts(store, run_id: str, *, overrides: Optional[dict] = None) -> list
     run = q.run_row(store, run_id)
     series: dict[tuple, list] = {}
     for r in q.paired_values(store, run_id, _FLUSH_ROLES):
-        series.setdefault((r["op"], r["role"], r["index"], r["dtype"]), []).append(r)
+        series.setdefault((r.op, r.role, r.index, r.dtype), []).append(r)
     out: list[Alert] = []
     for (op, role, index, dtype), rs in series.items():
         fmt = op_format(dtype)
         if fmt is None:
             continue
-        rs.sort(key=lambda r: r["step"])
-        share = [flushed_by_underflow(r["ref_zero_count"], r["zero_count"], r["ref_min_abs_nonzero"], fmt)
-                 / r["numel"] if r["numel"] else np.nan for r in rs]
+        rs.sort(key=lambda r: r.step)
+        share = [flushed_by_underflow(r.ref_zero_count, r.zero_count, r.ref_min_abs_nonzero, fmt)
+                 / r.numel if r.numel else np.nan for r in rs]
         shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
-        got = op_alerts(run["name"], shown, [r["step"] for r in rs], [r["absmax"] for r in rs], fmt,
+        got = op_alerts(run.name, shown, [r.step for r in rs], [r.absmax for r in rs], fmt,
                         overrides=overrides, flushed_share=share)
         out.extend(dataclasses.replace(x, op=op) for x in got if x.rule == "underflow")
     out.sort(key=lambda a: (a.step, a.op or "", a.rule))
@@ -175,12 +167,12 @@ def session_alerts(store, session: str, *, target: Optional[str] = None,
     info = store.session(session)
     out: list[Alert] = []
     timed = set()
-    for r in tl.timeline_runs(store, info["session_id"]):
-        timed.add(r["run_id"])
-        out.extend(run_alerts(store, r["run_id"], target=target, overrides=overrides))
-    for r in q.session_runs(store, info["session_id"]):
-        if r["kind"] != "reference" and r["run_id"] not in timed:
-            out.extend(pair_alerts(store, r["run_id"], overrides=overrides))
+    for r in tl.timeline_runs(store, info.session_id):
+        timed.add(r.run_id)
+        out.extend(run_alerts(store, r.run_id, target=target, overrides=overrides))
+    for r in q.session_runs(store, info.session_id):
+        if r.kind != "reference" and r.run_id not in timed:
+            out.extend(pair_alerts(store, r.run_id, overrides=overrides))
     return out
 
 
@@ -190,14 +182,14 @@ def first_failing_op(store, run_id: str) -> Optional[dict]:
     step = tl.first_nonfinite_step(store, run_id)
     if step is None:
         return None
-    got = [r for r in tl.op_steps_at(store, run_id, step) if (r["nan_count"] or 0) + (r["inf_count"] or 0) > 0]
-    return {"step": step, **got[0]} if got else {"step": step, "op": None}
+    got = [r for r in tl.op_steps_at(store, run_id, step) if (r.nan_count or 0) + (r.inf_count or 0) > 0]
+    return {"step": step, **dataclasses.asdict(got[0])} if got else {"step": step, "op": None}
 
 
 def timeline_report(store, session_id: str) -> list[RunTimeline]:
     """Per timeline run: the first non-finite step, the steps with full records, and one row per step."""
-    return [RunTimeline(r["name"], tl.first_nonfinite_step(store, r["run_id"]), tl.full_steps(store, r["run_id"]),
-                        tl.step_rows(store, r["run_id"]))
+    return [RunTimeline(r.name, tl.first_nonfinite_step(store, r.run_id), tl.full_steps(store, r.run_id),
+                        tl.step_rows(store, r.run_id))
             for r in tl.timeline_runs(store, session_id)]
 
 
@@ -231,7 +223,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[ModuleNode]:
     return build_tree(worst, failing)
 
 
-def record_at(store, run_id: str, op: str, step: int) -> Optional[FullRecord]:
+def record_at(store, run_id: str, op: str, step: int) -> Optional[OutputRecord]:
     """The full record (output 0) of ``op`` nearest to ``step`` (at or before it when there is one)."""
     steps = tl.full_steps(store, run_id, op)
     if not steps:
@@ -239,4 +231,4 @@ def record_at(store, run_id: str, op: str, step: int) -> Optional[FullRecord]:
     before = [s for s in steps if s <= step]
     at = before[-1] if before else steps[0]
     got = tl.output_record(store, run_id, op, at)
-    return None if got is None else FullRecord(int(got["rid"]), got["step"], got["rank"], got["name"])
+    return got

@@ -73,8 +73,8 @@ def run_tree(store, run_id: str, *, fmt: Optional[str] = None, failing_op: Optio
              failing_parent: Optional[str] = None) -> list[ModuleNode]:
     """The tree of a run's stored records, against ``fmt`` (default: the run's own low-precision format,
     else fp16); ``failing_op`` (and its ``failing_parent``) marks the path to the first producer."""
-    run = q.run_row(store, run_id) or {}
-    f = get_format(fmt) if fmt else (op_format(run.get("dtype")) or get_format("fp16"))
+    run = q.run_row(store, run_id)
+    f = get_format(fmt) if fmt else (op_format(run.dtype if run else None) or get_format("fp16"))
     failing = enclosing_module(failing_op, failing_parent) if failing_op else None
     return build_tree(q.op_extremes(store, run_id, f.max), failing)
 

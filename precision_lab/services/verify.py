@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..fixes.catalogue import FixError, fix_label, split_specs
+from ..fixes.facts import StateAfter
 from ..origin import Origin
 from ..store import DatabaseLocked
 from ..store import queries as q
@@ -101,8 +102,8 @@ class Verdict:
 
 def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: Optional[Origin],
               parent_sqnr_db: Optional[float], grad_db: Optional[float] = None,
-              parent_grad_db: Optional[float] = None, weights_after: Optional[dict] = None,
-              parent_weights_after: Optional[dict] = None) -> tuple[bool, str]:
+              parent_grad_db: Optional[float] = None, weights_after: Optional[StateAfter] = None,
+              parent_weights_after: Optional[StateAfter] = None) -> tuple[bool, str]:
     """``(works, why)`` of a re-run against the run it fixes: its first unexpected non-finite origin and output
     SQNR (dB, against the fp32 reference) beside the parent's, and where both ran backward the worst SQNR of
     their parameter gradients (``worst_gradient_sqnr``): a fix of the gradients (a loss scale) leaves the output
@@ -112,7 +113,7 @@ def judge_fix(first: Optional[Origin], sqnr_db: Optional[float], parent_first: O
     if (first is not None and first.direction == "backward" and weights_after is None
             and parent_weights_after is not None and sqnr_db is not None):
         return True, (f"the NaN/Inf gradient at {first.op} no longer reaches the weights (the run it fixes has "
-                      f"non-finite weights from step {parent_weights_after['step']} on), output SQNR {_db(sqnr_db)}")
+                      f"non-finite weights from step {parent_weights_after.step} on), output SQNR {_db(sqnr_db)}")
     if first is not None:
         return False, f"still NaN/Inf at {first.op}"
     if parent_first is not None:
@@ -141,21 +142,21 @@ def suggestions(store, session: str, *, top: Optional[int] = None) -> list[Sugge
     """The distinct fixes the session's diagnoses of its captured runs propose (a re-run's own diagnoses are
     about that attempt, not the session), in the order proposed, each with the run the diagnosis is about."""
     info = store.session(session)
-    captured = {r["run_id"] for r in q.session_runs(store, info["session_id"]) if r["kind"] == "candidate"}
+    captured = {r.run_id for r in q.session_runs(store, info.session_id) if r.kind == "candidate"}
     seen, out = set(), []
-    for d in q.session_diagnoses(store, info["session_id"]):
-        if d["rule"] == "fix-verified" or d["run_id"] not in captured:
+    for d in q.session_diagnoses(store, info.session_id):
+        if d.rule == "fix-verified" or d.run_id not in captured:
             continue
-        for f in d["fixes"]:
+        for f in d.fixes:
             try:
                 label = fix_label(split_specs(f))
             except FixError:
                 continue
-            key = (d["run_id"], label)
+            key = (d.run_id, label)
             if key in seen:
                 continue
             seen.add(key)
-            out.append(Suggestion(f, label, d["run_id"]))
+            out.append(Suggestion(f, label, d.run_id))
     return out[:top] if top is not None else out
 
 
@@ -169,18 +170,18 @@ def verification(store, session: str) -> Verifications:
         if run_id not in parents:
             last = q.last_accumulated_output(store, run_id)
             fn = first_nonfinite(store, run_id)
-            parents[run_id] = (fn, None if last is None else last["sqnr_db"], q.worst_gradient_sqnr(store, run_id),
+            parents[run_id] = (fn, None if last is None else last.sqnr_db, q.worst_gradient_sqnr(store, run_id),
                                q.first_nonfinite_state_after(store, run_id, fn.step) if fn is not None else None)
         return parents[run_id]
 
-    for r in q.session_runs(store, info["session_id"]):
-        if r["kind"] != "rerun" or not r["parent_run_id"] or not r["fix"]:
+    for r in q.session_runs(store, info.session_id):
+        if r.kind != "rerun" or not r.parent_run_id or not r.fix:
             continue
-        first, sqnr, grad, state = quality(r["run_id"])
-        parent_first, parent_sqnr, parent_grad, parent_state = quality(r["parent_run_id"])
+        first, sqnr, grad, state = quality(r.run_id)
+        parent_first, parent_sqnr, parent_grad, parent_state = quality(r.parent_run_id)
         works, why = judge_fix(first, sqnr, parent_first, parent_sqnr, grad, parent_grad, state, parent_state)
-        out[(r["parent_run_id"], r["fix"])] = Verification(
-            r["name"], r["run_id"], works, why, sqnr, parent_sqnr, grad, parent_grad,
+        out[(r.parent_run_id, r.fix)] = Verification(
+            r.name, r.run_id, works, why, sqnr, parent_sqnr, grad, parent_grad,
             None if first is None else first.op)
     return Verifications(out)
 

@@ -372,18 +372,18 @@ def resolve_run(store, spec: str, shown: Optional[str] = None) -> tuple[str, str
         info = store.session(session)
     except SessionNotFound as e:
         raise DiffInputError(f"{spec}: {e.args[0]}") from None
-    runs = session_runs(store, info["session_id"])
+    runs = session_runs(store, info.session_id)
     if run:
-        hit = [r for r in runs if run in (r["name"], r["run_id"])]
+        hit = [r for r in runs if run in (r.name, r.run_id)]
         if not hit:
-            raise DiffInputError(f"{spec}: session {info['name']!r} has no run {run!r} (its runs: "
-                                 f"{', '.join(r['name'] for r in runs)})")
-        return hit[0]["run_id"], f"{info['name']}:{hit[0]['name']}"
+            raise DiffInputError(f"{spec}: session {info.name!r} has no run {run!r} (its runs: "
+                                 f"{', '.join(r.name for r in runs)})")
+        return hit[0].run_id, f"{info.name}:{hit[0].name}"
     if len(runs) != 1:
-        where = shown or info["name"]
-        raise DiffInputError(f"{where}: {len(runs)} runs ({', '.join(r['name'] for r in runs)}); name one as "
+        where = shown or info.name
+        raise DiffInputError(f"{where}: {len(runs)} runs ({', '.join(r.name for r in runs)}); name one as "
                              f"{where}:RUN")
-    return runs[0]["run_id"], f"{info['name']}:{runs[0]['name']}"
+    return runs[0].run_id, f"{info.name}:{runs[0].name}"
 
 
 # ---- text --------------------------------------------------------------------------------------------

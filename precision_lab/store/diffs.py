@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..records import RunInfo
 from .queries import ACCUMULATED_KINDS, rows, session_runs
+from .rows import ComparedPair
 from .viewparts import Clause, Window, absmax_sql, check_window, frame, has_stats_basis, name_pattern_sql, severity_sql
 
 # which rows a diff shows
@@ -38,14 +40,14 @@ def _stat_sql(table: str, column: str) -> str:
     return absmax_sql(table) if column == "absmax" else f'{table}."{column}"'
 
 
-def pair_options(store, session_id: str) -> list[dict]:
+def pair_options(store, session_id: str) -> list[ComparedPair]:
     """(reference, candidate) run pairs that have comparisons, with labels."""
-    names = {r["run_id"]: r["name"] for r in session_runs(store, session_id)}
+    names = {r.run_id: r.name for r in session_runs(store, session_id)}
     pairs = rows(store, """SELECT ref_run_id, cand_run_id, count(*) AS n FROM comparisons
                            WHERE session_id = ? AND kind IN ('accumulated', 'stats')
                            GROUP BY ref_run_id, cand_run_id ORDER BY min(rowid)""", [session_id])
-    return [{"ref_run_id": p["ref_run_id"], "cand_run_id": p["cand_run_id"], "rows": p["n"],
-             "label": f"{names.get(p['cand_run_id'], p['cand_run_id'])} vs {names.get(p['ref_run_id'], p['ref_run_id'])}"}
+    label = lambda run_id: names.get(run_id, run_id)  # noqa: E731
+    return [ComparedPair(p["ref_run_id"], p["cand_run_id"], p["n"], f"{label(p['cand_run_id'])} vs {label(p['ref_run_id'])}")
             for p in pairs]
 
 
@@ -107,12 +109,12 @@ def diff_rows(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show
     return Window(df, total, stats_basis)
 
 
-def base_run(store, session_id: str) -> Optional[dict]:
+def base_run(store, session_id: str) -> Optional[RunInfo]:
     """The run the N-run view aligns on: the (first) reference run, else the first run."""
     runs = session_runs(store, session_id)
     if not runs:
         return None
-    return next((r for r in runs if r["kind"] == "reference"), runs[0])
+    return next((r for r in runs if r.kind == "reference"), runs[0])
 
 
 # ---- the N-run view, put together from named clauses ------------------------------------------------------
@@ -124,32 +126,32 @@ class _OtherRun:
     the base when it has any (``compared``), else by step, rank and name; ``by_summary``: some of those
     comparisons are on summary statistics."""
 
-    run: dict
+    run: RunInfo
     compared: bool
     by_summary: bool
 
     @property
     def run_id(self) -> str:
-        return self.run["run_id"]
+        return self.run.run_id
 
 
-def _nrun_runs(store, session_id: str, run_ids: Sequence[str], base_run_id: Optional[str]) -> tuple[dict, list]:
+def _nrun_runs(store, session_id: str, run_ids: Sequence[str], base_run_id: Optional[str]) -> tuple[RunInfo, list]:
     """The base run and the other chosen runs (``_OtherRun``) of the N-run view."""
-    runs = {r["run_id"]: r for r in session_runs(store, session_id)}
+    runs = {r.run_id: r for r in session_runs(store, session_id)}
     base = runs.get(base_run_id) if base_run_id else base_run(store, session_id)
     if base is None:
         raise ValueError("the session has no runs")
-    others = [runs[r] for r in run_ids if r in runs and r != base["run_id"]]
+    others = [runs[r] for r in run_ids if r in runs and r != base.run_id]
     if not others:
         raise ValueError("choose at least one run besides the base run to compare")
     return base, [_other_run(store, session_id, base, r) for r in others]
 
 
-def _other_run(store, session_id: str, base: dict, run: dict) -> _OtherRun:
+def _other_run(store, session_id: str, base: RunInfo, run: RunInfo) -> _OtherRun:
     got = rows(store, """SELECT count(*) AS n, coalesce(bool_or(basis = 'stats'), false) AS s FROM comparisons
                          WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
                            AND kind IN ('accumulated', 'stats')""",
-               [session_id, base["run_id"], run["run_id"]])[0]
+               [session_id, base.run_id, run.run_id])[0]
     return _OtherRun(run, got["n"] > 0, bool(got["s"]))
 
 
@@ -170,21 +172,21 @@ _NRUN_SHOW = {
 }
 
 
-def _in_any_run(session_id: str, base: dict, others: list, own: Optional[str], by_comparison: str,
+def _in_any_run(session_id: str, base: RunInfo, others: list, own: Optional[str], by_comparison: str,
                 by_name: str) -> Clause:
     """``(own OR <one condition per other run>)``: through the run's stored comparisons with the base when it
     has any, else by tensor name."""
     conds = [Clause(own)] if own else []
-    conds += [Clause(by_comparison, (session_id, base["run_id"], o.run_id)) if o.compared
+    conds += [Clause(by_comparison, (session_id, base.run_id, o.run_id)) if o.compared
               else Clause(by_name, (o.run_id,)) for o in others]
     inner = Clause.joined(conds, " OR ")
     return Clause(f"({inner.sql})", inner.params)
 
 
-def _nrun_filter(session_id: str, base: dict, others: list, show: str, pattern: str) -> Clause:
+def _nrun_filter(session_id: str, base: RunInfo, others: list, show: str, pattern: str) -> Clause:
     """The base run's records the view shows: by name pattern, and (``show``) with a problem or unmatched in
     some run."""
-    where = [Clause("b.run_id = ?", (base["run_id"],))]
+    where = [Clause("b.run_id = ?", (base.run_id,))]
     if pattern.strip():
         where.append(Clause("b.name ILIKE ? ESCAPE '\\'", (name_pattern_sql(pattern.strip()),)))
     if show in _NRUN_SHOW:
@@ -192,7 +194,7 @@ def _nrun_filter(session_id: str, base: dict, others: list, show: str, pattern: 
     return Clause.joined(where, " AND ")
 
 
-def _counterpart_cte(i: int, other: _OtherRun, session_id: str, base: dict, ids: str, rids: list) -> Clause:
+def _counterpart_cte(i: int, other: _OtherRun, session_id: str, base: RunInfo, ids: str, rids: list) -> Clause:
     """``m{i}``: run ``other``'s record matching each base record of the page (``ref_rid`` -> ``cand_rid``) with
     the stored comparison's metrics, or, where the run was not compared with the base, by identical step, rank
     and name (no metrics)."""
@@ -201,14 +203,14 @@ def _counterpart_cte(i: int, other: _OtherRun, session_id: str, base: dict, ids:
                                    summary_rel_err, sqnr_db, verdict
                             FROM comparisons WHERE session_id = ? AND ref_run_id = ? AND cand_run_id = ?
                               AND kind IN ('accumulated', 'stats') AND ref_rid IN ({ids}) ORDER BY ref_rid)""",
-                      (session_id, base["run_id"], other.run_id, *rids))
+                      (session_id, base.run_id, other.run_id, *rids))
     return Clause(f"""m{i} AS (SELECT DISTINCT ON (b.rid) b.rid AS ref_rid, o.rid AS cand_rid,
                                    'name' AS "match", NULL::DOUBLE AS max_rel_err,
                                    NULL::DOUBLE AS summary_rel_err, NULL::DOUBLE AS sqnr_db, NULL::VARCHAR AS verdict
                             FROM tensors b JOIN tensors o ON o.run_id = ? AND o.step = b.step AND o.rank = b.rank
                                  AND o.name = b.name
                             WHERE b.run_id = ? AND b.rid IN ({ids}) ORDER BY b.rid, o.rid)""",
-                  (other.run_id, base["run_id"], *rids))
+                  (other.run_id, base.run_id, *rids))
 
 
 def _counterpart_join(i: int, other: _OtherRun) -> Clause:
@@ -220,7 +222,7 @@ def _counterpart_join(i: int, other: _OtherRun) -> Clause:
 def _counterpart_columns(i: int, other: _OtherRun) -> str:
     """Run ``other``'s column group: its record's absmax and non-finite flag, its metrics against the base, and
     how it was matched."""
-    name = other.run["name"].replace('"', "'")
+    name = other.run.name.replace('"', "'")
     # a run compared on summary statistics has their error beside the element-wise one, never in it
     summary = f'm{i}.summary_rel_err AS "{name}: summary_rel_err", ' if other.by_summary else ""
     return f"""{absmax_sql(f"t{i}")} AS "{name}: absmax", t{i}.nonfinite AS "{name}: nonfinite",
@@ -229,13 +231,13 @@ def _counterpart_columns(i: int, other: _OtherRun) -> str:
                 CASE WHEN m{i}.cand_rid IS NULL THEN 'unmatched' ELSE coalesce(m{i}."match", '') END AS "{name}: match" """
 
 
-def _nrun_query(session_id: str, base: dict, others: list, rids: list) -> Clause:
+def _nrun_query(session_id: str, base: RunInfo, others: list, rids: list) -> Clause:
     """The page's rows: each base record of ``rids`` and its counterpart in every other run."""
     ids = ", ".join("?" * len(rids)) or "NULL"
     ctes = Clause.joined((_counterpart_cte(i, o, session_id, base, ids, rids) for i, o in enumerate(others)), ", ")
     joins = Clause.joined((_counterpart_join(i, o) for i, o in enumerate(others)), " ")
     selects = ", ".join(_counterpart_columns(i, o) for i, o in enumerate(others))
-    bname = base["name"].replace('"', "'")
+    bname = base.name.replace('"', "'")
     sql = f"""WITH {ctes.sql}
               SELECT b.seq, b.step, b.rank, b.op, b.role, b."index", b.rid,
                      b.dtype AS "{bname}: dtype", {absmax_sql("b")} AS "{bname}: absmax", b.nonfinite AS "{bname}: nonfinite",
@@ -243,7 +245,7 @@ def _nrun_query(session_id: str, base: dict, others: list, rids: list) -> Clause
               FROM tensors b {joins.sql}
               WHERE b.run_id = ? AND b.rid IN ({ids})
               ORDER BY b.step, b.rank, b.seq, b.rid"""
-    return Clause(sql, ctes.params + joins.params + (base["run_id"], *rids))
+    return Clause(sql, ctes.params + joins.params + (base.run_id, *rids))
 
 
 def nrun_rows(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Optional[str] = None,
@@ -266,6 +268,6 @@ def nrun_rows(store, session_id: str, run_ids: Sequence[str], *, base_run_id: Op
                         "b.step, b.rank, b.seq, b.rid", offset, limit)
     query = _nrun_query(session_id, base, others, rids)
     df = frame(store, query.sql, list(query.params))
-    df.attrs["base_run"] = base["name"]
-    df.attrs["runs"] = [o.run["name"] for o in others]
+    df.attrs["base_run"] = base.name
+    df.attrs["runs"] = [o.run.name for o in others]
     return Window(df, total, any(o.by_summary for o in others))

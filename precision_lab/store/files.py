@@ -19,7 +19,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import ContextManager, Iterator, Optional
 
 from ..config import LOCK_WAIT_ENV
 from ..display import visible
@@ -260,7 +260,7 @@ def file_of(path: str) -> _File:
 
 
 @contextmanager
-def _holding(path, write: bool):
+def _holding(path, write: bool) -> Iterator[None]:
     f = file_of(resolve_db_path(path))
     hold = f.hold_write if write else f.hold
     hold(1)
@@ -270,13 +270,13 @@ def _holding(path, write: bool):
         hold(-1)
 
 
-def writing(path: Optional[os.PathLike | str] = None):
+def writing(path: Optional[os.PathLike | str] = None) -> ContextManager[None]:
     """``Store.writing()`` for the database at ``path``, begun before any ``Store`` of it is made (whose
     schema check is then part of the block)."""
     return _holding(path, True)
 
 
-def held(path: Optional[os.PathLike | str] = None):
+def held(path: Optional[os.PathLike | str] = None) -> ContextManager[None]:
     """``Store.held()`` for the database at ``path``, before any ``Store`` of it exists (a dashboard page run)."""
     return _holding(path, False)
 

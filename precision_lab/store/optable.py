@@ -9,6 +9,7 @@ import pandas as pd
 
 from ..enums import Verdict, worst_first
 from .queries import rank_case, rows
+from .rows import RunValues
 from .viewparts import Window, absmax_sql, check_window, frame, has_stats_basis, name_pattern_sql, severity_sql
 
 # column -> SQL expression; the only columns a visitor may sort by
@@ -248,10 +249,10 @@ def ops_rows(store, f: OpsFilter, *, offset: int = 0, limit: int = 50) -> Window
     return Window(df[_COLUMNS], total, stats_basis)
 
 
-def filter_options(store, run_id: str) -> dict[str, list]:
+def filter_options(store, run_id: str) -> RunValues:
     """Distinct steps, ranks, roles and op types of a run, for the filter widgets."""
     out = {}
     for key, col in (("steps", "step"), ("ranks", "rank"), ("roles", "role"), ("op_types", "op_type")):
         out[key] = [r["v"] for r in rows(store, f"SELECT DISTINCT {col} AS v FROM tensors WHERE run_id = ? "
                                                 f"AND {col} IS NOT NULL ORDER BY v", [run_id])]
-    return out
+    return RunValues(**out)

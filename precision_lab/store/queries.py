@@ -1,17 +1,22 @@
 """Every read the project makes of the database, as named functions.
 
-Each function takes a ``Store`` first and returns plain Python (dicts,
-lists, scalars) or a DataFrame where a page wants one.  Nothing outside
-``precision_lab.store`` writes SQL; a use case that needs a new question
-adds a function here.
+Each function takes a ``Store`` first and returns typed rows (``store.rows``,
+``records``, ``fixes.facts``, the origin's records), plain values, or a
+DataFrame where a page wants one.  Nothing outside ``precision_lab.store``
+writes SQL; a use case that needs a new question adds a function here.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Optional, Sequence, TypeVar
 
 from ..enums import Severity, Verdict
-from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis
+from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter,
+                           ZeroGradient)
+from ..records import INPUT_ROLES, NAMING_SEVERITIES, Diagnosis, RunInfo, StoredRecord
+from ..origin.values import ComparedRecord, NonfiniteCall, PathStep
+from .rows import ForwardOpCall, SessionListRow, WarningRow, one_as, records_as, rows_as
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -19,6 +24,9 @@ __all__ = [
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
     "forward_ends", "run_records_with_data",
 ]
+
+
+D = TypeVar("D", bound=Diagnosis)
 
 
 def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
@@ -48,24 +56,24 @@ def run_order(alias: str = "") -> str:
     return f"{a}created, {a}rowid"
 
 
-def session_list(store) -> list[dict]:
-    """Every session, newest first: ``{session_id, name, created, source, recipe, runs}`` (runs: how many)."""
-    return rows(store, "SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
-                       "WHERE r.session_id = s.session_id) AS runs FROM sessions s ORDER BY s.created DESC, s.name")
+def session_list(store) -> list[SessionListRow]:
+    """Every session, newest first, with how many runs each holds."""
+    return rows_as(SessionListRow, store.sql(
+        "SELECT s.session_id, s.name, s.created, s.source, s.recipe, (SELECT count(*) FROM runs r "
+        "WHERE r.session_id = s.session_id) AS runs FROM sessions s ORDER BY s.created DESC, s.name"))
 
 
-def session_runs(store, session_id: str, *, references_first: bool = False) -> list[dict]:
+def session_runs(store, session_id: str, *, references_first: bool = False) -> list[RunInfo]:
     """The runs of a session, oldest first (with ``references_first``: reference runs, then the rest in the
     order they were added)."""
-    if references_first:
-        return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY kind <> 'reference', {run_order()}",
-                    [session_id])
-    return rows(store, f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
+    first = "kind <> 'reference', " if references_first else ""
+    return rows_as(RunInfo, store.sql(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {first}{run_order()}",
+                                      [session_id]))
 
 
-def run_row(store, run_id: str) -> Optional[dict]:
+def run_row(store, run_id: str) -> Optional[RunInfo]:
     """One run's row, or None."""
-    return _one(store, "SELECT * FROM runs WHERE run_id = ?", [run_id])
+    return one_as(RunInfo, store.sql("SELECT * FROM runs WHERE run_id = ?", [run_id]))
 
 
 def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[dict]:
@@ -133,34 +141,36 @@ def warning_starting(store, run_id: str, prefix: str) -> Optional[str]:
     return hit["message"] if hit else None
 
 
-def ops_above(store, run_id: str, absmax: float) -> list[dict]:
-    """``{op, seq}`` of ops whose inputs or outputs exceed ``absmax``, in execution order."""
-    return rows(store, """SELECT op, min(seq) AS seq FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
-                          AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax])
+def ops_above(store, run_id: str, absmax: float) -> list[OpSeen]:
+    """The ops whose inputs or outputs exceed ``absmax``, in execution order."""
+    return rows_as(OpSeen, store.sql("""SELECT op, min(seq) AS seq FROM tensors
+                          WHERE run_id = ? AND role IN ('input', 'output')
+                          AND absmax > ? GROUP BY op ORDER BY seq""", [run_id, absmax]))
 
 
 # a capture's module call (``<path>.forward.<n>``, the root's ``forward.<n>``): true sorts after false
 _MODULE_CALL = r"regexp_matches(op, '(^|\.)(forward|backward)\.[0-9]+$')"
 
 
-def worst_local_errors(store, run_id: str, limit: int) -> list[dict]:
+def worst_local_errors(store, run_id: str, limit: int) -> list[LocalError]:
     """Outputs whose local (shadow) error is judged an error, worst first; an op before the module calls that
     hold it (a module's local error adds up its ops')."""
-    return rows(store, f"""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
+    return rows_as(LocalError, store.sql(f"""SELECT op, seq, rounding_units, sqnr_db, cand_format FROM comparisons
                            WHERE cand_run_id = ? AND kind = 'local' AND verdict = 'error' AND role = 'output'
-                           ORDER BY {_MODULE_CALL}, rounding_units DESC LIMIT ?""", [run_id, int(limit)])
+                           ORDER BY {_MODULE_CALL}, rounding_units DESC LIMIT ?""", [run_id, int(limit)]))
 
 
-def last_accumulated_output(store, run_id: str) -> Optional[dict]:
-    """The run's last output compared with the reference, the model's output (``{op, seq, sqnr_db, verdict,
-    nonfinite_introduced}``): its ``sqnr_db`` is None when that output holds NaN/Inf the reference does not, never
-    the SQNR of its finite values nor an earlier op's standing in for it."""
+def last_accumulated_output(store, run_id: str) -> Optional[FinalOutput]:
+    """The run's last output compared with the reference, the model's output: its ``sqnr_db`` is None when that
+    output holds NaN/Inf the reference does not, never the SQNR of its finite values nor an earlier op's standing
+    in for it."""
     # a model with several outputs (a loss and its logits): the largest, then the first returned
-    return _one(store, """SELECT c.op, c.seq, CASE WHEN c.nonfinite_introduced > 0 THEN NULL ELSE c.sqnr_db END AS sqnr_db,
+    return one_as(FinalOutput, store.sql("""SELECT c.op, c.seq,
+                          CASE WHEN c.nonfinite_introduced > 0 THEN NULL ELSE c.sqnr_db END AS sqnr_db,
                           c.verdict, c.nonfinite_introduced FROM comparisons c JOIN tensors t ON t.rid = c.cand_rid
                           WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.role = 'output'
                           AND c.ref_rid IS NOT NULL AND c.cand_rid IS NOT NULL
-                          ORDER BY c.step DESC, c.seq DESC, t.numel DESC, c.cand_rid LIMIT 1""", [run_id])
+                          ORDER BY c.step DESC, c.seq DESC, t.numel DESC, c.cand_rid LIMIT 1""", [run_id]))
 
 
 def worst_gradient_sqnr(store, run_id: str) -> Optional[float]:
@@ -186,11 +196,12 @@ def run_sources(store, session_id: str) -> list[str]:
             if r["source"]]
 
 
-def forward_ops(store, run_id: str) -> list[dict]:
-    """One row per forward op call of a run, in execution order: ``{op, op_type, seq, nf}``."""
-    return rows(store, """SELECT op, any_value(op_type) AS op_type, min(seq) AS seq, bool_or(nonfinite) AS nf
-                          FROM tensors WHERE run_id = ? AND direction = 'forward'
-                          GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id])
+def forward_ops(store, run_id: str) -> list[ForwardOpCall]:
+    """Every forward op call of a run, in execution order."""
+    return rows_as(ForwardOpCall, store.sql("""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
+                                                      bool_or(nonfinite) AS nonfinite
+                                               FROM tensors WHERE run_id = ? AND direction = 'forward'
+                                               GROUP BY step, rank, op ORDER BY min(step), min(seq)""", [run_id]))
 
 
 def _in(roles: Sequence[str]) -> str:
@@ -198,26 +209,24 @@ def _in(roles: Sequence[str]) -> str:
     return "(" + ", ".join("'" + r.replace("'", "''") + "'" for r in roles) + ")"
 
 
-def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[dict]:
-    """Op calls holding any NaN/inf, in execution order: ``{step, rank, op, seq, op_type, direction, nf_in,
-    nf_out, no_inputs}`` (whether an input role, or any other role, is non-finite; whether the call has no
-    input record at all)."""
+def nonfinite_op_calls(store, run_id: str, input_roles: Sequence[str]) -> list[NonfiniteCall]:
+    """Op calls holding any NaN/inf, in execution order (``no_inputs``: the call has no record of
+    ``input_roles``)."""
     ins = _in(input_roles)
-    return rows(store, f"""SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
+    return records_as(NonfiniteCall, store.sql(f"""
+                           SELECT step, rank, op, min(seq) AS seq, any_value(op_type) AS op_type,
                                   any_value(direction) AS direction,
-                                  NOT bool_or(role IN {ins}) AS no_inputs,
-                                  coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nf_in,
-                                  coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nf_out
+                                  NOT bool_or(role IN {ins}) AS no_inputs
                            FROM tensors WHERE run_id = ?
                            GROUP BY step, rank, op
                            HAVING bool_or(nonfinite)
-                           ORDER BY step, seq, rank, op""", [run_id])
+                           ORDER BY step, seq, rank, op""", [run_id]))
 
 
-def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
-    """Each call of a quantise op (``op_types``: the names it goes by) with its first input and first output
-    record: ``{op, step, rank, seq, input, output, amax}`` (records as dicts of the tensors columns; ``amax``:
-    the max of the output of the ``<path>.amax`` call it made, where recorded), in execution order."""
+def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[QuantiseCall]:
+    """Each call of a quantise op (``op_types``: the names it goes by) with its first input (and that input's
+    histogram) and first output record, and the max of the output of the ``<path>.amax`` call it made, where
+    recorded, in execution order."""
     recs = rows(store, f"""SELECT * FROM tensors WHERE run_id = ? AND role IN ('input', 'output')
                              AND op IN (SELECT op FROM tensors WHERE run_id = ? AND op_type IN {_in(op_types)})
                            ORDER BY step, rank, seq, role, "index" """, [run_id, run_id])
@@ -239,17 +248,18 @@ def quantise_calls(store, run_id: str, op_types: Sequence[str]) -> list[dict]:
         prefix = c["op"].rsplit(".forward.", 1)[0] + ".amax.forward."
         amax = next((a["max"] for a in amaxes if (a["step"], a["rank"]) == (c["step"], c["rank"])
                      and a["seq"] >= c["seq"] and a["op"].startswith(prefix)), None)
-        out.append({**c, "amax": amax})
+        out.append(QuantiseCall(c["op"], int(c["step"]), int(c["rank"]), int(c["seq"]),
+                                StoredRecord.from_row(c["input"], store.histogram(run_id, c["input"]["rid"])),
+                                StoredRecord.from_row(c["output"]), amax))
     return out
 
 
-def error_growth(store, run_id: str) -> list[dict]:
+def error_growth(store, run_id: str) -> list[ErrorGrowth]:
     """Per op call of a run, its output's accumulated error against the reference beside its inputs', both in
-    unit roundoffs of the candidate format (element-wise comparisons only): ``{op, op_type, step, rank, seq,
-    out_units, in_units, out_abs_err, out_absmax, in_absmax, cand_format}`` (the output's largest absolute
-    error and magnitude, the smallest magnitude among the inputs), in execution order; module calls left out
-    (their error is their ops')."""
-    return rows(store, f"""SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
+    unit roundoffs of the candidate format (element-wise comparisons only), in execution order; module calls
+    left out (their error is their ops')."""
+    return rows_as(ErrorGrowth, store.sql(f"""
+                           SELECT c.op, any_value(t.op_type) AS op_type, c.step, c.rank, min(c.seq) AS seq,
                                   max(c.rounding_units) FILTER (WHERE c.role = 'output') AS out_units,
                                   max(c.rounding_units) FILTER (WHERE c.role IN ('input', 'kwarg')) AS in_units,
                                   max(c.max_abs_err) FILTER (WHERE c.role = 'output') AS out_abs_err,
@@ -261,16 +271,16 @@ def error_growth(store, run_id: str) -> list[dict]:
                              AND c.rounding_units IS NOT NULL AND NOT {_MODULE_CALL.replace("op", "c.op", 1)}
                            GROUP BY c.op, c.step, c.rank
                            HAVING out_units IS NOT NULL AND in_units IS NOT NULL
-                           ORDER BY c.step, seq, c.rank""", [run_id])
+                           ORDER BY c.step, seq, c.rank""", [run_id]))
 
 
-def paired_values(store, run_id: str, roles: Sequence[str], op_types: Optional[Sequence[str]] = None) -> list[dict]:
+def paired_values(store, run_id: str, roles: Sequence[str],
+                  op_types: Optional[Sequence[str]] = None) -> list[PairedValues]:
     """The run's records of ``roles`` (of ops of ``op_types`` when given) compared element-wise with the
-    reference, beside the reference's: ``{op, op_type, step, rank, seq, role, index, dtype, numel, min, max,
-    absmax, zero_count, ref_min, ref_max, ref_absmax, ref_zero_count, ref_min_abs_nonzero}``, in execution
-    order."""
+    reference, beside the reference's, in execution order."""
     types = f"AND t.op_type IN {_in(op_types)}" if op_types else ""
-    return rows(store, f"""SELECT c.op, t.op_type, c.step, c.rank, c.seq, c.role, c."index", t.dtype, t.numel,
+    return rows_as(PairedValues, store.sql(f"""
+                           SELECT c.op, t.op_type, c.step, c.rank, c.seq, c.role, c."index", t.dtype, t.numel,
                                   t.min, t.max, t.absmax, t.zero_count, rt.min AS ref_min, rt.max AS ref_max,
                                   rt.absmax AS ref_absmax, rt.zero_count AS ref_zero_count,
                                   rt.min_abs_nonzero AS ref_min_abs_nonzero
@@ -278,16 +288,15 @@ def paired_values(store, run_id: str, roles: Sequence[str], op_types: Optional[S
                            JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
                            WHERE c.cand_run_id = ? AND c.kind = 'accumulated' AND c.basis = 'tensor'
                              AND c.role IN {_in(roles)} {types}
-                           ORDER BY c.step, c.seq, c.rank, c.op, c.role, c."index" """, [run_id])
+                           ORDER BY c.step, c.seq, c.rank, c.op, c.role, c."index" """, [run_id]))
 
 
-def first_nonfinite_state_after(store, run_id: str, step: int) -> Optional[dict]:
-    """The first parameter or buffer record holding NaN/inf at a step after ``step``: ``{op, index, step,
-    nan_count, inf_count, count}`` (``count``: how many such records that step holds), or None."""
-    return _one(store, """SELECT op, "index", step, nan_count, inf_count,
+def first_nonfinite_state_after(store, run_id: str, step: int) -> Optional[StateAfter]:
+    """The first parameter or buffer record holding NaN/inf at a step after ``step``, or None."""
+    return one_as(StateAfter, store.sql("""SELECT op, "index", step, nan_count, inf_count,
                                  count(*) OVER (PARTITION BY step) AS count
                           FROM tensors WHERE run_id = ? AND step > ? AND role IN ('param', 'buffer') AND nonfinite
-                          ORDER BY step, seq, rid LIMIT 1""", [run_id, int(step)])
+                          ORDER BY step, seq, rid LIMIT 1""", [run_id, int(step)]))
 
 
 def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
@@ -296,18 +305,17 @@ def records_inputs(store, run_id: str, input_roles: Sequence[str]) -> bool:
                 [run_id]) is not None
 
 
-def nonfinite_records(store, run_id: str) -> list[dict]:
-    """Every non-finite record of a run with its stored comparison against a reference, in execution order:
-    the tensors columns plus ``introduced`` (the comparison's ``nonfinite_introduced``; None without one),
-    ``ref_absmax``/``ref_nonfinite`` (the paired reference record's) and ``match``."""
-    return rows(store, """SELECT t.*, c.nonfinite_introduced AS introduced, c.masked AS masked, c.match AS match,
+def nonfinite_records(store, run_id: str) -> list[ComparedRecord]:
+    """Every non-finite record of a run with its stored comparison against a reference, in execution order."""
+    return records_as(ComparedRecord, store.sql("""
+                          SELECT t.*, c.nonfinite_introduced AS introduced, c.masked AS masked, c.match AS match,
                                  rt.absmax AS ref_absmax, rt.nonfinite AS ref_nonfinite
                           FROM tensors t
                           LEFT JOIN comparisons c ON c.cand_run_id = t.run_id AND c.cand_rid = t.rid
                                AND c.kind = 'accumulated' AND c.ref_rid IS NOT NULL
                           LEFT JOIN tensors rt ON rt.run_id = c.ref_run_id AND rt.rid = c.ref_rid
                           WHERE t.run_id = ? AND t.nonfinite
-                          ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id])
+                          ORDER BY t.step, t.seq, t.rank, t.rid""", [run_id]))
 
 
 # what a dump calls the model's own output when its records do not nest by name (``model.npy`` beside
@@ -339,16 +347,15 @@ def op_parents(store, run_id: str) -> dict[str, str]:
 
 
 def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_roles: Sequence[str],
-                   limit: int) -> list[dict]:
-    """The last ``limit`` op calls starting at or before ``seq``, latest first: ``{op, op_type, seq,
-    nonfinite_in, nonfinite_out}``."""
+                   limit: int) -> list[PathStep]:
+    """The last ``limit`` op calls starting at or before ``seq``, latest first."""
     ins = _in(input_roles)
-    return rows(store, f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
+    return rows_as(PathStep, store.sql(f"""SELECT op, any_value(op_type) AS op_type, min(seq) AS seq,
                                   coalesce(bool_or(nonfinite AND role IN {ins}), false) AS nonfinite_in,
                                   coalesce(bool_or(nonfinite AND role NOT IN {ins}), false) AS nonfinite_out
                            FROM tensors WHERE run_id = ? AND step = ? AND rank = ?
                            GROUP BY op HAVING min(seq) <= ?
-                           ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)])
+                           ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)]))
 
 
 def nonfinite_norms_of_finite_values(store, session_id: str) -> list[dict]:
@@ -369,10 +376,10 @@ def _columns(names: Sequence[str]) -> str:
     return ", ".join(f'"{n}"' for n in names)
 
 
-def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[dict]:
-    """``columns`` of every record of a run, in (step, rank, seq) order."""
-    return rows(store, f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
-                [run_id])
+def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[tuple]:
+    """Every record of a run, in (step, rank, seq) order, as a tuple of the values of ``columns`` in their order."""
+    return store.sql(f"SELECT {_columns(columns)} FROM tensors WHERE run_id = ? ORDER BY step, rank, seq, rid",
+                     [run_id]).fetchall()
 
 
 def run_records_with_data(store, run_id: str) -> list[dict]:
@@ -383,10 +390,11 @@ def run_records_with_data(store, run_id: str) -> list[dict]:
                            WHERE t.run_id = ? ORDER BY t.step, t.rank, t.seq, t.rid""", [run_id])
 
 
-def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[dict]:
-    """``columns`` of every comparison of a session, by candidate run and execution order."""
-    return rows(store, f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
-                           ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id])
+def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[tuple]:
+    """Every comparison of a session, by candidate run and execution order, as a tuple of the values of ``columns``
+    in their order."""
+    return store.sql(f"""SELECT {_columns(columns)} FROM comparisons WHERE session_id = ?
+                         ORDER BY cand_run_id, step, rank, seq, op, role, "index" """, [session_id]).fetchall()
 
 
 def session_data_version(store, session_id: str) -> tuple:
@@ -400,38 +408,36 @@ def session_data_version(store, session_id: str) -> tuple:
     return tuple(row.values()) if row else ()
 
 
-def diagnosis_rows(store, sql: str, params: list) -> list[dict]:
-    """Rows of diagnoses with ``fixes`` decoded to a tuple, best first (``Diagnosis.decode_fixes``)."""
-    got = rows(store, sql, params)
-    for d in got:
-        if "fixes" in d:
-            d["fixes"] = Diagnosis.decode_fixes(d["fixes"])
-    return got
+def diagnosis_rows(store, cls: type[D], sql: str, params: list) -> list[D]:
+    """Rows of diagnoses as ``cls`` (``Diagnosis`` or a subclass) with ``fixes`` decoded to a tuple, best first
+    (``Diagnosis.decode_fixes``)."""
+    return [dataclasses.replace(d, fixes=Diagnosis.decode_fixes(d.fixes))
+            for d in rows_as(cls, store.sql(sql, params))]
 
 
-def session_diagnoses(store, session_id: str) -> list[dict]:
-    """Every diagnosis of a session, by run and execution order (``fixes`` a tuple)."""
-    return diagnosis_rows(store, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op",
+def session_diagnoses(store, session_id: str) -> list[Diagnosis]:
+    """Every diagnosis of a session, by run and execution order."""
+    return diagnosis_rows(store, Diagnosis, "SELECT * FROM diagnoses WHERE session_id = ? ORDER BY run_id, seq, op",
                           [session_id])
 
 
-def session_warning_rows(store, session_id: str) -> list[dict]:
+def session_warning_rows(store, session_id: str) -> list[WarningRow]:
     """Every warning of a session, by file."""
-    return rows(store, "SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id])
+    return rows_as(WarningRow, store.sql("SELECT * FROM warnings WHERE session_id = ? ORDER BY file", [session_id]))
 
 
-def zero_gradients(store, run_id: str) -> list[dict]:
+def zero_gradients(store, run_id: str) -> list[ZeroGradient]:
     """Parameter gradients of a run that are 0 in every element, in execution order, each with the gradient that
     arrived at the same backward op call (its ``grad_output``): ``arriving_absmax`` and ``arriving_smallest``,
     its largest and smallest nonzero magnitudes (NULL where none arrived or it was all zero)."""
-    return rows(store, """
-        SELECT p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel,
+    return rows_as(ZeroGradient, store.sql("""
+        SELECT p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel,
                max(g.absmax) AS arriving_absmax, min(g.min_abs_nonzero) AS arriving_smallest
         FROM tensors p LEFT JOIN tensors g ON g.run_id = p.run_id AND g.op = p.op AND g.step = p.step
              AND g.rank = p.rank AND g.role = 'grad_output' AND g.zero_count < g.numel
         WHERE p.run_id = ? AND p.role = 'param_grad' AND p.numel > 0 AND p.zero_count = p.numel
         GROUP BY p.rid, p.op, p.step, p.rank, p.seq, p."index", p.dtype, p.numel
-        ORDER BY p.step, p.rank, p.seq, p.rid""", [run_id])
+        ORDER BY p.step, p.rank, p.seq, p.rid""", [run_id]))
 
 
 def run_ranks(store, run_id: str) -> list[int]:
@@ -469,10 +475,9 @@ def ops_by_local_error(store, run_id: str) -> list[str]:
                                   [run_id])]
 
 
-def run_diagnoses(store, run_id: str) -> list[dict]:
-    """A run's diagnoses in execution order: ``{severity, rule, op, message, fixes}`` (``fixes`` a tuple)."""
-    return diagnosis_rows(store, "SELECT severity, rule, op, message, fixes FROM diagnoses WHERE run_id = ? "
-                                 "ORDER BY seq", [run_id])
+def run_diagnoses(store, run_id: str) -> list[Diagnosis]:
+    """A run's diagnoses in execution order."""
+    return diagnosis_rows(store, Diagnosis, "SELECT * FROM diagnoses WHERE run_id = ? ORDER BY seq", [run_id])
 
 
 def op_extremes(store, run_id: str, fmt_max: float) -> list[dict]:
@@ -514,6 +519,47 @@ def rank_case(column: str, kind, *, worst_first_order: bool = False) -> str:
 CARRIED_WITHIN = 2.0
 
 
+# the comparison columns the ranking carries, in the order its rows give them
+_RANKED_COLS = ("seq", "op", "role", '"index"', "kind", "basis", "verdict", '"match"', "nonfinite_introduced",
+                "max_abs_err", "max_rel_err", "summary_abs_err", "summary_rel_err", "cosine", "cosine_deficit",
+                "sqnr_db", "rounding_units", "reason", "cand_run_id", "cand_rid", "ref_run_id", "ref_rid")
+
+
+def _naming_diagnoses_sql() -> str:
+    """The CTEs ``each`` and ``d``: per run and op (and seq) the best severity rank of the diagnoses that name it
+    and its first place among its rule's findings (parameters: the session id, then ``NAMING_SEVERITIES``)."""
+    return f"""each AS (SELECT run_id, op, seq, {rank_case("severity", Severity, worst_first_order=True)} AS sev,
+                                 row_number() OVER (PARTITION BY run_id, rule ORDER BY rowid) AS nth
+                          FROM diagnoses WHERE session_id = ?
+                          AND severity IN ({', '.join('?' * len(NAMING_SEVERITIES))})),
+                 d AS (SELECT run_id, op, seq, min(sev) AS sev, min(nth) AS nth FROM each GROUP BY run_id, op, seq)"""
+
+
+def _uncompared_sql(lone: Sequence[str]) -> str:
+    """A row of its own for each named op call's record holding NaN/inf with no judged comparison, where ``lone``
+    holds (the reference runs no such op: a quantiser's own reciprocal), as kind ``uncompared``."""
+    return f"""SELECT t.seq, t.op, t.role, t."index", 'uncompared', NULL, 'nonfinite', NULL, NULL, NULL,
+                                  NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                  'holds NaN/inf; the reference has no record to compare it with',
+                                  t.run_id, t.rid, NULL, NULL, min(d.sev), min(d.nth)
+                           FROM tensors t JOIN d ON d.run_id = t.run_id
+                                AND (d.op = t.op OR (d.seq >= 0 AND d.seq = t.seq))
+                           WHERE {' AND '.join(lone)}
+                           GROUP BY ALL"""
+
+
+# worst first: the diagnosed ops in the order their diagnoses rank them, then by verdict, then the first of an
+# error carried on (``CARRIED_WITHIN``), then the largest errors
+_RANKED_ORDER = f"""c.d_sev NULLS LAST, c.d_sev IS NOT NULL AND c.verdict = 'nonfinite' DESC, c.d_nth NULLS LAST,
+                     CASE WHEN c.d_sev IS NOT NULL THEN c.seq END,
+                     {rank_case("c.verdict", Verdict, worst_first_order=True)},
+                     CASE WHEN c.ru >= c.ru_max / {CARRIED_WITHIN} THEN c.seq END NULLS LAST,
+                     c.ru DESC NULLS LAST,
+                     CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
+                     CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,
+                     c.seq, c.op, c.role, c."index", c.kind, r.name"""
+
+
 def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10, include_nonfinite: bool = False,
                            run_id: Optional[str] = None) -> tuple[str, list]:
     """The query (and its parameters) of a session's comparisons, worst first: the one ranking every table of
@@ -527,8 +573,6 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
     if run_id:
         where.append("c.cand_run_id = ?")
         params.append(run_id)
-    # a named op call that holds NaN/inf and has no judged comparison (the reference runs no such op: a
-    # quantiser's own reciprocal) is a row of its own, ``uncompared``
     lone = ["t.run_id IN (SELECT run_id FROM runs WHERE session_id = ?)", "t.nonfinite",
             f"t.role NOT IN ({roles})", "NOT EXISTS (SELECT 1 FROM comparisons c2 WHERE c2.cand_run_id = t.run_id "
             "AND c2.cand_rid = t.rid AND c2.verdict IS NOT NULL)", "true" if include_nonfinite else "false"]
@@ -537,16 +581,9 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
         lone.append("t.run_id = ?")
         params.append(run_id)
     params.append(int(n))
-    cols = ("seq, op, role, \"index\", kind, basis, verdict, \"match\", nonfinite_introduced, max_abs_err, "
-            "max_rel_err, summary_abs_err, summary_rel_err, cosine, cosine_deficit, sqnr_db, rounding_units, reason, "
-            "cand_run_id, cand_rid, ref_run_id, ref_rid")
     sql = (
-        f"""WITH each AS (SELECT run_id, op, seq, {rank_case("severity", Severity, worst_first_order=True)} AS sev,
-                                 row_number() OVER (PARTITION BY run_id, rule ORDER BY rowid) AS nth
-                          FROM diagnoses WHERE session_id = ?
-                          AND severity IN ({', '.join('?' * len(NAMING_SEVERITIES))})),
-                 d AS (SELECT run_id, op, seq, min(sev) AS sev, min(nth) AS nth FROM each GROUP BY run_id, op, seq),
-                 named AS (SELECT {', '.join('c.' + x.strip() for x in cols.split(','))},
+        f"""WITH {_naming_diagnoses_sql()},
+                 named AS (SELECT {', '.join('c.' + x for x in _RANKED_COLS)},
                                   min(d.sev) AS d_sev, min(d.nth) AS d_nth
                            FROM comparisons c LEFT JOIN d ON d.run_id = c.cand_run_id
                                 AND c.role NOT IN ({roles})
@@ -554,14 +591,7 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
                            WHERE {' AND '.join(where)}
                            GROUP BY ALL
                            UNION ALL
-                           SELECT t.seq, t.op, t.role, t."index", 'uncompared', NULL, 'nonfinite', NULL, NULL, NULL,
-                                  NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                                  'holds NaN/inf; the reference has no record to compare it with',
-                                  t.run_id, t.rid, NULL, NULL, min(d.sev), min(d.nth)
-                           FROM tensors t JOIN d ON d.run_id = t.run_id
-                                AND (d.op = t.op OR (d.seq >= 0 AND d.seq = t.seq))
-                           WHERE {' AND '.join(lone)}
-                           GROUP BY ALL),
+                           {_uncompared_sql(lone)}),
                  ranked AS (SELECT *, CASE WHEN isfinite(rounding_units) THEN rounding_units END AS ru,
                                    max(CASE WHEN isfinite(rounding_units) THEN rounding_units END)
                                        OVER (PARTITION BY cand_run_id, verdict) AS ru_max
@@ -571,12 +601,6 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
                    c.cosine, c.cosine_deficit, c.sqnr_db, c.rounding_units, c.reason, c.cand_run_id AS run_id,
                    c.cand_rid AS rid, c.ref_run_id, c.ref_rid
             FROM ranked c JOIN runs r ON r.run_id = c.cand_run_id
-            ORDER BY c.d_sev NULLS LAST, c.d_sev IS NOT NULL AND c.verdict = 'nonfinite' DESC, c.d_nth NULLS LAST,
-                     CASE WHEN c.d_sev IS NOT NULL THEN c.seq END, {rank_case("c.verdict", Verdict, worst_first_order=True)},
-                     CASE WHEN c.ru >= c.ru_max / {CARRIED_WITHIN} THEN c.seq END NULLS LAST,
-                     c.ru DESC NULLS LAST,
-                     CASE WHEN isfinite(c.max_rel_err) THEN c.max_rel_err END DESC NULLS LAST,
-                     CASE WHEN isfinite(c.summary_rel_err) THEN c.summary_rel_err END DESC NULLS LAST,
-                     c.seq, c.op, c.role, c."index", c.kind, r.name
+            ORDER BY {_RANKED_ORDER}
             LIMIT ?""")
     return sql, params

@@ -4,19 +4,25 @@ model: ``views``, ``queries``, ``timeline``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from contextlib import contextmanager
-from typing import Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
-from ..records import npy_load
+from ..records import RunInfo, npy_load
 from ..stats import HistogramError, TensorStats, decode_hist
 from ..tokens import TokenFileError
 from .files import held, rollback
 from .queries import run_order
+from .rows import SessionRow, one_as
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from duckdb import DuckDBPyConnection
 
 
 class SessionNotFound(KeyError):
@@ -87,7 +93,7 @@ class StoreReads:
     """``Store``'s reads: a query runs on the file's connection, taken for it and let go after it (see ``files``)."""
 
     @contextmanager
-    def held(self):
+    def held(self) -> Iterator["StoreReads"]:
         """Keep the database open between the operations of this block (read-only; a write in it still takes
         the file for its transaction only).  For a bounded stretch such as one dashboard page run: other
         processes' writes wait while it lasts."""
@@ -109,7 +115,7 @@ class StoreReads:
         return tuple(out)
 
     @contextmanager
-    def reading(self):
+    def reading(self) -> Iterator[DuckDBPyConnection]:
         """A cursor for several reads that must see one state of the database (one read transaction)."""
         tx = getattr(self._file.tx, "cur", None)
         if tx is not None:
@@ -123,7 +129,7 @@ class StoreReads:
                 rollback(cur)
 
     @contextmanager
-    def _cursor(self):
+    def _cursor(self) -> Iterator[DuckDBPyConnection]:
         """A cursor of the file's connection, taken read-only for this block and given back after it."""
         con = self._file.acquire(False, self.lock_wait)
         cur = None
@@ -155,7 +161,7 @@ class StoreReads:
 
         return Result(run)
 
-    def df(self, query: str, params: Optional[list] = None):
+    def df(self, query: str, params: Optional[list] = None) -> pd.DataFrame:
         return self.sql(query, params).df()
 
     def undiagnosed_sessions(self) -> list[str]:
@@ -170,7 +176,7 @@ class StoreReads:
                 out.append(name)
         return out
 
-    def sessions(self):
+    def sessions(self) -> pd.DataFrame:
         """All sessions with run counts, newest first (DataFrame)."""
         return self.df(
             "SELECT s.session_id, s.name, s.created, s.source, s.recipe, "
@@ -178,31 +184,28 @@ class StoreReads:
             "FROM sessions s ORDER BY s.created DESC, s.name"
         )
 
-    def session(self, session: str) -> dict:
+    def session(self, session: str) -> SessionRow:
         """A session by name or id; raises SessionNotFound with the known names."""
-        row = self.sql(
+        row = one_as(SessionRow, self.sql(
             "SELECT session_id, name, created, source, recipe, notes FROM sessions "
-            "WHERE name = ? OR session_id = ?", [session, session]
-        ).fetchone()
+            "WHERE name = ? OR session_id = ?", [session, session]))
         if row is None:
             names = [r[0] for r in self.sql("SELECT name FROM sessions ORDER BY name").fetchall()]
             known = ", ".join(names[:20]) if names else "none yet"
             raise SessionNotFound(f"no session named {session!r} (known sessions: {known})")
-        keys = ["session_id", "name", "created", "source", "recipe", "notes"]
-        d = dict(zip(keys, row))
-        d["notes"] = json.loads(d["notes"] or "{}")
-        return d
+        return dataclasses.replace(row, notes=json.loads(row.notes or "{}"))
 
-    def runs(self, session_id: str):
+    def runs(self, session_id: str) -> pd.DataFrame:
         return self.df(f"SELECT * FROM runs WHERE session_id = ? ORDER BY {run_order()}", [session_id])
 
-    def run(self, run_id: str) -> dict:
-        df = self.df("SELECT * FROM runs WHERE run_id = ?", [run_id])
-        if df.empty:
+    def run(self, run_id: str) -> RunInfo:
+        """A run by id; raises KeyError."""
+        row = one_as(RunInfo, self.sql("SELECT * FROM runs WHERE run_id = ?", [run_id]))
+        if row is None:
             raise KeyError(f"no run {run_id!r}")
-        return df.iloc[0].to_dict()
+        return row
 
-    def session_by_token(self, token: str) -> Optional[dict]:
+    def session_by_token(self, token: str) -> Optional[SessionRow]:
         """The session ``token`` opens, or None: the token file is read per call (a revocation written by
         another process counts from the next call), without the database's lock; a token file that cannot be
         read opens nothing."""
@@ -232,14 +235,14 @@ class StoreReads:
         except HistogramError as e:
             raise ValueError(f"histogram of run {run_id} record {rid}: {e}; re-ingest the dump") from None
 
-    def tensor(self, run_id: str, rid: int):
+    def tensor(self, run_id: str, rid: int) -> Optional[np.ndarray]:
         """A kept tensor as a numpy array, or None."""
         row = self.sql("SELECT npy FROM tensor_data WHERE run_id = ? AND rid = ?", [run_id, int(rid)]).fetchone()
         if row is None:
             return None
         return npy_load(row[0])
 
-    def record_stats(self, run_id: str, rid: int):
+    def record_stats(self, run_id: str, rid: int) -> TensorStats:
         """Rebuild the TensorStats (with histogram) of one stored record."""
 
         df = self.df("SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [run_id, int(rid)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .queries import rows, run_order
+from .rows import OutputRecord, RankStepCell, StepOp, TimelineRun, one_as, rows_as
 
 __all__ = ["timeline_runs", "timeline_dtypes", "series_rows", "full_steps", "op_steps_at", "output_record", "step_rows", "first_nonfinite_step", "heatmap_cells", "op_steps",
            "op_worst", "timeline_ops", "rank_step_cells"]
@@ -19,12 +20,12 @@ _KEY = "op, role, \"index\""
 _LOW = "(f.underflow + f.subnormal)"
 
 
-def timeline_runs(store, session_id: str) -> list[dict]:
-    """Runs of the session that have a timeline: run_id, name, dtype, steps, first and last step, ops."""
-    return rows(store, "SELECT r.run_id, r.name, r.dtype, count(DISTINCT t.step) AS steps, min(t.step) AS first_step, "
+def timeline_runs(store, session_id: str) -> list[TimelineRun]:
+    """Runs of the session that have a timeline, in the order they were added."""
+    return rows_as(TimelineRun, store.sql("SELECT r.run_id, r.name, r.dtype, count(DISTINCT t.step) AS steps, min(t.step) AS first_step, "
                        "max(t.step) AS last_step, count(DISTINCT t.op) AS ops FROM runs r JOIN timeline t "
                        "ON t.run_id = r.run_id WHERE r.session_id = ? GROUP BY r.run_id, r.name, r.dtype, r.created, r.rowid "
-                       f"ORDER BY {run_order('r')}", [session_id])
+                       f"ORDER BY {run_order('r')}", [session_id]))
 
 
 def timeline_dtypes(store, run_id: str) -> list[str]:
@@ -56,22 +57,21 @@ def full_steps(store, run_id: str, op: Optional[str] = None) -> list[int]:
                                     args).fetchall()]
 
 
-def op_steps_at(store, run_id: str, step: int) -> list[dict]:
-    """The timeline ops of one step, forward outputs first, in execution order (ranks merged): op, role,
-    counts, absmax."""
-    return rows(store, """
+def op_steps_at(store, run_id: str, step: int) -> list[StepOp]:
+    """The timeline ops of one step, forward outputs first, in execution order (ranks merged)."""
+    return rows_as(StepOp, store.sql("""
         SELECT op, role, sum(nan_count) AS nan_count, sum(inf_count) AS inf_count, max(absmax) AS absmax,
                min(seq) AS seq
         FROM timeline WHERE run_id = ? AND step = ? GROUP BY op, role
         ORDER BY role <> 'output', seq, op""",
-                [run_id, step])
+                [run_id, step]))
 
 
-def output_record(store, run_id: str, op: str, step: int) -> Optional[dict]:
-    """rid, step and name of ``op``'s first output record at ``step``."""
-    got = rows(store, "SELECT rid, step, rank, name FROM tensors WHERE run_id = ? AND op = ? AND step = ? "
-                      "AND role = 'output' ORDER BY rank, \"index\" LIMIT 1", [run_id, op, step])
-    return got[0] if got else None
+def output_record(store, run_id: str, op: str, step: int) -> Optional[OutputRecord]:
+    """``op``'s first output record at ``step``."""
+    return one_as(OutputRecord, store.sql("SELECT rid, step, rank, name FROM tensors WHERE run_id = ? AND op = ? "
+                                          "AND step = ? AND role = 'output' ORDER BY rank, \"index\" LIMIT 1",
+                                          [run_id, op, step]))
 
 
 def step_rows(store, run_id: str) -> list[dict]:
@@ -90,14 +90,13 @@ def step_rows(store, run_id: str) -> list[dict]:
         FROM s FULL OUTER JOIN g ON s.step = g.step ORDER BY step""", [run_id, run_id])
 
 
-def rank_step_cells(store, run_id: str) -> list[dict]:
-    """``{rank, step, nonfinite, skipped}`` per rank and step of a run's timeline: the unexpected NaN/Inf values
-    its summaries counted there and whether the job's GradScaler skipped that step on that rank."""
-    return rows(store, """
+def rank_step_cells(store, run_id: str) -> list[RankStepCell]:
+    """Every rank at every step of a run's timeline, by rank then step."""
+    return rows_as(RankStepCell, store.sql("""
         SELECT rank, step, sum(CASE WHEN name = 'nonfinite_values' THEN value ELSE 0 END) AS nonfinite,
                bool_or(name = 'scaler_skipped') AS skipped
         FROM step_scalars WHERE run_id = ? AND name IN ('nonfinite_values', 'scaler_skipped')
-        GROUP BY rank, step ORDER BY rank, step""", [run_id])
+        GROUP BY rank, step ORDER BY rank, step""", [run_id]))
 
 
 def first_nonfinite_step(store, run_id: str) -> Optional[int]:

@@ -8,6 +8,7 @@ write transaction, giving fresh ids where the database already holds them.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from ..stats import HIST_EDGES_ID
 from .connect import connect_duckdb
 
 __all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
-           "table_columns", "insert_session_tables", "ArchiveQueries"]
+           "TableFile", "ImportedSession", "table_columns", "insert_session_tables", "ArchiveQueries"]
 
 def move_summary_errors_sql(where: str = "") -> str:
     """Rows written before schema 5 kept a statistics-only comparison's summary errors in
@@ -73,10 +74,19 @@ class ImportRefused(ValueError):
     """The database cannot take a table as given; the message names the table."""
 
 
+@dataclass(frozen=True, slots=True)
+class TableFile:
+    """One table's rows of a session, written as a Parquet file: how many rows and where."""
+
+    table: str
+    rows: int
+    path: Path
+
+
 def copy_session_tables(store, session_id: str, folder: Path, rewrite=None,
-                        pattern: str = "", replacement: str = "") -> dict[str, tuple[int, Path]]:
+                        pattern: str = "", replacement: str = "") -> list[TableFile]:
     """Each table's rows of the session as ``<folder>/<table>.parquet``, written by DuckDB (streaming) in one
-    read transaction, so a re-run committing meanwhile cannot make them disagree; ``{table: (rows, path)}``.
+    read transaction, so a re-run committing meanwhile cannot make them disagree; in ``TABLES`` order.
 
     ``rowid`` order keeps insertion order through the round trip (the report lists runs and warnings in it).
     ``rewrite``: ``{table: (text column, ...)}`` whose values have the RE2 ``pattern`` replaced by
@@ -85,7 +95,7 @@ def copy_session_tables(store, session_id: str, folder: Path, rewrite=None,
     import pyarrow.compute as pc  # deferred with DuckDB (see ArchiveQueries)
     import pyarrow.parquet as pq
 
-    out = {}
+    out = []
     with store.reading() as cur:
         for table in TABLES:
             path = Path(folder) / f"{table}.parquet"
@@ -102,7 +112,7 @@ def copy_session_tables(store, session_id: str, folder: Path, rewrite=None,
                                 batch.column(i), pattern, replacement))
                     w.write_batch(batch)
                     rows += batch.num_rows
-            out[table] = (rows, path)
+            out.append(TableFile(table, rows, path))
     return out
 
 
@@ -144,8 +154,19 @@ def _select_list(table: str, columns: list, *, session_id: str, name: str, run_m
     return ", ".join(exprs), params
 
 
+@dataclass(frozen=True)
+class ImportedSession:
+    """A session inserted from an archive: its name and id in this database, the fresh id each run that clashed
+    was given (``{archived run id: new run id}``, empty when none clashed) and notes on what was changed."""
+
+    name: str
+    session_id: str
+    run_map: dict
+    notes: list
+
+
 def insert_session_tables(store, tables: dict, *, session_id: str, name: str, where: str,
-                          hist_edges_id, schema_version: int, rename: bool = True) -> tuple[str, str, dict, list[str]]:
+                          hist_edges_id, schema_version: int, rename: bool = True) -> ImportedSession:
     """Insert one session's checked Arrow tables in one transaction.
 
     Ids the database already holds are replaced by fresh ones, the name is
@@ -154,7 +175,7 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
     behind is dropped).  A table is an Arrow table or, read as it is inserted,
     an Arrow record batch reader (``runs`` must be a table).  Rows written at an older
     ``schema_version`` are brought up to this one (``ROW_UPGRADES``).
-    Returns (name, session id, run id map, notes).  ``ImportRefused`` names a
+    ``ImportRefused`` names a
     table DuckDB cannot store; the rollback leaves the database as it was.
     """
     notes: list[str] = []
@@ -194,7 +215,7 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
                     "format overlays for it need a re-ingest")
             cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
             notes.append(note)
-    return final_name, new_sid, run_map, notes
+    return ImportedSession(final_name, new_sid, run_map, notes)
 
 
 def insert_staged_session(store, staged, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:
@@ -211,10 +232,10 @@ def insert_staged_session(store, staged, session_id: str, name: str, *, rename: 
         else:
             tables[table] = staged.sql(query, params={"sid": session_id}).to_arrow_table()
     # rows written by this version: no upgrade applies, and histograms use this version's bin edges
-    got, new_sid, _runs, _notes = insert_session_tables(
+    got = insert_session_tables(
         store, tables, session_id=session_id, name=name, where=f"session {name}", hist_edges_id=HIST_EDGES_ID,
         schema_version=max(ROW_UPGRADES), rename=rename)
-    return got, new_sid
+    return got.name, got.session_id
 
 
 class ArchiveQueries:

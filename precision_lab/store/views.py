@@ -18,11 +18,13 @@ from typing import Optional
 import pandas as pd
 
 from ..enums import Severity, Verdict, worst_first
+from ..records import RunInfo
 from .diffs import SHOW_OPTIONS, base_run, diff_rows, nrun_rows, pair_options  # noqa: F401
 from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
 from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
                       diagnosis_rows, rows, run_order, session_runs)
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
+from .rows import Counterpart, DiagnosisRow, RecordChoice, RunWarning, rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -92,10 +94,9 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
                                                 run_id=run_id))
 
 
-def diagnoses_worst_first(store, session_id: str) -> list[dict]:
-    """A session's stored diagnoses (every ``diagnoses`` column, ``fixes`` a tuple) and their run's name
-    (``run``), errors first, then by execution order."""
-    return diagnosis_rows(store, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+def diagnoses_worst_first(store, session_id: str) -> list[DiagnosisRow]:
+    """A session's stored diagnoses with their run's name, errors first, then by execution order."""
+    return diagnosis_rows(store, DiagnosisRow, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
                            WHERE d.session_id = ?
                            ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
                 [session_id])
@@ -175,7 +176,7 @@ def has_record(store, run_id: str, rid) -> bool:
 
 
 def find_records(store, run_id: str, text: str = "", *, limit: int = 200, include_rid: Optional[int] = None,
-                 step: Optional[int] = None) -> list[dict]:
+                 step: Optional[int] = None) -> list[RecordChoice]:
     """Records of a run whose name contains ``text`` (execution order), of one ``step`` when given, for
     the op picker; ``include_rid`` is always among them."""
     where, params = ["run_id = ?"], [run_id]
@@ -185,37 +186,33 @@ def find_records(store, run_id: str, text: str = "", *, limit: int = 200, includ
     if text.strip():
         where.append("name ILIKE ? ESCAPE '\\'")
         params.append(name_pattern_sql(text.strip()))
-    got = rows(store, f"""SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE {' AND '.join(where)}
-                          ORDER BY step, rank, seq, rid LIMIT ?""", params + [int(limit)])
-    if include_rid is not None and not any(r["rid"] == include_rid for r in got):
-        extra = rows(store, "SELECT rid, name, seq, step, rank, nonfinite FROM tensors WHERE run_id = ? AND rid = ?",
-                     [run_id, int(include_rid)])
+    got = rows_as(RecordChoice, store.sql(f"""SELECT rid, name, seq, step, rank, nonfinite FROM tensors
+                                              WHERE {' AND '.join(where)}
+                                              ORDER BY step, rank, seq, rid LIMIT ?""", params + [int(limit)]))
+    if include_rid is not None and not any(r.rid == include_rid for r in got):
+        extra = rows_as(RecordChoice, store.sql("SELECT rid, name, seq, step, rank, nonfinite FROM tensors "
+                                                "WHERE run_id = ? AND rid = ?", [run_id, int(include_rid)]))
         got = extra + got
     return got
 
 
-def counterparts(store, run_id: str, rid: int) -> list[dict]:
-    """The records this one was compared with: its reference (if it is a
-    candidate) and its candidates (if it is a reference).  Keys: ``side``
-    (what the other record is), ``run_id``, ``run``, ``rid``, ``name``,
-    ``kind``, ``match``."""
-    out = []
-    for r in rows(store, """SELECT c.kind, c."match", c.ref_run_id AS run_id, c.ref_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.ref_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.ref_run_id AND t.rid = c.ref_rid
-                            WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]):
-        out.append({"side": "reference", **r})
-    for r in rows(store, f"""SELECT c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run,
-                                   t.name
-                            FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
-                            LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
-                            WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
-                              AND c.kind IN ('accumulated', 'stats')
-                            ORDER BY {run_order("r")}""", [run_id, int(rid)]):
-        out.append({"side": "candidate", **r})
-    return out
+def counterparts(store, run_id: str, rid: int) -> list[Counterpart]:
+    """The records this one was compared with: its reference (if it is a candidate) and its candidates (if it is
+    a reference)."""
+    references = rows_as(Counterpart, store.sql("""
+        SELECT 'reference' AS side, c.kind, c."match", c.ref_run_id AS run_id, c.ref_rid AS rid, r.name AS run, t.name
+        FROM comparisons c JOIN runs r ON r.run_id = c.ref_run_id
+        LEFT JOIN tensors t ON t.run_id = c.ref_run_id AND t.rid = c.ref_rid
+        WHERE c.cand_run_id = ? AND c.cand_rid = ? AND c.ref_rid IS NOT NULL
+          AND c.kind IN ('accumulated', 'stats')""", [run_id, int(rid)]))
+    candidates = rows_as(Counterpart, store.sql(f"""
+        SELECT 'candidate' AS side, c.kind, c."match", c.cand_run_id AS run_id, c.cand_rid AS rid, r.name AS run, t.name
+        FROM comparisons c JOIN runs r ON r.run_id = c.cand_run_id
+        LEFT JOIN tensors t ON t.run_id = c.cand_run_id AND t.rid = c.cand_rid
+        WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.cand_rid IS NOT NULL
+          AND c.kind IN ('accumulated', 'stats')
+        ORDER BY {run_order("r")}""", [run_id, int(rid)]))
+    return references + candidates
 
 
 def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
@@ -231,9 +228,9 @@ def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
                 [run_id, int(rid), run_id, int(rid)])
 
 
-def all_runs(store) -> list[dict]:
-    """Every run of every session, oldest first: ``{session_id, run_id, name, dtype, kind, fix, created}``."""
-    return rows(store, f"SELECT session_id, run_id, name, dtype, kind, fix, created FROM runs ORDER BY {run_order()}")
+def all_runs(store) -> list[RunInfo]:
+    """Every run of every session, oldest first."""
+    return rows_as(RunInfo, store.sql(f"SELECT * FROM runs ORDER BY {run_order()}"))
 
 
 def session_exists(store, name: str) -> bool:
@@ -241,8 +238,8 @@ def session_exists(store, name: str) -> bool:
     return bool(rows(store, "SELECT 1 FROM sessions WHERE name = ?", [name]))
 
 
-def session_warnings(store, session_id: str, *, limit: int) -> list[dict]:
-    """Up to ``limit`` warnings of a session, by file: ``{run, file, message}``."""
-    return rows(store, """SELECT r.name AS run, w.file, w.message FROM warnings w
+def session_warnings(store, session_id: str, *, limit: int) -> list[RunWarning]:
+    """Up to ``limit`` warnings of a session, by file."""
+    return rows_as(RunWarning, store.sql("""SELECT r.name AS run, w.file, w.message FROM warnings w
                           LEFT JOIN runs r ON r.run_id = w.run_id WHERE w.session_id = ?
-                          ORDER BY w.file, w.message LIMIT ?""", [session_id, int(limit)])
+                          ORDER BY w.file, w.message LIMIT ?""", [session_id, int(limit)]))

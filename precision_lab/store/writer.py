@@ -9,7 +9,7 @@ import re
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ..paths import replay_kit_path
 from ..records import free_name
@@ -20,6 +20,9 @@ from .files import rollback, writing
 from .schema import schema_sql
 from .session_writer import SessionWriter, now_text
 from .transfer import insert_staged_session
+
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection
 
 
 def _default_session_name(source: str) -> str:
@@ -32,7 +35,7 @@ class StoreWrites:
     """``Store``'s writes: each in one transaction, the file opened read-write for it only (see ``files``)."""
 
     @contextmanager
-    def writing(self):
+    def writing(self) -> Iterator["StoreWrites"]:
         """Keep the database open between the operations of this block, read-write from its first write on (a
         write and the reads and writes that follow it, such as a capture's session and its diagnosis): one
         open instead of one per operation.  Other processes wait while it lasts: keep it to one short stretch
@@ -41,7 +44,7 @@ class StoreWrites:
             yield self
 
     @contextmanager
-    def transaction(self):
+    def transaction(self) -> Iterator[DuckDBPyConnection]:
         """One atomic write: the file is opened read-write for it (waiting, within ``lock_wait``, for other
         processes to let go), writers of this process take turns, and the file is let go when it commits.
         A failure or a killed process leaves nothing of it."""
@@ -134,7 +137,7 @@ class StoreWrites:
         """Add runs/records to an existing session atomically (re-runs)."""
         info = self.session(session)
         with self.transaction() as cur:
-            w = SessionWriter(self, cur, info["session_id"], info["name"])
+            w = SessionWriter(self, cur, info.session_id, info.name)
             yield w
             w.flush()
 
@@ -153,14 +156,14 @@ class StoreWrites:
         info = self.session(session)
         with self.transaction() as cur:
             if cur.execute("SELECT 1 FROM sessions WHERE name = ? AND session_id <> ?",
-                           [new_name, info["session_id"]]).fetchone():
+                           [new_name, info.session_id]).fetchone():
                 raise ValueError(f"a session named {new_name!r} already exists")
-            cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info["session_id"]])
-            self._rename_token(info["session_id"], new_name)
+            cur.execute("UPDATE sessions SET name = ? WHERE session_id = ?", [new_name, info.session_id])
+            self._rename_token(info.session_id, new_name)
 
     def delete_session(self, session: str) -> None:
         info = self.session(session)
-        sid = info["session_id"]
+        sid = info.session_id
         with self.transaction() as cur:
             run_ids = [r[0] for r in cur.execute("SELECT run_id FROM runs WHERE session_id = ?", [sid]).fetchall()]
             for t in ("tensors", "histograms", "tensor_data", "timeline", "timeline_formats", "step_scalars"):
@@ -206,4 +209,4 @@ class StoreWrites:
     def set_share_token(self, session: str, token: Optional[str]) -> None:
         """Give ``session`` the share token ``token`` (None: revoke it)."""
         info = self.session(session)
-        self._tokens.set(info["session_id"], info["name"], token)
+        self._tokens.set(info.session_id, info.name, token)

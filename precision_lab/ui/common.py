@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..display import num_text
 from ..enums import Verdict, worst_first
+from ..records import RunInfo
 
 if TYPE_CHECKING:
     from pandas.io.formats.style import Styler
@@ -173,12 +174,12 @@ def message_md(text: Any) -> str:
     return "".join(out)
 
 
-def run_label(run: dict) -> str:
+def run_label(run: RunInfo) -> str:
     """``name (float16, candidate)``"""
-    bits = [b for b in (run.get("dtype"), run.get("kind")) if b]
-    if run.get("fix"):
-        bits.append(f"fix {run['fix']}")
-    return f"{run['name']} ({', '.join(bits)})" if bits else str(run["name"])
+    bits = [b for b in (run.dtype, run.kind) if b]
+    if run.fix:
+        bits.append(f"fix {run.fix}")
+    return f"{run.name} ({', '.join(bits)})" if bits else str(run.name)
 
 
 def style_severity(df: pd.DataFrame, column: str = "severity") -> Styler:

@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..store import views
+from ..store.rows import Counterpart, RecordChoice
 from ..store.timeline import full_steps
 from ..store.views import counterparts, find_records, has_record, record
 from ..display import MISSING, num_text
@@ -45,10 +46,10 @@ REGION_COLORS = {"overflow": "rgba(220, 38, 38, {a})", "subnormal": "rgba(234, 1
 SERIES_COLORS = ("#06b6d4", "#84cc16", "#f472b6", "#a3a3a3")
 
 
-def op_label(rec: dict, *, steps: bool) -> str:
+def op_label(rec: RecordChoice, *, steps: bool) -> str:
     """An op picker's entry: its name and seq, with its step when the run has several (the same op is listed once
     per step)."""
-    return f"{rec['name']}  (" + (f"step {rec['step']}, " if steps else "") + f"seq {rec['seq']})"
+    return f"{rec.name}  (" + (f"step {rec.step}, " if steps else "") + f"seq {rec.seq})"
 
 
 def load_stats(store, run_id: str, rid: int) -> Optional[TensorStats]:
@@ -61,7 +62,7 @@ def op_choices(store, run_id: str, text: str = "", *, step: Optional[int] = None
     """The op picker's entries, record ids labelled by ``op_label``: the run's records whose name contains ``text`` (or matches it
     as a glob), of ``step`` when given, ``include_rid`` always among them (``store.views.find_records``); ``steps``:
     the run has several steps, so each entry names its own."""
-    return Choices.of((r["rid"], op_label(r, steps=steps))
+    return Choices.of((r.rid, op_label(r, steps=steps))
                       for r in find_records(store, run_id, text, step=step, include_rid=include_rid))
 
 
@@ -78,7 +79,7 @@ def record_named(store, run_id: str, rid) -> Optional[dict]:
     return record(store, run_id, int(str(rid).strip())) if has_record(store, run_id, rid) else None
 
 
-def op_record(store, run_id: str, rid: int) -> tuple[dict, Optional[TensorStats], list[dict]]:
+def op_record(store, run_id: str, rid: int) -> tuple[dict, Optional[TensorStats], list[Counterpart]]:
     """``(record, stats, counterparts)`` of the op the page shows: the stored record (``store.views.record``), its
     ``load_stats`` and the records it was compared with (``store.views.counterparts``)."""
     return record(store, run_id, rid), load_stats(store, run_id, rid), counterparts(store, run_id, rid)

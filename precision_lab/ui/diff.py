@@ -15,6 +15,8 @@ from ..store import views
 from ..store.queries import session_runs
 from ..store.views import SHOW_OPTIONS, base_run, pair_options, unmatched_counts
 from ..metrics import SUMMARY_ERRORS
+from ..records import RunInfo
+from ..store.rows import ComparedPair
 from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
@@ -25,24 +27,24 @@ __all__ = ["RerunCard", "landing_op", "diff_page", "nrun_page", "rerun_cards", "
 SHOW_CHOICES = tuple(SHOW_OPTIONS)
 
 
-def runs_by_id(store, session_id: str) -> dict[str, dict]:
+def runs_by_id(store, session_id: str) -> dict[str, RunInfo]:
     """The session's runs by run id, in the session's order: the Diff page's run pickers and its links to a run."""
-    return {r["run_id"]: r for r in session_runs(store, session_id)}
+    return {r.run_id: r for r in session_runs(store, session_id)}
 
 
 def base_run_id(store, session_id: str) -> Optional[str]:
     """The run the N-run view aligns on first (``store.views.base_run``), by id; None for a session with no run."""
     base = base_run(store, session_id)
-    return base["run_id"] if base else None
+    return base.run_id if base else None
 
 
-def pair_choices(store, session_id: str) -> tuple[dict[str, dict], pd.DataFrame]:
+def pair_choices(store, session_id: str) -> tuple[dict[str, ComparedPair], pd.DataFrame]:
     """What the pair view offers besides its table: the (reference, candidate) pairs by label, in the order they
     were compared (``store.views.pair_options``; the first of two with one label), and how many records of each
     pair matched exactly, by alignment or not at all (``store.views.unmatched_counts``)."""
-    pairs: dict[str, dict] = {}
+    pairs: dict[str, ComparedPair] = {}
     for p in pair_options(store, session_id):
-        pairs.setdefault(p["label"], p)
+        pairs.setdefault(p.label, p)
     return pairs, unmatched_counts(store, session_id)
 
 
@@ -105,10 +107,10 @@ class RerunCard:
 def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[RerunCard]:
     """Before and after of the latest re-runs, newest first."""
     runs = session_runs(store, session_id)
-    by_id = {r["run_id"]: r for r in runs}
+    by_id = {r.run_id: r for r in runs}
     out = []
-    for r in [r for r in runs if r["kind"] == "rerun" and r.get("parent_run_id") in by_id][::-1][:limit]:
-        parent = by_id[r["parent_run_id"]]
+    for r in [r for r in runs if r.kind == "rerun" and r.parent_run_id in by_id][::-1][:limit]:
+        parent = by_id[r.parent_run_id]
 
         def facts(run_id):
             last = q.last_accumulated_output(store, run_id)
@@ -116,11 +118,11 @@ def rerun_cards(store, session_id: str, *, limit: int = 3) -> list[RerunCard]:
             # NaN/inf that reach nothing (a mask's -inf, a fill a min consumes) are intended: a run without a
             # failure counts none
             return (q.count_records(store, run_id, nonfinite=True, direction="forward") if first else 0,
-                    last["sqnr_db"] if last else None, bool(last and last["nonfinite_introduced"]),
+                    last.sqnr_db if last else None, bool(last and last.nonfinite_introduced),
                     first.op if first else None)
 
-        (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent["run_id"]), facts(r["run_id"])
-        out.append(RerunCard(r["name"], r.get("fix") or "", parent["name"], nb, na, sb, sa, bb, ba, fb, fa))
+        (nb, sb, bb, fb), (na, sa, ba, fa) = facts(parent.run_id), facts(r.run_id)
+        out.append(RerunCard(r.name, r.fix or "", parent.name, nb, na, sb, sa, bb, ba, fb, fa))
     return out
 
 
@@ -139,7 +141,7 @@ def landing_op(store, run_id: str) -> Optional[str]:
     """The op a finished re-run opens on: where its parent first went non-finite (the op the fix was for), or
     None when the parent had no non-finite value."""
     run = q.run_row(store, run_id)
-    parent = run.get("parent_run_id") if run else None
+    parent = run.parent_run_id if run else None
     first = first_nonfinite(store, parent) if parent else None
     return first.op if first else None
 

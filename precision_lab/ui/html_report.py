@@ -16,6 +16,7 @@ bold) in hover text and annotations.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import os
@@ -129,7 +130,7 @@ def _error_plot(store, sid: str, firsts: list[RunOrigin]) -> Optional[str]:
     if df.empty:
         return None
     # error_figure escapes the names it draws
-    marks = [f.first for f in firsts if f.first is not None and f.run["kind"] != "reference"]
+    marks = [f.first for f in firsts if f.first is not None and f.run.kind != "reference"]
     fig = error_figure(df, metric, first_nonfinite=marks)
     fig.update_layout(title={"text": "Error along execution order"})
     return _figure_div(fig, "plot-error")
@@ -140,8 +141,8 @@ def _focus_record(store, sid: str, firsts: list[RunOrigin]) -> Optional[tuple[st
     output in a non-reference run, else the worst comparison."""
 
     for f in firsts:
-        if f.first is not None and f.run["kind"] != "reference":
-            return f.run["run_id"], f.first.rid, "first non-finite producer"
+        if f.first is not None and f.run.kind != "reference":
+            return f.run.run_id, f.first.rid, "first non-finite producer"
     worst = top_offenders(store, sid, n=1)
     if len(worst) and worst.iloc[0]["rid"] is not None and not _isnan(worst.iloc[0]["rid"]):
         return str(worst.iloc[0]["run_id"]), int(worst.iloc[0]["rid"]), "largest error"
@@ -160,8 +161,8 @@ def _focus_plot(store, sid: str, firsts: list[RunOrigin]) -> tuple[Optional[str]
     rec = record(store, run_id, rid)
     series = [(str(rec["run"]), load_stats(store, run_id, rid))]
     for c in counterparts(store, run_id, rid)[:1]:
-        if c.get("run_id") and c.get("rid") is not None:
-            series.insert(0, (str(c.get("run") or "reference"), load_stats(store, c["run_id"], c["rid"])))
+        if c.run_id and c.rid is not None:
+            series.insert(0, (str(c.run or "reference"), load_stats(store, c.run_id, c.rid)))
     formats = default_formats(rec.get("dtype") or rec.get("run_dtype"))
     if any(s is not None and s.hist is not None for _, s in series):
         fig = histogram_figure(series, formats)
@@ -213,8 +214,8 @@ def render_html(store, session: str, *, public: bool = True) -> str:
     import plotly.offline
 
     info = store.session(session)
-    sid = info["session_id"]
-    source = public_source(info["source"]) if public else info["source"]
+    sid = info.session_id
+    source = public_source(info.source) if public else info.source
     runs = _records(runs_table(store, sid, public=public))
     firsts = first_nonfinite_by_run(store, sid)
 
@@ -223,12 +224,12 @@ def render_html(store, session: str, *, public: bool = True) -> str:
         '<html lang="en"><head><meta charset="utf-8">',
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>Precision Lab report: {_e(info['name'])}</title>",
+        f"<title>Precision Lab report: {_e(info.name)}</title>",
         f"<style>{_STYLE}</style>",
         f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>',
         "</head><body>",
-        f'<h1>Session <code id="session-name">{_e(info["name"])}</code></h1>',
-        f'<p class="meta">source: <code>{_e(source)}</code> · created {_e(info["created"])} · '
+        f'<h1>Session <code id="session-name">{_e(info.name)}</code></h1>',
+        f'<p class="meta">source: <code>{_e(source)}</code> · created {_e(info.created)} · '
         f'written {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))} by Precision Lab '
         f"{_e(__version__)}</p>",
         "<h2>Runs</h2>",
@@ -243,13 +244,13 @@ def render_html(store, session: str, *, public: bool = True) -> str:
         first = f.first
         masks = f.intended
         if first is None:
-            nf_rows.append({"run": f.run["name"], "op": "none: every recorded value is finite"
+            nf_rows.append({"run": f.run.name, "op": "none: every recorded value is finite"
                             + (f" apart from values that never reach the model's output, a gradient or a parameter "
                                f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")})
             continue
         op = first.op if first.origin != "parameter" else \
             f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
-        nf_rows.append({"run": f.run["name"], "op": op, "op_type": first.op_type, "where": first.where,
+        nf_rows.append({"run": f.run.name, "op": op, "op_type": first.op_type, "where": first.where,
                         "tensor": f"{first.role} {first.index}", "reason": first.reason,
                         "certainty": first.certainty_text
                         + "".join(f"; {r.text}" for r in f.ranks),  # a distributed run's other ranks
@@ -305,8 +306,9 @@ def render_html(store, session: str, *, public: bool = True) -> str:
 
     warns = views.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
     parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
-    parts.append(_table(warns[:MAX_WARNINGS], [("run", "run", "name"), ("file", "file", "name"),
-                                               ("message", "message", "text")], empty="no warnings"))
+    shown = [dataclasses.asdict(w) for w in warns[:MAX_WARNINGS]]
+    parts.append(_table(shown, [("run", "run", "name"), ("file", "file", "name"), ("message", "message", "text")],
+                        empty="no warnings"))
     parts.append("</body></html>")
     return "\n".join(parts)
 

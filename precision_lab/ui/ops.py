@@ -34,7 +34,7 @@ class FilterChoices:
 def filter_choices(store, run_id: str) -> FilterChoices:
     """The Ops page's filters' options for a run."""
     opts = filter_options(store, run_id)
-    return FilterChoices(opts["roles"], opts["op_types"], opts["steps"], opts["ranks"], list(SORT_OPTIONS))
+    return FilterChoices(opts.roles, opts.op_types, opts.steps, opts.ranks, list(SORT_OPTIONS))
 
 
 def intended_nonfinite(store, run_id: str) -> tuple[bool, tuple[str, ...]]:

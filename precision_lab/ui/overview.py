@@ -16,7 +16,7 @@ from ..store import views
 from ..store.queries import op_output_rid, session_runs
 from ..store.views import ACCUMULATED_KINDS, ERROR_METRICS, LOCAL_KINDS, error_series, top_offenders
 from ..public import public_source
-from ..records import OUTPUT_ROLES
+from ..records import OUTPUT_ROLES, RunInfo
 from ..display import num_text
 from .common import plot_text, text_columns
 from ..metrics import ELEMENTWISE, relative_error
@@ -59,29 +59,29 @@ def warnings_table(store, session_id: str) -> pd.DataFrame:
     """The session's warnings (from reading its dumps or capturing it): run, file as a browser may see it,
     message; at most ``MAX_WARNINGS`` rows."""
     rows = views.session_warnings(store, session_id, limit=MAX_WARNINGS)
-    return pd.DataFrame([{"run": r["run"] or "", "file": public_source(r["file"]), "message": r["message"]}
+    return pd.DataFrame([{"run": r.run or "", "file": public_source(r.file), "message": r.message}
                          for r in rows], columns=["run", "file", "message"])
 
 
 def order_caveat(store, session_id: str) -> Optional[str]:
     """A sentence when some run's order is unknown (numbered by name): the order it used and which parts are
     certain, as ingest recorded (``order_notes``), else None."""
-    unknown = [r for r in session_runs(store, session_id) if (r.get("order") or "") == "name"]
+    unknown = [r for r in session_runs(store, session_id) if (r.order or "") == "name"]
     if not unknown:
         return None
     notes = order_notes(store, session_id)
-    said = "; ".join(f"{r['name']}: {notes.get(r['run_id']) or order_text('name')}" for r in unknown)
+    said = "; ".join(f"{r.name}: {notes.get(r.run_id) or order_text('name')}" for r in unknown)
     return (f"Order used for {said}. 'First' means first in that order: where it is not certain, an op placed "
             "later may have run earlier.")
 
 
 @dataclass(frozen=True, slots=True)
 class RunOrigin:
-    """Where a run first went non-finite: the run (a ``session_runs`` row), its first unexpected non-finite
+    """Where a run first went non-finite: the run , its first unexpected non-finite
     origin (None: none), the ops that wrote -inf that is no error by itself (masks, shown quietly), and with
     several ranks which made their own NaN/Inf and which received it (``services.report.rank_spread``)."""
 
-    run: object
+    run: RunInfo
     first: Optional[Origin]
     intended: list[Intended]
     ranks: list[RankState]
@@ -91,8 +91,8 @@ def first_nonfinite_by_run(store, session_id: str) -> list[RunOrigin]:
     """Each run's first non-finite origin, in the session's order of runs."""
     out = []
     for r in session_runs(store, session_id):
-        first, intended = nonfinite_origin(store, r["run_id"])  # one pass gives both
-        out.append(RunOrigin(r, first, intended, rank_spread(store, r["run_id"], first)))
+        first, intended = nonfinite_origin(store, r.run_id)  # one pass gives both
+        out.append(RunOrigin(r, first, intended, rank_spread(store, r.run_id, first)))
     return out
 
 
@@ -186,9 +186,9 @@ def session_headline(store, session_id: str) -> dict:
     """One line per session for the Sessions list: first non-finite op and worst op."""
     firsts = []
     for run in session_runs(store, session_id):
-        f = first_nonfinite(store, run["run_id"])
+        f = first_nonfinite(store, run.run_id)
         if f is not None:
-            firsts.append(f"{run['name']}: {f.op}")
+            firsts.append(f"{run.name}: {f.op}")
     worst = top_offenders(store, session_id, n=1)
     worst_text = ""
     if len(worst):
@@ -212,18 +212,18 @@ def long_runs(store, session_id: str) -> list[LongRun]:
     """The session's runs with a timeline, each with its alerts."""
     out = []
     for r in tl.timeline_runs(store, session_id):
-        alerts = _timeline.run_alerts(store, r["run_id"])
+        alerts = _timeline.run_alerts(store, r.run_id)
         table = pd.DataFrame([{"step": a.step, "rule": a.rule, "message": a.message} for a in alerts],
                              columns=["step", "rule", "message"])
-        out.append(LongRun(r["name"], r["steps"], tl.first_nonfinite_step(store, r["run_id"]), table))
+        out.append(LongRun(r.name, r.steps, tl.first_nonfinite_step(store, r.run_id), table))
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class ModelTree:
-    """The run drawn as a tree (a ``session_runs`` row) and its modules' nodes."""
+    """The run drawn as a tree  and its modules' nodes."""
 
-    run: object
+    run: RunInfo
     nodes: list[ModuleNode]
 
 
@@ -231,11 +231,11 @@ def model_tree(store, firsts: list[RunOrigin]) -> Optional[ModelTree]:
     """The run to draw as a tree: the first run with a non-finite producer, else the first candidate; None for a
     session with no run."""
     pick = next((f for f in firsts if f.first is not None), None) or next(
-        (f for f in firsts if f.run["kind"] != "reference"), None) or (firsts[0] if firsts else None)
+        (f for f in firsts if f.run.kind != "reference"), None) or (firsts[0] if firsts else None)
     if pick is None:
         return None
     first = pick.first
-    return ModelTree(pick.run, run_tree(store, pick.run["run_id"], failing_op=first.op if first else None,
+    return ModelTree(pick.run, run_tree(store, pick.run.run_id, failing_op=first.op if first else None,
                                         failing_parent=first.parent if first else None))
 
 
@@ -248,7 +248,7 @@ class ModuleLink:
     op: int
 
 
-def module_link(store, run, module: str) -> Optional[ModuleLink]:
-    """The link of ``module`` of ``run`` (a ``session_runs`` row); None when the module recorded no output."""
-    rid = op_output_rid(store, run["run_id"], module)
-    return None if rid is None else ModuleLink(run["name"], rid)
+def module_link(store, run: RunInfo, module: str) -> Optional[ModuleLink]:
+    """The link of ``module`` of ``run`` ; None when the module recorded no output."""
+    rid = op_output_rid(store, run.run_id, module)
+    return None if rid is None else ModuleLink(run.name, rid)

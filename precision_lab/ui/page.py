@@ -34,6 +34,7 @@ from streamlit.navigation.page import StreamlitPage
 
 from ..formats import FORMAT_NAMES
 from ..public import public_text
+from ..records import RunInfo
 from .common import escape_md, run_label
 from .overview import session_headline
 from . import sessions as sessions_view
@@ -406,8 +407,8 @@ def choose_session(store, acc) -> Optional[dict]:
     """
     if acc.shared:
         info = store.session(acc.session)
-        st.query_params["session"] = info["name"]
-        st.sidebar.caption(f"Shared session (read-only): {escape_md(info['name'])}")
+        st.query_params["session"] = info.name
+        st.sidebar.caption(f"Shared session (read-only): {escape_md(info.name)}")
         return info
     if not acc.can_list:
         if acc.session:
@@ -432,15 +433,15 @@ def no_session_text(acc) -> str:
     return "This server is read-only: a session opens through its share link."
 
 
-def choose_run(store, session_id: str) -> Optional[dict]:
+def choose_run(store, session_id: str) -> Optional[RunInfo]:
     """The run picker (``?run=<run name>``) over the session's runs; the first candidate by default, None for a
     session with no run."""
     runs = session_runs(store, session_id)
     if not runs:
         return None
-    names = [r["name"] for r in runs]
-    default = next((r["name"] for r in runs if r["kind"] == "candidate"), names[0])
-    by_name = {r["name"]: r for r in runs}
+    names = [r.name for r in runs]
+    default = next((r.name for r in runs if r.kind == "candidate"), names[0])
+    by_name = {r.name: r for r in runs}
     name = url_select("Run", names, param="run", key="pick_run", default=default,
                       format_func=lambda n: run_label(by_name[n]))
     return by_name[name]

@@ -12,6 +12,7 @@ import pandas as pd
 from ..store import queries as q
 from ..store import views
 from ..public import public_source, public_text
+from ..records import RunInfo
 from .common import run_label
 from .overview import session_headline
 from ..services.samples import Sample
@@ -30,10 +31,10 @@ class IngestFailed(ValueError):
     """An upload or sample could not be ingested; the message is a sentence for the user."""
 
 
-def session_version(runs: list[dict]) -> tuple:
+def session_version(runs: list[RunInfo]) -> tuple:
     """What a session's headline depends on, from its runs: a re-run adds one (records never change)."""
-    return (len(runs), max((str(r.get("created") or "") for r in runs), default=""),
-            tuple(sorted(r["run_id"] for r in runs)))
+    return (len(runs), max((str(r.created or "") for r in runs), default=""),
+            tuple(sorted(r.run_id for r in runs)))
 
 
 def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable[[str, tuple], dict]] = None
@@ -45,22 +46,22 @@ def sessions_table(store, *, headlines: bool = True, headline: Optional[Callable
     """
     sessions = q.session_list(store)
     runs = views.all_runs(store)
-    by_session: dict[str, list[dict]] = {}
+    by_session: dict[str, list[RunInfo]] = {}
     for r in runs:
-        by_session.setdefault(r["session_id"], []).append(r)
+        by_session.setdefault(r.session_id, []).append(r)
     if headline is None:
         headline = lambda sid, _version: session_headline(store, sid)  # noqa: E731
     undiagnosed = set(store.undiagnosed_sessions())
     out = []
     for s in sessions:
-        version = session_version(by_session.get(s["session_id"], []))
-        head = headline(s["session_id"], version) if headlines else {"first_nonfinite": "", "worst": ""}
+        version = session_version(by_session.get(s.session_id, []))
+        head = headline(s.session_id, version) if headlines else {"first_nonfinite": "", "worst": ""}
         out.append({
-            "session": s["name"], "created": s["created"],
-            "runs": ", ".join(run_label(r) for r in by_session.get(s["session_id"], [])),
+            "session": s.name, "created": s.created,
+            "runs": ", ".join(run_label(r) for r in by_session.get(s.session_id, [])),
             "first non-finite": head["first_nonfinite"], "largest error": head["worst"],
-            "diagnosed": s["name"] not in undiagnosed,
-            "source": s["recipe"] or public_source(s["source"]), "session_id": s["session_id"],
+            "diagnosed": s.name not in undiagnosed,
+            "source": s.recipe or public_source(s.source), "session_id": s.session_id,
         })
     return pd.DataFrame(out, columns=["session", "created", "runs", "first non-finite", "largest error", "diagnosed",
                                       "source", "session_id"])

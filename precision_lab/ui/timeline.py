@@ -14,6 +14,7 @@ from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, ModuleNode, tree_modules_of
+from ..store.rows import RankStepCell, TimelineRun
 from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs
 from .common import Choices, plot_text
 
@@ -33,20 +34,20 @@ class LongRuns:
     """The session's runs with a timeline (``store.timeline.timeline_runs`` rows), picked by name: the Timeline
     page's run picker."""
 
-    runs: tuple
+    runs: tuple[TimelineRun, ...]
 
     @property
     def names(self) -> list[str]:
-        return [r["name"] for r in self.runs]
+        return [r.name for r in self.runs]
 
-    def run(self, name: str):
-        """The run named ``name`` (a ``timeline_runs`` row)."""
-        return next(r for r in self.runs if r["name"] == name)
+    def run(self, name: str) -> TimelineRun:
+        """The run named ``name``."""
+        return next(r for r in self.runs if r.name == name)
 
     def label(self, name: str) -> str:
         """How the picker shows a run: its name, steps and ops."""
         r = self.run(name)
-        return f"{name} ({r['steps']} steps, {r['ops']} ops)"
+        return f"{name} ({r.steps} steps, {r.ops} ops)"
 
 
 def long_runs_by_name(store, session_id: str) -> LongRuns:
@@ -273,20 +274,21 @@ def step_figure(steps: list, first: Optional[int]) -> go.Figure:
     return fig
 
 
-def rank_step_figure(cells: list, first: Optional[int]) -> Optional[go.Figure]:
+def rank_step_figure(cells: list[RankStepCell], first: Optional[int]) -> Optional[go.Figure]:
     """A distributed run's ranks x steps: each cell the unexpected NaN/Inf values that rank's summaries counted at
     that step (white where none; GradScaler-skipped steps outlined), the first non-finite step marked; None for a
     run of one rank."""
     import plotly.graph_objects as go
 
-    ranks = sorted({int(c["rank"]) for c in cells})
-    steps = sorted({int(c["step"]) for c in cells})
+    ranks = sorted({int(c.rank) for c in cells})
+    steps = sorted({int(c.step) for c in cells})
     if len(ranks) < 2:
         return None
-    at = {(int(c["rank"]), int(c["step"])): c for c in cells}
-    z = [[(at.get((r, s)) or {}).get("nonfinite") or 0 for s in steps] for r in ranks]
-    text = [[f"rank {r}, step {s}: {int((at.get((r, s)) or {}).get('nonfinite') or 0)} unexpected NaN/Inf values"
-             + (" (GradScaler skipped it)" if (at.get((r, s)) or {}).get("skipped") else "") for s in steps]
+    at = {(int(c.rank), int(c.step)): c for c in cells}
+    nonfinite = {k: c.nonfinite or 0 for k, c in at.items()}
+    z = [[nonfinite.get((r, s), 0) for s in steps] for r in ranks]
+    text = [[f"rank {r}, step {s}: {int(nonfinite.get((r, s), 0))} unexpected NaN/Inf values"
+             + (" (GradScaler skipped it)" if (r, s) in at and at[r, s].skipped else "") for s in steps]
             for r in ranks]
     fig = go.Figure(go.Heatmap(x=steps, y=[f"rank {r}" for r in ranks], z=[[math.log10(1 + v) for v in row]
                                                                             for row in z],

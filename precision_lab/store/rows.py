@@ -1,0 +1,205 @@
+"""The rows the read model answers, typed, and the one place a query's result becomes them.
+
+A row is a frozen dataclass with slots, as the records the producers exchange are (``records.RunInfo``,
+``records.StoredRecord``, ``fixes.facts``): it is read by field name only (a named tuple would also unpack and
+index by position, and ``jsoncodec`` would write it as a JSON list), it cannot be changed by the page or use
+case that reads it, and ``jsoncodec.jsonable`` writes it as the object of its fields in order, the keys the
+query's columns had.  A run's row is ``records.RunInfo``, the dataclass the runs table is made from.
+
+``rows_as(cls, result)`` builds them from a query's result by its description: each column fills the field of
+the same name, and a column the type does not name (or a field no column fills) is an error where the query
+is, not a missing key where a page reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, TypeVar
+
+from ..records import Diagnosis
+
+__all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow",
+           "RunWarning", "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
+           "Counterpart", "ComparedPair", "RunValues"]
+
+T = TypeVar("T")
+
+
+def _names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def rows_as(cls: type[T], result) -> list[T]:
+    """Every row of ``result`` (a cursor or ``reader.Result`` that ran its query) as a ``cls``; its columns must
+    be ``cls``'s fields, in any order."""
+    got = result.fetchall()
+    columns = [d[0] for d in result.description]
+    if sorted(columns) != sorted(_names(cls)):
+        raise TypeError(f"{cls.__name__} has fields {list(_names(cls))}; the query answered columns {columns}")
+    return [cls(**dict(zip(columns, r))) for r in got]
+
+
+def records_as(cls: type[T], result) -> list[T]:
+    """Every row of ``result`` as a ``cls`` whose ``from_row`` reads a mapping of the columns (a record that nests
+    its statistics: ``records.StoredRecord`` and the types made from it)."""
+    columns = [d[0] for d in result.description]
+    return [cls.from_row(dict(zip(columns, r))) for r in result.fetchall()]
+
+
+def one_as(cls: type[T], result) -> Optional[T]:
+    """The first row of ``result`` as a ``cls`` (see ``rows_as``), or None."""
+    got = rows_as(cls, result)
+    return got[0] if got else None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """A session: ``notes`` is what ingest, capture and the rules noted on it (its stored JSON, decoded)."""
+
+    session_id: str
+    name: str
+    created: Optional[str]
+    source: Optional[str]
+    recipe: Optional[str]
+    notes: dict
+
+
+@dataclass(frozen=True, slots=True)
+class SessionListRow:
+    """A session as the list of sessions shows it, with how many runs it holds."""
+
+    session_id: str
+    name: str
+    created: Optional[str]
+    source: Optional[str]
+    recipe: Optional[str]
+    runs: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarningRow:
+    """A warning a session's ingest or capture stored: the file it is about and what was wrong."""
+
+    session_id: str
+    run_id: Optional[str]
+    file: Optional[str]
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunWarning:
+    """A warning as a page lists it: its run's name (None for a warning of no run), its file and message."""
+
+    run: Optional[str]
+    file: Optional[str]
+    message: str
+
+
+@dataclass(frozen=True)
+class DiagnosisRow(Diagnosis):
+    """A stored diagnosis with its run's name, as the pages list them."""
+
+    run: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOpCall:
+    """A forward op call of a run: its type, where it starts in execution order, whether it holds NaN or inf."""
+
+    op: str
+    op_type: Optional[str]
+    seq: int
+    nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineRun:
+    """A run with a timeline: its steps (how many, the first and last) and how many ops they summarise."""
+
+    run_id: str
+    name: str
+    dtype: Optional[str]
+    steps: int
+    first_step: int
+    last_step: int
+    ops: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankStepCell:
+    """One rank at one step of a timeline: the unexpected NaN/Inf values its summaries counted, and whether the
+    job's GradScaler skipped that step there."""
+
+    rank: int
+    step: int
+    nonfinite: float
+    skipped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepOp:
+    """A timeline op at one step, ranks merged: its NaN and Inf counts, its largest magnitude, its first seq."""
+
+    op: str
+    role: str
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    absmax: Optional[float]
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRecord:
+    """A stored output record of an op at a step: its record id, rank and name."""
+
+    rid: int
+    step: int
+    rank: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordChoice:
+    """A record as the op picker offers it: its id, name, where it ran and whether it holds NaN or inf."""
+
+    rid: int
+    name: str
+    seq: int
+    step: int
+    rank: int
+    nonfinite: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Counterpart:
+    """A record another was compared with: which ``side`` it is (``reference`` or ``candidate``), the comparison's
+    kind and match, and the record's run (id and name), id and name."""
+
+    side: str
+    kind: str
+    match: Optional[str]
+    run_id: str
+    rid: int
+    run: str
+    name: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ComparedPair:
+    """A reference and a candidate run that were compared: how many comparisons, and how the pair is labelled
+    (``candidate vs reference``, by run name)."""
+
+    ref_run_id: str
+    cand_run_id: str
+    rows: int
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunValues:
+    """The distinct steps, ranks, roles and op types a run's records hold, ascending: what its filters offer."""
+
+    steps: list
+    ranks: list
+    roles: list
+    op_types: list
