@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from precision_lab.records import RunInfo
 from precision_lab.ui.common import escape_md
 
 from ui_fixtures import (STAT_CAND, STAT_FIRST_NONFINITE, STAT_REF, STAT_SESSION, TENSOR_SESSION,  # noqa: F401
@@ -227,7 +228,7 @@ def test_session_headlines_are_cached_until_a_run_is_added(ui_db):
     at.run()
     after = frames(at)[0].set_index("session").loc[TENSOR_SESSION, "first non-finite"]
     assert "fp16-again: blocks.9.late" in after and "fp16-again" not in before
-    versions = [sv.session_version(rs) for rs in ([], [{"run_id": "a", "created": "1"}])]
+    versions = [sv.session_version(rs) for rs in ([], [RunInfo(run_id="a", session_id="s", name="a", created="1")])]
     assert versions[0] != versions[1]
 
 

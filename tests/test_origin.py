@@ -111,7 +111,7 @@ def test_torch_transformer_layer_with_a_float_causal_mask_is_not_blamed(store):
     assert torch.isneginf(mask).any()
     name = capture_pair(build, {"src": X, "src_mask": mask, "is_causal": True}, torch.float16, store=store)
     for run in _runs(store, name).values():
-        assert report.first_nonfinite(store, run["run_id"]) is None
+        assert report.first_nonfinite(store, run.run_id) is None
 
 
 class Block(nn.Module):
@@ -140,7 +140,7 @@ class Blocks(nn.Module):
 def test_a_weight_that_overflows_on_the_cast_is_named_with_its_value(store):
     assert torch.isinf(torch.tensor(1e5).half())  # independent: 1e5 is beyond fp16
     name = capture_pair(Blocks, torch.randn(4, 8), torch.float16, store=store)
-    f = report.first_nonfinite(store, _runs(store, name)["candidate"]["run_id"])
+    f = report.first_nonfinite(store, _runs(store, name)["candidate"].run_id)
     assert f.origin == "parameter" and not f.producer
     assert f.parameter.name == "blocks.1.fc.weight"
     assert f.parameter.ref_absmax == pytest.approx(1e5)
