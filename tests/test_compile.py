@@ -260,7 +260,7 @@ def test_eager_vs_compiled_session_and_emulate_precision_casts_fix_from_the_cli(
         diags = q.session_diagnoses(store, store.session("build").session_id)
         comp = [d for d in diags if d.rule == "compiled"]
         assert [d.run_id for d in comp] == [runs["candidate"].run_id]
-        assert "emulate-precision-casts" in comp[0]["fixes"] and "eager" in comp[0]["fixes"]
+        assert "emulate-precision-casts" in comp[0].fixes and "eager" in comp[0].fixes
 
         listed = _cli("fixes", "--session", "build", "--db", db, "--model", f"{MODEL}:build", "--inputs",
                       f"{MODEL}:inputs")

@@ -62,12 +62,12 @@ def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
 def test_a_zero_row_gives_the_zero_scale_nan_and_an_amax_floor_fixes_it(store):
     name = capture_pair(_llama(True), {"input_ids": PADDED}, POLICIES["fp8-e4m3-row"], store=store,
                         local_error=False, name="padded")
-    f = first_nonfinite(store, _candidate(store, name)["run_id"])
+    f = first_nonfinite(store, _candidate(store, name).run_id)
     assert f.op == "model.layers.0.self_attn.q_proj.act_quant.inv_scale.reciprocal.0"  # 1/0: the row's scale
     assert independent_zero_row_scale_is_zero()
     fixed = apply_fixes(POLICIES["fp8-e4m3-row"], ["amax-floor:1e-12"])
     name = capture_pair(_llama(True), {"input_ids": PADDED}, fixed, store=store, local_error=False, name="floored")
-    assert first_nonfinite(store, _candidate(store, name)["run_id"]) is None
+    assert first_nonfinite(store, _candidate(store, name).run_id) is None
 
 
 def independent_zero_row_scale_is_zero() -> bool:
