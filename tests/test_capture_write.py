@@ -159,3 +159,4 @@ def test_another_process_writes_and_reads_the_file_between_two_captures(tmp_path
                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip().splitlines()[-1] == "['again', 'first', 'from-another-process', 'second']"
+
