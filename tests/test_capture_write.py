@@ -160,3 +160,12 @@ def test_another_process_writes_and_reads_the_file_between_two_captures(tmp_path
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip().splitlines()[-1] == "['again', 'first', 'from-another-process', 'second']"
 
+
+
+def test_a_capture_written_inside_a_transaction_of_its_thread_on_the_file_is_part_of_it(tmp_path):
+    db = tmp_path / "t.duckdb"
+    s = Store(db, lock_wait=5)
+    with s.transaction():
+        cap = _captured(db, "inner")
+        assert s.sql("SELECT name FROM sessions").fetchall() == [("inner",)]
+    assert list(Store(db).sessions()["name"]) == ["inner"] and cap.session == "inner"

@@ -115,7 +115,8 @@ class StoreWrites:
         instance costs some 15 ms to start, an attach about one.  ``before_insert(staging, name)`` (a staging in
         memory only) runs on the staging ``Store`` once the block has written the session there: what it adds
         (a session's diagnoses) goes into the file with the session, in the same transaction."""
-        if self.staged and not self._file.memory and stage_in_memory:
+        # inside a transaction of this thread on the file the session is part of it (the staged paths below)
+        if self.staged and not self._file.memory and stage_in_memory and getattr(self._file.tx, "cur", None) is None:
             staging = _staging_for(self)
             if staging.lock.acquire(blocking=False):  # else another thread of this process stages: one of its own
                 try:
