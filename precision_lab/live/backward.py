@@ -31,7 +31,7 @@ class Recorder(Protocol):
 
     def take_seq(self) -> int: ...
 
-    def measure(self, op: str, t, hold: bool = False): ...
+    def measure(self, op: str, t, hold: bool = False, defer: bool = False): ...
 
     def add_tensor(self, seq, op, op_type, role, index, t, handle, direction="forward", step=None,
                    location=None) -> int: ...
@@ -65,6 +65,11 @@ class BackwardHooks:
         self._ddp_params: set = set()
         self._ddp_local: dict = {}  # id(parameter) -> (parameter, owner op, name, handle of the local gradient)
         self._ddp_queued = False
+        # gradients' statistics taken when the step ends, not in the hooks (``StatsEngine.measure(defer=True)``):
+        # under DDP a hook's work delays this rank's gradients, and the bucket's all-reduce waits for the slowest
+        # rank.  The gradients autograd hands the hooks are kept as they are (nothing writes them); a parameter's
+        # is copied, as DDP writes the all-reduced average over it and accumulation adds to it
+        self.defer = False
 
     def watch_param(self, p, op: str, op_type: str, pname: str) -> None:
         """Record parameter ``p``'s gradient as ``op``'s ``param_grad`` ``pname`` (once per parameter)."""
@@ -82,6 +87,7 @@ class BackwardHooks:
         reduces nothing and records nothing."""
         self._ddps = list(ddps)
         self._ddp_params = {id(p) for d in ddps for p in d.parameters()}
+        self.defer = True
 
     def _note_local_grad(self, p, op, pname, h) -> None:
         if id(p) not in self._ddp_params or not all(d.require_backward_grad_sync for d in self._ddps):
@@ -223,7 +229,7 @@ class BackwardHooks:
                     if g is None:
                         continue
                     g = self._unscaled(g)
-                    h = self._rec.measure(bop.op, g, hold=True)
+                    h = self._rec.measure(bop.op, g, hold=True, defer=self.defer)
                     if h is None:
                         continue
                     self._add_grad(seq, bop, "grad_output", idx, g, h)
@@ -255,7 +261,7 @@ class BackwardHooks:
                     total = self._unscaled(entry[2])
                     entry[2] = None
                     out_idx = idx if role == "input" else f"{role}_{idx}"
-                    h = self._rec.measure(bop.op, total, hold=True)
+                    h = self._rec.measure(bop.op, total, hold=True, defer=self.defer)
                     if h is not None:
                         self._add_grad(seq, bop, "grad_input", out_idx, total, h)
             except Exception as e:
@@ -276,7 +282,9 @@ class BackwardHooks:
             g = self._unscaled(p.grad)
             seq = None
             if rec.recording:
-                h = rec.measure(op, g, hold=True)
+                # the parameter's gradient is written later (DDP's average, the next accumulation): a copy waits
+                h = rec.measure(op, g.detach().clone() if self.defer and g is p.grad else g, hold=True,
+                                defer=self.defer)
                 if h is not None:
                     seq = rec.take_seq()
                     rec.add_tensor(seq, op, op_type, "param_grad", pname, g, h, "backward")

@@ -37,6 +37,13 @@ __all__ = ["StatsEngine", "Handle", "skip_reason", "stats_threads_default"]
 
 _RECENT = 16
 
+# gradients kept alive by deferred statistics (``StatsEngine.measure(defer=True)``) beyond which the statistics
+# of the next one are computed at once
+DEFER_BYTES = 256 << 20
+
+
+_DEFERRED = ()  # a handle's ``parts`` while its CPU statistics wait for the step's end
+
 
 class Handle:
     """Statistics of one tensor: ``stats`` is set at once (CPU) or on resolve (CUDA); ``above``, where the engine
@@ -151,6 +158,12 @@ class StatsEngine:
         # the producer's hook only match while someone holds it: keep the last
         # few gradients alive (bounded memory: _RECENT tensors).
         self._recent: deque = deque(maxlen=_RECENT)
+        # CPU statistics deferred to the step's end: (handle, tensor, histogram, its version when measured), and
+        # handles of views that take a deferred handle's statistics (view handle, handle)
+        self.defer_bytes = DEFER_BYTES
+        self._deferred: list = []
+        self._deferred_bytes = 0
+        self._derived: list = []
 
     def enter(self, threads: Optional[int]) -> None:
         """Limit the CPU kernel to ``threads`` in this thread while the capture runs (None: the cores torch's
@@ -180,23 +193,30 @@ class StatsEngine:
             self._cache.clear()
             self._regions.clear()
             self._recent.clear()
+            self._deferred.clear()
+            self._derived.clear()
+            self._deferred_bytes = 0
 
-    def measure(self, t, where: str, *, hold: bool = False, histogram: Optional[bool] = None) -> Optional[Handle]:
+    def measure(self, t, where: str, *, hold: bool = False, histogram: Optional[bool] = None,
+                defer: bool = False) -> Optional[Handle]:
         """A handle to the statistics of ``t``, or None (skipped, with a warning).
 
         ``hold``: keep ``t`` alive for a few more measurements (gradients), so
         the same gradient seen by the next hook is recognised.  ``histogram``:
         for a CPU tensor, take the histogram (True) or not (False) whatever the
-        engine's setting.
+        engine's setting.  ``defer``: a CPU tensor nothing writes before the step
+        ends (a gradient autograd handed over) is kept and its statistics computed
+        by ``resolve``, the same numbers later, while the tensors kept stay within
+        ``defer_bytes`` (beyond, at once).
 
         Torch-function handling is off meanwhile: the statistics' own tensor calls (``detach``, ``view``,
         ``numpy``...) would each go through every active torch-function mode -- the capture's own, which
         returns at once, cost some 100 us per measured tensor.
         """
         with torch._C.DisableTorchFunction():
-            return self._measure(t, where, hold, histogram)
+            return self._measure(t, where, hold, histogram, defer)
 
-    def _measure(self, t, where: str, hold: bool, histogram: Optional[bool]) -> Optional[Handle]:
+    def _measure(self, t, where: str, hold: bool, histogram: Optional[bool], defer: bool = False) -> Optional[Handle]:
         if not isinstance(t, torch.Tensor):
             return None
         if _is_dtensor(t):
@@ -236,7 +256,7 @@ class StatsEngine:
                 if self.above_edges is not None and histogram is None and d.layout == torch.strided:
                     h.stats, above = _stats.summary_stats(d, self.above_edges)
                     h.above = dict(zip(self.above_edges, above.tolist()))
-                else:
+                elif not (defer and version is not None and self._defer(h, d, want, version)):
                     h.stats = _stats.tensor_stats(d, histogram=want)
             else:
                 h = self._device_measure(d, dtype, shape)
@@ -246,7 +266,7 @@ class StatsEngine:
         if version is not None:
             try:
                 self._cache[key] = (weakref.ref(t), version, h)
-                if region is not None and h.stats is not None:
+                if region is not None and (h.stats is not None or h.parts is _DEFERRED):
                     self._regions[region] = (weakref.ref(t), version, h, histogram)
             except TypeError:
                 pass
@@ -283,9 +303,48 @@ class StatsEngine:
         if h.shape == shape:
             return h
         out = Handle(h.dtype, shape, h.numel)
+        if h.parts is _DEFERRED:  # its statistics arrive with the step's end
+            out.parts = _DEFERRED
+            with self._lock:
+                self._derived.append((out, h))
+            return out
         out.stats = dataclasses.replace(h.stats, shape=shape)
         out.above = h.above
         return out
+
+    def _defer(self, h: Handle, d: torch.Tensor, histogram: bool, version: int) -> bool:
+        """Keep ``d`` for ``resolve`` to take its statistics, within ``defer_bytes``; whether it was kept."""
+        nbytes = d.numel() * d.element_size()
+        with self._lock:
+            if self._deferred_bytes + nbytes > self.defer_bytes:
+                return False
+            self._deferred_bytes += nbytes
+            h.parts = _DEFERRED
+            self._deferred.append((h, d, histogram, version))
+        return True
+
+    def _resolve_deferred(self) -> None:
+        """The statistics deferred to the step's end, as ``measure`` would have taken them."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            derived, self._derived = self._derived, []
+            self._deferred_bytes = 0
+        with torch._C.DisableTorchFunction():
+            for h, d, histogram, version in deferred:
+                h.parts = None
+                if d._version != version:
+                    self._warn("statistics", f"a {h.dtype} gradient of shape {list(h.shape)} was written in place "
+                                             "before its statistics were taken; its record holds none")
+                    continue
+                try:
+                    h.stats = _stats.tensor_stats(d, histogram=histogram)
+                except Exception as e:
+                    self._warn("statistics", f"{h.dtype} tensor of shape {list(h.shape)} skipped: {e}")
+        for out, h in derived:
+            out.parts = None
+            if h.stats is not None:
+                out.stats = dataclasses.replace(h.stats, shape=out.shape)
+                out.above = h.above
 
     # ---- device path -----------------------------------------------------------
     def _device_measure(self, d: torch.Tensor, dtype: str, shape: tuple) -> Handle:
@@ -313,7 +372,9 @@ class StatsEngine:
         return _stats.device_partials(d, histogram=self.device_histogram)
 
     def resolve(self) -> None:
-        """Bring every pending device result to the host in one transfer."""
+        """Take the statistics deferred to the step's end; bring every pending device result to the host in one
+        transfer."""
+        self._resolve_deferred()
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:

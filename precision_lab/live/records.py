@@ -41,9 +41,10 @@ class StepRecords:
             name = self._names[(path, opname, n)] = f"{path}.{opname}.{n}" if path else f"{opname}.{n}"
         return name
 
-    def measure(self, op: str, t: torch.Tensor, hold: bool = False):
-        """Start the statistics of ``t`` (recorded under ``op``): a handle they arrive on when the step ends."""
-        return self._engine.measure(t, op, hold=hold)
+    def measure(self, op: str, t: torch.Tensor, hold: bool = False, defer: bool = False):
+        """Start the statistics of ``t`` (recorded under ``op``): a handle they arrive on when the step ends
+        (``defer``: see ``StatsEngine.measure``)."""
+        return self._engine.measure(t, op, hold=hold, defer=defer)
 
     def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None,
              location=None) -> int:

@@ -379,18 +379,30 @@ def scaled_backward(cap: Capture, loss) -> None:
 
 
 class _StoreAt:
-    """A database path as a capture sink: the database is opened when the capture writes, not before (a store
-    holds its file only while it writes, so a notebook that captured leaves it free for
-    ``precision-lab report`` in a terminal and for a dashboard)."""
+    """A database as a capture sink (a path, or a ``Store`` of it): the database is opened when the capture
+    writes, not before (a store holds its file only while it writes, so a notebook that captured leaves it free
+    for ``precision-lab report`` in a terminal and for a dashboard).  A new session is diagnosed where it is
+    staged, before it is inserted (``Store.new_session``'s ``before_insert``), so it goes into the file with its
+    diagnoses."""
 
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, path, store: Optional[Store] = None):
+        self.path = store.path if store is not None else path
+        self._store = store
+        self.diagnosed = False  # the last new session was diagnosed in its staging
+
+    def _open(self) -> Store:
+        return self._store if self._store is not None else Store(self.path, known=True)
 
     def new_session(self, *args, **kwargs):
-        return Store(self.path).new_session(*args, **kwargs)
+        self.diagnosed = False
+        return self._open().new_session(*args, before_insert=self._diagnose_staged, **kwargs)
 
     def extend_session(self, *args, **kwargs):
-        return Store(self.path).extend_session(*args, **kwargs)
+        return self._open().extend_session(*args, **kwargs)
+
+    def _diagnose_staged(self, staging: Store, name: str) -> None:
+        _diagnose(staging, name)
+        self.diagnosed = True
 
     def writing(self):
         """``Store.writing()`` of the database, begun before it is opened."""
@@ -433,17 +445,18 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
     recipe_name = getattr(recipe, "name", recipe)
     if recipe_name is not None and not isinstance(recipe_name, str):
         raise TypeError(f"capture(recipe=...) needs a Recipe or a recipe's name, got {type(recipe).__name__}")
-    if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike))):
-        store = _StoreAt(store)
-    diagnosed = isinstance(store, (Store, _StoreAt)) and shard_dir is None
+    if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike, Store))):
+        store = _StoreAt(None, store) if isinstance(store, Store) else _StoreAt(store)
+    diagnosed = isinstance(store, _StoreAt) and shard_dir is None
     return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
                    shard_dir=shard_dir, grad_scaler=grad_scaler, optimizer=optimizer, recipe=recipe_name,
                    on_written=partial(_diagnose_written, store) if diagnosed else None)
 
 
-def _diagnose_written(store, name: str) -> None:
-    """A captured session, diagnosed as it is written (``store``: a Store, or a database path's sink)."""
-    _diagnose(Store(store.path) if isinstance(store, _StoreAt) else store, name)
+def _diagnose_written(sink: _StoreAt, name: str) -> None:
+    """A captured session, diagnosed as it is written (where its staging has not diagnosed it already)."""
+    if not sink.diagnosed:
+        _diagnose(sink._open(), name)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,

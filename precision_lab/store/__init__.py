@@ -35,11 +35,13 @@ class Store(StoreReads, StoreWrites, StoreSchema):
     runs); a file is opened per operation and let go after it (see ``files``)."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None,
-                 staged: bool = True, readable: tuple = ()):
+                 staged: bool = True, readable: tuple = (), known: bool = False):
         """``staged=False`` writes a new session straight into the file, holding it for the whole write (the
         baseline of bench/concurrency.py --staging); see ``new_session``.  ``readable`` (with
         ``path=":memory:"``): a database in memory of this ``Store``'s own, not the process's shared one, whose
-        queries may read those files where they lie (``store.parquet``)."""
+        queries may read those files where they lie (``store.parquet``).  ``known``: a file this process has found
+        current (or left so after its own write), unchanged since, is not opened to check it again (a capture
+        makes a ``Store`` for each write)."""
         self.path = resolve_db_path(path)
         self.staged = staged
         self.lock_wait = env_lock_wait() if lock_wait is None else float(lock_wait)
@@ -51,6 +53,8 @@ class Store(StoreReads, StoreWrites, StoreSchema):
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]
         # share links: the token file beside the database (precision_lab.tokens), or the in-memory database's own
         self._tokens = token_file_for(self.path) or self._file.memory_tokens
+        if known and self._known_current():
+            return
         with self.held():
             self._init_schema()
 

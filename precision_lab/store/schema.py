@@ -141,6 +141,12 @@ class StoreSchema:
                                   "program's tables is refused")
         self._file.vetted = identity(self.path)
 
+    def _known_current(self) -> bool:
+        """Whether this process found the file at this schema version holding no code (or left it so after its
+        own write), and it is unchanged since."""
+        f = self._file
+        return not f.memory and f.current is not None and f.current == identity(self.path)
+
     def _init_schema(self) -> None:
         try:
             self._refuse_foreign()
@@ -152,6 +158,7 @@ class StoreSchema:
         try:  # a database at this version has every table: one query instead of a dozen CREATEs
             row = self.sql("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is not None and row[0] == str(SCHEMA_VERSION):
+                self._found_current()
                 return
         except DatabaseLocked:
             raise
@@ -168,6 +175,13 @@ class StoreSchema:
                 cur.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
             else:
                 self._migrate(cur, int(row[0]))
+        self._found_current()
+
+    def _found_current(self) -> None:
+        """Mark the file as found at this schema version (and holding no code: ``_refuse_foreign`` ran first)."""
+        f = self._file
+        if not f.memory and f.vetted is not None:
+            f.current = identity(self.path)
 
     def _migrate(self, cur, version: int) -> None:
         """Inside the schema's transaction: all versions or none, so an interrupted upgrade leaves the old

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from ..stats import HIST_EDGES_ID
 from .connect import connect_duckdb
+from .files import attach, rollback
 
-__all__ = ["move_summary_errors_sql", "insert_staged_session", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
+__all__ = ["move_summary_errors_sql", "insert_staged_session", "insert_attached_session", "clear_tables", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
            "TableFile", "ImportedSession", "table_columns", "insert_session_tables", "ArchiveQueries"]
 
 def move_summary_errors_sql(where: str = "") -> str:
@@ -181,32 +182,8 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
     notes: list[str] = []
     # the transaction's cursor, and the views registered on it, are closed when it ends
     with store.transaction() as cur:
-        existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
-        new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
-        runs = tables["runs"]
-        run_ids = runs.column("run_id").to_pylist() if "run_id" in runs.column_names else []
-        clash = {r[0] for r in cur.execute(
-            "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
-        ).fetchall()} & set(run_ids)
-        run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
-        final_name = store._unique_name(cur, name, rename=rename)
-        store._drop_token(new_sid)
-        for table in TABLES:
-            t = tables.get(table)
-            if t is None:  # an archive older than the table
-                continue
-            if getattr(t, "num_rows", None) == 0:
-                continue
-            cols = ", ".join(_quoted(c) for c in t.schema.names)
-            exprs, params = _select_list(table, t.schema.names, session_id=new_sid, name=final_name,
-                                         run_map=run_map)
-            view = f"_pl_import_{table}"
-            cur.register(view, t)
-            try:
-                cur.execute(f"INSERT INTO {table} ({cols}) SELECT {exprs} FROM {view}", params)
-            except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
-                raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
-            cur.unregister(view)
+        final_name, new_sid, run_map = _insert_tables(cur, store, _ArrowSource(cur, tables), session_id=session_id,
+                                                      name=name, where=where, rename=rename)
         for version, stmt in sorted(ROW_UPGRADES.items()):
             if schema_version < version:
                 cur.execute(stmt, [new_sid])
@@ -216,6 +193,116 @@ def insert_session_tables(store, tables: dict, *, session_id: str, name: str, wh
             cur.execute("INSERT INTO warnings VALUES (?, NULL, ?, ?)", [new_sid, where, note])
             notes.append(note)
     return ImportedSession(final_name, new_sid, run_map, notes)
+
+
+class _ArrowSource:
+    """One session's tables as Arrow tables (or record batch readers), registered on ``cur`` as they are
+    inserted."""
+
+    def __init__(self, cur, tables: dict):
+        self.cur, self.tables = cur, tables
+
+    def run_ids(self) -> list:
+        runs = self.tables["runs"]
+        return runs.column("run_id").to_pylist() if "run_id" in runs.column_names else []
+
+    def parts(self):
+        """``(table, its columns, what to select them from)`` of each table with rows, in ``TABLES`` order; the
+        source is let go after its insert."""
+        for table in TABLES:
+            t = self.tables.get(table)
+            if t is None or getattr(t, "num_rows", None) == 0:  # an archive older than the table; no rows
+                continue
+            view = f"_pl_import_{table}"
+            self.cur.register(view, t)
+            yield table, t.schema.names, view
+            self.cur.unregister(view)
+
+
+class _AttachedSource:
+    """One session's tables in the database ``alias`` (a staging database holding that session only), read by
+    the insert where they lie."""
+
+    def __init__(self, cur, alias: str):
+        self.cur, self.alias = cur, alias
+
+    def run_ids(self) -> list:
+        return [r[0] for r in self.cur.execute(f"SELECT run_id FROM {self.alias}.runs ORDER BY rowid").fetchall()]
+
+    def parts(self):
+        counts = dict(self.cur.execute(" UNION ALL ".join(
+            f"SELECT '{t}', count(*) FROM {self.alias}.{t}" for t in TABLES)).fetchall())
+        columns: dict = {}
+        for table, column in self.cur.execute(
+                "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = ? "
+                "ORDER BY table_name, column_index", [self.alias]).fetchall():
+            columns.setdefault(table, []).append(column)
+        for table in TABLES:
+            if counts.get(table):
+                yield table, columns[table], f"(SELECT * FROM {self.alias}.{table} ORDER BY rowid)"
+
+
+def _insert_tables(cur, store, source, *, session_id: str, name: str, where: str,
+                   rename: bool) -> tuple[str, str, dict]:
+    """Inside ``cur``'s transaction: insert one session's tables from ``source`` (``_ArrowSource``,
+    ``_AttachedSource``), with fresh ids where the database holds them and a unique name; (name, session id,
+    run id map)."""
+    existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
+    new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
+    run_ids = source.run_ids()
+    clash = {r[0] for r in cur.execute(
+        "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
+    ).fetchall()} & set(run_ids)
+    run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
+    final_name = store._unique_name(cur, name, rename=rename)
+    store._drop_token(new_sid)
+    for table, names, view in source.parts():
+        cols = ", ".join(_quoted(c) for c in names)
+        exprs, params = _select_list(table, names, session_id=new_sid, name=final_name, run_map=run_map)
+        try:
+            cur.execute(f"INSERT INTO {table} ({cols}) SELECT {exprs} FROM {view}", params)
+        except Exception as e:  # a type DuckDB cannot cast: name the file; the rollback undoes the rest
+            raise ImportRefused(f"{where}: {table}.parquet cannot be stored in table {table} ({e})") from None
+    return final_name, new_sid, run_map
+
+
+def clear_tables(store) -> None:
+    """Empty every table of a session in ``store`` (a staging database, once its session is inserted)."""
+    with store.transaction() as cur:
+        cur.execute("; ".join(f"DELETE FROM {t}" for t in TABLES))
+
+
+def insert_attached_session(store, staging, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:
+    """Insert the session ``session_id`` that ``staging`` (a ``Store`` in memory of this process whose
+    ``readable`` files include ``store``'s, holding that session only) holds into ``store``'s file in one
+    transaction, the file attached to the staging database for it: the rows go from one to the other inside
+    DuckDB, and no DuckDB instance is opened for the file.  Returns the (name, session id) it got there."""
+    with store._lock, store._file.lent(store.lock_wait), staging._lock:
+        con = staging._file.acquire(True, staging.lock_wait)
+        cur = None
+        try:
+            cur = con.cursor()
+            attach(cur, store.path, "_pl_target", store.lock_wait)
+            try:
+                cur.execute("USE _pl_target")
+                cur.execute("BEGIN TRANSACTION")
+                try:
+                    got, new_sid, _runs = _insert_tables(cur, store, _AttachedSource(cur, "memory"),
+                                                         session_id=session_id, name=name,
+                                                         where=f"session {name}", rename=rename)
+                except BaseException:
+                    rollback(cur)
+                    raise
+                cur.execute("COMMIT")
+                store._file.commits += 1
+            finally:
+                cur.execute("USE memory")
+                cur.execute("DETACH _pl_target")  # a checkpoint, then the file is let go
+        finally:
+            if cur is not None:
+                cur.close()
+            staging._file.release()
+    return got, new_sid
 
 
 def insert_staged_session(store, staged, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,29 @@ from .connect import connect_duckdb
 from .files import rollback, writing
 from .schema import schema_sql
 from .session_writer import SessionWriter, now_text
-from .transfer import insert_staged_session
+from .transfer import clear_tables, insert_attached_session, insert_staged_session
+
+
+class _Staging:
+    """A database in memory of this process's own, for the sessions it writes to one file (``new_session``'s
+    staging in memory), with the file readable by it; one thread stages in it at a time."""
+
+    def __init__(self, store):
+        path = store.path
+        self.store = type(store)(":memory:", readable=(path, path + ".wal", path + ".wal.checkpoint"))
+        self.lock = threading.Lock()
+
+
+_STAGINGS: dict = {}
+_STAGINGS_LOCK = threading.Lock()
+
+
+def _staging_for(store) -> _Staging:
+    with _STAGINGS_LOCK:
+        staging = _STAGINGS.get(store.path)
+        if staging is None:
+            staging = _STAGINGS[store.path] = _Staging(store)
+        return staging
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
@@ -78,7 +101,7 @@ class StoreWrites:
     @contextmanager
     def new_session(self, name: Optional[str] = None, *, source: str = "", recipe: Optional[str] = None,
                     notes: Optional[dict] = None, exist_ok_rename: bool = True,
-                    stage_in_memory: bool = False) -> Iterator["SessionWriter"]:
+                    stage_in_memory: bool = False, before_insert=None) -> Iterator["SessionWriter"]:
         """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``; ``w.name`` after
         the block is the name it got (made unique unless ``exist_ok_rename`` is false: then a taken name is a
         ``ValueError``).
@@ -89,7 +112,24 @@ class StoreWrites:
         killed process before it leaves the shared file as it was; the staging folder goes with the block (a
         killed process's is swept by the next writer).  ``stage_in_memory``: the staging database is kept in
         memory instead, for a writer whose rows are in memory already (a capture's records): no folder, no file
-        made, written and closed for it, which is most of what the staging costs a small session."""
+        made, written and closed for it, which is most of what the staging costs a small session.  The database
+        in memory is this process's own for the file, kept from one such session to the next and emptied after
+        each, and the file is attached to it for the insert (``transfer.insert_attached_session``): a DuckDB
+        instance costs some 15 ms to start, an attach about one.  ``before_insert(staging, name)`` (a staging in
+        memory only) runs on the staging ``Store`` once the block has written the session there: what it adds
+        (a session's diagnoses) goes into the file with the session, in the same transaction."""
+        # inside a transaction of this thread on the file the session is part of it (the staged paths below)
+        if self.staged and not self._file.memory and stage_in_memory and getattr(self._file.tx, "cur", None) is None:
+            staging = _staging_for(self)
+            if staging.lock.acquire(blocking=False):  # else another thread of this process stages: one of its own
+                try:
+                    with self._memory_staged(staging.store, name or _default_session_name(source), source=source,
+                                             recipe=recipe, notes=notes, rename=exist_ok_rename,
+                                             before_insert=before_insert) as w:
+                        yield w
+                finally:
+                    staging.lock.release()
+                return
         if self.staged and not self._file.memory:
             with self._staged_session(name or _default_session_name(source), source=source, recipe=recipe,
                                       notes=notes, rename=exist_ok_rename, in_memory=stage_in_memory) as w:
@@ -105,6 +145,21 @@ class StoreWrites:
             w = SessionWriter(self, cur, sid, name)
             yield w
             w.flush()
+
+    @contextmanager
+    def _memory_staged(self, staging, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
+                       rename: bool, before_insert) -> Iterator["SessionWriter"]:
+        if not rename:  # a taken name fails before the work, not only at the insert
+            with self.reading() as cur:
+                self._unique_name(cur, name, rename=False)
+        try:
+            with staging.new_session(name, source=source, recipe=recipe, notes=notes) as w:
+                yield w
+            if before_insert is not None:
+                before_insert(staging, w.name)
+            w.name, w.session_id = insert_attached_session(self, staging, w.session_id, name, rename=rename)
+        finally:
+            clear_tables(staging)
 
     @contextmanager
     def _staged_session(self, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
