@@ -58,12 +58,12 @@ def test_a_capture_into_a_file_is_stored_whole_with_its_diagnosis_and_opens_no_i
     assert sorted(s.sessions()["name"]) == ["one", "two"]
     assert s.undiagnosed_sessions() == []  # each went in with its diagnosis, in the same transaction
     for cap in (first, second):
-        sid = s.session(cap.session)["session_id"]
+        sid = s.session(cap.session).session_id
         run = s.runs(sid).iloc[0]
         got = s.sql("SELECT seq, op, role, \"index\", max FROM tensors WHERE run_id = ? ORDER BY rid",
-                    [run["run_id"]]).fetchall()
+                    [run.run_id]).fetchall()
         assert got == [(r.seq, r.op, r.role, r.index, r.stats.max) for r in cap.records]
-        assert s.sql("SELECT count(*) FROM histograms WHERE run_id = ?", [run["run_id"]]).fetchone()[0] == \
+        assert s.sql("SELECT count(*) FROM histograms WHERE run_id = ?", [run.run_id]).fetchone()[0] == \
             sum(r.stats.hist is not None for r in cap.records)
     # the same records as a capture kept in memory (one with no staging at all)
     mem = Store(":memory:")
@@ -94,7 +94,7 @@ def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_stagi
     assert list(Store(db).sessions()["name"]) == ["kept"]
     after = _captured(db, "next")  # the staging was emptied: the next session holds its own rows only
     s = Store(db)
-    run_id = s.runs(s.session(after.session)["session_id"]).iloc[0]["run_id"]
+    run_id = s.runs(s.session(after.session).session_id).iloc[0]["run_id"]
     assert s.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [run_id]).fetchone()[0] == len(after.records)
     assert _rows(db)["tensors"] == before["tensors"] + len(after.records)
     assert _rows(db)["runs"] == 2

@@ -64,7 +64,7 @@ def test_a_fix_from_an_entry_point_is_proposed_and_a_rerun_applies_it(plugin):
     assert r.exit_code == 0, r.output
     store = Store(db)
     try:
-        sid = store.session("fp16-layernorm")["session_id"]
+        sid = store.session("fp16-layernorm").session_id
         runs = {r["kind"]: r for r in store.runs(sid).to_dict("records")}
         cand = runs["candidate"]["run_id"]
         # the diagnosis proposes the plug-in's fix, its power of two worked out here from the stored input

@@ -94,7 +94,7 @@ def _ingest_and_check(tmp_path, suffix: str) -> None:
     assert r.stdout.strip() == "traced"
     store = Store(db)
     try:
-        sid = store.session("traced")["session_id"]
+        sid = store.session("traced").session_id
         runs = {r["kind"]: r for r in store.runs(sid).to_dict("records")}
         for kind, written in (("reference", ref), ("candidate", cand)):
             got = store.df("SELECT op, op_type, seq, dtype, numel, nan_count, inf_count, absmax, mean, std, l2norm "
