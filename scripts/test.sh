@@ -8,5 +8,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
-# one worker per core (at most 4): the suite is about 14 minutes on two cores this way, 24 serially
-exec python -m pytest -q -n auto --maxprocesses 4 "$@"
+exec python -m pytest -q "$@"
