@@ -34,6 +34,7 @@ from ..origin import (ORDER_TEXT, model_outputs, Intended, Origin, RunFacts, ana
 from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
+from ..store import ranking
 from ..jsoncodec import dumps, fields_tree
 from . import timeline as _timeline
 
@@ -297,7 +298,7 @@ def build_report(store, session: str) -> dict:
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
-    worst = q.rows(store, *q.ranked_comparisons_sql(sid, q.ACCUMULATED_KINDS + q.LOCAL_KINDS, n=WORST_KEPT,
+    worst = q.rows(store, *ranking.ranked_comparisons_sql(sid, ranking.ACCUMULATED_KINDS + ranking.LOCAL_KINDS, n=WORST_KEPT,
                                                      include_nonfinite=True))
     worst_comparisons = [{"cand_run": w["run"], **{k: w[k] for k in _WORST_COLS}} for w in worst]
     return {

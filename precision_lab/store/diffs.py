@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..records import RunInfo
-from .queries import ACCUMULATED_KINDS, rows, session_runs
+from .queries import rows, session_runs
+from .ranking import ACCUMULATED_KINDS
 from .rows import ComparedPair
 from .viewparts import Clause, Window, absmax_sql, check_window, frame, has_stats_basis, name_pattern_sql, severity_sql
 

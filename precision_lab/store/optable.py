@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..enums import Verdict, worst_first
-from .queries import rank_case, rows
+from .queries import rows
+from .ranking import rank_case
 from .rows import RunValues
 from .viewparts import Window, absmax_sql, check_window, frame, has_stats_basis, name_pattern_sql, severity_sql
 

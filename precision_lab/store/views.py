@@ -21,8 +21,8 @@ from ..enums import Severity, Verdict, worst_first
 from ..records import RunInfo
 from .diffs import SHOW_OPTIONS, base_run, diff_rows, nrun_rows, pair_options  # noqa: F401
 from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
-from .queries import (ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql,  # noqa: F401
-                      diagnosis_rows, rows, run_order, session_runs)
+from .queries import diagnosis_rows, rows, run_order, session_runs
+from .ranking import ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql  # noqa: F401
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
 from .rows import Counterpart, DiagnosisRow, RecordChoice, RunWarning, rows_as
 
@@ -81,7 +81,7 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
        an op call by its place in the order (``seq``), or by name.
     2. Then by verdict.  Within a verdict, an error carried on is not a new one: the comparisons whose
        error (in units of the candidate format's rounding) is within a factor 2 of the largest of their
-       run and verdict (``queries.CARRIED_WITHIN``) rank by where they come in the order, the first first; the
+       run and verdict (``ranking.CARRIED_WITHIN``) rank by where they come in the order, the first first; the
        others by error in rounding units, max relative error (element-wise comparisons), then by the
        summary statistics' relative error (``summary_rel_err``; statistics-only comparisons, ranked
        after the element-wise ones of their verdict, never as the same number).
