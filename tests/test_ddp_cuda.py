@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_ddp_spread import Net
+from test_ddp_spread import K, Net, train
 from test_multirank import _free_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-K, BAD, STEPS = 2, 1, 4
+BAD = 1
 
 
 def _worker(rank: int, world: int, port: int, backend: str, root: str) -> None:
@@ -40,16 +40,7 @@ def _worker(rank: int, world: int, port: int, backend: str, root: str) -> None:
         g = torch.Generator().manual_seed(100 + rank)
         bad = BAD if world > 1 else 0
         with precision_lab.capture(model, run="ddp", shard_dir=root) as cap:
-            for step in range(STEPS):
-                x = torch.randn(4, 8, generator=g).cuda()
-                if step == K and rank == bad:
-                    x = x * 1e6
-                with torch.autocast("cuda", dtype=torch.float16):
-                    y = model(x)
-                y.float().pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                cap.step()
+            train(model, opt, cap, g, rank == bad, lambda x: x.cuda(), torch.autocast("cuda", dtype=torch.float16))
         dist.barrier()
     finally:
         dist.destroy_process_group()

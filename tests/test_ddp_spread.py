@@ -66,6 +66,21 @@ def _model(kind: str):
     return model
 
 
+def train(model, opt, cap, g, bad: bool, to_device, autocast) -> None:
+    """STEPS captured training steps of ``model`` on batches drawn from ``g``; when ``bad``, step K's batch is
+    scaled by 1e6 (fc1's output, or its cast to fp16, passes 65,504)."""
+    for step in range(STEPS):
+        x = to_device(torch.randn(4, 8, generator=g))
+        if step == K and bad:
+            x = x * 1e6
+        with autocast:
+            y = model(x)
+        y.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step()
+
+
 def _worker(rank: int, port: int, root: str, kind: str) -> None:
     import precision_lab
     from test_multirank import join_gloo
@@ -77,16 +92,9 @@ def _worker(rank: int, port: int, root: str, kind: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + rank)
         with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
-            for step in range(STEPS):
-                x = torch.randn(4, 8, generator=g).to(torch.float16 if kind == "tp" else torch.float32)
-                if step == K and rank == BAD:
-                    x = x * 1e6  # this rank's batch: fc1's output (DDP), its cast to fp16 (FSDP) passes 65,504
-                with torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext():
-                    y = model(x)
-                y.float().pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                cap.step()
+            dtype = torch.float16 if kind == "tp" else torch.float32
+            train(model, opt, cap, g, rank == BAD, lambda x: x.to(dtype),
+                  torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext())
         dist.barrier()
     finally:
         dist.destroy_process_group()
