@@ -206,6 +206,26 @@ def over_budget() -> bool:
     return _FALLBACK_SPENT[0] >= FALLBACK_BUDGET_S
 
 
+def fallback_spent() -> float:
+    """Seconds this process has run the no-compilation paths (``note_fallback``)."""
+    return _FALLBACK_SPENT[0]
+
+
+def start_afresh(*kernel_sets: "CompiledOnce") -> None:
+    """Forget what this process has learned, as a process just started: the compiler it started, the time
+    spent on the no-compilation paths, and ``kernel_sets``' kernels (the next ``ready()`` looks at the cache at
+    once).  A forked child runs it with no kernel set: its parent's compiler and budget are not its own, while
+    the kernels it inherited are still loaded."""
+    _STARTED.clear()
+    _FALLBACK_SPENT[0] = 0.0
+    for kernel_set in kernel_sets:
+        kernel_set.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=start_afresh)
+
+
 class CompiledOnce(Generic[K]):
     """``build(numba)``'s result: ``get()`` compiles it in this process; ``ready()`` returns it only when it
     needs no compilation (see the module's docstring).  Both are None without numba.
@@ -257,6 +277,12 @@ class CompiledOnce(Generic[K]):
             self._next_check = now + _RECHECK_S
             start_compiler()
             return None
+
+    def forget(self) -> None:
+        """Hand out nothing until asked again; the next ``ready()`` looks at the cache at once."""
+        with self._lock:
+            self._value = None
+            self._next_check = 0.0
 
     def loaded(self) -> bool:
         """Whether this process has the kernels already (``get()`` or ``ready()`` handed them out)."""

@@ -97,6 +97,16 @@ def test_first_process_needs_no_compilation_and_fills_the_cache(tmp_path):
         assert first[k] == pytest.approx(second[k], rel=1e-12), k
 
 
+KERNEL_SETS = (scan.KERNELS, metrics.KERNEL)
+
+
+@pytest.fixture(autouse=True)
+def _loader_afresh_after():
+    """Each test leaves the loader as a process just started would find it (no fake compiler, no budget spent)."""
+    yield
+    numba_loader.start_afresh(*KERNEL_SETS)
+
+
 def _same(a, b) -> None:
     for f in dataclasses.fields(a):
         va, vb = getattr(a, f.name), getattr(b, f.name)
@@ -113,9 +123,7 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
     started = []
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
     monkeypatch.setattr(numba_loader, "start_compiler", lambda: started.append(1) or True)
-    for kernel_set in (scan.KERNELS, metrics.KERNEL):
-        monkeypatch.setattr(kernel_set, "_value", None)
-        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+    numba_loader.start_afresh(*KERNEL_SETS)
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(70_001) * np.exp(rng.uniform(-20, 20, 70_001))).astype(np.float32)
     x[::701] = -np.inf
@@ -127,7 +135,7 @@ def test_cold_calls_take_the_float64_paths_and_start_one_compiler(monkeypatch):
     for g in got:
         _same(g, want)
     assert all(c == metrics.compare(x, h, backend="numpy") for c in cmp)
-    assert scan.KERNELS._value is None and metrics.KERNEL._value is None
+    assert not scan.KERNELS.loaded() and not metrics.KERNEL.loaded()
     if numba_loader.load_numba() is not None:
         assert len(started) == 2  # one ask per kernel set; start_compiler itself starts one process
         k = tensor_stats(x, backend="numba")  # an explicit backend compiles here, whatever the cache says
@@ -167,18 +175,15 @@ def test_a_long_command_compiles_after_its_fallback_budget(monkeypatch):
     monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
     monkeypatch.setattr(numba_loader, "start_compiler", lambda: True)
-    for kernel_set in (scan.KERNELS, metrics.KERNEL):
-        monkeypatch.setattr(kernel_set, "_value", None)
-        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
-    monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
+    numba_loader.start_afresh(*KERNEL_SETS)
     x = np.linspace(-1.0, 1.0, 4097, dtype=np.float32)
     tensor_stats(x)
-    assert scan.KERNELS._value is None and 0.0 < numba_loader._FALLBACK_SPENT[0] < numba_loader.FALLBACK_BUDGET_S
+    assert not scan.KERNELS.loaded() and 0.0 < numba_loader.fallback_spent() < numba_loader.FALLBACK_BUDGET_S
     numba_loader.note_fallback(numba_loader.FALLBACK_BUDGET_S)
     s = tensor_stats(x)
     metrics.compare(x, x)
     if numba_loader.load_numba() is None:
-        assert scan.KERNELS._value is False
+        assert not scan.KERNELS.loaded()
         return
     assert scan.KERNELS.loaded() and metrics.KERNEL.loaded()
     assert s.zero_count == 1 and s.max == 1.0 and s.min == -1.0
@@ -209,21 +214,15 @@ def _cold(monkeypatch, tmp_path, code: str) -> _Compilers:
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(numba_loader.COMPILE_ENV, "background")
     monkeypatch.setattr(numba_loader, "cache_holds", lambda roots: False)
-    monkeypatch.setattr(numba_loader, "_STARTED", [])
-    monkeypatch.setattr(numba_loader, "_FALLBACK_SPENT", [0.0])
-    for kernel_set in (scan.KERNELS, metrics.KERNEL):
-        monkeypatch.setattr(kernel_set, "_value", None)
-        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+    numba_loader.start_afresh(*KERNEL_SETS)
     fake = _Compilers(code)
     monkeypatch.setattr(numba_loader.subprocess, "Popen", fake)
     return fake
 
 
-def _another_process(monkeypatch) -> None:
+def _another_process() -> None:
     """What a second process would see: it has started no compiler and asks again at once."""
-    monkeypatch.setattr(numba_loader, "_STARTED", [])
-    for kernel_set in (scan.KERNELS, metrics.KERNEL):
-        monkeypatch.setattr(kernel_set, "_next_check", 0.0)
+    numba_loader.start_afresh(*KERNEL_SETS)
 
 
 @pytest.mark.skipif(not numba_loader.load_numba(), reason="numba is not installed: there is nothing to compile")
@@ -236,12 +235,12 @@ def test_one_compiler_at_a_time_for_both_kernel_sets(monkeypatch, tmp_path):
         assert len(fake.procs) == 1
         for path in tmp_path.rglob("precision-lab-compiling*"):
             os.utime(path, (time.time() - 7200, time.time() - 7200))  # old: its age says nothing
-        _another_process(monkeypatch)
+        _another_process()
         assert metrics.KERNEL.ready() is None and scan.KERNELS.ready() is None
         assert len(fake.procs) == 1, "a second compiler started while the first one was writing the cache"
         fake.procs[0].kill()
         fake.procs[0].wait()
-        _another_process(monkeypatch)
+        _another_process()
         assert metrics.KERNEL.ready() is None
         assert len(fake.procs) == 2  # the lock died with its holder: no stale lock to wait out
     finally:
@@ -260,8 +259,27 @@ def test_a_compiler_that_fails_at_once_is_reaped_and_leaves_no_lock(monkeypatch,
         while proc.returncode is None and time.monotonic() < deadline:  # set by whoever waits for it; never poll()
             time.sleep(0.05)
         assert proc.returncode == 1, "the compiler that ended was not reaped"
-        _another_process(monkeypatch)
+        _another_process()
         assert scan.KERNELS.ready() is None
         assert len(fake.procs) == 2
     finally:
         fake.end()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_has_its_own_fallback_budget():
+    """A child forked after its parent spent its fallback budget starts afresh: its own budget is unspent."""
+    numba_loader.note_fallback(numba_loader.FALLBACK_BUDGET_S)
+    assert numba_loader.over_budget()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, running nothing of the parent's
+        os.close(r)
+        os.write(w, json.dumps(numba_loader.fallback_spent()).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        seen = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert seen == 0.0
+    assert numba_loader.over_budget()  # the parent's own state is untouched
