@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from precision_lab import stats as S  # noqa: E402
+from precision_lab import numba_loader  # noqa: E402
 from precision_lab.numba_loader import run_parts  # noqa: E402
 from precision_lab.stats import scan  # noqa: E402
 
@@ -98,24 +99,21 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="element type of the tensor (every baseline reads the same tensor)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="threads for both torch and numba; default: all cores")
+                    help="threads for both torch and the statistics kernel; default: all cores")
     ap.add_argument("--busy", type=int, nargs="+", default=[0],
                     help="busy-looping processes beside the measurement; several values: one run each (0 = quiet)")
     ap.add_argument("--crossover", action="store_true", help="instead: the kernel serial vs parallel by size")
     args = ap.parse_args(argv)
     os.environ.setdefault("PRECISION_LAB_COMPILE", "now")  # time the kernel, not the path that serves while it compiles
-    numba = None
-    if S.numba_available():
-        import numba
+    kernels = S.numba_available()
     if args.threads:
         torch.set_num_threads(args.threads)
-        if numba is not None:
-            numba.set_num_threads(args.threads)
+        numba_loader.limit_threads(args.threads)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"python {platform.python_version()}  torch {torch.__version__}  cpus {os.cpu_count()}  "
-          f"torch threads {torch.get_num_threads()}  numba threads "
-          f"{numba.get_num_threads() if numba is not None else None}  backend {args.backend}  dtype {args.dtype}")
+          f"torch threads {torch.get_num_threads()}  kernel threads "
+          f"{numba_loader.kernel_threads() if kernels else None}  backend {args.backend}  dtype {args.dtype}")
     if load:
         print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     S.tensor_stats(torch.randn(1 << 20), backend=args.backend)  # compile / load the kernel outside the timings

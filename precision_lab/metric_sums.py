@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from .hostview import host_view
-from .numba_loader import CompiledOnce, ParallelChoice, njit, readonly, run_parts
+from .numba_loader import CompiledOnce, ParallelChoice, kernel_threads, njit, readonly, run_parts
 
 # One pass gathers these sums; metrics._finish() turns them into the metrics.  Two
 # accumulators exist (compiled numba for CPU arrays, torch for other devices
@@ -127,7 +127,7 @@ def _build_kernel(numba):
         if r.dtype != c.dtype:  # float32 against float64: both exactly in float64 (two signatures in all)
             r, c = r.astype(np.float64), c.astype(np.float64)
         r, c = readonly(r), readonly(c)
-        threads = numba.get_num_threads()
+        threads = kernel_threads()
         nparts = max(1, min(threads * _PARTS_PER_THREAD, r.size // _PAR_MIN))
         tbl, shift, mask = _ulp_table(r.dtype, emin, man_bits)
         rb = r.view(np.int32 if r.dtype == np.float32 else np.int64)

@@ -5,8 +5,8 @@ paths run instead).  Kernels are cached on disk by numba (``njit``) and
 release the GIL.  They are compiled without numba's parallel regions: a large
 call is cut into parts that the calling thread and helper threads take as they
 become free (``run_parts``), so a core taken by another process delays one
-part, not every call; ``limit_threads`` bounds the threads (numba's thread
-count, per calling thread).
+part, not every call; ``limit_threads`` bounds the threads (per calling
+thread: ``kernel_threads``).
 
 Compiling the kernels takes 10-20 s, once per install.  A command must not
 pay that: ``CompiledOnce.ready()`` hands out the kernels only when numba's
@@ -41,7 +41,7 @@ except ImportError:  # Windows: no background compiler (see start_compiler)
     fcntl = None
 
 __all__ = ["DISABLE_ENV", "COMPILE_ENV", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
-           "ParallelChoice", "run_parts", "load_numba", "njit", "prefetch_intrinsic", "limit_threads", "restore_threads", "readonly", "note_fallback",
+           "ParallelChoice", "run_parts", "load_numba", "njit", "prefetch_intrinsic", "kernel_threads", "limit_threads", "restore_threads", "readonly", "note_fallback",
            "over_budget"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
@@ -400,20 +400,36 @@ def run_parts(fn: Callable[[int], Any], n_parts: int, threads: int) -> list:
     return results
 
 
+_THREADS = threading.local()  # .n: this thread's limit (``limit_threads``); unset: every core
+
+
+def kernel_threads() -> int:
+    """Threads the kernels called from this thread may use: its ``limit_threads``, else the cores this process
+    may run on (at most ``NUMBA_NUM_THREADS`` when set).  Kept here, per calling thread, not in numba: reading numba's thread count starts its threading
+    layer, and its OpenMP layer sets the calling thread's OpenMP thread count to every core -- the count torch
+    reads for its own intra-op threads, so a process running torch on one thread (torchrun sets
+    ``OMP_NUM_THREADS=1`` for each rank) would run it on every core after its first statistics."""
+    n = getattr(_THREADS, "n", None)
+    if n is not None:
+        return n
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        return max(1, min(cores, int(os.environ.get("NUMBA_NUM_THREADS") or cores)))
+    except ValueError:
+        return cores
+
+
 def limit_threads(n: int) -> Optional[int]:
-    """Run the kernels called from this thread on at most ``n`` threads (and at most ``NUMBA_NUM_THREADS``):
-    numba's thread count, which the kernels read; the previous count for ``restore_threads``, None without
-    numba.  Raises what numba raises when its threading layer cannot start."""
-    numba = load_numba()
-    if numba is None:
-        return None
-    previous = numba.get_num_threads()
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    """Run the kernels called from this thread on at most ``n`` threads; returns the previous limit for
+    ``restore_threads`` (None: there was none)."""
+    previous = getattr(_THREADS, "n", None)
+    _THREADS.n = max(1, int(n))
     return previous
 
 
-def restore_threads(previous: int) -> None:
+def restore_threads(previous: Optional[int]) -> None:
     """Undo ``limit_threads``: ``previous`` is what it returned."""
-    numba = load_numba()
-    if numba is not None:
-        numba.set_num_threads(previous)
+    _THREADS.n = previous

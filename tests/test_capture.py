@@ -6,6 +6,8 @@ import gc
 import json
 import math
 import os
+import subprocess
+import sys
 import weakref
 
 import numpy as np
@@ -746,7 +748,7 @@ def test_deferred_device_path_on_cpu_matches():
 
 
 def test_statistics_kernel_threads_set_while_capturing_and_restored(monkeypatch):
-    numba = pytest.importorskip("numba")
+    from precision_lab import numba_loader
     from precision_lab.live import engine
 
     monkeypatch.setattr(engine, "running_elsewhere", lambda: 0)  # a quiet machine (the busy one: test_stats_engine)
@@ -758,10 +760,10 @@ def test_statistics_kernel_threads_set_while_capturing_and_restored(monkeypatch)
 
     class Probe(nn.Module):
         def forward(self, x):
-            seen.append(numba.get_num_threads())
+            seen.append(numba_loader.kernel_threads())
             return x * 2
 
-    before = numba.get_num_threads()
+    before = numba_loader.kernel_threads()
     m = Probe()
     with capture(m, run="t", store=":memory:", options=CaptureOptions(stats_threads=1)):
         m(torch.ones(3))
@@ -774,10 +776,10 @@ def test_statistics_kernel_threads_set_while_capturing_and_restored(monkeypatch)
             torch.set_num_threads(n)
             with capture(m, run=f"t{n}", store=":memory:"):
                 m(torch.ones(3))
-            expected.append(min(max(1, cores - n + 1), numba.config.NUMBA_NUM_THREADS))
+            expected.append(max(1, cores - n + 1))
     finally:
         torch.set_num_threads(torch_threads)
-    assert seen == [1, *expected] and numba.get_num_threads() == before
+    assert seen == [1, *expected] and numba_loader.kernel_threads() == before
     if cores > 1:
         assert expected[0] == 1  # torch on every core: one statistics thread
     with pytest.raises(ValueError, match="stats_threads"):
@@ -1061,3 +1063,26 @@ def test_an_operator_overload_is_named_by_its_operator():
     names = {r.op for r in cap.records}
     assert {"mul.0", "relu.0"} <= names, names
     assert not any(n.startswith(("Tensor.", "default.")) for n in names), names
+
+
+def test_a_capture_leaves_torch_on_the_threads_the_user_set(tmp_path):
+    """A process that runs torch on one thread (torchrun sets ``OMP_NUM_THREADS=1`` for each rank) still runs it
+    on one thread while and after its steps are captured with the statistics kernel: numba's OpenMP layer, once
+    started, set the thread's OpenMP count -- torch's -- to every core."""
+    code = """
+import torch
+torch.set_num_threads(1)
+from precision_lab import capture
+from precision_lab.stats import numba_available
+m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+seen = []
+m.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+with capture(m, run="r", store=":memory:"):
+    m(torch.randn(512, 64)).sum().backward()
+print(numba_available(), seen[0], torch.get_num_threads())
+"""
+    env = {**os.environ, "PRECISION_LAB_COMPILE": "now", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "1", "1"]

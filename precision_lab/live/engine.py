@@ -168,25 +168,16 @@ class StatsEngine:
     def enter(self, threads: Optional[int]) -> None:
         """Limit the CPU kernel to ``threads`` in this thread while the capture runs (None: the cores torch's
         intra-op threads leave free, at least one; see ``stats_threads_default``)."""
-        self._saved_threads = None
+        self._limited = False
         if not _stats.numba_available():
             return
-        if threads is None:
-            threads = stats_threads_default()
-        try:
-            self._saved_threads = limit_threads(threads)
-        except Exception as e:  # a threading layer that cannot start: keep numba's default
-            self._saved_threads = None
-            self._warn("statistics", f"could not set the statistics kernel's threads ({e})")
+        self._saved_threads = limit_threads(stats_threads_default() if threads is None else threads)
+        self._limited = True
 
     def exit(self) -> None:
-        if getattr(self, "_saved_threads", None) is None:
-            return
-        try:
+        if getattr(self, "_limited", False):
             restore_threads(self._saved_threads)
-        except Exception:
-            pass
-        self._saved_threads = None
+            self._limited = False
 
     def new_step(self) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ..numba_loader import CompiledOnce, ParallelChoice, njit, prefetch_intrinsic, readonly, run_parts
+from ..numba_loader import CompiledOnce, ParallelChoice, kernel_threads, njit, prefetch_intrinsic, readonly, run_parts
 from . import kernels
 from .accumulate import _Acc
 from .edges import N_BINS
@@ -56,7 +56,7 @@ def _build_kernels(numba) -> _Kernels:
             _SCRATCH.table = None  # perhaps left half-counted: the next call starts from a fresh one
             raise
 
-    return _Kernels(scan, numba.get_num_threads, serial)
+    return _Kernels(scan, kernel_threads, serial)
 
 
 def _warm_kernels(k: _Kernels) -> None:
