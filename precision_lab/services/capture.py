@@ -484,6 +484,9 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     pair = pair or PairOptions()
     opts = options or CaptureOptions()
     ref_model, cand_model = _same_models(build_model, pair.seed)
+    cand_name = pair.candidate_name
+    if cand_name is None:
+        cand_name = str(getattr(policy, "name", None) or "candidate")
     keeper = _ReferenceKeeper(pair.keep_bytes, pair.device_keep_bytes)
     comparer = _Comparer(keeper, _declared_dtype(policy))
     try:
@@ -493,10 +496,9 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
         run_steps(ref_cap, inputs, pair.loss_fn, pair.seed, pair.optimizer_fn, pair.steps)
         del ref_model
         keeper.drop_objects()
-        cand_name = pair.candidate_name
-        cand_cap = Capture(cand_model, run=str(getattr(policy, "name", None) or "candidate") if cand_name is None
-                           else cand_name, dtype_policy=policy, options=replace(opts, local_error=pair.local_error),
-                           kind="candidate", source=pair.source, observer=comparer, write=False)
+        cand_cap = Capture(cand_model, run=cand_name, dtype_policy=policy,
+                           options=replace(opts, local_error=pair.local_error), kind="candidate", source=pair.source,
+                           observer=comparer, write=False)
         run_steps(cand_cap, inputs, pair.loss_fn, pair.seed, pair.optimizer_fn, pair.steps)
         _settle(comparer, cand_cap)
         name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=pair.recipe,
