@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import precision_lab  # noqa: E402
-from precision_lab.live import CaptureOptions  # noqa: E402
+from precision_lab.live import CaptureOptions, PairOptions  # noqa: E402
 from precision_lab.stats import tensor_stats, triton_stats  # noqa: E402
 from precision_lab.store import Store  # noqa: E402
 
@@ -147,7 +147,7 @@ def capture_overhead(args, device: str) -> None:
         t0 = _start(device)
         with SyncCounter(device, count) as sc:
             precision_lab.capture_pair(lambda: build_qwen2(args.layers, args.hidden, device), inputs, torch.float16,
-                                       store=store, loss_fn=_loss, local_error=False)
+                                       store=store, pair=PairOptions(loss_fn=_loss, local_error=False))
         took = _stop(device, t0)
         syncs["capture_pair (whole call)"] = sc.count
         return took

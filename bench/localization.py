@@ -101,6 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from precision_lab import capture_pair  # noqa: E402
 from precision_lab.enums import Certainty, Direction, OriginKind  # noqa: E402
 from precision_lab.fixes.policy import call_model  # noqa: E402
+from precision_lab.live import PairOptions  # noqa: E402
 from precision_lab.ops import canonical, module_path  # noqa: E402
 from precision_lab.services.ingest import ingest  # noqa: E402
 from precision_lab.services.report import first_nonfinite  # noqa: E402
@@ -267,7 +268,7 @@ def _live_pair(store, build, inputs, dtype=torch.float16, loss=None, local_error
     """capture_pair of the fp32 model against ``dtype`` (a torch dtype or a policy): (candidate's answer,
     reference's answer, session name, candidate run id, seconds)."""
     t = time.perf_counter()
-    name = capture_pair(build, inputs, dtype, store=store, local_error=local_error, loss_fn=loss)
+    name = capture_pair(build, inputs, dtype, store=store, pair=PairOptions(local_error=local_error, loss_fn=loss))
     runs = q.session_runs(store, store.session(name).session_id)
     cand = next(r for r in runs if r.kind == "candidate")
     ref = next(r for r in runs if r.kind == "reference")

@@ -145,25 +145,9 @@ def op_alerts(run: str, op: str, steps: Sequence[int], absmax: Sequence[float], 
                          float(head[i]), float(p["bits"]), int(fire.sum())))
 
     if low_share is not None or flushed_share is not None:
-        p = _params("underflow", overrides)
-        low = np.asarray(low_share if low_share is not None else np.full(len(steps), np.nan), dtype=np.float64)
-        gone = np.asarray(flushed_share if flushed_share is not None else np.full(len(steps), np.nan),
-                          dtype=np.float64)
-        known = np.isfinite(low) | np.isfinite(gone)
-        s = np.where(known, np.nan_to_num(low) + np.nan_to_num(gone), np.nan)
-        fire = np.isfinite(s) & (s > p["share"])
-        i = _first(fire)
-        if i is not None:
-            parts = []
-            if np.isfinite(low[i]) and (low[i] > 0 or not gone[i] > 0):
-                parts.append(f"{low[i]:.1%} of its finite values round to zero or a subnormal in {fmt.name} (below "
-                             f"its smallest normal {num_text(fmt.smallest_normal)})")
-            if np.isfinite(gone[i]) and gone[i] > 0:
-                parts.append(f"{gone[i]:.1%} of its values were flushed to zero in {fmt.name} (nonzero in the "
-                             f"reference; below half its smallest subnormal {num_text(fmt.smallest_positive)})")
-            out.append(Alert(run, op, int(steps[i]), "underflow",
-                             f"{op}: {' and '.join(parts)} at step {steps[i]} (alert above {p['share']:.0%})",
-                             float(s[i]), float(p["share"]), int(fire.sum())))
+        under = _underflow_alert(run, op, steps, fmt, low_share, flushed_share, overrides)
+        if under is not None:
+            out.append(under)
 
     p = _params("growth", overrides)
     w = int(p["window"])
@@ -183,6 +167,32 @@ def op_alerts(run: str, op: str, steps: Sequence[int], absmax: Sequence[float], 
                              f"{fmt.name}'s max {num_text(fmax)} in ~{left[i]:.0f} steps (step {eta})",
                              float(left[i]), float(p["steps"]), int(fire.sum())))
     return out
+
+
+def _underflow_alert(run: str, op: str, steps: np.ndarray, fmt: Format, low_share: Optional[Sequence[float]],
+                     flushed_share: Optional[Sequence[float]], overrides: Optional[dict]) -> Optional[Alert]:
+    """The ``underflow`` alert of one op's series: the first step where the share of values lost to underflow
+    (rounded to zero or a subnormal, or flushed to zero where the reference's are not) passes the rule's share."""
+    p = _params("underflow", overrides)
+    low = np.asarray(low_share if low_share is not None else np.full(len(steps), np.nan), dtype=np.float64)
+    gone = np.asarray(flushed_share if flushed_share is not None else np.full(len(steps), np.nan),
+                      dtype=np.float64)
+    known = np.isfinite(low) | np.isfinite(gone)
+    s = np.where(known, np.nan_to_num(low) + np.nan_to_num(gone), np.nan)
+    fire = np.isfinite(s) & (s > p["share"])
+    i = _first(fire)
+    if i is None:
+        return None
+    parts = []
+    if np.isfinite(low[i]) and (low[i] > 0 or not gone[i] > 0):
+        parts.append(f"{low[i]:.1%} of its finite values round to zero or a subnormal in {fmt.name} (below "
+                     f"its smallest normal {num_text(fmt.smallest_normal)})")
+    if np.isfinite(gone[i]) and gone[i] > 0:
+        parts.append(f"{gone[i]:.1%} of its values were flushed to zero in {fmt.name} (nonzero in the "
+                     f"reference; below half its smallest subnormal {num_text(fmt.smallest_positive)})")
+    return Alert(run, op, int(steps[i]), "underflow",
+                 f"{op}: {' and '.join(parts)} at step {steps[i]} (alert above {p['share']:.0%})",
+                 float(s[i]), float(p["share"]), int(fire.sum()))
 
 
 def loss_scale_alerts(run: str, steps: Sequence[int], scales: Sequence[float],

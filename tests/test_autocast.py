@@ -16,6 +16,7 @@ from torch import nn
 from precision_lab import capture_pair
 from precision_lab.fixes.catalogue import apply_fixes
 from precision_lab.fixes.policy import get_policy
+from precision_lab.live import PairOptions
 from precision_lab.services.report import build_report, first_nonfinite
 from precision_lab.store import queries as q
 
@@ -42,7 +43,7 @@ def test_a_healthy_transformer_under_autocast_gets_no_error_verdict(store, arch)
 
     for fmt in ("fp16", "bf16"):
         name = capture_pair(make, inputs, get_policy(f"autocast-{fmt}"), store=store, session=None,
-                            candidate_name=f"autocast-{fmt}")
+                            pair=PairOptions(candidate_name=f"autocast-{fmt}"))
         rep = build_report(store, name)
         verdicts = [c["verdict"] for c in rep["comparisons"] if c["verdict"]]
         assert verdicts and "error" not in verdicts and "nonfinite" not in verdicts, (arch, fmt)

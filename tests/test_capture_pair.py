@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import precision_lab
-from precision_lab.live import CaptureOptions
+from precision_lab.live import CaptureOptions, PairOptions
 from precision_lab.services.report import first_nonfinite
 
 from test_capture import build_tiny, loss_fn, tiny_input
@@ -39,7 +39,8 @@ def _np_compare(ref, cand):
 
 @pytest.mark.slow
 def test_pair_compares_every_op_accumulated_and_local(store):
-    name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn)
+    name = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                      pair=PairOptions(loss_fn=loss_fn))
     runs = _runs(store, name)
     assert set(runs) == {"reference", "candidate"}
     ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
@@ -121,7 +122,7 @@ def test_pair_numbers_equal_an_independent_computation(store):
 @pytest.mark.slow
 def test_pair_with_injected_overflow_local_vs_accumulated(store):
     name = precision_lab.capture_pair(lambda: build_tiny(overflow_scale=2e5), tiny_input(), torch.float16,
-                                      store=store, loss_fn=loss_fn)
+                                      store=store, pair=PairOptions(loss_fn=loss_fn))
     runs = _runs(store, name)
     ref_id, cand_id = runs["reference"]["run_id"], runs["candidate"]["run_id"]
     assert first_nonfinite(store, ref_id) is None
@@ -145,9 +146,10 @@ def test_pair_with_injected_overflow_local_vs_accumulated(store):
 @pytest.mark.slow
 def test_pair_spills_reference_to_disk_with_the_same_results(store, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    a = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, local_error=False)
-    b = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, local_error=False,
-                                   keep_bytes=0)
+    a = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                   pair=PairOptions(local_error=False))
+    b = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                   pair=PairOptions(local_error=False, keep_bytes=0))
     q = """SELECT c.op, c.role, c."index", c.max_abs_err, c.rmse, c.cosine FROM comparisons c
            JOIN runs r ON r.run_id = c.cand_run_id JOIN sessions s ON s.session_id = r.session_id
            WHERE s.name = ? ORDER BY c.op, c.role, c."index", c.seq"""
@@ -166,7 +168,7 @@ def test_pair_with_a_precision_policy_and_into_an_existing_session(store):
     assert runs["candidate"]["dtype"] == "bfloat16"
     assert '"dtype": "bf16"' in runs["candidate"]["policy"]
     again = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, session=first,
-                                       options=CaptureOptions(backward=False), local_error=False)
+                                       options=CaptureOptions(backward=False), pair=PairOptions(local_error=False))
     assert again == first
     assert len(store.runs(store.session(first).session_id)) == 4
 
@@ -177,7 +179,8 @@ def test_pair_input_errors(store):
     with pytest.raises(ValueError, match="candidate_policy is None"):
         precision_lab.capture_pair(build_tiny, tiny_input(), None, store=store)
     with pytest.raises(ValueError, match="one-element tensor"):
-        precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=lambda y: y)
+        precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                   pair=PairOptions(loss_fn=lambda y: y))
     sizes = iter([16, 8])
     with pytest.raises(ValueError, match="same architecture"):
         precision_lab.capture_pair(lambda: torch.nn.Linear(next(sizes), 4), torch.ones(2, 16), torch.float16,
@@ -200,7 +203,8 @@ def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op
             mod.register_forward_hook(lambda mod, i, o, p=p: called.add(p))
         return m
 
-    name = precision_lab.capture_pair(build, tiny_input(), torch.float16, store=store, loss_fn=loss_fn)
+    name = precision_lab.capture_pair(build, tiny_input(), torch.float16, store=store,
+                                      pair=PairOptions(loss_fn=loss_fn))
     rep = json.loads(to_json(build_report(store, name)))
     runs = {r["kind"]: r["name"] for r in rep["runs"]}
     assert rep["first_nonfinite"][runs["reference"]] is None
@@ -235,7 +239,8 @@ def test_report_lists_every_op_with_stats_both_errors_and_the_first_nonfinite_op
 def test_pair_warns_when_no_name_lines_up(store):
     from test_capture import ToyPolicy
 
-    name = precision_lab.capture_pair(build_tiny, tiny_input(), ToyPolicy(), store=store, local_error=False)
+    name = precision_lab.capture_pair(build_tiny, tiny_input(), ToyPolicy(), store=store,
+                                      pair=PairOptions(local_error=False))
     msgs = store.df("SELECT message FROM warnings")["message"].tolist()
     assert any("changed the model's module paths" in m for m in msgs)
     # the one pairing rule: names that do not line up are aligned by op sequence (as ingest does) and compared
@@ -267,8 +272,9 @@ def test_pair_judges_an_fp32_tensor_in_an_fp16_run_like_run_pairing(store):
     from precision_lab.records import TensorRecord
     from precision_lab.services.pairing import Item, compare_runs
 
-    name = precision_lab.capture_pair(_CastToFloat, tiny_input(), torch.float16, store=store, local_error=False,
-                                      options=CaptureOptions(keep_tensors=("*",)), loss_fn=lambda y: y.mean())
+    name = precision_lab.capture_pair(_CastToFloat, tiny_input(), torch.float16, store=store,
+                                      options=CaptureOptions(keep_tensors=("*",)),
+                                      pair=PairOptions(local_error=False, loss_fn=lambda y: y.mean()))
     runs = _runs(store, name)
     ref_id, cand = runs["reference"]["run_id"], runs["candidate"]
     assert cand["dtype"] == "float16"
@@ -347,12 +353,13 @@ def test_cuda_pair_keeps_references_on_the_device_and_matches_a_cpu_pair(store):
     cap_mod._ReferenceKeeper._store = spy
     try:
         name = precision_lab.capture_pair(lambda: build_tiny().cuda(), tiny_input().cuda(), torch.float16,
-                                          store=store, loss_fn=loss_fn, local_error=False, name="gpu")
+                                          store=store, pair=PairOptions(loss_fn=loss_fn, local_error=False),
+                                          name="gpu")
     finally:
         cap_mod._ReferenceKeeper._store = real
     assert devices and set(devices) == {"cuda"}
-    cpu = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
-                                     local_error=False, name="cpu")
+    cpu = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                     pair=PairOptions(loss_fn=loss_fn, local_error=False), name="cpu")
     worst = {}
     for n in (name, cpu):
         cand = _runs(store, n)["candidate"]["run_id"]
@@ -370,8 +377,8 @@ def test_device_comparisons_are_finished_together_with_the_numbers_of_immediate_
     from precision_lab import metrics
     from precision_lab.services import capture as cap_mod
 
-    plain = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
-                                       local_error=False, name="immediate")
+    plain = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                       pair=PairOptions(loss_fn=loss_fn, local_error=False), name="immediate")
     finished = []
     real_finish = metrics.finish_all
 
@@ -385,8 +392,8 @@ def test_device_comparisons_are_finished_together_with_the_numbers_of_immediate_
 
     monkeypatch.setattr(cap_mod, "_Comparer", Deferred)
     monkeypatch.setattr(cap_mod, "finish_all", spy)
-    later = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store, loss_fn=loss_fn,
-                                       local_error=False, name="deferred")
+    later = precision_lab.capture_pair(build_tiny, tiny_input(), torch.float16, store=store,
+                                       pair=PairOptions(loss_fn=loss_fn, local_error=False), name="deferred")
     assert len(finished) == 1 and finished[0] > 100  # every comparison of the run, finished in one call
     cols = ("max_abs_err", "max_rel_err", "max_ulp_err", "rmse", "sqnr_db", "compared", "verdict")
     got = {}

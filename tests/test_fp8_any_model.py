@@ -10,6 +10,7 @@ from torch import nn
 from precision_lab import capture_pair
 from precision_lab.fixes.catalogue import apply_fixes
 from precision_lab.fixes.policy import POLICIES, PolicyError
+from precision_lab.live import PairOptions
 from precision_lab.services.report import first_nonfinite
 from precision_lab.store import queries as q
 
@@ -35,6 +36,7 @@ def _llama(zero_row: bool):
 IDS = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 PADDED = IDS.clone()
 PADDED[0, 3] = 0
+NO_LOCAL = PairOptions(local_error=False)
 
 
 def _candidate(store, name):
@@ -46,7 +48,7 @@ def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
     assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
     sqnr = {}
     for preset in ("fp16", "fp8-e4m3-row"):
-        name = capture_pair(_llama(False), {"input_ids": IDS}, POLICIES[preset], store=store, local_error=False,
+        name = capture_pair(_llama(False), {"input_ids": IDS}, POLICIES[preset], store=store, pair=NO_LOCAL,
                             name=preset)
         cand = _candidate(store, name)
         quantised = {r["op"].split(".act_quant.")[0] for r in
@@ -61,12 +63,12 @@ def test_every_linear_of_a_llama_is_quantised_and_fp8_costs_accuracy(store):
 
 def test_a_zero_row_gives_the_zero_scale_nan_and_an_amax_floor_fixes_it(store):
     name = capture_pair(_llama(True), {"input_ids": PADDED}, POLICIES["fp8-e4m3-row"], store=store,
-                        local_error=False, name="padded")
+                        pair=NO_LOCAL, name="padded")
     f = first_nonfinite(store, _candidate(store, name).run_id)
     assert f.op == "model.layers.0.self_attn.q_proj.act_quant.inv_scale.reciprocal.0"  # 1/0: the row's scale
     assert independent_zero_row_scale_is_zero()
     fixed = apply_fixes(POLICIES["fp8-e4m3-row"], ["amax-floor:1e-12"])
-    name = capture_pair(_llama(True), {"input_ids": PADDED}, fixed, store=store, local_error=False, name="floored")
+    name = capture_pair(_llama(True), {"input_ids": PADDED}, fixed, store=store, pair=NO_LOCAL, name="floored")
     assert first_nonfinite(store, _candidate(store, name).run_id) is None
 
 
@@ -84,5 +86,5 @@ def test_a_model_without_linears_is_refused_not_mislabelled(store):
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
 
     with pytest.raises(PolicyError, match="has none"):
-        capture_pair(convs, torch.randn(1, 3, 8, 8), POLICIES["fp8-e4m3-tensor"], store=store, local_error=False)
+        capture_pair(convs, torch.randn(1, 3, 8, 8), POLICIES["fp8-e4m3-tensor"], store=store, pair=NO_LOCAL)
     assert len(store.sessions()) == 0

@@ -24,7 +24,7 @@ from precision_lab.fixes.policy import get_policy
 from precision_lab.fixes.recipes import Recipe, register_recipe
 from precision_lab.formats import FORMATS
 from precision_lab.quantisation import flushed_by_underflow
-from precision_lab.live import CaptureOptions
+from precision_lab.live import CaptureOptions, PairOptions
 from precision_lab.services.applicable import applicable_fixes
 from precision_lab.services.diagnose import diagnose
 from precision_lab.services.rerun import capture_recipe
@@ -94,7 +94,7 @@ def test_positions_counted_by_cumsum_past_2048_are_named_there_and_ranked_first(
     pos = torch.ones(1, 3000, dtype=torch.float16).cumsum(-1).double()
     off = float((pos - torch.arange(1, 3001, dtype=torch.float64)).abs().max())
     assert off == 1.0  # independently: odd counts past 2048 are rounded by one
-    name = capture_pair(LC.PositionsByCumsum, x, torch.float16, store=store, local_error=True)
+    name = capture_pair(LC.PositionsByCumsum, x, torch.float16, store=store, pair=PairOptions(local_error=True))
     d = next(d for d in diagnose(store, name) if d.rule == "integer-limit")
     assert d.op == "cumsum.0" and "counts to 3,000" in d.message and "by up to 1)" in d.message
     assert "only multiples of 2 exist" in d.message
@@ -110,7 +110,8 @@ def test_a_count_stuck_at_2048_is_named_with_a_fix_that_can_help(store):
     assert _count(ml_dtypes.bfloat16)[0] < reach - 16  # and bf16 is worse, not a fix
     register_recipe(Recipe("test-token-counter", "fp16 token counter past 2048",
                            lambda: (CounterModel(), _tokens()), get_policy("fp16")), replace=True)
-    name = capture_pair(CounterModel, _tokens(), get_policy("fp16"), store=store, recipe="test-token-counter")
+    name = capture_pair(CounterModel, _tokens(), get_policy("fp16"), store=store,
+                        pair=PairOptions(recipe="test-token-counter"))
     d = next(d for d in diagnose(store, name) if d.rule == "integer-limit")
     assert d.op.startswith("pool.add.")
     assert "integers above 2048 are not representable in fp16: +1 is lost" in d.message
@@ -143,7 +144,7 @@ def test_gradients_flushed_to_zero_raise_the_alert_and_a_loss_scaling_diagnosis(
     _tiny_loss(ref(x)).backward()
     g = ref.a.weight.grad.numpy()
     assert np.count_nonzero(g) == g.size and not np.any(g.astype(np.float16))  # every value flushes in fp16
-    name = capture_pair(TinyGrad, x, torch.float16, store=store, loss_fn=_tiny_loss)
+    name = capture_pair(TinyGrad, x, torch.float16, store=store, pair=PairOptions(loss_fn=_tiny_loss))
     d = next(d for d in diagnose(store, name) if d.rule == "gradient-underflow")
     assert d.op == "mul.0.backward"  # the first backward op that writes zeros
     assert f"{g.size:,} of {g.size:,}" in d.message and "Scale the loss" in d.message
@@ -253,7 +254,7 @@ def test_a_quantise_op_that_flushes_values_is_judged_by_them(store):
 def test_fail_on_underflow_trips_on_a_compared_run_with_flushed_gradients(tmp_path):
     db = tmp_path / "x.duckdb"
     name = capture_pair(TinyGrad, torch.randn(4, 32, generator=torch.Generator().manual_seed(0)), torch.float16,
-                        store=Store(db), loss_fn=_tiny_loss)
+                        store=Store(db), pair=PairOptions(loss_fn=_tiny_loss))
     got = CliRunner().invoke(app, ["report", "--db", str(db), "-s", name, "--fail-on", "alert:underflow"])
     assert got.exit_code == 1 and "flushed to zero" in got.output
     got = CliRunner().invoke(app, ["report", "--db", str(db), "-s", name, "--fail-on", "alert:growth"])

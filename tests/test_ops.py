@@ -29,7 +29,7 @@ def test_each_alias_names_one_op_and_replays_as_it():
     # an alias replays as the function it names: softmax's aliases give torch's softmax in fp32
     x = torch.randn(4, 7) * 5
     for a in ("Softmax", "_softmax", "aten._softmax.default"):
-        got = replay(a, [x], {"dim": -1}, cand_format="fp16")["fp32"]
+        got = replay(a, [x], {"dim": -1}, cand_format="fp16").fp32
         assert torch.allclose(got, F.softmax(x.double(), dim=-1).float(), rtol=1e-6, atol=1e-7)
 
 

@@ -188,13 +188,13 @@ def test_the_model_output_is_the_root_or_else_the_last_op():
     ends = [{"step": 0, "rank": 0, "first": "forward.0", "last": "fc.linear.0"},  # call order: root first
             {"step": 1, "rank": 0, "first": "embed.forward.0", "last": "forward.0"},  # completion order
             {"step": 2, "rank": 0, "first": "hook_embed", "last": "blocks.1.hook_resid_post"}]  # no root
-    assert model_outputs(ends, "execution") == {(0, 0): ("forward.0", True), (1, 0): ("forward.0", True),
-                                                (2, 0): ("blocks.1.hook_resid_post", False)}
-    assert (2, 0) not in model_outputs(ends, "name")  # with the order unknown, the last op says nothing
+    assert model_outputs(ends, "execution").by_step == {(0, 0): ("forward.0", True), (1, 0): ("forward.0", True),
+                                                        (2, 0): ("blocks.1.hook_resid_post", False)}
+    assert (2, 0) not in model_outputs(ends, "name").by_step  # with the order unknown, the last op says nothing
     # a record named as a model's output is, where nothing nests it (``model.npy`` beside ``layers.0.npy``),
     # whatever the order: the last file by time or name may be any module's
     named = [{"step": 0, "rank": 0, "first": "base", "last": "tail.fill", "named_root": "model"}]
-    assert model_outputs(named, "name") == model_outputs(named, "mtime") == {(0, 0): ("model", False)}
+    assert model_outputs(named, "name").by_step == model_outputs(named, "mtime").by_step == {(0, 0): ("model", False)}
 
 
 @pytest.mark.parametrize("root", ["model", "SeedBlocks", "logits"])

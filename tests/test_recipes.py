@@ -86,12 +86,13 @@ def _final_output(store, run_id):
 @pytest.mark.parametrize("name", NAMES)
 def test_capture_pair_shows_failure_and_fix(name, store):
     from precision_lab import capture_pair
+    from precision_lab.live import PairOptions
     from precision_lab.services.report import first_nonfinite
 
     r = get_recipe(name)
     for fixes in ((), r.fixes[0]):
         policy = apply_fixes(r.default_policy, fixes) if fixes else r.default_policy
-        sess = capture_pair(r.build_model, r.inputs(), policy, store=store, seed=r.seed, recipe=r.name,
+        sess = capture_pair(r.build_model, r.inputs(), policy, store=store, pair=PairOptions(seed=r.seed, recipe=r.name),
                             name=f"{name}-{'fixed' if fixes else 'default'}")
         runs = store.runs(store.session(sess).session_id)
         ref_id = runs[runs.kind == "reference"].run_id.iloc[0]

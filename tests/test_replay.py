@@ -202,9 +202,9 @@ def test_replay_function_and_quantise():
     x = torch.tensor([0.0975, 0.0, -0.05], dtype=torch.float16)
     pol = PrecisionPolicy("q", "fp16", quant=QuantConfig("fp8_e5m2", "tensor", "fp16"))
     out = replay("FakeQuant", [x], cand_format="fp16", policy=pol, fixes="scale-fp32")
-    assert torch.isnan(out["candidate"]).any()  # 0 x inf with an fp16 scale
-    assert torch.isfinite(out["fixed"]).all()
-    assert torch.equal(out["fp32"], x.float())  # the unquantised value is the reference
+    assert torch.isnan(out.candidate).any()  # 0 x inf with an fp16 scale
+    assert torch.isfinite(out.fixed).all()
+    assert torch.equal(out.fp32, x.float())  # the unquantised value is the reference
     assert set(REPLAY_OPS) >= {"linear", "matmul", "layer_norm", "rms_norm", "softmax", "gelu", "silu", "add",
                                "mul", "div", "quantise"}
     assert canonical_op("__truediv__") == "div" and canonical_op("LayerNorm") == "layer_norm"
@@ -248,11 +248,11 @@ def test_replay_more_ops_against_float64(op_type):
     else:
         args, expect = [x], np.exp(xn)
     out = replay(op_type, args, cand_format="fp16", fixes="use-bf16")
-    np.testing.assert_allclose(out["fp32"].double().numpy(), expect, rtol=1e-5, atol=1e-6)
-    assert out["candidate"].dtype == torch.float16 and out["fixed"].dtype == torch.bfloat16
+    np.testing.assert_allclose(out.fp32.double().numpy(), expect, rtol=1e-5, atol=1e-6)
+    assert out.candidate.dtype == torch.float16 and out.fixed.dtype == torch.bfloat16
     # fp16 and bf16 replays stay within a few of their own rounding units of float64
     for key, eps in (("candidate", 2.0 ** -10), ("fixed", 2.0 ** -7)):
-        np.testing.assert_allclose(out[key].double().numpy(), expect, rtol=4 * eps, atol=4 * eps)
+        np.testing.assert_allclose(getattr(out, key).double().numpy(), expect, rtol=4 * eps, atol=4 * eps)
 
 
 def _flip_data_byte(path):

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import precision_lab
 from precision_lab.formats import FORMATS
-from precision_lab.live import CaptureOptions
+from precision_lab.live import CaptureOptions, PairOptions
 from precision_lab.live.engine import StatsEngine
 from precision_lab.stats import HIST_EDGES, N_BINS, finish_partials, tensor_stats
 from precision_lab.stats import triton_stats
@@ -420,13 +420,13 @@ def test_cuda_capture_pair_measures_each_op_without_a_sync(monkeypatch, sync_err
 
     base = _tiny().cuda()
     x = torch.randn(4, 8, device="cuda")
+    pair = PairOptions(loss_fn=lambda y: y.float().pow(2).mean(), local_error=False)
     precision_lab.capture_pair(lambda: copy.deepcopy(base), x, torch.float16, store=Store(":memory:"),
-                               loss_fn=lambda y: y.float().pow(2).mean(), local_error=False)  # warm-up
+                               pair=pair)  # warm-up
     calls.clear()
     monkeypatch.setattr(StatsEngine, "measure", strict)
     store = Store(":memory:")
-    session = precision_lab.capture_pair(lambda: copy.deepcopy(base), x, torch.float16, store=store,
-                                         loss_fn=lambda y: y.float().pow(2).mean(), local_error=False)
+    session = precision_lab.capture_pair(lambda: copy.deepcopy(base), x, torch.float16, store=store, pair=pair)
     assert session and calls and set(calls) == {"cuda"}
 
 

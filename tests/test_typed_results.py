@@ -22,12 +22,6 @@ UNTYPED = re.compile(r"\b(dict|Dict|Mapping|MutableMapping|Any)\b")
 STORE_CLASS = ("precision_lab.store", "Store")
 
 PENDING = frozenset("""
-precision_lab.fixes.islands.island_effects
-precision_lab.fixes.recipes.parse_entry_point_recipe
-precision_lab.fixes.replay.replay
-precision_lab.fixes.rules.module_facts
-precision_lab.origin.walk.model_outputs
-precision_lab.readers.shards.checked_runs
 precision_lab.readers.shardtimeline.read_timeline
 precision_lab.services.report.build_report
 precision_lab.store.queries.forward_ends

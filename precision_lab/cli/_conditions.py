@@ -101,7 +101,26 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
       reference count the values flushed to zero.
     """
     comps = [c for c in report["comparisons"] if c["verdict"] is not None]
+    newly = _newly_nonfinite(report, comps)
     tripped, unusable = [], []
+    for cond in conditions:
+        if cond.kind == "nonfinite":
+            found = ([f"nonfinite: {newly}"] if newly else [], [])
+        elif cond.kind == "alert":
+            found = _check_alert(cond, report, comps)
+        elif cond.kind == "sqnr":
+            found = _check_sqnr(cond, comps, newly)
+        else:
+            found = _check_rel_err(cond, comps, newly)
+        tripped += found[0]
+        unusable += found[1]
+    return tripped, unusable
+
+
+def _newly_nonfinite(report: dict, comps: list[dict]) -> str:
+    """The tensors non-finite in the candidate but not the reference, in words ("" when none): a matched pair
+    that introduced NaN/inf, or a non-finite candidate record with no reference counterpart.  No error bound
+    holds there, whatever the finite values say."""
     bad_nf = [c for c in comps if (c.get("nonfinite_introduced") or 0) > 0]
     cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
     unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c.get("match") == "unmatched_cand"}
@@ -109,55 +128,57 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
                 and (t["run"], t["rid"]) in unmatched]
     if not report["comparisons"]:
         extra_nf = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
-    newly = ""  # NaN/inf where the reference is finite: no error bound holds there, whatever the finite values say
-    if bad_nf or extra_nf:
-        first = bad_nf[0] if bad_nf else extra_nf[0]
-        newly = (f"{len(bad_nf) + len(extra_nf)} tensor(s) non-finite in the candidate but not the reference, first "
-                 f"{first['op']} {first['role']} {first['index']}")
-    for cond in conditions:
-        if cond.kind == "nonfinite":
-            if newly:
-                tripped.append(f"nonfinite: {newly}")
-        elif cond.kind == "alert":
-            flushed = cond.rule in (None, "underflow") and any(c["basis"] == "tensor" for c in comps)
-            if not report.get("timeline") and not flushed:
-                unusable.append(f"{cond}: the session has no timeline (capture a long run with every=N"
-                                + (", or compare with a reference for underflow)" if cond.rule is None else ")"))
-                continue
-            hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
-            if hits:
-                first = min(hits, key=lambda a: a["step"])
-                tripped.append(f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}")
-        elif cond.kind == "sqnr":
-            vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
-            if not vals:
-                unusable.append(f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)")
-                continue
-            bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
-            if newly:  # an SQNR over the finite values alone says nothing of a NaN output
-                tripped.append(f"{cond}: {newly} (no SQNR holds there)")
-            if bad:
-                worst = min(bad, key=lambda c: c["sqnr_db"])
-                tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
-                               f"at {worst['sqnr_db']:.4g} dB")
-        else:
-            vals = [(c, *relative_error(c)) for c in comps]
-            vals = [v for v in vals if v[1] is not None]
-            if newly:
-                tripped.append(f"{cond}: {newly} (no relative error bound holds there)")
-            if not vals:
-                if newly:
-                    continue
-                unusable.append(f"{cond}: no comparisons with a relative error")
-                continue
-            bad: dict[str, list] = {}
-            for v in vals:
-                if v[1] > cond.threshold:
-                    bad.setdefault(v[2], []).append(v)
-            if bad:
-                # the worst element-wise error where there is one: a summary's relative error is another quantity
-                worst, err, how = max(bad.get(ELEMENTWISE) or bad[ON_SUMMARIES], key=lambda v: v[1])
-                counts = ", ".join(f"{len(bad[k])} {k}" for k in (ELEMENTWISE, ON_SUMMARIES) if k in bad)
-                tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst['op']} "
-                               f"{worst['role']} {worst['index']} at {err:.4g} ({how})")
-    return tripped, unusable
+    if not (bad_nf or extra_nf):
+        return ""
+    first = bad_nf[0] if bad_nf else extra_nf[0]
+    return (f"{len(bad_nf) + len(extra_nf)} tensor(s) non-finite in the candidate but not the reference, first "
+            f"{first['op']} {first['role']} {first['index']}")
+
+
+def _check_alert(cond: Condition, report: dict, comps: list[dict]) -> tuple[list[str], list[str]]:
+    """``(tripped, unusable)`` lines of an ``alert`` / ``alert:RULE`` condition."""
+    flushed = cond.rule in (None, "underflow") and any(c["basis"] == "tensor" for c in comps)
+    if not report.get("timeline") and not flushed:
+        return [], [f"{cond}: the session has no timeline (capture a long run with every=N"
+                    + (", or compare with a reference for underflow)" if cond.rule is None else ")")]
+    hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
+    if not hits:
+        return [], []
+    first = min(hits, key=lambda a: a["step"])
+    return [f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}"], []
+
+
+def _check_sqnr(cond: Condition, comps: list[dict], newly: str) -> tuple[list[str], list[str]]:
+    """``(tripped, unusable)`` lines of a ``sqnr<DB`` condition."""
+    vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
+    if not vals:
+        return [], [f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)"]
+    tripped = []
+    bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
+    if newly:  # an SQNR over the finite values alone says nothing of a NaN output
+        tripped.append(f"{cond}: {newly} (no SQNR holds there)")
+    if bad:
+        worst = min(bad, key=lambda c: c["sqnr_db"])
+        tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
+                       f"at {worst['sqnr_db']:.4g} dB")
+    return tripped, []
+
+
+def _check_rel_err(cond: Condition, comps: list[dict], newly: str) -> tuple[list[str], list[str]]:
+    """``(tripped, unusable)`` lines of a ``max_rel_err>X`` condition."""
+    vals = [(c, *relative_error(c)) for c in comps]
+    vals = [v for v in vals if v[1] is not None]
+    tripped = [f"{cond}: {newly} (no relative error bound holds there)"] if newly else []
+    if not vals:
+        return tripped, [] if newly else [f"{cond}: no comparisons with a relative error"]
+    bad: dict[str, list] = {}
+    for v in vals:
+        if v[1] > cond.threshold:
+            bad.setdefault(v[2], []).append(v)
+    if bad:
+        # the worst element-wise error where there is one: a summary's relative error is another quantity
+        worst, err, how = max(bad.get(ELEMENTWISE) or bad[ON_SUMMARIES], key=lambda v: v[1])
+        counts = ", ".join(f"{len(bad[k])} {k}" for k in (ELEMENTWISE, ON_SUMMARIES) if k in bad)
+        tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst['op']} "
+                       f"{worst['role']} {worst['index']} at {err:.4g} ({how})")
+    return tripped, []

@@ -91,15 +91,15 @@ def capture_cmd(
     except ValueError as e:
         _fail(str(e))
     store = open_store(db)
-    from ..services.capture import capture_pair  # deferred: it loads torch; other commands start without it
+    from ..services.capture import PairOptions, capture_pair  # deferred: it loads torch
 
+    pair = PairOptions(reference_name="fp32 reference" if ref_policy is None else "eager reference",
+                       candidate_name=f"candidate ({policy.name}{', compiled' if policy.compile else ''})",
+                       reference_policy=ref_policy, seed=rec.seed, loss_fn=rec.loss_fn, local_error=not no_local,
+                       source=f"recipe:{rec.name}", recipe=rec.name)
     try:
-        name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, local_error=not no_local,
-                            loss_fn=rec.loss_fn, seed=rec.seed,
-                            reference_name="fp32 reference" if ref_policy is None else "eager reference",
-                            candidate_name=f"candidate ({policy.name}{', compiled' if policy.compile else ''})",
-                            source=f"recipe:{rec.name}",
-                            recipe=rec.name, name=session or default_name, reference_policy=ref_policy)
+        name = capture_pair(rec.build_model, rec.inputs(), policy, store=store, pair=pair,
+                            name=session or default_name)
     except ValueError as e:
         _fail(str(e))
     _summary(store, name)

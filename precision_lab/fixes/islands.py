@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 
 __all__ = ["Formats", "PolicyError", "COMPUTE_FORMATS", "check_compute", "module_matches", "ancestors", "override_at",
            "no_match", "holds_floating", "tied_groups", "module_formats", "IslandEffect", "island_effect",
-           "island_effects"]
+           "IslandEffects", "island_effects"]
 
 
 class Formats(Protocol):
@@ -312,8 +312,19 @@ def _formats_now(ties: _Ties, policy: Optional[Formats], fmt: str) -> dict:
     return ties.formats(policy, ties.own_at(policy))[0]
 
 
-def island_effects(model, patterns, policy: Optional[Formats] = None, *, fmt: str = "fp32") -> dict:
+@dataclass(frozen=True, slots=True)
+class IslandEffects:
+    """``IslandEffect`` of each of several patterns on one model under one policy (``island_effects``)."""
+
+    by_pattern: dict  # pattern -> IslandEffect
+
+    def get(self, pattern: str) -> Optional[IslandEffect]:
+        return self.by_pattern.get(pattern)
+
+
+def island_effects(model, patterns, policy: Optional[Formats] = None, *, fmt: str = "fp32") -> IslandEffects:
     """``island_effect`` of each pattern, the model's ties and the policy's formats worked out once."""
     ties = _Ties(model)
     before = _formats_now(ties, policy, fmt)
-    return {p: island_effect(model, p, policy, fmt=fmt, _ties=ties, _before=before) for p in patterns}
+    return IslandEffects({p: island_effect(model, p, policy, fmt=fmt, _ties=ties, _before=before)
+                          for p in patterns})

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..formats import FORMATS
-from .islands import (COMPUTE_FORMATS, IslandEffect, PolicyError, ancestors, check_compute, island_effect,
-                      island_effects, module_formats, module_matches, tied_groups)
+from .islands import (COMPUTE_FORMATS, IslandEffect, IslandEffects, PolicyError, ancestors, check_compute,
+                      island_effect, island_effects, module_formats, module_matches, tied_groups)
 from .trees import call_model, cast_floating, first_tensor
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "island_effect",
     "island_effects",
     "IslandEffect",
+    "IslandEffects",
 ]
 
 # where a "dynamic" loss scale starts its backoff (2^24: GradScaler starts at 2^16 and doubles every 2000 finite

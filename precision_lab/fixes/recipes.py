@@ -36,7 +36,8 @@ from .policy import PrecisionPolicy, QuantConfig
 
 __all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPES", "register_recipe", "get_recipe",
            "list_recipes", "load_user_recipes", "RECIPES_ENV", "BUILD_LOCK", "MODELS_ENV", "MODEL_PREFIX",
-           "entry_point_recipe", "load_entry_point", "parse_entry_point_recipe", "allowed_models", "trust_user_models"]
+           "entry_point_recipe", "load_entry_point", "EntryPoints", "parse_entry_point_recipe", "allowed_models",
+           "trust_user_models"]
 
 RECIPES_ENV = "PRECISION_LAB_RECIPES"
 
@@ -175,13 +176,13 @@ def get_recipe(name: str) -> Recipe:
         # every function the recipe would run must be listed: a session names its inputs and loss too
         if not set(eps.values()) <= allowed:
             raise RecipeNotFound(
-                f"this session was captured from the model entry point {eps['model']!r}; entry points named by a "
-                f"session are never run on their own: pass --model {eps['model']} --inputs {eps['inputs']}"
-                + (f" --loss {eps['loss']}" if eps.get("loss") else "")
+                f"this session was captured from the model entry point {eps.model!r}; entry points named by a "
+                f"session are never run on their own: pass --model {eps.model} --inputs {eps.inputs}"
+                + (f" --loss {eps.loss}" if eps.loss else "")
                 + f" on the command line, or list every one of them in {MODELS_ENV} on the server"
                 + ("" if _TRUST_USER[0] else " (a dashboard you start on localhost runs the models you captured "
                                              "from the command line)"))
-        r = register_recipe(entry_point_recipe(**eps), replace=True)
+        r = register_recipe(entry_point_recipe(eps.model, eps.inputs, eps.loss), replace=True)
     if r is None:
         raise RecipeNotFound(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
     return r
@@ -255,21 +256,39 @@ def entry_point_recipe(model: str, inputs: str, loss: Optional[str] = None, *, d
     (a tensor, a tuple of positional arguments or a dict of keyword arguments), ``loss`` (optional) maps the
     output to a scalar for a backward pass.  Its name records the entry points, so the session it makes can be
     re-run when the same entry points are given again."""
-    eps = {"model": _normalise(model), "inputs": _normalise(inputs)}
-    if loss:
-        eps["loss"] = _normalise(loss)
-    name = MODEL_PREFIX + "|".join(f"{k}={v}" for k, v in eps.items())
+    eps = EntryPoints(_normalise(model), _normalise(inputs), _normalise(loss) if loss else None)
+    name = MODEL_PREFIX + "|".join(f"{k}={v}" for k, v in eps.pairs())
     if any(c.isspace() for c in name):
         raise RecipeError(f"entry points {', '.join(eps.values())}: paths with spaces cannot name a session's model")
-    model_fn, inputs_fn = load_entry_point(eps["model"]), load_entry_point(eps["inputs"])
-    loss_fn = load_entry_point(eps["loss"]) if loss else None
-    return Recipe(name, f"the model built by {eps['model']}, called on {eps['inputs']}",
+    model_fn, inputs_fn = load_entry_point(eps.model), load_entry_point(eps.inputs)
+    loss_fn = load_entry_point(eps.loss) if loss else None
+    return Recipe(name, f"the model built by {eps.model}, called on {eps.inputs}",
                   lambda: (model_fn(), inputs_fn()), PrecisionPolicy(dtype, dtype), seed=seed, loss_fn=loss_fn,
                   tags=("model",))
 
 
-def parse_entry_point_recipe(name: str) -> dict:
-    """``{"model", "inputs", "loss"?}`` of an entry-point recipe's name (nothing is imported)."""
+@dataclass(frozen=True, slots=True)
+class EntryPoints:
+    """The entry points an entry-point recipe's name records: ``model`` builds the model, ``inputs`` gives what
+    it is called with, ``loss`` (optional) maps its output to a scalar.  Shown as ``{'model': ..., ...}``."""
+
+    model: str
+    inputs: str
+    loss: Optional[str] = None
+
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """``(key, entry point)`` of each one given, in the order a recipe's name lists them."""
+        return (("model", self.model), ("inputs", self.inputs)) + ((("loss", self.loss),) if self.loss else ())
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(v for _, v in self.pairs())
+
+    def __str__(self) -> str:
+        return str(dict(self.pairs()))
+
+
+def parse_entry_point_recipe(name: str) -> EntryPoints:
+    """The ``EntryPoints`` an entry-point recipe's name records (nothing is imported)."""
     if not name.startswith(MODEL_PREFIX):
         raise RecipeError(f"{name!r} is not a model entry point recipe")
     out = {}
@@ -280,7 +299,7 @@ def parse_entry_point_recipe(name: str) -> dict:
         out[k] = v
     if "model" not in out or "inputs" not in out:
         raise RecipeError(f"{name!r} is not a model entry point recipe")
-    return out
+    return EntryPoints(**out)
 
 
 def list_recipes() -> list[Recipe]:
@@ -310,7 +329,11 @@ _F16 = FORMATS["fp16"]
 
 
 def _builtin() -> list[Recipe]:
-    ln_max = math.log(_F16.max)
+    return _fp8_recipes() + _fp16_recipes()
+
+
+def _fp8_recipes() -> list[Recipe]:
+    """The built-in recipes that fail in fp8 quantisation: its scales and its calibration."""
     return [
         Recipe(
             "fp8-zero-scale",
@@ -344,6 +367,13 @@ def _builtin() -> list[Recipe]:
             seed=13, fixes=("scale-fp32+amax-floor:1e-12", "amax-floor:0.0078125"), tolerance_db=15.0,
             tags=("fp8", "rowwise"),
         ),
+    ]
+
+
+def _fp16_recipes() -> list[Recipe]:
+    """The built-in recipes that fail in fp16 arithmetic: overflow, flush-to-zero and cancellation."""
+    ln_max = math.log(_F16.max)
+    return [
         Recipe(
             "fp16-mlp-overflow",
             f"A Qwen2-like SwiGLU decoder layer with bf16-scale outlier channels: the down projection's output "

@@ -36,7 +36,7 @@ from ..registry import Registry
 from .catalogue import apply_fixes
 from .policy import PrecisionPolicy, cast_floating, module_matches
 
-__all__ = ["ReplayError", "replay", "REPLAY_OPS", "ReplayOp", "register_op", "canonical_op"]
+__all__ = ["ReplayError", "ReplayOutputs", "replay", "REPLAY_OPS", "ReplayOp", "register_op", "canonical_op"]
 
 
 class ReplayError(ValueError):
@@ -210,9 +210,24 @@ def _compute(op: ReplayOp, args, kw, pol: PrecisionPolicy, fmt_name: str):
     return y
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayOutputs:
+    """An op replayed: in fp32 (``fp32``), as the candidate ran (``candidate``) and, when fixes were given, under
+    them (``fixed``)."""
+
+    fp32: Any
+    candidate: Any
+    fixed: Any = None
+
+    def named(self) -> tuple[tuple[str, Any], ...]:
+        """``(name, tensor)`` of each output there is: ``fp32``, ``candidate``, then ``fixed``."""
+        out = (("fp32", self.fp32), ("candidate", self.candidate))
+        return out + ((("fixed", self.fixed),) if self.fixed is not None else ())
+
+
 def replay(op_type: str, args: list, kwargs: Optional[dict] = None, *, cand_format: str = "fp16",
-           policy: Optional[PrecisionPolicy] = None, fixes=(), op_name: str = "") -> dict[str, Any]:
-    """Replay an op from given arguments: ``{"fp32", "candidate", "fixed"?}`` outputs.
+           policy: Optional[PrecisionPolicy] = None, fixes=(), op_name: str = "") -> ReplayOutputs:
+    """Replay an op from given arguments (``ReplayOutputs``).
 
     ``policy`` (default: compute in ``cand_format``) is how the candidate
     ran; ``fixes`` edit it for the ``fixed`` output.  ``keep-fp32`` fixes
@@ -224,16 +239,17 @@ def replay(op_type: str, args: list, kwargs: Optional[dict] = None, *, cand_form
     op = REPLAY_OPS[name]
     kwargs = kwargs or {}
     pol = policy or PrecisionPolicy("dump", cand_format if cand_format in ("fp16", "bf16", "fp32") else "fp32")
-    out = {"fp32": _compute(op, args, kwargs, PrecisionPolicy("fp32", "fp32", quant=pol.quant) if op.quantises
-                            else PrecisionPolicy("fp32"), "fp32")}
+    fp32 = _compute(op, args, kwargs, PrecisionPolicy("fp32", "fp32", quant=pol.quant) if op.quantises
+                    else PrecisionPolicy("fp32"), "fp32")
     if op.quantises:
         # the fp32 reference of a quantise op is the unquantised value
-        out["fp32"] = cast_floating(args[0], FORMATS["fp32"].torch_dtype())
-    out["candidate"] = _compute(op, args, kwargs, pol, _fmt_for(pol, op_name, cand_format))
+        fp32 = cast_floating(args[0], FORMATS["fp32"].torch_dtype())
+    candidate = _compute(op, args, kwargs, pol, _fmt_for(pol, op_name, cand_format))
+    fixed = None
     if fixes:
-        fixed = apply_fixes(pol, fixes)
-        out["fixed"] = _compute(op, args, kwargs, fixed, _fmt_for(fixed, op_name, cand_format))
-    return out
+        fixed_pol = apply_fixes(pol, fixes)
+        fixed = _compute(op, args, kwargs, fixed_pol, _fmt_for(fixed_pol, op_name, cand_format))
+    return ReplayOutputs(fp32, candidate, fixed)
 
 
 def _fmt_for(pol: PrecisionPolicy, op_name: str, cand_format: str) -> str:

@@ -26,6 +26,7 @@ fixes by module name.  For dump-only sessions they use op types and names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from ..formats import FORMATS, format_for_dtype
@@ -38,8 +39,8 @@ from .rulebook import (EXPLAINED, FINITE, RULES, UNEXPLAINED, Context, Evidence,
                        evidence_at_stake, fmt_num, reachable, register_rule, representable_floor, rules_of)
 from .run_rules import quantise_findings
 
-__all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "module_facts", "fmt_num",
-           "representable_floor", "quantise_findings", "at_stake"]
+__all__ = ["Context", "Evidence", "RunFacts", "RULES", "register_rule", "diagnose_run", "ModelFacts", "module_facts",
+           "fmt_num", "representable_floor", "quantise_findings", "at_stake"]
 
 
 def diagnose_run(ctx: Context, run: RunInfo, first_nonfinite: Optional[Origin]) -> list[Diagnosis]:
@@ -113,15 +114,22 @@ def _producer_diagnosis(ctx: Context, run: RunInfo, fn: Origin) -> Optional[Diag
     return None
 
 
-def module_facts(model) -> dict[str, dict]:
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a built model's modules say (``module_facts``): ``modules`` maps each module path to its facts."""
+
+    modules: dict  # module path -> {"class", "leaf", "eps", ...}
+
+
+def module_facts(model) -> ModelFacts:
     """Module path -> {class, leaf, eps, flush_to_zero, two_pass, stats_fp32, stable, island_changes,
-    island_note} of a built model: ``island_changes`` is whether an fp32 island there changes anything
+    island_note} of a built model (``ModelFacts.modules``): ``island_changes`` is whether an fp32 island there changes anything
     (``policy.island_effect``: the island or its tied partners hold a floating parameter or buffer), and
     ``island_note`` names the tied modules that move with it."""
     facts = {}
     names = [n for n, _ in model.named_modules() if n]
     try:
-        effects = island_effects(model, names)
+        effects = island_effects(model, names).by_pattern
     except PolicyError:
         effects = {}
     for name, mod in model.named_modules():
@@ -133,4 +141,4 @@ def module_facts(model) -> dict[str, dict]:
             if hasattr(mod, attr):
                 d[attr] = getattr(mod, attr)
         facts[name] = d
-    return facts
+    return ModelFacts(facts)

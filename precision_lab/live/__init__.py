@@ -17,8 +17,10 @@ An fp32 reference and a candidate of the same model, compared op by op
 (accumulated error) and each op against its own fp32 re-run (local error),
 is a use case over this package (``precision_lab.services.capture``)::
 
+    from precision_lab.live import PairOptions
+
     session = precision_lab.capture_pair(build_model, inputs, torch.float16,
-                                         store=Store(), loss_fn=loss_fn)
+                                         store=Store(), pair=PairOptions(loss_fn=loss_fn))
 
 In a process that cannot hold the database (a training job, one process per
 rank), pass ``shard_dir=`` instead of ``store=``: each rank writes
@@ -29,7 +31,7 @@ rank), pass ``shard_dir=`` instead of ``store=``: each rank writes
 from __future__ import annotations
 
 from ..ops import VIEW_OPS
-from .options import CaptureOptions
+from .options import CaptureOptions, PairOptions
 from .recorder import Capture
 
-__all__ = ["Capture", "CaptureOptions", "VIEW_OPS"]
+__all__ = ["Capture", "CaptureOptions", "PairOptions", "VIEW_OPS"]

@@ -1,4 +1,4 @@
-"""What a live capture records: one frozen, validated options object."""
+"""What a live capture records: one frozen, validated options object; and how a pair of runs is made."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from typing import Callable, Optional, Union
 from ..formats import get_format
 from ..ops import VIEW_OPS
 
-__all__ = ["CaptureOptions"]
+__all__ = ["CaptureOptions", "PairOptions", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
+
+# reference copies held in memory before spilling to disk
+DEFAULT_KEEP_BYTES = 1 << 30
+# reference copies of GPU tensors kept on their device before going to host memory
+DEFAULT_DEVICE_KEEP_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -174,3 +179,43 @@ class CaptureOptions:
 
     def keep_selected(self, op: str) -> bool:
         return any(fnmatchcase(op, p) for p in self.keep_tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class PairOptions:
+    """How :func:`precision_lab.capture_pair` makes its fp32 reference run and its candidate run.
+
+    - ``reference_name`` / ``candidate_name``: the runs' names (None: the
+      candidate policy's name, else ``"candidate"``).
+    - ``reference_policy`` (default None: fp32 as built) runs the reference
+      under a policy too: the candidate's policy without ``compile`` makes the
+      session eager-vs-compiled in the same format, so what compilation alone
+      changes is compared op by op like fp32-vs-fp16.
+    - ``seed``: ``torch.manual_seed(seed)`` before each model is built and
+      before each forward.
+    - ``loss_fn(output) -> scalar`` runs backward in both runs; with
+      ``optimizer_fn(params) -> optimizer`` as well, both train ``steps``
+      steps on the inputs (``run_steps``).
+    - ``local_error``: one "local" comparison per candidate op output against
+      the op re-run in fp32 from upcast copies of its own inputs.
+    - ``keep_bytes`` / ``device_keep_bytes``: how much of the reference's
+      tensors is kept in host memory and, for GPU tensors, on their device
+      (compared there; every comparison of the run reaches the host in one
+      transfer when it ends) before the rest goes to host memory and then to
+      disk.
+    - ``recipe``: the registered recipe the session records (what runs it
+      again); ``source``: where the session says it came from.
+    """
+
+    reference_name: str = "fp32"
+    candidate_name: Optional[str] = None
+    reference_policy: object = None
+    seed: int = 0
+    loss_fn: Optional[Callable] = None
+    optimizer_fn: Optional[Callable] = None
+    steps: int = 1
+    local_error: bool = True
+    keep_bytes: int = DEFAULT_KEEP_BYTES
+    device_keep_bytes: int = DEFAULT_DEVICE_KEEP_BYTES
+    recipe: Optional[str] = None
+    source: str = "capture"

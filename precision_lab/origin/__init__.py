@@ -33,8 +33,8 @@ from .analysis import analyse
 from .calls import intended_output, is_additive_mask
 from .values import (KINDS, ORDER_TEXT, UNKNOWN_ORDERS, ComparedRecord, Intended, NonfiniteCall, OpRef, Origin,
                      ParameterOrigin, PathStep, RunFacts, order_known, order_text)
-from .walk import model_outputs
+from .walk import ModelOutputs, model_outputs
 
 __all__ = ["Origin", "OpRef", "PathStep", "ParameterOrigin", "Intended", "RunFacts", "NonfiniteCall",
            "ComparedRecord", "analyse", "ORDER_TEXT", "order_text", "order_known", "UNKNOWN_ORDERS",
-           "intended_output", "is_additive_mask", "KINDS", "model_outputs"]
+           "intended_output", "is_additive_mask", "KINDS", "ModelOutputs", "model_outputs"]

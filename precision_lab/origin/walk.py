@@ -13,9 +13,16 @@ from .calls import _NUMBERED, _inside
 from .values import _Event
 
 
-def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = None) -> dict[tuple, tuple]:
-    """(step, rank) -> ``(op, root)``: the op call that returned the model's output, from
-    ``store.queries.forward_ends`` rows (the forward op calls that start first and last), and whether it is
+@dataclass(frozen=True, slots=True)
+class ModelOutputs:
+    """The op call that returned the model's output at each step and rank (``model_outputs``)."""
+
+    by_step: dict  # (step, rank) -> (op, root)
+
+
+def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = None) -> ModelOutputs:
+    """(step, rank) -> ``(op, root)`` (``ModelOutputs.by_step``): the op call that returned the model's output,
+    from ``store.queries.forward_ends`` rows (the forward op calls that start first and last), and whether it is
     known to be the root.  The first when it holds the last (a root recorded in call order) or the last when it
     holds the first (a root recorded as it completes): the root; else a record named as a model's output is
     (``named_root``: ``model.npy`` beside ``layers.0.npy``), or, in a known order, the last op of a dump
@@ -35,7 +42,7 @@ def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = N
             out[key] = (e["named_root"], False)
         elif known:
             out[key] = (last, False)
-    return out
+    return ModelOutputs(out)
 
 
 def _explains(received: frozenset, wrote: frozenset) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -43,7 +44,7 @@ from ..stats import HIST_EDGES_ID, TensorStats, encode_hist
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
-           "write_timeline", "read_timeline", "kept_tensor", "checked_runs",
+           "write_timeline", "read_timeline", "kept_tensor", "CheckedRun", "checked_runs",
            "ShardError", "SHARD_FORMAT", "SHARD_VERSION", "shard_path", "shard_glob", "TEXT_MAX"]
 
 
@@ -133,8 +134,18 @@ def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:
                 yield meta, rec
 
 
-def checked_runs(root) -> list[tuple[dict, list[Path], frozenset]]:
-    """Every run of a shard folder as ``(run_meta, files, columns)``, for readers that query the files where
+@dataclass(frozen=True, slots=True)
+class CheckedRun:
+    """One run of a shard folder, checked (``checked_runs``): its ``meta`` (as ``read_shards`` gives it), its
+    shard ``files`` and the record ``columns`` any of them holds."""
+
+    meta: dict
+    files: tuple[Path, ...]
+    columns: frozenset
+
+
+def checked_runs(root) -> list[CheckedRun]:
+    """Every run of a shard folder (``CheckedRun``: its meta, files and columns), for readers that query the files where
     they lie (DuckDB's ``read_parquet``) instead of reading them here: the manifest read (or rebuilt), each
     file listed or found checked from its metadata as ``read_shards`` checks it (a regular file inside the
     folder, rows and row-group bytes within the limits, every column of its type) and ``columns`` the
@@ -146,7 +157,7 @@ def checked_runs(root) -> list[tuple[dict, list[Path], frozenset]]:
         names: set = set()
         for path in files:
             names.update(_open_shard(path, relname(root, path)).schema_arrow.names)
-        out.append((_run_meta(entry), files, frozenset(names)))
+        out.append(CheckedRun(_run_meta(entry), tuple(files), frozenset(names)))
     return out
 
 

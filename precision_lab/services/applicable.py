@@ -81,7 +81,7 @@ def island_targets(model, policy) -> list[str]:
     modules an island fix may be offered on."""
     names = [n for n, _ in model.named_modules() if n]
     effects = island_effects(model, names, policy)
-    return [n for n in names if effects[n].changes]
+    return [n for n in names if effects.get(n).changes]
 
 
 def _island_pattern(spec: str) -> Optional[str]:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..fixes.policy import DYNAMIC_INIT_SCALE, call_model
 from ..formats import format_for_dtype, get_format
-from ..live.options import CaptureOptions
+from ..live.options import DEFAULT_DEVICE_KEEP_BYTES, DEFAULT_KEEP_BYTES, CaptureOptions, PairOptions
 from ..live.policies import as_policy, policy_description
 from ..live.recorder import Capture
 from ..live.replaykit import load_kit
@@ -36,12 +36,8 @@ from ..store import Store, writing as store_writing
 from .diagnose import diagnose_session
 from .pairing import Item, match_records, verdict_format
 
-__all__ = ["capture", "capture_pair", "scaled_backward", "run_steps", "replay_capture", "replay_steps", "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
-
-# reference copies held in memory before spilling to disk
-DEFAULT_KEEP_BYTES = 1 << 30
-# reference copies of GPU tensors kept on their device before going to host memory
-DEFAULT_DEVICE_KEEP_BYTES = 1 << 30
+__all__ = ["capture", "capture_pair", "PairOptions", "scaled_backward", "run_steps", "replay_capture", "replay_steps",
+           "optimizer_step", "DEFAULT_KEEP_BYTES", "DEFAULT_DEVICE_KEEP_BYTES"]
 
 
 def _key(rec) -> tuple:
@@ -460,22 +456,18 @@ def _diagnose_written(sink: _StoreAt, name: str) -> None:
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
-                 session: Optional[str] = None, local_error: bool = True,
-                 options: Optional[CaptureOptions] = None, loss_fn: Optional[Callable] = None, seed: int = 0,
-                 reference_name: str = "fp32", candidate_name: Optional[str] = None,
-                 keep_bytes: int = DEFAULT_KEEP_BYTES, device_keep_bytes: int = DEFAULT_DEVICE_KEEP_BYTES,
-                 source: str = "capture",
-                 recipe: Optional[str] = None, name: Optional[str] = None, reference_policy=None,
-                 optimizer_fn: Optional[Callable] = None, steps: int = 1) -> str:
-    """Capture an fp32 reference and a candidate run of one model; returns the session name.  With ``loss_fn``
-    and ``optimizer_fn`` both train ``steps`` steps on the inputs (``run_steps``).
+                 pair: Optional[PairOptions] = None, options: Optional[CaptureOptions] = None,
+                 session: Optional[str] = None, name: Optional[str] = None) -> str:
+    """Capture an fp32 reference and a candidate run of one model; returns the session name.  ``pair``
+    (``PairOptions``) says how the two runs are made (their names, seed, loss and optimizer, local error, how
+    much of the reference is kept where), ``options`` (``CaptureOptions``) what they record.
 
     ``build_model()`` must return a fresh fp32 model; it is called twice
-    (after ``torch.manual_seed(seed)`` each time) and the candidate is given
-    the reference's exact weights before ``candidate_policy.prepare`` runs.
-    ``inputs``: a tensor, a tuple/list of positional arguments, or a dict of
-    keyword arguments (fp32; the policy's ``prepare_inputs`` casts them for
-    the candidate).  ``loss_fn(output) -> scalar`` runs backward in both runs.
+    (after ``torch.manual_seed(pair.seed)`` each time) and the candidate is
+    given the reference's exact weights before ``candidate_policy.prepare``
+    runs.  ``inputs``: a tensor, a tuple/list of positional arguments, or a
+    dict of keyword arguments (fp32; the policy's ``prepare_inputs`` casts
+    them for the candidate).
 
     Writes ONE session (a new one named ``name``, with a suffix if the name
     is taken, or a new pair of runs in the existing ``session``)
@@ -485,19 +477,40 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     rank, name and shape) gets the element-wise "accumulated" comparison made
     as the candidate ran, an "aligned" pair (names that differ, matched by op
     sequence) a "stats" comparison of their summaries, and a record only one
-    run has an "unmatched_cand"/"unmatched_ref" row; and,
-    with ``local_error``, one "local" comparison per candidate op output
-    against the op re-run in fp32 from upcast copies of its own inputs.
-
-    ``keep_bytes``/``device_keep_bytes``: how much of the reference's tensors is kept in host memory and, for
-    GPU tensors, on their device (compared there; every comparison of the run reaches the host in one
-    transfer when it ends) before the rest goes to host memory and then to disk.
-
-    ``reference_policy`` (default None: fp32 as built) runs the reference
-    under a policy too: the candidate's policy without ``compile`` makes the
-    session eager-vs-compiled in the same format, so what compilation alone
-    changes is compared op by op like fp32-vs-fp16.
+    run has an "unmatched_cand"/"unmatched_ref" row; and, with
+    ``pair.local_error``, the "local" comparisons.
     """
+    policy = _pair_policy(build_model, store, candidate_policy)
+    pair = pair or PairOptions()
+    opts = options or CaptureOptions()
+    ref_model, cand_model = _same_models(build_model, pair.seed)
+    cand_name = pair.candidate_name
+    if cand_name is None:
+        cand_name = str(getattr(policy, "name", None) or "candidate")
+    keeper = _ReferenceKeeper(pair.keep_bytes, pair.device_keep_bytes)
+    comparer = _Comparer(keeper, _declared_dtype(policy))
+    try:
+        ref_cap = Capture(ref_model, run=pair.reference_name, dtype_policy=pair.reference_policy,
+                          options=replace(opts, local_error=False), kind="reference", source=pair.source,
+                          observer=keeper, write=False)
+        run_steps(ref_cap, inputs, pair.loss_fn, pair.seed, pair.optimizer_fn, pair.steps)
+        del ref_model
+        keeper.drop_objects()
+        cand_cap = Capture(cand_model, run=cand_name, dtype_policy=policy,
+                           options=replace(opts, local_error=pair.local_error), kind="candidate", source=pair.source,
+                           observer=comparer, write=False)
+        run_steps(cand_cap, inputs, pair.loss_fn, pair.seed, pair.optimizer_fn, pair.steps)
+        _settle(comparer, cand_cap)
+        name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=pair.recipe,
+                           source=pair.source, policy=policy, name=name)
+    finally:
+        keeper.close()
+    _diagnose(store, name)
+    return name
+
+
+def _pair_policy(build_model, store, candidate_policy):
+    """``capture_pair``'s arguments checked: the candidate's policy (``live.policies.as_policy``)."""
     if not callable(build_model):
         raise TypeError("capture_pair: build_model must be a callable returning a fresh fp32 model")
     if store is None:
@@ -505,7 +518,12 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     policy = as_policy(candidate_policy)
     if policy is None:
         raise ValueError("capture_pair: candidate_policy is None; give a dtype (torch.float16) or a precision policy")
-    opts = options or CaptureOptions()
+    return policy
+
+
+def _same_models(build_model: Callable[[], torch.nn.Module], seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two models from ``build_model`` (each after ``torch.manual_seed(seed)``), the second given the first's
+    exact weights: the reference and the candidate."""
     torch.manual_seed(seed)
     ref_model = build_model()
     if not isinstance(ref_model, torch.nn.Module):
@@ -518,38 +536,21 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
     except Exception as e:
         raise ValueError(f"capture_pair: the second model from build_model() does not take the first one's "
                          f"weights ({e}); build_model must build the same architecture each time") from None
-    del state
+    return ref_model, cand_model
 
-    if candidate_name is None:
-        candidate_name = str(getattr(policy, "name", None) or "candidate")
-    keeper = _ReferenceKeeper(keep_bytes, device_keep_bytes)
-    comparer = _Comparer(keeper, _declared_dtype(policy))
-    try:
-        ref_cap = Capture(ref_model, run=reference_name, dtype_policy=reference_policy,
-                          options=replace(opts, local_error=False), kind="reference", source=source,
-                          observer=keeper, write=False)
-        run_steps(ref_cap, inputs, loss_fn, seed, optimizer_fn, steps)
-        del ref_model
-        keeper.drop_objects()
-        cand_cap = Capture(cand_model, run=candidate_name, dtype_policy=policy,
-                           options=replace(opts, local_error=local_error), kind="candidate", source=source,
-                           observer=comparer, write=False)
-        run_steps(cand_cap, inputs, loss_fn, seed, optimizer_fn, steps)
-        comparer.clear_cache()
-        comparer.resolve()
-        comparer.settle(cand_cap)
-        unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
-        if cand_cap.records and unmatched * 2 > len(cand_cap.records):
-            cand_cap.warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
-                                          "reference tensor of the same name: the candidate policy added ops or "
-                                          "changed the model's module paths (those are paired by op sequence "
-                                          "and compared by summary statistics)")
-        name = _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, recipe=recipe, source=source,
-                           policy=policy, name=name)
-    finally:
-        keeper.close()
-    _diagnose(store, name)
-    return name
+
+def _settle(comparer: _Comparer, cand_cap: Capture) -> None:
+    """The candidate's comparisons finished; a warning on the candidate when most of its tensors had no
+    reference tensor of the same name."""
+    comparer.clear_cache()
+    comparer.resolve()
+    comparer.settle(cand_cap)
+    unmatched = sum(1 for _, _, m in comparer.results.values() if m != "exact")
+    if cand_cap.records and unmatched * 2 > len(cand_cap.records):
+        cand_cap.warn("capture_pair", f"{unmatched} of {len(cand_cap.records)} candidate tensors have no "
+                                      "reference tensor of the same name: the candidate policy added ops or "
+                                      "changed the model's module paths (those are paired by op sequence "
+                                      "and compared by summary statistics)")
 
 
 def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, source, policy, name) -> str:

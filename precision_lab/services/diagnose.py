@@ -102,7 +102,7 @@ def _recipe_modules(name: Optional[str], policy) -> dict[str, dict]:
             policy.prepare(model)
         except ValueError:
             pass
-    return module_facts(model)
+    return module_facts(model).modules
 
 
 def diagnose(store, session: str) -> list[Diagnosis]:

@@ -182,41 +182,42 @@ def compare_runs(
     summary = RunComparison()
     to_compare = sum(1 for m in matches if m.ref and m.cand and (m.ref.rid, m.cand.rid) not in precomputed)
     done = 0
-
-    def tensor_of(run_id: str, it: Item):
-        if it.record.tensor is not None:
-            return it.record.tensor
-        if it.has_data and load is not None:
-            return load(run_id, it)
-        return None
-
     for m in matches:
-        present = m.cand or m.ref
-        rec = present.record
         summary.count(summary.matches, m.match)
         if m.ref is None or m.cand is None:
-            writer.add_comparison(
-                kind="accumulated" if present.has_data else "stats", ref_run_id=ref_run_id,
-                ref_rid=m.ref.rid if m.ref else None, cand_run_id=cand_run_id,
-                cand_rid=m.cand.rid if m.cand else None, step=rec.step, rank=rec.rank, seq=rec.seq, op=rec.op,
-                role=rec.role, index=rec.index, match=m.match, comparison=None,
-            )
+            kind = "accumulated" if (m.cand or m.ref).has_data else "stats"
+            _add_row(writer, m, kind, None, ref_run_id=ref_run_id, cand_run_id=cand_run_id)
             summary.count(summary.verdicts, "unmatched")
             continue
         got = precomputed.get((m.ref.rid, m.cand.rid))
         if got is None:
-            rt = tensor_of(ref_run_id, m.ref) if m.ref.has_data and m.cand.has_data else None
-            ct = tensor_of(cand_run_id, m.cand) if rt is not None else None
+            rt = _tensor_of(load, ref_run_id, m.ref) if m.ref.has_data and m.cand.has_data else None
+            ct = _tensor_of(load, cand_run_id, m.cand) if rt is not None else None
             got = compare_pair(m.ref, m.cand, rt, ct, run_dtype=run_dtype)
             done += 1
             if progress is not None:
-                progress(done, to_compare, f"compare {rec.op}")
+                progress(done, to_compare, f"compare {m.cand.record.op}")
         kind, cmp = got
-        writer.add_comparison(
-            kind=kind, ref_run_id=ref_run_id, ref_rid=m.ref.rid, cand_run_id=cand_run_id, cand_rid=m.cand.rid,
-            step=rec.step, rank=rec.rank, seq=rec.seq, op=rec.op, role=rec.role, index=rec.index,
-            match=m.match, comparison=cmp,
-        )
+        _add_row(writer, m, kind, cmp, ref_run_id=ref_run_id, cand_run_id=cand_run_id)
         summary.count(summary.kinds, kind)
         summary.count(summary.verdicts, cmp.verdict)
     return summary
+
+
+def _tensor_of(load: Optional[Callable[[str, Item], Any]], run_id: str, it: Item):
+    """An item's tensor: the record's own, else loaded (when the dump holds its data), else None."""
+    if it.record.tensor is not None:
+        return it.record.tensor
+    if it.has_data and load is not None:
+        return load(run_id, it)
+    return None
+
+
+def _add_row(writer, m: Match, kind: str, cmp, *, ref_run_id: str, cand_run_id: str) -> None:
+    """The comparison row of one match (``cmp`` None for a record only one run has)."""
+    rec = (m.cand or m.ref).record
+    writer.add_comparison(
+        kind=kind, ref_run_id=ref_run_id, ref_rid=m.ref.rid if m.ref else None, cand_run_id=cand_run_id,
+        cand_rid=m.cand.rid if m.cand else None, step=rec.step, rank=rec.rank, seq=rec.seq, op=rec.op,
+        role=rec.role, index=rec.index, match=m.match, comparison=cmp,
+    )

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..fixes.catalogue import fix_label
 from ..fixes.policy import PrecisionPolicy
-from ..fixes.replay import REPLAY_OPS, ReplayError, canonical_op, replay
+from ..fixes.replay import REPLAY_OPS, ReplayError, ReplayOutputs, canonical_op, replay
 from ..formats import FORMATS, format_for_dtype
 from ..metrics import compare
 from ..readers import ReadError
@@ -300,15 +300,7 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
         raise ReplayError(f"op {op!r} has type {op_type!r}, which replay does not know; replayable types: "
                           f"{', '.join(REPLAY_OPS)}")
     notes = []
-    tensors: dict[tuple[str, str], Any] = {}
-    for rec in recs:
-        t = _load_tensor(store, r, rec)
-        if t is None and rec["role"] != "output":
-            raise ReplayError(
-                f"op {op!r}: the {rec['role']} {rec['index']} tensor is not available (only its statistics were "
-                "dumped or kept); ingest a tensor-mode dump with --keep-tensors, or keep the dump folder in place")
-        if t is not None:
-            tensors[(rec["role"], str(rec["index"]))] = t
+    tensors = _op_tensors(store, r, op, recs)
     pos_scalars, kw_scalars, note = _scalar_args(r, op, recs)
     if note:
         notes.append(note)
@@ -320,14 +312,7 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
     fmt = format_for_dtype(out_rec["dtype"]) if out_rec else None
     if fmt is None or fmt.name not in ("fp32", "fp16", "bf16"):
         fmt = format_for_dtype(r.dtype) or FORMATS["fp32"]
-    policy = None
-    if r.policy:
-        try:
-            policy = PrecisionPolicy.from_json(r.policy)
-        except ValueError:
-            policy = None
-    if policy is None:
-        policy = PrecisionPolicy("dump", fmt.name if fmt.name in ("fp16", "bf16") else "fp32")
+    policy = _run_policy(r, fmt)
     if name in ("layer_norm",) and not pos_scalars and not kw_scalars:
         notes.append("epsilon and normalized shape were not in the dump: used eps 1e-5 and the weight's shape")
     label = fix_label(fixes) if fixes else None
@@ -336,18 +321,47 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
                           fix=label, policy=policy.describe(), notes=notes)
     if dumped is not None:
         result.outputs["dumped"] = dumped
-    result.outputs.update(outs)
-    ref = outs["fp32"]
+    result.outputs.update(outs.named())
+    _compare_outputs(result, outs, dumped)
+    if outs.fixed is not None and not torch.isfinite(outs.fixed).all():
+        notes.append("the fixed replay still holds non-finite values")
+    return result
+
+
+def _op_tensors(store, r: RunInfo, op: str, recs: list) -> dict[tuple[str, str], Any]:
+    """``(role, index)`` -> the tensor of each of the op's records there is one for; every input must have one."""
+    tensors: dict[tuple[str, str], Any] = {}
+    for rec in recs:
+        t = _load_tensor(store, r, rec)
+        if t is None and rec["role"] != "output":
+            raise ReplayError(
+                f"op {op!r}: the {rec['role']} {rec['index']} tensor is not available (only its statistics were "
+                "dumped or kept); ingest a tensor-mode dump with --keep-tensors, or keep the dump folder in place")
+        if t is not None:
+            tensors[(rec["role"], str(rec["index"]))] = t
+    return tensors
+
+
+def _run_policy(r: RunInfo, fmt) -> PrecisionPolicy:
+    """The policy the run recorded, else computing in ``fmt`` (fp16 or bf16; fp32 for any other)."""
+    if r.policy:
+        try:
+            return PrecisionPolicy.from_json(r.policy)
+        except ValueError:
+            pass
+    return PrecisionPolicy("dump", fmt.name if fmt.name in ("fp16", "bf16") else "fp32")
+
+
+def _compare_outputs(result: ReplayResult, outs: ReplayOutputs, dumped) -> None:
+    """Each output against the fp32 replay (where the shapes agree), and the candidate replay against the dump."""
+    ref = outs.fp32
     for k, t in result.outputs.items():
         if k == "fp32" or not _is_tensor(t) or tuple(t.shape) != tuple(ref.shape):
             continue
         tf = format_for_dtype(t.dtype)
         result.comparisons[f"{k} vs fp32"] = compare(ref, t, cand_format=tf.name if tf else None)
-    if dumped is not None and tuple(dumped.shape) == tuple(outs["candidate"].shape):
-        result.comparisons["candidate vs dumped"] = compare(dumped, outs["candidate"])
-    if "fixed" in outs and not torch.isfinite(outs["fixed"]).all():
-        notes.append("the fixed replay still holds non-finite values")
-    return result
+    if dumped is not None and tuple(dumped.shape) == tuple(outs.candidate.shape):
+        result.comparisons["candidate vs dumped"] = compare(dumped, outs.candidate)
 
 
 def _assemble(name: str, tensors: dict, pos_scalars: dict, kw_scalars: dict) -> tuple[list, dict]:

@@ -117,7 +117,7 @@ def run_facts(store, run_id: str) -> RunFacts:
     parents = q.op_parents(store, run_id) if calls else {}
     return RunFacts(run.name, run_id, run.order, calls, recs, parents,
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
-                    outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents) if calls else {})
+                    outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents).by_step if calls else {})
 
 
 def order_notes(store, session: str) -> OrderNotes:

@@ -146,7 +146,7 @@ def _with_tensor(rec, tensor):
 
 
 def _pairing_capture():
-    """``services.capture`` (capture_pair, Capture, CaptureOptions): it imports torch at its top."""
+    """``services.capture`` (capture_pair, PairOptions, Capture, CaptureOptions): it imports torch at its top."""
     from . import capture  # deferred: listing sessions and queueing re-runs must not load torch
 
     return capture
@@ -166,7 +166,7 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     capture --recipe`` does (through ``precision_lab.capture_pair``), and the
     new session is diagnosed.
     """
-    capture_pair = _pairing_capture().capture_pair
+    pairing = _pairing_capture()
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     base = policy or recipe.default_policy
@@ -174,12 +174,13 @@ def capture_recipe(store, recipe, *, policy: Optional[PrecisionPolicy] = None, f
     cand_policy = apply_fixes(base, specs) if specs else base
     label = fix_label(specs) if specs else None
     _tick(progress, 0, 2, f"capture {recipe.name}: fp32 reference and {cand_policy.describe()}")
+    cand_name = f"candidate ({cand_policy.name})" + (f" + {label}" if label else "")
+    pair = pairing.PairOptions(reference_name="fp32 reference", candidate_name=cand_name, seed=recipe.seed,
+                               loss_fn=recipe.loss_fn, optimizer_fn=recipe.optimizer_fn, steps=recipe.steps,
+                               local_error=local_error, source=f"recipe:{recipe.name}", recipe=recipe.name)
     with _RUN_LOCK:
-        name = capture_pair(recipe.build_model, recipe.inputs(), cand_policy, store=store, local_error=local_error,
-                            loss_fn=recipe.loss_fn, seed=recipe.seed, reference_name="fp32 reference",
-                            optimizer_fn=recipe.optimizer_fn, steps=recipe.steps,
-                            candidate_name=f"candidate ({cand_policy.name})" + (f" + {label}" if label else ""),
-                            source=f"recipe:{recipe.name}", recipe=recipe.name, name=session or recipe.name)
+        name = pairing.capture_pair(recipe.build_model, recipe.inputs(), cand_policy, store=store, pair=pair,
+                                    name=session or recipe.name)
     _tick(progress, 2, 2, "done")
     return name
 

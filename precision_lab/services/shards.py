@@ -39,25 +39,25 @@ def open_shards(root, *, diagnose: bool = True) -> tuple[Store, str]:
     if not root.is_dir():
         raise ShardError(f"{root}: not a folder of shards")
     runs = checked_runs(root)
-    if not any(files for _, files, _ in runs):
+    if not any(run.files for run in runs):
         raise ShardError(f"{root}: no shard files (<run>/rank<R>/step<S>.parquet) to read")
     timeline = [(meta["run_id"], rank, rows, shares, scalars)
                 for meta, rank, rows, shares, scalars in read_timeline(root)]
-    ids = {meta["run_id"] for meta, _, _ in runs}
+    ids = {run.meta["run_id"] for run in runs}
     name = root.name or "shards"
 
     def write(store) -> None:
         nonlocal name
         with store.new_session(name, source=f"shards read in place: {root}") as w:
-            for meta, _files, _cols in runs:
-                w.add_run(_run_info(meta, root))
-                for where, message in meta.get("warnings") or []:
-                    w.add_warning(str(where), str(message), run_id=meta["run_id"])
+            for run in runs:
+                w.add_run(_run_info(run.meta, root))
+                for where, message in run.meta.get("warnings") or []:
+                    w.add_warning(str(where), str(message), run_id=run.meta["run_id"])
             add_timelines(w, timeline, lambda key: key if key in ids else None)
         name = w.name
 
     try:
-        parts = [ShardRun(meta["run_id"], tuple(files), frozenset(cols)) for meta, files, cols in runs]
+        parts = [ShardRun(run.meta["run_id"], run.files, run.columns) for run in runs]
         store = over_shards(root, parts, write, text_max=TEXT_MAX)
     except ValueError as e:
         raise ShardError(str(e)) from None
