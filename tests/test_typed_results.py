@@ -28,7 +28,6 @@ precision_lab.fixes.replay.replay
 precision_lab.fixes.rules.module_facts
 precision_lab.origin.walk.model_outputs
 precision_lab.readers.shards.checked_runs
-precision_lab.readers.shardtimeline.read_timeline
 precision_lab.services.report.build_report
 precision_lab.store.queries.forward_ends
 precision_lab.store.queries.module_call
@@ -40,12 +39,6 @@ precision_lab.store.queries.record_ids_by_name
 precision_lab.store.queries.reference_of
 precision_lab.store.queries.rows
 precision_lab.store.queries.run_records_with_data
-precision_lab.store.timeline.heatmap_cells
-precision_lab.store.timeline.op_steps
-precision_lab.store.timeline.op_worst
-precision_lab.store.timeline.series_rows
-precision_lab.store.timeline.step_rows
-precision_lab.store.timeline.timeline_ops
 precision_lab.store.transfer.table_columns
 precision_lab.store.views.record
 precision_lab.store.views.record_comparisons
