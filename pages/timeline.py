@@ -63,7 +63,7 @@ with page.guard("The heatmap could not be drawn"):
             else:
                 page.navigate("op_detail", session=info.name, run=run.name, op=rec.rid)
 
-    labels = [tv.series_label(o["op"], o["role"], o["index"]) for o in hm.ops]
+    labels = [tv.series_label(o.op, o.role, o.index) for o in hm.ops]
     chosen = st.multiselect("Ops to plot", labels, default=tv.default_ops(hm, alerts), key="tl_ops")
     if chosen:
         series = tv.op_series_by_label(store, run.run_id, chosen, hm.ops, fmt)
@@ -88,7 +88,7 @@ with page.guard("The tree could not be drawn"):
                 page.navigate("op_detail", session=info.name, run=run.name, op=rec.rid)
 
 st.subheader("Loss and gradient norm", anchor=False)
-if any(r.get("loss") is not None or r.get("grad_norm") is not None for r in steps):
+if any(r.loss is not None or r.grad_norm is not None for r in steps):
     st.plotly_chart(tv.step_figure(steps, first), key="tl_steps_plot", width="stretch")
 else:
     st.caption("No loss or gradient recorded: pass `loss=` to `cap.step()` and run backward inside the capture.")

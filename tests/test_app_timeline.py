@@ -79,12 +79,12 @@ def test_timeline_shows_the_first_nonfinite_step_alerts_heatmap_and_tree(ui_db):
     # the loss and gradient-norm curves: the stored per-step values, the first non-finite step marked
     from precision_lab.store import timeline as tl
 
-    steps = {r["step"]: r for r in tl.step_rows(store, run_id)}
+    steps = {r.step: r for r in tl.step_rows(store, run_id)}
     curves = next(f for f in figs if any(d.get("name") == "gradient norm" for d in f["data"]))
     norm = next(d for d in curves["data"] if d.get("name") == "gradient norm")
     got = dict(zip(_arr(norm["x"]).astype(int), _arr(norm["y"])))
-    finite = {s: abs(r["grad_norm"]) for s, r in steps.items() if r["grad_norm"] is not None
-              and math.isfinite(r["grad_norm"])}
+    finite = {s: abs(r.grad_norm) for s, r in steps.items() if r.grad_norm is not None
+              and math.isfinite(r.grad_norm)}
     assert finite and all(abs(got[s] - v) <= 1e-6 * v for s, v in finite.items())
     assert any(sh.get("x0") == first for sh in curves["layout"].get("shapes", []))
 

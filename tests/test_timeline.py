@@ -293,15 +293,15 @@ def test_report_json_carries_alerts_and_steps(grown):
     assert rep["alerts"] and {"run", "op", "step", "rule", "message", "value", "threshold",
                               "steps_firing"} <= set(rep["alerts"][0])
     steps = rep["timeline"]["fp16"]["steps"]
-    assert [s["step"] for s in steps] == list(range(40))
+    assert [s.step for s in steps] == list(range(40))
     # the global gradient norm of a step, from the parameter gradients' norms
     losses = [s.value for s in cap.step_scalars if s.name == "loss"]
-    assert [s["loss"] for s in steps[:5]] == losses[:5]
+    assert [s.loss for s in steps[:5]] == losses[:5]
     norms = {}
     for r in cap.timeline_rows:
         if r.role == "param_grad":
             norms[r.step] = norms.get(r.step, 0.0) + r.l2norm ** 2
-    assert steps[3]["grad_norm"] == pytest.approx(math.sqrt(norms[3]), rel=1e-12)
+    assert steps[3].grad_norm == pytest.approx(math.sqrt(norms[3]), rel=1e-12)
 
 
 def test_fail_on_alert_exit_codes(grown):
@@ -336,19 +336,19 @@ def test_heatmap_buckets_aggregate_like_numpy(grown):
     width = got.width
     assert width == math.ceil(40 / 7)
     rows = [r for r in cap.timeline_rows if r.op == "2.forward.0" and r.role == "output"]
-    for cell in (c for c in got.cells if c["op"] == "2.forward.0"):
+    for cell in (c for c in got.cells if c.op == "2.forward.0"):
         vals = [math.log2(65504 / r.absmax) for r in rows
-                if cell["bucket"] <= r.step < cell["bucket"] + width and r.absmax and math.isfinite(r.absmax)]
+                if cell.bucket <= r.step < cell.bucket + width and r.absmax and math.isfinite(r.absmax)]
         if vals:
-            assert cell["value"] == pytest.approx(min(vals), rel=1e-12)
-    assert [o["op"] for o in got.ops][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"]
+            assert cell.value == pytest.approx(min(vals), rel=1e-12)
+    assert [o.op for o in got.ops][:3] == ["0.forward.0", "1.forward.0", "2.forward.0"]
     low = svc.heatmap(store, cap.run_id, metric="low", fmt="fp8_e4m3fn", max_steps=400)
     assert low.width == 1
     shares = {s.tid: s for s in cap.timeline_shares if s.fmt == "fp8_e4m3fn"}
     row = next(r for r in rows if r.step == 5)
-    cell = next(c for c in low.cells if c["op"] == "2.forward.0" and c["bucket"] == 5)
+    cell = next(c for c in low.cells if c.op == "2.forward.0" and c.bucket == 5)
     s = shares[row.tid]
-    assert cell["value"] == pytest.approx((s.underflow + s.subnormal) / s.finite)
+    assert cell.value == pytest.approx((s.underflow + s.subnormal) / s.finite)
 
 
 def test_module_tree_and_record_at(grown):

@@ -22,7 +22,6 @@ UNTYPED = re.compile(r"\b(dict|Dict|Mapping|MutableMapping|Any)\b")
 STORE_CLASS = ("precision_lab.store", "Store")
 
 PENDING = frozenset("""
-precision_lab.readers.shardtimeline.read_timeline
 precision_lab.services.report.build_report
 precision_lab.store.queries.forward_ends
 precision_lab.store.queries.module_call
@@ -34,12 +33,6 @@ precision_lab.store.queries.record_ids_by_name
 precision_lab.store.queries.reference_of
 precision_lab.store.queries.rows
 precision_lab.store.queries.run_records_with_data
-precision_lab.store.timeline.heatmap_cells
-precision_lab.store.timeline.op_steps
-precision_lab.store.timeline.op_worst
-precision_lab.store.timeline.series_rows
-precision_lab.store.timeline.step_rows
-precision_lab.store.timeline.timeline_ops
 precision_lab.store.transfer.table_columns
 precision_lab.store.views.record
 precision_lab.store.views.record_comparisons

@@ -139,10 +139,25 @@ class Timeline:
         keep now, ``local`` being the group's local comparisons by position in it (``local`` given: this
         step's).  ``scaler_skipped``: the job's GradScaler skipped the step, so its gradients' inf/NaN are the
         scaler's overflow check at work, not a failure (its ``scaler_skipped`` scalar says so)."""
-        bad = 0
         first_row, first_share = len(self.rows), len(self.shares)
         items, self._items = self._items, []
-        with_hist = []  # (tid, stats) whose watched-format counts come from the histogram, all at once below
+        bad = self._summarise_step(step, items, scaler_skipped)
+        if self.options.on_alert is not None:
+            self._live_alerts(step, self.rows[first_row:], self.shares[first_share:])
+        loss = next((x.value for x in self.scalars if x.step == step and x.name == "loss"), None)
+        if items or loss is not None:
+            if loss is not None and not math.isfinite(loss):
+                bad += 1
+            self.scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
+        if scaler_skipped:
+            self.scalars.append(StepScalar(self.run_id, step, self.rank, SKIPPED_SCALAR, 1.0))
+        return self._kept_groups(step, step_records, local, bad)
+
+    def _summarise_step(self, step: int, items: list, scaler_skipped: bool) -> int:
+        """The step's timeline rows and watched-format shares from its summaries; returns how many of their
+        values are an unexpected NaN/Inf (none of the gradients of a step the GradScaler skipped)."""
+        bad = 0
+        with_hist = []  # (tid, finite, hist) whose watched-format counts come from the histogram, all at once below
         for seq, op, op_type, role, index, direction, location, h in items:
             s = h.stats
             if s is None:
@@ -174,15 +189,12 @@ class Timeline:
                 counts = zip(*(c.tolist() for c in format_counts(hists, fmt)))
                 self.shares.extend(TimelineShare(self.run_id, tid, fmt.name, finite, *c)
                                    for (tid, finite, _), c in zip(with_hist, counts))
-        if self.options.on_alert is not None:
-            self._live_alerts(step, self.rows[first_row:], self.shares[first_share:])
-        loss = next((x.value for x in self.scalars if x.step == step and x.name == "loss"), None)
-        if items or loss is not None:
-            if loss is not None and not math.isfinite(loss):
-                bad += 1
-            self.scalars.append(StepScalar(self.run_id, step, self.rank, NONFINITE_SCALAR, float(bad)))
-        if scaler_skipped:
-            self.scalars.append(StepScalar(self.run_id, step, self.rank, SKIPPED_SCALAR, 1.0))
+        return bad
+
+    def _kept_groups(self, step: int, step_records: list, local: list, bad: int) -> list:
+        """The full records to keep now, ``[(step, records, local)]``: this step's when every N-th step is kept
+        (or nothing rings), and the last K steps' at the first non-finite step (``bad``: its unexpected NaN/Inf
+        values)."""
         keep = self.options.full_step(step)
         groups = []  # (step, records, local comparisons relative to the group)
         if self._ring is not None and step_records and not keep:

@@ -13,6 +13,7 @@ through ``local_comparisons`` and are kept as ``kind="local"`` comparisons.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Iterator
 from .base import ReadError, RunSource, Tick
 from .safeio import open_regular
 from .shards import ShardError, read_local_comparisons, read_shards, read_timeline
+from .shardtimeline import RankTimeline
 
 __all__ = ["NativeReader", "FORMAT_NAME"]
 
@@ -112,12 +114,11 @@ class NativeReader:
         except (ValueError, OSError, KeyError) as e:
             raise ReadError(f"manifest.json: cannot read the shards' local comparisons ({e})") from None
 
-    def timeline(self, root: Path):
-        """``(run key, rank, rows, shares, scalars)``: a long run's per-step summaries, per rank (Arrow tables of
-        ``TimelineRow``, ``TimelineShare`` and ``StepScalar`` columns)."""
+    def timeline(self, root: Path) -> Iterator[RankTimeline]:
+        """A long run's per-step summaries, per rank, each under its run's key."""
         try:
-            for meta, rank, rows, shares, scalars in read_timeline(root):
-                yield str(meta.get("run_id") or meta.get("name") or "run"), rank, rows, shares, scalars
+            for t in read_timeline(root):
+                yield dataclasses.replace(t, run_id=str(t.run_id or "run"))
         except ShardError as e:
             raise ReadError(str(e)) from None
         except (ValueError, OSError, KeyError) as e:

@@ -5,8 +5,9 @@ Arrow tables with the checks a record shard gets."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from .base import ReadError, natural_key
 from .safeio import check_regular, limits, relname
@@ -14,6 +15,9 @@ from .shardcheck import _TYPE_OK, _TYPE_WORD, _batches, _text_type
 from .shardformat import _SHARD_RE, ShardError, _check_run_name
 from .shardmanifest import _run_meta, read_manifest
 from ..records import StepScalar, TimelineRow, TimelineShare, dataclass_columns
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 _TIMELINE = {"timeline": TimelineRow, "timeline_formats": TimelineShare, "step_scalars": StepScalar}
@@ -93,9 +97,20 @@ def _empty_timeline(cls):
     return pa.table({n: pa.array([], _arrow_type(k)) for n, k in dataclass_columns(cls)})
 
 
-def read_timeline(root) -> Iterator[tuple[dict, int, object, object, object]]:
-    """``(run_meta, rank, rows, shares, scalars)`` of every rank folder holding a timeline: Arrow tables of the
-    ``TimelineRow``, ``TimelineShare`` and ``StepScalar`` columns."""
+@dataclass(frozen=True, slots=True)
+class RankTimeline:
+    """One rank's timeline of a run in a shard folder: the run's id (the manifest's, else its name), the rank, and
+    Arrow tables of the ``TimelineRow``, ``TimelineShare`` and ``StepScalar`` columns."""
+
+    run_id: str
+    rank: int
+    rows: pa.Table
+    shares: pa.Table
+    scalars: pa.Table
+
+
+def read_timeline(root) -> Iterator[RankTimeline]:
+    """The timeline of every rank folder holding one."""
     root = Path(root)
     doc = read_manifest(root)
     for entry in doc["runs"]:
@@ -110,4 +125,5 @@ def read_timeline(root) -> Iterator[tuple[dict, int, object, object, object]]:
             got = {t: (_timeline_table(root, rdir / f"{t}.parquet", cls) if os.path.lexists(rdir / f"{t}.parquet")
                        else _empty_timeline(cls)) for t, cls in _TIMELINE.items()}
             if any(g.num_rows for g in got.values()):
-                yield meta, int(m.group(1)), got["timeline"], got["timeline_formats"], got["step_scalars"]
+                yield RankTimeline(meta["run_id"], int(m.group(1)), got["timeline"], got["timeline_formats"],
+                                   got["step_scalars"])

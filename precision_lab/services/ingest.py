@@ -38,11 +38,12 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from ..readers import ReadError, RunSource, detect, dominant_dtype, ordered
 from ..readers.dataorder import Hint, settle
 from ..readers.safeio import ReadLimits, limits_in_force, plain_error
+from ..readers.shardtimeline import RankTimeline
 from ..records import INPUT_ROLES, free_name
 from ..safezip import UnsafeZip, ZipLimits, safe_extract
 from ..scratch import scratch_dir, sweep
@@ -506,10 +507,10 @@ class _Ingestion:
         return [(p, c) for c in self.order if c.kind != "reference" for p in [self._partner_for(c)] if p]
 
 
-def add_timelines(w, parts, run_id_of) -> None:
-    """Store a long run's per-step summaries (``(run key, rank, rows, shares, scalars)``, Arrow tables as read)
-    with writer ``w``: each rank's ``tid`` numbers moved past the run's others and every row given the stored
-    run's id (``run_id_of(key)``; None: not stored)."""
+def add_timelines(w, parts: Iterable[RankTimeline], run_id_of) -> None:
+    """Store a long run's per-step summaries (each rank's, its Arrow tables as read, ``run_id`` the run's key in
+    the source) with writer ``w``: each rank's ``tid`` numbers moved past the run's others and every row given
+    the stored run's id (``run_id_of(key)``; None: not stored)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -520,12 +521,12 @@ def add_timelines(w, parts, run_id_of) -> None:
         return t
 
     next_tid: dict[str, int] = {}
-    for key, _rank, rows, shares, scalars in parts:
-        rid = run_id_of(key)
+    for part in parts:
+        rid = run_id_of(part.run_id)
         if rid is None:
             continue
         base = next_tid.get(rid, 0)
-        w.add_timeline_tables(timeline=moved(rows, rid, base), timeline_formats=moved(shares, rid, base),
-                              step_scalars=moved(scalars, rid, None))
-        top = pc.max(rows.column("tid")).as_py() if rows.num_rows else None
+        w.add_timeline_tables(timeline=moved(part.rows, rid, base), timeline_formats=moved(part.shares, rid, base),
+                              step_scalars=moved(part.scalars, rid, None))
+        top = pc.max(part.rows.column("tid")).as_py() if part.rows.num_rows else None
         next_tid[rid] = base + (-1 if top is None else top) + 1

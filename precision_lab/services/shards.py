@@ -41,8 +41,7 @@ def open_shards(root, *, diagnose: bool = True) -> tuple[Store, str]:
     runs = checked_runs(root)
     if not any(run.files for run in runs):
         raise ShardError(f"{root}: no shard files (<run>/rank<R>/step<S>.parquet) to read")
-    timeline = [(meta["run_id"], rank, rows, shares, scalars)
-                for meta, rank, rows, shares, scalars in read_timeline(root)]
+    timeline = list(read_timeline(root))
     ids = {run.meta["run_id"] for run in runs}
     name = root.name or "shards"
 

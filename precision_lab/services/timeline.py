@@ -21,7 +21,7 @@ from ..quantisation import flushed_by_underflow
 from ..records import tensor_name
 from ..store import queries as q
 from ..store import timeline as tl
-from ..store.rows import OutputRecord, TimelineRun
+from ..store.rows import HeatmapCell, OpStepValues, OutputRecord, StepRow, TimelineOp, TimelineRun
 from .tree import ModuleNode, build_tree
 
 __all__ = ["run_format", "run_alerts", "session_alerts", "RunTimeline", "TimelineHeatmap", "OpStep", "OpSeries",
@@ -37,7 +37,7 @@ class RunTimeline:
     run: str
     first_nonfinite_step: Optional[int]
     full_steps: list[int]
-    steps: list
+    steps: list[StepRow]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,27 +47,16 @@ class TimelineHeatmap:
     (``store.timeline.timeline_ops``)."""
 
     width: int
-    cells: list
-    ops: list
+    cells: list[HeatmapCell]
+    ops: list[TimelineOp]
 
 
 @dataclass(frozen=True, slots=True)
-class OpStep:
+class OpStep(OpStepValues):
     """One op's values at one step, ranks merged (``store.timeline.op_steps``), with its headroom below the
     format's max (bits; None without a finite nonzero max) and the share of its finite values at the format's
     low end (None without a count)."""
 
-    step: int
-    absmax: Optional[float]
-    min_abs_nonzero: Optional[float]
-    nan_count: Optional[int]
-    inf_count: Optional[int]
-    numel: Optional[int]
-    finite: Optional[int]
-    overflow: Optional[int]
-    low: Optional[int]
-    dtype: Optional[str]
-    location: Optional[str]
     headroom_bits: Optional[float]
     low_share: Optional[float]
 
@@ -100,31 +89,31 @@ def run_alerts(store, run_id: str, *, target: Optional[str] = None, overrides: O
     fmts = {d: op_format(d, target) for d in tl.timeline_dtypes(store, run_id)}
     cols = tl.series_rows(store, run_id, {d: f.name for d, f in fmts.items() if f is not None},
                           roles=("output", "param_grad"))
-    n = len(cols["step"])
+    n = len(cols.step)
     if n:
         new = np.zeros(n, dtype=bool)
         new[0] = True
-        for c in ("op", "role", "index"):  # rows come sorted by series: a series starts where a key changes
-            new[1:] |= cols[c][1:] != cols[c][:-1]
+        for c in (cols.op, cols.role, cols.index):  # rows come sorted by series: a series starts where a key changes
+            new[1:] |= c[1:] != c[:-1]
         starts = np.flatnonzero(new)
         ends = np.r_[starts[1:], n]
         with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(cols["finite"] > 0, cols["low"] / cols["finite"], np.nan)
+            share = np.where(cols.finite > 0, cols.low / cols.finite, np.nan)
         for a, b in zip(starts, ends):
-            op, role, index = str(cols["op"][a]), str(cols["role"][a]), str(cols["index"][a])
-            fmt = fmts.get(cols["dtype"][a])
+            op, role, index = str(cols.op[a]), str(cols.role[a]), str(cols.index[a])
+            fmt = fmts.get(cols.dtype[a])
             if fmt is None:
                 continue
             shown = op if (role, index) == ("output", "0") else tensor_name(op, role, index)
-            got = op_alerts(name, shown, cols["step"][a:b], cols["absmax"][a:b], fmt, share[a:b], overrides)
+            got = op_alerts(name, shown, cols.step[a:b], cols.absmax[a:b], fmt, share[a:b], overrides)
             if role == "param_grad":
                 got = [x for x in got if x.rule == "underflow"]
             out.extend(dataclasses.replace(x, op=op) for x in got)
     steps = tl.step_rows(store, run_id)
-    scaled = [(s["step"], s["loss_scale"]) for s in steps if s["loss_scale"] is not None]
+    scaled = [(s.step, s.loss_scale) for s in steps if s.loss_scale is not None]
     if scaled:
         out.extend(loss_scale_alerts(name, [s for s, _ in scaled], [v for _, v in scaled], overrides))
-    normed = [(s["step"], s["grad_norm"]) for s in steps if s["grad_norm"] is not None]
+    normed = [(s.step, s.grad_norm) for s in steps if s.grad_norm is not None]
     if normed:
         out.extend(grad_spike_alerts(name, [s for s, _ in normed], [v for _, v in normed], overrides))
     out.sort(key=lambda a: (a.step, a.op or "", a.rule))
@@ -198,7 +187,7 @@ def heatmap(store, run_id: str, *, metric: str, fmt: str, roles=_OUTPUT, max_ste
     f = get_format(fmt)
     got = tl.heatmap_cells(store, run_id, metric=metric, fmt=f.name, fmt_max=f.max, roles=roles,
                            max_steps=max_steps)
-    return TimelineHeatmap(got["width"], got["cells"], tl.timeline_ops(store, run_id, roles))
+    return TimelineHeatmap(got.width, got.cells, tl.timeline_ops(store, run_id, roles))
 
 
 def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0", *, fmt: str) -> list[OpStep]:
@@ -206,11 +195,10 @@ def op_series(store, run_id: str, op: str, role: str = "output", index: str = "0
     f = get_format(fmt)
     out = []
     for r in tl.op_steps(store, run_id, op, role, index, f.name):
-        a = r["absmax"]
-        out.append(OpStep(r["step"], a, r["min_abs_nonzero"], r["nan_count"], r["inf_count"], r["numel"],
-                          r["finite"], r["overflow"], r["low"], r["dtype"], r["location"],
-                          float(headroom_bits(a, f)) if a and a > 0 and math.isfinite(a) else None,
-                          r["low"] / r["finite"] if r["low"] is not None and r["finite"] else None))
+        a = r.absmax
+        out.append(OpStep(**{k.name: getattr(r, k.name) for k in dataclasses.fields(OpStepValues)},
+                          headroom_bits=float(headroom_bits(a, f)) if a and a > 0 and math.isfinite(a) else None,
+                          low_share=r.low / r.finite if r.low is not None and r.finite else None))
     return out
 
 

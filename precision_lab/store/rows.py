@@ -19,6 +19,7 @@ from typing import Optional, TypeVar
 from ..records import Diagnosis
 
 __all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow",
+           "StepRow", "TimelineOp", "HeatmapCell", "HeatmapBuckets", "OpStepValues", "OpWorst",
            "RunWarning", "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
            "Counterpart", "ComparedPair", "RunValues"]
 
@@ -156,6 +157,87 @@ class OutputRecord:
     step: int
     rank: int
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One step of a long run: its loss and loss scale (None where not recorded), its unexpected NaN/Inf values
+    (summed over ranks), the global L2 norm of its parameter gradients (ranks merged; None without any) and how
+    many tensors its summaries cover."""
+
+    step: int
+    loss: Optional[float]
+    loss_scale: Optional[float]
+    nonfinite_values: Optional[float]
+    grad_norm: Optional[float]
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineOp:
+    """A series of a long run's timeline (op, role, index) with its op type and location, the first step it
+    appears at and its seq there."""
+
+    op: str
+    role: str
+    index: str
+    op_type: Optional[str]
+    location: Optional[str]
+    first_step: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeatmapCell:
+    """A cell of the ops x steps heatmap: a series (op, role, index), the first step of its bucket, and the
+    metric's value over the bucket (None where no step of it has one)."""
+
+    op: str
+    role: str
+    index: str
+    bucket: int
+    value: Optional[float]
+
+
+@dataclass(frozen=True, slots=True)
+class HeatmapBuckets:
+    """The cells of the ops x steps heatmap over buckets of ``width`` consecutive steps."""
+
+    width: int
+    cells: list[HeatmapCell]
+
+
+@dataclass(frozen=True, slots=True)
+class OpStepValues:
+    """One op's values at one step, ranks merged: its largest and smallest nonzero magnitudes, its NaN, Inf and
+    element counts, and of its finite values how many a format overflows and how many it rounds to zero or a
+    subnormal (``low``); None where not counted."""
+
+    step: int
+    absmax: Optional[float]
+    min_abs_nonzero: Optional[float]
+    nan_count: Optional[int]
+    inf_count: Optional[int]
+    numel: Optional[int]
+    finite: Optional[int]
+    overflow: Optional[int]
+    low: Optional[int]
+    dtype: Optional[str]
+    location: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class OpWorst:
+    """An op of a long run over every step: its smallest headroom below a format's max (bits; None without a
+    finite nonzero magnitude), the step of its largest magnitude, whether it ever held NaN or Inf, its op type
+    and first seq."""
+
+    op: str
+    headroom: Optional[float]
+    worst_step: Optional[int]
+    nonfinite: bool
+    op_type: Optional[str]
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,7 +197,7 @@ def _long_runs(store, sid: str) -> list[str]:
         shown = steps[:MAX_STEP_ROWS]
         out.append(f"<h3>Steps of {_e(run)}" + (f" (the first {MAX_STEP_ROWS} of {len(steps)})"
                                                 if len(steps) > MAX_STEP_ROWS else "") + "</h3>")
-        out.append(_table(shown, [("step", "step", "num"), ("loss", "loss", "num"),
+        out.append(_table(fields_tree(shown), [("step", "step", "num"), ("loss", "loss", "num"),
                                   ("loss_scale", "loss scale", "num"), ("grad_norm", "gradient norm", "num"),
                                   ("nonfinite_values", "NaN/Inf values", "num"),
                                   ("tensors", "tensors summarised", "num")], empty="no steps"))

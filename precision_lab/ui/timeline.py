@@ -3,10 +3,12 @@ and the model as a tree.  Figures are plotly; the numbers come from ``services.t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import pandas as pd
 
 from ..alerts import ALERT_RULES, Alert
@@ -14,7 +16,7 @@ from ..formats import get_format
 from ..records import tensor_name
 from ..services import timeline as svc
 from ..services.tree import ROOT, ModuleNode, tree_modules_of
-from ..store.rows import RankStepCell, TimelineRun
+from ..store.rows import RankStepCell, StepRow, TimelineOp, TimelineRun
 from ..store.timeline import first_nonfinite_step, rank_step_cells, step_rows, timeline_runs
 from .common import Choices, plot_text
 
@@ -63,7 +65,7 @@ class RunSteps:
 
     first_nonfinite_step: Optional[int]
     alerts: list[Alert]
-    steps: list
+    steps: list[StepRow]
 
 
 def run_steps(store, run_id: str) -> RunSteps:
@@ -82,6 +84,54 @@ def series_label(op: str, role: str, index: str) -> str:
     return op if (role, str(index)) == ("output", "0") else tensor_name(op, role, index)
 
 
+def _heatmap_grid(hm: svc.TimelineHeatmap) -> tuple[dict, list[int], np.ndarray]:
+    """The heatmap's row of each series (op, role, index), its bucket starts ascending, and its values as a
+    rows x buckets array (NaN where a cell has no finite value)."""
+    row_of = {(o.op, o.role, str(o.index)): i for i, o in enumerate(hm.ops)}
+    buckets = sorted({c.bucket for c in hm.cells})
+    col_of = {b: j for j, b in enumerate(buckets)}
+    z = np.full((len(hm.ops), len(buckets)), np.nan)
+    for c in hm.cells:
+        i = row_of.get((c.op, c.role, str(c.index)))
+        v = c.value
+        if i is not None and v is not None and math.isfinite(v):
+            z[i, col_of[c.bucket]] = v
+    return row_of, buckets, z
+
+
+def _cell_points(z: np.ndarray, xs: np.ndarray, names: np.ndarray, width: int, title: str) -> go.Scatter:
+    """One invisible point per heatmap cell with a value, carrying its hover text and what a click opens:
+    Streamlit reports clicks on scatter points only (not on heatmap cells); WebGL draws them when there are
+    many."""
+    import plotly.graph_objects as go
+
+    ii, jj = np.nonzero(np.isfinite(z))
+    step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
+    many = len(ii) > 5000  # then WebGL, and no per-point names (the row's label is beside it)
+    return (go.Scattergl if many else go.Scatter)(
+        x=xs[jj].astype(np.int32), y=ii.astype(np.int32), mode="markers", name="cell",
+        text=None if many or not len(ii) else names[ii],
+        customdata=np.stack([ii, xs[jj], z[ii, jj]], axis=1).astype(np.float32) if len(ii) else None,
+        marker={"symbol": "square", "size": 14, "opacity": 0},
+        hovertemplate=("" if many else "%{text}<br>") + f"{step_text}<br>{title}: %{{customdata[2]:.3g}}"
+                      "<extra></extra>")
+
+
+def _alert_points(alerts: Sequence, row_of: dict, lo: int, width: int) -> Optional[go.Scatter]:
+    """The alerts on the heatmap's rows, each at the bucket of its step (None without any)."""
+    import plotly.graph_objects as go
+
+    pts = [(a.step, a.rule, row_of.get(_alert_key(a))) for a in alerts if a.op is not None]
+    pts = [(st, rule, i) for st, rule, i in pts if i is not None]
+    if not pts:
+        return None
+    at = [lo + width * ((st - lo) // width) for st, _, _ in pts]
+    return go.Scatter(x=at, y=[i for _, _, i in pts], mode="markers", name="alert", text=[r for _, r, _ in pts],
+                      customdata=[[i, b, float("nan")] for (_, _, i), b in zip(pts, at)],
+                      marker={"symbol": "x", "size": 10, "color": "black"},
+                      hovertemplate="%{text} alert at step %{x}<extra></extra>")
+
+
 def heatmap_figure(hm: svc.TimelineHeatmap, *, metric: str, fmt: str, first_nonfinite: Optional[int] = None,
                    alerts: Sequence = ()) -> go.Figure:
     """Ops (rows, execution order) x step buckets (columns); red is little headroom / much underflow.
@@ -89,57 +139,28 @@ def heatmap_figure(hm: svc.TimelineHeatmap, *, metric: str, fmt: str, first_nonf
     Rows are numbered (labelled with the op), so every array is numeric and travels compactly; a click on a
     cell reports ``customdata`` = (row, bucket start, value), which ``cell_target`` turns into (op, step).
     """
-    import numpy as np
     import plotly.graph_objects as go
 
-    ops = hm.ops
-    labels = [series_label(o["op"], o["role"], o["index"]) for o in ops]
-    row_of = {(o["op"], o["role"], str(o["index"])): i for i, o in enumerate(ops)}
-    buckets = sorted({c["bucket"] for c in hm.cells})
-    col_of = {b: j for j, b in enumerate(buckets)}
-    z = np.full((len(ops), len(buckets)), np.nan)
-    for c in hm.cells:
-        i = row_of.get((c["op"], c["role"], str(c["index"])))
-        v = c["value"]
-        if i is not None and v is not None and math.isfinite(v):
-            z[i, col_of[c["bucket"]]] = v
+    labels = [series_label(o.op, o.role, o.index) for o in hm.ops]
+    row_of, buckets, z = _heatmap_grid(hm)
     if metric == "headroom":
         finite = z[np.isfinite(z)]
         scale, zmax, title = "RdYlGn", max(8.0, float(finite.max()) if finite.size else 8.0), \
             f"bits below {fmt}'s max"
     else:
         scale, zmax, title = "RdYlGn_r", 1.0, f"share low in {fmt}"
-    rows = np.arange(len(ops))
+    rows = np.arange(len(hm.ops))
     xs = np.asarray(buckets, dtype=np.int64)
     fig = go.Figure(go.Heatmap(z=z.astype(np.float32), x=xs, y=rows, colorscale=scale, zmin=0, zmax=zmax,
                                colorbar={"title": {"text": title}}, hoverongaps=False, hoverinfo="skip"))
-    # Streamlit reports clicks on scatter points only (not on heatmap cells): one invisible point per cell
-    # carries the hover text and what a click opens; WebGL draws them when there are many
-    ii, jj = np.nonzero(np.isfinite(z))
-    width = hm.width
-    step_text = "step %{x}" if width == 1 else f"steps %{{x}}-+{width - 1}"
     names = np.asarray([plot_text(x) for x in labels], dtype=object)
-    many = len(ii) > 5000  # then WebGL, and no per-point names (the row's label is beside it)
-    fig.add_trace((go.Scattergl if many else go.Scatter)(
-        x=xs[jj].astype(np.int32), y=ii.astype(np.int32), mode="markers", name="cell",
-        text=None if many or not len(ii) else names[ii],
-        customdata=np.stack([ii, xs[jj], z[ii, jj]], axis=1).astype(np.float32) if len(ii) else None,
-        marker={"symbol": "square", "size": 14, "opacity": 0},
-        hovertemplate=("" if many else "%{text}<br>") + f"{step_text}<br>{title}: %{{customdata[2]:.3g}}"
-                      "<extra></extra>"))
+    fig.add_trace(_cell_points(z, xs, names, hm.width, title))
     if first_nonfinite is not None:
         fig.add_vline(x=first_nonfinite, line={"color": "crimson", "dash": "dash"},
                       annotation_text=f"first non-finite (step {first_nonfinite})", annotation_position="top")
-    lo = buckets[0] if buckets else 0
-    pts = [(a.step, a.rule, row_of.get(_alert_key(a))) for a in alerts if a.op is not None]
-    pts = [(st, rule, i) for st, rule, i in pts if i is not None]
-    if pts:
-        at = [lo + width * ((st - lo) // width) for st, _, _ in pts]
-        fig.add_trace(go.Scatter(
-            x=at, y=[i for _, _, i in pts], mode="markers", name="alert", text=[r for _, r, _ in pts],
-            customdata=[[i, b, float("nan")] for (_, _, i), b in zip(pts, at)],
-            marker={"symbol": "x", "size": 10, "color": "black"},
-            hovertemplate="%{text} alert at step %{x}<extra></extra>"))
+    marks = _alert_points(alerts, row_of, buckets[0] if buckets else 0, hm.width)
+    if marks is not None:
+        fig.add_trace(marks)
     fig.update_layout(height=max(260, 22 * len(labels) + 120), margin={"l": 10, "r": 10, "t": 40, "b": 40},
                       xaxis_title="step", showlegend=False,
                       yaxis={"autorange": "reversed", "tickvals": list(rows), "ticktext": list(names),
@@ -152,7 +173,7 @@ def _alert_key(a) -> tuple:
     return a.op, "output", "0"
 
 
-def cell_target(point: dict, ops: list[dict]) -> Optional[tuple[str, int]]:
+def cell_target(point: dict, ops: list[TimelineOp]) -> Optional[tuple[str, int]]:
     """(op, step) a clicked heatmap cell or alert stands for (``ops``: the heatmap's rows), or None."""
     cd = point.get("customdata")
     if isinstance(cd, dict):  # a typed array's row arrives from the browser as {"0": ..., "1": ...}
@@ -161,12 +182,12 @@ def cell_target(point: dict, ops: list[dict]) -> Optional[tuple[str, int]]:
         row, step = int(cd[0]), int(cd[1])
     except (TypeError, ValueError, IndexError):
         return None
-    return (ops[row]["op"], step) if 0 <= row < len(ops) else None
+    return (ops[row].op, step) if 0 <= row < len(ops) else None
 
 
 def default_ops(hm: svc.TimelineHeatmap, alerts: Sequence, limit: int = 3) -> list[str]:
     """Series labels to plot first: the ops with alerts, else the ones with the least headroom."""
-    labels = [series_label(o["op"], o["role"], o["index"]) for o in hm.ops]
+    labels = [series_label(o.op, o.role, o.index) for o in hm.ops]
     chosen = []
     for a in alerts:
         if a.op is not None:
@@ -176,8 +197,8 @@ def default_ops(hm: svc.TimelineHeatmap, alerts: Sequence, limit: int = 3) -> li
     if not chosen:
         worst: dict = {}
         for c in hm.cells:
-            lab = series_label(c["op"], c["role"], c["index"])
-            v = c["value"]
+            lab = series_label(c.op, c.role, c.index)
+            v = c.value
             if v is not None and math.isfinite(v):
                 worst[lab] = min(worst.get(lab, math.inf), v)
         chosen = sorted(worst, key=worst.get)
@@ -254,15 +275,16 @@ def alerts_frame(alerts: Sequence) -> pd.DataFrame:
                         columns=["step", "rule", "op", "message", "steps firing"])
 
 
-def step_figure(steps: list, first: Optional[int]) -> go.Figure:
+def step_figure(steps: list[StepRow], first: Optional[int]) -> go.Figure:
     """Loss, gradient norm (with a GradScaler given to the capture: unscaled) and non-finite values per step
     (log y), the first non-finite step marked: the Timeline page's curves and the HTML report's."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    x = [r["step"] for r in steps]
+    x = [r.step for r in steps]
     for key, label in (("loss", "loss"), ("grad_norm", "gradient norm"), ("nonfinite_values", "NaN/Inf values")):
-        y = [None if r.get(key) is None or (isinstance(r[key], float) and math.isnan(r[key])) else abs(r[key]) for r in steps]
+        vals = [getattr(r, key) for r in steps]
+        y = [None if v is None or (isinstance(v, float) and math.isnan(v)) else abs(v) for v in vals]
         if any(v is not None for v in y):
             fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=label,
                                      hovertemplate=f"step %{{x}}<br>{label} %{{y:.4g}}<extra></extra>"))
@@ -303,8 +325,9 @@ def rank_step_figure(cells: list[RankStepCell], first: Optional[int]) -> Optiona
     return fig
 
 
-def steps_frame(steps: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(steps, columns=["step", "loss", "loss_scale", "grad_norm", "nonfinite_values", "tensors"])
+def steps_frame(steps: list[StepRow]) -> pd.DataFrame:
+    return pd.DataFrame([dataclasses.asdict(s) for s in steps],
+                        columns=["step", "loss", "loss_scale", "grad_norm", "nonfinite_values", "tensors"])
 
 
 def rules_frame() -> pd.DataFrame:
@@ -313,9 +336,10 @@ def rules_frame() -> pd.DataFrame:
                           "applies to": "each op" if r.scope == "op" else "each step"} for r in ALERT_RULES])
 
 
-def op_series_by_label(store, run_id: str, labels: Sequence[str], ops: list, fmt: str) -> list[svc.OpSeries]:
+def op_series_by_label(store, run_id: str, labels: Sequence[str], ops: list[TimelineOp],
+                       fmt: str) -> list[svc.OpSeries]:
     """The series of the chosen labels (``ops``: the heatmap's rows), in the order chosen."""
-    by_label = {series_label(o["op"], o["role"], o["index"]): o for o in ops}
-    return [svc.OpSeries(lab, svc.op_series(store, run_id, by_label[lab]["op"], by_label[lab]["role"],
-                                            str(by_label[lab]["index"]), fmt=fmt))
+    by_label = {series_label(o.op, o.role, o.index): o for o in ops}
+    return [svc.OpSeries(lab, svc.op_series(store, run_id, by_label[lab].op, by_label[lab].role,
+                                            str(by_label[lab].index), fmt=fmt))
             for lab in dict.fromkeys(labels) if lab in by_label]
