@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -220,7 +221,7 @@ def module_tree(store, run_id: str, *, fmt: str) -> list[ModuleNode]:
     first = first_failing_op(store, run_id)
     failing = module_path(first["op"]) if first and first.get("op") else None
     worst = tl.op_worst(store, run_id, get_format(fmt).max)
-    return build_tree(worst, failing)
+    return build_tree([SimpleNamespace(**w) for w in worst], failing)
 
 
 def record_at(store, run_id: str, op: str, step: int) -> Optional[OutputRecord]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..alerts import op_format
 from ..formats import get_format
@@ -38,16 +38,16 @@ class ModuleNode:
     op: Optional[str]
 
 
-def build_tree(entries: list[dict], failing: Optional[str] = None) -> list[ModuleNode]:
-    """The modules' nodes from ``entries`` (``op``, ``headroom``,
+def build_tree(entries: Sequence, failing: Optional[str] = None) -> list[ModuleNode]:
+    """The modules' nodes from ``entries`` (rows with ``op``, ``headroom``,
     ``nonfinite`` and optionally ``parent``: the op's enclosing call); ``failing`` is the module path of the
     first failure.  ``op`` of a node is the module's own call where recorded, else its worst op."""
     nodes: dict = {"": {"id": ROOT, "parent": "", "label": ROOT, "headroom": None, "nonfinite": False,
                         "on_path": failing is not None, "op": None, "_worst": math.inf}}
     for e in entries:
-        path = enclosing_module(e["op"], e.get("parent"))
+        path = enclosing_module(e.op, getattr(e, "parent", None))
         parts = path.split(".") if path else []
-        h = e["headroom"]
+        h = e.headroom
         h = h if h is not None and math.isfinite(h) else None
         for i in range(len(parts) + 1):
             key = ".".join(parts[:i])
@@ -59,12 +59,12 @@ def build_tree(entries: list[dict], failing: Optional[str] = None) -> list[Modul
                     "on_path": failing is not None and (failing == key or failing.startswith(key + "."))}
             if h is not None and (n["headroom"] is None or h < n["headroom"]):
                 n["headroom"] = h
-            n["nonfinite"] = n["nonfinite"] or bool(e["nonfinite"])
+            n["nonfinite"] = n["nonfinite"] or bool(e.nonfinite)
         leaf = nodes[path]
-        own = module_path(e["op"]) == path and module_path(e["op"]) != e["op"]
+        own = module_path(e.op) == path and module_path(e.op) != e.op
         score = -1.0 if own else (h if h is not None else math.inf)  # the module's own call first
         if leaf["op"] is None or score < leaf["_worst"]:
-            leaf["op"], leaf["_worst"] = e["op"], score
+            leaf["op"], leaf["_worst"] = e.op, score
     return [ModuleNode(n["id"], n["parent"], n["label"], n["headroom"], n["nonfinite"], n["on_path"], n["op"])
             for n in nodes.values()]
 
