@@ -13,7 +13,7 @@ st.write(
     "Records without a counterpart are listed as unmatched, never as passing. With several runs (for "
     "example after fixes), compare them all at once against the base run."
 )
-runs = dv.runs_by_id(store, sid)
+runs = dv.runs_by_id(store, sid).by_id
 for card in dv.rerun_cards(store, sid):
     with st.container(border=True):
         st.markdown(f"**{plain(card.run)}**: {plain(card.parent)} re-run with "
@@ -42,7 +42,8 @@ page_size = 50
 current = page.bound_value("page", int, 1)  # the pager is drawn below the table it pages
 
 if mode == "pair":
-    pairs, matched = dv.pair_choices(store, sid)
+    choices = dv.pair_choices(store, sid)
+    pairs, matched = choices.by_label, choices.matched
     if not pairs:
         st.info("This session has no reference/candidate comparison. Ingest a dump together with its fp32 "
                 "reference to get one.")
@@ -75,7 +76,7 @@ elif mode == "data":
         names = dict(zip(table["session_id"], table["session"]))
         other_sid = st.selectbox("Candidate from session", list(names), index=list(names).index(sid),
                                  key="data_session", format_func=names.get)
-    cand_runs = runs if other_sid == sid else dv.runs_by_id(store, other_sid)
+    cand_runs = runs if other_sid == sid else dv.runs_by_id(store, other_sid).by_id
     cand_ids = list(cand_runs)
     if len(ids) < 2 and other_sid == sid:
         st.info("This session holds a single run; pairing by data needs two: choose a candidate from another "

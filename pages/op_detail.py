@@ -30,12 +30,12 @@ step = None
 if steps:
     landing = current_rec or first_rec
     if asked is not None and current_rec is not None and page.linked("step") is None:
-        st.session_state[page.page_key("pick_step")] = current_rec["step"]  # a link to an op opens its step
+        st.session_state[page.page_key("pick_step")] = current_rec.step  # a link to an op opens its step
     step = page.url_select("Step", steps, param="step", key="pick_step",
-                           default=landing["step"] if landing else steps[0])
-    if current_rec is not None and current_rec["step"] != step:
+                           default=landing.step if landing else steps[0])
+    if current_rec is not None and current_rec.step != step:
         current_rid = None  # another step was chosen: pick among its ops
-landing_rid = first_rec["rid"] if first_rec and (step is None or first_rec["step"] == step) else None
+landing_rid = first_rec.rid if first_rec and (step is None or first_rec.step == step) else None
 find = st.sidebar.text_input("Find op by name", key="op_find", placeholder="e.g. fc1 or *linear*output*")
 choices = dv.op_choices(store, run.run_id, find, step=step,
                         include_rid=current_rid if current_rid is not None else landing_rid, steps=bool(steps))
@@ -48,13 +48,13 @@ rid = page.url_select("Op", choices.options, param="op", key="pick_op", default=
 with page.guard("This op could not be loaded"):
     rec, stats, others = dv.op_record(store, run.run_id, rid)
 
-st.subheader(plain(rec["name"]), anchor=False)  # a dump's name, shown as typed
-flag = " · :red[**contains NaN/Inf**]" if rec["nonfinite"] else ""
-st.markdown(f"run **{plain(run.name)}** · {plain(rec['op_type'])} · {plain(rec['direction'])} · "
-            f"seq {rec['seq']} · step {rec['step']} · rank {rec['rank']} · {plain(rec['dtype'])} "
-            f"{plain(rec['shape'])}{flag}")
-if rec.get("location"):
-    st.caption(f"Called from {plain(rec['location'])}")
+st.subheader(plain(rec.name), anchor=False)  # a dump's name, shown as typed
+flag = " · :red[**contains NaN/Inf**]" if rec.nonfinite else ""
+st.markdown(f"run **{plain(run.name)}** · {plain(rec.op_type)} · {plain(rec.direction)} · "
+            f"seq {rec.seq} · step {rec.step} · rank {rec.rank} · {plain(rec.dtype)} "
+            f"{plain(list(rec.stats.shape))}{flag}")
+if rec.location:
+    st.caption(f"Called from {plain(rec.location)}")
 st.write(
     "Magnitudes of the values on a log2 scale against the limits of the chosen number formats; the table "
     "counts exactly how many values would overflow, become subnormal or round to zero in each."
@@ -68,7 +68,7 @@ if others:
     st.caption("Compared with: " + "; ".join(f"{plain(o.run)} ({o.side}, {o.match} match): "
                                               f"{plain(o.name or '-')}" for o in others))
 
-formats = page.choose_formats(dv.default_formats(rec["dtype"]))
+formats = page.choose_formats(dv.default_formats(rec.dtype))
 
 art = next((a for a in norm_artefacts(store, info.session_id)
             if a.run_id == run.run_id and a.rid == rid), None)
@@ -110,7 +110,7 @@ if formats:
                              key=f"vals_{i}")
 
 if stats.hist is not None:
-    with st.expander("What if this tensor were stored in each format?", expanded=rec["dtype"] == "float32"):
+    with st.expander("What if this tensor were stored in each format?", expanded=rec.dtype == "float32"):
         what_if = dv.what_if_table(stats)
         st.dataframe(text_columns(what_if, ("max finite", "smallest normal")), hide_index=True, width="stretch",
                      key="what_if", column_config={c: st.column_config.NumberColumn(format="%.4f")

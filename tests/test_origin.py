@@ -272,7 +272,7 @@ def test_an_msprobe_weight_that_overflowed_is_named_through_construct_json(store
                                                   "Functional.gelu.0.forward": None}))
     name = ingest(tmp_path / "ms", store=store)
     run_id = q.session_runs(store, store.session(name).session_id)[0].run_id
-    assert q.op_parents(store, run_id) == {"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0"}
+    assert q.op_parents(store, run_id).by_op == {"Functional.linear.0.forward": "Module.block.fc.Linear.forward.0"}
     f = report.first_nonfinite(store, run_id)
     assert f.origin == "parameter" and f.parameter.name == "block.fc.weight"
     assert f.op == "Module.block.fc.Linear.forward.0"

@@ -18,6 +18,7 @@ import torch
 from precision_lab.origin import ComparedRecord, NonfiniteCall, RunFacts, analyse, model_outputs
 from precision_lab.origin.calls import _inside
 from precision_lab.stats import tensor_stats
+from precision_lab.store.rows import ForwardEnds
 
 INF, NAN = math.inf, math.nan
 _RID = iter(range(10_000))
@@ -185,15 +186,15 @@ def test_records_never_nest_by_name_prefix():
 
 
 def test_the_model_output_is_the_root_or_else_the_last_op():
-    ends = [{"step": 0, "rank": 0, "first": "forward.0", "last": "fc.linear.0"},  # call order: root first
-            {"step": 1, "rank": 0, "first": "embed.forward.0", "last": "forward.0"},  # completion order
-            {"step": 2, "rank": 0, "first": "hook_embed", "last": "blocks.1.hook_resid_post"}]  # no root
+    ends = [ForwardEnds(0, 0, "forward.0", "fc.linear.0", None),  # call order: root first
+            ForwardEnds(1, 0, "embed.forward.0", "forward.0", None),  # completion order
+            ForwardEnds(2, 0, "hook_embed", "blocks.1.hook_resid_post", None)]  # no root
     assert model_outputs(ends, "execution").by_step == {(0, 0): ("forward.0", True), (1, 0): ("forward.0", True),
                                                         (2, 0): ("blocks.1.hook_resid_post", False)}
     assert (2, 0) not in model_outputs(ends, "name").by_step  # with the order unknown, the last op says nothing
     # a record named as a model's output is, where nothing nests it (``model.npy`` beside ``layers.0.npy``),
     # whatever the order: the last file by time or name may be any module's
-    named = [{"step": 0, "rank": 0, "first": "base", "last": "tail.fill", "named_root": "model"}]
+    named = [ForwardEnds(0, 0, "base", "tail.fill", "model")]
     assert model_outputs(named, "name").by_step == model_outputs(named, "mtime").by_step == {(0, 0): ("model", False)}
 
 

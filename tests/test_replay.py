@@ -102,14 +102,15 @@ def _np_reference(kind, args):
 def _args_of(store, session, op):
     """The op's inputs as stored (kept tensors), for the independent computation."""
     from precision_lab.services.replay import _assemble, _load_tensor, _pick_run, _scalar_args
-    from precision_lab.store.queries import rows
+    from precision_lab.store.rows import NamedRecord, records_as
 
     info = store.session(session)
     run = _pick_run(store, info, None)
-    recs = rows(store, "SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid", [run.run_id, op])
-    tensors = {(r["role"], str(r["index"])): _load_tensor(store, run, r) for r in recs}
+    recs = records_as(NamedRecord, store.sql("SELECT * FROM tensors WHERE run_id = ? AND op = ? ORDER BY rid",
+                                             [run.run_id, op]))
+    tensors = {(r.role, r.index): _load_tensor(store, run, r) for r in recs}
     pos, kw, _ = _scalar_args(run, op, recs)
-    return _assemble(canonical_op(recs[0]["op_type"]), tensors, pos, kw)
+    return _assemble(canonical_op(recs[0].op_type), tensors, pos, kw)
 
 
 @pytest.mark.parametrize("op, kind", [

@@ -23,24 +23,6 @@ STORE_CLASS = ("precision_lab.store", "Store")
 
 PENDING = frozenset("""
 precision_lab.services.report.build_report
-precision_lab.store.queries.forward_ends
-precision_lab.store.queries.module_call
-precision_lab.store.queries.nonfinite_norms_of_finite_values
-precision_lab.store.queries.op_extremes
-precision_lab.store.queries.op_parents
-precision_lab.store.queries.op_records
-precision_lab.store.queries.record_ids_by_name
-precision_lab.store.queries.reference_of
-precision_lab.store.queries.rows
-precision_lab.store.queries.run_records_with_data
-precision_lab.store.transfer.table_columns
-precision_lab.store.views.record
-precision_lab.store.views.record_comparisons
-precision_lab.ui.detail.op_record
-precision_lab.ui.detail.record_named
-precision_lab.ui.diff.pair_choices
-precision_lab.ui.diff.runs_by_id
-precision_lab.ui.page.require_session
 """.split())
 
 

@@ -643,7 +643,7 @@ def test_the_op_pickers_name_records_a_link_may_give(db):
     run_id = runs["candidate"].run_id
     first = views.find_records(db, run_id, limit=3)
     rid = first[0].rid
-    assert detail.record_named(db, run_id, f" {rid} ")["name"] == first[0].name
+    assert detail.record_named(db, run_id, f" {rid} ").name == first[0].name
     assert detail.record_named(db, run_id, "12abc") is None
     assert detail.record_named(db, run_id, 10 ** 9) is None
     last = views.find_records(db, run_id, limit=10 ** 6)[-1]

@@ -20,7 +20,7 @@ class ModelOutputs:
     by_step: dict  # (step, rank) -> (op, root)
 
 
-def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = None) -> ModelOutputs:
+def model_outputs(ends: Sequence, order, parents: Optional[Mapping] = None) -> ModelOutputs:
     """(step, rank) -> ``(op, root)`` (``ModelOutputs.by_step``): the op call that returned the model's output,
     from ``store.queries.forward_ends`` rows (the forward op calls that start first and last), and whether it is
     known to be the root.  The first when it holds the last (a root recorded in call order) or the last when it
@@ -30,16 +30,16 @@ def model_outputs(ends: Sequence[Mapping], order, parents: Optional[Mapping] = N
     known = RunOrder.of(order).known
     out = {}
     for e in ends:
-        first, last = e.get("first"), e.get("last")
-        key = (int(e["step"]), int(e["rank"]))
+        first, last = e.first, e.last
+        key = (int(e.step), int(e.rank))
         if first is None or last is None:
             continue
         if first == last or _inside(last, first, parents):
             out[key] = (first, True)
         elif _inside(first, last, parents):
             out[key] = (last, True)
-        elif e.get("named_root"):
-            out[key] = (e["named_root"], False)
+        elif e.named_root:
+            out[key] = (e.named_root, False)
         elif known:
             out[key] = (last, False)
     return ModelOutputs(out)

@@ -18,7 +18,7 @@ from ..fixes.recipes import RecipeNotFound, get_recipe
 from ..fixes.facts import FACTS
 from ..fixes.rules import Context, diagnose_run, module_facts, quantise_findings
 from ..ops import aliases_of
-from ..records import Diagnosis, StoredRecord
+from ..records import Diagnosis
 from ..store import DatabaseLocked
 from ..store import queries as q
 from .report import first_nonfinite
@@ -45,15 +45,13 @@ class StoreFacts:
         return q.zero_gradients(self.store, run_id)
 
     def op_records(self, run_id, op, step, rank):
-        return [StoredRecord.from_row(r) for r in q.op_records(self.store, run_id, op, step, rank)]
+        return q.op_records(self.store, run_id, op, step, rank)
 
     def module_call(self, run_id, module, step, rank, seq, *, after=True):
-        return [StoredRecord.from_row(r) for r in q.module_call(self.store, run_id, module, step, rank, seq, after=after)]
+        return q.module_call(self.store, run_id, module, step, rank, seq, after=after)
 
     def reference_of(self, cand_run_id, recs, ref_run_id):
-        rows = [{"rid": r.rid, "op": r.op, "role": r.role, "index": r.index, "step": r.step, "rank": r.rank}
-                for r in recs]
-        return {rid: StoredRecord.from_row(r) for rid, r in q.reference_of(self.store, cand_run_id, rows, ref_run_id).items()}
+        return q.reference_of(self.store, cand_run_id, recs, ref_run_id).by_rid
 
     def first_nonfinite_output_of_type(self, run_id, op_type):
         return q.first_nonfinite_output_of_type(self.store, run_id, op_type)

@@ -16,7 +16,6 @@ the op's defaults are used and the result says so.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from ..readers.tensorfile import SUFFIXES, load_source
 from ..records import RunInfo
 from ..stats import tensor_stats
 from ..store import queries as q
-from ..store.rows import SessionRow
+from ..store.rows import NamedRecord, SessionRow
 from .share import SHARED_SOURCE
 
 __all__ = ["ReplayResult", "ReplayableOp", "replay_op", "replayable_ops", "REPRODUCE_ULPS"]
@@ -146,25 +145,25 @@ def _as_dtype(t, dtype_name: Optional[str]):
     return t
 
 
-def _load_tensor(store, run: RunInfo, rec: dict):
+def _load_tensor(store, run: RunInfo, rec: NamedRecord):
     """The record's tensor: kept in the store, else read from the dump folder (a tensor file or a shard)."""
     torch = _torch()
-    arr = store.tensor(run.run_id, rec["rid"])
+    arr = store.tensor(run.run_id, rec.rid)
     if arr is not None:
-        return _as_dtype(torch.from_numpy(arr), rec.get("dtype"))
-    src = rec.get("source") or ""
+        return _as_dtype(torch.from_numpy(arr), rec.dtype)
+    src = rec.source or ""
     root = _dump_root(run)
     if root is None or not src.partition("#")[0].lower().endswith(SUFFIXES + (".parquet",)):
         return None  # a statistics-only record (its source is the dump.json), or no folder to read
-    t = load_source(root, src, name=rec["name"], step=int(rec["step"]), rank=int(rec["rank"]))
+    t = load_source(root, src, name=rec.name, step=rec.step, rank=rec.rank)
     if t is None:
         return None
     rel = src.partition("#")[0]
-    shape = json.loads(rec["shape"]) if isinstance(rec.get("shape"), str) else rec.get("shape")
-    if shape is not None and list(t.shape) != list(shape):
+    shape = rec.stats.shape
+    if list(t.shape) != list(shape):
         raise ReadError(f"{rel}: holds a tensor of shape {list(t.shape)} where the session recorded {list(shape)} "
-                        f"for {rec['name']}; the dump changed after it was ingested")
-    t = _as_dtype(_as_torch(t), rec.get("dtype"))
+                        f"for {rec.name}; the dump changed after it was ingested")
+    t = _as_dtype(_as_torch(t), rec.dtype)
     _check_unchanged(t, rec, rel)
     return t
 
@@ -173,18 +172,18 @@ def _load_tensor(store, run: RunInfo, rec: dict):
 _EXACT_STATS = ("nan_count", "inf_count", "zero_count", "min", "max", "min_abs_nonzero")
 
 
-def _check_unchanged(t, rec: dict, rel: str) -> None:
+def _check_unchanged(t, rec: NamedRecord, rel: str) -> None:
     """A tensor read back from the dump holds what was ingested: its counts and extremes are the stored ones.
     Files without checksums (``.npy``, ``.bin``, ``.safetensors``) replaced or damaged since are caught here
     when the change reaches one of them."""
     s = tensor_stats(t, histogram=False)
     for f in _EXACT_STATS:
-        want, got = rec.get(f), getattr(s, f)
+        want, got = getattr(rec.stats, f), getattr(s, f)
         if want is None or got is None or (want != want and got != got):  # unknown, or NaN on both sides
             continue
         if want != got:
             raise ReadError(f"{rel}: its {f.replace('_', ' ')} is {got!r} where the session recorded {want!r} for "
-                            f"{rec['name']}; the dump changed after it was ingested")
+                            f"{rec.name}; the dump changed after it was ingested")
 
 
 def _as_torch(t):
@@ -199,11 +198,11 @@ def _as_torch(t):
         return torch.from_numpy(a.astype(np.float32))
 
 
-def _scalar_args(run: RunInfo, op: str, records: list[dict]) -> tuple[dict, dict, Optional[str]]:
+def _scalar_args(run: RunInfo, op: str, records: list[NamedRecord]) -> tuple[dict, dict, Optional[str]]:
     """Non-tensor positional and keyword arguments of an msprobe entry: ({pos: value}, {name: value}, note).
     The ``dump.json`` is read within the limits ingest used; one that cannot be read is a ``ReadError``."""
     root = _dump_root(run)
-    src = next((r.get("source") for r in records if r.get("source")), "") or ""
+    src = next((r.source for r in records if r.source), "") or ""
     if root is None or not src:
         return {}, {}, None
     p = Path(src.partition("#")[0])
@@ -290,11 +289,11 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
     torch = _torch()
     info = store.session(session)
     r = _pick_run(store, info, run)
-    recs = [x for x in q.op_records(store, r.run_id, op, step, rank) if x["direction"] == "forward"]
+    recs = [x for x in q.op_records(store, r.run_id, op, step, rank) if x.direction == "forward"]
     if not recs:
         raise ReplayError(f"run {r.name!r} of session {info.name!r} has no forward op {op!r} "
                           f"at step {step}, rank {rank}")
-    op_type = recs[0]["op_type"] or ""
+    op_type = recs[0].op_type or ""
     name = canonical_op(op_type)
     if name is None:
         raise ReplayError(f"op {op!r} has type {op_type!r}, which replay does not know; replayable types: "
@@ -308,8 +307,8 @@ def _replay_op(store, session: str, op: str, fixes, run: Optional[str], step: in
     if not args:
         raise ReplayError(f"op {op!r}: no input tensors were recorded")
     dumped = tensors.get(("output", "0"))
-    out_rec = next((x for x in recs if x["role"] == "output"), None)
-    fmt = format_for_dtype(out_rec["dtype"]) if out_rec else None
+    out_rec = next((x for x in recs if x.role == "output"), None)
+    fmt = format_for_dtype(out_rec.dtype) if out_rec else None
     if fmt is None or fmt.name not in ("fp32", "fp16", "bf16"):
         fmt = format_for_dtype(r.dtype) or FORMATS["fp32"]
     policy = _run_policy(r, fmt)
@@ -333,12 +332,12 @@ def _op_tensors(store, r: RunInfo, op: str, recs: list) -> dict[tuple[str, str],
     tensors: dict[tuple[str, str], Any] = {}
     for rec in recs:
         t = _load_tensor(store, r, rec)
-        if t is None and rec["role"] != "output":
+        if t is None and rec.role != "output":
             raise ReplayError(
-                f"op {op!r}: the {rec['role']} {rec['index']} tensor is not available (only its statistics were "
+                f"op {op!r}: the {rec.role} {rec.index} tensor is not available (only its statistics were "
                 "dumped or kept); ingest a tensor-mode dump with --keep-tensors, or keep the dump folder in place")
         if t is not None:
-            tensors[(rec["role"], str(rec["index"]))] = t
+            tensors[(rec.role, rec.index)] = t
     return tensors
 
 

@@ -114,7 +114,7 @@ def run_facts(store, run_id: str) -> RunFacts:
         raise KeyError(f"no run {run_id!r}")
     calls = tuple(q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
     recs = tuple(q.nonfinite_records(store, run_id)) if calls else ()
-    parents = q.op_parents(store, run_id) if calls else {}
+    parents = q.op_parents(store, run_id).by_op if calls else {}
     return RunFacts(run.name, run_id, run.order, calls, recs, parents,
                     inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
                     outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents).by_step if calls else {})
@@ -227,22 +227,22 @@ def norm_artefacts(store, session_id: str) -> list[NormArtefact]:
     rows = q.nonfinite_norms_of_finite_values(store, session_id)
     out = []
     for r in rows:
-        fmt = format_for_dtype(r["dtype"])
-        fname = fmt.name if fmt else (r["dtype"] or "its dtype")
-        absmax = max(abs(r["min"]), abs(r["max"]))
-        bound = math.sqrt(r["numel"] or 0) * absmax
-        which = [n for n, v in (("Norm", r["l2norm"]), ("Mean", r["mean"]))
+        fmt = format_for_dtype(r.dtype)
+        fname = fmt.name if fmt else (r.dtype or "its dtype")
+        absmax = max(abs(r.stats.min), abs(r.stats.max))
+        bound = math.sqrt(r.stats.numel or 0) * absmax
+        which = [n for n, v in (("Norm", r.stats.l2norm), ("Mean", r.stats.mean))
                  if v is not None and not math.isfinite(v)]
         what = "/".join(which)
-        reason = (f"{fname} norm-arithmetic artefact: {what} is {num_text(r['l2norm'] if 'Norm' in which else r['mean'])}"
-                  f" while Max {num_text(r['max'])} and Min {num_text(r['min'])} are finite. The dump computed "
+        reason = (f"{fname} norm-arithmetic artefact: {what} is {num_text(r.stats.l2norm if 'Norm' in which else r.stats.mean)}"
+                  f" while Max {num_text(r.stats.max)} and Min {num_text(r.stats.min)} are finite. The dump computed "
                   f"the {what.lower()} in {fname}")
         if fmt is not None and fmt.kind == "float":
             reason += (f", whose largest finite value is {num_text(fmt.max, grouped=True)}; the float64 norm is at most "
                        f"sqrt(numel) x absmax = {bound:.6g}")
         reason += ". The values did not overflow; this is not a non-finite tensor."
-        out.append(NormArtefact(*(r[k] for k in ("run", "run_id", "rid", "step", "rank", "seq", "op", "role", "index",
-                                                  "dtype", "min", "max", "mean", "l2norm")), bound, reason))
+        out.append(NormArtefact(r.run, r.run_id, r.rid, r.step, r.rank, r.seq, r.op, r.role, r.index, r.dtype,
+                                r.stats.min, r.stats.max, r.stats.mean, r.stats.l2norm, bound, reason))
     return out
 
 
@@ -298,9 +298,9 @@ def build_report(store, session: str) -> dict:
                 for w in q.session_warning_rows(store, sid)]
     alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
     # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
-    worst = q.rows(store, *ranking.ranked_comparisons_sql(sid, ranking.ACCUMULATED_KINDS + ranking.LOCAL_KINDS, n=WORST_KEPT,
-                                                     include_nonfinite=True))
-    worst_comparisons = [{"cand_run": w["run"], **{k: w[k] for k in _WORST_COLS}} for w in worst]
+    worst = ranking.ranked_comparisons(store, sid, ranking.ACCUMULATED_KINDS + ranking.LOCAL_KINDS, n=WORST_KEPT,
+                                       include_nonfinite=True)
+    worst_comparisons = [{"cand_run": w.run, **{k: getattr(w, k) for k in _WORST_COLS}} for w in worst]
     return {
         "session": info.name,
         "created": info.created,

@@ -224,7 +224,7 @@ def _resolve_parent(runs: list[RunInfo], parent: Optional[str], session: str) ->
 
 
 def _reference_rids(store, ref_run_id: str) -> dict:
-    return q.record_ids_by_name(store, ref_run_id)
+    return q.record_ids_by_name(store, ref_run_id).by_name
 
 
 def _unique_run_name(runs: list[RunInfo], base: str) -> str:

@@ -246,7 +246,7 @@ def _import_path(store, path: Path, *, name, config, where: str) -> ImportResult
         for t in held:
             if m["tables"][t]["file"] not in present:
                 raise ShareError(f"{where}: {MANIFEST} lists {m['tables'][t]['file']} but the zip does not hold it")
-        columns = table_columns(store, held)
+        columns = table_columns(store, held).by_table
         tables = {t: _read_table(zf, where, t, m["tables"][t], columns[t]) for t in held}
     tables = _sources_as_text(tables)
     sid, orig_name = m["session"]["session_id"], m["session"]["name"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from ..alerts import op_format
@@ -77,7 +76,7 @@ def run_tree(store, run_id: str, *, fmt: Optional[str] = None, failing_op: Optio
     run = q.run_row(store, run_id)
     f = get_format(fmt) if fmt else (op_format(run.dtype if run else None) or get_format("fp16"))
     failing = enclosing_module(failing_op, failing_parent) if failing_op else None
-    return build_tree([SimpleNamespace(**e) for e in q.op_extremes(store, run_id, f.max)], failing)
+    return build_tree(q.op_extremes(store, run_id, f.max), failing)
 
 
 def tree_modules_of(nodes: list[ModuleNode]) -> list[ModuleNode]:

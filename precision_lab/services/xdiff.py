@@ -47,7 +47,6 @@ from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..metrics import Comparison, compare, compare_stats
 from ..ops import canonical
 from ..records import TensorRecord, npy_load
-from ..stats import TensorStats
 from ..store import SessionNotFound
 from ..store.queries import run_records_with_data, session_runs
 from .xcalls import OpPair, Pairing, aligned, op_calls, rel_error, values_of
@@ -355,12 +354,10 @@ def run_records(store, run_id: str) -> list[TensorRecord]:
     """A stored run's records, each with its kept tensor (``tensor``: numpy) where one was kept."""
     out = []
     for row in run_records_with_data(store, run_id):
-        stats = TensorStats.from_row(row)
-        out.append(TensorRecord(run_id=run_id, seq=int(row["seq"]), op=row["op"], op_type=row.get("op_type") or "",
-                                role=row["role"], index=str(row["index"]), stats=stats, step=int(row["step"]),
-                                rank=int(row["rank"]), direction=row.get("direction") or "forward",
-                                parent=row.get("parent"),
-                                tensor=npy_load(row["npy"]) if row.get("npy") is not None else None))
+        out.append(TensorRecord(run_id=run_id, seq=row.seq, op=row.op, op_type=row.op_type or "", role=row.role,
+                                index=row.index, stats=row.stats, step=row.step, rank=row.rank,
+                                direction=row.direction or "forward", parent=row.parent,
+                                tensor=npy_load(row.npy) if row.npy is not None else None))
     return out
 
 

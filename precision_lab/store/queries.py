@@ -15,7 +15,8 @@ from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedV
                            ZeroGradient)
 from ..records import Diagnosis, RunInfo, StoredRecord
 from ..origin.values import ComparedRecord, NonfiniteCall, PathStep
-from .rows import ForwardOpCall, SessionListRow, WarningRow, one_as, records_as, rows_as
+from .rows import (ForwardEnds, ForwardOpCall, NamedRecord, OpExtreme, OpParents, RecordIds, RecordOfRun,
+                   RecordWithData, ReferenceRecords, SessionListRow, WarningRow, one_as, records_as, rows_as)
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
@@ -29,7 +30,8 @@ D = TypeVar("D", bound=Diagnosis)
 
 
 def rows(store, sql: str, params: Optional[list] = None) -> list[dict]:
-    """Rows of ``sql`` as dicts keyed by column name."""
+    """Rows of ``sql`` as dicts keyed by column name: the store's own reading of a query it answers in its own
+    terms (the functions here give every other layer typed rows)."""
     cur = store.sql(sql, params or [])
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
@@ -75,14 +77,14 @@ def run_row(store, run_id: str) -> Optional[RunInfo]:
     return one_as(RunInfo, store.sql("SELECT * FROM runs WHERE run_id = ?", [run_id]))
 
 
-def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[dict]:
+def op_records(store, run_id: str, op: str, step: int, rank: int) -> list[NamedRecord]:
     """Every record of one op call, in execution order."""
-    return rows(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ? AND rank = ?
-                          ORDER BY seq, rid""", [run_id, op, step, rank])
+    return records_as(NamedRecord, store.sql("""SELECT * FROM tensors WHERE run_id = ? AND op = ? AND step = ?
+                                                AND rank = ? ORDER BY seq, rid""", [run_id, op, step, rank]))
 
 
 def module_call(store, run_id: str, module: str, step: int, rank: int, seq: int, *,
-                after: bool = True) -> list[dict]:
+                after: bool = True) -> list[NamedRecord]:
     """Records of one call of ``module`` (named ``<module>.forward.<n>``).
 
     With ``after`` the call that encloses ``seq`` (its record comes after its
@@ -99,31 +101,36 @@ def module_call(store, run_id: str, module: str, step: int, rank: int, seq: int,
     return op_records(store, run_id, hit["op"], step, rank)
 
 
-def reference_of(store, cand_run_id: str, recs: list[dict], ref_run_id: str) -> dict[int, dict]:
-    """Reference records paired with the candidate records ``recs``, keyed by candidate rid.
+def _first_record(store, sql: str, params: list) -> Optional[NamedRecord]:
+    got = records_as(NamedRecord, store.sql(sql, params))
+    return got[0] if got else None
+
+
+def reference_of(store, cand_run_id: str, recs: Sequence[StoredRecord], ref_run_id: str) -> ReferenceRecords:
+    """Reference records paired with the candidate records ``recs``, by candidate rid.
 
     The stored comparisons decide first; records they do not cover are
     matched by (op, role, index, step, rank).
     """
-    out: dict[int, dict] = {}
+    out: dict[int, NamedRecord] = {}
     if not recs:
-        return out
-    rids = [int(r["rid"]) for r in recs]
+        return ReferenceRecords(out)
+    rids = [int(r.rid) for r in recs]
     q = ",".join("?" * len(rids))
     for c in rows(store, f"""SELECT cand_rid, ref_rid FROM comparisons WHERE cand_run_id = ? AND cand_rid IN ({q})
                              AND ref_rid IS NOT NULL""", [cand_run_id] + rids):
-        ref = _one(store, "SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [ref_run_id, c["ref_rid"]])
+        ref = _first_record(store, "SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [ref_run_id, c["ref_rid"]])
         if ref is not None:
             out[int(c["cand_rid"])] = ref
     for r in recs:
-        if int(r["rid"]) in out:
+        if int(r.rid) in out:
             continue
-        ref = _one(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND role = ? AND "index" = ?
-                             AND step = ? AND rank = ? LIMIT 1""",
-                   [ref_run_id, r["op"], r["role"], r["index"], r["step"], r["rank"]])
+        ref = _first_record(store, """SELECT * FROM tensors WHERE run_id = ? AND op = ? AND role = ? AND "index" = ?
+                                      AND step = ? AND rank = ? LIMIT 1""",
+                            [ref_run_id, r.op, r.role, r.index, r.step, r.rank])
         if ref is not None:
-            out[int(r["rid"])] = ref
-    return out
+            out[int(r.rid)] = ref
+    return ReferenceRecords(out)
 
 
 def first_nonfinite_output_of_type(store, run_id: str, op_type: str) -> Optional[str]:
@@ -322,27 +329,27 @@ def nonfinite_records(store, run_id: str) -> list[ComparedRecord]:
 ROOT_NAMES = ("model", "root", "output", "outputs", "logits", "net", "network", "module")
 
 
-def forward_ends(store, run_id: str) -> list[dict]:
+def forward_ends(store, run_id: str) -> list[ForwardEnds]:
     """Per step and rank, the forward op calls with an output record that start first and last in execution
-    order: ``{step, rank, first, last, named_root}`` (op names); one of them returned the model's output (the
+    order (``ForwardEnds``: op names); one of them returned the model's output (the
     one holding the other, else the last).  ``named_root`` is a record named as a model's output is
     (``ROOT_NAMES``, or a class name: a dotless name that begins with a capital), for a dump whose records
     neither nest nor come in a known order.  A run that records no outputs has no row."""
     names = ", ".join("?" * len(ROOT_NAMES))
-    return rows(store, f"""SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last,
+    return rows_as(ForwardEnds, store.sql(f"""SELECT step, rank, arg_min(op, seq) AS first, arg_max(op, seq) AS last,
                                   min(op) FILTER (WHERE lower(op) IN ({names})
                                                   OR regexp_full_match(op, '[A-Z][A-Za-z0-9_]*')) AS named_root
                            FROM tensors
                            WHERE run_id = ? AND coalesce(direction, 'forward') <> 'backward'
                              AND role IN ('output', 'tensor')
-                           GROUP BY step, rank ORDER BY step, rank""", [*ROOT_NAMES, run_id])
+                           GROUP BY step, rank ORDER BY step, rank""", [*ROOT_NAMES, run_id]))
 
 
-def op_parents(store, run_id: str) -> dict[str, str]:
-    """op -> the module call it ran inside, for the ops whose dump says so (msprobe's construct.json)."""
-    return {r["op"]: r["parent"] for r in rows(store, """SELECT op, any_value(parent) AS parent FROM tensors
-                                                          WHERE run_id = ? AND parent IS NOT NULL GROUP BY op""",
-                                                 [run_id])}
+def op_parents(store, run_id: str) -> OpParents:
+    """The module call each op ran inside, for the ops whose dump says so (msprobe's construct.json)."""
+    return OpParents({r["op"]: r["parent"] for r in rows(store, """SELECT op, any_value(parent) AS parent FROM tensors
+                                                                   WHERE run_id = ? AND parent IS NOT NULL
+                                                                   GROUP BY op""", [run_id])})
 
 
 def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_roles: Sequence[str],
@@ -357,15 +364,15 @@ def op_calls_up_to(store, run_id: str, step: int, rank: int, seq: int, input_rol
                            ORDER BY seq DESC, op DESC LIMIT ?""", [run_id, step, rank, seq, int(limit)]))
 
 
-def nonfinite_norms_of_finite_values(store, session_id: str) -> list[dict]:
+def nonfinite_norms_of_finite_values(store, session_id: str) -> list[RecordOfRun]:
     """Records whose stored Norm or Mean is NaN/inf while their min and max are finite."""
-    return rows(store, """SELECT r.name AS run, t.run_id, t.rid, t.step, t.rank, t.seq, t.op, t.role, t."index",
-                                 t.dtype, t.numel, t.min, t.max, t.mean, t.l2norm
+    return records_as(RecordOfRun, store.sql("""SELECT t.*, r.name AS run, r.kind AS run_kind, r.dtype AS run_dtype,
+                                 r.session_id
                           FROM tensors t JOIN runs r ON r.run_id = t.run_id
                           WHERE r.session_id = ? AND NOT t.nonfinite AND t.min IS NOT NULL AND t.max IS NOT NULL
                             AND coalesce(t.numel, 1) > 0 AND NOT isnan(t.min) AND NOT isnan(t.max)
                             AND (isnan(t.l2norm) OR isinf(t.l2norm) OR isnan(t.mean) OR isinf(t.mean))
-                          ORDER BY r.name, t.step, t.seq, t.rank, t.rid""", [session_id])
+                          ORDER BY r.name, t.step, t.seq, t.rank, t.rid""", [session_id]))
 
 
 def _columns(names: Sequence[str]) -> str:
@@ -381,12 +388,13 @@ def run_tensors(store, run_id: str, columns: Sequence[str]) -> list[tuple]:
                      [run_id]).fetchall()
 
 
-def run_records_with_data(store, run_id: str) -> list[dict]:
-    """Every record of a run (every column of the tensors table) with its kept tensor's ``.npy`` bytes as
-    ``npy`` (None where none was kept), in (step, rank, seq) order."""
-    return rows(store, """SELECT t.*, d.npy AS npy FROM tensors t LEFT JOIN tensor_data d
-                           ON d.run_id = t.run_id AND d.rid = t.rid
-                           WHERE t.run_id = ? ORDER BY t.step, t.rank, t.seq, t.rid""", [run_id])
+def run_records_with_data(store, run_id: str) -> list[RecordWithData]:
+    """Every record of a run with its kept tensor's ``.npy`` bytes as ``npy`` (None where none was kept), in
+    (step, rank, seq) order."""
+    return records_as(RecordWithData, store.sql("""SELECT t.*, d.npy AS npy FROM tensors t LEFT JOIN tensor_data d
+                                                   ON d.run_id = t.run_id AND d.rid = t.rid
+                                                   WHERE t.run_id = ? ORDER BY t.step, t.rank, t.seq, t.rid""",
+                                                [run_id]))
 
 
 def session_comparisons(store, session_id: str, columns: Sequence[str]) -> list[tuple]:
@@ -445,10 +453,10 @@ def run_ranks(store, run_id: str) -> list[int]:
                                          [run_id])]
 
 
-def record_ids_by_name(store, run_id: str) -> dict[tuple[int, int, str], int]:
-    """``(step, rank, name) -> rid`` of every record of a run."""
-    return {(int(r["step"]), int(r["rank"]), r["name"]): int(r["rid"])
-            for r in rows(store, "SELECT step, rank, name, rid FROM tensors WHERE run_id = ?", [run_id])}
+def record_ids_by_name(store, run_id: str) -> RecordIds:
+    """The record ids of every record of a run, by ``(step, rank, name)``."""
+    return RecordIds({(int(step), int(rank), name): int(rid) for step, rank, name, rid in
+                      store.sql("SELECT step, rank, name, rid FROM tensors WHERE run_id = ?", [run_id]).fetchall()})
 
 
 def count_records(store, run_id: str, *, nonfinite: Optional[bool] = None, direction: Optional[str] = None) -> int:
@@ -479,15 +487,15 @@ def run_diagnoses(store, run_id: str) -> list[Diagnosis]:
     return diagnosis_rows(store, Diagnosis, "SELECT * FROM diagnoses WHERE run_id = ? ORDER BY seq", [run_id])
 
 
-def op_extremes(store, run_id: str, fmt_max: float) -> list[dict]:
+def op_extremes(store, run_id: str, fmt_max: float) -> list[OpExtreme]:
     """Per op of a run (forward outputs): the smallest headroom below ``fmt_max`` (log2(fmt_max / absmax)
     over finite values), whether it held a non-finite value, its enclosing call (``parent``), first seq and
     op type."""
-    return rows(store, """
+    return rows_as(OpExtreme, store.sql("""
         SELECT op, min(log2(? / nullif(absmax, 0))) AS headroom, bool_or(nonfinite) AS nonfinite,
                any_value(parent) AS parent, min(seq) AS seq, any_value(op_type) AS op_type
         FROM tensors WHERE run_id = ? AND direction = 'forward' AND role = 'output' GROUP BY op""",
-                [fmt_max, run_id])
+                [fmt_max, run_id]))
 
 
 def op_output_rid(store, run_id: str, op: str) -> Optional[int]:

@@ -1,6 +1,6 @@
 """The ranking of a session's comparisons: which kinds are compared, each verdict's and severity's rank, and the
 query that puts the op where a failure starts ahead of the ops that only carry it on (``ranked_comparisons_sql``,
-read by ``views.top_offenders`` and the report)."""
+read by ``views.top_offenders``, and as typed rows by the report: ``ranked_comparisons``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Optional, Sequence
 
 from ..enums import Severity, Verdict
 from ..records import INPUT_ROLES, NAMING_SEVERITIES
+from .rows import RankedComparison, rows_as
 
-__all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "CARRIED_WITHIN", "rank_case", "ranked_comparisons_sql"]
+__all__ = ["ACCUMULATED_KINDS", "LOCAL_KINDS", "CARRIED_WITHIN", "rank_case", "ranked_comparisons_sql",
+           "ranked_comparisons"]
 
 
 # comparison kinds: candidate vs reference run (element-wise, or on summary
@@ -118,3 +120,11 @@ def ranked_comparisons_sql(session_id: str, kinds: Sequence[str], *, n: int = 10
             ORDER BY {_RANKED_ORDER}
             LIMIT ?""")
     return sql, params
+
+
+def ranked_comparisons(store, session_id: str, kinds: Sequence[str], *, n: int = 10, include_nonfinite: bool = False,
+                       run_id: Optional[str] = None) -> list[RankedComparison]:
+    """The ``n`` worst comparisons of a session, worst first (``ranked_comparisons_sql``), as typed rows."""
+    return rows_as(RankedComparison, store.sql(*ranked_comparisons_sql(session_id, kinds, n=n,
+                                                                       include_nonfinite=include_nonfinite,
+                                                                       run_id=run_id)))

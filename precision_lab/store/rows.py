@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional, TypeVar
 
-from ..records import Diagnosis
+from ..metrics import Comparison
+from ..records import Diagnosis, StoredRecord
 
 __all__ = ["rows_as", "records_as", "one_as", "SessionRow", "SessionListRow", "ForwardOpCall", "WarningRow",
            "StepRow", "TimelineOp", "HeatmapCell", "HeatmapBuckets", "OpStepValues", "OpWorst",
            "RunWarning", "DiagnosisRow", "TimelineRun", "RankStepCell", "StepOp", "OutputRecord", "RecordChoice",
-           "Counterpart", "ComparedPair", "RunValues"]
+           "Counterpart", "ComparedPair", "RunValues", "NamedRecord", "RecordOfRun", "RecordWithData",
+           "ReferenceRecords", "OpParents", "RecordIds", "ForwardEnds", "OpExtreme",
+           "RecordComparison", "RankedComparison", "TableColumns"]
 
 T = TypeVar("T")
 
@@ -285,3 +288,137 @@ class RunValues:
     ranks: list
     roles: list
     op_types: list
+
+
+@dataclass(frozen=True)
+class NamedRecord(StoredRecord):
+    """A stored record with its name and the file it was read from (``source``), where replay reads its tensor
+    back: a record of one op call (``queries.op_records``) or the reference paired with one
+    (``queries.reference_of``)."""
+
+    name: Optional[str] = None
+    source: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RecordOfRun(NamedRecord):
+    """A stored record with its run's name, kind and dtype and its session: the record an op page shows
+    (``views.record``), a norm artefact the report lists (``queries.nonfinite_norms_of_finite_values``)."""
+
+    run: Optional[str] = None
+    run_kind: Optional[str] = None
+    run_dtype: Optional[str] = None
+    session_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RecordWithData(StoredRecord):
+    """A stored record with its kept tensor's ``.npy`` bytes (None where none was kept)."""
+
+    npy: Optional[bytes] = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceRecords:
+    """The reference records paired with candidate records, by the candidate's record id."""
+
+    by_rid: dict[int, NamedRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class OpParents:
+    """The module call each op ran inside, by op, for the ops whose dump says so (msprobe's construct.json)."""
+
+    by_op: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordIds:
+    """A run's record ids by ``(step, rank, name)``."""
+
+    by_name: dict[tuple[int, int, str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardEnds:
+    """At one step and rank, the forward op calls with an output record that start first and last, and a record
+    named as a model's output is (None when none is), by op name."""
+
+    step: int
+    rank: int
+    first: str
+    last: str
+    named_root: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class OpExtreme:
+    """An op's forward outputs: the smallest headroom below a format's max (bits; None without a finite nonzero
+    value), whether one held NaN or inf, the module call it ran inside, its first seq and its type."""
+
+    op: str
+    headroom: Optional[float]
+    nonfinite: bool
+    parent: Optional[str]
+    seq: int
+    op_type: Optional[str]
+
+
+@dataclass(frozen=True)
+class RecordComparison(Comparison):
+    """A stored comparison a record takes part in: the pair it joins, ``this_side`` (``candidate`` or
+    ``reference``) the record is on and ``other``, the other run's name."""
+
+    session_id: Optional[str] = None
+    kind: Optional[str] = None
+    ref_run_id: Optional[str] = None
+    ref_rid: Optional[int] = None
+    cand_run_id: Optional[str] = None
+    cand_rid: Optional[int] = None
+    step: Optional[int] = None
+    rank: Optional[int] = None
+    seq: Optional[int] = None
+    op: Optional[str] = None
+    role: Optional[str] = None
+    index: Optional[str] = None
+    match: Optional[str] = None
+    other: Optional[str] = None
+    this_side: Optional[str] = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankedComparison:
+    """A comparison as the ranking of the worst orders them (``ranking.ranked_comparisons_sql``): the candidate
+    run's name (``run``) and id, the record compared (``rid``) and its reference's, where it ran and how it was
+    judged."""
+
+    run: str
+    seq: int
+    op: str
+    role: str
+    index: str
+    kind: str
+    basis: Optional[str]
+    verdict: str
+    match: Optional[str]
+    nonfinite_introduced: Optional[int]
+    max_abs_err: Optional[float]
+    max_rel_err: Optional[float]
+    summary_abs_err: Optional[float]
+    summary_rel_err: Optional[float]
+    cosine: Optional[float]
+    cosine_deficit: Optional[float]
+    sqnr_db: Optional[float]
+    rounding_units: Optional[float]
+    reason: Optional[str]
+    run_id: str
+    rid: Optional[int]
+    ref_run_id: Optional[str]
+    ref_rid: Optional[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TableColumns:
+    """The columns of tables, in order, with their DuckDB types: ``by_table[table][column]``."""
+
+    by_table: dict[str, dict[str, str]]

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..stats import HIST_EDGES_ID
 from .connect import connect_duckdb
 from .files import attach, rollback
+from .rows import TableColumns
 
 __all__ = ["move_summary_errors_sql", "insert_staged_session", "insert_attached_session", "clear_tables", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
            "TableFile", "ImportedSession", "table_columns", "insert_session_tables", "ArchiveQueries"]
@@ -117,15 +118,15 @@ def copy_session_tables(store, session_id: str, folder: Path, rewrite=None,
     return out
 
 
-def table_columns(store, tables) -> dict[str, dict[str, str]]:
-    """``{table: {column: DuckDB type}}`` of the named tables, columns in order (one query for all)."""
+def table_columns(store, tables) -> TableColumns:
+    """The columns of the named tables, in order, with their DuckDB types (one query for all)."""
     tables = list(tables)
     out: dict = {t: {} for t in tables}
     got = store.sql("SELECT table_name, column_name, data_type FROM information_schema.columns "
                     "WHERE list_contains(?, table_name) ORDER BY table_name, ordinal_position", [tables]).fetchall()
     for table, name, kind in got:
         out[table][name] = kind
-    return out
+    return TableColumns(out)
 
 
 def _quoted(c: str) -> str:

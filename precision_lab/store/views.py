@@ -24,7 +24,7 @@ from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_
 from .queries import diagnosis_rows, rows, run_order, session_runs
 from .ranking import ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql  # noqa: F401
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
-from .rows import Counterpart, DiagnosisRow, RecordChoice, RunWarning, rows_as
+from .rows import Counterpart, DiagnosisRow, RecordChoice, RecordComparison, RecordOfRun, RunWarning, records_as, rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -157,11 +157,12 @@ def error_series(store, session_id: str, metric: str = "max_rel_err", *, roles=(
     return df
 
 
-def record(store, run_id: str, rid: int) -> dict:
-    """The stored record (all ``tensors`` columns) plus its run's name, kind and dtype."""
-    got = rows(store, """SELECT t.*, r.name AS run, r.kind AS run_kind, r.dtype AS run_dtype, r.session_id
-                         FROM tensors t JOIN runs r ON r.run_id = t.run_id
-                         WHERE t.run_id = ? AND t.rid = ?""", [run_id, int(rid)])
+def record(store, run_id: str, rid: int) -> RecordOfRun:
+    """The stored record plus its run's name, kind and dtype."""
+    got = records_as(RecordOfRun, store.sql("""SELECT t.*, r.name AS run, r.kind AS run_kind, r.dtype AS run_dtype,
+                                                      r.session_id
+                                               FROM tensors t JOIN runs r ON r.run_id = t.run_id
+                                               WHERE t.run_id = ? AND t.rid = ?""", [run_id, int(rid)]))
     if not got:
         raise KeyError(f"run {run_id} has no record {rid}")
     return got[0]
@@ -215,17 +216,17 @@ def counterparts(store, run_id: str, rid: int) -> list[Counterpart]:
     return references + candidates
 
 
-def record_comparisons(store, run_id: str, rid: int) -> list[dict]:
+def record_comparisons(store, run_id: str, rid: int) -> list[RecordComparison]:
     """Every comparison a record takes part in: as the candidate (``this_side`` ``candidate``, ``other`` the
     reference run's name) or as the reference of another run (``this_side`` ``reference``; local ones excluded)."""
-    return rows(store, """SELECT c.*, r.name AS other, 'candidate' AS this_side FROM comparisons c
+    return rows_as(RecordComparison, store.sql("""SELECT c.*, r.name AS other, 'candidate' AS this_side FROM comparisons c
                           JOIN runs r ON r.run_id = c.ref_run_id
                           WHERE c.cand_run_id = ? AND c.cand_rid = ?
                           UNION ALL BY NAME
                           SELECT c.*, r.name AS other, 'reference' AS this_side FROM comparisons c
                           JOIN runs r ON r.run_id = c.cand_run_id
                           WHERE c.ref_run_id = ? AND c.ref_rid = ? AND c.kind <> 'local'""",
-                [run_id, int(rid), run_id, int(rid)])
+                [run_id, int(rid), run_id, int(rid)]))
 
 
 def all_runs(store) -> list[RunInfo]:

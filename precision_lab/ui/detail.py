@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..formats import FORMATS, Format, format_for_dtype, get_format
 from ..store import views
-from ..store.rows import Counterpart, RecordChoice
+from ..store.rows import Counterpart, RecordChoice, RecordOfRun
 from ..store.timeline import full_steps
 from ..store.views import counterparts, find_records, has_record, record
 from ..display import MISSING, num_text
@@ -73,13 +73,13 @@ def step_choices(store, run_id: str) -> list[int]:
     return steps if len(steps) > 1 else []
 
 
-def record_named(store, run_id: str, rid) -> Optional[dict]:
+def record_named(store, run_id: str, rid) -> Optional[RecordOfRun]:
     """The record (``store.views.record``) that ``rid`` names in the run, a record id or its text from a link or
     a picker; None when it names none (``store.views.has_record``)."""
     return record(store, run_id, int(str(rid).strip())) if has_record(store, run_id, rid) else None
 
 
-def op_record(store, run_id: str, rid: int) -> tuple[dict, Optional[TensorStats], list[Counterpart]]:
+def op_record(store, run_id: str, rid: int) -> tuple[RecordOfRun, Optional[TensorStats], list[Counterpart]]:
     """``(record, stats, counterparts)`` of the op the page shows: the stored record (``store.views.record``), its
     ``load_stats`` and the records it was compared with (``store.views.counterparts``)."""
     return record(store, run_id, rid), load_stats(store, run_id, rid), counterparts(store, run_id, rid)
@@ -446,17 +446,17 @@ def metrics_table(store, run_id: str, rid: int) -> pd.DataFrame:
     1 - cos)."""
     data = {}
     for c in views.record_comparisons(store, run_id, rid):
-        if c["kind"] == "local":
+        if c.kind == "local":
             col = "local (op re-run in fp32 on this run's inputs)"
-        elif c["this_side"] == "candidate":
-            col = f"accumulated vs reference {c['other']}"
+        elif c.this_side == "candidate":
+            col = f"accumulated vs reference {c.other}"
         else:
-            col = f"candidate {c['other']} vs this"
+            col = f"candidate {c.other} vs this"
         vals = []
         for key, _ in _METRIC_ROWS:
-            v = c.get(key)
+            v = getattr(c, key)
             if key == "cosine":
-                vals.append(cosine_text(v, c.get("cosine_deficit")))
+                vals.append(cosine_text(v, c.cosine_deficit))
             elif isinstance(v, (int, float)) and not isinstance(v, bool):
                 vals.append(num_text(v, 8))
             else:

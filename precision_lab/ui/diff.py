@@ -21,15 +21,22 @@ from .common import Page, cosine_text, paged, severity_label
 from ..services.xdiff import diff_records, diff_rows, run_records
 
 __all__ = ["RerunCard", "landing_op", "diff_page", "nrun_page", "rerun_cards", "sqnr_card", "DataDiff", "data_diff", "runs_by_id",
-           "base_run_id", "pair_choices", "SHOW_CHOICES"]
+           "base_run_id", "pair_choices", "SHOW_CHOICES", "SessionRuns", "PairChoices"]
 
 # what the Diff table may show (the read model's SHOW_OPTIONS), as the "Show" picker lists them
 SHOW_CHOICES = tuple(SHOW_OPTIONS)
 
 
-def runs_by_id(store, session_id: str) -> dict[str, RunInfo]:
+@dataclass(frozen=True, slots=True)
+class SessionRuns:
+    """A session's runs by run id (``by_id``), in the session's order."""
+
+    by_id: dict[str, RunInfo]
+
+
+def runs_by_id(store, session_id: str) -> SessionRuns:
     """The session's runs by run id, in the session's order: the Diff page's run pickers and its links to a run."""
-    return {r.run_id: r for r in session_runs(store, session_id)}
+    return SessionRuns({r.run_id: r for r in session_runs(store, session_id)})
 
 
 def base_run_id(store, session_id: str) -> Optional[str]:
@@ -38,14 +45,23 @@ def base_run_id(store, session_id: str) -> Optional[str]:
     return base.run_id if base else None
 
 
-def pair_choices(store, session_id: str) -> tuple[dict[str, ComparedPair], pd.DataFrame]:
-    """What the pair view offers besides its table: the (reference, candidate) pairs by label, in the order they
-    were compared (``store.views.pair_options``; the first of two with one label), and how many records of each
-    pair matched exactly, by alignment or not at all (``store.views.unmatched_counts``)."""
+@dataclass(frozen=True, slots=True)
+class PairChoices:
+    """What the pair view offers besides its table: the (reference, candidate) pairs by label (``by_label``), in
+    the order they were compared, and how many records of each pair matched exactly, by alignment or not at all
+    (``matched``)."""
+
+    by_label: dict[str, ComparedPair]
+    matched: pd.DataFrame
+
+
+def pair_choices(store, session_id: str) -> PairChoices:
+    """The pair view's choices (``PairChoices``): the pairs of ``store.views.pair_options`` (the first of two
+    with one label) and ``store.views.unmatched_counts``."""
     pairs: dict[str, ComparedPair] = {}
     for p in pair_options(store, session_id):
         pairs.setdefault(p.label, p)
-    return pairs, unmatched_counts(store, session_id)
+    return PairChoices(pairs, unmatched_counts(store, session_id))
 
 
 def diff_page(store, session_id: str, ref_run_id: str, cand_run_id: str, *, show: str = "all",

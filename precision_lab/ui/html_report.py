@@ -159,21 +159,21 @@ def _focus_plot(store, sid: str, firsts: list[RunOrigin]) -> tuple[Optional[str]
         return None, ""
     run_id, rid, why = focus
     rec = record(store, run_id, rid)
-    series = [(str(rec["run"]), load_stats(store, run_id, rid))]
+    series = [(str(rec.run), load_stats(store, run_id, rid))]
     for c in counterparts(store, run_id, rid)[:1]:
         if c.run_id and c.rid is not None:
             series.insert(0, (str(c.run or "reference"), load_stats(store, c.run_id, c.rid)))
-    formats = default_formats(rec.get("dtype") or rec.get("run_dtype"))
+    formats = default_formats(rec.dtype or rec.run_dtype)
     if any(s is not None and s.hist is not None for _, s in series):
         fig = histogram_figure(series, formats)
     else:
         fig = summary_figure(series, formats)
     # a static page has no room to spare above the plot: the title on top, the legend under the axis title
     height = (fig.layout.height or 420) + 110
-    fig.update_layout(title={"text": plot_text(f"{rec['name']} ({why})"), "y": 0.98, "yanchor": "top"},
+    fig.update_layout(title={"text": plot_text(f"{rec.name} ({why})"), "y": 0.98, "yanchor": "top"},
                       margin={"t": 50, "b": 150, "l": 70}, height=height,
                       legend={"orientation": "h", "yanchor": "top", "y": -110 / height - 0.12, "x": 0})
-    caption = f"{rec['name']} in run {rec['run']} — the {why}, against the limits of {', '.join(formats) or 'its format'}"
+    caption = f"{rec.name} in run {rec.run} — the {why}, against the limits of {', '.join(formats) or 'its format'}"
     return _figure_div(fig, "plot-focus"), caption
 
 

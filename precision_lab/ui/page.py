@@ -40,6 +40,7 @@ from .overview import session_headline
 from . import sessions as sessions_view
 from ..store.queries import session_data_version, session_runs
 from ..store import Store, default_db_path, held
+from ..store.rows import SessionRow
 from ..config import SHARE_PARAM, Access, ConfigError, ServerConfig, load_config, resolve_access
 from ..scratch import scratch_root, sweep
 from ..fixes.recipes import trust_user_models
@@ -330,7 +331,7 @@ def start(name: str) -> tuple[Store, Access]:
     return store, access(store)
 
 
-def require_session(name: str, title: Optional[Callable[[dict], str]] = None):
+def require_session(name: str, title: Optional[Callable[[SessionRow], str]] = None) -> tuple[Store, Access, SessionRow]:
     """Begin page ``name`` on a session: ``(store, access, session)``.  Draws the session picker and the page's title
     (``title(session)``, default the page's title in ``PAGES``); with no session to show, says where one comes
     from and stops."""
@@ -400,7 +401,7 @@ def _initial(param: str, key: str, options: list, default: Any, by_text: dict) -
     st.session_state[key] = default if default in options else options[0]
 
 
-def choose_session(store, acc) -> Optional[dict]:
+def choose_session(store, acc) -> Optional[SessionRow]:
     """The session picker (``?session=``); None when there is no session.
 
     A visitor who came through a share link sees only that session.
