@@ -29,7 +29,6 @@ precision_lab.fixes.rules.module_facts
 precision_lab.origin.walk.model_outputs
 precision_lab.readers.shards.checked_runs
 precision_lab.readers.shardtimeline.read_timeline
-precision_lab.services.report.build_report
 precision_lab.store.queries.forward_ends
 precision_lab.store.queries.module_call
 precision_lab.store.queries.nonfinite_norms_of_finite_values
