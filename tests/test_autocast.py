@@ -84,7 +84,7 @@ def test_an_overflow_under_autocast_is_named_and_the_fixes_offered_work_under_au
     rep = build_report(store, name)
     d = next(d for d in rep.diagnoses if d.severity == "error")
     assert "keep-fp32:fc" in d.fixes or "use-bf16" in d.fixes, d
-    for fix in [fx for fx in d["fixes"] if fx in ("keep-fp32:fc", "use-bf16")]:
+    for fix in [fx for fx in d.fixes if fx in ("keep-fp32:fc", "use-bf16")]:
         fixed = apply_fixes(get_policy("autocast-fp16"), fix)
         assert fixed.autocast in ("fp16", "bf16") and fixed.dtype == "fp32"  # still an autocast run
         again = capture_pair(_overflow, x, fixed, store=store, name=f"fixed-{fix}")

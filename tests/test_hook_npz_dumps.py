@@ -96,7 +96,7 @@ def test_the_same_dump_from_a_float32_run_stays_float32_and_healthy(store, tmp_p
     assert run.dtype == "float32" and {t.dtype for t in rep.tensors} == {"float32"}
     assert rep.first_nonfinite[run.name] is None and not rep.diagnoses
     assert not any("saved as float32" in w.message for w in rep.warnings)
-    assert run["order"] == "execution" and "call numbers" in run["order_note"]
+    assert run.order == "execution" and "call numbers" in run.order_note
 
 
 @pytest.mark.slow

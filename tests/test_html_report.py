@@ -198,7 +198,7 @@ def test_a_long_run_has_its_timeline_and_alerts_as_report_lists_them(store):
     for a in report.alerts:
         assert f"[{a.rule}] {GROWTH_RUN} step {a.step}: {a.message}" in text
         assert (f'<td class="num">{a.step}</td><td>{html.escape(a.rule)}</td>'
-                f'<td>{html.escape(a["message"])}</td>') in page
+                f'<td>{html.escape(a.message)}</td>') in page
     # the per-step losses, as the training loop computed them
     assert len(losses) == 30
     for step, loss in losses.items():

@@ -118,7 +118,7 @@ def test_statistics_pair_comparisons(stat_session):
     assert w.verdict != "nonfinite" and w.nonfinite_introduced == 0
     # every comparison before the producer in the forward pass is free of non-finite values
     first_seq = first_nonfinite(store, _run_ids(store, name)["stat_mix_fp16_inner_ovf"]).seq
-    assert all(c["verdict"] != "nonfinite" for c in comps if c["seq"] < first_seq)
+    assert all(c.verdict != "nonfinite" for c in comps if c.seq < first_seq)
 
 
 @pytest.mark.slow
@@ -156,11 +156,11 @@ def test_tensor_mode_pair_compares_element_wise(store):
     rep = build_report(store, name)
     comps = rep.comparisons
     assert len(comps) == sum(1 for t in rep.tensors if t.run == "tensor_mix_fp16")
-    assert all(c["match"] == "exact" and c["basis"] == "tensor" and c["kind"] == "accumulated" for c in comps)
-    assert all(c["verdict"] in ("expected", "warn", "error") for c in comps)
+    assert all(c.match == "exact" and c.basis == "tensor" and c.kind == "accumulated" for c in comps)
+    assert all(c.verdict in ("expected", "warn", "error") for c in comps)
     (p32,) = (FIXTURES / "tensor_mix_fp32" / "step0").iterdir()
     (p16,) = (FIXTURES / "tensor_mix_fp16" / "step0").iterdir()
-    by = {(c["op"], c["role"], c["index"]): c for c in comps}
+    by = {(c.op, c.role, c.index): c for c in comps}
     for key, fname in [
         (("Functional.linear.3.forward", "output", "0"), "Functional.linear.3.forward.output.0.pt"),
         (("Functional.softmax.1.forward", "input", "0"), "Functional.softmax.1.forward.input.0.pt"),
@@ -170,14 +170,14 @@ def test_tensor_mode_pair_compares_element_wise(store):
         c = _pt(p16, fname).double().numpy().ravel()
         d = c - r
         got = by[key]
-        assert got["max_abs_err"] == pytest.approx(np.abs(d).max(), rel=1e-12)
-        assert got["sqnr_db"] == pytest.approx(10 * np.log10(np.sum(r * r) / np.sum(d * d)), rel=1e-9)
+        assert got.max_abs_err == pytest.approx(np.abs(d).max(), rel=1e-12)
+        assert got.sqnr_db == pytest.approx(10 * np.log10(np.sum(r * r) / np.sum(d * d)), rel=1e-9)
         cos = np.dot(r, c) / (np.linalg.norm(r) * np.linalg.norm(c))
-        assert got["cosine"] == pytest.approx(cos, rel=1e-12)
-        assert got["nonfinite_introduced"] == 0
+        assert got.cosine == pytest.approx(cos, rel=1e-12)
+        assert got.nonfinite_introduced == 0
     # an fp32 tensor of the fp16 run (the loss) is judged against fp16 rounding, the run's format
     loss = by[("Tensor.mean.0.forward", "output", "0")]
-    assert loss["cand_format"] == "fp16" and loss["verdict"] == "expected"
+    assert loss.cand_format == "fp16" and loss.verdict == "expected"
 
 
 @pytest.mark.slow

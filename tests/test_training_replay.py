@@ -178,7 +178,7 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
     rep = build_report(store, cap.session)
     card = next(d for d in rep.diagnoses if d.severity == "error")
     assert "use-bf16" in card.fixes, card
-    for f in card["fixes"]:
+    for f in card.fixes:
         assert apply_fixes(policy, f).autocast is not None, f
 
     # one click: the card's re-run, from the kept step, in the job's configuration with the fix
