@@ -2,7 +2,8 @@
 ``"nan"``, ``"inf"`` and ``"-inf"`` (which ``float()`` reads back).  One encoder, one decoder.
 
 A frozen result (a dataclass) travels as the object of its fields, in the order they are declared
-(``fields_tree``)."""
+(``fields_tree``); one that has a JSON form of its own (an ``as_dict`` method, as ``origin.Origin`` has: its fields
+and the words they imply) travels as that form."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def decode_nonfinite(v: object) -> object:
 
 def fields_tree(v: object) -> object:
     """``v`` with every dataclass in it (in lists, tuples and dict values too) turned into the dict of its fields,
-    in declaration order; every other value as it is."""
+    in declaration order (or into its ``as_dict()``, where it has one); every other value as it is."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        if hasattr(v, "as_dict"):
+            return fields_tree(v.as_dict())
         return {f.name: fields_tree(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, dict):
         return {k: fields_tree(x) for k, x in v.items()}

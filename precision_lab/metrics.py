@@ -98,14 +98,12 @@ SUMMARY_ERRORS = ("summary_abs_err", "summary_rel_err")
 ELEMENTWISE, ON_SUMMARIES = "element-wise", "on summary statistics"
 
 
-def relative_error(c) -> tuple[Optional[float], str]:
-    """``(relative error, how it was measured)`` of a comparison (a ``Comparison`` as a dict, or a row): its
-    element-wise ``max_rel_err``, else its summaries' ``summary_rel_err``; (None, ...) when it has neither (a
-    table row's NaN counts as none)."""
-    v = c.get("max_rel_err")
-    if v is not None and v == v:
-        return v, ELEMENTWISE
-    v = c.get("summary_rel_err")
+def relative_error(max_rel_err: Optional[float], summary_rel_err: Optional[float]) -> tuple[Optional[float], str]:
+    """``(relative error, how it was measured)`` of a comparison: its element-wise ``max_rel_err``, else its
+    summaries' ``summary_rel_err``; (None, ...) when it has neither (a table row's NaN counts as none)."""
+    if max_rel_err is not None and max_rel_err == max_rel_err:
+        return max_rel_err, ELEMENTWISE
+    v = summary_rel_err
     return (v if v is not None and v == v else None), ON_SUMMARIES
 
 

@@ -107,7 +107,7 @@ def test_a_session_cut_off_before_its_diagnosis_is_found_and_repaired_by_check(s
     assert store.undiagnosed_sessions() == ["cut"]
     res = CliRunner().invoke(app, ["check", "--db", store.path])
     assert res.exit_code == 0 and "cut: diagnosed: " in res.output, res.output
-    assert store.undiagnosed_sessions() == [] and build_report(store, "cut")["diagnoses"]
+    assert store.undiagnosed_sessions() == [] and build_report(store, "cut").diagnoses
     res = CliRunner().invoke(app, ["check", "--db", store.path])
     assert "nothing to repair" in res.output
 

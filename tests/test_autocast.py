@@ -45,14 +45,14 @@ def test_a_healthy_transformer_under_autocast_gets_no_error_verdict(store, arch)
         name = capture_pair(make, inputs, get_policy(f"autocast-{fmt}"), store=store, session=None,
                             pair=PairOptions(candidate_name=f"autocast-{fmt}"))
         rep = build_report(store, name)
-        verdicts = [c["verdict"] for c in rep["comparisons"] if c["verdict"]]
+        verdicts = [c.verdict for c in rep.comparisons if c.verdict]
         assert verdicts and "error" not in verdicts and "nonfinite" not in verdicts, (arch, fmt)
-        assert not [d for d in rep["diagnoses"] if d["severity"] in ("error", "warn")], (arch, fmt, rep["diagnoses"])
+        assert not [d for d in rep.diagnoses if d.severity in ("error", "warn")], (arch, fmt, rep.diagnoses)
         # the ops really ran in autocast's format: matmuls in it, the parameters in fp32
-        cand = next(r for r in rep["runs"] if r["kind"] == "candidate")
-        dtypes = {t["dtype"] for t in rep["tensors"] if t["run"] == cand["name"] and t["role"] == "output"}
+        cand = next(r for r in rep.runs if r.kind == "candidate")
+        dtypes = {t.dtype for t in rep.tensors if t.run == cand.name and t.role == "output"}
         assert {"float16" if fmt == "fp16" else "bfloat16", "float32"} <= dtypes
-        params = {t["dtype"] for t in rep["tensors"] if t["run"] == cand["name"] and t["role"] == "param"}
+        params = {t.dtype for t in rep.tensors if t.run == cand.name and t.role == "param"}
         assert params == {"float32"}
 
 
@@ -83,9 +83,9 @@ def test_an_overflow_under_autocast_is_named_and_the_fixes_offered_work_under_au
     f = first_nonfinite(store, runs["candidate"].run_id)
     assert f is not None and f.op.startswith("fc.") and first_nonfinite(store, runs["reference"].run_id) is None
     rep = build_report(store, name)
-    d = next(d for d in rep["diagnoses"] if d["severity"] == "error")
-    assert "keep-fp32:fc" in d["fixes"] or "use-bf16" in d["fixes"], d
-    for fix in [fx for fx in d["fixes"] if fx in ("keep-fp32:fc", "use-bf16")]:
+    d = next(d for d in rep.diagnoses if d.severity == "error")
+    assert "keep-fp32:fc" in d.fixes or "use-bf16" in d.fixes, d
+    for fix in [fx for fx in d.fixes if fx in ("keep-fp32:fc", "use-bf16")]:
         fixed = apply_fixes(get_policy("autocast-fp16"), fix)
         assert fixed.autocast in ("fp16", "bf16") and fixed.dtype == "fp32"  # still an autocast run
         again = capture_pair(_overflow, x, fixed, store=store, name=f"fixed-{fix}")

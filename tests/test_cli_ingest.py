@@ -1,5 +1,6 @@
 """The ``ingest``, ``report`` and ``compare`` commands, through typer's runner."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ from typer.testing import CliRunner
 
 from precision_lab.cli import app
 from precision_lab.cli._conditions import Condition, parse_condition
+from precision_lab.services.report import Report, ReportComparison
 
 from conftest import FIXTURES
 
@@ -142,12 +144,13 @@ def test_rel_err_condition_names_an_element_wise_error_before_a_summary_one():
     from precision_lab.cli._conditions import check_conditions
 
     def cmp(op, basis, rel):
-        return {"op": op, "role": "output", "index": "0", "basis": basis, "verdict": "warn",
-                "max_rel_err": rel if basis == "tensor" else None,
-                "summary_rel_err": rel if basis == "stats" else None}
+        return ReportComparison(**{**dict.fromkeys(f.name for f in dataclasses.fields(ReportComparison)),
+                                   "kind": "accumulated", "op": op, "role": "output", "index": "0", "basis": basis,
+                                   "verdict": "warn", "max_rel_err": rel if basis == "tensor" else None,
+                                   "summary_rel_err": rel if basis == "stats" else None})
 
-    rep = {"comparisons": [cmp("a", "tensor", 0.5), cmp("b", "stats", 3.0), cmp("c", "tensor", 0.01)],
-           "runs": [], "tensors": []}
+    rep = Report(**{**dict.fromkeys(f.name for f in dataclasses.fields(Report)), "runs": [], "tensors": [],
+                    "comparisons": [cmp("a", "tensor", 0.5), cmp("b", "stats", 3.0), cmp("c", "tensor", 0.01)]})
     tripped, unusable = check_conditions(rep, [Condition("max_rel_err", 0.1)])
     assert not unusable and len(tripped) == 1
     assert "2 tensor(s) (1 element-wise, 1 on summary statistics)" in tripped[0]

@@ -106,7 +106,7 @@ def _reader(store, stop, errors):
 
 @pytest.mark.parametrize("stores", ["one Store", "a Store per thread"])
 def test_eight_sessions_write_at_once(store, tmp_path, stores):
-    from precision_lab.services.report import build_report
+    from precision_lab.services.report import build_report, to_json
     from precision_lab.store import Store
 
     path = store.path
@@ -163,8 +163,8 @@ def test_eight_sessions_write_at_once(store, tmp_path, stores):
         n_cmp = store.sql("SELECT count(*) FROM comparisons WHERE cand_run_id = ?", [rr["run_id"]]).fetchall()[0][0]
         assert n_cmp == N_OPS
         # the copy shows the same records and comparisons as its original
-        a = json.loads(json.dumps(build_report(store, f"upload-{i}"), default=str))
-        b = json.loads(json.dumps(build_report(store, f"copy-{i}"), default=str))
+        a = json.loads(to_json(build_report(store, f"upload-{i}")))
+        b = json.loads(to_json(build_report(store, f"copy-{i}")))
         for key in ("tensors", "comparisons", "diagnoses", "warnings", "first_nonfinite"):
             if key == "first_nonfinite":
                 strip = lambda d: {r: (v and {k: x for k, x in v.items() if k != "run_id"}) for r, v in d.items()}  # noqa

@@ -117,15 +117,15 @@ def test_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp_path
     from precision_lab.services.report import render_text
 
     store, name, rep = _report(tmp_path, "ddp")
-    first = rep["first_nonfinite"]["ddp"]
-    assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
-    assert first["op"].startswith("module.fc1.")  # the op that overflows: fc1's linear on that rank's batch
-    spread = {r["rank"]: r for r in rep["ranks"]["ddp"]}
+    first = rep.first_nonfinite["ddp"]
+    assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), first
+    assert first.op.startswith("module.fc1.")  # the op that overflows: fc1's linear on that rank's batch
+    spread = {r.rank: r for r in rep.ranks["ddp"]}
     assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
     for r in spread.values():
         # every other rank first holds NaN/Inf in what DDP's all-reduce wrote back into a gradient of step K
-        assert (r["state"], r["step"], r["role"]) == ("received", K, "output"), r
-        assert r["op"].startswith("module.fc") and r["op"].endswith(".all_reduce.0"), r
+        assert (r.state, r.step, r.role) == ("received", K, "output"), r
+        assert r.op.startswith("module.fc") and r.op.endswith(".all_reduce.0"), r
     text = render_text(rep)
     assert f"rank {BAD}" in text and "received it" in text and "through the all_reduce" in text
     # the recorded reduction is DDP's: on a healthy step each rank gets back the average of what the ranks had
@@ -150,16 +150,16 @@ def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp
     from precision_lab.services.report import render_text
 
     store, name, rep = _report(tmp_path, "fsdp")
-    first = rep["first_nonfinite"]["fsdp"]
-    assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
+    first = rep.first_nonfinite["fsdp"]
+    assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), first
     # FSDP's cast of that rank's batch to fp16 is the first value past 65,504; fc1 reads it (first NaN there)
-    assert (first["op_type"], first["role"], first["certainty"]) == ("to", "output", "certain"), first
-    assert first["first_nan"]["op"] == "fc1.linear.0" and first["first_nan"]["rank"] == BAD
-    spread = {r["rank"]: r for r in rep["ranks"]["fsdp"]}
+    assert (first.op_type, first.role, first.certainty) == ("to", "output", "certain"), first
+    assert first.first_nan.op == "fc1.linear.0" and first.first_nan.rank == BAD
+    spread = {r.rank: r for r in rep.ranks["fsdp"]}
     assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
     for r in spread.values():
         # each other rank first holds it in its shard of a weight gradient of the same step: not a value it made
-        assert (r["state"], r["step"], r["role"]) == ("received", K, "param_grad"), r
+        assert (r.state, r.step, r.role) == ("received", K, "param_grad"), r
     text = render_text(rep)
     assert f"rank {BAD}" in text and "received it" in text and "reduce-scatter" in text
     ops = {row[0] for row in store.sql("SELECT DISTINCT op_type FROM tensors").fetchall()}
@@ -170,14 +170,14 @@ def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_pa
     from precision_lab.services.report import render_text
 
     store, name, rep = _report(tmp_path, "tp")
-    first = rep["first_nonfinite"]["tp"]
-    assert (first["rank"], first["step"], first["direction"]) == (BAD, K, "forward"), first
-    assert first["op"].startswith("fc1."), first  # fc1's fp16 output on that rank's batch passes 65,504
-    spread = {r["rank"]: r for r in rep["ranks"]["tp"]}
+    first = rep.first_nonfinite["tp"]
+    assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), first
+    assert first.op.startswith("fc1."), first  # fc1's fp16 output on that rank's batch passes 65,504
+    spread = {r.rank: r for r in rep.ranks["tp"]}
     assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
     for r in spread.values():
-        assert (r["state"], r["step"], r["op"]) == ("received", K, "all_reduce.0"), r
-        assert "through the all_reduce" in r["text"]
+        assert (r.state, r.step, r.op) == ("received", K, "all_reduce.0"), r
+        assert "through the all_reduce" in r.text
     assert "through the all_reduce" in render_text(rep)
     # the collective's records on every rank: what it sent and what it got back, the sum of what all sent
     rows = store.sql("SELECT t.rank, t.step, t.role, t.numel, t.mean, t.nan_count + t.inf_count AS bad "

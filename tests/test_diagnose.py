@@ -163,8 +163,8 @@ def test_diagnose_is_idempotent_and_in_the_report(lab):
     sid = store.session(name).session_id
     assert store.sql("SELECT count(*) FROM diagnoses WHERE session_id = ?", [sid]).fetchone()[0] == len(first)
     rep = build_report(store, name)
-    assert {"op", "rule", "message", "fixes"} <= set(rep["diagnoses"][0])
-    assert rep["diagnoses"][0]["fixes"][0] == "stable-softmax"
+    assert rep.diagnoses[0].op and rep.diagnoses[0].rule and rep.diagnoses[0].message
+    assert rep.diagnoses[0].fixes[0] == "stable-softmax"
 
 
 def test_thresholds_come_from_formats():

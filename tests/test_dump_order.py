@@ -204,8 +204,8 @@ def test_equal_mtimes_fall_back_to_names(store, tmp_path):
     assert "order unknown: by name" in f.reason
 
     rep = build_report(store, name)
-    assert rep["runs"][0]["order"] == "name" and rep["runs"][0]["order_text"] == "order unknown: by name"
-    assert rep["first_nonfinite"][run.name]["op"] == ORIGIN
+    assert rep.runs[0].order == "name" and rep.runs[0].order_text == "order unknown: by name"
+    assert rep.first_nonfinite[run.name].op == ORIGIN
     text = render_text(rep)
     assert "order unknown: by name" in text and "execution order" not in text
     sid = store.session(name).session_id
@@ -319,7 +319,7 @@ def test_order_recovered_from_the_data(store, tmp_path, times):
     f = first_nonfinite(store, info["run_id"])
     assert f.op == ORIGIN and f.producer and f.order_known
     rep = build_report(store, name)
-    assert rep["runs"][0]["order_text"].startswith("order recovered from the data")
+    assert rep.runs[0].order_text.startswith("order recovered from the data")
     assert "order unknown" not in render_text(rep)
 
 
@@ -422,11 +422,11 @@ def test_the_order_used_and_its_certainty_are_in_every_report_and_on_the_overvie
         os.utime(d / fn, ns=(t, t))
     name = ingest(d, store=store)
     rep = build_report(store, name)
-    note = rep["runs"][0]["order_note"]
+    note = rep.runs[0].order_note
     ticks = (len(saved) + 3) // 4
-    assert rep["runs"][0]["order"] == "data"
+    assert rep.runs[0].order == "data"
     assert f"certain between the {ticks} distinct times" in note and "broken by the data" in note
-    assert rep["first_nonfinite"][rep["runs"][0]["name"]]["op"] == ORIGIN
+    assert rep.first_nonfinite[rep.runs[0].name].op == ORIGIN
     text = render_text(rep)
     assert "Order used:" in text and note in text
     sid = store.session(name).session_id

@@ -156,7 +156,7 @@ def test_a_stored_order_naming_none_still_lists_reports_and_deletes(store):
     make_session(store, "demo")
     store.sql("UPDATE runs SET \"order\" = 'bogus'").fetchall()  # what an older version could store
     rep = build_report(store, "demo")
-    assert {r["order"] for r in rep["runs"]} == {"bogus"} and "order unknown" in render_text(rep)
+    assert {r.order for r in rep.runs} == {"bogus"} and "order unknown" in render_text(rep)
     res = runner.invoke(app, ["db", "--db", store.path])
     assert res.exit_code == 0 and "demo" in res.output
     res = runner.invoke(app, ["delete", "--session", "demo", "--db", store.path])
@@ -277,8 +277,8 @@ def test_a_killed_captures_shards_ingest_and_say_what_is_missing(tmp_path, manif
     res = runner.invoke(app, ["ingest", str(shards), "--db", str(db)])
     assert res.exit_code == 0, res.output
     rep = build_report(Store(db), res.output.strip())
-    assert sorted({t["step"] for t in rep["tensors"]}) == [0, 1]
-    said = " ".join(w["message"] for w in rep["warnings"])
+    assert sorted({t.step for t in rep.tensors}) == [0, 1]
+    said = " ".join(w.message for w in rep.warnings)
     if manifest == "lost":
         assert "had no manifest.json (its capture was cut off): rebuilt from the shards" in said
     else:

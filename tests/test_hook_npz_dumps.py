@@ -65,25 +65,25 @@ def test_the_users_hook_dump_is_read_as_module_calls_in_their_numbered_order_and
     assert np.isfinite(saved["input"]).all()
     assert np.array_equal(np.load(tmp_path / "mlp" / "001-1.npz")["output"], saved["input"])  # the data link
     rep = _report(store, tmp_path / "mlp")
-    run = rep["runs"][0]
-    f = rep["first_nonfinite"][run["name"]]
+    run = rep.runs[0]
+    f = rep.first_nonfinite[run.name]
     # the module that overflowed, named for its output, its input recorded
-    assert (f["op"], f["role"], f["origin"]) == ("002-2", "output", "op")
-    assert "inputs not recorded" not in f["reason"]
-    assert {(t["op"], t["role"]) for t in rep["tensors"]} == {
+    assert (f.op, f.role, f.origin) == ("002-2", "output", "op")
+    assert "inputs not recorded" not in f.reason
+    assert {(t.op, t.role) for t in rep.tensors} == {
         (f"{i:03d}-{i}", r) for i in range(5) for r in ("input", "output")}
     # the call numbers are the order, and the note says so
-    assert run["order"] == "execution" and f["order_known"]
-    assert "call numbers" in run["order_note"] and "000-" in run["order_note"]
+    assert run.order == "execution" and f.order_known
+    assert "call numbers" in run.order_note and "000-" in run.order_note
     assert "Order used:" in render_text(rep) and "call numbers" in render_text(rep)
     # every value is an fp16 value: read as fp16, the overflow said in fp16's terms
-    assert run["dtype"] == "float16" and {t["dtype"] for t in rep["tensors"]} == {"float16"}
-    out = next(t for t in rep["tensors"] if (t["op"], t["role"]) == ("002-2", "output"))
-    assert out["inf"] == int(np.isinf(saved["output"]).sum())
-    d = next(d for d in rep["diagnoses"] if d["op"] == "002-2")
-    assert f"in fp16 (max {FORMATS['fp16'].max:,.0f})" in d["message"]  # 65,504
-    assert "3.403e+38" not in d["message"]
-    said = [w["message"] for w in rep["warnings"]]
+    assert run.dtype == "float16" and {t.dtype for t in rep.tensors} == {"float16"}
+    out = next(t for t in rep.tensors if (t.op, t.role) == ("002-2", "output"))
+    assert out.inf == int(np.isinf(saved["output"]).sum())
+    d = next(d for d in rep.diagnoses if d.op == "002-2")
+    assert f"in fp16 (max {FORMATS['fp16'].max:,.0f})" in d.message  # 65,504
+    assert "3.403e+38" not in d.message
+    said = [w.message for w in rep.warnings]
     assert any("look like fp16 saved as float32" in m for m in said), said
 
 
@@ -92,11 +92,11 @@ def test_the_same_dump_from_a_float32_run_stays_float32_and_healthy(store, tmp_p
     y = hook_dump(tmp_path / "fp32", fp16=False, overflow=False)
     assert torch.isfinite(y).all()
     rep = _report(store, tmp_path / "fp32")
-    run = rep["runs"][0]
-    assert run["dtype"] == "float32" and {t["dtype"] for t in rep["tensors"]} == {"float32"}
-    assert rep["first_nonfinite"][run["name"]] is None and not rep["diagnoses"]
-    assert not any("saved as float32" in w["message"] for w in rep["warnings"])
-    assert run["order"] == "execution" and "call numbers" in run["order_note"]
+    run = rep.runs[0]
+    assert run.dtype == "float32" and {t.dtype for t in rep.tensors} == {"float32"}
+    assert rep.first_nonfinite[run.name] is None and not rep.diagnoses
+    assert not any("saved as float32" in w.message for w in rep.warnings)
+    assert run.order == "execution" and "call numbers" in run.order_note
 
 
 @pytest.mark.slow
@@ -234,15 +234,15 @@ def test_call_numbers_are_the_order_over_the_ties_of_an_outputs_only_dump(store,
     be right only by luck."""
     _outputs(tmp_path / "d", {"000-a.npy": _spread(0), "001-b.npy": _spread(8), "002-c.npy": _spread(2)})
     rep = _report(store, tmp_path / "d")
-    run = rep["runs"][0]
-    assert run["order"] == "execution"
-    assert run["order_note"] == ("execution order from the call numbers the file (or folder) names begin with (000-a.npy, "
+    run = rep.runs[0]
+    assert run.order == "execution"
+    assert run.order_note == ("execution order from the call numbers the file (or folder) names begin with (000-a.npy, "
                                  "001-b.npy, ...)")
-    assert rep["first_nonfinite"]["d"]["op"] == "001-b"
+    assert rep.first_nonfinite["d"].op == "001-b"
     # and without the numbers the same dump goes by the fewest non-finite values
     _outputs(tmp_path / "e", {"a.npy": _spread(0), "b.npy": _spread(8), "c.npy": _spread(2)})
     rep = _report(store, tmp_path / "e")
-    assert rep["runs"][0]["order"] == "name" and rep["first_nonfinite"]["e"]["op"] == "c"
+    assert rep.runs[0].order == "name" and rep.first_nonfinite["e"].op == "c"
 
 
 @pytest.mark.slow
@@ -252,8 +252,8 @@ def test_an_order_list_wins_over_call_numbers(store, tmp_path):
     _outputs(tmp_path / "d", {"000-a.npy": _spread(0), "001-b.npy": _spread(8), "002-c.npy": _spread(2)})
     (tmp_path / "d" / "order.json").write_text(json.dumps(["000-a", "002-c", "001-b"]))
     rep = _report(store, tmp_path / "d")
-    assert rep["runs"][0]["order_note"].startswith("execution order from order.json")
-    assert rep["first_nonfinite"]["d"]["op"] == "002-c"
+    assert rep.runs[0].order_note.startswith("execution order from order.json")
+    assert rep.first_nonfinite["d"].op == "002-c"
 
 
 @pytest.mark.slow
@@ -262,7 +262,7 @@ def test_call_numbers_over_file_times_that_disagree(store, tmp_path):
     _outputs(tmp_path / "d", {"002-c.npy": _spread(2), "001-b.npy": _spread(8), "000-a.npy": _spread(0)},
              times="distinct")
     rep = _report(store, tmp_path / "d")
-    assert "call numbers" in rep["runs"][0]["order_note"] and rep["first_nonfinite"]["d"]["op"] == "001-b"
+    assert "call numbers" in rep.runs[0].order_note and rep.first_nonfinite["d"].op == "001-b"
 
 
 def test_a_call_number_is_no_part_of_the_op_type(store, tmp_path):
@@ -374,15 +374,15 @@ def test_a_folder_per_call_is_the_module_its_files_the_roles_and_its_number_the_
                 np.save(d / f"{key}.npy", z[key])
                 os.utime(d / f"{key}.npy", ns=(BASE_NS, BASE_NS))
     rep = _report(store, calls)
-    run = rep["runs"][0]
-    f = rep["first_nonfinite"][run["name"]]
-    assert (f["op"], f["role"], f["origin"]) == ("002_2", "output", "op")
-    assert {(t["op"], t["role"]) for t in rep["tensors"]} == {
+    run = rep.runs[0]
+    f = rep.first_nonfinite[run.name]
+    assert (f.op, f.role, f.origin) == ("002_2", "output", "op")
+    assert {(t.op, t.role) for t in rep.tensors} == {
         (f"{i:03d}_{i}", r) for i in range(5) for r in ("input", "output")}
-    assert run["order"] == "execution" and "000_0/input.npy" in run["order_note"]
+    assert run.order == "execution" and "000_0/input.npy" in run.order_note
     nested = tmp_path / "nested"
     (nested / "attention").mkdir(parents=True)
     np.save(nested / "attention" / "output.npy", np.full(4, np.inf, np.float32))
     np.save(nested / "embed.npy", np.ones(4, np.float32))
     rep = _report(store, nested)
-    assert {(t["op"], t["role"]) for t in rep["tensors"]} == {("attention.output", "tensor"), ("embed", "tensor")}
+    assert {(t.op, t.role) for t in rep.tensors} == {("attention.output", "tensor"), ("embed", "tensor")}

@@ -184,21 +184,21 @@ def test_a_long_run_has_its_timeline_and_alerts_as_report_lists_them(store):
 
     train(store, lr=0.2, steps=30, grow=True, hook=keep_losses)
     report = build_report(store, GROWTH_RUN)
-    assert report["alerts"] and report["timeline"]
+    assert report.alerts and report.timeline
     text = render_text(report, top=1000)
     page = _body(render_html(store, GROWTH_RUN))
     assert 'id="plot-timeline-0"' in page
-    t = report["timeline"][GROWTH_RUN]
-    assert f"{len(t['steps'])} steps, full records at {len(t['full_steps'])}; first non-finite value at step " \
-           f"{t['first_nonfinite_step']}" in text
-    assert f"<p>{len(t['steps'])} steps, full records at {len(t['full_steps'])}; first non-finite value at step " \
-           f"{t['first_nonfinite_step']}</p>" in page
+    t = report.timeline[GROWTH_RUN]
+    assert f"{len(t.steps)} steps, full records at {len(t.full_steps)}; first non-finite value at step " \
+           f"{t.first_nonfinite_step}" in text
+    assert f"<p>{len(t.steps)} steps, full records at {len(t.full_steps)}; first non-finite value at step " \
+           f"{t.first_nonfinite_step}</p>" in page
     # every alert the text report lists, with its step and rule
-    assert f"Alerts of {GROWTH_RUN} ({len(report['alerts'])})" in page
-    for a in report["alerts"]:
-        assert f"[{a['rule']}] {GROWTH_RUN} step {a['step']}: {a['message']}" in text
-        assert (f'<td class="num">{a["step"]}</td><td>{html.escape(a["rule"])}</td>'
-                f'<td>{html.escape(a["message"])}</td>') in page
+    assert f"Alerts of {GROWTH_RUN} ({len(report.alerts)})" in page
+    for a in report.alerts:
+        assert f"[{a.rule}] {GROWTH_RUN} step {a.step}: {a.message}" in text
+        assert (f'<td class="num">{a.step}</td><td>{html.escape(a.rule)}</td>'
+                f'<td>{html.escape(a.message)}</td>') in page
     # the per-step losses, as the training loop computed them
     assert len(losses) == 30
     for step, loss in losses.items():

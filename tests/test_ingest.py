@@ -80,18 +80,18 @@ def test_statistics_pair_first_nonfinite_producer(stat_session):
 def test_norm_artefact_is_not_called_an_overflow(stat_session):
     store, name = stat_session
     rep = build_report(store, name)
-    arts = rep["norm_artefacts"]
-    assert {(a["op"], a["role"], a["index"]) for a in arts} == {
+    arts = rep.norm_artefacts
+    assert {(a.op, a.role, a.index) for a in arts} == {
         ("Functional.linear.10.forward", "input", "1"), ("Module.blocks.2.fc1.Linear.forward.0", "param", "weight")}
     for a in arts:
-        assert a["l2norm"] == math.inf and math.isfinite(a["max"]) and math.isfinite(a["min"])
-        assert a["reason"].startswith("fp16 norm-arithmetic artefact")
+        assert a.l2norm == math.inf and math.isfinite(a.max) and math.isfinite(a.min)
+        assert a.reason.startswith("fp16 norm-arithmetic artefact")
         # independent bound: sqrt(numel) * absmax in float64 exceeds fp16's max finite
-        assert a["norm_bound_f64"] == pytest.approx(math.sqrt(1024 * 256) * 1875.0)
-        assert a["norm_bound_f64"] > float(torch.finfo(torch.float16).max)
-    weight = [t for t in rep["tensors"] if t["op"] == "Module.blocks.2.fc1.Linear.forward.0" and t["role"] == "param"
-              and t["index"] == "weight" and t["run"] == "stat_mix_fp16_inner_ovf"]
-    assert len(weight) == 1 and weight[0]["nonfinite"] is False
+        assert a.norm_bound_f64 == pytest.approx(math.sqrt(1024 * 256) * 1875.0)
+        assert a.norm_bound_f64 > float(torch.finfo(torch.float16).max)
+    weight = [t for t in rep.tensors if t.op == "Module.blocks.2.fc1.Linear.forward.0" and t.role == "param"
+              and t.index == "weight" and t.run == "stat_mix_fp16_inner_ovf"]
+    assert len(weight) == 1 and weight[0].nonfinite is False
     text = render_text(rep)
     assert "fp16 norm-arithmetic artefact" in text and "not non-finite" in text
     assert "Functional.linear.10.forward" in text.split("First non-finite producer:")[1].split("\n")[2]
@@ -100,25 +100,25 @@ def test_norm_artefact_is_not_called_an_overflow(stat_session):
 def test_statistics_pair_comparisons(stat_session):
     store, name = stat_session
     rep = build_report(store, name)
-    comps = rep["comparisons"]
-    n16 = sum(1 for t in rep["tensors"] if t["run"] == "stat_mix_fp16_inner_ovf")
-    n32 = sum(1 for t in rep["tensors"] if t["run"] == "stat_mix_fp32_inner_ovf")
+    comps = rep.comparisons
+    n16 = sum(1 for t in rep.tensors if t.run == "stat_mix_fp16_inner_ovf")
+    n32 = sum(1 for t in rep.tensors if t.run == "stat_mix_fp32_inner_ovf")
     assert n16 == n32 and len(comps) == n16
-    assert all(c["match"] == "exact" and c["basis"] == "stats" for c in comps)
+    assert all(c.match == "exact" and c.basis == "stats" for c in comps)
     # compared on their summaries: the summaries' errors, never an element-wise one
-    assert all(c["max_rel_err"] is None and c["max_abs_err"] is None for c in comps)
-    judged = [c for c in comps if c["verdict"] != "nonfinite"]
-    assert len(judged) > 100 and all(isinstance(c["summary_rel_err"], float) for c in judged)
+    assert all(c.max_rel_err is None and c.max_abs_err is None for c in comps)
+    judged = [c for c in comps if c.verdict != "nonfinite"]
+    assert len(judged) > 100 and all(isinstance(c.summary_rel_err, float) for c in judged)
     text = render_text(rep)
     assert "summary_rel" in text.split("Worst")[1].splitlines()[1]  # the worst table's header
-    by = {(c["op"], c["role"], c["index"]): c for c in comps}
-    assert by[("Functional.linear.10.forward", "output", "0")]["verdict"] == "nonfinite"
+    by = {(c.op, c.role, c.index): c for c in comps}
+    assert by[("Functional.linear.10.forward", "output", "0")].verdict == "nonfinite"
     # the weight whose fp16 Norm is inf is not flagged: its Max/Min match fp32's
     w = by[("Module.blocks.2.fc1.Linear.forward.0", "param", "weight")]
-    assert w["verdict"] != "nonfinite" and w["nonfinite_introduced"] == 0
+    assert w.verdict != "nonfinite" and w.nonfinite_introduced == 0
     # every comparison before the producer in the forward pass is free of non-finite values
     first_seq = first_nonfinite(store, _run_ids(store, name)["stat_mix_fp16_inner_ovf"]).seq
-    assert all(c["verdict"] != "nonfinite" for c in comps if c["seq"] < first_seq)
+    assert all(c.verdict != "nonfinite" for c in comps if c.seq < first_seq)
 
 
 @pytest.mark.slow
@@ -154,13 +154,13 @@ def _pt(proc, name):
 def test_tensor_mode_pair_compares_element_wise(store):
     name = ingest(FIXTURES / "tensor_mix_fp16", reference=FIXTURES / "tensor_mix_fp32", store=store)
     rep = build_report(store, name)
-    comps = rep["comparisons"]
-    assert len(comps) == sum(1 for t in rep["tensors"] if t["run"] == "tensor_mix_fp16")
-    assert all(c["match"] == "exact" and c["basis"] == "tensor" and c["kind"] == "accumulated" for c in comps)
-    assert all(c["verdict"] in ("expected", "warn", "error") for c in comps)
+    comps = rep.comparisons
+    assert len(comps) == sum(1 for t in rep.tensors if t.run == "tensor_mix_fp16")
+    assert all(c.match == "exact" and c.basis == "tensor" and c.kind == "accumulated" for c in comps)
+    assert all(c.verdict in ("expected", "warn", "error") for c in comps)
     (p32,) = (FIXTURES / "tensor_mix_fp32" / "step0").iterdir()
     (p16,) = (FIXTURES / "tensor_mix_fp16" / "step0").iterdir()
-    by = {(c["op"], c["role"], c["index"]): c for c in comps}
+    by = {(c.op, c.role, c.index): c for c in comps}
     for key, fname in [
         (("Functional.linear.3.forward", "output", "0"), "Functional.linear.3.forward.output.0.pt"),
         (("Functional.softmax.1.forward", "input", "0"), "Functional.softmax.1.forward.input.0.pt"),
@@ -170,14 +170,14 @@ def test_tensor_mode_pair_compares_element_wise(store):
         c = _pt(p16, fname).double().numpy().ravel()
         d = c - r
         got = by[key]
-        assert got["max_abs_err"] == pytest.approx(np.abs(d).max(), rel=1e-12)
-        assert got["sqnr_db"] == pytest.approx(10 * np.log10(np.sum(r * r) / np.sum(d * d)), rel=1e-9)
+        assert got.max_abs_err == pytest.approx(np.abs(d).max(), rel=1e-12)
+        assert got.sqnr_db == pytest.approx(10 * np.log10(np.sum(r * r) / np.sum(d * d)), rel=1e-9)
         cos = np.dot(r, c) / (np.linalg.norm(r) * np.linalg.norm(c))
-        assert got["cosine"] == pytest.approx(cos, rel=1e-12)
-        assert got["nonfinite_introduced"] == 0
+        assert got.cosine == pytest.approx(cos, rel=1e-12)
+        assert got.nonfinite_introduced == 0
     # an fp32 tensor of the fp16 run (the loss) is judged against fp16 rounding, the run's format
     loss = by[("Tensor.mean.0.forward", "output", "0")]
-    assert loss["cand_format"] == "fp16" and loss["verdict"] == "expected"
+    assert loss.cand_format == "fp16" and loss.verdict == "expected"
 
 
 @pytest.mark.slow
@@ -201,7 +201,7 @@ def test_zip_equals_folder_and_no_cache_equals_cache(store, tmp_path):
     a, b = comps(base), comps(from_zip)
     assert len(a) == len(b) > 0
     assert a.equals(b)
-    assert {r["name"] for r in build_report(store, from_zip)["runs"]} == {"tensor_mix_fp16", "tensor_mix_fp32"}
+    assert {r.name for r in build_report(store, from_zip).runs} == {"tensor_mix_fp16", "tensor_mix_fp32"}
 
 
 def test_progress_reports_bytes_then_pairs(store, tmp_path):
@@ -311,12 +311,12 @@ def test_generic_pair_flags_introduced_nan(store, tmp_path):
     ref, cand, acts = _generic_pair(tmp_path)
     name = ingest(cand, reference=ref, store=store)
     rep = build_report(store, name)
-    by = {c["op"] + "." + c["role"]: c for c in rep["comparisons"]}
-    assert by["act.output"]["verdict"] == "nonfinite" and by["act.output"]["nonfinite_introduced"] == 1
-    assert by["fc1.output"]["verdict"] == "expected"
-    f = rep["first_nonfinite"]["cand16"]
-    assert f["op"] == "act" and f["producer"]
-    assert rep["first_nonfinite"]["ref32"] is None
+    by = {c.op + "." + c.role: c for c in rep.comparisons}
+    assert by["act.output"].verdict == "nonfinite" and by["act.output"].nonfinite_introduced == 1
+    assert by["fc1.output"].verdict == "expected"
+    f = rep.first_nonfinite["cand16"]
+    assert f.op == "act" and f.producer
+    assert rep.first_nonfinite["ref32"] is None
 
 
 class _GivenShards:
@@ -361,17 +361,17 @@ def test_native_folder_pairs_its_reference_and_candidate(store, tmp_path, monkey
     monkeypatch.setattr(native, "read_shards", _GivenShards(runs).read_shards)
     name = ingest(d, store=store)
     rep = build_report(store, name)
-    runs = {r["name"]: r for r in rep["runs"]}
-    assert {n: r["kind"] for n, r in runs.items()} == {"fp16": "candidate", "fp32": "reference", "fp16+fix": "rerun"}
-    assert [r["name"] for r in rep["runs"]][0] == "fp32"
-    assert runs["fp16+fix"]["parent"] == "fp16" and runs["fp16+fix"]["fix"] == "keep-fp32:blocks.0.act"
-    assert runs["fp16"]["parent"] is None
-    assert len(rep["comparisons"]) == 12 and all(c["basis"] == "stats" for c in rep["comparisons"])
-    assert rep["first_nonfinite"]["fp16"]["op"] == "blocks.0.act"
-    assert rep["first_nonfinite"]["fp16+fix"] is None
-    assert rep["notes"]["ingest"]["pairs"] == [{"reference": "fp32", "candidate": "fp16"},
+    runs = {r.name: r for r in rep.runs}
+    assert {n: r.kind for n, r in runs.items()} == {"fp16": "candidate", "fp32": "reference", "fp16+fix": "rerun"}
+    assert [r.name for r in rep.runs][0] == "fp32"
+    assert runs["fp16+fix"].parent == "fp16" and runs["fp16+fix"].fix == "keep-fp32:blocks.0.act"
+    assert runs["fp16"].parent is None
+    assert len(rep.comparisons) == 12 and all(c.basis == "stats" for c in rep.comparisons)
+    assert rep.first_nonfinite["fp16"].op == "blocks.0.act"
+    assert rep.first_nonfinite["fp16+fix"] is None
+    assert rep.notes["ingest"]["pairs"] == [{"reference": "fp32", "candidate": "fp16"},
                                                {"reference": "fp32", "candidate": "fp16+fix"}]
-    assert rep["notes"]["ingest"]["runs"]["fp16"]["order"] == "execution"
+    assert rep.notes["ingest"]["runs"]["fp16"]["order"] == "execution"
 
 
 @pytest.mark.slow
@@ -404,13 +404,13 @@ def test_native_shards_written_by_capture_code(store, tmp_path):
     shards.write_manifest(root, list(metas.values()))
     name = ingest(root, store=store)
     rep = build_report(store, name)
-    f = rep["first_nonfinite"]["fp16"]
-    assert (f["op"], f["rank"], f["role"]) == ("scale", 1, "output")
-    assert rep["first_nonfinite"]["fp32"] is None
-    acc = [c for c in rep["comparisons"] if c["kind"] != "local"]
-    assert len(acc) == 4 and all(c["match"] == "exact" for c in acc)
-    bad = [c for c in acc if c["verdict"] == "nonfinite"]
-    assert [(c["op"], c["role"], c["rank"]) for c in bad] == [("scale", "output", 1)]
-    local = [c for c in rep["comparisons"] if c["kind"] == "local"]
-    assert len(local) == 2 and {c["rank"] for c in local} == {0, 1}
-    assert all(c["ref_run"] == c["cand_run"] == "fp16" for c in local)
+    f = rep.first_nonfinite["fp16"]
+    assert (f.op, f.rank, f.role) == ("scale", 1, "output")
+    assert rep.first_nonfinite["fp32"] is None
+    acc = [c for c in rep.comparisons if c.kind != "local"]
+    assert len(acc) == 4 and all(c.match == "exact" for c in acc)
+    bad = [c for c in acc if c.verdict == "nonfinite"]
+    assert [(c.op, c.role, c.rank) for c in bad] == [("scale", "output", 1)]
+    local = [c for c in rep.comparisons if c.kind == "local"]
+    assert len(local) == 2 and {c.rank for c in local} == {0, 1}
+    assert all(c.ref_run == c.cand_run == "fp16" for c in local)

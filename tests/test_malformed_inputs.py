@@ -527,8 +527,8 @@ def test_all_nan_tensor_is_the_first_nonfinite_producer(store, tmp_path):
     np.save(d / "a.output.0.npy", np.ones(3, np.float16))
     np.save(d / "b.output.0.npy", np.full(3, np.nan, np.float16))
     name = ingest(d, store=store)
-    first = next(iter(build_report(store, name)["first_nonfinite"].values()))
-    assert first["op"] == "b" and first["producer"]
+    first = next(iter(build_report(store, name).first_nonfinite.values()))
+    assert first.op == "b" and first.producer
 
 
 def test_bare_nan_and_infinity_in_msprobe_json(store, tmp_path):

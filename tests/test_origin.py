@@ -73,12 +73,12 @@ X = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)) * 3
 def test_a_healthy_masked_attention_is_clean_and_its_masks_are_listed_quietly(store):
     name = capture_pair(lambda: TwoAttentions(), X, torch.float16, store=store)
     rep = report.build_report(store, name)
-    assert rep["first_nonfinite"] == {"fp32": None, "float16": None}
-    masks = {m["op"] for m in rep["intended_nonfinite"]["fp32"]}
+    assert rep.first_nonfinite == {"fp32": None, "float16": None}
+    masks = {m.op for m in rep.intended_nonfinite["fp32"]}
     assert masks == {"a1.masked_fill.0", "a2.masked_fill.0"}
     # the count is the strict upper triangle of 16x16 per batch element: independent arithmetic
-    assert {m["count"] for m in rep["intended_nonfinite"]["fp32"]} == {2 * (16 * 15 // 2)}
-    assert not [d for d in rep["diagnoses"] if d["severity"] == "error"]
+    assert {m.count for m in rep.intended_nonfinite["fp32"]} == {2 * (16 * 15 // 2)}
+    assert not [d for d in rep.diagnoses if d.severity == "error"]
     assert "written on purpose by" in report.render_text(rep)
 
 

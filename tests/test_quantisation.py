@@ -72,19 +72,19 @@ def test_an_outlier_under_fp8_tensor_scaling_is_diagnosed_and_row_scaling_clears
     x = _x(1e4)
     name = capture_pair(_build, x, get_policy("fp8-e4m3-tensor"), store=store)
     rep = build_report(store, name)
-    assert all(f is None for f in rep["first_nonfinite"].values())  # no NaN/Inf: a quiet failure
-    d = next(d for d in rep["diagnoses"] if d["rule"] == "fp8-quantisation")
-    assert d["op"] == "fc1.act_quant" and d["severity"] == "error"
+    assert all(f is None for f in rep.first_nonfinite.values())  # no NaN/Inf: a quiet failure
+    d = next(d for d in rep.diagnoses if d.rule == "fp8-quantisation")
+    assert d.op == "fc1.act_quant" and d.severity == "error"
     # one ranking: the quantiser the diagnosis names is the first row of Top offenders and of the report's table
     from precision_lab.store.views import top_offenders
     first = top_offenders(store, store.session(name).session_id, n=1).iloc[0]
-    assert first["op"].startswith("fc1.act_quant.") and first["seq"] == d["seq"]
-    assert rep["worst_comparisons"][0]["op"] == first["op"]
-    assert "scaling:row" in d["fixes"] and "amax-percentile:99.9" in d["fixes"]
+    assert first["op"].startswith("fc1.act_quant.") and first["seq"] == d.seq
+    assert rep.worst_comparisons[0].op == first["op"]
+    assert "scaling:row" in d.fixes and "amax-percentile:99.9" in d.fixes
     want = int(((x != 0) & (_fake_quant(x) == 0)).sum())
-    assert f"({want:,} of {x.numel():,}) round to 0 in fp8_e4m3fn" in d["message"]
+    assert f"({want:,} of {x.numel():,}) round to 0 in fp8_e4m3fn" in d.message
     # the proposed fix, applied: one scale per row leaves the other rows their own resolution
     row = capture_pair(_build, x, apply_fixes(get_policy("fp8-e4m3-tensor"), "scaling:row"), store=store,
                        name="row")
     after = build_report(store, row)
-    assert not [d for d in after["diagnoses"] if d["rule"] == "fp8-quantisation" and d["severity"] == "error"]
+    assert not [d for d in after.diagnoses if d.rule == "fp8-quantisation" and d.severity == "error"]

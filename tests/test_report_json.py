@@ -40,7 +40,7 @@ def test_first_nonfinite_json_names_the_stored_record_in_plain_values(store, sam
     for run, f in named.items():
         # the keys: every field of Origin in its order, then producer
         assert list(f) == [x.name for x in dataclasses.fields(Origin)] + ["producer", "certainty_text"]
-        assert _plain(f) and _plain(report["first_nonfinite"][run])
+        assert _plain(f) and _plain(report.first_nonfinite[run].as_dict())
         # the values, read from the stored tensor record the answer names and from its run
         rec = q.rows(store, "SELECT * FROM tensors WHERE run_id = ? AND rid = ?", [f["run_id"], f["rid"]])[0]
         assert {k: f[k] for k in ("op", "op_type", "direction", "step", "rank", "role", "index", "location")} \

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from precision_lab.cli import app
 from precision_lab.readers.shards import write_manifest
 from precision_lab.services.ingest import ingest
-from precision_lab.services.report import build_report
+from precision_lab.services.report import build_report, to_json
 from precision_lab.services.shards import ShardError, open_shards
 from precision_lab.store import Store
 
@@ -55,9 +55,9 @@ def _strip(doc):
 
 def test_in_place_answers_as_ingest_does(shards, tmp_path):
     store, name = open_shards(shards)
-    here = json.loads(json.dumps(build_report(store, name), default=str))
+    here = json.loads(to_json(build_report(store, name)))
     db = Store(str(tmp_path / "x.duckdb"))
-    there = json.loads(json.dumps(build_report(db, ingest(shards, store=db)), default=str))
+    there = json.loads(to_json(build_report(db, ingest(shards, store=db))))
     first = here["first_nonfinite"]["train"]
     assert (first["step"], first["rank"], first["certainty"]) == (FAIL_STEP, BAD_RANK, "certain")
     assert first["op"].startswith("0.0")  # the first block's output overflowed

@@ -17,7 +17,7 @@ from precision_lab import capture
 from precision_lab.live.engine import StatsEngine
 from precision_lab.live.options import CaptureOptions
 from precision_lab.services import timeline as svc
-from precision_lab.services.report import build_report
+from precision_lab.services.report import build_report, to_json
 from precision_lab.store import Store
 from training import mlp as _mlp
 from training import train as _train
@@ -289,7 +289,7 @@ def test_op_format_judges_low_precision_dtypes_only():
 
 def test_report_json_carries_alerts_and_steps(grown):
     db, store, cap, healthy = grown
-    rep = build_report(store, cap.session)
+    rep = json.loads(to_json(build_report(store, cap.session)))
     assert rep["alerts"] and {"run", "op", "step", "rule", "message", "value", "threshold",
                               "steps_firing"} <= set(rep["alerts"][0])
     steps = rep["timeline"]["fp16"]["steps"]

@@ -176,9 +176,9 @@ def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, rec
 
     # the diagnosis card: stored with the session, its fixes exist under autocast
     rep = build_report(store, cap.session)
-    card = next(d for d in rep["diagnoses"] if d["severity"] == "error")
-    assert "use-bf16" in card["fixes"], card
-    for f in card["fixes"]:
+    card = next(d for d in rep.diagnoses if d.severity == "error")
+    assert "use-bf16" in card.fixes, card
+    for f in card.fixes:
         assert apply_fixes(policy, f).autocast is not None, f
 
     # one click: the card's re-run, from the kept step, in the job's configuration with the fix
@@ -212,7 +212,7 @@ def test_a_healthy_amp_job_whose_scaler_backs_off_is_no_failure(store, recipe):
     info = store.session(cap.session)
     assert "replay" not in info.notes and info.notes["capture"]["scaler_skipped_steps"]
     rep = build_report(store, cap.session)
-    assert not [d for d in rep["diagnoses"] if d["severity"] == "error"], rep["diagnoses"]
+    assert not [d for d in rep.diagnoses if d.severity == "error"], rep.diagnoses
     with pytest.raises(RerunError, match="replay kit"):
         rerun_session(store, cap.session, "use-bf16")
 

@@ -6,8 +6,7 @@ the pages.  A function "crosses" when a module of another layer imports it (by n
 ``Store`` is made of.  Its return annotation must be present and must name no ``dict``, ``Mapping`` or ``Any``
 (a frozen record, a named tuple, a DataFrame, a figure or a plain value says what the caller gets).
 
-``PENDING`` lists the functions that still return dicts across a layer; it may only shrink: a new crossing
-dict fails, and so does a listed name that no longer crosses or no longer returns a dict.
+No function does: any that returned a dict across a layer would fail here.
 """
 
 from __future__ import annotations
@@ -20,10 +19,6 @@ from test_architecture import ALL, PAGES, ROOT, _floor_of
 
 UNTYPED = re.compile(r"\b(dict|Dict|Mapping|MutableMapping|Any)\b")
 STORE_CLASS = ("precision_lab.store", "Store")
-
-PENDING = frozenset("""
-precision_lab.services.report.build_report
-""".split())
 
 
 def _module_of(path: Path) -> tuple[str, bool]:
@@ -138,16 +133,9 @@ def _project() -> Source:
     return Source([p for p, _, _ in ALL] + list(PAGES), ROOT)
 
 
-def test_no_new_function_returns_a_dict_across_a_layer():
-    untyped = _project().untyped_crossings()
-    new = {k: v or "(no annotation)" for k, v in untyped.items() if k not in PENDING}
-    assert not new, f"functions another layer calls return a bare dict or say nothing: {new}"
-
-
-def test_the_pending_list_only_shrinks():
-    untyped = _project().untyped_crossings()
-    done = sorted(PENDING - set(untyped))
-    assert not done, f"typed now (or no longer crossing a layer), take them off PENDING: {done}"
+def test_no_function_returns_a_dict_across_a_layer():
+    untyped = {k: v or "(no annotation)" for k, v in _project().untyped_crossings().items()}
+    assert not untyped, f"functions another layer calls return a bare dict or say nothing: {untyped}"
 
 
 def test_the_check_sees_a_dict_crossing_a_layer(tmp_path):

@@ -604,7 +604,7 @@ def test_a_named_op_with_nothing_to_compare_with_is_the_first_row_when_non_finit
                                                                 ("fc.linear.0", "accumulated", "nonfinite")]
     assert views.top_offenders(store, sid, n=5).empty
     rep = build_report(store, "lone")
-    assert [w["op"] for w in rep["worst_comparisons"]] == ["q.reciprocal.0", "fc.linear.0"]
+    assert [w.op for w in rep.worst_comparisons] == ["q.reciprocal.0", "fc.linear.0"]
     table = render_text(rep).split("Worst 2 comparisons:")[1].splitlines()
     assert table[3].split()[1] == "q.reciprocal.0" and "uncompared" in table[3]
 

@@ -22,17 +22,17 @@ def _run(store, x_scale: float, loss_scale: float, name: str):
 
 def test_an_all_zero_weight_gradient_fed_by_a_subnormal_gradient_is_an_underflow(store):
     rep, w1 = _run(store, 1e-3, 1e-5, "tiny")
-    found = [d for d in rep["diagnoses"] if d["rule"] == "gradient-underflow"]
-    assert len(found) == 1 and found[0]["op"] == "0.backward.0" and found[0]["severity"] == "warn", rep["diagnoses"]
+    found = [d for d in rep.diagnoses if d.rule == "gradient-underflow"]
+    assert len(found) == 1 and found[0].op == "0.backward.0" and found[0].severity == "warn", rep.diagnoses
     # the gradient arriving at layer 0 is 1e-5 * W1 (float64, then fp16's rounding): the message quotes its max
     arriving = float(np.abs(np.float16(1e-5) * w1.astype(np.float16)).max())
-    assert arriving < 2.0 ** -14 and f"reached only {arriving:.2g}" in found[0]["message"]
-    assert "0 in all 64 values in fp16" in found[0]["message"]
-    assert found[0]["fixes"][:2] == ["dynamic-loss-scale", "use-bf16"]
+    assert arriving < 2.0 ** -14 and f"reached only {arriving:.2g}" in found[0].message
+    assert "0 in all 64 values in fp16" in found[0].message
+    assert found[0].fixes[:2] == ["dynamic-loss-scale", "use-bf16"]
 
 
 def test_a_healthy_fp16_gradient_and_one_nothing_reached_are_no_finding(store):
     rep, _ = _run(store, 1.0, 1.0, "healthy")
-    assert not [d for d in rep["diagnoses"] if d["rule"] == "gradient-underflow"]
+    assert not [d for d in rep.diagnoses if d.rule == "gradient-underflow"]
     rep, _ = _run(store, 1e-3, 0.0, "nothing")  # a zero loss: every gradient 0 because nothing arrived
-    assert not [d for d in rep["diagnoses"] if d["rule"] == "gradient-underflow"]
+    assert not [d for d in rep.diagnoses if d.rule == "gradient-underflow"]

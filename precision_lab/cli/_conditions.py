@@ -13,6 +13,7 @@ from ._app import echo
 from ._common import EXIT_UNUSABLE
 from ..alerts import RULES_BY_NAME
 from ..metrics import ELEMENTWISE, ON_SUMMARIES, relative_error
+from ..services.report import Report, ReportComparison
 
 __all__ = ["CONDITIONS", "EXIT_TRIPPED", "Condition", "parse_condition", "check_conditions", "exit_on"]
 
@@ -22,7 +23,7 @@ CONDITIONS = "nonfinite | sqnr<DB | max_rel_err>X | alert | alert:RULE"
 EXIT_TRIPPED = 1
 
 
-def exit_on(rep: dict, conditions: list) -> None:
+def exit_on(rep: Report, conditions: list) -> None:
     """Say which ``--fail-on`` conditions tripped and exit 1 (2 when the data cannot answer one)."""
     tripped, unusable = check_conditions(rep, conditions)
     for line in tripped:
@@ -80,7 +81,7 @@ def parse_condition(text: str) -> Condition:
                              "(e.g. max_rel_err>0.01), alert or alert:RULE (e.g. alert:growth)")
 
 
-def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[str], list[str]]:
+def check_conditions(report: Report, conditions: list[Condition]) -> tuple[list[str], list[str]]:
     """``(tripped, unusable)``: one line per tripped condition and per condition
     that this data cannot answer (e.g. ``sqnr`` with statistics-only dumps).
 
@@ -100,7 +101,7 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
       ``alert``, which then means it) where element-wise comparisons with a
       reference count the values flushed to zero.
     """
-    comps = [c for c in report["comparisons"] if c["verdict"] is not None]
+    comps = [c for c in report.comparisons if c.verdict is not None]
     newly = _newly_nonfinite(report, comps)
     tripped, unusable = [], []
     for cond in conditions:
@@ -117,56 +118,56 @@ def check_conditions(report: dict, conditions: list[Condition]) -> tuple[list[st
     return tripped, unusable
 
 
-def _newly_nonfinite(report: dict, comps: list[dict]) -> str:
+def _newly_nonfinite(report: Report, comps: list[ReportComparison]) -> str:
     """The tensors non-finite in the candidate but not the reference, in words ("" when none): a matched pair
     that introduced NaN/inf, or a non-finite candidate record with no reference counterpart.  No error bound
     holds there, whatever the finite values say."""
-    bad_nf = [c for c in comps if (c.get("nonfinite_introduced") or 0) > 0]
-    cand_runs = {r["name"] for r in report["runs"] if r["kind"] != "reference"}
-    unmatched = {(c["cand_run"], c["cand_rid"]) for c in report["comparisons"] if c.get("match") == "unmatched_cand"}
-    extra_nf = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]
-                and (t["run"], t["rid"]) in unmatched]
-    if not report["comparisons"]:
-        extra_nf = [t for t in report["tensors"] if t["run"] in cand_runs and t["nonfinite"]]
+    bad_nf = [c for c in comps if (c.nonfinite_introduced or 0) > 0]
+    cand_runs = {r.name for r in report.runs if r.kind != "reference"}
+    unmatched = {(c.cand_run, c.cand_rid) for c in report.comparisons if c.match == "unmatched_cand"}
+    extra_nf = [t for t in report.tensors if t.run in cand_runs and t.nonfinite
+                and (t.run, t.rid) in unmatched]
+    if not report.comparisons:
+        extra_nf = [t for t in report.tensors if t.run in cand_runs and t.nonfinite]
     if not (bad_nf or extra_nf):
         return ""
     first = bad_nf[0] if bad_nf else extra_nf[0]
     return (f"{len(bad_nf) + len(extra_nf)} tensor(s) non-finite in the candidate but not the reference, first "
-            f"{first['op']} {first['role']} {first['index']}")
+            f"{first.op} {first.role} {first.index}")
 
 
-def _check_alert(cond: Condition, report: dict, comps: list[dict]) -> tuple[list[str], list[str]]:
+def _check_alert(cond: Condition, report: Report, comps: list[ReportComparison]) -> tuple[list[str], list[str]]:
     """``(tripped, unusable)`` lines of an ``alert`` / ``alert:RULE`` condition."""
-    flushed = cond.rule in (None, "underflow") and any(c["basis"] == "tensor" for c in comps)
-    if not report.get("timeline") and not flushed:
+    flushed = cond.rule in (None, "underflow") and any(c.basis == "tensor" for c in comps)
+    if not report.timeline and not flushed:
         return [], [f"{cond}: the session has no timeline (capture a long run with every=N"
                     + (", or compare with a reference for underflow)" if cond.rule is None else ")")]
-    hits = [a for a in report.get("alerts") or [] if cond.rule is None or a["rule"] == cond.rule]
+    hits = [a for a in report.alerts if cond.rule is None or a.rule == cond.rule]
     if not hits:
         return [], []
-    first = min(hits, key=lambda a: a["step"])
-    return [f"{cond}: {len(hits)} alert(s), first at step {first['step']}: {first['message']}"], []
+    first = min(hits, key=lambda a: a.step)
+    return [f"{cond}: {len(hits)} alert(s), first at step {first.step}: {first.message}"], []
 
 
-def _check_sqnr(cond: Condition, comps: list[dict], newly: str) -> tuple[list[str], list[str]]:
+def _check_sqnr(cond: Condition, comps: list[ReportComparison], newly: str) -> tuple[list[str], list[str]]:
     """``(tripped, unusable)`` lines of a ``sqnr<DB`` condition."""
-    vals = [c for c in comps if c["basis"] == "tensor" and c["sqnr_db"] is not None]
+    vals = [c for c in comps if c.basis == "tensor" and c.sqnr_db is not None]
     if not vals:
         return [], [f"{cond}: no element-wise comparisons (statistics-only dumps have no SQNR)"]
     tripped = []
-    bad = [c for c in vals if (c["sqnr_db"] if not math.isnan(c["sqnr_db"]) else -math.inf) < cond.threshold]
+    bad = [c for c in vals if (c.sqnr_db if not math.isnan(c.sqnr_db) else -math.inf) < cond.threshold]
     if newly:  # an SQNR over the finite values alone says nothing of a NaN output
         tripped.append(f"{cond}: {newly} (no SQNR holds there)")
     if bad:
-        worst = min(bad, key=lambda c: c["sqnr_db"])
-        tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst['op']} {worst['role']} {worst['index']} "
-                       f"at {worst['sqnr_db']:.4g} dB")
+        worst = min(bad, key=lambda c: c.sqnr_db)
+        tripped.append(f"{cond}: {len(bad)} tensor(s), worst {worst.op} {worst.role} {worst.index} "
+                       f"at {worst.sqnr_db:.4g} dB")
     return tripped, []
 
 
-def _check_rel_err(cond: Condition, comps: list[dict], newly: str) -> tuple[list[str], list[str]]:
+def _check_rel_err(cond: Condition, comps: list[ReportComparison], newly: str) -> tuple[list[str], list[str]]:
     """``(tripped, unusable)`` lines of a ``max_rel_err>X`` condition."""
-    vals = [(c, *relative_error(c)) for c in comps]
+    vals = [(c, *relative_error(c.max_rel_err, c.summary_rel_err)) for c in comps]
     vals = [v for v in vals if v[1] is not None]
     tripped = [f"{cond}: {newly} (no relative error bound holds there)"] if newly else []
     if not vals:
@@ -179,6 +180,6 @@ def _check_rel_err(cond: Condition, comps: list[dict], newly: str) -> tuple[list
         # the worst element-wise error where there is one: a summary's relative error is another quantity
         worst, err, how = max(bad.get(ELEMENTWISE) or bad[ON_SUMMARIES], key=lambda v: v[1])
         counts = ", ".join(f"{len(bad[k])} {k}" for k in (ELEMENTWISE, ON_SUMMARIES) if k in bad)
-        tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst['op']} "
-                       f"{worst['role']} {worst['index']} at {err:.4g} ({how})")
+        tripped.append(f"{cond}: {sum(map(len, bad.values()))} tensor(s) ({counts}), worst {worst.op} "
+                       f"{worst.role} {worst.index} at {err:.4g} ({how})")
     return tripped, []

@@ -7,9 +7,10 @@ First non-finite producer of a run, intended ``-inf`` and inherited values: ``pr
 Norm artefacts: a non-finite Norm (or Mean) with finite Max/Min is *not* non-finite: the dump computed the
 norm in the tensor's own dtype and the sum of squares overflowed; such records are listed apart.
 
-The JSON document (``build_report``) has the keys ``session``, ``runs``,
-``first_nonfinite`` (per run, ``origin.Origin.as_dict()`` or null), ``intended_nonfinite`` (per run,
-the ops that wrote a mask's ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
+The report (``build_report``, a frozen ``Report``) is written as JSON by ``to_json``: each field a key, in the
+order declared: ``session``, ``created``, ``source``, ``runs``,
+``first_nonfinite`` (per run, ``origin.Origin.as_dict()`` or null), ``ranks`` (per run, its other ranks'
+states), ``intended_nonfinite`` (per run, the ops that wrote a mask's ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
 ``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses``, ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
 threshold, steps_firing; see ``precision_lab.alerts``), ``timeline`` (per run with a timeline: the first
 non-finite step, the steps with full records, and one row per step: loss, loss_scale, nonfinite_values,
@@ -26,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from ..alerts import Alert
 from ..display import cosine_brief, num_text
 from ..enums import OriginKind
 from ..formats import format_for_dtype
@@ -35,11 +37,13 @@ from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 from ..store import ranking
-from ..jsoncodec import dumps, fields_tree
+from ..store.rows import RunWarning
+from ..jsoncodec import dumps
 from . import timeline as _timeline
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
-           "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState",
+           "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState", "Report", "ReportRun",
+           "ReportTensor", "ReportComparison", "WorstComparison", "ReportDiagnosis", "ReportTimeline",
            "render_text", "to_json", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 PATH_LENGTH = 5  # ops shown before the producer
@@ -249,12 +253,6 @@ def norm_artefacts(store, session_id: str) -> list[NormArtefact]:
 _TENSOR_COLS = ("seq", "op", "op_type", "role", "index", "step", "rank", "direction", "dtype", "shape", "numel",
                 "nan_count", "inf_count", "zero_count", "min", "max", "absmax", "mean", "std", "l2norm",
                 "nonfinite", "rid", "location")
-_RENAME = {"nan_count": "nan", "inf_count": "inf", "zero_count": "zero"}
-# max_*_err are element-wise; summary_*_err compare summary statistics (basis "stats") and are kept apart
-_CMP_COLS = ("kind", "match", "basis", "step", "rank", "seq", "op", "role", "index", "max_abs_err",
-             "mean_abs_err", "max_rel_err", "summary_abs_err", "summary_rel_err", "cosine", "cosine_deficit",
-             "sqnr_db", "rounding_units", "nonfinite_introduced", "nonfinite_in_ref", "cand_format", "verdict",
-             "reason", "ref_rid", "cand_rid")
 
 
 WORST_KEPT = 50  # the worst comparisons a report keeps, ranked
@@ -263,69 +261,195 @@ _WORST_COLS = ("kind", "seq", "op", "role", "index", "match", "basis", "verdict"
                "nonfinite_introduced", "reason")
 
 
-def build_report(store, session: str) -> dict:
-    """The session as one JSON-ready dict (see the module doc for its keys)."""
+@dataclass(frozen=True, slots=True)
+class ReportRun:
+    """A run of the report: its name and id, kind, dtype, its parent's name and the fix that made it, its source,
+    the order its dump gave (the word, in words, and what ingest said of it)."""
+
+    name: str
+    run_id: str
+    kind: str
+    dtype: Optional[str]
+    parent: Optional[str]
+    fix: Optional[str]
+    source: Optional[str]
+    order: Optional[str]
+    order_text: str
+    order_note: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportTensor:
+    """A record of a run, in (step, rank, seq) order: where it is, its dtype and shape, its NaN/Inf/zero counts and
+    statistics."""
+
+    run: str
+    seq: int
+    op: str
+    op_type: Optional[str]
+    role: str
+    index: str
+    step: int
+    rank: int
+    direction: Optional[str]
+    dtype: Optional[str]
+    shape: Optional[list[int]]
+    numel: Optional[int]
+    nan: Optional[int]
+    inf: Optional[int]
+    zero: Optional[int]
+    min: Optional[float]
+    max: Optional[float]
+    absmax: Optional[float]
+    mean: Optional[float]
+    std: Optional[float]
+    l2norm: Optional[float]
+    nonfinite: Optional[bool]
+    rid: int
+    location: Optional[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportComparison:
+    """A stored comparison between the records of two runs (or, ``kind`` local, of an op against its fp32
+    re-run): how they were matched, the element-wise errors (``max_*_err``) or, on summary statistics (basis
+    ``stats``), the summaries' (``summary_*_err``), the verdict and why."""
+
+    ref_run: Optional[str]
+    cand_run: Optional[str]
+    kind: str
+    match: Optional[str]
+    basis: Optional[str]
+    step: Optional[int]
+    rank: Optional[int]
+    seq: Optional[int]
+    op: Optional[str]
+    role: Optional[str]
+    index: Optional[str]
+    max_abs_err: Optional[float]
+    mean_abs_err: Optional[float]
+    max_rel_err: Optional[float]
+    summary_abs_err: Optional[float]
+    summary_rel_err: Optional[float]
+    cosine: Optional[float]
+    cosine_deficit: Optional[float]
+    sqnr_db: Optional[float]
+    rounding_units: Optional[float]
+    nonfinite_introduced: Optional[int]
+    nonfinite_in_ref: Optional[int]
+    cand_format: Optional[str]
+    verdict: Optional[str]
+    reason: Optional[str]
+    ref_rid: Optional[int]
+    cand_rid: Optional[int]
+
+
+_CMP_COLS = tuple(ReportComparison.__annotations__)[2:]  # the columns of the comparisons table it holds
+
+WorstComparison = dataclasses.make_dataclass(
+    "WorstComparison", [(c, ReportComparison.__annotations__[c]) for c in ("cand_run",) + _WORST_COLS],
+    frozen=True, slots=True, namespace={"__module__": __name__, "__doc__": (
+        "One of the worst comparisons, as Top offenders ranks them (non-finite records without a comparison "
+        "included, ``kind`` uncompared): these columns of a ``ReportComparison``, its candidate run's first.")})
+
+
+@dataclass(frozen=True, slots=True)
+class ReportDiagnosis:
+    """A stored diagnosis as the report keeps it: its run's name, the op, rule and message, the fixes it proposes
+    (best first), the severity stored (None where none was) and the op's place in execution order."""
+
+    run: Optional[str]
+    op: str
+    rule: str
+    message: str
+    fixes: list[str]
+    severity: Optional[str]
+    seq: Optional[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportTimeline:
+    """A long run's timeline in the report: its first non-finite step (None: every step finite), the steps it holds
+    full records of, and one row per step (``store.timeline.step_rows``)."""
+
+    first_nonfinite_step: Optional[int]
+    full_steps: list[int]
+    steps: list[dict]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What went wrong in a session (see the module doc); ``to_json`` writes it, every field in this order."""
+
+    session: str
+    created: Optional[str]
+    source: Optional[str]
+    runs: list[ReportRun]
+    first_nonfinite: dict[str, Optional[Origin]]
+    ranks: dict[str, list[RankState]]
+    intended_nonfinite: dict[str, list[Intended]]
+    norm_artefacts: list[NormArtefact]
+    tensors: list[ReportTensor]
+    comparisons: list[ReportComparison]
+    worst_comparisons: list[WorstComparison]
+    diagnoses: list[ReportDiagnosis]
+    warnings: list[RunWarning]
+    alerts: list[Alert]
+    timeline: dict[str, ReportTimeline]
+    notes: dict
+
+
+def _report_runs(runs: list, names: dict[str, str], notes: OrderNotes) -> list[ReportRun]:
+    return [ReportRun(r.name, r.run_id, r.kind, r.dtype, names.get(r.parent_run_id) if r.parent_run_id else None,
+                      r.fix, r.source, r.order, order_text(r.order), notes.get(r.run_id)) for r in runs]
+
+
+def _tensors(store, runs: list) -> list[ReportTensor]:
+    shape = _TENSOR_COLS.index("shape")
+    return [ReportTensor(r.name, *t[:shape], None if t[shape] is None else json.loads(t[shape]), *t[shape + 1:])
+            for r in runs for t in q.run_tensors(store, r.run_id, _TENSOR_COLS)]
+
+
+def _comparisons(store, sid: str, names: dict[str, str]) -> list[ReportComparison]:
+    paired = ("ref_run_id", "cand_run_id") + _CMP_COLS
+    return [ReportComparison(names.get(ref), names.get(cand), *values)
+            for ref, cand, *values in q.session_comparisons(store, sid, paired)]
+
+
+def _worst_comparisons(store, sid: str) -> list[WorstComparison]:
+    """The worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too."""
+    worst = ranking.ranked_comparisons(store, sid, ranking.ACCUMULATED_KINDS + ranking.LOCAL_KINDS, n=WORST_KEPT,
+                                       include_nonfinite=True)
+    return [WorstComparison(w.run, *(getattr(w, k) for k in _WORST_COLS)) for w in worst]
+
+
+def _timelines(store, sid: str) -> dict[str, ReportTimeline]:
+    return {t.run: ReportTimeline(t.first_nonfinite_step, t.full_steps, t.steps)
+            for t in _timeline.timeline_report(store, sid)}
+
+
+def build_report(store, session: str) -> Report:
+    """The session's findings (see the module doc), ready for ``to_json`` and ``render_text``."""
     info = store.session(session)
     sid = info.session_id
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
     names = {r.run_id: r.name for r in runs}
-    notes = order_notes(store, sid)
     first, intended, spread = {}, {}, {}
     for r in runs:
         f, masks = nonfinite_origin(store, r.run_id)
-        first[r.name] = None if f is None else f.as_dict()
-        intended[r.name] = [dataclasses.asdict(m) for m in masks]
-        spread[r.name] = fields_tree(rank_spread(store, r.run_id, f))
-    tensors = []
-    for r in runs:
-        for t in q.run_tensors(store, r.run_id, _TENSOR_COLS):
-            d = {"run": r.name}
-            for c, v in zip(_TENSOR_COLS, t):
-                d[_RENAME.get(c, c)] = json.loads(v) if c == "shape" and v is not None else v
-            tensors.append(d)
-    comparisons = []
-    paired = ("ref_run_id", "cand_run_id") + _CMP_COLS
-    for ref_run_id, cand_run_id, *values in q.session_comparisons(store, sid, paired):
-        d = {"ref_run": names.get(ref_run_id), "cand_run": names.get(cand_run_id)}
-        d.update(zip(_CMP_COLS, values))
-        comparisons.append(d)
-    diagnoses = []
-    for d in q.session_diagnoses(store, sid):
-        diagnoses.append({"run": names.get(d.run_id), "op": d.op, "rule": d.rule, "message": d.message,
-                          "fixes": list(d.fixes), "severity": d.severity, "seq": d.seq})
-    warnings = [{"run": names.get(w.run_id), "file": w.file, "message": w.message}
-                for w in q.session_warning_rows(store, sid)]
-    alerts = [dataclasses.asdict(a) for a in _timeline.session_alerts(store, sid)]
-    # the worst comparisons as Top offenders ranks them (what a diagnosis names first), non-finite ones too
-    worst = ranking.ranked_comparisons(store, sid, ranking.ACCUMULATED_KINDS + ranking.LOCAL_KINDS, n=WORST_KEPT,
-                                       include_nonfinite=True)
-    worst_comparisons = [{"cand_run": w.run, **{k: getattr(w, k) for k in _WORST_COLS}} for w in worst]
-    return {
-        "session": info.name,
-        "created": info.created,
-        "source": info.source,
-        "runs": [{"name": r.name, "run_id": r.run_id, "kind": r.kind, "dtype": r.dtype,
-                  "parent": names.get(r.parent_run_id) if r.parent_run_id else None, "fix": r.fix,
-                  "source": r.source, "order": r.order, "order_text": order_text(r.order),
-                  "order_note": notes.get(r.run_id)} for r in runs],
-        "first_nonfinite": first,
-        "ranks": spread,
-        "intended_nonfinite": intended,
-        "norm_artefacts": fields_tree(norm_artefacts(store, sid)),
-        "tensors": tensors,
-        "comparisons": comparisons,
-        "worst_comparisons": worst_comparisons,
-        "diagnoses": diagnoses,
-        "warnings": warnings,
-        "alerts": alerts,
-        "timeline": {t.run: {"first_nonfinite_step": t.first_nonfinite_step, "full_steps": t.full_steps,
-                             "steps": t.steps} for t in _timeline.timeline_report(store, sid)},
-        "notes": info.notes,
-    }
+        first[r.name], intended[r.name] = f, masks
+        spread[r.name] = rank_spread(store, r.run_id, f)
+    diagnoses = [ReportDiagnosis(names.get(d.run_id), d.op, d.rule, d.message, list(d.fixes), d.severity, d.seq)
+                 for d in q.session_diagnoses(store, sid)]
+    warnings = [RunWarning(names.get(w.run_id), w.file, w.message) for w in q.session_warning_rows(store, sid)]
+    return Report(info.name, info.created, info.source, _report_runs(runs, names, order_notes(store, sid)), first,
+                  spread, intended, norm_artefacts(store, sid), _tensors(store, runs), _comparisons(store, sid, names),
+                  _worst_comparisons(store, sid), diagnoses, warnings, _timeline.session_alerts(store, sid),
+                  _timelines(store, sid), info.notes)
 
 
-def to_json(report: dict, *, indent: Optional[int] = 2) -> str:
+def to_json(report: Report, *, indent: Optional[int] = 2) -> str:
     """Strict JSON (``allow_nan=False``): non-finite numbers become strings."""
     return dumps(report, indent=indent)
 
@@ -344,77 +468,82 @@ def _listing(title: str, top: int, lines: list[str]) -> list[str]:
     return out + ([f"  ... and {len(lines) - top} more"] if len(lines) > top else [])
 
 
-def render_text(report: dict, *, top: int = 15) -> str:
-    """A human-readable summary of ``build_report``'s document."""
-    out = [f"Session {report['session']}  ({report.get('source') or ''})", ""]
-    out += _table([[r["name"], r["kind"], r["dtype"] or "-", r["parent"] or "-", r["fix"] or "-",
-                    r.get("order_text") or order_text(r.get("order"))] for r in report["runs"]],
-                  ["run", "kind", "dtype", "parent", "fix", "order"])
-    said = [f"  {r['name']}: {r['order_note']}" for r in report["runs"] if r.get("order_note")]
-    out += (["", "Order used:"] + said) if said else []
-    out += ["", "First non-finite producer:"]
-    intended = report.get("intended_nonfinite") or {}
-    for run, f in report["first_nonfinite"].items():
-        masks = intended.get(run) or []
-        if f is None:
-            out.append(f"  {run}: none (every recorded value is finite)" if not masks else
-                       f"  {run}: none (its non-finite values never reach the model's output, a gradient or a "
-                       f"parameter: written on purpose by {len(masks)} op(s) (a mask, log(0), a fill), e.g. "
-                       f"{masks[0]['op']})")
-            continue
-        out.append(f"  {run}: {f['op']}  (step {f['step']}, rank {f['rank']}, seq {f['seq']}, {f['role']} {f['index']})")
-        out.append(f"    {f['reason']}")
-        if f.get("certainty_text"):
-            out.append(f"    {f['certainty_text']}")
-        if f.get("location"):
-            out.append(f"    called from {f['location']}")
-        chain = " -> ".join(p["op"] for p in f["path"])
-        out.append(f"    path ({order_text(f.get('order'))}): {chain}")
-        for r in (report.get("ranks") or {}).get(run) or []:
-            out.append(f"    {r['text']}")
-    arts = report.get("norm_artefacts") or []
+def _runs_lines(report: Report) -> list[str]:
+    out = [f"Session {report.session}  ({report.source or ''})", ""]
+    out += _table([[r.name, r.kind, r.dtype or "-", r.parent or "-", r.fix or "-", r.order_text]
+                   for r in report.runs], ["run", "kind", "dtype", "parent", "fix", "order"])
+    said = [f"  {r.name}: {r.order_note}" for r in report.runs if r.order_note]
+    return out + ((["", "Order used:"] + said) if said else [])
+
+
+def _origin_lines(report: Report, run: str, f: Optional[Origin]) -> list[str]:
+    """A run's first non-finite producer: where, why, how sure, the ops before it, and its other ranks."""
+    if f is None:
+        masks = report.intended_nonfinite.get(run) or []
+        return [f"  {run}: none (every recorded value is finite)" if not masks else
+                f"  {run}: none (its non-finite values never reach the model's output, a gradient or a "
+                f"parameter: written on purpose by {len(masks)} op(s) (a mask, log(0), a fill), e.g. {masks[0].op})"]
+    out = [f"  {run}: {f.op}  (step {f.step}, rank {f.rank}, seq {f.seq}, {f.role} {f.index})", f"    {f.reason}"]
+    out += [f"    {f.certainty_text}"] if f.certainty_text else []
+    out += [f"    called from {f.location}"] if f.location else []
+    out.append(f"    path ({order_text(f.order)}): {' -> '.join(p.op for p in f.path)}")
+    return out + [f"    {r.text}" for r in report.ranks.get(run) or []]
+
+
+def _comparison_lines(report: Report, top: int) -> list[str]:
+    """How many comparisons of each verdict per pair of runs, then the ``top`` worst as ``build_report`` ranked
+    them (Top offenders' ranking)."""
+    counts: dict[tuple, dict[str, int]] = {}
+    for c in report.comparisons:
+        key = (c.cand_run, c.ref_run, c.kind == "local")
+        v = c.verdict or c.match
+        counts.setdefault(key, {})[v] = counts.setdefault(key, {}).get(v, 0) + 1
+    out = ["", "Comparisons:"]
+    for (cand, ref, local), d in counts.items():
+        summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
+        # a local comparison sets each op of a run against its own fp32 re-run: not a second run
+        out.append(f"  {cand}: local error (each op against its fp32 re-run): {summary}" if local
+                   else f"  {cand} vs {ref}: {summary}")
+    worst = report.worst_comparisons[:top]
+    # a comparison on summary statistics has no element-wise error: its own columns, where there is one
+    by_summary = any(c.basis == "stats" for c in worst)
+    rows = [[c.cand_run, c.op, f"{c.role}.{c.index}", c.match or c.kind, c.basis or "-", num_text(c.max_abs_err),
+             num_text(c.max_rel_err)]
+            + ([num_text(c.summary_abs_err), num_text(c.summary_rel_err)] if by_summary else [])
+            + [cosine_brief(c.cosine, c.cosine_deficit), num_text(c.sqnr_db),
+               "-" if c.nonfinite_introduced is None else str(c.nonfinite_introduced), c.verdict] for c in worst]
+    if not rows:
+        return out
+    header = (["run", "op", "tensor", "match", "basis", "max_abs", "max_rel"]
+              + (["summary_abs", "summary_rel"] if by_summary else []) + ["cosine", "sqnr_db", "nf_new", "verdict"])
+    return out + ["", f"Worst {len(rows)} comparisons:"] + ["  " + ln for ln in _table(rows, header)]
+
+
+def _diagnosis_lines(report: Report) -> list[str]:
+    return (["", "Diagnoses:"] + [f"  [{d.severity}] {d.run}: {d.op}: {d.message}"
+                                  + (f"  fixes: {', '.join(d.fixes)}" if d.fixes else "") for d in report.diagnoses]
+            if report.diagnoses else [])
+
+
+def _timeline_lines(report: Report) -> list[str]:
+    return [line for run, t in report.timeline.items() for line in (
+        "", f"Timeline of {run}: {len(t.steps)} steps, full records at {len(t.full_steps)}; "
+            + (f"first non-finite value at step {t.first_nonfinite_step}" if t.first_nonfinite_step is not None
+               else "every step finite"))]
+
+
+def render_text(report: Report, *, top: int = 15) -> str:
+    """A human-readable summary of ``build_report``'s report."""
+    out = _runs_lines(report) + ["", "First non-finite producer:"]
+    for run, f in report.first_nonfinite.items():
+        out += _origin_lines(report, run, f)
+    arts = report.norm_artefacts
     out += _listing(f"Norm artefacts ({len(arts)}): not non-finite values", top,
-                    [f"{a['run']}: {a['op']} {a['role']} {a['index']}: {a['reason']}" for a in arts])
-    comps = report["comparisons"]
-    if comps:
-        counts: dict[tuple, dict[str, int]] = {}
-        for c in comps:
-            key = (c["cand_run"], c["ref_run"], c.get("kind") == "local")
-            v = c["verdict"] or c["match"]
-            counts.setdefault(key, {})[v] = counts.setdefault(key, {}).get(v, 0) + 1
-        out += ["", "Comparisons:"]
-        for (cand, ref, local), d in counts.items():
-            summary = ", ".join(f"{k} {n}" for k, n in sorted(d.items()))
-            # a local comparison sets each op of a run against its own fp32 re-run: not a second run
-            out.append(f"  {cand}: local error (each op against its fp32 re-run): {summary}" if local
-                       else f"  {cand} vs {ref}: {summary}")
-        # in the order ``build_report`` kept (Top offenders' ranking)
-        worst = (report.get("worst_comparisons") or [])[:top]
-        # a comparison on summary statistics has no element-wise error: its own columns, where there is one
-        by_summary = any(c.get("basis") == "stats" for c in worst)
-        rows = [[c["cand_run"], c["op"], f"{c['role']}.{c['index']}", c["match"] or c["kind"], c["basis"] or "-",
-                 num_text(c["max_abs_err"]), num_text(c["max_rel_err"])]
-                + ([num_text(c.get("summary_abs_err")), num_text(c.get("summary_rel_err"))] if by_summary else [])
-                + [cosine_brief(c["cosine"], c["cosine_deficit"]),
-                   num_text(c["sqnr_db"]), "-" if c["nonfinite_introduced"] is None else str(c["nonfinite_introduced"]),
-                   c["verdict"]] for c in worst]
-        if rows:
-            out += ["", f"Worst {len(rows)} comparisons:"]
-            out += ["  " + ln for ln in _table(rows, ["run", "op", "tensor", "match", "basis", "max_abs", "max_rel"]
-                                               + (["summary_abs", "summary_rel"] if by_summary else [])
-                                               + ["cosine", "sqnr_db", "nf_new", "verdict"])]
-    if report["diagnoses"]:
-        out += ["", "Diagnoses:"]
-        for d in report["diagnoses"]:
-            fixes = f"  fixes: {', '.join(d['fixes'])}" if d["fixes"] else ""
-            out.append(f"  [{d['severity']}] {d['run']}: {d['op']}: {d['message']}{fixes}")
-    alerts = report.get("alerts") or []
-    out += _listing(f"Alerts ({len(alerts)}):", top,
-                    [f"[{a['rule']}] {a['run']} step {a['step']}: {a['message']}" for a in alerts])
-    for run, t in (report.get("timeline") or {}).items():
-        first = t.get("first_nonfinite_step")
-        out += ["", f"Timeline of {run}: {len(t['steps'])} steps, full records at {len(t['full_steps'])}; "
-                    + (f"first non-finite value at step {first}" if first is not None else "every step finite")]
-    out += _listing(f"Warnings ({len(report['warnings'])}):", top,
-                    [f"{w['file']}: {w['message']}" for w in report["warnings"]])
+                    [f"{a.run}: {a.op} {a.role} {a.index}: {a.reason}" for a in arts])
+    out += _comparison_lines(report, top) if report.comparisons else []
+    out += _diagnosis_lines(report)
+    out += _listing(f"Alerts ({len(report.alerts)}):", top,
+                    [f"[{a.rule}] {a.run} step {a.step}: {a.message}" for a in report.alerts])
+    out += _timeline_lines(report)
+    out += _listing(f"Warnings ({len(report.warnings)}):", top, [f"{w.file}: {w.message}" for w in report.warnings])
     return "\n".join(out) + "\n"

@@ -28,7 +28,7 @@ from .. import __version__
 from ..jsoncodec import fields_tree
 from ..store import views
 from ..services import timeline as _timeline
-from ..services.cards import diagnosis_cards
+from ..services.cards import DiagnosisCard, diagnosis_cards
 from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
 from ..public import public_source
@@ -204,22 +204,11 @@ def _long_runs(store, sid: str) -> list[str]:
     return out
 
 
-def render_html(store, session: str, *, public: bool = True) -> str:
-    """The page as a string (see the module doc).
-
-    ``public`` (the default: a report is made to be passed on): sources name
-    files relative to the upload or by their name, never a folder of the
-    server or the sharer (``public.public_source``).
-    """
+def _head(info, source: str) -> list[str]:
+    """The page's head (its policy, style and plotly.js) and the session's name, source and dates."""
     import plotly.offline
 
-    info = store.session(session)
-    sid = info.session_id
-    source = public_source(info.source) if public else info.source
-    runs = _records(runs_table(store, sid, public=public))
-    firsts = first_nonfinite_by_run(store, sid)
-
-    parts = [
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
@@ -232,49 +221,59 @@ def render_html(store, session: str, *, public: bool = True) -> str:
         f'<p class="meta">source: <code>{_e(source)}</code> · created {_e(info.created)} · '
         f'written {_e(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))} by Precision Lab '
         f"{_e(__version__)}</p>",
-        "<h2>Runs</h2>",
-        _table(runs, [("run", "run", "name"), ("kind", "kind", "text"), ("dtype", "dtype", "text"),
-                      ("parent", "parent", "name"), ("fix", "fix", "name"), ("order", "order", "text"),
-                      ("order_used", "order used", "text"), ("records", "records", "num"), ("nonfinite_records", "non-finite records", "num"),
-                      ("source", "source", "name")]),
-        "<h2>First non-finite producer</h2>",
     ]
-    nf_rows = []
-    for f in firsts:
-        first = f.first
-        masks = f.intended
-        if first is None:
-            nf_rows.append({"run": f.run.name, "op": "none: every recorded value is finite"
-                            + (f" apart from values that never reach the model's output, a gradient or a parameter "
-                               f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")})
-            continue
-        op = first.op if first.origin != "parameter" else \
-            f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
-        nf_rows.append({"run": f.run.name, "op": op, "op_type": first.op_type, "where": first.where,
-                        "tensor": f"{first.role} {first.index}", "reason": first.reason,
-                        "certainty": first.certainty_text
-                        + "".join(f"; {r.text}" for r in f.ranks),  # a distributed run's other ranks
-                        "path": " → ".join(p.op for p in first.path)})
-    parts.append(_table(nf_rows, [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
-                                  ("where", "where", "text"), ("tensor", "tensor", "text"),
-                                  ("reason", "why", "text"), ("certainty", "how sure", "text"),
-                                  ("path", "ops before it", "name")],
-                        empty="no runs"))
 
-    parts += _long_runs(store, sid)
 
+def _runs(runs: list[dict]) -> list[str]:
+    return ["<h2>Runs</h2>",
+            _table(runs, [("run", "run", "name"), ("kind", "kind", "text"), ("dtype", "dtype", "text"),
+                          ("parent", "parent", "name"), ("fix", "fix", "name"), ("order", "order", "text"),
+                          ("order_used", "order used", "text"), ("records", "records", "num"),
+                          ("nonfinite_records", "non-finite records", "num"), ("source", "source", "name")])]
+
+
+def _first_nonfinite_row(f: RunOrigin) -> dict:
+    """A run's first non-finite producer as a row: the op (or parameter), where, why, how sure (with a distributed
+    run's other ranks) and the ops before it."""
+    first, masks = f.first, f.intended
+    if first is None:
+        return {"run": f.run.name, "op": "none: every recorded value is finite"
+                + (f" apart from values that never reach the model's output, a gradient or a parameter "
+                   f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")}
+    op = first.op if first.origin != "parameter" else \
+        f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
+    return {"run": f.run.name, "op": op, "op_type": first.op_type, "where": first.where,
+            "tensor": f"{first.role} {first.index}", "reason": first.reason,
+            "certainty": first.certainty_text + "".join(f"; {r.text}" for r in f.ranks),
+            "path": " → ".join(p.op for p in first.path)}
+
+
+def _first_nonfinite(firsts: list[RunOrigin]) -> list[str]:
+    return ["<h2>First non-finite producer</h2>",
+            _table([_first_nonfinite_row(f) for f in firsts],
+                   [("run", "run", "name"), ("op", "op", "name"), ("op_type", "op type", "text"),
+                    ("where", "where", "text"), ("tensor", "tensor", "text"), ("reason", "why", "text"),
+                    ("certainty", "how sure", "text"), ("path", "ops before it", "name")], empty="no runs")]
+
+
+def _error_section(store, sid: str, runs: list[dict], firsts: list[RunOrigin]) -> list[str]:
+    """The error along execution order, saying where seq follows the names rather than the execution."""
     err = _error_plot(store, sid, firsts)
     unknown = [r["run"] for r in runs if r.get("order") == order_text("name")]
-    parts.append("<h2>Error along execution order</h2>")
+    out = ["<h2>Error along execution order</h2>"]
     if unknown:
-        parts.append(f'<p class="none">{_e(order_text("name"))} for {_e(", ".join(unknown))}: seq follows '
-                     "the names, not the execution</p>")
-    parts.append(err if err else '<p class="none">no comparisons in this session</p>')
+        out.append(f'<p class="none">{_e(order_text("name"))} for {_e(", ".join(unknown))}: seq follows '
+                   "the names, not the execution</p>")
+    return out + [err if err else '<p class="none">no comparisons in this session</p>']
 
+
+def _focus_section(store, sid: str, firsts: list[RunOrigin]) -> list[str]:
     focus, caption = _focus_plot(store, sid, firsts)
-    if focus:
-        parts += ["<h2>Values against the format's range</h2>", f"<p>{_e(caption)}</p>", focus]
+    return ["<h2>Values against the format's range</h2>", f"<p>{_e(caption)}</p>", focus] if focus else []
 
+
+def _worst(store, sid: str) -> list[str]:
+    """The ``TOP_COMPARISONS`` largest errors, non-finite records included."""
     worst = _records(top_offenders(store, sid, n=TOP_COMPARISONS, include_nonfinite=True))
     for w in worst:
         w["tensor"] = f"{w['role']} {w['index']}"
@@ -282,35 +281,58 @@ def render_html(store, session: str, *, public: bool = True) -> str:
     # a comparison on summary statistics has no element-wise error: its summaries' errors in columns of their own
     summary = [("summary_abs_err", "summary abs err", "num"), ("summary_rel_err", "summary rel err", "num")] \
         if any(w.get("basis") == "stats" for w in worst) else []
-    parts.append(f"<h2>Largest errors (top {TOP_COMPARISONS})</h2>")
-    parts.append(_table(worst, [("run", "run", "name"), ("seq", "seq", "num"), ("op", "op", "name"),
-                                ("tensor", "tensor", "text"), ("kind", "kind", "text"), ("basis", "basis", "text"),
-                                ("verdict", "verdict", "text"), ("max_abs_err", "max abs err", "num"),
-                                ("max_rel_err", "max rel err", "num"), *summary, ("cosine_text", "cosine", "text"),
-                                ("sqnr_db", "SQNR dB", "num"), ("rounding_units", "err / unit roundoff", "num"),
-                                ("reason", "reason", "text")], row_class="verdict", empty="no comparisons"))
+    return [f"<h2>Largest errors (top {TOP_COMPARISONS})</h2>",
+            _table(worst, [("run", "run", "name"), ("seq", "seq", "num"), ("op", "op", "name"),
+                           ("tensor", "tensor", "text"), ("kind", "kind", "text"), ("basis", "basis", "text"),
+                           ("verdict", "verdict", "text"), ("max_abs_err", "max abs err", "num"),
+                           ("max_rel_err", "max rel err", "num"), *summary, ("cosine_text", "cosine", "text"),
+                           ("sqnr_db", "SQNR dB", "num"), ("rounding_units", "err / unit roundoff", "num"),
+                           ("reason", "reason", "text")], row_class="verdict", empty="no comparisons")]
 
+
+def _norm_artefacts(store, sid: str) -> list[str]:
     arts = fields_tree(norm_artefacts(store, sid))
-    if arts:
-        parts.append(f"<h2>Norm artefacts ({len(arts)})</h2>")
-        parts.append(_table(arts, [("run", "run", "name"), ("op", "op", "name"), ("role", "role", "text"),
-                                   ("index", "index", "text"), ("reason", "why this is not a non-finite value",
-                                                                 "text")]))
+    return [f"<h2>Norm artefacts ({len(arts)})</h2>",
+            _table(arts, [("run", "run", "name"), ("op", "op", "name"), ("role", "role", "text"),
+                          ("index", "index", "text"), ("reason", "why this is not a non-finite value", "text")])
+            ] if arts else []
 
-    cards = [{"severity": c.severity, "run": c.run, "op": c.op, "rule": c.rule, "message": c.message,
-              "fixes_text": ", ".join(c.fixes)} for c in diagnosis_cards(store, sid)]
-    parts.append("<h2>Diagnoses</h2>")
-    parts.append(_table(cards, [("severity", "severity", "text"), ("run", "run", "name"), ("op", "op", "name"),
-                                ("rule", "rule", "text"), ("message", "message", "text"),
-                                ("fixes_text", "fixes", "name")], empty="no diagnoses"))
 
+def _diagnoses(cards: list[DiagnosisCard]) -> list[str]:
+    rows = [{"severity": c.severity, "run": c.run, "op": c.op, "rule": c.rule, "message": c.message,
+             "fixes_text": ", ".join(c.fixes)} for c in cards]
+    return ["<h2>Diagnoses</h2>",
+            _table(rows, [("severity", "severity", "text"), ("run", "run", "name"), ("op", "op", "name"),
+                          ("rule", "rule", "text"), ("message", "message", "text"), ("fixes_text", "fixes", "name")],
+                   empty="no diagnoses")]
+
+
+def _warnings(store, sid: str) -> list[str]:
+    """Up to ``MAX_WARNINGS`` warnings, and whether there are more."""
     warns = views.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
-    parts.append(f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>")
     shown = [dataclasses.asdict(w) for w in warns[:MAX_WARNINGS]]
-    parts.append(_table(shown, [("run", "run", "name"), ("file", "file", "name"), ("message", "message", "text")],
-                        empty="no warnings"))
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    return [f"<h2>Warnings ({len(warns) if len(warns) <= MAX_WARNINGS else f'more than {MAX_WARNINGS}'})</h2>",
+            _table(shown, [("run", "run", "name"), ("file", "file", "name"), ("message", "message", "text")],
+                   empty="no warnings")]
+
+
+def render_html(store, session: str, *, public: bool = True) -> str:
+    """The page as a string (see the module doc).
+
+    ``public`` (the default: a report is made to be passed on): sources name
+    files relative to the upload or by their name, never a folder of the
+    server or the sharer (``public.public_source``).
+    """
+    info = store.session(session)
+    sid = info.session_id
+    runs = _records(runs_table(store, sid, public=public))
+    firsts = first_nonfinite_by_run(store, sid)
+    parts = _head(info, public_source(info.source) if public else info.source) + _runs(runs)
+    parts += _first_nonfinite(firsts) + _long_runs(store, sid)
+    parts += _error_section(store, sid, runs, firsts) + _focus_section(store, sid, firsts)
+    parts += _worst(store, sid) + _norm_artefacts(store, sid)
+    parts += _diagnoses(diagnosis_cards(store, sid)) + _warnings(store, sid)
+    return "\n".join(parts + ["</body></html>"])
 
 
 def render_diff_html(result, ref_label: str, cand_label: str) -> str:

@@ -118,7 +118,7 @@ def offenders_table(store, session_id: str, *, local: bool = False, n: int = 10)
 def worst_error_text(row) -> str:
     """A comparison's relative error in words: element-wise ("max rel err"), or for one on summary statistics
     the summaries' ("summary rel err"); ``row`` as ``top_offenders`` gives it."""
-    err, how = relative_error(row)
+    err, how = relative_error(row.get("max_rel_err"), row.get("summary_rel_err"))
     return f"{'max' if how == ELEMENTWISE else 'summary'} rel err {num_text(err, 3)}"
 
 
