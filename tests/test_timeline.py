@@ -293,15 +293,15 @@ def test_report_json_carries_alerts_and_steps(grown):
     assert rep["alerts"] and {"run", "op", "step", "rule", "message", "value", "threshold",
                               "steps_firing"} <= set(rep["alerts"][0])
     steps = rep["timeline"]["fp16"]["steps"]
-    assert [s.step for s in steps] == list(range(40))
+    assert [s["step"] for s in steps] == list(range(40))
     # the global gradient norm of a step, from the parameter gradients' norms
     losses = [s.value for s in cap.step_scalars if s.name == "loss"]
-    assert [s.loss for s in steps[:5]] == losses[:5]
+    assert [s["loss"] for s in steps[:5]] == losses[:5]
     norms = {}
     for r in cap.timeline_rows:
         if r.role == "param_grad":
             norms[r.step] = norms.get(r.step, 0.0) + r.l2norm ** 2
-    assert steps[3].grad_norm == pytest.approx(math.sqrt(norms[3]), rel=1e-12)
+    assert steps[3]["grad_norm"] == pytest.approx(math.sqrt(norms[3]), rel=1e-12)
 
 
 def test_fail_on_alert_exit_codes(grown):

@@ -37,7 +37,7 @@ from ..ops import COLLECTIVE_OPS
 from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 from ..store import ranking
-from ..store.rows import RunWarning
+from ..store.rows import RunWarning, StepRow
 from ..jsoncodec import dumps
 from . import timeline as _timeline
 
@@ -374,7 +374,7 @@ class ReportTimeline:
 
     first_nonfinite_step: Optional[int]
     full_steps: list[int]
-    steps: list[dict]
+    steps: list[StepRow]
 
 
 @dataclass(frozen=True, slots=True)
