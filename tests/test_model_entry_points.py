@@ -3,6 +3,7 @@ re-run under a fix from the command line; entry points recorded by a session are
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,26 @@ def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+@pytest.fixture(scope="module")
+def _capture(tmp_path_factory):
+    """One capture of the model for the module (its own database and data folder, as each test has)."""
+    root = tmp_path_factory.mktemp("entry_points")
+    db = root / "m.duckdb"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRECISION_LAB_DB", str(root / "default.duckdb"))
+        mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
+        res = _cli("capture", "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs", "--dtype", "fp16",
+                   "--db", db, "--no-local")
+        assert res.exit_code == 0, res.output
+    close_all()
+    return db
+
+
 @pytest.fixture
-def captured(tmp_path):
+def captured(_capture, tmp_path):
+    """A copy of the module's capture, for this test to read and re-run."""
     db = tmp_path / "m.duckdb"
-    res = _cli("capture", "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs", "--dtype", "fp16",
-               "--db", db, "--no-local")
-    assert res.exit_code == 0, res.output
+    shutil.copy(_capture, db)
     # another process knows nothing of the entry points: forget them here too
     for name in [n for n in RECIPES if n.startswith("model:")]:
         RECIPES.unregister(name)
@@ -74,7 +89,7 @@ def test_a_server_may_allow_a_model_for_re_runs(captured, monkeypatch):
     assert res.exit_code == 0, res.output
 
 
-def test_a_session_naming_other_inputs_is_not_run_on_an_allowed_model(captured, monkeypatch, tmp_path):
+def test_a_session_naming_other_inputs_is_not_run_on_an_allowed_model(monkeypatch, tmp_path):
     """A shared session could name an allowed model with inputs of its own choosing: nothing of it runs."""
     from precision_lab.fixes.recipes import get_recipe, RecipeNotFound
 
