@@ -1,5 +1,6 @@
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,12 +49,25 @@ def ingest_refused(store, path, *words, **kw) -> str:
     return refused(store, lambda: ingest(path, store=store, **kw), IngestError, *words)
 
 
+@pytest.fixture(scope="session")
+def _empty_database(tmp_path_factory) -> Path:
+    """A database file with the schema and nothing else, made once: each ``store`` starts from a copy."""
+    from precision_lab.store import Store, close_all
+
+    path = tmp_path_factory.mktemp("empty_database") / "empty.duckdb"
+    Store(path)
+    close_all()
+    return path
+
+
 @pytest.fixture
-def store(tmp_path):
+def store(_empty_database, tmp_path):
     """A fresh database file per test."""
     from precision_lab.store import Store, close_all
 
-    s = Store(tmp_path / "test.duckdb")
+    path = tmp_path / "test.duckdb"
+    shutil.copy(_empty_database, path)
+    s = Store(path)
     yield s
     close_all()
 

@@ -3,6 +3,7 @@ re-run under a fix from the command line; entry points recorded by a session are
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,26 @@ def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+@pytest.fixture(scope="module")
+def _capture(tmp_path_factory):
+    """One capture of the model for the module (its own database and data folder, as each test has)."""
+    root = tmp_path_factory.mktemp("entry_points")
+    db = root / "m.duckdb"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRECISION_LAB_DB", str(root / "default.duckdb"))
+        mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
+        res = _cli("capture", "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs", "--dtype", "fp16",
+                   "--db", db, "--no-local")
+        assert res.exit_code == 0, res.output
+    close_all()
+    return db
+
+
 @pytest.fixture
-def captured(tmp_path):
+def captured(_capture, tmp_path):
+    """A copy of the module's capture, for this test to read and re-run."""
     db = tmp_path / "m.duckdb"
-    res = _cli("capture", "--model", f"{MODEL}:build", "--inputs", f"{MODEL}:inputs", "--dtype", "fp16",
-               "--db", db, "--no-local")
-    assert res.exit_code == 0, res.output
+    shutil.copy(_capture, db)
     # another process knows nothing of the entry points: forget them here too
     for name in [n for n in RECIPES if n.startswith("model:")]:
         RECIPES.unregister(name)
@@ -74,7 +89,7 @@ def test_a_server_may_allow_a_model_for_re_runs(captured, monkeypatch):
     assert res.exit_code == 0, res.output
 
 
-def test_a_session_naming_other_inputs_is_not_run_on_an_allowed_model(captured, monkeypatch, tmp_path):
+def test_a_session_naming_other_inputs_is_not_run_on_an_allowed_model(monkeypatch, tmp_path):
     """A shared session could name an allowed model with inputs of its own choosing: nothing of it runs."""
     from precision_lab.fixes.recipes import get_recipe, RecipeNotFound
 
@@ -320,3 +335,39 @@ def test_a_fixed_run_is_judged_in_its_own_format_not_fp32s(tmp_path):
         assert units == pytest.approx(10 ** (-sqnr / 20) / u16, rel=1e-6)
         assert verdict != "error"
     assert not [d for d in diagnose(store, name) if d.run_id == run_id and d.rule == "precision-loss"]
+
+
+def test_two_threads_loading_entry_points_at_once_get_the_package_a_model_file_imports(tmp_path, monkeypatch):
+    """A package that replaces itself in sys.modules as its import ends (as ``transformers`` does) and is first
+    imported by two threads' model files at once: both see the package it put there, not the module from before
+    the swap (which lacks its names: "module 'transformers' has no attribute 'Qwen2ForCausalLM'")."""
+    import sys
+    import threading
+
+    from precision_lab.fixes.recipes import load_entry_point
+
+    pkg = f"swapping_pkg_{tmp_path.name}"
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "__init__.py").write_text(
+        "import sys, time, types\ntime.sleep(0.5)\nm = types.ModuleType(__name__)\nm.MODEL = 'built'\n"
+        "sys.modules[__name__] = m\n")
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"model_{i}.py")
+        files[-1].write_text(f"import {pkg}\n\n\ndef build():\n    return {pkg}.MODEL\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = {}
+
+    def load(i):
+        try:
+            got[i] = load_entry_point(f"{files[i]}:build")()
+        except Exception as e:  # noqa: BLE001 - compared below
+            got[i] = f"{type(e).__name__}: {e}"
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.delitem(sys.modules, pkg)
+    assert got == {0: "built", 1: "built"}

@@ -42,7 +42,11 @@ __all__ = ["Recipe", "RecipeError", "RecipeNotFound", "RECIPES", "BUILTIN_RECIPE
 RECIPES_ENV = "PRECISION_LAB_RECIPES"
 
 # a build reseeds torch's global generator: builds (and the captures around
-# them) run one at a time, or two threads would draw from each other's seed
+# them) run one at a time, or two threads would draw from each other's seed.
+# Loading a model's entry points holds it too: a package that replaces itself
+# in sys.modules while it is first imported (``transformers``) hands a second
+# thread importing it at the same time its module from before the swap, which
+# lacks the package's lazily imported names
 BUILD_LOCK = threading.RLock()
 
 
@@ -237,9 +241,11 @@ def load_entry_point(spec: str) -> Callable:
                 sys.path.insert(0, folder)
             loader = importlib.util.spec_from_file_location(mod_name, target)
             mod = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(mod)
+            with BUILD_LOCK:  # the user's imports, one thread at a time (see BUILD_LOCK)
+                loader.loader.exec_module(mod)
         else:
-            mod = importlib.import_module(target)
+            with BUILD_LOCK:
+                mod = importlib.import_module(target)
     except RecipeError:
         raise
     except Exception as e:  # the user's own module failed to import: say where

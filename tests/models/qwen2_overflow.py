@@ -2,7 +2,11 @@
 overflows fp16 (its gate/up inputs are scaled by the post-attention norm, its down projection by 1000)."""
 
 import torch
-import transformers
+# the classes from their own modules, not through the package's lazy attributes: a process whose threads import
+# ``transformers`` for the first time at once (a dashboard page and a re-run) gives all but one of them the
+# package's module from before it replaced itself in sys.modules, which has no model classes
+from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
@@ -10,7 +14,7 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 
 def build():
     torch.manual_seed(0)
-    m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CONFIG))
+    m = Qwen2ForCausalLM(Qwen2Config(**CONFIG))
     with torch.no_grad():
         m.model.layers[1].mlp.down_proj.weight.mul_(1000.0)
         m.model.layers[1].post_attention_layernorm.weight.mul_(80.0)
