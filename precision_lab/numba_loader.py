@@ -42,7 +42,7 @@ except ImportError:  # Windows: no background compiler (see start_compiler)
 
 __all__ = ["DISABLE_ENV", "COMPILE_ENV", "SMALL_NUMPY", "FALLBACK_BUDGET_S", "CompiledOnce",
            "ParallelChoice", "run_parts", "load_numba", "njit", "prefetch_intrinsic", "kernel_threads", "limit_threads", "restore_threads", "readonly", "note_fallback",
-           "over_budget"]
+           "over_budget", "fallback_spent", "start_afresh"]
 
 DISABLE_ENV = "PRECISION_LAB_NO_NUMBA"
 COMPILE_ENV = "PRECISION_LAB_COMPILE"  # "background" (the default) or "now"
