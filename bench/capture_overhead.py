@@ -22,7 +22,11 @@ medians over rounds are compared with the plain step's:
 - msprobe: Ascend msprobe statistics mode, level "mix", started and stopped
   around each step, when ``mindstudio-probe`` is installed.
 
-Like for like: every variant's timed window holds all it does for a step.
+Each turn runs two steps back to back and times the second, as one step of a
+training loop: a capture into a database file inserts its session on a thread
+of its own behind the step after it, so the timed step runs beside the previous
+step's insert (its own insert is waited for after the window, before the next
+variant's turn).  Like for like: every variant's timed window holds all it does for a step.
 Precision Lab: entering the capture, the step, and leaving it (which writes
 the step's records to the store); msprobe: ``start``, the step, ``stop`` and
 ``step`` (its dump is written there); TensorBoard: the step with its hooks and
@@ -185,6 +189,9 @@ class Variant:
     def run(self, model, x) -> float:
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Wait for what the last step left running behind it (a capture's insert into its database)."""
+
 
 class Plain(Variant):
     name = "plain"
@@ -222,6 +229,11 @@ class Ours(Variant):
         self.shard_dir = None  # under torch.distributed (--ranks)
         # store=None: the default database, here a file in a temporary folder
         self.store = None if default_store else Store(":memory:")
+        self.cap = None
+
+    def settle(self):
+        if self.cap is not None:
+            self.cap.session  # a session inserted behind the step: there once its name is
 
     def run(self, model, x):
         t = _Timer()  # the whole capture: enter, step, exit (which writes the records)
@@ -238,6 +250,7 @@ class Ours(Variant):
             t.lap()
         dt = t.stop()
         self.records = len(cap.records)
+        self.cap = cap
         if cap.warnings:
             raise RuntimeError(f"capture warned: {cap.warnings[:3]}")
         return dt
@@ -360,12 +373,16 @@ def _worker(conn, model_kind: str, index: int, more: bool, threads, stats_thread
     try:
         for _ in range(warmup):
             v.run(model, x)
+        v.settle()
     except Exception as e:  # a peer that cannot run this model is reported, not fatal
         conn.send(("skipped", f"failed: {type(e).__name__}: {str(e)[:120]}"))
         return
     conn.send(("ready", ""))
     while conn.recv() == "step":
-        conn.send(v.run(model, x))
+        v.run(model, x)  # the step before, untimed: the timed one runs beside what it left running
+        got = v.run(model, x)
+        v.settle()  # outside the window, and before the next variant's turn
+        conn.send(got)
     conn.send(f"{v.records} records/step" if isinstance(v, Ours) else "")
 
 

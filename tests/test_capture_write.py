@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +76,7 @@ def test_a_capture_into_a_file_is_stored_whole_with_its_diagnosis_and_opens_no_i
         [(r.seq, r.op, r.role, r.index, r.stats.max) for r in second.records]
 
 
-def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_staging(tmp_path, monkeypatch):
+def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_staging(tmp_path, monkeypatch, capsys):
     db = tmp_path / "f.duckdb"
     _captured(db, "kept")
     before = _rows(db)
@@ -87,8 +89,10 @@ def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_stagi
         return real(table, *a, **k)
 
     monkeypatch.setattr(transfer, "_select_list", failing)
-    with pytest.raises(OSError, match="disk full"):
-        _captured(db, "lost")
+    lost = _captured(db, "lost")  # the insert runs behind the code after the block: its failure comes later
+    with pytest.raises(RuntimeError, match=r"session 'lost' could not be written to .*f\.duckdb: OSError: disk full"):
+        lost.session
+    assert "session 'lost' could not be written" in capsys.readouterr().err  # said once, unasked
     monkeypatch.setattr(transfer, "_select_list", real)
     assert _rows(db) == before
     assert list(Store(db).sessions()["name"]) == ["kept"]
@@ -140,7 +144,7 @@ def test_a_process_killed_in_the_middle_of_the_insert_leaves_the_file_as_it_was(
 
 def test_another_process_writes_and_reads_the_file_between_two_captures(tmp_path):
     db = tmp_path / "m.duckdb"
-    _captured(db, "first")
+    assert _captured(db, "first").session == "first"  # the name is there once the session is
     other = textwrap.dedent(f"""
         from precision_lab.store import Store
         s = Store({str(db)!r}, lock_wait=0)  # refused at once were the file held
@@ -154,7 +158,8 @@ def test_another_process_writes_and_reads_the_file_between_two_captures(tmp_path
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip().splitlines()[-1] == "['first', 'from-another-process']"
     assert not files.is_open(str(db))
-    _captured(db, "second")  # the other process's write changed the file: it is checked again, and written
+    # the other process's write changed the file: it is checked again, and written
+    assert _captured(db, "second").session == "second"
     got = subprocess.run([sys.executable, "-c", other.replace("from-another-process", "again")],
                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120)
     assert got.returncode == 0, got.stderr[-2000:]
@@ -169,3 +174,65 @@ def test_a_capture_written_inside_a_transaction_of_its_thread_on_the_file_is_par
         cap = _captured(db, "inner")
         assert s.sql("SELECT name FROM sessions").fetchall() == [("inner",)]
     assert list(Store(db).sessions()["name"]) == ["inner"] and cap.session == "inner"
+
+
+def _gated_insert(monkeypatch):
+    """The next insert into a file waits at a gate once its sessions, runs and tensors rows are in; (gate, the
+    event that it is waiting, the threads it ran on)."""
+    gate, waiting, threads = threading.Event(), threading.Event(), []
+    real = transfer._select_list
+
+    def held(table, *a, **k):
+        if table == "histograms":
+            threads.append(threading.get_ident())
+            waiting.set()
+            assert gate.wait(60)
+        return real(table, *a, **k)
+
+    monkeypatch.setattr(transfer, "_select_list", held)
+    return gate, waiting, threads
+
+
+def test_a_capture_inserts_its_session_behind_the_code_after_it_and_every_reader_sees_it_whole(tmp_path, monkeypatch):
+    db = tmp_path / "b.duckdb"
+    assert _captured(db, "first").session == "first"
+    gate, waiting, threads = _gated_insert(monkeypatch)
+    second = _captured(db, "second")  # the block has ended while its insert waits at the gate
+    assert waiting.wait(30) and threads and threads[0] != threading.get_ident()
+    # the file was taken before the block ended: another process cannot open it until the insert is done
+    other = f"from precision_lab.store import Store; Store({str(db)!r}, lock_wait=0)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    got = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                         timeout=120)
+    assert got.returncode != 0 and "is in use by process" in got.stderr
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    # this process's reads and its next capture wait for the insert, then see the session whole
+    third = _captured(db, "third")
+    assert time.monotonic() - t0 >= 0.25
+    s = Store(db)
+    assert sorted(s.sessions()["name"]) == ["first", "second", "third"]
+    assert (second.session, third.session) == ("second", "third")
+    for cap in (second, third):  # each session holds its own rows only: the staging was emptied between them
+        run_id = s.runs(s.session(cap.session).session_id).iloc[0]["run_id"]
+        assert s.sql("SELECT count(*) FROM tensors WHERE run_id = ?", [run_id]).fetchone()[0] == len(cap.records)
+    assert s.undiagnosed_sessions() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_fork_waits_for_an_insert_still_running(tmp_path, monkeypatch):
+    db = tmp_path / "f.duckdb"
+    assert _captured(db, "first").session == "first"
+    gate, waiting, _ = _gated_insert(monkeypatch)
+    _captured(db, "second")
+    assert waiting.wait(30)
+    threading.Timer(0.3, gate.set).start()
+    pid = os.fork()
+    if pid == 0:  # the child: the insert was done before the fork, and its file is free
+        code = 1
+        try:
+            code = 0 if sorted(Store(db, lock_wait=5).sessions()["name"]) == ["first", "second"] else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

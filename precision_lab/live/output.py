@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from ..readers.shards import write_manifest, write_shard, write_timeline
 from ..records import RunInfo
@@ -100,6 +100,13 @@ class CapturedRun:
             w.add_timeline(self.timeline_rows, self.timeline_shares, self.step_scalars)
 
 
+class WrittenSession(Protocol):
+    """A sink's session writer once its block has ended: ``name`` is the session the run went to (a write still
+    running behind the caller is waited for)."""
+
+    name: str
+
+
 class RunOutput:
     """A capture's destination: ``store`` (a Store, or any sink with ``new_session``/``extend_session``),
     written in one transaction when the capture ends -- a new session, or a new run in ``session`` -- or
@@ -127,8 +134,10 @@ class RunOutput:
             # killed mid-run leaves a folder that ingests (the reader finds the later steps' files itself)
             write_manifest(self.shard_dir, [meta], running_rank=self.rank)
 
-    def finish(self, run: CapturedRun, notes: dict) -> Optional[str]:
-        """Write the run; the session it went to (None for shards).  ``notes``: a new session's notes."""
+    def finish(self, run: CapturedRun, notes: dict) -> Optional[WrittenSession]:
+        """Write the run; the writer of the session it went to, whose ``name`` is that session's (None for
+        shards).  A sink may still be inserting a new session when this returns (``Store.new_session``'s
+        ``behind``): its ``name`` waits for it.  ``notes``: a new session's notes."""
         if self.shard_dir is not None:
             meta = run.run_meta()
             meta["warnings"] = [{"where": a, "message": b} for a, b in run.warnings]
@@ -140,8 +149,8 @@ class RunOutput:
         if self.session:
             with self.store.extend_session(self.session) as w:
                 run.write_run(w)
-                return w.name
+            return w
         # the records are in memory already: so is the staging of their session
         with self.store.new_session(run.run, source=run.source, notes=notes, stage_in_memory=True) as w:
             run.write_run(w)
-        return w.name  # the name it got: made unique as the session is inserted
+        return w

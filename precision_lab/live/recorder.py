@@ -40,6 +40,7 @@ import contextlib
 import os
 import threading
 import uuid
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -153,13 +154,14 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
                              "steps a long capture holds: give options=CaptureOptions(every=N, keep_last=K)")
         self._kit = KitKeeper(optimizer, grad_scaler, self.warn) if optimizer is not None else None
         self.recipe = recipe  # what builds this model again (a recipe's name): a replay needs it
-        self._on_written = on_written  # called with the session's name once the run is written
+        self._on_written = on_written  # called with the capture once its run is written
         self.autocast_seen: Optional[str] = None  # the format torch.autocast ran the model's forward in
         self.skipped_steps: list[int] = []  # steps the job's GradScaler skipped (inf/NaN in scaled gradients)
         self.records: list[TensorRecord] = []
         self.local_comparisons: list[tuple[int, Any]] = []  # (record index, Comparison)
         self.warnings: list[tuple[str, str]] = []
-        self.session: Optional[str] = None
+        self._written = None  # the writer of the session the run went to (its name: ``session``)
+        self._session: Optional[str] = None
         self.step_no = 0
         self.recording = False  # this step is recorded in full
         self.summarising = False  # this step is summarised for the timeline only
@@ -276,6 +278,19 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
         return self.detached().write_run(w)
 
     # ---- context manager ------------------------------------------------------
+    @property
+    def session(self) -> Optional[str]:
+        """The session the run was written to (None before, and for shards).  A database's new session is
+        inserted behind the code after the ``with`` block: asking for its name waits until it is there (and
+        raises where it could not be written)."""
+        if self._session is None and self._written is not None:
+            self._session = self._written.name
+        return self._session
+
+    @session.setter
+    def session(self, name: Optional[str]) -> None:
+        self._session = name
+
     def __enter__(self) -> "Capture":
         if self._active:
             raise RuntimeError("this capture is already active")
@@ -363,14 +378,16 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
         writing = getattr(self._output.store, "writing", None) if not self._output.sharded else None
         with writing() if writing is not None else contextlib.nullcontext():
             try:
-                self.session = self._output.finish(self.detached(), notes)
+                self._written = self._output.finish(self.detached(), notes)
             except BaseException:
                 if saved is not None:  # no run names it: nothing would ever delete it
                     saved.unlink(missing_ok=True)
                 raise
-            if self.session and self._on_written is not None:
+            if saved is not None and hasattr(self._written, "if_failed"):  # a session still being inserted
+                self._written.if_failed(partial(saved.unlink, missing_ok=True))
+            if self._written is not None and self._on_written is not None:
                 try:
-                    self._on_written(self.session)
+                    self._on_written(self)
                 except Exception as e:  # the run is stored; its diagnosis is left to `precision-lab check`
                     self.warn("diagnose", f"the stored session was not diagnosed ({type(e).__name__}: {e}); "
                                           "`precision-lab check` diagnoses it")

@@ -391,7 +391,7 @@ class _StoreAt:
 
     def new_session(self, *args, **kwargs):
         self.diagnosed = False
-        return self._open().new_session(*args, before_insert=self._diagnose_staged, **kwargs)
+        return self._open().new_session(*args, before_insert=self._diagnose_staged, behind=True, **kwargs)
 
     def extend_session(self, *args, **kwargs):
         return self._open().extend_session(*args, **kwargs)
@@ -449,10 +449,10 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
                    on_written=partial(_diagnose_written, store) if diagnosed else None)
 
 
-def _diagnose_written(sink: _StoreAt, name: str) -> None:
+def _diagnose_written(sink: _StoreAt, cap: Capture) -> None:
     """A captured session, diagnosed as it is written (where its staging has not diagnosed it already)."""
     if not sink.diagnosed:
-        _diagnose(sink._open(), name)
+        _diagnose(sink._open(), cap.session)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,

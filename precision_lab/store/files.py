@@ -146,6 +146,7 @@ class _File:
         self.writers_waiting = 0  # writes of this process waiting for its reads to end (new reads wait a little)
         self.memory_tokens = MemoryTokens() if self.memory else None  # share tokens of a database in memory
         self.opening = False  # a thread is opening the file (outside the lock, retrying while another process holds it)
+        self.lent_out = False  # lent to another DuckDB database of this process (``lent``)
         self.tx = threading.local()  # the cursor of this thread's open transaction
         self.commits = 0  # transactions committed by this process (the version of an in-memory database)
         self.write_held_s = 0.0  # seconds this process has held the file read-write (benches)
@@ -254,15 +255,24 @@ class _File:
             current = self.current  # what closing a connection to it forgets: the block's write keeps the schema
             self._close()
             self.opening = True  # operations of other threads wait for the block, as for an open
+            self.lent_out = True
         since = time.monotonic()
         try:
             yield
         finally:
             with self.cond:
-                self.opening = False
+                self.opening = self.lent_out = False
                 self.write_held_s += time.monotonic() - since
                 self._left_after_write(current is not None)
                 self.cond.notify_all()
+
+    def wait_returned(self, wait: float) -> None:
+        """Wait (up to ``wait`` s) until the file is no longer lent (``lent``): a write of this process that runs
+        on a thread of its own has let it go."""
+        deadline = time.monotonic() + wait
+        with self.cond:
+            while self.lent_out and self.cond.wait(max(0.0, deadline - time.monotonic())):
+                pass
 
     def _left_after_write(self, same_schema: bool = False) -> None:
         """This process's own write holds no code: the mark follows the file; the schema's (``same_schema``:

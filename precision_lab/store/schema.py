@@ -143,9 +143,12 @@ class StoreSchema:
 
     def _known_current(self) -> bool:
         """Whether this process found the file at this schema version holding no code (or left it so after its
-        own write), and it is unchanged since."""
+        own write), and it is unchanged since (a write of this process still running is waited for)."""
         f = self._file
-        return not f.memory and f.current is not None and f.current == identity(self.path)
+        if f.memory:
+            return False
+        f.wait_returned(self.lock_wait)
+        return f.current is not None and f.current == identity(self.path)
 
     def _init_schema(self) -> None:
         try:

@@ -37,7 +37,8 @@ class SessionWriter:
     BATCH = 20_000
 
     def __init__(self, store, cur, session_id: str, name: str):
-        self.store, self.cur, self.session_id, self.name = store, cur, session_id, name
+        self.store, self.cur, self._session_id, self._name = store, cur, session_id, name
+        self._pending = None  # the session's insert into its file, still running (``writer.PendingInsert``)
         self._rows: list[list] = []  # tensors rows, in self._cols order
         self._hists: list[tuple] = []
         self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
@@ -52,6 +53,36 @@ class SessionWriter:
         self._sources = [("rid" if c == "rid" else "name" if c == "name" else "derived" if c in _DERIVED
                           else "stats" if c in stat_cols else "record" if c in rec_fields else "none", c)
                          for c in self._cols]
+
+    @property
+    def name(self) -> str:
+        """The session's name: once its block has ended, the one it got in the database (made unique as it is
+        inserted; a write still running is waited for, and its failure raised)."""
+        self._settle()
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = value
+
+    @property
+    def session_id(self) -> str:
+        self._settle()
+        return self._session_id
+
+    @session_id.setter
+    def session_id(self, value: str) -> None:
+        self._session_id = value
+
+    def if_failed(self, fn) -> None:
+        """Run ``fn()`` if the session does not reach its file (an insert still running fails)."""
+        if self._pending is not None:
+            self._pending.if_failed(fn)
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._name, self._session_id = self._pending.result()
+            self._pending = None
 
     def free_run_name(self, base: str) -> str:
         """``base``, or ``base (2)``, ``(3)``... when a run of this session has it: read inside this write's

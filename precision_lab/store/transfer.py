@@ -7,6 +7,7 @@ write transaction, giving fresh ids where the database already holds them.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -17,7 +18,7 @@ from .connect import connect_duckdb
 from .files import attach, rollback
 from .rows import TableColumns
 
-__all__ = ["move_summary_errors_sql", "insert_staged_session", "insert_attached_session", "clear_tables", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
+__all__ = ["move_summary_errors_sql", "insert_staged_session", "insert_attached_session", "AttachedTarget", "clear_tables", "TABLES", "TABLE_SINCE", "ROW_UPGRADES", "RUN_ID_COLUMNS", "ImportRefused", "copy_session_tables",
            "TableFile", "ImportedSession", "table_columns", "insert_session_tables", "ArchiveQueries"]
 
 def move_summary_errors_sql(where: str = "") -> str:
@@ -278,32 +279,51 @@ def insert_attached_session(store, staging, session_id: str, name: str, *, renam
     ``readable`` files include ``store``'s, holding that session only) holds into ``store``'s file in one
     transaction, the file attached to the staging database for it: the rows go from one to the other inside
     DuckDB, and no DuckDB instance is opened for the file.  Returns the (name, session id) it got there."""
-    with store._lock, store._file.lent(store.lock_wait), staging._lock:
-        con = staging._file.acquire(True, staging.lock_wait)
-        cur = None
+    with store._lock, staging._lock:
+        return AttachedTarget(store, staging).insert(session_id, name, rename=rename)
+
+
+class AttachedTarget:
+    """``store``'s file lent to the staging database of this process (``staging``) and attached to it, from
+    the moment it is made: this process's other operations on the file wait until ``insert`` has let it go,
+    and other processes' opens wait for DuckDB's lock on it.  ``insert`` may run on another thread than the
+    one that made it (a capture's write behind its step)."""
+
+    def __init__(self, store, staging):
+        self.store, self.staging = store, staging
+        self._stack = contextlib.ExitStack()
         try:
-            cur = con.cursor()
-            attach(cur, store.path, "_pl_target", store.lock_wait)
+            self._stack.enter_context(store._file.lent(store.lock_wait))
+            con = staging._file.acquire(True, staging.lock_wait)
+            self._stack.callback(staging._file.release)
+            self.cur = con.cursor()
+            self._stack.callback(self.cur.close)
+            attach(self.cur, store.path, "_pl_target", store.lock_wait)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def insert(self, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:
+        """Insert the session in one transaction, then let the file go (a checkpoint, then the detach);
+        (name, session id) it got there."""
+        cur = self.cur
+        with self._stack:
             try:
                 cur.execute("USE _pl_target")
                 cur.execute("BEGIN TRANSACTION")
                 try:
-                    got, new_sid, _runs = _insert_tables(cur, store, _AttachedSource(cur, "memory"),
+                    got, new_sid, _runs = _insert_tables(cur, self.store, _AttachedSource(cur, "memory"),
                                                          session_id=session_id, name=name,
                                                          where=f"session {name}", rename=rename)
                 except BaseException:
                     rollback(cur)
                     raise
                 cur.execute("COMMIT")
-                store._file.commits += 1
+                self.store._file.commits += 1
             finally:
                 cur.execute("USE memory")
                 cur.execute("DETACH _pl_target")  # a checkpoint, then the file is let go
-        finally:
-            if cur is not None:
-                cur.close()
-            staging._file.release()
-    return got, new_sid
+        return got, new_sid
 
 
 def insert_staged_session(store, staged, session_id: str, name: str, *, rename: bool) -> tuple[str, str]:

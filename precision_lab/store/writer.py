@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import sys
 import threading
 import uuid
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -20,21 +23,35 @@ from .connect import connect_duckdb
 from .files import rollback, writing
 from .schema import schema_sql
 from .session_writer import SessionWriter, now_text
-from .transfer import clear_tables, insert_attached_session, insert_staged_session
+from .transfer import AttachedTarget, clear_tables, insert_attached_session, insert_staged_session
 
 
 class _Staging:
     """A database in memory of this process's own, for the sessions it writes to one file (``new_session``'s
-    staging in memory), with the file readable by it; one thread stages in it at a time."""
+    staging in memory), with the file readable by it; one thread stages in it at a time (``lock``), and its
+    session's insert behind the caller (``pending``) holds it until the insert is done."""
 
     def __init__(self, store):
         path = store.path
         self.store = type(store)(":memory:", readable=(path, path + ".wal", path + ".wal.checkpoint"))
         self.lock = threading.Lock()
+        self.pending: Optional["PendingInsert"] = None
+
+    def take(self) -> bool:
+        """Take the staging for this thread's session: at once, or once this process's insert behind the caller
+        is done; False while another thread stages in it."""
+        if self.lock.acquire(blocking=False):
+            return True
+        pending = self.pending
+        if pending is None:
+            return False
+        pending.wait()
+        return self.lock.acquire(blocking=False)
 
 
 _STAGINGS: dict = {}
 _STAGINGS_LOCK = threading.Lock()
+_RUNNING: "weakref.WeakSet[PendingInsert]" = weakref.WeakSet()
 
 
 def _staging_for(store) -> _Staging:
@@ -43,6 +60,81 @@ def _staging_for(store) -> _Staging:
         if staging is None:
             staging = _STAGINGS[store.path] = _Staging(store)
         return staging
+
+
+class PendingInsert:
+    """A session staged in memory, inserted into its file on a thread of its own while the caller goes on (a
+    capture's write behind the step after it).  The file is taken before the caller goes on: this process's
+    operations on it wait for the insert (they see the session), and other processes' opens wait for DuckDB's
+    lock on it (they see it too).  A failure is raised where the session's name is asked for, and said once
+    on standard error."""
+
+    def __init__(self, store, staging: _Staging, session_id: str, name: str, *, rename: bool):
+        self.path, self.name = store.path, name
+        self._done = threading.Event()
+        self._got: Optional[tuple] = None
+        self._error: Optional[BaseException] = None
+        self._if_failed: list = []
+        self._guard = threading.Lock()
+        target = AttachedTarget(store, staging.store)  # the file taken now, in the caller's thread
+        staging.pending = self
+        _RUNNING.add(self)
+        threading.Thread(target=self._run, args=(target, staging, session_id, rename),
+                         name="precision-lab-insert", daemon=False).start()
+
+    def _run(self, target: AttachedTarget, staging: _Staging, session_id: str, rename: bool) -> None:
+        try:
+            self._got = target.insert(session_id, self.name, rename=rename)
+        except BaseException as e:
+            self._failed(e)
+        finally:
+            try:
+                clear_tables(staging.store)
+            finally:
+                staging.pending = None
+                staging.lock.release()
+                _RUNNING.discard(self)
+                self._done.set()
+
+    def _failed(self, e: BaseException) -> None:
+        self._error = e
+        with self._guard:
+            undo, self._if_failed = self._if_failed, []
+        for fn in undo:
+            fn()
+        sys.stderr.write(f"precision-lab: {self._message()}\n")
+
+    def _message(self) -> str:
+        e = self._error
+        return f"session {self.name!r} could not be written to {self.path}: {type(e).__name__}: {e}"
+
+    def if_failed(self, fn) -> None:
+        """Run ``fn()`` if the insert fails (at once where it has)."""
+        with self._guard:
+            if self._error is None:
+                self._if_failed.append(fn)
+                return
+        fn()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def result(self) -> tuple[str, str]:
+        """(name, session id) the session got in the file, once inserted."""
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(self._message()) from self._error
+        return self._got
+
+
+def wait_for_inserts() -> None:
+    """Wait until every session this process inserts behind its caller is in its file (before a fork: the
+    child has no thread to finish one)."""
+    for pending in list(_RUNNING):
+        pending.wait()
+
+
+os.register_at_fork(before=wait_for_inserts)
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
@@ -101,7 +193,8 @@ class StoreWrites:
     @contextmanager
     def new_session(self, name: Optional[str] = None, *, source: str = "", recipe: Optional[str] = None,
                     notes: Optional[dict] = None, exist_ok_rename: bool = True,
-                    stage_in_memory: bool = False, before_insert=None) -> Iterator["SessionWriter"]:
+                    stage_in_memory: bool = False, before_insert=None,
+                    behind: bool = False) -> Iterator["SessionWriter"]:
         """Write one session atomically: ``with store.new_session("x") as w: w.add_run(...)``; ``w.name`` after
         the block is the name it got (made unique unless ``exist_ok_rename`` is false: then a taken name is a
         ``ValueError``).
@@ -117,18 +210,17 @@ class StoreWrites:
         each, and the file is attached to it for the insert (``transfer.insert_attached_session``): a DuckDB
         instance costs some 15 ms to start, an attach about one.  ``before_insert(staging, name)`` (a staging in
         memory only) runs on the staging ``Store`` once the block has written the session there: what it adds
-        (a session's diagnoses) goes into the file with the session, in the same transaction."""
+        (a session's diagnoses) goes into the file with the session, in the same transaction.  ``behind`` (a
+        staging in memory only): the insert runs on a thread of its own once the file is taken, and the block
+        returns at once (a capture's next step runs beside it); ``w.name`` waits for it."""
         # inside a transaction of this thread on the file the session is part of it (the staged paths below)
         if self.staged and not self._file.memory and stage_in_memory and getattr(self._file.tx, "cur", None) is None:
             staging = _staging_for(self)
-            if staging.lock.acquire(blocking=False):  # else another thread of this process stages: one of its own
-                try:
-                    with self._memory_staged(staging.store, name or _default_session_name(source), source=source,
-                                             recipe=recipe, notes=notes, rename=exist_ok_rename,
-                                             before_insert=before_insert) as w:
-                        yield w
-                finally:
-                    staging.lock.release()
+            if staging.take():  # else another thread of this process stages: one of its own
+                with self._memory_staged(staging, name or _default_session_name(source), source=source,
+                                         recipe=recipe, notes=notes, rename=exist_ok_rename,
+                                         before_insert=before_insert, behind=behind) as w:
+                    yield w
                 return
         if self.staged and not self._file.memory:
             with self._staged_session(name or _default_session_name(source), source=source, recipe=recipe,
@@ -147,19 +239,31 @@ class StoreWrites:
             w.flush()
 
     @contextmanager
-    def _memory_staged(self, staging, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
-                       rename: bool, before_insert) -> Iterator["SessionWriter"]:
-        if not rename:  # a taken name fails before the work, not only at the insert
-            with self.reading() as cur:
-                self._unique_name(cur, name, rename=False)
+    def _memory_staged(self, staging: _Staging, name: str, *, source: str, recipe: Optional[str],
+                       notes: Optional[dict], rename: bool, before_insert, behind: bool) -> Iterator["SessionWriter"]:
+        """The session staged in ``staging`` (taken by this thread), then inserted into the file; ``behind``:
+        the insert runs on a thread of its own (``PendingInsert``), which lets the staging go when it is done."""
+        handed = False
         try:
-            with staging.new_session(name, source=source, recipe=recipe, notes=notes) as w:
+            if not rename:  # a taken name fails before the work, not only at the insert
+                with self.reading() as cur:
+                    self._unique_name(cur, name, rename=False)
+            with staging.store.new_session(name, source=source, recipe=recipe, notes=notes) as w:
                 yield w
             if before_insert is not None:
-                before_insert(staging, w.name)
-            w.name, w.session_id = insert_attached_session(self, staging, w.session_id, name, rename=rename)
+                before_insert(staging.store, w.name)
+            if behind:
+                w._pending = PendingInsert(self, staging, w.session_id, name, rename=rename)
+                handed = True
+            else:
+                w.name, w.session_id = insert_attached_session(self, staging.store, w.session_id, name,
+                                                               rename=rename)
         finally:
-            clear_tables(staging)
+            if not handed:
+                try:
+                    clear_tables(staging.store)
+                finally:
+                    staging.lock.release()
 
     @contextmanager
     def _staged_session(self, name: str, *, source: str, recipe: Optional[str], notes: Optional[dict],
