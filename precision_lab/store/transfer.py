@@ -234,14 +234,26 @@ class _AttachedSource:
     def parts(self):
         counts = dict(self.cur.execute(" UNION ALL ".join(
             f"SELECT '{t}', count(*) FROM {self.alias}.{t}" for t in TABLES)).fetchall())
-        columns: dict = {}
-        for table, column in self.cur.execute(
-                "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = ? "
-                "ORDER BY table_name, column_index", [self.alias]).fetchall():
-            columns.setdefault(table, []).append(column)
+        columns = _staged_columns(self.cur, self.alias)
         for table in TABLES:
             if counts.get(table):
                 yield table, columns[table], f"(SELECT * FROM {self.alias}.{table} ORDER BY rowid)"
+
+
+_STAGED_COLUMNS: dict = {}  # a staging database's columns per table: this version's schema, the same for every one
+
+
+def _staged_columns(cur, alias: str) -> dict:
+    """The columns of each table of the staging database ``alias`` (made by this version's ``schema_sql``), read
+    once per process."""
+    if not _STAGED_COLUMNS:
+        columns: dict = {}
+        for table, column in cur.execute(
+                "SELECT table_name, column_name FROM duckdb_columns() WHERE database_name = ? "
+                "ORDER BY table_name, column_index", [alias]).fetchall():
+            columns.setdefault(table, []).append(column)
+        _STAGED_COLUMNS.update(columns)
+    return _STAGED_COLUMNS
 
 
 def _insert_tables(cur, store, source, *, session_id: str, name: str, where: str,
@@ -249,12 +261,14 @@ def _insert_tables(cur, store, source, *, session_id: str, name: str, where: str
     """Inside ``cur``'s transaction: insert one session's tables from ``source`` (``_ArrowSource``,
     ``_AttachedSource``), with fresh ids where the database holds them and a unique name; (name, session id,
     run id map)."""
-    existing_ids = {r[0] for r in cur.execute("SELECT session_id FROM sessions").fetchall()}
-    new_sid = session_id if session_id not in existing_ids else uuid.uuid4().hex[:12]
+    taken = cur.execute("SELECT count(*) FROM sessions WHERE session_id = ?", [session_id]).fetchone()[0]
+    new_sid = uuid.uuid4().hex[:12] if taken else session_id
     run_ids = source.run_ids()
-    clash = {r[0] for r in cur.execute(
-        "SELECT DISTINCT run_id FROM (SELECT run_id FROM runs UNION ALL SELECT run_id FROM tensors)"
-    ).fetchall()} & set(run_ids)
+    # only these ids are looked for: the database's whole tensors table is not read
+    marks = ", ".join("?" * len(run_ids))
+    clash = bool(run_ids) and cur.execute(
+        f"SELECT count(*) FROM (SELECT run_id FROM runs WHERE run_id IN ({marks}) UNION ALL "
+        f"SELECT run_id FROM tensors WHERE run_id IN ({marks}))", [*run_ids, *run_ids]).fetchone()[0] > 0
     run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
     final_name = store._unique_name(cur, name, rename=rename)
     store._drop_token(new_sid)
