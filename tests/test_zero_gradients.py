@@ -28,7 +28,7 @@ def test_an_all_zero_weight_gradient_fed_by_a_subnormal_gradient_is_an_underflow
     arriving = float(np.abs(np.float16(1e-5) * w1.astype(np.float16)).max())
     assert arriving < 2.0 ** -14 and f"reached only {arriving:.2g}" in found[0].message
     assert "0 in all 64 values in fp16" in found[0].message
-    assert found[0].fixes[:2] == ["dynamic-loss-scale", "use-bf16"]
+    assert found[0].fixes[:2] == ("dynamic-loss-scale", "use-bf16")
 
 
 def test_a_healthy_fp16_gradient_and_one_nothing_reached_are_no_finding(store):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..store import views
+from ..store import queries
 
 __all__ = ["DiagnosisCard", "diagnosis_cards"]
 
@@ -30,4 +30,4 @@ def diagnosis_cards(store, session_id: str) -> list[DiagnosisCard]:
     """The session's diagnoses as cards, errors first, then by execution order."""
     return [DiagnosisCard(d.run, d.run_id, d.op, d.rule, d.message, tuple(d.fixes),
                           d.severity or "info", d.seq)
-            for d in views.diagnoses_worst_first(store, session_id)]
+            for d in queries.diagnoses_worst_first(store, session_id)]

@@ -11,7 +11,7 @@ The report (``build_report``, a frozen ``Report``) is written as JSON by ``to_js
 order declared: ``session``, ``created``, ``source``, ``runs``,
 ``first_nonfinite`` (per run, ``origin.Origin.as_dict()`` or null), ``ranks`` (per run, its other ranks'
 states), ``intended_nonfinite`` (per run, the ops that wrote a mask's ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
-``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses``, ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
+``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses`` (``cards.DiagnosisCard``: errors first, then by execution order, as the Overview and the HTML report show them), ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
 threshold, steps_firing; see ``precision_lab.alerts``), ``timeline`` (per run with a timeline: the first
 non-finite step, the steps with full records, and one row per step: loss, loss_scale, nonfinite_values,
 grad_norm) and ``notes``.  Non-finite numbers are written
@@ -40,10 +40,11 @@ from ..store import ranking
 from ..store.rows import RunWarning, StepRow
 from ..jsoncodec import dumps
 from . import timeline as _timeline
+from .cards import DiagnosisCard, diagnosis_cards
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
            "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState", "Report", "ReportRun",
-           "ReportTensor", "ReportComparison", "WorstComparison", "ReportDiagnosis", "ReportTimeline",
+           "ReportTensor", "ReportComparison", "WorstComparison", "ReportTimeline",
            "render_text", "to_json", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 PATH_LENGTH = 5  # ops shown before the producer
@@ -354,20 +355,6 @@ WorstComparison = dataclasses.make_dataclass(
 
 
 @dataclass(frozen=True, slots=True)
-class ReportDiagnosis:
-    """A stored diagnosis as the report keeps it: its run's name, the op, rule and message, the fixes it proposes
-    (best first), the severity stored (None where none was) and the op's place in execution order."""
-
-    run: Optional[str]
-    op: str
-    rule: str
-    message: str
-    fixes: list[str]
-    severity: Optional[str]
-    seq: Optional[int]
-
-
-@dataclass(frozen=True, slots=True)
 class ReportTimeline:
     """A long run's timeline in the report: its first non-finite step (None: every step finite), the steps it holds
     full records of, and one row per step (``store.timeline.step_rows``)."""
@@ -392,7 +379,7 @@ class Report:
     tensors: list[ReportTensor]
     comparisons: list[ReportComparison]
     worst_comparisons: list[WorstComparison]
-    diagnoses: list[ReportDiagnosis]
+    diagnoses: list[DiagnosisCard]
     warnings: list[RunWarning]
     alerts: list[Alert]
     timeline: dict[str, ReportTimeline]
@@ -440,12 +427,10 @@ def build_report(store, session: str) -> Report:
         f, masks = nonfinite_origin(store, r.run_id)
         first[r.name], intended[r.name] = f, masks
         spread[r.name] = rank_spread(store, r.run_id, f)
-    diagnoses = [ReportDiagnosis(names.get(d.run_id), d.op, d.rule, d.message, list(d.fixes), d.severity, d.seq)
-                 for d in q.session_diagnoses(store, sid)]
     warnings = [RunWarning(names.get(w.run_id), w.file, w.message) for w in q.session_warning_rows(store, sid)]
     return Report(info.name, info.created, info.source, _report_runs(runs, names, order_notes(store, sid)), first,
                   spread, intended, norm_artefacts(store, sid), _tensors(store, runs), _comparisons(store, sid, names),
-                  _worst_comparisons(store, sid), diagnoses, warnings, _timeline.session_alerts(store, sid),
+                  _worst_comparisons(store, sid), diagnosis_cards(store, sid), warnings, _timeline.session_alerts(store, sid),
                   _timelines(store, sid), info.notes)
 
 

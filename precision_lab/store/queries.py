@@ -13,16 +13,18 @@ from typing import Optional, Sequence, TypeVar
 
 from ..fixes.facts import (ErrorGrowth, FinalOutput, LocalError, OpSeen, PairedValues, QuantiseCall, StateAfter,
                            ZeroGradient)
+from ..enums import Severity
 from ..records import Diagnosis, RunInfo, StoredRecord
 from ..origin.values import ComparedRecord, NonfiniteCall, PathStep
-from .rows import (ForwardEnds, ForwardOpCall, NamedRecord, OpExtreme, OpParents, RecordIds, RecordOfRun,
+from .ranking import rank_case
+from .rows import (DiagnosisRow, ForwardEnds, ForwardOpCall, NamedRecord, OpExtreme, OpParents, RecordIds, RecordOfRun,
                    RecordWithData, ReferenceRecords, SessionListRow, WarningRow, one_as, records_as, rows_as)
 
 __all__ = [
     "rows", "session_list", "session_runs", "op_records", "module_call", "reference_of", "first_nonfinite_output_of_type",
     "warning_starting", "ops_above", "worst_local_errors", "last_accumulated_output", "worst_gradient_sqnr", "session_data_version",
     "last_forward_output_finite", "run_sources", "forward_ops", "op_extremes", "op_output_rid", "run_order",
-    "forward_ends", "run_records_with_data",
+    "forward_ends", "run_records_with_data", "diagnoses_worst_first",
 ]
 
 
@@ -503,3 +505,11 @@ def op_output_rid(store, run_id: str, op: str) -> Optional[int]:
     got = store.sql("""SELECT rid FROM tensors WHERE run_id = ? AND op = ? AND role = 'output'
                        ORDER BY nonfinite DESC, step, rank, seq, "index" LIMIT 1""", [run_id, op]).fetchone()
     return None if got is None else int(got[0])
+
+
+def diagnoses_worst_first(store, session_id: str) -> list[DiagnosisRow]:
+    """A session's stored diagnoses with their run's name, errors first, then by execution order."""
+    return diagnosis_rows(store, DiagnosisRow, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
+                           WHERE d.session_id = ?
+                           ORDER BY {rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
+                [session_id])

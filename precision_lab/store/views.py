@@ -17,14 +17,14 @@ from typing import Optional
 
 import pandas as pd
 
-from ..enums import Severity, Verdict, worst_first
+from ..enums import Verdict, worst_first
 from ..records import RunInfo
 from .diffs import SHOW_OPTIONS, base_run, diff_rows, nrun_rows, pair_options  # noqa: F401
 from .optable import PROBLEM_VERDICTS, SORTABLE, OpsFilter, filter_options, ops_rows  # noqa: F401
-from .queries import diagnosis_rows, rows, run_order, session_runs
-from .ranking import ACCUMULATED_KINDS, LOCAL_KINDS, rank_case as _rank_case, ranked_comparisons_sql  # noqa: F401
+from .queries import rows, run_order
+from .ranking import ACCUMULATED_KINDS, LOCAL_KINDS, ranked_comparisons_sql  # noqa: F401
 from .viewparts import Window, absmax_sql, frame, name_pattern_sql, severity_sql  # noqa: F401
-from .rows import Counterpart, DiagnosisRow, RecordChoice, RecordComparison, RecordOfRun, RunWarning, records_as, rows_as
+from .rows import Counterpart, RecordChoice, RecordComparison, RecordOfRun, RunWarning, records_as, rows_as
 
 
 # the worst verdict of a group of comparisons ``c``
@@ -92,14 +92,6 @@ def top_offenders(store, session_id: str, *, kinds=ACCUMULATED_KINDS, n: int = 1
     """
     return frame(store, *ranked_comparisons_sql(session_id, kinds, n=n, include_nonfinite=include_nonfinite,
                                                 run_id=run_id))
-
-
-def diagnoses_worst_first(store, session_id: str) -> list[DiagnosisRow]:
-    """A session's stored diagnoses with their run's name, errors first, then by execution order."""
-    return diagnosis_rows(store, DiagnosisRow, f"""SELECT d.*, r.name AS run FROM diagnoses d LEFT JOIN runs r ON r.run_id = d.run_id
-                           WHERE d.session_id = ?
-                           ORDER BY {_rank_case("d.severity", Severity, worst_first_order=True)}, d.seq, d.op""",
-                [session_id])
 
 
 def comparison_bases(store, session_id: str) -> set[str]:
