@@ -281,6 +281,27 @@ def test_verify_says_which_suggested_fixes_leave_the_run_finite(tmp_path):
     for (parent, fix), v in verification(store, name).by_fix.items():
         assert v.works == (first_nonfinite(store, v.run_id) is None)
         assert (verdicts[fix] == "works") == v.works
+    # the text, JSON and HTML reports list each fix tried with what it gave, as the Overview's buttons say it
+    import json
+
+    from precision_lab.services.report import build_report, render_text, to_json
+    from precision_lab.ui.html_report import render_html
+
+    report = build_report(store, name)
+    runs = store.runs(store.session(name).session_id)
+    parent = runs[runs.kind != "reference"].iloc[0]["name"]  # the candidate the fixes are for
+    tried = {v.fix: v for v in report.fixes_tried}
+    assert {f: v.works for f, v in tried.items()} == {f: verdicts[f] == "works" for f in verdicts}
+    assert {v.parent for v in tried.values()} == {parent}
+    text = render_text(report)
+    assert "Fixes tried (3):" in text
+    for fix, v in tried.items():
+        assert f"{parent}: {fix} -> {v.run}: {v.outcome()}" in text
+        assert v.outcome().startswith("works") == v.works
+    doc = json.loads(to_json(report))
+    assert [(d["fix"], d["works"]) for d in doc["fixes_tried"]] == [(v.fix, v.works) for v in report.fixes_tried]
+    page = render_html(store, name)
+    assert "Fixes tried (3)" in page and all(v.run in page for v in tried.values())
     # a second verify re-runs nothing: the verdicts are already in the re-runs
     n = store.sql("SELECT count(*) FROM runs").fetchone()[0]
     assert CliRunner().invoke(app, ["verify", "-s", name, "--db", str(db)]).exit_code == 0

@@ -21,7 +21,7 @@ from ..formats import FORMATS, get_format
 from ..fixes.recipes import RecipeNotFound
 from ..fixes.catalogue import apply_fixes
 from ..store.queries import count_records
-from ..services.report import first_nonfinite
+from ..services.origins import first_nonfinite
 from ..services.cards import diagnosis_cards
 
 

@@ -18,7 +18,7 @@ from ._models import INPUTS_OPTION as _INPUTS, LOSS_OPTION as _LOSS, MODEL_OPTIO
 from ._models import model_entry_points as _model_entry_points
 from ..config import load_config
 from ..store import queries as q
-from ..services.report import first_nonfinite
+from ..services.origins import first_nonfinite
 from ..services.islands import bisect_fp32_islands
 from ..services.rerun import rerun_session
 from ..store import SessionNotFound

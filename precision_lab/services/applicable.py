@@ -32,7 +32,7 @@ from ..ops import innermost_module
 from ..records import RunInfo
 from ..store import queries as q
 from .diagnose import StoreFacts
-from .report import first_nonfinite
+from .origins import first_nonfinite
 from .rerun import session_recipe
 from .sessions import run_policy
 

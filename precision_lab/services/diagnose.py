@@ -21,7 +21,7 @@ from ..ops import aliases_of
 from ..records import Diagnosis
 from ..store import DatabaseLocked
 from ..store import queries as q
-from .report import first_nonfinite
+from .origins import first_nonfinite
 from .sessions import recipe_name, run_policy
 
 __all__ = ["check_sessions", "diagnose", "diagnose_session", "StoreFacts"]

@@ -15,7 +15,7 @@ from ..readers.base import first_line
 from ..store import queries as q
 from ..store.rows import SessionRow
 from .diagnose import diagnose_session
-from .report import first_nonfinite
+from .origins import first_nonfinite
 from .rerun import (Progress, RerunError, _isolate, _module_names, _plain_output, _reference_rids, _resolve_parent,
                     _run_model, _runs, _tick, _unique_run_name, _write, session_recipe)
 from .sessions import run_policy

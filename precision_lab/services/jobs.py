@@ -235,9 +235,7 @@ def rerun_actions(store, session: str, cards: list[DiagnosisCard], *, made: Opti
                 actions.append(RerunAction(f"Re-running with {f}: {job.status}", f, reason, card.run_id,
                                            running=job))
             elif tried is not None:
-                label = f"Open {tried.run}: " + (
-                    ("works" + (f", output SQNR {tried.sqnr_db:.1f} dB" if tried.sqnr_db is not None else ""))
-                    if tried.works else (tried.why or f"still NaN/Inf ({tried.first_nonfinite})"))
+                label = f"Open {tried.run}: {tried.outcome()}"
                 actions.append(RerunAction(label, f, reason, card.run_id, tried.run, tried.works, tried.sqnr_db,
                                            tried.first_nonfinite))
             else:

@@ -11,7 +11,7 @@ The report (``build_report``, a frozen ``Report``) is written as JSON by ``to_js
 order declared: ``session``, ``created``, ``source``, ``runs``,
 ``first_nonfinite`` (per run, ``origin.Origin.as_dict()`` or null), ``ranks`` (per run, its other ranks'
 states), ``intended_nonfinite`` (per run, the ops that wrote a mask's ``-inf``), ``norm_artefacts``, ``tensors``, ``comparisons``,
-``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses`` (``cards.DiagnosisCard``: errors first, then by execution order, as the Overview and the HTML report show them), ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
+``worst_comparisons`` (the ``WORST_KEPT`` worst, as Top offenders ranks them, non-finite ones included), ``diagnoses`` (``cards.DiagnosisCard``: errors first, then by execution order, as the Overview and the HTML report show them), ``fixes_tried`` (each re-run judged against the run it fixes: ``verdicts.Verification``), ``warnings``, ``alerts`` (a long run's alerts: run, op, step, rule, message, value,
 threshold, steps_firing; see ``precision_lab.alerts``), ``timeline`` (per run with a timeline: the first
 non-finite step, the steps with full records, and one row per step: loss, loss_scale, nonfinite_values,
 grad_norm) and ``notes``.  Non-finite numbers are written
@@ -25,30 +25,26 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from ..alerts import Alert
 from ..display import cosine_brief, num_text
-from ..enums import OriginKind
 from ..formats import format_for_dtype
-from ..origin import (ORDER_TEXT, model_outputs, Intended, Origin, RunFacts, analyse,
-                      order_text)
-from ..ops import COLLECTIVE_OPS
-from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
+from ..origin import ORDER_TEXT, Intended, Origin, order_text
 from ..store import queries as q
 from ..store import ranking
 from ..store.rows import RunWarning, StepRow
 from ..jsoncodec import dumps
 from . import timeline as _timeline
 from .cards import DiagnosisCard, diagnosis_cards
+from .verdicts import Verification, verification
+from .origins import (PATH_LENGTH, FiniteRank, RankOrigin, RankState, first_nonfinite, intended_nonfinite,
+                      nonfinite_origin, rank_spread, run_facts)
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
            "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState", "Report", "ReportRun",
            "ReportTensor", "ReportComparison", "WorstComparison", "ReportTimeline",
-           "render_text", "to_json", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
-
-PATH_LENGTH = 5  # ops shown before the producer
-
+           "render_text", "to_json", "fix_tried_text", "PATH_LENGTH", "ORDER_TEXT", "order_text"]
 
 @dataclass(frozen=True, slots=True)
 class OrderNotes:
@@ -59,34 +55,6 @@ class OrderNotes:
 
     def get(self, run_id: Optional[str], default: Optional[str] = None) -> Optional[str]:
         return self.by_run.get(run_id, default)
-
-
-@dataclass(frozen=True, slots=True)
-class FiniteRank:
-    """A rank of a distributed run whose every recorded value is finite."""
-
-    rank: int
-    state: str
-    text: str
-
-    step = op = role = index = None  # no first non-finite value: read like a ``RankOrigin``'s, these are None
-
-
-@dataclass(frozen=True, slots=True)
-class RankOrigin:
-    """A rank of a distributed run that holds an unexpected non-finite value: ``state`` says whether it
-    ``produced`` its own or ``received`` it, where it first holds one, and a sentence saying so."""
-
-    rank: int
-    state: str
-    step: int
-    op: str
-    role: str
-    index: str
-    text: str
-
-
-RankState = Union[FiniteRank, RankOrigin]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,19 +80,6 @@ class NormArtefact:
     reason: str
 
 
-def run_facts(store, run_id: str) -> RunFacts:
-    """What ``origin.analyse`` reads about a run, from the store."""
-    run = q.run_row(store, run_id)
-    if run is None:
-        raise KeyError(f"no run {run_id!r}")
-    calls = tuple(q.nonfinite_op_calls(store, run_id, INPUT_ROLES))
-    recs = tuple(q.nonfinite_records(store, run_id)) if calls else ()
-    parents = q.op_parents(store, run_id).by_op if calls else {}
-    return RunFacts(run.name, run_id, run.order, calls, recs, parents,
-                    inputs_recorded=bool(calls) and q.records_inputs(store, run_id, INPUT_ROLES),
-                    outputs=model_outputs(q.forward_ends(store, run_id), run.order, parents).by_step if calls else {})
-
-
 def order_notes(store, session: str) -> OrderNotes:
     """run_id -> the order its dump gave, in words, with which parts are certain (what ingest recorded in the
     session's notes: an order list and whether it is call or completion order, file times and their ties, links
@@ -132,93 +87,6 @@ def order_notes(store, session: str) -> OrderNotes:
     runs = (store.session(session).notes.get("ingest") or {}).get("runs") or {}
     return OrderNotes({v["run_id"]: v["order_from"] for v in runs.values()
                        if isinstance(v, dict) and v.get("run_id") and v.get("order_from")})
-
-
-def first_nonfinite(store, run_id: str) -> Optional[Origin]:
-    """The origin of ``run_id``'s first unexpected non-finite value (``origin.Origin``), None when it holds
-    none (see ``nonfinite_origin``, which also gives the intended ones from the same pass)."""
-    return nonfinite_origin(store, run_id)[0]
-
-
-def intended_nonfinite(store, run_id: str) -> list[Intended]:
-    """The op calls of a run that wrote ``-inf`` that is no error by itself (a mask, a constant, ``log(0)``, or
-    a module holding one), in execution order."""
-    return nonfinite_origin(store, run_id)[1]
-
-
-def nonfinite_origin(store, run_id: str) -> tuple[Optional[Origin], list[Intended]]:
-    """``(origin, intended)`` of a run (``origin.analyse`` over ``run_facts``), with the origin's ``path``:
-    the last ``PATH_LENGTH`` op calls before it in the same step and rank, then the op itself."""
-    facts = run_facts(store, run_id)
-    first, masks = analyse(facts)
-    if first is None:
-        return None, masks
-    first = _producing_rank(facts, first)
-    path = q.op_calls_up_to(store, run_id, first.step, first.rank, first.seq, INPUT_ROLES, PATH_LENGTH + 1)
-    path = [p for p in path if not (p.seq == first.seq and p.op != first.op)][::-1]
-    return first.with_path(path), masks
-
-
-def _rank_facts(facts: RunFacts, rank: int) -> RunFacts:
-    """``facts`` of one rank only."""
-    return dataclasses.replace(facts, calls=tuple(c for c in facts.calls if c.rank == rank),
-                               records=tuple(x for x in facts.records if x.rank == rank),
-                               outputs={k: v for k, v in facts.outputs.items() if k[1] == rank})
-
-
-def _arrived(o: Origin) -> bool:
-    """Whether a rank's first non-finite value is one that reaches a rank from the others: a collective's output,
-    or a parameter's gradient or a parameter (what DDP's all-reduce, FSDP's reduce-scatter and all-gather and the
-    optimizer step after them write)."""
-    return o.op_type in COLLECTIVE_OPS or o.role in GRAD_ROLES + STATE_ROLES or o.origin == OriginKind.PARAMETER
-
-
-def _producing_rank(facts: RunFacts, first: Origin) -> Origin:
-    """With several ranks, the first failure found may be one a rank received: in the same step a collective
-    hands every rank the value one rank made (FSDP's reduce-scatter during backward, a tensor-parallel
-    all-reduce), and the receiver that comes first by rank number is no producer.  Where ``first`` arrived so,
-    the earliest origin another rank computed itself (in the same or an earlier step) is the answer."""
-    if not _arrived(first):
-        return first
-    ranks = sorted({c.rank for c in facts.calls})
-    if len(ranks) < 2:
-        return first
-    made = [o for r in ranks if r != first.rank
-            for o in (analyse(_rank_facts(facts, r))[0],) if o is not None and o.step <= first.step
-            and not _arrived(o)]
-    return min(made, key=lambda o: (o.step, o.rank)) if made else first
-
-
-def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[RankState]:
-    """With several ranks: where each rank other than the origin's first holds an unexpected non-finite value,
-    and whether it made that value or received it.  Each rank is analysed on its own records (``origin.analyse``
-    over its share of ``run_facts``); a rank whose own first value comes after the origin's step, or at that step
-    in a parameter's gradient or a parameter (what a collective writes: DDP's gradient all-reduce, an FSDP
-    all-gather, and the optimizer step after them), received it; one that made its own in that step's forward
-    or from its own finite inputs before it is a producer too.  ``[]`` for a run of one rank."""
-    ranks = q.run_ranks(store, run_id) if first is not None else []
-    if len(ranks) < 2:
-        return []
-    facts = run_facts(store, run_id)
-    out = []
-    for r in ranks:
-        if r == first.rank:
-            continue
-        mine = _rank_facts(facts, r)
-        o = analyse(mine)[0] if mine.calls else None
-        if o is None:
-            out.append(FiniteRank(r, "finite", f"rank {r}: every value it recorded is finite"))
-            continue
-        received = o.step > first.step or (o.step == first.step and _arrived(o))
-        where = f"{o.op} (step {o.step}, {o.role} {o.index})"
-        how = (f"through the {o.op_type} it records" if o.op_type in COLLECTIVE_OPS else
-               "through a gradient collective in the same step (FSDP's reduce-scatter, an all-reduce)"
-               if o.step == first.step else
-               "through a collective (DDP's gradient all-reduce, FSDP's all-gather) and the optimizer step after it")
-        text = (f"rank {r}: received it, first non-finite at {where}, after rank {first.rank}'s step {first.step}: "
-                f"{how}" if received else f"rank {r}: produced its own, at {where}")
-        out.append(RankOrigin(r, "received" if received else "produced", o.step, o.op, o.role, o.index, text))
-    return out
 
 
 def norm_artefacts(store, session_id: str) -> list[NormArtefact]:
@@ -380,6 +248,7 @@ class Report:
     comparisons: list[ReportComparison]
     worst_comparisons: list[WorstComparison]
     diagnoses: list[DiagnosisCard]
+    fixes_tried: list[Verification]
     warnings: list[RunWarning]
     alerts: list[Alert]
     timeline: dict[str, ReportTimeline]
@@ -430,7 +299,8 @@ def build_report(store, session: str) -> Report:
     warnings = [RunWarning(names.get(w.run_id), w.file, w.message) for w in q.session_warning_rows(store, sid)]
     return Report(info.name, info.created, info.source, _report_runs(runs, names, order_notes(store, sid)), first,
                   spread, intended, norm_artefacts(store, sid), _tensors(store, runs), _comparisons(store, sid, names),
-                  _worst_comparisons(store, sid), diagnosis_cards(store, sid), warnings, _timeline.session_alerts(store, sid),
+                  _worst_comparisons(store, sid), diagnosis_cards(store, sid),
+                  list(verification(store, session).all()), warnings, _timeline.session_alerts(store, sid),
                   _timelines(store, sid), info.notes)
 
 
@@ -510,6 +380,11 @@ def _diagnosis_lines(report: Report) -> list[str]:
             if report.diagnoses else [])
 
 
+def fix_tried_text(v: Verification) -> str:
+    """A re-run as the reports list it: the run it fixes, the fix, the re-run and what it gave."""
+    return f"{v.parent}: {v.fix} -> {v.run}: {v.outcome()}"
+
+
 def _timeline_lines(report: Report) -> list[str]:
     return [line for run, t in report.timeline.items() for line in (
         "", f"Timeline of {run}: {len(t.steps)} steps, full records at {len(t.full_steps)}; "
@@ -527,6 +402,7 @@ def render_text(report: Report, *, top: int = 15) -> str:
                     [f"{a.run}: {a.op} {a.role} {a.index}: {a.reason}" for a in arts])
     out += _comparison_lines(report, top) if report.comparisons else []
     out += _diagnosis_lines(report)
+    out += _listing(f"Fixes tried ({len(report.fixes_tried)}):", top, [fix_tried_text(v) for v in report.fixes_tried])
     out += _listing(f"Alerts ({len(report.alerts)}):", top,
                     [f"[{a.rule}] {a.run} step {a.step}: {a.message}" for a in report.alerts])
     out += _timeline_lines(report)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from ..services.report import first_nonfinite
+from ..services.origins import first_nonfinite
 from ..store import queries as q
 from .common import escape_md
 from ..store import views

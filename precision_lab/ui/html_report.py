@@ -31,6 +31,7 @@ from ..services import timeline as _timeline
 from ..services.cards import DiagnosisCard, diagnosis_cards
 from ..services.xdiff import diff_rows
 from ..services.report import norm_artefacts, order_text
+from ..services.verdicts import Verification, verification
 from ..public import public_source
 from ..display import num_text
 from .common import cosine_text, plot_text
@@ -307,6 +308,15 @@ def _diagnoses(cards: list[DiagnosisCard]) -> list[str]:
                    empty="no diagnoses")]
 
 
+def _fixes_tried(tried: Sequence[Verification]) -> list[str]:
+    """Each re-run judged against the run it fixes, as the text report and the Overview's fix buttons say it."""
+    rows = [{"parent": v.parent, "fix": v.fix, "run": v.run, "works": "yes" if v.works else "no",
+             "outcome": v.outcome()} for v in tried]
+    return [f"<h2>Fixes tried ({len(rows)})</h2>",
+            _table(rows, [("parent", "run it fixes", "name"), ("fix", "fix", "name"), ("run", "re-run", "name"),
+                          ("works", "works", "text"), ("outcome", "what it gave", "text")])] if rows else []
+
+
 def _warnings(store, sid: str) -> list[str]:
     """Up to ``MAX_WARNINGS`` warnings, and whether there are more."""
     warns = views.session_warnings(store, sid, limit=MAX_WARNINGS + 1)
@@ -331,7 +341,8 @@ def render_html(store, session: str, *, public: bool = True) -> str:
     parts += _first_nonfinite(firsts) + _long_runs(store, sid)
     parts += _error_section(store, sid, runs, firsts) + _focus_section(store, sid, firsts)
     parts += _worst(store, sid) + _norm_artefacts(store, sid)
-    parts += _diagnoses(diagnosis_cards(store, sid)) + _warnings(store, sid)
+    parts += _diagnoses(diagnosis_cards(store, sid)) + _fixes_tried(verification(store, session).all())
+    parts += _warnings(store, sid)
     return "\n".join(parts + ["</body></html>"])
 
 

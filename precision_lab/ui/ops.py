@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from ..services.report import nonfinite_origin
+from ..services.origins import nonfinite_origin
 from ..store.views import SORTABLE, OpsFilter, filter_options, ops_rows
 from .common import Page, cosine_text, paged, severity_label, text_columns
 

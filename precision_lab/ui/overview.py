@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Optional
 
 import pandas as pd
 
-from ..services.report import RankState, first_nonfinite, nonfinite_origin, order_notes, order_text, rank_spread
+from ..services.origins import RankState, first_nonfinite, nonfinite_origin, rank_spread
+from ..services.report import order_notes, order_text
 from ..services import timeline as _timeline
 from ..services.tree import ModuleNode, run_tree
 from ..store import timeline as tl
