@@ -79,8 +79,11 @@ class PendingInsert:
         target = AttachedTarget(store, staging.store)  # the file taken now, in the caller's thread
         staging.pending = self
         _RUNNING.add(self)
-        threading.Thread(target=self._run, args=(target, staging, session_id, rename),
-                         name="precision-lab-insert", daemon=False).start()
+        args = (target, staging, session_id, rename)
+        try:
+            threading.Thread(target=self._run, args=args, name="precision-lab-insert", daemon=False).start()
+        except RuntimeError:  # no thread to be had (the interpreter is shutting down): the insert runs here
+            self._run(*args)
 
     def _run(self, target: AttachedTarget, staging: _Staging, session_id: str, rename: bool) -> None:
         try:
