@@ -22,6 +22,8 @@ from test_share import make_session
 
 from conftest import TABLES, refused
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 # ---- exported sessions -------------------------------------------------------------
 
