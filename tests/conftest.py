@@ -62,13 +62,20 @@ def _empty_database(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def store(_empty_database, tmp_path, request):
+def store_template(_empty_database) -> Path:
+    """The database file each ``store`` starts as a copy of: the schema and nothing else, unless a module says
+    otherwise."""
+    return _empty_database
+
+
+@pytest.fixture
+def store(store_template, tmp_path, request):
     """A fresh database file per test; kept open between the test's operations (``Store.held()``, as a dashboard
     page run keeps it) where the test is marked ``held_store``."""
     from precision_lab.store import Store, close_all
 
     path = tmp_path / "test.duckdb"
-    shutil.copy(_empty_database, path)
+    shutil.copy(store_template, path)
     s = Store(path)
     if request.node.get_closest_marker("held_store") is None:
         yield s
