@@ -24,9 +24,10 @@ TABLES = ("meta", "sessions", "runs", "tensors", "histograms", "tensor_data", "c
 def snapshot(store) -> str:
     """A digest of every row of every table: equal digests mean an unchanged database."""
     h = hashlib.sha256()
-    for t in TABLES:
-        for row in sorted(map(repr, store.sql(f"SELECT * FROM {t}").fetchall())):
-            h.update(row.encode())
+    with store.reading() as cur:  # one read of one state: the file is opened once, not once per table
+        for t in TABLES:
+            for row in sorted(map(repr, cur.execute(f"SELECT * FROM {t}").fetchall())):
+                h.update(row.encode())
     return h.hexdigest()
 
 
@@ -61,14 +62,26 @@ def _empty_database(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def store(_empty_database, tmp_path):
-    """A fresh database file per test."""
+def store_template(_empty_database) -> Path:
+    """The database file each ``store`` starts as a copy of: the schema and nothing else, unless a module says
+    otherwise."""
+    return _empty_database
+
+
+@pytest.fixture
+def store(store_template, tmp_path, request):
+    """A fresh database file per test; kept open between the test's operations (``Store.held()``, as a dashboard
+    page run keeps it) where the test is marked ``held_store``."""
     from precision_lab.store import Store, close_all
 
     path = tmp_path / "test.duckdb"
-    shutil.copy(_empty_database, path)
+    shutil.copy(store_template, path)
     s = Store(path)
-    yield s
+    if request.node.get_closest_marker("held_store") is None:
+        yield s
+    else:
+        with s.held():
+            yield s
     close_all()
 
 
@@ -81,6 +94,12 @@ def _isolated_default_db(tmp_path, monkeypatch):
     from precision_lab.fixes.recipes import trust_user_models
 
     trust_user_models(False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "held_store: the `store` fixture keeps its database open between the test's "
+                                       "operations (Store.held()): for tests of what is read and stored, not of how "
+                                       "the file is opened, shared or locked")
 
 
 def pytest_collection_modifyitems(items):

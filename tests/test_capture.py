@@ -1065,6 +1065,7 @@ def test_an_operator_overload_is_named_by_its_operator():
     assert not any(n.startswith(("Tensor.", "default.")) for n in names), names
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_capture_leaves_torch_on_the_threads_the_user_set(tmp_path):
     """A process that runs torch on one thread (torchrun sets ``OMP_NUM_THREADS=1`` for each rank) still runs it
     on one thread while and after its steps are captured with the statistics kernel: numba's OpenMP layer, once

@@ -104,6 +104,7 @@ def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_stagi
     assert _rows(db)["runs"] == 2
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_process_killed_in_the_middle_of_the_insert_leaves_the_file_as_it_was(tmp_path):
     db = tmp_path / "k.duckdb"
     _captured(db, "kept")
@@ -142,6 +143,7 @@ def test_a_process_killed_in_the_middle_of_the_insert_leaves_the_file_as_it_was(
     assert list(Store(db).sessions()["name"]) == ["kept"]
 
 
+@pytest.mark.slow  # a process of its own
 def test_another_process_writes_and_reads_the_file_between_two_captures(tmp_path):
     db = tmp_path / "m.duckdb"
     assert _captured(db, "first").session == "first"  # the name is there once the session is

@@ -20,6 +20,8 @@ from precision_lab.services.ingest import ingest
 
 from conftest import FIXTURES, ingest_refused
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 PROC = "step0/proc22432"
 
 

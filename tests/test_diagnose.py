@@ -23,7 +23,8 @@ def lab(tmp_path_factory):
     from precision_lab.store import Store, close_all
 
     store = Store(tmp_path_factory.mktemp("diag") / "diag.duckdb")
-    sessions = {name: capture_recipe(store, name) for name in RECIPES}
+    with store.held():  # the file opened once for the reads of the captures, not once per read
+        sessions = {name: capture_recipe(store, name) for name in RECIPES}
     yield store, sessions
     close_all()
 

@@ -21,6 +21,8 @@ from precision_lab.services.ingest import ingest
 from precision_lab.services.report import build_report, first_nonfinite, render_text
 from precision_lab.ui.overview import runs_table
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 ORIGIN = "model.layers.0.mlp.down_proj"  # the Linear whose weight is scaled
 CONTAINERS = ("model", "model.layers.0", "model.layers.0.mlp")
 BASE_NS = 1_700_000_000_000_000_000

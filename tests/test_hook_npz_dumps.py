@@ -18,6 +18,8 @@ from precision_lab.readers.saveddtype import _Evidence
 from precision_lab.services.ingest import ingest
 from precision_lab.services.report import build_report, render_text
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 BASE_NS = 1_700_000_000_000_000_000
 FP16_MAX = float(torch.finfo(torch.float16).max)
 

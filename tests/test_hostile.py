@@ -22,6 +22,8 @@ from test_share import make_session
 
 from conftest import TABLES, refused
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 # ---- exported sessions -------------------------------------------------------------
 
@@ -35,10 +37,28 @@ def _exports(tmp_path_factory):
     return export_bytes(src, "shared"), export_bytes(src, "other")
 
 
+@pytest.fixture(scope="module")
+def _with_mine(tmp_path_factory) -> Path:
+    """A database holding the session ``mine``, written once for the module."""
+    from precision_lab.store import Store, close_all
+
+    db = Store(tmp_path_factory.mktemp("mine") / "mine.duckdb")
+    make_session(db, "mine")
+    close_all()
+    return Path(db.path)
+
+
+@pytest.fixture
+def store_template(request, _empty_database, _with_mine) -> Path:
+    """A test of ``exported`` starts from a copy of ``_with_mine``."""
+    return _with_mine if "exported" in request.fixturenames else _empty_database
+
+
 @pytest.fixture
 def exported(store, _exports):
-    """The zip bytes of two sessions exported elsewhere; ``store`` already holds a session that must survive."""
-    make_session(store, "mine")
+    """The zip bytes of two sessions exported elsewhere; ``store`` already holds a session that must survive
+    (``mine``, see ``store_template``)."""
+    assert store.session("mine")
     return _exports
 
 

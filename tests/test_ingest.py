@@ -16,6 +16,8 @@ from precision_lab.services.report import build_report, first_nonfinite, render_
 
 from conftest import FIXTURES
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 def _run_ids(store, name):
     runs = store.runs(store.session(name).session_id)

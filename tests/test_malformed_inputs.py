@@ -20,6 +20,8 @@ from precision_lab.services.ingest import ingest
 
 from conftest import FIXTURES, SAMPLES, ingest_refused
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 def _good(folder: Path) -> None:
     """Valid tensors sorted *before* the bad file, so a half session would exist without the transaction."""

@@ -34,6 +34,8 @@ from precision_lab.store import Store
 from precision_lab.store import queries as q
 from precision_lab.store.views import top_offenders
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 
 def _corpus():

@@ -25,6 +25,8 @@ from precision_lab.services.diagnose import diagnose
 from precision_lab.services.ingest import ingest
 from precision_lab.store import queries as q
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 FP16_MAX = float(torch.finfo(torch.float16).max)
 SAMPLES = Path(__file__).parent / "data" / "msprobe"
 

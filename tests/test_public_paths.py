@@ -14,6 +14,8 @@ from precision_lab.ui.common import escape_md
 
 from ui_fixtures import app_test, assert_clean, empty_db, texts  # noqa: F401  (empty_db: a fixture)
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 @pytest.mark.parametrize("stored, shown", [
     ("candidate: /home/u/.local/share/precision-lab/scratch/upload-4242-998-abcdefgh/candidate/my_dump.zip",

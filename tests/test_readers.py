@@ -17,6 +17,8 @@ from precision_lab.services.ingest import ingest
 
 from conftest import FIXTURES
 
+pytestmark = pytest.mark.held_store  # the content read and stored, not how the file is opened
+
 
 def _f64(x):
     if isinstance(x, torch.Tensor):

@@ -29,9 +29,10 @@ def lab(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("replay")
     store = Store(tmp / "replay.duckdb")
-    kept = ingest([FIXTURES / "tensor_mix_fp16"], store=store, keep_tensors=True, session="kept")
-    dump = _overflow_dump(tmp / "ovf_dump")
-    files = ingest([dump], store=store, session="from-files")
+    with store.held():  # the file opened once for the reads of the ingests, not once per read
+        kept = ingest([FIXTURES / "tensor_mix_fp16"], store=store, keep_tensors=True, session="kept")
+        dump = _overflow_dump(tmp / "ovf_dump")
+        files = ingest([dump], store=store, session="from-files")
     yield store, kept, files, tmp / "replay.duckdb"
     close_all()
 

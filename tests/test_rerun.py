@@ -22,7 +22,9 @@ def lab(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("rerun") / "rerun.duckdb"
     store = Store(path)
-    names = {n: capture_recipe(store, n) for n in ("fp8-zero-scale", "fp16-mlp-overflow", "softmax-fp16-overflow")}
+    with store.held():  # the file opened once for the reads of the captures, not once per read
+        names = {n: capture_recipe(store, n) for n in ("fp8-zero-scale", "fp16-mlp-overflow",
+                                                      "softmax-fp16-overflow")}
     yield store, names, path
     close_all()
 

@@ -22,7 +22,8 @@ def lab(tmp_path_factory):
     from precision_lab.store import Store, close_all
 
     store = Store(tmp_path_factory.mktemp("plugins") / "p.duckdb")
-    session = ingest([SAMPLE], store=store)
+    with store.held():  # the file opened once for the reads of the ingest, not once per read
+        session = ingest([SAMPLE], store=store)
     yield store, session
     close_all()
 

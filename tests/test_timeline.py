@@ -29,8 +29,9 @@ runner = CliRunner()
 def grown(tmp_path_factory):
     db = tmp_path_factory.mktemp("tl") / "lab.duckdb"
     store = Store(db)
-    cap = _train(store, lr=0.2, steps=40, grow=True, run="fp16")
-    healthy = _train(store, lr=0.01, steps=30, grow=False, run="fp16-healthy")
+    with store.held():  # the file opened once for the reads of the captures, not once per read
+        cap = _train(store, lr=0.2, steps=40, grow=True, run="fp16")
+        healthy = _train(store, lr=0.01, steps=30, grow=False, run="fp16-healthy")
     return db, store, cap, healthy
 
 

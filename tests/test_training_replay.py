@@ -5,6 +5,7 @@ re-run replays the steps before the failure under a fix, in the job's own config
 from __future__ import annotations
 
 import copy
+import shutil
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from precision_lab.services.report import build_report, first_nonfinite
 from precision_lab.services.rerun import RerunError, replay_kit, rerun_session
 from precision_lab.services.sessions import run_policy
 from precision_lab.services.verify import verification
+from precision_lab.store import Store, close_all
 from precision_lab.store import queries as q
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +48,7 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=1e-3)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def recipe():
     r = register_recipe(Recipe("test-gpt2-train", "a tiny GPT-2 trained under fp16 autocast", _build,
                                PrecisionPolicy("autocast-fp16", "fp32", autocast="fp16"), loss_fn=_loss,
@@ -155,8 +157,34 @@ def _first_overflowing_module(snap, step):
     return hits[0]
 
 
-def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(store, recipe):
-    cap, model, before, snap = _train(store, recipe)
+@pytest.fixture(scope="module")
+def _trained(recipe, tmp_path_factory):
+    """One run of the failing job for the module: its database (with the replay kit beside it) and what the
+    loop kept."""
+    root = tmp_path_factory.mktemp("trained")
+    with pytest.MonkeyPatch.context() as mp:  # as each test has: no default database or data folder of the user
+        mp.setenv("PRECISION_LAB_DB", str(root / "default.duckdb"))
+        mp.setenv("XDG_DATA_HOME", str(root / "xdg"))
+        store = Store(root / "train.duckdb")
+        out = _train(store, recipe)
+    close_all()
+    return store.path, out
+
+
+@pytest.fixture
+def trained(_trained, tmp_path):
+    """A copy of the module's run for this test to re-run and delete from: (store, capture, model, the model's
+    state before the capture, the loop's copy of the state the step before the failure)."""
+    src, out = _trained
+    db = tmp_path / "train.duckdb"
+    shutil.copy(src, db)
+    shutil.copytree(src + ".replay", str(db) + ".replay")
+    yield (Store(db), *out)
+    close_all()
+
+
+def test_a_training_job_is_captured_diagnosed_and_fixed_by_one_replay(trained):
+    store, cap, model, before, snap = trained
     fail = SPIKE + 1
     # the capture leaves the user's model as it found it: same parameters, dtypes, no hooks, same modes
     assert _model_fingerprint(model) == before
@@ -217,8 +245,8 @@ def test_a_healthy_amp_job_whose_scaler_backs_off_is_no_failure(store, recipe):
         rerun_session(store, cap.session, "use-bf16")
 
 
-def test_the_kit_is_data_read_back_safely(store, recipe, tmp_path):
-    cap, _, _, _ = _train(store, recipe)
+def test_the_kit_is_data_read_back_safely(trained, tmp_path):
+    store, cap, _, _, _ = trained
     path = kit_path(store.path, cap.run_id)
     kit = load_kit(path)
     assert [s.step for s in kit.steps] == [SPIKE, SPIKE + 1] and kit.steps[0].groups[0]["lr"] == _lr(SPIKE)

@@ -64,7 +64,9 @@ def truth_template(tmp_path_factory):
         np.save(ref_dir / f"{name}.npy", x)
         np.save(cand_dir / f"{name}.npy", _candidate(name, x))
     db = root / "template.duckdb"
-    ingest([cand_dir], reference=[ref_dir], session=SESSION, store=Store(db))
+    store = Store(db)
+    with store.held():  # the file opened once for the reads of the ingest, not once per read
+        ingest([cand_dir], reference=[ref_dir], session=SESSION, store=store)
     close_all()
     return db
 

@@ -50,7 +50,9 @@ def cast_counts(x: np.ndarray, dtype) -> dict:
 def db(ui_db):
     from precision_lab.store import Store
 
-    return Store(ui_db)
+    store = Store(ui_db)
+    with store.held():  # as a dashboard page run holds it: the views are what a page run asks
+        yield store
 
 
 def _runs(store, session):

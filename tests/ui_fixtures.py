@@ -91,20 +91,32 @@ def _write_wide_dumps(root: Path) -> tuple[Path, Path]:
     return ref, cand
 
 
+# the template of each test run in this process: every test module imports ``ui_template``, which makes it a
+# fixture of that module, so its session scope alone would build it once per module
+_TEMPLATES: dict = {}
+
+
 @pytest.fixture(scope="session")
 def ui_template(tmp_path_factory) -> Path:
+    run = tmp_path_factory.getbasetemp()
+    if run not in _TEMPLATES:
+        _TEMPLATES[run] = _build_template(tmp_path_factory.mktemp("ui_template"))
+    return _TEMPLATES[run]
+
+
+def _build_template(root: Path) -> Path:
     from precision_lab.services.ingest import ingest
     from precision_lab.store import Store, close_all
 
-    root = tmp_path_factory.mktemp("ui_template")
     db = root / "template.duckdb"
     store = Store(db)
-    ingest([STAT_CAND], reference=[STAT_REF], session=STAT_SESSION, store=store)
-    ref, cand = _write_wide_dumps(root / "dumps")
-    ingest([cand], reference=[ref], session=TENSOR_SESSION, store=store)
-    from training import train
+    with store.held():  # the file opened once for the reads of the build, not once per read
+        ingest([STAT_CAND], reference=[STAT_REF], session=STAT_SESSION, store=store)
+        ref, cand = _write_wide_dumps(root / "dumps")
+        ingest([cand], reference=[ref], session=TENSOR_SESSION, store=store)
+        from training import train
 
-    train(store, lr=0.2, steps=40, grow=True, run=TIMELINE_SESSION)  # a long run: the Timeline page
+        train(store, lr=0.2, steps=40, grow=True, run=TIMELINE_SESSION)  # a long run: the Timeline page
     close_all()
     return db
 
