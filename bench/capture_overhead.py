@@ -23,10 +23,12 @@ medians over rounds are compared with the plain step's:
   around each step, when ``mindstudio-probe`` is installed.
 
 Each turn runs two steps back to back and times the second, as one step of a
-training loop: a capture into a database file inserts its session on a thread
-of its own behind the step after it, so the timed step runs beside the previous
-step's insert (its own insert is waited for after the window, before the next
-variant's turn).  Like for like: every variant's timed window holds all it does for a step.
+training loop: where torch leaves a core free (``--threads 1`` here, or a GPU
+job) a capture into a database file inserts its session on a thread of its own
+behind the step after it, so the timed step runs beside the previous step's
+insert (its own insert is waited for after the window, before the next
+variant's turn); where torch's threads take every core it inserts before its
+block returns.  Like for like: every variant's timed window holds all it does for a step.
 Precision Lab: entering the capture, the step, and leaving it (which writes
 the step's records to the store); msprobe: ``start``, the step, ``stop`` and
 ``step`` (its dump is written there); TensorBoard: the step with its hooks and

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import precision_lab
+from precision_lab.services import capture as capture_service
 from precision_lab.store import Store, close_all, files, transfer
 from precision_lab.store.transfer import TABLES
 
@@ -76,7 +77,10 @@ def test_a_capture_into_a_file_is_stored_whole_with_its_diagnosis_and_opens_no_i
         [(r.seq, r.op, r.role, r.index, r.stats.max) for r in second.records]
 
 
-def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_staging(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("spare", [True, False], ids=["behind", "before-return"])
+def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_staging(tmp_path, monkeypatch, capsys,
+                                                                                    spare):
+    monkeypatch.setattr(capture_service, "spare_core", lambda: spare)
     db = tmp_path / "f.duckdb"
     _captured(db, "kept")
     before = _rows(db)
@@ -89,10 +93,14 @@ def test_a_write_that_fails_midway_leaves_nothing_in_the_file_and_an_empty_stagi
         return real(table, *a, **k)
 
     monkeypatch.setattr(transfer, "_select_list", failing)
-    lost = _captured(db, "lost")  # the insert runs behind the code after the block: its failure comes later
-    with pytest.raises(RuntimeError, match=r"session 'lost' could not be written to .*f\.duckdb: OSError: disk full"):
-        lost.session
-    assert "session 'lost' could not be written" in capsys.readouterr().err  # said once, unasked
+    if spare:  # the insert runs behind the code after the block: its failure comes later
+        lost = _captured(db, "lost")
+        with pytest.raises(RuntimeError, match=r"session 'lost' could not be written to .*f\.duckdb: OSError: disk full"):
+            lost.session
+        assert "session 'lost' could not be written" in capsys.readouterr().err  # said once, unasked
+    else:
+        with pytest.raises(OSError, match="disk full"):
+            _captured(db, "lost")
     monkeypatch.setattr(transfer, "_select_list", real)
     assert _rows(db) == before
     assert list(Store(db).sessions()["name"]) == ["kept"]
@@ -178,9 +186,11 @@ def test_a_capture_written_inside_a_transaction_of_its_thread_on_the_file_is_par
     assert list(Store(db).sessions()["name"]) == ["inner"] and cap.session == "inner"
 
 
-def _gated_insert(monkeypatch):
+def _gated_insert(monkeypatch, spare: bool = True):
     """The next insert into a file waits at a gate once its sessions, runs and tensors rows are in; (gate, the
-    event that it is waiting, the threads it ran on)."""
+    event that it is waiting, the threads it ran on).  ``spare``: whether the capture finds a core its step leaves
+    free (then it inserts behind the code after its block)."""
+    monkeypatch.setattr(capture_service, "spare_core", lambda: spare)
     gate, waiting, threads = threading.Event(), threading.Event(), []
     real = transfer._select_list
 
@@ -238,3 +248,36 @@ def test_a_fork_waits_for_an_insert_still_running(tmp_path, monkeypatch):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_where_torch_takes_every_core_the_insert_runs_before_the_block_returns(tmp_path, monkeypatch):
+    db = tmp_path / "s.duckdb"
+    assert _captured(db, "first").session == "first"
+    gate, waiting, threads = _gated_insert(monkeypatch, spare=False)
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    cap = _captured(db, "second")
+    assert time.monotonic() - t0 >= 0.25 and threads == [threading.get_ident()]  # here, and waited for
+    assert cap._written._pending is None  # nothing left running: the name is the one the file gave it
+    assert cap.session == "second" and sorted(Store(db).sessions()["name"]) == ["first", "second"]
+
+
+def test_a_spare_core_is_one_torch_leaves(monkeypatch):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert capture_service.spare_core() is False
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert capture_service.spare_core() is True
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    torch.set_num_threads(cores)
+    try:
+        assert capture_service.spare_core() is True  # a GPU job: its CPU threads mostly wait for the device
+    finally:
+        torch.set_num_threads(before)

@@ -374,6 +374,19 @@ def scaled_backward(cap: Capture, loss) -> None:
     (loss * scale).backward()
 
 
+def spare_core() -> bool:
+    """Whether the user's step leaves a core to a capture's insert: torch runs on fewer threads than this process
+    may use, or the process drives a GPU (its CPU threads mostly wait for the device).  Then a capture into a
+    database file inserts its session behind the next step (``Store.new_session``'s ``behind``); where torch's
+    threads take every core, an insert beside them would slow every parallel region of the step more than it
+    saves, and it runs before the block returns."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores or (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
 class _StoreAt:
     """A database as a capture sink (a path, or a ``Store`` of it): the database is opened when the capture
     writes, not before (a store holds its file only while it writes, so a notebook that captured leaves it free
@@ -391,7 +404,7 @@ class _StoreAt:
 
     def new_session(self, *args, **kwargs):
         self.diagnosed = False
-        return self._open().new_session(*args, before_insert=self._diagnose_staged, behind=True, **kwargs)
+        return self._open().new_session(*args, before_insert=self._diagnose_staged, behind=spare_core(), **kwargs)
 
     def extend_session(self, *args, **kwargs):
         return self._open().extend_session(*args, **kwargs)

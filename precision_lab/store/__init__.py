@@ -35,19 +35,19 @@ class Store(StoreReads, StoreWrites, StoreSchema):
     runs); a file is opened per operation and let go after it (see ``files``)."""
 
     def __init__(self, path: Optional[os.PathLike | str] = None, *, lock_wait: Optional[float] = None,
-                 staged: bool = True, readable: tuple = (), known: bool = False):
+                 staged: bool = True, readable: tuple = (), known: bool = False, threads: Optional[int] = None):
         """``staged=False`` writes a new session straight into the file, holding it for the whole write (the
         baseline of bench/concurrency.py --staging); see ``new_session``.  ``readable`` (with
         ``path=":memory:"``): a database in memory of this ``Store``'s own, not the process's shared one, whose
         queries may read those files where they lie (``store.parquet``).  ``known``: a file this process has found
         current (or left so after its own write), unchanged since, is not opened to check it again (a capture
-        makes a ``Store`` for each write)."""
+        makes a ``Store`` for each write).  ``threads`` (with ``readable``): DuckDB's threads for that database."""
         self.path = resolve_db_path(path)
         self.staged = staged
         self.lock_wait = env_lock_wait() if lock_wait is None else float(lock_wait)
         if readable and self.path != ":memory:":
             raise ValueError("Store(readable=...) is a database in memory: give path=':memory:'")
-        self._file = private_file(readable) if readable else file_of(self.path)
+        self._file = private_file(readable, threads) if readable else file_of(self.path)
         self._lock = self._file.write_lock
         if not TENSOR_COLUMNS:
             TENSOR_COLUMNS[:] = [n for n, _ in tensor_columns()]

@@ -13,10 +13,12 @@ SAFE_CONFIG = {"enable_external_access": False, "autoload_known_extensions": Fal
                "autoinstall_known_extensions": False, "lock_configuration": True}
 
 
-def connect_duckdb(path: str = ":memory:", read_only: bool = False, readable: tuple = ()):
+def connect_duckdb(path: str = ":memory:", read_only: bool = False, readable: tuple = (),
+                   threads: int | None = None):
     """``duckdb.connect`` with ``SAFE_CONFIG`` (DuckDB is imported here: importing the store loads none).
     ``readable``: files (never folders or globs) its queries may read besides its own database, the only
-    exception to ``enable_external_access``, set before the settings are locked."""
+    exception to ``enable_external_access``, set before the settings are locked; ``threads`` (with
+    ``readable``): DuckDB's threads for it."""
     import duckdb
 
     if not readable:
@@ -26,6 +28,8 @@ def connect_duckdb(path: str = ":memory:", read_only: bool = False, readable: tu
                                                                      "autoinstall_known_extensions")})
     try:
         con.execute("SET allowed_paths = ?", [[str(p) for p in readable]])
+        if threads:
+            con.execute(f"SET threads = {int(threads)}")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except BaseException:

@@ -132,10 +132,11 @@ class _File:
     """One database file's connection in this process: opened when an operation needs it, closed when the
     last operation is done (unless held), read-only unless a write needs it."""
 
-    def __init__(self, path: str, readable: tuple = ()):
+    def __init__(self, path: str, readable: tuple = (), threads: Optional[int] = None):
         self.path = path
         self.memory = path == ":memory:"
         self.readable = readable  # files an in-memory database of its own may read (``Store(readable=...)``)
+        self.threads = threads  # DuckDB's threads for such a database (None: DuckDB's default)
         self.cond = threading.Condition(threading.Lock())
         self.write_lock = threading.RLock()  # writers of this process, one at a time
         self.con = None
@@ -186,7 +187,7 @@ class _File:
                     continue
                 self._close()
                 if self.memory:
-                    self.con, self.read_only = connect_duckdb(readable=self.readable), False
+                    self.con, self.read_only = connect_duckdb(readable=self.readable, threads=self.threads), False
                     self.active += 1
                     return self.con
                 exists = os.path.exists(self.path)
@@ -306,10 +307,10 @@ _FILES: dict[str, _File] = {}
 _GLOBAL = threading.Lock()
 
 
-def private_file(readable) -> _File:
+def private_file(readable, threads: Optional[int] = None) -> _File:
     """A database in memory of its own (never shared with the process's ``:memory:``) whose queries may read
-    the files ``readable`` names, and no other."""
-    return _File(":memory:", tuple(str(p) for p in readable))
+    the files ``readable`` names, and no other; ``threads``: DuckDB's threads for it."""
+    return _File(":memory:", tuple(str(p) for p in readable), threads)
 
 
 def file_of(path: str) -> _File:

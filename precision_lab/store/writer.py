@@ -33,7 +33,8 @@ class _Staging:
 
     def __init__(self, store):
         path = store.path
-        self.store = type(store)(":memory:", readable=(path, path + ".wal", path + ".wal.checkpoint"))
+        # one DuckDB thread: its insert may run beside the user's step, whose threads it should not contend with
+        self.store = type(store)(":memory:", readable=(path, path + ".wal", path + ".wal.checkpoint"), threads=1)
         self.lock = threading.Lock()
         self.pending: Optional["PendingInsert"] = None
 
