@@ -6,7 +6,8 @@ import duckdb
 
 from precision_lab.enums import Severity, Verdict, worst_first
 from precision_lab.metrics import VERDICT_THRESHOLDS, verdict_for
-from precision_lab.store.views import _rank_case, severity_sql
+from precision_lab.store.ranking import rank_case as _rank_case
+from precision_lab.store.views import severity_sql
 from precision_lab.ui.common import SEVERITIES, SEVERITY_COLORS
 
 
