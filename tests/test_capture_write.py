@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import precision_lab
-from precision_lab.services import capture as capture_service
+from precision_lab.services import capture_sink as capture_service
 from precision_lab.store import Store, close_all, files, transfer
 from precision_lab.store.transfer import TABLES
 

@@ -32,8 +32,8 @@ from ..live.recorder import Capture
 from ..live.replaykit import load_kit
 from ..metrics import Comparison, PendingComparison, compare, compare_later, compare_stats, finish_all
 from ..stats import canonical_dtype
-from ..store import Store, writing as store_writing
-from .diagnose import diagnose_session
+from ..store import Store
+from .capture_sink import StoreSink, diagnose_captured, diagnose_written
 from .pairing import Item, match_records, verdict_format
 
 __all__ = ["capture", "capture_pair", "PairOptions", "scaled_backward", "run_steps", "replay_capture", "replay_steps",
@@ -374,50 +374,6 @@ def scaled_backward(cap: Capture, loss) -> None:
     (loss * scale).backward()
 
 
-def spare_core() -> bool:
-    """Whether the user's step leaves a core to a capture's insert: torch runs on fewer threads than this process
-    may use, or the process drives a GPU (its CPU threads mostly wait for the device).  Then a capture into a
-    database file inserts its session behind the next step (``Store.new_session``'s ``behind``); where torch's
-    threads take every core, an insert beside them would slow every parallel region of the step more than it
-    saves, and it runs before the block returns."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return torch.get_num_threads() < cores or (torch.cuda.is_available() and torch.cuda.is_initialized())
-
-
-class _StoreAt:
-    """A database as a capture sink (a path, or a ``Store`` of it): the database is opened when the capture
-    writes, not before (a store holds its file only while it writes, so a notebook that captured leaves it free
-    for ``precision-lab report`` in a terminal and for a dashboard).  A new session is diagnosed where it is
-    staged, before it is inserted (``Store.new_session``'s ``before_insert``), so it goes into the file with its
-    diagnoses."""
-
-    def __init__(self, path, store: Optional[Store] = None):
-        self.path = store.path if store is not None else path
-        self._store = store
-        self.diagnosed = False  # the last new session was diagnosed in its staging
-
-    def _open(self) -> Store:
-        return self._store if self._store is not None else Store(self.path, known=True)
-
-    def new_session(self, *args, **kwargs):
-        self.diagnosed = False
-        return self._open().new_session(*args, before_insert=self._diagnose_staged, behind=spare_core(), **kwargs)
-
-    def extend_session(self, *args, **kwargs):
-        return self._open().extend_session(*args, **kwargs)
-
-    def _diagnose_staged(self, staging: Store, name: str) -> None:
-        _diagnose(staging, name)
-        self.diagnosed = True
-
-    def writing(self):
-        """``Store.writing()`` of the database, begun before it is opened."""
-        return store_writing(self.path)
-
-
 def capture(model, *, run: str = "capture", store=None, session: Optional[str] = None, dtype_policy=None,
             options: Optional[CaptureOptions] = None, shard_dir=None, grad_scaler=None, optimizer=None,
             recipe=None) -> Capture:
@@ -455,17 +411,11 @@ def capture(model, *, run: str = "capture", store=None, session: Optional[str] =
     if recipe_name is not None and not isinstance(recipe_name, str):
         raise TypeError(f"capture(recipe=...) needs a Recipe or a recipe's name, got {type(recipe).__name__}")
     if shard_dir is None and (store is None or isinstance(store, (str, os.PathLike, Store))):
-        store = _StoreAt(None, store) if isinstance(store, Store) else _StoreAt(store)
-    diagnosed = isinstance(store, _StoreAt) and shard_dir is None
+        store = StoreSink(None, store) if isinstance(store, Store) else StoreSink(store)
+    diagnosed = isinstance(store, StoreSink) and shard_dir is None
     return Capture(model, run=run, store=store, session=session, dtype_policy=dtype_policy, options=options,
                    shard_dir=shard_dir, grad_scaler=grad_scaler, optimizer=optimizer, recipe=recipe_name,
-                   on_written=partial(_diagnose_written, store) if diagnosed else None)
-
-
-def _diagnose_written(sink: _StoreAt, cap: Capture) -> None:
-    """A captured session, diagnosed as it is written (where its staging has not diagnosed it already)."""
-    if not sink.diagnosed:
-        _diagnose(sink._open(), cap.session)
+                   on_written=partial(diagnose_written, store) if diagnosed else None)
 
 
 def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_policy, *, store,
@@ -518,7 +468,7 @@ def capture_pair(build_model: Callable[[], torch.nn.Module], inputs, candidate_p
                            source=pair.source, policy=policy, name=name)
     finally:
         keeper.close()
-    _diagnose(store, name)
+    diagnose_captured(store, name)
     return name
 
 
@@ -599,12 +549,3 @@ def _write_pair(store, session, ref_cap, cand_cap, comparer, keeper, *, recipe, 
     name = w.name  # the name it got: made unique as the session is inserted
     ref_cap.session = cand_cap.session = name
     return name
-
-
-def _diagnose(store, name: str) -> None:
-    """Run the diagnosis rules over the new session; if they fail, the session says why it has none."""
-    try:
-        diagnose_session(store, name)
-    except Exception as e:  # the captured session stands; say why it has no diagnoses
-        with store.extend_session(name) as w:
-            w.add_warning("diagnose", f"diagnosis rules failed: {type(e).__name__}: {e}")
