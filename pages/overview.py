@@ -6,6 +6,7 @@ from precision_lab.services.cards import diagnosis_cards
 from precision_lab.services.verify import untried, verification
 from precision_lab.display import num_text
 from precision_lab.origin import order_text
+from precision_lab.services.origins import finite_text, producer_text
 from precision_lab.services.report import norm_artefacts
 from precision_lab.ui import diff as dv
 from precision_lab.ui import overview as ov
@@ -56,22 +57,14 @@ for item in firsts:
     quiet = (f"{len(masks)} op(s) wrote -inf that is no error by itself (a mask, a constant, or log(0)); not blamed: "
              + ", ".join(plain(m.op) for m in masks[:5]) + (", ..." if len(masks) > 5 else "")) if masks else ""
     if first is None:
-        st.success(f"{plain(run.name)}: every recorded value is finite"
-                   + (" apart from intended values (masks, log(0), fills) that never reach its output, "
-                      "gradients or parameters." if masks else "."))
+        st.success(f"{plain(run.name)}: {plain(finite_text(masks))}.")
         if quiet:
             st.caption(quiet)
         continue
     with st.container(border=True):
-        if first.origin == "parameter":
-            st.markdown(f":red[**{plain(run.name)}**] first non-finite value: "
-                        f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} "
-                        f"**{plain(first.parameter.name)}**, read by {plain(first.op)} "
-                        f"({first.where})")
-        else:
-            st.markdown(f":red[**{plain(run.name)}**] first non-finite producer: "
-                        f"**{plain(first.op)}** ({plain(first.role)} {plain(first.index)}, "
-                        f"{first.where})")
+        what = "value" if first.origin == "parameter" else "producer"
+        st.markdown(f":red[**{plain(run.name)}**] first non-finite {what}: **{plain(producer_text(first))}** "
+                    f"({plain(first.role)} {plain(first.index)}, {first.where})")
         st.caption(message_md(first.reason))
         st.caption(("" if first.certainty == "certain" else ":orange[**likely**] ") + plain(first.certainty_text))
         if first.first_nan:

@@ -15,7 +15,7 @@ from ..records import GRAD_ROLES, INPUT_ROLES, STATE_ROLES
 from ..store import queries as q
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "rank_spread", "FiniteRank",
-           "RankOrigin", "RankState", "PATH_LENGTH"]
+           "RankOrigin", "RankState", "PATH_LENGTH", "finite_text", "producer_text"]
 
 PATH_LENGTH = 5  # ops shown before the producer
 
@@ -146,3 +146,20 @@ def rank_spread(store, run_id: str, first: Optional[Origin]) -> list[RankState]:
                 f"{how}" if received else f"rank {r}: produced its own, at {where}")
         out.append(RankOrigin(r, "received" if received else "produced", o.step, o.op, o.role, o.index, text))
     return out
+
+
+def finite_text(intended: list[Intended]) -> str:
+    """What a run without an unexpected non-finite value holds, as the Overview, the HTML report and the text
+    report say it (``intended``: the ops that wrote a mask's ``-inf`` or a fill, which are no failure)."""
+    if not intended:
+        return "every recorded value is finite"
+    return (f"every recorded value is finite apart from intended values (a mask, log(0), a fill) that never reach "
+            f"the model's output, a gradient or a parameter, written by {len(intended)} op(s), e.g. {intended[0].op}")
+
+
+def producer_text(o: Origin) -> str:
+    """What made a run's first non-finite value, as the Overview, the HTML report and the text report name it:
+    the op, or the parameter or buffer an op read it from."""
+    if o.origin != OriginKind.PARAMETER:
+        return o.op
+    return f"{'buffer' if o.parameter.role == 'buffer' else 'parameter'} {o.parameter.name}, read by {o.op}"

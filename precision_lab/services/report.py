@@ -38,8 +38,8 @@ from ..jsoncodec import dumps
 from . import timeline as _timeline
 from .cards import DiagnosisCard, diagnosis_cards
 from .verdicts import Verification, verification
-from .origins import (PATH_LENGTH, FiniteRank, RankOrigin, RankState, first_nonfinite, intended_nonfinite,
-                      nonfinite_origin, rank_spread, run_facts)
+from .origins import (PATH_LENGTH, FiniteRank, RankOrigin, RankState, finite_text, first_nonfinite,
+                      intended_nonfinite, nonfinite_origin, producer_text, rank_spread, run_facts)
 
 __all__ = ["first_nonfinite", "intended_nonfinite", "nonfinite_origin", "run_facts", "norm_artefacts", "build_report",
            "order_notes", "OrderNotes", "NormArtefact", "FiniteRank", "RankOrigin", "RankState", "Report", "ReportRun",
@@ -334,11 +334,9 @@ def _runs_lines(report: Report) -> list[str]:
 def _origin_lines(report: Report, run: str, f: Optional[Origin]) -> list[str]:
     """A run's first non-finite producer: where, why, how sure, the ops before it, and its other ranks."""
     if f is None:
-        masks = report.intended_nonfinite.get(run) or []
-        return [f"  {run}: none (every recorded value is finite)" if not masks else
-                f"  {run}: none (its non-finite values never reach the model's output, a gradient or a "
-                f"parameter: written on purpose by {len(masks)} op(s) (a mask, log(0), a fill), e.g. {masks[0].op})"]
-    out = [f"  {run}: {f.op}  (step {f.step}, rank {f.rank}, seq {f.seq}, {f.role} {f.index})", f"    {f.reason}"]
+        return [f"  {run}: none: {finite_text(report.intended_nonfinite.get(run) or [])}"]
+    out = [f"  {run}: {producer_text(f)}  (step {f.step}, rank {f.rank}, seq {f.seq}, {f.role} {f.index})",
+           f"    {f.reason}"]
     out += [f"    {f.certainty_text}"] if f.certainty_text else []
     out += [f"    called from {f.location}"] if f.location else []
     out.append(f"    path ({order_text(f.order)}): {' -> '.join(p.op for p in f.path)}")

@@ -30,6 +30,7 @@ from ..store import views
 from ..services import timeline as _timeline
 from ..services.cards import DiagnosisCard, diagnosis_cards
 from ..services.xdiff import diff_rows
+from ..services.origins import finite_text, producer_text
 from ..services.report import norm_artefacts, order_text
 from ..services.verdicts import Verification, verification
 from ..public import public_source
@@ -238,12 +239,8 @@ def _first_nonfinite_row(f: RunOrigin) -> dict:
     run's other ranks) and the ops before it."""
     first, masks = f.first, f.intended
     if first is None:
-        return {"run": f.run.name, "op": "none: every recorded value is finite"
-                + (f" apart from values that never reach the model's output, a gradient or a parameter "
-                   f"(a mask, log(0), a fill), written by {len(masks)} op(s)" if masks else "")}
-    op = first.op if first.origin != "parameter" else \
-        f"{'buffer' if first.parameter.role == 'buffer' else 'parameter'} {first.parameter.name}"
-    return {"run": f.run.name, "op": op, "op_type": first.op_type, "where": first.where,
+        return {"run": f.run.name, "op": f"none: {finite_text(masks)}"}
+    return {"run": f.run.name, "op": producer_text(first), "op_type": first.op_type, "where": first.where,
             "tensor": f"{first.role} {first.index}", "reason": first.reason,
             "certainty": first.certainty_text + "".join(f"; {r.text}" for r in f.ranks),
             "path": " → ".join(p.op for p in first.path)}
