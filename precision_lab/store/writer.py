@@ -138,7 +138,8 @@ def wait_for_inserts() -> None:
         pending.wait()
 
 
-os.register_at_fork(before=wait_for_inserts)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=wait_for_inserts)
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
