@@ -285,6 +285,7 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
         raises where it could not be written)."""
         if self._session is None and self._written is not None:
             self._session = self._written.name
+            self._written = None  # the name is all the capture keeps of its session's writer
         return self._session
 
     @session.setter

@@ -291,16 +291,16 @@ def build_report(store, session: str) -> Report:
     # reference runs first, then in the order they were added
     runs = q.session_runs(store, sid, references_first=True)
     names = {r.run_id: r.name for r in runs}
-    first, intended, spread = {}, {}, {}
+    first, intended, spread, by_id = {}, {}, {}, {}
     for r in runs:
         f, masks = nonfinite_origin(store, r.run_id)
-        first[r.name], intended[r.name] = f, masks
+        first[r.name], intended[r.name], by_id[r.run_id] = f, masks, f
         spread[r.name] = rank_spread(store, r.run_id, f)
     warnings = [RunWarning(names.get(w.run_id), w.file, w.message) for w in q.session_warning_rows(store, sid)]
     return Report(info.name, info.created, info.source, _report_runs(runs, names, order_notes(store, sid)), first,
                   spread, intended, norm_artefacts(store, sid), _tensors(store, runs), _comparisons(store, sid, names),
                   _worst_comparisons(store, sid), diagnosis_cards(store, sid),
-                  list(verification(store, session).all()), warnings, _timeline.session_alerts(store, sid),
+                  list(verification(store, session, by_id).all()), warnings, _timeline.session_alerts(store, sid),
                   _timelines(store, sid), info.notes)
 
 

@@ -117,8 +117,10 @@ def _db(v: float) -> str:
     return f"{v:.1f} dB" if math.isfinite(v) else ("exact" if v > 0 else "-inf dB")
 
 
-def verification(store, session: str) -> Verifications:
-    """Every re-run of the session: what trying that fix from that run gave, judged by ``judge_fix``."""
+def verification(store, session: str, firsts: Optional[dict[str, Optional[Origin]]] = None) -> Verifications:
+    """Every re-run of the session: what trying that fix from that run gave, judged by ``judge_fix``.
+    ``firsts``: each run's first unexpected non-finite origin by run id, where the caller has found them already
+    (the report): they are not looked for again."""
     info = store.session(session)
     out = {}
     parents: dict[str, tuple] = {}
@@ -126,7 +128,7 @@ def verification(store, session: str) -> Verifications:
     def quality(run_id: str) -> tuple:
         if run_id not in parents:
             last = q.last_accumulated_output(store, run_id)
-            fn = first_nonfinite(store, run_id)
+            fn = firsts[run_id] if firsts is not None and run_id in firsts else first_nonfinite(store, run_id)
             parents[run_id] = (fn, None if last is None else last.sqnr_db, q.worst_gradient_sqnr(store, run_id),
                                q.first_nonfinite_state_after(store, run_id, fn.step) if fn is not None else None)
         return parents[run_id]
