@@ -7,8 +7,9 @@ import io
 import json
 import math
 import re
+from operator import attrgetter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from .stats import TensorStats
 
 __all__ = ["code_location", "TensorRecord", "StoredRecord", "RunInfo", "Diagnosis", "TimelineRow", "TimelineShare", "StepScalar", "tensor_name", "ROLES", "INPUT_ROLES", "OUTPUT_ROLES", "GRAD_ROLES", "STATE_ROLES", "NAMING_SEVERITIES", "split_tensor_name", "free_name", "to_numpy",
            "npy_bytes", "npy_load", "record_columns",
-           "stats_columns", "dataclass_columns"]
+           "stats_columns", "dataclass_columns", "shape_json", "ColumnValues", "record_column_values"]
 
 # input/output of a forward op; grad_input/grad_output of a backward op
 # (msprobe's backward "input" is the gradient flowing in = grad_output in torch
@@ -316,3 +317,44 @@ def record_columns() -> list[tuple[str, str]]:
     """(name, kind) of one stored tensor record: rid, record fields, stats fields, derived flags."""
     return ([("rid", "int")] + dataclass_columns(TensorRecord, skip=("stats", "tensor")) + stats_columns()
             + [("name", "str"), ("nonfinite", "bool"), ("has_hist", "bool")])
+
+
+def shape_json(shape) -> str:
+    """A shape as stored: JSON text of its sizes ("null" when unknown)."""
+    # a list of ints prints as its JSON text does
+    return str([int(s) for s in shape]) if shape is not None else "null"
+
+
+_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(TensorRecord))
+_STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(TensorStats))
+
+
+@dataclass(frozen=True)
+class ColumnValues:
+    """Records as columns: ``by_name[column]`` is the list of that column's values, one per record."""
+
+    by_name: dict[str, list]
+
+
+def record_column_values(records: Sequence[TensorRecord], names) -> ColumnValues:
+    """The values of the named ``record_columns()`` (``rid`` aside) over ``records``, whose statistics are
+    computed, one list per column: what the store's tensors rows and a shard's columns hold, built a column at a
+    time (no Python branch per value)."""
+    stats = [r.stats for r in records]
+    out: dict[str, list] = {}
+    for n in names:
+        if n == "shape":
+            out[n] = [shape_json(s.shape) for s in stats]
+        elif n == "name":
+            out[n] = [r.name for r in records]
+        elif n == "nonfinite":
+            out[n] = [s.has_nonfinite for s in stats]
+        elif n == "has_hist":
+            out[n] = [s.hist is not None for s in stats]
+        elif n in _STATS_FIELDS:
+            out[n] = list(map(attrgetter(n), stats))
+        elif n in _RECORD_FIELDS:
+            out[n] = list(map(attrgetter(n), records))
+        else:
+            out[n] = [None] * len(records)
+    return ColumnValues(out)

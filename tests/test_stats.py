@@ -727,6 +727,31 @@ def test_histogram_codec_round_trips_and_refuses_what_no_histogram_is():
         decode_hist(bins, counts, edges_id="other-edges")
 
 
+def test_many_histograms_encode_at_once_as_each_would_alone_with_nulls_kept():
+    from precision_lab.stats import decode_hist, encode_hists, hist_list_arrays
+
+    rng = np.random.default_rng(3)
+    # independent: each dense histogram's nonzero bins by a plain Python scan
+    hists = [rng.integers(0, 3, N_BINS) * (rng.random(N_BINS) < p) for p in (0.0, 0.02, 0.5, 1.0)]
+    offsets, bins, counts = encode_hists(hists)
+    for i, h in enumerate(hists):
+        want = [(j, int(c)) for j, c in enumerate(h) if c]
+        got = list(zip(bins[offsets[i]:offsets[i + 1]].tolist(), counts[offsets[i]:offsets[i + 1]].tolist()))
+        assert got == want
+    assert bins.dtype == np.int32 and counts.dtype == np.int64
+    # histograms of other lengths (an older writer's) take one pass each, with the same answer
+    short = [np.array([0, 4, 0, 1]), np.array([2, 0, 0, 0, 0, 7])]
+    o2, b2, c2 = encode_hists(short)
+    assert o2.tolist() == [0, 2, 4] and b2.tolist() == [1, 3, 0, 5] and c2.tolist() == [4, 1, 2, 7]
+    assert [len(x) for x in encode_hists([])] == [1, 0, 0]
+    # as Arrow lists: a record without a histogram is a null, the others decode to what they were
+    lb, lc = hist_list_arrays([hists[1], None, hists[2], None])
+    assert lb.to_pylist()[1] is None and lb.to_pylist()[3] is None and lc.null_count == 2
+    for i, h in ((0, hists[1]), (2, hists[2])):
+        assert np.array_equal(decode_hist(lb[i].as_py(), lc[i].as_py()), h)
+    assert str(lb.type) == "list<item: int32>" and str(lc.type) == "list<item: int64>"
+
+
 # ---------------------------------------------------------------------------
 # signed infinities: a -inf mask is told apart from an overflow
 # ---------------------------------------------------------------------------

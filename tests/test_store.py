@@ -55,6 +55,38 @@ def test_session_round_trip(store):
     assert row.fixes == ("use-bf16",)
 
 
+def test_records_are_stored_as_they_were_added_however_the_caller_changes_them_after(store):
+    rng = np.random.default_rng(1)
+    arrays = [(rng.standard_normal(64) * 10.0 ** k).astype(np.float32) for k in range(-3, 4)]
+    arrays[2][5] = np.inf
+    with store.new_session("as-added") as w:
+        run = w.add_run(name="r", dtype="float32", kind="reference")
+        recs = [_rec(run, i, f"op{i}", a) for i, a in enumerate(arrays)]
+        recs[3] = dataclasses.replace(recs[3], stats=dataclasses.replace(recs[3].stats, hist=None))
+        rids = w.add_records(recs[:4]) + [w.add_record(r) for r in recs[4:]]
+        for r in recs:  # an ingest drops a record's histogram and renames nothing, but a caller may rebind anything
+            r.op, r.stats = "changed", dataclasses.replace(r.stats, hist=None, max=0.0)
+    assert rids == list(range(len(arrays)))
+    rows = store.df("SELECT rid, op, max, nonfinite, has_hist, shape FROM tensors ORDER BY rid")
+    assert list(rows["op"]) == [f"op{i}" for i in range(len(arrays))]
+    # independent: float64 numpy of each array (Max is the largest finite value)
+    assert list(rows["max"]) == [float(np.max(a[np.isfinite(a)].astype(np.float64))) for a in arrays]
+    assert list(rows["nonfinite"]) == [bool(not np.isfinite(a).all()) for a in arrays]
+    assert list(rows["has_hist"]) == [i != 3 for i in range(len(arrays))]
+    assert set(rows["shape"]) == {"[64]"}
+    for i, a in enumerate(arrays):
+        got = store.histogram(run, rids[i])
+        if i == 3:
+            assert got is None
+        else:  # the sparse histogram decodes to the exact counts of |a| over the edges
+            from precision_lab.stats import HIST_EDGES, N_BINS
+
+            m = np.abs(a.astype(np.float64))
+            m = m[np.isfinite(m) & (m > 0)]
+            want = np.bincount(np.searchsorted(HIST_EDGES, m, side="right") - 1, minlength=N_BINS)
+            assert np.array_equal(got, want)
+
+
 def test_stored_fixes_decode_to_a_tuple_whatever_was_written():
     from precision_lab.records import Diagnosis
 

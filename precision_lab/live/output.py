@@ -82,7 +82,7 @@ class CapturedRun:
         """Add this run, its records, local comparisons and warnings to a session writer; returns the rids."""
         meta = self.run_meta()
         w.add_run(RunInfo(session_id=w.session_id, **meta))
-        rids = [w.add_record(rec) for rec in self.records]
+        rids = w.add_records(self.records)
         for pos, cmp in self.local_comparisons:
             if pos >= len(rids):
                 continue

@@ -38,9 +38,9 @@ from .shardformat import SHARD_FORMAT, SHARD_VERSION, ShardError, _columns, _sch
 from .shardmanifest import _run_files, _run_meta, read_manifest, write_manifest
 from .shardtimeline import read_timeline, write_timeline
 from .safeio import relname
-from ..records import TensorRecord, npy_bytes
+from ..records import TensorRecord, npy_bytes, record_column_values
 from ..jsoncodec import decode_nonfinite, dumps
-from ..stats import HIST_EDGES_ID, TensorStats, encode_hist
+from ..stats import HIST_EDGES_ID, hist_list_arrays
 from ..metrics import Comparison
 
 __all__ = ["write_shard", "write_manifest", "read_shards", "read_manifest", "read_local_comparisons",
@@ -62,59 +62,27 @@ def write_shard(root, run_meta: dict, records, *, rank: int, step: int,
     name = run_meta.get("name")
     path = shard_path(root, name, rank, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = _columns()
-    stat_names = {f.name for f in dataclasses.fields(_stats_cls())}
-    rec_names = {f.name for f in dataclasses.fields(TensorRecord)}
-    data: dict[str, list] = {n: [] for n, _ in cols}
-    extra = {"hist_edges_id": [], "hist_bins": [], "hist_counts": [], "tensor_npy": [], "local_json": []}
-    local_comparisons = local_comparisons or {}
-    for i, rec in enumerate(records):
-        s = rec.stats
-        if s is None:
+    records = list(records)
+    for rec in records:
+        if rec.stats is None:
             raise ShardError(f"record {rec.name} of run {name!r} has no statistics; nothing to write")
-        for n, _ in cols:
-            data[n].append(_column_value(rec, n, rec_names, stat_names))
-        if s.hist is not None:
-            bins, counts = encode_hist(s.hist)
-            extra["hist_edges_id"].append(HIST_EDGES_ID)
-            extra["hist_bins"].append(bins)
-            extra["hist_counts"].append(counts)
-        else:
-            extra["hist_edges_id"].append(None)
-            extra["hist_bins"].append(None)
-            extra["hist_counts"].append(None)
-        extra["tensor_npy"].append(npy_bytes(rec.tensor) if rec.tensor is not None else None)
-        cmp = local_comparisons.get(i)
-        extra["local_json"].append(dumps(cmp.to_dict()) if cmp is not None else None)
+    data = record_column_values(records, [n for n, _ in _columns()]).by_name
+    for n in ("rank", "step"):
+        data[n] = [int(v) for v in data[n]]
+    bins, counts = hist_list_arrays([rec.stats.hist for rec in records])
+    local_comparisons = local_comparisons or {}
+    extra = {
+        "hist_edges_id": [HIST_EDGES_ID if rec.stats.hist is not None else None for rec in records],
+        "hist_bins": bins, "hist_counts": counts,
+        "tensor_npy": [npy_bytes(rec.tensor) if rec.tensor is not None else None for rec in records],
+        "local_json": [dumps(c.to_dict()) if (c := local_comparisons.get(i)) is not None else None
+                       for i in range(len(records))],
+    }
     table = pa.table({**data, **extra}, schema=_schema())
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
     return path
-
-
-def _column_value(rec, n: str, rec_names: set, stat_names: set):
-    """The value record ``rec`` (its statistics computed) stores in column ``n`` of a shard."""
-    s = rec.stats
-    if n in rec_names:
-        v = getattr(rec, n)
-        if n in ("rank", "step"):
-            v = int(v)
-    elif n == "shape":
-        v = json.dumps([int(x) for x in s.shape])
-    elif n in stat_names:
-        v = getattr(s, n)
-    elif n == "name":
-        v = rec.name
-    elif n == "nonfinite":
-        v = s.has_nonfinite
-    else:
-        v = None
-    return v
-
-
-def _stats_cls():
-    return TensorStats
 
 
 def read_shards(root) -> Iterator[tuple[dict, TensorRecord]]:

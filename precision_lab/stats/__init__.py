@@ -43,7 +43,7 @@ everywhere.
 from __future__ import annotations
 
 from .accumulate import merge_stats
-from .codec import HistogramError, decode_hist, encode_hist
+from .codec import HistogramError, decode_hist, encode_hist, encode_hists, hist_list_arrays
 from .edges import HIST_EDGES, HIST_EDGES_ID, N_BINS, histogram_counts
 from .float64 import DevicePartial, device_partials, finish_partials
 from .kernels import numba_available
@@ -74,5 +74,7 @@ __all__ = [
     "finish_partials",
     "HistogramError",
     "encode_hist",
+    "encode_hists",
+    "hist_list_arrays",
     "decode_hist",
 ]

@@ -12,9 +12,9 @@ from typing import Iterable, Optional
 from ..display import visible
 from ..enums import RunOrder, Verdict
 from ..records import (Diagnosis, RunInfo, StepScalar, TensorRecord, TimelineRow, TimelineShare, dataclass_columns,
-                       free_name, npy_bytes)
-from ..stats import HIST_EDGES_ID, encode_hist
-from .schema import comparison_columns, stats_fields, tensor_columns
+                       free_name, npy_bytes, record_column_values)
+from ..stats import HIST_EDGES_ID, hist_list_arrays
+from .schema import comparison_columns, tensor_columns
 
 _ORDERS = RunOrder.words()  # the orders a run's records may be stored in
 
@@ -22,13 +22,6 @@ _ORDERS = RunOrder.words()  # the orders a run's records may be stored in
 def now_text() -> str:
     """The time now (UTC) as the store writes it: when a session or run was made, or diagnosed."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-
-
-_DERIVED = ("nonfinite", "has_hist")  # tensors columns worked out from a record's statistics
-
-
-def _shape_json(shape) -> str:
-    return json.dumps([int(s) for s in shape]) if shape is not None else "null"
 
 
 class SessionWriter:
@@ -39,20 +32,13 @@ class SessionWriter:
     def __init__(self, store, cur, session_id: str, name: str):
         self.store, self.cur, self._session_id, self._name = store, cur, session_id, name
         self._pending = None  # the session's insert into its file, still running (``writer.PendingInsert``)
-        self._rows: list[list] = []  # tensors rows, in self._cols order
-        self._hists: list[tuple] = []
+        self._records: list[tuple] = []  # (record as added, its rid), made into tensors and histograms rows on flush
         self._cmps: list[list] = []  # comparison rows, inserted in batches (one INSERT per row costs ~5 ms)
         # warning rows, batched too: a dump can warn once per record (one INSERT per row costs ~0.6 ms)
         self._warns: list[tuple] = []
         self._timeline: dict[str, list] = {"timeline": [], "timeline_formats": [], "step_scalars": []}
         self._next_rid: dict[str, int] = {}
-        # each tensors column's source, worked out once: the record's field, the statistics' field, or derived
-        rec_fields = {f.name for f in dataclasses.fields(TensorRecord)} - {"stats", "tensor"}
-        stat_cols = {n for n, _ in stats_fields()}
         self._cols = [n for n, _ in tensor_columns()]
-        self._sources = [("rid" if c == "rid" else "name" if c == "name" else "derived" if c in _DERIVED
-                          else "stats" if c in stat_cols else "record" if c in rec_fields else "none", c)
-                         for c in self._cols]
 
     @property
     def name(self) -> str:
@@ -111,52 +97,44 @@ class SessionWriter:
 
     def add_record(self, rec: TensorRecord, *, keep_tensor=None) -> int:
         """Append one record; returns its rid (unique within the run)."""
-        if rec.run_id not in self._next_rid:
-            raise KeyError(f"run {rec.run_id!r} was not added to session {self.name!r}")
-        rid = self._next_rid[rec.run_id]
-        self._next_rid[rec.run_id] = rid + 1
-        s = rec.stats
-        derived = {"nonfinite": s.has_nonfinite, "has_hist": s.hist is not None}
-        row = []
-        for kind, c in self._sources:
-            if kind == "record":
-                row.append(getattr(rec, c))
-            elif kind == "stats":
-                v = getattr(s, c)
-                row.append(_shape_json(v) if c == "shape" else v)
-            elif kind == "rid":
-                row.append(rid)
-            elif kind == "name":
-                row.append(rec.name)
-            elif kind == "derived":
-                row.append(derived[c])
-            else:
-                row.append(None)
-        self._rows.append(row)
-        if s.hist is not None:
-            self._hists.append((rec.run_id, rid, HIST_EDGES_ID, *encode_hist(s.hist)))
-        tensor = keep_tensor if keep_tensor is not None else rec.tensor
-        if tensor is not None:
-            self.cur.execute("INSERT INTO tensor_data VALUES (?, ?, ?)",
-                             [rec.run_id, rid, npy_bytes(tensor)])
-        if len(self._rows) >= self.BATCH:
-            self.flush()
-        return rid
+        return self.add_records([rec], keep_tensors=None if keep_tensor is None else [keep_tensor])[0]
+
+    def add_records(self, records, *, keep_tensors=None) -> list[int]:
+        """Append records (their statistics computed); returns their rids (unique within each run).  Each is kept
+        as it is now (a shallow copy: a caller may rebind its fields afterwards) and made into rows a column at a
+        time when the writer flushes.  ``keep_tensors``: the tensor to store for each record instead of its own."""
+        rids = []
+        for i, rec in enumerate(records):
+            if rec.run_id not in self._next_rid:
+                raise KeyError(f"run {rec.run_id!r} was not added to session {self.name!r}")
+            rid = self._next_rid[rec.run_id]
+            self._next_rid[rec.run_id] = rid + 1
+            rids.append(rid)
+            kept = object.__new__(type(rec))  # a shallow copy (``copy.copy`` takes five times as long)
+            kept.__dict__.update(rec.__dict__, tensor=None)  # the tensor is stored below, if at all: not kept
+            self._records.append((kept, rid))
+            tensor = keep_tensors[i] if keep_tensors is not None and keep_tensors[i] is not None else rec.tensor
+            if tensor is not None:
+                self.cur.execute("INSERT INTO tensor_data VALUES (?, ?, ?)", [rec.run_id, rid, npy_bytes(tensor)])
+            if len(self._records) >= self.BATCH:
+                self.flush()
+        return rids
 
     def flush(self) -> None:
         import pyarrow as pa
 
-        if self._rows:
-            self._insert("tensors", self._cols, pa.table({c: list(v) for c, v in zip(self._cols, zip(*self._rows))}))
-            self._rows.clear()
-        if self._hists:
-            self._insert("histograms", ("run_id", "rid", "edges_id", "bins", "counts"), pa.table({
-                "run_id": [h[0] for h in self._hists], "rid": [h[1] for h in self._hists],
-                "edges_id": [h[2] for h in self._hists],
-                "bins": pa.array([h[3] for h in self._hists], type=pa.list_(pa.int32())),
-                "counts": pa.array([h[4] for h in self._hists], type=pa.list_(pa.int64())),
-            }))
-            self._hists.clear()
+        if self._records:
+            records = [r for r, _ in self._records]
+            values = record_column_values(records, [c for c in self._cols if c != "rid"]).by_name
+            values["rid"] = [rid for _, rid in self._records]
+            self._insert("tensors", self._cols, pa.table({c: values[c] for c in self._cols}))
+            with_hist = [(r, rid) for r, rid in self._records if r.stats.hist is not None]
+            self._records.clear()
+            if with_hist:
+                bins, counts = hist_list_arrays([r.stats.hist for r, _ in with_hist])
+                self._insert("histograms", ("run_id", "rid", "edges_id", "bins", "counts"), pa.table({
+                    "run_id": [r.run_id for r, _ in with_hist], "rid": [rid for _, rid in with_hist],
+                    "edges_id": [HIST_EDGES_ID] * len(with_hist), "bins": bins, "counts": counts}))
         if self._cmps:
             cols = [n for n, _ in comparison_columns()]
             self._insert("comparisons", cols, pa.table({c: [r[i] for r in self._cmps] for i, c in enumerate(cols)}))
