@@ -108,16 +108,16 @@ def diagnose(store, session: str) -> list[Diagnosis]:
     return _diagnose(store, session)[0]
 
 
-def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
-    """``(diagnoses, judgements)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict, reason)``
-    for each quantise op call whose output is worse than expected against its own input."""
+def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple], str]:
+    """``(diagnoses, judgements, session id)``: the session's diagnoses, and ``(run_id, op, step, rank, verdict,
+    reason)`` for each quantise op call whose output is worse than expected against its own input."""
     info = store.session(session)
     runs = q.session_runs(store, info.session_id)
     ref = next((r for r in runs if r.kind == "reference"), None)
     ctx = Context(StoreFacts(store), info, runs, ref)
     for r in runs:
         ctx.policies[r.run_id] = run_policy(r)
-    recipe = recipe_name(store, info)
+    recipe = recipe_name(store, info, runs)
     modules_by_policy: dict[str, dict] = {}
     out: list[Diagnosis] = []
     judged: list[tuple] = []
@@ -132,14 +132,14 @@ def _diagnose(store, session: str) -> tuple[list[Diagnosis], list[tuple]]:
         out.extend(diagnose_run(ctx, run, first_nonfinite(store, run.run_id)))
         judged.extend((run.run_id, c.op, c.step, c.rank, qf.verdict,
                        f"judged against its own input: {qf.message}") for c, qf in quantise_findings(ctx, run))
-    return out, judged
+    return out, judged, info.session_id
 
 
 def diagnose_session(store, session: str) -> list[Diagnosis]:
     """Recompute a session's diagnoses and store them, replacing earlier ones (one transaction); a quantise op's
     output comparisons take the verdict of its quantisation where that is worse (``rules.quantise_findings``:
     re-run in fp32, the op quantises too, so its comparison cannot see values flushed to zero)."""
-    found, judged = _diagnose(store, session)
+    found, judged, sid = _diagnose(store, session)
     with store.extend_session(session) as w:
         w.clear_diagnoses()
         for d in found:
@@ -147,7 +147,6 @@ def diagnose_session(store, session: str) -> list[Diagnosis]:
         for j in judged:
             w.worsen_verdicts(*j)
         w.mark_diagnosed()
-    sid = store.session(session).session_id
     return [Diagnosis(sid, d.run_id, d.op, d.rule, d.message, d.fixes, d.severity, d.seq) for d in found]
 
 

@@ -26,8 +26,9 @@ def run_policy(run: RunInfo) -> Optional[PrecisionPolicy]:
         return None
 
 
-def recipe_name(store, info: SessionRow) -> Optional[str]:
-    """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source.
+def recipe_name(store, info: SessionRow, runs=None) -> Optional[str]:
+    """The recipe a session was made from: its ``recipe`` column, else its runs' ``recipe:<name>`` source
+    (``runs``: the session's runs where the caller has read them).
 
     A sample dump written by ``precision_lab.services.samples`` names its recipe
     in its ``manifest.json``, so a session ingested from it (while the
@@ -36,7 +37,8 @@ def recipe_name(store, info: SessionRow) -> Optional[str]:
     name = info.recipe or info.notes.get("recipe")
     if name:
         return name
-    srcs = set(q.run_sources(store, info.session_id))
+    srcs = ({r.source for r in runs if r.source} if runs is not None
+            else set(q.run_sources(store, info.session_id)))
     names = {s.split(":", 1)[1] for s in srcs if s.startswith("recipe:")}
     for s in srcs - {f"recipe:{n}" for n in names}:
         manifest = Path(s) / "manifest.json"

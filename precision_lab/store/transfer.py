@@ -223,20 +223,22 @@ class _ArrowSource:
 
 class _AttachedSource:
     """One session's tables in the database ``alias`` (a staging database holding that session only), read by
-    the insert where they lie."""
+    the insert where they lie: its run ids and each table's row count in one query."""
 
     def __init__(self, cur, alias: str):
         self.cur, self.alias = cur, alias
+        counts = ", ".join(f"(SELECT count(*) FROM {alias}.{t})" for t in TABLES)
+        got = cur.execute(f"SELECT (SELECT coalesce(list(run_id ORDER BY rowid), []) FROM {alias}.runs), "
+                          f"{counts}").fetchall()[0]
+        self._run_ids, self._counts = list(got[0]), dict(zip(TABLES, got[1:]))
 
     def run_ids(self) -> list:
-        return [r[0] for r in self.cur.execute(f"SELECT run_id FROM {self.alias}.runs ORDER BY rowid").fetchall()]
+        return self._run_ids
 
     def parts(self):
-        counts = dict(self.cur.execute(" UNION ALL ".join(
-            f"SELECT '{t}', count(*) FROM {self.alias}.{t}" for t in TABLES)).fetchall())
         columns = _staged_columns(self.cur, self.alias)
         for table in TABLES:
-            if counts.get(table):
+            if self._counts.get(table):
                 yield table, columns[table], f"(SELECT * FROM {self.alias}.{table} ORDER BY rowid)"
 
 
@@ -261,16 +263,18 @@ def _insert_tables(cur, store, source, *, session_id: str, name: str, where: str
     """Inside ``cur``'s transaction: insert one session's tables from ``source`` (``_ArrowSource``,
     ``_AttachedSource``), with fresh ids where the database holds them and a unique name; (name, session id,
     run id map)."""
-    taken = cur.execute("SELECT count(*) FROM sessions WHERE session_id = ?", [session_id]).fetchone()[0]
-    new_sid = uuid.uuid4().hex[:12] if taken else session_id
     run_ids = source.run_ids()
-    # only these ids are looked for: the database's whole tensors table is not read
-    marks = ", ".join("?" * len(run_ids))
-    clash = bool(run_ids) and cur.execute(
-        f"SELECT count(*) FROM (SELECT run_id FROM runs WHERE run_id IN ({marks}) UNION ALL "
-        f"SELECT run_id FROM tensors WHERE run_id IN ({marks}))", [*run_ids, *run_ids]).fetchone()[0] > 0
+    # one query: whether the id, a run id (only these are looked for: the whole tensors table is not read) or
+    # the name is taken
+    marks = ", ".join("?" * len(run_ids)) or "NULL"
+    taken, clash, name_taken = cur.execute(
+        "SELECT (SELECT count(*) FROM sessions WHERE session_id = ?), "
+        f"(SELECT count(*) FROM (SELECT run_id FROM runs WHERE run_id IN ({marks}) UNION ALL "
+        f"SELECT run_id FROM tensors WHERE run_id IN ({marks}))), "
+        "(SELECT count(*) FROM sessions WHERE name = ?)", [session_id, *run_ids, *run_ids, name]).fetchall()[0]
+    new_sid = uuid.uuid4().hex[:12] if taken else session_id
     run_map = {r: uuid.uuid4().hex[:12] for r in run_ids} if clash else {}
-    final_name = store._unique_name(cur, name, rename=rename)
+    final_name = store._unique_name(cur, name, rename=rename) if name_taken else name
     store._drop_token(new_sid)
     for table, names, view in source.parts():
         cols = ", ".join(_quoted(c) for c in names)
