@@ -87,6 +87,22 @@ def test_records_are_stored_as_they_were_added_however_the_caller_changes_them_a
             assert np.array_equal(got, want)
 
 
+def test_records_are_made_into_rows_in_bounded_batches(store, monkeypatch):
+    from precision_lab.store.session_writer import SessionWriter
+
+    monkeypatch.setattr(SessionWriter, "RECORD_BATCH", 3)  # two full batches plus a remainder
+    arrays = [np.full(5, 2.0 ** i, np.float32) for i in range(7)]
+    with store.new_session("batched") as w:
+        run = w.add_run(name="r", dtype="float32", kind="reference")
+        for i, a in enumerate(arrays):
+            w.add_record(_rec(run, i, f"op{i}", a))
+            # rows are made once 3 records wait, never more held back
+            assert w.cur.execute("SELECT count(*) FROM tensors").fetchall()[0][0] == (i + 1) // 3 * 3
+    rows = store.df("SELECT rid, max FROM tensors ORDER BY rid")
+    assert list(rows["rid"]) == list(range(7)) and list(rows["max"]) == [2.0 ** i for i in range(7)]
+    assert store.df("SELECT count(*) AS n FROM histograms")["n"][0] == 7
+
+
 def test_stored_fixes_decode_to_a_tuple_whatever_was_written():
     from precision_lab.records import Diagnosis
 

@@ -59,8 +59,9 @@ def hist_list_arrays(hists) -> tuple:
         full[1:][np.array(present)] = np.diff(offsets)
         offsets = np.cumsum(full, dtype=np.int32)
     mask = None if all(present) else pa.array([not p for p in present])
-    return (pa.ListArray.from_arrays(pa.array(offsets), pa.array(bins), mask=mask),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(counts), mask=mask))
+    at = pa.array(offsets)
+    return (pa.ListArray.from_arrays(at, pa.array(bins), mask=mask),
+            pa.ListArray.from_arrays(at, pa.array(counts), mask=mask))
 
 
 def decode_hist(bins: Optional[Sequence[int]], counts: Optional[Sequence[int]], *,
