@@ -388,3 +388,27 @@ def test_a_folder_per_call_is_the_module_its_files_the_roles_and_its_number_the_
     np.save(nested / "embed.npy", np.ones(4, np.float32))
     rep = _report(store, nested)
     assert {(t.op, t.role) for t in rep.tensors} == {("attention.output", "tensor"), ("embed", "tensor")}
+
+
+def test_telling_the_saved_dtype_holds_a_few_chunks_in_memory_not_copies_of_the_tensor():
+    import ml_dtypes
+    import tracemalloc
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(8 << 20, dtype=np.float32)  # 32 MiB of genuine float32 values
+    exact = a.astype(ml_dtypes.bfloat16).astype(np.float32)  # the same, every value a bf16 one
+    exact[::1000] = np.nan
+    for arr, want in ((a, False), (exact, True)):
+        ev = _Evidence(np.dtype(ml_dtypes.bfloat16))
+        tracemalloc.start()
+        got = ev.add(arr)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert got is want
+        # a comparison of whole copies held several times the array (the check cast it, cast it back, masked the
+        # NaNs and compared the copies: about 4x its size at once)
+        assert peak < arr.nbytes // 2, (want, peak)
+    # the evidence of the exact tensor, read a chunk at a time, is what float64 numpy finds over all of it
+    v = exact[np.isfinite(exact)]
+    expo = (v.view(np.uint32) >> 23) & 0xFF
+    assert ev.high == int(expo.max()) - 127 and ev.tensors == 1

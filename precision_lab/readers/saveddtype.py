@@ -32,17 +32,36 @@ def _original_for(originals: dict, name: str, prefix: str, path: Path):
     return None
 
 
+_CHUNK = 1 << 18  # elements looked at a time: a check holds some tens of bytes per element of one chunk, not copies of the tensor
+
+
+def _chunks(a: np.ndarray):
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, _CHUNK):
+        yield flat[i:i + _CHUNK]
+
+
+def _representable(a: np.ndarray, dt) -> bool:
+    """Whether every value of ``a`` is exactly a value of dtype ``dt`` (NaN counts as one), looked at a chunk
+    at a time, stopping at the first chunk that holds one that is not (float32 data fails in its first)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # a value past the dtype's range is simply not one of its
+        for c in _chunks(a):
+            back = c.astype(dt).astype(c.dtype)
+            if not ((back == c) | (np.isnan(back) & np.isnan(c))).all():
+                return False
+    return True
+
+
 def _as_dtype(t, dt):
     """``t`` read back in dtype ``dt`` (a numpy/ml_dtypes dtype) when every value is exactly representable in
     it; None when one is not; ``t`` itself for ``dt`` None."""
     if dt is None or t is None:
         return t
     a = t.detach().cpu().float().numpy() if hasattr(t, "detach") else np.asarray(t)
-    with np.errstate(over="ignore", invalid="ignore"):  # a value past the dtype's range is simply not one of its
-        b = a.astype(dt)
-    if not np.array_equal(b.astype(a.dtype), a, equal_nan=True):
+    if not _representable(a, dt):
         return None
-    return b
+    with np.errstate(over="ignore", invalid="ignore"):
+        return a.astype(dt)
 
 
 # fp16/bf16 tensors saved as float32 with no dtype given, told from their values (``_Evidence``); tried in this
@@ -72,15 +91,21 @@ class _Evidence:
 
     def add(self, a: np.ndarray) -> bool:
         """Read one float32 array; False when one of its finite values is not a value of ``dtype``."""
-        if _as_dtype(a, self.dtype) is None:
+        if not _representable(a, self.dtype):
             return False
         self.tensors += 1
-        v = a[np.isfinite(a)].ravel()
+        for c in _chunks(a):
+            self._add_values(c)
+        return True
+
+    def _add_values(self, c: np.ndarray) -> None:
+        """The evidence of one chunk of an array every value of which is one of ``dtype``'s."""
+        v = c[np.isfinite(c)]
         bits = v.view(np.uint32)
         expo = ((bits >> 23) & 0xFF).astype(np.int64)
         v, bits, expo = v[expo > 0], bits[expo > 0], expo[expo > 0]  # zeros and float32's subnormals tell nothing
         if not v.size:
-            return True
+            return
         sig = (bits & 0x7FFFFF) | 0x800000
         zeros = np.log2((sig & (~sig + np.uint32(1))).astype(np.float64)).astype(np.int64)  # trailing zero bits
         self.low = min(self.low, int((expo - 150 + zeros).min()))
