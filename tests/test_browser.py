@@ -125,10 +125,13 @@ def _flow(server, page, tmp_path):
     shutil.copytree(STAT_CAND, cand)
     shutil.copytree(STAT_REF, ref)
     cand_input = _file_input(pg, "Dump (folder)")
-    ref_input = _file_input(pg, "Reference (folder)")
     assert cand_input.get_attribute("webkitdirectory") is not None  # a directory upload
     cand_input.set_input_files(str(cand))
-    ref_input.set_input_files(str(ref))
+    # one folder at a time: the rerun the first upload starts can rebuild the second uploader under a loaded
+    # machine's slower page, and files set on it meanwhile are lost
+    pg.wait_for_function("() => (document.body.innerText.match(/dump\\.json/g) || []).length >= 1")
+    _idle(pg)
+    _file_input(pg, "Reference (folder)").set_input_files(str(ref))
     # both folders fully uploaded: each uploader lists its dump.json
     pg.wait_for_function("() => (document.body.innerText.match(/dump\\.json/g) || []).length >= 2")
     ingest = pg.get_by_role("button", name="Ingest")
