@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ..display import few
 from ..metrics import Comparison
-from ..records import (Diagnosis, RunInfo, StepScalar, TimelineRow, TimelineShare, dataclass_columns, record_columns,
-                       stats_columns)
+from ..records import (Diagnosis, RunInfo, StepScalar, TimelineRow, TimelineShare, dataclass_columns,
+                       record_columns)
 from .files import DatabaseLocked, identity
 from .transfer import move_summary_errors_sql
 
@@ -31,10 +31,6 @@ _SQL = {"int": "BIGINT", "float": "DOUBLE", "str": "VARCHAR", "bool": "BOOLEAN"}
 def tensor_columns() -> list[tuple[str, str]]:
     """(name, SQL type) of the ``tensors`` table: rid, record fields, stats fields, derived flags."""
     return [(n, _SQL[k]) for n, k in record_columns()]
-
-
-def stats_fields() -> list[tuple[str, str]]:
-    return [(n, _SQL[k]) for n, k in stats_columns()]
 
 
 def _dataclass_columns(cls, skip=()) -> list[tuple[str, str]]:
