@@ -62,3 +62,52 @@ def test_deferred_statistics_wait_for_the_steps_end_within_their_budget():
     eng.resolve()
     assert ha.stats.max == a.max().item() and view.stats.shape == (8, 8) and view.stats.max == ha.stats.max
     assert hc.stats is None and any("written in place" in m for m in warned)
+
+
+def _ddp_records(tmp_path, defer: bool):
+    """Two captured steps of the tiny model in DDP (a gloo group of one, in this process); the records, and for
+    each call of ``resolve_deferred``: whether a backward pass was running and how many statistics waited."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / ('pg-' + str(defer))}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DDP(build_tiny())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cap = Capture(model, run="r", write=False)
+        calls = []
+        with cap:
+            cap._backward.defer = defer
+            eng = cap._engine
+            resolve = eng.resolve_deferred
+
+            def watched():
+                calls.append((torch._C._current_graph_task_id() != -1, len(eng._deferred)))
+                resolve()
+
+            eng.resolve_deferred = watched
+            for i in range(2):
+                if i:
+                    cap.step()
+                loss_fn(cap.model(tiny_input(seed=i + 1))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+        return cap, calls
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_gradient_statistics_are_taken_while_the_all_reduce_is_in_flight(tmp_path):
+    """Under DDP the gradients' statistics are deferred out of the hooks and taken once the backward has handed
+    every gradient over -- inside the backward, before DDP's own callback waits for its all-reduces -- leaving
+    nothing for the step's end; the records, seqs and numbers are those taken in the hooks."""
+    inline, _ = _ddp_records(tmp_path, defer=False)
+    early, calls = _ddp_records(tmp_path, defer=True)
+    assert any(r.op_type == "all_reduce" and r.role == "output" for r in early.records)
+    assert _summary(early) == _summary(inline)
+    assert early.warnings == inline.warnings == []
+    during = [n for inside, n in calls if inside]
+    after = [n for inside, n in calls if not inside]
+    assert len(during) == 2 and all(n > 0 for n in during)  # one per step, with the gradients kept
+    assert after and all(n == 0 for n in after)  # the step's end finds none left

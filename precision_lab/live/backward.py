@@ -44,6 +44,8 @@ class Recorder(Protocol):
 
     def forget(self, t) -> None: ...
 
+    def resolve_deferred(self) -> None: ...
+
 
 class BackwardHooks:
     """A capture's gradient hooks: each op's ``grad_output`` and ``grad_input`` through autograd node hooks
@@ -65,9 +67,10 @@ class BackwardHooks:
         self._ddp_params: set = set()
         self._ddp_local: dict = {}  # id(parameter) -> (parameter, owner op, name, handle of the local gradient)
         self._ddp_queued = False
-        # gradients' statistics taken when the step ends, not in the hooks (``StatsEngine.measure(defer=True)``):
-        # under DDP a hook's work delays this rank's gradients, and the bucket's all-reduce waits for the slowest
-        # rank.  The gradients autograd hands the hooks are kept as they are (nothing writes them); a parameter's
+        # gradients' statistics taken once the backward has handed every gradient over, while DDP's last
+        # all-reduces are in flight (``_ddp_ready``; else when the step ends), not in the hooks
+        # (``StatsEngine.measure(defer=True)``): under DDP a hook's work delays this rank's gradients, and the
+        # bucket's all-reduce waits for the slowest rank.  The gradients autograd hands the hooks are kept as they are (nothing writes them); a parameter's
         # is copied, as DDP writes the all-reduced average over it and accumulation adds to it
         self.defer = False
 
@@ -97,11 +100,25 @@ class BackwardHooks:
             import torch  # already loaded: a backward pass is running
 
             # DDP queues its write-back when its last bucket is ready, after this hook: a callback queued now
-            # runs before that one, so it queues the reading behind it (callbacks queued while the engine runs
-            # them are run in turn)
+            # runs before that one, so it takes the deferred statistics and queues the reading behind it
+            # (callbacks queued while the engine runs them are run in turn)
             self._ddp_queued = True
             engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._ddp_reduced))
+            engine.queue_callback(self._ddp_ready)
+
+    def _ddp_ready(self) -> None:
+        """The backward has handed every gradient over and DDP's bucket all-reduces are under way: the
+        statistics deferred so far are taken now, while the last buckets are still in flight (DDP's own
+        callback, queued after this one, waits for them), then the reading of the reduced gradients is queued
+        behind that callback."""
+        import torch  # already loaded: a backward pass is running
+
+        if self._rec.recording:
+            try:
+                self._rec.resolve_deferred()
+            except Exception as e:
+                self._rec.hook_error("statistics", e)
+        torch.autograd.Variable._execution_engine.queue_callback(self._ddp_reduced)
 
     def _ddp_reduced(self) -> None:
         rec = self._rec

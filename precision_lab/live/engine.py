@@ -314,8 +314,9 @@ class StatsEngine:
             self._deferred.append((h, d, histogram, version))
         return True
 
-    def _resolve_deferred(self) -> None:
-        """The statistics deferred to the step's end, as ``measure`` would have taken them."""
+    def resolve_deferred(self) -> None:
+        """The CPU statistics deferred so far, as ``measure`` would have taken them (``resolve`` at the step's end;
+        earlier where the step waits anyway: DDP's gradient all-reduce in flight)."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
             derived, self._derived = self._derived, []
@@ -365,7 +366,7 @@ class StatsEngine:
     def resolve(self) -> None:
         """Take the statistics deferred to the step's end; bring every pending device result to the host in one
         transfer."""
-        self._resolve_deferred()
+        self.resolve_deferred()
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:

@@ -46,6 +46,10 @@ class StepRecords:
         (``defer``: see ``StatsEngine.measure``)."""
         return self._engine.measure(t, op, hold=hold, defer=defer)
 
+    def resolve_deferred(self) -> None:
+        """Take the CPU statistics deferred so far now, not at the step's end."""
+        self._engine.resolve_deferred()
+
     def _add(self, seq, op, op_type, role, index, handle, direction="forward", tensor=None, step=None,
              location=None) -> int:
         """Note one record of the current step (its TensorRecord is made when the step ends); its position."""
