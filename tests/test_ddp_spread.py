@@ -27,6 +27,7 @@ from test_multirank import _free_port
 pytestmark = pytest.mark.slow  # ranks in their own processes
 
 K, BAD, WORLD, STEPS = 2, 2, 4, 4
+TENSOR_PARALLEL = ("tp", "funcol", "dtensor")  # fp16 models whose forward sums partial results over the ranks
 
 
 class Net(nn.Module):
@@ -50,9 +51,31 @@ class RowParallel(Net):
         return p
 
 
+class RowParallelFunctional(Net):
+    """The same sum through a functional collective (``_functional_collectives.all_reduce``, as DTensor and
+    torch.compile call them): it returns before the sum is written, and the result is waited for on use."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        p = self.fc2(torch.relu(self.fc1(x)))
+        return funcol.all_reduce(p, "sum", dist.group.WORLD) * 1.0
+
+
 def _model(kind: str):
     if kind == "tp":
         return RowParallel().half()
+    if kind == "funcol":
+        return RowParallelFunctional().half()
+    if kind == "dtensor":
+        # tensor parallelism as torchtitan does it: fc1 split by columns, fc2 by rows, fc2's partial outputs
+        # summed by DTensor's redistribution (a functional all-reduce)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        return parallelize_module(Net().half(), init_device_mesh("cpu", (WORLD,)),
+                                  {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -92,7 +115,7 @@ def _worker(rank: int, port: int, root: str, kind: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(100 + rank)
         with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
-            dtype = torch.float16 if kind == "tp" else torch.float32
+            dtype = torch.float16 if kind in TENSOR_PARALLEL else torch.float32
             train(model, opt, cap, g, rank == BAD, lambda x: x.to(dtype),
                   torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext())
         dist.barrier()
@@ -166,22 +189,28 @@ def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp
     assert "all_gather_copy_in" not in ops and "linear" in ops
 
 
-def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path):
+@pytest.mark.parametrize("kind", TENSOR_PARALLEL)
+def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path, kind):
+    """``dist.all_reduce``; a functional all-reduce, whose result lands after the call returns (its record is
+    of what landed); DTensor's row-parallel linear, which calls one (named in the module that calls it)."""
     from precision_lab.services.report import render_text
 
-    store, name, rep = _report(tmp_path, "tp")
-    first = rep.first_nonfinite["tp"]
+    store, name, rep = _report(tmp_path, kind)
+    op = "fc2.all_reduce.0" if kind == "dtensor" else "all_reduce.0"
+    first = rep.first_nonfinite[kind]
     assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), first
     assert first.op.startswith("fc1."), first  # fc1's fp16 output on that rank's batch passes 65,504
-    spread = {r.rank: r for r in rep.ranks["tp"]}
+    spread = {r.rank: r for r in rep.ranks[kind]}
     assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
     for r in spread.values():
-        assert (r.state, r.step, r.op) == ("received", K, "all_reduce.0"), r
+        assert (r.state, r.step, r.op) == ("received", K, op), r
         assert "through the all_reduce" in r.text
     assert "through the all_reduce" in render_text(rep)
+    ops = {row[0] for row in store.sql("SELECT DISTINCT op_type FROM tensors").fetchall()}
+    assert not ops & {"wait_tensor", "wrap_tensor_autograd"}  # waiting for a result moves no value
     # the collective's records on every rank: what it sent and what it got back, the sum of what all sent
     rows = store.sql("SELECT t.rank, t.step, t.role, t.numel, t.mean, t.nan_count + t.inf_count AS bad "
-                     "FROM tensors t JOIN runs r USING (run_id) WHERE r.name = 'tp' AND t.op = 'all_reduce.0'"
+                     "FROM tensors t JOIN runs r USING (run_id) WHERE r.name = ? AND t.op = ?", [kind, op]
                      ).fetchall()
     by = {(rk, st, role): (numel, mean, bad) for rk, st, role, numel, mean, bad in rows}
     assert {k[0] for k in by} == set(range(WORLD))

@@ -64,16 +64,16 @@ def test_deferred_statistics_wait_for_the_steps_end_within_their_budget():
     assert hc.stats is None and any("written in place" in m for m in warned)
 
 
-def _ddp_records(tmp_path, defer: bool):
+def _ddp_records(tmp_path, defer: bool, bucket_view: bool):
     """Two captured steps of the tiny model in DDP (a gloo group of one, in this process); the records, and for
     each call of ``resolve_deferred``: whether a backward pass was running and how many statistics waited."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / ('pg-' + str(defer))}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'pg-{defer}'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = DDP(build_tiny())
+        model = DDP(build_tiny(), gradient_as_bucket_view=bucket_view)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         cap = Capture(model, run="r", write=False)
         calls = []
@@ -98,12 +98,14 @@ def _ddp_records(tmp_path, defer: bool):
         dist.destroy_process_group()
 
 
-def test_under_ddp_gradient_statistics_are_taken_while_the_all_reduce_is_in_flight(tmp_path):
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_under_ddp_gradient_statistics_are_taken_while_the_all_reduce_is_in_flight(tmp_path, bucket_view):
     """Under DDP the gradients' statistics are deferred out of the hooks and taken once the backward has handed
     every gradient over -- inside the backward, before DDP's own callback waits for its all-reduces -- leaving
-    nothing for the step's end; the records, seqs and numbers are those taken in the hooks."""
-    inline, _ = _ddp_records(tmp_path, defer=False)
-    early, calls = _ddp_records(tmp_path, defer=True)
+    nothing for the step's end; the records, seqs and numbers are those taken in the hooks, also where the
+    parameters' gradients are views of DDP's buckets (which the all-reduce writes in place)."""
+    inline, _ = _ddp_records(tmp_path, False, bucket_view)
+    early, calls = _ddp_records(tmp_path, True, bucket_view)
     assert any(r.op_type == "all_reduce" and r.role == "output" for r in early.records)
     assert _summary(early) == _summary(inline)
     assert early.warnings == inline.warnings == []

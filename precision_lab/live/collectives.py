@@ -13,7 +13,9 @@ user's process group exactly as they were made: the capture adds no collective o
 The wrapped functions are put back when the capture ends.
 
 Code that bound a collective before the capture began (``from torch.distributed import all_reduce``) calls
-the unwrapped function, as does DDP's gradient all-reduce (C++, inside its reducer).
+the unwrapped function, as does DDP's gradient all-reduce (C++, inside its reducer).  Functional collectives
+(``torch.ops._c10d_functional``: DTensor's redistribution, ``_functional_collectives``) are torch functions the
+capture's function mode sees; ``functional.FunctionalOps`` waits for their results before reading them.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 from .naming import _Frame, _OpInfo, _flatten, _func_info
@@ -91,6 +92,12 @@ class FunctionalOps:
             outs = list(_flatten(out))
         if not outs:
             return
+        if info.waits:
+            # a functional collective: its output holds what the ranks sent once it is waited for (the user's
+            # own wait, later, then finds it done); its statistics are of that
+            wait = getattr(torch.ops, info.waits).wait_tensor
+            for _, t in outs:
+                wait(t)
         out_recs = self._record_call(op, info.name, ins, outs, start_seq, f"{op}.backward", where)
         if shadow is not None and out_recs:
             self._shadow.functional(op, info, func, shadow, rng, out_recs)

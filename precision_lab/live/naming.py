@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.overrides import resolve_name
 
@@ -20,10 +22,13 @@ _INPLACE_DUNDERS = frozenset({
 
 
 class _OpInfo:
-    __slots__ = ("name", "skip", "inplace", "cast")
+    __slots__ = ("name", "skip", "inplace", "cast", "waits")
 
-    def __init__(self, name: str, skip: bool, inplace: bool, cast: bool):
+    def __init__(self, name: str, skip: bool, inplace: bool, cast: bool, waits: Optional[str] = None):
         self.name, self.skip, self.inplace, self.cast = name, skip, inplace, cast
+        # a functional collective's operator namespace: its output is written by the collective after the call
+        # returns, and holds the result once ``torch.ops.<namespace>.wait_tensor`` has waited for it
+        self.waits = waits
 
 
 _FUNC_INFO: dict = {}
@@ -33,10 +38,15 @@ _FUNC_INFO: dict = {}
 # it takes and returns would read as a tensor full of NaN that no op made
 _PLUMBING = frozenset({"fsdp"})
 
+# operator namespaces of the functional collectives (``torch.distributed._functional_collectives``, which
+# DTensor's redistribution and torch.compile's traced collectives call): a call returns before its output is
+# written; ``wait_tensor`` and the wrapping of that output for autograd move no value, so they are no ops
+_FUNCTIONAL_COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional"})
+_FUNCTIONAL_PASS = frozenset({"wait_tensor", "_wrap_tensor_autograd", "wrap_tensor_autograd"})
 
-def _plumbing(func) -> bool:
-    ns = getattr(func, "namespace", None) or str(getattr(func, "_qualified_op_name", "")).partition("::")[0]
-    return ns in _PLUMBING
+
+def _namespace(func) -> str:
+    return getattr(func, "namespace", None) or str(getattr(func, "_qualified_op_name", "")).partition("::")[0]
 
 
 def _func_info(func) -> _OpInfo:
@@ -55,7 +65,10 @@ def _func_info(func) -> _OpInfo:
         full = getattr(func, "__name__", repr(func))
     parts = full.split(".")
     last = parts[-1]
-    skip = last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE or _plumbing(func)
+    ns = _namespace(func)
+    waits = ns if ns in _FUNCTIONAL_COLLECTIVES and last not in _FUNCTIONAL_PASS else None
+    skip = (last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE or ns in _PLUMBING
+            or (ns in _FUNCTIONAL_COLLECTIVES and last in _FUNCTIONAL_PASS))
     inplace = last in _INPLACE_DUNDERS or (last.endswith("_") and not last.endswith("__"))
     name = last
     if name.startswith("__") and name.endswith("__"):
@@ -65,7 +78,7 @@ def _func_info(func) -> _OpInfo:
         elif name.startswith("r") and name not in ("rshift",):
             name = name[1:]  # __radd__ -> add
     name = name.lstrip("_") or name
-    info = _OpInfo(name, skip, inplace, name in CAST_OPS)
+    info = _OpInfo(name, skip, inplace, name in CAST_OPS, waits)
     _FUNC_INFO[func] = info
     return info
 

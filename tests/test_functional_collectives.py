@@ -1,0 +1,68 @@
+"""Functional collectives (``torch.distributed._functional_collectives``, what DTensor and torch.compile call)
+recorded as ops: a call returns before its output is written, so the capture waits for it before reading it;
+waiting and wrapping the result for autograd move no value and are no ops.  In this process, as a gloo group of
+one (the ranks' test is ``test_ddp_spread``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from precision_lab.live.naming import _func_info
+from precision_lab.live.recorder import Capture
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_functional_collectives_are_ops_that_wait_and_their_plumbing_is_none():
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the wrapping op)
+
+    ops = torch.ops._c10d_functional
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                 "broadcast"):
+        info = _func_info(getattr(ops, name))
+        assert (info.name, info.skip, info.waits) == (name, False, "_c10d_functional")
+    assert _func_info(ops.wait_tensor).skip and _func_info(ops._wrap_tensor_autograd).skip
+    assert _func_info(torch.add).waits is None
+
+
+def test_a_functional_all_reduce_is_recorded_once_it_has_landed(group):
+    import torch.distributed._functional_collectives as funcol
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = funcol.all_reduce(self.fc(x), "sum", group)
+            self.pending = _get_work_registry_size()  # the capture has waited for the collective already
+            return y * 2
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = (m.fc(x) * 1.0).double().numpy()
+    cap = Capture(m, run="r", write=False)
+    with cap:
+        out = m(x)
+    assert m.pending == 0
+    recs = {(r.op, r.role): r for r in cap.records}
+    assert {op for op, _ in recs} >= {"all_reduce.0", "mul.0"}
+    assert not {r.op_type for r in cap.records} & {"wait_tensor", "wrap_tensor_autograd"}
+    got = recs[("all_reduce.0", "output")].stats
+    assert recs[("all_reduce.0", "output")].op_type == "all_reduce"
+    assert (got.max, got.min, got.numel) == (want.max(), want.min(), 12)
+    assert got.mean == pytest.approx(want.mean(), rel=1e-12)
+    assert torch.equal(out, torch.from_numpy(want).float() * 2)
+    assert cap.warnings == []
