@@ -27,7 +27,7 @@ from test_multirank import _free_port
 pytestmark = pytest.mark.slow  # ranks in their own processes
 
 K, BAD, WORLD, STEPS = 2, 2, 4, 4
-TENSOR_PARALLEL = ("tp", "funcol", "dtensor")  # fp16 models whose forward sums partial results over the ranks
+TENSOR_PARALLEL = ("tp", "async", "funcol", "dtensor")  # fp16 models whose forward sums partial results over the ranks
 
 
 class Net(nn.Module):
@@ -51,6 +51,17 @@ class RowParallel(Net):
         return p
 
 
+class RowParallelAsync(Net):
+    """The same sum, started with ``async_op=True`` and waited for before use (overlapping the collective)."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        p = self.fc2(torch.relu(self.fc1(x)))
+        dist.all_reduce(p, async_op=True).wait()
+        return p * 1.0
+
+
 class RowParallelFunctional(Net):
     """The same sum through a functional collective (``_functional_collectives.all_reduce``, as DTensor and
     torch.compile call them): it returns before the sum is written, and the result is waited for on use."""
@@ -66,6 +77,8 @@ class RowParallelFunctional(Net):
 def _model(kind: str):
     if kind == "tp":
         return RowParallel().half()
+    if kind == "async":
+        return RowParallelAsync().half()
     if kind == "funcol":
         return RowParallelFunctional().half()
     if kind == "dtensor":
@@ -191,8 +204,9 @@ def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp
 
 @pytest.mark.parametrize("kind", TENSOR_PARALLEL)
 def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path, kind):
-    """``dist.all_reduce``; a functional all-reduce, whose result lands after the call returns (its record is
-    of what landed); DTensor's row-parallel linear, which calls one (named in the module that calls it)."""
+    """``dist.all_reduce``, also with ``async_op=True`` and a wait; a functional all-reduce, whose result lands
+    after the call returns (its record is of what landed); DTensor's row-parallel linear, which calls one (named
+    in the module that calls it)."""
     from precision_lab.services.report import render_text
 
     store, name, rep = _report(tmp_path, kind)

@@ -66,3 +66,81 @@ def test_a_functional_all_reduce_is_recorded_once_it_has_landed(group):
     assert got.mean == pytest.approx(want.mean(), rel=1e-12)
     assert torch.equal(out, torch.from_numpy(want).float() * 2)
     assert cap.warnings == []
+
+
+def test_an_async_collective_is_recorded_once_its_work_has_completed(group):
+    """``dist.all_reduce(y, async_op=True)``: what was sent is recorded at the call, what came back once the work
+    has completed, where ``y`` is next read.  A collective writes ``y`` without a new version; the write is
+    stood in for here by one through ``y.data`` after the wait (a group of one sums nothing), and neither the
+    collective's output nor the op that reads ``y`` after it may keep the statistics taken before, and the output
+    is what that op read, not what it left."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            work = dist.all_reduce(y, async_op=True, group=group)
+            work.wait()
+            y.data.mul_(3.0)  # what the other ranks' values would have made of it
+            return y.add_(1.0)  # read, then written: the collective's output is what was read
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        before = m.fc(x).double().numpy()
+    cap = Capture(m, run="r", write=False)
+    with cap:
+        m(x)
+    recs = {(r.op, r.role): r for r in cap.records}
+    sent, got, read = recs[("all_reduce.0", "input")], recs[("all_reduce.0", "output")], recs[("add_.0", "input")]
+    assert sent.seq == got.seq and sent.op_type == got.op_type == "all_reduce"
+    assert (sent.stats.max, sent.stats.min) == (before.max(), before.min())
+    after = (torch.from_numpy(before).float() * 3.0).double().numpy()
+    for r in (got, read):
+        assert (r.stats.max, r.stats.min) == (after.max(), after.min())
+        assert r.stats.mean == pytest.approx(after.mean(), rel=1e-12)
+    assert cap.warnings == []
+
+
+def test_an_async_collective_still_running_at_the_steps_end_is_counted(group):
+    class Never:
+        def is_completed(self):
+            return False
+
+    m = torch.nn.Linear(4, 4)
+    cap = Capture(m, run="r", write=False)
+    with cap:
+        y = m(torch.randn(2, 4))
+        ctx = cap.collective_before("all_reduce", y)
+        cap.collective_after(ctx, y, Never())
+    roles = [(r.op, r.role) for r in cap.records if r.op_type == "all_reduce"]
+    assert roles == [("all_reduce.0", "input")]
+    assert any("async_op=True: what they got back is not recorded" in m for _, m in cap.warnings)
+
+
+def test_an_async_output_written_over_before_it_is_seen_complete_is_counted_not_recorded(group):
+    """Where the work is first seen completed only after the step wrote the tensor in place (a device collective
+    read at the step's end), what the collective wrote is gone: no output record, and the run says so."""
+
+    class Later:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+    m = torch.nn.Linear(4, 4)
+    work = Later()
+    cap = Capture(m, run="r", write=False)
+    with cap:
+        y = m(torch.randn(2, 4))
+        ctx = cap.collective_before("all_reduce", y)
+        cap.collective_after(ctx, y, work)
+        z = y.add_(1.0)  # read while running, then written
+        work.done = True
+        z * 2.0
+    assert [r.role for r in cap.records if r.op_type == "all_reduce"] == ["input"]
+    assert any("async_op=True: what they got back is not recorded" in m for _, m in cap.warnings)

@@ -9,8 +9,10 @@ at the top (``all_reduce.0``: a loss averaged over ranks, a gradient reduced in 
 ``backward`` while autograd runs).  A collective's output that turns non-finite from finite inputs is a value
 another rank made: the origin analysis reads it as received (``ops.COLLECTIVE_OPS``).  The calls run on the
 user's process group exactly as they were made: the capture adds no collective of its own.  A call with
-``async_op=True`` returns before its output is written: it runs unrecorded, and the run says how many did.
-The wrapped functions are put back when the capture ends.
+``async_op=True`` returns before its output is written: what it sent is recorded at the call, what it got back
+once its work has completed, where the tensor is next read or at the step's end (``StepRecords.collective_after``); one
+whose work has not completed by the step's end is counted, and the run says how many were.  The wrapped
+functions are put back when the capture ends.
 
 Code that bound a collective before the capture began (``from torch.distributed import all_reduce``) calls
 the unwrapped function, as does DDP's gradient all-reduce (C++, inside its reducer).  Functional collectives
@@ -75,13 +77,13 @@ def _wrap(cap, name: str, fn, sent: str, written: str):
             bound = sig.bind(*args, **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # torch says what is wrong with the call
-        if bound.arguments.get("async_op"):
-            cap.note_unrecorded_collective(name)
-            return fn(*args, **kwargs)
         ctx = cap.collective_before(name, bound.arguments.get(sent))
         out = fn(*args, **kwargs)
         if ctx is not None:
-            cap.collective_after(ctx, bound.arguments.get(written))
+            if bound.arguments.get("async_op"):
+                cap.collective_after(ctx, bound.arguments.get(written), out)
+            else:
+                cap.collective_after(ctx, bound.arguments.get(written))
         return out
 
     call._precision_lab_wrapped = True

@@ -195,7 +195,8 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
         self._regions: dict = {}  # id(module) -> (module, attribute, the compiled callable it held)
         self._compile_watch = None  # torch._dynamo's compile-start callback, while installed
         self._collectives_undo = None  # puts torch.distributed's collectives back (collectives.install)
-        self._async_collectives: dict = {}  # name -> calls with async_op=True, run unrecorded
+        self._async_collectives: dict = {}  # name -> calls with async_op=True whose output went unrecorded
+        self._in_flight: dict = {}  # id(tensor) -> _InFlight: written by an asynchronous collective, this step
         # decisions that depend only on the options and the op or module, made once per capture
         self._fn_selected: dict = {}  # torch function -> _OpInfo, or None when not recorded
         self._module_info: dict = {}  # id(module) -> (path, op_type, scope_ok, record)
@@ -337,6 +338,11 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
             self._user_error = f"{et.__name__}: {ev}"
             self.warn("capture", f"the captured code raised {self._user_error}; records up to that point are kept")
         self._end_step()
+        for name, n in self._async_collectives.items():
+            self.warn("collectives", f"{n} call(s) of torch.distributed.{name} with async_op=True: what they got "
+                                     "back is not recorded (their work had not completed when their step ended, or "
+                                     "the step wrote the tensor before it was seen completed)")
+        self._async_collectives.clear()
         if self._output is not None:
             if et is None:
                 self._finish_output()
@@ -454,10 +460,6 @@ class Capture(FunctionalOps, ModuleHooks, CompiledRegions, StepBoundary, StepRec
         if self._collectives_undo is not None:
             self._collectives_undo()
             self._collectives_undo = None
-        for name, n in self._async_collectives.items():
-            self.warn("collectives", f"{n} call(s) of torch.distributed.{name} with async_op=True ran unrecorded: "
-                                     "their output is written after they return")
-        self._async_collectives.clear()
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)

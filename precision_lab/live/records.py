@@ -3,10 +3,38 @@ statistics arrive on, warnings, and the calls (ops, modules, collectives) they a
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 
 from ..records import TensorRecord
 from .naming import _flatten
+
+
+class _InFlight(NamedTuple):
+    """A tensor that an asynchronous collective writes, and the op call it is recorded under."""
+
+    ref: weakref.ref
+    work: object  # torch.distributed's Work
+    seq: int
+    op: str
+    name: str
+    idx: str
+    direction: str
+    step: int
+    version: int  # the tensor's version at the call: the collective writes it without a new one
+
+
+_SYNC = object()  # a collective that returned with its output written
+
+
+def _completed(work) -> bool:
+    """Whether a collective's work has completed (False where the backend cannot say)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
 
 
 class StepRecords:
@@ -44,6 +72,8 @@ class StepRecords:
     def measure(self, op: str, t: torch.Tensor, hold: bool = False, defer: bool = False):
         """Start the statistics of ``t`` (recorded under ``op``): a handle they arrive on when the step ends
         (``defer``: see ``StatsEngine.measure``)."""
+        if self._in_flight:
+            self._land(t)
         return self._engine.measure(t, op, hold=hold, defer=defer)
 
     def resolve_deferred(self) -> None:
@@ -127,8 +157,11 @@ class StepRecords:
         finally:
             st.busy = False
 
-    def collective_after(self, ctx, written) -> None:
-        """The collective returned: what this rank got back, recorded with what it sent as one op call."""
+    def collective_after(self, ctx, written, work=_SYNC) -> None:
+        """The collective returned: what this rank sent, recorded with what it got back as one op call.  A call
+        with ``async_op=True`` returned its ``work`` and writes ``written`` when that completes, without a new
+        version of the tensor: until then nothing known of it holds, and once the work has completed it is
+        read as the collective's output where it is next read (the op that uses it), or at the step's end."""
         op, name, ins, direction = ctx
         st = self._tls
         st.busy = True
@@ -136,15 +169,61 @@ class StepRecords:
             seq = self.take_seq()
             for role, idx, t, h in ins:
                 self.add_tensor(seq, op, name, role, idx, t, h, direction)
+            if work is None:  # an asynchronous call on a group this rank is not in: nothing is written
+                return
             for idx, t in _flatten(written):
                 self.forget(t)  # written in place, perhaps without a new version: measured afresh
-                h = self.measure(op, t)
-                if h is not None:
-                    self.add_tensor(seq, op, name, "output", idx, t, h, direction)
+                if work is _SYNC:
+                    h = self.measure(op, t)
+                    if h is not None:
+                        self.add_tensor(seq, op, name, "output", idx, t, h, direction)
+                    continue
+                with self._lock:
+                    self._in_flight[id(t)] = _InFlight(weakref.ref(t), work, seq, op, name, idx, direction,
+                                                       self.step_no, t._version)
         except Exception as e:
             self.hook_error(op, e)
         finally:
             st.busy = False
+
+    def _land(self, t) -> None:
+        """``t`` is about to be read: where an asynchronous collective writes it, nothing measured before holds,
+        and once its work has completed it is recorded as that collective's output."""
+        f = self._in_flight.get(id(t))
+        if f is None or f.ref() is not t:
+            return
+        self.forget(t)
+        if not _completed(f.work):
+            return  # still being written (read before its wait): measured as it is, and again once it lands
+        with self._lock:
+            self._in_flight.pop(id(t), None)
+        if t._version != f.version:
+            # written since by the step itself (a device collective is often still running where the tensor is
+            # first read, and lands for the capture at the step's end): what the collective wrote is gone
+            self.note_unrecorded_collective(f.name)
+            return
+        h = self._engine.measure(t, f.op)
+        if h is not None:
+            self.add_tensor(f.seq, f.op, f.name, "output", f.idx, t, h, f.direction, step=f.step)
+
+    def _land_completed(self) -> bool:
+        """Record the outputs of this step's asynchronous collectives whose work has completed (at the step's
+        end); whether any was."""
+        landed = False
+        for f in list(self._in_flight.values()):
+            t = f.ref()
+            if t is None:
+                self._in_flight = {k: v for k, v in self._in_flight.items() if v is not f}
+            elif _completed(f.work):
+                self._land(t)
+                landed = True
+        return landed
+
+    def _drop_in_flight(self) -> None:
+        """The step ended with these collectives' work not completed: their outputs are not recorded."""
+        for f in self._in_flight.values():
+            self.note_unrecorded_collective(f.name)
+        self._in_flight.clear()
 
     def note_unrecorded_collective(self, name: str) -> None:
         with self._lock:

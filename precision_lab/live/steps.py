@@ -61,10 +61,16 @@ class StepBoundary:
 
     def _end_step(self) -> None:
         if not self._pending and not self.timeline.pending(self.step_no):
+            self._drop_in_flight()
             self._engine.new_step()
             return
         try:
+            self._land_completed()
             self._engine.resolve()
+            # a device collective the step waited for has completed once the device has run the step
+            if self._in_flight and self._land_completed():
+                self._engine.resolve()
+            self._drop_in_flight()
             self.timeline.resolve()
         except Exception as e:
             self.hook_error("statistics", e)
