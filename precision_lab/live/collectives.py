@@ -42,8 +42,12 @@ COLLECTIVE_SPECS = {
     "all_gather": ("tensor", "tensor_list"),
     "reduce_scatter": ("input_list", "output"),
     "all_to_all_single": ("input", "output"),
+    # point to point (pipeline stages): a send writes nothing here, a receive sends nothing
+    "send": ("tensor", None),
+    "recv": (None, "tensor"),
 }
 assert set(COLLECTIVE_SPECS) <= COLLECTIVE_OPS
+assert {"isend", "irecv"} <= COLLECTIVE_OPS  # the operations of ``batch_isend_irecv``
 
 
 def install(cap) -> Callable[[], None]:
@@ -58,6 +62,10 @@ def install(cap) -> Callable[[], None]:
             continue
         saved[name] = fn
         setattr(dist, name, _wrap(cap, name, fn, sent, written))
+    fn = getattr(dist, "batch_isend_irecv", None)
+    if fn is not None and not getattr(fn, "_precision_lab_wrapped", False):
+        saved["batch_isend_irecv"] = fn
+        setattr(dist, "batch_isend_irecv", _wrap_batch(cap, fn))
 
     def undo() -> None:
         for name, fn in saved.items():
@@ -85,6 +93,44 @@ def _wrap(cap, name: str, fn, sent: str, written: str):
             else:
                 cap.collective_after(ctx, bound.arguments.get(written))
         return out
+
+    call._precision_lab_wrapped = True
+    return call
+
+
+class _AllOf:
+    """The works of one ``batch_isend_irecv`` call, done when each is: which of them writes which receive is
+    the backend's affair (NCCL coalesces them into one)."""
+
+    def __init__(self, works):
+        self.works = [w for w in works or () if w is not None]
+
+    def is_completed(self) -> bool:
+        return bool(self.works) and all(w.is_completed() for w in self.works)
+
+
+def _wrap_batch(cap, fn):
+    """``batch_isend_irecv(p2p_ops)``: each ``P2POp`` is an op of its own, ``isend`` (what this rank sent) or
+    ``irecv`` (what it received, once the works have completed: ``StepRecords.collective_after``).  The
+    ``P2POp``s are passed on as they are: torch checks their functions by identity, so ``isend`` and
+    ``irecv`` themselves are not wrapped, and calls of them outside a batch run unrecorded."""
+
+    @functools.wraps(fn)
+    def call(p2p_op_list, *args, **kwargs):
+        if not cap.recording or getattr(cap._tls, "busy", False):
+            return fn(p2p_op_list, *args, **kwargs)
+        ops = []
+        for p in p2p_op_list:
+            name = getattr(getattr(p, "op", None), "__name__", "")
+            kind = "isend" if "send" in name else "irecv" if "recv" in name else None
+            if kind is not None:
+                ops.append((kind, p.tensor, cap.collective_before(kind, p.tensor if kind == "isend" else None)))
+        works = fn(p2p_op_list, *args, **kwargs)
+        done = _AllOf(works)
+        for kind, t, ctx in ops:
+            if ctx is not None:
+                cap.collective_after(ctx, t if kind == "irecv" else None, done)
+        return works
 
     call._precision_lab_wrapped = True
     return call

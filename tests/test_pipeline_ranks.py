@@ -1,0 +1,89 @@
+"""Two pipeline stages on two gloo ranks: rank 0 runs fc1 in fp16 and sends its activation to rank 1, which runs
+fc2 on what it received.  Rank 0's batch at step K passes 65,504: the answer names rank 0, step K and fc1, and rank
+1 as receiving the value through the receive it records -- with ``batch_isend_irecv`` (as
+``torch.distributed.pipelining`` sends between stages) and with plain ``send``/``recv``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from test_multirank import _free_port
+
+pytestmark = pytest.mark.slow  # ranks in their own processes
+
+K, STEPS = 1, 3
+
+
+class Stage(nn.Module):
+    def __init__(self, first: bool, kind: str):
+        super().__init__()
+        self.first, self.kind = first, kind
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if self.first:
+            y = self.fc(x)
+            if self.kind == "batch":
+                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, y, 1)]):
+                    w.wait()
+            else:
+                dist.send(y, 1)
+            return y
+        buf = torch.empty(4, 8, dtype=torch.float16)
+        if self.kind == "batch":
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 0)]):
+                w.wait()
+        else:
+            dist.recv(buf, 0)
+        return self.fc(torch.relu(buf))
+
+
+def _worker(rank: int, port: int, root: str, kind: str) -> None:
+    import precision_lab
+    from test_multirank import join_gloo
+
+    dist = join_gloo(rank, 2, port)
+    try:
+        torch.manual_seed(rank)
+        model = Stage(rank == 0, kind).half()
+        g = torch.Generator().manual_seed(7)
+        with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
+            for step in range(STEPS):
+                x = torch.randn(4, 8, generator=g)
+                if step == K:
+                    x = x * 1e6
+                with torch.no_grad():
+                    model(x.half())
+                cap.step()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["batch", "plain"])
+def test_a_stage_that_receives_the_overflow_is_named_as_receiving_it(tmp_path, kind):
+    from precision_lab.services.ingest import ingest
+    from precision_lab.services.report import build_report, render_text
+    from precision_lab.store import Store
+
+    shards = tmp_path / "shards"
+    mp.spawn(_worker, args=(_free_port(), str(shards), kind), nprocs=2, join=True)
+    store = Store(tmp_path / "pp.duckdb")
+    rep = build_report(store, ingest(shards, store=store))
+    first = rep.first_nonfinite[kind]
+    assert (first.rank, first.step, first.op) == (0, K, "fc.linear.0"), first
+    (other,) = rep.ranks[kind]
+    op = "irecv.0" if kind == "batch" else "recv.0"
+    assert (other.rank, other.state, other.step, other.op) == (1, "received", K, op), other
+    assert f"through the {op.split('.')[0]}" in render_text(rep)
+    # what rank 1 received is what rank 0 sent, on a healthy step too
+    rows = store.sql("SELECT t.rank, t.role, t.op, t.max, t.min, t.mean FROM tensors t WHERE t.step = 0 AND "
+                     "t.op IN ('isend.0', 'irecv.0', 'send.0', 'recv.0')").fetchall()
+    got = {(rk, role): (mx, mn, mean) for rk, role, _, mx, mn, mean in rows}
+    assert set(got) == {(0, "input"), (1, "output")}
+    assert got[(0, "input")] == got[(1, "output")]
