@@ -60,7 +60,7 @@ CONSTANT_OPS = frozenset({"tensor"})
 COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                             "all_gather", "reduce_scatter", "all_to_all_single", "all_gather_tensor",
                             "all_to_all", "wait_tensor", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
-                            "reduce_scatter_tensor_coalesced", "send", "recv", "isend", "irecv"})
+                            "reduce_scatter_tensor_coalesced", "send", "recv"})
 
 # calls, by the name capture gives them (a torch function's or a tensor method's), whose output values are a
 # rearrangement or subset of their input's (views, reshapes, indexing, splitting, detaching): they cannot

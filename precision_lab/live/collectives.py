@@ -42,12 +42,11 @@ COLLECTIVE_SPECS = {
     "all_gather": ("tensor", "tensor_list"),
     "reduce_scatter": ("input_list", "output"),
     "all_to_all_single": ("input", "output"),
-    # point to point (pipeline stages): a send writes nothing here, a receive sends nothing
-    "send": ("tensor", None),
-    "recv": (None, "tensor"),
 }
-assert set(COLLECTIVE_SPECS) <= COLLECTIVE_OPS
-assert {"isend", "irecv"} <= COLLECTIVE_OPS  # the operations of ``batch_isend_irecv``
+# point to point (pipeline stages), at the process group, which every way of calling them reaches (``send``,
+# ``isend``, each operation of ``batch_isend_irecv``): ProcessGroup method -> (op name, whether it receives)
+P2P_METHODS = {"send": ("send", False), "recv": ("recv", True), "recv_anysource": ("recv", True)}
+assert set(COLLECTIVE_SPECS) | {n for n, _ in P2P_METHODS.values()} <= COLLECTIVE_OPS
 
 
 def install(cap) -> Callable[[], None]:
@@ -62,14 +61,20 @@ def install(cap) -> Callable[[], None]:
             continue
         saved[name] = fn
         setattr(dist, name, _wrap(cap, name, fn, sent, written))
-    fn = getattr(dist, "batch_isend_irecv", None)
-    if fn is not None and not getattr(fn, "_precision_lab_wrapped", False):
-        saved["batch_isend_irecv"] = fn
-        setattr(dist, "batch_isend_irecv", _wrap_batch(cap, fn))
+    group_cls = getattr(dist, "ProcessGroup", None)
+    saved_p2p = {}
+    for method, (name, receives) in P2P_METHODS.items():
+        fn = getattr(group_cls, method, None)
+        if fn is None or getattr(fn, "_precision_lab_wrapped", False):
+            continue
+        saved_p2p[method] = fn
+        setattr(group_cls, method, _wrap_p2p(cap, name, fn, receives))
 
     def undo() -> None:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+        for method, fn in saved_p2p.items():
+            setattr(group_cls, method, fn)
 
     return undo
 
@@ -98,39 +103,19 @@ def _wrap(cap, name: str, fn, sent: str, written: str):
     return call
 
 
-class _AllOf:
-    """The works of one ``batch_isend_irecv`` call, done when each is: which of them writes which receive is
-    the backend's affair (NCCL coalesces them into one)."""
-
-    def __init__(self, works):
-        self.works = [w for w in works or () if w is not None]
-
-    def is_completed(self) -> bool:
-        return bool(self.works) and all(w.is_completed() for w in self.works)
-
-
-def _wrap_batch(cap, fn):
-    """``batch_isend_irecv(p2p_ops)``: each ``P2POp`` is an op of its own, ``isend`` (what this rank sent) or
-    ``irecv`` (what it received, once the works have completed: ``StepRecords.collective_after``).  The
-    ``P2POp``s are passed on as they are: torch checks their functions by identity, so ``isend`` and
-    ``irecv`` themselves are not wrapped, and calls of them outside a batch run unrecorded."""
+def _wrap_p2p(cap, name: str, fn, receives: bool):
+    """A process group's ``send``/``recv`` of a list of tensors, returning its work: an op of its own, what this
+    rank sent, or what it received once the work has completed (``StepRecords.collective_after``)."""
 
     @functools.wraps(fn)
-    def call(p2p_op_list, *args, **kwargs):
+    def call(group, tensors, *args, **kwargs):
         if not cap.recording or getattr(cap._tls, "busy", False):
-            return fn(p2p_op_list, *args, **kwargs)
-        ops = []
-        for p in p2p_op_list:
-            name = getattr(getattr(p, "op", None), "__name__", "")
-            kind = "isend" if "send" in name else "irecv" if "recv" in name else None
-            if kind is not None:
-                ops.append((kind, p.tensor, cap.collective_before(kind, p.tensor if kind == "isend" else None)))
-        works = fn(p2p_op_list, *args, **kwargs)
-        done = _AllOf(works)
-        for kind, t, ctx in ops:
-            if ctx is not None:
-                cap.collective_after(ctx, t if kind == "irecv" else None, done)
-        return works
+            return fn(group, tensors, *args, **kwargs)
+        ctx = cap.collective_before(name, None if receives else tensors)
+        work = fn(group, tensors, *args, **kwargs)
+        if ctx is not None:
+            cap.collective_after(ctx, tensors if receives else None, work)
+        return work
 
     call._precision_lab_wrapped = True
     return call

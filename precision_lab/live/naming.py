@@ -68,7 +68,10 @@ def _func_info(func) -> _OpInfo:
     ns = _namespace(func)
     waits = ns if ns in _FUNCTIONAL_COLLECTIVES and last not in _FUNCTIONAL_PASS else None
     skip = (last in ("__get__", "__set__", "__delete__") or last in _NON_COMPUTE or ns in _PLUMBING
-            or (ns in _FUNCTIONAL_COLLECTIVES and last in _FUNCTIONAL_PASS))
+            or (ns in _FUNCTIONAL_COLLECTIVES and last in _FUNCTIONAL_PASS)
+            # torch.distributed's Python functions (``recv`` and ``send`` pass through torch-function handling):
+            # recorded where they reach the process group (``collectives``), not as calls of their own
+            or getattr(func, "__module__", None) == "torch.distributed.distributed_c10d")
     inplace = last in _INPLACE_DUNDERS or (last.endswith("_") and not last.endswith("__"))
     name = last
     if name.startswith("__") and name.endswith("__"):

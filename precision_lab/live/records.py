@@ -169,10 +169,10 @@ class StepRecords:
             seq = self.take_seq()
             for role, idx, t, h in ins:
                 self.add_tensor(seq, op, name, role, idx, t, h, direction)
-            if work is None:  # an asynchronous call on a group this rank is not in: nothing is written
-                return
             for idx, t in _flatten(written):
                 self.forget(t)  # written in place, perhaps without a new version: measured afresh
+                if work is None:  # an asynchronous call with no work to ask (a group this rank is not in)
+                    continue
                 if work is _SYNC:
                     h = self.measure(op, t)
                     if h is not None:
