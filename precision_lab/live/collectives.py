@@ -54,32 +54,33 @@ def install(cap) -> Callable[[], None]:
     if not torch.distributed.is_available():
         return lambda: None
     dist = torch.distributed
-    saved = {}
-    for name, (sent, written) in COLLECTIVE_SPECS.items():
-        fn = getattr(dist, name, None)
-        if fn is None or getattr(fn, "_precision_lab_wrapped", False):
-            continue
-        saved[name] = fn
-        setattr(dist, name, _wrap(cap, name, fn, sent, written))
-    group_cls = getattr(dist, "ProcessGroup", None)
-    saved_p2p = {}
-    for method, (name, receives) in P2P_METHODS.items():
-        fn = getattr(group_cls, method, None)
-        if fn is None or getattr(fn, "_precision_lab_wrapped", False):
-            continue
-        saved_p2p[method] = fn
-        setattr(group_cls, method, _wrap_p2p(cap, name, fn, receives))
+    saved = _patch(dist, {name: functools.partial(_wrap, cap, name, sent=sent, written=written)
+                          for name, (sent, written) in COLLECTIVE_SPECS.items()})
+    saved += _patch(getattr(dist, "ProcessGroup", None),
+                    {method: functools.partial(_wrap_p2p, cap, name, receives=receives)
+                     for method, (name, receives) in P2P_METHODS.items()})
 
     def undo() -> None:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-        for method, fn in saved_p2p.items():
-            setattr(group_cls, method, fn)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
     return undo
 
 
-def _wrap(cap, name: str, fn, sent: str, written: str):
+def _patch(owner, makers: dict) -> list:
+    """Replace each function ``name`` of ``owner`` with ``makers[name](function)``; ``(owner, name, function)``
+    of each replaced (one already wrapped, by a capture running meanwhile, is left as it is)."""
+    saved = []
+    for name, make in makers.items():
+        fn = getattr(owner, name, None)
+        if fn is None or getattr(fn, "_precision_lab_wrapped", False):
+            continue
+        saved.append((owner, name, fn))
+        setattr(owner, name, make(fn))
+    return saved
+
+
+def _wrap(cap, name: str, fn, *, sent: str, written: str):
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -103,7 +104,7 @@ def _wrap(cap, name: str, fn, sent: str, written: str):
     return call
 
 
-def _wrap_p2p(cap, name: str, fn, receives: bool):
+def _wrap_p2p(cap, name: str, fn, *, receives: bool):
     """A process group's ``send``/``recv`` of a list of tensors, returning its work: an op of its own, what this
     rank sent, or what it received once the work has completed (``StepRecords.collective_after``)."""
 
