@@ -117,34 +117,37 @@ def train(model, opt, cap, g, bad: bool, to_device, autocast) -> None:
         cap.step()
 
 
-def _worker(rank: int, port: int, root: str, kind: str) -> None:
+def _worker(rank: int, port: int, root: str, kinds: tuple) -> None:
+    """One rank: a captured run of each kind, one after the other (its own model and capture each)."""
     import precision_lab
     from test_multirank import join_gloo
 
     dist = join_gloo(rank, WORLD, port)
     try:
-        torch.manual_seed(0)
-        model = _model(kind)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(100 + rank)
-        with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
-            dtype = torch.float16 if kind in TENSOR_PARALLEL else torch.float32
-            train(model, opt, cap, g, rank == BAD, lambda x: x.to(dtype),
-                  torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext())
-        dist.barrier()
+        for kind in kinds:
+            torch.manual_seed(0)
+            model = _model(kind)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            g = torch.Generator().manual_seed(100 + rank)
+            with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
+                dtype = torch.float16 if kind in TENSOR_PARALLEL else torch.float32
+                train(model, opt, cap, g, rank == BAD, lambda x: x.to(dtype),
+                      torch.autocast("cpu", dtype=torch.float16) if kind == "ddp" else contextlib.nullcontext())
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _report(tmp_path, kind: str):
+def _report(tmp_path, *kinds: str):
+    """The ranks' runs of these kinds (in one start of the ranks), ingested as one session, and its report."""
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import build_report
     from precision_lab.store import Store
 
     port = _free_port()
     shards = tmp_path / "shards"
-    mp.spawn(_worker, args=(port, str(shards), kind), nprocs=WORLD, join=True)
-    store = Store(tmp_path / f"{kind}.duckdb")
+    mp.spawn(_worker, args=(port, str(shards), kinds), nprocs=WORLD, join=True)
+    store = Store(tmp_path / "ranks.duckdb")
     name = ingest(shards, store=store)
     return store, name, build_report(store, name)
 
@@ -202,34 +205,39 @@ def test_fsdp_the_rank_that_made_the_nan_is_told_from_those_that_received_it(tmp
     assert "all_gather_copy_in" not in ops and "linear" in ops
 
 
-@pytest.mark.parametrize("kind", TENSOR_PARALLEL)
-def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path, kind):
+def test_a_collective_in_the_forward_is_an_op_and_its_receivers_are_named(tmp_path):
     """``dist.all_reduce``, also with ``async_op=True`` and a wait; a functional all-reduce, whose result lands
     after the call returns (its record is of what landed); DTensor's row-parallel linear, which calls one (named
-    in the module that calls it)."""
+    in the module that calls it).  One run of each on the same four ranks."""
     from precision_lab.services.report import render_text
 
-    store, name, rep = _report(tmp_path, kind)
-    op = "fc2.all_reduce.0" if kind == "dtensor" else "all_reduce.0"
-    first = rep.first_nonfinite[kind]
-    assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), first
-    assert first.op.startswith("fc1."), first  # fc1's fp16 output on that rank's batch passes 65,504
-    spread = {r.rank: r for r in rep.ranks[kind]}
-    assert sorted(spread) == sorted(set(range(WORLD)) - {BAD})
-    for r in spread.values():
-        assert (r.state, r.step, r.op) == ("received", K, op), r
-        assert "through the all_reduce" in r.text
-    assert "through the all_reduce" in render_text(rep)
+    store, name, rep = _report(tmp_path, *TENSOR_PARALLEL)
+    text = render_text(rep)
+    for kind in TENSOR_PARALLEL:
+        _check_tensor_parallel(store, rep, text, kind)
     ops = {row[0] for row in store.sql("SELECT DISTINCT op_type FROM tensors").fetchall()}
     assert not ops & {"wait_tensor", "wrap_tensor_autograd"}  # waiting for a result moves no value
+
+
+def _check_tensor_parallel(store, rep, text: str, kind: str) -> None:
+    op = "fc2.all_reduce.0" if kind == "dtensor" else "all_reduce.0"
+    first = rep.first_nonfinite[kind]
+    assert (first.rank, first.step, first.direction) == (BAD, K, "forward"), (kind, first)
+    assert first.op.startswith("fc1."), (kind, first)  # fc1's fp16 output on that rank's batch passes 65,504
+    spread = {r.rank: r for r in rep.ranks[kind]}
+    assert sorted(spread) == sorted(set(range(WORLD)) - {BAD}), kind
+    for r in spread.values():
+        assert (r.state, r.step, r.op) == ("received", K, op), (kind, r)
+        assert "through the all_reduce" in r.text, kind
+    assert "through the all_reduce" in text
     # the collective's records on every rank: what it sent and what it got back, the sum of what all sent
     rows = store.sql("SELECT t.rank, t.step, t.role, t.numel, t.mean, t.nan_count + t.inf_count AS bad "
                      "FROM tensors t JOIN runs r USING (run_id) WHERE r.name = ? AND t.op = ?", [kind, op]
                      ).fetchall()
     by = {(rk, st, role): (numel, mean, bad) for rk, st, role, numel, mean, bad in rows}
-    assert {k[0] for k in by} == set(range(WORLD))
+    assert {k[0] for k in by} == set(range(WORLD)), kind
     sent = sum(by[(rk, 0, "input")][1] for rk in range(WORLD))
     for rk in range(WORLD):
-        assert by[(rk, 0, "output")][1] == pytest.approx(sent, rel=2e-3, abs=2e-3)  # fp16 sums
+        assert by[(rk, 0, "output")][1] == pytest.approx(sent, rel=2e-3, abs=2e-3), (kind, rk)  # fp16 sums
         if rk != BAD:
-            assert by[(rk, K, "input")][2] == 0 and by[(rk, K, "output")][2] > 0
+            assert by[(rk, K, "input")][2] == 0 and by[(rk, K, "output")][2] > 0, (kind, rk)

@@ -47,46 +47,51 @@ class Stage(nn.Module):
         return self.fc(torch.relu(buf))
 
 
-def _worker(rank: int, port: int, root: str, kind: str) -> None:
+KINDS = ("batch", "direct", "plain")
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    """One stage: a captured run of each way of sending, one after the other."""
     import precision_lab
     from test_multirank import join_gloo
 
     dist = join_gloo(rank, 2, port)
     try:
-        torch.manual_seed(rank)
-        model = Stage(rank == 0, kind).half()
-        g = torch.Generator().manual_seed(7)
-        with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
-            for step in range(STEPS):
-                x = torch.randn(4, 8, generator=g)
-                if step == K:
-                    x = x * 1e6
-                with torch.no_grad():
-                    model(x.half())
-                cap.step()
-        dist.barrier()
+        for kind in KINDS:
+            torch.manual_seed(rank)
+            model = Stage(rank == 0, kind).half()
+            g = torch.Generator().manual_seed(7)
+            with precision_lab.capture(model, run=kind, shard_dir=root) as cap:
+                for step in range(STEPS):
+                    x = torch.randn(4, 8, generator=g)
+                    if step == K:
+                        x = x * 1e6
+                    with torch.no_grad():
+                        model(x.half())
+                    cap.step()
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["batch", "direct", "plain"])
-def test_a_stage_that_receives_the_overflow_is_named_as_receiving_it(tmp_path, kind):
+def test_a_stage_that_receives_the_overflow_is_named_as_receiving_it(tmp_path):
     from precision_lab.services.ingest import ingest
     from precision_lab.services.report import build_report, render_text
     from precision_lab.store import Store
 
     shards = tmp_path / "shards"
-    mp.spawn(_worker, args=(_free_port(), str(shards), kind), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(shards)), nprocs=2, join=True)
     store = Store(tmp_path / "pp.duckdb")
     rep = build_report(store, ingest(shards, store=store))
-    first = rep.first_nonfinite[kind]
-    assert (first.rank, first.step, first.op) == (0, K, "fc.linear.0"), first
-    (other,) = rep.ranks[kind]
-    assert (other.rank, other.state, other.step, other.op) == (1, "received", K, "recv.0"), other
     assert "through the recv" in render_text(rep)
-    # what rank 1 received is what rank 0 sent, on a healthy step too
-    rows = store.sql("SELECT t.rank, t.role, t.op, t.max, t.min, t.mean FROM tensors t WHERE t.step = 0 AND "
-                     "t.op IN ('send.0', 'recv.0')").fetchall()
-    got = {(rk, role): (mx, mn, mean) for rk, role, _, mx, mn, mean in rows}
-    assert set(got) == {(0, "input"), (1, "output")}
-    assert got[(0, "input")] == got[(1, "output")]
+    for kind in KINDS:
+        first = rep.first_nonfinite[kind]
+        assert (first.rank, first.step, first.op) == (0, K, "fc.linear.0"), (kind, first)
+        (other,) = rep.ranks[kind]
+        assert (other.rank, other.state, other.step, other.op) == (1, "received", K, "recv.0"), (kind, other)
+        # what rank 1 received is what rank 0 sent, on a healthy step too
+        rows = store.sql("SELECT t.rank, t.role, t.max, t.min, t.mean FROM tensors t JOIN runs r USING (run_id) "
+                         "WHERE r.name = ? AND t.step = 0 AND t.op IN ('send.0', 'recv.0')", [kind]).fetchall()
+        got = {(rk, role): (mx, mn, mean) for rk, role, mx, mn, mean in rows}
+        assert set(got) == {(0, "input"), (1, "output")}, kind
+        assert got[(0, "input")] == got[(1, "output")], kind
