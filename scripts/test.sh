@@ -8,4 +8,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
 fi
-exec python -m pytest -q -n 2 "$@"
+exec python -m pytest -q -n 2 --dist loadgroup "$@"

@@ -45,7 +45,7 @@ SPECS = list(H.SPECS.values())
 ORDER = [s.id for s in SPECS if not s.subprocess] + [s.id for s in SPECS if s.subprocess]
 TWINS = sorted({s.twin for s in SPECS if s.twin})
 
-pytestmark = pytest.mark.slow  # 281 cases, a worker process for the bombs (the fast set keeps test_malformed_inputs)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hostile")]  # 281 cases, a worker process for the bombs (the fast set keeps test_malformed_inputs)
 
 
 def _hermetic_env(root: Path) -> dict:
