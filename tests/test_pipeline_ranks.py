@@ -24,27 +24,26 @@ class Stage(nn.Module):
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        import torch.distributed as dist
-
         if self.first:
             y = self.fc(x)
-            if self.kind == "batch":
-                for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, y, 1)]):
-                    w.wait()
-            elif self.kind == "direct":
-                dist.isend(y, 1).wait()
-            else:
-                dist.send(y, 1)
+            _transfer(self.kind, y, 1, receive=False)
             return y
         buf = torch.empty(4, 8, dtype=torch.float16)
-        if self.kind == "batch":
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 0)]):
-                w.wait()
-        elif self.kind == "direct":
-            dist.irecv(buf, 0).wait()
-        else:
-            dist.recv(buf, 0)
+        _transfer(self.kind, buf, 0, receive=True)
         return self.fc(torch.relu(buf))
+
+
+def _transfer(kind: str, t, peer: int, *, receive: bool) -> None:
+    """Send ``t`` to ``peer`` or receive it from there: batched, as isend/irecv, or as send/recv."""
+    import torch.distributed as dist
+
+    if kind == "batch":
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv if receive else dist.isend, t, peer)]):
+            w.wait()
+    elif kind == "direct":
+        (dist.irecv if receive else dist.isend)(t, peer).wait()
+    else:
+        (dist.recv if receive else dist.send)(t, peer)
 
 
 KINDS = ("batch", "direct", "plain")

@@ -70,8 +70,9 @@ class BackwardHooks:
         # gradients' statistics taken once the backward has handed every gradient over, while DDP's last
         # all-reduces are in flight (``_ddp_ready``; else when the step ends), not in the hooks
         # (``StatsEngine.measure(defer=True)``): under DDP a hook's work delays this rank's gradients, and the
-        # bucket's all-reduce waits for the slowest rank.  The gradients autograd hands the hooks are kept as they are (nothing writes them); a parameter's
-        # is copied, as DDP writes the all-reduced average over it and accumulation adds to it
+        # bucket's all-reduce waits for the slowest rank.  The gradients autograd hands the hooks are kept as
+        # they are (nothing writes them); a parameter's is copied, as DDP writes the all-reduced average over it
+        # and accumulation adds to it
         self.defer = False
 
     def watch_param(self, p, op: str, op_type: str, pname: str) -> None:

@@ -10,9 +10,9 @@ at the top (``all_reduce.0``: a loss averaged over ranks, a gradient reduced in 
 another rank made: the origin analysis reads it as received (``ops.COLLECTIVE_OPS``).  The calls run on the
 user's process group exactly as they were made: the capture adds no collective of its own.  A call with
 ``async_op=True`` returns before its output is written: what it sent is recorded at the call, what it got back
-once its work has completed, where the tensor is next read or at the step's end (``StepRecords.collective_after``); one
-whose work has not completed by the step's end is counted, and the run says how many were.  The wrapped
-functions are put back when the capture ends.
+once its work has completed, where the tensor is next read or at the step's end
+(``StepRecords.collective_after``); one whose work has not completed by the step's end is counted, and the run
+says how many were.  The wrapped functions are put back when the capture ends.
 
 Code that bound a collective before the capture began (``from torch.distributed import all_reduce``) calls
 the unwrapped function, as does DDP's gradient all-reduce (C++, inside its reducer).  Functional collectives
@@ -94,10 +94,8 @@ def _wrap(cap, name: str, fn, *, sent: str, written: str):
         ctx = cap.collective_before(name, bound.arguments.get(sent))
         out = fn(*args, **kwargs)
         if ctx is not None:
-            if bound.arguments.get("async_op"):
-                cap.collective_after(ctx, bound.arguments.get(written), out)
-            else:
-                cap.collective_after(ctx, bound.arguments.get(written))
+            work = (out,) if bound.arguments.get("async_op") else ()  # a Work: the output lands when it completes
+            cap.collective_after(ctx, bound.arguments.get(written), *work)
         return out
 
     call._precision_lab_wrapped = True

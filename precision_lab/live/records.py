@@ -211,16 +211,15 @@ class StepRecords:
         end); whether any was."""
         landed = False
         for f in list(self._in_flight.values()):
-            t = f.ref()
-            if t is None:
-                self._in_flight = {k: v for k, v in self._in_flight.items() if v is not f}
-            elif _completed(f.work):
+            t = f.ref()  # a tensor freed meanwhile stays, and is counted with those never completed
+            if t is not None and _completed(f.work):
                 self._land(t)
                 landed = True
         return landed
 
     def _drop_in_flight(self) -> None:
-        """The step ended with these collectives' work not completed: their outputs are not recorded."""
+        """The step ended with these collectives' work not completed (or their tensors freed before it was):
+        their outputs are not recorded."""
         for f in self._in_flight.values():
             self.note_unrecorded_collective(f.name)
         self._in_flight.clear()
