@@ -42,7 +42,7 @@ _PLUMBING = frozenset({"fsdp"})
 # DTensor's redistribution and torch.compile's traced collectives call): a call returns before its output is
 # written; ``wait_tensor`` and the wrapping of that output for autograd move no value, so they are no ops
 _FUNCTIONAL_COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional"})
-_FUNCTIONAL_PASS = frozenset({"wait_tensor", "_wrap_tensor_autograd", "wrap_tensor_autograd"})
+_FUNCTIONAL_PASS = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
 
 
 def _namespace(func) -> str:

@@ -26,7 +26,15 @@ class _InFlight(NamedTuple):
     version: int  # the tensor's version at the call: the collective writes it without a new one
 
 
-_SYNC = object()  # a collective that returned with its output written
+class _Written:
+    """The work of a collective that returned with its output written."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+_SYNC = _Written()
 
 
 def _completed(work) -> bool:
@@ -173,14 +181,11 @@ class StepRecords:
                 self.forget(t)  # written in place, perhaps without a new version: measured afresh
                 if work is None:  # an asynchronous call with no work to ask (a group this rank is not in)
                     continue
-                if work is _SYNC:
-                    h = self.measure(op, t)
-                    if h is not None:
-                        self.add_tensor(seq, op, name, "output", idx, t, h, direction)
-                    continue
                 with self._lock:
                     self._in_flight[id(t)] = _InFlight(weakref.ref(t), work, seq, op, name, idx, direction,
                                                        self.step_no, t._version)
+                if work is _SYNC:
+                    self._land(t)  # written already: its output now
         except Exception as e:
             self.hook_error(op, e)
         finally:
